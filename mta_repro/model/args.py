@@ -1,0 +1,203 @@
+"""Model configuration schemas.
+
+Field names follow the official release (facebookresearch/RAM, projects/mta, built on
+Meta Lingua) so that a release YAML's ``model:`` section loads here unchanged.
+Cross-field rules are checked in ``__post_init__`` and raise ``ValueError`` naming the
+field, so a bad combination fails when the config is turned into these objects
+(``OmegaConf.to_object`` or ``build_model``), before any work starts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+PAD_KEY_CHOICES = ("left", "right", "both")
+INIT_CHOICES = ("identity", "const", "uniform", "diagonal", "normal")
+
+
+@dataclass
+class MTAArgs:
+    """Multi-Token Attention options (paper section 3, release ``model.mta``)."""
+
+    # Master switch. Off: the plain SDPA baseline (or the Differential Transformer).
+    # Talking heads is ``use_mta: true`` with head mixing and no key-query convolution.
+    use_mta: bool = False
+    # Key-query convolution *before* softmax: c_q (query rows, causal) x c_k (keys).
+    query_kernel_size: Optional[int] = None
+    key_kernel_size: Optional[int] = None
+    # Key-query convolution *after* softmax (no renormalisation afterwards).
+    after_sm_query_kernel_size: Optional[int] = None
+    after_sm_key_kernel_size: Optional[int] = None
+    # Where the key window sits: "both" = centred (c_k odd), "left" = keys j-c_k+1..j,
+    # "right" = keys j..j+c_k-1.
+    pad_key: str = "both"
+    # Comma list of 0-based layer ids that get the key-query convolutions; None = all.
+    # Layers not listed still run head mixing / group norm / gating when configured.
+    mta_layers: Optional[str] = None
+    # Initialisation of conv kernels and head-mixing weights.
+    init_method: str = "identity"
+    # Post-softmax head convolution: heads split into n_heads/c_h contiguous groups,
+    # each mixed by a c_h x c_h matrix (``head_kernel``, input-major).
+    head_kernel_size: Optional[int] = None
+    # Pre-softmax full head mixing (``wpsm``, nn.Linear(H, H), output-major).
+    pre_sm_linear_head: bool = False
+    # Post-softmax full head mixing (``wposm``); exclusive with head_kernel_size.
+    post_sm_linear_head: bool = False
+    # Per-head RMSNorm of the attention output (``subln``), weight shared by heads.
+    group_norm: bool = False
+    # Multiply the group-normed output by (1 - lambda_init(layer)) ("depth scaling").
+    layer_norm_rescale: bool = False
+    # Output gate O * sigmoid(gate(O)); gate_1d: one scalar per head and token.
+    add_gating: bool = False
+    gate_1d: bool = True
+
+
+@dataclass
+class ModelArgs:
+    """LLaMA-style decoder (Lingua ``BaseTransformerArgs`` names)."""
+
+    dim: int = 256
+    n_layers: int = 4
+    n_heads: int = 4
+    # None: dim // n_heads.
+    head_dim: Optional[int] = None
+    # Must equal the tokenizer's id count; the trainer checks it.
+    vocab_size: int = 8192
+    # FFN hidden = multiple_of * ceil(ffn_dim_multiplier * int(8*dim/3) / multiple_of).
+    ffn_dim_multiplier: float = 1.0
+    multiple_of: int = 256
+    norm_eps: float = 1e-5
+    # RoPE base: 1e5 for pretraining, 5e5 for the 4K long-context stage.
+    rope_theta: float = 100_000.0
+    # Longest sequence the RoPE table is precomputed for (grown on demand).
+    max_seqlen: int = 4096
+    # Output projection shares the token embedding (as in every release config).
+    weight_tying: bool = True
+    # Seed of the parameter initialisation (Lingua: 42).
+    seed: int = 42
+    # Residual dropout after attention and feed-forward (0 in every paper LM run;
+    # 0.1 in the toy task).
+    dropout: float = 0.0
+    # Differential Transformer (Ye et al. 2024): n_heads/2 heads of value size
+    # 2*head_dim, two softmaxes per head. Exclusive with mta.use_mta.
+    diff_transformer: bool = False
+    # Implementation of the explicit (materialised-scores) attention path; a key into
+    # ``mta_repro.model.mta_ops.ATTN_IMPLS``, so faster kernels plug in without
+    # touching the model.
+    attn_impl: str = "torch"
+    # The release's key-query convolution layers for this size. ``attention=mta``
+    # points ``mta.mta_layers`` here; changing it alone changes nothing.
+    kq_conv_layers: Optional[str] = None
+    mta: MTAArgs = field(default_factory=MTAArgs)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.mta, dict):  # plain-dict construction, e.g. from a checkpoint
+            self.mta = MTAArgs(**self.mta)
+        validate(self)
+
+    # Derived sizes --------------------------------------------------------------
+    @property
+    def resolved_head_dim(self) -> int:
+        return self.head_dim if self.head_dim is not None else self.dim // self.n_heads
+
+    @property
+    def ffn_hidden_dim(self) -> int:
+        hidden = int(2 * 4 * self.dim / 3)
+        hidden = int(self.ffn_dim_multiplier * hidden)
+        return self.multiple_of * ((hidden + self.multiple_of - 1) // self.multiple_of)
+
+    def conv_layer_ids(self) -> list[int]:
+        """0-based layers that get the key-query convolutions."""
+        if not self.mta.use_mta:
+            return []
+        return _parse_layers(self.mta.mta_layers, self.n_layers)
+
+
+def _parse_layers(spec: Optional[str], n_layers: int) -> list[int]:
+    if spec is None or str(spec).strip() == "":
+        return list(range(n_layers))
+    out = []
+    for part in str(spec).split(","):
+        part = part.strip()
+        try:
+            idx = int(part)
+        except ValueError:
+            raise ValueError(
+                f"model.mta.mta_layers: expected a comma list of integers, got {spec!r}"
+            ) from None
+        if not 0 <= idx < n_layers:
+            raise ValueError(
+                f"model.mta.mta_layers: layer {idx} is out of range for "
+                f"model.n_layers={n_layers} (ids are 0-based)"
+            )
+        out.append(idx)
+    return sorted(set(out))
+
+
+def _positive(name: str, value) -> None:
+    if value is not None and (not isinstance(value, int) or value < 1):
+        raise ValueError(f"{name}: expected a positive integer or null, got {value!r}")
+
+
+def validate(args: ModelArgs) -> None:
+    """Raise ValueError naming the field and the rule for any invalid combination."""
+    for name in ("dim", "n_layers", "n_heads", "vocab_size", "multiple_of", "max_seqlen"):
+        _positive(f"model.{name}", getattr(args, name))
+    _positive("model.head_dim", args.head_dim)
+    if args.head_dim is None and args.dim % args.n_heads:
+        raise ValueError(
+            f"model.dim={args.dim} is not divisible by model.n_heads={args.n_heads}; "
+            "set model.head_dim explicitly"
+        )
+    if not 0.0 <= args.dropout < 1.0:
+        raise ValueError(f"model.dropout: expected 0 <= p < 1, got {args.dropout}")
+    if args.diff_transformer:
+        if args.n_heads % 2:
+            raise ValueError(
+                f"model.n_heads={args.n_heads}: the Differential Transformer pairs heads "
+                "(n_heads/2 heads of value size 2*head_dim), so n_heads must be even"
+            )
+        if args.mta.use_mta:
+            raise ValueError("model.diff_transformer and model.mta.use_mta are exclusive")
+    m = args.mta
+    for name in (
+        "query_kernel_size",
+        "key_kernel_size",
+        "after_sm_query_kernel_size",
+        "after_sm_key_kernel_size",
+        "head_kernel_size",
+    ):
+        _positive(f"model.mta.{name}", getattr(m, name))
+    if m.pad_key not in PAD_KEY_CHOICES:
+        raise ValueError(f"model.mta.pad_key: expected one of {PAD_KEY_CHOICES}, got {m.pad_key!r}")
+    if m.init_method not in INIT_CHOICES:
+        raise ValueError(
+            f"model.mta.init_method: expected one of {INIT_CHOICES}, got {m.init_method!r}"
+        )
+    for q, k in (
+        ("query_kernel_size", "key_kernel_size"),
+        ("after_sm_query_kernel_size", "after_sm_key_kernel_size"),
+    ):
+        qv, kv = getattr(m, q), getattr(m, k)
+        if (qv is None) != (kv is None):
+            raise ValueError(f"model.mta.{q} and model.mta.{k} must be set together (or both null)")
+        if kv is not None and m.pad_key == "both" and kv % 2 == 0:
+            raise ValueError(
+                f"model.mta.{k}={kv}: pad_key 'both' centres the key window, so the key "
+                "kernel size must be odd"
+            )
+    if m.head_kernel_size is not None:
+        if args.n_heads % m.head_kernel_size:
+            raise ValueError(
+                f"model.mta.head_kernel_size={m.head_kernel_size} must divide "
+                f"model.n_heads={args.n_heads}"
+            )
+        if m.post_sm_linear_head:
+            raise ValueError(
+                "model.mta.head_kernel_size and model.mta.post_sm_linear_head are two forms "
+                "of post-softmax head mixing; set only one"
+            )
+    if m.layer_norm_rescale and not m.group_norm:
+        raise ValueError("model.mta.layer_norm_rescale rescales the group norm: it needs model.mta.group_norm")
+    _parse_layers(m.mta_layers, args.n_layers)  # raises on bad ids

@@ -1,0 +1,401 @@
+"""The LLaMA-style decoder and its four attention variants, in one file.
+
+Variants (``ModelArgs``): the SDPA baseline; the Differential Transformer
+(``diff_transformer``); Talking heads and Multi-Token Attention (``mta.use_mta``, which
+runs the explicit path of ``mta_ops``). Parameter names are Lingua's and the release's,
+so state dicts move between the two. Nothing here knows about training: parallelism,
+compile and checkpointing are applied from outside (``mta_repro.train``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from mta_repro.model import mta_ops
+from mta_repro.model.args import ModelArgs
+
+
+# --------------------------------------------------------------------------- pieces
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-5, cast_before_weight: bool = False):
+        super().__init__()
+        self.eps = eps
+        # The release's attention-output norms (``subln``) cast to the compute dtype
+        # before scaling by the weight; Lingua's block norms scale in fp32.
+        self.cast_before_weight = cast_before_weight
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.cast_before_weight:
+            return mta_ops.rms_norm(x, self.weight, self.eps)
+        # Lingua: normalise in fp32 (fp64 stays fp64), scale by the weight, cast back.
+        x32 = x.to(torch.promote_types(x.dtype, torch.float32))
+        out = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (out * self.weight.to(out.dtype)).type_as(x)
+
+    def reset_parameters(self) -> None:
+        nn.init.ones_(self.weight)
+
+
+def rope_cos_sin(head_dim: int, positions: torch.Tensor, theta: float, dtype=torch.float32):
+    """cos/sin tables (T, head_dim/2) for the interleaved-pair RoPE (Lingua's frequencies)."""
+    exponents = torch.arange(0, head_dim, 2, device=positions.device, dtype=dtype) / head_dim
+    angles = torch.outer(positions.to(dtype), 1.0 / (theta**exponents))
+    return angles.cos(), angles.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate dimension pairs (2i, 2i+1) together, in fp32 (fp64 for fp64 x). x: (B, T, H, d)."""
+    ct = torch.promote_types(x.dtype, torch.float32)
+    cos, sin = cos.to(ct), sin.to(ct)
+    xf = x.to(ct).unflatten(-1, (-1, 2))  # (B, T, H, d/2, 2)
+    x0, x1 = xf[..., 0], xf[..., 1]
+    cos, sin = cos[None, :, None, :], sin[None, :, None, :]
+    out = torch.stack((x0 * cos - x1 * sin, x0 * sin + x1 * cos), dim=-1)
+    return out.flatten(-2).type_as(x)
+
+
+def _trunc_normal_(w: torch.Tensor, std: float) -> None:
+    nn.init.trunc_normal_(w, mean=0.0, std=std, a=-3 * std, b=3 * std)
+
+
+def _copy_into(param: torch.Tensor, value: torch.Tensor) -> None:
+    """Copy a full CPU tensor into a parameter that may live on any device or be an
+    FSDP-sharded DTensor (the release's inits only worked on DTensors)."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    if isinstance(param, DTensor):
+        value = distribute_tensor(
+            value.to(param.device, param.dtype), param.device_mesh, param.placements
+        )
+    param.copy_(value)
+
+
+class FeedForward(nn.Module):
+    def __init__(self, dim: int, hidden_dim: int):
+        super().__init__()
+        self.dim, self.hidden_dim = dim, hidden_dim
+        self.w1 = nn.Linear(dim, hidden_dim, bias=False)
+        self.w3 = nn.Linear(dim, hidden_dim, bias=False)
+        self.w2 = nn.Linear(hidden_dim, dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+    def reset_parameters(self) -> None:
+        _trunc_normal_(self.w1.weight, self.dim**-0.5)
+        _trunc_normal_(self.w3.weight, self.dim**-0.5)
+        _trunc_normal_(self.w2.weight, self.hidden_dim**-0.5)
+
+
+# ----------------------------------------------------------------------- KV cache
+@dataclass
+class LayerCache:
+    k: Optional[torch.Tensor] = None  # (B, H, Tk, d) rotated keys so far
+    v: Optional[torch.Tensor] = None  # (B, H, Tk, dv)
+    q: Optional[torch.Tensor] = None  # (B, H, W, d) last W rotated queries (MTA convs)
+
+
+@dataclass
+class KVCache:
+    """Decoding state for every layer. ``pos`` = tokens already consumed."""
+
+    layers: list = field(default_factory=list)
+    pos: int = 0
+
+    @classmethod
+    def empty(cls, n_layers: int) -> "KVCache":
+        return cls(layers=[LayerCache() for _ in range(n_layers)])
+
+
+def _append(old: Optional[torch.Tensor], new: torch.Tensor) -> torch.Tensor:
+    return new if old is None else torch.cat([old, new], dim=2)
+
+
+# ---------------------------------------------------------------------- attention
+class Attention(nn.Module):
+    """Multi-head attention; which variant is decided once, at construction."""
+
+    def __init__(self, args: ModelArgs, layer_id: int):
+        super().__init__()
+        m = args.mta
+        self.model_dim = args.dim
+        self.layer_id = layer_id
+        self.n_heads = args.n_heads
+        self.head_dim = args.resolved_head_dim
+        self.dropout = args.dropout
+        self.pad_key = m.pad_key
+        self.init_method = m.init_method
+        self.attn_impl = args.attn_impl
+        self.diff = args.diff_transformer
+        inner = self.n_heads * self.head_dim
+        self.wq = nn.Linear(args.dim, inner, bias=False)
+        self.wk = nn.Linear(args.dim, inner, bias=False)
+        self.wv = nn.Linear(args.dim, inner, bias=False)
+        self.wo = nn.Linear(inner, args.dim, bias=False)
+
+        if self.diff:
+            # Four d-sized vectors per layer, shared by the n_heads/2 diff heads.
+            d = self.head_dim
+            self.lambda_init = mta_ops.lambda_init_fn(layer_id)
+            self.lambda_q1 = nn.Parameter(torch.zeros(d, dtype=torch.float32))
+            self.lambda_k1 = nn.Parameter(torch.zeros(d, dtype=torch.float32))
+            self.lambda_q2 = nn.Parameter(torch.zeros(d, dtype=torch.float32))
+            self.lambda_k2 = nn.Parameter(torch.zeros(d, dtype=torch.float32))
+            self.subln = RMSNorm(2 * d, eps=1e-5, cast_before_weight=True)
+
+        # MTA / talking heads. Layers outside mta_layers drop the key-query convolutions
+        # but keep head mixing; with no head mixing they are plain (SDPA) layers.
+        self.use_mta = False
+        has_head_mixing = m.pre_sm_linear_head or m.post_sm_linear_head or m.head_kernel_size
+        conv_layer = layer_id in args.conv_layer_ids()
+        if m.use_mta and (conv_layer or has_head_mixing):
+            self.use_mta = True
+            H = self.n_heads
+            if conv_layer and m.query_kernel_size is not None:
+                self.mta_kernel = nn.Parameter(torch.empty(H, 1, m.query_kernel_size, m.key_kernel_size))
+            if conv_layer and m.after_sm_query_kernel_size is not None:
+                self.mta_kernel_after_sm = nn.Parameter(
+                    torch.empty(H, 1, m.after_sm_query_kernel_size, m.after_sm_key_kernel_size)
+                )
+            if m.pre_sm_linear_head:
+                self.wpsm = nn.Linear(H, H, bias=False)
+            if m.head_kernel_size is not None:
+                c = m.head_kernel_size
+                self.head_kernel = nn.Parameter(torch.empty(H // c, c, c))
+            elif m.post_sm_linear_head:
+                self.wposm = nn.Linear(H, H, bias=False)
+
+        # As in the release, group norm and gating apply in every layer when set.
+        self.layer_norm_rescale = m.group_norm and m.layer_norm_rescale
+        if m.group_norm and not self.diff:
+            self.subln = RMSNorm(self.head_dim, eps=1e-5, cast_before_weight=True)
+        if m.add_gating:
+            self.gate = nn.Linear(self.head_dim, 1 if m.gate_1d else self.head_dim, bias=True)
+
+    # -- parameters ------------------------------------------------------------------
+    def explicit_params(self) -> mta_ops.ExplicitAttnParams:
+        get = lambda name: getattr(self, name, None)  # noqa: E731
+        lin = lambda name: get(name).weight if get(name) is not None else None  # noqa: E731
+        return mta_ops.ExplicitAttnParams(
+            mta_kernel=get("mta_kernel"),
+            wpsm=lin("wpsm"),
+            mta_kernel_after_sm=get("mta_kernel_after_sm"),
+            head_kernel=get("head_kernel"),
+            wposm=lin("wposm"),
+            pad_key=self.pad_key,
+            dropout=self.dropout,
+        )
+
+    def reset_parameters(self) -> None:
+        std = self.model_dim**-0.5
+        for w in (self.wq, self.wk, self.wv, self.wo):
+            _trunc_normal_(w.weight, std)
+        self.reset_mta_parameters()
+        if self.diff:
+            for p in (self.lambda_q1, self.lambda_k1, self.lambda_q2, self.lambda_k2):
+                nn.init.normal_(p, mean=0.0, std=0.1)
+            self.subln.reset_parameters()
+
+    def reset_mta_parameters(self) -> None:
+        """(Re)initialise only the parts MTA adds (Appendix I inserts exactly these)."""
+        with torch.no_grad():
+            for name in ("mta_kernel", "mta_kernel_after_sm"):
+                kernel = getattr(self, name, None)
+                if kernel is not None:
+                    _copy_into(kernel, self._conv_init(kernel.shape))
+            for name in ("wpsm", "wposm"):
+                if hasattr(self, name):
+                    _copy_into(getattr(self, name).weight, torch.eye(self.n_heads))
+            if hasattr(self, "head_kernel"):
+                g, c, _ = self.head_kernel.shape
+                _copy_into(self.head_kernel, torch.eye(c).repeat(g, 1, 1))
+            if hasattr(self, "subln") and not self.diff:
+                self.subln.reset_parameters()
+            if hasattr(self, "gate"):
+                _trunc_normal_(self.gate.weight, self.model_dim**-0.5)
+                # The release never initialises this bias (meta -> to_empty); 0 here.
+                self.gate.bias.zero_()
+
+    def _conv_init(self, shape) -> torch.Tensor:
+        """A kernel per ``mta.init_method``, made on CPU and copied in (any device)."""
+        n_heads, _, c_q, c_k = shape
+        if self.init_method == "identity":
+            return mta_ops.identity_kq_kernel(n_heads, c_q, c_k, self.pad_key)
+        if self.init_method == "const":
+            return torch.full(shape, 0.3)
+        if self.init_method == "uniform":
+            return torch.empty(shape).uniform_(-1.0, 1.0)
+        if self.init_method == "normal":  # what the release meant: trunc-normal, std 0.3
+            out = torch.empty(shape)
+            _trunc_normal_(out, 0.3)
+            return out
+        # "diagonal": ones on the diagonal that ends at the centre key of the last row.
+        return torch.ones(shape).tril((c_k + 1) // 2 - c_q).triu((c_k + 1) // 2 - c_q)
+
+    # -- forward ---------------------------------------------------------------------
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        cache: Optional[LayerCache] = None,
+        key_valid: Optional[torch.Tensor] = None,
+    ) -> torch.Tensor:
+        """x: (B, T, dim) -> (B, T, dim). cos/sin: (T, d/2) for these T positions."""
+        bsz, seqlen, _ = x.shape
+        H, d = self.n_heads, self.head_dim
+        q = apply_rope(self.wq(x).view(bsz, seqlen, H, d), cos, sin).transpose(1, 2)
+        k = apply_rope(self.wk(x).view(bsz, seqlen, H, d), cos, sin).transpose(1, 2)
+        v = self.wv(x).view(bsz, seqlen, H, d).transpose(1, 2)  # (B, H, T, d)
+
+        q_offset = 0
+        if cache is not None:
+            q_offset = 0 if cache.k is None else cache.k.shape[2]
+            cache.k, cache.v = _append(cache.k, k), _append(cache.v, v)
+            k, v = cache.k, cache.v
+
+        if self.diff:
+            out = self._diff_forward(q, k, v, q_offset, key_valid)  # (B, H/2, T, 2d)
+        elif self.use_mta:
+            out = self._explicit_forward(q, k, v, q_offset, key_valid, cache)
+        else:
+            out = self._sdpa(q, k, v, q_offset, key_valid)
+        out = out.transpose(1, 2)  # (B, T, heads, head size)
+
+        if self.diff:
+            out = self.subln(out) * (1 - self.lambda_init)
+        elif hasattr(self, "subln"):
+            out = self.subln(out)
+            if self.layer_norm_rescale:
+                out = out * (1 - mta_ops.lambda_init_fn(self.layer_id))
+        if hasattr(self, "gate"):
+            out = out * torch.sigmoid(self.gate(out))
+        return self.wo(out.reshape(bsz, seqlen, H * d))
+
+    def _sdpa(self, q, k, v, q_offset, key_valid):
+        """Fused attention; an explicit mask only when a cache or padding needs one."""
+        dropout = self.dropout if self.training else 0.0
+        if q_offset == 0 and key_valid is None and q.shape[2] == k.shape[2]:
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout)
+        mask = mta_ops.allowed_mask(q.shape[2], k.shape[2], q_offset, q.device, key_valid)
+        # A pad query row would be all-masked (NaN); let it see itself. Real rows never
+        # attend to pads, so this changes nothing a real token sees.
+        eye = torch.zeros_like(mask[:1, :1])
+        eye[..., torch.arange(q.shape[2]), q_offset + torch.arange(q.shape[2])] = True
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask | eye, dropout_p=dropout)
+
+    def _explicit_forward(self, q, k, v, q_offset, key_valid, cache):
+        params = self.explicit_params()
+        impl = mta_ops.ATTN_IMPLS[self.attn_impl]
+        w = mta_ops.query_history(params)
+        if cache is None or w == 0:
+            allowed = mta_ops.allowed_mask(q.shape[2], k.shape[2], q_offset, q.device, key_valid)
+            return impl(q, k, v, params, allowed, self.training)
+        # Cached MTA decoding: the query-direction convolutions read the score rows of
+        # the last w queries, so recompute those rows too and keep only the new ones.
+        new = q.shape[2]
+        q_block = _append(cache.q, q)
+        cache.q = q_block[:, :, -w:]
+        allowed = mta_ops.allowed_mask(
+            q_block.shape[2], k.shape[2], q_offset + new - q_block.shape[2], q.device, key_valid
+        )
+        return impl(q_block, k, v, params, allowed, self.training)[:, :, -new:]
+
+    def _diff_forward(self, q, k, v, q_offset, key_valid):
+        """(A1 - lambda A2) V = A1 V - lambda A2 V: two stock attention calls."""
+        bsz, H, tq, d = q.shape
+        tk = k.shape[2]
+        # Diff head i uses q/k heads 2i and 2i+1; its value is heads 2i, 2i+1 (size 2d).
+        q = q.view(bsz, H // 2, 2, tq, d)
+        k = k.view(bsz, H // 2, 2, tk, d)
+        v = v.transpose(1, 2).reshape(bsz, tk, H // 2, 2 * d).transpose(1, 2)
+        lam = (
+            torch.exp(torch.sum(self.lambda_q1 * self.lambda_k1).float())
+            - torch.exp(torch.sum(self.lambda_q2 * self.lambda_k2).float())
+            + self.lambda_init
+        ).type_as(q)
+        a1 = self._sdpa(q[:, :, 0], k[:, :, 0], v, q_offset, key_valid)
+        a2 = self._sdpa(q[:, :, 1], k[:, :, 1], v, q_offset, key_valid)
+        return a1 - lam * a2
+
+
+# -------------------------------------------------------------------------- model
+class TransformerBlock(nn.Module):
+    def __init__(self, args: ModelArgs, layer_id: int):
+        super().__init__()
+        self.attention = Attention(args, layer_id)
+        self.feed_forward = FeedForward(args.dim, args.ffn_hidden_dim)
+        self.attention_norm = RMSNorm(args.dim, args.norm_eps)
+        self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
+
+    def forward(self, x, cos, sin, cache=None, key_valid=None):
+        h = x + self.attention(self.attention_norm(x), cos, sin, cache, key_valid)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+    def reset_parameters(self) -> None:
+        self.attention.reset_parameters()
+        self.feed_forward.reset_parameters()
+        self.attention_norm.reset_parameters()
+        self.ffn_norm.reset_parameters()
+
+
+class Transformer(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.args = args
+        self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
+        self.layers = nn.ModuleList(TransformerBlock(args, i) for i in range(args.n_layers))
+        self.norm = RMSNorm(args.dim, args.norm_eps)
+        if not args.weight_tying:
+            self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
+
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        cache: Optional[KVCache] = None,
+        key_valid: Optional[torch.Tensor] = None,
+        return_hidden: bool = False,
+    ) -> torch.Tensor:
+        """tokens (B, T) -> logits (B, T, vocab).
+
+        cache: decoding state; the tokens continue at position ``cache.pos``.
+        key_valid: (B, cache.pos + T) bool, False at padding (left-padded batches).
+        return_hidden: return the final normed hidden states (B, T, dim) instead, so a
+        loss can be computed in chunks without materialising all logits.
+        """
+        start = cache.pos if cache is not None else 0
+        positions = torch.arange(start, start + tokens.shape[1], device=tokens.device)
+        h = self.tok_embeddings(tokens)
+        rope_dtype = torch.promote_types(h.dtype, torch.float32)
+        cos, sin = rope_cos_sin(self.args.resolved_head_dim, positions, self.args.rope_theta, rope_dtype)
+        for i, layer in enumerate(self.layers):
+            h = layer(h, cos, sin, cache.layers[i] if cache is not None else None, key_valid)
+        if cache is not None:
+            cache.pos += tokens.shape[1]
+        h = self.norm(h)
+        return h if return_hidden else self.logits(h)
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        weight = self.tok_embeddings.weight if self.args.weight_tying else self.output.weight
+        return F.linear(h, weight)
+
+    @torch.no_grad()
+    def init_weights(self) -> None:
+        """Lingua's init, seeded by ``args.seed`` (the same weights on every rank)."""
+        gen_state = torch.random.get_rng_state()
+        torch.manual_seed(self.args.seed)
+        try:
+            _trunc_normal_(self.tok_embeddings.weight, self.args.dim**-0.5)
+            for layer in self.layers:
+                layer.reset_parameters()
+            self.norm.reset_parameters()
+            if not self.args.weight_tying:
+                _trunc_normal_(self.output.weight, self.args.dim**-0.5)
+        finally:
+            torch.random.set_rng_state(gen_state)
