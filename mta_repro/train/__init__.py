@@ -1,0 +1,7 @@
+"""Training: FSDP2 pretraining with exact checkpoint/resume (``python -m mta_repro.train``).
+
+Modules: ``optim`` (AdamW + schedule), ``distributed`` (process group, FSDP2, init),
+``checkpoint`` (DCP, atomic, keep-last-K, resume), ``export`` (consolidated file),
+``metrics`` (metrics.jsonl, wandb, MFU), ``signals`` (preemption), ``loop`` (the loop),
+``slurm`` (sbatch rendering / dry-run).
+"""

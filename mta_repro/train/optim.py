@@ -1,0 +1,147 @@
+"""AdamW and the learning-rate schedule of MTA_SPEC section 3.
+
+``build_optimizer(model, optim_args)`` and ``build_lr_scheduler(optimizer, optim_args,
+total_steps)`` are the whole interface (the toy task uses them too). Defaults are the
+paper's 880M run: AdamW (0.9, 0.98), eps 1e-8, weight decay 0.05 on *all* parameters,
+warmup from 0 over 375 steps, then linear decay to 0.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Union
+
+import torch
+from torch import nn
+
+SCHEDULERS = ("linear", "cosine", "constant")
+
+
+@dataclass
+class OptimArgs:
+    """Optimiser and schedule (root config field ``optim``, group ``configs/optim``)."""
+
+    # Peak learning rate (reached at the end of warmup).
+    lr: float = 1.5e-4
+    beta1: float = 0.9
+    beta2: float = 0.98
+    eps: float = 1e-8
+    # Decoupled AdamW weight decay; applied to every parameter unless
+    # ``exclude_norms_and_1d`` (the release decays everything, norms included).
+    weight_decay: float = 0.05
+    # Exempt norm weights, biases and other 1-D parameters from weight decay.
+    exclude_norms_and_1d: bool = False
+    # Global gradient-norm clip; 0 or negative disables clipping.
+    clip: float = 1.0
+    # Linear warmup from lr=0 at step 0 to ``lr`` at step ``warmup``.
+    warmup: int = 375
+    # After warmup: "linear" decays to ``lr_min_ratio * lr`` at the last step (paper: to
+    # 0), "cosine" follows a half cosine to the same floor, "constant" stays at ``lr``.
+    scheduler: str = "linear"
+    # Floor of the decay as a fraction of ``lr`` (0 = decay to zero as in the paper).
+    lr_min_ratio: float = 0.0
+    # torch's fused / foreach AdamW kernels (None = torch's default choice).
+    fused: Any = None
+
+    def __post_init__(self) -> None:
+        if self.scheduler not in SCHEDULERS:
+            raise ValueError(f"optim.scheduler: expected one of {SCHEDULERS}, got {self.scheduler!r}")
+        if self.lr < 0:
+            raise ValueError(f"optim.lr: expected >= 0, got {self.lr}")
+        if self.warmup < 0:
+            raise ValueError(f"optim.warmup: expected >= 0 steps, got {self.warmup}")
+        if not 0.0 <= self.lr_min_ratio <= 1.0:
+            raise ValueError(f"optim.lr_min_ratio: expected in [0, 1], got {self.lr_min_ratio}")
+        for name in ("beta1", "beta2"):
+            v = getattr(self, name)
+            if not 0.0 <= v < 1.0:
+                raise ValueError(f"optim.{name}: expected in [0, 1), got {v}")
+
+
+def to_optim_args(cfg: Union[OptimArgs, dict, Any]) -> OptimArgs:
+    """OptimArgs from an OptimArgs, a plain dict or an OmegaConf node (validated)."""
+    if isinstance(cfg, OptimArgs):
+        return cfg
+    try:
+        from omegaconf import DictConfig, OmegaConf
+
+        if isinstance(cfg, DictConfig):
+            obj = OmegaConf.to_object(cfg)
+            if isinstance(obj, OptimArgs):
+                return obj
+            cfg = obj
+    except ImportError:  # pragma: no cover
+        pass
+    if not isinstance(cfg, dict):
+        raise ValueError(f"optim config: expected OptimArgs or a mapping, got {type(cfg).__name__}")
+    unknown = set(cfg) - set(OptimArgs.__dataclass_fields__)
+    if unknown:
+        raise ValueError(f"optim config: unknown field(s) {sorted(unknown)}")
+    return OptimArgs(**cfg)
+
+
+def _no_decay(name: str, p: torch.Tensor) -> bool:
+    # Norm weights (RMSNorm's ``weight`` under *norm / subln), biases and any other
+    # 1-D parameter (e.g. the Differential Transformer's lambda vectors).
+    return p.ndim <= 1 or "norm" in name or name.endswith("subln.weight") or name.endswith(".bias")
+
+
+def param_groups(model: nn.Module, args: OptimArgs) -> list[dict]:
+    params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    if not args.exclude_norms_and_1d:
+        return [{"params": [p for _, p in params], "weight_decay": args.weight_decay}]
+    decay = [p for n, p in params if not _no_decay(n, p)]
+    no_decay = [p for n, p in params if _no_decay(n, p)]
+    return [
+        {"params": decay, "weight_decay": args.weight_decay},
+        {"params": no_decay, "weight_decay": 0.0},
+    ]
+
+
+def build_optimizer(model: nn.Module, optim_args: Union[OptimArgs, dict, Any]) -> torch.optim.AdamW:
+    """AdamW over the model's trainable parameters (works on FSDP2-sharded models)."""
+    args = to_optim_args(optim_args)
+    kwargs = {}
+    if args.fused is not None:
+        kwargs["fused"] = bool(args.fused)
+    return torch.optim.AdamW(
+        param_groups(model, args),
+        lr=args.lr,
+        betas=(args.beta1, args.beta2),
+        eps=args.eps,
+        weight_decay=args.weight_decay,
+        **kwargs,
+    )
+
+
+def lr_factor(step: int, args: OptimArgs, total_steps: int) -> float:
+    """Multiplier of ``args.lr`` used for the update of 0-based step ``step``.
+
+    Warmup from 0: factor step/warmup, so the first update uses lr 0 (as Lingua's
+    ``lr_linear``). After warmup the factor goes from 1 at ``warmup`` to
+    ``lr_min_ratio`` at ``total_steps``.
+    """
+    if args.warmup > 0 and step < args.warmup:
+        return step / args.warmup
+    if args.scheduler == "constant":
+        return 1.0
+    span = max(1, total_steps - args.warmup)
+    progress = min(1.0, max(0.0, (step - args.warmup) / span))
+    floor = args.lr_min_ratio
+    if args.scheduler == "linear":
+        return floor + (1.0 - floor) * (1.0 - progress)
+    return floor + (1.0 - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def build_lr_scheduler(
+    optimizer: torch.optim.Optimizer, optim_args: Union[OptimArgs, dict, Any], total_steps: int
+) -> torch.optim.lr_scheduler.LambdaLR:
+    """Warmup from 0, then linear (or cosine) decay; call ``.step()`` after each update.
+
+    The scheduler's state_dict holds only the step counter, so it checkpoints trivially.
+    """
+    args = to_optim_args(optim_args)
+    if total_steps < 1:
+        raise ValueError(f"trainer.steps: expected a positive number of steps, got {total_steps}")
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, args, total_steps))
