@@ -16,6 +16,8 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig
 
 from mta_repro.model.args import ModelArgs
+from mta_repro.train.args import CheckpointArgs, DistributedArgs, LoggingArgs, SlurmArgs, TrainerArgs
+from mta_repro.train.optim import OptimArgs
 
 CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs"
 
@@ -27,6 +29,13 @@ class TrainConfig:
     # Seed of everything not seeded elsewhere (the model init has model.seed).
     seed: int = 42
     model: ModelArgs = field(default_factory=ModelArgs)
+    # Trainer sections (mta_repro/train/args.py, mta_repro/train/optim.py).
+    optim: OptimArgs = field(default_factory=OptimArgs)
+    trainer: TrainerArgs = field(default_factory=TrainerArgs)
+    checkpoint: CheckpointArgs = field(default_factory=CheckpointArgs)
+    logging: LoggingArgs = field(default_factory=LoggingArgs)
+    distributed: DistributedArgs = field(default_factory=DistributedArgs)
+    slurm: SlurmArgs = field(default_factory=SlurmArgs)
 
 
 def register_configs() -> None:

@@ -1,0 +1,155 @@
+"""Config sections of the trainer (root config fields ``trainer``, ``checkpoint``,
+``logging``, ``distributed``, ``slurm``; ``optim`` lives in ``mta_repro.train.optim``).
+
+Each is a dataclass registered through ``mta_repro.config.TrainConfig``, so a typo in an
+override (``trainer.stpes=10``) fails when Hydra composes the config.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+NONFINITE_CHOICES = ("raise", "skip")
+INIT_MODES = ("model", "baseline_to_mta")
+WANDB_MODES = ("offline", "online", "disabled")
+
+
+@dataclass
+class TrainerArgs:
+    """The loop (group ``configs/trainer``)."""
+
+    # Optimiser updates to run in total (the schedule decays to 0 at this step).
+    steps: int = 1000
+    # Micro-batches per update; the global batch is
+    # data.batch_size * data.seq_len * world_size * grad_accum tokens.
+    grad_accum: int = 1
+    # "auto" = cuda if available else cpu; or "cpu" / "cuda".
+    device: str = "auto"
+    # What to do when the loss is NaN/inf: "raise" stops with an error (the last good
+    # checkpoint stays the latest), "skip" drops that update and goes on.
+    nonfinite: str = "raise"
+    # Cross entropy in chunks of this many positions (0 = all positions at once); a
+    # chunk never materialises more than (chunk, vocab) logits.
+    loss_chunk: int = 0
+    # "module:function" building the per-rank batch iterator as
+    # fn(data_args, rank, world_size) (the data contract: dict input/target, state_dict).
+    loader: str = "mta_repro.data:build_train_loader"
+
+    def __post_init__(self) -> None:
+        if self.steps < 1:
+            raise ValueError(f"trainer.steps: expected >= 1, got {self.steps}")
+        if self.grad_accum < 1:
+            raise ValueError(f"trainer.grad_accum: expected >= 1, got {self.grad_accum}")
+        if self.nonfinite not in NONFINITE_CHOICES:
+            raise ValueError(f"trainer.nonfinite: expected one of {NONFINITE_CHOICES}, got {self.nonfinite!r}")
+        if self.device not in ("auto", "cpu", "cuda"):
+            raise ValueError(f"trainer.device: expected auto, cpu or cuda, got {self.device!r}")
+        if self.loss_chunk < 0:
+            raise ValueError(f"trainer.loss_chunk: expected >= 0, got {self.loss_chunk}")
+
+
+@dataclass
+class CheckpointArgs:
+    """Checkpoints, resume and stage initialisation (group ``configs/checkpoint``)."""
+
+    # Save every this many steps (and always at the last step and on preemption).
+    every: int = 1000
+    # Keep the newest K complete checkpoints; older ones are deleted.
+    keep: int = 3
+    # Start from the latest complete checkpoint in <run_dir>/checkpoints if any.
+    resume: bool = True
+    # Stage start (used only when there is nothing to resume): a run dir, a DCP
+    # checkpoint dir or a consolidated .pt whose *model* weights initialise this run
+    # (fresh optimizer, schedule and data). None = the seeded init.
+    init_from: Optional[str] = None
+    # "model": load the weights as they are (long-context finetuning);
+    # "baseline_to_mta": a baseline's weights into this MTA model, new parts at identity
+    # (Appendix I).
+    init_mode: str = "model"
+    # Write <run_dir>/export/consolidated.pt when training finishes.
+    export: bool = True
+
+    def __post_init__(self) -> None:
+        if self.every < 1:
+            raise ValueError(f"checkpoint.every: expected >= 1 steps, got {self.every}")
+        if self.keep < 1:
+            raise ValueError(f"checkpoint.keep: expected >= 1, got {self.keep}")
+        if self.init_mode not in INIT_MODES:
+            raise ValueError(f"checkpoint.init_mode: expected one of {INIT_MODES}, got {self.init_mode!r}")
+
+
+@dataclass
+class LoggingArgs:
+    """metrics.jsonl, progress bar and wandb (group ``configs/logging``)."""
+
+    # Write a metrics.jsonl line (and a wandb point) every this many steps.
+    every: int = 10
+    # tqdm progress bar on rank 0.
+    progress_bar: bool = True
+    # wandb mode: "offline" (default; sync later with `wandb sync`), "online" (needs a
+    # login) or "disabled". Nothing ever prompts for a login.
+    wandb_mode: str = "offline"
+    wandb_project: str = "mta-repro"
+    # Run name; None = the run directory's name.
+    wandb_name: Optional[str] = None
+
+    def __post_init__(self) -> None:
+        if self.every < 1:
+            raise ValueError(f"logging.every: expected >= 1, got {self.every}")
+        if self.wandb_mode not in WANDB_MODES:
+            raise ValueError(f"logging.wandb_mode: expected one of {WANDB_MODES}, got {self.wandb_mode!r}")
+
+
+@dataclass
+class DistributedArgs:
+    """Process group and FSDP2 (group ``configs/distributed``)."""
+
+    # "auto" = nccl on cuda, gloo on cpu.
+    backend: str = "auto"
+    # FSDP2 mixed precision on GPU (parameters gathered in this dtype, gradients
+    # reduced in reduce_dtype). Ignored on CPU, which trains in float32.
+    param_dtype: str = "bfloat16"
+    reduce_dtype: str = "float32"
+    # Free the gathered parameters after each block's forward (ZeRO-3); False keeps
+    # them until backward (ZeRO-2-like, more memory, less communication).
+    reshard_after_forward: bool = True
+    # Recompute each block's activations in backward.
+    activation_checkpointing: bool = False
+    # torch.compile each block.
+    compile: bool = False
+    # TF32 matmuls on Ampere+ (the paper: off).
+    allow_tf32: bool = False
+    # Process-group timeout.
+    timeout_min: int = 30
+
+    def __post_init__(self) -> None:
+        if self.backend not in ("auto", "nccl", "gloo"):
+            raise ValueError(f"distributed.backend: expected auto, nccl or gloo, got {self.backend!r}")
+        for name in ("param_dtype", "reduce_dtype"):
+            if getattr(self, name) not in ("bfloat16", "float16", "float32"):
+                raise ValueError(
+                    f"distributed.{name}: expected bfloat16, float16 or float32, got {getattr(self, name)!r}"
+                )
+
+
+@dataclass
+class SlurmArgs:
+    """What ``python -m mta_repro.train.slurm`` renders into slurm/train.sbatch."""
+
+    nodes: int = 1
+    gpus_per_node: int = 8
+    cpus_per_task: int = 12
+    # Wall-clock limit in minutes.
+    time_min: int = 4320
+    partition: Optional[str] = None
+    account: Optional[str] = None
+    qos: Optional[str] = None
+    # Seconds before the time limit at which SLURM sends SIGUSR2 (checkpoint + requeue).
+    signal_s: int = 120
+    job_name: str = "mta"
+
+    def __post_init__(self) -> None:
+        for name in ("nodes", "gpus_per_node", "cpus_per_task", "time_min"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"slurm.{name}: expected >= 1, got {getattr(self, name)}")
