@@ -315,9 +315,10 @@ class Attention(nn.Module):
         q = q.view(bsz, H // 2, 2, tq, d)
         k = k.view(bsz, H // 2, 2, tk, d)
         v = v.transpose(1, 2).reshape(bsz, tk, H // 2, 2 * d).transpose(1, 2)
+        ct = torch.promote_types(q.dtype, torch.float32)  # fp32 as in unilm; fp64 stays
         lam = (
-            torch.exp(torch.sum(self.lambda_q1 * self.lambda_k1).float())
-            - torch.exp(torch.sum(self.lambda_q2 * self.lambda_k2).float())
+            torch.exp(torch.sum(self.lambda_q1 * self.lambda_k1).to(ct))
+            - torch.exp(torch.sum(self.lambda_q2 * self.lambda_k2).to(ct))
             + self.lambda_init
         ).type_as(q)
         a1 = self._sdpa(q[:, :, 0], k[:, :, 0], v, q_offset, key_valid)
