@@ -121,19 +121,20 @@ def explicit_attention_torch(
     q: (B, H, Tq, d); k, v: (B, H, Tk, d); allowed: bool broadcastable to (B, H, Tq, Tk).
     Returns (B, H, Tq, d). With every parameter None this is plain softmax attention.
     """
+    masked = ~allowed
     scores = torch.matmul(q, k.transpose(-2, -1)) * q.shape[-1] ** -0.5
     if p.mta_kernel is not None:
         # Masked scores must be 0 so the convolution does not read the future.
-        scores = kq_conv(scores.masked_fill(~allowed, 0.0), p.mta_kernel, p.pad_key)
+        scores = kq_conv(scores.masked_fill(masked, 0.0), p.mta_kernel, p.pad_key)
     if p.wpsm is not None:
         scores = head_mix_linear(scores, p.wpsm)
-    scores = scores.masked_fill(~allowed, float("-inf"))
+    scores = scores.masked_fill(masked, float("-inf"))
     probs = F.softmax(scores.to(torch.promote_types(scores.dtype, torch.float32)), dim=-1)
     # A fully masked (pad) row is NaN after softmax; it must be exactly 0.
-    probs = probs.masked_fill(~allowed, 0.0).type_as(q)
+    probs = probs.masked_fill(masked, 0.0).type_as(q)
     if p.mta_kernel_after_sm is not None:
         # No renormalisation: rows need not sum to 1 (as in the release).
-        probs = kq_conv(probs, p.mta_kernel_after_sm, p.pad_key).masked_fill(~allowed, 0.0)
+        probs = kq_conv(probs, p.mta_kernel_after_sm, p.pad_key).masked_fill(masked, 0.0)
     if p.head_kernel is not None:
         probs = head_conv(probs, p.head_kernel)
     elif p.wposm is not None:
