@@ -1,0 +1,103 @@
+"""Per-domain validation perplexity with the release's protocol (spec section 4).
+
+Each domain's validation documents are tokenized with BOS and EOS and concatenated;
+the stream is cut into windows of ``seq_len + 1`` tokens that advance by ``seq_len``
+(input = window[:-1], target = window[1:], so every token after the first is predicted
+exactly once, as the training loader packs). Windows go in batches of ``batch_size``
+(4), at most ``max_batches`` (256, i.e. 2,097,152 target tokens at seq_len 2048) per
+domain; a trailing partial window is dropped, a trailing partial batch is kept.
+ppl = exp(total cross-entropy / target tokens). The average row is the arithmetic
+mean of the per-domain perplexities.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Iterable, Iterator, Optional
+
+import torch
+import torch.nn.functional as F
+
+
+def windows(docs: Iterable[str], tokenizer, seq_len: int) -> Iterator[list]:
+    """Windows of seq_len+1 tokens from the BOS/EOS-delimited concatenation of docs."""
+    buf: list = []
+    for doc in docs:
+        buf.extend(tokenizer.encode(doc, add_bos=True, add_eos=True))
+        while len(buf) >= seq_len + 1:
+            yield buf[: seq_len + 1]
+            buf = buf[seq_len:]  # the last target is the next window's first input
+
+
+@torch.no_grad()
+def sequence_ce(model, inputs: torch.Tensor, targets: torch.Tensor, chunk: int = 1024) -> torch.Tensor:
+    """Summed cross-entropy (fp32 or better) over all positions of (B, T) inputs."""
+    h = model(inputs, return_hidden=True)  # (B, T, dim)
+    total = torch.zeros((), dtype=torch.promote_types(h.dtype, torch.float32), device=h.device)
+    for s in range(0, h.shape[1], chunk):  # never materialise all (B, T, V) logits
+        logits = model.logits(h[:, s : s + chunk]).to(total.dtype)
+        total += F.cross_entropy(logits.flatten(0, 1), targets[:, s : s + chunk].flatten(), reduction="sum")
+    return total
+
+
+@torch.no_grad()
+def domain_perplexity(
+    model,
+    tokenizer,
+    docs: Iterable[str],
+    seq_len: int = 2048,
+    batch_size: int = 4,
+    max_batches: Optional[int] = 256,
+) -> dict:
+    """{"ppl", "loss" (mean CE, nats), "tokens", "batches"} for one domain's docs."""
+    if seq_len < 1 or batch_size < 1:
+        raise ValueError(f"ppl: seq_len and batch_size must be positive, got {seq_len}, {batch_size}")
+    device = next(model.parameters()).device
+    total, n_tokens, n_batches = 0.0, 0, 0
+    batch: list = []
+
+    def run(rows):
+        t = torch.tensor(rows, dtype=torch.long, device=device)
+        return float(sequence_ce(model, t[:, :-1], t[:, 1:])), t[:, 1:].numel()
+
+    for w in windows(docs, tokenizer, seq_len):
+        batch.append(w)
+        if len(batch) == batch_size:
+            ce, n = run(batch)
+            total, n_tokens, n_batches, batch = total + ce, n_tokens + n, n_batches + 1, []
+            if max_batches is not None and n_batches >= max_batches:
+                break
+    if batch and (max_batches is None or n_batches < max_batches):
+        ce, n = run(batch)
+        total, n_tokens, n_batches = total + ce, n_tokens + n, n_batches + 1
+    if n_tokens == 0:
+        raise ValueError(f"ppl: the documents hold fewer than seq_len+1={seq_len + 1} tokens")
+    loss = total / n_tokens
+    return {"ppl": math.exp(loss), "loss": loss, "tokens": n_tokens, "batches": n_batches}
+
+
+def validation_perplexity(
+    model, tokenizer, data_args, domains: Optional[list] = None, seq_len: Optional[int] = None,
+    batch_size: int = 4, max_batches: Optional[int] = 256,
+) -> dict:
+    """{"domains": {name: {...}}, "average": mean ppl, "seq_len": ...} over the data's domains."""
+    from mta_repro import data as data_mod
+
+    names = list(domains) if domains else list(data_mod.domains(data_args))
+    known = set(data_mod.domains(data_args))
+    unknown = [d for d in names if d not in known]
+    if unknown:
+        raise ValueError(f"eval.ppl.domains: unknown domain(s) {unknown}; the data has {sorted(known)}")
+    seq_len = seq_len or int(data_args.seq_len)
+    per = {}
+    for name in names:
+        per[name] = domain_perplexity(
+            model, tokenizer, data_mod.iter_validation_docs(data_args, name), seq_len, batch_size, max_batches
+        )
+    return {
+        "domains": per,
+        "average": sum(v["ppl"] for v in per.values()) / len(per),
+        "seq_len": seq_len,
+        "batch_size": batch_size,
+        "max_batches": max_batches,
+    }
