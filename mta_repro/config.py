@@ -15,6 +15,7 @@ from typing import Optional, Sequence
 from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig
 
+from mta_repro.data.args import DataArgs
 from mta_repro.model.args import ModelArgs
 from mta_repro.train.args import CheckpointArgs, DistributedArgs, LoggingArgs, SlurmArgs, TrainerArgs
 from mta_repro.train.optim import OptimArgs
@@ -36,6 +37,8 @@ class TrainConfig:
     logging: LoggingArgs = field(default_factory=LoggingArgs)
     distributed: DistributedArgs = field(default_factory=DistributedArgs)
     slurm: SlurmArgs = field(default_factory=SlurmArgs)
+    # Corpus, mixture, packing, tokenizer (mta_repro/data/args.py; configs/data/).
+    data: DataArgs = field(default_factory=DataArgs)
 
 
 def register_configs() -> None:

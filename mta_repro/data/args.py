@@ -1,0 +1,129 @@
+"""Config of the data pipeline: the root config's ``data`` field (``configs/data/*.yaml``)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Dict, Optional
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+# The paper's per-*document* domain weights (MTA_SPEC section 3; the release's config).
+PAPER_WEIGHTS = {
+    "arxiv": 0.023,
+    "book": 0.021,
+    "c4": 0.081,
+    "commoncrawl": 0.726,
+    "github": 0.049,
+    "stackexchange": 0.05,
+    "wikipedia": 0.05,
+}
+
+LAYOUTS = ("slimpajama", "domains")
+TOKENIZERS = ("sentencepiece", "tiktoken", "bytes")
+
+
+@dataclass
+class TokenizerArgs:
+    # "sentencepiece" (a .model file), "tiktoken" (a Llama-3 style BPE ranks file,
+    # e.g. Meta's Llama-3 `tokenizer.model`) or "bytes" (UTF-8 bytes, needs no file).
+    name: str = "sentencepiece"
+    # Path of the tokenizer file; relative paths are tried from the working directory,
+    # then from the repository root. Ignored by "bytes".
+    path: Optional[str] = "data/tokenizer/mini_sp8192.model"
+
+
+@dataclass
+class DataArgs:
+    # Corpus root. layout "slimpajama": the release, <root>/train/chunkK/*.jsonl.zst and
+    # <root>/validation/chunkK/*, records {"text", "meta": {"redpajama_set_name"}}.
+    # layout "domains": <root>/<domain>/*.jsonl[.zst] (train: *.chunk.NN.jsonl* if any,
+    # else every *.jsonl* but *.val.jsonl*; validation: *.val.jsonl*), as written by
+    # scripts/prepare_slimpajama.py and read by the official release.
+    # Default: the bundled small corpus (data/README.md).
+    root_dir: str = "data/mini_slimpajama"
+    layout: str = "slimpajama"
+    # Probability weights of the domains, per *document* (normalised; 0 leaves a domain
+    # out). Every domain named must exist; there is no implicit default weight.
+    sources: Dict[str, float] = field(default_factory=lambda: dict(PAPER_WEIGHTS))
+    # Tokens per training sequence; windows of seq_len + 1 tokens give input and target.
+    seq_len: int = 256
+    # Sequences per batch on each rank.
+    batch_size: int = 4
+    # Seed of domain sampling and of the shuffle buffer (combined with the rank).
+    seed: int = 42
+    # Packed sequences held per rank and handed out in random order (0 or 1: in order).
+    shuffle_buffer: int = 64
+    # Batches made ahead by a background thread (0: made on demand, in the caller).
+    prefetch: int = 0
+    # Wrap every document in BOS ... EOS (the paper does both).
+    add_bos: bool = True
+    add_eos: bool = True
+    tokenizer: TokenizerArgs = field(default_factory=TokenizerArgs)
+
+
+def resolve_path(p: str | Path) -> Path:
+    """A path as given if absolute or present under the working directory, else under the repo.
+
+    Lets the bundled defaults work from any directory (Hydra may change the cwd).
+    """
+    path = Path(p).expanduser()
+    if path.is_absolute() or path.exists():
+        return path
+    alt = REPO_ROOT / path
+    return alt if alt.exists() else path
+
+
+def to_data_args(cfg) -> DataArgs:
+    """DataArgs from a DictConfig / dict / DataArgs (the ``data`` node), validated."""
+    if isinstance(cfg, DataArgs):
+        args = cfg
+    else:
+        from omegaconf import DictConfig, OmegaConf
+
+        d = OmegaConf.to_container(cfg, resolve=True) if isinstance(cfg, DictConfig) else dict(cfg)
+        tok = d.pop("tokenizer", {}) or {}
+        if isinstance(tok, TokenizerArgs):
+            tok = vars(tok)
+        known = set(DataArgs.__dataclass_fields__)
+        unknown = set(d) - known
+        if unknown:
+            raise ValueError(f"data: unknown field(s) {sorted(unknown)}; expected some of {sorted(known)}")
+        unknown = set(tok) - set(TokenizerArgs.__dataclass_fields__)
+        if unknown:
+            raise ValueError(f"data.tokenizer: unknown field(s) {sorted(unknown)}")
+        args = DataArgs(**d, tokenizer=TokenizerArgs(**tok))
+    validate(args)
+    return args
+
+
+def validate(args: DataArgs) -> None:
+    """Config faults -> ValueError naming the field (files are checked when opened)."""
+    if args.layout not in LAYOUTS:
+        raise ValueError(f"data.layout={args.layout!r}: expected one of {LAYOUTS}")
+    if args.tokenizer.name not in TOKENIZERS:
+        raise ValueError(f"data.tokenizer.name={args.tokenizer.name!r}: expected one of {TOKENIZERS}")
+    for key in ("seq_len", "batch_size"):
+        v = getattr(args, key)
+        if not isinstance(v, int) or v < 1:
+            raise ValueError(f"data.{key}={v!r}: expected a positive integer")
+    for key in ("shuffle_buffer", "prefetch"):
+        v = getattr(args, key)
+        if not isinstance(v, int) or v < 0:
+            raise ValueError(f"data.{key}={v!r}: expected an integer >= 0")
+    if not args.sources:
+        raise ValueError("data.sources is empty: expected {domain: weight, ...}")
+    for name, w in args.sources.items():
+        if isinstance(w, bool) or not isinstance(w, (int, float)) or not math.isfinite(w):
+            raise ValueError(f"data.sources.{name}={w!r}: expected a finite number")
+        if w < 0:
+            raise ValueError(f"data.sources.{name}={w!r}: weights must be >= 0")
+    if sum(args.sources.values()) <= 0:
+        raise ValueError(f"data.sources: all weights are zero ({dict(args.sources)})")
+
+
+def active_sources(args: DataArgs) -> Dict[str, float]:
+    """The domains with positive weight, sorted by name, weights normalised to sum 1."""
+    total = float(sum(args.sources.values()))
+    return {k: float(args.sources[k]) / total for k in sorted(args.sources) if args.sources[k] > 0}

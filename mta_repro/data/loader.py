@@ -1,0 +1,263 @@
+"""The training data loader: mixture -> tokens -> packed windows -> shuffle buffer -> batches.
+
+Per rank, for every document: a domain is drawn by the per-document weights (seeded
+numpy Generator), the domain's stream gives its next document, the tokenizer wraps it in
+BOS ... EOS, and the tokens are appended to a running sequence that is cut into
+``seq_len + 1`` windows (no document masking; a document may span windows). Windows go
+through a shuffle buffer (``shuffle_buffer`` windows; each output is a uniformly drawn
+slot that is refilled with the next window) and ``batch_size`` of them form a batch:
+``input = window[:-1]``, ``target = window[1:]``.
+
+Every piece of the iterator's state is plain data (``state_dict``): the domain streams'
+file positions, both RNG states, the packing remainder, the buffer's windows, counters.
+``load_state_dict`` on a fresh loader continues with exactly the batches the original
+would have produced next. With ``prefetch > 0`` a background thread makes batches ahead;
+each queued batch carries the state *after* it, so ``state_dict()`` is the state of the
+last batch handed out, whatever the thread has done since.
+"""
+
+from __future__ import annotations
+
+import bisect
+import copy
+import logging
+import queue
+import threading
+from typing import Dict, List, Optional
+
+import numpy as np
+import torch
+
+from mta_repro.data.args import DataArgs, active_sources, to_data_args
+from mta_repro.data.sources import BAD_KINDS, DocStream, check_domain, iter_docs
+from mta_repro.data.tokenizers import build_tokenizer
+
+log = logging.getLogger(__name__)
+
+STATE_VERSION = 1
+
+
+class _Stop:
+    pass
+
+
+class TrainLoader:
+    def __init__(self, args: DataArgs, rank: int = 0, world_size: int = 1) -> None:
+        self.args = to_data_args(args)
+        self.rank, self.world_size = rank, world_size
+        self.tokenizer = build_tokenizer(self.args.tokenizer)
+        weights = active_sources(self.args)
+        for d in self.args.sources:
+            check_domain(self.args, d)
+        self.domains: List[str] = list(weights)
+        self.cum = np.cumsum([weights[d] for d in self.domains]).tolist()
+        first = self.domains[0]
+        self.streams: Dict[str, DocStream] = {
+            d: DocStream(
+                self.args, d, rank, world_size, count_bad=(self.args.layout == "domains" or d == first)
+            )
+            for d in self.domains
+        }
+        # Two independent generators so the document sequence does not depend on the
+        # buffer size. Seeds combine the data seed with the rank.
+        self.doc_rng = np.random.Generator(np.random.PCG64([self.args.seed, rank, 0]))
+        self.buf_rng = np.random.Generator(np.random.PCG64([self.args.seed, rank, 1]))
+        self.tokens: List[int] = []  # packing remainder: tokens not yet in a window
+        self.buffer: List[np.ndarray] = []  # shuffle buffer of (seq_len + 1,) int32 windows
+        self.n_docs = {d: 0 for d in self.domains}
+        self.n_batches = 0
+        self._thread: Optional[threading.Thread] = None
+        self._queue: Optional[queue.Queue] = None
+        self._stop = threading.Event()
+        self._handed_state: Optional[dict] = None  # prefetch: the state after the last batch out
+
+    # ------------------------------------------------------------------ pipeline
+    def _next_doc_tokens(self) -> List[int]:
+        u = self.doc_rng.random()
+        d = self.domains[min(bisect.bisect_right(self.cum, u * self.cum[-1]), len(self.domains) - 1)]
+        text = self.streams[d].next_doc()
+        self.n_docs[d] += 1
+        return self.tokenizer.encode(text, add_bos=self.args.add_bos, add_eos=self.args.add_eos)
+
+    def _next_window(self) -> np.ndarray:
+        n = self.args.seq_len + 1
+        while len(self.tokens) < n:
+            self.tokens.extend(self._next_doc_tokens())
+        w = np.asarray(self.tokens[:n], dtype=np.int32)
+        del self.tokens[:n]
+        return w
+
+    def _next_sequence(self) -> np.ndarray:
+        k = self.args.shuffle_buffer
+        if k <= 1:
+            return self._next_window()
+        while len(self.buffer) < k:
+            self.buffer.append(self._next_window())
+        i = int(self.buf_rng.integers(len(self.buffer)))
+        out = self.buffer[i]
+        self.buffer[i] = self._next_window()
+        return out
+
+    def _make_batch(self) -> Dict[str, torch.Tensor]:
+        seqs = np.stack([self._next_sequence() for _ in range(self.args.batch_size)])  # (B, T+1)
+        t = torch.from_numpy(seqs.astype(np.int64))
+        self.n_batches += 1
+        return {"input": t[:, :-1].contiguous(), "target": t[:, 1:].contiguous()}
+
+    # ------------------------------------------------------------------ iteration
+    def __iter__(self) -> "TrainLoader":
+        return self
+
+    def __next__(self) -> Dict[str, torch.Tensor]:
+        if self.args.prefetch <= 0:
+            return self._make_batch()
+        if self._thread is None:
+            self._start()
+        item = self._queue.get()
+        if isinstance(item, BaseException):
+            self._join()
+            raise item
+        batch, state = item
+        self._handed_state = state
+        return batch
+
+    def _start(self) -> None:
+        self._handed_state = self._state()
+        self._stop.clear()
+        self._queue = queue.Queue(maxsize=self.args.prefetch)
+        self._thread = threading.Thread(target=self._worker, name=f"data-prefetch-r{self.rank}", daemon=True)
+        self._thread.start()
+
+    def _worker(self) -> None:
+        try:
+            while not self._stop.is_set():
+                item = (self._make_batch(), self._state())
+                while not self._stop.is_set():
+                    try:
+                        self._queue.put(item, timeout=0.1)
+                        break
+                    except queue.Full:
+                        continue
+        except BaseException as e:  # handed to the consumer, raised there
+            self._queue.put(e)
+
+    def _join(self) -> None:
+        if self._thread is None:
+            return
+        self._stop.set()
+        while self._thread.is_alive():
+            try:  # unblock a put
+                self._queue.get_nowait()
+            except queue.Empty:
+                pass
+            self._thread.join(timeout=0.05)
+        self._thread, self._queue = None, None
+
+    def close(self) -> None:
+        """Stop the prefetch thread (if any) and close open files."""
+        if self._thread is not None:
+            state = self._handed_state
+            self._join()
+            self._load(state)  # iterator back to the last batch handed out
+        for s in self.streams.values():
+            s.close()
+
+    # ------------------------------------------------------------------ state
+    def _state(self) -> dict:
+        """The pipeline's state now, as plain data (a deep copy)."""
+        return {
+            "version": STATE_VERSION,
+            "rank": self.rank,
+            "world_size": self.world_size,
+            "config": {
+                "seq_len": self.args.seq_len,
+                "batch_size": self.args.batch_size,
+                "layout": self.args.layout,
+                "sources": dict(active_sources(self.args)),
+                "shuffle_buffer": self.args.shuffle_buffer,
+                "seed": self.args.seed,
+            },
+            "streams": {d: s.state_dict() for d, s in self.streams.items()},
+            "doc_rng": copy.deepcopy(self.doc_rng.bit_generator.state),
+            "buf_rng": copy.deepcopy(self.buf_rng.bit_generator.state),
+            "tokens": list(self.tokens),
+            # (n, seq_len + 1) int32; a tensor keeps the pickle small.
+            "buffer": torch.from_numpy(np.stack(self.buffer)) if self.buffer else torch.zeros(0, self.args.seq_len + 1, dtype=torch.int32),
+            "n_docs": dict(self.n_docs),
+            "n_batches": self.n_batches,
+        }
+
+    def state_dict(self) -> dict:
+        """Picklable state: a loader given it by ``load_state_dict`` yields exactly the
+        batches this one would yield next."""
+        if self._thread is not None:
+            return copy.deepcopy(self._handed_state)
+        return self._state()
+
+    def load_state_dict(self, sd: dict) -> None:
+        if sd.get("version") != STATE_VERSION:
+            raise ValueError(f"data loader state: version {sd.get('version')!r}, expected {STATE_VERSION}")
+        if (sd["rank"], sd["world_size"]) != (self.rank, self.world_size):
+            raise ValueError(
+                f"data loader state is of rank {sd['rank']}/{sd['world_size']}, loader is rank "
+                f"{self.rank}/{self.world_size} (resuming on another world size cannot be exact)"
+            )
+        mine = self._state()["config"]
+        for key, val in sd["config"].items():
+            if mine.get(key) != val:
+                raise ValueError(f"data loader state: data.{key} was {val!r}, the config now has {mine.get(key)!r}")
+        self._join()
+        self._load(sd)
+
+    def _load(self, sd: dict) -> None:
+        for d, s in self.streams.items():
+            s.load_state_dict(sd["streams"][d])
+        self.doc_rng.bit_generator.state = copy.deepcopy(sd["doc_rng"])
+        self.buf_rng.bit_generator.state = copy.deepcopy(sd["buf_rng"])
+        self.tokens = list(sd["tokens"])
+        self.buffer = [row.copy() for row in np.asarray(sd["buffer"], dtype=np.int32)]
+        self.n_docs = dict(sd["n_docs"])
+        self.n_batches = int(sd["n_batches"])
+        self._handed_state = None
+
+    # ------------------------------------------------------------------ reporting
+    def bad_records(self) -> Dict[str, int]:
+        """Bad records skipped so far on this rank, by kind (persisted in the state)."""
+        sd = self.state_dict()
+        out = {k: 0 for k in BAD_KINDS}
+        for s in sd["streams"].values():
+            for k, v in s["bad"].items():
+                out[k] = out.get(k, 0) + v
+        return out
+
+    def stats(self) -> dict:
+        sd = self.state_dict()
+        return {
+            "n_batches": sd["n_batches"],
+            "n_docs": sd["n_docs"],
+            "epochs": {d: s["epoch"] for d, s in sd["streams"].items()},
+            "bad_records": {k: v for k, v in self.bad_records().items() if v},
+        }
+
+    def __del__(self) -> None:
+        try:
+            self._stop.set()
+        except Exception:
+            pass
+
+
+def build_train_loader(data_args, rank: int = 0, world_size: int = 1) -> TrainLoader:
+    """The training loader of ``rank`` (of ``world_size``); see the module docstring."""
+    return TrainLoader(data_args, rank, world_size)
+
+
+def domains(data_args) -> List[str]:
+    """The domains with positive weight (sorted)."""
+    return list(active_sources(to_data_args(data_args)))
+
+
+def iter_validation_docs(data_args, domain: str):
+    """The documents of ``domain``'s validation file(s), in file order."""
+    args = to_data_args(data_args)
+    check_domain(args, domain)
+    return iter_docs(args, domain, "validation")

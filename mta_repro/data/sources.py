@@ -1,0 +1,288 @@
+"""Finding a corpus's files, splitting them among ranks, and streaming documents from them.
+
+Two layouts (``data.layout``):
+
+- ``slimpajama``: the SlimPajama-627B release, ``<root>/<split>/chunkK/*.jsonl.zst``; every
+  file mixes all domains, told apart by ``meta.redpajama_set_name``. A domain's stream
+  reads every file of the rank's shard and keeps its own records (each domain stream
+  decompresses the shard once per pass: fine for the bundled corpus; for the full
+  release, ``scripts/prepare_slimpajama.py`` makes the cheaper per-domain layout).
+- ``domains``: ``<root>/<domain>/*.jsonl[.zst]``, one directory per domain.
+
+Per-rank sharding (``shard_files``) reads every line of every file exactly once per
+epoch across the ranks, for any world size: with at least as many files as ranks, file
+i goes to rank i % world_size (ranks may get one file more than others); with fewer
+files than ranks, the ranks are dealt round-robin onto the files and the ranks sharing a
+file take its lines in turn (line j to the (j % n)-th of its n ranks).
+
+A stream's position is plain data: shard file index, line number and byte offset (in
+the decompressed stream) of the next line, epoch. Plain files are resumed with a seek,
+``.zst`` files by decompressing and skipping up to the offset.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+import re
+from pathlib import Path
+from typing import Dict, Iterator, List, Optional, Tuple
+
+from mta_repro.data.args import DataArgs, resolve_path
+
+log = logging.getLogger(__name__)
+
+# Domain name -> the release's meta.redpajama_set_name.
+SET_NAMES = {
+    "arxiv": "RedPajamaArXiv",
+    "book": "RedPajamaBook",
+    "c4": "RedPajamaC4",
+    "commoncrawl": "RedPajamaCommonCrawl",
+    "github": "RedPajamaGithub",
+    "stackexchange": "RedPajamaStackExchange",
+    "wikipedia": "RedPajamaWikipedia",
+}
+DOMAIN_OF_SET = {v: k for k, v in SET_NAMES.items()}
+BAD_KINDS = ("undecodable", "malformed_json", "missing_text", "missing_meta", "unknown_set", "empty", "corrupt_file")
+SUFFIXES = (".jsonl", ".jsonl.zst")
+
+
+def _natural_key(p: str):
+    return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", p)]
+
+
+def _is_jsonl(p: Path) -> bool:
+    return p.is_file() and p.name.endswith(SUFFIXES)
+
+
+def _is_val(p: Path) -> bool:
+    return ".val." in p.name or p.name.startswith("val.") or "validation" in p.name
+
+
+def corpus_root(args: DataArgs) -> Path:
+    root = resolve_path(args.root_dir)
+    if not root.is_dir():
+        raise ValueError(f"data.root_dir={args.root_dir}: no such directory")
+    return root
+
+
+def check_domain(args: DataArgs, domain: str) -> None:
+    if args.layout == "slimpajama" and domain not in SET_NAMES:
+        raise ValueError(
+            f"data.sources.{domain}: unknown domain for the slimpajama layout; expected one of {sorted(SET_NAMES)}"
+        )
+
+
+def list_files(args: DataArgs, domain: str, split: str = "train") -> List[str]:
+    """Files (relative to the root, natural order) holding ``domain``'s ``split`` records."""
+    root = corpus_root(args)
+    check_domain(args, domain)
+    if args.layout == "slimpajama":
+        base = root / split
+        if not base.is_dir():
+            raise ValueError(f"data.root_dir={args.root_dir}: no {split}/ directory in {root}")
+        files = [p for p in base.rglob("*") if _is_jsonl(p)]
+        if not files:
+            raise ValueError(f"data.root_dir={args.root_dir}: no *.jsonl or *.jsonl.zst files under {base}")
+    else:
+        base = root / domain
+        if not base.is_dir():
+            raise ValueError(f"data.sources.{domain}: no directory {base} (layout 'domains')")
+        files = [p for p in base.iterdir() if _is_jsonl(p)]
+        if split == "train":
+            chunked = [p for p in files if re.search(r"\.chunk\.\d+\.jsonl", p.name)]
+            files = chunked or [p for p in files if not _is_val(p)]
+        else:
+            files = [p for p in files if _is_val(p)]
+        if not files:
+            what = "*.chunk.NN.jsonl[.zst] or *.jsonl[.zst]" if split == "train" else "*.val.jsonl[.zst]"
+            raise ValueError(f"data.sources.{domain}: no {split} files ({what}) in {base}")
+    return sorted((str(p.relative_to(root)) for p in files), key=_natural_key)
+
+
+def shard_files(files: List[str], rank: int, world_size: int) -> List[Tuple[str, int, int]]:
+    """Rank's share as (file, stride, offset): it reads the lines j with j % stride == offset."""
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank {rank} outside world size {world_size}")
+    n = len(files)
+    if n >= world_size:
+        return [(f, 1, 0) for f in files[rank::world_size]]
+    f = rank % n
+    return [(files[f], len(range(f, world_size, n)), rank // n)]
+
+
+class _LineReader:
+    """Lines of a .jsonl or .jsonl.zst file from a byte offset of the decompressed text."""
+
+    def __init__(self, path: Path, offset: int) -> None:
+        self.raw = open(path, "rb")
+        if path.name.endswith(".zst"):
+            import zstandard
+
+            reader = zstandard.ZstdDecompressor().stream_reader(self.raw, read_size=1 << 20)
+            self.f = io.BufferedReader(reader, buffer_size=1 << 20)
+            left = offset
+            while left > 0:  # no random access in a zstd frame: decompress and drop
+                got = len(self.f.read(min(left, 1 << 24)))
+                if got == 0:
+                    raise EOFError(f"{path}: shorter than the saved offset {offset}")
+                left -= got
+        else:
+            self.raw.seek(offset)
+            self.f = self.raw
+
+    def readline(self) -> bytes:
+        return self.f.readline()
+
+    def close(self) -> None:
+        self.f.close()
+        self.raw.close()
+
+
+def parse_record(line: bytes, set_name: Optional[str], counts: Optional[Dict[str, int]]) -> Optional[str]:
+    """The document text of a JSON line, or None (a bad record, counted if ``counts``, or
+    a record of another domain when ``set_name`` is given)."""
+
+    def bad(kind: str) -> None:
+        if counts is not None:
+            counts[kind] = counts.get(kind, 0) + 1
+            n = counts[kind]
+            if n <= 5 or n % 1000 == 0:
+                log.warning("data: skipped a bad record (%s); %d so far", kind, n)
+        return None
+
+    try:
+        s = line.decode("utf-8")
+    except UnicodeDecodeError:
+        return bad("undecodable")
+    try:
+        rec = json.loads(s)
+    except ValueError:
+        return bad("malformed_json")
+    if not isinstance(rec, dict):
+        return bad("malformed_json")
+    text = rec.get("text")
+    if not isinstance(text, str):
+        return bad("missing_text")
+    if set_name is not None:
+        meta = rec.get("meta")
+        name = meta.get("redpajama_set_name") if isinstance(meta, dict) else None
+        if not isinstance(name, str):
+            return bad("missing_meta")
+        if name not in DOMAIN_OF_SET:
+            return bad("unknown_set")
+        if not text.strip():
+            return bad("empty")
+        return text if name == set_name else None
+    if not text.strip():
+        return bad("empty")
+    return text
+
+
+class DocStream:
+    """One domain's documents on one rank, endlessly (epoch after epoch), resumable.
+
+    ``count_bad``: whether this stream counts bad records. In the slimpajama layout all
+    domain streams read the same files, so only one of them counts (and the others may
+    skip lines that cannot be theirs without parsing them).
+    """
+
+    def __init__(self, args: DataArgs, domain: str, rank: int, world_size: int, count_bad: bool = True) -> None:
+        self.domain = domain
+        self.root = corpus_root(args)
+        self.shard = shard_files(list_files(args, domain, "train"), rank, world_size)
+        self.set_name = SET_NAMES[domain] if args.layout == "slimpajama" else None
+        self._needle = json.dumps(self.set_name).encode() if self.set_name else None
+        self.count_bad = count_bad
+        self.where = f"domain {domain!r} on rank {rank}/{world_size}"
+        self.file, self.line, self.offset, self.epoch, self.docs_in_epoch = 0, 0, 0, 0, 0
+        self.bad: Dict[str, int] = {}
+        self._reader: Optional[_LineReader] = None
+
+    # ------------------------------------------------------------------ state
+    def state_dict(self) -> dict:
+        return {
+            "file": self.shard[self.file][0],
+            "line": self.line,
+            "offset": self.offset,
+            "epoch": self.epoch,
+            "docs_in_epoch": self.docs_in_epoch,
+            "bad": dict(self.bad),
+        }
+
+    def load_state_dict(self, sd: dict) -> None:
+        names = [f for f, _, _ in self.shard]
+        if sd["file"] not in names:
+            raise ValueError(f"data loader state: file {sd['file']!r} is not in the shard of {self.where}")
+        self.close()
+        self.file = names.index(sd["file"])
+        self.line, self.offset = int(sd["line"]), int(sd["offset"])
+        self.epoch, self.docs_in_epoch = int(sd["epoch"]), int(sd["docs_in_epoch"])
+        self.bad = dict(sd["bad"])
+
+    def close(self) -> None:
+        if self._reader is not None:
+            self._reader.close()
+            self._reader = None
+
+    # ------------------------------------------------------------------ reading
+    def _next_file(self) -> None:
+        self.close()
+        self.file, self.line, self.offset = self.file + 1, 0, 0
+        if self.file == len(self.shard):
+            if self.docs_in_epoch == 0:
+                raise ValueError(
+                    f"data: no usable documents for {self.where} in {[f for f, _, _ in self.shard]} "
+                    f"under {self.root} (bad records: {self.bad})"
+                )
+            self.file, self.epoch, self.docs_in_epoch = 0, self.epoch + 1, 0
+            log.info("data: %s starts epoch %d", self.where, self.epoch)
+
+    def next_doc(self) -> str:
+        while True:
+            name, stride, sub = self.shard[self.file]
+            if self._reader is None:
+                self._reader = _LineReader(self.root / name, self.offset)
+            try:
+                line = self._reader.readline()
+            except Exception as e:  # a corrupt/truncated compressed file: skip its rest
+                if self.count_bad:
+                    self.bad["corrupt_file"] = self.bad.get("corrupt_file", 0) + 1
+                log.error("data: %s is unreadable after line %d (%s); skipping the rest", name, self.line, e)
+                self._next_file()
+                continue
+            if not line:
+                self._next_file()
+                continue
+            j = self.line
+            self.line += 1
+            self.offset += len(line)
+            if j % stride != sub or not line.strip():
+                continue
+            if not self.count_bad and self._needle is not None and self._needle not in line:
+                continue  # cannot be this domain's record; another stream counts faults
+            text = parse_record(line, self.set_name, self.bad if self.count_bad else None)
+            if text is not None:
+                self.docs_in_epoch += 1
+                return text
+
+
+def iter_docs(args: DataArgs, domain: str, split: str = "validation") -> Iterator[str]:
+    """All documents of ``domain`` in ``split`` (one pass, one process); bad records are
+    skipped, counted and the counts logged at the end."""
+    root = corpus_root(args)
+    set_name = SET_NAMES[domain] if args.layout == "slimpajama" else None
+    counts: Dict[str, int] = {}
+    for name in list_files(args, domain, split):
+        reader = _LineReader(root / name, 0)
+        try:
+            while line := reader.readline():
+                if line.strip():
+                    text = parse_record(line, set_name, counts)
+                    if text is not None:
+                        yield text
+        finally:
+            reader.close()
+    if counts:
+        log.warning("data: %s/%s: skipped bad records %s", domain, split, counts)
