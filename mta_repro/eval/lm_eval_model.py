@@ -1,0 +1,167 @@
+"""The lm-eval (EleutherAI lm-evaluation-harness 0.4.x) model class ``mta_repro``.
+
+``lm_eval --model mta_repro --model_args pretrained=<run_dir>,dtype=bfloat16 ...`` or
+``simple_evaluate(model=MTAReproLM(model=..., tokenizer=...), ...)``.
+
+Token boundaries: a context is encoded with BOS (as in training) and the continuation
+ids are the tail of the encoding of context+continuation (lm-eval's TemplateLM rule,
+trailing context spaces move to the continuation). Scores come from one forward pass of
+context+continuation[:-1], left-truncated to ``max_length``; batches are right-padded
+(causal attention never looks right, so pads change nothing before them).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from lm_eval.api.model import TemplateLM
+from lm_eval.api.registry import register_model
+from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
+from tqdm import tqdm
+
+from mta_repro.eval.generate import generate_text
+
+
+@register_model("mta_repro")
+class MTAReproLM(TemplateLM):
+    def __init__(
+        self,
+        model: Optional[torch.nn.Module] = None,
+        tokenizer=None,
+        pretrained: Optional[str] = None,
+        device: str = "cpu",
+        dtype: str = "float32",
+        batch_size: int = 8,
+        max_length: Optional[int] = None,
+        max_gen_toks: int = 256,
+        add_bos: bool = True,
+    ):
+        super().__init__()
+        if model is None:
+            if pretrained is None:
+                raise ValueError("mta_repro lm-eval model: pass model= or pretrained=<run dir or .pt>")
+            from mta_repro.eval.load import load_for_eval
+
+            model, tokenizer, _ = load_for_eval(pretrained, device=device, dtype=dtype, tokenizer=tokenizer)
+        elif tokenizer is None:
+            raise ValueError("mta_repro lm-eval model: a model instance needs its tokenizer=")
+        else:
+            from mta_repro.eval.load import check_vocab
+
+            check_vocab(tokenizer, model)
+        self.model = model.eval()
+        self.tokenizer = tokenizer
+        self.batch_size = int(batch_size)
+        self.max_length = int(max_length or model.args.max_seqlen)
+        self.max_gen_toks = int(max_gen_toks)
+        self.add_bos = bool(add_bos) if not isinstance(add_bos, str) else add_bos.lower() == "true"
+        self._device = next(model.parameters()).device
+
+    # -- TemplateLM plumbing ----------------------------------------------------------
+    @property
+    def eot_token_id(self) -> int:
+        return self.tokenizer.eos_id
+
+    @property
+    def prefix_token_id(self) -> int:
+        return self.tokenizer.bos_id  # an empty context is just BOS
+
+    @property
+    def device(self):
+        return self._device
+
+    @property
+    def tokenizer_name(self) -> str:
+        return type(self.tokenizer).__name__
+
+    def tok_encode(self, string: str, add_special_tokens: Optional[bool] = None, **kwargs) -> list:
+        bos = self.add_bos if add_special_tokens is None else add_special_tokens
+        return self.tokenizer.encode(string, add_bos=bos, add_eos=False)
+
+    def tok_decode(self, ids) -> str:
+        return self.tokenizer.decode(list(ids))
+
+    # -- scoring ----------------------------------------------------------------------
+    @torch.no_grad()
+    def _score(self, pairs: list) -> list:
+        """pairs of (context ids, continuation ids) -> (sum logprob, is_greedy), in order."""
+        results: list = [None] * len(pairs)
+        # Longest first: the first batch fails fast on memory; batches pad little.
+        order = sorted(range(len(pairs)), key=lambda i: -(len(pairs[i][0]) + len(pairs[i][1])))
+        for start in range(0, len(order), self.batch_size):
+            idx = order[start : start + self.batch_size]
+            rows, spans = [], []
+            for i in idx:
+                ctx, cont = pairs[i]
+                if not cont:
+                    raise ValueError("lm-eval request with an empty continuation")
+                whole = (list(ctx) + list(cont))[-(self.max_length + 1) :]
+                inp = whole[:-1]
+                # continuation targets are the last len(cont) positions of inp's outputs
+                rows.append(inp)
+                spans.append((len(inp) - len(cont), len(inp), whole[-len(cont) :]))
+            width = max(len(r) for r in rows)
+            tokens = torch.zeros((len(rows), width), dtype=torch.long, device=self._device)
+            for r, row in enumerate(rows):
+                tokens[r, : len(row)] = torch.as_tensor(row)
+            h = self.model(tokens, return_hidden=True)
+            for r, (s, e, target) in enumerate(spans):
+                logp = F.log_softmax(self.model.logits(h[r, s:e]).float(), dim=-1)  # (n_cont, V)
+                tgt = torch.as_tensor(target, device=logp.device)
+                ll = float(logp.gather(-1, tgt[:, None]).sum())
+                greedy = bool((logp.argmax(-1) == tgt).all())
+                results[idx[r]] = (ll, greedy)
+        return results
+
+    def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, **kwargs) -> list:
+        out = self._score([(ctx, cont) for _, ctx, cont in requests])
+        for (key, _, _), res in zip(requests, out):
+            if key is not None:
+                self.cache_hook.add_partial("loglikelihood", key, res)
+        return out
+
+    def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list:
+        """Total log-likelihood of each whole string, as a plain float."""
+        out = []
+        for req in tqdm(requests, disable=disable_tqdm, desc="loglikelihood_rolling"):
+            (string,) = req.args
+            ids = self.tok_encode(string, add_special_tokens=False)
+            windows = [
+                make_disjoint_window(w)
+                for w in get_rolling_token_windows(
+                    token_list=ids, prefix_token=self.prefix_token_id,
+                    max_seq_len=self.max_length, context_len=1,
+                )
+            ]
+            total = float(sum(ll for ll, _ in self._score(windows)))
+            self.cache_hook.add_partial("loglikelihood_rolling", (string,), total)
+            out.append(total)
+        return out
+
+    # -- generation -------------------------------------------------------------------
+    def generate_until(self, requests, disable_tqdm: bool = False) -> list:
+        out: list = [None] * len(requests)
+        groups: dict = {}
+        for i, req in enumerate(requests):  # one generate_text call per kwargs set
+            context, kwargs = req.args
+            kwargs = dict(kwargs or {})
+            until = kwargs.pop("until", None) or []
+            until = [until] if isinstance(until, str) else list(until)
+            max_new = int(kwargs.pop("max_gen_toks", self.max_gen_toks))
+            do_sample = bool(kwargs.pop("do_sample", False))
+            temperature = float(kwargs.pop("temperature", 0.0)) if do_sample else 0.0
+            top_p = kwargs.pop("top_p", None) if do_sample else None
+            key = (tuple(until), max_new, temperature, top_p)
+            groups.setdefault(key, []).append((i, context))
+        for (until, max_new, temperature, top_p), items in groups.items():
+            texts = generate_text(
+                self.model, self.tokenizer, [c for _, c in items], max_new,
+                until=until, max_length=self.max_length, batch_size=self.batch_size,
+                add_bos=self.add_bos, temperature=temperature, top_p=top_p,
+            )
+            for (i, ctx), text in zip(items, texts):
+                out[i] = text
+                self.cache_hook.add_partial("generate_until", (ctx, {"until": list(until)}), text)
+        return out
