@@ -29,9 +29,6 @@ class TrainerArgs:
     # What to do when the loss is NaN/inf: "raise" stops with an error (the last good
     # checkpoint stays the latest), "skip" drops that update and goes on.
     nonfinite: str = "raise"
-    # Cross entropy in chunks of this many positions (0 = all positions at once); a
-    # chunk never materialises more than (chunk, vocab) logits.
-    loss_chunk: int = 0
     # "module:function" building the per-rank batch iterator as
     # fn(data_args, rank, world_size) (the data contract: dict input/target, state_dict).
     loader: str = "mta_repro.data:build_train_loader"
@@ -45,8 +42,6 @@ class TrainerArgs:
             raise ValueError(f"trainer.nonfinite: expected one of {NONFINITE_CHOICES}, got {self.nonfinite!r}")
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"trainer.device: expected auto, cpu or cuda, got {self.device!r}")
-        if self.loss_chunk < 0:
-            raise ValueError(f"trainer.loss_chunk: expected >= 0, got {self.loss_chunk}")
 
 
 @dataclass

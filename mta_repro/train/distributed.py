@@ -1,0 +1,188 @@
+"""Process group, FSDP2 and model materialisation: parallelism applied from outside.
+
+One code path for 1 and N ranks: even a single process joins a 1-rank process group and
+its model is ``fully_shard``-ed on a 1-rank mesh, so checkpointing (DCP), gradient
+clipping (DTensor norms) and state-dict handling never branch on the world size.
+
+Order (torchtitan's): build on meta -> activation checkpointing -> torch.compile ->
+fully_shard each block, then the root -> to_empty on the device -> load the *full*
+seeded init (computed once on rank 0's CPU, broadcast and sharded). Initialising the
+full tensors before sharding gives bit-identical weights for any world size, which the
+1-vs-2-rank test relies on.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import re
+import socket
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from mta_repro.train.args import DistributedArgs
+
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+@dataclass
+class DistInfo:
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+    backend: str
+    # Launched by srun (one task per GPU): the job can requeue itself.
+    slurm: bool
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def first_slurm_host(nodelist: str) -> str:
+    """First host of a SLURM nodelist: "gpu[003-005,9],cpu1" -> "gpu003"."""
+    first = re.split(r",(?![^\[]*\])", nodelist.strip())[0]
+    m = re.match(r"^([^\[]+)\[([^\]]+)\]", first)
+    if not m:
+        return first
+    prefix, ranges = m.groups()
+    return prefix + ranges.split(",")[0].split("-")[0]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def dist_env() -> tuple[int, int, int, bool]:
+    """(rank, world_size, local_rank, slurm) from torchrun's or SLURM's variables.
+
+    torchrun's RANK/WORLD_SIZE win (torchrun inside an sbatch, one task per node);
+    otherwise SLURM_PROCID/SLURM_NTASKS/SLURM_LOCALID (srun, one task per GPU) with the
+    master on the first host of SLURM_NODELIST; otherwise a single local process.
+    Sets MASTER_ADDR/MASTER_PORT when they are missing.
+    """
+    env = os.environ
+    if "RANK" in env and "WORLD_SIZE" in env:
+        rank, world = int(env["RANK"]), int(env["WORLD_SIZE"])
+        local = int(env.get("LOCAL_RANK", rank))
+        env.setdefault("MASTER_ADDR", "127.0.0.1")
+        if "MASTER_PORT" not in env:
+            if world > 1:
+                raise ValueError("environment: RANK/WORLD_SIZE are set but MASTER_PORT is not")
+            env["MASTER_PORT"] = str(_free_port())
+        return rank, world, local, "SLURM_JOB_ID" in env
+    if "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
+        rank, world = int(env["SLURM_PROCID"]), int(env["SLURM_NTASKS"])
+        local = int(env.get("SLURM_LOCALID", 0))
+        env.setdefault("MASTER_ADDR", first_slurm_host(env.get("SLURM_NODELIST", "127.0.0.1")))
+        # A port that every task of the job derives alike.
+        env.setdefault("MASTER_PORT", str(20000 + int(env.get("SLURM_JOB_ID", "0")) % 20000))
+        return rank, world, local, True
+    env.setdefault("MASTER_ADDR", "127.0.0.1")
+    env.setdefault("MASTER_PORT", str(_free_port()))
+    return 0, 1, 0, "SLURM_JOB_ID" in env
+
+
+def resolve_device(pref: str, local_rank: int) -> torch.device:
+    if pref == "cuda" and not torch.cuda.is_available():
+        raise ValueError("trainer.device=cuda but no CUDA device is available (use auto or cpu)")
+    if pref == "cuda" or (pref == "auto" and torch.cuda.is_available()):
+        torch.cuda.set_device(local_rank % torch.cuda.device_count())
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def init_distributed(args: DistributedArgs, device_pref: str = "auto") -> DistInfo:
+    """Join (or create) the process group; idempotent."""
+    rank, world, local, slurm = dist_env()
+    device = resolve_device(device_pref, local)
+    backend = args.backend if args.backend != "auto" else ("nccl" if device.type == "cuda" else "gloo")
+    if backend == "nccl" and device.type != "cuda":
+        raise ValueError("distributed.backend=nccl needs trainer.device cuda")
+    if device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = args.allow_tf32
+        torch.backends.cudnn.allow_tf32 = args.allow_tf32
+    if not dist.is_initialized():
+        dist.init_process_group(
+            backend=backend,
+            rank=rank,
+            world_size=world,
+            timeout=datetime.timedelta(minutes=args.timeout_min),
+            device_id=device if device.type == "cuda" else None,
+        )
+    return DistInfo(rank, world, local, device, backend, slurm)
+
+
+def destroy_distributed() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def parallelize(model: nn.Module, info: DistInfo, args: DistributedArgs) -> nn.Module:
+    """Apply AC -> compile -> FSDP2 to a (meta-device) Transformer, in place."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    # 1. Activation checkpointing wraps each block, so the recomputation unit is a block.
+    #    (The wrapper's "_checkpoint_wrapped_module" prefix is stripped by DCP's
+    #    get_state_dict, so checkpoint keys stay Lingua's.)
+    if args.activation_checkpointing:
+        from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+        for i, block in enumerate(model.layers):
+            model.layers[i] = checkpoint_wrapper(block, preserve_rng_state=False)
+    # 2. Compile per block, in place (Module.compile keeps parameter names, no _orig_mod),
+    #    before FSDP so that its hooks stay outside the compiled graph.
+    if args.compile:
+        for block in model.layers:
+            block.compile()
+    # 3. FSDP2: one all-gather unit per block, then the root (embeddings + final norm,
+    #    and the tied output head that shares the embedding).
+    mesh = init_device_mesh(info.device.type, (info.world_size,))
+    kwargs = {"mesh": mesh}
+    if info.device.type == "cuda":
+        kwargs["mp_policy"] = MixedPrecisionPolicy(
+            param_dtype=DTYPES[args.param_dtype], reduce_dtype=DTYPES[args.reduce_dtype]
+        )
+    for i, block in enumerate(model.layers):
+        # The last block's parameters are needed again at once by backward: keep them.
+        reshard = args.reshard_after_forward and i < len(model.layers) - 1
+        fully_shard(block, reshard_after_forward=reshard, **kwargs)
+    fully_shard(model, reshard_after_forward=args.reshard_after_forward, **kwargs)
+    return model
+
+
+def materialize(
+    model: nn.Module,
+    info: DistInfo,
+    full_state: Optional[dict] = None,
+    model_args=None,
+) -> None:
+    """Allocate the sharded parameters on the device and fill them with full weights.
+
+    ``full_state`` (needed on rank 0 only): a full state dict (CPU), e.g. a stage's
+    source weights; None = the model's seeded init, computed on rank 0's CPU with
+    ``build_model(model_args, "cpu")``. Rank 0 broadcasts; every rank keeps its shard.
+    """
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    from mta_repro.model import build_model
+
+    model.to_empty(device=info.device)
+    if info.is_main:
+        if full_state is None:
+            full_state = build_model(model_args if model_args is not None else model.args, device="cpu").state_dict()
+    else:
+        full_state = {}
+    set_model_state_dict(
+        model,
+        full_state,
+        options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=True),
+    )

@@ -1,0 +1,60 @@
+"""Consolidated single-file export for evaluation.
+
+``<run_dir>/export/consolidated.pt`` = ``{"model": full fp32 state dict (Lingua keys),
+"config": the resolved run config as a plain dict, "step": int}``, made from the latest
+complete DCP checkpoint in a single process (no process group needed).
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from pathlib import Path
+from typing import Optional, Union
+
+import torch
+import torch.distributed.checkpoint as dcp
+from omegaconf import OmegaConf
+
+from mta_repro.train.checkpoint import latest_checkpoint
+
+
+def export_consolidated(run_dir: Union[str, Path], checkpoint: Optional[Path] = None) -> Path:
+    """Write ``<run_dir>/export/consolidated.pt`` from ``checkpoint`` (default: latest)."""
+    from mta_repro.model import build_model, to_model_args
+
+    run_dir = Path(run_dir)
+    cfg_file = run_dir / "config.yaml"
+    if not cfg_file.is_file():
+        raise ValueError(f"{cfg_file}: missing (is {run_dir} a training run directory?)")
+    ckpt = Path(checkpoint) if checkpoint is not None else latest_checkpoint(run_dir)
+    if ckpt is None:
+        raise ValueError(f"{run_dir}/checkpoints: no complete checkpoint to export")
+    cfg = OmegaConf.load(cfg_file)
+    model = build_model(to_model_args(cfg.model), device="cpu", init=False)
+    state = {"model": model.state_dict(), "step": -1}
+    # no_dist: this process reads every shard itself, whatever the saving world size.
+    with warnings.catch_warnings():  # DCP warns that it loads in a single process: intended
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.load(state, checkpoint_id=str(ckpt), no_dist=True)
+    sd = {k: (v.float() if v.is_floating_point() else v).contiguous() for k, v in state["model"].items()}
+    out = run_dir / "export" / "consolidated.pt"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_suffix(".pt.tmp")
+    torch.save(
+        {"model": sd, "config": OmegaConf.to_container(cfg, resolve=True), "step": int(state["step"])}, tmp
+    )
+    os.replace(tmp, out)  # atomic: readers never see a half-written export
+    return out
+
+
+def main() -> None:  # python -m mta_repro.train.export <run_dir>
+    import sys
+
+    if len(sys.argv) != 2:
+        raise SystemExit("usage: python -m mta_repro.train.export <run_dir>")
+    print(export_consolidated(sys.argv[1]))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,153 @@
+"""metrics.jsonl, the progress bar, wandb and MFU.
+
+MFU = achieved FLOP/s / (peak FLOP/s of one device * world size), with the FLOPs per
+token of the variant that runs (``mta_repro.model.flops.train_flops_per_token``, spec
+section 7) and the dense bf16 peak of the device that ran, looked up by its name; the
+peak is unknown on CPU (and on unlisted GPUs), and ``mfu`` is then null.
+"""
+
+from __future__ import annotations
+
+import json
+import resource
+import sys
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+
+# Dense (no sparsity) bf16 tensor-core peaks, FLOP/s, from the vendors' datasheets.
+# Longest matching name wins ("H100 PCIe" before "H100").
+PEAK_BF16_FLOPS = {
+    "H200": 989e12,
+    "GH200": 989e12,
+    "H100 PCIe": 756e12,
+    "H100": 989e12,
+    "H800": 989e12,
+    "B200": 2250e12,
+    "A100": 312e12,
+    "A800": 312e12,
+    "L40S": 362e12,
+    "A6000": 155e12,
+    "A10G": 70e12,
+    "V100": 125e12,  # fp16 (no bf16 on V100)
+}
+
+
+def device_peak_flops(device: torch.device) -> Optional[float]:
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    for key in sorted(PEAK_BF16_FLOPS, key=len, reverse=True):
+        if key in name:
+            return PEAK_BF16_FLOPS[key]
+    return None
+
+
+def peak_mem_gb(device: torch.device) -> float:
+    """Peak allocated accelerator memory, or on CPU the peak resident set size."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
+    return rss * (1 if sys.platform == "darwin" else 1024) / 2**30
+
+
+def mfu(tokens_per_s: float, flops_per_token: float, peak: Optional[float], world_size: int) -> Optional[float]:
+    if not peak:
+        return None
+    return tokens_per_s * flops_per_token / (peak * world_size)
+
+
+def truncate_after(path: Path, step: int) -> None:
+    """Drop metric lines of steps after ``step`` (a crashed run logged them; the resumed
+    run logs them again)."""
+    if not path.is_file():
+        return
+    keep = []
+    for line in path.read_text().splitlines():
+        try:
+            if json.loads(line).get("step", 0) <= step:
+                keep.append(line)
+        except json.JSONDecodeError:  # a torn last line from a kill
+            continue
+    path.write_text("".join(l + "\n" for l in keep))
+
+
+class MetricLogger:
+    """Rank 0 writes; other ranks call it harmlessly."""
+
+    def __init__(self, run_dir: Path, logging_args, config: dict, is_main: bool, total: int, start: int):
+        self.is_main = is_main
+        self.path = Path(run_dir) / "metrics.jsonl"
+        self.bar = None
+        self.wandb = None
+        if not is_main:
+            return
+        truncate_after(self.path, start)
+        self.file = open(self.path, "a")
+        if logging_args.progress_bar:
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=total, initial=start, desc="train", dynamic_ncols=True, file=sys.stderr)
+        if logging_args.wandb_mode != "disabled":
+            import os
+
+            import wandb
+
+            id_file = Path(run_dir) / "wandb_id.txt"
+            run_id = id_file.read_text().strip() if id_file.is_file() else wandb.util.generate_id()
+            id_file.write_text(run_id)
+            os.environ.setdefault("WANDB_SILENT", "true")
+            self.wandb = wandb.init(
+                project=logging_args.wandb_project,
+                name=logging_args.wandb_name or Path(run_dir).resolve().name,
+                dir=str(run_dir),
+                id=run_id,
+                resume="allow",
+                mode=logging_args.wandb_mode,
+                config=config,
+            )
+
+    def log(self, metrics: dict[str, Any]) -> None:
+        if not self.is_main:
+            return
+        self.file.write(json.dumps(metrics) + "\n")
+        self.file.flush()
+        if self.wandb is not None:
+            self.wandb.log({k: v for k, v in metrics.items() if isinstance(v, (int, float))}, step=metrics["step"])
+        if self.bar is not None:
+            self.bar.set_postfix(loss=f"{metrics['loss']:.4f}", tok_s=f"{metrics['tokens_per_s']:.0f}")
+
+    def advance(self, n: int = 1) -> None:
+        if self.bar is not None:
+            self.bar.update(n)
+
+    def close(self) -> None:
+        if not self.is_main:
+            return
+        self.file.close()
+        if self.bar is not None:
+            self.bar.close()
+        if self.wandb is not None:
+            self.wandb.finish()
+
+
+class Throughput:
+    """Tokens/s between two log points (wall clock, synchronised with the device)."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.t = time.perf_counter()
+        self.tokens = 0
+
+    def add(self, n: int) -> None:
+        self.tokens += n
+
+    def rate(self) -> float:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        now = time.perf_counter()
+        out = self.tokens / max(now - self.t, 1e-9)
+        self.t, self.tokens = now, 0
+        return out
