@@ -12,8 +12,9 @@ Two layouts (``data.layout``):
 Per-rank sharding (``shard_files``) reads every line of every file exactly once per
 epoch across the ranks, for any world size: with at least as many files as ranks, file
 i goes to rank i % world_size (ranks may get one file more than others); with fewer
-files than ranks, the ranks are dealt round-robin onto the files and the ranks sharing a
-file take its lines in turn (line j to the (j % n)-th of its n ranks).
+files than ranks, each file is cut into k = W / gcd(files, W) parts by line number
+(line j in part j % k) and the lcm(files, W) parts are dealt round-robin, so every rank
+reads the same number of parts (balanced to a line per part).
 
 A stream's position is plain data: shard file index, line number and byte offset (in
 the decompressed stream) of the next line, epoch. Plain files are resumed with a seek,
@@ -25,6 +26,7 @@ from __future__ import annotations
 import io
 import json
 import logging
+import math
 import re
 from pathlib import Path
 from typing import Dict, Iterator, List, Optional, Tuple
@@ -108,8 +110,12 @@ def shard_files(files: List[str], rank: int, world_size: int) -> List[Tuple[str,
     n = len(files)
     if n >= world_size:
         return [(f, 1, 0) for f in files[rank::world_size]]
-    f = rank % n
-    return [(files[f], len(range(f, world_size, n)), rank // n)]
+    # Fewer files than ranks: cut each file into k = W / gcd(n, W) line-strided parts,
+    # n * k = lcm(n, W) parts in all, dealt round-robin: every rank gets n / gcd parts,
+    # so the ranks' shares differ by at most one line per part.
+    k = world_size // math.gcd(n, world_size)
+    parts = [(f, k, j) for j in range(k) for f in files]
+    return parts[rank::world_size]
 
 
 class _LineReader:
