@@ -1,0 +1,224 @@
+"""Multi-needle needle-in-a-haystack (spec section 4; the template is the project's).
+
+Template (RULER-style needles, Kamradt-style insertion), all at the token level of the
+model's tokenizer so that every prompt is exactly ``context_len`` tokens long:
+
+    [BOS] PREAMBLE + haystack-with-needles + QUESTION
+
+- PREAMBLE = "Some special magic numbers are hidden within the following text. Make
+  sure to memorize it. I will quiz you about the numbers afterwards.\\n"
+- needle i = " One of the special magic numbers for {key_i} is: {value_i}." with a
+  distinct ``adjective-noun`` key and a distinct 7-digit value.
+- Insertion (Kamradt's multi-needle tester): needle 0 at ``depth`` % of the haystack,
+  needle i at depth + i * (100 - depth) / n_needles %; each position is moved back to
+  the previous sentence end of the background (a token ending in . ! or ?), or to the
+  haystack start if there is none. Background = consecutive tokens of the corpus from
+  a random sentence start.
+- QUESTION (query="one", default: one needle, chosen at random, is asked for, the
+  others are distractors) = "\\nWhat is the special magic number for {key} mentioned in
+  the provided text? The special magic number for {key} mentioned in the provided
+  text is"; query="all" asks for every number ("What are all the special magic numbers
+  mentioned in the provided text? The special magic numbers mentioned in the provided
+  text are").
+- Score (RULER string match): the fraction of the asked-for values that occur in the
+  greedy answer (``max_new_tokens`` tokens, cut at the first newline).
+Results: accuracy per (context length, needle count, depth), and per needle count
+averaged over depths (the paper's presentation).
+"""
+
+from __future__ import annotations
+
+import bisect
+import random
+from dataclasses import dataclass
+from typing import Iterable, Optional, Sequence
+
+import torch
+
+PREAMBLE = (
+    "Some special magic numbers are hidden within the following text. "
+    "Make sure to memorize it. I will quiz you about the numbers afterwards.\n"
+)
+NEEDLE = "One of the special magic numbers for {key} is: {value}."
+QUESTION_ONE = (
+    "\nWhat is the special magic number for {key} mentioned in the provided text? "
+    "The special magic number for {key} mentioned in the provided text is"
+)
+QUESTION_ALL = (
+    "\nWhat are all the special magic numbers mentioned in the provided text? "
+    "The special magic numbers mentioned in the provided text are"
+)
+_ADJ = (
+    "amber brave calm dusty eager fancy gentle hollow icy jolly keen lively misty noble "
+    "odd proud quiet rapid silent tidy urban vivid witty young zesty bold crisp"
+).split()
+_NOUN = (
+    "apple bridge candle dragon engine falcon garden harbor island jacket kettle ladder "
+    "meadow needle orchard pepper quartz river saddle tiger umbrella valley window yacht zebra"
+).split()
+
+
+@dataclass
+class NeedleSample:
+    tokens: list  # the prompt, exactly context_len ids (BOS included)
+    keys: list  # needle keys, in insertion order
+    values: list  # their 7-digit values (strings)
+    answers: list  # the values the question asks for
+    positions: list  # token index where each needle starts in ``tokens``
+    depth: float
+    context_len: int
+
+
+def score_answer(answer: str, references: Sequence[str]) -> float:
+    """RULER string match: fraction of the reference strings that occur in the answer."""
+    if not references:
+        raise ValueError("score_answer: no reference values")
+    return sum(ref in answer for ref in references) / len(references)
+
+
+class Haystack:
+    """Tokenized background text with its sentence ends, sampled by windows."""
+
+    def __init__(self, tokenizer, docs: Iterable[str], max_chars: int = 2_000_000):
+        ids: list = []
+        n_chars = 0
+        for doc in docs:
+            ids.extend(tokenizer.encode(doc, add_bos=False, add_eos=False))
+            n_chars += len(doc)
+            if n_chars >= max_chars:
+                break
+        if not ids:
+            raise ValueError("needle: the background corpus is empty")
+        self.ids = ids
+        end_ids = {i for i in set(ids) if tokenizer.decode([i]).rstrip().endswith((".", "!", "?"))}
+        # boundary b: a sentence ends right before token b
+        self.ends = [b + 1 for b, t in enumerate(ids) if t in end_ids]
+
+    def window(self, length: int, rng: random.Random) -> list:
+        """``length`` consecutive tokens starting after a sentence end (cycling)."""
+        starts = self.ends or [0]
+        start = starts[rng.randrange(len(starts))] % len(self.ids)
+        out = []
+        while len(out) < length:
+            out.extend(self.ids[start : start + length - len(out)])
+            start = 0
+        return out
+
+
+class NeedleGenerator:
+    def __init__(self, tokenizer, haystack: Haystack, query: str = "one"):
+        if query not in ("one", "all"):
+            raise ValueError(f"eval.needle.query: expected 'one' or 'all', got {query!r}")
+        self.tok, self.hay, self.query = tokenizer, haystack, query
+        self._end_ids = None
+
+    def _enc(self, text: str) -> list:
+        return self.tok.encode(text, add_bos=False, add_eos=False)
+
+    def fixed_tokens(self, n_needles: int) -> int:
+        """Tokens that are not background, for the longest keys/values (budget check)."""
+        key = max((f"{a}-{n}" for a in _ADJ for n in _NOUN), key=lambda k: len(self._enc(k)))
+        needle = len(self._enc(" " + NEEDLE.format(key=key, value="9999999")))
+        q = QUESTION_ONE.format(key=key) if self.query == "one" else QUESTION_ALL
+        return 1 + len(self._enc(PREAMBLE)) + n_needles * needle + len(self._enc(q)) + 2
+
+    def check_budget(self, context_len: int, n_needles: int) -> None:
+        need = self.fixed_tokens(n_needles)
+        if need > context_len:
+            raise ValueError(
+                f"eval.needle: a context of {context_len} tokens cannot hold {n_needles} needles "
+                f"plus the preamble and question (needs at least {need} tokens)"
+            )
+
+    def sample(self, context_len: int, n_needles: int, depth: float, rng: random.Random) -> NeedleSample:
+        if not 0 <= depth <= 100:
+            raise ValueError(f"eval.needle.depths: expected percentages in [0, 100], got {depth}")
+        if not 1 <= n_needles <= len(_ADJ) * len(_NOUN):
+            raise ValueError(f"eval.needle.needle_counts: bad needle count {n_needles}")
+        pairs = rng.sample([(a, n) for a in _ADJ for n in _NOUN], n_needles)
+        keys = [f"{a}-{n}" for a, n in pairs]
+        values = [str(v) for v in rng.sample(range(1_000_000, 10_000_000), n_needles)]
+        needles = [self._enc(" " + NEEDLE.format(key=k, value=v)) for k, v in zip(keys, values)]
+        asked = [rng.randrange(n_needles)] if self.query == "one" else list(range(n_needles))
+        question = QUESTION_ONE.format(key=keys[asked[0]]) if self.query == "one" else QUESTION_ALL
+        head = [self.tok.bos_id] + self._enc(PREAMBLE)
+        tail = self._enc(question)
+        n_bg = context_len - len(head) - len(tail) - sum(len(n) for n in needles)
+        if n_bg < 0:
+            raise ValueError(
+                f"eval.needle: a context of {context_len} tokens cannot hold {n_needles} needles "
+                f"plus the preamble and question (needs {context_len - n_bg} tokens)"
+            )
+        bg = self.hay.window(n_bg, rng)
+        # sentence ends inside this window (token boundaries 0..n_bg)
+        ends = self._window_ends(bg)
+        interval = (100.0 - depth) / n_needles
+        cuts = []
+        for i in range(n_needles):
+            target = int(round(n_bg * min(100.0, depth + i * interval) / 100.0))
+            j = bisect.bisect_right(ends, target) - 1  # previous sentence end
+            cut = ends[j] if j >= 0 else 0
+            cuts.append(max(cut, cuts[-1] if cuts else 0))  # keep insertion order
+        tokens, positions, prev = list(head), [], 0
+        for cut, needle in zip(cuts, needles):
+            tokens.extend(bg[prev:cut])
+            positions.append(len(tokens))
+            tokens.extend(needle)
+            prev = cut
+        tokens.extend(bg[prev:])
+        tokens.extend(tail)
+        assert len(tokens) == context_len, (len(tokens), context_len)
+        return NeedleSample(tokens, keys, values, [values[a] for a in asked], positions, depth, context_len)
+
+    def _window_ends(self, bg: list) -> list:
+        if self._end_ids is None:
+            self._end_ids = {
+                i for i in set(self.hay.ids) if self.tok.decode([i]).rstrip().endswith((".", "!", "?"))
+            }
+        return [0] + [b + 1 for b, t in enumerate(bg) if t in self._end_ids]
+
+
+@torch.no_grad()
+def run_needle(
+    model,
+    tokenizer,
+    background: Iterable[str],
+    context_lens: Sequence[int] = (2048,),
+    needle_counts: Sequence[int] = (2, 4, 6, 8, 10),
+    depths: Sequence[float] = (0, 25, 50, 75, 100),
+    samples: int = 500,
+    query: str = "one",
+    max_new_tokens: int = 16,
+    batch_size: int = 8,
+    seed: int = 0,
+    max_background_chars: int = 2_000_000,
+) -> dict:
+    """Accuracy per (context length, needle count, depth); nested dict, JSON-ready."""
+    from mta_repro.eval.generate import generate
+
+    gen = NeedleGenerator(tokenizer, Haystack(tokenizer, background, max_background_chars), query)
+    for c in context_lens:  # every bad setting fails before any model work
+        for n in needle_counts:
+            gen.check_budget(int(c), int(n))
+    rng = random.Random(seed)
+    results: dict = {"settings": {"query": query, "samples": samples, "max_new_tokens": max_new_tokens, "seed": seed}}
+    table: dict = {}
+    for c in context_lens:
+        for n in needle_counts:
+            per_depth = {}
+            for d in depths:
+                batch = [gen.sample(int(c), int(n), float(d), rng) for _ in range(samples)]
+                scores = []
+                for s in range(0, len(batch), batch_size):
+                    chunk = batch[s : s + batch_size]
+                    res = generate(model, [x.tokens for x in chunk], max_new_tokens, eos_id=tokenizer.eos_id)
+                    for x, ids in zip(chunk, res.tokens):
+                        answer = tokenizer.decode([i for i in ids if i != tokenizer.eos_id]).split("\n")[0]
+                        scores.append(score_answer(answer, x.answers))
+                per_depth[str(d)] = sum(scores) / len(scores)
+            table.setdefault(str(c), {})[str(n)] = {
+                "by_depth": per_depth,
+                "mean": sum(per_depth.values()) / len(per_depth),
+            }
+    results["accuracy"] = table
+    return results

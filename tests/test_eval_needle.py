@@ -1,0 +1,105 @@
+"""Multi-needle NIAH: exact token budgets, placement at sentence ends, scoring."""
+
+import random
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent / "fixtures" / "eval"))
+from eval_helpers import make_tokenizer, tiny_model  # noqa: E402
+
+from mta_repro.eval.needle import NEEDLE, PREAMBLE, QUESTION_ONE, Haystack, NeedleGenerator, run_needle, score_answer  # noqa: E402
+
+BACKGROUND = [
+    " ".join(f"Sentence number {i} talks about the weather in town {i % 7}." for i in range(400)),
+    "A second document. It has short sentences! Does it ask questions? Yes.",
+]
+
+
+def sp_tokenizer():
+    from mta_repro.data import DataArgs, build_tokenizer
+
+    return build_tokenizer(DataArgs().tokenizer)
+
+
+def book_docs():
+    from mta_repro.data import DataArgs, iter_validation_docs
+
+    return iter_validation_docs(DataArgs(), "book")
+
+
+@pytest.mark.parametrize("which", ["bytes", "sentencepiece"])
+def test_exact_lengths_and_placement(which):
+    tok = make_tokenizer() if which == "bytes" else sp_tokenizer()
+    docs = BACKGROUND if which == "bytes" else book_docs()
+    gen = NeedleGenerator(tok, Haystack(tok, docs, max_chars=300_000))
+    rng = random.Random(0)
+    for ctx in (2048, 4096) if which == "sentencepiece" else (1024,):
+        for n in (2, 10):
+            for depth in (0, 25, 50, 75, 100):
+                s = gen.sample(ctx, n, depth, rng)
+                assert len(s.tokens) == ctx and s.tokens[0] == tok.bos_id
+                text = tok.decode(s.tokens)
+                assert len(set(s.values)) == n and all(len(v) == 7 and v.isdigit() for v in s.values)
+                starts = []
+                for k, v, pos in zip(s.keys, s.values, s.positions):
+                    needle = NEEDLE.format(key=k, value=v)
+                    assert text.count(needle) == 1
+                    assert needle in tok.decode(s.tokens[pos:]).lstrip()[: len(needle)]
+                    starts.append(pos)
+                    # inserted right after a sentence end (or at the haystack start)
+                    before = tok.decode(s.tokens[1:pos]).rstrip()
+                    assert before.endswith((".", "!", "?")) or before == PREAMBLE.rstrip()
+                assert starts == sorted(starts)
+                assert s.answers[0] in s.values and len(s.answers) == 1
+                asked = s.keys[s.values.index(s.answers[0])]
+                assert text.endswith(QUESTION_ONE.format(key=asked))
+
+
+def test_depth_is_respected():
+    tok = make_tokenizer()
+    gen = NeedleGenerator(tok, Haystack(tok, BACKGROUND))
+    enc = lambda t: tok.encode(t, add_bos=False, add_eos=False)  # noqa: E731
+    longest_sentence = 70  # bytes of one BACKGROUND sentence, at most
+    for depth in (0, 25, 50, 75, 100):
+        s = gen.sample(2048, 2, depth, random.Random(depth))
+        head = 1 + len(enc(PREAMBLE))
+        needles = [len(enc(" " + NEEDLE.format(key=k, value=v))) for k, v in zip(s.keys, s.values)]
+        n_bg = 2048 - head - sum(needles) - len(enc(QUESTION_ONE.format(key=s.keys[s.values.index(s.answers[0])])))
+        target = round(n_bg * depth / 100)
+        first = s.positions[0] - head  # background tokens before the first needle
+        assert target - longest_sentence <= first <= target
+        # the second needle at depth + (100 - depth)/2 percent, in background tokens
+        second = s.positions[1] - head - needles[0]
+        target2 = round(n_bg * (depth + (100 - depth) / 2) / 100)
+        assert target2 - longest_sentence <= second <= target2
+
+
+def test_budget_too_small_is_a_clear_error():
+    tok = make_tokenizer()
+    gen = NeedleGenerator(tok, Haystack(tok, BACKGROUND))
+    with pytest.raises(ValueError, match="cannot hold 10 needles"):
+        gen.check_budget(256, 10)
+    with pytest.raises(ValueError, match="cannot hold 10 needles"):
+        run_needle(tiny_model("baseline", vocab_size=tok.n_words), tok, BACKGROUND, context_lens=[256], needle_counts=[10])
+
+
+def test_scoring_on_hand_made_answers():
+    assert score_answer(" 1234567.", ["1234567"]) == 1.0
+    assert score_answer(" 1234568", ["1234567"]) == 0.0
+    assert score_answer("7654321 and 1234567", ["1234567", "7654321"]) == 1.0
+    assert score_answer("only 1234567", ["1234567", "7654321"]) == 0.5
+
+
+def test_run_needle_end_to_end_on_tiny_model():
+    tok = make_tokenizer()
+    model = tiny_model("mta", vocab_size=tok.n_words)
+    out = run_needle(model, tok, BACKGROUND, context_lens=[640], needle_counts=[2, 3], depths=[0, 100],
+                     samples=2, max_new_tokens=4, batch_size=2)
+    acc = out["accuracy"]["640"]
+    assert set(acc) == {"2", "3"}
+    for row in acc.values():
+        assert set(row["by_depth"]) == {"0.0", "100.0"}
+        assert row["mean"] == pytest.approx(sum(row["by_depth"].values()) / 2)
+        assert all(0.0 <= v <= 1.0 for v in row["by_depth"].values())
