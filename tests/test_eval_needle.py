@@ -100,6 +100,6 @@ def test_run_needle_end_to_end_on_tiny_model():
     acc = out["accuracy"]["640"]
     assert set(acc) == {"2", "3"}
     for row in acc.values():
-        assert set(row["by_depth"]) == {"0.0", "100.0"}
+        assert set(row["by_depth"]) == {"0", "100"}
         assert row["mean"] == pytest.approx(sum(row["by_depth"].values()) / 2)
         assert all(0.0 <= v <= 1.0 for v in row["by_depth"].values())

@@ -215,7 +215,7 @@ def run_needle(
                     for x, ids in zip(chunk, res.tokens):
                         answer = tokenizer.decode([i for i in ids if i != tokenizer.eos_id]).split("\n")[0]
                         scores.append(score_answer(answer, x.answers))
-                per_depth[str(d)] = sum(scores) / len(scores)
+                per_depth[f"{float(d):g}"] = sum(scores) / len(scores)
             table.setdefault(str(c), {})[str(n)] = {
                 "by_depth": per_depth,
                 "mean": sum(per_depth.values()) / len(per_depth),
