@@ -146,44 +146,60 @@ class _LineReader:
         self.raw.close()
 
 
-def parse_record(line: bytes, set_name: Optional[str], counts: Optional[Dict[str, int]]) -> Optional[str]:
-    """The document text of a JSON line, or None (a bad record, counted if ``counts``, or
-    a record of another domain when ``set_name`` is given)."""
+def _bad(counts: Optional[Dict[str, int]], kind: str) -> None:
+    if counts is not None:
+        counts[kind] = counts.get(kind, 0) + 1
+        n = counts[kind]
+        if n <= 5 or n % 1000 == 0:
+            log.warning("data: skipped a bad record (%s); %d so far", kind, n)
+    return None
 
-    def bad(kind: str) -> None:
-        if counts is not None:
-            counts[kind] = counts.get(kind, 0) + 1
-            n = counts[kind]
-            if n <= 5 or n % 1000 == 0:
-                log.warning("data: skipped a bad record (%s); %d so far", kind, n)
-        return None
 
+def record_fields(rec, with_meta: bool, counts: Optional[Dict[str, int]]) -> Optional[Tuple[Optional[str], str]]:
+    """(set name or None, text) of a parsed record, or None for a bad one (counted)."""
+    if not isinstance(rec, dict):
+        return _bad(counts, "malformed_json")
+    text = rec.get("text")
+    if not isinstance(text, str):
+        return _bad(counts, "missing_text")
+    name = None
+    if with_meta:
+        meta = rec.get("meta")
+        if isinstance(meta, str):  # parquet exports may hold meta as a JSON string
+            try:
+                meta = json.loads(meta)
+            except ValueError:
+                meta = None
+        name = meta.get("redpajama_set_name") if isinstance(meta, dict) else None
+        if not isinstance(name, str):
+            return _bad(counts, "missing_meta")
+        if name not in DOMAIN_OF_SET:
+            return _bad(counts, "unknown_set")
+    if not text.strip():
+        return _bad(counts, "empty")
+    return name, text
+
+
+def parse_line(line: bytes, with_meta: bool, counts: Optional[Dict[str, int]]) -> Optional[Tuple[Optional[str], str]]:
+    """(set name or None, text) of a JSON line, or None for a bad record (counted)."""
     try:
         s = line.decode("utf-8")
     except UnicodeDecodeError:
-        return bad("undecodable")
+        return _bad(counts, "undecodable")
     try:
         rec = json.loads(s)
     except ValueError:
-        return bad("malformed_json")
-    if not isinstance(rec, dict):
-        return bad("malformed_json")
-    text = rec.get("text")
-    if not isinstance(text, str):
-        return bad("missing_text")
-    if set_name is not None:
-        meta = rec.get("meta")
-        name = meta.get("redpajama_set_name") if isinstance(meta, dict) else None
-        if not isinstance(name, str):
-            return bad("missing_meta")
-        if name not in DOMAIN_OF_SET:
-            return bad("unknown_set")
-        if not text.strip():
-            return bad("empty")
-        return text if name == set_name else None
-    if not text.strip():
-        return bad("empty")
-    return text
+        return _bad(counts, "malformed_json")
+    return record_fields(rec, with_meta, counts)
+
+
+def parse_record(line: bytes, set_name: Optional[str], counts: Optional[Dict[str, int]]) -> Optional[str]:
+    """The document text of a JSON line, or None (a bad record, counted if ``counts``, or
+    a record of another domain when ``set_name`` is given)."""
+    r = parse_line(line, set_name is not None, counts)
+    if r is None or (set_name is not None and r[0] != set_name):
+        return None
+    return r[1]
 
 
 class DocStream:

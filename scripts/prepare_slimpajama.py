@@ -1,0 +1,220 @@
+#!/usr/bin/env python3
+"""Turn the SlimPajama release (or the SlimPajama-6B parquet subset) into per-domain shards.
+
+Input (``--src``), either
+  - the SlimPajama-627B release: ``train/chunkK/example_train_N.jsonl.zst`` and
+    ``validation/chunkK/example_holdout_N.jsonl.zst`` (``.jsonl`` also read), or
+  - SlimPajama-6B (parquet): ``data/train-*.parquet``, ``data/validation-*.parquet``;
+records ``{"text", "meta": {"redpajama_set_name"}}``.
+
+Output (``--out``), the ``domains`` layout read by ``data.layout=domains`` (and, uncompressed,
+by the official release):
+  <out>/<domain>/<domain>.chunk.NN.jsonl.zst   NN = 00 .. chunks-1
+  <out>/<domain>/<domain>.val.jsonl.zst        one validation file per domain
+records keep the release format. Every unit writes a file for each of the 7 domains
+(empty if the inputs hold none of its records), so the layout is the same for any input.
+
+Output chunk k of every domain is made from the input train files of "shard" k of
+``--chunks`` (input file i -> chunk i % chunks; with fewer input files than chunks, the
+files are split by line as the loader splits them among ranks), so chunks are independent
+units of work: each is written to ``*.tmp`` files, renamed when complete, then marked done
+in ``<out>/.prepare/``. A rerun after an interruption skips the chunks marked done and
+rewrites any other (``*.tmp`` leftovers of a half-written chunk are deleted, never used).
+Bad records are skipped and counted (counts in the markers and the final summary).
+
+  python scripts/prepare_slimpajama.py --src /data/SlimPajama-627B --out /data/sp_domains --chunks 32 --workers 16
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from concurrent.futures import ProcessPoolExecutor, as_completed
+from pathlib import Path
+from typing import Dict, Iterator, List, Optional, Tuple
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+from mta_repro.data.sources import (  # noqa: E402
+    DOMAIN_OF_SET,
+    _LineReader,
+    _natural_key,
+    parse_line,
+    record_fields,
+    shard_files,
+)
+
+STATE_DIR = ".prepare"
+
+
+def input_files(src: Path, split: str) -> List[Path]:
+    """The release's or the parquet subset's files of ``split`` ("train"/"validation")."""
+    files = [p for p in (src / split).rglob("*") if p.is_file() and p.name.endswith((".jsonl", ".jsonl.zst"))] if (src / split).is_dir() else []
+    if not files:  # SlimPajama-6B: data/<split>-00000-of-000NN*.parquet
+        files = [p for p in src.rglob(f"{split}-*.parquet")]
+    return sorted(files, key=lambda p: _natural_key(str(p)))
+
+
+def iter_records(path: Path, stride: int, offset: int, counts: Dict[str, int]) -> Iterator[Tuple[str, str]]:
+    """(domain, text) of the good records j of ``path`` with j % stride == offset."""
+    if path.suffix == ".parquet":
+        import pyarrow.parquet as pq
+
+        j = 0
+        for batch in pq.ParquetFile(path).iter_batches(columns=["text", "meta"], batch_size=4096):
+            for rec in batch.to_pylist():
+                if j % stride == offset:
+                    r = record_fields(rec, True, counts)
+                    if r is not None:
+                        yield DOMAIN_OF_SET[r[0]], r[1]
+                j += 1
+        return
+    reader = _LineReader(path, 0)
+    try:
+        j = 0
+        while line := reader.readline():
+            if j % stride == offset and line.strip():
+                r = parse_line(line, True, counts)
+                if r is not None:
+                    yield DOMAIN_OF_SET[r[0]], r[1]
+            j += 1
+    finally:
+        reader.close()
+
+
+class _Writers:
+    """One .tmp zstd writer per domain, opened on first use."""
+
+    def __init__(self, out: Path, name_of) -> None:
+        self.out, self.name_of, self.files = out, name_of, {}
+
+    def write(self, domain: str, text: Optional[str]) -> None:
+        if domain not in self.files:
+            import zstandard
+
+            final = self.out / domain / self.name_of(domain)
+            final.parent.mkdir(parents=True, exist_ok=True)
+            raw = open(str(final) + ".tmp", "wb")
+            self.files[domain] = (final, raw, zstandard.ZstdCompressor(level=3).stream_writer(raw))
+        if text is None:
+            return
+        rec = {"text": text, "meta": {"redpajama_set_name": _SET_OF[domain]}}
+        self.files[domain][2].write((json.dumps(rec, ensure_ascii=False) + "\n").encode("utf-8"))
+
+    def commit(self) -> List[str]:
+        for d in _SET_OF:  # every domain gets its file, possibly empty: a fixed layout
+            if d not in self.files:
+                self.write(d, None)
+        for final, raw, w in self.files.values():
+            w.flush()
+            w.close()  # also closes raw
+            os.replace(str(final) + ".tmp", final)
+        return sorted(self.files)
+
+
+_SET_OF = {d: s for s, d in DOMAIN_OF_SET.items()}
+
+
+def _marker(out: Path, unit: str) -> Path:
+    return out / STATE_DIR / f"{unit}.done"
+
+
+def _clean_tmp(out: Path, suffix: str) -> None:
+    for p in out.glob(f"*/*{suffix}.tmp"):
+        p.unlink()
+
+
+def make_unit(src: str, out: str, unit: str, parts: List[Tuple[str, int, int]], max_docs: Optional[int]) -> dict:
+    """Write one output unit ("chunk.NN" or "val") from its input parts; returns stats."""
+    out_p = Path(out)
+    suffix = f".{unit}.jsonl.zst"
+    _clean_tmp(out_p, suffix)  # half-written by an earlier, interrupted run: not trusted
+    writers = _Writers(out_p, lambda d: f"{d}{suffix}")
+    counts: Dict[str, int] = {}
+    docs: Dict[str, int] = {}
+    for name, stride, offset in parts:
+        for domain, text in iter_records(Path(src) / name, stride, offset, counts):
+            if max_docs is not None and docs.get(domain, 0) >= max_docs:
+                continue
+            writers.write(domain, text)
+            docs[domain] = docs.get(domain, 0) + 1
+    writers.commit()
+    stats = {"unit": unit, "docs": docs, "bad_records": counts, "inputs": [p[0] for p in parts]}
+    tmp = _marker(out_p, unit).with_suffix(".tmp")
+    tmp.write_text(json.dumps(stats))
+    os.replace(tmp, _marker(out_p, unit))
+    return stats
+
+
+def prepare(src, out, chunks: int, workers: int = 1, max_val_docs: Optional[int] = None, progress: bool = True) -> dict:
+    """Make (or finish) ``out`` from ``src``; returns {"done": [...], "skipped": [...], "bad_records": {...}}."""
+    src, out = Path(src), Path(out)
+    if chunks < 1:
+        raise ValueError(f"--chunks={chunks}: expected >= 1")
+    if not src.is_dir():
+        raise ValueError(f"--src={src}: no such directory")
+    train = input_files(src, "train")
+    if not train:
+        raise ValueError(f"--src={src}: no train/**/*.jsonl[.zst] or *train-*.parquet files")
+    val = input_files(src, "validation")
+    (out / STATE_DIR).mkdir(parents=True, exist_ok=True)
+    cfg_path = out / STATE_DIR / "config.json"
+    cfg = {"src": str(src.resolve()), "chunks": chunks, "max_val_docs": max_val_docs,
+           "train_files": len(train), "validation_files": len(val)}
+    if cfg_path.exists():
+        old = json.loads(cfg_path.read_text())
+        if old != cfg:
+            raise ValueError(f"--out={out} was prepared with {old}, not {cfg}: use another --out or delete it")
+    else:
+        cfg_path.write_text(json.dumps(cfg, indent=1))
+
+    rel = [str(p.relative_to(src)) for p in train]
+    units = [(f"chunk.{k:02d}", shard_files(rel, k, chunks), None) for k in range(chunks)]
+    if val:
+        units.append(("val", [(str(p.relative_to(src)), 1, 0) for p in val], max_val_docs))
+    todo = [u for u in units if not _marker(out, u[0]).exists()]
+    skipped = [u[0] for u in units if _marker(out, u[0]).exists()]
+
+    from tqdm import tqdm
+
+    bar = tqdm(total=len(units), initial=len(skipped), desc="prepare slimpajama", unit="shard", disable=not progress)
+    done = []
+    if workers <= 1:
+        for unit, parts, mx in todo:
+            done.append(make_unit(str(src), str(out), unit, parts, mx))
+            bar.update(1)
+    else:
+        with ProcessPoolExecutor(workers) as ex:
+            futs = [ex.submit(make_unit, str(src), str(out), u, p, mx) for u, p, mx in todo]
+            for f in as_completed(futs):
+                done.append(f.result())
+                bar.update(1)
+    bar.close()
+    bad: Dict[str, int] = {}
+    for u, _, _ in units:
+        for k, v in json.loads(_marker(out, u).read_text())["bad_records"].items():
+            bad[k] = bad.get(k, 0) + v
+    return {"done": sorted(s["unit"] for s in done), "skipped": skipped, "bad_records": bad}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--src", required=True, help="SlimPajama-627B release root (or SlimPajama-6B)")
+    ap.add_argument("--out", required=True, help="output root (per-domain layout)")
+    ap.add_argument("--chunks", type=int, default=32, help="train chunks per domain (>= the GPUs is best)")
+    ap.add_argument("--workers", type=int, default=1, help="processes; each writes one chunk at a time")
+    ap.add_argument("--max-val-docs", type=int, default=None, help="cap on validation documents per domain")
+    a = ap.parse_args()
+    try:
+        res = prepare(a.src, a.out, a.chunks, a.workers, a.max_val_docs)
+    except ValueError as e:
+        sys.exit(f"error: {e}")
+    print(json.dumps(res, indent=1))
+
+
+if __name__ == "__main__":
+    main()
