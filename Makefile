@@ -13,7 +13,7 @@ install:
 
 demo: install
 	$(PY) -m mta_repro.params --table
-	$(PY) scripts/smoke_models.py
+	$(PY) -m mta_repro.train experiment=debug run_dir=runs/debug
 
 test: install
 	$(PY) -m pytest -q
