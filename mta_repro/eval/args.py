@@ -1,0 +1,96 @@
+"""The evaluation config (``configs/eval.yaml``; ``python -m mta_repro.eval``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional
+
+from mta_repro.eval.lm_eval_tasks import LAMBADA, PAPER_FEW_SHOT, PAPER_ZERO_SHOT
+
+# Names accepted in ``tasks=[...]`` and the JSON file each writes under <run_dir>/eval/.
+TASK_NAMES = ("ppl", "needle", "babilong", "benchmarks", "lambada")
+
+
+@dataclass
+class PplArgs:
+    # Window length (spec: 2048); each window scores seq_len tokens.
+    seq_len: int = 2048
+    # Windows per batch (spec: 4) and batches per domain at most (spec: 256).
+    batch_size: int = 4
+    max_batches: Optional[int] = 256
+    # Domains to evaluate; null = every domain of the run's data config.
+    domains: Optional[List[str]] = None
+
+
+@dataclass
+class NeedleArgs:
+    # Prompt lengths in tokens of the model's tokenizer (2K pretrained, 4K finetuned).
+    context_lens: List[int] = field(default_factory=lambda: [2048])
+    needle_counts: List[int] = field(default_factory=lambda: [2, 4, 6, 8, 10])
+    depths: List[float] = field(default_factory=lambda: [0, 25, 50, 75, 100])
+    # Samples per (context, needle count, depth) setting (paper: 500).
+    samples: int = 500
+    # "one": ask for one needle's number (others are distractors); "all": every number.
+    query: str = "one"
+    max_new_tokens: int = 16
+    batch_size: int = 8
+    seed: int = 0
+    # Background text: this domain of the run's data config, these splits, in order.
+    background_domain: str = "book"
+    background_splits: List[str] = field(default_factory=lambda: ["validation", "train"])
+    max_background_chars: int = 2_000_000
+
+
+@dataclass
+class BabiLongArgs:
+    tasks: List[str] = field(default_factory=lambda: ["qa1", "qa2", "qa3", "qa4", "qa5"])
+    # "0k".."16k" (or ints, in tokens of the model's tokenizer).
+    lengths: List[str] = field(default_factory=lambda: ["0k", "1k", "2k", "4k"])
+    samples: int = 100
+    # "generated": offline bAbI-style samples in the background corpus; "hf": the
+    # RMT-team/babilong data from the HF hub or its local cache.
+    source: str = "generated"
+    dataset: str = "RMT-team/babilong"
+    max_new_tokens: int = 20
+    batch_size: int = 8
+    seed: int = 0
+    background_domain: str = "book"
+    background_splits: List[str] = field(default_factory=lambda: ["validation", "train"])
+
+
+@dataclass
+class LMEvalArgs:
+    # The paper's benchmarks (zero-shot unless listed in num_fewshot) and LAMBADA.
+    benchmarks: List[str] = field(default_factory=lambda: PAPER_ZERO_SHOT + list(PAPER_FEW_SHOT))
+    lambada: List[str] = field(default_factory=lambda: list(LAMBADA))
+    num_fewshot: Dict[str, int] = field(default_factory=lambda: dict(PAPER_FEW_SHOT))
+    batch_size: int = 8
+    # Longest context in tokens; null = the model's max_seqlen.
+    max_length: Optional[int] = None
+    # Examples per task (null = all), for quick looks; never for reported numbers.
+    limit: Optional[int] = None
+    # A directory of extra task YAMLs (e.g. written by lm_eval_tasks.write_local_task).
+    include_path: Optional[str] = None
+
+
+@dataclass
+class EvalConfig:
+    # Run directory (or consolidated .pt file) to evaluate; the first CLI argument.
+    run_dir: str = "runs/debug"
+    # Which evaluations to run, any of TASK_NAMES.
+    tasks: List[str] = field(default_factory=lambda: ["ppl", "needle", "babilong"])
+    # Where the JSON results go; null = <run_dir>/eval.
+    out_dir: Optional[str] = None
+    device: str = "cpu"
+    # float32 | bfloat16 | float16 | float64
+    dtype: str = "float32"
+    ppl: PplArgs = field(default_factory=PplArgs)
+    needle: NeedleArgs = field(default_factory=NeedleArgs)
+    babilong: BabiLongArgs = field(default_factory=BabiLongArgs)
+    lm_eval: LMEvalArgs = field(default_factory=LMEvalArgs)
+
+
+def register_eval_config() -> None:
+    from hydra.core.config_store import ConfigStore
+
+    ConfigStore.instance().store(name="eval_schema", node=EvalConfig)
