@@ -12,6 +12,7 @@ import json
 import resource
 import sys
 import time
+import uuid
 from pathlib import Path
 from typing import Any, Optional
 
@@ -96,7 +97,7 @@ class MetricLogger:
             import wandb
 
             id_file = Path(run_dir) / "wandb_id.txt"
-            run_id = id_file.read_text().strip() if id_file.is_file() else wandb.util.generate_id()
+            run_id = id_file.read_text().strip() if id_file.is_file() else uuid.uuid4().hex[:8]
             id_file.write_text(run_id)
             os.environ.setdefault("WANDB_SILENT", "true")
             self.wandb = wandb.init(

@@ -1,7 +1,8 @@
-"""Preemption: SIGUSR2 / SIGTERM set a flag; the loop checkpoints at the next step
-boundary and exits cleanly. Under SLURM, SIGUSR2 (``#SBATCH --signal=USR2@120``: the
-time limit is near) also requeues the job; SIGTERM does not, because ``scancel`` sends
-it too and a cancelled job must stay cancelled (SLURM requeues preempted jobs itself).
+"""Preemption: SIGUSR2 / SIGTERM (and SIGUSR1, submitit's time-out signal) set a flag;
+the loop checkpoints at the next step boundary and exits cleanly. Under SLURM, SIGUSR2
+(``#SBATCH --signal=USR2@120``: the time limit is near) and SIGUSR1 also requeue the job;
+SIGTERM does not, because ``scancel`` sends it too and a cancelled job must stay
+cancelled (SLURM requeues preempted jobs itself).
 """
 
 from __future__ import annotations
@@ -15,7 +16,8 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-HANDLED = (signal.SIGUSR2, signal.SIGTERM)
+HANDLED = (signal.SIGUSR1, signal.SIGUSR2, signal.SIGTERM)
+REQUEUE_ON = (signal.SIGUSR1, signal.SIGUSR2)
 
 
 class PreemptionHandler:
@@ -44,9 +46,9 @@ class PreemptionHandler:
 
 
 def requeue_if_slurm(signum: Optional[int], is_main: bool) -> bool:
-    """``scontrol requeue $SLURM_JOB_ID`` from rank 0 after SIGUSR2 under SLURM."""
+    """``scontrol requeue $SLURM_JOB_ID`` from rank 0 after SIGUSR1/2 under SLURM."""
     job = os.environ.get("SLURM_JOB_ID")
-    if not (is_main and job and signum == signal.SIGUSR2):
+    if not (is_main and job and signum in REQUEUE_ON):
         return False
     # An array task is requeued by its own id.
     if os.environ.get("SLURM_ARRAY_JOB_ID") and os.environ.get("SLURM_ARRAY_TASK_ID"):
