@@ -6,43 +6,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from omegaconf import OmegaConf
 
 sys.path.insert(0, str(Path(__file__).parent / "fixtures" / "eval"))
-from eval_helpers import tiny_model  # noqa: E402
+from eval_helpers import make_run  # noqa: E402
 
-from mta_repro.config import compose  # noqa: E402
 from mta_repro.eval.load import load_model  # noqa: E402
 from mta_repro.eval.run import main, parse_argv, run  # noqa: E402
-
-SMALL = [
-    "model.dim=64", "model.n_layers=2", "model.n_heads=4", "model.multiple_of=32",
-    "model.vocab_size=258", "data.tokenizer.name=bytes", "model.kq_conv_layers=1",
-]
-
-
-def make_run(tmp: Path, attention="mta", fmt="consolidated", vocab=258) -> Path:
-    cfg = compose(SMALL + [f"attention={attention}", f"model.vocab_size={vocab}", f"run_dir={tmp}"])
-    plain = OmegaConf.to_container(cfg, resolve=True)
-    from mta_repro.model import build_model
-
-    model = build_model(cfg.model)
-    with torch.no_grad():  # leave identity init, so a wrong load shows up
-        for p in model.parameters():
-            p.add_(0.01 * torch.randn_like(p))
-    tmp.mkdir(parents=True, exist_ok=True)
-    OmegaConf.save(cfg, tmp / "config.yaml")
-    if fmt == "consolidated":
-        (tmp / "export").mkdir()
-        torch.save({"model": model.state_dict(), "config": plain, "step": 7}, tmp / "export" / "consolidated.pt")
-    else:
-        import torch.distributed.checkpoint as dcp
-
-        ck = tmp / "checkpoints" / f"{7:010d}"
-        dcp.save({"model": model.state_dict(), "step": 7}, checkpoint_id=str(ck))
-        (ck / ".complete").touch()
-    return tmp, model
-
 
 @pytest.mark.parametrize("fmt", ["consolidated", "dcp"])
 def test_load_model_gives_the_saved_weights(tmp_path, fmt):

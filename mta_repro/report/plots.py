@@ -1,0 +1,159 @@
+"""The paper's figures as PNG: needles, BabiLong, loss curves, learned MTA kernels."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+from mta_repro.report.tables import RunData  # noqa: E402
+
+
+def _res(run, task):
+    return (run.evals.get(task) or {}).get("results")
+
+
+def _ctx_label(label: str, ctx) -> str:
+    ctx = int(ctx)
+    return f"{label} ({ctx // 1024}K)" if ctx % 1024 == 0 else f"{label} ({ctx} tokens)"
+
+
+def needle_plot(runs, out: Path) -> Optional[Path]:
+    have = [r for r in runs if _res(r, "needle")]
+    if not have:
+        return None
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    all_counts, all_depths = set(), set()
+    for r in have:
+        for ctx, per in sorted(_res(r, "needle")["accuracy"].items(), key=lambda kv: int(kv[0])):
+            counts = sorted(per, key=int)
+            ax1.plot([int(n) for n in counts], [100 * per[n]["mean"] for n in counts], marker="o",
+                     label=_ctx_label(r.label, ctx))
+            depths = sorted({d for n in counts for d in per[n]["by_depth"]}, key=float)
+            acc = [100 * sum(per[n]["by_depth"][d] for n in counts) / len(counts) for d in depths]
+            ax2.plot([float(d) for d in depths], acc, marker="s", label=_ctx_label(r.label, ctx))
+            all_counts.update(int(n) for n in counts)
+            all_depths.update(float(d) for d in depths)
+    ax1.set_xticks(sorted(all_counts))
+    ax2.set_xticks(sorted(all_depths))
+    ax1.set(xlabel="number of needles", ylabel="accuracy (%)", title="Accuracy by needle count (mean over depths)",
+            ylim=(-2, 102))
+    ax2.set(xlabel="depth of the first needle (%)", ylabel="accuracy (%)",
+            title="Accuracy by depth (mean over needle counts)", ylim=(-2, 102))
+    for ax in (ax1, ax2):
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    path = out / "needle.png"
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def babilong_plot(runs, out: Path) -> Optional[Path]:
+    have = [r for r in runs if _res(r, "babilong")]
+    if not have:
+        return None
+    tasks = sorted({t for r in have for t in _res(r, "babilong")["accuracy"]}) + ["mean"]
+    fig, axes = plt.subplots(1, len(tasks), figsize=(3.2 * len(tasks), 3.4), sharey=True, squeeze=False)
+    for ax, task in zip(axes[0], tasks):
+        for r in have:
+            res = _res(r, "babilong")
+            vals = res["mean"] if task == "mean" else res["accuracy"].get(task, {})
+            lengths = list(vals)
+            ax.plot(range(len(lengths)), [100 * vals[x] for x in lengths], marker="o", label=r.label)
+            ax.set_xticks(range(len(lengths)), lengths)
+        ax.set(title=task.upper() if task != "mean" else "QA1-QA5 mean", xlabel="context length", ylim=(-2, 102))
+        ax.grid(alpha=0.3)
+    axes[0][0].set_ylabel("accuracy (%)")
+    axes[0][-1].legend(fontsize=8)
+    fig.tight_layout()
+    path = out / "babilong.png"
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def loss_plot(runs, out: Path) -> Optional[Path]:
+    have = [r for r in runs if r.metrics]
+    if not have:
+        return None
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    for i, r in enumerate(have):
+        color = f"C{i % 10}"
+        pts = [(m["step"], m["loss"]) for m in r.metrics if "step" in m and isinstance(m.get("loss"), (int, float))]
+        if pts:
+            ax.plot(*zip(*pts), color=color, lw=1.2, label=f"{r.label} train")
+        val_keys = sorted({k for m in r.metrics for k in m if k.startswith("val") and "loss" in k})
+        for k in val_keys:
+            vp = [(m["step"], m[k]) for m in r.metrics if isinstance(m.get(k), (int, float))]
+            ax.plot(*zip(*vp), color=color, ls="--", marker=".", label=f"{r.label} {k}")
+        ppl = _res(r, "ppl")
+        if ppl:  # the eval's validation loss (mean over domains) at the evaluated step
+            step = r.evals["ppl"].get("step") or (pts[-1][0] if pts else 0)
+            losses = [d["loss"] for d in ppl["domains"].values()]
+            ax.plot([step], [sum(losses) / len(losses)], color=color, marker="*", ms=12, ls="none",
+                    label=f"{r.label} validation (eval)")
+    ax.set(xlabel="step", ylabel="loss (nats/token)", title="Training and validation loss")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    path = out / "loss_curves.png"
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def load_kernels(run: RunData) -> dict:
+    """{param name: tensor} of the MTA key-query kernels (H, 1, c_q, c_k) of a run."""
+    from mta_repro.eval.load import load_model
+
+    model, _ = load_model(run.path)
+    return {
+        n: p.detach().float().cpu()
+        for n, p in model.named_parameters()
+        if n.endswith("mta_kernel") or n.endswith("mta_kernel_after_sm")
+    }
+
+
+def kernel_plot(run: RunData, out: Path, kernels: Optional[dict] = None) -> list:
+    """Figure 4 style: one small image per (layer, head), for each kernel kind."""
+    kernels = kernels if kernels is not None else load_kernels(run)
+    paths = []
+    for kind, suffix in (("mta_kernel", "pre-softmax"), ("mta_kernel_after_sm", "post-softmax")):
+        ks = sorted(
+            ((int(n.split(".")[1]), k) for n, k in kernels.items() if n.endswith("." + kind)), key=lambda x: x[0]
+        )
+        if not ks:
+            continue
+        n_heads, _, c_q, c_k = ks[0][1].shape
+        cell = 1.6  # inches per kernel image, wide side
+        fig, axes = plt.subplots(
+            len(ks), n_heads, squeeze=False,
+            figsize=(cell * n_heads + 1.6, cell * c_q / c_k * len(ks) + 1.2),
+        )
+        vmax = max(float(k.abs().max()) for _, k in ks) or 1.0
+        im = None
+        for row, (layer, k) in enumerate(ks):
+            for h in range(n_heads):
+                ax = axes[row][h]
+                im = ax.imshow(k[h, 0].numpy(), cmap="RdBu_r", vmin=-vmax, vmax=vmax, aspect="equal")
+                ax.set_xticks([])
+                ax.set_yticks([])
+                if row == 0:
+                    ax.set_title(f"head {h}", fontsize=8)
+                if h == 0:
+                    ax.set_ylabel(f"layer {layer}", fontsize=8)
+        fig.suptitle(f"{run.label}: learned {suffix} key-query kernels\n"
+                     f"(each {c_q}x{c_k}: rows = query offset -{c_q - 1}..0, columns = key offset)", fontsize=9)
+        fig.subplots_adjust(top=1 - 0.9 / fig.get_figheight(), right=0.85, hspace=0.35, wspace=0.1)
+        fig.colorbar(im, ax=axes, shrink=0.8, fraction=0.04)
+        path = out / f"kernels_{run.label}_{suffix}.png"
+        fig.savefig(path, dpi=120)
+        plt.close(fig)
+        paths.append(path)
+    return paths
