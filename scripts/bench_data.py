@@ -20,7 +20,6 @@ Tekken BPE (``mistral_common``, Apache-2.0, fetched with ``pip download --no-dep
 from __future__ import annotations
 
 import argparse
-import base64
 import json
 import statistics
 import subprocess
@@ -126,7 +125,7 @@ def main() -> None:
 
     print(f"\nLoader throughput, one rank, batch {a.batch_size} x {a.seq_len}, bundled corpus, "
           f"median of {a.runs} runs x {a.batches} batches")
-    print(f"| tokenizer | ids | tokens/s (median) | min | max |")
+    print("| tokenizer | ids | tokens/s (median) | min | max |")
     print("|---|---:|---:|---:|---:|")
     for name, r in res.items():
         print(f"| {name} | {r['n_words']} | {r['median']:,.0f} | {r['min']:,.0f} | {r['max']:,.0f} |")

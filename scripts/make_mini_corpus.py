@@ -41,7 +41,6 @@ import re
 import subprocess
 import sys
 import tempfile
-import textwrap
 import xml.etree.ElementTree as ET
 import zipfile
 from pathlib import Path

@@ -8,6 +8,9 @@ through a shuffle buffer (``shuffle_buffer`` windows; each output is a uniformly
 slot that is refilled with the next window) and ``batch_size`` of them form a batch:
 ``input = window[:-1]``, ``target = window[1:]``.
 
+A domain's stream repeats its share of the files in the same order once exhausted
+(epochs are counted in the state); the domain draws and the buffer differ each time.
+
 Every piece of the iterator's state is plain data (``state_dict``): the domain streams'
 file positions, both RNG states, the packing remainder, the buffer's windows, counters.
 ``load_state_dict`` on a fresh loader continues with exactly the batches the original
@@ -163,20 +166,27 @@ class TrainLoader:
             s.close()
 
     # ------------------------------------------------------------------ state
+    def _config(self) -> dict:
+        """The settings a saved state is only valid under."""
+        return {
+            "seq_len": self.args.seq_len,
+            "batch_size": self.args.batch_size,
+            "layout": self.args.layout,
+            "sources": dict(active_sources(self.args)),
+            "shuffle_buffer": self.args.shuffle_buffer,
+            "seed": self.args.seed,
+            "add_bos": self.args.add_bos,
+            "add_eos": self.args.add_eos,
+            "tokenizer": {"name": self.args.tokenizer.name, "n_words": self.tokenizer.n_words},
+        }
+
     def _state(self) -> dict:
         """The pipeline's state now, as plain data (a deep copy)."""
         return {
             "version": STATE_VERSION,
             "rank": self.rank,
             "world_size": self.world_size,
-            "config": {
-                "seq_len": self.args.seq_len,
-                "batch_size": self.args.batch_size,
-                "layout": self.args.layout,
-                "sources": dict(active_sources(self.args)),
-                "shuffle_buffer": self.args.shuffle_buffer,
-                "seed": self.args.seed,
-            },
+            "config": self._config(),
             "streams": {d: s.state_dict() for d, s in self.streams.items()},
             "doc_rng": copy.deepcopy(self.doc_rng.bit_generator.state),
             "buf_rng": copy.deepcopy(self.buf_rng.bit_generator.state),
@@ -202,7 +212,7 @@ class TrainLoader:
                 f"data loader state is of rank {sd['rank']}/{sd['world_size']}, loader is rank "
                 f"{self.rank}/{self.world_size} (resuming on another world size cannot be exact)"
             )
-        mine = self._state()["config"]
+        mine = self._config()
         for key, val in sd["config"].items():
             if mine.get(key) != val:
                 raise ValueError(f"data loader state: data.{key} was {val!r}, the config now has {mine.get(key)!r}")
