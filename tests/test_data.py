@@ -333,3 +333,35 @@ def test_root_config_has_data_group():
     assert cfg.data.seq_len == 2048 and cfg.data.tokenizer.name == "tiktoken"
     assert dict(cfg.data.sources) == pytest.approx({"commoncrawl": 0.726, "c4": 0.081, "github": 0.049, "book": 0.021,
                                                      "arxiv": 0.023, "wikipedia": 0.05, "stackexchange": 0.05})
+
+
+# ----------------------------------------------------------------------------- real ranks
+def _rank_worker(rank, world_size, init_file, out_file):
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
+    try:
+        loader = build_train_loader(DataArgs(seq_len=16, batch_size=2, shuffle_buffer=4, prefetch=2), rank, world_size)
+        mine = torch.stack([next(loader)["input"] for _ in range(3)])  # (3, B, T)
+        loader.close()
+        gathered = [torch.empty_like(mine) for _ in range(world_size)]
+        dist.all_gather(gathered, mine)
+        if rank == 0:
+            torch.save(torch.stack(gathered), out_file)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_two_real_ranks_match_in_process_loaders(tmp_path):
+    """2 spawned gloo processes (prefetch thread on) yield what each rank's loader built
+    in this process yields: the loader depends only on (config, rank, world size)."""
+    import torch.multiprocessing as mp
+
+    out = tmp_path / "batches.pt"
+    mp.spawn(_rank_worker, args=(2, str(tmp_path / "init"), str(out)), nprocs=2, join=True)
+    got = torch.load(out)  # (ranks, 3, B, T)
+    for rank in range(2):
+        loader = build_train_loader(DataArgs(seq_len=16, batch_size=2, shuffle_buffer=4), rank, 2)
+        assert torch.equal(got[rank], torch.stack([next(loader)["input"] for _ in range(3)]))
+    assert not torch.equal(got[0], got[1])
