@@ -14,6 +14,8 @@ install:
 demo: install
 	$(PY) -m mta_repro.params --table
 	$(PY) -m mta_repro.train experiment=debug run_dir=runs/debug
+	$(PY) -m mta_repro.eval runs/debug eval/preset=debug
+	$(PY) -m mta_repro.report runs/debug --out runs/debug/report
 
 test: install
 	$(PY) -m pytest -q
