@@ -40,10 +40,6 @@ log = logging.getLogger(__name__)
 STATE_VERSION = 1
 
 
-class _Stop:
-    pass
-
-
 class TrainLoader:
     def __init__(self, args: DataArgs, rank: int = 0, world_size: int = 1) -> None:
         self.args = to_data_args(args)
@@ -65,7 +61,8 @@ class TrainLoader:
         # buffer size. Seeds combine the data seed with the rank.
         self.doc_rng = np.random.Generator(np.random.PCG64([self.args.seed, rank, 0]))
         self.buf_rng = np.random.Generator(np.random.PCG64([self.args.seed, rank, 1]))
-        self.tokens: List[int] = []  # packing remainder: tokens not yet in a window
+        self.tokens: List[int] = []  # packing remainder: tokens[_pos:] are not yet in a window
+        self._pos = 0
         self.buffer: List[np.ndarray] = []  # shuffle buffer of (seq_len + 1,) int32 windows
         self.n_docs = {d: 0 for d in self.domains}
         self.n_batches = 0
@@ -84,10 +81,13 @@ class TrainLoader:
 
     def _next_window(self) -> np.ndarray:
         n = self.args.seq_len + 1
-        while len(self.tokens) < n:
+        while len(self.tokens) - self._pos < n:
             self.tokens.extend(self._next_doc_tokens())
-        w = np.asarray(self.tokens[:n], dtype=np.int32)
-        del self.tokens[:n]
+        w = np.asarray(self.tokens[self._pos : self._pos + n], dtype=np.int32)
+        self._pos += n
+        if self._pos > len(self.tokens) // 2:  # drop the used head now and then, not per window
+            del self.tokens[: self._pos]
+            self._pos = 0
         return w
 
     def _next_sequence(self) -> np.ndarray:
@@ -190,7 +190,7 @@ class TrainLoader:
             "streams": {d: s.state_dict() for d, s in self.streams.items()},
             "doc_rng": copy.deepcopy(self.doc_rng.bit_generator.state),
             "buf_rng": copy.deepcopy(self.buf_rng.bit_generator.state),
-            "tokens": list(self.tokens),
+            "tokens": self.tokens[self._pos :],
             # (n, seq_len + 1) int32; a tensor keeps the pickle small.
             "buffer": torch.from_numpy(np.stack(self.buffer)) if self.buffer else torch.zeros(0, self.args.seq_len + 1, dtype=torch.int32),
             "n_docs": dict(self.n_docs),
@@ -224,7 +224,7 @@ class TrainLoader:
             s.load_state_dict(sd["streams"][d])
         self.doc_rng.bit_generator.state = copy.deepcopy(sd["doc_rng"])
         self.buf_rng.bit_generator.state = copy.deepcopy(sd["buf_rng"])
-        self.tokens = list(sd["tokens"])
+        self.tokens, self._pos = list(sd["tokens"]), 0
         self.buffer = [row.copy() for row in np.asarray(sd["buffer"], dtype=np.int32)]
         self.n_docs = dict(sd["n_docs"])
         self.n_batches = int(sd["n_batches"])
