@@ -11,6 +11,7 @@ model and the bundled corpus (data=mini, seq 32, batch 2), single rank on CPU.
 from __future__ import annotations
 
 import json
+import math
 import os
 import signal
 import subprocess
@@ -188,3 +189,20 @@ def test_mta_insertion_first_loss_equals_baseline(reference, tmp_path):
     # The MTA model was trained (its export has the MTA parameters).
     blob = torch.load(run_dir / "export" / "consolidated.pt", weights_only=False)
     assert "layers.1.attention.mta_kernel" in blob["model"] and blob["step"] == 2
+
+
+def test_nonfinite_loss_stops_with_clear_error_or_skips(reference, tmp_path):
+    blob = torch.load(reference / "export" / "consolidated.pt", weights_only=False)
+    blob["model"]["norm.weight"][0] = float("nan")  # every loss is NaN from step 1 on
+    bad = tmp_path / "nan.pt"
+    torch.save(blob, bad)
+    run_dir = tmp_path / "nan"
+    p = _run(run_dir, f"checkpoint.init_from={bad}", "trainer.steps=2", check=False)
+    assert p.returncode != 0
+    assert "non-finite loss nan" in p.stderr and "at step 1" in p.stderr and "trainer.nonfinite=skip" in p.stderr
+    assert not (run_dir / "checkpoints").exists() or not any((run_dir / "checkpoints").iterdir())
+
+    run_dir = tmp_path / "skip"
+    _run(run_dir, f"checkpoint.init_from={bad}", "trainer.steps=2", "trainer.nonfinite=skip", "checkpoint.export=false")
+    rows = _metrics(run_dir)
+    assert rows[1]["skipped"] and rows[2]["skipped"] and math.isnan(rows[2]["loss"])
