@@ -224,8 +224,7 @@ def test_sbatch_dry_run(tmp_path):
     assert "-m mta_repro.train experiment=pretrain_880m_mta run_dir=" in srun[0]
     assert srun[0].rstrip().endswith("runs/pretrain_880m_mta")
     # Overrides reach the command and the resources.
-    p2 = subprocess.run(
-        [sys.executable, "-m", "mta_repro.train.slurm", "experiment=pretrain_300m_mta", "slurm.nodes=2",
-         "trainer.steps=10", "--dry-run"], cwd=ROOT, capture_output=True, text=True, timeout=120,
-    )
-    assert "#SBATCH --nodes=2\n" in p2.stdout and "trainer.steps=10" in p2.stdout
+    from mta_repro.train.slurm import render
+
+    script2, command2 = render(["experiment=pretrain_300m_mta", "slurm.nodes=2", "trainer.steps=10"])
+    assert "#SBATCH --nodes=2\n" in script2 and "trainer.steps=10" in command2

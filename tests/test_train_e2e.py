@@ -28,14 +28,14 @@ from mta_repro.config import compose
 pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[1]
-STEPS = 12
+STEPS = 8
 COMMON = [
     "data.seq_len=32",
     "data.batch_size=2",
     "data.shuffle_buffer=8",
     f"trainer.steps={STEPS}",
     "trainer.device=cpu",
-    "checkpoint.every=4",
+    "checkpoint.every=2",
     "checkpoint.keep=2",
     "logging.every=1",
     "logging.wandb_mode=disabled",
@@ -62,6 +62,13 @@ def _run(run_dir, *overrides, env=None, check=True):
     return p
 
 
+def _train_here(run_dir, *overrides):
+    """The same run in this process (no interpreter start-up): train(compose(...))."""
+    from mta_repro.train.loop import train
+
+    return train(compose([*COMMON, f"run_dir={run_dir}", *overrides]))
+
+
 def _metrics(run_dir) -> dict[int, dict]:
     lines = (Path(run_dir) / "metrics.jsonl").read_text().splitlines()
     rows = [json.loads(l) for l in lines]
@@ -86,10 +93,10 @@ def test_uninterrupted_run_layout(reference):
             assert key in row
         assert row["mfu"] is None  # CPU: unknown peak
     # Warmup from 0 then linear decay to 0 (lr logged is the one the update used).
-    assert m[1]["lr"] == 0.0 and m[3]["lr"] == pytest.approx(3e-3 * (1 - 0 / 10))
-    assert m[STEPS]["lr"] == pytest.approx(3e-3 * (1 - 9 / 10))
+    assert m[1]["lr"] == 0.0 and m[3]["lr"] == pytest.approx(3e-3)
+    assert m[STEPS]["lr"] == pytest.approx(3e-3 * (1 - 5 / 6))
     ckpts = sorted(p.name for p in (reference / "checkpoints").iterdir())
-    assert ckpts == ["0000000008", "0000000012"]  # keep=2
+    assert ckpts == ["0000000006", "0000000008"]  # keep=2
     assert all((reference / "checkpoints" / c / ".complete").is_file() for c in ckpts)
     blob = torch.load(reference / "export" / "consolidated.pt", weights_only=False)
     assert blob["step"] == STEPS and blob["config"]["run_dir"] == str(reference)
@@ -127,18 +134,18 @@ def test_signal_then_resume_matches_uninterrupted(reference, tmp_path, sig):
 
 def test_killed_save_resumes_previous_checkpoint(reference, tmp_path):
     run_dir = tmp_path / "run"
-    # SIGKILL inside the save of step 8, after its DCP files are written.
-    p = _run(run_dir, env={"MTA_REPRO_FAULT": "kill_in_save:8"}, check=False)
+    # SIGKILL inside the save of step 6, after its DCP files are written.
+    p = _run(run_dir, env={"MTA_REPRO_FAULT": "kill_in_save:6"}, check=False)
     assert p.returncode == -signal.SIGKILL
     ckpt = run_dir / "checkpoints"
-    assert (ckpt / ".tmp-0000000008").is_dir()  # the torn save is there ...
-    assert not (ckpt / "0000000008").exists()  # ... but never looks complete
+    assert (ckpt / ".tmp-0000000006").is_dir()  # the torn save is there ...
+    assert not (ckpt / "0000000006").exists()  # ... but never looks complete
     assert (ckpt / "0000000004" / ".complete").is_file()
 
     p = _run(run_dir)
     assert "at step 4" in p.stderr
-    assert not (ckpt / ".tmp-0000000008").exists()
-    ref, got = _metrics(reference), _metrics(run_dir)  # steps 5..8 logged once
+    assert not (ckpt / ".tmp-0000000006").exists()
+    ref, got = _metrics(reference), _metrics(run_dir)  # steps 5, 6 logged once
     assert [got[s]["loss"] for s in range(1, STEPS + 1)] == [ref[s]["loss"] for s in range(1, STEPS + 1)]
 
 
@@ -169,7 +176,7 @@ def test_long_context_stage_starts_from_source_weights(reference, tmp_path):
     src = torch.load(reference / "export" / "consolidated.pt", weights_only=False)["model"]
     stage = ["model.rope_theta=500000", "data.seq_len=64", "optim.weight_decay=0", "optim.warmup=50"]
     run_dir = tmp_path / "lc"
-    _run(run_dir, f"checkpoint.init_from={reference}", "checkpoint.init_mode=model", "trainer.steps=1", *stage)
+    _train_here(run_dir, f"checkpoint.init_from={reference}", "checkpoint.init_mode=model", "trainer.steps=1", *stage)
     first = _metrics(run_dir)[1]
     expected = _loss_of(src, ["model.rope_theta=500000"], _first_batch(stage))
     assert first["loss"] == pytest.approx(expected, rel=1e-5, abs=1e-5)
@@ -182,7 +189,7 @@ def test_mta_insertion_first_loss_equals_baseline(reference, tmp_path):
     src = torch.load(reference / "export" / "consolidated.pt", weights_only=False)["model"]
     mta = ["attention=mta", "model.mta.group_norm=false", "model.mta.add_gating=false"]
     run_dir = tmp_path / "ins"
-    _run(run_dir, f"checkpoint.init_from={reference}", "checkpoint.init_mode=baseline_to_mta", "trainer.steps=2", *mta)
+    _train_here(run_dir, f"checkpoint.init_from={reference}", "checkpoint.init_mode=baseline_to_mta", "trainer.steps=2", *mta)
     got = _metrics(run_dir)
     baseline_loss = _loss_of(src, [], _first_batch([]))
     assert got[1]["loss"] == pytest.approx(baseline_loss, rel=1e-5, abs=1e-5)
@@ -197,12 +204,13 @@ def test_nonfinite_loss_stops_with_clear_error_or_skips(reference, tmp_path):
     bad = tmp_path / "nan.pt"
     torch.save(blob, bad)
     run_dir = tmp_path / "nan"
-    p = _run(run_dir, f"checkpoint.init_from={bad}", "trainer.steps=2", check=False)
-    assert p.returncode != 0
-    assert "non-finite loss nan" in p.stderr and "at step 1" in p.stderr and "trainer.nonfinite=skip" in p.stderr
+    from mta_repro.train.loop import NonFiniteLossError
+
+    with pytest.raises(NonFiniteLossError, match=r"non-finite loss nan .* at step 1; the last good checkpoint is none.*trainer.nonfinite=skip"):
+        _train_here(run_dir, f"checkpoint.init_from={bad}", "trainer.steps=2")
     assert not (run_dir / "checkpoints").exists() or not any((run_dir / "checkpoints").iterdir())
 
     run_dir = tmp_path / "skip"
-    _run(run_dir, f"checkpoint.init_from={bad}", "trainer.steps=2", "trainer.nonfinite=skip", "checkpoint.export=false")
+    _train_here(run_dir, f"checkpoint.init_from={bad}", "trainer.steps=2", "trainer.nonfinite=skip", "checkpoint.export=false")
     rows = _metrics(run_dir)
     assert rows[1]["skipped"] and rows[2]["skipped"] and math.isnan(rows[2]["loss"])

@@ -66,7 +66,7 @@ def dist_env() -> tuple[int, int, int, bool]:
     torchrun's RANK/WORLD_SIZE win (torchrun inside an sbatch, one task per node);
     otherwise SLURM_PROCID/SLURM_NTASKS/SLURM_LOCALID (srun, one task per GPU) with the
     master on the first host of SLURM_NODELIST; otherwise a single local process.
-    Sets MASTER_ADDR/MASTER_PORT when they are missing.
+    Sets MASTER_ADDR/MASTER_PORT when a launcher did not.
     """
     env = os.environ
     if "RANK" in env and "WORLD_SIZE" in env:
@@ -85,8 +85,6 @@ def dist_env() -> tuple[int, int, int, bool]:
         # A port that every task of the job derives alike.
         env.setdefault("MASTER_PORT", str(20000 + int(env.get("SLURM_JOB_ID", "0")) % 20000))
         return rank, world, local, True
-    env.setdefault("MASTER_ADDR", "127.0.0.1")
-    env.setdefault("MASTER_PORT", str(_free_port()))
     return 0, 1, 0, "SLURM_JOB_ID" in env
 
 
@@ -110,10 +108,13 @@ def init_distributed(args: DistributedArgs, device_pref: str = "auto") -> DistIn
         torch.backends.cuda.matmul.allow_tf32 = args.allow_tf32
         torch.backends.cudnn.allow_tf32 = args.allow_tf32
     if not dist.is_initialized():
+        # A lone process (no launcher) gets an in-memory store: no port to pick or clash.
+        store = dist.HashStore() if world == 1 and "MASTER_PORT" not in os.environ else None
         dist.init_process_group(
             backend=backend,
             rank=rank,
             world_size=world,
+            store=store,
             timeout=datetime.timedelta(minutes=args.timeout_min),
             device_id=device if device.type == "cuda" else None,
         )
@@ -164,18 +165,22 @@ def materialize(
     info: DistInfo,
     full_state: Optional[dict] = None,
     model_args=None,
+    init: bool = True,
 ) -> None:
     """Allocate the sharded parameters on the device and fill them with full weights.
 
     ``full_state`` (needed on rank 0 only): a full state dict (CPU), e.g. a stage's
     source weights; None = the model's seeded init, computed on rank 0's CPU with
     ``build_model(model_args, "cpu")``. Rank 0 broadcasts; every rank keeps its shard.
+    ``init=False`` only allocates (resuming: the checkpoint fills everything).
     """
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
     from mta_repro.model import build_model
 
     model.to_empty(device=info.device)
+    if not init:  # a checkpoint is about to overwrite every parameter
+        return
     if info.is_main:
         if full_state is None:
             full_state = build_model(model_args if model_args is not None else model.args, device="cpu").state_dict()

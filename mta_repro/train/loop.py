@@ -129,7 +129,7 @@ def _train(cfg: DictConfig, info: DistInfo, tr: TrainerArgs, dargs: DistributedA
     model = build_model(model_args, device="meta")
     parallelize(model, info, dargs)
     full = None if resume_from is not None else _initial_weights(cfg, ck, model_args, info.is_main)
-    materialize(model, info, full_state=full, model_args=model_args)
+    materialize(model, info, full_state=full, model_args=model_args, init=resume_from is None)
 
     optimizer = build_optimizer(model, optim_args)
     scheduler = build_lr_scheduler(optimizer, optim_args, tr.steps)
