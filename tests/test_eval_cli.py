@@ -56,3 +56,21 @@ def test_cli_writes_results(tmp_path, capsys):
     assert set(needle["results"]["accuracy"]["512"]["2"]["by_depth"]) == {"0", "100"}
     bab = json.loads((run_dir / "eval" / "babilong.json").read_text())
     assert set(bab["results"]["accuracy"]["qa1"]) == {"0k"}
+
+
+def test_cli_lm_eval_tasks_on_local_data(tmp_path):
+    from mta_repro.eval.lm_eval_tasks import write_local_task
+
+    fix = Path(__file__).parent / "fixtures" / "eval" / "lm_eval"
+    tasks_dir = tmp_path / "tasks"
+    write_local_task("arc_easy", {"test": fix / "arc_easy_test.jsonl"}, tasks_dir)
+    write_local_task("lambada_openai", {"test": fix / "lambada_test.jsonl"}, tasks_dir)
+    run_dir, _ = make_run(tmp_path / "run", attention="talking_heads")
+    written = run(parse_argv([str(run_dir), "tasks=[benchmarks,lambada]", "lm_eval.benchmarks=[arc_easy_local]",
+                              "lm_eval.lambada=[lambada_openai_local]", f"lm_eval.include_path={tasks_dir}"]))
+    bench = json.loads(Path(written["benchmarks"]).read_text())["results"]
+    acc = bench["tasks"]["arc_easy_local"]["acc,none"]
+    assert bench["summary"]["arc_easy_local"] == pytest.approx(100 * acc)
+    assert bench["summary"]["average"] == pytest.approx(100 * acc)
+    lam = json.loads(Path(written["lambada"]).read_text())["results"]
+    assert lam["summary"]["lambada_openai_local"]["ppl"] == lam["tasks"]["lambada_openai_local"]["perplexity,none"]

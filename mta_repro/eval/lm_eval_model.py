@@ -37,8 +37,14 @@ class MTAReproLM(TemplateLM):
         max_length: Optional[int] = None,
         max_gen_toks: int = 256,
         add_bos: bool = True,
+        max_batch_size: Optional[int] = None,  # lm-eval passes it; batches are fixed here
+        **unused,
     ):
         super().__init__()
+        if unused:
+            raise ValueError(f"mta_repro lm-eval model: unknown model_args {sorted(unused)}")
+        if batch_size in (None, "auto") or str(batch_size).startswith("auto"):
+            batch_size = 8
         if model is None:
             if pretrained is None:
                 raise ValueError("mta_repro lm-eval model: pass model= or pretrained=<run dir or .pt>")
@@ -55,8 +61,10 @@ class MTAReproLM(TemplateLM):
         self.tokenizer = tokenizer
         self.batch_size = int(batch_size)
         self.max_length = int(max_length or model.args.max_seqlen)
+        if isinstance(add_bos, str):
+            add_bos = add_bos.lower() == "true"
         self.max_gen_toks = int(max_gen_toks)
-        self.add_bos = bool(add_bos) if not isinstance(add_bos, str) else add_bos.lower() == "true"
+        self.add_bos = bool(add_bos)
         self._device = next(model.parameters()).device
 
     # -- TemplateLM plumbing ----------------------------------------------------------
