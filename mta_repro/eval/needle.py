@@ -90,9 +90,9 @@ class Haystack:
         if not ids:
             raise ValueError("needle: the background corpus is empty")
         self.ids = ids
-        end_ids = {i for i in set(ids) if tokenizer.decode([i]).rstrip().endswith((".", "!", "?"))}
-        # boundary b: a sentence ends right before token b
-        self.ends = [b + 1 for b, t in enumerate(ids) if t in end_ids]
+        # ids whose text ends a sentence; a sentence ends right after such a token
+        self.end_ids = {i for i in set(ids) if tokenizer.decode([i]).rstrip().endswith((".", "!", "?"))}
+        self.ends = [b + 1 for b, t in enumerate(ids) if t in self.end_ids]
 
     def window(self, length: int, rng: random.Random) -> list:
         """``length`` consecutive tokens starting after a sentence end (cycling)."""
@@ -110,7 +110,6 @@ class NeedleGenerator:
         if query not in ("one", "all"):
             raise ValueError(f"eval.needle.query: expected 'one' or 'all', got {query!r}")
         self.tok, self.hay, self.query = tokenizer, haystack, query
-        self._end_ids = None
 
     def _enc(self, text: str) -> list:
         return self.tok.encode(text, add_bos=False, add_eos=False)
@@ -171,11 +170,8 @@ class NeedleGenerator:
         return NeedleSample(tokens, keys, values, [values[a] for a in asked], positions, depth, context_len)
 
     def _window_ends(self, bg: list) -> list:
-        if self._end_ids is None:
-            self._end_ids = {
-                i for i in set(self.hay.ids) if self.tok.decode([i]).rstrip().endswith((".", "!", "?"))
-            }
-        return [0] + [b + 1 for b, t in enumerate(bg) if t in self._end_ids]
+        """Token boundaries of ``bg`` where a needle may go: its start and sentence ends."""
+        return [0] + [b + 1 for b, t in enumerate(bg) if t in self.hay.end_ids]
 
 
 @torch.no_grad()
