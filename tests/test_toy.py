@@ -36,10 +36,10 @@ def _parse(row: torch.Tensor) -> tuple[list[str], str, str]:
     return body.split("."), tail[:2], tail[2:]
 
 
-@pytest.mark.parametrize("target", ["all", "first", "last"])
-def test_generator_invariants(target):
+@pytest.mark.parametrize("target,alphabet", [("all", 26), ("first", 26), ("last", 26), ("all", 7)])
+def test_generator_invariants(target, alphabet):
     args = FindBlockArgs(block_length=4, n_blocks=7, query_length=2, target=target,
-                         n_train=400, n_test=60, seed=3, pad_len=45)
+                         alphabet_size=alphabet, n_train=400, n_test=60, seed=3, pad_len=45)
     train, test = generate_splits(args)
     assert len(train) == 400 and len(test) == 60
     assert train.tokens.shape == (400, 45) and test.tokens.shape == (60, 45)
@@ -47,7 +47,8 @@ def test_generator_invariants(target):
         for row in split.tokens:
             blocks, query, tgt = _parse(row)
             assert len(blocks) == 7 and all(len(b) == 4 for b in blocks)
-            assert all(len(set(b)) == 4 and b.isalpha() and b.islower() for b in blocks)
+            letters = set("abcdefghijklmnopqrstuvwxyz"[:alphabet])
+            assert all(len(set(b)) == 4 and set(b) <= letters for b in blocks)
             assert len(set(blocks)) == 7  # distinct blocks
             assert len(query) == 2 and len(set(query)) == 2
             hits = [b for b in blocks if set(query) <= set(b)]
@@ -58,6 +59,14 @@ def test_generator_invariants(target):
     tr = {tuple(r.tolist()) for r in train.tokens}
     te = {tuple(r.tolist()) for r in test.tokens}
     assert len(tr) == 400 and len(te) == 60 and not tr & te
+
+
+def test_generator_rejects_impossible():
+    # 3 letters, blocks of 3: every block holds both query letters.
+    with pytest.raises(ValueError, match="alphabet_size"):
+        FindBlockArgs(block_length=3, n_blocks=4, alphabet_size=3)
+    with pytest.raises(ValueError, match="data.target"):
+        FindBlockArgs(target="middle")
 
 
 def test_generator_seeded():
@@ -123,7 +132,7 @@ def test_configs_compose():
 
 def _tiny_cfg(tmp_path, **train):
     ov = [
-        "data.block_length=3", "data.n_blocks=4", "mta.key_kernel_size=5",
+        "data.block_length=3", "data.n_blocks=4", "data.alphabet_size=6", "mta.key_kernel_size=5",
         "data.n_train=256", "data.n_test=32", "model.dim=64", "model.n_layers=2",
         "model.multiple_of=32", "train.batch_size=16", "train.eval_every=10",
         "train.eval_batch_size=32", "optim.lr=3e-3", "optim.warmup=0", "train.workers=1",
@@ -144,8 +153,9 @@ def test_smoke_training(tmp_path, variant):
     curve = r["curve"]
     assert [c["step"] for c in curve] == [10, 20, 30, 40]
     assert all(math.isfinite(c["loss"]) and math.isfinite(c["train_loss"]) for c in curve)
-    # From ~log(31) at init the held-out target loss must fall (letters only, etc.).
-    assert curve[-1]["loss"] < curve[0]["loss"] < math.log(31) + 0.5
+    # From ~log(31) at init the held-out target loss must fall well below it: the
+    # targets use 6 of the 31 ids (log 6 = 1.8 without solving anything).
+    assert curve[-1]["loss"] < math.log(31) - 0.7
     assert 0.0 <= r["seq_error"] <= 100.0 and r["token_error"] <= r["seq_error"] + 1e-9
     assert len((tmp_path / "log.jsonl").read_text().splitlines()) == 4
 

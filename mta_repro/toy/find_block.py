@@ -18,6 +18,7 @@ target positions only (``IGNORE`` elsewhere), as the release's ``no_loss_prompt`
 
 from __future__ import annotations
 
+import math
 import string
 from dataclasses import dataclass
 from typing import Optional
@@ -59,8 +60,12 @@ class CharTokenizer:
 class FindBlockArgs:
     """Data of the toy task (config section ``data``)."""
 
-    # N: letters per block (distinct within a block; at most 26).
+    # N: letters per block (distinct within a block; at most alphabet_size).
     block_length: int = 5
+    # Letters to draw from: the first ``alphabet_size`` of a..z (release ``vocab_size``,
+    # 26). Fewer letters make each query letter recur in more blocks, which keeps the
+    # task hard with few blocks.
+    alphabet_size: int = 26
     # K: blocks per sample. The release fills 319 characters, i.e. 52 blocks for N=5
     # (52*5 + 51 separators + "#" + 2 query + 5 target = 319).
     n_blocks: int = 52
@@ -79,12 +84,24 @@ class FindBlockArgs:
 
     def __post_init__(self) -> None:
         n, k, q = self.block_length, self.n_blocks, self.query_length
-        if not 1 <= n <= 26:
-            raise ValueError(f"data.block_length: expected 1..26 letters, got {n}")
+        if not 1 <= self.alphabet_size <= 26:
+            raise ValueError(f"data.alphabet_size: expected 1..26, got {self.alphabet_size}")
+        if not 1 <= n <= self.alphabet_size:
+            raise ValueError(
+                f"data.block_length: expected 1..alphabet_size={self.alphabet_size} letters, got {n}"
+            )
         if k < 1:
             raise ValueError(f"data.n_blocks: expected >= 1, got {k}")
         if not 1 <= q <= n:
             raise ValueError(f"data.query_length: expected 1..block_length={n}, got {q}")
+        # Other blocks must miss a query letter; there must be enough such blocks.
+        a = self.alphabet_size
+        free = math.perm(a, n) - math.perm(a, n) * math.comb(a - q, n - q) // math.comb(a, n)
+        if free < k - 1:
+            raise ValueError(
+                f"data: with alphabet_size={a}, block_length={n}, query_length={q} only {free} "
+                f"distinct blocks lack a query letter, fewer than n_blocks-1={k - 1}"
+            )
         if self.target not in TARGETS:
             raise ValueError(f"data.target: expected one of {TARGETS}, got {self.target!r}")
         if self.n_train < 1 or self.n_test < 1:
@@ -124,14 +141,14 @@ class FindBlockData:
         return self.tokens.shape[0]
 
 
-def _sample_blocks(rng: np.random.Generator, shape: tuple, n: int) -> np.ndarray:
-    """Blocks of ``n`` distinct letters: the first n of a random permutation of 26."""
-    return np.argsort(rng.random(shape + (26,)), axis=-1)[..., :n].astype(np.int8)
+def _sample_blocks(rng: np.random.Generator, shape: tuple, n: int, alphabet: int) -> np.ndarray:
+    """Blocks of ``n`` distinct letters: the first n of a random permutation."""
+    return np.argsort(rng.random(shape + (alphabet,)), axis=-1)[..., :n].astype(np.int8)
 
 
 def _generate_chunk(args: FindBlockArgs, size: int, rng: np.random.Generator):
     n, k, q = args.block_length, args.n_blocks, args.query_length
-    blocks = _sample_blocks(rng, (size, k), n)  # (S, K, N)
+    blocks = _sample_blocks(rng, (size, k), n, args.alphabet_size)  # (S, K, N)
     target = rng.integers(0, k, size=size)
     rows = np.arange(size)
     # Query: a random ordered subset of the target block's letters.
@@ -141,7 +158,7 @@ def _generate_chunk(args: FindBlockArgs, size: int, rng: np.random.Generator):
     is_target[rows, target] = True
     # Rejection: other blocks must miss at least one query letter, and blocks of a
     # sample must be distinct (the release builds them as a set).
-    weights = 26 ** np.arange(n, dtype=np.int64)
+    weights = args.alphabet_size ** np.arange(n, dtype=np.int64)
     while True:
         has = (blocks[:, :, :, None] == query[:, None, None, :]).any(axis=2)  # (S, K, L)
         bad = has.all(axis=-1) & ~is_target
@@ -164,7 +181,7 @@ def _generate_chunk(args: FindBlockArgs, size: int, rng: np.random.Generator):
         redo = bad | dup
         if not redo.any():
             break
-        blocks[redo] = _sample_blocks(rng, (int(redo.sum()),), n)
+        blocks[redo] = _sample_blocks(rng, (int(redo.sum()),), n, args.alphabet_size)
     return blocks, query, target
 
 
