@@ -98,15 +98,17 @@ def test_first_slurm_host():
 
 
 def test_dist_env_from_slurm_and_torchrun(monkeypatch):
-    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        monkeypatch.delenv(k, raising=False)
+    import os
+
+    # dist_env writes MASTER_ADDR/PORT into os.environ: work on a copy so nothing leaks
+    # into later tests' subprocesses.
+    monkeypatch.setattr(os, "environ", {k: v for k, v in os.environ.items()
+                                        if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")})
     monkeypatch.setenv("SLURM_PROCID", "11")
     monkeypatch.setenv("SLURM_NTASKS", "32")
     monkeypatch.setenv("SLURM_LOCALID", "3")
     monkeypatch.setenv("SLURM_NODELIST", "h100-[017-020]")
     monkeypatch.setenv("SLURM_JOB_ID", "123456")
-    import os
-
     assert dist_env() == (11, 32, 3, True)
     assert os.environ["MASTER_ADDR"] == "h100-017"
     assert os.environ["MASTER_PORT"] == str(20000 + 123456 % 20000)

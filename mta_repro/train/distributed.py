@@ -108,8 +108,8 @@ def init_distributed(args: DistributedArgs, device_pref: str = "auto") -> DistIn
         torch.backends.cuda.matmul.allow_tf32 = args.allow_tf32
         torch.backends.cudnn.allow_tf32 = args.allow_tf32
     if not dist.is_initialized():
-        # A lone process (no launcher) gets an in-memory store: no port to pick or clash.
-        store = dist.HashStore() if world == 1 and "MASTER_PORT" not in os.environ else None
+        # One rank needs no rendezvous: an in-memory store (no port, no host lookup).
+        store = dist.HashStore() if world == 1 else None
         dist.init_process_group(
             backend=backend,
             rank=rank,

@@ -13,6 +13,7 @@ import dataclasses
 import importlib
 import math
 import sys
+import warnings
 from pathlib import Path
 from typing import Any, Callable, Optional
 
@@ -193,7 +194,9 @@ def _train(cfg: DictConfig, info: DistInfo, tr: TrainerArgs, dargs: DistributedA
             else:
                 optimizer.step()
             optimizer.zero_grad(set_to_none=True)
-            scheduler.step()
+            with warnings.catch_warnings():  # a skipped update still advances the schedule
+                warnings.simplefilter("ignore", UserWarning)
+                scheduler.step()
             step += 1
             meter.add(n_tokens * info.world_size)
             logger.advance()

@@ -93,6 +93,7 @@ def test_two_ranks_match_one_rank_on_the_same_global_batch(tmp_path):
         assert torch.allclose(v, blob["model"][k], atol=1e-4), k
 
 
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 def test_two_ranks_real_loader_end_to_end(tmp_path):
     run_dir = tmp_path / "real"
     args = _common(run_dir)
