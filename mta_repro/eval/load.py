@@ -8,6 +8,7 @@ consolidated ``.pt`` file (``{"model": state_dict, "config": dict, "step": int}`
 from __future__ import annotations
 
 import re
+import warnings
 from pathlib import Path
 from typing import Any, Optional, Union
 
@@ -101,7 +102,9 @@ def load_model(
         # Only the "model" entry is requested; DCP reads just those tensors, in this
         # single process (no process group needed).
         state = {k: v for k, v in model.state_dict().items()}
-        dcp.load({"model": state}, checkpoint_id=str(src))
+        with warnings.catch_warnings():  # "assuming ... a single process": yes, on purpose
+            warnings.filterwarnings("ignore", message=".*single process.*")
+            dcp.load({"model": state}, checkpoint_id=str(src))
     missing, unexpected = model.load_state_dict(state, strict=False)
     missing = [m for m in missing if not m.endswith("output.weight") or not model.args.weight_tying]
     if missing or unexpected:
