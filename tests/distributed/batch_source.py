@@ -1,7 +1,8 @@
 """A test-only batch source with the data contract (dict input/target, state_dict),
-whose *global* batch k is the same for any world size: rank r of W gets rows
-[r*b, (r+1)*b) of a (W*b, T) batch made from seed (seed, k). So 1 rank with batch 2b
-and 2 ranks with batch b see exactly the same tokens per update.
+whose *global* batches are the same for any world size and accumulation: row j of the
+global stream is made from seed (seed, j), and call n of rank r of W (batch b) returns
+rows [n*W*b + r*b, n*W*b + (r+1)*b). So 1 rank with batch 4, 2 ranks with batch 2, and
+2 ranks with batch 1 and 2 accumulation steps all update on the same 4 rows.
 
 Sequences repeat a random motif of 4..12 tokens, so a model can learn to copy and the
 loss falls quickly. Plugged in with ``trainer.loader=batch_source:build``.
@@ -18,20 +19,18 @@ class GlobalBatchSource:
         self.rank, self.world = rank, world
         self.k = 0  # batches consumed
 
-    def global_batch(self, k: int) -> torch.Tensor:
-        g = torch.Generator().manual_seed(self.seed * 1_000_003 + k)
-        rows = []
-        for _ in range(self.b * self.world):
-            period = int(torch.randint(4, 13, (1,), generator=g))
-            motif = torch.randint(3, self.v, (period,), generator=g)
-            rows.append(motif.repeat(self.t // period + 2)[: self.t + 1])
-        return torch.stack(rows)  # (W*b, T+1)
+    def row(self, j: int) -> torch.Tensor:
+        g = torch.Generator().manual_seed(self.seed * 1_000_003 + j)
+        period = int(torch.randint(4, 13, (1,), generator=g))
+        motif = torch.randint(3, self.v, (period,), generator=g)
+        return motif.repeat(self.t // period + 2)[: self.t + 1]  # (T+1,)
 
     def __iter__(self):
         return self
 
     def __next__(self) -> dict:
-        rows = self.global_batch(self.k)[self.rank * self.b : (self.rank + 1) * self.b]
+        start = self.k * self.world * self.b + self.rank * self.b
+        rows = torch.stack([self.row(j) for j in range(start, start + self.b)])  # (b, T+1)
         self.k += 1
         return {"input": rows[:, :-1].contiguous(), "target": rows[:, 1:].contiguous()}
 
