@@ -214,3 +214,18 @@ def test_nonfinite_loss_stops_with_clear_error_or_skips(reference, tmp_path):
     _train_here(run_dir, f"checkpoint.init_from={bad}", "trainer.steps=2", "trainer.nonfinite=skip", "checkpoint.export=false")
     rows = _metrics(run_dir)
     assert rows[1]["skipped"] and rows[2]["skipped"] and math.isnan(rows[2]["loss"])
+
+
+def test_activation_checkpointing_changes_nothing(reference, tmp_path):
+    """AC recomputes each block in backward: the same losses, step for step."""
+    run_dir = tmp_path / "ac"
+    _train_here(run_dir, "distributed.activation_checkpointing=true", "trainer.steps=3", "checkpoint.export=false")
+    ref, got = _metrics(reference), _metrics(run_dir)
+    for s in (1, 2, 3):
+        assert got[s]["loss"] == pytest.approx(ref[s]["loss"], abs=1e-6)
+    # Checkpoint keys stay Lingua's (no wrapper prefix).
+    import torch.distributed.checkpoint as dcp
+
+    meta = dcp.FileSystemReader(str(run_dir / "checkpoints" / "0000000002")).read_metadata()
+    keys = [k for k in meta.state_dict_metadata if k.startswith("model.")]
+    assert "model.layers.0.attention.wq.weight" in keys and not any("_checkpoint_wrapped" in k for k in keys)
