@@ -2,7 +2,6 @@
 
 import math
 import os
-import shutil
 import sys
 from pathlib import Path
 

@@ -65,7 +65,7 @@ def test_report_tables_and_plots(tmp_path):
     for name in ("ppl", "benchmarks", "lambada", "ablations", "needle", "babilong"):
         tex = (out / f"{name}.tex").read_text()
         assert "\\begin{tabular}" in tex and "\\_" not in tex.split("\\caption")[0]
-        assert f"### " in md
+        assert "### " in md
     assert "| mta_run | MTA | 20.00 | 8.00 | 14.00 | 10.91 | 10.65 |" in md
     for png in ("needle.png", "babilong.png", "loss_curves.png", "kernels_mta_run_pre-softmax.png",
                 "kernels_mta_run_post-softmax.png"):

@@ -124,7 +124,7 @@ def test_signal_then_resume_matches_uninterrupted(reference, tmp_path, sig):
     assert not (run_dir / "export").exists()  # an interrupted run exports nothing
 
     p = _run(run_dir)
-    assert f"resumed from" in p.stderr and f"at step {stopped}" in p.stderr
+    assert "resumed from" in p.stderr and f"at step {stopped}" in p.stderr
     ref, got = _metrics(reference), _metrics(run_dir)
     assert sorted(got) == list(range(1, STEPS + 1))
     for step in range(1, STEPS + 1):

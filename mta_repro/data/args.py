@@ -7,6 +7,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Dict, Optional
 
+from mta_repro.dataclass_config import to_dataclass
+
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
 # The paper's per-*document* domain weights (MTA_SPEC section 3; the release's config).
@@ -77,23 +79,7 @@ def resolve_path(p: str | Path) -> Path:
 
 def to_data_args(cfg) -> DataArgs:
     """DataArgs from a DictConfig / dict / DataArgs (the ``data`` node), validated."""
-    if isinstance(cfg, DataArgs):
-        args = cfg
-    else:
-        from omegaconf import DictConfig, OmegaConf
-
-        d = OmegaConf.to_container(cfg, resolve=True) if isinstance(cfg, DictConfig) else dict(cfg)
-        tok = d.pop("tokenizer", {}) or {}
-        if isinstance(tok, TokenizerArgs):
-            tok = vars(tok)
-        known = set(DataArgs.__dataclass_fields__)
-        unknown = set(d) - known
-        if unknown:
-            raise ValueError(f"data: unknown field(s) {sorted(unknown)}; expected some of {sorted(known)}")
-        unknown = set(tok) - set(TokenizerArgs.__dataclass_fields__)
-        if unknown:
-            raise ValueError(f"data.tokenizer: unknown field(s) {sorted(unknown)}")
-        args = DataArgs(**d, tokenizer=TokenizerArgs(**tok))
+    args = to_dataclass(DataArgs, cfg, "data")
     validate(args)
     return args
 

@@ -6,6 +6,7 @@ from typing import Any, Union
 
 import torch
 
+from mta_repro.dataclass_config import to_dataclass
 from mta_repro.model.args import MTAArgs, ModelArgs
 from mta_repro.model.transformer import KVCache, Transformer
 
@@ -14,31 +15,7 @@ __all__ = ["MTAArgs", "ModelArgs", "Transformer", "KVCache", "build_model", "to_
 
 def to_model_args(cfg: Union[ModelArgs, dict, Any]) -> ModelArgs:
     """ModelArgs from a ModelArgs, a plain dict or an OmegaConf node (validated)."""
-    if isinstance(cfg, ModelArgs):
-        return cfg
-    try:
-        from omegaconf import DictConfig, OmegaConf
-
-        if isinstance(cfg, DictConfig):
-            obj = OmegaConf.to_object(cfg)
-            if isinstance(obj, ModelArgs):
-                return obj
-            cfg = obj
-    except ImportError:  # pragma: no cover - omegaconf is a dependency
-        pass
-    if not isinstance(cfg, dict):
-        raise ValueError(f"model config: expected ModelArgs, dict or DictConfig, got {type(cfg).__name__}")
-    cfg = dict(cfg)
-    unknown = set(cfg) - set(ModelArgs.__dataclass_fields__)
-    if unknown:
-        raise ValueError(f"model config: unknown field(s) {sorted(unknown)}")
-    mta = cfg.pop("mta", None) or {}
-    if not isinstance(mta, MTAArgs):
-        unknown = set(mta) - set(MTAArgs.__dataclass_fields__)
-        if unknown:
-            raise ValueError(f"model.mta config: unknown field(s) {sorted(unknown)}")
-        mta = MTAArgs(**mta)
-    return ModelArgs(**cfg, mta=mta)
+    return to_dataclass(ModelArgs, cfg, "model")
 
 
 def build_model(

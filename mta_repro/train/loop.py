@@ -22,6 +22,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from omegaconf import DictConfig, OmegaConf
 
+from mta_repro.dataclass_config import to_dataclass
 from mta_repro.model import build_model, to_model_args
 from mta_repro.model.flops import train_flops_per_token
 from mta_repro.train.args import CheckpointArgs, DistributedArgs, LoggingArgs, TrainerArgs
@@ -41,8 +42,7 @@ def _section(cfg: DictConfig, key: str, cls):
     node = cfg.get(key)
     if node is None:
         return cls()
-    obj = OmegaConf.to_object(node) if isinstance(node, DictConfig) else node
-    return obj if isinstance(obj, cls) else cls(**obj)
+    return to_dataclass(cls, node, key)
 
 
 def load_factory(spec: str) -> Callable:

@@ -15,6 +15,8 @@ from typing import Any, Union
 import torch
 from torch import nn
 
+from mta_repro.dataclass_config import to_dataclass
+
 SCHEDULERS = ("linear", "cosine", "constant")
 
 
@@ -61,24 +63,7 @@ class OptimArgs:
 
 def to_optim_args(cfg: Union[OptimArgs, dict, Any]) -> OptimArgs:
     """OptimArgs from an OptimArgs, a plain dict or an OmegaConf node (validated)."""
-    if isinstance(cfg, OptimArgs):
-        return cfg
-    try:
-        from omegaconf import DictConfig, OmegaConf
-
-        if isinstance(cfg, DictConfig):
-            obj = OmegaConf.to_object(cfg)
-            if isinstance(obj, OptimArgs):
-                return obj
-            cfg = obj
-    except ImportError:  # pragma: no cover
-        pass
-    if not isinstance(cfg, dict):
-        raise ValueError(f"optim config: expected OptimArgs or a mapping, got {type(cfg).__name__}")
-    unknown = set(cfg) - set(OptimArgs.__dataclass_fields__)
-    if unknown:
-        raise ValueError(f"optim config: unknown field(s) {sorted(unknown)}")
-    return OptimArgs(**cfg)
+    return to_dataclass(OptimArgs, cfg, "optim")
 
 
 def _no_decay(name: str, p: torch.Tensor) -> bool:
