@@ -76,8 +76,8 @@ class ModelArgs:
     weight_tying: bool = True
     # Seed of the parameter initialisation (Lingua: 42).
     seed: int = 42
-    # Residual dropout after attention and feed-forward (0 in every paper LM run;
-    # 0.1 in the toy task).
+    # Dropout on the attention probabilities, as in the release (0 in every paper LM
+    # run; 0.1 in the toy task). Training mode only.
     dropout: float = 0.0
     # Differential Transformer (Ye et al. 2024): n_heads/2 heads of value size
     # 2*head_dim, two softmaxes per head. Exclusive with mta.use_mta.
