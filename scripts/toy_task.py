@@ -17,7 +17,6 @@ import json
 import multiprocessing as mp
 import sys
 import time
-from dataclasses import asdict
 from pathlib import Path
 
 from omegaconf import OmegaConf
