@@ -45,6 +45,8 @@ import xml.etree.ElementTree as ET
 import zipfile
 from pathlib import Path
 
+from mta_repro.data.sources import SET_NAMES  # domain -> meta.redpajama_set_name
+
 REPO = Path(__file__).resolve().parents[1]
 
 # Pinned so a rerun gives the same text.
@@ -53,15 +55,6 @@ GENSIM = "gensim==4.4.0"
 WIKI_FILE = "gensim/test/test_data/enwiki-latest-pages-articles1.xml-p000000010p000030302-shortened.bz2"
 LEE_FILES = ["gensim/test/test_data/lee_background.cor", "gensim/test/test_data/lee.cor"]
 
-SET_NAMES = {
-    "arxiv": "RedPajamaArXiv",
-    "book": "RedPajamaBook",
-    "c4": "RedPajamaC4",
-    "commoncrawl": "RedPajamaCommonCrawl",
-    "github": "RedPajamaGithub",
-    "stackexchange": "RedPajamaStackExchange",
-    "wikipedia": "RedPajamaWikipedia",
-}
 # Raw characters kept per domain (train + validation): keeps data/ at a few MB.
 CHAR_BUDGET = {
     "book": 2_000_000,
