@@ -22,6 +22,12 @@ def _ctx_label(label: str, ctx) -> str:
     return f"{label} ({ctx // 1024}K)" if ctx % 1024 == 0 else f"{label} ({ctx} tokens)"
 
 
+def _save(fig, path: Path) -> Path:
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
 def needle_plot(runs, out: Path) -> Optional[Path]:
     have = [r for r in runs if _res(r, "needle")]
     if not have:
@@ -48,10 +54,7 @@ def needle_plot(runs, out: Path) -> Optional[Path]:
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
     fig.tight_layout()
-    path = out / "needle.png"
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return _save(fig, out / "needle.png")
 
 
 def babilong_plot(runs, out: Path) -> Optional[Path]:
@@ -72,10 +75,7 @@ def babilong_plot(runs, out: Path) -> Optional[Path]:
     axes[0][0].set_ylabel("accuracy (%)")
     axes[0][-1].legend(fontsize=8)
     fig.tight_layout()
-    path = out / "babilong.png"
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return _save(fig, out / "babilong.png")
 
 
 def loss_plot(runs, out: Path) -> Optional[Path]:
@@ -102,10 +102,7 @@ def loss_plot(runs, out: Path) -> Optional[Path]:
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
-    path = out / "loss_curves.png"
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return _save(fig, out / "loss_curves.png")
 
 
 def load_kernels(run: RunData) -> dict:
@@ -152,8 +149,5 @@ def kernel_plot(run: RunData, out: Path, kernels: Optional[dict] = None) -> list
                      f"(each {c_q}x{c_k}: rows = query offset -{c_q - 1}..0, columns = key offset)", fontsize=9)
         fig.subplots_adjust(top=1 - 0.9 / fig.get_figheight(), right=0.85, hspace=0.35, wspace=0.1)
         fig.colorbar(im, ax=axes, shrink=0.8, fraction=0.04)
-        path = out / f"kernels_{run.label}_{suffix}.png"
-        fig.savefig(path, dpi=120)
-        plt.close(fig)
-        paths.append(path)
+        paths.append(_save(fig, out / f"kernels_{run.label}_{suffix}.png"))
     return paths
