@@ -7,7 +7,9 @@
 Writes to ``out_dir``: results.csv (model, seed, seq_error, token_error in %),
 results.md (per model and seed plus the mean), errors.png (held-out error over
 training), runs/<model>_seed<seed>.jsonl (the held-out curve of each run) and
-config.yaml (the resolved config).
+config.yaml (the resolved config). Each run checkpoints into ckpt/ at every evaluation:
+rerunning the same command after a crash or a kill resumes every unfinished run where
+its last checkpoint left it, and takes finished runs from their checkpoints.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing as mp
+import signal
 import sys
 import time
 from pathlib import Path
@@ -35,8 +38,14 @@ def _init_worker(data) -> None:
 
 
 def _job(args) -> dict:
-    cfg, variant, seed, log_path = args
-    return train_run(cfg, variant, seed, data=_DATA, log_path=Path(log_path))
+    cfg, variant, seed, log_path, ckpt_path = args
+    return train_run(cfg, variant, seed, data=_DATA, log_path=Path(log_path), ckpt_path=Path(ckpt_path))
+
+
+def _exit_on_sigterm(signum, frame):
+    # SystemExit unwinds `with Pool`, which terminates the workers; without it a killed
+    # parent leaves its (spawned) workers training on as orphans.
+    raise SystemExit(128 + signum)
 
 
 def main(argv=None) -> list[dict]:
@@ -48,6 +57,8 @@ def main(argv=None) -> list[dict]:
     cfg: ToyConfig = to_toy_config(composed)
     out = Path(cfg.out_dir)
     (out / "runs").mkdir(parents=True, exist_ok=True)
+    (out / "ckpt").mkdir(exist_ok=True)
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
     OmegaConf.save(OmegaConf.structured(cfg), out / "config.yaml")
 
     t0 = time.time()
@@ -56,7 +67,7 @@ def main(argv=None) -> list[dict]:
           f"{cfg.data.seq_len} tokens ({time.time() - t0:.1f}s)", flush=True)
 
     # MTA runs are slower (materialised scores); start them first so the pool balances.
-    jobs = [(cfg, v, s, str(out / "runs" / f"{v}_seed{s}.jsonl"))
+    jobs = [(cfg, v, s, str(out / "runs" / f"{v}_seed{s}.jsonl"), str(out / "ckpt" / f"{v}_seed{s}.pt"))
             for v in sorted(cfg.variants, key=lambda v: v != "mta") for s in cfg.seeds]
     if cfg.train.workers > 1:
         ctx = mp.get_context("spawn")

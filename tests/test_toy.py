@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import json
 import math
 import sys
 from pathlib import Path
@@ -119,13 +120,15 @@ def test_configs_compose():
     for name in ("toy/paper", "toy/reduced"):
         cfg = to_toy_config(compose([], config_name=name))
         assert cfg.model.vocab_size == CharTokenizer().n_words
-        assert (cfg.model.dim, cfg.model.n_layers, cfg.model.n_heads, cfg.model.dropout) == (256, 4, 2, 0.1)
+        # The release's depth, heads and dropout at both scales; only the width shrinks.
+        assert (cfg.model.n_layers, cfg.model.n_heads, cfg.model.dropout) == (4, 2, 0.1)
         assert cfg.mta.query_kernel_size == 2
         assert cfg.mta.key_kernel_size == 2 * cfg.data.block_length - 1
         assert cfg.optim.scheduler == "constant"
     paper = to_toy_config(compose([], config_name="toy/paper"))
     assert paper.data.seq_len == 321 and paper.data.n_train == 1_000_000
     assert (paper.train.steps, paper.train.batch_size, paper.optim.lr) == (100_000, 64, 1e-4)
+    assert paper.model.dim == 256
     with pytest.raises(ValueError, match="vocab_size"):
         to_toy_config(compose(["model.vocab_size=8192"], config_name="toy/reduced"))
 
@@ -177,3 +180,96 @@ def test_script_writes_results(tmp_path):
     md = (tmp_path / "results.md").read_text()
     assert "| baseline | 1 |" in md and "**mta** | **mean**" in md
     assert (tmp_path / "errors.png").stat().st_size > 1000
+
+
+def test_killed_run_resumes_exactly(tmp_path, monkeypatch):
+    """A run that crashes after its step-20 checkpoint and is started again ends with
+    the same curve and the same weights as a run that never stopped (dropout on, so
+    the RNG, the batch order and the optimiser state must all resume)."""
+    cfg = to_toy_config(compose(_tiny_cfg(tmp_path, steps=40), config_name="toy/reduced"))
+    full = train_run(cfg, "mta", 5, verbose=False, ckpt_path=tmp_path / "full.pt")
+
+    calls = {"n": 0}
+    real_clip = torch.nn.utils.clip_grad_norm_
+
+    def crash_at_25(*a, **k):  # called once per optimiser step
+        calls["n"] += 1
+        if calls["n"] == 25:
+            raise RuntimeError("simulated crash")
+        return real_clip(*a, **k)
+
+    ckpt, log = tmp_path / "run.pt", tmp_path / "run.jsonl"
+    monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", crash_at_25)
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        train_run(cfg, "mta", 5, verbose=False, ckpt_path=ckpt, log_path=log)
+    monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", real_clip)
+    assert torch.load(ckpt, weights_only=True)["step"] == 20
+    resumed = train_run(cfg, "mta", 5, verbose=False, ckpt_path=ckpt, log_path=log)
+
+    strip = lambda curve: [{k: v for k, v in c.items() if k != "elapsed_s"} for c in curve]
+    assert strip(resumed["curve"]) == strip(full["curve"])
+    assert [json.loads(l)["step"] for l in log.read_text().splitlines()] == [10, 20, 30, 40]
+    a, b = torch.load(ckpt, weights_only=True), torch.load(tmp_path / "full.pt", weights_only=True)
+    assert all(torch.equal(a["model"][k], b["model"][k]) for k in b["model"])
+
+    # A finished run's checkpoint gives its result back without training again.
+    again = train_run(cfg, "mta", 5, verbose=False, ckpt_path=ckpt)
+    assert strip(again["curve"]) == strip(full["curve"])
+    # A checkpoint of another run is refused, naming what differs.
+    other = to_toy_config(compose(_tiny_cfg(tmp_path, steps=40) + ["optim.lr=1e-3"], config_name="toy/reduced"))
+    with pytest.raises(ValueError, match="optim"):
+        train_run(other, "mta", 5, verbose=False, ckpt_path=ckpt)
+
+
+def test_script_sigterm_stops_workers_and_rerun_resumes(tmp_path):
+    """SIGTERM to scripts/toy_task.py ends its worker processes too (none left training
+    as orphans), and running a finished command again takes its runs from the checkpoints."""
+    import os
+    import signal
+    import subprocess
+    import time
+
+    def cmd(out, steps):
+        ov = _tiny_cfg(out, steps=steps, workers=2) + ["seeds=[1]"]
+        return [sys.executable, str(REPO / "scripts" / "toy_task.py"), *ov]
+
+    # Runs far longer than the test: orphaned workers would still be training at the end.
+    long_dir = tmp_path / "long"
+    proc = subprocess.Popen(cmd(long_dir, 10**6), cwd=REPO, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    deadline = time.time() + 120
+    while not list((long_dir / "ckpt").glob("*.pt")):  # a run has checkpointed: mid-training
+        assert proc.poll() is None and time.time() < deadline, "no checkpoint written"
+        time.sleep(0.2)
+    children = [int(p) for p in Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()]
+    assert len(children) >= 2  # the two pool workers (and multiprocessing's tracker)
+    proc.send_signal(signal.SIGTERM)
+    proc.wait(timeout=60)
+    assert proc.returncode != 0 and not (long_dir / "results.csv").exists()
+
+    def alive(pid):
+        try:
+            os.kill(pid, 0)
+            return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+        except (ProcessLookupError, FileNotFoundError):
+            return False
+
+    for _ in range(100):
+        if not any(alive(p) for p in children):
+            break
+        time.sleep(0.1)
+    leftover = [p for p in children if alive(p)]
+    for p in leftover:
+        os.kill(p, signal.SIGKILL)
+    assert not leftover, "worker processes outlived a SIGTERMed parent"
+
+    short = cmd(tmp_path / "short", 30)
+    first = subprocess.run(short, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert first.returncode == 0, first.stdout + first.stderr
+    results = (tmp_path / "short" / "results.csv").read_text()
+    again = subprocess.run(short, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0 and again.stdout.count("resumed from") == 2
+    assert (tmp_path / "short" / "results.csv").read_text() == results
+    for name in ("baseline_seed1", "mta_seed1"):
+        log = (tmp_path / "short" / "runs" / f"{name}.jsonl").read_text().splitlines()
+        assert [json.loads(l)["step"] for l in log] == [10, 20, 30]

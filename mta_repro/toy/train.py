@@ -2,14 +2,20 @@
 
 The model is the project's decoder (``mta_repro.model.build_model``) and the optimiser
 and schedule are the trainer's (``mta_repro.train.optim``); only the data and the loss
-mask are toy-specific. ``run_one(cfg, variant, seed)`` is what ``scripts/toy_task.py``
+mask are toy-specific. ``train_run(cfg, variant, seed)`` is what ``scripts/toy_task.py``
 calls for each (model, seed) pair.
+
+With a ``ckpt_path`` a run saves its whole state at every evaluation (model, optimiser,
+schedule, batch order, RNG, curve) and resumes from it, so a killed run continues
+exactly as if it had never stopped; a finished run's checkpoint returns its result
+without training again.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import os
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -134,6 +140,22 @@ def evaluate(model, data: FindBlockData, dargs: FindBlockArgs, batch_size: int, 
     }
 
 
+def _run_identity(cfg: ToyConfig, variant: str, seed: int) -> dict:
+    """What a checkpoint must match to be resumed: everything that shapes the run."""
+    from dataclasses import asdict
+
+    return {"variant": variant, "seed": seed, "data": asdict(cfg.data),
+            "model": asdict(model_args_for(cfg, variant, seed)), "optim": asdict(cfg.optim),
+            "steps": cfg.train.steps, "batch_size": cfg.train.batch_size,
+            "eval_every": cfg.train.eval_every}
+
+
+def _save_atomic(state: dict, path: Path) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    torch.save(state, tmp)
+    os.replace(tmp, path)  # a kill mid-save leaves the previous checkpoint intact
+
+
 def train_run(
     cfg: ToyConfig,
     variant: str,
@@ -141,8 +163,13 @@ def train_run(
     data: Optional[tuple[FindBlockData, FindBlockData]] = None,
     log_path: Optional[Path] = None,
     verbose: bool = True,
+    ckpt_path: Optional[Path] = None,
 ) -> dict:
-    """Train one (variant, seed); returns final errors and the held-out curve."""
+    """Train one (variant, seed); returns final errors and the held-out curve.
+
+    ``ckpt_path``: save the run's state there at every evaluation and resume from it if
+    it exists (a checkpoint of another config raises ``ValueError``).
+    """
     t = cfg.train
     if t.threads > 0:
         torch.set_num_threads(t.threads)
@@ -155,8 +182,33 @@ def train_run(
     scheduler = build_lr_scheduler(optimizer, cfg.optim, t.steps)
     order_gen = torch.Generator().manual_seed(seed)
     perm, cursor = torch.randperm(len(train_set), generator=order_gen), 0
+    curve, first_step, elapsed0 = [], 1, 0.0
+    identity = _run_identity(cfg, variant, seed)
+    if ckpt_path is not None and Path(ckpt_path).exists():
+        state = torch.load(ckpt_path, map_location=device, weights_only=True)
+        if state["identity"] != identity:
+            diff = sorted(k for k in identity if state["identity"].get(k) != identity[k])
+            raise ValueError(
+                f"{ckpt_path}: checkpoint of a different run (differs in {diff}); "
+                "delete it or choose another out_dir"
+            )
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        scheduler.load_state_dict(state["scheduler"])
+        order_gen.set_state(state["order_gen"])
+        torch.set_rng_state(state["rng"])
+        if device.type == "cuda":
+            torch.cuda.set_rng_state(state["cuda_rng"], device)
+        perm, cursor, curve = state["perm"], state["cursor"], state["curve"]
+        first_step, elapsed0 = state["step"] + 1, state["elapsed_s"]
+        if verbose:
+            print(f"[{variant} seed={seed}] resumed from {ckpt_path} at step {state['step']}", flush=True)
 
-    curve, log = [], (open(log_path, "w") if log_path else None)
+    log = open(log_path, "w") if log_path else None
+    if log:  # the log always mirrors the curve, also after a resume
+        for entry in curve:
+            log.write(json.dumps(entry) + "\n")
+        log.flush()
 
     def record(entry):
         curve.append(entry)
@@ -167,8 +219,8 @@ def train_run(
         if verbose:
             print(f"[{variant} seed={seed}] {line}", flush=True)
 
-    start, run_loss, run_n = time.time(), 0.0, 0
-    for step in range(1, t.steps + 1):
+    start, run_loss, run_n = time.time() - elapsed0, 0.0, 0
+    for step in range(first_step, t.steps + 1):
         if cursor + t.batch_size > len(perm):  # new epoch
             perm, cursor = torch.randperm(len(train_set), generator=order_gen), 0
         idx = perm[cursor : cursor + t.batch_size]
@@ -192,6 +244,15 @@ def train_run(
             record({"step": step, "train_loss": run_loss / max(run_n, 1), **ev,
                     "elapsed_s": round(time.time() - start, 1)})
             run_loss, run_n = 0.0, 0
+            if ckpt_path is not None:
+                _save_atomic({
+                    "identity": identity, "step": step, "elapsed_s": time.time() - start,
+                    "model": model.state_dict(), "optimizer": optimizer.state_dict(),
+                    "scheduler": scheduler.state_dict(), "order_gen": order_gen.get_state(),
+                    "rng": torch.get_rng_state(),
+                    "cuda_rng": torch.cuda.get_rng_state(device) if device.type == "cuda" else None,
+                    "perm": perm, "cursor": cursor, "curve": curve,
+                }, Path(ckpt_path))
         elif verbose and step % t.log_every == 0:
             print(f"[{variant} seed={seed}] step {step} loss {run_loss / run_n:.4f} "
                   f"({time.time() - start:.0f}s)", flush=True)
