@@ -19,6 +19,7 @@ from mta_repro.toy.find_block import (
     error_counts,
     generate_splits,
     labels_from,
+    wrong_per_target,
 )
 from mta_repro.toy.train import model_args_for, to_toy_config, train_run
 
@@ -116,6 +117,20 @@ def test_error_metric_hand_made():
     assert error_counts(labels.clamp(min=0), labels) == (0, 3, 0, 6)
 
 
+def test_wrong_per_target_hand_made():
+    args = FindBlockArgs(block_length=3, n_blocks=3, alphabet_size=6, n_train=8, n_test=3)
+    rows = generate_splits(args)[1].tokens
+    labels = labels_from(rows, args)
+    pred = labels.clamp(min=0).clone()
+    pred[:, 0] = 99  # off-target mistakes do not count
+    first = int((labels[0] != IGNORE).nonzero()[0])  # column of the first target letter
+    pred[0, first + 1] = 99  # row 0: second letter wrong
+    pred[1, first] = pred[1, first + 2] = 99  # row 1: first and third wrong
+    pred[2, first] = 99  # row 2: first wrong
+    assert wrong_per_target(pred, labels, args) == [2, 1, 1]
+    assert error_counts(pred, labels) == (3, 3, 4, 9)
+
+
 def test_configs_compose():
     for name in ("toy/paper", "toy/reduced"):
         cfg = to_toy_config(compose([], config_name=name))
@@ -161,6 +176,10 @@ def test_smoke_training(tmp_path, variant):
     assert curve[-1]["loss"] < math.log(31) - 0.7
     assert 0.0 <= r["seq_error"] <= 100.0 and r["token_error"] <= r["seq_error"] + 1e-9
     assert len((tmp_path / "log.jsonl").read_text().splitlines()) == 4
+    # Per-letter errors: a sequence is wrong iff some letter is, so they bracket seq_error.
+    pe = curve[-1]["position_error"]
+    assert len(pe) == cfg.data.block_length  # (rounded to 0.01)
+    assert max(pe) - 0.01 <= r["seq_error"] <= sum(pe) + 0.03
 
 
 def test_script_writes_results(tmp_path):

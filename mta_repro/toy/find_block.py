@@ -275,3 +275,10 @@ def error_counts(pred: torch.Tensor, labels: torch.Tensor) -> tuple[int, int, in
         int(wrong.sum()),
         int(mask.sum()),
     )
+
+
+def wrong_per_target(pred: torch.Tensor, labels: torch.Tensor, args: FindBlockArgs) -> list[int]:
+    """Wrong greedy predictions at each target position (first target letter first),
+    summed over the batch; shows which letter of the block a model gets wrong."""
+    pos = target_positions(args)
+    return [int(n) for n in (pred[:, pos] != labels[:, pos]).sum(dim=0)]

@@ -34,6 +34,7 @@ from mta_repro.toy.find_block import (
     error_counts,
     generate_splits,
     labels_from,
+    wrong_per_target,
 )
 from mta_repro.train.optim import OptimArgs, build_lr_scheduler, build_optimizer
 
@@ -118,10 +119,12 @@ def model_args_for(cfg: ToyConfig, variant: str, seed: int) -> ModelArgs:
 
 @torch.no_grad()
 def evaluate(model, data: FindBlockData, dargs: FindBlockArgs, batch_size: int, device) -> dict:
-    """Held-out sequence / token error (%) and target-token loss, teacher forcing."""
+    """Held-out sequence / token error (%), the error (%) at each target letter
+    (``position_error``) and the target-token loss, under teacher forcing."""
     was_training = model.training
     model.eval()
     seq_wrong = n_seq = tok_wrong = n_tok = 0
+    per_target = [0] * dargs.target_len
     loss_sum = 0.0
     for lo in range(0, len(data), batch_size):
         tokens = data.tokens[lo : lo + batch_size]
@@ -130,13 +133,16 @@ def evaluate(model, data: FindBlockData, dargs: FindBlockArgs, batch_size: int, 
         loss_sum += F.cross_entropy(
             logits.flatten(0, 1), labels.flatten(), ignore_index=IGNORE, reduction="sum"
         ).item()
-        a, b, c, d = error_counts(logits.argmax(-1), labels)
+        pred = logits.argmax(-1)
+        a, b, c, d = error_counts(pred, labels)
+        per_target = [x + y for x, y in zip(per_target, wrong_per_target(pred, labels, dargs))]
         seq_wrong, n_seq, tok_wrong, n_tok = seq_wrong + a, n_seq + b, tok_wrong + c, n_tok + d
     model.train(was_training)
     return {
         "seq_error": 100.0 * seq_wrong / n_seq,
         "token_error": 100.0 * tok_wrong / n_tok,
         "loss": loss_sum / n_tok,
+        "position_error": [round(100.0 * x / n_seq, 2) for x in per_target],
     }
 
 
