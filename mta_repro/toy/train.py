@@ -17,7 +17,7 @@ import json
 import math
 import os
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Optional
 
@@ -148,8 +148,6 @@ def evaluate(model, data: FindBlockData, dargs: FindBlockArgs, batch_size: int, 
 
 def _run_identity(cfg: ToyConfig, variant: str, seed: int) -> dict:
     """What a checkpoint must match to be resumed: everything that shapes the run."""
-    from dataclasses import asdict
-
     return {"variant": variant, "seed": seed, "data": asdict(cfg.data),
             "model": asdict(model_args_for(cfg, variant, seed)), "optim": asdict(cfg.optim),
             "steps": cfg.train.steps, "batch_size": cfg.train.batch_size,
