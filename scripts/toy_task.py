@@ -58,7 +58,6 @@ def main(argv=None) -> list[dict]:
     out = Path(cfg.out_dir)
     (out / "runs").mkdir(parents=True, exist_ok=True)
     (out / "ckpt").mkdir(exist_ok=True)
-    signal.signal(signal.SIGTERM, _exit_on_sigterm)
     OmegaConf.save(OmegaConf.structured(cfg), out / "config.yaml")
 
     t0 = time.time()
@@ -71,8 +70,12 @@ def main(argv=None) -> list[dict]:
             for v in sorted(cfg.variants, key=lambda v: v != "mta") for s in cfg.seeds]
     if cfg.train.workers > 1:
         ctx = mp.get_context("spawn")
-        with ctx.Pool(cfg.train.workers, initializer=_init_worker, initargs=(data,)) as pool:
-            results = pool.map(_job, jobs, chunksize=1)
+        previous = signal.signal(signal.SIGTERM, _exit_on_sigterm)
+        try:
+            with ctx.Pool(cfg.train.workers, initializer=_init_worker, initargs=(data,)) as pool:
+                results = pool.map(_job, jobs, chunksize=1)
+        finally:
+            signal.signal(signal.SIGTERM, previous)
     else:
         _init_worker(data)
         results = [_job(j) for j in jobs]
