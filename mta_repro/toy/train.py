@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -36,6 +35,7 @@ from mta_repro.toy.find_block import (
     labels_from,
     wrong_per_target,
 )
+from mta_repro.train.checkpoint import save_file_atomic
 from mta_repro.train.optim import OptimArgs, build_lr_scheduler, build_optimizer
 
 VARIANTS = ("baseline", "mta")
@@ -154,12 +154,6 @@ def _run_identity(cfg: ToyConfig, variant: str, seed: int) -> dict:
             "eval_every": cfg.train.eval_every}
 
 
-def _save_atomic(state: dict, path: Path) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    torch.save(state, tmp)
-    os.replace(tmp, path)  # a kill mid-save leaves the previous checkpoint intact
-
-
 def train_run(
     cfg: ToyConfig,
     variant: str,
@@ -249,7 +243,7 @@ def train_run(
                     "elapsed_s": round(time.time() - start, 1)})
             run_loss, run_n = 0.0, 0
             if ckpt_path is not None:
-                _save_atomic({
+                save_file_atomic({
                     "identity": identity, "step": step, "elapsed_s": time.time() - start,
                     "model": model.state_dict(), "optimizer": optimizer.state_dict(),
                     "scheduler": scheduler.state_dict(), "order_gen": order_gen.get_state(),

@@ -37,6 +37,16 @@ _STEP_DIR = re.compile(r"^\d{10}$")
 FAULT_ENV = "MTA_REPRO_FAULT"
 
 
+def save_file_atomic(obj: Any, path: Path) -> Path:
+    """``torch.save`` to ``path`` through a temporary file and a rename, so a kill midway
+    leaves the previous file (or none), never a truncated one."""
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    torch.save(obj, tmp)
+    os.replace(tmp, path)
+    return path
+
+
 def step_dir_name(step: int) -> str:
     return f"{step:010d}"
 

@@ -7,16 +7,14 @@ complete DCP checkpoint in a single process (no process group needed).
 
 from __future__ import annotations
 
-import os
 import warnings
 from pathlib import Path
 from typing import Optional, Union
 
-import torch
 import torch.distributed.checkpoint as dcp
 from omegaconf import OmegaConf
 
-from mta_repro.train.checkpoint import latest_checkpoint
+from mta_repro.train.checkpoint import latest_checkpoint, save_file_atomic
 
 
 def export_consolidated(run_dir: Union[str, Path], checkpoint: Optional[Path] = None) -> Path:
@@ -40,12 +38,10 @@ def export_consolidated(run_dir: Union[str, Path], checkpoint: Optional[Path] = 
     sd = {k: (v.float() if v.is_floating_point() else v).contiguous() for k, v in state["model"].items()}
     out = run_dir / "export" / "consolidated.pt"
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_suffix(".pt.tmp")
-    torch.save(
-        {"model": sd, "config": OmegaConf.to_container(cfg, resolve=True), "step": int(state["step"])}, tmp
+    # atomic: readers never see a half-written export
+    return save_file_atomic(
+        {"model": sd, "config": OmegaConf.to_container(cfg, resolve=True), "step": int(state["step"])}, out
     )
-    os.replace(tmp, out)  # atomic: readers never see a half-written export
-    return out
 
 
 def main() -> None:  # python -m mta_repro.train.export <run_dir>
