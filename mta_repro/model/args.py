@@ -82,10 +82,15 @@ class ModelArgs:
     # Differential Transformer (Ye et al. 2024): n_heads/2 heads of value size
     # 2*head_dim, two softmaxes per head. Exclusive with mta.use_mta.
     diff_transformer: bool = False
-    # Implementation of the explicit (materialised-scores) attention path; a key into
-    # ``mta_repro.model.mta_ops.ATTN_IMPLS``, so faster kernels plug in without
-    # touching the model.
-    attn_impl: str = "torch"
+    # Implementation of the explicit attention path (MTA, talking heads); a key into
+    # ``mta_repro.model.mta_ops.ATTN_IMPLS``: "blocked" (query blocks recomputed in
+    # backward, causal skipping; the default) or "torch" (the reference: the whole
+    # (B, H, T, T) score matrix, kept for backward). Faster kernels plug in there.
+    attn_impl: str = "blocked"
+    # Query rows per block of attn_impl=blocked (scripts/bench_attention.py --block-sizes
+    # measures it; 256 was fastest at T=2048 on CPU). Peak memory of one layer's score
+    # path is about 4 x B x H x (block + halo) x T x bytes.
+    attn_block_size: int = 256
     # The release's key-query convolution layers for this size. ``attention=mta``
     # points ``mta.mta_layers`` here; changing it alone changes nothing.
     kq_conv_layers: Optional[str] = None
@@ -150,6 +155,14 @@ def validate(args: ModelArgs) -> None:
             f"model.dim={args.dim} is not divisible by model.n_heads={args.n_heads}; "
             "set model.head_dim explicitly"
         )
+    from mta_repro.model.mta_ops import ATTN_IMPLS
+
+    if args.attn_impl not in ATTN_IMPLS:
+        raise ValueError(
+            f"model.attn_impl: unknown implementation {args.attn_impl!r}; registered: "
+            f"{sorted(ATTN_IMPLS)}"
+        )
+    _positive("model.attn_block_size", args.attn_block_size)
     if not 0.0 <= args.dropout < 1.0:
         raise ValueError(f"model.dropout: expected 0 <= p < 1, got {args.dropout}")
     if args.diff_transformer:

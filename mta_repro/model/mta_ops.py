@@ -6,16 +6,44 @@ a plain formula and a faster kernel can replace one function (register it in
 
 Shapes: B batch, H heads, Tq queries, Tk keys, d head_dim. Query row i sits at absolute
 position ``q_offset + i``; keys sit at 0..Tk-1 (a KV cache holds the earlier ones).
+
+Two implementations of the explicit path are registered (``model.attn_impl``):
+- ``torch``: the reference, the release's computation on the whole (B, H, Tq, Tk) score
+  matrix; every other implementation is tested against it.
+- ``blocked`` (default): queries in blocks of ``attn_block_size`` rows, each with the
+  ``query_history`` halo rows its convolutions read, each seeing only the keys up to its
+  own last row (causal skipping); with gradients on, each block is recomputed in
+  backward (``torch.utils.checkpoint``), so nothing of size T x T outlives its block.
+  Key-query convolutions run through ``kq_conv_cpu`` (C loops) on CPU fp32/fp64 and
+  ``F.conv2d`` elsewhere; head mixing is one matmul over the head axis.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+import warnings
+from dataclasses import dataclass, replace
 from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
+import torch.utils.checkpoint
+
+
+@dataclass(frozen=True)
+class AttnMask:
+    """The structure of the attention mask: causal from ``q_offset``, minus padding.
+
+    Implementations receive this instead of a dense (Tq, Tk) tensor, so a blocked or
+    fused kernel builds only the tiles it needs. key_valid: (B, Tk) bool, False at pad
+    positions of left-padded batches (None: no padding).
+    """
+
+    q_offset: int = 0
+    key_valid: Optional[torch.Tensor] = None
+
+    def dense(self, tq: int, tk: int, device: torch.device) -> torch.Tensor:
+        return allowed_mask(tq, tk, self.q_offset, device, self.key_valid)
 
 
 def allowed_mask(
@@ -49,7 +77,7 @@ def kq_conv(scores: torch.Tensor, kernel: torch.Tensor, pad_key: str) -> torch.T
     The query direction only looks back: row i sees rows i-c_q+1 .. i.
     """
     n_heads, _, c_q, c_k = kernel.shape
-    p_left = {"both": (c_k - 1) // 2, "left": c_k - 1, "right": 0}[pad_key]
+    p_left = pad_left(pad_key, c_k)
     padded = F.pad(scores, (p_left, c_k - 1 - p_left, c_q - 1, 0))
     return F.conv2d(padded, kernel.to(scores.dtype), groups=n_heads)
 
@@ -106,6 +134,8 @@ class ExplicitAttnParams:
     wposm: Optional[torch.Tensor] = None  # (H, H), after softmax
     pad_key: str = "both"
     dropout: float = 0.0
+    # Query rows per block of the ``blocked`` implementation (``model.attn_block_size``).
+    block_size: int = 256
 
 
 def explicit_attention_torch(
@@ -113,15 +143,15 @@ def explicit_attention_torch(
     k: torch.Tensor,
     v: torch.Tensor,
     p: ExplicitAttnParams,
-    allowed: torch.Tensor,
+    mask: AttnMask,
     training: bool = False,
 ) -> torch.Tensor:
     """Materialised-scores attention with the MTA score transforms, in release order.
 
-    q: (B, H, Tq, d); k, v: (B, H, Tk, d); allowed: bool broadcastable to (B, H, Tq, Tk).
-    Returns (B, H, Tq, d). With every parameter None this is plain softmax attention.
+    q: (B, H, Tq, d); k, v: (B, H, Tk, d). Returns (B, H, Tq, d). With every parameter
+    None this is plain softmax attention. The reference every implementation must match.
     """
-    masked = ~allowed
+    masked = ~mask.dense(q.shape[2], k.shape[2], q.device)
     scores = torch.matmul(q, k.transpose(-2, -1)) * q.shape[-1] ** -0.5
     if p.mta_kernel is not None:
         # Masked scores must be 0 so the convolution does not read the future.
@@ -144,9 +174,162 @@ def explicit_attention_torch(
     return torch.matmul(probs, v)
 
 
-# Registry of explicit-path implementations (``model.attn_impl``). A fused kernel with
-# the same signature and semantics registers here and is tested against "torch".
-ATTN_IMPLS: dict[str, Callable[..., torch.Tensor]] = {"torch": explicit_attention_torch}
+def pad_left(pad_key: str, c_k: int) -> int:
+    """Keys padded before the window (the kernel's key offset 0 sits at this column)."""
+    return {"both": (c_k - 1) // 2, "left": c_k - 1, "right": 0}[pad_key]
+
+
+def kq_conv_fast(scores: torch.Tensor, kernel: torch.Tensor, pad_key: str) -> torch.Tensor:
+    """``kq_conv`` through the C kernel where it runs (CPU fp32/fp64), else ``F.conv2d``."""
+    from mta_repro.model import kq_conv_cpu
+
+    if kq_conv_cpu.available(scores):
+        return kq_conv_cpu.kq_conv(scores, kernel[:, 0], pad_left(pad_key, kernel.shape[-1]))
+    return kq_conv(scores, kernel, pad_key)
+
+
+def head_mix_linear_fast(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``head_mix_linear`` as one (H, H) @ (B, H, Tq*Tk) matmul: no permuted copies."""
+    b, h, tq, tk = x.shape
+    return torch.matmul(weight.to(x.dtype), x.reshape(b, h, tq * tk)).view(b, h, tq, tk)
+
+
+def head_conv_fast(x: torch.Tensor, kernel: torch.Tensor) -> torch.Tensor:
+    """``head_conv`` as (G, c_h, c_h)^T @ (B, G, c_h, Tq*Tk): no permuted copies."""
+    b, h, tq, tk = x.shape
+    g, c_h, _ = kernel.shape
+    out = torch.matmul(kernel.to(x.dtype).transpose(1, 2), x.reshape(b, g, c_h, tq * tk))
+    return out.view(b, h, tq, tk)
+
+
+def _score_path_fast(q, k, v, p: ExplicitAttnParams, mask: AttnMask, training: bool, *weights):
+    """``explicit_attention_torch`` with the fast pieces; one query block at a time.
+
+    ``weights`` are the parameter tensors of ``p`` passed positionally, so that
+    ``torch.utils.checkpoint`` sees them as inputs (their gradients flow through it).
+    """
+    p = _with_weights(p, weights)
+    allowed = mask.dense(q.shape[2], k.shape[2], q.device)  # (1 or B, 1, Tq, Tk)
+    masked = ~allowed
+    scores = torch.matmul(q, k.transpose(-2, -1)) * q.shape[-1] ** -0.5
+    if p.mta_kernel is not None:
+        scores = kq_conv_fast(scores.masked_fill(masked, 0.0), p.mta_kernel, p.pad_key)
+    if p.wpsm is not None:
+        scores = head_mix_linear_fast(scores, p.wpsm)
+    scores = scores.masked_fill(masked, float("-inf"))
+    probs = F.softmax(scores.to(torch.promote_types(scores.dtype, torch.float32)), dim=-1)
+    if mask.key_valid is not None:  # only pad rows are fully masked (NaN after softmax)
+        probs = probs.masked_fill(masked, 0.0)
+    probs = probs.type_as(q)
+    if p.mta_kernel_after_sm is not None:
+        probs = kq_conv_fast(probs, p.mta_kernel_after_sm, p.pad_key).masked_fill(masked, 0.0)
+    if p.head_kernel is not None:
+        probs = head_conv_fast(probs, p.head_kernel)
+    elif p.wposm is not None:
+        probs = head_mix_linear_fast(probs, p.wposm)
+    if p.dropout > 0.0 and training:
+        probs = F.dropout(probs, p=p.dropout)
+    return torch.matmul(probs, v)
+
+
+_WEIGHT_FIELDS = ("mta_kernel", "wpsm", "mta_kernel_after_sm", "head_kernel", "wposm")
+
+
+def _with_weights(p: ExplicitAttnParams, weights) -> ExplicitAttnParams:
+    present = [f for f in _WEIGHT_FIELDS if getattr(p, f) is not None]
+    return replace(p, **dict(zip(present, weights)))
+
+
+def explicit_attention_blocked(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    p: ExplicitAttnParams,
+    mask: AttnMask,
+    training: bool = False,
+) -> torch.Tensor:
+    """The reference's result, computed in query blocks with recomputation.
+
+    Output rows [r0, r1) depend on score rows [r0 - w, r1) (w = ``query_history``) and,
+    causally, on keys < q_offset + r1 only; rows before the first given query are zero
+    in the reference too. So each block is the reference on that sub-problem, with its
+    first (r0 - s0) rows dropped. Shapes as ``explicit_attention_torch``.
+    """
+    tq, tk = q.shape[2], k.shape[2]
+    w = query_history(p)
+    weights = [getattr(p, f) for f in _WEIGHT_FIELDS if getattr(p, f) is not None]
+    recompute = torch.is_grad_enabled() and any(
+        t.requires_grad for t in (q, k, v, *weights)
+    )
+    outs = []
+    for r0 in range(0, tq, p.block_size):
+        r1 = min(r0 + p.block_size, tq)
+        s0 = max(0, r0 - w)
+        kend = min(tk, mask.q_offset + r1)
+        sub_mask = AttnMask(
+            mask.q_offset + s0, None if mask.key_valid is None else mask.key_valid[:, :kend]
+        )
+        args = (q[:, :, s0:r1], k[:, :, :kend], v[:, :, :kend], p, sub_mask, training, *weights)
+        if recompute:
+            # Only the block's inputs are saved; its (H, rows, keys) tensors are rebuilt in
+            # backward. The RNG state is restored, so dropout draws the same mask again.
+            out = torch.utils.checkpoint.checkpoint(_score_path_fast, *args, use_reentrant=False)
+        else:
+            out = _score_path_fast(*args)
+        outs.append(out[:, :, r0 - s0 :])
+    return outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
+
+
+@dataclass(frozen=True)
+class AttnImpl:
+    """A registered explicit-path implementation and what it supports."""
+
+    fn: Callable[..., torch.Tensor]
+    # Returns None when (q, params, mask) are supported, else the reason (for the
+    # fallback's warning); None means everything is supported.
+    supports: Optional[Callable[[torch.Tensor, ExplicitAttnParams, AttnMask], Optional[str]]] = None
+    doc: str = ""
+
+
+# Registry of explicit-path implementations (``model.attn_impl``). An implementation has
+# the signature of ``explicit_attention_torch`` and its semantics; the parity tests in
+# tests/test_attn_impls.py run every registered name against "torch".
+ATTN_IMPLS: dict[str, AttnImpl] = {
+    "torch": AttnImpl(explicit_attention_torch, doc="reference: whole (B, H, Tq, Tk) matrix"),
+    "blocked": AttnImpl(explicit_attention_blocked, doc="query blocks, causal skipping, recomputed"),
+}
+
+
+def register_attn_impl(name: str, impl: AttnImpl) -> None:
+    ATTN_IMPLS[name] = impl
+
+
+def explicit_attention(
+    impl: str,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    p: ExplicitAttnParams,
+    mask: AttnMask,
+    training: bool = False,
+) -> torch.Tensor:
+    """Dispatch to ``ATTN_IMPLS[impl]``, or to "torch" where it declares no support."""
+    entry = ATTN_IMPLS[impl]
+    if entry.supports is not None:
+        reason = entry.supports(q, p, mask)
+        if reason is not None:
+            _warn_fallback(impl, reason)
+            entry = ATTN_IMPLS["torch"]
+    return entry.fn(q, k, v, p, mask, training)
+
+
+_warned: set = set()
+
+
+def _warn_fallback(impl: str, reason: str) -> None:
+    if (impl, reason) not in _warned:
+        _warned.add((impl, reason))
+        warnings.warn(f"model.attn_impl={impl!r} does not support {reason}; using 'torch'")
 
 
 def query_history(params: ExplicitAttnParams) -> int:

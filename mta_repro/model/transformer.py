@@ -132,6 +132,7 @@ class Attention(nn.Module):
         self.pad_key = m.pad_key
         self.init_method = m.init_method
         self.attn_impl = args.attn_impl
+        self.attn_block_size = args.attn_block_size
         self.diff = args.diff_transformer
         inner = self.n_heads * self.head_dim
         self.wq = nn.Linear(args.dim, inner, bias=False)
@@ -190,6 +191,7 @@ class Attention(nn.Module):
             wposm=lin("wposm"),
             pad_key=self.pad_key,
             dropout=self.dropout,
+            block_size=self.attn_block_size,
         )
 
     def reset_parameters(self) -> None:
@@ -292,20 +294,17 @@ class Attention(nn.Module):
 
     def _explicit_forward(self, q, k, v, q_offset, key_valid, cache):
         params = self.explicit_params()
-        impl = mta_ops.ATTN_IMPLS[self.attn_impl]
         w = mta_ops.query_history(params)
-        if cache is None or w == 0:
-            allowed = mta_ops.allowed_mask(q.shape[2], k.shape[2], q_offset, q.device, key_valid)
-            return impl(q, k, v, params, allowed, self.training)
-        # Cached MTA decoding: the query-direction convolutions read the score rows of
-        # the last w queries, so recompute those rows too and keep only the new ones.
-        new = q.shape[2]
-        q_block = _append(cache.q, q)
-        cache.q = q_block[:, :, -w:]
-        allowed = mta_ops.allowed_mask(
-            q_block.shape[2], k.shape[2], q_offset + new - q_block.shape[2], q.device, key_valid
-        )
-        return impl(q_block, k, v, params, allowed, self.training)[:, :, -new:]
+        if cache is not None and w > 0:
+            # Cached MTA decoding: the query-direction convolutions read the score rows of
+            # the last w queries, so recompute those rows too and keep only the new ones.
+            new = q.shape[2]
+            q = _append(cache.q, q)
+            cache.q = q[:, :, -w:]
+            q_offset = q_offset + new - q.shape[2]
+        mask = mta_ops.AttnMask(q_offset, key_valid)
+        out = mta_ops.explicit_attention(self.attn_impl, q, k, v, params, mask, self.training)
+        return out if cache is None or w == 0 else out[:, :, -new:]
 
     def _diff_forward(self, q, k, v, q_offset, key_valid):
         """(A1 - lambda A2) V = A1 V - lambda A2 V: two stock attention calls."""

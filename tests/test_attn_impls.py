@@ -1,0 +1,243 @@
+"""Every registered explicit-path implementation against the "torch" reference (float64).
+
+The reference itself is checked against plain loops in test_mta_ops.py; here each other
+implementation must give the same outputs and the same gradients of q, k, v and every
+score-path parameter, for every option the configs use.
+"""
+
+import dataclasses
+
+import pytest
+import torch
+
+from mta_repro.model import MTAArgs, ModelArgs, build_model
+from mta_repro.model import kq_conv_cpu, mta_ops
+
+IMPLS = [name for name in mta_ops.ATTN_IMPLS if name != "torch"]
+H, D = 4, 3
+
+
+def make_params(pad_key="both", pre=(2, 3), post=(3, 3), mix="head_kernel", wpsm=True, dropout=0.0,
+                block_size=4, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    rand = lambda *shape: torch.randn(*shape, generator=g, dtype=torch.float64)  # noqa: E731
+    return mta_ops.ExplicitAttnParams(
+        mta_kernel=rand(H, 1, *pre) if pre else None,
+        wpsm=rand(H, H) if wpsm else None,
+        mta_kernel_after_sm=rand(H, 1, *post) if post else None,
+        head_kernel=rand(2, 2, 2) if mix == "head_kernel" else None,
+        wposm=rand(H, H) if mix == "wposm" else None,
+        pad_key=pad_key,
+        dropout=dropout,
+        block_size=block_size,
+    )
+
+
+def qkv(b=2, tq=11, tk=11, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(b, H, t, D, generator=g, dtype=torch.float64) for t in (tq, tk, tk)]
+
+
+def leaves(q, k, v, p):
+    """Fresh leaf tensors for q, k, v and every present parameter (grads compared)."""
+    ts = {"q": q, "k": k, "v": v}
+    ts.update({f: getattr(p, f) for f in mta_ops._WEIGHT_FIELDS if getattr(p, f) is not None})
+    ts = {n: t.detach().clone().requires_grad_() for n, t in ts.items()}
+    p = dataclasses.replace(p, **{n: t for n, t in ts.items() if n not in "qkv"})
+    return ts, p
+
+
+def run(impl, q, k, v, p, mask, training=False, seed=None):
+    ts, p = leaves(q, k, v, p)
+    if seed is not None:
+        torch.manual_seed(seed)
+    out = mta_ops.ATTN_IMPLS[impl].fn(ts["q"], ts["k"], ts["v"], p, mask, training)
+    g = torch.Generator().manual_seed(7)
+    (out * torch.randn(out.shape, generator=g, dtype=out.dtype)).sum().backward()
+    return out.detach(), {n: t.grad for n, t in ts.items()}
+
+
+def assert_same(impl, q, k, v, p, mask):
+    want, want_g = run("torch", q, k, v, p, mask)
+    got, got_g = run(impl, q, k, v, p, mask)
+    torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+    assert set(got_g) == set(want_g)
+    for name in want_g:
+        torch.testing.assert_close(got_g[name], want_g[name], rtol=1e-9, atol=1e-11, msg=name)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize(
+    "pad_key, pre, post, mix, wpsm",
+    [
+        ("both", (2, 3), (3, 3), "head_kernel", True),  # the paper's MTA layer, small
+        ("left", (3, 2), None, "wposm", False),  # pre only
+        ("right", None, (2, 4), None, True),  # post only
+        ("both", None, None, "head_kernel", True),  # talking heads (mixing-only layer)
+        ("left", (2, 3), (2, 2), None, False),  # both convs, no mixing
+    ],
+)
+@pytest.mark.parametrize("block_size", [1, 4, 5, 64])  # 4 and 5 do not divide T=11
+def test_matches_reference(impl, pad_key, pre, post, mix, wpsm, block_size):
+    p = make_params(pad_key, pre, post, mix, wpsm, block_size=block_size)
+    assert_same(impl, *qkv(), p, mta_ops.AttnMask())
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_left_padded_batch(impl):
+    """key_valid: pad keys and pad query rows behave as the reference's."""
+    q, k, v = qkv(b=3, tq=9, tk=9)
+    key_valid = torch.ones(3, 9, dtype=torch.bool)
+    key_valid[1, :3] = False
+    key_valid[2, :8] = False  # only the last position is real
+    assert_same(impl, q, k, v, make_params(block_size=4), mta_ops.AttnMask(0, key_valid))
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("padded", [False, True])
+def test_cached_decoding_offset(impl, padded):
+    """q_offset > 0: a block of queries continuing after cached keys (the decode path)."""
+    q, _, _ = qkv(tq=5)
+    _, k, v = qkv(tk=12, seed=2)
+    key_valid = None
+    if padded:
+        key_valid = torch.ones(2, 12, dtype=torch.bool)
+        key_valid[0, :4] = False
+    assert_same(impl, q, k, v, make_params(block_size=2), mta_ops.AttnMask(7, key_valid))
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_gradcheck(impl):
+    """Analytic gradients of every input against finite differences (tiny shapes)."""
+    p = make_params(block_size=3)
+    q, k, v = qkv(b=1, tq=5, tk=5)
+    ts, p = leaves(q, k, v, p)
+    names = list(ts)
+
+    def f(*tensors):
+        pp = dataclasses.replace(p, **{n: t for n, t in zip(names, tensors) if n not in "qkv"})
+        return mta_ops.ATTN_IMPLS[impl].fn(tensors[0], tensors[1], tensors[2], pp, mta_ops.AttnMask(), False)
+
+    assert torch.autograd.gradcheck(f, tuple(ts.values()))
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_dropout_gradients_follow_the_forward_masks(impl):
+    """With dropout on, backward must see the masks the forward drew (recomputation
+    restores the RNG): finite differences of the seeded function agree."""
+    p = make_params(dropout=0.3, block_size=2)
+    q, k, v = qkv(b=1, tq=5, tk=5)
+    ts, p = leaves(q, k, v, p)
+    names = list(ts)
+
+    def f(*tensors):
+        torch.manual_seed(3)
+        pp = dataclasses.replace(p, **{n: t for n, t in zip(names, tensors) if n not in "qkv"})
+        return mta_ops.ATTN_IMPLS[impl].fn(tensors[0], tensors[1], tensors[2], pp, mta_ops.AttnMask(), True)
+
+    out = f(*ts.values())
+    torch.testing.assert_close(out, f(*[t.detach() for t in ts.values()]), rtol=1e-12, atol=1e-14)
+    no_drop = mta_ops.ATTN_IMPLS[impl].fn(
+        ts["q"], ts["k"], ts["v"], dataclasses.replace(p, dropout=0.0), mta_ops.AttnMask(), True
+    )
+    assert not torch.allclose(out, no_drop)  # dropout did act
+    assert torch.autograd.gradcheck(f, tuple(ts.values()))
+
+
+def test_blocked_keeps_nothing_quadratic_for_backward():
+    """The blocked path saves no (B, H, T, T)-sized tensor; the reference saves several."""
+    T = 64
+    p = make_params(block_size=16)
+    q, k, v = qkv(b=1, tq=T, tk=T)
+
+    def saved(impl):
+        sizes = []
+
+        def pack(t):
+            sizes.append(t.numel())
+            return t
+
+        ts, pp = leaves(q, k, v, p)
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            mta_ops.ATTN_IMPLS[impl].fn(ts["q"], ts["k"], ts["v"], pp, mta_ops.AttnMask(), True)
+        return sizes
+
+    assert max(saved("torch")) >= H * T * T
+    assert max(saved("blocked")) <= H * T * D  # inputs only (q, k, v slices)
+
+
+def test_cpu_kq_conv_kernel_matches_conv2d_and_gradcheck():
+    if not kq_conv_cpu.available(torch.zeros(1, dtype=torch.float64)):
+        pytest.skip("no C compiler: the CPU kernel falls back to F.conv2d")
+    g = torch.Generator().manual_seed(0)
+    for pad_key, ck in (("both", 5), ("left", 4), ("right", 3)):
+        x = torch.randn(2, 3, 70, 9, generator=g, dtype=torch.float64)  # 70 > the C block of 64
+        w = torch.randn(3, 1, 3, ck, generator=g, dtype=torch.float64)
+        pl = mta_ops.pad_left(pad_key, ck)
+        torch.testing.assert_close(kq_conv_cpu.kq_conv(x, w[:, 0], pl), mta_ops.kq_conv(x, w, pad_key))
+        xs, ws = x[:, :, :6].clone().requires_grad_(), w[:, 0].clone().requires_grad_()
+        assert torch.autograd.gradcheck(lambda a, b: kq_conv_cpu.kq_conv(a, b, pl), (xs, ws))
+    # float32 agrees with the float64 result to float32 precision
+    x = torch.randn(1, 2, 80, 130, generator=g)
+    w = torch.randn(2, 1, 6, 11, generator=g)
+    torch.testing.assert_close(
+        kq_conv_cpu.kq_conv(x, w[:, 0], 5).double(), mta_ops.kq_conv(x.double(), w.double(), "both"),
+        rtol=1e-5, atol=1e-4,
+    )
+
+
+def test_unknown_impl_is_refused_with_the_registered_names():
+    with pytest.raises(ValueError, match=r"model.attn_impl.*'blocked'.*'torch'"):
+        ModelArgs(attn_impl="flash")
+
+
+def test_unsupported_case_falls_back_to_reference():
+    calls = []
+
+    def supports(q, p, mask):
+        return "anything" if True else None
+
+    mta_ops.register_attn_impl("never", mta_ops.AttnImpl(lambda *a: calls.append(a), supports))
+    try:
+        q, k, v = qkv()
+        p = make_params()
+        with pytest.warns(UserWarning, match="'never' does not support anything"):
+            out = mta_ops.explicit_attention("never", q, k, v, p, mta_ops.AttnMask())
+        assert not calls
+        torch.testing.assert_close(out, mta_ops.explicit_attention_torch(q, k, v, p, mta_ops.AttnMask()))
+    finally:
+        del mta_ops.ATTN_IMPLS["never"]
+
+
+MODEL_VARIANTS = {
+    "mta": MTAArgs(
+        use_mta=True, query_kernel_size=3, key_kernel_size=5, after_sm_query_kernel_size=2,
+        after_sm_key_kernel_size=3, pre_sm_linear_head=True, head_kernel_size=2, mta_layers="0,2",
+        group_norm=True, add_gating=True, init_method="normal",
+    ),
+    "talking_heads": MTAArgs(use_mta=True, pre_sm_linear_head=True, head_kernel_size=4),
+}
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("variant", sorted(MODEL_VARIANTS))
+def test_whole_model_losses_and_gradients_match(impl, variant):
+    losses, grads = {}, {}
+    x = torch.randint(0, 97, (2, 21), generator=torch.Generator().manual_seed(0))
+    for name in ("torch", impl):
+        args = ModelArgs(dim=32, n_layers=3, n_heads=4, vocab_size=97, mta=MODEL_VARIANTS[variant],
+                         attn_impl=name, attn_block_size=6)
+        model = build_model(args).double()
+        with torch.no_grad():  # random (not identity) talking-heads weights
+            for n, prm in model.named_parameters():
+                if "wpsm" in n or "head_kernel" in n:
+                    prm.add_(0.3 * torch.randn(prm.shape, generator=torch.Generator().manual_seed(1),
+                                               dtype=prm.dtype))
+        logits = model(x[:, :-1])
+        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), x[:, 1:].flatten())
+        loss.backward()
+        losses[name] = loss.item()
+        grads[name] = {n: prm.grad for n, prm in model.named_parameters()}
+    assert losses[impl] == pytest.approx(losses["torch"], rel=1e-12)
+    for n, g in grads["torch"].items():
+        torch.testing.assert_close(grads[impl][n], g, rtol=1e-9, atol=1e-12, msg=n)
