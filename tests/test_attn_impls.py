@@ -118,7 +118,7 @@ def test_gradcheck(impl):
         pp = dataclasses.replace(p, **{n: t for n, t in zip(names, tensors) if n not in "qkv"})
         return mta_ops.ATTN_IMPLS[impl].fn(tensors[0], tensors[1], tensors[2], pp, mta_ops.AttnMask(), False)
 
-    assert torch.autograd.gradcheck(f, tuple(ts.values()))
+    assert torch.autograd.gradcheck(f, tuple(ts.values()), fast_mode=True)
 
 
 @pytest.mark.parametrize("impl", IMPLS)
@@ -141,7 +141,7 @@ def test_dropout_gradients_follow_the_forward_masks(impl):
         ts["q"], ts["k"], ts["v"], dataclasses.replace(p, dropout=0.0), mta_ops.AttnMask(), True
     )
     assert not torch.allclose(out, no_drop)  # dropout did act
-    assert torch.autograd.gradcheck(f, tuple(ts.values()))
+    assert torch.autograd.gradcheck(f, tuple(ts.values()), fast_mode=True)
 
 
 def test_blocked_keeps_nothing_quadratic_for_backward():
@@ -176,7 +176,7 @@ def test_cpu_kq_conv_kernel_matches_conv2d_and_gradcheck():
         pl = mta_ops.pad_left(pad_key, ck)
         torch.testing.assert_close(kq_conv_cpu.kq_conv(x, w[:, 0], pl), mta_ops.kq_conv(x, w, pad_key))
         xs, ws = x[:, :, :6].clone().requires_grad_(), w[:, 0].clone().requires_grad_()
-        assert torch.autograd.gradcheck(lambda a, b: kq_conv_cpu.kq_conv(a, b, pl), (xs, ws))
+        assert torch.autograd.gradcheck(lambda a, b: kq_conv_cpu.kq_conv(a, b, pl), (xs, ws), fast_mode=True)
     # float32 agrees with the float64 result to float32 precision
     x = torch.randn(1, 2, 80, 130, generator=g)
     w = torch.randn(2, 1, 6, 11, generator=g)

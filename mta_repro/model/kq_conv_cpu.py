@@ -68,7 +68,7 @@ def _compile() -> ctypes.CDLL:
     for suf in _DTYPES.values():
         for name in ("kq_corr", "kq_wgrad"):
             fn = getattr(lib, f"{name}_{suf}")
-            fn.argtypes = [ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, ctypes.c_int]
+            fn.argtypes = [ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64, i64, ctypes.c_int]
             fn.restype = None
     return lib
 
@@ -92,18 +92,18 @@ def available(x: torch.Tensor) -> bool:
     return x.device.type == "cpu" and x.dtype in _DTYPES and _get_lib() is not None
 
 
-def _call(name: str, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, cq: int, ck: int) -> None:
-    P, H, R, K = out.shape[0] * out.shape[1], b.shape[0], out.shape[2], out.shape[3]
-    if name == "kq_wgrad":  # a: gradient (B, H, R, K), b: padded input
-        P, H, R, K = a.shape[0] * a.shape[1], a.shape[1], a.shape[2], a.shape[3]
+def _call(name: str, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, cq: int, ck: int, ro: int, pl: int) -> None:
+    """a: (B, H, R, K) contiguous; the C function's own layout comment says the rest."""
+    B, H, R, K = a.shape
     fn = getattr(_get_lib(), f"{name}_{_DTYPES[a.dtype]}")
-    fn(a.data_ptr(), b.data_ptr(), out.data_ptr(), P, H, R, K, cq, ck, torch.get_num_threads())
+    fn(a.data_ptr(), b.data_ptr(), out.data_ptr(), B * H, H, R, K, cq, ck, ro, pl, torch.get_num_threads())
 
 
-def _corr(xp: torch.Tensor, w: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
-    """y[i, j] = sum_{a, b} w[a, b] * xp[i + a, j + b] per plane; xp zero-padded."""
-    y = torch.empty(*xp.shape[:2], rows, cols, dtype=xp.dtype)
-    _call("kq_corr", xp.contiguous(), w.to(xp.dtype).contiguous(), y, w.shape[1], w.shape[2])
+def _corr(x: torch.Tensor, w: torch.Tensor, ro: int, pl: int) -> torch.Tensor:
+    """y[i, j] = sum_{a, b} w[a, b] * x[i + a - ro, j + b - pl] per plane (0 outside)."""
+    x = x.contiguous()
+    y = torch.empty_like(x)
+    _call("kq_corr", x, w.to(x.dtype).contiguous(), y, w.shape[1], w.shape[2], ro, pl)
     return y
 
 
@@ -111,9 +111,7 @@ def _corr(xp: torch.Tensor, w: torch.Tensor, rows: int, cols: int) -> torch.Tens
 def kq_conv(x: torch.Tensor, w: torch.Tensor, pad_left: int) -> torch.Tensor:
     """x: (B, H, R, K); w: (H, c_q, c_k). Same result as ``mta_ops.kq_conv``: rows look
     back c_q-1, keys are padded ``pad_left`` before and c_k-1-pad_left after."""
-    cq, ck = w.shape[1], w.shape[2]
-    xp = torch.nn.functional.pad(x, (pad_left, ck - 1 - pad_left, cq - 1, 0))
-    return _corr(xp, w, x.shape[2], x.shape[3])
+    return _corr(x, w, w.shape[1] - 1, pad_left)
 
 
 @kq_conv.register_fake
@@ -125,16 +123,13 @@ def _(x, w, pad_left):
 def _kq_conv_bwd(gy: torch.Tensor, x: torch.Tensor, w: torch.Tensor, pad_left: int) -> tuple[torch.Tensor, torch.Tensor]:
     cq, ck = w.shape[1], w.shape[2]
     B, H, R, K = x.shape
-    gy = gy.contiguous()
-    # Input gradient: the same correlation of the (otherwise) padded gradient with the
-    # flipped kernel: gx[r, m] = sum w[a, b] gy[r - a + c_q-1, m - b + pad_left].
-    gyp = torch.nn.functional.pad(gy, (ck - 1 - pad_left, pad_left, 0, cq - 1))
-    gx = _corr(gyp, w.flip(1, 2), R, K)
-    xp = torch.nn.functional.pad(x, (pad_left, ck - 1 - pad_left, cq - 1, 0)).contiguous()
+    gy, x = gy.contiguous(), x.contiguous()
+    # Input gradient: gx[r, m] = sum w[a, b] gy[r - a + c_q-1, m - b + pad_left], the
+    # same correlation with the flipped kernel, rows looking forward.
+    gx = _corr(gy, w.flip(1, 2), 0, ck - 1 - pad_left)
     gw = torch.empty(B, H, cq, ck, dtype=torch.float64)  # per plane, summed over B below
-    _call("kq_wgrad", gy, xp, gw, cq, ck)
+    _call("kq_wgrad", gy, x, gw, cq, ck, cq - 1, pad_left)
     return gx, gw.sum(0).to(w.dtype)
-
 
 @_kq_conv_bwd.register_fake
 def _(gy, x, w, pad_left):

@@ -209,20 +209,25 @@ def _score_path_fast(q, k, v, p: ExplicitAttnParams, mask: AttnMask, training: b
     ``torch.utils.checkpoint`` sees them as inputs (their gradients flow through it).
     """
     p = _with_weights(p, weights)
-    allowed = mask.dense(q.shape[2], k.shape[2], q.device)  # (1 or B, 1, Tq, Tk)
-    masked = ~allowed
-    scores = torch.matmul(q, k.transpose(-2, -1)) * q.shape[-1] ** -0.5
+    # Masks as one multiply / one add each (masked_fill is a copy plus a fill, and so is
+    # its backward): every pass over a (B, H, rows, keys) block counts on CPU.
+    allowed = mask.dense(q.shape[2], k.shape[2], q.device)  # (1 or B, 1, rows, keys)
+    scores = torch.matmul(q * q.shape[-1] ** -0.5, k.transpose(-2, -1))
     if p.mta_kernel is not None:
-        scores = kq_conv_fast(scores.masked_fill(masked, 0.0), p.mta_kernel, p.pad_key)
+        scores = kq_conv_fast(scores * allowed, p.mta_kernel, p.pad_key)
     if p.wpsm is not None:
         scores = head_mix_linear_fast(scores, p.wpsm)
-    scores = scores.masked_fill(masked, float("-inf"))
-    probs = F.softmax(scores.to(torch.promote_types(scores.dtype, torch.float32)), dim=-1)
-    if mask.key_valid is not None:  # only pad rows are fully masked (NaN after softmax)
-        probs = probs.masked_fill(masked, 0.0)
+    ct = torch.promote_types(scores.dtype, torch.float32)
+    # A pad query row (key_valid) allows nothing: leave its bias finite, so softmax and
+    # its backward stay NaN-free, and zero its probabilities below.
+    hide = ~allowed if mask.key_valid is None else ~allowed & allowed.any(-1, keepdim=True)
+    bias = torch.zeros(allowed.shape, dtype=ct, device=q.device).masked_fill_(hide, float("-inf"))
+    probs = F.softmax(scores.to(ct) + bias, dim=-1)
+    if mask.key_valid is not None:
+        probs = probs * allowed
     probs = probs.type_as(q)
     if p.mta_kernel_after_sm is not None:
-        probs = kq_conv_fast(probs, p.mta_kernel_after_sm, p.pad_key).masked_fill(masked, 0.0)
+        probs = kq_conv_fast(probs, p.mta_kernel_after_sm, p.pad_key) * allowed
     if p.head_kernel is not None:
         probs = head_conv_fast(probs, p.head_kernel)
     elif p.wposm is not None:

@@ -1,0 +1,197 @@
+"""One attention layer's core (q, k, v -> output) at the 880M shape, every implementation
+side by side: fwd+bwd time, peak memory and the bytes saved for backward.
+
+    python scripts/bench_attention.py                          # CPU fp32, T = 1024, 2048, 4096
+    python scripts/bench_attention.py --seqs 2048 --reps 5
+    python scripts/bench_attention.py --device cuda --dtype bfloat16
+    python scripts/bench_attention.py --block-sizes 64,128,256,512 --seqs 2048 --impls blocked
+    python scripts/bench_attention.py --profile kq_conv:blocked:2048   # torch.profiler table
+
+Layers (the release's 830M options, 16 heads of 96, B = 1):
+  kq_conv  6x11 key-query convolution before and after softmax, wpsm, head conv over 16
+  mixing   wpsm + head conv over 16 (layers outside mta_layers; talking heads)
+and ``sdpa`` (F.scaled_dot_product_attention, causal), the baseline's layer.
+
+Each (layer, implementation, T) runs in a fresh subprocess, so the peak memory is its own:
+CUDA max allocated, or on CPU the peak RSS minus the RSS before the inputs existed.
+"Saved" is the bytes autograd keeps for backward (``saved_tensors_hooks``, each storage
+counted once): noise cannot move it. Times are medians of ``--reps`` after one warm-up.
+Ratios are against SDPA at the same T, from the same invocation.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+H, D = 16, 96
+LAYERS = ("kq_conv", "mixing")
+
+
+def _rss_gb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 2**30
+
+
+def make_params(layer: str, impl: str, dtype, device, block_size: int):
+    import torch
+
+    from mta_repro.model import mta_ops
+
+    def param(*shape, eye=False):
+        t = torch.eye(H) if eye else torch.randn(*shape) * 0.1
+        return t.to(device, dtype).requires_grad_()
+
+    conv = layer == "kq_conv"
+    return mta_ops.ExplicitAttnParams(
+        mta_kernel=param(H, 1, 6, 11) if conv else None,
+        wpsm=param(H, H, eye=True),
+        mta_kernel_after_sm=param(H, 1, 6, 11) if conv else None,
+        head_kernel=param(1, H, H),
+        pad_key="both",
+        block_size=block_size,
+    )
+
+
+def run_one(layer: str, impl: str, seq: int, device: str, dtype_name: str, reps: int, block_size: int) -> dict:
+    import torch
+    import torch.nn.functional as F
+
+    from mta_repro.model import mta_ops
+
+    dev = torch.device(device)
+    dtype = getattr(torch, dtype_name)
+    rss0 = _rss_gb()
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, H, seq, D, generator=g).to(dev, dtype).requires_grad_() for _ in range(3))
+    if impl == "sdpa":
+        def fwd():
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    else:
+        p = make_params(layer, impl, dtype, dev, block_size)
+
+        def fwd():
+            return mta_ops.ATTN_IMPLS[impl].fn(q, k, v, p, mta_ops.AttnMask(), True)
+
+    # Bytes saved for backward, each storage once (views of q/k/v are not new memory).
+    storages: dict[int, int] = {}
+
+    def pack(t):
+        s = t.untyped_storage()
+        storages[s.data_ptr()] = s.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = fwd()
+    inputs = {t.untyped_storage().data_ptr() for t in (q, k, v)}
+    saved = sum(n for ptr, n in storages.items() if ptr not in inputs)
+    saved_inputs = sum(n for ptr, n in storages.items() if ptr in inputs)
+    out.backward(torch.ones_like(out))
+    del out
+
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+        torch.cuda.reset_peak_memory_stats(dev)
+    times = []
+    for _ in range(reps):
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+        t0 = time.perf_counter()
+        out = fwd()
+        out.backward(torch.ones_like(out))
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+        times.append(time.perf_counter() - t0)
+        del out
+    peak = torch.cuda.max_memory_allocated(dev) / 2**30 if dev.type == "cuda" else _rss_gb() - rss0
+    return {"layer": layer, "impl": impl, "seq": seq, "block_size": block_size, "s": statistics.median(times),
+            "s_all": times, "peak_gb": peak, "saved_gb": saved / 2**30, "saved_inputs_gb": saved_inputs / 2**30}
+
+
+def profile(spec: str, device: str, dtype_name: str, block_size: int) -> None:
+    import torch
+
+    from mta_repro.model import mta_ops
+
+    layer, impl, seq = spec.split(":")
+    dev, dtype = torch.device(device), getattr(torch, dtype_name)
+    q, k, v = (torch.randn(1, H, int(seq), D).to(dev, dtype).requires_grad_() for _ in range(3))
+    p = make_params(layer, impl, dtype, dev, block_size)
+    out = mta_ops.ATTN_IMPLS[impl].fn(q, k, v, p, mta_ops.AttnMask(), True)
+    out.backward(torch.ones_like(out))
+    acts = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if dev.type == "cuda" else [])
+    with torch.profiler.profile(activities=acts) as prof:
+        out = mta_ops.ATTN_IMPLS[impl].fn(q, k, v, p, mta_ops.AttnMask(), True)
+        out.backward(torch.ones_like(out))
+    key = "self_cuda_time_total" if dev.type == "cuda" else "self_cpu_time_total"
+    print(prof.key_averages().table(sort_by=key, row_limit=20))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--seqs", default="1024,2048,4096")
+    ap.add_argument("--layers", default=",".join(LAYERS))
+    ap.add_argument("--impls", default=None, help="comma list (default: every registered one)")
+    ap.add_argument("--block-sizes", default="256", help="blocked path block sizes to compare")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--json", default=None, help="also write the rows here")
+    ap.add_argument("--profile", default=None, metavar="LAYER:IMPL:T")
+    ap.add_argument("--one", nargs=4, metavar=("LAYER", "IMPL", "T", "BLOCK"), help=argparse.SUPPRESS)
+    a = ap.parse_args()
+    if a.profile:
+        profile(a.profile, a.device, a.dtype, int(a.block_sizes.split(",")[0]))
+        return
+    if a.one:
+        layer, impl, seq, bs = a.one
+        print(json.dumps(run_one(layer, impl, int(seq), a.device, a.dtype, a.reps, int(bs))))
+        return
+
+    from mta_repro.model import mta_ops
+
+    impls = a.impls.split(",") if a.impls else list(mta_ops.ATTN_IMPLS)
+    cases = []
+    for seq in map(int, a.seqs.split(",")):
+        cases.append(("sdpa", "sdpa", seq, 0))
+        for layer in a.layers.split(","):
+            for impl in impls:
+                for bs in (map(int, a.block_sizes.split(",")) if impl == "blocked" else [0]):
+                    cases.append((layer, impl, seq, bs))
+    rows = []
+    for layer, impl, seq, bs in cases:
+        cmd = [sys.executable, __file__, "--one", layer, impl, str(seq), str(bs or 256),
+               "--device", a.device, "--dtype", a.dtype, "--reps", str(a.reps)]
+        p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+        if p.returncode != 0:
+            print(f"{layer}/{impl}/T={seq} failed:\n{p.stderr[-1500:]}", file=sys.stderr)
+            continue
+        r = json.loads(p.stdout.strip().splitlines()[-1])
+        r["block_size"] = bs
+        rows.append(r)
+        print(f"  {layer:8s} {impl:8s} T={seq:5d} bs={bs:4d} {r['s']:8.3f} s  peak {r['peak_gb']:.2f} GB  "
+              f"saved {r['saved_gb']:.3f} GB", file=sys.stderr, flush=True)
+
+    sdpa = {r["seq"]: r for r in rows if r["impl"] == "sdpa"}
+    mem = "peak GB" + (" (RSS)" if a.device == "cpu" else "")
+    print(f"\nOne layer, fwd+bwd, B=1, {H} heads of {D}, {a.device} {a.dtype}, median of {a.reps} after 1 warm-up\n")
+    print(f"| layer | impl | block | T | time s | x SDPA | {mem} | x SDPA | saved GB (beyond q,k,v) |")
+    print("|" + "---|" * 9)
+    for r in rows:
+        b = sdpa.get(r["seq"])
+        tr = f"{r['s'] / b['s']:.2f}" if b else "n/a"
+        mr = f"{r['peak_gb'] / b['peak_gb']:.2f}" if b and b["peak_gb"] > 0 else "n/a"
+        print(f"| {r['layer']} | {r['impl']} | {r['block_size'] or '-'} | {r['seq']} | {r['s']:.3f} | {tr} | "
+              f"{r['peak_gb']:.2f} | {mr} | {r['saved_gb']:.3f} |")
+    if a.json:
+        Path(a.json).write_text(json.dumps(rows, indent=1))
+
+
+if __name__ == "__main__":
+    main()
