@@ -2,6 +2,8 @@
 
     python -m mta_repro.params model=880m attention=mta      # one JSON object
     python -m mta_repro.params --table [seq_len=2048]        # every size x variant
+    python -m mta_repro.params experiment=long_context_880m_mta --memory [--world-size N]
+                                                             # per-GPU memory pre-flight
 """
 
 from __future__ import annotations
@@ -53,6 +55,16 @@ def main(argv: list[str]) -> None:
         print("|---|---|---:|---:|---:|")
         for size, variant, total, extra, flops in rows:
             print(f"| {size} | {variant} | {total:,} | {extra:+,} | {flops / 1e9:.3f} |")
+        return
+    if "--memory" in rest:
+        from mta_repro.memory import estimate_from_config
+
+        world = None
+        if "--world-size" in rest:
+            world = int(rest[rest.index("--world-size") + 1])
+            rest.remove(str(world))
+        cfg = compose([a for a in rest if not a.startswith("--")])
+        print(estimate_from_config(cfg, world).table())
         return
     args = model_args_from(compose(rest))
     out = count(args, seq_len)

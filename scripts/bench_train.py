@@ -1,6 +1,7 @@
 """Training throughput and peak memory of every attention variant, side by side.
 
     python scripts/bench_train.py                       # tiny + mid, all variants, CPU
+    python scripts/bench_train.py --configs w880 --variants baseline,mta,llama_hf
     python scripts/bench_train.py --configs mid --device cuda --steps 10
 
 For each config and variant, a fresh subprocess builds the model, runs ``--warmup``
@@ -12,7 +13,14 @@ Ratios are MTA (and the other variants) over the baseline of the same config.
 Configs: ``tiny`` = configs/model/tiny.yaml at seq 256, batch 4; ``mid`` = dim 1024,
 16 heads of 64 (the 300M's attention shape), 2 layers (layer 1 gets the key-query
 convolutions), vocab 8192, at seq 2048, batch 1: the (B, H, T, T) cost of MTA at the
-paper's sequence length, small enough for a CPU.
+paper's sequence length, small enough for a CPU. ``w880`` = the 880M width (dim 1536, 16
+heads of 96, FFN 4096), 4 layers with layer 2 getting the key-query convolutions (6 of the
+real model's 24 do), vocab 8192, seq 2048, batch 1.
+
+Variant ``llama_hf`` is ``transformers``' LlamaForCausalLM of the config's baseline shape
+(SDPA, tied embeddings), for comparing the baseline with what a user would otherwise pick
+(needs ``pip install transformers``). "saved GB" is what autograd keeps for backward
+(``saved_tensors_hooks``, each storage once): no noise moves it.
 """
 
 from __future__ import annotations
@@ -36,7 +44,27 @@ CONFIGS = {
         "seq": 2048,
         "batch": 1,
     },
+    "w880": {
+        "overrides": ["model=tiny", "model.dim=1536", "model.n_heads=16", "model.n_layers=4",
+                      "model.kq_conv_layers='2'"],
+        "seq": 2048,
+        "batch": 1,
+    },
 }
+
+
+def _hf_llama(args, device):
+    """LlamaForCausalLM with our baseline's shape (imported only for ``llama_hf``)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(
+        vocab_size=args.vocab_size, hidden_size=args.dim, intermediate_size=args.ffn_hidden_dim,
+        num_hidden_layers=args.n_layers, num_attention_heads=args.n_heads,
+        num_key_value_heads=args.n_heads, head_dim=args.resolved_head_dim,
+        rms_norm_eps=args.norm_eps, rope_theta=args.rope_theta, tie_word_embeddings=True,
+        attn_implementation="sdpa", max_position_embeddings=args.max_seqlen,
+    )
+    return LlamaForCausalLM(cfg).to(device)
 
 
 def _rss_gb() -> float:
@@ -54,10 +82,11 @@ def run_one(config: str, variant: str, device: str, warmup: int, steps: int, thr
     if threads:
         torch.set_num_threads(threads)
     spec = CONFIGS[config]
-    args = model_args_from(compose([*spec["overrides"], f"attention={variant}"]))
+    hf = variant == "llama_hf"
+    args = model_args_from(compose([*spec["overrides"], f"attention={'baseline' if hf else variant}"]))
     dev = torch.device(device)
     rss0 = _rss_gb()
-    model = build_model(args, device=dev)
+    model = _hf_llama(args, dev) if hf else build_model(args, device=dev)
     n_params = sum(p.numel() for p in model.parameters())
     opt = build_optimizer(model, OptimArgs(lr=1e-4, warmup=0))
     g = torch.Generator().manual_seed(0)
@@ -66,13 +95,31 @@ def run_one(config: str, variant: str, device: str, warmup: int, steps: int, thr
     amp = torch.autocast("cuda", dtype=torch.bfloat16) if dev.type == "cuda" else torch.autocast("cpu", enabled=False)
     if dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats(dev)
+    def loss_fn():
+        if hf:
+            logits = model(input_ids=x).logits
+            return torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), y.flatten())
+        return cross_entropy(model, x, y)
+
+    storages: dict[int, int] = {}
+
+    def pack(t):
+        s = t.untyped_storage()
+        storages[s.data_ptr()] = s.nbytes()
+        return t
+
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
     times = []
     for i in range(warmup + steps):
         if dev.type == "cuda":
             torch.cuda.synchronize(dev)
         t0 = time.perf_counter()
-        with amp:
-            loss = cross_entropy(model, x, y)
+        if i == 0:  # count what autograd keeps for backward (not timed)
+            with amp, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                loss = loss_fn()
+        else:
+            with amp:
+                loss = loss_fn()
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
@@ -83,8 +130,10 @@ def run_one(config: str, variant: str, device: str, warmup: int, steps: int, thr
             times.append(time.perf_counter() - t0)
     step = statistics.median(times)
     peak = torch.cuda.max_memory_allocated(dev) / 2**30 if dev.type == "cuda" else _rss_gb() - rss0
-    return {"config": config, "variant": variant, "params": n_params, "step_s": step,
-            "tokens_per_s": spec["batch"] * spec["seq"] / step, "peak_mem_gb": peak, "device": device}
+    saved = sum(n for ptr, n in storages.items() if ptr not in params) / 2**30
+    return {"config": config, "variant": variant, "params": n_params, "step_s": step, "steps_s": times,
+            "tokens_per_s": spec["batch"] * spec["seq"] / step, "peak_mem_gb": peak, "saved_gb": saved,
+            "device": device}
 
 
 def main() -> None:
@@ -118,16 +167,18 @@ def main() -> None:
 
     base = {r["config"]: r for r in rows if r["variant"] == "baseline"}
     mem_name = "peak mem GB" + (" (RSS)" if a.device == "cpu" else "")
-    header = f"| config | variant | params | tokens/s | step ms | {mem_name} | tok/s vs baseline | mem vs baseline |"
+    header = (f"| config | variant | params | tokens/s | step ms | {mem_name} | saved GB | step time vs baseline "
+              "| mem vs baseline | saved vs baseline |")
     print(f"\nTraining step (fwd + CE + bwd + clip + AdamW), {a.device}, median of {a.steps} after {a.warmup} warm-up\n")
     print(header)
-    print("|" + "---|" * 8)
+    print("|" + "---|" * 10)
     for r in rows:
         b = base.get(r["config"])
-        tr = f"{r['tokens_per_s'] / b['tokens_per_s']:.2f}x" if b else "n/a"
+        tr = f"{r['step_s'] / b['step_s']:.2f}x" if b else "n/a"
         mr = f"{r['peak_mem_gb'] / b['peak_mem_gb']:.2f}x" if b and b["peak_mem_gb"] > 0 else "n/a"
+        sr = f"{r['saved_gb'] / b['saved_gb']:.2f}x" if b and b["saved_gb"] > 0 else "n/a"
         print(f"| {r['config']} | {r['variant']} | {r['params'] / 1e6:.2f}M | {r['tokens_per_s']:.0f} | "
-              f"{r['step_s'] * 1e3:.0f} | {r['peak_mem_gb']:.2f} | {tr} | {mr} |")
+              f"{r['step_s'] * 1e3:.0f} | {r['peak_mem_gb']:.2f} | {r['saved_gb']:.2f} | {tr} | {mr} | {sr} |")
     if a.json:
         Path(a.json).write_text(json.dumps(rows, indent=1))
 
