@@ -112,6 +112,23 @@ class ModelArgs:
         hidden = int(self.ffn_dim_multiplier * hidden)
         return self.multiple_of * ((hidden + self.multiple_of - 1) // self.multiple_of)
 
+    def layer_kind(self, layer_id: int) -> str:
+        """What attention layer ``layer_id`` runs, the one place the model and the FLOP
+        count learn it: "diff" (Differential Transformer), "kq_conv" (explicit path with
+        the key-query convolutions), "mixing" (explicit path, head mixing only: the MTA
+        layers outside mta_layers, talking heads) or "sdpa" (fused softmax attention)."""
+        if self.diff_transformer:
+            return "diff"
+        m = self.mta
+        if not m.use_mta:
+            return "sdpa"
+        has_conv = m.query_kernel_size is not None or m.after_sm_query_kernel_size is not None
+        if has_conv and layer_id in self.conv_layer_ids():
+            return "kq_conv"
+        if m.pre_sm_linear_head or m.post_sm_linear_head or m.head_kernel_size:
+            return "mixing"
+        return "sdpa"
+
     def conv_layer_ids(self) -> list[int]:
         """0-based layers that get the key-query convolutions."""
         if not self.mta.use_mta:

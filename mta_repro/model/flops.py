@@ -1,11 +1,16 @@
 """FLOPs per token of each variant (MTA_SPEC section 7), for MFU and planning.
 
-Counts multiply-adds as 2 FLOPs. Dense matmuls: 2 * (attention projections + SwiGLU)
-per layer plus the output head. The attention core (Q K^T and A V) is counted at the
-achieved causal work (half the T x T matrix). MTA's extras run on the full
-materialised (T, T) score matrix, so they are counted at full T: two key-query
-convolutions in conv layers, two head mixings in every layer that mixes heads.
-Training = 3 x forward (backward ~ 2 x forward).
+Counts multiply-adds as 2 FLOPs, and counts what each attention path computes
+(``ModelArgs.layer_kind``):
+- dense matmuls: 2 * (attention projections + SwiGLU) per layer plus the output head;
+- "sdpa"/"diff": Q K^T and A V at the causal half of the T x T matrix (fused kernels
+  skip the masked half; the Differential Transformer's two A V use values of size 2d);
+- "kq_conv"/"mixing" (explicit path): Q K^T, A V and the score transforms (c_q x c_k
+  taps per convolution, H per full head mixing, c_h per grouped head mixing) on the score
+  elements the implementation visits: T x T for "torch"; for "blocked", each query block
+  of b rows plus its halo of w rows against the keys up to its last row (about T^2/2).
+Training = 3 x forward, plus one more forward of the explicit score path for "blocked",
+which recomputes each block in backward: the FLOPs it performs, not a nominal count.
 """
 
 from __future__ import annotations
@@ -13,37 +18,57 @@ from __future__ import annotations
 from mta_repro.model.args import ModelArgs
 
 
-def forward_flops_per_token(args: ModelArgs, seq_len: int) -> dict[str, float]:
-    d, L, H = args.dim, args.n_layers, args.n_heads
-    hd = args.resolved_head_dim
-    inner = H * hd
-    dense = L * 2 * (4 * d * inner + 3 * d * args.ffn_hidden_dim) + 2 * d * args.vocab_size
-    # Q K^T + A V over an average causal context of T/2.
-    qk = 2 * seq_len * inner
-    av = 2 * seq_len * inner
-    if args.diff_transformer:
-        av *= 2  # two A V products, each with values of size 2*head_dim over H/2 heads
-    attn = L * (qk + av) / 2
-    mta = 0.0
+def score_elements(args: ModelArgs, seq_len: int) -> float:
+    """(query, key) pairs per head that the explicit path computes for one sequence."""
+    if args.attn_impl != "blocked":
+        return float(seq_len * seq_len)
     m = args.mta
-    if m.use_mta:
-        conv_layers = len(args.conv_layer_ids())
-        for c_q, c_k in (
-            (m.query_kernel_size, m.key_kernel_size),
-            (m.after_sm_query_kernel_size, m.after_sm_key_kernel_size),
-        ):
+    w = 0
+    if m.query_kernel_size is not None:
+        w += m.query_kernel_size - 1
+    if m.after_sm_query_kernel_size is not None:
+        w += m.after_sm_query_kernel_size - 1
+    total = 0
+    for r0 in range(0, seq_len, args.attn_block_size):
+        r1 = min(r0 + args.attn_block_size, seq_len)
+        total += (r1 - max(0, r0 - w)) * r1
+    return float(total)
+
+
+def _per_layer(args: ModelArgs, seq_len: int, kind: str) -> tuple[float, float]:
+    """(forward attention FLOPs per token, score-path FLOPs recomputed in backward)."""
+    H, hd = args.n_heads, args.resolved_head_dim
+    if kind in ("sdpa", "diff"):
+        av = 2 * seq_len * H * hd * (2 if kind == "diff" else 1)
+        return (2 * seq_len * H * hd + av) / 2, 0.0
+    m = args.mta
+    per_elem = 4 * hd  # Q K^T and A V
+    if kind == "kq_conv":
+        for c_q, c_k in ((m.query_kernel_size, m.key_kernel_size),
+                         (m.after_sm_query_kernel_size, m.after_sm_key_kernel_size)):
             if c_q is not None:
-                mta += conv_layers * 2 * H * seq_len * c_q * c_k
-        mix_layers = L if (m.pre_sm_linear_head or m.post_sm_linear_head or m.head_kernel_size) else conv_layers
-        if m.pre_sm_linear_head:
-            mta += mix_layers * 2 * H * seq_len * H
-        if m.head_kernel_size:
-            mta += mix_layers * 2 * H * seq_len * m.head_kernel_size
-        elif m.post_sm_linear_head:
-            mta += mix_layers * 2 * H * seq_len * H
-    total = dense + attn + mta
-    return {"dense": float(dense), "attention": float(attn), "mta": float(mta), "total": float(total)}
+                per_elem += 2 * c_q * c_k
+    if m.pre_sm_linear_head:
+        per_elem += 2 * H
+    if m.head_kernel_size:
+        per_elem += 2 * m.head_kernel_size
+    elif m.post_sm_linear_head:
+        per_elem += 2 * H
+    fwd = H * per_elem * score_elements(args, seq_len) / seq_len
+    return fwd, (fwd if args.attn_impl == "blocked" else 0.0)
+
+
+def forward_flops_per_token(args: ModelArgs, seq_len: int) -> dict[str, float]:
+    d, L = args.dim, args.n_layers
+    inner = args.n_heads * args.resolved_head_dim
+    dense = L * 2 * (4 * d * inner + 3 * d * args.ffn_hidden_dim) + 2 * d * args.vocab_size
+    attn = recompute = 0.0
+    for i in range(L):
+        f, r = _per_layer(args, seq_len, args.layer_kind(i))
+        attn, recompute = attn + f, recompute + r
+    return {"dense": float(dense), "attention": attn, "recompute": recompute, "total": float(dense + attn)}
 
 
 def train_flops_per_token(args: ModelArgs, seq_len: int) -> float:
-    return 3.0 * forward_flops_per_token(args, seq_len)["total"]
+    f = forward_flops_per_token(args, seq_len)
+    return 3.0 * f["total"] + f["recompute"]

@@ -150,17 +150,15 @@ class Attention(nn.Module):
             self.lambda_k2 = nn.Parameter(torch.zeros(d, dtype=torch.float32))
             self.subln = RMSNorm(2 * d, eps=1e-5, cast_before_weight=True)
 
-        # MTA / talking heads. Layers outside mta_layers drop the key-query convolutions
-        # but keep head mixing; with no head mixing they are plain (SDPA) layers.
-        self.use_mta = False
-        has_head_mixing = m.pre_sm_linear_head or m.post_sm_linear_head or m.head_kernel_size
-        conv_layer = layer_id in args.conv_layer_ids()
-        if m.use_mta and (conv_layer or has_head_mixing):
-            self.use_mta = True
+        # MTA / talking heads ("kq_conv" and "mixing" layers run the explicit path).
+        # Layers outside mta_layers drop the key-query convolutions but keep head mixing.
+        kind = args.layer_kind(layer_id)
+        self.use_mta = kind in ("kq_conv", "mixing")
+        if self.use_mta:
             H = self.n_heads
-            if conv_layer and m.query_kernel_size is not None:
+            if kind == "kq_conv" and m.query_kernel_size is not None:
                 self.mta_kernel = nn.Parameter(torch.empty(H, 1, m.query_kernel_size, m.key_kernel_size))
-            if conv_layer and m.after_sm_query_kernel_size is not None:
+            if kind == "kq_conv" and m.after_sm_query_kernel_size is not None:
                 self.mta_kernel_after_sm = nn.Parameter(
                     torch.empty(H, 1, m.after_sm_query_kernel_size, m.after_sm_key_kernel_size)
                 )
