@@ -189,17 +189,20 @@ def kq_conv_fast(scores: torch.Tensor, kernel: torch.Tensor, pad_key: str) -> to
 
 
 def head_mix_linear_fast(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """``head_mix_linear`` as one (H, H) @ (B, H, Tq*Tk) matmul: no permuted copies."""
+    """``head_mix_linear`` as one batched (H, H) @ (H, Tq*Tk) GEMM: no permuted copies.
+    (bmm with an expanded weight, not matmul: matmul folds a 2-D @ 3-D product through a
+    transposed copy of x, in forward and in backward.)"""
     b, h, tq, tk = x.shape
-    return torch.matmul(weight.to(x.dtype), x.reshape(b, h, tq * tk)).view(b, h, tq, tk)
+    w = weight.to(x.dtype).expand(b, h, h)
+    return torch.bmm(w, x.reshape(b, h, tq * tk)).view(b, h, tq, tk)
 
 
 def head_conv_fast(x: torch.Tensor, kernel: torch.Tensor) -> torch.Tensor:
-    """``head_conv`` as (G, c_h, c_h)^T @ (B, G, c_h, Tq*Tk): no permuted copies."""
+    """``head_conv`` as batched (c_h, c_h)^T @ (c_h, Tq*Tk) GEMMs, one per (batch, group)."""
     b, h, tq, tk = x.shape
     g, c_h, _ = kernel.shape
-    out = torch.matmul(kernel.to(x.dtype).transpose(1, 2), x.reshape(b, g, c_h, tq * tk))
-    return out.view(b, h, tq, tk)
+    w = kernel.to(x.dtype).transpose(1, 2).expand(b, g, c_h, c_h).reshape(b * g, c_h, c_h)
+    return torch.bmm(w, x.reshape(b * g, c_h, tq * tk)).view(b, h, tq, tk)
 
 
 def _score_path_fast(q, k, v, p: ExplicitAttnParams, mask: AttnMask, training: bool, *weights):
@@ -221,7 +224,7 @@ def _score_path_fast(q, k, v, p: ExplicitAttnParams, mask: AttnMask, training: b
     # A pad query row (key_valid) allows nothing: leave its bias finite, so softmax and
     # its backward stay NaN-free, and zero its probabilities below.
     hide = ~allowed if mask.key_valid is None else ~allowed & allowed.any(-1, keepdim=True)
-    bias = torch.zeros(allowed.shape, dtype=ct, device=q.device).masked_fill_(hide, float("-inf"))
+    bias = torch.where(hide, float("-inf"), 0.0).to(ct)
     probs = F.softmax(scores.to(ct) + bias, dim=-1)
     if mask.key_valid is not None:
         probs = probs * allowed
