@@ -102,7 +102,7 @@ class MemoryEstimate:
 def estimate(model_args, batch_size: int, seq_len: int, world_size: int, activation_checkpointing: bool,
              dtype: torch.dtype = torch.bfloat16) -> MemoryEstimate:
     from mta_repro.model import build_model
-    from mta_repro.model import mta_ops
+    from mta_repro.model import attention_ops
 
     model = build_model(model_args, device="meta").to(dtype)
     n_params = sum(p.numel() for p in model.parameters())
@@ -133,18 +133,16 @@ def estimate(model_args, batch_size: int, seq_len: int, world_size: int, activat
     attn_block = 0
     for layer in model.layers:
         attn = layer.attention
-        if not attn.use_mta:
+        if attn.kind not in ("kq_conv", "mixing") or attn.attn_impl != "blocked":
             continue
         p = attn.explicit_params()
-        if attn.attn_impl != "blocked":
-            continue
-        rows = min(seq_len, p.block_size + mta_ops.query_history(p))
+        rows = min(seq_len, p.block_size + attention_ops.query_history(p))
         H, d = attn.n_heads, attn.head_dim
         q = torch.zeros(batch_size, H, rows, d, dtype=dtype, device="meta", requires_grad=True)
         k = torch.zeros(batch_size, H, seq_len, d, dtype=dtype, device="meta", requires_grad=True)
-        weights = [getattr(p, f) for f in mta_ops._WEIGHT_FIELDS if getattr(p, f) is not None]
+        weights = [getattr(p, f) for f in attention_ops._WEIGHT_FIELDS if getattr(p, f) is not None]
         attn_block = max(attn_block, _saved_bytes(
-            lambda: mta_ops._score_path_fast(q, k, k, p, mta_ops.AttnMask(seq_len - rows), True, *weights),
+            lambda: attention_ops._score_path_fast(q, k, k, p, attention_ops.AttnMask(seq_len - rows), True, *weights),
             params,
         ))
 

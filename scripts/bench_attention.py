@@ -42,14 +42,14 @@ def _rss_gb() -> float:
 def make_params(layer: str, impl: str, dtype, device, block_size: int):
     import torch
 
-    from mta_repro.model import mta_ops
+    from mta_repro.model import attention_ops
 
     def param(*shape, eye=False):
         t = torch.eye(H) if eye else torch.randn(*shape) * 0.1
         return t.to(device, dtype).requires_grad_()
 
     conv = layer == "kq_conv"
-    return mta_ops.ExplicitAttnParams(
+    return attention_ops.ExplicitAttnParams(
         mta_kernel=param(H, 1, 6, 11) if conv else None,
         wpsm=param(H, H, eye=True),
         mta_kernel_after_sm=param(H, 1, 6, 11) if conv else None,
@@ -63,7 +63,7 @@ def run_one(layer: str, impl: str, seq: int, device: str, dtype_name: str, reps:
     import torch
     import torch.nn.functional as F
 
-    from mta_repro.model import mta_ops
+    from mta_repro.model import attention_ops
 
     dev = torch.device(device)
     dtype = getattr(torch, dtype_name)
@@ -77,7 +77,7 @@ def run_one(layer: str, impl: str, seq: int, device: str, dtype_name: str, reps:
         p = make_params(layer, impl, dtype, dev, block_size)
 
         def fwd():
-            return mta_ops.ATTN_IMPLS[impl].fn(q, k, v, p, mta_ops.AttnMask(), True)
+            return attention_ops.ATTN_IMPLS[impl].fn(q, k, v, p, attention_ops.AttnMask(), True)
 
     # Bytes saved for backward, each storage once (views of q/k/v are not new memory).
     storages: dict[int, int] = {}
@@ -117,17 +117,17 @@ def run_one(layer: str, impl: str, seq: int, device: str, dtype_name: str, reps:
 def profile(spec: str, device: str, dtype_name: str, block_size: int) -> None:
     import torch
 
-    from mta_repro.model import mta_ops
+    from mta_repro.model import attention_ops
 
     layer, impl, seq = spec.split(":")
     dev, dtype = torch.device(device), getattr(torch, dtype_name)
     q, k, v = (torch.randn(1, H, int(seq), D).to(dev, dtype).requires_grad_() for _ in range(3))
     p = make_params(layer, impl, dtype, dev, block_size)
-    out = mta_ops.ATTN_IMPLS[impl].fn(q, k, v, p, mta_ops.AttnMask(), True)
+    out = attention_ops.ATTN_IMPLS[impl].fn(q, k, v, p, attention_ops.AttnMask(), True)
     out.backward(torch.ones_like(out))
     acts = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if dev.type == "cuda" else [])
     with torch.profiler.profile(activities=acts) as prof:
-        out = mta_ops.ATTN_IMPLS[impl].fn(q, k, v, p, mta_ops.AttnMask(), True)
+        out = attention_ops.ATTN_IMPLS[impl].fn(q, k, v, p, attention_ops.AttnMask(), True)
         out.backward(torch.ones_like(out))
     key = "self_cuda_time_total" if dev.type == "cuda" else "self_cpu_time_total"
     print(prof.key_averages().table(sort_by=key, row_limit=20))
@@ -154,9 +154,9 @@ def main() -> None:
         print(json.dumps(run_one(layer, impl, int(seq), a.device, a.dtype, a.reps, int(bs))))
         return
 
-    from mta_repro.model import mta_ops
+    from mta_repro.model import attention_ops
 
-    impls = a.impls.split(",") if a.impls else list(mta_ops.ATTN_IMPLS)
+    impls = a.impls.split(",") if a.impls else list(attention_ops.ATTN_IMPLS)
     cases = []
     for seq in map(int, a.seqs.split(",")):
         cases.append(("sdpa", "sdpa", seq, 0))

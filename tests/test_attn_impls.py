@@ -1,6 +1,6 @@
 """Every registered explicit-path implementation against the "torch" reference (float64).
 
-The reference itself is checked against plain loops in test_mta_ops.py; here each other
+The reference itself is checked against plain loops in test_attention_ops.py; here each other
 implementation must give the same outputs and the same gradients of q, k, v and every
 score-path parameter, for every option the configs use.
 """
@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from mta_repro.model import MTAArgs, ModelArgs, build_model
-from mta_repro.model import kq_conv_cpu, mta_ops
+from mta_repro.model import kq_conv_cpu, attention_ops
 
-IMPLS = [name for name in mta_ops.ATTN_IMPLS if name != "torch"]
+IMPLS = [name for name in attention_ops.ATTN_IMPLS if name != "torch"]
 H, D = 4, 3
 
 
@@ -21,7 +21,7 @@ def make_params(pad_key="both", pre=(2, 3), post=(3, 3), mix="head_kernel", wpsm
                 block_size=4, seed=0):
     g = torch.Generator().manual_seed(seed)
     rand = lambda *shape: torch.randn(*shape, generator=g, dtype=torch.float64)  # noqa: E731
-    return mta_ops.ExplicitAttnParams(
+    return attention_ops.ExplicitAttnParams(
         mta_kernel=rand(H, 1, *pre) if pre else None,
         wpsm=rand(H, H) if wpsm else None,
         mta_kernel_after_sm=rand(H, 1, *post) if post else None,
@@ -41,7 +41,7 @@ def qkv(b=2, tq=11, tk=11, seed=1):
 def leaves(q, k, v, p):
     """Fresh leaf tensors for q, k, v and every present parameter (grads compared)."""
     ts = {"q": q, "k": k, "v": v}
-    ts.update({f: getattr(p, f) for f in mta_ops._WEIGHT_FIELDS if getattr(p, f) is not None})
+    ts.update({f: getattr(p, f) for f in attention_ops._WEIGHT_FIELDS if getattr(p, f) is not None})
     ts = {n: t.detach().clone().requires_grad_() for n, t in ts.items()}
     p = dataclasses.replace(p, **{n: t for n, t in ts.items() if n not in "qkv"})
     return ts, p
@@ -51,7 +51,7 @@ def run(impl, q, k, v, p, mask, training=False, seed=None):
     ts, p = leaves(q, k, v, p)
     if seed is not None:
         torch.manual_seed(seed)
-    out = mta_ops.ATTN_IMPLS[impl].fn(ts["q"], ts["k"], ts["v"], p, mask, training)
+    out = attention_ops.ATTN_IMPLS[impl].fn(ts["q"], ts["k"], ts["v"], p, mask, training)
     g = torch.Generator().manual_seed(7)
     (out * torch.randn(out.shape, generator=g, dtype=out.dtype)).sum().backward()
     return out.detach(), {n: t.grad for n, t in ts.items()}
@@ -80,7 +80,7 @@ def assert_same(impl, q, k, v, p, mask):
 @pytest.mark.parametrize("block_size", [1, 4, 5, 64])  # 4 and 5 do not divide T=11
 def test_matches_reference(impl, pad_key, pre, post, mix, wpsm, block_size):
     p = make_params(pad_key, pre, post, mix, wpsm, block_size=block_size)
-    assert_same(impl, *qkv(), p, mta_ops.AttnMask())
+    assert_same(impl, *qkv(), p, attention_ops.AttnMask())
 
 
 @pytest.mark.parametrize("impl", IMPLS)
@@ -90,7 +90,7 @@ def test_left_padded_batch(impl):
     key_valid = torch.ones(3, 9, dtype=torch.bool)
     key_valid[1, :3] = False
     key_valid[2, :8] = False  # only the last position is real
-    assert_same(impl, q, k, v, make_params(block_size=4), mta_ops.AttnMask(0, key_valid))
+    assert_same(impl, q, k, v, make_params(block_size=4), attention_ops.AttnMask(0, key_valid))
 
 
 @pytest.mark.parametrize("impl", IMPLS)
@@ -103,7 +103,7 @@ def test_cached_decoding_offset(impl, padded):
     if padded:
         key_valid = torch.ones(2, 12, dtype=torch.bool)
         key_valid[0, :4] = False
-    assert_same(impl, q, k, v, make_params(block_size=2), mta_ops.AttnMask(7, key_valid))
+    assert_same(impl, q, k, v, make_params(block_size=2), attention_ops.AttnMask(7, key_valid))
 
 
 @pytest.mark.parametrize("impl", IMPLS)
@@ -116,7 +116,7 @@ def test_gradcheck(impl):
 
     def f(*tensors):
         pp = dataclasses.replace(p, **{n: t for n, t in zip(names, tensors) if n not in "qkv"})
-        return mta_ops.ATTN_IMPLS[impl].fn(tensors[0], tensors[1], tensors[2], pp, mta_ops.AttnMask(), False)
+        return attention_ops.ATTN_IMPLS[impl].fn(tensors[0], tensors[1], tensors[2], pp, attention_ops.AttnMask(), False)
 
     assert torch.autograd.gradcheck(f, tuple(ts.values()), fast_mode=True)
 
@@ -133,12 +133,12 @@ def test_dropout_gradients_follow_the_forward_masks(impl):
     def f(*tensors):
         torch.manual_seed(3)
         pp = dataclasses.replace(p, **{n: t for n, t in zip(names, tensors) if n not in "qkv"})
-        return mta_ops.ATTN_IMPLS[impl].fn(tensors[0], tensors[1], tensors[2], pp, mta_ops.AttnMask(), True)
+        return attention_ops.ATTN_IMPLS[impl].fn(tensors[0], tensors[1], tensors[2], pp, attention_ops.AttnMask(), True)
 
     out = f(*ts.values())
     torch.testing.assert_close(out, f(*[t.detach() for t in ts.values()]), rtol=1e-12, atol=1e-14)
-    no_drop = mta_ops.ATTN_IMPLS[impl].fn(
-        ts["q"], ts["k"], ts["v"], dataclasses.replace(p, dropout=0.0), mta_ops.AttnMask(), True
+    no_drop = attention_ops.ATTN_IMPLS[impl].fn(
+        ts["q"], ts["k"], ts["v"], dataclasses.replace(p, dropout=0.0), attention_ops.AttnMask(), True
     )
     assert not torch.allclose(out, no_drop)  # dropout did act
     assert torch.autograd.gradcheck(f, tuple(ts.values()), fast_mode=True)
@@ -159,7 +159,7 @@ def test_blocked_keeps_nothing_quadratic_for_backward():
 
         ts, pp = leaves(q, k, v, p)
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            mta_ops.ATTN_IMPLS[impl].fn(ts["q"], ts["k"], ts["v"], pp, mta_ops.AttnMask(), True)
+            attention_ops.ATTN_IMPLS[impl].fn(ts["q"], ts["k"], ts["v"], pp, attention_ops.AttnMask(), True)
         return sizes
 
     assert max(saved("torch")) >= H * T * T
@@ -173,15 +173,15 @@ def test_cpu_kq_conv_kernel_matches_conv2d_and_gradcheck():
     for pad_key, ck in (("both", 5), ("left", 4), ("right", 3)):
         x = torch.randn(2, 3, 70, 9, generator=g, dtype=torch.float64)  # 70 > the C block of 64
         w = torch.randn(3, 1, 3, ck, generator=g, dtype=torch.float64)
-        pl = mta_ops.pad_left(pad_key, ck)
-        torch.testing.assert_close(kq_conv_cpu.kq_conv(x, w[:, 0], pl), mta_ops.kq_conv(x, w, pad_key))
+        pl = attention_ops.pad_left(pad_key, ck)
+        torch.testing.assert_close(kq_conv_cpu.kq_conv(x, w[:, 0], pl), attention_ops.kq_conv(x, w, pad_key))
         xs, ws = x[:, :, :6].clone().requires_grad_(), w[:, 0].clone().requires_grad_()
         assert torch.autograd.gradcheck(lambda a, b: kq_conv_cpu.kq_conv(a, b, pl), (xs, ws), fast_mode=True)
     # float32 agrees with the float64 result to float32 precision
     x = torch.randn(1, 2, 80, 130, generator=g)
     w = torch.randn(2, 1, 6, 11, generator=g)
     torch.testing.assert_close(
-        kq_conv_cpu.kq_conv(x, w[:, 0], 5).double(), mta_ops.kq_conv(x.double(), w.double(), "both"),
+        kq_conv_cpu.kq_conv(x, w[:, 0], 5).double(), attention_ops.kq_conv(x.double(), w.double(), "both"),
         rtol=1e-5, atol=1e-4,
     )
 
@@ -197,16 +197,16 @@ def test_unsupported_case_falls_back_to_reference():
     def supports(q, p, mask):
         return "anything" if True else None
 
-    mta_ops.register_attn_impl("never", mta_ops.AttnImpl(lambda *a: calls.append(a), supports))
+    attention_ops.register_attn_impl("never", attention_ops.AttnImpl(lambda *a: calls.append(a), supports))
     try:
         q, k, v = qkv()
         p = make_params()
         with pytest.warns(UserWarning, match="'never' does not support anything"):
-            out = mta_ops.explicit_attention("never", q, k, v, p, mta_ops.AttnMask())
+            out = attention_ops.explicit_attention("never", q, k, v, p, attention_ops.AttnMask())
         assert not calls
-        torch.testing.assert_close(out, mta_ops.explicit_attention_torch(q, k, v, p, mta_ops.AttnMask()))
+        torch.testing.assert_close(out, attention_ops.explicit_attention_torch(q, k, v, p, attention_ops.AttnMask()))
     finally:
-        del mta_ops.ATTN_IMPLS["never"]
+        del attention_ops.ATTN_IMPLS["never"]
 
 
 MODEL_VARIANTS = {

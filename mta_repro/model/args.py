@@ -83,7 +83,7 @@ class ModelArgs:
     # 2*head_dim, two softmaxes per head. Exclusive with mta.use_mta.
     diff_transformer: bool = False
     # Implementation of the explicit attention path (MTA, talking heads); a key into
-    # ``mta_repro.model.mta_ops.ATTN_IMPLS``: "blocked" (query blocks recomputed in
+    # ``mta_repro.model.attention_ops.ATTN_IMPLS``: "blocked" (query blocks recomputed in
     # backward, causal skipping; the default) or "torch" (the reference: the whole
     # (B, H, T, T) score matrix, kept for backward). Faster kernels plug in there.
     attn_impl: str = "blocked"
@@ -172,7 +172,7 @@ def validate(args: ModelArgs) -> None:
             f"model.dim={args.dim} is not divisible by model.n_heads={args.n_heads}; "
             "set model.head_dim explicitly"
         )
-    from mta_repro.model.mta_ops import ATTN_IMPLS
+    from mta_repro.model.attention_ops import ATTN_IMPLS
 
     if args.attn_impl not in ATTN_IMPLS:
         raise ValueError(

@@ -109,7 +109,7 @@ def _corr(x: torch.Tensor, w: torch.Tensor, ro: int, pl: int) -> torch.Tensor:
 
 @torch.library.custom_op("mta_repro::kq_conv_cpu", mutates_args=(), device_types="cpu")
 def kq_conv(x: torch.Tensor, w: torch.Tensor, pad_left: int) -> torch.Tensor:
-    """x: (B, H, R, K); w: (H, c_q, c_k). Same result as ``mta_ops.kq_conv``: rows look
+    """x: (B, H, R, K); w: (H, c_q, c_k). Same result as ``attention_ops.kq_conv``: rows look
     back c_q-1, keys are padded ``pad_left`` before and c_k-1-pad_left after."""
     return _corr(x, w, w.shape[1] - 1, pad_left)
 

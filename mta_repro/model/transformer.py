@@ -2,7 +2,7 @@
 
 Variants (``ModelArgs``): the SDPA baseline; the Differential Transformer
 (``diff_transformer``); Talking heads and Multi-Token Attention (``mta.use_mta``, which
-runs the explicit path of ``mta_ops``). Parameter names are Lingua's and the release's,
+runs the explicit path of ``attention_ops``). Parameter names are Lingua's and the release's,
 so state dicts move between the two. Nothing here knows about training: parallelism,
 compile and checkpointing are applied from outside (``mta_repro.train``).
 """
@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mta_repro.model import mta_ops
+from mta_repro.model import attention_ops
 from mta_repro.model.args import ModelArgs
 
 
@@ -32,7 +32,7 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.cast_before_weight:
-            return mta_ops.rms_norm(x, self.weight, self.eps)
+            return attention_ops.rms_norm(x, self.weight, self.eps)
         # Lingua: normalise in fp32 (fp64 stays fp64), scale by the weight, cast back.
         x32 = x.to(torch.promote_types(x.dtype, torch.float32))
         out = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -119,74 +119,65 @@ def _append(old: Optional[torch.Tensor], new: torch.Tensor) -> torch.Tensor:
 
 # ---------------------------------------------------------------------- attention
 class Attention(nn.Module):
-    """Multi-head attention; which variant is decided once, at construction."""
+    """Multi-head attention. ``kind`` (``ModelArgs.layer_kind``) picks the score path, a
+    pure function of ``attention_ops``: "sdpa" -> ``sdpa``, "diff" -> ``diff_attention``,
+    "kq_conv"/"mixing" -> ``explicit_attention`` (MTA, talking heads). Every optional
+    parameter is declared here (None when the layer has none), under Lingua's and the
+    release's names, so state dicts move between them."""
 
     def __init__(self, args: ModelArgs, layer_id: int):
         super().__init__()
         m = args.mta
+        self.kind = args.layer_kind(layer_id)
         self.model_dim = args.dim
         self.layer_id = layer_id
-        self.n_heads = args.n_heads
-        self.head_dim = args.resolved_head_dim
+        self.n_heads = H = args.n_heads
+        self.head_dim = d = args.resolved_head_dim
         self.dropout = args.dropout
         self.pad_key = m.pad_key
         self.init_method = m.init_method
         self.attn_impl = args.attn_impl
         self.attn_block_size = args.attn_block_size
-        self.diff = args.diff_transformer
-        inner = self.n_heads * self.head_dim
-        self.wq = nn.Linear(args.dim, inner, bias=False)
-        self.wk = nn.Linear(args.dim, inner, bias=False)
-        self.wv = nn.Linear(args.dim, inner, bias=False)
-        self.wo = nn.Linear(inner, args.dim, bias=False)
+        self.wq = nn.Linear(args.dim, H * d, bias=False)
+        self.wk = nn.Linear(args.dim, H * d, bias=False)
+        self.wv = nn.Linear(args.dim, H * d, bias=False)
+        self.wo = nn.Linear(H * d, args.dim, bias=False)
 
-        if self.diff:
-            # Four d-sized vectors per layer, shared by the n_heads/2 diff heads.
-            d = self.head_dim
-            self.lambda_init = mta_ops.lambda_init_fn(layer_id)
-            self.lambda_q1 = nn.Parameter(torch.zeros(d, dtype=torch.float32))
-            self.lambda_k1 = nn.Parameter(torch.zeros(d, dtype=torch.float32))
-            self.lambda_q2 = nn.Parameter(torch.zeros(d, dtype=torch.float32))
-            self.lambda_k2 = nn.Parameter(torch.zeros(d, dtype=torch.float32))
-            self.subln = RMSNorm(2 * d, eps=1e-5, cast_before_weight=True)
+        def param(on: bool, *shape) -> Optional[nn.Parameter]:
+            return nn.Parameter(torch.empty(*shape)) if on else None
 
-        # MTA / talking heads ("kq_conv" and "mixing" layers run the explicit path).
-        # Layers outside mta_layers drop the key-query convolutions but keep head mixing.
-        kind = args.layer_kind(layer_id)
-        self.use_mta = kind in ("kq_conv", "mixing")
-        if self.use_mta:
-            H = self.n_heads
-            if kind == "kq_conv" and m.query_kernel_size is not None:
-                self.mta_kernel = nn.Parameter(torch.empty(H, 1, m.query_kernel_size, m.key_kernel_size))
-            if kind == "kq_conv" and m.after_sm_query_kernel_size is not None:
-                self.mta_kernel_after_sm = nn.Parameter(
-                    torch.empty(H, 1, m.after_sm_query_kernel_size, m.after_sm_key_kernel_size)
-                )
-            if m.pre_sm_linear_head:
-                self.wpsm = nn.Linear(H, H, bias=False)
-            if m.head_kernel_size is not None:
-                c = m.head_kernel_size
-                self.head_kernel = nn.Parameter(torch.empty(H // c, c, c))
-            elif m.post_sm_linear_head:
-                self.wposm = nn.Linear(H, H, bias=False)
-
+        # Differential Transformer: four d-sized vectors, shared by the H/2 diff heads.
+        diff = self.kind == "diff"
+        for name in ("lambda_q1", "lambda_k1", "lambda_q2", "lambda_k2"):
+            self.register_parameter(name, param(diff, d))
+        # Explicit path. Layers outside mta_layers ("mixing") keep only the head mixing.
+        conv = self.kind == "kq_conv"
+        explicit = conv or self.kind == "mixing"
+        pre, post = (m.query_kernel_size, m.key_kernel_size), (m.after_sm_query_kernel_size, m.after_sm_key_kernel_size)
+        self.mta_kernel = param(conv and pre[0] is not None, H, 1, *pre)  # (H, 1, c_q, c_k)
+        self.mta_kernel_after_sm = param(conv and post[0] is not None, H, 1, *post)  # (H, 1, c_q', c_k')
+        self.wpsm = nn.Linear(H, H, bias=False) if explicit and m.pre_sm_linear_head else None
+        c_h = m.head_kernel_size
+        self.head_kernel = param(explicit and c_h is not None, H // (c_h or 1), c_h, c_h)  # (G, c_h, c_h)
+        self.wposm = nn.Linear(H, H, bias=False) if explicit and c_h is None and m.post_sm_linear_head else None
+        # Output: per-head RMSNorm (diff: over 2d; MTA's group norm: over d), scaled by
+        # 1 - lambda_init(layer) for diff and for ``layer_norm_rescale``, then the gate.
         # As in the release, group norm and gating apply in every layer when set.
-        self.layer_norm_rescale = m.group_norm and m.layer_norm_rescale
-        if m.group_norm and not self.diff:
-            self.subln = RMSNorm(self.head_dim, eps=1e-5, cast_before_weight=True)
-        if m.add_gating:
-            self.gate = nn.Linear(self.head_dim, 1 if m.gate_1d else self.head_dim, bias=True)
+        norm_dim = 2 * d if diff else d if m.group_norm else None
+        self.subln = RMSNorm(norm_dim, eps=1e-5, cast_before_weight=True) if norm_dim else None
+        rescale = diff or (m.group_norm and m.layer_norm_rescale)
+        self.out_scale = 1 - attention_ops.lambda_init_fn(layer_id) if rescale else 1.0
+        self.gate = nn.Linear(d, 1 if m.gate_1d else d, bias=True) if m.add_gating else None
 
     # -- parameters ------------------------------------------------------------------
-    def explicit_params(self) -> mta_ops.ExplicitAttnParams:
-        get = lambda name: getattr(self, name, None)  # noqa: E731
-        lin = lambda name: get(name).weight if get(name) is not None else None  # noqa: E731
-        return mta_ops.ExplicitAttnParams(
-            mta_kernel=get("mta_kernel"),
-            wpsm=lin("wpsm"),
-            mta_kernel_after_sm=get("mta_kernel_after_sm"),
-            head_kernel=get("head_kernel"),
-            wposm=lin("wposm"),
+    def explicit_params(self) -> attention_ops.ExplicitAttnParams:
+        weight = lambda lin: None if lin is None else lin.weight  # noqa: E731
+        return attention_ops.ExplicitAttnParams(
+            mta_kernel=self.mta_kernel,
+            wpsm=weight(self.wpsm),
+            mta_kernel_after_sm=self.mta_kernel_after_sm,
+            head_kernel=self.head_kernel,
+            wposm=weight(self.wposm),
             pad_key=self.pad_key,
             dropout=self.dropout,
             block_size=self.attn_block_size,
@@ -197,7 +188,7 @@ class Attention(nn.Module):
         for w in (self.wq, self.wk, self.wv, self.wo):
             _trunc_normal_(w.weight, std)
         self.reset_mta_parameters()
-        if self.diff:
+        if self.kind == "diff":
             for p in (self.lambda_q1, self.lambda_k1, self.lambda_q2, self.lambda_k2):
                 nn.init.normal_(p, mean=0.0, std=0.1)
             self.subln.reset_parameters()
@@ -205,19 +196,23 @@ class Attention(nn.Module):
     def reset_mta_parameters(self) -> None:
         """(Re)initialise only the parts MTA adds (Appendix I inserts exactly these)."""
         with torch.no_grad():
-            for name in ("mta_kernel", "mta_kernel_after_sm"):
-                kernel = getattr(self, name, None)
-                if kernel is not None:
-                    _copy_into(kernel, self._conv_init(kernel.shape))
-            for name in ("wpsm", "wposm"):
-                if hasattr(self, name):
-                    _copy_into(getattr(self, name).weight, torch.eye(self.n_heads))
-            if hasattr(self, "head_kernel"):
+            if self.mta_kernel is not None:
+                _copy_into(self.mta_kernel, self._conv_init(self.mta_kernel.shape))
+            if self.mta_kernel_after_sm is not None:
+                # The release asserts an identity start for the post-softmax kernel,
+                # whatever init_method says (init_method shapes the pre-softmax one).
+                shape = self.mta_kernel_after_sm.shape
+                _copy_into(self.mta_kernel_after_sm, attention_ops.identity_kq_kernel(
+                    shape[0], shape[2], shape[3], self.pad_key))
+            for lin in (self.wpsm, self.wposm):
+                if lin is not None:
+                    _copy_into(lin.weight, torch.eye(self.n_heads))
+            if self.head_kernel is not None:
                 g, c, _ = self.head_kernel.shape
                 _copy_into(self.head_kernel, torch.eye(c).repeat(g, 1, 1))
-            if hasattr(self, "subln") and not self.diff:
+            if self.subln is not None and self.kind != "diff":
                 self.subln.reset_parameters()
-            if hasattr(self, "gate"):
+            if self.gate is not None:
                 _trunc_normal_(self.gate.weight, self.model_dim**-0.5)
                 # The release never initialises this bias (meta -> to_empty); 0 here.
                 self.gate.bias.zero_()
@@ -226,7 +221,7 @@ class Attention(nn.Module):
         """A kernel per ``mta.init_method``, made on CPU and copied in (any device)."""
         n_heads, _, c_q, c_k = shape
         if self.init_method == "identity":
-            return mta_ops.identity_kq_kernel(n_heads, c_q, c_k, self.pad_key)
+            return attention_ops.identity_kq_kernel(n_heads, c_q, c_k, self.pad_key)
         if self.init_method == "const":
             return torch.full(shape, 0.3)
         if self.init_method == "uniform":
@@ -258,69 +253,48 @@ class Attention(nn.Module):
         if cache is not None:
             q_offset = 0 if cache.k is None else cache.k.shape[2]
             cache.k, cache.v = _append(cache.k, k), _append(cache.v, v)
-            k, v = cache.k, cache.v
+            k, v = cache.k, cache.v  # (B, H, Tk, d): every key so far
 
-        if self.diff:
-            out = self._diff_forward(q, k, v, q_offset, key_valid)  # (B, H/2, T, 2d)
-        elif self.use_mta:
-            out = self._explicit_forward(q, k, v, q_offset, key_valid, cache)
+        mask = attention_ops.AttnMask(q_offset, key_valid)
+        dropout = self.dropout if self.training else 0.0
+        if self.kind == "sdpa":
+            out = attention_ops.sdpa(q, k, v, mask, dropout)
+        elif self.kind == "diff":
+            out = attention_ops.diff_attention(q, k, v, self._diff_lambda(q.dtype), mask, dropout)
         else:
-            out = self._sdpa(q, k, v, q_offset, key_valid)
-        out = out.transpose(1, 2)  # (B, T, heads, head size)
+            out = self._explicit(q, k, v, mask, cache)
+        out = out.transpose(1, 2)  # (B, T, heads, head size): H x d, or H/2 x 2d for diff
 
-        if self.diff:
-            out = self.subln(out) * (1 - self.lambda_init)
-        elif hasattr(self, "subln"):
+        if self.subln is not None:
             out = self.subln(out)
-            if self.layer_norm_rescale:
-                out = out * (1 - mta_ops.lambda_init_fn(self.layer_id))
-        if hasattr(self, "gate"):
+            if self.out_scale != 1.0:
+                out = out * self.out_scale
+        if self.gate is not None:
             out = out * torch.sigmoid(self.gate(out))
         return self.wo(out.reshape(bsz, seqlen, H * d))
 
-    def _sdpa(self, q, k, v, q_offset, key_valid):
-        """Fused attention; an explicit mask only when a cache or padding needs one."""
-        dropout = self.dropout if self.training else 0.0
-        if q_offset == 0 and key_valid is None and q.shape[2] == k.shape[2]:
-            return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout)
-        mask = mta_ops.allowed_mask(q.shape[2], k.shape[2], q_offset, q.device, key_valid)
-        # A pad query row would be all-masked (NaN); let it see itself. Real rows never
-        # attend to pads, so this changes nothing a real token sees.
-        eye = torch.zeros_like(mask[:1, :1])
-        eye[..., torch.arange(q.shape[2]), q_offset + torch.arange(q.shape[2])] = True
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask | eye, dropout_p=dropout)
-
-    def _explicit_forward(self, q, k, v, q_offset, key_valid, cache):
-        params = self.explicit_params()
-        w = mta_ops.query_history(params)
-        if cache is not None and w > 0:
-            # Cached MTA decoding: the query-direction convolutions read the score rows of
-            # the last w queries, so recompute those rows too and keep only the new ones.
-            new = q.shape[2]
-            q = _append(cache.q, q)
-            cache.q = q[:, :, -w:]
-            q_offset = q_offset + new - q.shape[2]
-        mask = mta_ops.AttnMask(q_offset, key_valid)
-        out = mta_ops.explicit_attention(self.attn_impl, q, k, v, params, mask, self.training)
-        return out if cache is None or w == 0 else out[:, :, -new:]
-
-    def _diff_forward(self, q, k, v, q_offset, key_valid):
-        """(A1 - lambda A2) V = A1 V - lambda A2 V: two stock attention calls."""
-        bsz, H, tq, d = q.shape
-        tk = k.shape[2]
-        # Diff head i uses q/k heads 2i and 2i+1; its value is heads 2i, 2i+1 (size 2d).
-        q = q.view(bsz, H // 2, 2, tq, d)
-        k = k.view(bsz, H // 2, 2, tk, d)
-        v = v.transpose(1, 2).reshape(bsz, tk, H // 2, 2 * d).transpose(1, 2)
-        ct = torch.promote_types(q.dtype, torch.float32)  # fp32 as in unilm; fp64 stays
+    def _diff_lambda(self, dtype: torch.dtype) -> torch.Tensor:
+        """lambda = exp(lq1 . lk1) - exp(lq2 . lk2) + lambda_init, in fp32 as in unilm."""
+        ct = torch.promote_types(dtype, torch.float32)
         lam = (
             torch.exp(torch.sum(self.lambda_q1 * self.lambda_k1).to(ct))
             - torch.exp(torch.sum(self.lambda_q2 * self.lambda_k2).to(ct))
-            + self.lambda_init
-        ).type_as(q)
-        a1 = self._sdpa(q[:, :, 0], k[:, :, 0], v, q_offset, key_valid)
-        a2 = self._sdpa(q[:, :, 1], k[:, :, 1], v, q_offset, key_valid)
-        return a1 - lam * a2
+            + attention_ops.lambda_init_fn(self.layer_id)
+        )
+        return lam.to(dtype)
+
+    def _explicit(self, q, k, v, mask: attention_ops.AttnMask, cache: Optional[LayerCache]):
+        params = self.explicit_params()
+        w = attention_ops.query_history(params)
+        if cache is None or w == 0:
+            return attention_ops.explicit_attention(self.attn_impl, q, k, v, params, mask, self.training)
+        # Cached MTA decoding: the query-direction convolutions read the score rows of
+        # the last w queries, so recompute those rows too and keep only the new ones.
+        new = q.shape[2]
+        q = _append(cache.q, q)  # (B, H, <= w + new, d)
+        cache.q = q[:, :, -w:]
+        mask = attention_ops.AttnMask(mask.q_offset + new - q.shape[2], mask.key_valid)
+        return attention_ops.explicit_attention(self.attn_impl, q, k, v, params, mask, self.training)[:, :, -new:]
 
 
 # -------------------------------------------------------------------------- model

@@ -1,8 +1,11 @@
-"""The attention math as pure functions on tensors.
+"""The attention math of every variant, as pure functions on tensors.
 
-Everything here is free of parameters and modules, so each piece can be checked against
-a plain formula and a faster kernel can replace one function (register it in
-``ATTN_IMPLS`` and select it with ``model.attn_impl``) without touching the model.
+One function per layer kind (``ModelArgs.layer_kind``): ``sdpa`` (the baseline),
+``diff_attention`` (Differential Transformer) and ``explicit_attention`` (MTA and talking
+heads: the score transforms on explicit scores). Everything here is free of parameters and
+modules, so each piece can be checked against a plain formula and a faster kernel can
+replace one function (register it in ``ATTN_IMPLS`` and select it with ``model.attn_impl``)
+without touching the model.
 
 Shapes: B batch, H heads, Tq queries, Tk keys, d head_dim. Query row i sits at absolute
 position ``q_offset + i``; keys sit at 0..Tk-1 (a KV cache holds the earlier ones).
@@ -121,6 +124,43 @@ def rms_norm(x: torch.Tensor, weight: Optional[torch.Tensor], eps: float) -> tor
 def lambda_init_fn(layer_id: int) -> float:
     """Differential Transformer's depth-dependent lambda_init (layer_id 0-based)."""
     return 0.8 - 0.6 * math.exp(-0.3 * layer_id)
+
+
+# ------------------------------------------------------------ fused softmax attention
+def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: AttnMask, dropout: float = 0.0) -> torch.Tensor:
+    """Causal softmax attention through F.scaled_dot_product_attention (flash kernels).
+
+    q: (B, H, Tq, d); k, v: (B, H, Tk, dv) -> (B, H, Tq, dv). A dense mask only when a
+    cache (q_offset) or padding needs one.
+    """
+    tq, tk = q.shape[2], k.shape[2]
+    if mask.q_offset == 0 and mask.key_valid is None and tq == tk:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout)
+    allowed = mask.dense(tq, tk, q.device)
+    # A pad query row would be all-masked (NaN); let it see itself. Real rows never
+    # attend to pads, so this changes nothing a real token sees.
+    eye = torch.zeros_like(allowed[:1, :1])
+    eye[..., torch.arange(tq), mask.q_offset + torch.arange(tq)] = True
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed | eye, dropout_p=dropout)
+
+
+def diff_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lam: torch.Tensor, mask: AttnMask, dropout: float = 0.0
+) -> torch.Tensor:
+    """Differential attention (A1 - lam A2) V = A1 V - lam A2 V: two fused calls.
+
+    q, k, v: (B, H, T, d) of the H = 2 x H' q/k heads; diff head i uses q/k heads 2i and
+    2i+1 and the values of heads 2i, 2i+1 side by side (size 2d). lam: scalar.
+    Returns (B, H', Tq, 2d).
+    """
+    b, h, tq, d = q.shape
+    tk = k.shape[2]
+    q = q.view(b, h // 2, 2, tq, d)
+    k = k.view(b, h // 2, 2, tk, d)
+    v = v.transpose(1, 2).reshape(b, tk, h // 2, 2 * d).transpose(1, 2)  # (B, H', Tk, 2d)
+    a1 = sdpa(q[:, :, 0], k[:, :, 0], v, mask, dropout)
+    a2 = sdpa(q[:, :, 1], k[:, :, 1], v, mask, dropout)
+    return a1 - lam * a2
 
 
 @dataclass

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from mta_repro.model import ModelArgs
-from mta_repro.model import mta_ops
+from mta_repro.model import attention_ops
 from mta_repro.model.transformer import Attention
 
 torch.manual_seed(0)
@@ -76,15 +76,15 @@ def test_kq_conv_equals_formula(pad_key):
     H, T, c_q, c_k = 2, 6, 3, 5 if pad_key == "both" else 4
     S = torch.randn(1, H, T, T, dtype=torch.float64)
     K = torch.randn(H, 1, c_q, c_k, dtype=torch.float64)
-    got = mta_ops.kq_conv(S, K, pad_key)[0]
+    got = attention_ops.kq_conv(S, K, pad_key)[0]
     torch.testing.assert_close(got, loop_kq_conv(S[0], K[:, 0], pad_key), rtol=1e-12, atol=1e-12)
 
 
 @pytest.mark.parametrize("pad_key", ["both", "left", "right"])
 def test_identity_kernel_is_identity(pad_key):
     S = torch.randn(1, 3, 5, 5, dtype=torch.float64)
-    K = mta_ops.identity_kq_kernel(3, 4, 5, pad_key).double()
-    torch.testing.assert_close(mta_ops.kq_conv(S, K, pad_key), S, rtol=0, atol=0)
+    K = attention_ops.identity_kq_kernel(3, 4, 5, pad_key).double()
+    torch.testing.assert_close(attention_ops.kq_conv(S, K, pad_key), S, rtol=0, atol=0)
 
 
 @pytest.mark.parametrize(
@@ -106,10 +106,10 @@ def test_explicit_attention_equals_formula(pad_key, pre, post, mix):
     Wpsm = torch.randn(H, H, dtype=torch.float64)
     hk = torch.randn(2, 2, 2, dtype=torch.float64) if mix == "head_kernel" else None
     Wposm = torch.randn(H, H, dtype=torch.float64) if mix == "wposm" else None
-    params = mta_ops.ExplicitAttnParams(
+    params = attention_ops.ExplicitAttnParams(
         mta_kernel=Kpre, wpsm=Wpsm, mta_kernel_after_sm=Kpost, head_kernel=hk, wposm=Wposm, pad_key=pad_key
     )
-    got = mta_ops.explicit_attention_torch(q, k, v, params, mta_ops.AttnMask())[0]
+    got = attention_ops.explicit_attention_torch(q, k, v, params, attention_ops.AttnMask())[0]
     want = loop_mta_attention(
         q[0], k[0], v[0], None if Kpre is None else Kpre[:, 0], Wpsm,
         None if Kpost is None else Kpost[:, 0], hk, Wposm, pad_key,
@@ -122,12 +122,12 @@ def test_head_mixing_conventions():
     x = torch.randn(1, 4, 3, 3, dtype=torch.float64)
     W = torch.zeros(4, 4, dtype=torch.float64)
     W[0, 1] = 1.0  # output head 0 <- input head 1
-    out = mta_ops.head_mix_linear(x, W)
+    out = attention_ops.head_mix_linear(x, W)
     torch.testing.assert_close(out[0, 0], x[0, 1])
     assert out[0, 1:].abs().max() == 0
     K = torch.zeros(2, 2, 2, dtype=torch.float64)
     K[1, 1, 0] = 1.0  # group 1: input head 3 (= 2+1) -> output head 2 (= 2+0)
-    out = mta_ops.head_conv(x, K)
+    out = attention_ops.head_conv(x, K)
     torch.testing.assert_close(out[0, 2], x[0, 3])
     assert out[0, [0, 1, 3]].abs().max() == 0
 
