@@ -209,3 +209,18 @@ def test_group_norm_and_gate_formula():
     o = o * torch.sigmoid(o @ attn.gate.weight.T + attn.gate.bias)
     want = o.reshape(T, 16) @ attn.wo.weight.T
     torch.testing.assert_close(got, want.detach(), rtol=1e-10, atol=1e-10)
+
+
+def test_curse_norm_scales_both_block_norms_by_depth():
+    """The release's curse_norm: block norm outputs times 1 - (0.8 - 0.6 exp(-0.3 l))."""
+    from mta_repro.model import MTAArgs
+    from mta_repro.model.transformer import TransformerBlock
+
+    x = torch.randn(2, 5, 16, dtype=torch.float64)
+    for layer_id in (0, 3):
+        args = ModelArgs(dim=16, n_layers=4, n_heads=2, vocab_size=11, mta=MTAArgs(curse_norm=True))
+        block = TransformerBlock(args, layer_id).double()
+        plain = x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5)
+        scale = 1 - (0.8 - 0.6 * math.exp(-0.3 * layer_id))
+        torch.testing.assert_close(block.attention_norm(x), plain * scale)
+        torch.testing.assert_close(block.ffn_norm(x), plain * scale)

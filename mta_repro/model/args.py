@@ -48,6 +48,10 @@ class MTAArgs:
     group_norm: bool = False
     # Multiply the group-normed output by (1 - lambda_init(layer)) ("depth scaling").
     layer_norm_rescale: bool = False
+    # The release's ``curse_norm``: multiply the block norms' outputs (attention_norm and
+    # ffn_norm) by (1 - lambda_init(layer)) ("layer-norm scaling", arXiv 2502.05795;
+    # Table 5's 11.41 row). Independent of use_mta, as in the release.
+    curse_norm: bool = False
     # Output gate O * sigmoid(gate(O)); gate_1d: one scalar per head and token.
     add_gating: bool = False
     gate_1d: bool = True

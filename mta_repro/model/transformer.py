@@ -22,9 +22,11 @@ from mta_repro.model.args import ModelArgs
 
 # --------------------------------------------------------------------------- pieces
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float = 1e-5, cast_before_weight: bool = False):
+    def __init__(self, dim: int, eps: float = 1e-5, cast_before_weight: bool = False, out_scale: float = 1.0):
         super().__init__()
         self.eps = eps
+        # A constant factor on the output (the release's ``curse_norm`` depth scaling).
+        self.out_scale = out_scale
         # The release's attention-output norms (``subln``) cast to the compute dtype
         # before scaling by the weight; Lingua's block norms scale in fp32.
         self.cast_before_weight = cast_before_weight
@@ -32,11 +34,13 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.cast_before_weight:
-            return attention_ops.rms_norm(x, self.weight, self.eps)
-        # Lingua: normalise in fp32 (fp64 stays fp64), scale by the weight, cast back.
-        x32 = x.to(torch.promote_types(x.dtype, torch.float32))
-        out = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (out * self.weight.to(out.dtype)).type_as(x)
+            out = attention_ops.rms_norm(x, self.weight, self.eps)
+        else:
+            # Lingua: normalise in fp32 (fp64 stays fp64), scale by the weight, cast back.
+            x32 = x.to(torch.promote_types(x.dtype, torch.float32))
+            out = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+            out = (out * self.weight.to(out.dtype)).type_as(x)
+        return out if self.out_scale == 1.0 else out * self.out_scale
 
     def reset_parameters(self) -> None:
         nn.init.ones_(self.weight)
@@ -303,8 +307,9 @@ class TransformerBlock(nn.Module):
         super().__init__()
         self.attention = Attention(args, layer_id)
         self.feed_forward = FeedForward(args.dim, args.ffn_hidden_dim)
-        self.attention_norm = RMSNorm(args.dim, args.norm_eps)
-        self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
+        scale = 1 - attention_ops.lambda_init_fn(layer_id) if args.mta.curse_norm else 1.0
+        self.attention_norm = RMSNorm(args.dim, args.norm_eps, out_scale=scale)
+        self.ffn_norm = RMSNorm(args.dim, args.norm_eps, out_scale=scale)
 
     def forward(self, x, cos, sin, cache=None, key_valid=None):
         h = x + self.attention(self.attention_norm(x), cos, sin, cache, key_valid)
