@@ -146,7 +146,16 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = default)")
     ap.add_argument("--json", default=None, help="also write the rows here")
     ap.add_argument("--one", nargs=2, metavar=("CONFIG", "VARIANT"), help=argparse.SUPPRESS)
+    ap.add_argument("--profile", nargs=2, metavar=("CONFIG", "VARIANT"),
+                    help="print torch.profiler's table of one training step instead")
     a = ap.parse_args()
+    if a.profile:
+        import torch
+
+        with torch.profiler.profile() as prof:
+            run_one(*a.profile, a.device, 1, 1, a.threads)
+        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25))
+        return
     if a.one:
         print(json.dumps(run_one(*a.one, a.device, a.warmup, a.steps, a.threads)))
         return
