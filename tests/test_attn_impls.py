@@ -177,6 +177,14 @@ def test_cpu_kq_conv_kernel_matches_conv2d_and_gradcheck():
         torch.testing.assert_close(kq_conv_cpu.kq_conv(x, w[:, 0], pl), attention_ops.kq_conv(x, w, pad_key))
         xs, ws = x[:, :, :6].clone().requires_grad_(), w[:, 0].clone().requires_grad_()
         assert torch.autograd.gradcheck(lambda a, b: kq_conv_cpu.kq_conv(a, b, pl), (xs, ws), fast_mode=True)
+        # causal: entries above the diagonal (key > row + diag) are zero going in and out
+        for diag in (0, 2, -1):
+            keep = torch.ones(70, 9, dtype=torch.bool).tril(diag)
+            want = attention_ops.kq_conv(x * keep, w, pad_key) * keep
+            torch.testing.assert_close(kq_conv_cpu.kq_conv(x, w[:, 0], pl, diag), want)
+            assert torch.autograd.gradcheck(
+                lambda a, b: kq_conv_cpu.kq_conv(a, b, pl, diag), (xs, ws), fast_mode=True
+            )
     # float32 agrees with the float64 result to float32 precision
     x = torch.randn(1, 2, 80, 130, generator=g)
     w = torch.randn(2, 1, 6, 11, generator=g)

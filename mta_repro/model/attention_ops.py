@@ -219,13 +219,23 @@ def pad_left(pad_key: str, c_k: int) -> int:
     return {"both": (c_k - 1) // 2, "left": c_k - 1, "right": 0}[pad_key]
 
 
-def kq_conv_fast(scores: torch.Tensor, kernel: torch.Tensor, pad_key: str) -> torch.Tensor:
-    """``kq_conv`` through the C kernel where it runs (CPU fp32/fp64), else ``F.conv2d``."""
+def masked_kq_conv(
+    x: torch.Tensor, kernel: torch.Tensor, pad_key: str, allowed: torch.Tensor, mask: AttnMask
+) -> torch.Tensor:
+    """``kq_conv(x * allowed) * allowed``: both key-query convolutions in this form (before
+    softmax the output mask changes nothing that survives the -inf mask; after softmax
+    the input is already zero where masked). On CPU fp32/fp64 the C kernel applies the
+    causal part itself (no mask passes, no work above the diagonal), so only padding
+    (``key_valid``) costs multiplies; elsewhere ``F.conv2d`` between two multiplies.
+    x: (B, H, Tq, Tk) rows at ``mask.q_offset``; allowed: ``mask.dense`` of that shape."""
     from mta_repro.model import kq_conv_cpu
 
-    if kq_conv_cpu.available(scores):
-        return kq_conv_cpu.kq_conv(scores, kernel[:, 0], pad_left(pad_key, kernel.shape[-1]))
-    return kq_conv(scores, kernel, pad_key)
+    if kq_conv_cpu.available(x):
+        if mask.key_valid is not None:
+            x = x * allowed
+        y = kq_conv_cpu.kq_conv(x, kernel[:, 0], pad_left(pad_key, kernel.shape[-1]), mask.q_offset)
+        return y if mask.key_valid is None else y * allowed
+    return kq_conv(x * allowed, kernel, pad_key) * allowed
 
 
 def head_mix_linear_fast(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -257,7 +267,7 @@ def _score_path_fast(q, k, v, p: ExplicitAttnParams, mask: AttnMask, training: b
     allowed = mask.dense(q.shape[2], k.shape[2], q.device)  # (1 or B, 1, rows, keys)
     scores = torch.matmul(q * q.shape[-1] ** -0.5, k.transpose(-2, -1))
     if p.mta_kernel is not None:
-        scores = kq_conv_fast(scores * allowed, p.mta_kernel, p.pad_key)
+        scores = masked_kq_conv(scores, p.mta_kernel, p.pad_key, allowed, mask)
     if p.wpsm is not None:
         scores = head_mix_linear_fast(scores, p.wpsm)
     ct = torch.promote_types(scores.dtype, torch.float32)
@@ -270,7 +280,7 @@ def _score_path_fast(q, k, v, p: ExplicitAttnParams, mask: AttnMask, training: b
         probs = probs * allowed
     probs = probs.type_as(q)
     if p.mta_kernel_after_sm is not None:
-        probs = kq_conv_fast(probs, p.mta_kernel_after_sm, p.pad_key) * allowed
+        probs = masked_kq_conv(probs, p.mta_kernel_after_sm, p.pad_key, allowed, mask)
     if p.head_kernel is not None:
         probs = head_conv_fast(probs, p.head_kernel)
     elif p.wposm is not None:

@@ -68,7 +68,7 @@ def _compile() -> ctypes.CDLL:
     for suf in _DTYPES.values():
         for name in ("kq_corr", "kq_wgrad"):
             fn = getattr(lib, f"{name}_{suf}")
-            fn.argtypes = [ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64, i64, ctypes.c_int]
+            fn.argtypes = [ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64, i64, i64, ctypes.c_int]
             fn.restype = None
     return lib
 
@@ -92,60 +92,68 @@ def available(x: torch.Tensor) -> bool:
     return x.device.type == "cpu" and x.dtype in _DTYPES and _get_lib() is not None
 
 
-def _call(name: str, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, cq: int, ck: int, ro: int, pl: int) -> None:
-    """a: (B, H, R, K) contiguous; the C function's own layout comment says the rest."""
+# "No causal mask": a diagonal beyond every column.
+NO_DIAG = 2**62
+
+
+def _call(name: str, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, cq: int, ck: int, ro: int, pl: int,
+          diag: int) -> None:
+    """a: (B, H, R, K) contiguous; the C file's layout comment says the rest."""
     B, H, R, K = a.shape
     fn = getattr(_get_lib(), f"{name}_{_DTYPES[a.dtype]}")
-    fn(a.data_ptr(), b.data_ptr(), out.data_ptr(), B * H, H, R, K, cq, ck, ro, pl, torch.get_num_threads())
+    fn(a.data_ptr(), b.data_ptr(), out.data_ptr(), B * H, H, R, K, cq, ck, ro, pl, diag, torch.get_num_threads())
 
 
-def _corr(x: torch.Tensor, w: torch.Tensor, ro: int, pl: int) -> torch.Tensor:
-    """y[i, j] = sum_{a, b} w[a, b] * x[i + a - ro, j + b - pl] per plane (0 outside)."""
+def _corr(x: torch.Tensor, w: torch.Tensor, ro: int, pl: int, diag: int) -> torch.Tensor:
+    """y[i, j] = sum_{a, b} w[a, b] * x[i + a - ro, j + b - pl] per plane (0 outside and
+    above the diagonal ``diag``, on both sides)."""
     x = x.contiguous()
     y = torch.empty_like(x)
-    _call("kq_corr", x, w.to(x.dtype).contiguous(), y, w.shape[1], w.shape[2], ro, pl)
+    _call("kq_corr", x, w.to(x.dtype).contiguous(), y, w.shape[1], w.shape[2], ro, pl, diag)
     return y
 
 
 @torch.library.custom_op("mta_repro::kq_conv_cpu", mutates_args=(), device_types="cpu")
-def kq_conv(x: torch.Tensor, w: torch.Tensor, pad_left: int) -> torch.Tensor:
-    """x: (B, H, R, K); w: (H, c_q, c_k). Same result as ``attention_ops.kq_conv``: rows look
-    back c_q-1, keys are padded ``pad_left`` before and c_k-1-pad_left after."""
-    return _corr(x, w, w.shape[1] - 1, pad_left)
+def kq_conv(x: torch.Tensor, w: torch.Tensor, pad_left: int, diag: int = NO_DIAG) -> torch.Tensor:
+    """x: (B, H, R, K); w: (H, c_q, c_k). ``mta_ops.kq_conv`` of x with its entries above
+    the diagonal (key > row + diag) zeroed, zeroed there again on output: rows look back
+    c_q-1, keys are padded ``pad_left`` before and c_k-1-pad_left after."""
+    return _corr(x, w, w.shape[1] - 1, pad_left, diag)
 
 
 @kq_conv.register_fake
-def _(x, w, pad_left):
+def _(x, w, pad_left, diag=NO_DIAG):
     return torch.empty_like(x)
 
 
 @torch.library.custom_op("mta_repro::kq_conv_cpu_bwd", mutates_args=(), device_types="cpu")
-def _kq_conv_bwd(gy: torch.Tensor, x: torch.Tensor, w: torch.Tensor, pad_left: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _kq_conv_bwd(gy: torch.Tensor, x: torch.Tensor, w: torch.Tensor, pad_left: int, diag: int) -> tuple[torch.Tensor, torch.Tensor]:
     cq, ck = w.shape[1], w.shape[2]
     B, H, R, K = x.shape
     gy, x = gy.contiguous(), x.contiguous()
     # Input gradient: gx[r, m] = sum w[a, b] gy[r - a + c_q-1, m - b + pad_left], the
-    # same correlation with the flipped kernel, rows looking forward.
-    gx = _corr(gy, w.flip(1, 2), 0, ck - 1 - pad_left)
+    # same correlation with the flipped kernel, rows looking forward; the masked entries
+    # of x get no gradient, and gy's (outputs forced to 0) are not read.
+    gx = _corr(gy, w.flip(1, 2), 0, ck - 1 - pad_left, diag)
     gw = torch.empty(B, H, cq, ck, dtype=torch.float64)  # per plane, summed over B below
-    _call("kq_wgrad", gy, x, gw, cq, ck, cq - 1, pad_left)
+    _call("kq_wgrad", gy, x, gw, cq, ck, cq - 1, pad_left, diag)
     return gx, gw.sum(0).to(w.dtype)
 
 @_kq_conv_bwd.register_fake
-def _(gy, x, w, pad_left):
+def _(gy, x, w, pad_left, diag):
     return torch.empty_like(x), torch.empty_like(w)
 
 
 def _setup(ctx, inputs, output):
-    x, w, pad_left = inputs
+    x, w, pad_left, diag = inputs
     ctx.save_for_backward(x, w)
-    ctx.pad_left = pad_left
+    ctx.pad_left, ctx.diag = pad_left, diag
 
 
 def _backward(ctx, gy):
     x, w = ctx.saved_tensors
-    gx, gw = _kq_conv_bwd(gy, x, w, ctx.pad_left)
-    return gx, gw, None
+    gx, gw = _kq_conv_bwd(gy, x, w, ctx.pad_left, ctx.diag)
+    return gx, gw, None, None
 
 
 kq_conv.register_autograd(_backward, setup_context=_setup)

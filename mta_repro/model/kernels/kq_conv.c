@@ -1,69 +1,57 @@
-/* Depthwise 2-D correlation for MTA's key-query convolution on CPU (the forward, the
- * input gradient and the weight gradient all reduce to the two loops below).
+/* Depthwise 2-D correlation for MTA's key-query convolution on CPU, causal-aware (the
+ * forward, the input gradient and the weight gradient all reduce to the two loops below).
  *
  * Compiled on first use by mta_repro/model/kq_conv_cpu.py (cc -O3 -march=native
  * -fopenmp) and called through ctypes. Why not F.conv2d: its depthwise backward on CPU is
- * the largest single cost of an MTA layer (PERF_NOTES.md). Out-of-range inputs read as 0
- * (no padded copies); the interior columns keep JB outputs in registers while all CQ*CK
- * taps accumulate, which vectorises along the key axis.
+ * the largest single cost of an MTA layer (PERF_NOTES.md). Each output row stays in L1
+ * while every tap adds a shifted input row to it; those loops vectorise along the keys.
  *
  * Layout (contiguous): P = B*H planes of R rows x K keys, plane p uses kernel head p % H.
+ * Entries above the diagonal `diag` (column c > row r + diag) read as 0 and are written
+ * as 0: the causal mask is applied here, on both sides, and its upper triangle costs
+ * nothing. Out-of-range rows/columns read as 0.
  *   corr:  y[p, i, j]  = sum_{a<CQ, b<CK} w[h, a, b] * x[p, i + a - ro, j + b - pl]
- *   wgrad: gw[p, a, b] = sum_{i, j} g[p, i, j] * x[p, i + a - ro, j + b - pl]   (per plane;
+ *   wgrad: gw[p, a, b] = sum_{i, j} g[p, i, j] * x[p, i + a - ro, j + b - pl]  (per plane;
  *          the caller sums the planes of each head)
  */
 #include <stdint.h>
+#include <string.h>
 
-#define JB 64
+static inline int64_t mn(int64_t a, int64_t b) { return a < b ? a : b; }
+static inline int64_t mx(int64_t a, int64_t b) { return a > b ? a : b; }
 
 #define DEFINE(T, SUF)                                                                      \
 void kq_corr_##SUF(const T *x, const T *w, T *y, int64_t P, int64_t H, int64_t R,          \
-                   int64_t K, int64_t CQ, int64_t CK, int64_t ro, int64_t pl, int nthreads) { \
-    /* columns whose taps all fall inside [0, K) */                                         \
-    const int64_t jlo = pl < K ? pl : K;                                                    \
-    int64_t jhi = K - (CK - 1 - pl);                                                        \
-    if (jhi < jlo) jhi = jlo;                                                               \
+                   int64_t K, int64_t CQ, int64_t CK, int64_t ro, int64_t pl, int64_t diag, \
+                   int nthreads) {                                                          \
     _Pragma("omp parallel for collapse(2) num_threads(nthreads) schedule(static)")          \
     for (int64_t p = 0; p < P; ++p) {                                                       \
         for (int64_t i = 0; i < R; ++i) {                                                   \
             const T *xp = x + p * R * K, *wh = w + (p % H) * CQ * CK;                       \
             T *yr = y + (p * R + i) * K;                                                    \
-            int64_t j0 = jlo;                                                               \
-            for (; j0 + JB <= jhi; j0 += JB) {                                              \
-                T acc[JB];                                                                  \
-                for (int64_t jj = 0; jj < JB; ++jj) acc[jj] = 0;                            \
-                for (int64_t a = 0; a < CQ; ++a) {                                          \
-                    const int64_t src = i + a - ro;                                         \
-                    if (src < 0 || src >= R) continue;                                      \
-                    const T *xr = xp + src * K + j0 - pl;                                   \
-                    for (int64_t b = 0; b < CK; ++b) {                                      \
-                        const T wv = wh[a * CK + b];                                        \
-                        _Pragma("omp simd")                                                 \
-                        for (int64_t jj = 0; jj < JB; ++jj) acc[jj] += wv * xr[b + jj];     \
-                    }                                                                       \
+            const int64_t jend = mx(0, mn(K, i + diag + 1)); /* outputs [0, jend) */        \
+            memset(yr, 0, sizeof(T) * K);                                                   \
+            for (int64_t a = 0; a < CQ; ++a) {                                              \
+                const int64_t src = i + a - ro;                                             \
+                if (src < 0 || src >= R) continue;                                          \
+                const T *xr = xp + src * K;                                                 \
+                const int64_t cend = mn(K, src + diag + 1); /* readable columns */          \
+                for (int64_t b = 0; b < CK; ++b) {                                          \
+                    const T wv = wh[a * CK + b];                                            \
+                    const int64_t off = b - pl; /* y[j] += wv * x[j + off] */               \
+                    const int64_t j0 = mx(0, -off), j1 = mn(jend, cend - off);              \
+                    const T *xs = xr + off;                                                 \
+                    _Pragma("omp simd")                                                     \
+                    for (int64_t j = j0; j < j1; ++j) yr[j] += wv * xs[j];                  \
                 }                                                                           \
-                for (int64_t jj = 0; jj < JB; ++jj) yr[j0 + jj] = acc[jj];                  \
-            }                                                                               \
-            /* edges and the remainder: bounds-checked */                                   \
-            for (int64_t j = 0; j < K; ++j) {                                               \
-                if (j >= jlo && j < j0) { j = j0 - 1; continue; }                           \
-                T s = 0;                                                                    \
-                for (int64_t a = 0; a < CQ; ++a) {                                          \
-                    const int64_t src = i + a - ro;                                         \
-                    if (src < 0 || src >= R) continue;                                      \
-                    for (int64_t b = 0; b < CK; ++b) {                                      \
-                        const int64_t c = j + b - pl;                                       \
-                        if (c >= 0 && c < K) s += wh[a * CK + b] * xp[src * K + c];         \
-                    }                                                                       \
-                }                                                                           \
-                yr[j] = s;                                                                  \
             }                                                                               \
         }                                                                                   \
     }                                                                                       \
 }                                                                                           \
                                                                                             \
 void kq_wgrad_##SUF(const T *g, const T *x, double *gw, int64_t P, int64_t H, int64_t R,   \
-                    int64_t K, int64_t CQ, int64_t CK, int64_t ro, int64_t pl, int nthreads) { \
+                    int64_t K, int64_t CQ, int64_t CK, int64_t ro, int64_t pl, int64_t diag, \
+                    int nthreads) {                                                         \
     (void)H;                                                                                \
     _Pragma("omp parallel for num_threads(nthreads) schedule(static)")                      \
     for (int64_t p = 0; p < P; ++p) {                                                       \
@@ -72,13 +60,15 @@ void kq_wgrad_##SUF(const T *g, const T *x, double *gw, int64_t P, int64_t H, in
         for (int64_t t = 0; t < CQ * CK; ++t) gwp[t] = 0.0;                                 \
         for (int64_t i = 0; i < R; ++i) {                                                   \
             const T *gr = gp + i * K;                                                       \
+            const int64_t jend = mx(0, mn(K, i + diag + 1));                                \
             for (int64_t a = 0; a < CQ; ++a) {                                              \
                 const int64_t src = i + a - ro;                                             \
                 if (src < 0 || src >= R) continue;                                          \
                 const T *xr = xp + src * K;                                                 \
+                const int64_t cend = mn(K, src + diag + 1);                                 \
                 for (int64_t b = 0; b < CK; ++b) {                                          \
                     const int64_t off = b - pl; /* g[j] * x[j + off] */                     \
-                    const int64_t j0 = off < 0 ? -off : 0, j1 = off > 0 ? K - off : K;      \
+                    const int64_t j0 = mx(0, -off), j1 = mn(jend, cend - off);              \
                     const T *xs = xr + off;                                                 \
                     T acc = 0;                                                              \
                     _Pragma("omp simd reduction(+:acc)")                                    \
