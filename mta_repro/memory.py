@@ -174,3 +174,18 @@ def estimate_from_config(cfg, world_size: int | None = None) -> MemoryEstimate:
         model_args_from(cfg), int(cfg.data.batch_size), int(cfg.data.seq_len), world_size,
         bool(cfg.distributed.activation_checkpointing), dtype,
     )
+
+
+def experiments_table(names: list[str]) -> str:
+    """A Markdown row per experiment: its per-GPU estimate and the verdicts."""
+    from mta_repro.config import compose
+
+    lines = ["| experiment | world | act. ckpt | per-GPU estimate GB | 80 GB | H200 141 GB |", "|---|---:|---|---:|---|---|"]
+    for name in names:
+        est = estimate_from_config(compose([f"experiment={name}"]))
+        lines.append(
+            f"| {name} | {est.world_size} | {'on' if est.activation_checkpointing else 'off'} | "
+            f"{est.total / GB:.1f} | {'fits' if est.fits(CAPACITIES['80 GB']) else 'no'} | "
+            f"{'fits' if est.fits(CAPACITIES['H200 141 GB']) else 'no'} |"
+        )
+    return "\n".join(lines)

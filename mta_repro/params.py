@@ -4,6 +4,7 @@
     python -m mta_repro.params --table [seq_len=2048]        # every size x variant
     python -m mta_repro.params experiment=long_context_880m_mta --memory [--world-size N]
                                                              # per-GPU memory pre-flight
+    python -m mta_repro.params --memory --experiments        # every pretrain/long-context experiment
 """
 
 from __future__ import annotations
@@ -55,6 +56,14 @@ def main(argv: list[str]) -> None:
         print("|---|---|---:|---:|---:|")
         for size, variant, total, extra, flops in rows:
             print(f"| {size} | {variant} | {total:,} | {extra:+,} | {flops / 1e9:.3f} |")
+        return
+    if "--memory" in rest and "--experiments" in rest:
+        from mta_repro.config import CONFIG_DIR
+        from mta_repro.memory import experiments_table
+
+        names = sorted(p.stem for p in (CONFIG_DIR / "experiment").glob("[!_]*.yaml")
+                       if p.stem.startswith(("pretrain_", "long_context_")))
+        print(experiments_table(names))
         return
     if "--memory" in rest:
         from mta_repro.memory import estimate_from_config
