@@ -70,6 +70,7 @@ SelectType=select/cons_tres
 SelectTypeParameters=CR_Core
 JobRequeue=1
 MpiDefault=none
+MailProg=/bin/true
 ReturnToService=2
 # Schedule requeued / dependent jobs within a second or two, not the default minute.
 SchedulerParameters=sched_interval=2,bf_interval=1
@@ -84,7 +85,9 @@ SlurmdSpoolDir=/var/lib/slurm/slurmd
 NodeName=$host CPUs=$cpus State=UNKNOWN
 PartitionName=$PARTITION Nodes=$host Default=YES MaxTime=INFINITE State=UP
 EOF
+  if cmp -s "$CONF.tmp" "$CONF"; then rm "$CONF.tmp"; return 0; fi
   mv "$CONF.tmp" "$CONF"
+  CONF_CHANGED=1
 }
 
 alive() { [[ -s $STATE/$1.pid ]] && kill -0 "$(cat "$STATE/$1.pid")" 2>/dev/null; }
@@ -135,6 +138,10 @@ start() {
   install_packages
   write_conf
   start_munge
+  if [[ ${CONF_CHANGED:-0} == 1 ]] && alive slurmctld; then
+    say "slurm.conf changed: scontrol reconfigure"
+    scontrol reconfigure || die "scontrol reconfigure failed (see $LOG/slurmctld.log); try: $0 restart"
+  fi
   start_daemon slurmctld
   start_daemon slurmd
   wait_idle
