@@ -334,3 +334,14 @@ def test_refused_sbatch_shows_its_own_message_in_one_line(tmp_path):
     assert lines[0].startswith(f"mta_repro.train.slurm: sbatch refused {tmp_path}/r/slurm/train.sbatch (exit 1): ")
     # sbatch's own words, e.g. "Batch job submission failed: Invalid partition name specified".
     assert "Invalid partition name specified" in lines[0]
+
+
+def test_cluster_tests_fail_in_ci_and_skip_elsewhere_without_a_cluster(tmp_path):
+    """No sinfo on PATH: with CI=true the cluster tests fail (CI must run them), else skip."""
+    test = f"{Path(__file__)}::test_refused_sbatch_shows_its_own_message_in_one_line"
+    base = {k: v for k, v in _env(PATH=str(tmp_path)).items() if k != "CI"}
+    args = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", test, "-rs"]
+    ci = subprocess.run(args, cwd=ROOT, env=dict(base, CI="true"), capture_output=True, text=True, timeout=120)
+    assert ci.returncode == 1 and "1 error" in ci.stdout and "no SLURM cluster answers" in ci.stdout, ci.stdout[-2000:]
+    local = subprocess.run(args, cwd=ROOT, env=base, capture_output=True, text=True, timeout=120)
+    assert local.returncode == 0 and "1 skipped" in local.stdout and "slurm_local.sh start" in local.stdout
