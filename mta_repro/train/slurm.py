@@ -65,6 +65,7 @@ def _refuse_multirun(overrides: Sequence[str]) -> None:
         raise ValueError(
             f"{what}: submit it with the submitit launcher, one job per point: "
             f"python -m mta_repro.train -m hydra/launcher=slurm {' '.join(o for o in overrides if o not in flags)}"
+            " (or submit one point here with hydra.mode=RUN and the swept fields set)"
         )
 
 
