@@ -157,6 +157,8 @@ def test_cpu_profile_renders_tasks_and_no_gpu_request():
     assert "--cpus-per-task=12 --cpu-bind=none " in [l for l in gpu.splitlines() if l.startswith("srun ")][0]
     with pytest.raises(ValueError, match="slurm.tasks_per_node"):
         render(["experiment=debug", "slurm.gpus_per_node=0"])
+    with pytest.raises(ValueError, match="trainer.device=cuda but slurm.gpus_per_node=0"):
+        render(["experiment=pretrain_880m_mta", *CPU_PROFILE])
 
 
 def test_launcher_config_follows_the_slurm_section():
@@ -228,8 +230,8 @@ def test_non_zero_ranks_leave_hydra_output_to_rank_0(monkeypatch):
 
 
 def test_eval_sbatch_renders_the_eval_command(tmp_path):
-    p = _run(["-m", "mta_repro.eval.slurm", "runs/x", "tasks=[ppl]", "--gpus", "0", "--after", "42"], cwd=tmp_path)
-    assert "#SBATCH --dependency=afterok:42\n" in p.stdout and "--gpus" not in p.stdout
+    p = _run(["-m", "mta_repro.eval.slurm", "runs/x", "tasks=[ppl]", "--gpus", "0", "--after", "42:43"], cwd=tmp_path)
+    assert "#SBATCH --dependency=afterok:42:43\n" in p.stdout and "--gpus" not in p.stdout
     srun = [l for l in p.stdout.splitlines() if l.startswith("srun ")][0]
     assert srun.endswith(f"-m mta_repro.eval {tmp_path}/runs/x 'tasks=[ppl]'")
     bad = _run(["-m", "mta_repro.eval.slurm", "runs/x", "tasks=[pl]"], cwd=tmp_path, check=False)

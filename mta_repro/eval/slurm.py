@@ -6,7 +6,7 @@
 
 The job runs ``python -m mta_repro.eval <run_dir> <overrides>`` (the overrides are
 checked here, as ``mta_repro.eval`` parses them, so a typo fails before queueing).
-``--after JOBID`` adds ``--dependency=afterok:JOBID``: the evaluation starts once the
+``--after JOBID`` (or ``A:B``) adds ``--dependency=afterok:JOBID``: the evaluation starts once the
 training job ends successfully (SLURM cancels it if training fails); the run's
 checkpoint need not exist yet then. Resources, as flags: ``--gpus N`` (default 1;
 0 = no GPU request), ``--cpus N`` (default 8), ``--time-min M`` (default 240),
@@ -68,6 +68,9 @@ def render(run_dir: str, overrides: list[str], *, gpus: int = 1, cpus: int = 8, 
     unknown = [t for t in cfg.tasks if t not in TASK_NAMES]
     if unknown:
         raise ValueError(f"tasks: unknown {unknown}; expected some of {list(TASK_NAMES)}")
+    if gpus > 0 and str(cfg.device) == "cpu":
+        print(f"# warning: the job requests {gpus} GPU(s) but the evaluation runs on device=cpu "
+              "(add device=cuda, or --gpus 0)", file=sys.stderr)
     command = " ".join([shlex.quote(python), "-m", "mta_repro.eval", shlex.quote(str(rd)),
                         *map(shlex.quote, overrides)])
     extra = [f"#SBATCH --{k}={v}" for k, v in (("partition", partition), ("account", account), ("qos", qos)) if v]
@@ -87,8 +90,8 @@ def render(run_dir: str, overrides: list[str], *, gpus: int = 1, cpus: int = 8, 
 def main(argv: Optional[list[str]] = None) -> int:
     args = _parser().parse_args(sys.argv[1:] if argv is None else argv)
     try:
-        if args.after is not None and not args.after.replace("_", "").isdigit():
-            raise ValueError(f"--after: expected a SLURM job id (digits), got {args.after!r}")
+        if args.after is not None and not all(j.replace("_", "").isdigit() for j in args.after.split(":")):
+            raise ValueError(f"--after: expected a SLURM job id (or ids joined by ':'), got {args.after!r}")
         script, command = render(
             args.run_dir, args.overrides, gpus=args.gpus, cpus=args.cpus, time_min=args.time_min,
             partition=args.partition, account=args.account, qos=args.qos, job_name=args.job_name,

@@ -91,6 +91,13 @@ def render(overrides: list[str], python: str = "python", check_paths: bool = Tru
     cfg = compose(overrides)
     s = OmegaConf.to_object(cfg.slurm)
     assert isinstance(s, SlurmArgs)
+    device = str(cfg.trainer.get("device", "auto"))
+    if s.gpus_per_node == 0 and device == "cuda":
+        raise ValueError("trainer.device=cuda but slurm.gpus_per_node=0 (CPU nodes): set trainer.device=cpu, "
+                         "or request GPUs with slurm.gpus_per_node")
+    if s.gpus_per_node > 0 and device == "cpu":
+        print(f"# warning: the job requests {s.gpus_per_node} GPU(s) per node but trainer.device=cpu "
+              "(CPU nodes: slurm.gpus_per_node=0 slurm.tasks_per_node=N)", file=sys.stderr)
     run_dir, init_from = resolve_paths(cfg)
     if init_from is not None and check_paths and not init_from.exists():
         raise ValueError(
