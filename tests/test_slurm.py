@@ -199,7 +199,7 @@ def test_sweep_experiments_are_refused_with_the_launcher_to_use():
 
 
 def test_submit_without_sbatch_says_so(tmp_path):
-    p = _run(["-m", "mta_repro.train.slurm", "experiment=debug", f"run_dir={tmp_path}/r", "--submit"],
+    p = _run(["-m", "mta_repro.train.slurm", "experiment=debug", *CPU_PROFILE, f"run_dir={tmp_path}/r", "--submit"],
              env=_env(PATH=str(tmp_path)), check=False)
     assert p.returncode == 1 and "Traceback" not in p.stderr
     lines = p.stderr.strip().splitlines()
