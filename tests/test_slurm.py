@@ -347,3 +347,22 @@ def test_cluster_tests_fail_in_ci_and_skip_elsewhere_without_a_cluster(tmp_path)
     assert ci.returncode == 1 and "1 error" in ci.stdout and "no SLURM cluster answers" in ci.stdout, ci.stdout[-2000:]
     local = subprocess.run(args, cwd=ROOT, env=base, capture_output=True, text=True, timeout=120)
     assert local.returncode == 0 and "1 skipped" in local.stdout and "slurm_local.sh start" in local.stdout
+
+
+def test_rank0_only_resolver_for_sweep_jobs(monkeypatch):
+    """``hydra.output_subdir: ${mta_rank0_only:.hydra}`` (the hunk proposed for
+    configs/train.yaml): every task of a multi-task submitit job recomposes its config, and
+    only rank 0 gets a .hydra/ directory."""
+    from hydra import compose, initialize_config_dir
+
+    from mta_repro.config import CONFIG_DIR
+
+    seen = {}
+    for rank in ("0", "1"):
+        monkeypatch.setenv("SLURM_PROCID", rank)
+        monkeypatch.setenv("SLURM_NTASKS", "2")
+        with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base=None):
+            cfg = compose("train", ["hydra/launcher=slurm", "hydra.output_subdir=${mta_rank0_only:.hydra}"],
+                          return_hydra_config=True)
+        seen[rank] = cfg.hydra.output_subdir
+    assert seen == {"0": ".hydra", "1": None}

@@ -9,27 +9,16 @@ same files at once.
 
 from __future__ import annotations
 
-import os
 import sys
 
 import hydra
 from omegaconf import DictConfig
 
 from mta_repro.config import CONFIG_DIR
+from mta_repro.train.args import launcher_rank
 
 # Appended to the command line of ranks other than 0 (a single run, not a sweep).
 NON_ZERO_RANK_OVERRIDES = ("hydra.output_subdir=null", "hydra/job_logging=stdout")
-
-
-def launcher_rank() -> int:
-    """This process's rank by the launcher's variables: torchrun's RANK wins over srun's
-    SLURM_PROCID (torchrun inside an sbatch), as in mta_repro.train.distributed.dist_env."""
-    env = os.environ
-    if "RANK" in env and "WORLD_SIZE" in env:
-        return int(env["RANK"])
-    if "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
-        return int(env["SLURM_PROCID"])
-    return 0
 
 
 def hydra_argv(argv: list[str]) -> list[str]:

@@ -183,6 +183,24 @@ def _register_slurm_resolvers() -> None:
             "mta_tasks_per_node", lambda tasks, gpus: int(tasks) if tasks is not None else int(gpus))
     if not OmegaConf.has_resolver("mta_gpus_or_null"):
         OmegaConf.register_new_resolver("mta_gpus_or_null", lambda gpus: int(gpus) or None)
+    if not OmegaConf.has_resolver("mta_rank0_only"):
+        # The value on rank 0, `other` (default null) elsewhere, from the launcher's
+        # variables in each task: rank-0-only Hydra output under submitit.
+        OmegaConf.register_new_resolver(
+            "mta_rank0_only", lambda value, other=None: value if launcher_rank() == 0 else other)
+
+
+def launcher_rank() -> int:
+    """This process's rank by the launcher's variables (torchrun's RANK wins over srun's
+    SLURM_PROCID), as in mta_repro.train.distributed.dist_env."""
+    import os
+
+    env = os.environ
+    if "RANK" in env and "WORLD_SIZE" in env:
+        return int(env["RANK"])
+    if "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
+        return int(env["SLURM_PROCID"])
+    return 0
 
 
 _register_slurm_resolvers()

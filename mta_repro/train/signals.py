@@ -24,6 +24,8 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from mta_repro.train.args import launcher_rank
+
 HANDLED = (signal.SIGUSR1, signal.SIGUSR2, signal.SIGTERM)
 REQUEUE_ON = (signal.SIGUSR1, signal.SIGUSR2)
 
@@ -65,12 +67,6 @@ def _slurm_job() -> Optional[str]:
     return job
 
 
-def _is_rank0_env() -> bool:
-    """Rank 0 by the launcher's variables (torchrun's RANK wins over srun's SLURM_PROCID,
-    as in mta_repro.train.distributed.dist_env); usable before the process group exists."""
-    return os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")) == "0"
-
-
 _lock = threading.Lock()
 _requeue_thread: Optional[threading.Thread] = None
 _requeued: Optional[bool] = None  # None: not tried; True/False: the outcome
@@ -98,7 +94,7 @@ def _start_early_requeue() -> None:
     """Rank 0 under SLURM: requeue now, in the background (once per process)."""
     global _requeue_thread
     job = _slurm_job()
-    if not job or not _is_rank0_env():
+    if not job or launcher_rank() != 0:
         return
     with _lock:
         if _requeue_thread is None:
