@@ -48,7 +48,9 @@ install_packages() {
 write_conf() {
   local host cpus
   host=$(hostname -s)
-  cpus=$(nproc)
+  # At least 2, so 2-rank jobs (tests/test_slurm.py) fit on a 1-CPU machine too
+  # (config_overrides below: slurmd trusts this count, task/none binds nothing).
+  cpus=$(nproc); ((cpus >= 2)) || cpus=2
   if [[ -e $CONF ]] && ! grep -qF "$MARKER" "$CONF"; then
     die "$CONF exists and was not written by this script; not replacing it"
   fi
@@ -82,6 +84,7 @@ SlurmctldLogFile=$LOG/slurmctld.log
 SlurmdLogFile=$LOG/slurmd.log
 StateSaveLocation=/var/lib/slurm/slurmctld
 SlurmdSpoolDir=/var/lib/slurm/slurmd
+SlurmdParameters=config_overrides
 NodeName=$host CPUs=$cpus State=UNKNOWN
 PartitionName=$PARTITION Nodes=$host Default=YES MaxTime=INFINITE State=UP
 EOF
