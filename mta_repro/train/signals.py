@@ -67,7 +67,6 @@ def _slurm_job() -> Optional[str]:
     return job
 
 
-_lock = threading.Lock()
 _requeue_thread: Optional[threading.Thread] = None
 _requeued: Optional[bool] = None  # None: not tried; True/False: the outcome
 
@@ -94,12 +93,12 @@ def _start_early_requeue() -> None:
     """Rank 0 under SLURM: requeue now, in the background (once per process)."""
     global _requeue_thread
     job = _slurm_job()
-    if not job or launcher_rank() != 0:
+    # No lock: handlers run in the main thread, and one may interrupt another (a lock
+    # taken here could deadlock); a second signal finds the thread already there.
+    if not job or launcher_rank() != 0 or _requeue_thread is not None:
         return
-    with _lock:
-        if _requeue_thread is None:
-            _requeue_thread = threading.Thread(target=_requeue, args=(job,), name="mta-requeue", daemon=True)
-            _requeue_thread.start()
+    _requeue_thread = threading.Thread(target=_requeue, args=(job,), name="mta-requeue", daemon=True)
+    _requeue_thread.start()
 
 
 def requeue_if_slurm(signum: Optional[int], is_main: bool) -> bool:
