@@ -130,21 +130,77 @@ class DistributedArgs:
 
 @dataclass
 class SlurmArgs:
-    """What ``python -m mta_repro.train.slurm`` renders into slurm/train.sbatch."""
+    """What ``python -m mta_repro.train.slurm`` renders into slurm/train.sbatch (and what
+    configs/hydra/launcher/slurm.yaml gives each submitit sweep job)."""
 
     nodes: int = 1
+    # GPUs per node. 0 = a CPU partition: no GPU request (set tasks_per_node).
     gpus_per_node: int = 8
+    # Ranks per node; null = one per GPU (gpus_per_node). Required when gpus_per_node=0.
+    tasks_per_node: Optional[int] = None
+    # CPUs per rank, passed to sbatch and to srun (srun no longer inherits it, SLURM >= 22.05).
     cpus_per_task: int = 12
     # Wall-clock limit in minutes.
     time_min: int = 4320
     partition: Optional[str] = None
     account: Optional[str] = None
     qos: Optional[str] = None
-    # Seconds before the time limit at which SLURM sends SIGUSR2 (checkpoint + requeue).
+    # Seconds before the time limit at which SLURM sends SIGUSR2 (requeue + checkpoint).
     signal_s: int = 120
     job_name: str = "mta"
+    # srun --cpu-bind value ("none": the ranks' data workers may use all the task's
+    # CPUs); null leaves the flag out, for clusters without binding support
+    # (TaskPlugin=task/none, e.g. scripts/slurm_local.sh), where srun warns about it.
+    cpu_bind: Optional[str] = "none"
 
     def __post_init__(self) -> None:
-        for name in ("nodes", "gpus_per_node", "cpus_per_task", "time_min"):
+        for name in ("nodes", "cpus_per_task", "time_min"):
             if getattr(self, name) < 1:
                 raise ValueError(f"slurm.{name}: expected >= 1, got {getattr(self, name)}")
+        if self.gpus_per_node < 0:
+            raise ValueError(f"slurm.gpus_per_node: expected >= 0 (0 = CPU nodes), got {self.gpus_per_node}")
+        if self.tasks_per_node is None and self.gpus_per_node == 0:
+            raise ValueError("slurm.tasks_per_node: required when slurm.gpus_per_node=0 (CPU nodes), "
+                             "e.g. slurm.tasks_per_node=2")
+        if self.tasks_per_node is not None and self.tasks_per_node < 1:
+            raise ValueError(f"slurm.tasks_per_node: expected >= 1 or null, got {self.tasks_per_node}")
+        if self.signal_s < 0:
+            raise ValueError(f"slurm.signal_s: expected >= 0, got {self.signal_s}")
+
+    @property
+    def ntasks_per_node(self) -> int:
+        """Ranks per node: tasks_per_node, else one per GPU."""
+        return self.tasks_per_node if self.tasks_per_node is not None else self.gpus_per_node
+
+
+def _register_slurm_resolvers() -> None:
+    """For configs/hydra/launcher/slurm.yaml: the submitit launcher gets the same tasks
+    per node as slurm/train.sbatch, and no GPU request on CPU nodes (0 -> null)."""
+    from omegaconf import OmegaConf
+
+    if not OmegaConf.has_resolver("mta_tasks_per_node"):
+        OmegaConf.register_new_resolver(
+            "mta_tasks_per_node", lambda tasks, gpus: int(tasks) if tasks is not None else int(gpus))
+    if not OmegaConf.has_resolver("mta_gpus_or_null"):
+        OmegaConf.register_new_resolver("mta_gpus_or_null", lambda gpus: int(gpus) or None)
+    if not OmegaConf.has_resolver("mta_rank0_only"):
+        # The value on rank 0, `other` (default null) elsewhere, from the launcher's
+        # variables in each task: rank-0-only Hydra output under submitit.
+        OmegaConf.register_new_resolver(
+            "mta_rank0_only", lambda value, other=None: value if launcher_rank() == 0 else other)
+
+
+def launcher_rank() -> int:
+    """This process's rank by the launcher's variables (torchrun's RANK wins over srun's
+    SLURM_PROCID), as in mta_repro.train.distributed.dist_env."""
+    import os
+
+    env = os.environ
+    if "RANK" in env and "WORLD_SIZE" in env:
+        return int(env["RANK"])
+    if "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
+        return int(env["SLURM_PROCID"])
+    return 0
+
+
+_register_slurm_resolvers()

@@ -3,6 +3,13 @@ the loop checkpoints at the next step boundary and exits cleanly. Under SLURM, S
 (``#SBATCH --signal=USR2@120``: the time limit is near) and SIGUSR1 also requeue the job;
 SIGTERM does not, because ``scancel`` sends it too and a cancelled job must stay
 cancelled (SLURM requeues preempted jobs itself).
+
+Requeue first, then save: rank 0 runs ``scontrol requeue`` as soon as the signal arrives
+(in a thread, so the step in flight is not held up), so a save that overruns the warning
+time cannot lose the job: it comes back and resumes from the newest complete checkpoint.
+SLURM ends the current allocation after a requeue with SIGTERM, then SIGKILL after the
+cluster's KillWait (default 30 s): the checkpoint at the next step boundary must fit in
+that window, and a save cut short is never marked complete (checkpoint.py).
 """
 
 from __future__ import annotations
@@ -11,10 +18,13 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 from typing import Optional
 
 import torch
 import torch.distributed as dist
+
+from mta_repro.train.args import launcher_rank
 
 HANDLED = (signal.SIGUSR1, signal.SIGUSR2, signal.SIGTERM)
 REQUEUE_ON = (signal.SIGUSR1, signal.SIGUSR2)
@@ -27,10 +37,14 @@ class PreemptionHandler:
         for sig in HANDLED:
             self._previous[sig] = signal.signal(sig, self._handle)
 
-    def _handle(self, signum, frame) -> None:  # runs between bytecodes: only set a flag
-        self.signum = signum
+    def _handle(self, signum, frame) -> None:  # runs between bytecodes: a flag and a thread
+        # Keep a requeue signal: the SIGTERM that follows our own requeue must not hide it.
+        if self.signum not in REQUEUE_ON:
+            self.signum = signum
         print(f"[mta_repro.train] received {signal.Signals(signum).name}: checkpoint at the next step boundary",
               file=sys.stderr, flush=True)
+        if signum in REQUEUE_ON:
+            _start_early_requeue()
 
     def agreed_signal(self, device: torch.device) -> Optional[int]:
         """The signal seen by any rank (collective), so all ranks stop at the same step."""
@@ -45,17 +59,60 @@ class PreemptionHandler:
             signal.signal(sig, prev)
 
 
-def requeue_if_slurm(signum: Optional[int], is_main: bool) -> bool:
-    """``scontrol requeue $SLURM_JOB_ID`` from rank 0 after SIGUSR1/2 under SLURM."""
+def _slurm_job() -> Optional[str]:
+    """This job's id for scontrol (an array task by its own id), or None outside SLURM."""
     job = os.environ.get("SLURM_JOB_ID")
-    if not (is_main and job and signum in REQUEUE_ON):
-        return False
-    # An array task is requeued by its own id.
-    if os.environ.get("SLURM_ARRAY_JOB_ID") and os.environ.get("SLURM_ARRAY_TASK_ID"):
+    if job and os.environ.get("SLURM_ARRAY_JOB_ID") and os.environ.get("SLURM_ARRAY_TASK_ID"):
         job = f"{os.environ['SLURM_ARRAY_JOB_ID']}_{os.environ['SLURM_ARRAY_TASK_ID']}"
+    return job
+
+
+_requeue_thread: Optional[threading.Thread] = None
+_requeued: Optional[bool] = None  # None: not tried; True/False: the outcome
+
+
+def _requeue(job: str) -> bool:
+    global _requeued
     try:
-        subprocess.run(["scontrol", "requeue", job], check=True, timeout=60)
+        subprocess.run(["scontrol", "requeue", job], check=True, timeout=60, capture_output=True, text=True)
+        ok = True
+    except subprocess.CalledProcessError as e:
+        print(f"[mta_repro.train] scontrol requeue {job} failed: {(e.stderr or '').strip() or e}",
+              file=sys.stderr, flush=True)
+        ok = False
     except (OSError, subprocess.SubprocessError) as e:
         print(f"[mta_repro.train] scontrol requeue {job} failed: {e}", file=sys.stderr, flush=True)
+        ok = False
+    _requeued = ok
+    if ok:
+        print(f"[mta_repro.train] requeued job {job}; saving before SLURM stops this run", file=sys.stderr, flush=True)
+    return ok
+
+
+def _start_early_requeue() -> None:
+    """Rank 0 under SLURM: requeue now, in the background (once per process)."""
+    global _requeue_thread
+    job = _slurm_job()
+    # No lock: handlers run in the main thread, and one may interrupt another (a lock
+    # taken here could deadlock); a second signal finds the thread already there.
+    if not job or launcher_rank() != 0 or _requeue_thread is not None:
+        return
+    _requeue_thread = threading.Thread(target=_requeue, args=(job,), name="mta-requeue", daemon=True)
+    _requeue_thread.start()
+
+
+def requeue_if_slurm(signum: Optional[int], is_main: bool) -> bool:
+    """``scontrol requeue $SLURM_JOB_ID`` from rank 0 after SIGUSR1/2 under SLURM; True if
+    the job is requeued. Called after the checkpoint: normally the signal handler has
+    already requeued (requeue first), and this waits for that and reports it."""
+    job = _slurm_job()
+    if not (is_main and job):
         return False
-    return True
+    thread = _requeue_thread
+    if thread is not None:
+        thread.join(timeout=90)
+        if _requeued:
+            return True
+    if signum not in REQUEUE_ON:
+        return False
+    return _requeue(job)

@@ -2,11 +2,18 @@
 
     python -m mta_repro.train.slurm experiment=pretrain_880m_mta --dry-run
     python -m mta_repro.train.slurm experiment=pretrain_880m_mta slurm.nodes=2 --submit
+    python -m mta_repro.train.slurm experiment=debug slurm.gpus_per_node=0 \\
+        slurm.tasks_per_node=2 slurm.cpus_per_task=1 slurm.cpu_bind=null --submit   # CPU nodes
 
 The overrides are composed exactly as ``python -m mta_repro.train`` would compose them
 (a typo fails here, not in the queue); nodes, GPUs, time etc. come from the config's
 ``slurm`` section (``configs/experiment/pretrain_*`` set 4 nodes x 8 GPUs = the paper's
-32). The rendered command is ``python -m mta_repro.train <overrides> run_dir=<abs>``.
+32). The rendered command is ``python -m mta_repro.train <overrides> run_dir=<abs>``:
+``run_dir`` and ``checkpoint.init_from`` are made absolute against the submit directory
+(the job runs from the repository, possibly long after submission), and a missing
+``init_from`` is refused before anything is queued. Sweeps (experiments with
+``hydra.mode: MULTIRUN``) go through ``python -m mta_repro.train -m hydra/launcher=slurm``
+instead. Errors are one line on stderr, exit status 2 (bad input) or 1 (sbatch failed).
 """
 
 from __future__ import annotations
@@ -16,14 +23,20 @@ import subprocess
 import sys
 from pathlib import Path
 from string import Template
+from typing import Optional, Sequence
 
-from omegaconf import OmegaConf
+from omegaconf import DictConfig, OmegaConf
 
-from mta_repro.config import compose
+from mta_repro.config import CONFIG_DIR, compose
 from mta_repro.train.args import SlurmArgs
 
 ROOT = Path(__file__).resolve().parents[2]
 TEMPLATE = ROOT / "slurm" / "train.sbatch"
+PROG = "mta_repro.train.slurm"
+
+
+class SubmitError(RuntimeError):
+    """sbatch is missing or refused the script (the message is one line)."""
 
 
 def _time(minutes: int) -> str:
@@ -32,23 +45,78 @@ def _time(minutes: int) -> str:
     return f"{d}-{h:02d}:{m:02d}:00"
 
 
-def render(overrides: list[str], python: str = "python") -> tuple[str, str]:
-    """(sbatch script, training command) for these Hydra overrides."""
+def _refuse_multirun(overrides: Sequence[str]) -> None:
+    """An experiment with ``hydra.mode: MULTIRUN`` is a sweep: one sbatch would train only
+    its first point (or all of them in one run dir)."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    flags = [o for o in overrides if o in ("-m", "--multirun")]
+    if GlobalHydra.instance().is_initialized():
+        GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base=None):
+        raw = hydra_compose(config_name="train", overrides=[o for o in overrides if o not in flags],
+                            return_hydra_config=True)
+    mode = OmegaConf.select(raw, "hydra.mode", throw_on_resolution_failure=False)
+    if flags or str(mode).endswith("MULTIRUN"):
+        exp = next((o.split("=", 1)[1] for o in overrides if o.startswith("experiment=")), None)
+        what = f"experiment={exp} is a sweep (hydra.mode: MULTIRUN)" if exp and not flags else "a sweep (-m)"
+        raise ValueError(
+            f"{what}: submit it with the submitit launcher, one job per point: "
+            f"python -m mta_repro.train -m hydra/launcher=slurm {' '.join(o for o in overrides if o not in flags)}"
+            " (or submit one point here with hydra.mode=RUN and the swept fields set)"
+        )
+
+
+def _abs(path: str, base: Path) -> Path:
+    p = Path(path).expanduser()
+    return p if p.is_absolute() else base / p
+
+
+def resolve_paths(cfg: DictConfig, base: Optional[Path] = None) -> tuple[Path, Optional[Path]]:
+    """(run_dir, init_from) made absolute against ``base`` (the submit directory)."""
+    base = Path.cwd() if base is None else base
+    run_dir = _abs(str(cfg.run_dir), base)
+    init = cfg.checkpoint.get("init_from")
+    return run_dir, (_abs(str(init), base) if init else None)
+
+
+def render(overrides: list[str], python: str = "python", check_paths: bool = True) -> tuple[str, str]:
+    """(sbatch script, training command) for these Hydra overrides.
+
+    Raises ValueError for a sweep, a bad field, or (``check_paths``) a missing
+    ``checkpoint.init_from``."""
+    _refuse_multirun(overrides)
     cfg = compose(overrides)
     s = OmegaConf.to_object(cfg.slurm)
     assert isinstance(s, SlurmArgs)
-    run_dir = Path(cfg.run_dir)
-    run_dir = run_dir if run_dir.is_absolute() else (Path.cwd() / run_dir)
-    user = [o for o in overrides if not o.startswith("run_dir=")]
-    command = " ".join(
-        [shlex.quote(python), "-m", "mta_repro.train", *map(shlex.quote, user), shlex.quote(f"run_dir={run_dir}")]
-    )
+    device = str(cfg.trainer.get("device", "auto"))
+    if s.gpus_per_node == 0 and device == "cuda":
+        raise ValueError("trainer.device=cuda but slurm.gpus_per_node=0 (CPU nodes): set trainer.device=cpu, "
+                         "or request GPUs with slurm.gpus_per_node")
+    if s.gpus_per_node > 0 and device == "cpu":
+        print(f"# warning: the job requests {s.gpus_per_node} GPU(s) per node but trainer.device=cpu "
+              "(CPU nodes: slurm.gpus_per_node=0 slurm.tasks_per_node=N)", file=sys.stderr)
+    run_dir, init_from = resolve_paths(cfg)
+    if init_from is not None and check_paths and not init_from.exists():
+        raise ValueError(
+            f"checkpoint.init_from: {init_from} does not exist (a run dir, a checkpoint dir or a .pt file; "
+            "relative paths are taken from the submit directory)"
+        )
+    user = [o for o in overrides if not o.startswith(("run_dir=", "checkpoint.init_from=", "+checkpoint.init_from="))]
+    paths = [f"run_dir={run_dir}"] + ([f"checkpoint.init_from={init_from}"] if init_from is not None else [])
+    command = " ".join([shlex.quote(python), "-m", "mta_repro.train", *map(shlex.quote, user + paths)])
     extra = [f"#SBATCH --{k}={getattr(s, k)}" for k in ("partition", "account", "qos") if getattr(s, k)]
     script = Template(TEMPLATE.read_text()).substitute(
         job_name=s.job_name,
         nodes=s.nodes,
-        gpus_per_node=s.gpus_per_node,
+        ntasks_per_node=s.ntasks_per_node,
+        # CPU nodes (gpus_per_node=0) request no GPUs: --gpus-per-node=0 is refused where
+        # no GPU gres is configured.
+        gpu_sbatch=f"#SBATCH --gpus-per-node={s.gpus_per_node}\n" if s.gpus_per_node > 0 else "",
         cpus_per_task=s.cpus_per_task,
+        cpu_bind=f" --cpu-bind={s.cpu_bind}" if s.cpu_bind else "",
         time=_time(s.time_min),
         signal_s=s.signal_s,
         log_dir=shlex.quote(str(run_dir / "slurm")),
@@ -60,23 +128,64 @@ def render(overrides: list[str], python: str = "python") -> tuple[str, str]:
     return script, command
 
 
-def main(argv: list[str] | None = None) -> None:
+def sbatch(script_path: Path, extra_args: Sequence[str] = ()) -> str:
+    """Submit with ``sbatch --parsable``; the job id. SubmitError (one line) when sbatch
+    is missing or refuses, quoting sbatch's own message."""
+    cmd = ["sbatch", "--parsable", *extra_args, str(script_path)]
+    try:
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    except FileNotFoundError:
+        raise SubmitError(
+            f"sbatch is not on PATH: --submit needs a SLURM submit host (the script is written to "
+            f"{script_path}; --dry-run prints it; scripts/slurm_local.sh starts a one-node cluster here)"
+        ) from None
+    except subprocess.TimeoutExpired:
+        raise SubmitError(f"sbatch {script_path} did not answer within 120 s (is slurmctld up?)") from None
+    if out.returncode != 0:
+        said = " | ".join(l.strip() for l in (out.stderr + out.stdout).splitlines() if l.strip())
+        raise SubmitError(f"sbatch refused {script_path} (exit {out.returncode}): {said or 'no message'}")
+    # --parsable prints "jobid" or "jobid;cluster".
+    return out.stdout.strip().split(";")[0]
+
+
+def main(argv: Optional[list[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if any(a in ("-h", "--help") for a in argv):
+        print(__doc__)
+        return 0
     submit = "--submit" in argv
     argv = [a for a in argv if a not in ("--submit", "--dry-run")]
-    script, command = render(argv)
-    if not submit:
-        print(script)
-        print(f"# command: {command}", file=sys.stderr)
-        return
-    cfg = compose(argv)
-    run_dir = Path(cfg.run_dir).resolve()
-    (run_dir / "slurm").mkdir(parents=True, exist_ok=True)
-    path = run_dir / "slurm" / "train.sbatch"
-    path.write_text(script)
-    out = subprocess.run(["sbatch", str(path)], check=True, capture_output=True, text=True)
-    print(out.stdout.strip())
+    try:
+        script, command = render(argv, python=sys.executable, check_paths=submit)
+        if not submit:
+            _, init_from = resolve_paths(compose(argv))
+            if init_from is not None and not init_from.exists():
+                print(f"# warning: checkpoint.init_from {init_from} does not exist yet; --submit refuses it",
+                      file=sys.stderr)
+            print(script)
+            print(f"# command: {command}", file=sys.stderr)
+            return 0
+        run_dir, _ = resolve_paths(compose(argv))
+        (run_dir / "slurm").mkdir(parents=True, exist_ok=True)
+        path = run_dir / "slurm" / "train.sbatch"
+        path.write_text(script)
+        job = sbatch(path)
+    except SubmitError as e:
+        print(f"{PROG}: {e}", file=sys.stderr)
+        return 1
+    except Exception as e:  # a bad override or field: one line, not a traceback
+        from hydra.errors import HydraException
+        from omegaconf.errors import OmegaConfBaseException
+
+        if not isinstance(e, (ValueError, HydraException, OmegaConfBaseException)):
+            raise
+        msg = " ".join(str(e).split())
+        print(f"{PROG}: error: {msg}", file=sys.stderr)
+        return 2
+    print(f"Submitted batch job {job}")
+    print(f"{run_dir}/slurm/{job}.out, {job}.err (logs); {run_dir} (run dir)", file=sys.stderr)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

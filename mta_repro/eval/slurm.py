@@ -1,0 +1,129 @@
+"""Render slurm/eval.sbatch for a run; print it (--dry-run, the default) or submit it.
+
+    python -m mta_repro.eval.slurm runs/pretrain_880m_mta eval/preset=paper device=cuda \\
+        dtype=bfloat16 --after 123456 --submit
+    python -m mta_repro.eval.slurm runs/debug eval/preset=debug --gpus 0 --dry-run
+
+The job runs ``python -m mta_repro.eval <run_dir> <overrides>`` (the overrides are
+checked here, as ``mta_repro.eval`` parses them, so a typo fails before queueing).
+``--after JOBID`` (or ``A:B``) adds ``--dependency=afterok:JOBID``: the evaluation starts once the
+training job ends successfully (SLURM cancels it if training fails); the run's
+checkpoint need not exist yet then. Resources, as flags: ``--gpus N`` (default 1;
+0 = no GPU request), ``--cpus N`` (default 8), ``--time-min M`` (default 240),
+``--partition/--account/--qos`` (default: none), ``--job-name`` (default mta-eval).
+Logs go to ``<run_dir>/slurm/<jobid>.{out,err}``. Errors are one line on stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+from pathlib import Path
+from string import Template
+from typing import Optional
+
+from mta_repro.train.slurm import SubmitError, _time, sbatch
+
+ROOT = Path(__file__).resolve().parents[2]
+TEMPLATE = ROOT / "slurm" / "eval.sbatch"
+PROG = "mta_repro.eval.slurm"
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=f"python -m {PROG}", description=__doc__.split("\n\n")[0], add_help=True)
+    p.add_argument("run_dir", help="the training run directory (made absolute against the current directory)")
+    p.add_argument("overrides", nargs="*", help="mta_repro.eval overrides, e.g. eval/preset=paper tasks=[ppl]")
+    p.add_argument("--after", metavar="JOBID", help="start after this job succeeds (--dependency=afterok:JOBID)")
+    mode = p.add_mutually_exclusive_group()
+    mode.add_argument("--submit", action="store_true", help="queue it with sbatch and print the job id")
+    mode.add_argument("--dry-run", action="store_true", help="print the script (the default)")
+    p.add_argument("--gpus", type=int, default=1, help="GPUs (0: none requested)")
+    p.add_argument("--cpus", type=int, default=8, help="CPUs for the task")
+    p.add_argument("--time-min", type=int, default=240, help="time limit in minutes")
+    p.add_argument("--partition")
+    p.add_argument("--account")
+    p.add_argument("--qos")
+    p.add_argument("--job-name", default="mta-eval")
+    return p
+
+
+def render(run_dir: str, overrides: list[str], *, gpus: int = 1, cpus: int = 8, time_min: int = 240,
+           partition: Optional[str] = None, account: Optional[str] = None, qos: Optional[str] = None,
+           job_name: str = "mta-eval", python: str = "python") -> tuple[str, str]:
+    """(sbatch script, eval command). ValueError for bad resources or overrides."""
+    for name, v, lo in (("--gpus", gpus, 0), ("--cpus", cpus, 1), ("--time-min", time_min, 1)):
+        if v < lo:
+            raise ValueError(f"{name}: expected >= {lo}, got {v}")
+    bad = [o for o in overrides if "=" not in o]
+    if bad:
+        raise ValueError(f"overrides: expected key=value after the run directory, got {bad}")
+    rd = Path(run_dir).expanduser()
+    rd = rd if rd.is_absolute() else Path.cwd() / rd
+    # The overrides as mta_repro.eval will compose them (the run dir need not exist yet).
+    from mta_repro.eval.args import TASK_NAMES
+    from mta_repro.eval.run import compose_eval
+
+    cfg = compose_eval([f"run_dir={rd}", *overrides])
+    unknown = [t for t in cfg.tasks if t not in TASK_NAMES]
+    if unknown:
+        raise ValueError(f"tasks: unknown {unknown}; expected some of {list(TASK_NAMES)}")
+    if gpus > 0 and str(cfg.device) == "cpu":
+        print(f"# warning: the job requests {gpus} GPU(s) but the evaluation runs on device=cpu "
+              "(add device=cuda, or --gpus 0)", file=sys.stderr)
+    command = " ".join([shlex.quote(python), "-m", "mta_repro.eval", shlex.quote(str(rd)),
+                        *map(shlex.quote, overrides)])
+    extra = [f"#SBATCH --{k}={v}" for k, v in (("partition", partition), ("account", account), ("qos", qos)) if v]
+    script = Template(TEMPLATE.read_text()).substitute(
+        job_name=job_name,
+        gpu_sbatch=f"#SBATCH --gpus-per-node={gpus}\n" if gpus > 0 else "",
+        cpus_per_task=cpus,
+        time=_time(time_min),
+        log_dir=shlex.quote(str(rd / "slurm")),
+        extra_sbatch="\n".join(extra),
+        workdir=shlex.quote(str(ROOT)),
+        command=command,
+    )
+    return script, command
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    args = _parser().parse_args(sys.argv[1:] if argv is None else argv)
+    try:
+        if args.after is not None and not all(j.replace("_", "").isdigit() for j in args.after.split(":")):
+            raise ValueError(f"--after: expected a SLURM job id (or ids joined by ':'), got {args.after!r}")
+        script, command = render(
+            args.run_dir, args.overrides, gpus=args.gpus, cpus=args.cpus, time_min=args.time_min,
+            partition=args.partition, account=args.account, qos=args.qos, job_name=args.job_name,
+            python=sys.executable,
+        )
+        dep = [f"--dependency=afterok:{args.after}", "--kill-on-invalid-dep=yes"] if args.after else []
+        if not args.submit:
+            if dep:
+                script = script.replace("#SBATCH --nodes=1", f"#SBATCH {dep[0]}\n#SBATCH --nodes=1", 1)
+            print(script)
+            print(f"# command: {command}", file=sys.stderr)
+            return 0
+        rd = Path(args.run_dir).expanduser().absolute()
+        (rd / "slurm").mkdir(parents=True, exist_ok=True)
+        path = rd / "slurm" / "eval.sbatch"
+        path.write_text(script)
+        job = sbatch(path, dep)
+    except SubmitError as e:
+        print(f"{PROG}: {e}", file=sys.stderr)
+        return 1
+    except Exception as e:
+        from hydra.errors import HydraException
+        from omegaconf.errors import OmegaConfBaseException
+
+        if not isinstance(e, (ValueError, HydraException, OmegaConfBaseException)):
+            raise
+        print(f"{PROG}: error: {' '.join(str(e).split())}", file=sys.stderr)
+        return 2
+    print(f"Submitted batch job {job}")
+    print(f"{rd}/slurm/{job}.out, {job}.err (logs); {rd}/eval (results)", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

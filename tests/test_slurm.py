@@ -1,0 +1,368 @@
+"""SLURM: the rendered scripts, the submit CLI's errors, and jobs on a real scheduler.
+
+The tests marked ``cluster`` run against the one-node cluster of
+``scripts/slurm_local.sh start`` (.ci/run starts it): they FAIL when CI=true and no
+cluster answers, and are skipped otherwise. They use 2 CPU ranks (gloo) and the
+``batch_source`` loader of tests/distributed, whose global batches are the same for any
+world size, so a SLURM job's losses can be compared with one local process within the
+2-rank test's tolerance (1e-5, see tests/distributed/test_train_distributed.py).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+HERE = Path(__file__).resolve().parent
+STEPS = 16
+TOL = 1e-5  # the 2-rank test's tolerance
+
+# Every job runs in the foreground of a 2-core machine: keep them tiny.
+COMMON = [
+    "data.seq_len=32",
+    "data.seed=3",
+    f"trainer.steps={STEPS}",
+    "trainer.device=cpu",
+    f"checkpoint.every={STEPS}",
+    "checkpoint.export=false",
+    "logging.every=1",
+    "logging.wandb_mode=disabled",
+    "logging.progress_bar=false",
+    "optim.lr=3e-3",
+    "optim.warmup=2",
+]
+CPU_PROFILE = ["slurm.gpus_per_node=0", "slurm.tasks_per_node=2", "slurm.cpus_per_task=1", "slurm.cpu_bind=null",
+               "slurm.time_min=10", "slurm.signal_s=30"]
+
+
+# ------------------------------------------------------------------ helpers
+def slow_build(data_args, rank, world_size):
+    """batch_source's loader, 0.3 s per batch: a run long enough to signal mid-way."""
+    from batch_source import build
+
+    src = build(data_args, rank, world_size)
+    nxt = src.__next__
+
+    class Slow(type(src)):
+        def __next__(self):
+            time.sleep(0.3)
+            return nxt()
+
+    src.__class__ = Slow
+    return src
+
+
+def _env(**extra):
+    path = os.pathsep.join([str(ROOT), str(HERE), str(HERE / "distributed")])
+    return dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=path, **extra)
+
+
+def _run(args, check=True, **kw):
+    p = subprocess.run([sys.executable, *args], cwd=kw.pop("cwd", ROOT), env=kw.pop("env", _env()),
+                       capture_output=True, text=True, timeout=kw.pop("timeout", 300), **kw)
+    if check:
+        assert p.returncode == 0, p.stderr[-4000:]
+    return p
+
+
+def _losses(run_dir):
+    rows = [json.loads(l) for l in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r for r in rows}
+
+
+def _job_field(job, key):
+    out = subprocess.run(["scontrol", "show", "job", str(job)], capture_output=True, text=True).stdout
+    m = re.search(rf"\b{key}=(\S+)", out)
+    return m.group(1) if m else None
+
+
+def _wait_job(job, timeout=240):
+    """Wait until the job leaves the queue; its final state (kept MinJobAge=300 s)."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        state = _job_field(job, "JobState")
+        if state in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY"):
+            return state
+        time.sleep(0.5)
+    subprocess.run(["scancel", str(job)])
+    pytest.fail(f"job {job} did not finish within {timeout} s (state {_job_field(job, 'JobState')})")
+
+
+def _submit_train(run_dir, *extra):
+    p = _run(["-m", "mta_repro.train.slurm", *COMMON, *CPU_PROFILE, f"run_dir={run_dir}",
+              "data.batch_size=2", *extra, "--submit"])
+    m = re.search(r"Submitted batch job (\d+)", p.stdout)
+    assert m, p.stdout + p.stderr
+    return m.group(1)
+
+
+def _logs(run_dir, job, ext):
+    return (Path(run_dir) / "slurm" / f"{job}.{ext}").read_text()
+
+
+@pytest.fixture(scope="session")
+def cluster():
+    """The local cluster must answer: fail in CI, skip elsewhere."""
+    try:
+        p = subprocess.run(["sinfo", "-h", "-o", "%T"], capture_output=True, text=True, timeout=20)
+        up = p.returncode == 0 and any(s.startswith(("idle", "mixed", "alloc")) for s in p.stdout.split())
+        why = (p.stderr or p.stdout).strip() or "no node is up"
+    except (OSError, subprocess.SubprocessError) as e:
+        up, why = False, str(e)
+    if not up:
+        msg = f"no SLURM cluster answers ({why}); start one with scripts/slurm_local.sh start"
+        if os.environ.get("CI") == "true":
+            pytest.fail(msg)
+        pytest.skip(msg)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """One plain process on the global batch of 4 (2 ranks x 1 in the SLURM jobs)."""
+    run_dir = tmp_path_factory.mktemp("slurm_ref") / "one"
+    _run(["-m", "mta_repro.train", *COMMON, f"run_dir={run_dir}", "trainer.loader=batch_source:build",
+          "data.batch_size=4"])
+    return _losses(run_dir)
+
+
+def _assert_matches(reference, run_dir):
+    got = _losses(run_dir)
+    assert sorted(got) == list(range(1, STEPS + 1))
+    diff = max(abs(reference[s]["loss"] - got[s]["loss"]) for s in reference)
+    print(f"max |loss 1 process - loss SLURM 2 ranks| = {diff:.2e}")
+    for s in range(1, STEPS + 1):
+        assert abs(reference[s]["loss"] - got[s]["loss"]) <= TOL, (s, reference[s]["loss"], got[s]["loss"])
+
+
+# ------------------------------------------------------------------ rendering (no cluster)
+def test_cpu_profile_renders_tasks_and_no_gpu_request():
+    from mta_repro.train.slurm import render
+
+    script, _ = render(["experiment=debug", *CPU_PROFILE])
+    assert "--gpus" not in script and "gres" not in script
+    assert "#SBATCH --ntasks-per-node=2\n" in script and "#SBATCH --cpus-per-task=1\n" in script
+    srun = [l for l in script.splitlines() if l.startswith("srun ")][0]
+    assert "--cpus-per-task=1 " in srun and "--cpu-bind" not in srun
+    # GPU partitions keep one task per GPU, the GPU request and the binding.
+    gpu, _ = render(["experiment=pretrain_880m_mta"])
+    assert "#SBATCH --gpus-per-node=8\n" in gpu and "#SBATCH --ntasks-per-node=8\n" in gpu
+    assert "--cpus-per-task=12 --cpu-bind=none " in [l for l in gpu.splitlines() if l.startswith("srun ")][0]
+    with pytest.raises(ValueError, match="slurm.tasks_per_node"):
+        render(["experiment=debug", "slurm.gpus_per_node=0"])
+    with pytest.raises(ValueError, match="trainer.device=cuda but slurm.gpus_per_node=0"):
+        render(["experiment=pretrain_880m_mta", *CPU_PROFILE])
+
+
+def test_launcher_config_follows_the_slurm_section():
+    from hydra import compose, initialize_config_dir
+
+    from mta_repro.config import CONFIG_DIR
+
+    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base=None):
+        cpu = compose("train", ["hydra/launcher=slurm", *CPU_PROFILE], return_hydra_config=True)
+        gpu = compose("train", ["hydra/launcher=slurm", "experiment=pretrain_880m_mta"], return_hydra_config=True)
+    assert (cpu.hydra.launcher.tasks_per_node, cpu.hydra.launcher.gpus_per_node) == (2, None)
+    assert (gpu.hydra.launcher.tasks_per_node, gpu.hydra.launcher.gpus_per_node, gpu.hydra.launcher.nodes) == (8, 8, 4)
+    assert "export SRUN_CPUS_PER_TASK=12" in gpu.hydra.launcher.setup
+
+
+def test_paths_made_absolute_and_init_from_checked(tmp_path):
+    (tmp_path / "runs" / "base").mkdir(parents=True)
+    args = ["-m", "mta_repro.train.slurm", "experiment=debug", *CPU_PROFILE, "run_dir=runs/next"]
+    p = _run([*args, "checkpoint.init_from=runs/base", "--dry-run"], cwd=tmp_path)
+    srun = [l for l in p.stdout.splitlines() if l.startswith("srun ")][0]
+    assert f"run_dir={tmp_path}/runs/next" in srun and f"checkpoint.init_from={tmp_path}/runs/base" in srun
+    assert "run_dir=runs/next" not in srun and "init_from=runs/base" not in srun
+    assert f"#SBATCH --output={tmp_path}/runs/next/slurm/%j.out" in p.stdout
+    # The long-context stages name their source run relative to the submit directory.
+    p = _run(["-m", "mta_repro.train.slurm", "experiment=long_context_880m_mta", "--submit"], cwd=tmp_path,
+             check=False)
+    assert p.returncode == 2 and "Traceback" not in p.stderr
+    assert p.stderr.strip().splitlines() == [
+        f"mta_repro.train.slurm: error: checkpoint.init_from: {tmp_path}/runs/pretrain_880m_mta does not exist "
+        "(a run dir, a checkpoint dir or a .pt file; relative paths are taken from the submit directory)"]
+
+
+def test_sweep_experiments_are_refused_with_the_launcher_to_use():
+    p = _run(["-m", "mta_repro.train.slurm", "experiment=ablation_kernels", "--dry-run"], check=False)
+    assert p.returncode == 2 and len(p.stderr.strip().splitlines()) == 1 and p.stdout == ""
+    assert "hydra.mode: MULTIRUN" in p.stderr
+    assert "python -m mta_repro.train -m hydra/launcher=slurm experiment=ablation_kernels" in p.stderr
+
+
+def test_submit_without_sbatch_says_so(tmp_path):
+    p = _run(["-m", "mta_repro.train.slurm", "experiment=debug", *CPU_PROFILE, f"run_dir={tmp_path}/r", "--submit"],
+             env=_env(PATH=str(tmp_path)), check=False)
+    assert p.returncode == 1 and "Traceback" not in p.stderr
+    lines = p.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("mta_repro.train.slurm: sbatch is not on PATH"), lines
+    assert (tmp_path / "r" / "slurm" / "train.sbatch").is_file()  # named in the message, kept to inspect
+
+
+def test_non_zero_ranks_leave_hydra_output_to_rank_0(monkeypatch):
+    from hydra import compose, initialize_config_dir
+
+    from mta_repro.config import CONFIG_DIR
+    from mta_repro.train.__main__ import hydra_argv
+
+    for var in ("RANK", "WORLD_SIZE", "SLURM_PROCID", "SLURM_NTASKS"):
+        monkeypatch.delenv(var, raising=False)
+    assert hydra_argv(["experiment=debug"]) == ["experiment=debug"]
+    monkeypatch.setenv("SLURM_PROCID", "1")
+    monkeypatch.setenv("SLURM_NTASKS", "2")
+    extra = hydra_argv(["experiment=debug"])[1:]
+    monkeypatch.setenv("RANK", "0")  # torchrun inside an sbatch: torchrun's rank wins
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert hydra_argv(["experiment=debug"]) == ["experiment=debug"]
+    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base=None):
+        cfg = compose("train", ["experiment=debug", *extra], return_hydra_config=True)
+    # No .hydra/ directory, and the job log goes to stdout only (no <run_dir>/*.log file).
+    assert cfg.hydra.output_subdir is None
+    assert "file" not in cfg.hydra.job_logging.handlers and "console" in cfg.hydra.job_logging.handlers
+
+
+def test_eval_sbatch_renders_the_eval_command(tmp_path):
+    p = _run(["-m", "mta_repro.eval.slurm", "runs/x", "tasks=[ppl]", "--gpus", "0", "--after", "42:43"], cwd=tmp_path)
+    assert "#SBATCH --dependency=afterok:42:43\n" in p.stdout and "--gpus" not in p.stdout
+    srun = [l for l in p.stdout.splitlines() if l.startswith("srun ")][0]
+    assert srun.endswith(f"-m mta_repro.eval {tmp_path}/runs/x 'tasks=[ppl]'")
+    bad = _run(["-m", "mta_repro.eval.slurm", "runs/x", "tasks=[pl]"], cwd=tmp_path, check=False)
+    assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1 and "tasks: unknown ['pl']" in bad.stderr
+
+
+# ------------------------------------------------------------------ the real scheduler
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("cluster")
+def test_cpu_job_two_ranks_matches_one_process(reference, tmp_path):
+    run_dir = tmp_path / "two"
+    job = _submit_train(run_dir, "trainer.loader=batch_source:build")
+    assert _wait_job(job) == "COMPLETED", _logs(run_dir, job, "err")[-3000:]
+    assert _job_field(job, "NumTasks") == "2"
+    _assert_matches(reference, run_dir)
+    err = _logs(run_dir, job, "err")
+    assert "\r" not in err and "lacks support for cpu binding" not in err
+    assert (run_dir / ".hydra" / "config.yaml").is_file() and (run_dir / "checkpoints").is_dir()
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("cluster")
+def test_usr2_requeues_then_resumes_exactly(reference, tmp_path):
+    run_dir = tmp_path / "pre"
+    job = _submit_train(run_dir, "trainer.loader=test_slurm:slow_build")
+    metrics = run_dir / "metrics.jsonl"
+    deadline = time.time() + 180
+    while time.time() < deadline:
+        if metrics.is_file() and len(metrics.read_text().splitlines()) >= 4:
+            break
+        time.sleep(0.05)
+    else:
+        pytest.fail(f"job {job} logged no steps: {_job_field(job, 'JobState')}")
+    subprocess.run(["scancel", "--signal=USR2", job], check=True)
+    assert _wait_job(job, timeout=300) == "COMPLETED", _logs(run_dir, job, "err")[-3000:]
+    err = _logs(run_dir, job, "err")
+    stopped = re.search(r"stopped at step (\d+) after a signal and requeued the job", err)
+    assert stopped, err[-3000:]
+    k = int(stopped.group(1))
+    assert 4 <= k < STEPS
+    # Requeue first, then save: the requeue is reported before the saved stop.
+    assert err.index(f"requeued job {job}") < stopped.start()
+    assert f"resumed from {run_dir}/checkpoints/{k:010d} at step {k}" in err
+    assert _job_field(job, "Restarts") == "1"
+    _assert_matches(reference, run_dir)  # every logged step, once, equal to uninterrupted
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("cluster")
+def test_table5_sweep_through_submitit(tmp_path):
+    # Two points of the kernel-size sweep, tiny model; one SLURM job and run dir per point
+    # (the experiment's run_dir interpolates the swept fields; here under tmp_path).
+    p = _run(["-m", "mta_repro.train", "-m", "hydra/launcher=slurm", "experiment=ablation_kernels",
+              "model=tiny", "data=mini", "data.seq_len=32", "data.batch_size=1", "trainer.steps=2",
+              "trainer.device=cpu", "distributed.compile=false", "distributed.param_dtype=float32",
+              "checkpoint.every=2", "checkpoint.export=false", "logging.every=1", "logging.wandb_mode=disabled",
+              "logging.progress_bar=false", "slurm.nodes=1", "slurm.gpus_per_node=0", "slurm.tasks_per_node=1",
+              "slurm.cpus_per_task=1", "slurm.time_min=10",
+              f"run_dir={tmp_path}/kernel_${{model.mta.query_kernel_size}}x${{model.mta.key_kernel_size}}",
+              f"hydra.sweep.dir={tmp_path}/.sweep", "model.mta.key_kernel_size=7"], timeout=400)
+    runs = sorted(d.name for d in tmp_path.iterdir() if not d.name.startswith("."))
+    assert runs == ["kernel_4x7", "kernel_6x7"], (runs, p.stderr[-3000:])
+    jobs = set()
+    for name in runs:
+        assert sorted(_losses(tmp_path / name)) == [1, 2]
+        cfg = (tmp_path / name / "config.yaml").read_text()
+        q = int(name.split("_")[1].split("x")[0])
+        assert f"query_kernel_size: {q}" in cfg and f"after_sm_query_kernel_size: {q}" in cfg
+    for sub in (tmp_path / ".sweep" / ".submitit").iterdir():
+        jobs.add(sub.name.split("_")[0])
+    assert len(list((tmp_path / ".sweep" / ".submitit").glob("*/*_result.pkl"))) == 2, jobs
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("cluster")
+def test_eval_job_runs_after_training_with_afterok(tmp_path):
+    run_dir = tmp_path / "ev"
+    train = _submit_train(run_dir, "trainer.steps=2", "checkpoint.every=2", "slurm.tasks_per_node=1",
+                          "checkpoint.export=true")
+    p = _run(["-m", "mta_repro.eval.slurm", str(run_dir), "tasks=[ppl]", "ppl.max_batches=2", "ppl.batch_size=1",
+              "--gpus", "0", "--cpus", "1", "--time-min", "10", "--after", train, "--submit"])
+    ev = re.search(r"Submitted batch job (\d+)", p.stdout).group(1)
+    assert _job_field(ev, "Dependency") in (f"afterok:{train}(unfulfilled)", "(null)")
+    assert _wait_job(train) == "COMPLETED"
+    assert _wait_job(ev) == "COMPLETED", _logs(run_dir, ev, "err")[-3000:]
+    out = json.loads((run_dir / "eval" / "ppl.json").read_text())
+    assert out["task"] == "ppl" and out["step"] == 2
+    # It started only after training ended.
+    assert _job_field(ev, "StartTime") >= _job_field(train, "EndTime")
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("cluster")
+def test_refused_sbatch_shows_its_own_message_in_one_line(tmp_path):
+    p = _run(["-m", "mta_repro.train.slurm", "experiment=debug", *CPU_PROFILE, f"run_dir={tmp_path}/r",
+              "slurm.partition=no_such_partition", "--submit"], check=False)
+    assert p.returncode == 1 and "Traceback" not in p.stderr
+    lines = p.stderr.strip().splitlines()
+    assert len(lines) == 1, lines
+    assert lines[0].startswith(f"mta_repro.train.slurm: sbatch refused {tmp_path}/r/slurm/train.sbatch (exit 1): ")
+    # sbatch's own words, e.g. "Batch job submission failed: Invalid partition name specified".
+    assert "Invalid partition name specified" in lines[0]
+
+
+def test_cluster_tests_fail_in_ci_and_skip_elsewhere_without_a_cluster(tmp_path):
+    """No sinfo on PATH: with CI=true the cluster tests fail (CI must run them), else skip."""
+    test = f"{Path(__file__)}::test_refused_sbatch_shows_its_own_message_in_one_line"
+    base = {k: v for k, v in _env(PATH=str(tmp_path)).items() if k != "CI"}
+    args = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", test, "-rs"]
+    ci = subprocess.run(args, cwd=ROOT, env=dict(base, CI="true"), capture_output=True, text=True, timeout=120)
+    assert ci.returncode == 1 and "1 error" in ci.stdout and "no SLURM cluster answers" in ci.stdout, ci.stdout[-2000:]
+    local = subprocess.run(args, cwd=ROOT, env=base, capture_output=True, text=True, timeout=120)
+    assert local.returncode == 0 and "1 skipped" in local.stdout and "slurm_local.sh start" in local.stdout
+
+
+def test_rank0_only_resolver_for_sweep_jobs(monkeypatch):
+    """``hydra.output_subdir: ${mta_rank0_only:.hydra}`` (the hunk proposed for
+    configs/train.yaml): every task of a multi-task submitit job recomposes its config, and
+    only rank 0 gets a .hydra/ directory."""
+    from hydra import compose, initialize_config_dir
+
+    from mta_repro.config import CONFIG_DIR
+
+    seen = {}
+    for rank in ("0", "1"):
+        monkeypatch.setenv("SLURM_PROCID", rank)
+        monkeypatch.setenv("SLURM_NTASKS", "2")
+        with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base=None):
+            cfg = compose("train", ["hydra/launcher=slurm", "hydra.output_subdir=${mta_rank0_only:.hydra}"],
+                          return_hydra_config=True)
+        seen[rank] = cfg.hydra.output_subdir
+    assert seen == {"0": ".hydra", "1": None}
