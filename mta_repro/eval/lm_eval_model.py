@@ -1,7 +1,10 @@
 """The lm-eval (EleutherAI lm-evaluation-harness 0.4.x) model class ``mta_repro``.
 
-``lm_eval --model mta_repro --model_args pretrained=<run_dir>,dtype=bfloat16 ...`` or
-``simple_evaluate(model=MTAReproLM(model=..., tokenizer=...), ...)``.
+``python -m mta_repro.lm_eval --model_args pretrained=<run_dir>,dtype=bfloat16 --tasks ...``
+(or the ``mta-lm-eval`` console script: lm-eval's own command line with this model
+registered; lm-eval 0.4.13 has no plugin hook, so the bare ``lm_eval`` command cannot
+see it), or ``simple_evaluate(model=MTAReproLM(model=..., tokenizer=...), ...)``.
+Under ``torchrun`` each process scores its share of the requests (rank/world_size).
 
 Token boundaries: a context is encoded with BOS (as in training) and the continuation
 ids are the tail of the encoding of context+continuation (lm-eval's TemplateLM rule,
@@ -24,6 +27,34 @@ from tqdm import tqdm
 from mta_repro.eval.generate import generate_text
 
 
+def trained_seq_len(cfg) -> Optional[int]:
+    """The sequence length a run was trained on (its data.seq_len), if the config says."""
+    try:
+        return int(cfg.data.seq_len)
+    except (AttributeError, KeyError, TypeError, ValueError):
+        return None
+
+
+def _init_distributed(device) -> tuple:
+    """(rank, world_size): joins the torchrun process group (gloo on CPU, NCCL on GPUs)
+    when WORLD_SIZE > 1, so that lm-eval gives each process its share of the requests."""
+    import os
+
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        return 0, 1
+    from mta_repro.eval.load import resolve_device
+
+    dev = resolve_device(device)
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev)
+    dist.init_process_group("nccl" if dev.type == "cuda" else "gloo")
+    return dist.get_rank(), dist.get_world_size()
+
+
 @register_model("mta_repro")
 class MTAReproLM(TemplateLM):
     def __init__(
@@ -31,7 +62,7 @@ class MTAReproLM(TemplateLM):
         model: Optional[torch.nn.Module] = None,
         tokenizer=None,
         pretrained: Optional[str] = None,
-        device: str = "cpu",
+        device: Optional[str] = "auto",
         dtype: str = "float32",
         batch_size: int = 8,
         max_length: Optional[int] = None,
@@ -45,12 +76,15 @@ class MTAReproLM(TemplateLM):
             raise ValueError(f"mta_repro lm-eval model: unknown model_args {sorted(unused)}")
         if batch_size in (None, "auto") or str(batch_size).startswith("auto"):
             batch_size = 8
+        self._rank, self._world_size = _init_distributed(device)
+        trained_len = None
         if model is None:
             if pretrained is None:
                 raise ValueError("mta_repro lm-eval model: pass model= or pretrained=<run dir or .pt>")
             from mta_repro.eval.load import load_for_eval
 
-            model, tokenizer, _ = load_for_eval(pretrained, device=device, dtype=dtype, tokenizer=tokenizer)
+            model, tokenizer, cfg = load_for_eval(pretrained, device=device, dtype=dtype, tokenizer=tokenizer)
+            trained_len = trained_seq_len(cfg)
         elif tokenizer is None:
             raise ValueError("mta_repro lm-eval model: a model instance needs its tokenizer=")
         else:
@@ -60,12 +94,41 @@ class MTAReproLM(TemplateLM):
         self.model = model.eval()
         self.tokenizer = tokenizer
         self.batch_size = int(batch_size)
-        self.max_length = int(max_length or model.args.max_seqlen)
+        # Longest scored context: the length the model was trained on (a run's
+        # data.seq_len), never positions it has not seen; longer inputs keep their end
+        # (left truncation, as lm-eval's HF model does).
+        self.max_length = int(max_length or trained_len or model.args.max_seqlen)
         if isinstance(add_bos, str):
             add_bos = add_bos.lower() == "true"
         self.max_gen_toks = int(max_gen_toks)
         self.add_bos = bool(add_bos)
         self._device = next(model.parameters()).device
+
+    # -- data parallel (lm-eval splits requests by rank/world_size) ---------------------
+    def all_gather(self, tensor):
+        if self._world_size == 1:
+            return tensor
+        import torch.distributed as dist
+
+        t = tensor.reshape(-1)
+        parts = [torch.zeros_like(t) for _ in range(self._world_size)]
+        dist.all_gather(parts, t)
+        return torch.cat(parts)
+
+    def gather_object(self, obj, dst=0):
+        if self._world_size == 1:
+            return [obj]
+        import torch.distributed as dist
+
+        out = [None] * self._world_size if self._rank == dst else None
+        dist.gather_object(obj, out, dst=dst)
+        return out
+
+    def barrier(self) -> None:
+        if self._world_size > 1:
+            import torch.distributed as dist
+
+            dist.barrier()
 
     # -- TemplateLM plumbing ----------------------------------------------------------
     @property
@@ -116,7 +179,9 @@ class MTAReproLM(TemplateLM):
                 tokens[r, : len(row)] = torch.as_tensor(row)
             h = self.model(tokens, return_hidden=True)
             for r, (s, e, target) in enumerate(spans):
-                logp = F.log_softmax(self.model.logits(h[r, s:e]).float(), dim=-1)  # (n_cont, V)
+                logits = self.model.logits(h[r, s:e])
+                # fp32 at least (bf16 log-softmax loses digits), float64 kept
+                logp = F.log_softmax(logits.to(torch.promote_types(logits.dtype, torch.float32)), dim=-1)
                 tgt = torch.as_tensor(target, device=logp.device)
                 ll = float(logp.gather(-1, tgt[:, None]).sum())
                 greedy = bool((logp.argmax(-1) == tgt).all())

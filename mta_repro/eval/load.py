@@ -7,6 +7,7 @@ consolidated ``.pt`` file (``{"model": state_dict, "config": dict, "step": int}`
 
 from __future__ import annotations
 
+import os
 import re
 import warnings
 from pathlib import Path
@@ -34,6 +35,27 @@ def resolve_dtype(dtype: Union[str, torch.dtype]) -> torch.dtype:
     if dtype not in DTYPES:
         raise ValueError(f"eval dtype: expected one of {sorted(DTYPES)}, got {dtype!r}")
     return DTYPES[dtype]
+
+
+def resolve_device(device: Union[str, torch.device, None] = "auto") -> torch.device:
+    """"auto" (or None) = the first GPU when there is one, else the CPU. Asking for a
+    GPU that this machine does not have is a clear error, not a CUDA assertion."""
+    if device is None or str(device) == "auto":
+        if not torch.cuda.is_available():
+            return torch.device("cpu")
+        # under torchrun each process takes the GPU of its local rank
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)) % torch.cuda.device_count())
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as e:
+        raise ValueError(f"eval device: expected 'auto', 'cpu', 'cuda' or 'cuda:N', got {device!r}") from e
+    if dev.type == "cuda":
+        n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if n == 0:
+            raise ValueError(f"eval device: {device!r} was asked for but this machine has no CUDA GPU (use device=auto or device=cpu)")
+        if dev.index is not None and dev.index >= n:
+            raise ValueError(f"eval device: {device!r} was asked for but this machine has {n} CUDA GPU(s)")
+    return dev
 
 
 def latest_complete_checkpoint(run_dir: Path) -> Optional[Path]:
@@ -83,11 +105,12 @@ def load_config(path: Union[str, Path]) -> DictConfig:
 
 def load_model(
     path: Union[str, Path],
-    device: Union[str, torch.device] = "cpu",
+    device: Union[str, torch.device] = "auto",
     dtype: Union[str, torch.dtype] = torch.float32,
 ) -> tuple[torch.nn.Module, DictConfig]:
     """(model in eval mode on ``device``/``dtype``, resolved training config)."""
     dtype = resolve_dtype(dtype)
+    device = resolve_device(device)
     kind, src = _resolve_source(path)
     cfg = load_config(path)
     if "model" not in cfg:
@@ -142,7 +165,7 @@ def check_vocab(tokenizer, model) -> None:
         )
 
 
-def load_for_eval(path, device="cpu", dtype=torch.float32, tokenizer=None):
+def load_for_eval(path, device="auto", dtype=torch.float32, tokenizer=None):
     """(model, tokenizer, cfg), with the tokenizer/vocab check done before any work."""
     model, cfg = load_model(path, device=device, dtype=dtype)
     tok = tokenizer if tokenizer is not None else load_tokenizer(cfg)

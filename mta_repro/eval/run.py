@@ -138,7 +138,7 @@ def run(cfg: EvalConfig) -> dict:
                 b.max_new_tokens, b.batch_size, b.seed, b.dataset,
             )
         else:
-            res = _run_lm_eval(model, tok, cfg, task, lm_manager)
+            res = _run_lm_eval(model, tok, cfg, task, lm_manager, run_cfg)
         res = {"task": task, **meta, "seconds": round(time.time() - t0, 1), "results": res}
         out_dir.mkdir(parents=True, exist_ok=True)
         path = out_dir / f"{task}.json"
@@ -148,13 +148,16 @@ def run(cfg: EvalConfig) -> dict:
     return written
 
 
-def _run_lm_eval(model, tok, cfg: EvalConfig, task: str, manager) -> dict:
+def _run_lm_eval(model, tok, cfg: EvalConfig, task: str, manager, run_cfg) -> dict:
     import lm_eval
 
     from mta_repro.eval.lm_eval_model import MTAReproLM
 
     e = cfg.lm_eval
-    lm = MTAReproLM(model=model, tokenizer=tok, batch_size=e.batch_size, max_length=e.max_length)
+    from mta_repro.eval.lm_eval_model import trained_seq_len
+
+    max_length = e.max_length or trained_seq_len(run_cfg)
+    lm = MTAReproLM(model=model, tokenizer=tok, batch_size=e.batch_size, max_length=max_length)
     names = e.benchmarks if task == "benchmarks" else e.lambada
     groups: dict = {}
     for name in names:  # one simple_evaluate call per few-shot count
@@ -167,7 +170,7 @@ def _run_lm_eval(model, tok, cfg: EvalConfig, task: str, manager) -> dict:
         )
         for name, metrics in out["results"].items():
             results[name] = {k: v for k, v in metrics.items() if isinstance(v, (int, float)) or k == "alias"}
-    return {"tasks": results, "summary": summarize_lm_eval(results, names), "limit": e.limit}
+    return {"tasks": results, "summary": summarize_lm_eval(results, names), "limit": e.limit, "max_length": lm.max_length}
 
 
 def summarize_lm_eval(results: dict, names) -> dict:
