@@ -109,7 +109,7 @@ def run(cfg: EvalConfig) -> dict:
         needle_gen = NeedleGenerator(tok, hay, n.query)
         for c in n.context_lens:
             for k in n.needle_counts:
-                needle_gen.check_budget(int(c), int(k))
+                needle_gen.check_budget(int(c), int(k), n.max_new_tokens)
 
     written = {}
     for task in cfg.tasks:
