@@ -2,12 +2,16 @@
 
     python -m mta_repro.params model=880m attention=mta      # one JSON object
     python -m mta_repro.params --table [seq_len=2048]        # every size x variant
+
+Sizes (model=): tiny, 300m, 550m, 880m, 1b; variants (attention=): baseline, diff,
+talking_heads, mta; any other Hydra override of configs/train.yaml (model.dim=...).
 """
 
 from __future__ import annotations
 
 import json
 import sys
+from pathlib import Path
 
 from mta_repro.config import compose, model_args_from
 from mta_repro.model import ModelArgs, build_model
@@ -37,9 +41,18 @@ def main(argv: list[str]) -> None:
     rest = []
     for a in argv:
         if a.startswith("seq_len="):
-            seq_len = int(a.split("=", 1)[1])
+            try:
+                seq_len = int(a.split("=", 1)[1])
+            except ValueError:
+                raise ValueError(f"{a}: expected an integer sequence length") from None
+        elif a.startswith("-") and a != "--table":
+            raise ValueError(f"unknown option {a!r}; expected --table, --help or Hydra overrides (model=880m)")
         else:
             rest.append(a)
+    from mta_repro.config import CONFIG_DIR
+    from mta_repro.eval.cli import check_group_options
+
+    check_group_options(rest, ["model", "attention"], Path(CONFIG_DIR))
     if "--table" in rest:
         rows = []
         for size in SIZES:
@@ -59,5 +72,15 @@ def main(argv: list[str]) -> None:
     print(json.dumps(out))
 
 
+def cli(argv: list[str]) -> int:
+    """``main`` with --help, and user errors as one line (exit code 2)."""
+    if any(a in ("-h", "--help") for a in argv):
+        print(__doc__)
+        return 0
+    from mta_repro.eval.cli import run_cli
+
+    return run_cli("params", lambda: main(argv) or 0)
+
+
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    sys.exit(cli(sys.argv[1:]))

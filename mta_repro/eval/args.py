@@ -82,7 +82,8 @@ class EvalConfig:
     run_dir: str = "runs/debug"
     # Which evaluations to run, any of TASK_NAMES.
     tasks: List[str] = field(default_factory=lambda: ["ppl", "needle", "babilong"])
-    # Where the JSON results go; null = <run_dir>/eval.
+    # Where the JSON results go; null = <run_dir>/eval (also for a run's
+    # export/consolidated.pt; a loose .pt file: an eval/ folder next to it).
     out_dir: Optional[str] = None
     # "auto": the GPU (of this process's LOCAL_RANK under torchrun) when there is one,
     # else the CPU; "cpu", "cuda", "cuda:N" force one (a missing GPU is a clear error).

@@ -44,6 +44,11 @@ def parse_argv(argv: Sequence[str]) -> EvalConfig:
         raise ValueError(f"eval: expected one run directory, got {paths}")
     if paths:
         overrides = [f"run_dir={paths[0]}"] + overrides
+    from mta_repro.config import CONFIG_DIR
+    from mta_repro.eval.cli import check_group_options
+
+    # an optional group: Hydra would silently skip an unknown preset
+    check_group_options(overrides, ["eval/preset"], Path(CONFIG_DIR))
     return compose_eval(overrides)
 
 
@@ -83,11 +88,15 @@ def run(cfg: EvalConfig) -> dict:
     from mta_repro.data import to_data_args
 
     data_args = to_data_args(run_cfg.data)
-    out_dir = Path(cfg.out_dir) if cfg.out_dir else (Path(cfg.run_dir) if Path(cfg.run_dir).is_dir() else Path(cfg.run_dir).parent) / "eval"
+    from mta_repro.eval.load import default_out_dir
+
+    out_dir = Path(cfg.out_dir) if cfg.out_dir else default_out_dir(cfg.run_dir)
+    source = getattr(model, "source", {})
     meta = {
         "run_dir": str(cfg.run_dir),
         "variant": variant_name(run_cfg.model),
-        "step": _step(cfg.run_dir),
+        "step": source.get("step"),
+        "weights": source.get("path"),  # the export or DCP checkpoint evaluated
         "dtype": cfg.dtype,
     }
 
@@ -194,30 +203,20 @@ def _pct(x):
     return None if x is None else 100.0 * float(x)
 
 
-def _step(path) -> Optional[int]:
-    try:
-        import torch
-
-        p = Path(path)
-        f = p if p.is_file() else p / "export" / "consolidated.pt"
-        if f.is_file():
-            return int(torch.load(f, map_location="cpu", weights_only=False, mmap=True).get("step", -1))
-        from mta_repro.eval.load import latest_complete_checkpoint
-
-        ck = latest_complete_checkpoint(p)
-        return int(ck.name) if ck else None
-    except Exception:  # noqa: BLE001 - the step is informative only
-        return None
-
-
 def main(argv: Optional[Sequence[str]] = None) -> int:
+    from mta_repro.eval.cli import run_cli
+
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     argv = list(sys.argv[1:] if argv is None else argv)
-    if not argv or argv[0] in ("-h", "--help"):
+    if not argv or any(a in ("-h", "--help") for a in argv):
         print(__doc__)
         return 0
-    cfg = parse_argv(argv)
-    for task, path in run(cfg).items():
-        print(f"{task}: {path}")
-    return 0
+
+    def go() -> int:
+        cfg = parse_argv(argv)
+        for task, path in run(cfg).items():
+            print(f"{task}: {path}")
+        return 0
+
+    return run_cli("eval", go)
