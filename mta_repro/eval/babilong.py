@@ -321,19 +321,37 @@ def run_babilong(
         length_tokens(length)
     if source not in ("generated", "hf"):
         raise ValueError(f"eval.babilong.source: expected 'generated' or 'hf', got {source!r}")
+    from mta_repro.eval import dist
+
     gen = BabiGenerator(tokenizer, background) if source == "generated" else None
     rng = random.Random(seed)
-    acc: dict = {}
+    # Every process builds every record (same seed, same order); under torchrun each
+    # answers every world_size-th batch of prompts and the verdicts are gathered.
+    verdicts: dict = {}  # (task, length, batch index) -> [correct?]
+    n_rows: dict = {}
+    unit = 0
     for task in tasks:
         for length in lengths:
             if gen is not None:
                 rows = [gen.sample(task, length, rng, max_new_tokens) for _ in range(samples)]
             else:
                 rows = load_hf(task, str(length), dataset, limit=samples)
-            prompts = [format_prompt(task, r["input"], r["question"]) for r in rows]
-            answers = generate_text(model, tokenizer, prompts, max_new_tokens, batch_size=batch_size)
-            ok = [compare_answers(r["target"], a, r["question"], TASK_LABELS[task]) for r, a in zip(rows, answers)]
-            acc.setdefault(task, {})[str(length)] = sum(ok) / len(ok)
+            n_rows[(task, str(length))] = len(rows)
+            for b, s in enumerate(range(0, len(rows), batch_size)):
+                unit += 1
+                if not dist.mine(unit - 1):
+                    continue
+                chunk = rows[s : s + batch_size]
+                prompts = [format_prompt(task, r["input"], r["question"]) for r in chunk]
+                answers = generate_text(model, tokenizer, prompts, max_new_tokens, batch_size=batch_size)
+                verdicts[(task, str(length), b)] = [
+                    compare_answers(r["target"], a, r["question"], TASK_LABELS[task]) for r, a in zip(chunk, answers)
+                ]
+    verdicts = dist.merge_dicts(verdicts)
+    acc: dict = {}
+    for (task, length), n in n_rows.items():
+        ok = [v for b in range((n + batch_size - 1) // batch_size) for v in verdicts[(task, length, b)]]
+        acc.setdefault(task, {})[length] = sum(ok) / len(ok)
     mean = {str(length): sum(acc[t][str(length)] for t in tasks) / len(tasks) for length in lengths}
     return {
         "accuracy": acc,

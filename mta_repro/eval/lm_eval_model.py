@@ -36,23 +36,11 @@ def trained_seq_len(cfg) -> Optional[int]:
 
 
 def _init_distributed(device) -> tuple:
-    """(rank, world_size): joins the torchrun process group (gloo on CPU, NCCL on GPUs)
-    when WORLD_SIZE > 1, so that lm-eval gives each process its share of the requests."""
-    import os
+    """(rank, world_size): joins the torchrun process group when WORLD_SIZE > 1, so
+    that lm-eval gives each process its share of the requests."""
+    from mta_repro.eval.dist import init
 
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
-        return 0, 1
-    from mta_repro.eval.load import resolve_device
-
-    dev = resolve_device(device)
-    if dev.type == "cuda":
-        torch.cuda.set_device(dev)
-    dist.init_process_group("nccl" if dev.type == "cuda" else "gloo")
-    return dist.get_rank(), dist.get_world_size()
+    return init(device)
 
 
 @register_model("mta_repro")

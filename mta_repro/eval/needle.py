@@ -230,22 +230,38 @@ def run_needle(
     for c in context_lens:  # every bad setting fails before any model work
         for n in needle_counts:
             gen.check_budget(int(c), int(n), max_new_tokens)
+    from mta_repro.eval import dist
+
     rng = random.Random(seed)
     results: dict = {"settings": {"query": query, "samples": samples, "max_new_tokens": max_new_tokens, "seed": seed}}
+    # Every process draws every sample (same seed, same order); under torchrun each
+    # generates for every world_size-th batch, and the scores are gathered.
+    scores: dict = {}  # (setting, batch index) -> scores
+    unit = 0
+    for c in context_lens:
+        for n in needle_counts:
+            for d in depths:
+                batch = [gen.sample(int(c), int(n), float(d), rng, max_new_tokens) for _ in range(samples)]
+                for b, s in enumerate(range(0, len(batch), batch_size)):
+                    unit += 1
+                    if not dist.mine(unit - 1):
+                        continue
+                    chunk = batch[s : s + batch_size]
+                    res = generate(model, [x.tokens for x in chunk], max_new_tokens, eos_id=tokenizer.eos_id)
+                    got = []
+                    for x, ids in zip(chunk, res.tokens):
+                        answer = tokenizer.decode([i for i in ids if i != tokenizer.eos_id]).split("\n")[0]
+                        got.append(score_answer(answer, x.answers))
+                    scores[(str(c), str(n), f"{float(d):g}", b)] = got
+    scores = dist.merge_dicts(scores)
     table: dict = {}
     for c in context_lens:
         for n in needle_counts:
             per_depth = {}
             for d in depths:
-                batch = [gen.sample(int(c), int(n), float(d), rng, max_new_tokens) for _ in range(samples)]
-                scores = []
-                for s in range(0, len(batch), batch_size):
-                    chunk = batch[s : s + batch_size]
-                    res = generate(model, [x.tokens for x in chunk], max_new_tokens, eos_id=tokenizer.eos_id)
-                    for x, ids in zip(chunk, res.tokens):
-                        answer = tokenizer.decode([i for i in ids if i != tokenizer.eos_id]).split("\n")[0]
-                        scores.append(score_answer(answer, x.answers))
-                per_depth[f"{float(d):g}"] = sum(scores) / len(scores)
+                key = (str(c), str(n), f"{float(d):g}")
+                got = [v for b in range((samples + batch_size - 1) // batch_size) for v in scores[(*key, b)]]
+                per_depth[key[2]] = sum(got) / len(got)
             table.setdefault(str(c), {})[str(n)] = {
                 "by_depth": per_depth,
                 "mean": sum(per_depth.values()) / len(per_depth),

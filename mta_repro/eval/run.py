@@ -4,6 +4,7 @@ Examples:
     python -m mta_repro.eval runs/debug eval/preset=debug
     python -m mta_repro.eval runs/880m_mta tasks=[ppl,benchmarks,lambada] dtype=bfloat16 device=cuda
     python -m mta_repro.eval runs/x tasks=[needle] needle.context_lens=[4096] needle.samples=100
+    torchrun --nproc_per_node 8 -m mta_repro.eval runs/x eval/preset=paper   # work split over GPUs
 
 Each task writes ``<out_dir>/<task>.json`` (out_dir defaults to ``<run_dir>/eval``):
 {"task", "run_dir", "step", "variant", "results": ...}. Bad task names, a missing
@@ -82,8 +83,11 @@ def run(cfg: EvalConfig) -> dict:
     for length in cfg.babilong.lengths if "babilong" in cfg.tasks else ():
         bl.length_tokens(int(length) if str(length).isdigit() else length)
 
+    from mta_repro.eval import dist
     from mta_repro.eval.load import load_for_eval
 
+    # Under torchrun every process takes its share of each task; rank 0 writes.
+    rank, world = dist.init(cfg.device)
     model, tok, run_cfg = load_for_eval(cfg.run_dir, device=cfg.device, dtype=cfg.dtype)
     from mta_repro.data import to_data_args
 
@@ -148,7 +152,9 @@ def run(cfg: EvalConfig) -> dict:
             )
         else:
             res = _run_lm_eval(model, tok, cfg, task, lm_manager, run_cfg)
-        res = {"task": task, **meta, "seconds": round(time.time() - t0, 1), "results": res}
+        if rank != 0:
+            continue
+        res = {"task": task, **meta, "world_size": world, "seconds": round(time.time() - t0, 1), "results": res}
         out_dir.mkdir(parents=True, exist_ok=True)
         path = out_dir / f"{task}.json"
         path.write_text(json.dumps(res, indent=1, default=str))
@@ -177,6 +183,8 @@ def _run_lm_eval(model, tok, cfg: EvalConfig, task: str, manager, run_cfg) -> di
             model=lm, tasks=group, num_fewshot=shots, task_manager=manager, limit=e.limit,
             bootstrap_iters=0, log_samples=False,
         )
+        if out is None:  # ranks other than 0 under torchrun: rank 0 has the results
+            continue
         for name, metrics in out["results"].items():
             results[name] = {k: v for k, v in metrics.items() if isinstance(v, (int, float)) or k == "alias"}
     return {"tasks": results, "summary": summarize_lm_eval(results, names), "limit": e.limit, "max_length": lm.max_length}
