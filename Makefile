@@ -9,7 +9,7 @@ TORCH ?= torch==2.13.0
 .PHONY: install demo test
 install:
 	$(if $(TORCH),$(PY) -m pip install -q $(TORCH))
-	$(PY) -m pip install -q -e ".[dev]"
+	$(PY) -m pip install -q -e ".[dev,hf]"
 
 demo: install
 	$(PY) -m mta_repro.params --table

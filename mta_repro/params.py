@@ -5,12 +5,16 @@
     python -m mta_repro.params experiment=long_context_880m_mta --memory [--world-size N]
                                                              # per-GPU memory pre-flight
     python -m mta_repro.params --memory --experiments        # every pretrain/long-context experiment
+
+Sizes (model=): tiny, 300m, 550m, 880m, 1b; variants (attention=): baseline, diff,
+talking_heads, mta; any other Hydra override of configs/train.yaml (model.dim=...).
 """
 
 from __future__ import annotations
 
 import json
 import sys
+from pathlib import Path
 
 from mta_repro.config import compose, model_args_from
 from mta_repro.model import ModelArgs, build_model
@@ -36,13 +40,31 @@ def count(args: ModelArgs, seq_len: int = 2048) -> dict:
 
 
 def main(argv: list[str]) -> None:
-    seq_len = 2048
+    seq_len, world = 2048, None
     rest = []
-    for a in argv:
+    args_iter = iter(argv)
+    for a in args_iter:
         if a.startswith("seq_len="):
-            seq_len = int(a.split("=", 1)[1])
+            try:
+                seq_len = int(a.split("=", 1)[1])
+            except ValueError:
+                raise ValueError(f"{a}: expected an integer sequence length") from None
+        elif a == "--world-size":
+            value = next(args_iter, "")
+            if not value.isdigit() or int(value) < 1:
+                raise ValueError(f"--world-size: expected a positive integer, got {value!r}")
+            world = int(value)
+        elif a.startswith("-") and a not in ("--table", "--memory", "--experiments"):
+            raise ValueError(
+                f"unknown option {a!r}; expected --table, --memory [--world-size N | --experiments], "
+                "--help or Hydra overrides (model=880m)"
+            )
         else:
             rest.append(a)
+    from mta_repro.config import CONFIG_DIR
+    from mta_repro.eval.cli import check_group_options
+
+    check_group_options(rest, ["model", "attention"], Path(CONFIG_DIR))
     if "--table" in rest:
         rows = []
         for size in SIZES:
@@ -58,7 +80,6 @@ def main(argv: list[str]) -> None:
             print(f"| {size} | {variant} | {total:,} | {extra:+,} | {flops / 1e9:.3f} |")
         return
     if "--memory" in rest and "--experiments" in rest:
-        from mta_repro.config import CONFIG_DIR
         from mta_repro.memory import experiments_table
 
         names = sorted(p.stem for p in (CONFIG_DIR / "experiment").glob("[!_]*.yaml")
@@ -68,10 +89,6 @@ def main(argv: list[str]) -> None:
     if "--memory" in rest:
         from mta_repro.memory import estimate_from_config
 
-        world = None
-        if "--world-size" in rest:
-            world = int(rest[rest.index("--world-size") + 1])
-            rest.remove(str(world))
         cfg = compose([a for a in rest if not a.startswith("--")])
         print(estimate_from_config(cfg, world).table())
         return
@@ -80,5 +97,15 @@ def main(argv: list[str]) -> None:
     print(json.dumps(out))
 
 
+def cli(argv: list[str]) -> int:
+    """``main`` with --help, and user errors as one line (exit code 2)."""
+    if any(a in ("-h", "--help") for a in argv):
+        print(__doc__)
+        return 0
+    from mta_repro.eval.cli import run_cli
+
+    return run_cli("params", lambda: main(argv) or 0)
+
+
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    sys.exit(cli(sys.argv[1:]))

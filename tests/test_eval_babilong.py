@@ -103,17 +103,18 @@ def test_generator_answers_and_lengths(task):
     tok = make_tokenizer()
     gen = BabiGenerator(tok, BACKGROUND)
     rng = random.Random(7)
-    for length in ("0k", 512, "1k"):
+    for length in ("0k", 2500, "4k"):
         for _ in range(5):
-            r = gen.sample(task, length, rng)
+            r = gen.sample(task, length, rng, answer_tokens=20)
             assert r["target"] == solve(task, r["facts"], r["question"])
             assert r["target"].lower() in {x.lower() for x in TASK_LABELS[task]}
             # the facts appear in order inside the background
             at = 0
             for f in r["facts"]:
                 at = r["input"].index(f, at) + len(f)  # raises if a fact is missing or out of order
-            n = len(tok.encode(r["input"], add_bos=False, add_eos=False))
-            budget = {"0k": 0, 512: 512, "1k": 1024}[length]
+            # the whole prompt the model reads (BOS + template) plus 20 answer tokens fits
+            n = len(tok.encode(format_prompt(task, r["input"], r["question"]), add_bos=True, add_eos=False)) + 20
+            budget = {"0k": 0, 2500: 2500, "4k": 4096}[length]
             if budget == 0:
                 assert r["input"] == " ".join(r["facts"])
             else:
@@ -123,10 +124,34 @@ def test_generator_answers_and_lengths(task):
 def test_run_babilong_on_tiny_model():
     tok = make_tokenizer()
     model = tiny_model("baseline", vocab_size=tok.n_words, n_layers=1)
-    out = run_babilong(model, tok, tasks=["qa1", "qa4"], lengths=["0k", 300], samples=2,
+    out = run_babilong(model, tok, tasks=["qa1", "qa4"], lengths=["0k", 1600], samples=2,
                        background=BACKGROUND, max_new_tokens=3, batch_size=2)
-    assert set(out["accuracy"]) == {"qa1", "qa4"} and set(out["mean"]) == {"0k", "300"}
-    for length in ("0k", "300"):
+    assert set(out["accuracy"]) == {"qa1", "qa4"} and set(out["mean"]) == {"0k", "1600"}
+    assert out["source"] == "generated" == out["settings"]["source"]
+    for length in ("0k", "1600"):
         assert out["mean"][length] == pytest.approx((out["accuracy"]["qa1"][length] + out["accuracy"]["qa4"][length]) / 2)
     with pytest.raises(ValueError, match="unknown length"):
         run_babilong(model, tok, tasks=["qa1"], lengths=["3k"], background=BACKGROUND)
+
+
+def test_prompt_too_long_for_the_length_is_a_clear_error():
+    tok = make_tokenizer()
+    gen = BabiGenerator(tok, BACKGROUND)
+    with pytest.raises(ValueError, match="cannot hold the qa1 prompt, facts and 20 answer tokens"):
+        gen.sample("qa1", 300, random.Random(0), answer_tokens=20)
+
+
+def test_lengths_fit_with_the_llama3_tokenizer():
+    """The issue's measurement: with the paper's tokenizer the 2k/4k rows used to be
+    150/150 over their length; now prompt + 20 answer tokens fit every time."""
+    from test_eval_needle import book_docs, llama3_tokenizer
+
+    tok = llama3_tokenizer()
+    gen = BabiGenerator(tok, book_docs(), max_chars=300_000)
+    rng = random.Random(0)
+    for task in TASKS:
+        for length, budget in (("1k", 1024), ("2k", 2048), ("4k", 4096)):
+            for _ in range(3):
+                r = gen.sample(task, length, rng, answer_tokens=20)
+                n = len(tok.encode(format_prompt(task, r["input"], r["question"]), add_bos=True, add_eos=False))
+                assert budget - 120 <= n + 20 <= budget, (task, length, n)

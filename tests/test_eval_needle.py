@@ -9,7 +9,9 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent / "fixtures" / "eval"))
 from eval_helpers import make_tokenizer, tiny_model  # noqa: E402
 
-from mta_repro.eval.needle import NEEDLE, PREAMBLE, QUESTION_ONE, Haystack, NeedleGenerator, run_needle, score_answer  # noqa: E402
+from mta_repro.eval.needle import (  # noqa: E402
+    NEEDLE, PREAMBLE, QUESTION_ONE, Haystack, NeedleGenerator, run_needle, score_answer, sentence_splitter,
+)
 
 BACKGROUND = [
     " ".join(f"Sentence number {i} talks about the weather in town {i % 7}." for i in range(400)),
@@ -50,7 +52,7 @@ def test_exact_lengths_and_placement(which):
                     starts.append(pos)
                     # inserted right after a sentence end (or at the haystack start)
                     before = tok.decode(s.tokens[1:pos]).rstrip()
-                    assert before.endswith((".", "!", "?")) or before == PREAMBLE.rstrip()
+                    assert before.rstrip("'\"\u2019\u201d)]").endswith((".", "!", "?")) or before == PREAMBLE.rstrip()
                 assert starts == sorted(starts)
                 assert s.answers[0] in s.values and len(s.answers) == 1
                 asked = s.keys[s.values.index(s.answers[0])]
@@ -103,3 +105,68 @@ def test_run_needle_end_to_end_on_tiny_model():
         assert set(row["by_depth"]) == {"0", "100"}
         assert row["mean"] == pytest.approx(sum(row["by_depth"].values()) / 2)
         assert all(0.0 <= v <= 1.0 for v in row["by_depth"].values())
+
+
+def test_needles_never_split_abbreviations_or_decimals():
+    tok = make_tokenizer()
+    doc = ("Dr. Smith paid 3.50 dollars for e.g. bread at St. Mary's market. Then he left! "
+           "Mr. Brown stayed until 4.15 p.m. and sang? ") * 60
+    hay = Haystack(tok, [doc])
+    text = tok.decode(hay.ids)
+    # the only sentence ends are after "market.", "left!" and "sang?"
+    ends = {tok.decode(hay.ids[:e]).rstrip()[-7:] for e in hay.ends}
+    assert ends == {"market.", "e left!", "d sang?"}, ends
+    gen = NeedleGenerator(tok, hay)
+    for seed in range(20):
+        s = gen.sample(1024, 4, 37.0, random.Random(seed))
+        for pos in s.positions:
+            before = tok.decode(s.tokens[1:pos]).rstrip()
+            assert not before.endswith(("Dr.", "St.", "Mr.", "3.", "4.", "e.g.")), before[-20:]
+    assert text.count("Dr. Smith paid 3.50") == 60
+    assert sentence_splitter().tokenize("Dr. Smith paid 3.50 dollars. Then he left.") == [
+        "Dr. Smith paid 3.50 dollars.", "Then he left."]
+
+
+def test_answer_fits_inside_the_context():
+    tok = make_tokenizer()
+    gen = NeedleGenerator(tok, Haystack(tok, BACKGROUND))
+    for depth in (0, 50, 100):
+        s = gen.sample(1024, 4, depth, random.Random(1), answer_tokens=16)
+        assert len(s.tokens) + 16 == 1024 and s.context_len == 1024
+    need = gen.fixed_tokens(2)
+    gen.check_budget(need + 16, 2, 16)
+    with pytest.raises(ValueError, match="16 answer tokens"):
+        gen.check_budget(need + 15, 2, 16)
+
+
+def llama3_tokenizer():
+    """The paper's tokenizer: Meta's Llama-3 ranks file from the llama-models wheel
+    (a dev dependency; installed --no-deps it is just data)."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("llama_models")
+    if spec is None:
+        pytest.skip("llama-models (the Llama-3 ranks file) is not installed: pip install llama-models --no-deps")
+    path = Path(list(spec.submodule_search_locations)[0]) / "llama3" / "tokenizer.model"
+    from mta_repro.data import build_tokenizer
+    from mta_repro.data.args import TokenizerArgs
+
+    tok = build_tokenizer(TokenizerArgs(name="tiktoken", path=str(path)))
+    assert tok.bos_id == 128000 and tok.n_words >= 128256
+    return tok
+
+
+def test_budgets_with_the_llama3_tokenizer():
+    tok = llama3_tokenizer()
+    gen = NeedleGenerator(tok, Haystack(tok, book_docs(), max_chars=200_000))
+    rng = random.Random(0)
+    for ctx in (2048, 4096):
+        for n in (2, 10):
+            for depth in (0, 100):
+                s = gen.sample(ctx, n, depth, rng, answer_tokens=16)
+                # the prompt re-encodes to the same count: what the model sees + 16 <= ctx
+                text = tok.decode(s.tokens[1:])
+                assert len(s.tokens) == ctx - 16
+                assert abs(len(tok.encode(text, add_bos=True, add_eos=False)) - len(s.tokens)) <= 8
+                for k, v in zip(s.keys, s.values):
+                    assert text.count(NEEDLE.format(key=k, value=v)) == 1

@@ -1,6 +1,7 @@
 """Evaluation: model loading, cached generation, per-domain perplexity, lm-eval
 benchmarks, multi-needle NIAH and BabiLong (spec section 4).
 
-Entry point: ``python -m mta_repro.eval <run_dir> tasks=[ppl,needle,babilong,lm_eval]``
+Entry points: ``python -m mta_repro.eval <run_dir> tasks=[ppl,needle,babilong,benchmarks,lambada]``
+(``python -m mta_repro.lm_eval`` for lm-eval's own CLI, ``python -m mta_repro.generate``)
 writes ``<run_dir>/eval/<name>.json``; ``python -m mta_repro.report`` reads them.
 """

@@ -66,7 +66,9 @@ class LMEvalArgs:
     lambada: List[str] = field(default_factory=lambda: list(LAMBADA))
     num_fewshot: Dict[str, int] = field(default_factory=lambda: dict(PAPER_FEW_SHOT))
     batch_size: int = 8
-    # Longest context in tokens; null = the model's max_seqlen.
+    # Longest context in tokens; null = the run's trained data.seq_len (not the model's
+    # max_seqlen: a 2048-token model is not scored at unseen positions). Longer inputs
+    # are left-truncated, as lm-eval's HF model does.
     max_length: Optional[int] = None
     # Examples per task (null = all), for quick looks; never for reported numbers.
     limit: Optional[int] = None
@@ -80,9 +82,12 @@ class EvalConfig:
     run_dir: str = "runs/debug"
     # Which evaluations to run, any of TASK_NAMES.
     tasks: List[str] = field(default_factory=lambda: ["ppl", "needle", "babilong"])
-    # Where the JSON results go; null = <run_dir>/eval.
+    # Where the JSON results go; null = <run_dir>/eval (also for a run's
+    # export/consolidated.pt; a loose .pt file: an eval/ folder next to it).
     out_dir: Optional[str] = None
-    device: str = "cpu"
+    # "auto": the GPU (of this process's LOCAL_RANK under torchrun) when there is one,
+    # else the CPU; "cpu", "cuda", "cuda:N" force one (a missing GPU is a clear error).
+    device: str = "auto"
     # float32 | bfloat16 | float16 | float64
     dtype: str = "float32"
     ppl: PplArgs = field(default_factory=PplArgs)

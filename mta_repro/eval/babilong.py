@@ -7,7 +7,8 @@
   QA1-QA5 (single/two/three supporting facts, two- and three-argument relations) whose
   answer is computed by simulating the story, hidden among background sentences (split
   with nltk's untrained Punkt tokenizer) at sorted random positions, filled until the
-  input reaches the length budget in tokens of the model's tokenizer (0 = facts only).
+  whole prompt (instruction, examples, context, question) plus the answer tokens fits
+  in the length in tokens of the model's tokenizer (0 = facts only).
 - ``format_prompt`` = the official template and prompts; the model answers greedily
   (20 new tokens); ``compare_answers`` = the official metric: lower-case, keep the first
   sentence (and the text before "<context>"/"<example>"), collect the task's labels in
@@ -224,9 +225,9 @@ class BabiGenerator:
     """Offline BabiLong-style records {"input", "question", "target"} for QA1-QA5."""
 
     def __init__(self, tokenizer, background: Iterable[str], max_chars: int = 2_000_000):
-        from nltk.tokenize.punkt import PunktSentenceTokenizer
+        from mta_repro.eval.needle import sentence_splitter
 
-        splitter = PunktSentenceTokenizer()  # untrained: needs no downloaded data
+        splitter = sentence_splitter()  # nltk Punkt, untrained (no downloaded data)
         sents, n = [], 0
         for doc in background:
             for s in splitter.tokenize(doc):
@@ -245,30 +246,56 @@ class BabiGenerator:
     def _n_tokens(self, text: str) -> int:
         return len(self.tok.encode(text, add_bos=False, add_eos=False))
 
-    def sample(self, task: str, length, rng: random.Random) -> dict:
+    def prompt_tokens(self, task: str, record: dict) -> int:
+        """Tokens the model reads for this record: BOS + the formatted prompt."""
+        return 1 + self._n_tokens(format_prompt(task, record["input"], record["question"]))
+
+    def sample(self, task: str, length, rng: random.Random, answer_tokens: int = 0) -> dict:
+        """A record whose whole prompt (BOS, instruction, examples, context, question)
+        plus ``answer_tokens`` fits in ``length`` tokens of the model's tokenizer (the
+        benchmark's rule: the length is the model's input, prompt included); length 0 =
+        the facts alone."""
         check_task(task)
         budget = length_tokens(length)
         facts, question, target = _MAKERS[task](rng, _N_FACTS[task])
         facts_text = " ".join(facts)
-        if budget and self._n_tokens(facts_text) > budget:
-            raise ValueError(f"babilong: a {budget}-token context cannot hold the {task} facts")
+        bare = {"input": facts_text, "question": question}
+        if budget:
+            fixed = self.prompt_tokens(task, bare) + answer_tokens
+            if fixed > budget:
+                raise ValueError(
+                    f"babilong: a {budget}-token length cannot hold the {task} prompt, facts and "
+                    f"{answer_tokens} answer tokens (they need {fixed})"
+                )
+            room = budget - fixed
         # background sentences from a random start, as many as fit in the budget
-        bg, used = [], self._n_tokens(facts_text)
+        bg, used = [], 0
         i = rng.randrange(len(self.sents))
-        while budget and used + self.sent_len[i] <= budget and len(bg) < len(self.sents):
+        while budget and used + self.sent_len[i] <= room and len(bg) < len(self.sents):
             bg.append(self.sents[i])
             used += self.sent_len[i]
             i = (i + 1) % len(self.sents)
         # facts at sorted random positions among the background sentences
         slots = sorted(rng.choices(range(len(bg) + 1), k=len(facts)))
-        out, f = [], 0
-        for pos in range(len(bg) + 1):
-            while f < len(facts) and slots[f] == pos:
-                out.append(facts[f])
-                f += 1
-            if pos < len(bg):
-                out.append(bg[pos])
-        return {"input": " ".join(out), "question": question, "target": target, "facts": facts}
+
+        def build(n_bg):
+            out, f = [], 0
+            for pos in range(n_bg + 1):
+                while f < len(facts) and (slots[f] == pos or (pos == n_bg and slots[f] > pos)):
+                    out.append(facts[f])
+                    f += 1
+                if pos < n_bg:
+                    out.append(bg[pos])
+            return {"input": " ".join(out), "question": question, "target": target, "facts": facts}
+
+        rec = build(len(bg))
+        # Token counts of joined text can differ a little from the sum over sentences:
+        # drop background sentences from the end until the whole prompt really fits.
+        n_bg = len(bg)
+        while budget and n_bg > 0 and self.prompt_tokens(task, rec) + answer_tokens > budget:
+            n_bg -= 1
+            rec = build(n_bg)
+        return rec
 
 
 @torch.no_grad()
@@ -294,18 +321,45 @@ def run_babilong(
         length_tokens(length)
     if source not in ("generated", "hf"):
         raise ValueError(f"eval.babilong.source: expected 'generated' or 'hf', got {source!r}")
+    from mta_repro.eval import dist
+
     gen = BabiGenerator(tokenizer, background) if source == "generated" else None
     rng = random.Random(seed)
-    acc: dict = {}
+    # Every process builds every record (same seed, same order); under torchrun each
+    # answers every world_size-th batch of prompts and the verdicts are gathered.
+    verdicts: dict = {}  # (task, length, batch index) -> [correct?]
+    n_rows: dict = {}
+    unit = 0
     for task in tasks:
         for length in lengths:
             if gen is not None:
-                rows = [gen.sample(task, length, rng) for _ in range(samples)]
+                rows = [gen.sample(task, length, rng, max_new_tokens) for _ in range(samples)]
             else:
                 rows = load_hf(task, str(length), dataset, limit=samples)
-            prompts = [format_prompt(task, r["input"], r["question"]) for r in rows]
-            answers = generate_text(model, tokenizer, prompts, max_new_tokens, batch_size=batch_size)
-            ok = [compare_answers(r["target"], a, r["question"], TASK_LABELS[task]) for r, a in zip(rows, answers)]
-            acc.setdefault(task, {})[str(length)] = sum(ok) / len(ok)
+            n_rows[(task, str(length))] = len(rows)
+            for b, s in enumerate(range(0, len(rows), batch_size)):
+                unit += 1
+                if not dist.mine(unit - 1):
+                    continue
+                chunk = rows[s : s + batch_size]
+                prompts = [format_prompt(task, r["input"], r["question"]) for r in chunk]
+                answers = generate_text(model, tokenizer, prompts, max_new_tokens, batch_size=batch_size)
+                verdicts[(task, str(length), b)] = [
+                    compare_answers(r["target"], a, r["question"], TASK_LABELS[task]) for r, a in zip(chunk, answers)
+                ]
+    verdicts = dist.merge_dicts(verdicts)
+    acc: dict = {}
+    for (task, length), n in n_rows.items():
+        ok = [v for b in range((n + batch_size - 1) // batch_size) for v in verdicts[(task, length, b)]]
+        acc.setdefault(task, {})[length] = sum(ok) / len(ok)
     mean = {str(length): sum(acc[t][str(length)] for t in tasks) / len(tasks) for length in lengths}
-    return {"accuracy": acc, "mean": mean, "settings": {"source": source, "samples": samples, "seed": seed}}
+    return {
+        "accuracy": acc,
+        "mean": mean,
+        # "generated": this project's offline bAbI-style stories in the run's corpus
+        # (lengths in the model's tokens); "hf": the benchmark's own data (`dataset`).
+        # Only "hf" results are comparable with published BabiLong numbers.
+        "source": source,
+        "settings": {"source": source, "samples": samples, "seed": seed, "max_new_tokens": max_new_tokens,
+                     **({"dataset": dataset} if source == "hf" else {})},
+    }

@@ -1,7 +1,10 @@
 """The lm-eval (EleutherAI lm-evaluation-harness 0.4.x) model class ``mta_repro``.
 
-``lm_eval --model mta_repro --model_args pretrained=<run_dir>,dtype=bfloat16 ...`` or
-``simple_evaluate(model=MTAReproLM(model=..., tokenizer=...), ...)``.
+``python -m mta_repro.lm_eval --model_args pretrained=<run_dir>,dtype=bfloat16 --tasks ...``
+(or the ``mta-lm-eval`` console script: lm-eval's own command line with this model
+registered; lm-eval 0.4.13 has no plugin hook, so the bare ``lm_eval`` command cannot
+see it), or ``simple_evaluate(model=MTAReproLM(model=..., tokenizer=...), ...)``.
+Under ``torchrun`` each process scores its share of the requests (rank/world_size).
 
 Token boundaries: a context is encoded with BOS (as in training) and the continuation
 ids are the tail of the encoding of context+continuation (lm-eval's TemplateLM rule,
@@ -24,6 +27,22 @@ from tqdm import tqdm
 from mta_repro.eval.generate import generate_text
 
 
+def trained_seq_len(cfg) -> Optional[int]:
+    """The sequence length a run was trained on (its data.seq_len), if the config says."""
+    try:
+        return int(cfg.data.seq_len)
+    except (AttributeError, KeyError, TypeError, ValueError):
+        return None
+
+
+def _init_distributed(device) -> tuple:
+    """(rank, world_size): joins the torchrun process group when WORLD_SIZE > 1, so
+    that lm-eval gives each process its share of the requests."""
+    from mta_repro.eval.dist import init
+
+    return init(device)
+
+
 @register_model("mta_repro")
 class MTAReproLM(TemplateLM):
     def __init__(
@@ -31,13 +50,14 @@ class MTAReproLM(TemplateLM):
         model: Optional[torch.nn.Module] = None,
         tokenizer=None,
         pretrained: Optional[str] = None,
-        device: str = "cpu",
+        device: Optional[str] = "auto",
         dtype: str = "float32",
         batch_size: int = 8,
         max_length: Optional[int] = None,
         max_gen_toks: int = 256,
         add_bos: bool = True,
         max_batch_size: Optional[int] = None,  # lm-eval passes it; batches are fixed here
+        share_prefixes: bool = True,
         **unused,
     ):
         super().__init__()
@@ -45,12 +65,15 @@ class MTAReproLM(TemplateLM):
             raise ValueError(f"mta_repro lm-eval model: unknown model_args {sorted(unused)}")
         if batch_size in (None, "auto") or str(batch_size).startswith("auto"):
             batch_size = 8
+        self._rank, self._world_size = _init_distributed(device)
+        trained_len = None
         if model is None:
             if pretrained is None:
                 raise ValueError("mta_repro lm-eval model: pass model= or pretrained=<run dir or .pt>")
             from mta_repro.eval.load import load_for_eval
 
-            model, tokenizer, _ = load_for_eval(pretrained, device=device, dtype=dtype, tokenizer=tokenizer)
+            model, tokenizer, cfg = load_for_eval(pretrained, device=device, dtype=dtype, tokenizer=tokenizer)
+            trained_len = trained_seq_len(cfg)
         elif tokenizer is None:
             raise ValueError("mta_repro lm-eval model: a model instance needs its tokenizer=")
         else:
@@ -60,12 +83,46 @@ class MTAReproLM(TemplateLM):
         self.model = model.eval()
         self.tokenizer = tokenizer
         self.batch_size = int(batch_size)
-        self.max_length = int(max_length or model.args.max_seqlen)
+        # Longest scored context: the length the model was trained on (a run's
+        # data.seq_len), never positions it has not seen; longer inputs keep their end
+        # (left truncation, as lm-eval's HF model does).
+        self.max_length = int(max_length or trained_len or model.args.max_seqlen)
         if isinstance(add_bos, str):
             add_bos = add_bos.lower() == "true"
         self.max_gen_toks = int(max_gen_toks)
         self.add_bos = bool(add_bos)
+        if isinstance(share_prefixes, str):
+            share_prefixes = share_prefixes.lower() == "true"
+        # one forward pass for requests that share their input's start (see _score)
+        self.share_prefixes = bool(share_prefixes)
+        self.forward_rows = 0  # rows run through the model (for benchmarks and tests)
         self._device = next(model.parameters()).device
+
+    # -- data parallel (lm-eval splits requests by rank/world_size) ---------------------
+    def all_gather(self, tensor):
+        if self._world_size == 1:
+            return tensor
+        import torch.distributed as dist
+
+        t = tensor.reshape(-1)
+        parts = [torch.zeros_like(t) for _ in range(self._world_size)]
+        dist.all_gather(parts, t)
+        return torch.cat(parts)
+
+    def gather_object(self, obj, dst=0):
+        if self._world_size == 1:
+            return [obj]
+        import torch.distributed as dist
+
+        out = [None] * self._world_size if self._rank == dst else None
+        dist.gather_object(obj, out, dst=dst)
+        return out
+
+    def barrier(self) -> None:
+        if self._world_size > 1:
+            import torch.distributed as dist
+
+            dist.barrier()
 
     # -- TemplateLM plumbing ----------------------------------------------------------
     @property
@@ -94,33 +151,67 @@ class MTAReproLM(TemplateLM):
     # -- scoring ----------------------------------------------------------------------
     @torch.no_grad()
     def _score(self, pairs: list) -> list:
-        """pairs of (context ids, continuation ids) -> (sum logprob, is_greedy), in order."""
+        """pairs of (context ids, continuation ids) -> (sum logprob, is_greedy), in order.
+
+        Each request's input is (context + continuation)[:-1], left-truncated to
+        max_length. Requests whose input is the start of another's input (same context
+        and truncation) are read off that row's forward pass: the model is causal, so
+        the logits at a position depend only on the tokens up to it. Multiple-choice
+        tasks with one-token answers (MMLU's " A".." D") take one pass per question,
+        as lm-eval's HF model does with its logits cache; identical requests run once.
+        """
         results: list = [None] * len(pairs)
-        # Longest first: the first batch fails fast on memory; batches pad little.
-        order = sorted(range(len(pairs)), key=lambda i: -(len(pairs[i][0]) + len(pairs[i][1])))
-        for start in range(0, len(order), self.batch_size):
-            idx = order[start : start + self.batch_size]
-            rows, spans = [], []
-            for i in idx:
-                ctx, cont = pairs[i]
-                if not cont:
-                    raise ValueError("lm-eval request with an empty continuation")
-                whole = (list(ctx) + list(cont))[-(self.max_length + 1) :]
-                inp = whole[:-1]
-                # continuation targets are the last len(cont) positions of inp's outputs
+        reqs = []
+        for ctx, cont in pairs:
+            if not cont:
+                raise ValueError("lm-eval request with an empty continuation")
+            whole = (list(ctx) + list(cont))[-(self.max_length + 1) :]
+            inp = whole[:-1]
+            n = min(len(cont), len(inp))
+            # continuation targets are the last n positions of inp's outputs
+            reqs.append((inp, len(inp) - n, len(inp), whole[-n:]))
+        # Longest first: the first batch fails fast on memory; batches pad little; a
+        # shorter input can only be served by a row already chosen.
+        order = sorted(range(len(pairs)), key=lambda i: -len(reqs[i][0]))
+        rows: list = []  # inputs that get a forward pass
+        served: list = []  # per row: [(request index, start, end, target)]
+        by_ctx: dict = {}  # context part of an input -> rows that start with it
+        for i in order:
+            inp, s, e, target = reqs[i]
+            row = None
+            if self.share_prefixes:
+                key = tuple(inp[:s])
+                for r in by_ctx.get(key, ()):
+                    if len(rows[r]) >= e and rows[r][s:e] == inp[s:e]:
+                        row = r
+                        break
+            if row is None:
+                row = len(rows)
                 rows.append(inp)
-                spans.append((len(inp) - len(cont), len(inp), whole[-len(cont) :]))
-            width = max(len(r) for r in rows)
-            tokens = torch.zeros((len(rows), width), dtype=torch.long, device=self._device)
-            for r, row in enumerate(rows):
-                tokens[r, : len(row)] = torch.as_tensor(row)
+                served.append([])
+                if self.share_prefixes:
+                    by_ctx.setdefault(tuple(inp[:s]), []).append(row)
+            served[row].append((i, s, e, target))
+        self.forward_rows += len(rows)
+        for start in range(0, len(rows), self.batch_size):
+            batch = range(start, min(start + self.batch_size, len(rows)))
+            width = max(len(rows[r]) for r in batch)
+            tokens = torch.zeros((len(batch), width), dtype=torch.long, device=self._device)
+            for b, r in enumerate(batch):
+                tokens[b, : len(rows[r])] = torch.as_tensor(rows[r])
             h = self.model(tokens, return_hidden=True)
-            for r, (s, e, target) in enumerate(spans):
-                logp = F.log_softmax(self.model.logits(h[r, s:e]).float(), dim=-1)  # (n_cont, V)
-                tgt = torch.as_tensor(target, device=logp.device)
-                ll = float(logp.gather(-1, tgt[:, None]).sum())
-                greedy = bool((logp.argmax(-1) == tgt).all())
-                results[idx[r]] = (ll, greedy)
+            for b, r in enumerate(batch):
+                lo = min(s for _, s, _, _ in served[r])
+                hi = max(e for _, _, e, _ in served[r])
+                logits = self.model.logits(h[b, lo:hi])
+                # fp32 at least (bf16 log-softmax loses digits), float64 kept
+                logp = F.log_softmax(logits.to(torch.promote_types(logits.dtype, torch.float32)), dim=-1)
+                for i, s, e, target in served[r]:
+                    part = logp[s - lo : e - lo]
+                    tgt = torch.as_tensor(target, device=logp.device)
+                    ll = float(part.gather(-1, tgt[:, None]).sum())
+                    greedy = bool((part.argmax(-1) == tgt).all())
+                    results[i] = (ll, greedy)
         return results
 
     def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, **kwargs) -> list:

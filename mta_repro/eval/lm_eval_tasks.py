@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Optional
 
 # The paper's benchmarks (spec 4): zero-shot, and MMLU 5-shot; LAMBADA separately.
-PAPER_ZERO_SHOT = ["boolq", "piqa", "siqa", "hellaswag", "winogrande", "arc_easy", "arc_challenge", "openbookqa"]
+PAPER_ZERO_SHOT = ["boolq", "piqa", "social_iqa", "hellaswag", "winogrande", "arc_easy", "arc_challenge", "openbookqa"]
 PAPER_FEW_SHOT = {"mmlu": 5}
 LAMBADA = ["lambada_standard", "lambada_openai"]
 

@@ -7,6 +7,7 @@ consolidated ``.pt`` file (``{"model": state_dict, "config": dict, "step": int}`
 
 from __future__ import annotations
 
+import os
 import re
 import warnings
 from pathlib import Path
@@ -36,75 +37,170 @@ def resolve_dtype(dtype: Union[str, torch.dtype]) -> torch.dtype:
     return DTYPES[dtype]
 
 
-def latest_complete_checkpoint(run_dir: Path) -> Optional[Path]:
-    """The highest-step ``checkpoints/<step:010d>/`` that has a ``.complete`` marker."""
-    ckpt_root = run_dir / "checkpoints"
+def resolve_device(device: Union[str, torch.device, None] = "auto") -> torch.device:
+    """"auto" (or None) = the first GPU when there is one, else the CPU. Asking for a
+    GPU that this machine does not have is a clear error, not a CUDA assertion."""
+    if device is None or str(device) == "auto":
+        if not torch.cuda.is_available():
+            return torch.device("cpu")
+        # under torchrun each process takes the GPU of its local rank
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)) % torch.cuda.device_count())
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as e:
+        raise ValueError(f"eval device: expected 'auto', 'cpu', 'cuda' or 'cuda:N', got {device!r}") from e
+    if dev.type == "cuda":
+        n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if n == 0:
+            raise ValueError(f"eval device: {device!r} was asked for but this machine has no CUDA GPU (use device=auto or device=cpu)")
+        if dev.index is not None and dev.index >= n:
+            raise ValueError(f"eval device: {device!r} was asked for but this machine has {n} CUDA GPU(s)")
+    return dev
+
+
+def complete_checkpoints(run_dir: Path) -> list:
+    """``checkpoints/<step>/`` folders with a ``.complete`` marker, newest first."""
+    ckpt_root = Path(run_dir) / "checkpoints"
     if not ckpt_root.is_dir():
-        return None
+        return []
     steps = [
         p for p in ckpt_root.iterdir()
         if p.is_dir() and re.fullmatch(r"\d+", p.name) and (p / ".complete").exists()
     ]
-    return max(steps, key=lambda p: int(p.name)) if steps else None
+    return sorted(steps, key=lambda p: -int(p.name))
 
 
-def _resolve_source(path: Union[str, Path]) -> tuple[str, Path]:
-    """('consolidated' | 'dcp', file or dir); raises before any weights are read."""
+def latest_complete_checkpoint(run_dir: Path) -> Optional[Path]:
+    """The highest-step ``checkpoints/<step:010d>/`` that has a ``.complete`` marker."""
+    found = complete_checkpoints(run_dir)
+    return found[0] if found else None
+
+
+def _read_consolidated(src: Path) -> dict:
+    try:
+        blob = torch.load(src, map_location="cpu", weights_only=False, mmap=True)
+    except Exception as e:  # noqa: BLE001 - truncated/corrupt files raise many types
+        raise ValueError(f"checkpoint: {src} is unreadable ({type(e).__name__}: {e}); truncated or corrupt?") from None
+    if not isinstance(blob, dict) or "model" not in blob or "config" not in blob:
+        raise ValueError(f"checkpoint: {src} is not a consolidated export (expected keys 'model', 'config')")
+    return blob
+
+
+def _candidates(path: Union[str, Path]) -> list:
+    """Weights to try, newest first: [(kind, file or dir, step or None)].
+
+    A run directory offers its export and its complete DCP checkpoints; the newest
+    wins, as in training (``train.checkpoint.load_model_state``): a checkpoint saved
+    after the export beats the stale export, and the export wins a tie.
+    """
     path = Path(path)
     if path.is_file():
-        return "consolidated", path
+        return [("consolidated", path, None)]
     if not path.exists():
         raise ValueError(f"checkpoint: {path} does not exist (expected a run directory or a consolidated .pt file)")
+    ckpts = [("dcp", c, int(c.name)) for c in complete_checkpoints(path)]
     export = path / "export" / "consolidated.pt"
     if export.is_file():
-        return "consolidated", export
-    ckpt = latest_complete_checkpoint(path)
-    if ckpt is None:
+        try:
+            step = int(_read_consolidated(export).get("step") or 0)
+        except ValueError as e:  # a broken export: the checkpoints may still do
+            if not ckpts:
+                raise
+            warnings.warn(f"{e}; using the checkpoints instead")
+        else:
+            older = [c for c in ckpts if c[2] <= step]
+            newer = [c for c in ckpts if c[2] > step]
+            if newer:
+                warnings.warn(
+                    f"checkpoint: {newer[0][1]} (step {newer[0][2]}) is newer than {export} (step {step}); "
+                    "evaluating the newer checkpoint (re-export with python -m mta_repro.train.export)"
+                )
+            return newer + [("consolidated", export, step)] + older
+    if not ckpts:
         raise ValueError(
             f"checkpoint: run directory {path} has neither export/consolidated.pt nor a "
             f"complete DCP checkpoint under checkpoints/<step>/ (with a .complete marker)"
         )
-    return "dcp", ckpt
+    return ckpts
+
+
+def _resolve_source(path: Union[str, Path]) -> tuple[str, Path]:
+    """('consolidated' | 'dcp', file or dir) that would be tried first."""
+    kind, src, _ = _candidates(path)[0]
+    return kind, src
 
 
 def load_config(path: Union[str, Path]) -> DictConfig:
     """The resolved training config of a run directory or consolidated file (no weights)."""
     kind, src = _resolve_source(path)
     if kind == "consolidated":
-        blob = torch.load(src, map_location="cpu", weights_only=False, mmap=True)
-        if not isinstance(blob, dict) or "model" not in blob or "config" not in blob:
-            raise ValueError(f"checkpoint: {src} is not a consolidated export (expected keys 'model', 'config')")
-        return OmegaConf.create(blob["config"])
-    cfg_file = src.parents[1] / "config.yaml"
+        return OmegaConf.create(_read_consolidated(src)["config"])
+    return _run_config(src)
+
+
+def _run_config(ckpt: Path) -> DictConfig:
+    cfg_file = ckpt.parents[1] / "config.yaml"
     if not cfg_file.is_file():
         raise ValueError(f"checkpoint: {cfg_file} is missing (the run's resolved config)")
     return OmegaConf.load(cfg_file)
 
 
-def load_model(
-    path: Union[str, Path],
-    device: Union[str, torch.device] = "cpu",
-    dtype: Union[str, torch.dtype] = torch.float32,
-) -> tuple[torch.nn.Module, DictConfig]:
-    """(model in eval mode on ``device``/``dtype``, resolved training config)."""
-    dtype = resolve_dtype(dtype)
-    kind, src = _resolve_source(path)
-    cfg = load_config(path)
-    if "model" not in cfg:
-        raise ValueError(f"checkpoint: the config of {path} has no 'model' section")
-    model = build_model(cfg.model, device="cpu", init=False)
+def _read_weights(kind: str, src: Path) -> tuple:
+    """(state dict, config, step) of one candidate; ValueError naming the file if broken."""
     if kind == "consolidated":
-        blob = torch.load(src, map_location="cpu", weights_only=False, mmap=True)
+        blob = _read_consolidated(src)
         state = blob["model"]
-    else:
-        import torch.distributed.checkpoint as dcp
+        cfg = OmegaConf.create(blob["config"])
+        return state, cfg, blob.get("step")
+    cfg = _run_config(src)
+    if "model" not in cfg:
+        raise ValueError(f"checkpoint: the config of {src} has no 'model' section")
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
 
-        # Only the "model" entry is requested; DCP reads just those tensors, in this
-        # single process (no process group needed).
-        state = {k: v for k, v in model.state_dict().items()}
+    # Only the "model" entry is requested; DCP reads just those tensors, in this
+    # single process (no process group needed).
+    state = dict(build_model(cfg.model, device="meta", init=False).state_dict())
+    state = {k: torch.empty_like(v, device="cpu") for k, v in state.items()}
+    try:
         with warnings.catch_warnings():  # "assuming ... a single process": yes, on purpose
             warnings.filterwarnings("ignore", message=".*single process.*")
             dcp.load({"model": state}, checkpoint_id=str(src))
+    except (Exception, CheckpointException) as e:  # noqa: BLE001 - DCP's is a BaseException
+        first = " ".join(str(e).split())[:300]
+        raise ValueError(f"checkpoint: {src} is unreadable ({type(e).__name__}: {first}); corrupt or partly written?") from None
+    return state, cfg, int(src.name)
+
+
+def load_model(
+    path: Union[str, Path],
+    device: Union[str, torch.device] = "auto",
+    dtype: Union[str, torch.dtype] = torch.float32,
+) -> tuple[torch.nn.Module, DictConfig]:
+    """(model in eval mode on ``device``/``dtype``, resolved training config).
+
+    ``model.source`` = {"kind", "path", "step"} of the weights that were loaded. When
+    the newest weights of a run directory are unreadable (a corrupt checkpoint, a
+    truncated export), the next newest complete ones are used, with a warning naming
+    the broken file; an explicit ``.pt`` that is broken is an error.
+    """
+    dtype = resolve_dtype(dtype)
+    device = resolve_device(device)
+    candidates = _candidates(path)
+    errors = []
+    for kind, src, _ in candidates:
+        try:
+            state, cfg, step = _read_weights(kind, src)
+            break
+        except ValueError as e:
+            errors.append(str(e))
+            if len(errors) < len(candidates):
+                warnings.warn(f"{e}; falling back to the previous complete checkpoint")
+    else:
+        raise ValueError(errors[0] if len(errors) == 1 else "; ".join(errors))
+    if "model" not in cfg:
+        raise ValueError(f"checkpoint: the config of {path} has no 'model' section")
+    model = build_model(cfg.model, device="cpu", init=False)
     missing, unexpected = model.load_state_dict(state, strict=False)
     missing = [m for m in missing if not m.endswith("output.weight") or not model.args.weight_tying]
     if missing or unexpected:
@@ -112,7 +208,21 @@ def load_model(
             f"checkpoint: {src} does not match the config's model: missing {missing[:5]}, unexpected {unexpected[:5]}"
         )
     model = model.to(device=device, dtype=dtype).eval()
+    model.source = {"kind": kind, "path": str(src), "step": None if step is None else int(step)}
     return model, cfg
+
+
+def default_out_dir(path: Union[str, Path]) -> Path:
+    """Where results of evaluating ``path`` go: ``<run_dir>/eval`` for a run directory
+    and for a run's ``export/consolidated.pt`` (where ``report`` looks), else an
+    ``eval/`` folder next to a loose ``.pt`` file."""
+    path = Path(path)
+    if path.is_dir():
+        return path / "eval"
+    parent = path.parent
+    if parent.name == "export" and (parent.parent / "config.yaml").is_file():
+        return parent.parent / "eval"
+    return parent / "eval"
 
 
 def load_tokenizer(cfg: Any):
@@ -142,7 +252,7 @@ def check_vocab(tokenizer, model) -> None:
         )
 
 
-def load_for_eval(path, device="cpu", dtype=torch.float32, tokenizer=None):
+def load_for_eval(path, device="auto", dtype=torch.float32, tokenizer=None):
     """(model, tokenizer, cfg), with the tokenizer/vocab check done before any work."""
     model, cfg = load_model(path, device=device, dtype=dtype)
     tok = tokenizer if tokenizer is not None else load_tokenizer(cfg)

@@ -1,7 +1,8 @@
 """Multi-needle needle-in-a-haystack (spec section 4; the template is the project's).
 
 Template (RULER-style needles, Kamradt-style insertion), all at the token level of the
-model's tokenizer so that every prompt is exactly ``context_len`` tokens long:
+model's tokenizer so that every prompt is exactly ``context_len - max_new_tokens``
+tokens long (the answer is generated inside ``context_len``, as RULER counts it):
 
     [BOS] PREAMBLE + haystack-with-needles + QUESTION
 
@@ -11,9 +12,9 @@ model's tokenizer so that every prompt is exactly ``context_len`` tokens long:
   distinct ``adjective-noun`` key and a distinct 7-digit value.
 - Insertion (Kamradt's multi-needle tester): needle 0 at ``depth`` % of the haystack,
   needle i at depth + i * (100 - depth) / n_needles %; each position is moved back to
-  the previous sentence end of the background (a token ending in . ! or ?), or to the
-  haystack start if there is none. Background = consecutive tokens of the corpus from
-  a random sentence start.
+  the previous sentence end of the background (sentences split by nltk's Punkt, as
+  BabiLong does, so "Dr." or "3.50" is no end), or to the haystack start if there is
+  none. Background = consecutive tokens of the corpus from a random sentence start.
 - QUESTION (query="one", default: one needle, chosen at random, is asked for, the
   others are distractors) = "\\nWhat is the special magic number for {key} mentioned in
   the provided text? The special magic number for {key} mentioned in the provided
@@ -60,7 +61,7 @@ _NOUN = (
 
 @dataclass
 class NeedleSample:
-    tokens: list  # the prompt, exactly context_len ids (BOS included)
+    tokens: list  # the prompt, exactly context_len - answer_tokens ids (BOS included)
     keys: list  # needle keys, in insertion order
     values: list  # their 7-digit values (strings)
     answers: list  # the values the question asks for
@@ -76,33 +77,65 @@ def score_answer(answer: str, references: Sequence[str]) -> float:
     return sum(ref in answer for ref in references) / len(references)
 
 
+# Common English abbreviations that end in "." without ending a sentence; nltk's
+# *untrained* Punkt (which needs no downloaded data) otherwise splits after "Dr.".
+ABBREVIATIONS = (
+    "dr mr mrs ms prof st jr sr vs etc e.g i.e no fig gen col capt lt sgt rev hon mt ft "
+    "a.m p.m jan feb mar apr jun jul aug sep sept oct nov dec inc ltd co corp"
+).split()
+
+
+def sentence_splitter():
+    """nltk's Punkt sentence splitter (the one BabiLong uses), untrained, with the
+    abbreviations above: "3.50", "Dr. Smith" and "e.g. this" do not end sentences."""
+    from nltk.tokenize.punkt import PunktParameters, PunktSentenceTokenizer
+
+    params = PunktParameters()
+    params.abbrev_types = set(ABBREVIATIONS)
+    return PunktSentenceTokenizer(params)
+
+
 class Haystack:
-    """Tokenized background text with its sentence ends, sampled by windows."""
+    """Background text as token ids with its sentence boundaries, sampled by windows.
+
+    Documents are split into sentences by ``sentence_splitter``; each sentence is
+    tokenized as " " + sentence (the form it has inside running text), so every
+    sentence end is a token boundary where a needle can go.
+    """
 
     def __init__(self, tokenizer, docs: Iterable[str], max_chars: int = 2_000_000):
+        split = sentence_splitter()
         ids: list = []
+        ends: list = []
         n_chars = 0
         for doc in docs:
-            ids.extend(tokenizer.encode(doc, add_bos=False, add_eos=False))
+            for sent in split.tokenize(doc):
+                sent = " ".join(sent.split())
+                if sent:
+                    ids.extend(tokenizer.encode(" " + sent, add_bos=False, add_eos=False))
+                    ends.append(len(ids))
             n_chars += len(doc)
             if n_chars >= max_chars:
                 break
         if not ids:
             raise ValueError("needle: the background corpus is empty")
         self.ids = ids
-        # ids whose text ends a sentence; a sentence ends right after such a token
-        self.end_ids = {i for i in set(ids) if tokenizer.decode([i]).rstrip().endswith((".", "!", "?"))}
-        self.ends = [b + 1 for b, t in enumerate(ids) if t in self.end_ids]
+        self.ends = ends  # token index right after each sentence (sorted)
+        self.starts = [0] + ends[:-1]
 
-    def window(self, length: int, rng: random.Random) -> list:
-        """``length`` consecutive tokens starting after a sentence end (cycling)."""
-        starts = self.ends or [0]
-        start = starts[rng.randrange(len(starts))] % len(self.ids)
-        out = []
+    def window(self, length: int, rng: random.Random) -> tuple:
+        """(``length`` consecutive tokens from a random sentence start, cycling through
+        the corpus; the boundaries 0..length inside them where a sentence ends)."""
+        start = self.starts[rng.randrange(len(self.starts))]
+        out, cuts = [], []
         while len(out) < length:
-            out.extend(self.ids[start : start + length - len(out)])
+            take = self.ids[start : start + length - len(out)]
+            lo = bisect.bisect_right(self.ends, start)
+            hi = bisect.bisect_right(self.ends, start + len(take))
+            cuts.extend(len(out) + e - start for e in self.ends[lo:hi])
+            out.extend(take)
             start = 0
-        return out
+        return out, cuts
 
 
 class NeedleGenerator:
@@ -121,15 +154,19 @@ class NeedleGenerator:
         q = QUESTION_ONE.format(key=key) if self.query == "one" else QUESTION_ALL
         return 1 + len(self._enc(PREAMBLE)) + n_needles * needle + len(self._enc(q)) + 2
 
-    def check_budget(self, context_len: int, n_needles: int) -> None:
-        need = self.fixed_tokens(n_needles)
+    def check_budget(self, context_len: int, n_needles: int, answer_tokens: int = 0) -> None:
+        need = self.fixed_tokens(n_needles) + answer_tokens
         if need > context_len:
             raise ValueError(
                 f"eval.needle: a context of {context_len} tokens cannot hold {n_needles} needles "
-                f"plus the preamble and question (needs at least {need} tokens)"
+                f"plus the preamble, question and {answer_tokens} answer tokens (needs at least {need} tokens)"
             )
 
-    def sample(self, context_len: int, n_needles: int, depth: float, rng: random.Random) -> NeedleSample:
+    def sample(
+        self, context_len: int, n_needles: int, depth: float, rng: random.Random, answer_tokens: int = 0,
+    ) -> NeedleSample:
+        """A prompt of ``context_len - answer_tokens`` tokens, so that the prompt and the
+        generated answer fit in ``context_len`` (RULER counts the answer in the limit)."""
         if not 0 <= depth <= 100:
             raise ValueError(f"eval.needle.depths: expected percentages in [0, 100], got {depth}")
         if not 1 <= n_needles <= len(_ADJ) * len(_NOUN):
@@ -142,15 +179,16 @@ class NeedleGenerator:
         question = QUESTION_ONE.format(key=keys[asked[0]]) if self.query == "one" else QUESTION_ALL
         head = [self.tok.bos_id] + self._enc(PREAMBLE)
         tail = self._enc(question)
-        n_bg = context_len - len(head) - len(tail) - sum(len(n) for n in needles)
+        prompt_len = context_len - answer_tokens
+        n_bg = prompt_len - len(head) - len(tail) - sum(len(n) for n in needles)
         if n_bg < 0:
             raise ValueError(
                 f"eval.needle: a context of {context_len} tokens cannot hold {n_needles} needles "
-                f"plus the preamble and question (needs {context_len - n_bg} tokens)"
+                f"plus the preamble, question and {answer_tokens} answer tokens "
+                f"(needs {context_len - n_bg} tokens)"
             )
-        bg = self.hay.window(n_bg, rng)
-        # sentence ends inside this window (token boundaries 0..n_bg)
-        ends = self._window_ends(bg)
+        bg, bg_ends = self.hay.window(n_bg, rng)
+        ends = [0] + bg_ends  # where a needle may go: the start and sentence ends
         interval = (100.0 - depth) / n_needles
         cuts = []
         for i in range(n_needles):
@@ -166,12 +204,8 @@ class NeedleGenerator:
             prev = cut
         tokens.extend(bg[prev:])
         tokens.extend(tail)
-        assert len(tokens) == context_len, (len(tokens), context_len)
+        assert len(tokens) == prompt_len, (len(tokens), prompt_len)
         return NeedleSample(tokens, keys, values, [values[a] for a in asked], positions, depth, context_len)
-
-    def _window_ends(self, bg: list) -> list:
-        """Token boundaries of ``bg`` where a needle may go: its start and sentence ends."""
-        return [0] + [b + 1 for b, t in enumerate(bg) if t in self.hay.end_ids]
 
 
 @torch.no_grad()
@@ -195,23 +229,39 @@ def run_needle(
     gen = NeedleGenerator(tokenizer, Haystack(tokenizer, background, max_background_chars), query)
     for c in context_lens:  # every bad setting fails before any model work
         for n in needle_counts:
-            gen.check_budget(int(c), int(n))
+            gen.check_budget(int(c), int(n), max_new_tokens)
+    from mta_repro.eval import dist
+
     rng = random.Random(seed)
     results: dict = {"settings": {"query": query, "samples": samples, "max_new_tokens": max_new_tokens, "seed": seed}}
+    # Every process draws every sample (same seed, same order); under torchrun each
+    # generates for every world_size-th batch, and the scores are gathered.
+    scores: dict = {}  # (setting, batch index) -> scores
+    unit = 0
+    for c in context_lens:
+        for n in needle_counts:
+            for d in depths:
+                batch = [gen.sample(int(c), int(n), float(d), rng, max_new_tokens) for _ in range(samples)]
+                for b, s in enumerate(range(0, len(batch), batch_size)):
+                    unit += 1
+                    if not dist.mine(unit - 1):
+                        continue
+                    chunk = batch[s : s + batch_size]
+                    res = generate(model, [x.tokens for x in chunk], max_new_tokens, eos_id=tokenizer.eos_id)
+                    got = []
+                    for x, ids in zip(chunk, res.tokens):
+                        answer = tokenizer.decode([i for i in ids if i != tokenizer.eos_id]).split("\n")[0]
+                        got.append(score_answer(answer, x.answers))
+                    scores[(str(c), str(n), f"{float(d):g}", b)] = got
+    scores = dist.merge_dicts(scores)
     table: dict = {}
     for c in context_lens:
         for n in needle_counts:
             per_depth = {}
             for d in depths:
-                batch = [gen.sample(int(c), int(n), float(d), rng) for _ in range(samples)]
-                scores = []
-                for s in range(0, len(batch), batch_size):
-                    chunk = batch[s : s + batch_size]
-                    res = generate(model, [x.tokens for x in chunk], max_new_tokens, eos_id=tokenizer.eos_id)
-                    for x, ids in zip(chunk, res.tokens):
-                        answer = tokenizer.decode([i for i in ids if i != tokenizer.eos_id]).split("\n")[0]
-                        scores.append(score_answer(answer, x.answers))
-                per_depth[f"{float(d):g}"] = sum(scores) / len(scores)
+                key = (str(c), str(n), f"{float(d):g}")
+                got = [v for b in range((samples + batch_size - 1) // batch_size) for v in scores[(*key, b)]]
+                per_depth[key[2]] = sum(got) / len(got)
             table.setdefault(str(c), {})[str(n)] = {
                 "by_depth": per_depth,
                 "mean": sum(per_depth.values()) / len(per_depth),

@@ -52,24 +52,30 @@ def domain_perplexity(
     """{"ppl", "loss" (mean CE, nats), "tokens", "batches"} for one domain's docs."""
     if seq_len < 1 or batch_size < 1:
         raise ValueError(f"ppl: seq_len and batch_size must be positive, got {seq_len}, {batch_size}")
+    from mta_repro.eval import dist
+
     device = next(model.parameters()).device
-    total, n_tokens, n_batches = 0.0, 0, 0
+    n_tokens, n_batches = 0, 0
+    ces: dict = {}  # batch index -> summed CE, for this process's batches
     batch: list = []
 
-    def run(rows):
-        t = torch.tensor(rows, dtype=torch.long, device=device)
-        return float(sequence_ce(model, t[:, :-1], t[:, 1:])), t[:, 1:].numel()
+    def run(rows, index):
+        # under torchrun each process scores every world_size-th batch
+        if dist.mine(index):
+            t = torch.tensor(rows, dtype=torch.long, device=device)
+            ces[index] = float(sequence_ce(model, t[:, :-1], t[:, 1:]))
+        return len(rows) * (len(rows[0]) - 1)
 
     for w in windows(docs, tokenizer, seq_len):
         batch.append(w)
         if len(batch) == batch_size:
-            ce, n = run(batch)
-            total, n_tokens, n_batches, batch = total + ce, n_tokens + n, n_batches + 1, []
+            n_tokens, n_batches, batch = n_tokens + run(batch, n_batches), n_batches + 1, []
             if max_batches is not None and n_batches >= max_batches:
                 break
     if batch and (max_batches is None or n_batches < max_batches):
-        ce, n = run(batch)
-        total, n_tokens, n_batches = total + ce, n_tokens + n, n_batches + 1
+        n_tokens, n_batches = n_tokens + run(batch, n_batches), n_batches + 1
+    ces = dist.merge_dicts(ces)
+    total = sum(ces[i] for i in range(n_batches))  # in batch order: as one process sums
     if n_tokens == 0:
         raise ValueError(f"ppl: the documents hold fewer than seq_len+1={seq_len + 1} tokens")
     loss = total / n_tokens

@@ -4,6 +4,7 @@ Examples:
     python -m mta_repro.eval runs/debug eval/preset=debug
     python -m mta_repro.eval runs/880m_mta tasks=[ppl,benchmarks,lambada] dtype=bfloat16 device=cuda
     python -m mta_repro.eval runs/x tasks=[needle] needle.context_lens=[4096] needle.samples=100
+    torchrun --nproc_per_node 8 -m mta_repro.eval runs/x eval/preset=paper   # work split over GPUs
 
 Each task writes ``<out_dir>/<task>.json`` (out_dir defaults to ``<run_dir>/eval``):
 {"task", "run_dir", "step", "variant", "results": ...}. Bad task names, a missing
@@ -44,6 +45,11 @@ def parse_argv(argv: Sequence[str]) -> EvalConfig:
         raise ValueError(f"eval: expected one run directory, got {paths}")
     if paths:
         overrides = [f"run_dir={paths[0]}"] + overrides
+    from mta_repro.config import CONFIG_DIR
+    from mta_repro.eval.cli import check_group_options
+
+    # an optional group: Hydra would silently skip an unknown preset
+    check_group_options(overrides, ["eval/preset"], Path(CONFIG_DIR))
     return compose_eval(overrides)
 
 
@@ -77,17 +83,24 @@ def run(cfg: EvalConfig) -> dict:
     for length in cfg.babilong.lengths if "babilong" in cfg.tasks else ():
         bl.length_tokens(int(length) if str(length).isdigit() else length)
 
+    from mta_repro.eval import dist
     from mta_repro.eval.load import load_for_eval
 
+    # Under torchrun every process takes its share of each task; rank 0 writes.
+    rank, world = dist.init(cfg.device)
     model, tok, run_cfg = load_for_eval(cfg.run_dir, device=cfg.device, dtype=cfg.dtype)
     from mta_repro.data import to_data_args
 
     data_args = to_data_args(run_cfg.data)
-    out_dir = Path(cfg.out_dir) if cfg.out_dir else (Path(cfg.run_dir) if Path(cfg.run_dir).is_dir() else Path(cfg.run_dir).parent) / "eval"
+    from mta_repro.eval.load import default_out_dir
+
+    out_dir = Path(cfg.out_dir) if cfg.out_dir else default_out_dir(cfg.run_dir)
+    source = getattr(model, "source", {})
     meta = {
         "run_dir": str(cfg.run_dir),
         "variant": variant_name(run_cfg.model),
-        "step": _step(cfg.run_dir),
+        "step": source.get("step"),
+        "weights": source.get("path"),  # the export or DCP checkpoint evaluated
         "dtype": cfg.dtype,
     }
 
@@ -109,7 +122,7 @@ def run(cfg: EvalConfig) -> dict:
         needle_gen = NeedleGenerator(tok, hay, n.query)
         for c in n.context_lens:
             for k in n.needle_counts:
-                needle_gen.check_budget(int(c), int(k))
+                needle_gen.check_budget(int(c), int(k), n.max_new_tokens)
 
     written = {}
     for task in cfg.tasks:
@@ -138,8 +151,10 @@ def run(cfg: EvalConfig) -> dict:
                 b.max_new_tokens, b.batch_size, b.seed, b.dataset,
             )
         else:
-            res = _run_lm_eval(model, tok, cfg, task, lm_manager)
-        res = {"task": task, **meta, "seconds": round(time.time() - t0, 1), "results": res}
+            res = _run_lm_eval(model, tok, cfg, task, lm_manager, run_cfg)
+        if rank != 0:
+            continue
+        res = {"task": task, **meta, "world_size": world, "seconds": round(time.time() - t0, 1), "results": res}
         out_dir.mkdir(parents=True, exist_ok=True)
         path = out_dir / f"{task}.json"
         path.write_text(json.dumps(res, indent=1, default=str))
@@ -148,13 +163,16 @@ def run(cfg: EvalConfig) -> dict:
     return written
 
 
-def _run_lm_eval(model, tok, cfg: EvalConfig, task: str, manager) -> dict:
+def _run_lm_eval(model, tok, cfg: EvalConfig, task: str, manager, run_cfg) -> dict:
     import lm_eval
 
     from mta_repro.eval.lm_eval_model import MTAReproLM
 
     e = cfg.lm_eval
-    lm = MTAReproLM(model=model, tokenizer=tok, batch_size=e.batch_size, max_length=e.max_length)
+    from mta_repro.eval.lm_eval_model import trained_seq_len
+
+    max_length = e.max_length or trained_seq_len(run_cfg)
+    lm = MTAReproLM(model=model, tokenizer=tok, batch_size=e.batch_size, max_length=max_length)
     names = e.benchmarks if task == "benchmarks" else e.lambada
     groups: dict = {}
     for name in names:  # one simple_evaluate call per few-shot count
@@ -165,9 +183,11 @@ def _run_lm_eval(model, tok, cfg: EvalConfig, task: str, manager) -> dict:
             model=lm, tasks=group, num_fewshot=shots, task_manager=manager, limit=e.limit,
             bootstrap_iters=0, log_samples=False,
         )
+        if out is None:  # ranks other than 0 under torchrun: rank 0 has the results
+            continue
         for name, metrics in out["results"].items():
             results[name] = {k: v for k, v in metrics.items() if isinstance(v, (int, float)) or k == "alias"}
-    return {"tasks": results, "summary": summarize_lm_eval(results, names), "limit": e.limit}
+    return {"tasks": results, "summary": summarize_lm_eval(results, names), "limit": e.limit, "max_length": lm.max_length}
 
 
 def summarize_lm_eval(results: dict, names) -> dict:
@@ -191,30 +211,20 @@ def _pct(x):
     return None if x is None else 100.0 * float(x)
 
 
-def _step(path) -> Optional[int]:
-    try:
-        import torch
-
-        p = Path(path)
-        f = p if p.is_file() else p / "export" / "consolidated.pt"
-        if f.is_file():
-            return int(torch.load(f, map_location="cpu", weights_only=False, mmap=True).get("step", -1))
-        from mta_repro.eval.load import latest_complete_checkpoint
-
-        ck = latest_complete_checkpoint(p)
-        return int(ck.name) if ck else None
-    except Exception:  # noqa: BLE001 - the step is informative only
-        return None
-
-
 def main(argv: Optional[Sequence[str]] = None) -> int:
+    from mta_repro.eval.cli import run_cli
+
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     argv = list(sys.argv[1:] if argv is None else argv)
-    if not argv or argv[0] in ("-h", "--help"):
+    if not argv or any(a in ("-h", "--help") for a in argv):
         print(__doc__)
         return 0
-    cfg = parse_argv(argv)
-    for task, path in run(cfg).items():
-        print(f"{task}: {path}")
-    return 0
+
+    def go() -> int:
+        cfg = parse_argv(argv)
+        for task, path in run(cfg).items():
+            print(f"{task}: {path}")
+        return 0
+
+    return run_cli("eval", go)

@@ -1,0 +1,5 @@
+import sys
+
+from mta_repro.hf.cli import main
+
+sys.exit(main())

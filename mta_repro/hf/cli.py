@@ -1,0 +1,35 @@
+"""``python -m mta_repro.hf export|import``: see mta_repro/hf/__init__.py."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Optional, Sequence
+
+import mta_repro.hf as _pkg
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m mta_repro.hf", description=_pkg.__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    e = sub.add_parser("export", help="baseline run or .pt -> LlamaForCausalLM folder")
+    e.add_argument("path", help="run directory or consolidated .pt")
+    e.add_argument("out_dir")
+    i = sub.add_parser("import", help="Llama checkpoint folder -> consolidated .pt of our baseline")
+    i.add_argument("hf_dir")
+    i.add_argument("out", help="output .pt (evaluate it, or train from it with checkpoint.init_from)")
+    i.add_argument("--dtype", default="float32")
+    args = ap.parse_args(argv)
+    from mta_repro.eval.cli import run_cli
+
+    def go() -> int:
+        try:
+            import transformers  # noqa: F401
+        except ImportError:
+            raise ValueError("transformers is not installed: pip install -e '.[hf]'") from None
+        from mta_repro.hf.convert import export_hf, import_hf
+
+        print(export_hf(args.path, args.out_dir) if args.cmd == "export" else import_hf(args.hf_dir, args.out, args.dtype))
+        return 0
+
+    return run_cli("hf", go)

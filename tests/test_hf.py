@@ -1,0 +1,102 @@
+"""Hugging Face checkpoints both ways: equal logits in transformers and here."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")  # the .[hf] extra (make test installs it)
+sys.path.insert(0, str(Path(__file__).parent / "fixtures" / "eval"))
+from eval_helpers import make_run  # noqa: E402
+from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
+
+from mta_repro.eval.load import load_model  # noqa: E402
+from mta_repro.hf import export_hf, import_hf  # noqa: E402
+from mta_repro.model import MTAArgs  # noqa: E402
+from mta_repro.model.convert import baseline_to_mta  # noqa: E402
+
+TOKENS = torch.tensor([[1, 72, 101, 108, 108, 111, 44, 32, 119, 111, 114, 108, 100, 33, 5, 250, 3, 77]])
+
+
+def hf_logits(folder):
+    hf = LlamaForCausalLM.from_pretrained(str(folder), torch_dtype=torch.float32, attn_implementation="eager").eval()
+    with torch.no_grad():
+        return hf(TOKENS).logits
+
+
+def ours(model):
+    with torch.no_grad():
+        return model(TOKENS)
+
+
+def test_export_baseline_gives_equal_logits(tmp_path):
+    run_dir, _ = make_run(tmp_path / "run", attention="baseline")
+    model, _ = load_model(run_dir, device="cpu")
+    out = export_hf(run_dir, tmp_path / "hf")
+    assert (out / "model.safetensors").is_file() and (out / "config.json").is_file()
+    got = hf_logits(out)
+    torch.testing.assert_close(got, ours(model), rtol=1e-5, atol=1e-5)
+    cfg = LlamaConfig.from_pretrained(str(out))
+    assert cfg.tie_word_embeddings and cfg.num_key_value_heads == cfg.num_attention_heads == 4
+    # and back: the imported .pt is the same model
+    pt = import_hf(out, tmp_path / "back.pt")
+    back, _ = load_model(pt, device="cpu")
+    for k, v in model.state_dict().items():
+        assert torch.equal(back.state_dict()[k], v), k
+
+
+def test_non_baseline_export_is_refused(tmp_path):
+    run_dir, _ = make_run(tmp_path / "run", attention="mta")
+    with pytest.raises(ValueError, match="only baseline runs export"):
+        export_hf(run_dir, tmp_path / "hf")
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_import_random_llama_with_gqa(tmp_path, tied):
+    torch.manual_seed(0)
+    kw = dict(vocab_size=259, hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, max_position_embeddings=128, rms_norm_eps=1e-5, tie_word_embeddings=tied)
+    if "rope_parameters" in LlamaConfig().to_dict():
+        kw["rope_parameters"] = {"rope_type": "default", "rope_theta": 500000.0}
+    else:
+        kw["rope_theta"] = 500000.0
+    hf = LlamaForCausalLM(LlamaConfig(**kw)).eval()
+    with torch.no_grad():  # non-trivial norms too
+        for name, p in hf.named_parameters():
+            if "norm" in name:
+                p.add_(0.1 * torch.randn_like(p))
+    hf.save_pretrained(tmp_path / "llama")
+    want = hf_logits(tmp_path / "llama")
+    pt = import_hf(tmp_path / "llama", tmp_path / "ours.pt")
+    model, cfg = load_model(pt, device="cpu")
+    assert model.args.rope_theta == 500000.0 and model.args.weight_tying == tied
+    assert model.args.ffn_hidden_dim == 160
+    torch.testing.assert_close(ours(model), want, rtol=1e-5, atol=1e-5)
+    # Appendix I on imported weights: the identity-initialised MTA model computes the same
+    mta = baseline_to_mta(model.state_dict(), model.args, MTAArgs(
+        use_mta=True, query_kernel_size=2, key_kernel_size=3, after_sm_query_kernel_size=2,
+        after_sm_key_kernel_size=3, pre_sm_linear_head=True, head_kernel_size=2, mta_layers="0"))
+    torch.testing.assert_close(ours(mta.eval()), want, rtol=1e-5, atol=1e-5)
+
+
+def test_unsupported_rope_scaling_is_refused(tmp_path):
+    kw = dict(vocab_size=50, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2)
+    scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 64, "rope_theta": 500000.0}
+    if "rope_parameters" in LlamaConfig().to_dict():
+        kw["rope_parameters"] = scaling
+    else:
+        kw["rope_scaling"] = scaling
+    LlamaForCausalLM(LlamaConfig(**kw)).save_pretrained(tmp_path / "l31")
+    with pytest.raises(ValueError, match="rope_type='llama3' is not supported"):
+        import_hf(tmp_path / "l31", tmp_path / "x.pt")
+
+
+def test_cli(tmp_path):
+    r = subprocess.run([sys.executable, "-m", "mta_repro.hf", "import", str(tmp_path / "none"), str(tmp_path / "x.pt")],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and r.stderr.strip().startswith("hf: error: hf import:") and "config.json" in r.stderr
+    r = subprocess.run([sys.executable, "-m", "mta_repro.hf", "--help"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and "export" in r.stdout and "import" in r.stdout
