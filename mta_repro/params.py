@@ -4,6 +4,7 @@
     python -m mta_repro.params --table [seq_len=2048]        # every size x variant
     python -m mta_repro.params experiment=long_context_880m_mta --memory [--world-size N]
                                                              # per-GPU memory pre-flight
+    python -m mta_repro.params --release-config 830M_mta.yaml  # an official-release YAML
 """
 
 from __future__ import annotations
@@ -55,6 +56,15 @@ def main(argv: list[str]) -> None:
         print("|---|---|---:|---:|---:|")
         for size, variant, total, extra, flops in rows:
             print(f"| {size} | {variant} | {total:,} | {extra:+,} | {flops / 1e9:.3f} |")
+        return
+    if "--release-config" in rest:  # an official-release YAML (mta_repro/release.py)
+        from mta_repro.release import release_model_args
+
+        i = rest.index("--release-config")
+        try:  # [key=value ...] after the path: release field names
+            print(json.dumps(count(release_model_args(rest[i + 1], rest[i + 2:]), seq_len)))
+        except (ValueError, IndexError) as e:
+            sys.exit(f"error: {e}" if isinstance(e, ValueError) else "error: --release-config needs a path")
         return
     if "--memory" in rest:
         from mta_repro.memory import estimate_from_config
