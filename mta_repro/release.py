@@ -16,8 +16,8 @@ naming the field; fields without effect on training (profiling, dump_dir, wandb,
 ``key=value`` overrides use the *release's* names (``model.vocab_size=32000``) and apply
 before conversion. The converted experiment trains with
 ``python -m mta_repro.train experiment=<name> [data.root_dir=...]``; values that are
-placeholders in the release (``<path_to_dataset>``) become Hydra's mandatory ``???`` and
-fail, naming the override to pass, only when used.
+placeholders in the release (``<path_to_dataset>``) become ``${release_placeholder:F}``,
+which fails naming the override to pass (``F=...``) only when read.
 
 Checkpoints: ``release_state_dict_to_ours`` maps a Lingua/release state dict (Lingua's
 key names, which are ours, plus wrapper prefixes and ``TiedLinear``'s
@@ -42,7 +42,7 @@ from mta_repro.model.args import MTAArgs, ModelArgs
 
 # What a value of the release means when it is written as a placeholder: ``<path_to_dataset>``.
 PLACEHOLDER = re.compile(r"<[A-Za-z0-9_\-]+>")
-MISSING = "???"  # Hydra's mandatory value: an error naming the field when read
+MISSING = "???"  # a placeholder value in Conversion.config (see experiment_yaml)
 OPAQUE = object()  # a release section we ignore whole (any content accepted)
 
 # Lingua's TikTokenTokenizer: n_vocab of Llama-3's tokenizer.model (128,000 BPE ranks +
@@ -532,6 +532,23 @@ def _default_domains() -> list[str]:
     return list(PAPER_WEIGHTS)
 
 
+def _missing_fields(d: dict, where: str = "") -> list[str]:
+    out = []
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out += _missing_fields(v, _join(where, k))
+        elif v == MISSING:
+            out.append(_join(where, k))
+    return out
+
+
+def _set(d: dict, dotted: str, value: Any) -> None:
+    *parents, last = dotted.split(".")
+    for p in parents:
+        d = d[p]
+    d[last] = value
+
+
 def _get(d: dict, dotted: str) -> Any:
     for p in dotted.split("."):
         d = d[p] if isinstance(d, dict) else None
@@ -567,12 +584,25 @@ def experiment_yaml(conv: Conversion, name: str) -> str:
         f"# Converted from the official release config {conv.source or '(dict)'} by",
         f"#   python -m mta_repro.release convert {conv.source or 'PATH'} --name {name}",
         f"# Train: python -m mta_repro.train experiment={name} [overrides]",
-        "# Every field is explicit; '???' = a release placeholder, pass it on the command line.",
+        "# Every field is explicit; ${release_placeholder:F}: pass F=... on the command line.",
     ]
     if conv.notes:
         head.append("# Notes:")
         head += [f"#  - {n}" for n in conv.notes]
-    body = yaml.safe_dump(conv.config, sort_keys=False, default_flow_style=False)
+    if conv.config["checkpoint"]["init_from"] == MISSING:
+        # A "???" here would merge under the default null and silently train from scratch.
+        raise ValueError(
+            "release field checkpoint.init_ckpt_path is a placeholder: give the real checkpoint "
+            "to convert (checkpoint.init_ckpt_path=<dir> after the path), or drop it and pass "
+            "checkpoint.init_from=<dir> when training"
+        )
+    # A placeholder becomes ${release_placeholder:<field>} (registered in mta_repro/__init__),
+    # which raises naming the override when read; Hydra's "???" would merge *under* the
+    # defaults (the bundled corpus) and be silently replaced.
+    config = copy.deepcopy(conv.config)
+    for field in _missing_fields(config):
+        _set(config, field, "${release_placeholder:%s}" % field)
+    body = yaml.safe_dump(config, sort_keys=False, default_flow_style=False)
     return "\n".join(head) + "\n" + body
 
 

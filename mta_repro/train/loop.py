@@ -84,7 +84,11 @@ def _initial_weights(cfg: DictConfig, ckpt: CheckpointArgs, model_args, is_main:
     """Full source weights for a stage start (rank 0 only), or None for the seeded init."""
     if ckpt.init_from is None or not is_main:
         return None
-    sd, step = load_model_state(Path(ckpt.init_from))
+    from mta_repro.release import release_checkpoint_path, release_state_dict_to_ours
+
+    # A release/Lingua consolidated/ folder -> its consolidated.pth; Lingua key layout -> ours.
+    sd, step = load_model_state(release_checkpoint_path(ckpt.init_from))
+    sd = release_state_dict_to_ours(sd)
     if ckpt.init_mode == "model":
         print(f"[mta_repro.train] initialised from {ckpt.init_from} (step {step}): model weights only",
               file=sys.stderr)
