@@ -22,8 +22,8 @@ which fails naming the override to pass (``F=...``) only when read.
 Checkpoints: ``release_state_dict_to_ours`` maps a Lingua/release state dict (Lingua's
 key names, which are ours, plus wrapper prefixes and ``TiedLinear``'s
 ``output.tied_module.weight``) to ours; ``release_checkpoint_path`` finds the
-``consolidated.pth`` in a Lingua ``consolidated/`` folder (or a step folder holding one).
-``checkpoint.init_from`` accepts both.
+``consolidated.pth`` in a Lingua ``consolidated/`` folder; ``load_init_weights`` (what
+``checkpoint.init_from`` loads) also reads Lingua's DCP step folders and dump dirs.
 """
 
 from __future__ import annotations
@@ -650,21 +650,69 @@ def release_state_dict_to_ours(sd: dict) -> dict:
 
 
 def release_checkpoint_path(path: str | Path) -> Path:
-    """The ``consolidated.pth`` of a Lingua ``consolidated/`` folder, or of a Lingua step
-    folder holding one; any other path unchanged."""
+    """Where the weights of a release/Lingua checkpoint are: the ``consolidated.pth`` of a
+    ``consolidated/`` folder or of a step folder holding one; a Lingua step folder (DCP,
+    ``params.json``, no ``consolidated/``) itself; the newest such step of a Lingua
+    ``dump_dir`` (``<dump_dir>/checkpoints/<step:010d>``). Any other path unchanged."""
     path = Path(path)
-    if path.is_dir():
-        for cand in (path / "consolidated.pth", path / "consolidated" / "consolidated.pth"):
-            if cand.is_file():
-                return cand
-        if (path / ".metadata").is_file() and (path / "params.json").is_file() and not any(path.glob(".complete*")):
-            raise ValueError(
-                f"{path}: a Lingua/release DCP checkpoint without consolidated/consolidated.pth; "
-                "consolidate it as the release's eval does "
-                "(torch.distributed.checkpoint.format_utils.dcp_to_torch_save(path, path/'consolidated'/'consolidated.pth')) "
-                "and pass that folder"
-            )
+    if not path.is_dir():
+        return path
+    for cand in (path / "consolidated.pth", path / "consolidated" / "consolidated.pth"):
+        if cand.is_file():
+            return cand
+    if _is_lingua_step(path):
+        return path
+    root = path / "checkpoints"
+    if root.is_dir():
+        steps = sorted(p for p in root.iterdir() if re.fullmatch(r"\d{10}", p.name) and _is_lingua_step(p))
+        if steps and not any((p / ".complete").exists() for p in root.iterdir()):
+            return release_checkpoint_path(steps[-1])
     return path
+
+
+def _is_lingua_step(path: Path) -> bool:
+    # Lingua's CheckpointManager.save: DCP files + params.json (+ train_state_*.json); ours
+    # marks a finished save with .complete and has no params.json.
+    return (path / ".metadata").is_file() and (path / "params.json").is_file() and not (path / ".complete").exists()
+
+
+def load_release_dcp(path: str | Path) -> dict:
+    """The model weights of a Lingua DCP step folder (``{"model": ..., "optim": ...}`` as
+    Lingua's CheckpointManager saves it), read in this process, without the optimizer."""
+    import warnings
+
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    meta = dcp.FileSystemReader(str(path)).read_metadata()
+    sd = {}
+    for key, m in meta.state_dict_metadata.items():
+        if key.startswith("model.") and hasattr(m, "size"):  # tensors under "model"
+            sd[key[len("model."):]] = torch.empty(tuple(m.size), dtype=m.properties.dtype)
+    if not sd:
+        raise ValueError(f"{path}: a DCP checkpoint without 'model' tensors (not a Lingua/release checkpoint?)")
+    state = {"model": sd}
+    with warnings.catch_warnings():  # DCP warns that it loads in a single process: intended
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.load(state, checkpoint_id=str(path), no_dist=True)
+    return state["model"]
+
+
+def load_init_weights(path: str | Path) -> tuple[dict, Optional[int]]:
+    """What ``checkpoint.init_from`` loads, as our full state dict and its step: ours (run
+    dir, checkpoint dir, consolidated .pt) or the release's/Lingua's (``consolidated/``
+    folder or its ``consolidated.pth``, a step folder with or without ``consolidated/``,
+    a ``dump_dir``)."""
+    from mta_repro.train.checkpoint import load_model_state
+
+    src = release_checkpoint_path(path)
+    # Lingua names step folders <step:010d>; its consolidated.pth carries no step.
+    folder = src.parent.parent if src.name == "consolidated.pth" else src
+    lingua_step = int(folder.name) if re.fullmatch(r"\d{10}", folder.name) else None
+    if src.is_dir() and _is_lingua_step(src):
+        return release_state_dict_to_ours(load_release_dcp(src)), lingua_step
+    sd, step = load_model_state(src)
+    return release_state_dict_to_ours(sd), step if step is not None else lingua_step
 
 
 # --------------------------------------------------------------------------- CLI

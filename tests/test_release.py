@@ -34,6 +34,7 @@ from mta_repro.release import (
     convert,
     convert_file,
     experiment_yaml,
+    load_init_weights,
     load_release_config,
     main as release_main,
     release_checkpoint_path,
@@ -277,6 +278,32 @@ def test_state_dict_in_release_layout_gives_equal_logits(tmp_path):
     bad = dict(sd, **{"output.tied_module.weight": sd["output.tied_module.weight"] + 1})
     with pytest.raises(ValueError, match="output.tied_module.weight differs"):
         release_state_dict_to_ours(bad)
+
+
+def test_lingua_dcp_step_folders_and_dump_dirs_load(tmp_path):
+    """Lingua's CheckpointManager layout: <dump_dir>/checkpoints/<step:010d>/ with DCP files
+    of {"model", "optim"}, params.json and train_state_*.json (no consolidated/ yet)."""
+    import torch.distributed.checkpoint as dcp
+
+    raw = load_release_config(FIX / "tiny_mta.yaml")
+    args = convert(raw).model_args()
+    sds = {}
+    for step, seed in ((100, 1), (200, 2)):
+        sds[step] = build_model(dataclasses.replace(args, seed=seed)).state_dict()
+        d = tmp_path / "dump" / "checkpoints" / f"{step:010d}"
+        dcp.save({"model": _release_layout(sds[step]), "optim": {"state": {}, "param_groups": []}},
+                 checkpoint_id=str(d), no_dist=True)
+        (d / "params.json").write_text(json.dumps(raw))
+        (d / "train_state_00000.json").write_text(json.dumps({"step": step, "acc_step": 0}))
+    for src, step in ((tmp_path / "dump" / "checkpoints" / f"{100:010d}", 100), (tmp_path / "dump", 200)):
+        sd, got_step = load_init_weights(src)
+        assert got_step == step and sd.keys() == sds[step].keys()
+        assert all(torch.equal(sd[k], v) for k, v in sds[step].items())
+    # Our own checkpoints still load through the same function (tested further in test_train).
+    ours = tmp_path / "ours.pt"
+    torch.save({"model": sds[100], "step": 7}, ours)
+    sd, step = load_init_weights(ours)
+    assert step == 7 and all(torch.equal(sd[k], v) for k, v in sds[100].items())
 
 
 def test_convert_cli_composes_and_trains_from_release_checkpoint(tmp_path, capsys):
