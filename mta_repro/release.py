@@ -474,6 +474,15 @@ def _convert_model(m: dict, given: set[str], data: dict, tok_path: Optional[str]
             "model.mta.query_kernel_size/key_kernel_size unset: the release's default 1x1 kernel "
             "(a learned per-head score scale) in every MTA layer"
         )
+    if mt["use_mta"]:
+        # Combinations the release's init asserts against; ours runs them (README).
+        has_kernel = mt["query_kernel_size"] is not None or mt["after_sm_query_kernel_size"] is not None
+        if has_kernel and mt["init_method"] == "identity" and mt["pad_key"] != "both":
+            notes.append("the release asserts pad_key 'both' for identity kernels; ours uses the true identity for any pad_key")
+        if mt["after_sm_query_kernel_size"] is not None and mt["init_method"] != "identity":
+            notes.append("the release asserts init_method identity with post-softmax kernels; ours starts them at identity")
+        if mt["head_kernel_size"] is not None and mt["init_method"] != "identity":
+            notes.append("the release raises for head_kernel_size with a non-identity init_method; ours starts head_kernel at identity")
     mta = {f.name: mt[f.name] for f in dataclasses.fields(MTAArgs)}
 
     ours = ModelArgs()
@@ -731,7 +740,11 @@ def main(argv: list[str]) -> int:
                    help="config root to write <dir>/experiment/<name>.yaml into (default: the project's configs/)")
     c.add_argument("--print", action="store_true", help="print the YAML instead of writing it")
     c.add_argument("--force", action="store_true", help="overwrite an existing file")
-    a = ap.parse_args(argv)
+    a, extra = ap.parse_known_args(argv)  # key=value may also follow the options
+    unknown = [x for x in extra if "=" not in x or x.startswith("-")]
+    if unknown:
+        ap.error(f"unrecognized arguments: {' '.join(unknown)}")
+    a.overrides = list(a.overrides) + extra
     try:
         name = a.name or default_name(a.path)
         if not re.fullmatch(r"[A-Za-z0-9_\-]+", name):

@@ -352,6 +352,10 @@ def test_convert_print_and_placeholder_init_checkpoint(capsys):
     assert "root_dir: ${release_placeholder:data.root_dir}" in out.out
     assert "path: ${release_placeholder:data.tokenizer.path}" in out.out
     assert "note: data.root_dir is a placeholder" in out.err
+    # key=value (release names) also after the options; release-refused combinations noted.
+    assert release_main(["convert", str(FIX / "tiny_mta.yaml"), "--print", "model.mta.init_method=const"]) == 0
+    out = capsys.readouterr()
+    assert "init_method: const" in out.out and "note: the release raises for head_kernel_size" in out.err
     conv = convert_file(FIX / "880m_mta.yaml", overrides=["checkpoint.init_ckpt_path=<path_to_ckpt>/0000010000"])
     with pytest.raises(ValueError, match="checkpoint.init_ckpt_path is a placeholder"):
         experiment_yaml(conv, "x")
