@@ -395,6 +395,10 @@ def convert(release: dict, name: str = "release", source: str = "") -> Conversio
     ignore("logging.acc_freq", "we log optimiser steps")
     ignore("logging.wandb", "wandb logs offline to logging.wandb_project (pass logging.wandb_mode=online ...)")
 
+    notes.append(
+        "the global batch is data.batch_size x data.seq_len x GPUs: the release ran 32 GPUs "
+        "(1B: 64; its README), so pass slurm.nodes=4 (8) with slurm.gpus_per_node=8"
+    )
     config = {
         "run_dir": f"runs/{name}",
         "seed": r["seed"],
@@ -764,7 +768,7 @@ def main(argv: list[str]) -> int:
             out_dir.mkdir(parents=True, exist_ok=True)
             out.write_text(text)
             print(f"wrote {out}", file=sys.stderr)
-            extra = "" if a.config_dir is None else f" hydra.searchpath=[file://{root.resolve()}]"
+            extra = "" if a.config_dir is None else f" 'hydra.searchpath=[file://{root.resolve()}]'"
             print(f"train: python -m mta_repro.train experiment={name}{extra}", file=sys.stderr)
         for n in conv.notes:
             print(f"note: {n}", file=sys.stderr)
