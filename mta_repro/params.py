@@ -5,6 +5,7 @@
     python -m mta_repro.params experiment=long_context_880m_mta --memory [--world-size N]
                                                              # per-GPU memory pre-flight
     python -m mta_repro.params --memory --experiments        # every pretrain/long-context experiment
+    python -m mta_repro.params --release-config 830M_mta.yaml  # an official-release YAML
 
 Sizes (model=): tiny, 300m, 550m, 880m, 1b; variants (attention=): baseline, diff,
 talking_heads, mta; any other Hydra override of configs/train.yaml (model.dim=...).
@@ -40,6 +41,17 @@ def count(args: ModelArgs, seq_len: int = 2048) -> dict:
 
 
 def main(argv: list[str]) -> None:
+    if "--release-config" in argv:  # an official-release YAML (mta_repro/release.py)
+        from mta_repro.release import release_model_args
+
+        i = argv.index("--release-config")
+        if i + 1 >= len(argv):
+            raise ValueError("--release-config needs the path of a release YAML")
+        seq = [a for a in argv[:i] if a.startswith("seq_len=")]
+        seq_len = int(seq[0].split("=", 1)[1]) if seq else 2048
+        # [key=value ...] after the path: release field names
+        print(json.dumps(count(release_model_args(argv[i + 1], argv[i + 2:]), seq_len)))
+        return
     seq_len, world = 2048, None
     rest = []
     args_iter = iter(argv)

@@ -84,7 +84,10 @@ def _initial_weights(cfg: DictConfig, ckpt: CheckpointArgs, model_args, is_main:
     """Full source weights for a stage start (rank 0 only), or None for the seeded init."""
     if ckpt.init_from is None or not is_main:
         return None
-    sd, step = load_model_state(Path(ckpt.init_from))
+    from mta_repro.release import load_init_weights
+
+    # Ours (load_model_state) or a release/Lingua checkpoint, in our key layout.
+    sd, step = load_init_weights(ckpt.init_from)
     if ckpt.init_mode == "model":
         print(f"[mta_repro.train] initialised from {ckpt.init_from} (step {step}): model weights only",
               file=sys.stderr)
