@@ -185,6 +185,19 @@ def test_cpu_kq_conv_kernel_matches_conv2d_and_gradcheck():
             assert torch.autograd.gradcheck(
                 lambda a, b: kq_conv_cpu.kq_conv(a, b, pl, diag), (xs, ws), fast_mode=True
             )
+    # wide rows: the register-blocked interior of the C loop, beside the diagonal band
+    for diag, pad_key, ck in ((0, "both", 11), (37, "left", 6), (-3, "right", 5), (10**6, "both", 3)):
+        x = torch.randn(2, 2, 40, 150, generator=g, dtype=torch.float64, requires_grad=True)
+        w = torch.randn(2, 1, 4, ck, generator=g, dtype=torch.float64, requires_grad=True)
+        keep = torch.ones(40, 150, dtype=torch.bool).tril(diag + 110)  # keys up to row + 110 + diag
+        gy = torch.randn(2, 2, 40, 150, generator=g, dtype=torch.float64)
+        want = attention_ops.kq_conv(x * keep, w, pad_key) * keep
+        got = kq_conv_cpu.kq_conv(x, w[:, 0], attention_ops.pad_left(pad_key, ck), diag + 110)
+        torch.testing.assert_close(got, want)
+        gw_want = torch.autograd.grad(want, (x, w), gy)
+        gw_got = torch.autograd.grad(got, (x, w), gy)
+        for a, b in zip(gw_got, gw_want):
+            torch.testing.assert_close(a, b)
     # float32 agrees with the float64 result to float32 precision
     x = torch.randn(1, 2, 80, 130, generator=g)
     w = torch.randn(2, 1, 6, 11, generator=g)

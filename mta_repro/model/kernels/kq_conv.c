@@ -20,31 +20,73 @@
 static inline int64_t mn(int64_t a, int64_t b) { return a < b ? a : b; }
 static inline int64_t mx(int64_t a, int64_t b) { return a > b ? a : b; }
 
+/* Register blocking of the interior: NV vectors of VBYTES (GCC vector extensions, so any
+ * target with SIMD gets its own instructions). */
+#define VBYTES 32
+#define NV 4
+
+/* The accumulate loop: y[j] += w[a, b] * x[src_a, j + b - pl] for j in [lo, hi), each tap
+ * clipped to the readable columns of its source row. */
+#define ACCUMULATE(T, lo, hi)                                                               \
+    for (int64_t a = 0; a < CQ; ++a) {                                                      \
+        const int64_t src = i + a - ro;                                                     \
+        if (src < 0 || src >= R) continue;                                                  \
+        const T *xr = xp + src * K;                                                         \
+        const int64_t cend = mn(K, src + diag + 1); /* readable columns */                  \
+        for (int64_t b = 0; b < CK; ++b) {                                                  \
+            const T wv = wh[a * CK + b];                                                    \
+            const int64_t off = b - pl; /* y[j] += wv * x[j + off] */                       \
+            const int64_t j0 = mx(lo, -off), j1 = mn(hi, cend - off);                       \
+            const T *xs = xr + off;                                                         \
+            _Pragma("omp simd")                                                             \
+            for (int64_t j = j0; j < j1; ++j) yr[j] += wv * xs[j];                          \
+        }                                                                                   \
+    }
+
 #define DEFINE(T, SUF)                                                                      \
+typedef T V_##SUF __attribute__((vector_size(VBYTES)));                                     \
 void kq_corr_##SUF(const T *x, const T *w, T *y, int64_t P, int64_t H, int64_t R,          \
                    int64_t K, int64_t CQ, int64_t CK, int64_t ro, int64_t pl, int64_t diag, \
                    int nthreads) {                                                          \
+    enum { VL = VBYTES / sizeof(T), JB = NV * (VBYTES / sizeof(T)) };                       \
     _Pragma("omp parallel for collapse(2) num_threads(nthreads) schedule(static)")          \
     for (int64_t p = 0; p < P; ++p) {                                                       \
         for (int64_t i = 0; i < R; ++i) {                                                   \
             const T *xp = x + p * R * K, *wh = w + (p % H) * CQ * CK;                       \
             T *yr = y + (p * R + i) * K;                                                    \
             const int64_t jend = mx(0, mn(K, i + diag + 1)); /* outputs [0, jend) */        \
-            memset(yr, 0, sizeof(T) * K);                                                   \
+            /* Interior [ja, jb): every tap of every source row is readable, so JB       */ \
+            /* outputs stay in registers while all CQ*CK taps accumulate (1 load/FMA). */  \
+            int64_t ja = mn(pl, jend), jb = jend;                                           \
             for (int64_t a = 0; a < CQ; ++a) {                                              \
                 const int64_t src = i + a - ro;                                             \
-                if (src < 0 || src >= R) continue;                                          \
-                const T *xr = xp + src * K;                                                 \
-                const int64_t cend = mn(K, src + diag + 1); /* readable columns */          \
-                for (int64_t b = 0; b < CK; ++b) {                                          \
-                    const T wv = wh[a * CK + b];                                            \
-                    const int64_t off = b - pl; /* y[j] += wv * x[j + off] */               \
-                    const int64_t j0 = mx(0, -off), j1 = mn(jend, cend - off);              \
-                    const T *xs = xr + off;                                                 \
-                    _Pragma("omp simd")                                                     \
-                    for (int64_t j = j0; j < j1; ++j) yr[j] += wv * xs[j];                  \
-                }                                                                           \
+                if (src >= 0 && src < R) jb = mn(jb, mn(K, src + diag + 1) - (CK - 1 - pl)); \
             }                                                                               \
+            int64_t jr = ja; /* end of the register-blocked chunks */                       \
+            for (; jr + JB <= jb; jr += JB) {                                               \
+                V_##SUF acc[NV];                                                            \
+                for (int v = 0; v < NV; ++v) acc[v] = (V_##SUF){0};                         \
+                for (int64_t a = 0; a < CQ; ++a) {                                          \
+                    const int64_t src = i + a - ro;                                         \
+                    if (src < 0 || src >= R) continue;                                      \
+                    const T *xr = xp + src * K + jr - pl;                                   \
+                    for (int64_t b = 0; b < CK; ++b) {                                      \
+                        const T wv = wh[a * CK + b];                                        \
+                        for (int v = 0; v < NV; ++v) {                                      \
+                            V_##SUF xv;                                                     \
+                            memcpy(&xv, xr + b + v * VL, sizeof xv);                        \
+                            acc[v] += wv * xv;                                              \
+                        }                                                                   \
+                    }                                                                       \
+                }                                                                           \
+                memcpy(yr + jr, acc, sizeof acc);                                           \
+            }                                                                               \
+            /* The rest (edges, the diagonal band, beyond): accumulate per tap. */          \
+            if (jr == ja) ja = jr = 0; /* no chunk: all columns by the general loop */      \
+            memset(yr, 0, sizeof(T) * ja);                                                  \
+            memset(yr + jr, 0, sizeof(T) * (K - jr));                                       \
+            ACCUMULATE(T, 0, ja)                                                            \
+            ACCUMULATE(T, jr, jend)                                                         \
         }                                                                                   \
     }                                                                                       \
 }                                                                                           \
