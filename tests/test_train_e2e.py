@@ -89,7 +89,7 @@ def test_uninterrupted_run_layout(reference):
     m = _metrics(reference)
     assert sorted(m) == list(range(1, STEPS + 1))
     for row in m.values():
-        for key in ("step", "loss", "lr", "grad_norm", "tokens_per_s", "peak_mem_gb", "mfu"):
+        for key in ("step", "loss", "loss_last", "lr", "grad_norm", "tokens_per_s_global", "tokens_per_s_per_gpu", "peak_mem_gb", "mfu"):
             assert key in row
         assert row["mfu"] is None  # CPU: unknown peak
     # Warmup from 0 then linear decay to 0 (lr logged is the one the update used).

@@ -157,6 +157,12 @@ def parallelize(model: nn.Module, info: DistInfo, args: DistributedArgs) -> nn.M
         reshard = args.reshard_after_forward and i < len(model.layers) - 1
         fully_shard(block, reshard_after_forward=reshard, **kwargs)
     fully_shard(model, reshard_after_forward=args.reshard_after_forward, **kwargs)
+    # The output head called on its own (``model.logits(h)``, as mta_repro.eval's ppl does
+    # in chunks) must gather the root's parameters like a forward does.
+    from torch.distributed.fsdp import register_fsdp_forward_method
+
+    if hasattr(model, "logits"):
+        register_fsdp_forward_method(model, "logits")
     return model
 
 

@@ -85,7 +85,7 @@ def test_two_ranks_match_one_rank_on_the_same_global_batch(tmp_path):
         for s in range(1, STEPS + 1):
             assert abs(a[s]["loss"] - other[s]["loss"]) <= TOL, (name, s, a[s]["loss"], other[s]["loss"])
             assert a[s]["grad_norm"] == pytest.approx(other[s]["grad_norm"], rel=1e-4)
-    assert all(r["tokens_per_s"] > 0 for r in a.values())
+    assert all(r["tokens_per_s_global"] > 0 and r["tokens_per_s_per_gpu"] == r["tokens_per_s_global"] for r in a.values())
     assert a[STEPS]["loss"] < a[1]["loss"] - 1.0  # it trains: the motifs are learnable
 
     # The 2-rank checkpoint restores into one process for evaluation.
