@@ -42,6 +42,8 @@ COMMON = [
     "logging.progress_bar=false",
     "optim.lr=3e-3",
     "optim.warmup=2",
+    # Validation runs at the last step (the default); one batch per domain keeps it quick.
+    "trainer.eval_max_batches=1",
 ]
 
 

@@ -47,6 +47,7 @@ def _common(run_dir):
         "logging.progress_bar=false",
         "optim.lr=3e-3",
         "optim.warmup=2",
+        "trainer.eval_max_batches=1",
     ]
 
 
