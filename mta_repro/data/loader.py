@@ -244,6 +244,56 @@ class TrainLoader:
         self._join()
         self._load(sd)
 
+    def load_other_world_state(self, states: List[dict]) -> None:
+        """Continue the data of a checkpoint saved on another world size (``states``: the
+        loader state of every old rank, in rank order).
+
+        Each domain stream skips the files the old ranks read in their current epoch and
+        starts the files they read part of where they stopped (``DocStream.derive_from``),
+        so no document is read twice or skipped, except: the old ranks' packing remainders
+        and shuffle buffers (at most ``shuffle_buffer + 1`` windows per old rank) are
+        dropped, and an old rank that was already in a later epoch of a domain loses that
+        progress. The domain draws continue from new seeds. If the shards cannot be mapped
+        (fewer files than ranks: line-strided parts), the data order restarts with a warning.
+        Token/document counters are carried over (on rank 0, so the sums stay right)."""
+        if not states:
+            raise ValueError("data loader state: no saved ranks")
+        mine = self._config()
+        for key, val in states[0]["config"].items():
+            if key != "batch_size" and mine.get(key) != val:
+                raise ValueError(f"data loader state: data.{key} was {val!r}, the config now has {mine.get(key)!r}")
+        self._join()
+        old_world = len(states)
+        derived = True
+        for d, stream in self.streams.items():
+            from mta_repro.data.sources import list_files, shard_files
+
+            shards = [shard_files(list_files(self.args, d, "train"), r, old_world) for r in range(old_world)]
+            derived = stream.derive_from([s["streams"][d] for s in states], shards) and derived
+        if not derived:
+            log.warning(
+                "data: cannot map the data positions of %d ranks onto %d (fewer files than ranks); "
+                "the data order restarts from the beginning (documents will repeat)", old_world, self.world_size,
+            )
+            for stream in self.streams.values():
+                stream.close()
+                stream.file, stream.line, stream.offset, stream.epoch, stream.docs_in_epoch = 0, 0, 0, 0, 0
+                stream.done, stream.partial = set(), {}
+        total_batches = sum(int(s["n_batches"]) for s in states)
+        self.doc_rng = np.random.Generator(np.random.PCG64([self.args.seed, self.rank, 2, old_world, total_batches]))
+        self.buf_rng = np.random.Generator(np.random.PCG64([self.args.seed, self.rank, 3, old_world, total_batches]))
+        self.tokens, self.doms, self._pos = [], [], 0
+        self.buffer, self.buffer_doms = [], []
+        self.n_docs = {d: 0 for d in self.domains}
+        self.n_tokens = np.zeros(len(self.domains) + 1, dtype=np.int64)
+        if self.rank == 0:
+            for s in states:
+                for i, d in enumerate(self.domains):
+                    self.n_docs[d] += int(s["n_docs"].get(d, 0))
+                    self.n_tokens[i] += int(s.get("n_tokens", {}).get(d, 0))
+        self.n_batches = 0
+        self._handed_state = None
+
     def _load(self, sd: dict) -> None:
         for d, s in self.streams.items():
             s.load_state_dict(sd["streams"][d])

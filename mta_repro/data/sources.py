@@ -221,6 +221,10 @@ class DocStream:
         self.file, self.line, self.offset, self.epoch, self.docs_in_epoch = 0, 0, 0, 0, 0
         self.bad: Dict[str, int] = {}
         self._reader: Optional[_LineReader] = None
+        # Set by ``derive_from`` (a resume on another world size), for this epoch only:
+        # files other ranks already read, and files they read part of ({file: (line, offset)}).
+        self.done: set = set()
+        self.partial: Dict[str, Tuple[int, int]] = {}
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict:
@@ -231,6 +235,8 @@ class DocStream:
             "epoch": self.epoch,
             "docs_in_epoch": self.docs_in_epoch,
             "bad": dict(self.bad),
+            "done": sorted(self.done),
+            "partial": {f: list(v) for f, v in self.partial.items()},
         }
 
     def load_state_dict(self, sd: dict) -> None:
@@ -242,6 +248,41 @@ class DocStream:
         self.line, self.offset = int(sd["line"]), int(sd["offset"])
         self.epoch, self.docs_in_epoch = int(sd["epoch"]), int(sd["docs_in_epoch"])
         self.bad = dict(sd["bad"])
+        self.done = set(sd.get("done", ()))
+        self.partial = {f: (int(v[0]), int(v[1])) for f, v in sd.get("partial", {}).items()}
+
+    def derive_from(self, states: List[dict], shards: List[List[Tuple[str, int, int]]]) -> bool:
+        """Continue where the streams of another world size stopped (``states[r]`` of the
+        old rank r, whose shard was ``shards[r]``): in the epoch they share, skip every file
+        they read and start the files they read part of where they stopped. Only whole-file
+        shards map (at least as many files as ranks, before and after): returns False if not.
+        An old rank already in a later epoch counts its whole shard as read."""
+        if any(st != 1 for sh in [self.shard, *shards] for _, st, _ in sh):
+            return False
+        epoch = min(int(s["epoch"]) for s in states)
+        done, partial = set(), {}
+        for s, sh in zip(states, shards):
+            names = [f for f, _, _ in sh]
+            if int(s["epoch"]) > epoch:
+                done.update(names)
+                continue
+            i = names.index(s["file"])
+            done.update(names[:i])
+            done.update(s.get("done", ()))  # an earlier resume on another world size
+            for f, v in s.get("partial", {}).items():
+                partial[f] = (int(v[0]), int(v[1]))
+            if int(s["line"]) > 0:
+                partial[s["file"]] = (int(s["line"]), int(s["offset"]))
+                done.discard(s["file"])
+        self.close()
+        self.file, self.line, self.offset, self.epoch = 0, 0, 0, epoch
+        self.docs_in_epoch = 1 if (done or partial) else 0  # the epoch is not empty
+        self.done, self.partial = done, partial
+        self.bad = {}
+        for s in states:
+            for k, v in s["bad"].items():
+                self.bad[k] = self.bad.get(k, 0) + int(v)
+        return True
 
     def close(self) -> None:
         if self._reader is not None:
@@ -259,12 +300,18 @@ class DocStream:
                     f"under {self.root} (bad records: {self.bad})"
                 )
             self.file, self.epoch, self.docs_in_epoch = 0, self.epoch + 1, 0
+            self.done, self.partial = set(), {}
             log.info("data: %s starts epoch %d", self.where, self.epoch)
 
     def next_doc(self) -> str:
         while True:
             name, stride, sub = self.shard[self.file]
             if self._reader is None:
+                if name in self.done:
+                    self._next_file()
+                    continue
+                if name in self.partial and self.line == 0 and self.offset == 0:
+                    self.line, self.offset = self.partial.pop(name)
                 self._reader = _LineReader(self.root / name, self.offset)
             try:
                 line = self._reader.readline()
