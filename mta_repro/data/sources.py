@@ -202,6 +202,20 @@ def parse_record(line: bytes, set_name: Optional[str], counts: Optional[Dict[str
     return r[1]
 
 
+def epoch_order(shard: List[Tuple[str, int, int]], seed: int, domain: str, epoch: int) -> List[Tuple[str, int, int]]:
+    """A rank's files in the order of ``epoch``: epoch 0 in the corpus's order (the
+    release's chunks are already shuffled), every later epoch a fresh permutation drawn
+    from (data seed, domain, epoch), so repeated passes do not see the files alike."""
+    if epoch == 0 or len(shard) < 2:
+        return list(shard)
+    import zlib
+
+    import numpy as np
+
+    rng = np.random.Generator(np.random.PCG64([seed, zlib.crc32(domain.encode()), epoch]))
+    return [shard[i] for i in rng.permutation(len(shard))]
+
+
 class DocStream:
     """One domain's documents on one rank, endlessly (epoch after epoch), resumable.
 
@@ -213,7 +227,9 @@ class DocStream:
     def __init__(self, args: DataArgs, domain: str, rank: int, world_size: int, count_bad: bool = True) -> None:
         self.domain = domain
         self.root = corpus_root(args)
-        self.shard = shard_files(list_files(args, domain, "train"), rank, world_size)
+        self.seed = args.seed
+        self.base_shard = shard_files(list_files(args, domain, "train"), rank, world_size)
+        self.shard = epoch_order(self.base_shard, self.seed, domain, 0)
         self.set_name = SET_NAMES[domain] if args.layout == "slimpajama" else None
         self._needle = json.dumps(self.set_name).encode() if self.set_name else None
         self.count_bad = count_bad
@@ -240,6 +256,7 @@ class DocStream:
         }
 
     def load_state_dict(self, sd: dict) -> None:
+        self.shard = epoch_order(self.base_shard, self.seed, self.domain, int(sd["epoch"]))
         names = [f for f, _, _ in self.shard]
         if sd["file"] not in names:
             raise ValueError(f"data loader state: file {sd['file']!r} is not in the shard of {self.where}")
@@ -262,7 +279,7 @@ class DocStream:
         epoch = min(int(s["epoch"]) for s in states)
         done, partial = set(), {}
         for s, sh in zip(states, shards):
-            names = [f for f, _, _ in sh]
+            names = [f for f, _, _ in epoch_order(sh, self.seed, self.domain, int(s["epoch"]))]
             if int(s["epoch"]) > epoch:
                 done.update(names)
                 continue
@@ -276,6 +293,7 @@ class DocStream:
                 done.discard(s["file"])
         self.close()
         self.file, self.line, self.offset, self.epoch = 0, 0, 0, epoch
+        self.shard = epoch_order(self.base_shard, self.seed, self.domain, epoch)
         self.docs_in_epoch = 1 if (done or partial) else 0  # the epoch is not empty
         self.done, self.partial = done, partial
         self.bad = {}
@@ -301,6 +319,7 @@ class DocStream:
                 )
             self.file, self.epoch, self.docs_in_epoch = 0, self.epoch + 1, 0
             self.done, self.partial = set(), {}
+            self.shard = epoch_order(self.base_shard, self.seed, self.domain, self.epoch)
             log.info("data: %s starts epoch %d", self.where, self.epoch)
 
     def next_doc(self) -> str:
