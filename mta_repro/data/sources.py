@@ -118,16 +118,67 @@ def shard_files(files: List[str], rank: int, world_size: int) -> List[Tuple[str,
     return parts[rank::world_size]
 
 
+class CorruptFileError(ValueError):
+    """An input file that cannot be read to its end (a truncated or damaged download)."""
+
+
+class _CheckedZstd(io.RawIOBase):
+    """The decompressed bytes of a .zst file (any number of frames), raising
+    CorruptFileError when the file ends inside a frame: a truncated download, which
+    ``zstandard``'s stream reader would end in silence."""
+
+    def __init__(self, raw, path: Path) -> None:
+        import zstandard
+
+        self._zstd = zstandard
+        self.raw, self.path = raw, path
+        self._d = zstandard.ZstdDecompressor().decompressobj()
+        self._buf = bytearray()
+        self._in_frame = False
+        self._eof = False
+
+    def readable(self) -> bool:
+        return True
+
+    def _feed(self, data: bytes) -> None:
+        while data:
+            try:
+                self._buf += self._d.decompress(data)
+            except self._zstd.ZstdError as e:
+                raise CorruptFileError(f"{self.path}: not a valid zstd stream ({e})") from e
+            if self._d.eof:
+                data = self._d.unused_data
+                self._d = self._zstd.ZstdDecompressor().decompressobj()
+                self._in_frame = False
+            else:
+                self._in_frame = True
+                data = b""
+
+    def readinto(self, b) -> int:
+        while not self._buf and not self._eof:
+            chunk = self.raw.read(1 << 20)
+            if not chunk:
+                self._eof = True
+                if self._in_frame:
+                    raise CorruptFileError(f"{self.path}: truncated (the file ends inside a zstd frame)")
+                break
+            self._feed(chunk)
+        n = min(len(b), len(self._buf))
+        b[:n] = self._buf[:n]
+        del self._buf[:n]
+        return n
+
+
 class _LineReader:
-    """Lines of a .jsonl or .jsonl.zst file from a byte offset of the decompressed text."""
+    """Lines of a .jsonl or .jsonl.zst file from a byte offset of the decompressed text.
+
+    A truncated or corrupt .zst raises CorruptFileError (naming the file) when the
+    reading gets to the damage."""
 
     def __init__(self, path: Path, offset: int) -> None:
         self.raw = open(path, "rb")
         if path.name.endswith(".zst"):
-            import zstandard
-
-            reader = zstandard.ZstdDecompressor().stream_reader(self.raw, read_size=1 << 20)
-            self.f = io.BufferedReader(reader, buffer_size=1 << 20)
+            self.f = io.BufferedReader(_CheckedZstd(self.raw, path), buffer_size=1 << 20)
             left = offset
             while left > 0:  # no random access in a zstd frame: decompress and drop
                 got = len(self.f.read(min(left, 1 << 24)))
@@ -144,6 +195,10 @@ class _LineReader:
     def close(self) -> None:
         self.f.close()
         self.raw.close()
+
+
+# Files reported unreadable in this process (warned once each, whatever stream meets them).
+_WARNED_FILES: set = set()
 
 
 def _bad(counts: Optional[Dict[str, int]], kind: str) -> None:
@@ -236,6 +291,7 @@ class DocStream:
         self.where = f"domain {domain!r} on rank {rank}/{world_size}"
         self.file, self.line, self.offset, self.epoch, self.docs_in_epoch = 0, 0, 0, 0, 0
         self.bad: Dict[str, int] = {}
+        self.bad_files: set = set()  # files found unreadable (counted once each)
         self._reader: Optional[_LineReader] = None
         # Set by ``derive_from`` (a resume on another world size), for this epoch only:
         # files other ranks already read, and files they read part of ({file: (line, offset)}).
@@ -251,6 +307,7 @@ class DocStream:
             "epoch": self.epoch,
             "docs_in_epoch": self.docs_in_epoch,
             "bad": dict(self.bad),
+            "bad_files": sorted(self.bad_files),
             "done": sorted(self.done),
             "partial": {f: list(v) for f, v in self.partial.items()},
         }
@@ -265,6 +322,7 @@ class DocStream:
         self.line, self.offset = int(sd["line"]), int(sd["offset"])
         self.epoch, self.docs_in_epoch = int(sd["epoch"]), int(sd["docs_in_epoch"])
         self.bad = dict(sd["bad"])
+        self.bad_files = set(sd.get("bad_files", ()))
         self.done = set(sd.get("done", ()))
         self.partial = {f: (int(v[0]), int(v[1])) for f, v in sd.get("partial", {}).items()}
 
@@ -331,13 +389,18 @@ class DocStream:
                     continue
                 if name in self.partial and self.line == 0 and self.offset == 0:
                     self.line, self.offset = self.partial.pop(name)
-                self._reader = _LineReader(self.root / name, self.offset)
             try:
+                if self._reader is None:
+                    self._reader = _LineReader(self.root / name, self.offset)
                 line = self._reader.readline()
-            except Exception as e:  # a corrupt/truncated compressed file: skip its rest
-                if self.count_bad:
+            except Exception as e:  # noqa: BLE001 - a corrupt/truncated file: skip its rest
+                if self.count_bad and name not in self.bad_files:
+                    self.bad_files.add(name)
                     self.bad["corrupt_file"] = self.bad.get("corrupt_file", 0) + 1
-                log.error("data: %s is unreadable after line %d (%s); skipping the rest", name, self.line, e)
+                if str(self.root / name) not in _WARNED_FILES:
+                    _WARNED_FILES.add(str(self.root / name))
+                    log.warning("data: %s is truncated or corrupt (unreadable after line %d: %s); its remaining "
+                                "records are skipped (counted as bad 'corrupt_file')", self.root / name, self.line, e)
                 self._next_file()
                 continue
             if not line:
