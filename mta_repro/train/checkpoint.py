@@ -33,8 +33,9 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 
 COMPLETE = ".complete"
 _STEP_DIR = re.compile(r"^\d{10}$")
-# Fault injection for the killed-save test: "kill_in_save:<step>" SIGKILLs this process
-# after the DCP files of that step are written but before the save is marked complete.
+# Fault injection for the killed-save tests: "kill_in_save:<step>" SIGKILLs this process
+# after the DCP files of that step are written but before the save is marked complete;
+# "kill_in_async_save:<step>" (checkpoint.async_save) while the background write is on.
 FAULT_ENV = "MTA_REPRO_FAULT"
 
 
@@ -210,7 +211,13 @@ class CheckpointManager:
             fut = getattr(fut, "upload_completion", fut)  # AsyncSaveResponse in newer torch
             self._pending = (fut, step, tmp, final)
             if os.environ.get(FAULT_ENV, "") == f"kill_in_async_save:{step}":
-                os.kill(os.getpid(), signal.SIGKILL)  # the write is in flight: a save killed midway
+                # A save killed midway: once the background write has begun its files.
+                import time
+
+                deadline = time.time() + 30
+                while time.time() < deadline and not (tmp.is_dir() and any(tmp.iterdir())):
+                    time.sleep(0.001)
+                os.kill(os.getpid(), signal.SIGKILL)
             return final
         dcp.save(state, checkpoint_id=str(tmp))
         self._barrier()
