@@ -95,8 +95,11 @@ def test_safe_fields_need_allow_config_change_and_keep_the_previous_config(run):
 
 
 def test_steps_below_the_run_step_says_so(run, capsys):
-    with pytest.raises(RunDirError, match=r"already at step 2 .*beyond trainer.steps=1: nothing to train"):
-        _train(run, "trainer.steps=1", "checkpoint.allow_config_change=true")
+    before = _snapshot(run)
+    for extra in ([], ["checkpoint.allow_config_change=true"]):
+        with pytest.raises(RunDirError, match=r"already at step 2 .*beyond trainer.steps=1: nothing to train"):
+            _train(run, "trainer.steps=1", *extra)
+    assert _snapshot(run) == before
     out = _train(run)  # == the run's step: nothing to do, said on stderr, exit normally
     assert out["step"] == 2
     assert "already at trainer.steps=2: nothing to train" in capsys.readouterr().err

@@ -208,6 +208,11 @@ def _prepare_run_dir(cfg: DictConfig, ck: CheckpointArgs, tr: TrainerArgs, info:
         at_step = None  # "finished", but its last checkpoint is damaged: resume decides
     saved = load_saved_config(run_dir)
     new = OmegaConf.to_container(cfg, resolve=True)
+    if at_step is not None and at_step > tr.steps:
+        raise RunDirError(
+            f"run_dir={run_dir} is already at step {at_step} ({found[-1]}), beyond trainer.steps={tr.steps}: "
+            "nothing to train. Raise trainer.steps (with checkpoint.allow_config_change=true) or use another run_dir"
+        )
     if found and saved is not None:
         check_config(saved, new, ck.allow_config_change, run_dir, at_step)
         saved_world = saved_world_size(found[-1])
@@ -215,11 +220,6 @@ def _prepare_run_dir(cfg: DictConfig, ck: CheckpointArgs, tr: TrainerArgs, info:
             err = global_batch_error(saved, cfg, saved_world, info.world_size)
             if err:
                 raise RunDirError(f"run_dir={run_dir}: {err}")
-    if at_step is not None and at_step > tr.steps:
-        raise RunDirError(
-            f"run_dir={run_dir} is already at step {at_step} ({found[-1]}), beyond trainer.steps={tr.steps}: "
-            "nothing to train. Raise trainer.steps (with checkpoint.allow_config_change=true) or use another run_dir"
-        )
     if not ck.resume and (run_dir / "checkpoints").is_dir() and complete_checkpoints(run_dir / "checkpoints"):
         raise RunDirError(
             f"run_dir={run_dir} holds checkpoints and checkpoint.resume=false would train over them from "
