@@ -206,3 +206,11 @@ def test_write_config_is_atomic_and_keeps_the_previous(tmp_path):
     write_config(tmp_path, compose(["trainer.steps=6"]))
     assert (tmp_path / "config.prev.yaml").read_text() == first
     assert sorted(p.name for p in tmp_path.iterdir()) == ["config.prev.yaml", "config.yaml"]
+
+
+def test_fields_added_to_the_schema_since_compare_as_defaults():
+    saved = OmegaConf.to_container(compose(COMMON), resolve=True)
+    new = OmegaConf.to_container(compose([*COMMON, "model.dropout=0.1"]), resolve=True)
+    del saved["trainer"]["eval_every"], saved["model"]["dropout"]  # an older run's config.yaml
+    d = diff_configs(saved, new)
+    assert d.unsafe == {"model.dropout": (0.0, 0.1)} and d.safe == {}

@@ -104,7 +104,8 @@ class ConfigDiff:
 
 def diff_configs(saved: dict, new: dict) -> ConfigDiff:
     """Differences between two resolved configs, classified. A key missing from the saved
-    config (a field added to the schema since) counts as its schema default."""
+    config (a field added to the schema since) counts as its schema default (a SAFE one
+    is not compared)."""
     from mta_repro.config import TrainConfig
 
     default = flatten(OmegaConf.to_container(OmegaConf.structured(TrainConfig), resolve=False))
@@ -115,6 +116,8 @@ def diff_configs(saved: dict, new: dict) -> ConfigDiff:
             continue
         if key not in cur:  # a field removed from the schema: nothing to compare with
             continue
+        if key not in old and _matches(key, SAFE):
+            continue  # a setting added to the schema since the run started: nothing to protect
         a = old.get(key, default.get(key))
         b = cur[key]
         if _norm(key, a) == _norm(key, b):
