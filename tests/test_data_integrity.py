@@ -99,3 +99,24 @@ def test_loader_warns_once_per_file_and_counts(tmp_path, caplog):
     for _ in range(50):
         next(loader)
     assert loader.state_dict()["streams"]["a"]["bad"] == {"corrupt_file": 1}
+
+
+def test_trainer_logs_the_bad_records(tmp_path):
+    """The counts reach metrics.jsonl (data_bad/<kind>), summed over ranks."""
+    from mta_repro.config import compose
+    from mta_repro.train.loop import train
+
+    corpus = tmp_path / "corpus"
+    domains_corpus(corpus, {"a": (2, 30), "b": (2, 30)}, zst=True)
+    _truncate(corpus / "a" / "a.chunk.01.jsonl.zst", 0.3)
+    write_jsonl(corpus / "b" / "b.chunk.02.jsonl", [b"{broken", {"text": "fine"}])
+    run = tmp_path / "run"
+    cfg = compose([f"run_dir={run}", f"data.root_dir={corpus}", "data.layout=domains", "data.tokenizer.name=bytes",
+                   "data.tokenizer.path=null", "model.vocab_size=258", "data.seq_len=32", "data.batch_size=2",
+                   "trainer.steps=20", "trainer.device=cpu", "trainer.eval_every=0", "checkpoint.every=100",
+                   "checkpoint.export=false", "logging.every=20", "logging.wandb_mode=disabled",
+                   "logging.progress_bar=false"])
+    cfg.data.sources = {"a": 1.0, "b": 1.0}
+    train(cfg)
+    last = json.loads((run / "metrics.jsonl").read_text().splitlines()[-1])
+    assert last["data_bad/corrupt_file"] == 1 and last["data_bad/malformed_json"] >= 1

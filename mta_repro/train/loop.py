@@ -364,6 +364,8 @@ def _run(cfg, info, tr, dargs, ck, lg, optim_args, model_args, run_dir) -> dict[
                 counts = _domain_tokens(loader, info)
                 if counts:
                     record.update({f"train_tokens/{d}": n for d, n in counts.items()})
+                bad = _summed(loader, "bad_records", info)
+                record.update({f"data_bad/{k}": n for k, n in bad.items() if n})
                 if skipped:
                     record["skipped"] = True
                 if validate:
@@ -403,9 +405,14 @@ def _run(cfg, info, tr, dargs, ck, lg, optim_args, model_args, run_dir) -> dict[
 
 def _domain_tokens(loader, info: DistInfo) -> dict[str, int]:
     """Tokens trained on per domain, summed over ranks (loaders that count them)."""
-    if not hasattr(loader, "token_counts"):
+    return _summed(loader, "token_counts", info)
+
+
+def _summed(loader, method: str, info: DistInfo) -> dict[str, int]:
+    """``loader.<method>()`` ({name: count}, the same names on every rank) summed over ranks."""
+    if not hasattr(loader, method):
         return {}
-    counts = loader.token_counts()
+    counts = getattr(loader, method)()
     names = sorted(counts)
     if info.world_size > 1:
         t = torch.tensor([counts[n] for n in names], dtype=torch.int64, device=info.device)
