@@ -271,10 +271,10 @@ def _run(cfg, info, tr, dargs, ck, lg, optim_args, model_args, run_dir) -> dict[
     step = 0
     resume_from = None
     if has_ckpt:
+        # The newest readable checkpoint (an unreadable one raises or falls back, per
+        # checkpoint.on_corrupt).
         resume_from, step = manager.resume(model, optimizer, scheduler, loader, ck.on_corrupt)
-        if resume_from is None:  # nothing readable: the seeded init (only reachable if none existed)
-            materialize(model, info, full_state=None, model_args=model_args, init=True)
-        elif info.is_main:
+        if info.is_main:
             print(f"[mta_repro.train] resumed from {resume_from} at step {step}", file=sys.stderr)
 
     seq_len = int(cfg.data.seq_len) if "data" in cfg else None
