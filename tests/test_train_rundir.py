@@ -115,6 +115,12 @@ def test_moved_run_dir_and_relative_paths_are_no_change(run, monkeypatch):
         ),
     )
     assert not d.unsafe and not d.safe
+    # A moved copy of the corpus is a location change (allowed with the flag), not new data.
+    d = diff_configs(
+        OmegaConf.to_container(compose(COMMON), resolve=True),
+        OmegaConf.to_container(compose([*COMMON, "data.root_dir=/mnt/copy/mini"]), resolve=True),
+    )
+    assert not d.unsafe and list(d.safe) == ["data.root_dir"]
 
 
 def test_resume_false_over_checkpoints_is_refused(run):
@@ -169,6 +175,7 @@ def test_a_live_holder_refuses_naming_host_pid_and_job(run):
             _train(run)
         msg = str(e.value)
         assert f"host {socket.gethostname()}" in msg and f"pid {sleeper.pid}" in msg and "SLURM job 4242" in msg
+        assert "last alive 0 min ago" in msg
         assert _snapshot(run) == before
     finally:
         sleeper.kill()

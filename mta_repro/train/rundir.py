@@ -10,9 +10,10 @@ Before a run writes anything into ``run_dir`` (rank 0, ``prepare_run_dir``):
      own switches);
    - ``SAFE``: may change with ``checkpoint.allow_config_change=true`` (``trainer.steps``
      and the other trainer knobs below, ``logging.*``, checkpoint cadence/keep/export,
-     ``distributed.*`` performance settings);
-   - everything else (``model.*``, ``data.*``, ``optim.*``, ``seed``, the stage start
-     ``checkpoint.init_from``/``init_mode``, ``trainer.loader``) defines the run: it can
+     ``distributed.*`` performance settings, and the locations of the corpus, tokenizer
+     and stage source: a moved copy is the same data);
+   - everything else (``model.*``, ``data.*``, ``optim.*``, ``seed``,
+     ``checkpoint.init_mode``, ``trainer.loader``) defines the run: it can
      never change within a run dir. ``trainer.grad_accum`` is compared as the *global*
      batch (``data.batch_size * world_size * grad_accum``), so a run may continue on
      another world size with the grad_accum that keeps it (see ``global_batch_error``).
@@ -66,6 +67,11 @@ SAFE = (
     "checkpoint.keep",
     "checkpoint.export",
     "distributed.",
+    # Locations: a moved copy of the corpus, tokenizer or source run is the same data
+    # (the loader state names files relative to the root and checks them on resume).
+    "checkpoint.init_from",
+    "data.root_dir",
+    "data.tokenizer.path",
 )
 # Path-valued fields: compared as resolved paths (relative vs absolute is no change).
 PATHS = ("checkpoint.init_from", "data.root_dir", "data.tokenizer.path")
@@ -227,10 +233,16 @@ def stale_reason(holder: dict) -> Optional[str]:
     return None
 
 
-def _describe(holder: dict) -> str:
+def _describe(holder: dict, path: Optional[Path] = None) -> str:
     job = holder.get("slurm_job_id")
+    alive = ""
+    if path is not None:
+        try:  # the holder touches the lock at every step
+            alive = f", last alive {int((time.time() - path.stat().st_mtime) // 60)} min ago"
+        except OSError:
+            pass
     return (f"host {holder.get('host')}, pid {holder.get('pid')}"
-            f"{', SLURM job ' + job if job else ''}, since {holder.get('started')}")
+            f"{', SLURM job ' + job if job else ''}, since {holder.get('started')}{alive}")
 
 
 class RunLock:
@@ -256,7 +268,7 @@ class RunLock:
                     reason = stale_reason(holder)
                 if reason is None:
                     raise RunDirError(
-                        f"run_dir={self.path.parent} is in use by another job ({_describe(holder)}); "
+                        f"run_dir={self.path.parent} is in use by another job ({_describe(holder, self.path)}); "
                         f"wait for it, use another run_dir=..., or if that job is dead delete {self.path}"
                     )
                 print(f"[mta_repro.train] taking over the stale lock {self.path} ({reason})", file=sys.stderr)
