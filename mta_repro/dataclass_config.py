@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import typing
 from collections.abc import Mapping
 from typing import Any, TypeVar
@@ -10,18 +11,81 @@ from typing import Any, TypeVar
 T = TypeVar("T")
 
 
+def _dataclass_of(hint) -> Any:
+    """The dataclass type behind a field's type hint (``X`` or ``Optional[X]``), or None."""
+    if dataclasses.is_dataclass(hint):
+        return hint
+    if typing.get_origin(hint) is typing.Union:
+        inner = [a for a in typing.get_args(hint) if a is not type(None)]
+        if len(inner) == 1 and dataclasses.is_dataclass(inner[0]):
+            return inner[0]
+    return None
+
+
+def unknown_keys(cls: type, cfg: Any, where: str) -> list[str]:
+    """Dotted paths of the keys of ``cfg`` (a mapping / OmegaConf node) that are no field
+    of the dataclass ``cls``, recursively through nested dataclass fields.
+
+    Hydra's ``+key=value`` adds a key even to a structured config, and
+    ``OmegaConf.to_object`` then drops it in silence; this finds such keys.
+    """
+    if not isinstance(cfg, Mapping) and not _is_dictconfig(cfg):
+        return []
+    hints = typing.get_type_hints(cls)
+    known = {f.name for f in dataclasses.fields(cls)}
+    out = []
+    for key in cfg.keys():
+        path = f"{where}.{key}" if where else str(key)
+        if key not in known:
+            out.append(path)
+            continue
+        sub = _dataclass_of(hints.get(key))
+        if sub is not None:
+            value = cfg[key] if not _is_dictconfig(cfg) else cfg._get_node(key)
+            if value is not None and (isinstance(value, Mapping) or _is_dictconfig(value)):
+                out.extend(unknown_keys(sub, value, path))
+    return out
+
+
+def unknown_keys_error(cls: type, bad: list[str], where: str = "") -> str:
+    """One line naming the unknown keys (paths from ``unknown_keys(cls, _, where)``), with
+    the closest field for a likely typo."""
+    parts = []
+    for full in bad:
+        path = full[len(where) + 1 :] if where else full
+        parent, _, name = path.rpartition(".")
+        owner = cls
+        for step in parent.split(".") if parent else []:
+            owner = _dataclass_of(typing.get_type_hints(owner).get(step)) or owner
+        fields = [f.name for f in dataclasses.fields(owner)] if dataclasses.is_dataclass(owner) else []
+        close = difflib.get_close_matches(name, fields, n=1)
+        prefix = full[: len(full) - len(name)]
+        parts.append(f"{full} (did you mean {prefix}{close[0]}?)" if close else full)
+    return f"unknown config key(s) {', '.join(parts)}: no such field in the schema ({cls.__name__})"
+
+
+def _is_dictconfig(x: Any) -> bool:
+    from omegaconf import DictConfig
+
+    return isinstance(x, DictConfig)
+
+
 def to_dataclass(cls: type[T], cfg: Any, where: str) -> T:
     """An instance of the dataclass ``cls`` from an instance, a mapping or an OmegaConf node.
 
     Nested dataclass fields given as mappings are converted too. An unknown field raises
-    ValueError naming ``where`` (the config path, e.g. ``"model.mta"``); the dataclass's
-    own ``__post_init__`` does the value checks.
+    ValueError naming ``where`` (the config path, e.g. ``"model.mta"``), also for keys
+    added to a structured node with Hydra's ``+key=``; the dataclass's own
+    ``__post_init__`` does the value checks.
     """
     if isinstance(cfg, cls):
         return cfg
     from omegaconf import DictConfig, OmegaConf
 
     if isinstance(cfg, DictConfig):
+        bad = unknown_keys(cls, cfg, where)
+        if bad:
+            raise ValueError(unknown_keys_error(cls, bad, where))
         cfg = OmegaConf.to_object(cfg)  # a structured node comes back as the instance
         if isinstance(cfg, cls):
             return cfg

@@ -13,7 +13,15 @@ The Llama-3 ``tokenizer.model`` cannot be fetched here; without ``--tiktoken-pat
 tiktoken row uses a stand-in of the same size: the first 128,000 ranks of Mistral's
 Tekken BPE (``mistral_common``, Apache-2.0, fetched with ``pip download --no-deps``).
 
+It also measures the *token* share of each domain in what the loader hands out (its
+per-domain token counts, the ``train_tokens/<domain>`` metrics of training) against the
+paper's per-*document* weights. The release (Lingua's ``choose_source``) draws a domain
+per document, as this loader does, so a domain's token share is
+w_d * L_d / sum_e(w_e * L_e) with L_d its mean document length in tokens; the
+"expected" column is that formula with L_d measured on the documents drawn.
+
   python scripts/bench_data.py                       # CPU, ~1 minute
+  python scripts/bench_data.py --mixture-only        # the token-share table only, seconds
   python scripts/bench_data.py --measure-step --device cuda
 """
 
@@ -69,6 +77,47 @@ def bench_loader(tok: TokenizerArgs, seq_len: int, batch_size: int, runs: int, b
     return {"median": statistics.median(rates), "min": min(rates), "max": max(rates), "n_words": loader.tokenizer.n_words}
 
 
+def mixture_share(seq_len: int, batch_size: int, batches: int) -> dict:
+    """Measured doc and token shares per domain of ``batches`` batches of one rank's loader
+    (bundled corpus, bundled tokenizer, the paper's weights), and the expected token share."""
+    args = DataArgs(seq_len=seq_len, batch_size=batch_size, shuffle_buffer=64, prefetch=0)
+    loader = build_train_loader(args, 0, 1)
+    for _ in range(batches):
+        next(loader)
+    tokens = loader.token_counts()
+    docs = dict(loader.n_docs)
+    loader.close()
+    weights = {d: w / sum(args.sources.values()) for d, w in args.sources.items()}
+    # Mean tokens per drawn document (BOS/EOS included), from the counts (documents still
+    # in the packing remainder / buffer are few against thousands drawn).
+    mean_len = {d: tokens[d] / docs[d] if docs[d] else float("nan") for d in tokens}
+    z = sum(weights[d] * mean_len[d] for d in tokens)
+    n_tok, n_doc = sum(tokens.values()), sum(docs.values())
+    return {
+        d: {
+            "weight": weights[d],
+            "doc_share": docs[d] / n_doc,
+            "mean_len": mean_len[d],
+            "token_share": tokens[d] / n_tok,
+            "expected": weights[d] * mean_len[d] / z,
+        }
+        for d in sorted(tokens)
+    } | {"_total": {"tokens": n_tok, "docs": n_doc}}
+
+
+def print_mixture(res: dict, seq_len: int, batch_size: int, batches: int) -> None:
+    tot = res["_total"]
+    print(f"\nDomain shares of {tot['tokens']:,} trained tokens ({tot['docs']:,} documents; {batches} batches of "
+          f"{batch_size} x {seq_len}, one rank, bundled corpus + tokenizer, the paper's per-document weights)")
+    print("| domain | weight (per doc) | doc share | mean tokens/doc | token share | expected w*L/sum |")
+    print("|---|---:|---:|---:|---:|---:|")
+    for d, r in res.items():
+        if d.startswith("_"):
+            continue
+        print(f"| {d} | {r['weight']:.3f} | {r['doc_share']:.3f} | {r['mean_len']:,.0f} | {r['token_share']:.3f} | "
+              f"{r['expected']:.3f} |")
+
+
 def measure_tiny_step(device: str, seq_len: int, batch_size: int, steps: int = 10) -> float:
     """Tokens/s of a full training step (fwd + bwd + AdamW) of the tiny baseline model."""
     import torch
@@ -109,7 +158,14 @@ def main() -> None:
     ap.add_argument("--measure-step", action="store_true", help="also time a tiny-model training step")
     ap.add_argument("--step-seq-len", type=int, default=None, help="sequence length of the measured step (default --seq-len)")
     ap.add_argument("--device", default="cpu")
+    ap.add_argument("--mixture-batches", type=int, default=300, help="batches for the domain token-share table")
+    ap.add_argument("--mixture-only", action="store_true", help="only the domain token-share table")
     a = ap.parse_args()
+
+    mix = mixture_share(a.seq_len, a.batch_size, a.mixture_batches)
+    print_mixture(mix, a.seq_len, a.batch_size, a.mixture_batches)
+    if a.mixture_only:
+        return
 
     from mta_repro.config import compose, model_args_from
     from mta_repro.model.flops import train_flops_per_token

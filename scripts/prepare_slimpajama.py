@@ -21,6 +21,11 @@ units of work: each is written to ``*.tmp`` files, renamed when complete, then m
 in ``<out>/.prepare/``. A rerun after an interruption skips the chunks marked done and
 rewrites any other (``*.tmp`` leftovers of a half-written chunk are deleted, never used).
 Bad records are skipped and counted (counts in the markers and the final summary).
+A truncated or corrupt input file (a download cut short) is reported by name: by default
+the run fails with the list of such files after every other chunk is done (their chunks
+are not written, so a rerun after re-downloading them makes just those); with
+``--bad-files skip`` the records read before the damage are kept, and the files are
+listed in the markers and the summary (``bad_files``) and counted (``corrupt_file``).
 
   python scripts/prepare_slimpajama.py --src /data/SlimPajama-627B --out /data/sp_domains --chunks 32 --workers 16
 """
@@ -59,14 +64,32 @@ def input_files(src: Path, split: str) -> List[Path]:
     return sorted(files, key=lambda p: _natural_key(str(p)))
 
 
-def iter_records(path: Path, stride: int, offset: int, counts: Dict[str, int]) -> Iterator[Tuple[str, str]]:
-    """(domain, text) of the good records j of ``path`` with j % stride == offset."""
+def iter_records(
+    path: Path, stride: int, offset: int, counts: Dict[str, int], bad_files: Optional[List[dict]] = None
+) -> Iterator[Tuple[str, str]]:
+    """(domain, text) of the good records j of ``path`` with j % stride == offset.
+
+    A file that cannot be read to its end is appended to ``bad_files`` (name, error,
+    records read) and counted as ``corrupt_file``; the records before the damage are kept."""
+    seen = [0]
+    try:
+        yield from _iter_records(path, stride, offset, counts, seen)
+    except Exception as e:  # noqa: BLE001 - any read failure of this file: report it by name
+        if bad_files is None:
+            raise
+        counts["corrupt_file"] = counts.get("corrupt_file", 0) + 1
+        msg = str(e).replace(str(path) + ": ", "")
+        bad_files.append({"file": str(path), "error": f"{type(e).__name__}: {msg}", "records_read": seen[0]})
+
+
+def _iter_records(path: Path, stride: int, offset: int, counts: Dict[str, int], seen: list) -> Iterator[Tuple[str, str]]:
     if path.suffix == ".parquet":
         import pyarrow.parquet as pq
 
         j = 0
         for batch in pq.ParquetFile(path).iter_batches(columns=["text", "meta"], batch_size=4096):
             for rec in batch.to_pylist():
+                seen[0] = j
                 if j % stride == offset:
                     r = record_fields(rec, True, counts)
                     if r is not None:
@@ -77,6 +100,7 @@ def iter_records(path: Path, stride: int, offset: int, counts: Dict[str, int]) -
     try:
         j = 0
         while line := reader.readline():
+            seen[0] = j + 1
             if j % stride == offset and line.strip():
                 r = parse_line(line, True, counts)
                 if r is not None:
@@ -105,6 +129,12 @@ class _Writers:
         rec = {"text": text, "meta": {"redpajama_set_name": _SET_OF[domain]}}
         self.files[domain][2].write((json.dumps(rec, ensure_ascii=False) + "\n").encode("utf-8"))
 
+    def discard(self) -> None:
+        for final, raw, w in self.files.values():
+            w.close()
+            Path(str(final) + ".tmp").unlink(missing_ok=True)
+        self.files = {}
+
     def commit(self) -> List[str]:
         for d in _SET_OF:  # every domain gets its file, possibly empty: a fixed layout
             if d not in self.files:
@@ -128,31 +158,47 @@ def _clean_tmp(out: Path, suffix: str) -> None:
         p.unlink()
 
 
-def make_unit(src: str, out: str, unit: str, parts: List[Tuple[str, int, int]], max_docs: Optional[int]) -> dict:
-    """Write one output unit ("chunk.NN" or "val") from its input parts; returns stats."""
+def make_unit(
+    src: str, out: str, unit: str, parts: List[Tuple[str, int, int]], max_docs: Optional[int], bad_files: str = "fail"
+) -> dict:
+    """Write one output unit ("chunk.NN" or "val") from its input parts; returns stats.
+
+    An unreadable input with ``bad_files="fail"``: nothing is written or marked (stats
+    has "failed": True and the files); with "skip" the unit is written and marked."""
     out_p = Path(out)
     suffix = f".{unit}.jsonl.zst"
     _clean_tmp(out_p, suffix)  # half-written by an earlier, interrupted run: not trusted
     writers = _Writers(out_p, lambda d: f"{d}{suffix}")
     counts: Dict[str, int] = {}
     docs: Dict[str, int] = {}
+    bad: List[dict] = []
     for name, stride, offset in parts:
-        for domain, text in iter_records(Path(src) / name, stride, offset, counts):
+        for domain, text in iter_records(Path(src) / name, stride, offset, counts, bad):
             if max_docs is not None and docs.get(domain, 0) >= max_docs:
                 continue
             writers.write(domain, text)
             docs[domain] = docs.get(domain, 0) + 1
+    for b in bad:
+        b["file"] = str(Path(b["file"]).relative_to(src))
+    if bad and bad_files == "fail":
+        writers.discard()
+        return {"unit": unit, "failed": True, "bad_files": bad}
     writers.commit()
-    stats = {"unit": unit, "docs": docs, "bad_records": counts, "inputs": [p[0] for p in parts]}
+    stats = {"unit": unit, "docs": docs, "bad_records": counts, "inputs": [p[0] for p in parts], "bad_files": bad}
     tmp = _marker(out_p, unit).with_suffix(".tmp")
     tmp.write_text(json.dumps(stats))
     os.replace(tmp, _marker(out_p, unit))
     return stats
 
 
-def prepare(src, out, chunks: int, workers: int = 1, max_val_docs: Optional[int] = None, progress: bool = True) -> dict:
-    """Make (or finish) ``out`` from ``src``; returns {"done": [...], "skipped": [...], "bad_records": {...}}."""
+def prepare(src, out, chunks: int, workers: int = 1, max_val_docs: Optional[int] = None, progress: bool = True,
+            bad_files: str = "fail") -> dict:
+    """Make (or finish) ``out`` from ``src``; returns {"done": [...], "skipped": [...],
+    "bad_records": {...}, "bad_files": [...]}. Raises ValueError listing the truncated or
+    corrupt inputs if there are any and ``bad_files="fail"`` (after all other units)."""
     src, out = Path(src), Path(out)
+    if bad_files not in ("fail", "skip"):
+        raise ValueError(f"--bad-files={bad_files}: expected fail or skip")
     if chunks < 1:
         raise ValueError(f"--chunks={chunks}: expected >= 1")
     if not src.is_dir():
@@ -185,20 +231,33 @@ def prepare(src, out, chunks: int, workers: int = 1, max_val_docs: Optional[int]
     done = []
     if workers <= 1:
         for unit, parts, mx in todo:
-            done.append(make_unit(str(src), str(out), unit, parts, mx))
+            done.append(make_unit(str(src), str(out), unit, parts, mx, bad_files))
             bar.update(1)
     else:
         with ProcessPoolExecutor(workers) as ex:
-            futs = [ex.submit(make_unit, str(src), str(out), u, p, mx) for u, p, mx in todo]
+            futs = [ex.submit(make_unit, str(src), str(out), u, p, mx, bad_files) for u, p, mx in todo]
             for f in as_completed(futs):
                 done.append(f.result())
                 bar.update(1)
     bar.close()
+    failed = [s for s in done if s.get("failed")]
+    if failed:
+        files = sorted({f"{b['file']} ({b['error']}, after {b['records_read']} records)" for s in failed
+                        for b in s["bad_files"]})
+        raise ValueError(
+            f"{len(files)} input file(s) are truncated or corrupt: " + "; ".join(files) + ". Their output "
+            f"chunks ({', '.join(sorted(s['unit'] for s in failed))}) were not written; the others are done. "
+            "Re-download these files and rerun, or rerun with --bad-files skip to keep the records read "
+            "before the damage"
+        )
     bad: Dict[str, int] = {}
+    bad_list: List[dict] = []
     for u, _, _ in units:
-        for k, v in json.loads(_marker(out, u).read_text())["bad_records"].items():
+        marker = json.loads(_marker(out, u).read_text())
+        for k, v in marker["bad_records"].items():
             bad[k] = bad.get(k, 0) + v
-    return {"done": sorted(s["unit"] for s in done), "skipped": skipped, "bad_records": bad}
+        bad_list += marker.get("bad_files", [])
+    return {"done": sorted(s["unit"] for s in done), "skipped": skipped, "bad_records": bad, "bad_files": bad_list}
 
 
 def main() -> None:
@@ -208,9 +267,11 @@ def main() -> None:
     ap.add_argument("--chunks", type=int, default=32, help="train chunks per domain (>= the GPUs is best)")
     ap.add_argument("--workers", type=int, default=1, help="processes; each writes one chunk at a time")
     ap.add_argument("--max-val-docs", type=int, default=None, help="cap on validation documents per domain")
+    ap.add_argument("--bad-files", choices=("fail", "skip"), default="fail",
+                    help="a truncated/corrupt input file: fail with the list (default) or keep what was readable")
     a = ap.parse_args()
     try:
-        res = prepare(a.src, a.out, a.chunks, a.workers, a.max_val_docs)
+        res = prepare(a.src, a.out, a.chunks, a.workers, a.max_val_docs, bad_files=a.bad_files)
     except ValueError as e:
         sys.exit(f"error: {e}")
     print(json.dumps(res, indent=1))

@@ -94,9 +94,9 @@ def test_prepare_rerun_after_interruption(tmp_path, monkeypatch):
     real = prep.iter_records
     calls = {"n": 0}
 
-    def crashing(path, stride, offset, counts):  # dies in the 2nd input of the 2nd unit
+    def crashing(path, stride, offset, counts, bad=None):  # dies in the 2nd input of the 2nd unit
         calls["n"] += 1
-        for i, r in enumerate(real(path, stride, offset, counts)):
+        for i, r in enumerate(real(path, stride, offset, counts, bad)):
             if calls["n"] == 4 and i == 2:
                 raise KeyboardInterrupt
             yield r

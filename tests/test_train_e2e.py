@@ -42,6 +42,8 @@ COMMON = [
     "logging.progress_bar=false",
     "optim.lr=3e-3",
     "optim.warmup=2",
+    # Validation runs at the last step (the default); one batch per domain keeps it quick.
+    "trainer.eval_max_batches=1",
 ]
 
 
@@ -89,7 +91,7 @@ def test_uninterrupted_run_layout(reference):
     m = _metrics(reference)
     assert sorted(m) == list(range(1, STEPS + 1))
     for row in m.values():
-        for key in ("step", "loss", "lr", "grad_norm", "tokens_per_s", "peak_mem_gb", "mfu"):
+        for key in ("step", "loss", "loss_last", "lr", "grad_norm", "tokens_per_s_global", "tokens_per_s_per_gpu", "peak_mem_gb", "mfu"):
             assert key in row
         assert row["mfu"] is None  # CPU: unknown peak
     # Warmup from 0 then linear decay to 0 (lr logged is the one the update used).
@@ -147,6 +149,31 @@ def test_killed_save_resumes_previous_checkpoint(reference, tmp_path):
     assert not (ckpt / ".tmp-0000000006").exists()
     ref, got = _metrics(reference), _metrics(run_dir)  # steps 5, 6 logged once
     assert [got[s]["loss"] for s in range(1, STEPS + 1)] == [ref[s]["loss"] for s in range(1, STEPS + 1)]
+
+
+@pytest.mark.parametrize("fault", ["kill_in_async_save:6", "kill_in_save:6"])
+def test_async_save_killed_midway_resumes_previous_checkpoint(reference, tmp_path, fault):
+    """checkpoint.async_save: the loop goes on while a thread writes; killed while the
+    step-6 files are being written (or after, before it is marked complete), the run
+    resumes from step 4 and matches the uninterrupted (synchronous) run loss for loss."""
+    run_dir = tmp_path / "run"
+    p = _run(run_dir, "checkpoint.async_save=true", env={"MTA_REPRO_FAULT": fault}, check=False)
+    assert p.returncode == -signal.SIGKILL
+    ckpt = run_dir / "checkpoints"
+    assert not (ckpt / "0000000006").exists()
+    assert (ckpt / "0000000004" / ".complete").is_file()
+    if fault.startswith("kill_in_async"):
+        tmp = ckpt / ".tmp-0000000006"
+        assert tmp.is_dir() and not (tmp / ".complete").exists()
+    p = _run(run_dir, "checkpoint.async_save=true")
+    assert "at step 4" in p.stderr
+    ref, got = _metrics(reference), _metrics(run_dir)
+    assert [got[s]["loss"] for s in range(1, STEPS + 1)] == [ref[s]["loss"] for s in range(1, STEPS + 1)]
+    assert sorted(q.name for q in ckpt.iterdir()) == ["0000000006", "0000000008"]  # keep=2, all complete
+    assert all((ckpt / c / ".complete").is_file() for c in ("0000000006", "0000000008"))
+    blob = torch.load(run_dir / "export" / "consolidated.pt", weights_only=False)
+    ref_blob = torch.load(reference / "export" / "consolidated.pt", weights_only=False)
+    assert all(torch.equal(v, ref_blob["model"][k]) for k, v in blob["model"].items())
 
 
 def _first_batch(overrides):

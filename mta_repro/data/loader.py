@@ -62,9 +62,13 @@ class TrainLoader:
         self.doc_rng = np.random.Generator(np.random.PCG64([self.args.seed, rank, 0]))
         self.buf_rng = np.random.Generator(np.random.PCG64([self.args.seed, rank, 1]))
         self.tokens: List[int] = []  # packing remainder: tokens[_pos:] are not yet in a window
+        self.doms: List[int] = []  # the domain index of every token in self.tokens
         self._pos = 0
         self.buffer: List[np.ndarray] = []  # shuffle buffer of (seq_len + 1,) int32 windows
+        self.buffer_doms: List[np.ndarray] = []  # their tokens' domain indices (int8)
         self.n_docs = {d: 0 for d in self.domains}
+        # Target tokens handed out per domain (index len(domains): unknown, from an old state).
+        self.n_tokens = np.zeros(len(self.domains) + 1, dtype=np.int64)
         self.n_batches = 0
         self._thread: Optional[threading.Thread] = None
         self._queue: Optional[queue.Queue] = None
@@ -72,37 +76,47 @@ class TrainLoader:
         self._handed_state: Optional[dict] = None  # prefetch: the state after the last batch out
 
     # ------------------------------------------------------------------ pipeline
-    def _next_doc_tokens(self) -> List[int]:
+    def _next_doc_tokens(self) -> tuple[List[int], int]:
         u = self.doc_rng.random()
-        d = self.domains[min(bisect.bisect_right(self.cum, u * self.cum[-1]), len(self.domains) - 1)]
+        i = min(bisect.bisect_right(self.cum, u * self.cum[-1]), len(self.domains) - 1)
+        d = self.domains[i]
         text = self.streams[d].next_doc()
         self.n_docs[d] += 1
-        return self.tokenizer.encode(text, add_bos=self.args.add_bos, add_eos=self.args.add_eos)
+        return self.tokenizer.encode(text, add_bos=self.args.add_bos, add_eos=self.args.add_eos), i
 
-    def _next_window(self) -> np.ndarray:
+    def _next_window(self) -> tuple[np.ndarray, np.ndarray]:
         n = self.args.seq_len + 1
         while len(self.tokens) - self._pos < n:
-            self.tokens.extend(self._next_doc_tokens())
+            ids, i = self._next_doc_tokens()
+            self.tokens.extend(ids)
+            self.doms.extend([i] * len(ids))
         w = np.asarray(self.tokens[self._pos : self._pos + n], dtype=np.int32)
+        dw = np.asarray(self.doms[self._pos : self._pos + n], dtype=np.int8)
         self._pos += n
         if self._pos > len(self.tokens) // 2:  # drop the used head now and then, not per window
             del self.tokens[: self._pos]
+            del self.doms[: self._pos]
             self._pos = 0
-        return w
+        return w, dw
 
-    def _next_sequence(self) -> np.ndarray:
+    def _next_sequence(self) -> tuple[np.ndarray, np.ndarray]:
         k = self.args.shuffle_buffer
         if k <= 1:
             return self._next_window()
         while len(self.buffer) < k:
-            self.buffer.append(self._next_window())
+            w, dw = self._next_window()
+            self.buffer.append(w)
+            self.buffer_doms.append(dw)
         i = int(self.buf_rng.integers(len(self.buffer)))
-        out = self.buffer[i]
-        self.buffer[i] = self._next_window()
+        out = self.buffer[i], self.buffer_doms[i]
+        self.buffer[i], self.buffer_doms[i] = self._next_window()
         return out
 
     def _make_batch(self) -> Dict[str, torch.Tensor]:
-        seqs = np.stack([self._next_sequence() for _ in range(self.args.batch_size)])  # (B, T+1)
+        pairs = [self._next_sequence() for _ in range(self.args.batch_size)]
+        seqs = np.stack([w for w, _ in pairs])  # (B, T+1)
+        for _, dw in pairs:  # the targets' domains
+            self.n_tokens += np.bincount(dw[1:].astype(np.int64), minlength=len(self.n_tokens))
         t = torch.from_numpy(seqs.astype(np.int64))
         self.n_batches += 1
         return {"input": t[:, :-1].contiguous(), "target": t[:, 1:].contiguous()}
@@ -195,7 +209,18 @@ class TrainLoader:
             "buffer": torch.from_numpy(np.stack(self.buffer)) if self.buffer else torch.zeros(0, self.args.seq_len + 1, dtype=torch.int32),
             "n_docs": dict(self.n_docs),
             "n_batches": self.n_batches,
+            # Domain of every token of the remainder / buffer, and the target tokens handed
+            # out per domain (token_counts).
+            "doms": torch.tensor(self.doms[self._pos :], dtype=torch.int8),
+            "buffer_doms": torch.from_numpy(np.stack(self.buffer_doms)) if self.buffer_doms else torch.zeros(0, self.args.seq_len + 1, dtype=torch.int8),
+            "n_tokens": {d: int(self.n_tokens[i]) for i, d in enumerate(self.domains)},
         }
+
+    def token_counts(self) -> Dict[str, int]:
+        """Target tokens handed out so far per domain (what was trained on), this rank."""
+        if self._thread is not None and self._handed_state is not None:
+            return dict(self._handed_state["n_tokens"])
+        return {d: int(self.n_tokens[i]) for i, d in enumerate(self.domains)}
 
     def state_dict(self) -> dict:
         """Picklable state: a loader given it by ``load_state_dict`` yields exactly the
@@ -219,6 +244,56 @@ class TrainLoader:
         self._join()
         self._load(sd)
 
+    def load_other_world_state(self, states: List[dict]) -> None:
+        """Continue the data of a checkpoint saved on another world size (``states``: the
+        loader state of every old rank, in rank order).
+
+        Each domain stream skips the files the old ranks read in their current epoch and
+        starts the files they read part of where they stopped (``DocStream.derive_from``),
+        so no document is read twice or skipped, except: the old ranks' packing remainders
+        and shuffle buffers (at most ``shuffle_buffer + 1`` windows per old rank) are
+        dropped, and an old rank that was already in a later epoch of a domain loses that
+        progress. The domain draws continue from new seeds. If the shards cannot be mapped
+        (fewer files than ranks: line-strided parts), the data order restarts with a warning.
+        Token/document counters are carried over (on rank 0, so the sums stay right)."""
+        if not states:
+            raise ValueError("data loader state: no saved ranks")
+        mine = self._config()
+        for key, val in states[0]["config"].items():
+            if key != "batch_size" and mine.get(key) != val:
+                raise ValueError(f"data loader state: data.{key} was {val!r}, the config now has {mine.get(key)!r}")
+        self._join()
+        old_world = len(states)
+        derived = True
+        for d, stream in self.streams.items():
+            from mta_repro.data.sources import list_files, shard_files
+
+            shards = [shard_files(list_files(self.args, d, "train"), r, old_world) for r in range(old_world)]
+            derived = stream.derive_from([s["streams"][d] for s in states], shards) and derived
+        if not derived:
+            log.warning(
+                "data: cannot map the data positions of %d ranks onto %d (fewer files than ranks); "
+                "the data order restarts from the beginning (documents will repeat)", old_world, self.world_size,
+            )
+            for stream in self.streams.values():
+                stream.close()
+                stream.file, stream.line, stream.offset, stream.epoch, stream.docs_in_epoch = 0, 0, 0, 0, 0
+                stream.done, stream.partial = set(), {}
+        total_batches = sum(int(s["n_batches"]) for s in states)
+        self.doc_rng = np.random.Generator(np.random.PCG64([self.args.seed, self.rank, 2, old_world, total_batches]))
+        self.buf_rng = np.random.Generator(np.random.PCG64([self.args.seed, self.rank, 3, old_world, total_batches]))
+        self.tokens, self.doms, self._pos = [], [], 0
+        self.buffer, self.buffer_doms = [], []
+        self.n_docs = {d: 0 for d in self.domains}
+        self.n_tokens = np.zeros(len(self.domains) + 1, dtype=np.int64)
+        if self.rank == 0:
+            for s in states:
+                for i, d in enumerate(self.domains):
+                    self.n_docs[d] += int(s["n_docs"].get(d, 0))
+                    self.n_tokens[i] += int(s.get("n_tokens", {}).get(d, 0))
+        self.n_batches = 0
+        self._handed_state = None
+
     def _load(self, sd: dict) -> None:
         for d, s in self.streams.items():
             s.load_state_dict(sd["streams"][d])
@@ -226,6 +301,16 @@ class TrainLoader:
         self.buf_rng.bit_generator.state = copy.deepcopy(sd["buf_rng"])
         self.tokens, self._pos = list(sd["tokens"]), 0
         self.buffer = [row.copy() for row in np.asarray(sd["buffer"], dtype=np.int32)]
+        unknown = len(self.domains)  # states saved before domains were tracked per token
+        if "doms" in sd:
+            self.doms = [int(x) for x in np.asarray(sd["doms"])]
+            self.buffer_doms = [row.copy() for row in np.asarray(sd["buffer_doms"], dtype=np.int8)]
+        else:
+            self.doms = [unknown] * len(self.tokens)
+            self.buffer_doms = [np.full(len(r), unknown, dtype=np.int8) for r in self.buffer]
+        self.n_tokens = np.zeros(len(self.domains) + 1, dtype=np.int64)
+        for i, d in enumerate(self.domains):
+            self.n_tokens[i] = int(sd.get("n_tokens", {}).get(d, 0))
         self.n_docs = dict(sd["n_docs"])
         self.n_batches = int(sd["n_batches"])
         self._handed_state = None

@@ -118,16 +118,67 @@ def shard_files(files: List[str], rank: int, world_size: int) -> List[Tuple[str,
     return parts[rank::world_size]
 
 
+class CorruptFileError(ValueError):
+    """An input file that cannot be read to its end (a truncated or damaged download)."""
+
+
+class _CheckedZstd(io.RawIOBase):
+    """The decompressed bytes of a .zst file (any number of frames), raising
+    CorruptFileError when the file ends inside a frame: a truncated download, which
+    ``zstandard``'s stream reader would end in silence."""
+
+    def __init__(self, raw, path: Path) -> None:
+        import zstandard
+
+        self._zstd = zstandard
+        self.raw, self.path = raw, path
+        self._d = zstandard.ZstdDecompressor().decompressobj()
+        self._buf = bytearray()
+        self._in_frame = False
+        self._eof = False
+
+    def readable(self) -> bool:
+        return True
+
+    def _feed(self, data: bytes) -> None:
+        while data:
+            try:
+                self._buf += self._d.decompress(data)
+            except self._zstd.ZstdError as e:
+                raise CorruptFileError(f"{self.path}: not a valid zstd stream ({e})") from e
+            if self._d.eof:
+                data = self._d.unused_data
+                self._d = self._zstd.ZstdDecompressor().decompressobj()
+                self._in_frame = False
+            else:
+                self._in_frame = True
+                data = b""
+
+    def readinto(self, b) -> int:
+        while not self._buf and not self._eof:
+            chunk = self.raw.read(1 << 20)
+            if not chunk:
+                self._eof = True
+                if self._in_frame:
+                    raise CorruptFileError(f"{self.path}: truncated (the file ends inside a zstd frame)")
+                break
+            self._feed(chunk)
+        n = min(len(b), len(self._buf))
+        b[:n] = self._buf[:n]
+        del self._buf[:n]
+        return n
+
+
 class _LineReader:
-    """Lines of a .jsonl or .jsonl.zst file from a byte offset of the decompressed text."""
+    """Lines of a .jsonl or .jsonl.zst file from a byte offset of the decompressed text.
+
+    A truncated or corrupt .zst raises CorruptFileError (naming the file) when the
+    reading gets to the damage."""
 
     def __init__(self, path: Path, offset: int) -> None:
         self.raw = open(path, "rb")
         if path.name.endswith(".zst"):
-            import zstandard
-
-            reader = zstandard.ZstdDecompressor().stream_reader(self.raw, read_size=1 << 20)
-            self.f = io.BufferedReader(reader, buffer_size=1 << 20)
+            self.f = io.BufferedReader(_CheckedZstd(self.raw, path), buffer_size=1 << 20)
             left = offset
             while left > 0:  # no random access in a zstd frame: decompress and drop
                 got = len(self.f.read(min(left, 1 << 24)))
@@ -144,6 +195,10 @@ class _LineReader:
     def close(self) -> None:
         self.f.close()
         self.raw.close()
+
+
+# Files reported unreadable in this process (warned once each, whatever stream meets them).
+_WARNED_FILES: set = set()
 
 
 def _bad(counts: Optional[Dict[str, int]], kind: str) -> None:
@@ -202,6 +257,20 @@ def parse_record(line: bytes, set_name: Optional[str], counts: Optional[Dict[str
     return r[1]
 
 
+def epoch_order(shard: List[Tuple[str, int, int]], seed: int, domain: str, epoch: int) -> List[Tuple[str, int, int]]:
+    """A rank's files in the order of ``epoch``: epoch 0 in the corpus's order (the
+    release's chunks are already shuffled), every later epoch a fresh permutation drawn
+    from (data seed, domain, epoch), so repeated passes do not see the files alike."""
+    if epoch == 0 or len(shard) < 2:
+        return list(shard)
+    import zlib
+
+    import numpy as np
+
+    rng = np.random.Generator(np.random.PCG64([seed, zlib.crc32(domain.encode()), epoch]))
+    return [shard[i] for i in rng.permutation(len(shard))]
+
+
 class DocStream:
     """One domain's documents on one rank, endlessly (epoch after epoch), resumable.
 
@@ -213,14 +282,21 @@ class DocStream:
     def __init__(self, args: DataArgs, domain: str, rank: int, world_size: int, count_bad: bool = True) -> None:
         self.domain = domain
         self.root = corpus_root(args)
-        self.shard = shard_files(list_files(args, domain, "train"), rank, world_size)
+        self.seed = args.seed
+        self.base_shard = shard_files(list_files(args, domain, "train"), rank, world_size)
+        self.shard = epoch_order(self.base_shard, self.seed, domain, 0)
         self.set_name = SET_NAMES[domain] if args.layout == "slimpajama" else None
         self._needle = json.dumps(self.set_name).encode() if self.set_name else None
         self.count_bad = count_bad
         self.where = f"domain {domain!r} on rank {rank}/{world_size}"
         self.file, self.line, self.offset, self.epoch, self.docs_in_epoch = 0, 0, 0, 0, 0
         self.bad: Dict[str, int] = {}
+        self.bad_files: set = set()  # files found unreadable (counted once each)
         self._reader: Optional[_LineReader] = None
+        # Set by ``derive_from`` (a resume on another world size), for this epoch only:
+        # files other ranks already read, and files they read part of ({file: (line, offset)}).
+        self.done: set = set()
+        self.partial: Dict[str, Tuple[int, int]] = {}
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict:
@@ -231,9 +307,13 @@ class DocStream:
             "epoch": self.epoch,
             "docs_in_epoch": self.docs_in_epoch,
             "bad": dict(self.bad),
+            "bad_files": sorted(self.bad_files),
+            "done": sorted(self.done),
+            "partial": {f: list(v) for f, v in self.partial.items()},
         }
 
     def load_state_dict(self, sd: dict) -> None:
+        self.shard = epoch_order(self.base_shard, self.seed, self.domain, int(sd["epoch"]))
         names = [f for f, _, _ in self.shard]
         if sd["file"] not in names:
             raise ValueError(f"data loader state: file {sd['file']!r} is not in the shard of {self.where}")
@@ -242,6 +322,43 @@ class DocStream:
         self.line, self.offset = int(sd["line"]), int(sd["offset"])
         self.epoch, self.docs_in_epoch = int(sd["epoch"]), int(sd["docs_in_epoch"])
         self.bad = dict(sd["bad"])
+        self.bad_files = set(sd.get("bad_files", ()))
+        self.done = set(sd.get("done", ()))
+        self.partial = {f: (int(v[0]), int(v[1])) for f, v in sd.get("partial", {}).items()}
+
+    def derive_from(self, states: List[dict], shards: List[List[Tuple[str, int, int]]]) -> bool:
+        """Continue where the streams of another world size stopped (``states[r]`` of the
+        old rank r, whose shard was ``shards[r]``): in the epoch they share, skip every file
+        they read and start the files they read part of where they stopped. Only whole-file
+        shards map (at least as many files as ranks, before and after): returns False if not.
+        An old rank already in a later epoch counts its whole shard as read."""
+        if any(st != 1 for sh in [self.shard, *shards] for _, st, _ in sh):
+            return False
+        epoch = min(int(s["epoch"]) for s in states)
+        done, partial = set(), {}
+        for s, sh in zip(states, shards):
+            names = [f for f, _, _ in epoch_order(sh, self.seed, self.domain, int(s["epoch"]))]
+            if int(s["epoch"]) > epoch:
+                done.update(names)
+                continue
+            i = names.index(s["file"])
+            done.update(names[:i])
+            done.update(s.get("done", ()))  # an earlier resume on another world size
+            for f, v in s.get("partial", {}).items():
+                partial[f] = (int(v[0]), int(v[1]))
+            if int(s["line"]) > 0:
+                partial[s["file"]] = (int(s["line"]), int(s["offset"]))
+                done.discard(s["file"])
+        self.close()
+        self.file, self.line, self.offset, self.epoch = 0, 0, 0, epoch
+        self.shard = epoch_order(self.base_shard, self.seed, self.domain, epoch)
+        self.docs_in_epoch = 1 if (done or partial) else 0  # the epoch is not empty
+        self.done, self.partial = done, partial
+        self.bad = {}
+        for s in states:
+            for k, v in s["bad"].items():
+                self.bad[k] = self.bad.get(k, 0) + int(v)
+        return True
 
     def close(self) -> None:
         if self._reader is not None:
@@ -259,19 +376,31 @@ class DocStream:
                     f"under {self.root} (bad records: {self.bad})"
                 )
             self.file, self.epoch, self.docs_in_epoch = 0, self.epoch + 1, 0
+            self.done, self.partial = set(), {}
+            self.shard = epoch_order(self.base_shard, self.seed, self.domain, self.epoch)
             log.info("data: %s starts epoch %d", self.where, self.epoch)
 
     def next_doc(self) -> str:
         while True:
             name, stride, sub = self.shard[self.file]
             if self._reader is None:
-                self._reader = _LineReader(self.root / name, self.offset)
+                if name in self.done:
+                    self._next_file()
+                    continue
+                if name in self.partial and self.line == 0 and self.offset == 0:
+                    self.line, self.offset = self.partial.pop(name)
             try:
+                if self._reader is None:
+                    self._reader = _LineReader(self.root / name, self.offset)
                 line = self._reader.readline()
-            except Exception as e:  # a corrupt/truncated compressed file: skip its rest
-                if self.count_bad:
+            except Exception as e:  # noqa: BLE001 - a corrupt/truncated file: skip its rest
+                if self.count_bad and name not in self.bad_files:
+                    self.bad_files.add(name)
                     self.bad["corrupt_file"] = self.bad.get("corrupt_file", 0) + 1
-                log.error("data: %s is unreadable after line %d (%s); skipping the rest", name, self.line, e)
+                if str(self.root / name) not in _WARNED_FILES:
+                    _WARNED_FILES.add(str(self.root / name))
+                    log.warning("data: %s is truncated or corrupt (unreadable after line %d: %s); its remaining "
+                                "records are skipped (counted as bad 'corrupt_file')", self.root / name, self.line, e)
                 self._next_file()
                 continue
             if not line:

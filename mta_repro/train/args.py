@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 NONFINITE_CHOICES = ("raise", "skip")
+ON_CORRUPT_CHOICES = ("fallback", "raise")
 INIT_MODES = ("model", "baseline_to_mta")
 WANDB_MODES = ("offline", "online", "disabled")
 
@@ -32,8 +33,23 @@ class TrainerArgs:
     # "module:function" building the per-rank batch iterator as
     # fn(data_args, rank, world_size) (the data contract: dict input/target, state_dict).
     loader: str = "mta_repro.data:build_train_loader"
+    # Validation: per-domain loss/ppl on the data's validation split every this many
+    # steps and always at the last step (the protocol of `mta_repro.eval`'s ppl:
+    # mta_repro/eval/ppl.py); 0 = never. Logged as val_* keys to metrics.jsonl and wandb.
+    eval_every: int = 1000
+    # Per domain: at most this many batches of eval_batch_size windows of data.seq_len
+    # tokens (the eval's defaults: 256 x 4 windows = 2M tokens at seq_len 2048).
+    eval_max_batches: int = 256
+    eval_batch_size: int = 4
 
     def __post_init__(self) -> None:
+        if self.eval_every < 0:
+            raise ValueError(f"trainer.eval_every: expected >= 0 (0 = no validation), got {self.eval_every}")
+        if self.eval_max_batches < 1 or self.eval_batch_size < 1:
+            raise ValueError(
+                f"trainer.eval_max_batches / eval_batch_size: expected >= 1, got "
+                f"{self.eval_max_batches} / {self.eval_batch_size}"
+            )
         if self.steps < 1:
             raise ValueError(f"trainer.steps: expected >= 1, got {self.steps}")
         if self.grad_accum < 1:
@@ -64,8 +80,23 @@ class CheckpointArgs:
     init_mode: str = "model"
     # Write <run_dir>/export/consolidated.pt when training finishes.
     export: bool = True
+    # Restarting in a run dir whose saved config.yaml differs only in fields that do not
+    # change the model, data or optimiser state (trainer.steps, logging, checkpoint
+    # cadence, distributed/performance settings) is refused unless this is true. Model,
+    # data and optimiser fields can never change within a run dir
+    # (mta_repro/train/rundir.py lists the classes).
+    allow_config_change: bool = False
+    # The latest checkpoint cannot be read (e.g. a truncated .distcp): "fallback" loads the
+    # newest earlier complete one with a warning, "raise" stops with the error.
+    on_corrupt: str = "fallback"
+    # Save with DCP's async_save: the step loop goes on while a background thread writes
+    # the files; the checkpoint is marked complete and renamed only after the write
+    # finished (the same atomicity as a plain save). CPU memory holds one staged copy.
+    async_save: bool = False
 
     def __post_init__(self) -> None:
+        if self.on_corrupt not in ON_CORRUPT_CHOICES:
+            raise ValueError(f"checkpoint.on_corrupt: expected one of {ON_CORRUPT_CHOICES}, got {self.on_corrupt!r}")
         if self.every < 1:
             raise ValueError(f"checkpoint.every: expected >= 1 steps, got {self.every}")
         if self.keep < 1:

@@ -126,19 +126,39 @@ def destroy_distributed() -> None:
         dist.destroy_process_group()
 
 
+def mp_policy(args: DistributedArgs, device_type: str):
+    """FSDP2 mixed precision (GPU only; CPU trains in fp32): parameters gathered in
+    ``param_dtype``, gradients reduced in ``reduce_dtype``. ``cast_forward_inputs=False``:
+    FSDP would otherwise cast every float argument of a block's forward to param_dtype,
+    the RoPE cos/sin tables included (bf16 tables are off by up to ~0.4% at long
+    positions); the hidden states already arrive in param_dtype from the bf16 embedding,
+    and the tables stay fp32, as the model computes them."""
+    if device_type != "cuda":
+        return None
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    return MixedPrecisionPolicy(
+        param_dtype=DTYPES[args.param_dtype], reduce_dtype=DTYPES[args.reduce_dtype], cast_forward_inputs=False
+    )
+
+
 def parallelize(model: nn.Module, info: DistInfo, args: DistributedArgs) -> nn.Module:
     """Apply AC -> compile -> FSDP2 to a (meta-device) Transformer, in place."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed.fsdp import fully_shard
 
     # 1. Activation checkpointing wraps each block, so the recomputation unit is a block.
     #    (The wrapper's "_checkpoint_wrapped_module" prefix is stripped by DCP's
     #    get_state_dict, so checkpoint keys stay Lingua's.)
+    #    With dropout the recomputation must draw the masks the forward drew: the RNG
+    #    state is saved per block and restored for the recomputation (a small cost, paid
+    #    only when there is dropout).
     if args.activation_checkpointing:
         from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
+        dropout = float(getattr(getattr(model, "args", None), "dropout", 0.0) or 0.0)
         for i, block in enumerate(model.layers):
-            model.layers[i] = checkpoint_wrapper(block, preserve_rng_state=False)
+            model.layers[i] = checkpoint_wrapper(block, preserve_rng_state=dropout > 0)
     # 2. Compile per block, in place (Module.compile keeps parameter names, no _orig_mod),
     #    before FSDP so that its hooks stay outside the compiled graph.
     if args.compile:
@@ -148,15 +168,20 @@ def parallelize(model: nn.Module, info: DistInfo, args: DistributedArgs) -> nn.M
     #    and the tied output head that shares the embedding).
     mesh = init_device_mesh(info.device.type, (info.world_size,))
     kwargs = {"mesh": mesh}
-    if info.device.type == "cuda":
-        kwargs["mp_policy"] = MixedPrecisionPolicy(
-            param_dtype=DTYPES[args.param_dtype], reduce_dtype=DTYPES[args.reduce_dtype]
-        )
+    policy = mp_policy(args, info.device.type)
+    if policy is not None:
+        kwargs["mp_policy"] = policy
     for i, block in enumerate(model.layers):
         # The last block's parameters are needed again at once by backward: keep them.
         reshard = args.reshard_after_forward and i < len(model.layers) - 1
         fully_shard(block, reshard_after_forward=reshard, **kwargs)
     fully_shard(model, reshard_after_forward=args.reshard_after_forward, **kwargs)
+    # The output head called on its own (``model.logits(h)``, as mta_repro.eval's ppl does
+    # in chunks) must gather the root's parameters like a forward does.
+    from torch.distributed.fsdp import register_fsdp_forward_method
+
+    if hasattr(model, "logits"):
+        register_fsdp_forward_method(model, "logits")
     return model
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import math
+import os
 import sys
 import warnings
 from pathlib import Path
@@ -26,11 +27,20 @@ from mta_repro.dataclass_config import to_dataclass
 from mta_repro.model import build_model, to_model_args
 from mta_repro.model.flops import train_flops_per_token
 from mta_repro.train.args import CheckpointArgs, DistributedArgs, LoggingArgs, TrainerArgs
-from mta_repro.train.checkpoint import CheckpointManager, load_model_state
+from mta_repro.train.checkpoint import CheckpointManager, complete_checkpoints, load_model_state, saved_world_size, verify_checkpoint
 from mta_repro.train.distributed import DistInfo, destroy_distributed, init_distributed, materialize, parallelize
 from mta_repro.train.metrics import MetricLogger, Throughput, device_peak_flops, mfu, peak_mem_gb
 from mta_repro.train.optim import build_lr_scheduler, build_optimizer, to_optim_args
+from mta_repro.train.rundir import (
+    RunDirError,
+    RunLock,
+    check_config,
+    global_batch_error,
+    load_saved_config,
+    write_config,
+)
 from mta_repro.train.signals import PreemptionHandler, requeue_if_slurm
+from mta_repro.train.validation import maybe_validator
 
 
 class NonFiniteLossError(FloatingPointError):
@@ -102,15 +112,127 @@ def _initial_weights(cfg: DictConfig, ckpt: CheckpointArgs, model_args, is_main:
     return model.state_dict()
 
 
+def _fresh(run_dir: Path) -> bool:
+    """No run has written into ``run_dir`` yet (Hydra's own files do not count)."""
+    return not any((run_dir / n).exists() for n in ("config.yaml", "checkpoints", "metrics.jsonl", "export"))
+
+
+def _remove_failed_start(run_dir: Path) -> None:
+    """A start that failed before it trained or saved anything leaves no run dir behind:
+    remove what it (and Hydra, if its output dir is the run dir) wrote, then the dir if empty."""
+    metrics = run_dir / "metrics.jsonl"
+    ckpts = run_dir / "checkpoints"
+    if (metrics.is_file() and metrics.stat().st_size > 0) or (ckpts.is_dir() and any(ckpts.iterdir())):
+        return
+    import shutil
+
+    for name in ("config.yaml", "config.prev.yaml", "metrics.jsonl", ".lock", "wandb_id.txt"):
+        (run_dir / name).unlink(missing_ok=True)
+    for name in ("checkpoints", "wandb"):
+        shutil.rmtree(run_dir / name, ignore_errors=True)
+    try:
+        from hydra.core.hydra_config import HydraConfig
+
+        hc = HydraConfig.get()
+        if Path(hc.runtime.output_dir).resolve() == run_dir.resolve():
+            if hc.output_subdir:
+                shutil.rmtree(run_dir / hc.output_subdir, ignore_errors=True)
+            (run_dir / f"{hc.job.name}.log").unlink(missing_ok=True)
+    except (ImportError, ValueError):
+        pass  # not under Hydra's main
+    try:
+        run_dir.rmdir()
+    except OSError:
+        pass  # not empty: something else lives there
+
+
+def _launch_rank() -> int:
+    import os
+
+    return int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", 0)))
+
+
+def check_schema(cfg) -> None:
+    """Refuse keys the schema does not know (Hydra's ``+key=`` adds them in silence)."""
+    if not isinstance(cfg, DictConfig):
+        return
+    from mta_repro.config import TrainConfig
+    from mta_repro.dataclass_config import unknown_keys, unknown_keys_error
+
+    bad = [k for k in unknown_keys(TrainConfig, cfg, "") if k != "hydra"]
+    if bad:
+        raise ValueError(unknown_keys_error(TrainConfig, bad))
+
+
 def train(cfg: DictConfig) -> dict[str, Any]:
     """Run (or resume) training as configured; returns a small summary."""
-    tr = _section(cfg, "trainer", TrainerArgs)
-    dargs = _section(cfg, "distributed", DistributedArgs)
-    info = init_distributed(dargs, tr.device)
+    run_dir = Path(cfg.run_dir)
+    fresh = _fresh(run_dir)
     try:
-        return _train(cfg, info, tr, dargs)
-    finally:
-        destroy_distributed()
+        check_schema(cfg)
+        tr = _section(cfg, "trainer", TrainerArgs)
+        dargs = _section(cfg, "distributed", DistributedArgs)
+        info = init_distributed(dargs, tr.device)
+        try:
+            return _train(cfg, info, tr, dargs)
+        finally:
+            destroy_distributed()
+    except BaseException:
+        if fresh and _launch_rank() == 0:
+            _remove_failed_start(run_dir)
+        raise
+
+
+def _agree(info: DistInfo, fn: Callable[[], Any]) -> Any:
+    """``fn()`` on rank 0, its result (or its error, re-raised) on every rank."""
+    out: list = [None]
+    if info.is_main:
+        try:
+            out[0] = ("ok", fn())
+        except Exception as e:  # noqa: BLE001 - re-raised below, on every rank
+            out[0] = ("err", e)
+    if info.world_size > 1:
+        dist.broadcast_object_list(out, src=0)
+    kind, value = out[0]
+    if kind == "err":
+        if info.is_main:
+            raise value
+        raise type(value)(*value.args) if isinstance(value, ValueError) else RuntimeError(str(value))
+    return value
+
+
+def _prepare_run_dir(cfg: DictConfig, ck: CheckpointArgs, tr: TrainerArgs, info: DistInfo, lock: RunLock):
+    """Rank 0, before anything is written: config check, lock, config.yaml. Returns the
+    step of the newest complete checkpoint (None if none)."""
+    run_dir = Path(cfg.run_dir)
+    found = complete_checkpoints(run_dir / "checkpoints") if ck.resume else []
+    at_step = int(found[-1].name) if found else None
+    if at_step == tr.steps and verify_checkpoint(found[-1]) is not None:
+        at_step = None  # "finished", but its last checkpoint is damaged: resume decides
+    saved = load_saved_config(run_dir)
+    new = OmegaConf.to_container(cfg, resolve=True)
+    if at_step is not None and at_step > tr.steps:
+        raise RunDirError(
+            f"run_dir={run_dir} is already at step {at_step} ({found[-1]}), beyond trainer.steps={tr.steps}: "
+            "nothing to train. Raise trainer.steps (with checkpoint.allow_config_change=true) or use another run_dir"
+        )
+    if found and saved is not None:
+        check_config(saved, new, ck.allow_config_change, run_dir, at_step)
+        saved_world = saved_world_size(found[-1])
+        if saved_world is not None:
+            err = global_batch_error(saved, cfg, saved_world, info.world_size)
+            if err:
+                raise RunDirError(f"run_dir={run_dir}: {err}")
+    if not ck.resume and (run_dir / "checkpoints").is_dir() and complete_checkpoints(run_dir / "checkpoints"):
+        raise RunDirError(
+            f"run_dir={run_dir} holds checkpoints and checkpoint.resume=false would train over them from "
+            "step 0: use another run_dir=..., or checkpoint.resume=true"
+        )
+    _check_vocab(cfg, to_model_args(cfg.model).vocab_size)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    lock.acquire()
+    write_config(run_dir, cfg)
+    return at_step
 
 
 def _train(cfg: DictConfig, info: DistInfo, tr: TrainerArgs, dargs: DistributedArgs) -> dict[str, Any]:
@@ -121,26 +243,40 @@ def _train(cfg: DictConfig, info: DistInfo, tr: TrainerArgs, dargs: DistributedA
     run_dir = Path(cfg.run_dir)
     torch.manual_seed(cfg.seed + info.rank)  # anything stochastic in training (dropout)
 
-    if info.is_main:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        OmegaConf.save(cfg, run_dir / "config.yaml", resolve=True)
-        _check_vocab(cfg, model_args.vocab_size)
-    manager = CheckpointManager(run_dir, ck.keep, info.rank, info.world_size)
+    lock = RunLock(run_dir)
+    try:
+        at_step = _agree(info, lambda: _prepare_run_dir(cfg, ck, tr, info, lock))
+        if at_step is not None and at_step == tr.steps:
+            if info.is_main:
+                print(f"[mta_repro.train] {run_dir} is already at trainer.steps={tr.steps}: nothing to train "
+                      "(raise trainer.steps, with checkpoint.allow_config_change=true, to train on)",
+                      file=sys.stderr, flush=True)
+            return {"step": at_step, "loss": float("nan"), "stopped_by_signal": None, "export": None}
+        return _run(cfg, info, tr, dargs, ck, lg, optim_args, model_args, run_dir)
+    finally:
+        lock.release()
+
+
+def _run(cfg, info, tr, dargs, ck, lg, optim_args, model_args, run_dir) -> dict[str, Any]:
+    manager = CheckpointManager(run_dir, ck.keep, info.rank, info.world_size, async_save=ck.async_save)
     manager.clean_stale()
-    resume_from = manager.latest() if ck.resume else None
+    has_ckpt = ck.resume and manager.latest() is not None
 
     # Model: meta -> AC -> compile -> FSDP2 -> materialise with the full init/weights.
     model = build_model(model_args, device="meta")
     parallelize(model, info, dargs)
-    full = None if resume_from is not None else _initial_weights(cfg, ck, model_args, info.is_main)
-    materialize(model, info, full_state=full, model_args=model_args, init=resume_from is None)
+    full = None if has_ckpt else _initial_weights(cfg, ck, model_args, info.is_main)
+    materialize(model, info, full_state=full, model_args=model_args, init=not has_ckpt)
 
     optimizer = build_optimizer(model, optim_args)
     scheduler = build_lr_scheduler(optimizer, optim_args, tr.steps)
     loader = load_factory(tr.loader)(cfg.data if "data" in cfg else None, info.rank, info.world_size)
     step = 0
-    if resume_from is not None:
-        step = manager.load(resume_from, model, optimizer, scheduler, loader)
+    resume_from = None
+    if has_ckpt:
+        # The newest readable checkpoint (an unreadable one raises or falls back, per
+        # checkpoint.on_corrupt).
+        resume_from, step = manager.resume(model, optimizer, scheduler, loader, ck.on_corrupt)
         if info.is_main:
             print(f"[mta_repro.train] resumed from {resume_from} at step {step}", file=sys.stderr)
 
@@ -148,11 +284,13 @@ def _train(cfg: DictConfig, info: DistInfo, tr: TrainerArgs, dargs: DistributedA
     flops_tok = None
     peak = device_peak_flops(info.device)
     logger = MetricLogger(run_dir, lg, OmegaConf.to_container(cfg, resolve=True), info.is_main, tr.steps, step)
+    validator = maybe_validator(cfg, tr, info, seq_len)
     preempt = PreemptionHandler()
     meter = Throughput(info.device)
     last_saved = step if resume_from is not None else None
     stopped_by = None
     loss_val = float("nan")
+    interval_losses: list[float] = []
     try:
         while step < tr.steps:
             signum = preempt.agreed_signal(info.device)
@@ -201,37 +339,56 @@ def _train(cfg: DictConfig, info: DistInfo, tr: TrainerArgs, dargs: DistributedA
                 warnings.simplefilter("ignore", UserWarning)
                 scheduler.step()
             step += 1
+            interval_losses.append(loss_val)
             meter.add(n_tokens * info.world_size)
             logger.advance()
 
-            if step % lg.every == 0 or step == tr.steps:
+            validate = validator is not None and (step % tr.eval_every == 0 or step == tr.steps)
+            if step % lg.every == 0 or step == tr.steps or validate:
                 if flops_tok is None:
                     flops_tok = train_flops_per_token(model_args, seq_len)
                 tps = meter.rate()
                 m = mfu(tps, flops_tok, peak, info.world_size)
                 record = {
                     "step": step,
-                    "loss": loss_val,
+                    # The mean over the steps since the last record (each step's loss is
+                    # the mean over its global batch); loss_last is this step's alone.
+                    "loss": sum(interval_losses) / len(interval_losses),
+                    "loss_last": loss_val,
                     "lr": lr,
                     "grad_norm": gnorm_val,
-                    "tokens_per_s": tps,
+                    "tokens_per_s_global": tps,
+                    "tokens_per_s_per_gpu": tps / info.world_size,
                     "peak_mem_gb": peak_mem_gb(info.device),
                     "mfu": m,
+                    "tokens_seen": step * n_tokens * info.world_size,
                 }
+                interval_losses = []
+                counts = _domain_tokens(loader, info)
+                if counts:
+                    record.update({f"train_tokens/{d}": n for d, n in counts.items()})
+                bad = _summed(loader, "bad_records", info)
+                record.update({f"data_bad/{k}": n for k, n in bad.items() if n})
                 if skipped:
                     record["skipped"] = True
+                if validate:
+                    record.update(validator.run(model, info.device))
+                    meter.rate()  # validation time is not training throughput
                 logger.log(record)
             if step % ck.every == 0 or step == tr.steps:
                 manager.save(step, model, optimizer, scheduler, loader)
                 last_saved = step
+            lock_heartbeat(run_dir, info.is_main)
 
         if stopped_by is not None:
             if last_saved != step:
                 manager.save(step, model, optimizer, scheduler, loader)
+            manager.wait()
             requeued = requeue_if_slurm(stopped_by, info.is_main)
             if info.is_main:
                 print(f"[mta_repro.train] stopped at step {step} after a signal"
                       f"{' and requeued the job' if requeued else ''}", file=sys.stderr)
+        manager.wait()
     finally:
         preempt.restore()
         logger.close()
@@ -247,3 +404,30 @@ def _train(cfg: DictConfig, info: DistInfo, tr: TrainerArgs, dargs: DistributedA
 
             exported = str(export_consolidated(run_dir))
     return {"step": step, "loss": loss_val, "stopped_by_signal": stopped_by, "export": exported}
+
+
+def _domain_tokens(loader, info: DistInfo) -> dict[str, int]:
+    """Tokens trained on per domain, summed over ranks (loaders that count them)."""
+    return _summed(loader, "token_counts", info)
+
+
+def _summed(loader, method: str, info: DistInfo) -> dict[str, int]:
+    """``loader.<method>()`` ({name: count}, the same names on every rank) summed over ranks."""
+    if not hasattr(loader, method):
+        return {}
+    counts = getattr(loader, method)()
+    names = sorted(counts)
+    if info.world_size > 1:
+        t = torch.tensor([counts[n] for n in names], dtype=torch.int64, device=info.device)
+        dist.all_reduce(t, op=dist.ReduceOp.SUM)
+        return {n: int(v) for n, v in zip(names, t.tolist())}
+    return {n: int(counts[n]) for n in names}
+
+
+def lock_heartbeat(run_dir: Path, is_main: bool) -> None:
+    """Touch the lock (its mtime says when the holder was last alive)."""
+    if is_main:
+        try:
+            os.utime(run_dir / ".lock")
+        except OSError:
+            pass

@@ -75,6 +75,22 @@ def truncate_after(path: Path, step: int) -> None:
     path.write_text("".join(l + "\n" for l in keep))
 
 
+def _isatty(stream) -> bool:
+    try:
+        return stream.isatty()
+    except (AttributeError, ValueError):
+        return False
+
+
+def format_line(m: dict[str, Any], total: int) -> str:
+    """One progress line (no carriage return) for logs that are not a terminal."""
+    parts = [f"step {m['step']}/{total}", f"loss {m['loss']:.4f}", f"lr {m['lr']:.3g}",
+             f"tok/s {m['tokens_per_s_global']:.0f} global, {m['tokens_per_s_per_gpu']:.0f} per GPU"]
+    if m.get("val_loss") is not None:
+        parts.append(f"val_loss {m['val_loss']:.4f} val_ppl {m['val_ppl']:.2f}")
+    return "[mta_repro.train] " + " | ".join(parts)
+
+
 class MetricLogger:
     """Rank 0 writes; other ranks call it harmlessly."""
 
@@ -87,7 +103,11 @@ class MetricLogger:
             return
         truncate_after(self.path, start)
         self.file = open(self.path, "a")
-        if logging_args.progress_bar:
+        self.total = total
+        # A tqdm bar only on a terminal; elsewhere (SLURM's .err files, pipes) one plain
+        # line per logged step, no carriage returns.
+        self.plain = logging_args.progress_bar and not _isatty(sys.stderr)
+        if logging_args.progress_bar and not self.plain:
             from tqdm import tqdm
 
             self.bar = tqdm(total=total, initial=start, desc="train", dynamic_ncols=True, file=sys.stderr)
@@ -118,7 +138,9 @@ class MetricLogger:
         if self.wandb is not None:
             self.wandb.log({k: v for k, v in metrics.items() if isinstance(v, (int, float))}, step=metrics["step"])
         if self.bar is not None:
-            self.bar.set_postfix(loss=f"{metrics['loss']:.4f}", tok_s=f"{metrics['tokens_per_s']:.0f}")
+            self.bar.set_postfix(loss=f"{metrics['loss']:.4f}", tok_s=f"{metrics['tokens_per_s_global']:.0f}")
+        elif self.plain:
+            print(format_line(metrics, self.total), file=sys.stderr, flush=True)
 
     def advance(self, n: int = 1) -> None:
         if self.bar is not None:

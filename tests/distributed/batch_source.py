@@ -35,10 +35,16 @@ class GlobalBatchSource:
         return {"input": rows[:, :-1].contiguous(), "target": rows[:, 1:].contiguous()}
 
     def state_dict(self) -> dict:
-        return {"k": self.k}
+        return {"k": self.k, "b": self.b, "world": self.world}
 
     def load_state_dict(self, sd: dict) -> None:
         self.k = int(sd["k"])
+
+    def load_other_world_state(self, states: list) -> None:
+        """Another world size: the same global row position (k calls of W ranks x b rows)."""
+        rows = states[0]["k"] * states[0]["world"] * states[0]["b"]
+        assert rows % (self.world * self.b) == 0, (rows, self.world, self.b)
+        self.k = rows // (self.world * self.b)
 
     def close(self) -> None:
         pass

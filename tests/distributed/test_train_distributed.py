@@ -47,6 +47,10 @@ def _common(run_dir):
         "logging.progress_bar=false",
         "optim.lr=3e-3",
         "optim.warmup=2",
+        # Validation at the last step: 3 batches per domain, so on 2 ranks one rank runs a
+        # padding batch (discarded) and the sums are all-reduced.
+        "trainer.eval_max_batches=3",
+        "trainer.eval_batch_size=2",
     ]
 
 
@@ -85,8 +89,12 @@ def test_two_ranks_match_one_rank_on_the_same_global_batch(tmp_path):
         for s in range(1, STEPS + 1):
             assert abs(a[s]["loss"] - other[s]["loss"]) <= TOL, (name, s, a[s]["loss"], other[s]["loss"])
             assert a[s]["grad_norm"] == pytest.approx(other[s]["grad_norm"], rel=1e-4)
-    assert all(r["tokens_per_s"] > 0 for r in a.values())
+    assert all(r["tokens_per_s_global"] > 0 and r["tokens_per_s_per_gpu"] == r["tokens_per_s_global"] for r in a.values())
     assert a[STEPS]["loss"] < a[1]["loss"] - 1.0  # it trains: the motifs are learnable
+    # Validation (only at the last step) on 2 ranks == on 1 (the weights agree to ~1e-6).
+    assert [s for s in a if "val_loss" in a[s]] == [STEPS] and b[STEPS]["val_tokens"] == a[STEPS]["val_tokens"]
+    for k in (k for k in a[STEPS] if k.startswith("val_loss")):
+        assert b[STEPS][k] == pytest.approx(a[STEPS][k], abs=1e-4), k
 
     # The 2-rank checkpoint restores into one process for evaluation.
     from mta_repro.train.export import export_consolidated

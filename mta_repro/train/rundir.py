@@ -1,0 +1,326 @@
+"""Run-directory safety: the config check, the lock and ``config.yaml``.
+
+Before a run writes anything into ``run_dir`` (rank 0, ``prepare_run_dir``):
+
+1. If the run dir already holds a checkpoint, the new config is compared with the saved
+   ``config.yaml``. Fields fall in three classes:
+
+   - ``FREE``: never compared (they change nothing a run's numbers depend on: where the
+     run dir is, SLURM resources, the progress bar, prefetching, timeouts, this check's
+     own switches);
+   - ``SAFE``: may change with ``checkpoint.allow_config_change=true`` (``trainer.steps``
+     and the other trainer knobs below, ``logging.*``, checkpoint cadence/keep/export,
+     ``distributed.*`` performance settings, and the locations of the corpus, tokenizer
+     and stage source: a moved copy is the same data);
+   - everything else (``model.*``, ``data.*``, ``optim.*``, ``seed``,
+     ``checkpoint.init_mode``, ``trainer.loader``) defines the run: it can
+     never change within a run dir. ``trainer.grad_accum`` is compared as the *global*
+     batch (``data.batch_size * world_size * grad_accum``), so a run may continue on
+     another world size with the grad_accum that keeps it (see ``global_batch_error``).
+
+   A refused difference raises ``RunDirError`` naming the keys and the ways out.
+2. A lock ``<run_dir>/.lock`` (host, pid, SLURM job id, start time) is taken; a live
+   holder refuses; a stale one (dead pid on this host, an earlier incarnation of this
+   SLURM job, a SLURM job that is no longer running) is taken over with a warning.
+3. ``config.yaml`` is written atomically (temporary file + rename); a previous one that
+   differs is kept as ``config.prev.yaml``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+from omegaconf import DictConfig, OmegaConf
+
+LOCK = ".lock"
+
+FREE = (
+    "run_dir",
+    "slurm.",
+    "logging.progress_bar",
+    "data.prefetch",
+    "distributed.timeout_min",
+    "checkpoint.allow_config_change",
+    "checkpoint.resume",
+    "checkpoint.on_corrupt",
+    "checkpoint.async_save",
+    "trainer.grad_accum",  # compared as the global batch
+)
+SAFE = (
+    "trainer.steps",
+    "trainer.nonfinite",
+    "trainer.device",
+    "trainer.eval_every",
+    "trainer.eval_max_batches",
+    "trainer.eval_batch_size",
+    "logging.",
+    "checkpoint.every",
+    "checkpoint.keep",
+    "checkpoint.export",
+    "distributed.",
+    # Locations: a moved copy of the corpus, tokenizer or source run is the same data
+    # (the loader state names files relative to the root and checks them on resume).
+    "checkpoint.init_from",
+    "data.root_dir",
+    "data.tokenizer.path",
+)
+# Path-valued fields: compared as resolved paths (relative vs absolute is no change).
+PATHS = ("checkpoint.init_from", "data.root_dir", "data.tokenizer.path")
+
+
+class RunDirError(ValueError):
+    """A start refused to protect an existing run directory."""
+
+
+def _matches(key: str, prefixes) -> bool:
+    return any(key == p or (p.endswith(".") and key.startswith(p)) for p in prefixes)
+
+
+def flatten(d: Any, prefix: str = "") -> dict[str, Any]:
+    if isinstance(d, dict):
+        out: dict[str, Any] = {}
+        for k, v in d.items():
+            out.update(flatten(v, f"{prefix}{k}."))
+        return out if out or not prefix else {prefix[:-1]: {}}
+    return {prefix[:-1]: d}
+
+
+def _norm(key: str, value: Any) -> Any:
+    if _matches(key, PATHS) and isinstance(value, str):
+        from mta_repro.data.args import resolve_path
+
+        return str(resolve_path(value).resolve())
+    return value
+
+
+@dataclass
+class ConfigDiff:
+    unsafe: dict[str, tuple]  # key -> (saved, new)
+    safe: dict[str, tuple]
+
+
+def diff_configs(saved: dict, new: dict) -> ConfigDiff:
+    """Differences between two resolved configs, classified. A key missing from the saved
+    config (a field added to the schema since) counts as its schema default (a SAFE one
+    is not compared)."""
+    from mta_repro.config import TrainConfig
+
+    default = flatten(OmegaConf.to_container(OmegaConf.structured(TrainConfig), resolve=False))
+    old, cur = flatten(saved), flatten(new)
+    unsafe, safe = {}, {}
+    for key in sorted(set(old) | set(cur)):
+        if _matches(key, FREE):
+            continue
+        if key not in cur:  # a field removed from the schema: nothing to compare with
+            continue
+        if key not in old and _matches(key, SAFE):
+            continue  # a setting added to the schema since the run started: nothing to protect
+        a = old.get(key, default.get(key))
+        b = cur[key]
+        if _norm(key, a) == _norm(key, b):
+            continue
+        (safe if _matches(key, SAFE) else unsafe)[key] = (a, b)
+    return ConfigDiff(unsafe, safe)
+
+
+def _fmt(diff: dict[str, tuple], limit: int = 6) -> str:
+    """Every differing key; the saved -> new values of the first ``limit``."""
+    items = [f"{k}: {a!r} -> {b!r}" for k, (a, b) in list(diff.items())[:limit]]
+    rest = list(diff)[limit:]
+    return "; ".join(items) + (f"; also {', '.join(rest)}" if rest else "")
+
+
+def check_config(saved: dict, new: dict, allow_change: bool, run_dir: Path, at_step: Optional[int]) -> ConfigDiff:
+    """Raise RunDirError if ``new`` may not continue the run saved as ``saved``."""
+    d = diff_configs(saved, new)
+    where = f"{run_dir} (at step {at_step})" if at_step is not None else str(run_dir)
+    if d.unsafe:
+        raise RunDirError(
+            f"run_dir={run_dir}: this config differs from the run's config.yaml in fields that define "
+            f"the model, data or optimiser state: {_fmt(d.unsafe)}. The run in {where} is left untouched. "
+            "Use another run_dir=..., or start a new stage from its weights with "
+            f"run_dir=<new> checkpoint.init_from={run_dir}"
+        )
+    if d.safe and not allow_change:
+        raise RunDirError(
+            f"run_dir={run_dir}: this config changes {_fmt(d.safe)} of the run in {where}. "
+            "Add checkpoint.allow_config_change=true to continue this run with the change, "
+            "or use another run_dir=..."
+        )
+    return d
+
+
+def global_batch_error(saved_cfg: dict, new_cfg: DictConfig, saved_world: int, world: int) -> Optional[str]:
+    """An error text if the global batch would change, naming the grad_accum that keeps it."""
+    try:
+        b0, a0 = int(saved_cfg["data"]["batch_size"]), int(saved_cfg["trainer"].get("grad_accum", 1))
+    except (KeyError, TypeError):
+        return None
+    b1, a1 = int(new_cfg.data.batch_size), int(new_cfg.trainer.grad_accum)
+    g0, g1 = b0 * saved_world * a0, b1 * world * a1
+    if g0 == g1:
+        return None
+    fix = (
+        f"set trainer.grad_accum={g0 // (b1 * world)}"
+        if g0 % (b1 * world) == 0
+        else f"no grad_accum keeps it with data.batch_size={b1} on {world} ranks"
+    )
+    return (
+        f"the run's global batch was {g0} sequences (data.batch_size={b0} x {saved_world} ranks x "
+        f"trainer.grad_accum={a0}); this start would use {g1} ({b1} x {world} x {a1}): {fix}"
+    )
+
+
+# ------------------------------------------------------------------ lock
+def _holder() -> dict:
+    return {
+        "host": socket.gethostname(),
+        "pid": os.getpid(),
+        "slurm_job_id": os.environ.get("SLURM_JOB_ID"),
+        "started": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime()) + " UTC",
+    }
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # exists, another user's
+        return True
+    return True
+
+
+def _slurm_job_running(job: str) -> Optional[bool]:
+    """Whether SLURM says the job is pending/running; None if it cannot tell."""
+    if shutil.which("squeue") is None:
+        return None
+    try:
+        p = subprocess.run(["squeue", "-h", "-j", job, "-o", "%T"], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    if p.returncode != 0:
+        return False if "Invalid job id" in p.stderr else None
+    return any(s in p.stdout for s in ("RUNNING", "PENDING", "CONFIGURING", "COMPLETING", "REQUEUED"))
+
+
+def stale_reason(holder: dict) -> Optional[str]:
+    """Why the lock of ``holder`` is stale, or None if its holder may be alive."""
+    me = _holder()
+    job = holder.get("slurm_job_id")
+    if job and job == me["slurm_job_id"]:
+        return f"it was taken by an earlier run of this SLURM job {job} (requeued)"
+    if holder.get("host") == me["host"]:
+        pid = int(holder.get("pid", -1))
+        if pid == me["pid"]:
+            return "it is this process's own"
+        if not _pid_alive(pid):
+            return f"process {pid} on {holder['host']} is gone"
+        return None
+    if job:
+        running = _slurm_job_running(job)
+        if running is False:
+            return f"SLURM job {job} is no longer running"
+    return None
+
+
+def _describe(holder: dict, path: Optional[Path] = None) -> str:
+    job = holder.get("slurm_job_id")
+    alive = ""
+    if path is not None:
+        try:  # the holder touches the lock at every step
+            alive = f", last alive {int((time.time() - path.stat().st_mtime) // 60)} min ago"
+        except OSError:
+            pass
+    return (f"host {holder.get('host')}, pid {holder.get('pid')}"
+            f"{', SLURM job ' + job if job else ''}, since {holder.get('started')}{alive}")
+
+
+class RunLock:
+    """``<run_dir>/.lock``: one job per run dir (held by rank 0)."""
+
+    def __init__(self, run_dir: Path):
+        self.path = Path(run_dir) / LOCK
+        self.held = False
+
+    def acquire(self) -> None:
+        me = _holder()
+        for _ in range(3):
+            try:
+                fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+            except FileExistsError:
+                try:
+                    holder = json.loads(self.path.read_text())
+                except (OSError, ValueError):
+                    holder = {}
+                if not holder:  # torn write of a lock (killed while taking it): stale
+                    reason = "it is empty or unreadable"
+                else:
+                    reason = stale_reason(holder)
+                if reason is None:
+                    raise RunDirError(
+                        f"run_dir={self.path.parent} is in use by another job ({_describe(holder, self.path)}); "
+                        f"wait for it, use another run_dir=..., or if that job is dead delete {self.path}"
+                    )
+                print(f"[mta_repro.train] taking over the stale lock {self.path} ({reason})", file=sys.stderr)
+                try:
+                    self.path.unlink()
+                except FileNotFoundError:
+                    pass
+                continue
+            with os.fdopen(fd, "w") as f:
+                json.dump(me, f)
+            self.held = True
+            return
+        raise RunDirError(f"{self.path}: could not take the lock (another start is racing for it)")
+
+    def release(self) -> None:
+        if not self.held:
+            return
+        try:
+            holder = json.loads(self.path.read_text())
+            if holder.get("pid") == os.getpid() and holder.get("host") == socket.gethostname():
+                self.path.unlink()
+        except (OSError, ValueError):
+            pass
+        self.held = False
+
+
+# ------------------------------------------------------------------ config.yaml
+def write_config(run_dir: Path, cfg: DictConfig) -> None:
+    """``config.yaml`` atomically; a previous, different one is kept as config.prev.yaml."""
+    path = Path(run_dir) / "config.yaml"
+    text = OmegaConf.to_yaml(cfg, resolve=True)
+    if path.is_file():
+        old = path.read_text()
+        if old == text:
+            return
+        prev = path.with_name("config.prev.yaml")
+        tmp = prev.with_name(prev.name + ".tmp")
+        tmp.write_text(old)
+        os.replace(tmp, prev)
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def load_saved_config(run_dir: Path) -> Optional[dict]:
+    path = Path(run_dir) / "config.yaml"
+    if not path.is_file():
+        return None
+    try:
+        return OmegaConf.to_container(OmegaConf.load(path), resolve=False)
+    except Exception as e:  # noqa: BLE001 - a damaged file is a user-facing error
+        raise RunDirError(f"{path}: cannot be read ({e}); use another run_dir=... or repair/delete it") from e

@@ -1,0 +1,105 @@
+"""A damaged latest checkpoint (a truncated .distcp, a missing file) is named with its file;
+the trainer falls back to the previous complete checkpoint with a warning (or refuses with
+checkpoint.on_corrupt=raise) and the resumed run is still exact; a truncated
+consolidated.pt used as a stage start is named."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from mta_repro.config import compose
+from mta_repro.train.checkpoint import CheckpointCorruptError, load_model_state, verify_checkpoint
+
+COMMON = [
+    "data.seq_len=32",
+    "data.batch_size=2",
+    "data.shuffle_buffer=4",
+    "trainer.steps=3",
+    "trainer.device=cpu",
+    "trainer.eval_every=0",
+    "checkpoint.every=1",
+    "checkpoint.keep=3",
+    "logging.every=1",
+    "logging.wandb_mode=disabled",
+    "logging.progress_bar=false",
+    "optim.lr=3e-3",
+    "optim.warmup=1",
+]
+
+
+def _train(run_dir, *overrides):
+    from mta_repro.train.loop import train
+
+    return train(compose([*COMMON, f"run_dir={run_dir}", *overrides]))
+
+
+def _losses(run_dir):
+    return {r["step"]: r["loss"] for r in map(json.loads, (Path(run_dir) / "metrics.jsonl").read_text().splitlines())}
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("corrupt") / "run"
+    _train(run_dir)
+    return run_dir
+
+
+def _truncate_latest(run: Path) -> Path:
+    f = run / "checkpoints" / "0000000003" / "__0_0.distcp"
+    data = f.read_bytes()
+    f.write_bytes(data[: len(data) // 2])
+    return f
+
+
+def test_truncated_distcp_is_named_and_refused_with_on_corrupt_raise(base, tmp_path):
+    run = tmp_path / "run"
+    shutil.copytree(base, run)
+    _truncate_latest(run)
+    assert "file __0_0.distcp is truncated" in verify_checkpoint(run / "checkpoints" / "0000000003")
+    with pytest.raises(CheckpointCorruptError) as e:
+        _train(run, "checkpoint.on_corrupt=raise")
+    msg = str(e.value)
+    assert "checkpoint" in msg and "0000000003" in msg and "__0_0.distcp is truncated" in msg
+    assert "checkpoint.on_corrupt=fallback" in msg and "0000000002" in msg
+    assert len(msg.splitlines()) == 1
+
+
+def test_truncated_distcp_falls_back_to_the_previous_and_resumes_exactly(base, tmp_path, capsys):
+    run = tmp_path / "run"
+    shutil.copytree(base, run)
+    _truncate_latest(run)
+    with pytest.warns(UserWarning, match=r"0000000003 is unreadable: file __0_0.distcp is truncated"):
+        _train(run)
+    err = capsys.readouterr().err
+    assert "falling back to" in err and "resumed from" in err and "at step 2" in err
+    ckpts = run / "checkpoints"
+    assert (ckpts / "corrupt-0000000003").is_dir()  # kept for inspection, no longer counted
+    assert (ckpts / "0000000003" / ".complete").is_file() and verify_checkpoint(ckpts / "0000000003") is None
+    assert _losses(run) == _losses(base)  # step 3 trained again, the same loss
+
+
+def test_missing_file_and_init_from_fall_back(base, tmp_path):
+    run = tmp_path / "run"
+    shutil.copytree(base, run)
+    (run / "checkpoints" / "0000000003" / "__0_0.distcp").unlink()
+    assert verify_checkpoint(run / "checkpoints" / "0000000003") == "file __0_0.distcp is missing"
+    shutil.rmtree(run / "export")
+    # A stage start from this run dir takes the newest readable checkpoint, with a warning.
+    with pytest.warns(UserWarning, match="0000000003 is unreadable"):
+        _, step = load_model_state(run)
+    assert step == 2
+
+
+def test_truncated_consolidated_pt_is_named(base, tmp_path):
+    pt = tmp_path / "consolidated.pt"
+    data = (base / "export" / "consolidated.pt").read_bytes()
+    pt.write_bytes(data[: len(data) // 3])
+    with pytest.raises(CheckpointCorruptError, match=rf"{pt}: cannot be read .*truncated or corrupt"):
+        load_model_state(pt)
+    good = load_model_state(base / "export" / "consolidated.pt")[0]
+    assert all(torch.equal(v, good[k]) for k, v in load_model_state(base)[0].items())
