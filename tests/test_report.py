@@ -100,8 +100,8 @@ def test_report_tables_and_plots(tmp_path):
     row = next(r for r in res["tables"]["ppl"]["rows"] if r["run"] == "MTA tiny")
     assert row["avg"] == pytest.approx(14.0) and row["paper avg"] == 10.91
     assert set(res["tables"]) == {"ppl", "benchmarks", "lambada", "ablations", "needle", "babilong"}
-    for png in ("needle.png", "babilong.png", "loss_curves.png", "kernels_MTA tiny_pre-softmax.png",
-                "kernels_MTA tiny_post-softmax.png"):
+    for png in ("needle.png", "babilong.png", "loss_curves.png", "kernels_MTA_tiny_pre-softmax.png",
+                "kernels_MTA_tiny_post-softmax.png"):
         data = (out / png).read_bytes()
         assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000, png
     assert not (out / "kernels_base_run_pre-softmax.png").exists()

@@ -170,5 +170,6 @@ def kernel_plot(run: RunData, out: Path, kernels: Optional[dict] = None) -> list
                      f"(each {c_q}x{c_k}: rows = query offset -{c_q - 1}..0, columns = key offset)", fontsize=9)
         fig.subplots_adjust(top=1 - 0.9 / fig.get_figheight(), right=0.85, hspace=0.35, wspace=0.1)
         fig.colorbar(im, ax=axes, shrink=0.8, fraction=0.04)
-        paths.append(_save(fig, out / f"kernels_{run.label}_{suffix}.png"))
+        safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in run.label)
+        paths.append(_save(fig, out / f"kernels_{safe}_{suffix}.png"))
     return paths
