@@ -94,6 +94,48 @@ def _experiment(stage: dict, variant: str, where: str) -> Optional[str]:
     return _fmt(str(exp), variant, f"{where}.experiment")
 
 
+class _Composer:
+    """Many compositions under one Hydra initialisation (``mta_repro.config.compose``
+    initialises Hydra on every call, most of its cost); eval compositions are cached."""
+
+    def __enter__(self):
+        from hydra import initialize_config_dir
+        from hydra.core.global_hydra import GlobalHydra
+
+        from mta_repro.config import register_configs
+        from mta_repro.eval.args import register_eval_config
+
+        register_configs()
+        register_eval_config()
+        if GlobalHydra.instance().is_initialized():
+            GlobalHydra.instance().clear()
+        self._ctx = initialize_config_dir(config_dir=str(CONFIG_DIR), version_base=None)
+        self._ctx.__enter__()
+        self._evals: dict = {}
+        return self
+
+    def __exit__(self, *exc):
+        return self._ctx.__exit__(*exc)
+
+    def train(self, overrides) -> DictConfig:
+        from hydra import compose as hydra_compose
+
+        return hydra_compose(config_name="train", overrides=list(overrides))
+
+    def eval(self, overrides):
+        """(tasks, out_dir) of ``python -m mta_repro.eval <run> <overrides>``."""
+        key = tuple(overrides)
+        if key not in self._evals:
+            from hydra import compose as hydra_compose
+
+            from mta_repro.eval.args import EvalConfig
+
+            cfg = OmegaConf.to_object(hydra_compose(config_name="eval", overrides=list(overrides)))
+            assert isinstance(cfg, EvalConfig)
+            self._evals[key] = (list(cfg.tasks), cfg.out_dir)
+        return self._evals[key]
+
+
 def sweep_points(experiment: str) -> list:
     """[(point overrides)] of a sweep experiment's ``hydra.sweeper.params`` (in order)."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
@@ -167,6 +209,10 @@ class Plan:
 
     def _build(self) -> None:
         self._validate()
+        with _Composer() as c:
+            self._build_jobs(c)
+
+    def _build_jobs(self, c: "_Composer") -> None:
         s = self.spec
         common = _list(s.get("train_overrides"), "pipeline.train_overrides")
         pipeline_variants = _list(s.get("variants"), "pipeline.variants")
@@ -183,7 +229,7 @@ class Plan:
                 if st.get("sweep"):
                     points = []
                     for pt in sweep_points(exp):
-                        cfg = compose(base + pt)
+                        cfg = c.train(base + pt)
                         # the swept values as this config resolves them (e.g. the layer list
                         # for this model's depth), so the job's command line says what it runs
                         concrete = [f"{o.partition('=')[0]}={OmegaConf.select(cfg, o.partition('=')[0])}" for o in pt]
@@ -214,7 +260,8 @@ class Plan:
                     if st.get("continue_data"):
                         ov.append(f"trainer.loader={CONTINUE_LOADER}")
                     ov.append(f"run_dir={run_dir}")
-                    cfg = compose(ov)  # a typo or a missing field fails here, before any job
+                    # a typo or a missing field fails here, before any job
+                    cfg = c.train(ov)
                     self.train_dirs[label] = run_dir
                     if st.get("check_first_loss"):
                         tol = float(s.get("appendix_i_tol", 1e-4))
@@ -230,11 +277,11 @@ class Plan:
                         evals.append((st, label, run_dir, _list(st.eval, f"{where}.eval")))
         for st, label, run_dir, ev in evals:  # all training first: the eval jobs never delay a stage
             ov = list(ev) + ([f"lm_eval.include_path={include}"] if include else [])
-            ecfg = _compose_eval([str(run_dir)] + ov)
-            out = Path(ecfg.out_dir) if ecfg.out_dir else run_dir / "eval"
+            tasks, out_dir = c.eval(ov)
+            out = Path(out_dir) if out_dir else run_dir / "eval"
             self.jobs.append(Job(f"eval:{label}", "eval", run_dir,
                                  [self.python, "-m", "mta_repro.eval", str(run_dir), *ov], [f"train:{label}"],
-                                 st.name, label, eval_tasks=list(ecfg.tasks), eval_out=out))
+                                 st.name, label, eval_tasks=tasks, eval_out=out))
         if s.get("report", True):
             runs = list(self.train_dirs.items())
             out = self.root / "report"
@@ -284,12 +331,6 @@ class Plan:
                 " after all" if j.kind == "report" else "")
             lines.append(f"  [{state}] {j.id:<{w}}  {j.run_dir}{after}")
         return "\n".join(lines)
-
-
-def _compose_eval(argv: list):
-    from mta_repro.eval.run import parse_argv
-
-    return parse_argv(argv)
 
 
 def _export_step(run_dir: Path) -> Optional[int]:
