@@ -30,7 +30,12 @@ def first_batch_losses(overrides: Sequence[str], device: str = "auto") -> dict:
     from mta_repro.eval.load import load_model
     from mta_repro.model import build_model, to_model_args
     from mta_repro.train.args import CheckpointArgs
-    from mta_repro.train.loop import _initial_weights, cross_entropy, load_factory
+    from mta_repro.train.loop import cross_entropy, load_factory
+
+    try:  # the trainer's own stage start, so the check sees exactly what training starts from
+        from mta_repro.train.loop import _initial_weights
+    except ImportError:  # pragma: no cover - the same steps through the public API
+        _initial_weights = _stage_start_weights
 
     cfg = compose(list(overrides))
     ck = to_dataclass(CheckpointArgs, cfg.checkpoint, "checkpoint")
@@ -64,6 +69,20 @@ def first_batch_losses(overrides: Sequence[str], device: str = "auto") -> dict:
         torch.backends.cuda.matmul.allow_tf32 = allow_tf32
     return {"source": str(ck.init_from), "run_dir": str(cfg.run_dir), "batch_shape": list(x.shape),
             "device": str(dev), "source_loss": src, "inserted_loss": ins, "abs_diff": abs(src - ins)}
+
+
+def _stage_start_weights(cfg, ck, model_args, is_main=True) -> dict:
+    import dataclasses
+
+    from mta_repro.model.args import MTAArgs
+    from mta_repro.model.convert import baseline_to_mta
+    from mta_repro.train.checkpoint import load_model_state
+
+    sd, _ = load_model_state(Path(ck.init_from))
+    if ck.init_mode == "model":
+        return sd
+    base_args = dataclasses.replace(model_args, mta=MTAArgs(use_mta=False))
+    return baseline_to_mta(sd, base_args, model_args.mta, device="cpu").state_dict()
 
 
 def check(overrides: Sequence[str], tol: float = DEFAULT_TOL, device: str = "auto") -> dict:

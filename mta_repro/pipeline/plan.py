@@ -21,8 +21,9 @@ point named by the experiment's own run_dir, i.e. by the swept values), given to
 trainer as an absolute ``run_dir=``; hand-offs are absolute ``checkpoint.init_from=``.
 
 A job is done when its output is there: a training run when ``export/consolidated.pt``
-holds the configured last step (the trainer exports only after the last step), an
-evaluation when every task's JSON is newer than that export, the Appendix I check when its
+holds the configured last step (the trainer exports only after the last step; with
+``checkpoint.export=false``, the complete checkpoint of that step), an evaluation when
+every task's JSON is newer than that, the Appendix I check when its
 JSON says ok, the report when its ``results.json`` is newer than every evaluation.
 """
 
@@ -275,13 +276,14 @@ class Plan:
                                          steps=int(cfg.trainer.steps)))
                     if st.get("eval") is not None:
                         evals.append((st, label, run_dir, _list(st.eval, f"{where}.eval")))
+        steps = {j.label: j.steps for j in self.jobs if j.kind == "train"}
         for st, label, run_dir, ev in evals:  # all training first: the eval jobs never delay a stage
             ov = list(ev) + ([f"lm_eval.include_path={include}"] if include else [])
             tasks, out_dir = c.eval(ov)
             out = Path(out_dir) if out_dir else run_dir / "eval"
             self.jobs.append(Job(f"eval:{label}", "eval", run_dir,
                                  [self.python, "-m", "mta_repro.eval", str(run_dir), *ov], [f"train:{label}"],
-                                 st.name, label, eval_tasks=tasks, eval_out=out))
+                                 st.name, label, steps=steps[label], eval_tasks=tasks, eval_out=out))
         if s.get("report", True):
             runs = list(self.train_dirs.items())
             out = self.root / "report"
@@ -345,10 +347,23 @@ def _export_step(run_dir: Path) -> Optional[int]:
         return None
 
 
+def _finished(run_dir: Path, steps: int) -> Optional[Path]:
+    """The file that shows the run reached ``steps``: its export, else (checkpoint.export=false)
+    the complete checkpoint of that step; None while it has not."""
+    step = _export_step(run_dir)
+    if step is not None and step >= steps:
+        return run_dir / "export" / "consolidated.pt"
+    from mta_repro.train.checkpoint import COMPLETE, latest_checkpoint
+
+    ck = latest_checkpoint(run_dir) if (run_dir / "checkpoints").is_dir() else None
+    if ck is not None and int(ck.name) >= steps:
+        return ck / COMPLETE
+    return None
+
+
 def done(job: Job) -> bool:
     if job.kind == "train":
-        step = _export_step(job.run_dir)
-        return step is not None and step >= (job.steps or 0)
+        return _finished(job.run_dir, job.steps or 0) is not None
     if job.kind == "check":
         f = job.run_dir / "appendix_i_check.json"
         if not f.is_file():
@@ -358,8 +373,8 @@ def done(job: Job) -> bool:
         except json.JSONDecodeError:
             return False
     if job.kind == "eval":
-        export = job.run_dir / "export" / "consolidated.pt"
-        if not export.is_file():
+        export = _finished(job.run_dir, job.steps or 0)
+        if export is None:
             return False
         t0 = export.stat().st_mtime
         files = [job.eval_out / f"{t}.json" for t in job.eval_tasks]
