@@ -149,8 +149,9 @@ def test_paper_columns_follow_the_stage(tmp_path):
     ins = _fake_run(tmp_path / "ins", ["model=1b", "attention=mta", "model.mta.group_norm=false",
                                        "model.mta.add_gating=false", "checkpoint.init_mode=baseline_to_mta"],
                     "mta", 10.6, 100, pre_b)
+    ctl = _fake_run(tmp_path / "ctl", ["model=1b", "attention=baseline"], "baseline", 10.7, 40_054, pre_b)
     out = tmp_path / "rep"
-    build_report([pre_b, pre_m, lc_b, lc_m, ins], out, kernels=False)
+    build_report([pre_b, pre_m, lc_b, lc_m, ins, ctl], out, kernels=False)
     _, ppl = _csv(out / "ppl.csv")
     assert [ppl[n]["stage"] for n in ("pre_b", "lc_m", "ins")] == ["pretrain", "4K finetune", "MTA insertion"]
     assert float(ppl["pre_m"]["paper avg"]) == 10.91 and float(ppl["lc_m"]["paper avg"]) == 10.65
@@ -158,7 +159,10 @@ def test_paper_columns_follow_the_stage(tmp_path):
     # the difference is taken against the baseline of the same stage
     assert float(ppl["lc_m"]["Δ vs baseline"]) == pytest.approx(10.7 - 11.1)
     assert float(ppl["pre_m"]["Δ vs baseline"]) == pytest.approx(11.0 - 11.3)
-    assert ppl["ins"]["Δ vs baseline"] == ""  # no 1B baseline among the runs
+    # Appendix I: the inserted MTA against its control (the 1B baseline trained on alike)
+    assert ppl["ctl"]["stage"] == "continued training" and float(ppl["ctl"]["paper avg"]) == 10.69
+    assert float(ppl["ins"]["Δ vs baseline"]) == pytest.approx(10.6 - 10.7)
+    assert float(ppl["ins"]["paper Δ"]) == pytest.approx(10.61 - 10.69)
     assert ppl["lc_m"]["vs paper"] == "yes" and ppl["ins"]["vs paper"] == "no: 100 of the paper's 40,054 steps"
     _, abl = _csv(out / "ablations.csv")
     assert abl["lc_m"]["paper (Table 5)"] == ""  # Table 5 is about pretraining

@@ -16,6 +16,9 @@ PAPER_SETTING = {
                      "what": "880M, 105B tokens + 10.5B tokens at 4K"},
     "insertion": {"size": "1b", "steps": 40_054, "tokens": "10.5B",
                   "what": "1.4B Transformer + 10.5B tokens (Appendix I)"},
+    # the Appendix I control: the baseline trained on alike (same length, no MTA)
+    "continued": {"size": "1b", "steps": 40_054, "tokens": "10.5B",
+                  "what": "1.4B Transformer trained on for 10.5B tokens (Appendix I control)"},
 }
 SIZES = {  # (dim, n_layers, n_heads) of configs/model/<name>.yaml
     "300m": (1024, 20, 16),
@@ -30,7 +33,8 @@ AVG_PPL = {"baseline": 11.25, "diff": 11.15, "talking_heads": 11.04, "mta": 10.9
 AVG_PPL_LONG = {"baseline": 11.02, "diff": 10.89, "talking_heads": 10.88, "mta": 10.65}
 # Appendix I, own 1.4B model: MTA inserted vs the Transformer trained on alike.
 AVG_PPL_INSERTION = {"baseline": 10.69, "mta": 10.61}
-AVG_PPL_BY_STAGE = {"pretrain": AVG_PPL, "long_context": AVG_PPL_LONG, "insertion": AVG_PPL_INSERTION}
+AVG_PPL_BY_STAGE = {"pretrain": AVG_PPL, "long_context": AVG_PPL_LONG, "insertion": AVG_PPL_INSERTION,
+                    "continued": {"baseline": AVG_PPL_INSERTION["baseline"]}}
 
 # Average accuracy (%) over the nine benchmarks (BoolQ ... OpenBookQA zero-shot, MMLU
 # 5-shot), pretrained 880M models.

@@ -22,7 +22,9 @@ BENCH_ORDER = list(paper.BENCH_TASKS)
 TASK_ALIASES = {"siqa": "social_iqa"}
 LOCAL_SUFFIX = "_local"
 STAGE_LABELS = {"pretrain": "pretrain", "long_context": "4K finetune", "insertion": "MTA insertion",
-                "continued": "continued"}
+                "continued": "continued training"}
+# Stages compared with each other: Appendix I's MTA insertion against its control.
+STAGE_GROUP = {"continued": "insertion"}
 
 
 @dataclass
@@ -210,8 +212,9 @@ def _model(run: RunData) -> str:
 
 def baseline_of(run: RunData, runs) -> Optional[RunData]:
     """The baseline run of the same stage and model shape (the first one given)."""
+    group = STAGE_GROUP.get(run.stage, run.stage)
     for r in runs:
-        if r.variant == "baseline" and r.stage == run.stage and r.shape == run.shape:
+        if r.variant == "baseline" and STAGE_GROUP.get(r.stage, r.stage) == group and r.shape == run.shape:
             return r
     return None
 
@@ -222,7 +225,7 @@ def _diff(a, b):
 
 def _paper_note(stages) -> str:
     parts = [f"{STAGE_LABELS[s]}: the paper's {paper.PAPER_SETTING[s]['what']}"
-             for s in ("pretrain", "long_context", "insertion") if s in stages]
+             for s in ("pretrain", "long_context", "insertion", "continued") if s in stages]
     return "Paper numbers: " + "; ".join(parts) + ". Rows marked in 'vs paper' are not comparable."
 
 
