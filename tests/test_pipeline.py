@@ -207,7 +207,7 @@ def test_paper_plan_dry_run():
     # every Table 5 sweep point is its own run, named by the swept values
     for point in ("kernel_4x7", "kernel_6x11", "gating_False_rescale_True", "conv_layers_2-10-18",
                   "conv_layers_2-6-10-14-18-22"):
-        assert f"/scratch/mta/ablation_" in out and f"{point} " in out, point
+        assert "/scratch/mta/ablation_" in out and f"{point} " in out, point
     assert "model.mta.mta_layers='\"'\"'2,10,18'\"'\"'" in out
     assert "--dependency=afterok:<train:pretrain/mta>" in out
     assert out.count("#!/bin/bash") == len([l for l in out.splitlines() if l.startswith("# ---- ")])

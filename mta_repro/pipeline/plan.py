@@ -35,11 +35,11 @@ import shlex
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Optional
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
-from mta_repro.config import CONFIG_DIR, compose
+from mta_repro.config import CONFIG_DIR
 
 REPO = CONFIG_DIR.parent
 VARIANTS = ("baseline", "diff", "talking_heads", "mta")

@@ -8,11 +8,9 @@ import json
 import os
 import shlex
 import subprocess
-import sys
 import time
 from pathlib import Path
 from string import Template
-from typing import Optional
 
 from mta_repro.pipeline.plan import REPO, Job, Plan, done
 
