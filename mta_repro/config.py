@@ -42,7 +42,10 @@ class TrainConfig:
 
 
 def register_configs() -> None:
-    """Make the schemas known to Hydra (idempotent)."""
+    """Make the schemas (and the configs' resolvers, e.g. ``mta_layers_every``) known to Hydra (idempotent)."""
+    from mta_repro.pipeline.sweep import register_resolvers
+
+    register_resolvers()
     ConfigStore.instance().store(name="train_schema", node=TrainConfig)
 
 

@@ -1,36 +1,44 @@
-"""Reports: tables with the paper's numbers alongside, CSV/LaTeX, and the PNG plots."""
+"""Reports: tables with the paper's numbers alongside (by stage), differences to the
+baseline, comparability, labels, local task copies, CSV/LaTeX/JSON, and the PNG plots."""
 
 import csv
 import io
 import json
+import math
 import sys
 from pathlib import Path
 
 import pytest
+from omegaconf import OmegaConf
 
 sys.path.insert(0, str(Path(__file__).parent / "fixtures" / "eval"))
 from eval_helpers import make_run  # noqa: E402
 
+from mta_repro.config import compose  # noqa: E402
 from mta_repro.report.__main__ import build_report, main  # noqa: E402
+from mta_repro.report.plots import loss_series  # noqa: E402
+from mta_repro.report.tables import describe_mta, load_run  # noqa: E402
 
 
-def write_evals(run_dir: Path, variant: str, ppl_scale: float):
+def write_evals(run_dir: Path, variant: str, ppl_scale: float, step: int = 7, bench_names=None,
+                babilong_source="generated"):
     ev = run_dir / "eval"
     ev.mkdir(parents=True, exist_ok=True)
     doms = {"book": 20.0 * ppl_scale, "github": 8.0 * ppl_scale}
-    import math
-
     ppl = {"domains": {d: {"ppl": p, "loss": math.log(p), "tokens": 100} for d, p in doms.items()},
            "average": sum(doms.values()) / 2}
-    common = {"variant": variant, "step": 7}
+    common = {"variant": variant, "step": step}
     (ev / "ppl.json").write_text(json.dumps({"task": "ppl", **common, "results": ppl}))
     needle = {"accuracy": {"2048": {"2": {"by_depth": {"0": 1.0, "50": 0.5, "100": 0.0}, "mean": 0.5},
                                     "4": {"by_depth": {"0": 0.5, "50": 0.25, "100": 0.0}, "mean": 0.25}}}}
     (ev / "needle.json").write_text(json.dumps({"task": "needle", **common, "results": needle}))
     bab = {"accuracy": {"qa1": {"0k": 0.5, "1k": 0.25}, "qa2": {"0k": 0.75, "1k": 0.5}},
-           "mean": {"0k": 0.625, "1k": 0.375}}
+           "mean": {"0k": 0.625, "1k": 0.375}, "settings": {"source": babilong_source}}
     (ev / "babilong.json").write_text(json.dumps({"task": "babilong", **common, "results": bab}))
-    bench = {"tasks": {}, "summary": {"piqa": 60.0, "hellaswag": 30.0, "mmlu": 25.0, "average": 115 / 3}}
+    names = bench_names or {"piqa": 60.0 * ppl_scale, "hellaswag": 30.0, "mmlu": 25.0}
+    bench = {"tasks": {n: ({"acc,none": 0.1, "acc_norm,none": v / 100} if n.startswith("hellaswag") else
+                           {"acc,none": v / 100}) for n, v in names.items()},
+             "summary": {**names, "average": sum(names.values()) / len(names)}}
     (ev / "benchmarks.json").write_text(json.dumps({"task": "benchmarks", **common, "results": bench}))
     lam = {"tasks": {}, "summary": {"lambada_standard": {"ppl": 50.0, "acc": 10.0},
                                     "lambada_openai": {"ppl": 30.0, "acc": 12.0}}}
@@ -40,43 +48,172 @@ def write_evals(run_dir: Path, variant: str, ppl_scale: float):
             f.write(json.dumps({"step": s, "loss": 6.0 * ppl_scale / s ** 0.3, "lr": 1e-3}) + "\n")
 
 
+def _csv(path):
+    rows = list(csv.reader(io.StringIO(path.read_text())))
+    return rows[0], {r[0]: dict(zip(rows[0], r)) for r in rows[1:]}
+
+
 def test_report_tables_and_plots(tmp_path):
     mta_dir, _ = make_run(tmp_path / "mta_run", attention="mta")
     base_dir, _ = make_run(tmp_path / "base_run", attention="baseline")
     write_evals(mta_dir, "mta", 1.0)
     write_evals(base_dir, "baseline", 1.1)
     out = tmp_path / "report"
-    assert main([str(base_dir), str(mta_dir), "--out", str(out)]) == 0
+    assert main([str(base_dir), str(mta_dir), "--out", str(out), "--label", f"{mta_dir}=MTA tiny"]) == 0
     md = (out / "report.md").read_text()
-    # per-domain ppl next to the paper's averages for that variant
-    rows = list(csv.reader(io.StringIO((out / "ppl.csv").read_text())))
-    assert rows[0] == ["run", "model", "book", "github", "avg", "paper avg", "paper avg (4K ft)"]
-    by_run = {r[0]: r for r in rows[1:]}
-    assert float(by_run["mta_run"][2]) == pytest.approx(20.0) and float(by_run["mta_run"][4]) == pytest.approx(14.0)
-    assert float(by_run["mta_run"][5]) == 10.91 and float(by_run["base_run"][5]) == 11.25
-    assert float(by_run["base_run"][6]) == 11.02
-    lam = {r[0]: r for r in csv.reader(io.StringIO((out / "lambada.csv").read_text()))}
-    assert float(lam["mta_run"][3]) == 13.2 and float(lam["base_run"][5]) == 9.5
-    bench = {r[0]: r for r in csv.reader(io.StringIO((out / "benchmarks.csv").read_text()))}
-    assert bench["run"][2:] == ["piqa", "hellaswag", "mmlu", "avg", "paper avg"]
-    assert float(bench["mta_run"][-1]) == 44.9
-    abl = {r[0]: r for r in csv.reader(io.StringIO((out / "ablations.csv").read_text()))}
-    assert float(abl["mta_run"][3]) == 10.90 and abl["base_run"][3] == ""
+    # per-domain ppl, the difference to the baseline of the same stage, the paper's pretraining average
+    head, ppl = _csv(out / "ppl.csv")
+    assert head == ["run", "model", "stage", "book", "github", "avg", "Δ vs baseline", "paper avg", "paper Δ",
+                    "vs paper"]
+    m, b = ppl["MTA tiny"], ppl["base_run"]
+    assert float(m["book"]) == pytest.approx(20.0) and float(m["avg"]) == pytest.approx(14.0)
+    assert float(m["Δ vs baseline"]) == pytest.approx(14.0 - 15.4) and float(b["Δ vs baseline"]) == 0.0
+    assert float(m["paper avg"]) == 10.91 and float(b["paper avg"]) == 11.25
+    assert float(m["paper Δ"]) == pytest.approx(10.91 - 11.25)
+    assert m["stage"] == "pretrain"
+    # a 2-layer model after 7 steps is not the paper's 880M / 400k-step run, and says so
+    assert m["vs paper"].startswith("no: model dim 64 x 2 layers, paper 880M; 7 of the paper's 400,000 steps")
+    assert "the paper's 880M, 105B tokens" in md
+    lam_head, lam = _csv(out / "lambada.csv")
+    assert float(lam["MTA tiny"]["paper standard"]) == 13.2 and float(lam["base_run"]["paper OpenAI"]) == 9.5
+    bh, bench = _csv(out / "benchmarks.csv")
+    assert bh[3:6] == ["piqa (acc)", "hellaswag (acc_norm)", "mmlu (acc)"]
+    assert float(bench["MTA tiny"]["paper avg"]) == 44.9
+    assert float(bench["MTA tiny"]["Δ vs baseline"]) == pytest.approx((60 + 30 + 25) / 3 - (66 + 30 + 25) / 3)
+    assert "avg over 3 of the paper's 9 tasks" in bench["MTA tiny"]["vs paper"]
+    assert "Metric per task (lm-eval): piqa acc, hellaswag acc_norm, mmlu acc" in md
+    # the release MTA is not what this tiny config is: no Table 5 number
+    _, abl = _csv(out / "ablations.csv")
+    assert abl["MTA tiny"]["paper (Table 5)"] == "" and abl["base_run"]["paper (Table 5)"] == ""
     for name in ("ppl", "benchmarks", "lambada", "ablations", "needle", "babilong"):
         tex = (out / f"{name}.tex").read_text()
         assert "\\begin{tabular}" in tex and "\\_" not in tex.split("\\caption")[0]
-        assert "### " in md
-    assert "| mta_run | MTA | 20.00 | 8.00 | 14.00 | 10.91 | 10.65 |" in md
-    for png in ("needle.png", "babilong.png", "loss_curves.png", "kernels_mta_run_pre-softmax.png",
-                "kernels_mta_run_post-softmax.png"):
+    assert "| MTA tiny | MTA | pretrain | 20.00 | 8.00 | 14.00 | -1.40 | 10.91 | -0.34 |" in md
+    # BabiLong says its source and gets no paper column
+    bab_head, _ = _csv(out / "babilong.csv")
+    assert bab_head[:3] == ["run", "source", "task"]
+    assert "| MTA tiny | generated | mean | 62.50 | 37.50 |" in md and "not comparable with the paper" in md
+    # results.json: everything in the tables
+    res = json.loads((out / "results.json").read_text())
+    assert {r["label"]: r["stage"] for r in res["runs"]} == {"base_run": "pretrain", "MTA tiny": "pretrain"}
+    assert res["runs"][1]["comparable"] is False
+    row = next(r for r in res["tables"]["ppl"]["rows"] if r["run"] == "MTA tiny")
+    assert row["avg"] == pytest.approx(14.0) and row["paper avg"] == 10.91
+    assert set(res["tables"]) == {"ppl", "benchmarks", "lambada", "ablations", "needle", "babilong"}
+    for png in ("needle.png", "babilong.png", "loss_curves.png", "kernels_MTA_tiny_pre-softmax.png",
+                "kernels_MTA_tiny_post-softmax.png"):
         data = (out / png).read_bytes()
         assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000, png
     assert not (out / "kernels_base_run_pre-softmax.png").exists()
 
 
-def test_report_errors(tmp_path):
+def _fake_run(path: Path, overrides, variant, avg, step=400_000, init_from=None):
+    cfg = compose(overrides + ([f"checkpoint.init_from={init_from}"] if init_from else []))
+    path.mkdir(parents=True)
+    OmegaConf.save(OmegaConf.to_container(cfg, resolve=True), path / "config.yaml")
+    (path / "eval").mkdir()
+    ppl = {"domains": {"book": {"ppl": avg, "loss": math.log(avg), "tokens": 1}}, "average": avg}
+    (path / "eval" / "ppl.json").write_text(json.dumps({"task": "ppl", "variant": variant, "step": step,
+                                                       "results": ppl}))
+    return path
+
+
+def test_table5_number_only_on_matching_rows(tmp_path):
+    base = ["model=880m", "attention=mta", "trainer.steps=400000"]
+    runs = {
+        "release": (base, 10.90),
+        "rescale": (base + ["model.mta.layer_norm_rescale=true"], 10.92),
+        "rescale_nogate": (base + ["model.mta.layer_norm_rescale=true", "model.mta.add_gating=false"], 11.41),
+        "nogate": (base + ["model.mta.add_gating=false"], None),
+        "kernel_4x7": (base + ["model.mta.query_kernel_size=4", "model.mta.key_kernel_size=7",
+                               "model.mta.after_sm_query_kernel_size=4", "model.mta.after_sm_key_kernel_size=7"], None),
+        "every8": (base + ["model.mta.mta_layers='2,10,18'"], None),
+    }
+    dirs = [_fake_run(tmp_path / n, o, "mta", 11.0) for n, (o, _) in runs.items()]
+    out = tmp_path / "rep"
+    build_report(dirs, out, kernels=False)
+    _, abl = _csv(out / "ablations.csv")
+    for name, (_, want) in runs.items():
+        got = abl[name]["paper (Table 5)"]
+        assert (float(got) if got else None) == want, name
+        assert abl[name]["vs paper"] == "yes"  # 880M, 400k steps
+    assert describe_mta(None) == ("?", None)
+
+
+def test_paper_columns_follow_the_stage(tmp_path):
+    pre_b = _fake_run(tmp_path / "pre_b", ["model=880m", "attention=baseline"], "baseline", 11.3)
+    pre_m = _fake_run(tmp_path / "pre_m", ["model=880m", "attention=mta"], "mta", 11.0)
+    lc = ["model=880m", "model.rope_theta=500000", "data.seq_len=4096"]
+    lc_b = _fake_run(tmp_path / "lc_b", lc + ["attention=baseline"], "baseline", 11.1, 40_054, pre_b)
+    lc_m = _fake_run(tmp_path / "lc_m", lc + ["attention=mta"], "mta", 10.7, 40_054, pre_m)
+    ins = _fake_run(tmp_path / "ins", ["model=1b", "attention=mta", "model.mta.group_norm=false",
+                                       "model.mta.add_gating=false", "checkpoint.init_mode=baseline_to_mta"],
+                    "mta", 10.6, 100, pre_b)
+    ctl = _fake_run(tmp_path / "ctl", ["model=1b", "attention=baseline"], "baseline", 10.7, 40_054, pre_b)
+    out = tmp_path / "rep"
+    build_report([pre_b, pre_m, lc_b, lc_m, ins, ctl], out, kernels=False)
+    _, ppl = _csv(out / "ppl.csv")
+    assert [ppl[n]["stage"] for n in ("pre_b", "lc_m", "ins")] == ["pretrain", "4K finetune", "MTA insertion"]
+    assert float(ppl["pre_m"]["paper avg"]) == 10.91 and float(ppl["lc_m"]["paper avg"]) == 10.65
+    assert float(ppl["lc_b"]["paper avg"]) == 11.02 and float(ppl["ins"]["paper avg"]) == 10.61
+    # the difference is taken against the baseline of the same stage
+    assert float(ppl["lc_m"]["Δ vs baseline"]) == pytest.approx(10.7 - 11.1)
+    assert float(ppl["pre_m"]["Δ vs baseline"]) == pytest.approx(11.0 - 11.3)
+    # Appendix I: the inserted MTA against its control (the 1B baseline trained on alike)
+    assert ppl["ctl"]["stage"] == "continued training" and float(ppl["ctl"]["paper avg"]) == 10.69
+    assert float(ppl["ins"]["Δ vs baseline"]) == pytest.approx(10.6 - 10.7)
+    assert float(ppl["ins"]["paper Δ"]) == pytest.approx(10.61 - 10.69)
+    assert ppl["lc_m"]["vs paper"] == "yes" and ppl["ins"]["vs paper"] == "no: 100 of the paper's 40,054 steps"
+    _, abl = _csv(out / "ablations.csv")
+    assert abl["lc_m"]["paper (Table 5)"] == ""  # Table 5 is about pretraining
+
+
+def test_local_task_copies_and_old_names(tmp_path):
+    d, _ = make_run(tmp_path / "r", attention="baseline")
+    write_evals(d, "baseline", 1.0, bench_names={"arc_easy_local": 40.0, "siqa": 35.0, "hellaswag_local": 30.0})
+    lam = {"tasks": {}, "summary": {"lambada_standard_local": {"ppl": 50.0, "acc": 10.0}}}
+    (d / "eval" / "lambada.json").write_text(json.dumps({"task": "lambada", "variant": "baseline", "step": 7,
+                                                         "results": lam}))
+    out = tmp_path / "rep"
+    build_report([d], out, kernels=False)
+    head, bench = _csv(out / "benchmarks.csv")
+    assert head[3:6] == ["social_iqa (acc)", "hellaswag (acc_norm)", "arc_easy (acc)"]
+    assert float(bench["r"]["arc_easy (acc)"]) == 40.0 and float(bench["r"]["avg"]) == pytest.approx(35.0)
+    _, lam_rows = _csv(out / "lambada.csv")
+    assert float(lam_rows["r"]["standard"]) == 50.0
+    md = (out / "report.md").read_text()
+    assert "r: arc_easy_local, hellaswag_local counted as arc_easy, hellaswag (local copies" in md
+    assert "r: lambada_standard_local counted as lambada_standard" in md
+
+
+def test_babilong_source_and_loss_series(tmp_path):
+    d, _ = make_run(tmp_path / "hf_run", attention="baseline")
+    write_evals(d, "baseline", 1.0, babilong_source="hf")
+    with open(d / "metrics.jsonl", "a") as f:
+        f.write(json.dumps({"step": 10, "val_loss": 5.5}) + "\n")
+        f.write(json.dumps({"step": 20, "val_loss": 5.0, "val_ppl": math.e ** 5}) + "\n")
+    run = load_run(d)
+    s = loss_series(run)
+    assert s["val_loss"] == [(10, 5.5), (20, 5.0)] and s["val_ppl (ln)"] == [(20, pytest.approx(5.0))]
+    assert len(s["train"]) == 20
+    out = tmp_path / "rep"
+    build_report([d], out, kernels=False)
+    md = (out / "report.md").read_text()
+    assert "| hf_run | hf | qa1 |" in md and "compare the 'hf' rows with it" in md
+
+
+def test_report_errors_and_missing_eval(tmp_path, capsys):
     with pytest.raises(ValueError, match="does not exist"):
         build_report([tmp_path / "missing"], tmp_path / "out")
     (tmp_path / "bare").mkdir()
-    with pytest.raises(ValueError, match="no eval/\\*.json results and no metrics.jsonl"):
+    with pytest.raises(ValueError, match="no eval/\\*.json results and no metrics.jsonl.*python -m mta_repro.eval"):
         build_report([tmp_path / "bare"], tmp_path / "out")
+    trained = tmp_path / "trained"
+    trained.mkdir()
+    (trained / "metrics.jsonl").write_text(json.dumps({"step": 1, "loss": 3.0}) + "\n")
+    assert main([str(trained), "--out", str(tmp_path / "o2")]) == 0
+    err = capsys.readouterr().err
+    assert f"no evaluation results in {trained / 'eval'}; run: python -m mta_repro.eval {trained}" in err
+    assert "python -m mta_repro.eval" in (tmp_path / "o2" / "report.md").read_text()
+    assert main([str(trained), "--label", "nope"]) == 2
+    assert "--label expects DIR=NAME" in capsys.readouterr().err

@@ -187,7 +187,10 @@ def test_stage_experiments():
     lc = compose(["experiment=long_context_880m_mta"])
     a = model_args_from(lc)
     assert (a.rope_theta, lc.data.seq_len, lc.optim.weight_decay, lc.optim.warmup) == (500000, 4096, 0.0, 50)
-    assert lc.checkpoint.init_from == "runs/pretrain_880m_mta" and lc.checkpoint.init_mode == "model"
+    # init_from is required (absolute, from the pipeline's plan), not a cwd-relative runs/...
+    with pytest.raises(Exception, match="checkpoint.init_from: required"):
+        lc.checkpoint.init_from
+    assert lc.checkpoint.init_mode == "model"
     tokens = lc.data.batch_size * lc.data.seq_len * 32 * lc.trainer.steps
     assert tokens == pytest.approx(10.5e9, rel=0.001)
     ins = compose(["experiment=mta_insertion"])

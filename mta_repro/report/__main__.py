@@ -1,25 +1,48 @@
-"""``python -m mta_repro.report <run_dir>... --out <dir>``: tables and plots.
+"""``python -m mta_repro.report <run_dir>... --out <dir> [--label DIR=NAME ...]``: tables and plots.
 
-Writes <out>/report.md (every table, with links to the plots), <out>/<table>.csv and
-<out>/<table>.tex for each table that has data, and PNGs: needle.png, babilong.png,
-loss_curves.png, kernels_<run>_{pre,post}-softmax.png (MTA runs with weights).
+Writes <out>/report.md (every table with its notes, links to the plots), <out>/<table>.csv
+and <out>/<table>.tex for each table that has data, <out>/results.json (every run's stage,
+comparability and every table's rows as {header: value}), and PNGs: needle.png,
+babilong.png, loss_curves.png (training loss and any val* loss logged during training),
+kernels_<run>_{pre,post}-softmax.png (MTA runs with weights).
+
+Paper numbers are the paper's (880M models, 105B tokens; +10.5B at 4K for the finetune;
+1.4B for Appendix I), chosen by each run's stage; a run of another size or fewer steps is
+marked as not comparable.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
+from typing import Optional
 
 from mta_repro.report import plots
-from mta_repro.report.tables import all_tables, load_run
+from mta_repro.report.tables import STAGE_LABELS, all_tables, comparability, eval_command, load_run
 
 
-def build_report(run_dirs, out: Path, kernels: bool = True) -> Path:
-    runs = [load_run(p) for p in run_dirs]
-    labels = [r.label for r in runs]
+def parse_labels(items) -> dict:
+    """``["runs/a=MTA", ...]`` -> {resolved path: name}."""
+    out = {}
+    for item in items or ():
+        d, sep, name = item.rpartition("=")
+        if not sep or not d or not name:
+            raise ValueError(f"report: --label expects DIR=NAME, got {item!r}")
+        out[str(Path(d).resolve())] = name
+    return out
+
+
+def build_report(run_dirs, out: Path, kernels: bool = True, labels: Optional[dict] = None) -> Path:
+    labels = {str(Path(k).resolve()): v for k, v in (labels or {}).items()}
+    unknown = set(labels) - {str(Path(p).resolve()) for p in run_dirs}
+    if unknown:
+        raise ValueError(f"report: --label names a directory that is not among the runs: {sorted(unknown)}")
+    runs = [load_run(p, labels.get(str(Path(p).resolve()))) for p in run_dirs]
+    names = [r.label for r in runs]
     for r in runs:  # same basename in different parents: use parent/name
-        if labels.count(r.label) > 1:
+        if names.count(r.label) > 1 and str(r.path.resolve()) not in labels:
             r.label = f"{r.path.parent.name}_{r.path.name}"
     out.mkdir(parents=True, exist_ok=True)
     tables = all_tables(runs)
@@ -34,11 +57,34 @@ def build_report(run_dirs, out: Path, kernels: bool = True) -> Path:
                     pngs += plots.kernel_plot(r, out)
                 except ValueError as e:  # no weights in that run dir: tables still useful
                     print(f"report: no kernel plot for {r.label}: {e}", file=sys.stderr)
-    md = ["# mta-repro report", "", "Runs: " + ", ".join(f"`{r.path}` ({r.variant})" for r in runs), ""]
+    missing_eval = [r for r in runs if not r.evals]
+    md = ["# mta-repro report", "",
+          "Paper numbers are the paper's own results: 880M-parameter models trained on 105B tokens "
+          "(pretraining), then 10.5B more tokens at 4K (finetune columns), and the 1.4B model of Appendix I; "
+          "a run of another size or with fewer steps is marked 'no' in the 'vs paper' column.", "",
+          "| run | dir | model | stage | step | vs paper |", "|---|---|---|---|---|---|"]
+    for r in runs:
+        why = comparability(r)
+        md.append(f"| {r.label} | `{r.path}` | {r.variant} | {STAGE_LABELS.get(r.stage, r.stage)} | "
+                  f"{'—' if r.step is None else r.step} | {'no: ' + why if why else 'yes'} |")
+    md.append("")
+    for r in missing_eval:
+        msg = f"{r.label}: no evaluation results in {r.path / 'eval'}; run: {eval_command(r.path)}"
+        md.append(f"- {msg}")
+        print(f"report: {msg}", file=sys.stderr)
+    md.append("")
     md += [t.markdown() for t in tables]
     md += [f"![{p.stem}]({p.name})\n" for p in pngs if p is not None]
     path = out / "report.md"
     path.write_text("\n".join(md))
+    results = {
+        "runs": [{"label": r.label, "path": str(r.path), "variant": r.variant, "stage": r.stage, "step": r.step,
+                  "comparable": comparability(r) is None, "not_comparable_because": comparability(r),
+                  "evaluated": sorted(r.evals)} for r in runs],
+        "tables": {t.name: t.to_json() for t in tables},
+        "plots": [p.name for p in pngs if p is not None],
+    }
+    (out / "results.json").write_text(json.dumps(results, indent=1, default=str))
     return path
 
 
@@ -47,10 +93,16 @@ def main(argv=None) -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("run_dirs", nargs="+", help="run directories (with eval/*.json and/or metrics.jsonl)")
     ap.add_argument("--out", default=None, help="output directory (default: <first run>/report)")
+    ap.add_argument("--label", action="append", default=[], metavar="DIR=NAME",
+                    help="row label for a run directory (repeatable; default: the directory's name)")
     ap.add_argument("--no-kernels", action="store_true", help="skip loading weights for the kernel plots")
     args = ap.parse_args(argv)
     out = Path(args.out) if args.out else Path(args.run_dirs[0]) / "report"
-    path = build_report(args.run_dirs, out, kernels=not args.no_kernels)
+    try:
+        path = build_report(args.run_dirs, out, kernels=not args.no_kernels, labels=parse_labels(args.label))
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     print(path.read_text())
     print(f"report: {path}")
     return 0

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Optional
 
@@ -78,6 +79,27 @@ def babilong_plot(runs, out: Path) -> Optional[Path]:
     return _save(fig, out / "babilong.png")
 
 
+def loss_series(run) -> dict:
+    """{series name: [(step, loss)]}: the training loss and every validation metric logged
+    during training (metrics.jsonl keys starting with ``val``: losses as they are,
+    perplexities as ln(ppl), so all share the loss axis)."""
+    out = {}
+    pts = [(m["step"], m["loss"]) for m in run.metrics if "step" in m and isinstance(m.get("loss"), (int, float))]
+    if pts:
+        out["train"] = pts
+    val_keys = sorted({k for m in run.metrics for k in m if k.startswith("val")})
+    for k in val_keys:
+        vals = [(m["step"], m[k]) for m in run.metrics
+                if "step" in m and isinstance(m.get(k), (int, float)) and not isinstance(m.get(k), bool)]
+        if not vals:
+            continue
+        if "ppl" in k or "perplexity" in k:
+            out[f"{k} (ln)"] = [(s, math.log(v)) for s, v in vals if v > 0]
+        elif "loss" in k:
+            out[k] = vals
+    return out
+
+
 def loss_plot(runs, out: Path) -> Optional[Path]:
     have = [r for r in runs if r.metrics]
     if not have:
@@ -85,12 +107,11 @@ def loss_plot(runs, out: Path) -> Optional[Path]:
     fig, ax = plt.subplots(figsize=(7, 4.2))
     for i, r in enumerate(have):
         color = f"C{i % 10}"
-        pts = [(m["step"], m["loss"]) for m in r.metrics if "step" in m and isinstance(m.get("loss"), (int, float))]
+        series = loss_series(r)
+        pts = series.pop("train", [])
         if pts:
             ax.plot(*zip(*pts), color=color, lw=1.2, label=f"{r.label} train")
-        val_keys = sorted({k for m in r.metrics for k in m if k.startswith("val") and "loss" in k})
-        for k in val_keys:
-            vp = [(m["step"], m[k]) for m in r.metrics if isinstance(m.get(k), (int, float))]
+        for k, vp in series.items():
             ax.plot(*zip(*vp), color=color, ls="--", marker=".", label=f"{r.label} {k}")
         ppl = _res(r, "ppl")
         if ppl:  # the eval's validation loss (mean over domains) at the evaluated step
@@ -149,5 +170,6 @@ def kernel_plot(run: RunData, out: Path, kernels: Optional[dict] = None) -> list
                      f"(each {c_q}x{c_k}: rows = query offset -{c_q - 1}..0, columns = key offset)", fontsize=9)
         fig.subplots_adjust(top=1 - 0.9 / fig.get_figheight(), right=0.85, hspace=0.35, wspace=0.1)
         fig.colorbar(im, ax=axes, shrink=0.8, fraction=0.04)
-        paths.append(_save(fig, out / f"kernels_{run.label}_{suffix}.png"))
+        safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in run.label)
+        paths.append(_save(fig, out / f"kernels_{safe}_{suffix}.png"))
     return paths

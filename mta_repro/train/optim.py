@@ -9,8 +9,9 @@ warmup from 0 over 375 steps, then linear decay to 0.
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import dataclass
-from typing import Any, Union
+from typing import Any, Optional, Union
 
 import torch
 from torch import nn
@@ -38,6 +39,10 @@ class OptimArgs:
     clip: float = 1.0
     # Linear warmup from lr=0 at step 0 to ``lr`` at step ``warmup``.
     warmup: int = 375
+    # Warmup as a fraction of trainer.steps (e.g. 0.01); when set it replaces ``warmup``,
+    # so a shortened run (trainer.steps=30) keeps the same schedule shape. null = use
+    # ``warmup`` steps. A warmup of >= trainer.steps never reaches ``lr``: warned.
+    warmup_frac: Optional[float] = None
     # After warmup: "linear" decays to ``lr_min_ratio * lr`` at the last step (paper: to
     # 0), "cosine" follows a half cosine to the same floor, "constant" stays at ``lr``.
     scheduler: str = "linear"
@@ -53,6 +58,8 @@ class OptimArgs:
             raise ValueError(f"optim.lr: expected >= 0, got {self.lr}")
         if self.warmup < 0:
             raise ValueError(f"optim.warmup: expected >= 0 steps, got {self.warmup}")
+        if self.warmup_frac is not None and not 0.0 <= self.warmup_frac < 1.0:
+            raise ValueError(f"optim.warmup_frac: expected a fraction in [0, 1) of trainer.steps, got {self.warmup_frac}")
         if not 0.0 <= self.lr_min_ratio <= 1.0:
             raise ValueError(f"optim.lr_min_ratio: expected in [0, 1], got {self.lr_min_ratio}")
         for name in ("beta1", "beta2"):
@@ -100,6 +107,13 @@ def build_optimizer(model: nn.Module, optim_args: Union[OptimArgs, dict, Any]) -
     )
 
 
+def warmup_steps(args: OptimArgs, total_steps: int) -> int:
+    """The warmup length in steps: ``round(warmup_frac * total_steps)`` if set, else ``warmup``."""
+    if args.warmup_frac is not None:
+        return int(round(args.warmup_frac * total_steps))
+    return args.warmup
+
+
 def lr_factor(step: int, args: OptimArgs, total_steps: int) -> float:
     """Multiplier of ``args.lr`` used for the update of 0-based step ``step``.
 
@@ -107,12 +121,13 @@ def lr_factor(step: int, args: OptimArgs, total_steps: int) -> float:
     ``lr_linear``). After warmup the factor goes from 1 at ``warmup`` to
     ``lr_min_ratio`` at ``total_steps``.
     """
-    if args.warmup > 0 and step < args.warmup:
-        return step / args.warmup
+    warmup = warmup_steps(args, total_steps)
+    if warmup > 0 and step < warmup:
+        return step / warmup
     if args.scheduler == "constant":
         return 1.0
-    span = max(1, total_steps - args.warmup)
-    progress = min(1.0, max(0.0, (step - args.warmup) / span))
+    span = max(1, total_steps - warmup)
+    progress = min(1.0, max(0.0, (step - warmup) / span))
     floor = args.lr_min_ratio
     if args.scheduler == "linear":
         return floor + (1.0 - floor) * (1.0 - progress)
@@ -129,4 +144,12 @@ def build_lr_scheduler(
     args = to_optim_args(optim_args)
     if total_steps < 1:
         raise ValueError(f"trainer.steps: expected a positive number of steps, got {total_steps}")
+    warmup = warmup_steps(args, total_steps)
+    if warmup >= total_steps:
+        peak = lr_factor(total_steps - 1, args, total_steps)
+        warnings.warn(
+            f"optim.warmup={warmup} >= trainer.steps={total_steps}: the learning rate never reaches "
+            f"optim.lr (at most {peak:.1%} of it); set optim.warmup_frac (e.g. 0.01) or a shorter optim.warmup",
+            UserWarning, stacklevel=2,
+        )
     return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, args, total_steps))

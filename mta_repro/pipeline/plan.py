@@ -1,0 +1,396 @@
+"""The pipeline's plan: stages x variants (+ sweep points) -> jobs with absolute hand-offs.
+
+A pipeline config (``configs/pipeline/<name>.yaml``, the ``pipeline`` node) lists:
+
+* ``variants``: attention variants (``baseline``, ``diff``, ``talking_heads``, ``mta``);
+* ``train_overrides``: Hydra overrides every training stage gets (e.g. a CPU size);
+* ``stages``: in order, each ``{name, experiment, variants, init_from, overrides, sweep,
+  eval, check_first_loss, continue_data}``. ``experiment`` and ``overrides`` may use
+  ``{variant}``; ``experiment`` may also be a {variant: experiment} map. ``init_from``
+  names the stage whose run hands its weights over (same variant), or ``stage/variant``.
+  ``sweep: true`` expands the experiment's Hydra sweep (``hydra.sweeper.params``) into one
+  run per point. ``eval``: overrides of ``python -m mta_repro.eval`` for this stage's runs
+  (null: not evaluated). ``check_first_loss``: Appendix I check before training.
+  ``continue_data``: read the training data from where the ``init_from`` run stopped
+  (``mta_repro.pipeline.data``), not from the start of the stream again;
+* ``lm_eval_local``: {task: {split: file}} lm-eval tasks over local files (written as
+  ``<task>_local`` YAMLs under ``<root>/lm_eval_tasks`` and put on ``lm_eval.include_path``).
+
+Every run lives at ``<root>/<stage>/<variant>`` (sweeps: ``<root>/<stage>/<point>``, the
+point named by the experiment's own run_dir, i.e. by the swept values), given to the
+trainer as an absolute ``run_dir=``; hand-offs are absolute ``checkpoint.init_from=``.
+
+A job is done when its output is there: a training run when ``export/consolidated.pt``
+holds the configured last step (the trainer exports only after the last step; with
+``checkpoint.export=false``, the complete checkpoint of that step), an evaluation when
+every task's JSON is newer than that, the Appendix I check when its
+JSON says ok, the report when its ``results.json`` is newer than every evaluation.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import shlex
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+from omegaconf import DictConfig, ListConfig, OmegaConf
+
+from mta_repro.config import CONFIG_DIR
+
+REPO = CONFIG_DIR.parent
+VARIANTS = ("baseline", "diff", "talking_heads", "mta")
+STAGE_KEYS = {"name", "experiment", "variants", "init_from", "overrides", "sweep", "eval", "check_first_loss",
+              "continue_data"}
+PIPELINE_KEYS = {"name", "variants", "train_overrides", "stages", "lm_eval_local", "report", "appendix_i_tol",
+                 "slurm"}
+CONTINUE_LOADER = "mta_repro.pipeline.data:build_continued_loader"
+
+
+@dataclass
+class Job:
+    id: str  # "train:pretrain/mta", "eval:pretrain/mta", "check:insertion/mta", "report"
+    kind: str  # train | eval | check | report
+    run_dir: Path  # the run (report: the report's output directory)
+    command: list  # argv
+    deps: list = field(default_factory=list)  # job ids
+    stage: str = ""
+    label: str = ""  # "<stage>/<variant or point>"
+    overrides: list = field(default_factory=list)  # train / check: the training overrides
+    steps: Optional[int] = None  # train: trainer.steps
+    eval_tasks: list = field(default_factory=list)  # eval: task names
+    eval_out: Optional[Path] = None  # eval: where the JSONs go
+    runs: list = field(default_factory=list)  # report: run dirs
+
+    def shell(self) -> str:
+        return " ".join(shlex.quote(str(a)) for a in self.command)
+
+
+def _list(node, where: str) -> list:
+    if node is None:
+        return []
+    if isinstance(node, (list, tuple, ListConfig)):
+        return [str(x) for x in node]
+    raise ValueError(f"{where}: expected a list, got {node!r}")
+
+
+def _fmt(s: str, variant: str, where: str) -> str:
+    try:
+        return s.replace("{variant}", variant)
+    except AttributeError:
+        raise ValueError(f"{where}: expected a string, got {s!r}") from None
+
+
+def _experiment(stage: dict, variant: str, where: str) -> Optional[str]:
+    exp = stage.get("experiment")
+    if exp is None:
+        return None
+    if isinstance(exp, (dict, DictConfig)):
+        if variant not in exp:
+            raise ValueError(f"{where}.experiment: no experiment for variant {variant!r} (has {sorted(exp)})")
+        return str(exp[variant])
+    return _fmt(str(exp), variant, f"{where}.experiment")
+
+
+class _Composer:
+    """Many compositions under one Hydra initialisation (``mta_repro.config.compose``
+    initialises Hydra on every call, most of its cost); eval compositions are cached."""
+
+    def __enter__(self):
+        from hydra import initialize_config_dir
+        from hydra.core.global_hydra import GlobalHydra
+
+        from mta_repro.config import register_configs
+        from mta_repro.eval.args import register_eval_config
+
+        register_configs()
+        register_eval_config()
+        if GlobalHydra.instance().is_initialized():
+            GlobalHydra.instance().clear()
+        self._ctx = initialize_config_dir(config_dir=str(CONFIG_DIR), version_base=None)
+        self._ctx.__enter__()
+        self._evals: dict = {}
+        return self
+
+    def __exit__(self, *exc):
+        return self._ctx.__exit__(*exc)
+
+    def train(self, overrides) -> DictConfig:
+        from hydra import compose as hydra_compose
+
+        return hydra_compose(config_name="train", overrides=list(overrides))
+
+    def eval(self, overrides):
+        """(tasks, out_dir) of ``python -m mta_repro.eval <run> <overrides>``."""
+        key = tuple(overrides)
+        if key not in self._evals:
+            from hydra import compose as hydra_compose
+
+            from mta_repro.eval.args import EvalConfig
+
+            cfg = OmegaConf.to_object(hydra_compose(config_name="eval", overrides=list(overrides)))
+            assert isinstance(cfg, EvalConfig)
+            self._evals[key] = (list(cfg.tasks), cfg.out_dir)
+        return self._evals[key]
+
+
+def sweep_points(experiment: str) -> list:
+    """[(point overrides)] of a sweep experiment's ``hydra.sweeper.params`` (in order)."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    path = CONFIG_DIR / "experiment" / f"{experiment}.yaml"
+    if not path.is_file():
+        raise ValueError(f"experiment={experiment}: no {path}")
+    raw = OmegaConf.load(path)
+    params = OmegaConf.select(raw, "hydra.sweeper.params")
+    if not params:
+        raise ValueError(f"experiment={experiment}: sweep: true but it has no hydra.sweeper.params")
+    parsed = OverridesParser.create().parse_overrides([f"{k}={v}" for k, v in params.items()])
+    axes = [[f"{o.get_key_element()}={v}" for v in o.sweep_string_iterator()] for o in parsed]
+    return [list(c) for c in itertools.product(*axes)]
+
+
+def _safe_name(name: str) -> str:
+    """A directory name that needs no quoting in a Hydra override (``2,6,10`` -> ``2-6-10``)."""
+    return "".join(c if c.isalnum() or c in "._-" else "-" for c in name)
+
+
+def _point_value(o: str) -> str:
+    """``model.mta.mta_layers=${...}`` as a command-line override: quote the value so that
+    Hydra reads commas and interpolations as one string."""
+    key, _, val = o.partition("=")
+    if any(c in val for c in ",$[]{}()'\" "):
+        return f"{key}='" + val.replace("\\", "\\\\").replace("'", "\\'") + "'"
+    return o
+
+
+class Plan:
+    def __init__(self, spec: DictConfig, root: Path, python: str = sys.executable):
+        self.spec = spec
+        self.root = Path(root).expanduser().resolve()
+        self.python = python
+        self.jobs: list[Job] = []
+        self.train_dirs: dict[str, Path] = {}  # "<stage>/<variant|point>" -> run dir
+        self._build()
+
+    # ------------------------------------------------------------------ building
+    def _validate(self) -> None:
+        s = self.spec
+        extra = set(s) - PIPELINE_KEYS
+        if extra:
+            raise ValueError(f"pipeline: unknown field(s) {sorted(extra)}; expected {sorted(PIPELINE_KEYS)}")
+        for v in _list(s.get("variants"), "pipeline.variants"):
+            if v not in VARIANTS:
+                raise ValueError(f"pipeline.variants: unknown variant {v!r}; expected any of {list(VARIANTS)}")
+        if not s.get("stages"):
+            raise ValueError("pipeline.stages: empty; expected a list of stages")
+        names = []
+        for i, st in enumerate(s.stages):
+            where = f"pipeline.stages[{i}]"
+            extra = set(st) - STAGE_KEYS
+            if extra:
+                raise ValueError(f"{where}: unknown field(s) {sorted(extra)}; expected {sorted(STAGE_KEYS)}")
+            if not st.get("name"):
+                raise ValueError(f"{where}.name: required")
+            if st.name in names:
+                raise ValueError(f"{where}.name: {st.name!r} appears twice")
+            if st.get("experiment") is None:
+                raise ValueError(f"{where}.experiment: required (a configs/experiment name, may use {{variant}})")
+            src = st.get("init_from")
+            if src is not None and str(src).split("/")[0] not in names:
+                raise ValueError(f"{where}.init_from: {src!r} is not an earlier stage (earlier: {names})")
+            if st.get("check_first_loss") and src is None:
+                raise ValueError(f"{where}.check_first_loss: needs init_from (the source model)")
+            if st.get("continue_data") and src is None:
+                raise ValueError(f"{where}.continue_data: needs init_from (the run whose data position it continues)")
+            names.append(st.name)
+
+    def _build(self) -> None:
+        self._validate()
+        with _Composer() as c:
+            self._build_jobs(c)
+
+    def _build_jobs(self, c: "_Composer") -> None:
+        s = self.spec
+        common = _list(s.get("train_overrides"), "pipeline.train_overrides")
+        pipeline_variants = _list(s.get("variants"), "pipeline.variants")
+        include = self._lm_eval_include()
+        evals = []
+        for i, st in enumerate(s.stages):
+            where = f"pipeline.stages[{i}]"
+            variants = _list(st.get("variants"), f"{where}.variants") or pipeline_variants
+            for variant in variants:
+                exp = _experiment(st, variant, where)
+                base = [f"experiment={exp}"] + common + [
+                    _fmt(o, variant, f"{where}.overrides") for o in _list(st.get("overrides"), f"{where}.overrides")]
+                points = [(variant, [])]
+                if st.get("sweep"):
+                    points = []
+                    for pt in sweep_points(exp):
+                        cfg = c.train(base + pt)
+                        # the swept values as this config resolves them (e.g. the layer list
+                        # for this model's depth), so the job's command line says what it runs
+                        concrete = [f"{o.partition('=')[0]}={OmegaConf.select(cfg, o.partition('=')[0])}" for o in pt]
+                        points.append((_safe_name(Path(str(cfg.run_dir)).name), concrete))
+                    names = [p for p, _ in points]
+                    if len(set(names)) != len(names):
+                        raise ValueError(f"{where}: experiment={exp} names two sweep points alike ({names}); "
+                                         "its run_dir must contain every swept value")
+                for point, pt in points:
+                    label = f"{st.name}/{point}"
+                    if label in self.train_dirs:
+                        raise ValueError(f"{where}: run {label} planned twice")
+                    run_dir = self.root / st.name / point
+                    ov = base + [_point_value(o) for o in pt]
+                    if st.get("sweep"):
+                        ov.append("hydra.mode=RUN")  # one point per job, not the experiment's multirun
+                    deps = []
+                    src_dir = None
+                    if st.get("init_from") is not None:
+                        src = str(st.init_from)
+                        src_label = src if "/" in src else f"{src}/{variant}"
+                        if src_label not in self.train_dirs:
+                            raise ValueError(f"{where}.init_from: {src!r}: no run {src_label} in the plan "
+                                             f"(planned: {sorted(self.train_dirs)})")
+                        src_dir = self.train_dirs[src_label]
+                        ov.append(f"checkpoint.init_from={src_dir}")
+                        deps.append(f"train:{src_label}")
+                    if st.get("continue_data"):
+                        ov.append(f"trainer.loader={CONTINUE_LOADER}")
+                    ov.append(f"run_dir={run_dir}")
+                    # a typo or a missing field fails here, before any job
+                    cfg = c.train(ov)
+                    self.train_dirs[label] = run_dir
+                    if st.get("check_first_loss"):
+                        tol = float(s.get("appendix_i_tol", 1e-4))
+                        self.jobs.append(Job(
+                            f"check:{label}", "check", run_dir,
+                            [self.python, "-m", "mta_repro.pipeline.check", *ov, f"--tol={tol}"],
+                            list(deps), st.name, label, ov))
+                        deps = deps + [f"check:{label}"]
+                    self.jobs.append(Job(f"train:{label}", "train", run_dir,
+                                         [self.python, "-m", "mta_repro.train", *ov], deps, st.name, label, ov,
+                                         steps=int(cfg.trainer.steps)))
+                    if st.get("eval") is not None:
+                        evals.append((st, label, run_dir, _list(st.eval, f"{where}.eval")))
+        steps = {j.label: j.steps for j in self.jobs if j.kind == "train"}
+        for st, label, run_dir, ev in evals:  # all training first: the eval jobs never delay a stage
+            ov = list(ev) + ([f"lm_eval.include_path={include}"] if include else [])
+            tasks, out_dir = c.eval(ov)
+            out = Path(out_dir) if out_dir else run_dir / "eval"
+            self.jobs.append(Job(f"eval:{label}", "eval", run_dir,
+                                 [self.python, "-m", "mta_repro.eval", str(run_dir), *ov], [f"train:{label}"],
+                                 st.name, label, steps=steps[label], eval_tasks=tasks, eval_out=out))
+        if s.get("report", True):
+            runs = list(self.train_dirs.items())
+            out = self.root / "report"
+            cmd = [self.python, "-m", "mta_repro.report", *[str(d) for _, d in runs], "--out", str(out)]
+            for label, d in runs:
+                cmd += ["--label", f"{d}={label}"]
+            self.jobs.append(Job("report", "report", out, cmd, [j.id for j in self.jobs], "report", "report",
+                                 runs=[d for _, d in runs]))
+
+    def _lm_eval_include(self) -> Optional[Path]:
+        local = self.spec.get("lm_eval_local")
+        return (self.root / "lm_eval_tasks") if local else None
+
+    def write_lm_eval_tasks(self) -> Optional[Path]:
+        """Write the ``<task>_local`` YAMLs (needs lm-eval's task index: a few seconds)."""
+        local = self.spec.get("lm_eval_local")
+        if not local:
+            return None
+        from mta_repro.data.args import resolve_path
+        from mta_repro.eval.lm_eval_tasks import task_manager, write_local_task
+
+        out = self._lm_eval_include()
+        manager = task_manager()
+        for task, files in local.items():
+            paths = {}
+            for split, p in files.items():
+                f = resolve_path(str(p))
+                if not f.is_file():
+                    raise ValueError(f"pipeline.lm_eval_local.{task}.{split}: {p} does not exist")
+                paths[str(split)] = f
+            write_local_task(str(task), paths, out, manager=manager)
+        return out
+
+    # ------------------------------------------------------------------ state
+    def job(self, job_id: str) -> Job:
+        return next(j for j in self.jobs if j.id == job_id)
+
+    def is_done(self, job: Job) -> bool:
+        return done(job)
+
+    def describe(self) -> str:
+        w = max(len(j.id) for j in self.jobs)
+        lines = [f"pipeline {self.spec.get('name', '?')}: {len(self.jobs)} jobs under {self.root}"]
+        for j in self.jobs:
+            state = "done" if done(j) else "todo"
+            after = f" after {', '.join(j.deps)}" if j.deps and j.kind != "report" else (
+                " after all" if j.kind == "report" else "")
+            lines.append(f"  [{state}] {j.id:<{w}}  {j.run_dir}{after}")
+        return "\n".join(lines)
+
+
+def _export_step(run_dir: Path) -> Optional[int]:
+    f = run_dir / "export" / "consolidated.pt"
+    if not f.is_file():
+        return None
+    import torch
+
+    try:
+        return int(torch.load(f, map_location="cpu", weights_only=False, mmap=True).get("step", -1))
+    except Exception:  # noqa: BLE001 - a truncated file is not done
+        return None
+
+
+def _finished(run_dir: Path, steps: int) -> Optional[Path]:
+    """The file that shows the run reached ``steps``: its export, else (checkpoint.export=false)
+    the complete checkpoint of that step; None while it has not."""
+    step = _export_step(run_dir)
+    if step is not None and step >= steps:
+        return run_dir / "export" / "consolidated.pt"
+    from mta_repro.train.checkpoint import COMPLETE, latest_checkpoint
+
+    ck = latest_checkpoint(run_dir) if (run_dir / "checkpoints").is_dir() else None
+    if ck is not None and int(ck.name) >= steps:
+        return ck / COMPLETE
+    return None
+
+
+def done(job: Job) -> bool:
+    if job.kind == "train":
+        return _finished(job.run_dir, job.steps or 0) is not None
+    if job.kind == "check":
+        f = job.run_dir / "appendix_i_check.json"
+        if not f.is_file():
+            return False
+        try:
+            return bool(json.loads(f.read_text()).get("ok"))
+        except json.JSONDecodeError:
+            return False
+    if job.kind == "eval":
+        export = _finished(job.run_dir, job.steps or 0)
+        if export is None:
+            return False
+        t0 = export.stat().st_mtime
+        files = [job.eval_out / f"{t}.json" for t in job.eval_tasks]
+        return all(f.is_file() and f.stat().st_mtime >= t0 for f in files)
+    if job.kind == "report":
+        res = job.run_dir / "results.json"
+        if not res.is_file():
+            return False
+        try:
+            runs = [r["path"] for r in json.loads(res.read_text())["runs"]]
+        except (json.JSONDecodeError, KeyError, TypeError):
+            return False
+        if runs != [str(d) for d in job.runs]:
+            return False
+        t = res.stat().st_mtime
+        newest = [f.stat().st_mtime for d in job.runs for f in (d / "eval").glob("*.json")] if job.runs else []
+        newest += [(d / "metrics.jsonl").stat().st_mtime for d in job.runs if (d / "metrics.jsonl").is_file()]
+        return all(t >= x for x in newest)
+    raise ValueError(f"unknown job kind {job.kind!r}")

@@ -1,0 +1,192 @@
+"""Running a plan: locally, one job after another, or as SLURM jobs chained with
+``--dependency=afterok``; a rerun skips what is done and resumes what is not."""
+
+from __future__ import annotations
+
+import inspect
+import json
+import os
+import shlex
+import subprocess
+import time
+from pathlib import Path
+from string import Template
+
+from mta_repro.pipeline.plan import REPO, Job, Plan, done
+
+# Evaluation, Appendix I check and report jobs: one process on one node.
+JOB_TEMPLATE = Template("""#!/bin/bash
+#SBATCH --job-name=${job_name}
+#SBATCH --nodes=1
+#SBATCH --ntasks=1
+${gpu_sbatch}#SBATCH --cpus-per-task=${cpus}
+#SBATCH --time=${time}
+#SBATCH --output=${log_dir}/%j.out
+#SBATCH --error=${log_dir}/%j.err
+${extra_sbatch}
+# Written by python -m mta_repro.pipeline (${job_id}).
+set -euo pipefail
+cd ${workdir}
+export OMP_NUM_THREADS=${omp}
+${command}
+""")
+
+
+def _time(minutes: int) -> str:
+    d, rem = divmod(int(minutes), 24 * 60)
+    h, m = divmod(rem, 60)
+    return f"{d}-{h:02d}:{m:02d}:00"
+
+
+def job_script(job: Job, slurm: dict) -> str:
+    """The sbatch script of a job: training through mta_repro.train.slurm's render (the
+    multi-node template), the others through JOB_TEMPLATE."""
+    if job.kind == "train":
+        from mta_repro.train.slurm import render
+
+        kwargs = {"python": job.command[0]}
+        if "check_paths" in inspect.signature(render).parameters:
+            kwargs["check_paths"] = False  # the source run is made by an earlier job of this plan
+        script, _ = render(list(job.overrides), **kwargs)
+        return script
+    gpus = int(slurm.get("gpus_per_node", 1)) if job.kind != "report" else 0
+    extra = "\n".join(f"#SBATCH --{k}={slurm[k]}" for k in ("partition", "account", "qos") if slurm.get(k))
+    cpus = int(slurm.get("cpus_per_task", 12))
+    return JOB_TEMPLATE.substitute(
+        job_name=shlex.quote(f"{job.kind}_{job.label}".replace("/", "_"))[:64],
+        gpu_sbatch=f"#SBATCH --gpus-per-node={gpus}\n" if gpus > 0 else "",
+        cpus=cpus,
+        time=_time(slurm.get("time_min", 720)),
+        log_dir=shlex.quote(str(job.run_dir / "slurm")),
+        extra_sbatch=extra,
+        job_id=job.id,
+        workdir=shlex.quote(str(REPO)),
+        omp=max(1, cpus // 2),
+        command=job.shell(),
+    )
+
+
+def script_path(job: Job) -> Path:
+    return job.run_dir / "slurm" / f"pipeline_{job.kind}.sbatch"
+
+
+# ------------------------------------------------------------------ local
+def run_local(plan: Plan, log=print) -> int:
+    """Run the jobs in order; skip the done ones. 0, or 1 at the first failure."""
+    todo = [j for j in plan.jobs if not done(j)]
+    if not todo:
+        log(f"pipeline: nothing to do, all {len(plan.jobs)} jobs are done ({plan.root})")
+        return 0
+    if any(j.kind == "eval" for j in todo):
+        plan.write_lm_eval_tasks()
+    env = dict(os.environ)
+    env.setdefault("HF_DATASETS_OFFLINE", "1")
+    env.setdefault("HF_HUB_OFFLINE", "1")
+    env.setdefault("TOKENIZERS_PARALLELISM", "false")
+    for job in plan.jobs:
+        if done(job):
+            log(f"pipeline: {job.id}: done, skipped")
+            continue
+        job.run_dir.mkdir(parents=True, exist_ok=True)
+        logf = job.run_dir / f"pipeline_{job.kind}.log"
+        log(f"pipeline: {job.id}: running (log {logf})")
+        t0 = time.time()
+        with open(logf, "a") as f:
+            f.write(f"$ {job.shell()}\n")
+            f.flush()
+            rc = subprocess.run(job.command, cwd=str(REPO), stdout=f, stderr=subprocess.STDOUT, env=env).returncode
+        if rc != 0 or not done(job):
+            tail = "\n".join(logf.read_text().splitlines()[-15:])
+            log(f"pipeline: {job.id}: FAILED (exit {rc}) after {time.time() - t0:.0f}s; rerun the same command "
+                f"to resume. Last lines of {logf}:\n{tail}")
+            return 1
+        log(f"pipeline: {job.id}: done in {time.time() - t0:.0f}s")
+    log(f"pipeline: finished; report: {plan.root / 'report' / 'report.md'}")
+    return 0
+
+
+# ------------------------------------------------------------------ SLURM
+def _state_file(plan: Plan) -> Path:
+    return plan.root / ".pipeline" / "slurm_jobs.json"
+
+
+def _alive(job_ids) -> set:
+    """Those of ``job_ids`` that SLURM still has pending or running."""
+    if not job_ids:
+        return set()
+    try:
+        out = subprocess.run(["squeue", "-h", "-o", "%i", "-j", ",".join(job_ids)], capture_output=True, text=True,
+                             timeout=60)
+    except (FileNotFoundError, subprocess.TimeoutExpired):
+        return set()
+    return {line.strip() for line in out.stdout.splitlines() if line.strip()}
+
+
+def submit_slurm(plan: Plan, dry_run: bool = False, log=print) -> int:
+    """Submit every job that is not done, each with --dependency=afterok on the jobs it
+    needs that were (or still are) queued; jobs still queued from an earlier submission are
+    not submitted twice. --dry-run prints the scripts instead."""
+    slurm = dict(plan.spec.get("slurm") or {})
+    state_f = _state_file(plan)
+    previous = json.loads(state_f.read_text()) if state_f.is_file() else {}
+    alive = _alive(list(previous.values())) if not dry_run else set()
+    ids: dict = {}
+    if not dry_run and any(j.kind == "eval" and not done(j) for j in plan.jobs):
+        plan.write_lm_eval_tasks()
+    submitted = 0
+    for job in plan.jobs:
+        if done(job):
+            log(f"pipeline: {job.id}: done, skipped")
+            continue
+        if previous.get(job.id) in alive:
+            ids[job.id] = previous[job.id]
+            log(f"pipeline: {job.id}: still queued as job {ids[job.id]}, not submitted again")
+            continue
+        script = job_script(job, slurm)
+        deps = [ids[d] for d in job.deps if d in ids]
+        dep_args = [f"--dependency=afterok:{':'.join(deps)}"] if deps else []
+        if dry_run:
+            ids[job.id] = f"<{job.id}>"
+            log(f"# ---- {job.id}: sbatch {' '.join(dep_args)} {script_path(job)}")
+            log(script)
+            continue
+        path = script_path(job)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(script)
+        ids[job.id] = _submit(path, dep_args)
+        submitted += 1
+        log(f"pipeline: {job.id}: submitted as job {ids[job.id]}" + (f" ({dep_args[0]})" if dep_args else ""))
+    if not dry_run:
+        state_f.parent.mkdir(parents=True, exist_ok=True)
+        state_f.write_text(json.dumps({**previous, **ids}, indent=1))
+        log(f"pipeline: {submitted} job(s) submitted; rerun this command after they end (it skips what is done "
+            f"and resubmits what is not); report: {plan.root / 'report' / 'report.md'}")
+    return 0
+
+
+def _submit(path: Path, dep_args) -> str:
+    from mta_repro.train import slurm as train_slurm
+
+    if hasattr(train_slurm, "sbatch") and "extra_args" in inspect.signature(train_slurm.sbatch).parameters:
+        return train_slurm.sbatch(path, dep_args)
+    out = subprocess.run(["sbatch", "--parsable", *dep_args, str(path)], capture_output=True, text=True)
+    if out.returncode != 0:
+        raise RuntimeError(f"sbatch refused {path}: {(out.stderr or out.stdout).strip()}")
+    return out.stdout.strip().split(";")[0]
+
+
+def print_plan(plan: Plan, log=print) -> None:
+    log(plan.describe())
+    for j in plan.jobs:
+        log(f"  {j.id}: {j.shell()}")
+
+
+def main_run(plan: Plan, launcher: str, dry_run: bool, log=print) -> int:
+    if dry_run:
+        print_plan(plan, log)
+        if launcher == "slurm":
+            return submit_slurm(plan, dry_run=True, log=log)
+        return 0
+    if launcher == "slurm":
+        return submit_slurm(plan, log=log)
+    return run_local(plan, log)
