@@ -12,8 +12,11 @@ Layers (the release's 830M options, 16 heads of 96, B = 1):
   mixing   wpsm + head conv over 16 (layers outside mta_layers; talking heads)
 and ``sdpa`` (F.scaled_dot_product_attention, causal), the baseline's layer.
 
-Each (layer, implementation, T) runs in a fresh subprocess, so the peak memory is its own:
-CUDA max allocated, or on CPU the peak RSS minus the RSS before the inputs existed.
+Each (layer, implementation, T) runs in fresh subprocesses, so the peak memory is its own:
+CUDA max allocated, or on CPU the peak RSS minus the RSS before the inputs existed,
+measured in a second process with glibc's mmap threshold fixed at 1 MiB (every large
+tensor is mapped and unmapped, so the RSS follows the live tensors instead of what
+malloc's heap kept; that costs page faults, so the times come from the first process).
 "Saved" is the bytes autograd keeps for backward (``saved_tensors_hooks``, each storage
 counted once): noise cannot move it. Times are medians of ``--reps`` after one warm-up.
 Ratios are against SDPA at the same T, from the same invocation.
@@ -23,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import resource
 import statistics
 import subprocess
@@ -138,7 +142,7 @@ def main() -> None:
     ap.add_argument("--seqs", default="1024,2048,4096")
     ap.add_argument("--layers", default=",".join(LAYERS))
     ap.add_argument("--impls", default=None, help="comma list (default: every registered one)")
-    ap.add_argument("--block-sizes", default="256", help="blocked path block sizes to compare")
+    ap.add_argument("--block-sizes", default="128", help="blocked path block sizes to compare")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--reps", type=int, default=3)
@@ -166,13 +170,18 @@ def main() -> None:
                     cases.append((layer, impl, seq, bs))
     rows = []
     for layer, impl, seq, bs in cases:
-        cmd = [sys.executable, __file__, "--one", layer, impl, str(seq), str(bs or 256),
-               "--device", a.device, "--dtype", a.dtype, "--reps", str(a.reps)]
-        p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+        cmd = [sys.executable, __file__, "--one", layer, impl, str(seq), str(bs or 128),
+               "--device", a.device, "--dtype", a.dtype]
+        p = subprocess.run([*cmd, "--reps", str(a.reps)], cwd=ROOT, capture_output=True, text=True)
         if p.returncode != 0:
             print(f"{layer}/{impl}/T={seq} failed:\n{p.stderr[-1500:]}", file=sys.stderr)
             continue
         r = json.loads(p.stdout.strip().splitlines()[-1])
+        if a.device == "cpu":
+            env = dict(os.environ, MALLOC_MMAP_THRESHOLD_=str(2**20))
+            m = subprocess.run([*cmd, "--reps", "1"], cwd=ROOT, capture_output=True, text=True, env=env)
+            if m.returncode == 0:
+                r["peak_gb"] = json.loads(m.stdout.strip().splitlines()[-1])["peak_gb"]
         r["block_size"] = bs
         rows.append(r)
         print(f"  {layer:8s} {impl:8s} T={seq:5d} bs={bs:4d} {r['s']:8.3f} s  peak {r['peak_gb']:.2f} GB  "

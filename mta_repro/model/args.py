@@ -92,9 +92,9 @@ class ModelArgs:
     # (B, H, T, T) score matrix, kept for backward). Faster kernels plug in there.
     attn_impl: str = "blocked"
     # Query rows per block of attn_impl=blocked (scripts/bench_attention.py --block-sizes
-    # measures it; 256 was fastest at T=2048 on CPU). Peak memory of one layer's score
-    # path is about 4 x B x H x (block + halo) x T x bytes.
-    attn_block_size: int = 256
+    # measures it: 128 was fastest for kq-conv layers at T=2048 and 4096 on CPU). The
+    # score path's working set is a few B x H x (block + halo) x T tensors.
+    attn_block_size: int = 128
     # The release's key-query convolution layers for this size. ``attention=mta``
     # points ``mta.mta_layers`` here; changing it alone changes nothing.
     kq_conv_layers: Optional[str] = None

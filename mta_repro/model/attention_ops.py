@@ -175,7 +175,7 @@ class ExplicitAttnParams:
     pad_key: str = "both"
     dropout: float = 0.0
     # Query rows per block of the ``blocked`` implementation (``model.attn_block_size``).
-    block_size: int = 256
+    block_size: int = 128
 
 
 def explicit_attention_torch(
