@@ -123,3 +123,26 @@ def test_two_ranks_real_loader_end_to_end(tmp_path):
     # Every rank's loader state is saved, and the ranks read different data.
     assert r0["data"] is not None and r1["data"] is not None
     assert pickle.dumps(r0["data"]) != pickle.dumps(r1["data"])
+
+
+def test_two_ranks_train_mta_blocked_as_one_process(tmp_path):
+    """The default MTA path (query blocks recomputed in backward, the C convolution as a
+    custom op) under FSDP2 on 2 gloo ranks: the same losses as one process."""
+    steps = 4
+    mta = ["attention=mta", "model.kq_conv_layers='0,2'", "model.attn_block_size=8", "trainer.eval_every=0",
+           "trainer.loader=batch_source:build"]
+
+    def common(run_dir):  # 4 steps instead of STEPS
+        return [a for a in _common(run_dir) if not a.startswith(("trainer.steps=", "checkpoint.every="))] + [
+            f"trainer.steps={steps}", f"checkpoint.every={steps}"]
+
+    one, two = tmp_path / "one", tmp_path / "two"
+    p = subprocess.run([sys.executable, "-m", "mta_repro.train", *common(one), *mta, "data.batch_size=4"],
+                       cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=400)
+    assert p.returncode == 0, p.stderr[-4000:]
+    _torchrun(2, [*common(two), *mta, "data.batch_size=2"])
+    a, b = _losses(one), _losses(two)
+    assert sorted(a) == sorted(b) == list(range(1, steps + 1))
+    for s in a:
+        assert abs(a[s]["loss"] - b[s]["loss"]) <= TOL, (s, a[s]["loss"], b[s]["loss"])
+        assert a[s]["grad_norm"] == pytest.approx(b[s]["grad_norm"], rel=1e-4)
