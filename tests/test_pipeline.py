@@ -211,9 +211,10 @@ def test_paper_plan_dry_run():
     assert "model.mta.mta_layers='\"'\"'2,10,18'\"'\"'" in out
     assert "--dependency=afterok:<train:pretrain/mta>" in out
     assert out.count("#!/bin/bash") == len([l for l in out.splitlines() if l.startswith("# ---- ")])
-    # 4 pretrain + 4 finetune + 4 + 4 + 3 sweep points; each evaluated; one report
-    assert len([l for l in out.splitlines() if l.startswith("# ---- train:")]) == 19
-    assert len([l for l in out.splitlines() if l.startswith("# ---- eval:")]) == 19
+    # 4 pretrain + 4 finetune + 4 + 4 + 3 sweep points + the layer-norm-scaling run;
+    # each evaluated; one report
+    assert len([l for l in out.splitlines() if l.startswith("# ---- train:")]) == 20
+    assert len([l for l in out.splitlines() if l.startswith("# ---- eval:")]) == 20
 
 
 def test_plan_errors_are_one_line():

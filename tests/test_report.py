@@ -123,7 +123,8 @@ def test_table5_number_only_on_matching_rows(tmp_path):
     runs = {
         "release": (base, 10.90),
         "rescale": (base + ["model.mta.layer_norm_rescale=true"], 10.92),
-        "rescale_nogate": (base + ["model.mta.layer_norm_rescale=true", "model.mta.add_gating=false"], 11.41),
+        "curse_norm": (base + ["model.mta.curse_norm=true"], 11.41),
+        "rescale_nogate": (base + ["model.mta.layer_norm_rescale=true", "model.mta.add_gating=false"], None),
         "nogate": (base + ["model.mta.add_gating=false"], None),
         "kernel_4x7": (base + ["model.mta.query_kernel_size=4", "model.mta.key_kernel_size=7",
                                "model.mta.after_sm_query_kernel_size=4", "model.mta.after_sm_key_kernel_size=7"], None),

@@ -56,9 +56,9 @@ TABLE5 = {
     "pre+post-softmax conv, scalar gating": 10.90,
     # ... with depth scaling (group norm times 1 - lambda_init)
     "pre+post-softmax conv, scalar gating, depth scaling": 10.92,
-    # the layer-norm-scaling configuration without gating (spec: "one layer-norm-scaling
-    # configuration 11.41"; read here as depth scaling without the gate)
-    "pre+post-softmax conv, depth scaling, no gating": 11.41,
+    # the release's curse_norm (block norms times 1 - lambda_init(layer), "layer-norm
+    # scaling", arXiv 2502.05795): the spec's "one layer-norm-scaling configuration 11.41"
+    "pre+post-softmax conv, scalar gating, layer-norm scaling": 11.41,
 }
 # Back-compatible name.
 ABLATIONS = TABLE5

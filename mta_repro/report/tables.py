@@ -376,6 +376,8 @@ def describe_mta(cfg: Optional[dict]) -> tuple:
         parts.append("group norm")
     if mta.get("layer_norm_rescale"):
         parts.append("depth scaling")
+    if mta.get("curse_norm"):
+        parts.append("layer-norm scaling")
     gate = bool(mta.get("add_gating"))
     if gate:
         parts.append("gate 1d" if mta.get("gate_1d", True) else "gate")
@@ -392,11 +394,10 @@ def describe_mta(cfg: Optional[dict]) -> tuple:
     release = (pre and post and kpre == RELEASE_KERNEL and kpost == RELEASE_KERNEL and head_mix
                and bool(mta.get("group_norm")) and str(layers).replace(" ", "") == str(release_layers))
     if release:
-        rescale = bool(mta.get("layer_norm_rescale"))
-        if gate and mta.get("gate_1d", True):
-            key = "pre+post-softmax conv, scalar gating" + (", depth scaling" if rescale else "")
-        elif not gate and rescale:
-            key = "pre+post-softmax conv, depth scaling, no gating"
+        rescale, curse = bool(mta.get("layer_norm_rescale")), bool(mta.get("curse_norm"))
+        if gate and mta.get("gate_1d", True) and not (rescale and curse):
+            key = "pre+post-softmax conv, scalar gating" + (", depth scaling" if rescale else "") + (
+                ", layer-norm scaling" if curse else "")
     return ", ".join(parts) or "explicit attention", key
 
 
@@ -416,8 +417,9 @@ def ablation_table(runs) -> Optional[Table]:
     notes = ["paper (Table 5): the paper's 880M ablation (105B tokens) whose configuration this run matches "
              "(the release's MTA: 6x11 convolutions before and after softmax in every 4th layer from layer 2, "
              "head mixing, group norm; then gating / depth scaling as named); other kernel sizes and "
-             "conv-layer choices have no published number here. The 11.41 row is read as depth scaling "
-             "without the gate (the spec names it 'one layer-norm-scaling configuration')."]
+             "conv-layer choices have no published number here. The 11.41 row is the release's curse_norm "
+             "(block norms times 1 - lambda_init(layer); the spec names it 'one layer-norm-scaling "
+             "configuration'), run by experiment=ablation_layer_norm_scaling."]
     return Table("ablations", "Ablations: average validation perplexity",
                  ["run", "stage", "attention config", "avg ppl", "Δ vs baseline", "paper (Table 5)", "Table 5 row",
                   "vs paper"], rows, notes)
