@@ -62,3 +62,19 @@ def test_too_little_text_is_a_clear_error():
     model = tiny_model("baseline", vocab_size=tok.n_words)
     with pytest.raises(ValueError, match="fewer than seq_len"):
         domain_perplexity(model, tok, ["tiny"], seq_len=64)
+
+
+def test_progress_off_a_terminal_is_plain_lines():
+    """SLURM .err files and pipes get whole lines (no carriage returns) and a final one."""
+    import io
+
+    from mta_repro.eval.progress import Progress
+
+    out = io.StringIO()  # not a TTY
+    p = Progress("ppl/book", total=4, every_s=0.0, stream=out)
+    for _ in range(4):
+        p.update()
+    p.close()
+    lines = out.getvalue().splitlines()
+    assert "\r" not in out.getvalue() and len(lines) == 5
+    assert lines[1].startswith("[eval] ppl/book: 2/4 (50%)") and lines[-1].endswith("done")

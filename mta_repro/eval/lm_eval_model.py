@@ -24,6 +24,8 @@ from lm_eval.api.registry import register_model
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 from tqdm import tqdm
 
+from mta_repro.eval.progress import Progress
+
 from mta_repro.eval.generate import generate_text
 
 
@@ -193,7 +195,9 @@ class MTAReproLM(TemplateLM):
                     by_ctx.setdefault(tuple(inp[:s]), []).append(row)
             served[row].append((i, s, e, target))
         self.forward_rows += len(rows)
+        progress = Progress("loglikelihood", -(-len(rows) // self.batch_size))
         for start in range(0, len(rows), self.batch_size):
+            progress.update()
             batch = range(start, min(start + self.batch_size, len(rows)))
             width = max(len(rows[r]) for r in batch)
             tokens = torch.zeros((len(batch), width), dtype=torch.long, device=self._device)
@@ -212,6 +216,7 @@ class MTAReproLM(TemplateLM):
                     ll = float(part.gather(-1, tgt[:, None]).sum())
                     greedy = bool((part.argmax(-1) == tgt).all())
                     results[i] = (ll, greedy)
+        progress.close()
         return results
 
     def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, **kwargs) -> list:

@@ -18,6 +18,8 @@ from typing import Iterable, Iterator, Optional
 import torch
 import torch.nn.functional as F
 
+from mta_repro.eval.progress import Progress
+
 
 def windows(docs: Iterable[str], tokenizer, seq_len: int) -> Iterator[list]:
     """Windows of seq_len+1 tokens from the BOS/EOS-delimited concatenation of docs."""
@@ -48,6 +50,7 @@ def domain_perplexity(
     seq_len: int = 2048,
     batch_size: int = 4,
     max_batches: Optional[int] = 256,
+    desc: str = "ppl",
 ) -> dict:
     """{"ppl", "loss" (mean CE, nats), "tokens", "batches"} for one domain's docs."""
     if seq_len < 1 or batch_size < 1:
@@ -59,11 +62,14 @@ def domain_perplexity(
     ces: dict = {}  # batch index -> summed CE, for this process's batches
     batch: list = []
 
+    progress = Progress(desc, max_batches)
+
     def run(rows, index):
         # under torchrun each process scores every world_size-th batch
         if dist.mine(index):
             t = torch.tensor(rows, dtype=torch.long, device=device)
             ces[index] = float(sequence_ce(model, t[:, :-1], t[:, 1:]))
+        progress.update()
         return len(rows) * (len(rows[0]) - 1)
 
     for w in windows(docs, tokenizer, seq_len):
@@ -74,6 +80,7 @@ def domain_perplexity(
                 break
     if batch and (max_batches is None or n_batches < max_batches):
         n_tokens, n_batches = n_tokens + run(batch, n_batches), n_batches + 1
+    progress.close()
     ces = dist.merge_dicts(ces)
     total = sum(ces[i] for i in range(n_batches))  # in batch order: as one process sums
     if n_tokens == 0:
@@ -98,7 +105,8 @@ def validation_perplexity(
     per = {}
     for name in names:
         per[name] = domain_perplexity(
-            model, tokenizer, data_mod.iter_validation_docs(data_args, name), seq_len, batch_size, max_batches
+            model, tokenizer, data_mod.iter_validation_docs(data_args, name), seq_len, batch_size, max_batches,
+            desc=f"ppl/{name}",
         )
     return {
         "domains": per,
