@@ -30,8 +30,8 @@ def _check_baseline(args: ModelArgs) -> None:
     if args.diff_transformer or args.mta.use_mta:
         kind = "Differential" if args.diff_transformer else "MTA/talking-heads"
         raise ValueError(
-            f"hf export: this is a {kind} model; only baseline runs export to LlamaForCausalLM "
-            "(a trust_remote_code modeling file for the other variants is not written yet)"
+            f"hf: this is a {kind} model; only baseline weights map onto LlamaForCausalLM "
+            "(python -m mta_repro.hf export writes a trust_remote_code folder for the other variants)"
         )
 
 
@@ -93,22 +93,27 @@ def export_hf(path: Union[str, Path], out_dir: Union[str, Path]) -> Path:
 
     model, cfg = load_model(path, device="cpu", dtype="float32")
     args = model.args
-    _check_baseline(args)
     try:
         tok = load_tokenizer(cfg)
         bos, eos = int(tok.bos_id), int(tok.eos_id)
     except (ValueError, OSError):
         tok, bos, eos = None, None, None
-    config = llama_config(args, bos, eos, trained_seq_len(cfg) or args.max_seqlen)
-    config.architectures = ["LlamaForCausalLM"]
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    with torch.device("meta"):
-        hf = LlamaForCausalLM(config)
-    hf.load_state_dict(state_to_hf(model.state_dict(), args), assign=True, strict=True)
-    if args.weight_tying:
-        hf.tie_weights()
-    hf.save_pretrained(out_dir, safe_serialization=True)
+    if args.diff_transformer or args.mta.use_mta:
+        # MTA, talking heads, Differential: our own modeling file (trust_remote_code).
+        from mta_repro.hf.remote import export_remote
+
+        export_remote(model, out_dir, bos, eos)
+    else:
+        config = llama_config(args, bos, eos, trained_seq_len(cfg) or args.max_seqlen)
+        config.architectures = ["LlamaForCausalLM"]
+        with torch.device("meta"):
+            hf = LlamaForCausalLM(config)
+        hf.load_state_dict(state_to_hf(model.state_dict(), args), assign=True, strict=True)
+        if args.weight_tying:
+            hf.tie_weights()
+        hf.save_pretrained(out_dir, safe_serialization=True)
     # The tokenizer: its file as is, plus how to build it here (sentencepiece models
     # and Llama-3 ranks files are what Meta's checkpoints ship as tokenizer.model).
     tok_cfg = OmegaConf.to_container(cfg.data.tokenizer, resolve=True) if "data" in cfg else None

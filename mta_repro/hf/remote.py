@@ -1,0 +1,142 @@
+"""Export of MTA, talking-heads and Differential runs to a Hugging Face folder that
+``transformers`` loads with ``trust_remote_code=True``.
+
+The folder's ``modeling_mta_repro.py`` is self-contained: it is this project's own model
+code (``mta_repro/model/args.py``, ``attention_ops.py``, ``transformer.py``) bundled into
+one module at export time, with the package imports rewritten to point inside it, plus a
+thin ``PreTrainedModel`` wrapper. So the exported model computes exactly what ours does
+(the reference explicit path and ``F.conv2d``; no C kernel, no mta_repro install needed),
+and the file is never a second copy of the model to keep in sync by hand.
+Generation recomputes the whole prefix at each step (no KV cache in the wrapper):
+correct for every variant, slower than our own ``python -m mta_repro.generate``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from pathlib import Path
+
+import torch
+
+MODEL_DIR = Path(__file__).resolve().parents[1] / "model"
+MODULE = "modeling_mta_repro"
+
+_HEADER = '''"""Self-contained modeling file written by mta-repro's `python -m mta_repro.hf export`
+(the project's mta_repro/model/{args,attention_ops,transformer}.py bundled into one module,
+plus a transformers wrapper). Load with
+AutoModelForCausalLM.from_pretrained(<folder>, trust_remote_code=True)."""
+
+from __future__ import annotations
+
+import sys as _sys
+import types as _types
+
+# The bundled sources call each other as modules (attention_ops.sdpa, ...): here they are
+# all this one module. The CPU C kernel of mta-repro is not bundled (F.conv2d is used).
+attention_ops = _sys.modules[__name__]
+kq_conv_cpu = _types.SimpleNamespace(available=lambda x: False)
+'''
+
+_WRAPPER = '''
+
+# ------------------------------------------------------------------ transformers wrapper
+from transformers import GenerationMixin, PretrainedConfig, PreTrainedModel  # noqa: E402
+from transformers.modeling_outputs import CausalLMOutput  # noqa: E402
+
+
+class MTAReproConfig(PretrainedConfig):
+    model_type = "mta_repro"
+
+    def __init__(self, mta_repro_args=None, **kwargs):
+        # mta_repro's ModelArgs as a plain dict (field names of the official release)
+        self.mta_repro_args = dict(mta_repro_args or {})
+        kwargs.setdefault("tie_word_embeddings", False)  # tying lives inside the model
+        super().__init__(**kwargs)
+
+
+class MTAReproForCausalLM(PreTrainedModel, GenerationMixin):
+    config_class = MTAReproConfig
+    base_model_prefix = "model"
+    supports_gradient_checkpointing = False
+
+    def __init__(self, config):
+        super().__init__(config)
+        args = dict(config.mta_repro_args)
+        args["mta"] = MTAArgs(**args.get("mta", {}))
+        args["attn_impl"] = "torch"
+        self.model = Transformer(ModelArgs(**args))
+        self.post_init()
+
+    def _init_weights(self, module):  # weights come from the checkpoint
+        pass
+
+    def get_input_embeddings(self):
+        return self.model.tok_embeddings
+
+    def forward(self, input_ids=None, attention_mask=None, labels=None, **kwargs):
+        key_valid = attention_mask.bool() if attention_mask is not None and not attention_mask.all() else None
+        logits = self.model(input_ids, key_valid=key_valid)
+        loss = None
+        if labels is not None:
+            import torch.nn.functional as _F
+
+            loss = _F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(), ignore_index=-100)
+        return CausalLMOutput(loss=loss, logits=logits)
+
+    def prepare_inputs_for_generation(self, input_ids, attention_mask=None, **kwargs):
+        # No cache: the whole prefix each step (exact for every variant).
+        return {"input_ids": input_ids, "attention_mask": attention_mask}
+'''
+
+
+def _strip_package_imports(src: str) -> str:
+    """Drop ``from __future__`` and the intra-package imports (everything is one module now)."""
+    out = []
+    for line in src.splitlines():
+        s = line.strip()
+        if s.startswith("from __future__"):
+            continue
+        if re.match(r"from mta_repro\.model(\.\w+)? import", s):
+            indent = line[: len(line) - len(line.lstrip())]
+            if indent:  # a function-local import: keep the block non-empty
+                out.append(indent + "pass")
+            continue
+        out.append(line)
+    return "\n".join(out)
+
+
+def modeling_source() -> str:
+    parts = [_HEADER]
+    for name in ("args.py", "attention_ops.py", "transformer.py"):
+        src = (MODEL_DIR / name).read_text()
+        parts.append(f"\n# {'-' * 60} mta_repro/model/{name}\n" + _strip_package_imports(src))
+    parts.append(_WRAPPER)
+    return "\n".join(parts)
+
+
+def export_remote(model, out_dir: Path, bos_id=None, eos_id=None) -> Path:
+    """Write config.json (with auto_map), model.safetensors and the modeling file."""
+    from safetensors.torch import save_file
+
+    args = dataclasses.asdict(model.args)
+    config = {
+        "architectures": ["MTAReproForCausalLM"],
+        "model_type": "mta_repro",
+        "auto_map": {"AutoConfig": f"{MODULE}.MTAReproConfig", "AutoModelForCausalLM": f"{MODULE}.MTAReproForCausalLM"},
+        "mta_repro_args": args,
+        "vocab_size": model.args.vocab_size,
+        "bos_token_id": bos_id,
+        "eos_token_id": eos_id,
+        "tie_word_embeddings": False,
+        "use_cache": False,
+        "torch_dtype": "float32",
+    }
+    import json
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "config.json").write_text(json.dumps(config, indent=1) + "\n")
+    (out_dir / f"{MODULE}.py").write_text(modeling_source())
+    sd = {f"model.{k}": v.detach().to(torch.float32).contiguous() for k, v in model.state_dict().items()}
+    save_file(sd, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+    return out_dir
