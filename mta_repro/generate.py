@@ -60,7 +60,7 @@ def generate_from(path, prompts, max_new_tokens=64, temperature=0.0, top_k=None,
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    from mta_repro.eval.cli import run_cli
+    from mta_repro.cli import run_cli
 
     args = parser().parse_args(argv)
 

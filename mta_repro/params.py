@@ -74,7 +74,7 @@ def main(argv: list[str]) -> None:
         else:
             rest.append(a)
     from mta_repro.config import CONFIG_DIR
-    from mta_repro.eval.cli import check_group_options
+    from mta_repro.cli import check_group_options
 
     check_group_options(rest, ["model", "attention"], Path(CONFIG_DIR))
     if "--table" in rest:
@@ -114,7 +114,7 @@ def cli(argv: list[str]) -> int:
     if any(a in ("-h", "--help") for a in argv):
         print(__doc__)
         return 0
-    from mta_repro.eval.cli import run_cli
+    from mta_repro.cli import run_cli
 
     return run_cli("params", lambda: main(argv) or 0)
 

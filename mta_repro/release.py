@@ -409,6 +409,10 @@ def convert(release: dict, name: str = "release", source: str = "") -> Conversio
             "grad_accum": r["grad_acc_steps"],
             # The release trains on GPUs; "auto" also lets the converted config run on CPU.
             "device": "auto",
+            # The release validates on separate files (its eval.ppl_files, not mapped): our
+            # validation reads *.val.jsonl beside each domain's training files, which a
+            # release corpus does not have. Set trainer.eval_every=N once they exist.
+            "eval_every": 0,
         },
         "checkpoint": checkpoint,
         "logging": {"every": lg["freq"]},

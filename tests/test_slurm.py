@@ -182,13 +182,19 @@ def test_paths_made_absolute_and_init_from_checked(tmp_path):
     assert f"run_dir={tmp_path}/runs/next" in srun and f"checkpoint.init_from={tmp_path}/runs/base" in srun
     assert "run_dir=runs/next" not in srun and "init_from=runs/base" not in srun
     assert f"#SBATCH --output={tmp_path}/runs/next/slurm/%j.out" in p.stdout
-    # The long-context stages name their source run relative to the submit directory.
-    p = _run(["-m", "mta_repro.train.slurm", "experiment=long_context_880m_mta", "--submit"], cwd=tmp_path,
-             check=False)
+    # A source run given relative to the submit directory must exist there.
+    p = _run(["-m", "mta_repro.train.slurm", "experiment=long_context_880m_mta", *CPU_PROFILE,
+              "trainer.device=cpu", "checkpoint.init_from=runs/pretrain_880m_mta", "--submit"],
+             cwd=tmp_path, check=False)
     assert p.returncode == 2 and "Traceback" not in p.stderr
     assert p.stderr.strip().splitlines() == [
         f"mta_repro.train.slurm: error: checkpoint.init_from: {tmp_path}/runs/pretrain_880m_mta does not exist "
         "(a run dir, a checkpoint dir or a .pt file; relative paths are taken from the submit directory)"]
+    # ... and a stage without its source says which field to give, in one line.
+    p = _run(["-m", "mta_repro.train.slurm", "experiment=long_context_880m_mta", "--submit"], cwd=tmp_path,
+             check=False)
+    assert p.returncode == 2 and len(p.stderr.strip().splitlines()) == 1
+    assert p.stderr.startswith("mta_repro.train.slurm: error: checkpoint.init_from: required")
 
 
 def test_sweep_experiments_are_refused_with_the_launcher_to_use():
@@ -366,3 +372,31 @@ def test_rank0_only_resolver_for_sweep_jobs(monkeypatch):
                           return_hydra_config=True)
         seen[rank] = cfg.hydra.output_subdir
     assert seen == {"0": ".hydra", "1": None}
+
+
+@pytest.mark.usefixtures("cluster")
+def test_pipeline_stages_run_in_order_on_the_scheduler(tmp_path):
+    """python -m mta_repro.pipeline launcher=slurm on the real scheduler: pretrain -> its
+    eval and the next stage (afterok) -> the report, each job after what it depends on."""
+    root = tmp_path / "runs"
+    stages = ("pipeline.stages=[{name:pretrain,experiment:debug,overrides:['attention={variant}'],"
+              "eval:['tasks=[ppl]','ppl.max_batches=1','ppl.domains=[book]']},"
+              "{name:long_context,experiment:debug,init_from:pretrain,"
+              "overrides:['attention={variant}','trainer.steps=3','trainer.eval_every=0']}]")
+    args = ["-m", "mta_repro.pipeline", "pipeline=tiny", f"root={root}", "launcher=slurm",
+            "pipeline.variants=[baseline]", "pipeline.lm_eval_local=null", stages]
+    p = _run(args, timeout=120)
+    jobs = re.findall(r"submitted as job (\d+)", p.stdout)
+    assert len(jobs) == 4, p.stdout  # train, eval, train (next stage), report
+    for job in jobs:
+        assert _wait_job(job, timeout=400) == "COMPLETED", (job, p.stdout)
+    pre, lc = root / "pretrain" / "baseline", root / "long_context" / "baseline"
+    ppl, report = pre / "eval" / "ppl.json", root / "report" / "report.md"
+    assert ppl.is_file() and report.is_file() and (lc / "export" / "consolidated.pt").is_file()
+    # afterok order, read off the files each job wrote last
+    assert (pre / "export" / "consolidated.pt").stat().st_mtime <= ppl.stat().st_mtime <= report.stat().st_mtime
+    assert (pre / "export" / "consolidated.pt").stat().st_mtime <= (lc / "metrics.jsonl").stat().st_mtime
+    assert str(pre) in (lc / "config.yaml").read_text()  # the hand-off, absolute
+    # a rerun submits nothing: every stage is done
+    again = _run(args, timeout=120)
+    assert "submitted as job" not in again.stdout and "0 job(s) submitted" in again.stdout, again.stdout

@@ -46,7 +46,7 @@ def parse_argv(argv: Sequence[str]) -> EvalConfig:
     if paths:
         overrides = [f"run_dir={paths[0]}"] + overrides
     from mta_repro.config import CONFIG_DIR
-    from mta_repro.eval.cli import check_group_options
+    from mta_repro.cli import check_group_options
 
     # an optional group: Hydra would silently skip an unknown preset
     check_group_options(overrides, ["eval/preset"], Path(CONFIG_DIR))
@@ -212,7 +212,7 @@ def _pct(x):
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    from mta_repro.eval.cli import run_cli
+    from mta_repro.cli import run_cli
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

@@ -20,7 +20,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     i.add_argument("out", help="output .pt (evaluate it, or train from it with checkpoint.init_from)")
     i.add_argument("--dtype", default="float32")
     args = ap.parse_args(argv)
-    from mta_repro.eval.cli import run_cli
+    from mta_repro.cli import run_cli
 
     def go() -> int:
         try:

@@ -82,7 +82,9 @@ class SweepRunDirGuard(Callback):
         self.seen: dict = {}
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
-        plain = plain_run_dir_overrides(config.hydra.overrides.task)
+        # The raw strings: reading them from the config would resolve a run_dir's own
+        # interpolation of the swept fields (and make it look fixed).
+        plain = plain_run_dir_overrides(OmegaConf.to_container(config.hydra.overrides.task, resolve=False))
         if plain:
             _refuse(
                 f"{plain[0]}: this experiment is a sweep and a fixed run_dir would put every point in one "

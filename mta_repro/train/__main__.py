@@ -30,17 +30,16 @@ def hydra_argv(argv: list[str]) -> list[str]:
 
 @hydra.main(config_path=str(CONFIG_DIR), config_name="train", version_base=None)
 def main(cfg: DictConfig) -> None:
-    from omegaconf.errors import OmegaConfBaseException
-
+    from mta_repro.cli import describe, user_errors
     from mta_repro.train.loop import train
 
     try:
         train(cfg)
-    except (ValueError, OmegaConfBaseException) as e:
+    except user_errors() as e:
         # A user error (config, run directory, data, checkpoint): one line, exit 2.
         # Bugs and runtime failures keep their traceback.
-        msg = " ".join(str(e).split("\n")[0].split()) if isinstance(e, OmegaConfBaseException) else str(e)
-        sys.exit(f"train: error: {msg}")
+        print(f"train: error: {describe(e)}", file=sys.stderr)
+        sys.exit(2)
 
 
 if __name__ == "__main__":

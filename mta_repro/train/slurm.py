@@ -174,13 +174,11 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(f"{PROG}: {e}", file=sys.stderr)
         return 1
     except Exception as e:  # a bad override or field: one line, not a traceback
-        from hydra.errors import HydraException
-        from omegaconf.errors import OmegaConfBaseException
+        from mta_repro.cli import describe, user_errors
 
-        if not isinstance(e, (ValueError, HydraException, OmegaConfBaseException)):
+        if not isinstance(e, user_errors()):
             raise
-        msg = " ".join(str(e).split())
-        print(f"{PROG}: error: {msg}", file=sys.stderr)
+        print(f"{PROG}: error: {describe(e)}", file=sys.stderr)
         return 2
     print(f"Submitted batch job {job}")
     print(f"{run_dir}/slurm/{job}.out, {job}.err (logs); {run_dir} (run dir)", file=sys.stderr)

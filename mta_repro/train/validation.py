@@ -38,13 +38,17 @@ class Validator:
         self.batches: dict[str, list[np.ndarray]] = {}
         for name in data_mod.domains(data_cfg):
             rows, out = [], []
-            for w in windows(data_mod.iter_validation_docs(data_cfg, name), tokenizer, seq_len):
-                rows.append(np.asarray(w, dtype=np.int32))
-                if len(rows) == batch_size:
-                    out.append(np.stack(rows))
-                    rows = []
-                    if len(out) >= max_batches:
-                        break
+            try:
+                for w in windows(data_mod.iter_validation_docs(data_cfg, name), tokenizer, seq_len):
+                    rows.append(np.asarray(w, dtype=np.int32))
+                    if len(rows) == batch_size:
+                        out.append(np.stack(rows))
+                        rows = []
+                        if len(out) >= max_batches:
+                            break
+            except ValueError as e:  # e.g. no validation files: say how to train without them
+                raise ValueError(f"validation during training: {e} (set trainer.eval_every=0 to train "
+                                 "without validation)") from None
             if rows and len(out) < max_batches:
                 out.append(np.stack(rows))
             if not out:

@@ -1,4 +1,5 @@
-"""One clear line for command-line errors (eval, params, generate, hf), not a traceback.
+"""One clear line for command-line errors (train, slurm, eval, params, generate, hf,
+pipeline), not a traceback.
 
 User errors are ValueErrors (ours) or Hydra/OmegaConf errors from the overrides (a bad
 key, a string where a list is expected, an unknown config group option).
@@ -6,6 +7,7 @@ key, a string where a list is expected, an unknown config group option).
 
 from __future__ import annotations
 
+import re
 import sys
 from pathlib import Path
 from typing import Callable, Sequence
@@ -27,6 +29,8 @@ def describe(exc: BaseException) -> str:
         msg = " ".join(str(e).split())
         # OmegaConf appends "full_key: ... object_type=..." context lines: keep the message
         msg = msg.split(" full_key:")[0].strip()
+        # "ValueError raised while resolving interpolation: <the message>": keep the message
+        msg = re.sub(r"^\w+ raised while resolving interpolation: ", "", msg)
         if msg and not any(msg in p for p in parts):
             parts.append(msg)
         e = e.__cause__ or (None if e.__suppress_context__ else e.__context__)
