@@ -113,12 +113,11 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(f"{PROG}: {e}", file=sys.stderr)
         return 1
     except Exception as e:
-        from hydra.errors import HydraException
-        from omegaconf.errors import OmegaConfBaseException
+        from mta_repro.cli import describe, user_errors
 
-        if not isinstance(e, (ValueError, HydraException, OmegaConfBaseException)):
+        if not isinstance(e, user_errors()):
             raise
-        print(f"{PROG}: error: {' '.join(str(e).split())}", file=sys.stderr)
+        print(f"{PROG}: error: {describe(e)}", file=sys.stderr)
         return 2
     print(f"Submitted batch job {job}")
     print(f"{rd}/slurm/{job}.out, {job}.err (logs); {rd}/eval (results)", file=sys.stderr)

@@ -53,13 +53,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         from mta_repro.pipeline.run import main_run
 
         return main_run(plan, cfg.launcher, dry_run)
-    except Exception as e:  # a bad config or override: one line, not a traceback
-        from hydra.errors import HydraException
-        from omegaconf.errors import OmegaConfBaseException
+    except Exception as e:  # a bad config or override (or a refused sbatch): one line
+        from mta_repro.cli import describe, user_errors
 
-        if not isinstance(e, (ValueError, RuntimeError, HydraException, OmegaConfBaseException)):
+        if not isinstance(e, (*user_errors(), RuntimeError)):
             raise
-        print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
+        print(f"error: {describe(e)}", file=sys.stderr)
         return 2
 
 
