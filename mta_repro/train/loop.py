@@ -27,7 +27,7 @@ from mta_repro.dataclass_config import to_dataclass
 from mta_repro.model import build_model, to_model_args
 from mta_repro.model.flops import train_flops_per_token
 from mta_repro.train.args import CheckpointArgs, DistributedArgs, LoggingArgs, TrainerArgs
-from mta_repro.train.checkpoint import CheckpointManager, complete_checkpoints, load_model_state, saved_world_size, verify_checkpoint
+from mta_repro.train.checkpoint import CheckpointManager, complete_checkpoints, saved_world_size, verify_checkpoint
 from mta_repro.train.distributed import DistInfo, destroy_distributed, init_distributed, materialize, parallelize
 from mta_repro.train.metrics import MetricLogger, Throughput, device_peak_flops, mfu, peak_mem_gb
 from mta_repro.train.optim import build_lr_scheduler, build_optimizer, to_optim_args
