@@ -192,10 +192,13 @@ def test_babilong_source_and_loss_series(tmp_path):
     write_evals(d, "baseline", 1.0, babilong_source="hf")
     with open(d / "metrics.jsonl", "a") as f:
         f.write(json.dumps({"step": 10, "val_loss": 5.5}) + "\n")
-        f.write(json.dumps({"step": 20, "val_loss": 5.0, "val_ppl": math.e ** 5}) + "\n")
+        f.write(json.dumps({"step": 20, "val_loss": 5.0, "val_ppl": math.e ** 5, "val_loss/book": 4.0}) + "\n")
     run = load_run(d)
     s = loss_series(run)
-    assert s["val_loss"] == [(10, 5.5), (20, 5.0)] and s["val_ppl (ln)"] == [(20, pytest.approx(5.0))]
+    # one validation line per run (the mean over domains); ln(ppl) only without val_loss
+    assert s["val_loss"] == [(10, 5.5), (20, 5.0)] and set(s) == {"train", "val_loss"}
+    run.metrics = [m for m in run.metrics if "val_loss" not in m] + [{"step": 30, "val_ppl": math.e ** 4}]
+    assert loss_series(run)["val_ppl (ln)"] == [(30, pytest.approx(4.0))]
     assert len(s["train"]) == 20
     out = tmp_path / "rep"
     build_report([d], out, kernels=False)

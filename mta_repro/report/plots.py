@@ -80,23 +80,23 @@ def babilong_plot(runs, out: Path) -> Optional[Path]:
 
 
 def loss_series(run) -> dict:
-    """{series name: [(step, loss)]}: the training loss and every validation metric logged
-    during training (metrics.jsonl keys starting with ``val``: losses as they are,
-    perplexities as ln(ppl), so all share the loss axis)."""
+    """{series name: [(step, loss)]}: the training loss and the validation loss logged
+    during training (``val_loss``, the mean over domains, as the eval's; ln of ``val_ppl``
+    for logs that only have the perplexity). Per-domain keys (``val_loss/<domain>``) stay
+    in metrics.jsonl: one line per run keeps the plot readable."""
     out = {}
     pts = [(m["step"], m["loss"]) for m in run.metrics if "step" in m and isinstance(m.get("loss"), (int, float))]
     if pts:
         out["train"] = pts
-    val_keys = sorted({k for m in run.metrics for k in m if k.startswith("val")})
-    for k in val_keys:
-        vals = [(m["step"], m[k]) for m in run.metrics
-                if "step" in m and isinstance(m.get(k), (int, float)) and not isinstance(m.get(k), bool)]
-        if not vals:
-            continue
-        if "ppl" in k or "perplexity" in k:
-            out[f"{k} (ln)"] = [(s, math.log(v)) for s, v in vals if v > 0]
-        elif "loss" in k:
-            out[k] = vals
+
+    def series(key):
+        return [(m["step"], m[key]) for m in run.metrics
+                if "step" in m and isinstance(m.get(key), (int, float)) and not isinstance(m.get(key), bool)]
+
+    if series("val_loss"):
+        out["val_loss"] = series("val_loss")
+    elif series("val_ppl"):
+        out["val_ppl (ln)"] = [(s, math.log(v)) for s, v in series("val_ppl") if v > 0]
     return out
 
 
