@@ -74,3 +74,15 @@ def test_cli_lm_eval_tasks_on_local_data(tmp_path):
     assert bench["summary"]["average"] == pytest.approx(100 * acc)
     lam = json.loads(Path(written["lambada"]).read_text())["results"]
     assert lam["summary"]["lambada_openai_local"]["ppl"] == lam["tasks"]["lambada_openai_local"]["perplexity,none"]
+
+
+def test_export_cli_help_and_one_line_error(tmp_path):
+    """python -m mta_repro.train.export: --help, and a bad run dir as one line (exit 2)."""
+    import subprocess
+    import sys
+
+    p = subprocess.run([sys.executable, "-m", "mta_repro.train.export", "--help"], capture_output=True, text=True)
+    assert p.returncode == 0 and p.stdout.startswith("usage: python -m mta_repro.train.export")
+    p = subprocess.run([sys.executable, "-m", "mta_repro.train.export", str(tmp_path / "nope")],
+                       capture_output=True, text=True)
+    assert p.returncode == 2 and len(p.stderr.strip().splitlines()) == 1 and "config.yaml" in p.stderr

@@ -44,13 +44,32 @@ def export_consolidated(run_dir: Union[str, Path], checkpoint: Optional[Path] = 
     )
 
 
-def main() -> None:  # python -m mta_repro.train.export <run_dir>
+USAGE = """usage: python -m mta_repro.train.export <run_dir>
+
+Writes <run_dir>/export/consolidated.pt ({"model", "config", "step"}, what evaluation
+loads) from the run's latest complete checkpoint, and prints its path."""
+
+
+def main(argv=None) -> int:
     import sys
 
-    if len(sys.argv) != 2:
-        raise SystemExit("usage: python -m mta_repro.train.export <run_dir>")
-    print(export_consolidated(sys.argv[1]))
+    argv = sys.argv[1:] if argv is None else argv
+    if any(a in ("-h", "--help") for a in argv):
+        print(USAGE)
+        return 0
+    if len(argv) != 1:
+        print(USAGE.splitlines()[0], file=sys.stderr)
+        return 2
+    from mta_repro.cli import run_cli
+
+    def run() -> int:
+        print(export_consolidated(argv[0]))
+        return 0
+
+    return run_cli("mta_repro.train.export", run)
 
 
 if __name__ == "__main__":
-    main()
+    import sys
+
+    sys.exit(main())
