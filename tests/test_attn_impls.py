@@ -13,7 +13,15 @@ import torch
 from mta_repro.model import MTAArgs, ModelArgs, build_model
 from mta_repro.model import kq_conv_cpu, attention_ops
 
-IMPLS = [name for name in attention_ops.ATTN_IMPLS if name != "torch"]
+import importlib.util
+
+# Every implementation but the reference; "triton" runs in Triton's interpreter here
+# (tests/conftest.py sets TRITON_INTERPRET=1 without a GPU).
+IMPLS = [
+    pytest.param(name, marks=pytest.mark.skipif(
+        name == "triton" and importlib.util.find_spec("triton") is None, reason="triton not installed"))
+    for name in attention_ops.ATTN_IMPLS if name != "torch"
+]
 H, D = 4, 3
 
 

@@ -23,7 +23,9 @@ Two implementations of the explicit path are registered (``model.attn_impl``):
 
 from __future__ import annotations
 
+import importlib.util
 import math
+import os
 import warnings
 from dataclasses import dataclass, replace
 from typing import Callable, Optional
@@ -347,14 +349,38 @@ class AttnImpl:
     # fallback's warning); None means everything is supported.
     supports: Optional[Callable[[torch.Tensor, ExplicitAttnParams, AttnMask], Optional[str]]] = None
     doc: str = ""
+    # What runs instead where ``supports`` declines.
+    fallback: str = "torch"
 
 
 # Registry of explicit-path implementations (``model.attn_impl``). An implementation has
 # the signature of ``explicit_attention_torch`` and its semantics; the parity tests in
 # tests/test_attn_impls.py run every registered name against "torch".
+def _explicit_attention_triton(q, k, v, p, mask, training=False):
+    # Imported on first use: triton is optional, and TRITON_INTERPRET is read when the
+    # kernels are defined.
+    from mta_repro.model.attention_triton import explicit_attention_triton
+
+    return explicit_attention_triton(q, k, v, p, mask, training)
+
+
+def _triton_supports(q: torch.Tensor, p: ExplicitAttnParams, mask: AttnMask) -> Optional[str]:
+    if importlib.util.find_spec("triton") is None:
+        return "this environment: the triton package is not installed (pip install triton)"
+    if q.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        return "CPU tensors unless TRITON_INTERPRET=1 (Triton's interpreter: for tests, slow)"
+    if q.device.type not in ("cuda", "cpu"):
+        return f"{q.device.type} tensors"
+    return None
+
+
 ATTN_IMPLS: dict[str, AttnImpl] = {
     "torch": AttnImpl(explicit_attention_torch, doc="reference: whole (B, H, Tq, Tk) matrix"),
     "blocked": AttnImpl(explicit_attention_blocked, doc="query blocks, causal skipping, recomputed"),
+    "triton": AttnImpl(
+        _explicit_attention_triton, _triton_supports, fallback="blocked",
+        doc="fused Triton kernels, forward and backward (attention_triton.py)",
+    ),
 }
 
 
@@ -371,23 +397,23 @@ def explicit_attention(
     mask: AttnMask,
     training: bool = False,
 ) -> torch.Tensor:
-    """Dispatch to ``ATTN_IMPLS[impl]``, or to "torch" where it declares no support."""
+    """Dispatch to ``ATTN_IMPLS[impl]``, or to its fallback where it declares no support."""
     entry = ATTN_IMPLS[impl]
     if entry.supports is not None:
         reason = entry.supports(q, p, mask)
         if reason is not None:
-            _warn_fallback(impl, reason)
-            entry = ATTN_IMPLS["torch"]
+            _warn_fallback(impl, reason, entry.fallback)
+            entry = ATTN_IMPLS[entry.fallback]
     return entry.fn(q, k, v, p, mask, training)
 
 
 _warned: set = set()
 
 
-def _warn_fallback(impl: str, reason: str) -> None:
+def _warn_fallback(impl: str, reason: str, fallback: str) -> None:
     if (impl, reason) not in _warned:
         _warned.add((impl, reason))
-        warnings.warn(f"model.attn_impl={impl!r} does not support {reason}; using 'torch'")
+        warnings.warn(f"model.attn_impl={impl!r} does not support {reason}; using {fallback!r}")
 
 
 def query_history(params: ExplicitAttnParams) -> int:
