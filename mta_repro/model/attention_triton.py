@@ -24,8 +24,9 @@ shifted by arithmetic on Q or K.
 tile in a per-program scratch slot (HP x ER x EC, in global memory but private to the
 program: on a GPU it lives in L1/L2), then sums the c_q x c_k shifted reloads weighted by
 the per-head kernel entries; the adjoint convolution (backward) reloads with the
-opposite shifts. Loads that leave the frame read 0: values near the frame's edge are
-wrong, and the halos are sized so that no owned value depends on them. Scratch is
+opposite shifts. Each slot has zero margins as wide as the largest shift, so reloads
+that leave the frame read 0 without a mask: values near the frame's edge are wrong,
+and the halos are sized so that no owned value depends on them. Scratch is
 O(B * T/BMO * H * ER * EC): linear in T.
 
 *Softmax.* The post-softmax transforms mix rows of different heads and neighbouring
@@ -111,52 +112,41 @@ def _mix_grad(gout, x, HP: tl.constexpr, ER: tl.constexpr, EC: tl.constexpr, USE
 
 
 @triton.jit
-def _conv(slot, x, kern, H, HP: tl.constexpr, ER: tl.constexpr, EC: tl.constexpr,
-          CQ: tl.constexpr, CK: tl.constexpr, PL: tl.constexpr, ADJOINT: tl.constexpr):
-    """Depthwise key-query convolution of the frame tile x (HP, ER, EC) through ``slot``.
+def _conv(ptrs, x, kern, hmask, SC: tl.constexpr, CQ: tl.constexpr, CK: tl.constexpr, PL: tl.constexpr,
+          ADJOINT: tl.constexpr):
+    """Depthwise key-query convolution of the frame tile x (HP, ER, EC) through a scratch slot
+    (``ptrs``: the slot's frame cells, rows SC apart; zero margins around them).
 
     Forward: out[u, w] = sum_{a, b} kern[h, a, b] x[u + a - (CQ-1), w + b - PL] (queries look
     back only). Adjoint: out[u, w] = sum_{a, b} kern[h, a, b] x[u + (CQ-1) - a, w + PL - b].
-    Reads outside the frame are 0 (only the halo sees them)."""
-    h = tl.arange(0, HP)[:, None, None]
-    u = tl.arange(0, ER)[None, :, None]
-    w = tl.arange(0, EC)[None, None, :]
+    Reads that leave the frame land in the margins and read 0 (only the halo sees them)."""
+    kbase = kern + tl.arange(0, hmask.shape[0])[:, None, None] * (CQ * CK)
+    km = hmask[:, None, None]
     tl.debug_barrier()  # earlier readers of this slot are done
-    tl.store(slot + (h * ER + u) * EC + w, x)
+    tl.store(ptrs, x)
     tl.debug_barrier()
-    acc = tl.zeros([HP, ER, EC], dtype=x.dtype)
+    acc = tl.zeros(x.shape, dtype=x.dtype)
     for a in tl.static_range(CQ):
         for bb in tl.static_range(CK):
             if ADJOINT:
-                uu = u + (CQ - 1 - a)
-                ww = w + (PL - bb)
+                shift = (CQ - 1 - a) * SC + (PL - bb)
             else:
-                uu = u + (a - (CQ - 1))
-                ww = w + (bb - PL)
-            kw = tl.load(kern + (h * CQ + a) * CK + bb, mask=h < H, other=0.0)
-            inside = (uu >= 0) & (uu < ER) & (ww >= 0) & (ww < EC)
-            acc += kw * tl.load(slot + (h * ER + uu) * EC + ww, mask=inside, other=0.0)
+                shift = (a - (CQ - 1)) * SC + (bb - PL)
+            acc += tl.load(kbase + (a * CK + bb), mask=km, other=0.0) * tl.load(ptrs + shift)
     return acc
 
 
 @triton.jit
-def _conv_weight_grad(slot, gout, part, HP: tl.constexpr, ER: tl.constexpr, EC: tl.constexpr,
-                      CQ: tl.constexpr, CK: tl.constexpr, PL: tl.constexpr):
+def _conv_weight_grad(ptrs, gout, part, HP: tl.constexpr, SC: tl.constexpr, CQ: tl.constexpr,
+                      CK: tl.constexpr, PL: tl.constexpr):
     """part[h, a, b] += sum_{u, w} gout[h, u, w] x[h, u + a - (CQ-1), w + b - PL], x the
-    forward input still in ``slot``; gout is zero outside the owned block."""
-    hv = tl.arange(0, HP)
-    h = hv[:, None, None]
-    u = tl.arange(0, ER)[None, :, None]
-    w = tl.arange(0, EC)[None, None, :]
+    forward input still in the slot at ``ptrs``; gout is zero outside the owned block."""
+    pbase = part + tl.arange(0, HP) * (CQ * CK)
     for a in tl.static_range(CQ):
         for bb in tl.static_range(CK):
-            uu = u + (a - (CQ - 1))
-            ww = w + (bb - PL)
-            inside = (uu >= 0) & (uu < ER) & (ww >= 0) & (ww < EC)
-            xs = tl.load(slot + (h * ER + uu) * EC + ww, mask=inside, other=0.0)
+            xs = tl.load(ptrs + ((a - (CQ - 1)) * SC + (bb - PL)))
             s = tl.sum(tl.sum(gout * xs, axis=2), axis=1)
-            ptr = part + (hv * CQ + a) * CK + bb
-            tl.store(ptr, tl.load(ptr) + s)
+            tl.store(pbase + (a * CK + bb), tl.load(pbase + (a * CK + bb)) + s)
 
 
 @triton.jit
@@ -167,6 +157,7 @@ def _mta_kernel(
     MODE: tl.constexpr, ACC: tl.constexpr, PREC: tl.constexpr, USE_DOT: tl.constexpr,
     HP: tl.constexpr, DP: tl.constexpr, ER: tl.constexpr, EC: tl.constexpr,
     TOP: tl.constexpr, LEFT: tl.constexpr, BMO: tl.constexpr, BNO: tl.constexpr,
+    MR: tl.constexpr, MC: tl.constexpr,
     HAS_K1: tl.constexpr, CQ1: tl.constexpr, CK1: tl.constexpr, PL1: tl.constexpr,
     HAS_W1: tl.constexpr,
     HAS_K2: tl.constexpr, CQ2: tl.constexpr, CK2: tl.constexpr, PL2: tl.constexpr,
@@ -188,8 +179,14 @@ def _mta_kernel(
     else:
         row_ok = row_in
 
-    SLOT: tl.constexpr = HP * ER * EC
+    # Four scratch slots, each (HP, ER + 2 MR, SC = EC + 2 MC): the frame with zero margins
+    # as wide as the largest shift, so shifted reloads need no masks.
+    SC: tl.constexpr = EC + 2 * MC
+    SLOT: tl.constexpr = HP * (ER + 2 * MR) * SC
     scr = scr_ptr + (b * n_rt + t).to(tl.int64) * (4 * SLOT)
+    cell = ((hv[:, None, None] * (ER + 2 * MR) + MR + u[None, :, None]) * SC + MC
+            + tl.arange(0, EC)[None, None, :])
+    slot0 = scr + cell
     q_t = _load_tile(q_ptr, b, rows, Tq, H, d, HP, ER, DP)  # (HP, ER, DP)
     hr = (b * H + hv[:, None]) * Tq + rows[None, :]  # (HP, ER) offsets into (B, H, Tq)
     hr_ok = hmask[:, None] & row_in[None, :]
@@ -234,7 +231,7 @@ def _mta_kernel(
         s = tl.dot(q_t, tl.trans(k_t, 0, 2, 1), input_precision=PREC, out_dtype=ACC) * scale
         s = tl.where(al3, s, 0.0)  # (HP, ER, EC); the convolution must not read the future
         if HAS_K1:
-            c = _conv(scr, s, k1_ptr, H, HP, ER, EC, CQ1, CK1, PL1, False)
+            c = _conv(slot0, s, k1_ptr, hmask, SC, CQ1, CK1, PL1, False)
         else:
             c = s
         if HAS_W1:
@@ -256,7 +253,7 @@ def _mta_kernel(
                 keep = tl.rand(seed + b, offs) >= p_drop
             if MODE != _BWD_D:
                 if HAS_K2:
-                    r = tl.where(al3, _conv(scr + SLOT, p, k2_ptr, H, HP, ER, EC, CQ2, CK2, PL2, False), 0.0)
+                    r = tl.where(al3, _conv(slot0 + SLOT, p, k2_ptr, hmask, SC, CQ2, CK2, PL2, False), 0.0)
                 else:
                     r = p
                 if HAS_W2:
@@ -280,7 +277,7 @@ def _mta_kernel(
                     dr = da
                 dr = tl.where(al3, dr, 0.0)
                 if HAS_K2:
-                    dp = _conv(scr + 2 * SLOT, dr, k2_ptr, H, HP, ER, EC, CQ2, CK2, PL2, True)
+                    dp = _conv(slot0 + 2 * SLOT, dr, k2_ptr, hmask, SC, CQ2, CK2, PL2, True)
                 else:
                     dp = dr
                 if MODE == _BWD_D:
@@ -292,7 +289,7 @@ def _mta_kernel(
                     else:
                         dc = dz
                     if HAS_K1:
-                        ds = _conv(scr + 3 * SLOT, dc, k1_ptr, H, HP, ER, EC, CQ1, CK1, PL1, True)
+                        ds = _conv(slot0 + 3 * SLOT, dc, k1_ptr, hmask, SC, CQ1, CK1, PL1, True)
                     else:
                         ds = dc
                     ds_own = tl.where(own3 & al3, ds * scale, 0.0)
@@ -306,13 +303,13 @@ def _mta_kernel(
                     tl.atomic_add(dv_ptr + kptr, dv_t, mask=kmask)
                     # parameter gradients: sums over the owned (i, j) only
                     if HAS_K1:
-                        _conv_weight_grad(scr, tl.where(own3, dc, 0.0), pk1_ptr + part * (HP * CQ1 * CK1),
-                                          HP, ER, EC, CQ1, CK1, PL1)
+                        _conv_weight_grad(slot0, tl.where(own3, dc, 0.0), pk1_ptr + part * (HP * CQ1 * CK1),
+                                          HP, SC, CQ1, CK1, PL1)
                     if HAS_W1:
                         dw1 += _mix_grad(tl.where(own3, dz, 0.0), c, HP, ER, EC, USE_DOT, PREC)
                     if HAS_K2:
-                        _conv_weight_grad(scr + SLOT, tl.where(own3, dr, 0.0), pk2_ptr + part * (HP * CQ2 * CK2),
-                                          HP, ER, EC, CQ2, CK2, PL2)
+                        _conv_weight_grad(slot0 + SLOT, tl.where(own3, dr, 0.0), pk2_ptr + part * (HP * CQ2 * CK2),
+                                          HP, SC, CQ2, CK2, PL2)
                     if HAS_W2:
                         dw2 += _mix_grad(tl.where(own3, da, 0.0), r, HP, ER, EC, USE_DOT, PREC)
 
@@ -393,7 +390,9 @@ def _launch(mode, q, k, v, do, o, lse, dd, dq, dk, dv, kv, k1, w1, k2, w2, parts
     n_rt = triton.cdiv(tq, g.bmo)
     hp = max(_pow2(h), 2)
     acc = q.dtype if q.dtype == torch.float64 else torch.float32
-    scratch = torch.empty(b * n_rt * 4 * hp * g.er * g.ec, dtype=acc, device=q.device)
+    # zeros: the margins around each slot's frame must read 0 (they are never written)
+    mr, mc = max(g.cq1, g.cq2) - 1, max(g.ck1, g.ck2) - 1
+    scratch = torch.zeros(b * n_rt * 4 * hp * (g.er + 2 * mr) * (g.ec + 2 * mc), dtype=acc, device=q.device)
     dummy = scratch[:1]
     pk1 = pw1 = pk2 = pw2 = dummy
     if mode == _BWD:
@@ -416,7 +415,7 @@ def _launch(mode, q, k, v, do, o, lse, dd, dq, dk, dv, kv, k1, w1, k2, w2, parts
         tq, tk, q_off, h, d, n_rt, d ** -0.5, p_drop, seed,
         MODE=mode.value, ACC=tl.float64 if acc == torch.float64 else tl.float32,
         PREC="ieee", USE_DOT=hp >= 16,
-        HP=hp, DP=max(16, _pow2(d)), ER=g.er, EC=g.ec, TOP=g.top, LEFT=g.left, BMO=g.bmo, BNO=g.bno,
+        HP=hp, DP=max(16, _pow2(d)), ER=g.er, EC=g.ec, TOP=g.top, LEFT=g.left, BMO=g.bmo, BNO=g.bno, MR=mr, MC=mc,
         HAS_K1=k1 is not None, CQ1=g.cq1, CK1=g.ck1, PL1=g.pl1, HAS_W1=w1 is not None,
         HAS_K2=k2 is not None, CQ2=g.cq2, CK2=g.ck2, PL2=g.pl2, HAS_W2=w2 is not None,
         HAS_KV=kv is not None, DROP=p_drop > 0.0,
