@@ -14,7 +14,8 @@ checkpointing the trainer would apply. The rest is counted from the parameter co
   one and the prefetched next), and one block's unsharded gradients before reduce-scatter;
 - the backward peak on top of the saved activations: the largest of (the logits'
   gradient in fp32 + compute dtype) and (one block's recomputation, with activation
-  checkpointing), plus one attention query block's recomputed tensors (blocked path).
+  checkpointing), plus one attention query block's recomputed tensors (blocked path) or
+  one layer's backward workspace (triton path: scratch slots, fp32 dk/dv, dq).
 
 It fits a capacity when the total is at most 90% of it (allocator fragmentation, the CUDA
 context and NCCL buffers take the rest).
@@ -56,6 +57,44 @@ def _sdpa_meta(q, k, v, *args, **kwargs):
     return _FlashLikeSDPA.apply(q, k, v)
 
 
+class _TritonLike(torch.autograd.Function):
+    """What ``attn_impl=triton`` keeps for backward: contiguous q, k, v and the fp32
+    log-sum-exp per row (the weights are parameters). Triton does not run on meta."""
+
+    @staticmethod
+    def forward(ctx, q, k, v):
+        lse = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)
+        ctx.save_for_backward(q.contiguous(), k.contiguous(), v.contiguous(), lse)
+        return torch.empty_like(q)
+
+    @staticmethod
+    def backward(ctx, g):
+        q, k, v, _ = ctx.saved_tensors
+        return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def _triton_meta(q, k, v, p, mask, training=False):
+    return _TritonLike.apply(q, k, v)
+
+
+def triton_backward_workspace(attn, batch_size: int, seq_len: int) -> int:
+    """Bytes the triton kernel's backward allocates for one layer: the per-program scratch
+    slots (fp32), the fp32 dk/dv accumulators and dq."""
+    from mta_repro.model import frames
+
+    p = attn.explicit_params()
+    pre = None if p.mta_kernel is None else tuple(p.mta_kernel.shape[2:])
+    post = None if p.mta_kernel_after_sm is None else tuple(p.mta_kernel_after_sm.shape[2:])
+    f = frames.frame("backward", pre, post, p.pad_key)
+    mr = max(pre[0] if pre else 1, post[0] if post else 1) - 1
+    mc = max(pre[1] if pre else 1, post[1] if post else 1) - 1
+    hp = max(frames.pow2(attn.n_heads), 2)
+    programs = batch_size * -(-seq_len // f.bmo)
+    scratch = programs * 4 * hp * (f.er + 2 * mr) * (f.ec + 2 * mc) * 4
+    grads = 3 * batch_size * attn.n_heads * seq_len * attn.head_dim * 4
+    return scratch + grads
+
+
 def _saved_bytes(fn, exclude: set) -> int:
     """Bytes autograd saves while running fn(), each storage once, minus ``exclude``."""
     sizes: dict[int, int] = {}
@@ -65,13 +104,18 @@ def _saved_bytes(fn, exclude: set) -> int:
         sizes[s._cdata] = s.nbytes()
         return t
 
+    from mta_repro.model import attention_ops
+
     sdpa = torch.nn.functional.scaled_dot_product_attention
+    triton_impl = attention_ops.ATTN_IMPLS["triton"]
     torch.nn.functional.scaled_dot_product_attention = _sdpa_meta
+    attention_ops.ATTN_IMPLS["triton"] = attention_ops.AttnImpl(_triton_meta)
     try:
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             fn()
     finally:
         torch.nn.functional.scaled_dot_product_attention = sdpa
+        attention_ops.ATTN_IMPLS["triton"] = triton_impl
     return sum(n for k, n in sizes.items() if k not in exclude)
 
 
@@ -133,6 +177,8 @@ def estimate(model_args, batch_size: int, seq_len: int, world_size: int, activat
     attn_block = 0
     for layer in model.layers:
         attn = layer.attention
+        if attn.kind in ("kq_conv", "mixing") and attn.attn_impl == "triton":
+            attn_block = max(attn_block, triton_backward_workspace(attn, batch_size, seq_len))
         if attn.kind not in ("kq_conv", "mixing") or attn.attn_impl != "blocked":
             continue
         p = attn.explicit_params()

@@ -3,7 +3,7 @@ side by side: fwd+bwd time, peak memory and the bytes saved for backward.
 
     python scripts/bench_attention.py                          # CPU fp32, T = 1024, 2048, 4096
     python scripts/bench_attention.py --seqs 2048 --reps 5
-    python scripts/bench_attention.py --device cuda --dtype bfloat16
+    python scripts/bench_attention.py --device cuda --dtype bfloat16   # + the triton kernel
     python scripts/bench_attention.py --block-sizes 64,128,256,512 --seqs 2048 --impls blocked
     python scripts/bench_attention.py --profile kq_conv:blocked:2048   # torch.profiler table
 
@@ -160,7 +160,9 @@ def main() -> None:
 
     from mta_repro.model import attention_ops
 
-    impls = a.impls.split(",") if a.impls else list(attention_ops.ATTN_IMPLS)
+    # triton runs on GPUs (on CPU only in its interpreter, far too slow to time)
+    impls = a.impls.split(",") if a.impls else [
+        n for n in attention_ops.ATTN_IMPLS if n != "triton" or a.device.startswith("cuda")]
     cases = []
     for seq in map(int, a.seqs.split(",")):
         cases.append(("sdpa", "sdpa", seq, 0))

@@ -64,7 +64,6 @@ without code changes.
 
 from __future__ import annotations
 
-import os
 from typing import Optional
 
 import torch
@@ -72,7 +71,8 @@ import torch
 import triton
 import triton.language as tl
 
-from mta_repro.model.attention_ops import AttnMask, ExplicitAttnParams, pad_left
+from mta_repro.model import frames
+from mta_repro.model.attention_ops import AttnMask, ExplicitAttnParams
 
 # Pass modes of the one kernel (they share every stage of the chain).
 _STATS, _FWD, _BWD_D, _BWD = (tl.constexpr(i) for i in range(4))
@@ -333,75 +333,29 @@ def _mta_kernel(
             tl.store(pw2_ptr + wptr, dw2)
 
 
-def _pow2(n: int) -> int:
-    return 1 << max(0, int(n - 1).bit_length())
-
-
-def _frame_override() -> Optional[tuple[int, int]]:
-    spec = os.environ.get("MTA_TRITON_FRAME")
-    if not spec:
-        return None
-    try:
-        er, ec = (int(x) for x in spec.lower().split("x"))
-    except ValueError:
-        raise ValueError(f"MTA_TRITON_FRAME={spec!r}: expected ROWSxCOLS, e.g. 64x64") from None
-    if er != _pow2(er) or ec != _pow2(ec):
-        raise ValueError(f"MTA_TRITON_FRAME={spec!r}: both sizes must be powers of two")
-    return er, ec
-
-
-class _Geometry:
-    """Halo and frame sizes of one pass (see the module docstring)."""
-
-    def __init__(self, mode: int, k1, k2, pad_key: str, min_own: int = 16):
-        cq1, ck1 = (k1.shape[1], k1.shape[2]) if k1 is not None else (1, 1)
-        cq2, ck2 = (k2.shape[1], k2.shape[2]) if k2 is not None else (1, 1)
-        self.pl1, self.pl2 = pad_left(pad_key, ck1), pad_left(pad_key, ck2)
-        h1, h2 = cq1 - 1, cq2 - 1
-        l1, r1 = self.pl1, ck1 - 1 - self.pl1
-        l2, r2 = self.pl2, ck2 - 1 - self.pl2
-        if mode == _STATS:  # Z on the owned block
-            top, bot, left, right = h1, 0, l1, r1
-        elif mode == _FWD:  # R on the owned block: P around it, S around that
-            top, bot, left, right = h1 + h2, 0, l1 + l2, r1 + r2
-        else:  # dS on the owned block reads dC below/beside it; dP reads dR further on
-            top = bot = h1 + h2
-            left = right = (ck1 - 1) + (ck2 - 1)
-        override = _frame_override()
-        if override is not None:
-            er, ec = override
-            if er <= top + bot or ec <= left + right:
-                raise ValueError(
-                    f"MTA_TRITON_FRAME={er}x{ec} leaves no owned block: the halo needs "
-                    f"{top + bot + 1}x{left + right + 1} at least")
-        else:
-            er = max(16, _pow2(top + bot + min_own))
-            ec = max(16, _pow2(left + right + min_own))
-        self.er, self.ec, self.top, self.left = er, ec, top, left
-        self.bmo, self.bno = er - top - bot, ec - left - right
-        self.cq1, self.ck1, self.cq2, self.ck2 = cq1, ck1, cq2, ck2
-
-
 def _launch(mode, q, k, v, do, o, lse, dd, dq, dk, dv, kv, k1, w1, k2, w2, parts, pad_key, q_off,
             p_drop, seed):
     b, h, tq, d = q.shape
     tk = k.shape[2]
-    g = _Geometry(mode, k1, k2, pad_key)
+    g = frames.frame(frames.PASSES[mode.value], None if k1 is None else tuple(k1.shape[1:]),
+                     None if k2 is None else tuple(k2.shape[1:]), pad_key)
+    cq1, ck1 = (1, 1) if k1 is None else k1.shape[1:]
+    cq2, ck2 = (1, 1) if k2 is None else k2.shape[1:]
     n_rt = triton.cdiv(tq, g.bmo)
-    hp = max(_pow2(h), 2)
+    hp = max(frames.pow2(h), 2)
     acc = q.dtype if q.dtype == torch.float64 else torch.float32
     # zeros: the margins around each slot's frame must read 0 (they are never written)
-    mr, mc = max(g.cq1, g.cq2) - 1, max(g.ck1, g.ck2) - 1
+    mr, mc = max(cq1, cq2) - 1, max(ck1, ck2) - 1
     scratch = torch.zeros(b * n_rt * 4 * hp * (g.er + 2 * mr) * (g.ec + 2 * mc), dtype=acc, device=q.device)
     dummy = scratch[:1]
     pk1 = pw1 = pk2 = pw2 = dummy
     if mode == _BWD:
         if k1 is not None:
-            pk1 = parts["k1"] = torch.zeros(b * n_rt, hp, g.cq1, g.ck1, dtype=acc, device=q.device)
+            pk1 = parts["k1"] = torch.zeros(b * n_rt, hp, cq1, ck1, dtype=acc, device=q.device)
         if w1 is not None:
             pw1 = parts["w1"] = torch.zeros(b * n_rt, hp, hp, dtype=acc, device=q.device)
         if k2 is not None:
-            pk2 = parts["k2"] = torch.zeros(b * n_rt, hp, g.cq2, g.ck2, dtype=acc, device=q.device)
+            pk2 = parts["k2"] = torch.zeros(b * n_rt, hp, cq2, ck2, dtype=acc, device=q.device)
         if w2 is not None:
             pw2 = parts["w2"] = torch.zeros(b * n_rt, hp, hp, dtype=acc, device=q.device)
     _mta_kernel[(n_rt, b)](
@@ -415,9 +369,9 @@ def _launch(mode, q, k, v, do, o, lse, dd, dq, dk, dv, kv, k1, w1, k2, w2, parts
         tq, tk, q_off, h, d, n_rt, d ** -0.5, p_drop, seed,
         MODE=mode.value, ACC=tl.float64 if acc == torch.float64 else tl.float32,
         PREC="ieee", USE_DOT=hp >= 16,
-        HP=hp, DP=max(16, _pow2(d)), ER=g.er, EC=g.ec, TOP=g.top, LEFT=g.left, BMO=g.bmo, BNO=g.bno, MR=mr, MC=mc,
-        HAS_K1=k1 is not None, CQ1=g.cq1, CK1=g.ck1, PL1=g.pl1, HAS_W1=w1 is not None,
-        HAS_K2=k2 is not None, CQ2=g.cq2, CK2=g.ck2, PL2=g.pl2, HAS_W2=w2 is not None,
+        HP=hp, DP=max(16, frames.pow2(d)), ER=g.er, EC=g.ec, TOP=g.top, LEFT=g.left, BMO=g.bmo, BNO=g.bno, MR=mr, MC=mc,
+        HAS_K1=k1 is not None, CQ1=cq1, CK1=ck1, PL1=frames.pad_left(pad_key, ck1), HAS_W1=w1 is not None,
+        HAS_K2=k2 is not None, CQ2=cq2, CK2=ck2, PL2=frames.pad_left(pad_key, ck2), HAS_W2=w2 is not None,
         HAS_KV=kv is not None, DROP=p_drop > 0.0,
     )
 

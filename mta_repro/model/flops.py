@@ -11,15 +11,22 @@ Counts multiply-adds as 2 FLOPs, and counts what each attention path computes
   of b rows plus its halo of w rows against the keys up to its last row (about T^2/2).
 Training = 3 x forward, plus one more forward of the explicit score path for "blocked",
 which recomputes each block in backward: the FLOPs it performs, not a nominal count.
+For "triton" (model/frames.py) every pass computes its stages on whole frames (owned
+block plus halo) of the key blocks up to the diagonal; its four passes are counted stage
+by stage (head mixing as a full H x H product: the kernel expands ``head_kernel``), and
+training = their sum (reported as 3 x its two forward passes + the rest).
 """
 
 from __future__ import annotations
 
+from mta_repro.model import frames
 from mta_repro.model.args import ModelArgs
 
 
 def score_elements(args: ModelArgs, seq_len: int) -> float:
     """(query, key) pairs per head that the explicit path computes for one sequence."""
+    if args.attn_impl == "triton":
+        raise ValueError("score_elements: the triton path visits frames (flops._triton_passes)")
     if args.attn_impl != "blocked":
         return float(seq_len * seq_len)
     m = args.mta
@@ -35,12 +42,44 @@ def score_elements(args: ModelArgs, seq_len: int) -> float:
     return float(total)
 
 
+def _triton_passes(args: ModelArgs, seq_len: int, kind: str) -> tuple[float, float]:
+    """(FLOPs per token of the triton kernel's two forward passes, of its two backward passes)."""
+    m, H, hd = args.mta, args.n_heads, args.resolved_head_dim
+    pre = post = None
+    if kind == "kq_conv":
+        if m.query_kernel_size is not None:
+            pre = (m.query_kernel_size, m.key_kernel_size)
+        if m.after_sm_query_kernel_size is not None:
+            post = (m.after_sm_query_kernel_size, m.after_sm_key_kernel_size)
+    qk = 2 * hd  # also A V, dO V^T, dq, dk, dv: one d-long product per cell each
+    conv1 = 2 * pre[0] * pre[1] if pre else 0
+    conv2 = 2 * post[0] * post[1] if post else 0
+    mix1 = 2 * H if m.pre_sm_linear_head else 0
+    mix2 = 2 * H if (m.head_kernel_size or m.post_sm_linear_head) else 0
+    # per frame cell; a transform's weight gradient costs what the transform does
+    chain = qk + conv1 + mix1
+    per_cell = {
+        "stats": chain,
+        "forward": chain + conv2 + mix2 + qk,
+        "backward_rowsum": chain + qk + mix2 + conv2,
+        "backward": chain + conv2 + mix2 + qk + 2 * (mix2 + conv2 + mix1 + conv1) + 3 * qk,
+    }
+    cost = {
+        name: H * flops * frames.cells_visited(frames.frame(name, pre, post, m.pad_key), seq_len, seq_len) / seq_len
+        for name, flops in per_cell.items()
+    }
+    return cost["stats"] + cost["forward"], cost["backward_rowsum"] + cost["backward"]
+
+
 def _per_layer(args: ModelArgs, seq_len: int, kind: str) -> tuple[float, float]:
     """(forward attention FLOPs per token, score-path FLOPs recomputed in backward)."""
     H, hd = args.n_heads, args.resolved_head_dim
     if kind in ("sdpa", "diff"):
         av = 2 * seq_len * H * hd * (2 if kind == "diff" else 1)
         return (2 * seq_len * H * hd + av) / 2, 0.0
+    if args.attn_impl == "triton":
+        fwd, bwd = _triton_passes(args, seq_len, kind)
+        return fwd, bwd - 2 * fwd  # training = 3 x fwd + this = fwd + bwd
     m = args.mta
     per_elem = 4 * hd  # Q K^T and A V
     if kind == "kq_conv":

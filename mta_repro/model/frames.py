@@ -1,0 +1,93 @@
+"""Tile geometry of ``model.attn_impl=triton`` (attention_triton.py), without triton.
+
+A pass of the fused kernel gives each program ``bmo`` owned query rows and walks the keys
+in blocks of ``bno`` owned columns; it computes on a frame of ``er`` x ``ec`` cells (powers of
+two): the owned block plus the halo the convolutions of that pass read (``top``/``bot``
+rows, ``left``/``right`` columns). Also used by flops.py to count the cells the kernel
+visits, so MFU counts the work it does.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Optional
+
+# The kernel's passes, in the order they run (forward: 0, 1; backward: 2, 3).
+PASSES = ("stats", "forward", "backward_rowsum", "backward")
+
+
+@dataclass(frozen=True)
+class Frame:
+    er: int  # frame rows
+    ec: int  # frame columns
+    top: int  # halo rows above the owned block
+    left: int  # halo columns left of it
+    bmo: int  # owned rows
+    bno: int  # owned columns
+
+
+def pow2(n: int) -> int:
+    return 1 << max(0, int(n - 1).bit_length())
+
+
+def pad_left(pad_key: str, c_k: int) -> int:
+    """Keys padded before the window (the kernel's key offset 0 sits at this column)."""
+    return {"both": (c_k - 1) // 2, "left": c_k - 1, "right": 0}[pad_key]
+
+
+def frame_override() -> Optional[tuple[int, int]]:
+    """``MTA_TRITON_FRAME=ROWSxCOLS``: the frame size instead of the default."""
+    spec = os.environ.get("MTA_TRITON_FRAME")
+    if not spec:
+        return None
+    try:
+        er, ec = (int(x) for x in spec.lower().split("x"))
+    except ValueError:
+        raise ValueError(f"MTA_TRITON_FRAME={spec!r}: expected ROWSxCOLS, e.g. 64x64") from None
+    if er < 1 or ec < 1 or er != pow2(er) or ec != pow2(ec):
+        raise ValueError(f"MTA_TRITON_FRAME={spec!r}: both sizes must be powers of two")
+    return er, ec
+
+
+def frame(pass_: str, pre: Optional[tuple[int, int]], post: Optional[tuple[int, int]], pad_key: str,
+          min_own: int = 16) -> Frame:
+    """The frame of one pass for kernels of (c_q, c_k) ``pre``/``post`` softmax (None: off)."""
+    cq1, ck1 = pre or (1, 1)
+    cq2, ck2 = post or (1, 1)
+    h1, h2 = cq1 - 1, cq2 - 1
+    l1, l2 = pad_left(pad_key, ck1), pad_left(pad_key, ck2)
+    r1, r2 = ck1 - 1 - l1, ck2 - 1 - l2
+    if pass_ == "stats":  # Z on the owned block
+        top, bot, left, right = h1, 0, l1, r1
+    elif pass_ == "forward":  # R on the owned block: P around it, S around that
+        top, bot, left, right = h1 + h2, 0, l1 + l2, r1 + r2
+    elif pass_ in ("backward_rowsum", "backward"):
+        # dS on the owned block reads dC below/beside it, whose dP reads dR further on; the
+        # weight gradients read P and S above/beside it.
+        top = bot = h1 + h2
+        left = right = (ck1 - 1) + (ck2 - 1)
+    else:
+        raise ValueError(f"unknown pass {pass_!r}; expected one of {PASSES}")
+    override = frame_override()
+    if override is not None:
+        er, ec = override
+        if er <= top + bot or ec <= left + right:
+            raise ValueError(
+                f"MTA_TRITON_FRAME={er}x{ec} leaves no owned block: the halo needs "
+                f"{top + bot + 1}x{left + right + 1} at least")
+    else:
+        er = max(16, pow2(top + bot + min_own))
+        ec = max(16, pow2(left + right + min_own))
+    return Frame(er, ec, top, left, er - top - bot, ec - left - right)
+
+
+def cells_visited(f: Frame, tq: int, tk: int, q_offset: int = 0) -> int:
+    """Frame cells one (batch, head) pass computes: every row block's frames, over the key
+    blocks up to the one holding its last query (the kernel's causal skipping)."""
+    total = 0
+    for r0 in range(0, tq, f.bmo):
+        last = min(tq, r0 + f.bmo) - 1 + q_offset
+        n_ct = min(-(-tk // f.bno), last // f.bno + 1)
+        total += f.er * f.ec * n_ct
+    return total

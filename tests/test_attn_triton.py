@@ -1,0 +1,166 @@
+"""model.attn_impl=triton beyond the shared parity tests (test_attn_impls.py): many frames
+per row and per key axis, the shipped configs' and Table 5's options at the 880M head
+count, nothing quadratic saved, the fallback, and whole training runs equal to "torch".
+
+Without a GPU these run in Triton's interpreter (tests/conftest.py sets TRITON_INTERPRET=1),
+which proves the kernels' semantics, not their speed or that they compile for a GPU.
+"""
+
+import dataclasses
+import importlib.util
+
+import pytest
+import torch
+
+from mta_repro.model import attention_ops
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton not installed")
+
+
+def params(h, pre, post, mix="head_kernel", wpsm=True, pad_key="both", seed=0, group=None):
+    g = torch.Generator().manual_seed(seed)
+    rand = lambda *shape: torch.randn(*shape, generator=g, dtype=torch.float64)  # noqa: E731
+    c_h = group or h
+    return attention_ops.ExplicitAttnParams(
+        mta_kernel=rand(h, 1, *pre) if pre else None,
+        wpsm=rand(h, h) * h**-0.5 if wpsm else None,
+        mta_kernel_after_sm=rand(h, 1, *post) * 0.5 if post else None,
+        head_kernel=rand(h // c_h, c_h, c_h) * c_h**-0.5 if mix == "head_kernel" else None,
+        wposm=rand(h, h) * h**-0.5 if mix == "wposm" else None,
+        pad_key=pad_key,
+    )
+
+
+def grads_of(impl, q, k, v, p, mask):
+    ts = {"q": q, "k": k, "v": v}
+    ts.update({f: getattr(p, f) for f in attention_ops._WEIGHT_FIELDS if getattr(p, f) is not None})
+    ts = {n: t.detach().clone().requires_grad_() for n, t in ts.items()}
+    p = dataclasses.replace(p, **{n: t for n, t in ts.items() if n not in "qkv"})
+    out = attention_ops.ATTN_IMPLS[impl].fn(ts["q"], ts["k"], ts["v"], p, mask, False)
+    gy = torch.randn(out.shape, generator=torch.Generator().manual_seed(7), dtype=out.dtype)
+    (out * gy).sum().backward()
+    return out.detach(), {n: t.grad for n, t in ts.items()}
+
+
+def assert_matches_torch(q, k, v, p, mask=attention_ops.AttnMask()):
+    want, want_g = grads_of("torch", q, k, v, p, mask)
+    got, got_g = grads_of("triton", q, k, v, p, mask)
+    torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+    for name, g in want_g.items():
+        torch.testing.assert_close(got_g[name], g, rtol=1e-9, atol=1e-11, msg=name)
+
+
+def qkv(b, h, tq, tk, d, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(b, h, t, d, generator=g, dtype=torch.float64) for t in (tq, tk, tk)]
+
+
+def test_many_frames_with_padding_and_offset(monkeypatch):
+    """Small frames (MTA_TRITON_FRAME) put several row blocks and key blocks in every pass,
+    with causal skipping, left padding across block edges and a cached-key offset."""
+    monkeypatch.setenv("MTA_TRITON_FRAME", "16x16")
+    h = 4
+    p = params(h, (2, 3), (3, 3), group=2)
+    q, k, v = qkv(2, h, 45, 45, 3)
+    assert_matches_torch(q, k, v, p)
+    key_valid = torch.ones(2, 45, dtype=torch.bool)
+    key_valid[1, :19] = False  # the pad edge falls inside a frame
+    assert_matches_torch(q, k, v, p, attention_ops.AttnMask(0, key_valid))
+    q, _, _ = qkv(2, h, 21, 45, 3, seed=2)  # 21 new queries after 24 cached keys
+    assert_matches_torch(q, k, v, params(h, (3, 2), (2, 4), mix="wposm", pad_key="right"),
+                         attention_ops.AttnMask(24, key_valid))
+
+
+def test_frame_override_is_checked(monkeypatch):
+    h = 4
+    q, k, v = qkv(1, h, 8, 8, 3)
+    monkeypatch.setenv("MTA_TRITON_FRAME", "16x8")  # the halo of 6x11 convolutions does not fit
+    with pytest.raises(ValueError, match="MTA_TRITON_FRAME=16x8 leaves no owned block"):
+        attention_ops.ATTN_IMPLS["triton"].fn(q, k, v, params(h, (6, 11), (6, 11)), attention_ops.AttnMask())
+    monkeypatch.setenv("MTA_TRITON_FRAME", "24x32")
+    with pytest.raises(ValueError, match="powers of two"):
+        attention_ops.ATTN_IMPLS["triton"].fn(q, k, v, params(h, (2, 3), None), attention_ops.AttnMask())
+
+
+@pytest.mark.parametrize(
+    "h, pre, post",
+    [
+        (16, (6, 11), (6, 11)),  # the 880M MTA layer (16 heads: mixing as a tl.dot)
+        (16, None, None),  # its mixing-only layers / talking heads
+        (8, (4, 7), (4, 7)),  # Table 5 kernel sizes (the 6 x 11 one is above)
+        (8, (4, 11), (4, 11)),
+        (8, (6, 7), (6, 7)),
+    ],
+)
+def test_shipped_and_ablation_options(h, pre, post):
+    q, k, v = qkv(1, h, 27, 27, 4)
+    assert_matches_torch(q, k, v, params(h, pre, post))
+
+
+def test_saves_nothing_quadratic_for_backward():
+    t, h, d = 48, 4, 3
+    sizes = []
+
+    def pack(x):
+        sizes.append(x.numel())
+        return x
+
+    q, k, v = (x.requires_grad_() for x in qkv(1, h, t, t, d))
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x):
+        out = attention_ops.ATTN_IMPLS["triton"].fn(q, k, v, params(h, (2, 3), (3, 3)), attention_ops.AttnMask())
+    out.sum().backward()
+    assert sizes and max(sizes) <= h * t * d  # q, k, v, the (B, H, T) lse, the weights
+
+
+def test_without_interpreter_on_cpu_falls_back_to_blocked(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    h = 4
+    q, k, v = qkv(1, h, 9, 9, 3)
+    p = params(h, (2, 3), (3, 3))
+    with pytest.warns(UserWarning, match="'triton' does not support CPU tensors unless TRITON_INTERPRET=1.*'blocked'"):
+        out = attention_ops.explicit_attention("triton", q, k, v, p, attention_ops.AttnMask())
+    torch.testing.assert_close(out, attention_ops.explicit_attention_torch(q, k, v, p, attention_ops.AttnMask()))
+
+
+@pytest.mark.slow
+def test_debug_experiment_with_mta_trains_as_torch(tmp_path):
+    """The debug experiment with attention=mta (6x11 convolutions in layers 1 and 3, head
+    mixing everywhere): a few training steps and the validation through the Triton kernels
+    give the losses of the reference path, step for step."""
+    import json
+
+    from mta_repro.config import compose
+    from mta_repro.train.loop import train
+
+    losses = {}
+    for impl in ("torch", "triton"):
+        run_dir = tmp_path / impl
+        train(compose([
+            "experiment=debug", "attention=mta", f"model.attn_impl={impl}", f"run_dir={run_dir}",
+            "data.seq_len=16", "data.batch_size=2", "trainer.steps=3", "trainer.eval_max_batches=1",
+            "checkpoint.every=3", "checkpoint.export=false", "logging.every=1",
+            "logging.wandb_mode=disabled", "logging.progress_bar=false",
+        ]))
+        rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+        losses[impl] = {(r["step"], key): r[key] for r in rows for key in r
+                        if "loss" in key and isinstance(r[key], float)}
+    assert set(losses["triton"]) == set(losses["torch"]) and any(key == "val_loss" for _, key in losses["torch"])
+    for key, want in losses["torch"].items():
+        assert losses["triton"][key] == pytest.approx(want, rel=2e-5), key
+
+
+def test_memory_preflight_stand_in_saves_what_the_kernel_saves():
+    """mta_repro.memory measures triton layers on meta through a stand-in (Triton does not
+    run on meta): it must keep the bytes the real kernel keeps."""
+    from mta_repro import memory
+
+    h, t, d = 4, 20, 8
+    p = params(h, (2, 3), (3, 3))
+    weights = {getattr(p, f).untyped_storage()._cdata for f in attention_ops._WEIGHT_FIELDS
+               if getattr(p, f) is not None}
+    q, k, v = (x.float().requires_grad_() for x in qkv(2, h, t, t, d))
+    real = memory._saved_bytes(
+        lambda: attention_ops.ATTN_IMPLS["triton"].fn(q, k, v, p, attention_ops.AttnMask()), weights)
+    qm, km, vm = (torch.zeros(2, h, t, d, device="meta", requires_grad=True) for _ in range(3))
+    stand_in = memory._saved_bytes(lambda: memory._triton_meta(qm, km, vm, p, attention_ops.AttnMask()), set())
+    assert real == stand_in == 3 * 2 * h * t * d * 4 + 2 * h * t * 4
