@@ -358,22 +358,30 @@ def _launch(mode, q, k, v, do, o, lse, dd, dq, dk, dv, kv, k1, w1, k2, w2, parts
             pk2 = parts["k2"] = torch.zeros(b * n_rt, hp, cq2, ck2, dtype=acc, device=q.device)
         if w2 is not None:
             pw2 = parts["w2"] = torch.zeros(b * n_rt, hp, hp, dtype=acc, device=q.device)
-    _mta_kernel[(n_rt, b)](
-        q, k, v, do if do is not None else q, o if o is not None else dummy,
-        lse, dd if dd is not None else lse, dq if dq is not None else dummy,
-        dk if dk is not None else dummy, dv if dv is not None else dummy,
-        kv if kv is not None else lse,
-        k1 if k1 is not None else dummy, w1 if w1 is not None else dummy,
-        k2 if k2 is not None else dummy, w2 if w2 is not None else dummy,
-        scratch, pk1, pw1, pk2, pw2,
-        tq, tk, q_off, h, d, n_rt, d ** -0.5, p_drop, seed,
-        MODE=mode.value, ACC=tl.float64 if acc == torch.float64 else tl.float32,
-        PREC="ieee", USE_DOT=hp >= 16,
-        HP=hp, DP=max(16, frames.pow2(d)), ER=g.er, EC=g.ec, TOP=g.top, LEFT=g.left, BMO=g.bmo, BNO=g.bno, MR=mr, MC=mc,
-        HAS_K1=k1 is not None, CQ1=cq1, CK1=ck1, PL1=frames.pad_left(pad_key, ck1), HAS_W1=w1 is not None,
-        HAS_K2=k2 is not None, CQ2=cq2, CK2=ck2, PL2=frames.pad_left(pad_key, ck2), HAS_W2=w2 is not None,
-        HAS_KV=kv is not None, DROP=p_drop > 0.0,
-    )
+    try:
+        _mta_kernel[(n_rt, b)](
+            q, k, v, do if do is not None else q, o if o is not None else dummy,
+            lse, dd if dd is not None else lse, dq if dq is not None else dummy,
+            dk if dk is not None else dummy, dv if dv is not None else dummy,
+            kv if kv is not None else lse,
+            k1 if k1 is not None else dummy, w1 if w1 is not None else dummy,
+            k2 if k2 is not None else dummy, w2 if w2 is not None else dummy,
+            scratch, pk1, pw1, pk2, pw2,
+            tq, tk, q_off, h, d, n_rt, d ** -0.5, p_drop, seed,
+            MODE=mode.value, ACC=tl.float64 if acc == torch.float64 else tl.float32,
+            PREC="ieee", USE_DOT=hp >= 16,
+            HP=hp, DP=max(16, frames.pow2(d)), ER=g.er, EC=g.ec, TOP=g.top, LEFT=g.left, BMO=g.bmo, BNO=g.bno, MR=mr, MC=mc,
+            HAS_K1=k1 is not None, CQ1=cq1, CK1=ck1, PL1=frames.pad_left(pad_key, ck1), HAS_W1=w1 is not None,
+            HAS_K2=k2 is not None, CQ2=cq2, CK2=ck2, PL2=frames.pad_left(pad_key, ck2), HAS_W2=w2 is not None,
+            HAS_KV=kv is not None, DROP=p_drop > 0.0,
+        )
+    except triton.runtime.errors.OutOfResources as e:
+        # What a real compile shows and the interpreter cannot (scripts/compile_triton.py
+        # reports each pass's needs without a GPU).
+        raise RuntimeError(
+            f"model.attn_impl=triton: its {frames.PASSES[mode.value]!r} pass does not fit this GPU "
+            f"({e}); frame {g.er}x{g.ec}, {h} heads of {d}. Use model.attn_impl=blocked, or a smaller "
+            f"MTA_TRITON_FRAME where the halo allows") from e
 
 
 def _sum_parts(part: torch.Tensor, h: int) -> torch.Tensor:
