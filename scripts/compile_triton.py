@@ -35,14 +35,15 @@ from mta_repro.model import frames  # noqa: E402
 LAYERS = {"kq_conv": ((6, 11), (6, 11)), "mixing": (None, None)}  # the 880M MTA options
 
 
-def compile_pass(name: str, pre, post, heads: int, head_dim: int, arch: int, num_warps: int):
+def compile_pass(name: str, pre, post, heads: int, head_dim: int, arch: int, num_warps: int, chunks):
     mode = frames.PASSES.index(name)
     g = frames.frame(name, pre, post, "both")
     cq1, ck1 = pre or (1, 1)
     cq2, ck2 = post or (1, 1)
     hp = max(frames.pow2(heads), 2)
     consts = dict(
-        MODE=mode, ACC=tl.float32, PREC="ieee", USE_DOT=hp >= 16, HP=hp, DP=max(16, frames.pow2(head_dim)),
+        MODE=mode, ACC=tl.float32, PREC="ieee", USE_DOT=hp >= 16, HP=hp, HC=min(hp, chunks[0]), SR=min(g.er, chunks[1]),
+        DP=max(16, frames.pow2(head_dim)),
         ER=g.er, EC=g.ec, TOP=g.top, LEFT=g.left, BMO=g.bmo, BNO=g.bno,
         MR=max(cq1, cq2) - 1, MC=max(ck1, ck2) - 1,
         HAS_K1=pre is not None, CQ1=cq1, CK1=ck1, PL1=frames.pad_left("both", ck1), HAS_W1=True,
@@ -55,7 +56,7 @@ def compile_pass(name: str, pre, post, heads: int, head_dim: int, arch: int, num
         if n in consts:
             sig[n] = "constexpr"
         elif n.endswith("_ptr"):
-            bf16 = n in ("q_ptr", "k_ptr", "v_ptr", "do_ptr", "o_ptr", "dq_ptr")
+            bf16 = n in ("q_ptr", "k_ptr", "v_ptr", "do_ptr")
             sig[n] = "*i8" if n == "kv_ptr" else ("*bf16" if bf16 else "*fp32")
         elif n in ("scale", "p_drop"):
             sig[n] = "fp32"
@@ -91,13 +92,17 @@ def main() -> None:
     ap.add_argument("--heads", type=int, default=16)
     ap.add_argument("--head-dim", type=int, default=96)
     ap.add_argument("--num-warps", type=int, default=8)
+    ap.add_argument("--chunks", default="2x4", help="heads per chunk x frame rows per mixing slab "
+                    "(the GPU default of attention_triton._tiling)")
     a = ap.parse_args()
+    chunks = tuple(int(x) for x in a.chunks.split("x"))
+    print(f"chunks {a.chunks}, {a.num_warps} warps, {a.heads} heads of {a.head_dim}, bf16 inputs")
     print(f"| layer | pass | frame (owned) | compile s | shared KB | ptxas (sm_{a.arch}) |")
     print("|---|---|---|---|---|---|")
     for layer in a.layers.split(","):
         pre, post = LAYERS[layer]
         for name in a.passes.split(","):
-            g, k, secs = compile_pass(name, pre, post, a.heads, a.head_dim, a.arch, a.num_warps)
+            g, k, secs = compile_pass(name, pre, post, a.heads, a.head_dim, a.arch, a.num_warps, chunks)
             print(f"| {layer} | {name} | {g.er}x{g.ec} ({g.bmo}x{g.bno}) | {secs:.0f} | "
                   f"{k.metadata.shared / 1024:.0f} | {ptxas_report(k.asm['ptx'], a.arch)} |", flush=True)
 

@@ -64,6 +64,7 @@ without code changes.
 
 from __future__ import annotations
 
+import os
 from typing import Optional
 
 import torch
@@ -76,13 +77,16 @@ from mta_repro.model.attention_ops import AttnMask, ExplicitAttnParams
 
 # Pass modes of the one kernel (they share every stage of the chain).
 _STATS, _FWD, _BWD_D, _BWD = (tl.constexpr(i) for i in range(4))
+# Scratch slots per program (each HP heads x the frame, with zero margins):
+_S, _C, _ZA, _P, _R, _DA, _DR = (tl.constexpr(i) for i in range(7))
+N_SLOTS = 7
 
 
 @triton.jit
-def _load_tile(ptr, b, idx, T, H, d, HP: tl.constexpr, R: tl.constexpr, DP: tl.constexpr):
-    """(HP, R, DP) tile of a contiguous (B, H, T, d) tensor at positions ``idx`` (R,);
-    zero outside [0, T), past H heads and past d."""
-    h = tl.arange(0, HP)[:, None, None]
+def _load_tile(ptr, b, hc, idx, T, H, d, DP: tl.constexpr):
+    """(HC, R, DP) tile of a contiguous (B, H, T, d) tensor: heads ``hc`` (HC,), positions
+    ``idx`` (R,); zero outside [0, T), past H heads and past d."""
+    h = hc[:, None, None]
     r = idx[None, :, None]
     e = tl.arange(0, DP)[None, None, :]
     m = (h < H) & (r >= 0) & (r < T) & (e < d)
@@ -90,41 +94,71 @@ def _load_tile(ptr, b, idx, T, H, d, HP: tl.constexpr, R: tl.constexpr, DP: tl.c
 
 
 @triton.jit
-def _mix(w, x, HP: tl.constexpr, ER: tl.constexpr, EC: tl.constexpr, USE_DOT: tl.constexpr,
-         PREC: tl.constexpr):
-    """out[g] = sum_h w[g, h] x[h]: w (HP, HP), x (HP, ER, EC)."""
+def _put(ptrs, x):
+    tl.debug_barrier()  # earlier readers of these cells are done
+    tl.store(ptrs, x)
+    tl.debug_barrier()  # every thread sees the whole tile
+
+
+@triton.jit
+def _mix(w, x, HP: tl.constexpr, R: tl.constexpr, EC: tl.constexpr, USE_DOT: tl.constexpr, PREC: tl.constexpr):
+    """out[g] = sum_h w[g, h] x[h]: w (HP, HP), x (HP, R, EC)."""
     if USE_DOT:
-        out = tl.dot(w, tl.reshape(x, [HP, ER * EC]), input_precision=PREC, out_dtype=x.dtype)
-        return tl.reshape(out, [HP, ER, EC])
+        out = tl.dot(w, tl.reshape(x, [HP, R * EC]), input_precision=PREC, out_dtype=x.dtype)
+        return tl.reshape(out, [HP, R, EC])
     else:  # tl.dot needs >= 16 rows on a GPU; small head counts broadcast instead
         return tl.sum(w[:, :, None, None] * x[None, :, :, :], axis=1)
 
 
 @triton.jit
-def _mix_grad(gout, x, HP: tl.constexpr, ER: tl.constexpr, EC: tl.constexpr, USE_DOT: tl.constexpr,
-              PREC: tl.constexpr):
-    """d w[g, h] = sum_{u, v} gout[g, u, v] x[h, u, v] (the gradient of ``_mix``'s weight)."""
-    if USE_DOT:
-        return tl.dot(tl.reshape(gout, [HP, ER * EC]), tl.trans(tl.reshape(x, [HP, ER * EC])),
-                      input_precision=PREC, out_dtype=x.dtype)
-    else:
-        return tl.sum(tl.sum(gout[:, None, :, :] * x[None, :, :, :], axis=3), axis=2)
+def _mix_slabs(src, dst, w, H, HP: tl.constexpr, ER: tl.constexpr, EC: tl.constexpr, SR: tl.constexpr,
+               SC: tl.constexpr, MR: tl.constexpr, MC: tl.constexpr, USE_DOT: tl.constexpr, PREC: tl.constexpr):
+    """Head mixing of a whole slot, SR frame rows at a time: dst[g] = sum_h w[g, h] src[h]."""
+    h = tl.arange(0, HP)[:, None, None]
+    cell = (h * (ER + 2 * MR) + MR + tl.arange(0, SR)[None, :, None]) * SC + MC + tl.arange(0, EC)[None, None, :]
+    tl.debug_barrier()
+    for r0 in tl.static_range(0, ER, SR):
+        x = tl.load(src + cell + r0 * SC)
+        tl.store(dst + cell + r0 * SC, _mix(w, x, HP, SR, EC, USE_DOT, PREC))
+    tl.debug_barrier()
+
+
+@triton.jit
+def _mix_grad_slabs(gsrc, xsrc, u_own0, own_c, H, HP: tl.constexpr, ER: tl.constexpr, EC: tl.constexpr,
+                    SR: tl.constexpr, SC: tl.constexpr, MR: tl.constexpr, MC: tl.constexpr, BMO: tl.constexpr,
+                    n_own_rows, USE_DOT: tl.constexpr, PREC: tl.constexpr):
+    """d w[g, h] = sum over the owned cells of gout[g] x[h] (the gradient of a mixing weight);
+    owned: frame rows [u_own0, u_own0 + n_own_rows), columns where ``own_c``."""
+    hv = tl.arange(0, HP)
+    h = hv[:, None, None]
+    u = tl.arange(0, SR)
+    cell = (h * (ER + 2 * MR) + MR + u[None, :, None]) * SC + MC + tl.arange(0, EC)[None, None, :]
+    acc = tl.zeros([HP, HP], dtype=gsrc.dtype.element_ty)
+    for r0 in tl.static_range(0, ER, SR):
+        rown = (r0 + u >= u_own0) & (r0 + u < u_own0 + n_own_rows)
+        own = (hv < H)[:, None, None] & rown[None, :, None] & own_c[None, None, :]
+        g = tl.where(own, tl.load(gsrc + cell + r0 * SC), 0.0)
+        x = tl.load(xsrc + cell + r0 * SC)
+        if USE_DOT:
+            acc += tl.dot(tl.reshape(g, [HP, SR * EC]), tl.trans(tl.reshape(x, [HP, SR * EC])),
+                          input_precision=PREC, out_dtype=acc.dtype)
+        else:
+            acc += tl.sum(tl.sum(g[:, None, :, :] * x[None, :, :, :], axis=3), axis=2)
+    return acc
 
 
 @triton.jit
 def _conv(ptrs, x, kern, hmask, SC: tl.constexpr, CQ: tl.constexpr, CK: tl.constexpr, PL: tl.constexpr,
           ADJOINT: tl.constexpr):
-    """Depthwise key-query convolution of the frame tile x (HP, ER, EC) through a scratch slot
-    (``ptrs``: the slot's frame cells, rows SC apart; zero margins around them).
+    """Depthwise key-query convolution of the frame tile x (HC, ER, EC) through a scratch slot
+    (``ptrs``: the slot's frame cells of these heads, rows SC apart, zero margins around).
 
     Forward: out[u, w] = sum_{a, b} kern[h, a, b] x[u + a - (CQ-1), w + b - PL] (queries look
     back only). Adjoint: out[u, w] = sum_{a, b} kern[h, a, b] x[u + (CQ-1) - a, w + PL - b].
     Reads that leave the frame land in the margins and read 0 (only the halo sees them)."""
     kbase = kern + tl.arange(0, hmask.shape[0])[:, None, None] * (CQ * CK)
     km = hmask[:, None, None]
-    tl.debug_barrier()  # earlier readers of this slot are done
-    tl.store(ptrs, x)
-    tl.debug_barrier()
+    _put(ptrs, x)
     acc = tl.zeros(x.shape, dtype=x.dtype)
     for a in tl.static_range(CQ):
         for bb in tl.static_range(CK):
@@ -137,11 +171,10 @@ def _conv(ptrs, x, kern, hmask, SC: tl.constexpr, CQ: tl.constexpr, CK: tl.const
 
 
 @triton.jit
-def _conv_weight_grad(ptrs, gout, part, HP: tl.constexpr, SC: tl.constexpr, CQ: tl.constexpr,
-                      CK: tl.constexpr, PL: tl.constexpr):
+def _conv_weight_grad(ptrs, gout, part, SC: tl.constexpr, CQ: tl.constexpr, CK: tl.constexpr, PL: tl.constexpr):
     """part[h, a, b] += sum_{u, w} gout[h, u, w] x[h, u + a - (CQ-1), w + b - PL], x the
     forward input still in the slot at ``ptrs``; gout is zero outside the owned block."""
-    pbase = part + tl.arange(0, HP) * (CQ * CK)
+    pbase = part + tl.arange(0, gout.shape[0]) * (CQ * CK)
     for a in tl.static_range(CQ):
         for bb in tl.static_range(CK):
             xs = tl.load(ptrs + ((a - (CQ - 1)) * SC + (bb - PL)))
@@ -151,11 +184,11 @@ def _conv_weight_grad(ptrs, gout, part, HP: tl.constexpr, SC: tl.constexpr, CQ: 
 
 @triton.jit
 def _mta_kernel(
-    q_ptr, k_ptr, v_ptr, do_ptr, o_ptr, lse_ptr, dd_ptr, dq_ptr, dk_ptr, dv_ptr,
+    q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, dd_ptr, m_ptr, l_ptr, oacc_ptr, dqacc_ptr, dk_ptr, dv_ptr,
     kv_ptr, k1_ptr, w1_ptr, k2_ptr, w2_ptr, scr_ptr, pk1_ptr, pw1_ptr, pk2_ptr, pw2_ptr,
-    Tq, Tk, q_off, H, d, n_rt, scale, p_drop, seed,
+    Tq, Tk, q_off, H, d, n_rt, n_items, scale, p_drop, seed,
     MODE: tl.constexpr, ACC: tl.constexpr, PREC: tl.constexpr, USE_DOT: tl.constexpr,
-    HP: tl.constexpr, DP: tl.constexpr, ER: tl.constexpr, EC: tl.constexpr,
+    HP: tl.constexpr, HC: tl.constexpr, SR: tl.constexpr, DP: tl.constexpr, ER: tl.constexpr, EC: tl.constexpr,
     TOP: tl.constexpr, LEFT: tl.constexpr, BMO: tl.constexpr, BNO: tl.constexpr,
     MR: tl.constexpr, MC: tl.constexpr,
     HAS_K1: tl.constexpr, CQ1: tl.constexpr, CK1: tl.constexpr, PL1: tl.constexpr,
@@ -163,178 +196,240 @@ def _mta_kernel(
     HAS_K2: tl.constexpr, CQ2: tl.constexpr, CK2: tl.constexpr, PL2: tl.constexpr,
     HAS_W2: tl.constexpr, HAS_KV: tl.constexpr, DROP: tl.constexpr,
 ):
-    t = tl.program_id(0)  # owned query block
-    b = tl.program_id(1)
+    pid = tl.program_id(0)
+    nprog = tl.num_programs(0)
     hv = tl.arange(0, HP)
     hmask = hv < H
-    hm3 = hmask[:, None, None]
+    hl = tl.arange(0, HC)  # a chunk's heads, relative to its first
     e = tl.arange(0, DP)
-
     u = tl.arange(0, ER)
-    rows = t * BMO - TOP + u  # (ER,) query index of each frame row
-    own_r = (u >= TOP) & (u < TOP + BMO) & (rows < Tq)
-    row_in = (rows >= 0) & (rows < Tq)
-    if HAS_KV:
-        row_ok = row_in & (tl.load(kv_ptr + b * Tk + rows + q_off, mask=row_in, other=0) != 0)
-    else:
-        row_ok = row_in
-
-    # Four scratch slots, each (HP, ER + 2 MR, SC = EC + 2 MC): the frame with zero margins
+    w = tl.arange(0, EC)
+    # Scratch: N_SLOTS slots of (HP, ER + 2 MR, SC = EC + 2 MC): the frame with zero margins
     # as wide as the largest shift, so shifted reloads need no masks.
     SC: tl.constexpr = EC + 2 * MC
-    SLOT: tl.constexpr = HP * (ER + 2 * MR) * SC
-    scr = scr_ptr + (b * n_rt + t).to(tl.int64) * (4 * SLOT)
-    cell = ((hv[:, None, None] * (ER + 2 * MR) + MR + u[None, :, None]) * SC + MC
-            + tl.arange(0, EC)[None, None, :])
-    slot0 = scr + cell
-    q_t = _load_tile(q_ptr, b, rows, Tq, H, d, HP, ER, DP)  # (HP, ER, DP)
-    hr = (b * H + hv[:, None]) * Tq + rows[None, :]  # (HP, ER) offsets into (B, H, Tq)
-    hr_ok = hmask[:, None] & row_in[None, :]
+    SLOTH: tl.constexpr = (ER + 2 * MR) * SC
+    SLOT: tl.constexpr = HP * SLOTH
+    scr = scr_ptr + pid.to(tl.int64) * (7 * SLOT)
+    cell = (hl[:, None, None] * (ER + 2 * MR) + MR + u[None, :, None]) * SC + MC + w[None, None, :]
     if HAS_W1:
         w1 = tl.load(w1_ptr + hv[:, None] * H + hv[None, :], mask=hmask[:, None] & hmask[None, :], other=0.0)
     if HAS_W2:
         w2 = tl.load(w2_ptr + hv[:, None] * H + hv[None, :], mask=hmask[:, None] & hmask[None, :], other=0.0)
-    if MODE != _STATS:
-        lse = tl.load(lse_ptr + hr, mask=hr_ok, other=0.0)
-    if MODE >= _BWD_D:
-        do_t = _load_tile(do_ptr, b, rows, Tq, H, d, HP, ER, DP)
-    if MODE == _BWD:
-        dd = tl.load(dd_ptr + hr, mask=hr_ok, other=0.0)
-        dw1 = tl.zeros([HP, HP], dtype=ACC)
-        dw2 = tl.zeros([HP, HP], dtype=ACC)
-        acc_dq = tl.zeros([HP, ER, DP], dtype=ACC)
-        part = b * n_rt + t
-    if MODE == _STATS:
-        m_i = tl.full([HP, ER], float("-inf"), dtype=ACC)
-        l_i = tl.zeros([HP, ER], dtype=ACC)
-    if MODE == _FWD:
-        acc_o = tl.zeros([HP, ER, DP], dtype=ACC)
-    if MODE == _BWD_D:
-        acc_d = tl.zeros([HP, ER], dtype=ACC)
 
-    # Causal skipping: key blocks up to the one holding this block's last query.
-    last = tl.minimum(Tq, t * BMO + BMO) - 1 + q_off
-    n_ct = tl.minimum(tl.cdiv(Tk, BNO), last // BNO + 1)
-    for ct in range(0, n_ct):
-        w = tl.arange(0, EC)
-        cols = ct * BNO - LEFT + w  # (EC,) key index of each frame column
-        col_in = (cols >= 0) & (cols < Tk)
-        own = own_r[:, None] & ((w >= LEFT) & (w < LEFT + BNO) & col_in)[None, :]  # (ER, EC)
-        allowed = row_ok[:, None] & col_in[None, :] & (cols[None, :] <= rows[:, None] + q_off)
+    for item in range(pid, n_items, nprog):  # (batch, query block) work items
+        b = item // n_rt
+        t = item % n_rt
+        rows = t * BMO - TOP + u  # (ER,) query index of each frame row
+        own_r = (u >= TOP) & (u < TOP + BMO) & (rows < Tq)
+        row_in = (rows >= 0) & (rows < Tq)
         if HAS_KV:
-            allowed = allowed & (tl.load(kv_ptr + b * Tk + cols, mask=col_in, other=0) != 0)[None, :]
-        al3 = allowed[None, :, :] & hm3
-        own3 = own[None, :, :] & hm3
+            row_ok = row_in & (tl.load(kv_ptr + b * Tk + rows + q_off, mask=row_in, other=0) != 0)
+        else:
+            row_ok = row_in
+        n_own_rows = tl.minimum(BMO, Tq - t * BMO)
+        if MODE == _BWD:
+            dw1 = tl.zeros([HP, HP], dtype=ACC)
+            dw2 = tl.zeros([HP, HP], dtype=ACC)
 
-        # ---- forward chain on the frame: S -> C -> Z (pre-softmax)
-        k_t = _load_tile(k_ptr, b, cols, Tk, H, d, HP, EC, DP)  # (HP, EC, DP)
-        s = tl.dot(q_t, tl.trans(k_t, 0, 2, 1), input_precision=PREC, out_dtype=ACC) * scale
-        s = tl.where(al3, s, 0.0)  # (HP, ER, EC); the convolution must not read the future
-        if HAS_K1:
-            c = _conv(slot0, s, k1_ptr, hmask, SC, CQ1, CK1, PL1, False)
-        else:
-            c = s
-        if HAS_W1:
-            z = _mix(w1, c, HP, ER, EC, USE_DOT, PREC)
-        else:
-            z = c
+        # Causal skipping: key blocks up to the one holding this block's last query.
+        last = tl.minimum(Tq, t * BMO + BMO) - 1 + q_off
+        n_ct = tl.minimum(tl.cdiv(Tk, BNO), last // BNO + 1)
+        for ct in range(0, n_ct):
+            cols = ct * BNO - LEFT + w  # (EC,) key index of each frame column
+            col_in = (cols >= 0) & (cols < Tk)
+            own_c = (w >= LEFT) & (w < LEFT + BNO) & col_in
+            own = own_r[:, None] & own_c[None, :]  # (ER, EC)
+            allowed = row_ok[:, None] & col_in[None, :] & (cols[None, :] <= rows[:, None] + q_off)
+            if HAS_KV:
+                allowed = allowed & (tl.load(kv_ptr + b * Tk + cols, mask=col_in, other=0) != 0)[None, :]
 
-        if MODE == _STATS:
-            zm = tl.where(al3 & own3, z, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(zm, axis=2))
-            base = tl.where(m_new == float("-inf"), 0.0, m_new)
-            l_i = l_i * tl.exp(m_i - base) + tl.sum(tl.exp(zm - base[:, :, None]), axis=2)
-            m_i = m_new
-        else:
-            # exact probabilities; <= 1 by construction, clamped so halo junk cannot overflow
-            p = tl.where(al3, tl.exp(tl.minimum(z - lse[:, :, None], 0.0)), 0.0)
-            if DROP:
-                offs = (hv[:, None, None] * Tq + rows[None, :, None]) * Tk + cols[None, None, :]
-                keep = tl.rand(seed + b, offs) >= p_drop
-            if MODE != _BWD_D:
-                if HAS_K2:
-                    r = tl.where(al3, _conv(slot0 + SLOT, p, k2_ptr, hmask, SC, CQ2, CK2, PL2, False), 0.0)
+            # ---- S -> C (per head chunk), Z = mix(C)
+            for c0 in tl.static_range(0, HP, HC):
+                hc = c0 + hl
+                hm3 = (hc < H)[:, None, None]
+                q_c = _load_tile(q_ptr, b, hc, rows, Tq, H, d, DP)  # (HC, ER, DP)
+                k_c = _load_tile(k_ptr, b, hc, cols, Tk, H, d, DP)  # (HC, EC, DP)
+                s = tl.dot(q_c, tl.trans(k_c, 0, 2, 1), input_precision=PREC, out_dtype=ACC) * scale
+                s = tl.where(allowed[None, :, :] & hm3, s, 0.0)  # the convolution must not read the future
+                if HAS_K1:
+                    c = _conv(scr + _S * SLOT + c0 * SLOTH + cell, s, k1_ptr + c0 * CQ1 * CK1, hc < H,
+                              SC, CQ1, CK1, PL1, False)
                 else:
-                    r = p
-                if HAS_W2:
-                    a_ = _mix(w2, r, HP, ER, EC, USE_DOT, PREC)
-                else:
-                    a_ = r
-                if DROP:
-                    a_ = tl.where(keep, a_ / (1.0 - p_drop), 0.0)
-                a_own = tl.where(own3, a_, 0.0)
-            v_t = _load_tile(v_ptr, b, cols, Tk, H, d, HP, EC, DP)  # (HP, EC, DP)
-            if MODE == _FWD:
-                acc_o += tl.dot(a_own.to(v_t.dtype), v_t, input_precision=PREC, out_dtype=ACC)
+                    c = s
+                _put(scr + _C * SLOT + c0 * SLOTH + cell, c)
+            if HAS_W1:
+                _mix_slabs(scr + _C * SLOT, scr + _ZA * SLOT, w1, H, HP, ER, EC, SR, SC, MR, MC, USE_DOT, PREC)
+                zslot = scr + _ZA * SLOT
             else:
-                # ---- adjoint chain: dA -> dR -> dP (-> dZ -> dC -> dS in the main pass)
-                da = tl.dot(do_t, tl.trans(v_t, 0, 2, 1), input_precision=PREC, out_dtype=ACC)
-                if DROP:
-                    da = tl.where(keep, da / (1.0 - p_drop), 0.0)
-                if HAS_W2:
-                    dr = _mix(tl.trans(w2), da, HP, ER, EC, USE_DOT, PREC)
-                else:
-                    dr = da
-                dr = tl.where(al3, dr, 0.0)
-                if HAS_K2:
-                    dp = _conv(slot0 + 2 * SLOT, dr, k2_ptr, hmask, SC, CQ2, CK2, PL2, True)
-                else:
-                    dp = dr
-                if MODE == _BWD_D:
-                    acc_d += tl.sum(tl.where(own3, p * dp, 0.0), axis=2)
-                else:
-                    dz = p * (dp - dd[:, :, None])
-                    if HAS_W1:
-                        dc = _mix(tl.trans(w1), dz, HP, ER, EC, USE_DOT, PREC)
-                    else:
-                        dc = dz
-                    if HAS_K1:
-                        ds = _conv(slot0 + 3 * SLOT, dc, k1_ptr, hmask, SC, CQ1, CK1, PL1, True)
-                    else:
-                        ds = dc
-                    ds_own = tl.where(own3 & al3, ds * scale, 0.0)
-                    acc_dq += tl.dot(ds_own, k_t.to(ACC), input_precision=PREC, out_dtype=ACC)
-                    # dk, dv of the owned key block: other row blocks add to the same keys
-                    kmask = hm3 & ((w >= LEFT) & (w < LEFT + BNO) & col_in)[None, :, None] & (e < d)[None, None, :]
-                    kptr = ((b * H + hv[:, None, None]) * Tk + cols[None, :, None]) * d + e[None, None, :]
-                    dk_t = tl.dot(tl.trans(ds_own, 0, 2, 1), q_t.to(ACC), input_precision=PREC, out_dtype=ACC)
-                    tl.atomic_add(dk_ptr + kptr, dk_t, mask=kmask)
-                    dv_t = tl.dot(tl.trans(a_own, 0, 2, 1), do_t.to(ACC), input_precision=PREC, out_dtype=ACC)
-                    tl.atomic_add(dv_ptr + kptr, dv_t, mask=kmask)
-                    # parameter gradients: sums over the owned (i, j) only
-                    if HAS_K1:
-                        _conv_weight_grad(slot0, tl.where(own3, dc, 0.0), pk1_ptr + part * (HP * CQ1 * CK1),
-                                          HP, SC, CQ1, CK1, PL1)
-                    if HAS_W1:
-                        dw1 += _mix_grad(tl.where(own3, dz, 0.0), c, HP, ER, EC, USE_DOT, PREC)
+                zslot = scr + _C * SLOT
+
+            if MODE == _STATS:
+                for c0 in tl.static_range(0, HP, HC):
+                    hc = c0 + hl
+                    own3 = own[None, :, :] & allowed[None, :, :] & (hc < H)[:, None, None]
+                    zm = tl.where(own3, tl.load(zslot + c0 * SLOTH + cell), float("-inf"))
+                    sptr = (b * H + hc[:, None]) * Tq + rows[None, :]
+                    smask = (hc < H)[:, None] & own_r[None, :]
+                    m_i = tl.load(m_ptr + sptr, mask=smask, other=float("-inf"))
+                    l_i = tl.load(l_ptr + sptr, mask=smask, other=0.0)
+                    m_new = tl.maximum(m_i, tl.max(zm, axis=2))
+                    base = tl.where(m_new == float("-inf"), 0.0, m_new)
+                    l_i = l_i * tl.exp(m_i - base) + tl.sum(tl.exp(zm - base[:, :, None]), axis=2)
+                    tl.store(m_ptr + sptr, m_new, mask=smask)
+                    tl.store(l_ptr + sptr, l_i, mask=smask)
+            else:
+                # ---- P = exp(Z - lse) exactly, R = mask * conv(P), A = mix(R)
+                for c0 in tl.static_range(0, HP, HC):
+                    hc = c0 + hl
+                    al3 = allowed[None, :, :] & (hc < H)[:, None, None]
+                    sptr = (b * H + hc[:, None]) * Tq + rows[None, :]
+                    lse = tl.load(lse_ptr + sptr, mask=(hc < H)[:, None] & row_in[None, :], other=0.0)
+                    z = tl.load(zslot + c0 * SLOTH + cell)
+                    # <= 1 by construction; clamped so that halo junk cannot overflow
+                    p = tl.where(al3, tl.exp(tl.minimum(z - lse[:, :, None], 0.0)), 0.0)
                     if HAS_K2:
-                        _conv_weight_grad(slot0 + SLOT, tl.where(own3, dr, 0.0), pk2_ptr + part * (HP * CQ2 * CK2),
-                                          HP, SC, CQ2, CK2, PL2)
+                        r = tl.where(al3, _conv(scr + _P * SLOT + c0 * SLOTH + cell, p, k2_ptr + c0 * CQ2 * CK2,
+                                                hc < H, SC, CQ2, CK2, PL2, False), 0.0)
+                    else:
+                        _put(scr + _P * SLOT + c0 * SLOTH + cell, p)
+                        r = p
+                    if MODE != _BWD_D:
+                        _put(scr + _R * SLOT + c0 * SLOTH + cell, r)
+                if MODE != _BWD_D:
                     if HAS_W2:
-                        dw2 += _mix_grad(tl.where(own3, da, 0.0), r, HP, ER, EC, USE_DOT, PREC)
+                        _mix_slabs(scr + _R * SLOT, scr + _ZA * SLOT, w2, H, HP, ER, EC, SR, SC, MR, MC, USE_DOT, PREC)
+                        aslot = scr + _ZA * SLOT
+                    else:
+                        aslot = scr + _R * SLOT
 
-    own_hr = hmask[:, None] & own_r[None, :]
-    if MODE == _STATS:
-        tl.store(lse_ptr + hr, tl.where(l_i > 0, m_i + tl.log(tl.where(l_i > 0, l_i, 1.0)), 0.0), mask=own_hr)
-    if MODE == _BWD_D:
-        tl.store(dd_ptr + hr, acc_d, mask=own_hr)
-    if MODE == _FWD or MODE == _BWD:
-        optr = ((b * H + hv[:, None, None]) * Tq + rows[None, :, None]) * d + e[None, None, :]
-        omask = own_hr[:, :, None] & (e < d)[None, None, :]
-        if MODE == _FWD:
-            tl.store(o_ptr + optr, acc_o.to(o_ptr.dtype.element_ty), mask=omask)
-        else:
-            tl.store(dq_ptr + optr, acc_dq.to(dq_ptr.dtype.element_ty), mask=omask)
-    if MODE == _BWD:
-        wptr = part * (HP * HP) + hv[:, None] * HP + hv[None, :]
-        if HAS_W1:
-            tl.store(pw1_ptr + wptr, dw1)
-        if HAS_W2:
-            tl.store(pw2_ptr + wptr, dw2)
+                # ---- A V (forward); dA = dO V^T, dv (backward)
+                for c0 in tl.static_range(0, HP, HC):
+                    hc = c0 + hl
+                    hm3 = (hc < H)[:, None, None]
+                    own3 = own[None, :, :] & hm3
+                    v_c = _load_tile(v_ptr, b, hc, cols, Tk, H, d, DP)  # (HC, EC, DP)
+                    if DROP:
+                        offs = (hc[:, None, None] * Tq + rows[None, :, None]) * Tk + cols[None, None, :]
+                        keep = tl.rand(seed + b, offs) >= p_drop
+                    if MODE != _BWD_D:
+                        a_ = tl.load(aslot + c0 * SLOTH + cell)
+                        if DROP:
+                            a_ = tl.where(keep, a_ / (1.0 - p_drop), 0.0)
+                        a_own = tl.where(own3, a_, 0.0)
+                    optr = ((b * H + hc[:, None, None]) * Tq + rows[None, :, None]) * d + e[None, None, :]
+                    omask = hm3 & own_r[None, :, None] & (e < d)[None, None, :]
+                    if MODE == _FWD:
+                        o_c = tl.dot(a_own.to(v_c.dtype), v_c, input_precision=PREC, out_dtype=ACC)
+                        tl.store(oacc_ptr + optr, tl.load(oacc_ptr + optr, mask=omask, other=0.0) + o_c, mask=omask)
+                    else:
+                        do_c = _load_tile(do_ptr, b, hc, rows, Tq, H, d, DP)  # (HC, ER, DP)
+                        da = tl.dot(do_c, tl.trans(v_c, 0, 2, 1), input_precision=PREC, out_dtype=ACC)
+                        if DROP:
+                            da = tl.where(keep, da / (1.0 - p_drop), 0.0)
+                        _put(scr + _DA * SLOT + c0 * SLOTH + cell, da)
+                        if MODE == _BWD:
+                            # dv of the owned key block: other query blocks add to the same keys
+                            kptr = ((b * H + hc[:, None, None]) * Tk + cols[None, :, None]) * d + e[None, None, :]
+                            kmask = hm3 & own_c[None, :, None] & (e < d)[None, None, :]
+                            dv_c = tl.dot(tl.trans(a_own, 0, 2, 1), do_c.to(ACC), input_precision=PREC, out_dtype=ACC)
+                            tl.atomic_add(dv_ptr + kptr, dv_c, mask=kmask)
+
+                if MODE != _FWD:
+                    # ---- dR = mix^T(dA); dP = conv^T(mask * dR)
+                    if HAS_W2:
+                        _mix_slabs(scr + _DA * SLOT, scr + _DR * SLOT, tl.trans(w2), H, HP, ER, EC, SR, SC, MR, MC,
+                                   USE_DOT, PREC)
+                        drslot = scr + _DR * SLOT
+                        if MODE == _BWD:
+                            dw2 += _mix_grad_slabs(scr + _DA * SLOT, scr + _R * SLOT, TOP, own_c, H, HP, ER, EC, SR,
+                                                   SC, MR, MC, BMO, n_own_rows, USE_DOT, PREC)
+                    else:
+                        drslot = scr + _DA * SLOT
+                    for c0 in tl.static_range(0, HP, HC):
+                        hc = c0 + hl
+                        hm3 = (hc < H)[:, None, None]
+                        al3 = allowed[None, :, :] & hm3
+                        own3 = own[None, :, :] & hm3
+                        dr = tl.where(al3, tl.load(drslot + c0 * SLOTH + cell), 0.0)
+                        if HAS_K2:
+                            dp = _conv(drslot + c0 * SLOTH + cell, dr, k2_ptr + c0 * CQ2 * CK2, hc < H,
+                                       SC, CQ2, CK2, PL2, True)
+                        else:
+                            dp = dr
+                        p = tl.load(scr + _P * SLOT + c0 * SLOTH + cell)
+                        sptr = (b * H + hc[:, None]) * Tq + rows[None, :]
+                        if MODE == _BWD_D:
+                            smask = (hc < H)[:, None] & own_r[None, :]
+                            dsum = tl.sum(tl.where(own3, p * dp, 0.0), axis=2)
+                            tl.store(dd_ptr + sptr, tl.load(dd_ptr + sptr, mask=smask, other=0.0) + dsum, mask=smask)
+                        else:
+                            dd = tl.load(dd_ptr + sptr, mask=(hc < H)[:, None] & row_in[None, :], other=0.0)
+                            _put(scr + _ZA * SLOT + c0 * SLOTH + cell, p * (dp - dd[:, :, None]))  # dZ
+                            if HAS_K2:
+                                _conv_weight_grad(scr + _P * SLOT + c0 * SLOTH + cell, tl.where(own3, dr, 0.0),
+                                                  pk2_ptr + item * (HP * CQ2 * CK2) + c0 * CQ2 * CK2, SC, CQ2, CK2, PL2)
+
+                if MODE == _BWD:
+                    # ---- dC = mix^T(dZ); dS = mask * conv^T(dC); dq, dk
+                    if HAS_W1:
+                        _mix_slabs(scr + _ZA * SLOT, scr + _DA * SLOT, tl.trans(w1), H, HP, ER, EC, SR, SC, MR, MC,
+                                   USE_DOT, PREC)
+                        dw1 += _mix_grad_slabs(scr + _ZA * SLOT, scr + _C * SLOT, TOP, own_c, H, HP, ER, EC, SR,
+                                               SC, MR, MC, BMO, n_own_rows, USE_DOT, PREC)
+                        dcslot = scr + _DA * SLOT
+                    else:
+                        dcslot = scr + _ZA * SLOT
+                    for c0 in tl.static_range(0, HP, HC):
+                        hc = c0 + hl
+                        hm3 = (hc < H)[:, None, None]
+                        own3 = own[None, :, :] & hm3
+                        dc = tl.load(dcslot + c0 * SLOTH + cell)
+                        if HAS_K1:
+                            ds = _conv(dcslot + c0 * SLOTH + cell, dc, k1_ptr + c0 * CQ1 * CK1, hc < H,
+                                       SC, CQ1, CK1, PL1, True)
+                            _conv_weight_grad(scr + _S * SLOT + c0 * SLOTH + cell, tl.where(own3, dc, 0.0),
+                                              pk1_ptr + item * (HP * CQ1 * CK1) + c0 * CQ1 * CK1, SC, CQ1, CK1, PL1)
+                        else:
+                            ds = dc
+                        ds_own = tl.where(own3 & allowed[None, :, :], ds * scale, 0.0)
+                        q_c = _load_tile(q_ptr, b, hc, rows, Tq, H, d, DP)
+                        k_c = _load_tile(k_ptr, b, hc, cols, Tk, H, d, DP)
+                        optr = ((b * H + hc[:, None, None]) * Tq + rows[None, :, None]) * d + e[None, None, :]
+                        omask = hm3 & own_r[None, :, None] & (e < d)[None, None, :]
+                        dq_c = tl.dot(ds_own, k_c.to(ACC), input_precision=PREC, out_dtype=ACC)
+                        tl.store(dqacc_ptr + optr, tl.load(dqacc_ptr + optr, mask=omask, other=0.0) + dq_c, mask=omask)
+                        kptr = ((b * H + hc[:, None, None]) * Tk + cols[None, :, None]) * d + e[None, None, :]
+                        kmask = hm3 & own_c[None, :, None] & (e < d)[None, None, :]
+                        dk_c = tl.dot(tl.trans(ds_own, 0, 2, 1), q_c.to(ACC), input_precision=PREC, out_dtype=ACC)
+                        tl.atomic_add(dk_ptr + kptr, dk_c, mask=kmask)
+
+        if MODE == _BWD:
+            wptr = item * (HP * HP) + hv[:, None] * HP + hv[None, :]
+            if HAS_W1:
+                tl.store(pw1_ptr + wptr, dw1)
+            if HAS_W2:
+                tl.store(pw2_ptr + wptr, dw2)
 
 
-def _launch(mode, q, k, v, do, o, lse, dd, dq, dk, dv, kv, k1, w1, k2, w2, parts, pad_key, q_off,
-            p_drop, seed):
+def _tiling(hp: int, er: int, device: torch.device) -> tuple[int, int]:
+    """(heads per chunk, frame rows per mixing slab). The interpreter runs whole tiles
+    (fewest interpreted ops); a GPU takes small chunks (registers, shared memory).
+    ``MTA_TRITON_CHUNKS=HCxSR`` overrides both."""
+    spec = os.environ.get("MTA_TRITON_CHUNKS")
+    if spec:
+        try:
+            hc, sr = (int(x) for x in spec.lower().split("x"))
+        except ValueError:
+            raise ValueError(f"MTA_TRITON_CHUNKS={spec!r}: expected HCxSR, e.g. 2x4") from None
+        if hc < 1 or sr < 1 or hp % hc or er % sr or hc & (hc - 1) or sr & (sr - 1):
+            raise ValueError(f"MTA_TRITON_CHUNKS={spec!r}: powers of two dividing {hp} heads and {er} frame rows")
+        return hc, sr
+    if device.type == "cpu":
+        return hp, er
+    return min(hp, 2), min(er, 4)
+
+
+def _launch(mode, q, k, v, do, bufs: dict, kv, k1, w1, k2, w2, pad_key, q_off, p_drop, seed):
     b, h, tq, d = q.shape
     tk = k.shape[2]
     g = frames.frame(frames.PASSES[mode.value], None if k1 is None else tuple(k1.shape[1:]),
@@ -342,35 +437,38 @@ def _launch(mode, q, k, v, do, o, lse, dd, dq, dk, dv, kv, k1, w1, k2, w2, parts
     cq1, ck1 = (1, 1) if k1 is None else k1.shape[1:]
     cq2, ck2 = (1, 1) if k2 is None else k2.shape[1:]
     n_rt = triton.cdiv(tq, g.bmo)
+    n_items = b * n_rt
     hp = max(frames.pow2(h), 2)
+    hc, sr = _tiling(hp, g.er, q.device)
     acc = q.dtype if q.dtype == torch.float64 else torch.float32
+    # A persistent grid on a GPU bounds the scratch; the interpreter runs one item each.
+    n_prog = n_items if q.device.type == "cpu" else min(
+        n_items, 4 * torch.cuda.get_device_properties(q.device).multi_processor_count)
     # zeros: the margins around each slot's frame must read 0 (they are never written)
     mr, mc = max(cq1, cq2) - 1, max(ck1, ck2) - 1
-    scratch = torch.zeros(b * n_rt * 4 * hp * (g.er + 2 * mr) * (g.ec + 2 * mc), dtype=acc, device=q.device)
+    scratch = torch.zeros(n_prog * N_SLOTS * hp * (g.er + 2 * mr) * (g.ec + 2 * mc), dtype=acc, device=q.device)
     dummy = scratch[:1]
-    pk1 = pw1 = pk2 = pw2 = dummy
     if mode == _BWD:
-        if k1 is not None:
-            pk1 = parts["k1"] = torch.zeros(b * n_rt, hp, cq1, ck1, dtype=acc, device=q.device)
-        if w1 is not None:
-            pw1 = parts["w1"] = torch.zeros(b * n_rt, hp, hp, dtype=acc, device=q.device)
-        if k2 is not None:
-            pk2 = parts["k2"] = torch.zeros(b * n_rt, hp, cq2, ck2, dtype=acc, device=q.device)
-        if w2 is not None:
-            pw2 = parts["w2"] = torch.zeros(b * n_rt, hp, hp, dtype=acc, device=q.device)
+        for name, shape, present in (("k1", (cq1, ck1), k1 is not None), ("w1", (hp,), w1 is not None),
+                                     ("k2", (cq2, ck2), k2 is not None), ("w2", (hp,), w2 is not None)):
+            if present:
+                bufs["part_" + name] = torch.zeros(n_items, hp, *shape, dtype=acc, device=q.device)
+
+    def buf(name):
+        return bufs.get(name, dummy)
+
     try:
-        _mta_kernel[(n_rt, b)](
-            q, k, v, do if do is not None else q, o if o is not None else dummy,
-            lse, dd if dd is not None else lse, dq if dq is not None else dummy,
-            dk if dk is not None else dummy, dv if dv is not None else dummy,
-            kv if kv is not None else lse,
+        _mta_kernel[(n_prog,)](
+            q, k, v, do if do is not None else q, buf("lse"), buf("dd"), buf("m"), buf("l"), buf("oacc"),
+            buf("dqacc"), buf("dk"), buf("dv"), kv if kv is not None else dummy,
             k1 if k1 is not None else dummy, w1 if w1 is not None else dummy,
             k2 if k2 is not None else dummy, w2 if w2 is not None else dummy,
-            scratch, pk1, pw1, pk2, pw2,
-            tq, tk, q_off, h, d, n_rt, d ** -0.5, p_drop, seed,
+            scratch, buf("part_k1"), buf("part_w1"), buf("part_k2"), buf("part_w2"),
+            tq, tk, q_off, h, d, n_rt, n_items, d ** -0.5, p_drop, seed,
             MODE=mode.value, ACC=tl.float64 if acc == torch.float64 else tl.float32,
             PREC="ieee", USE_DOT=hp >= 16,
-            HP=hp, DP=max(16, frames.pow2(d)), ER=g.er, EC=g.ec, TOP=g.top, LEFT=g.left, BMO=g.bmo, BNO=g.bno, MR=mr, MC=mc,
+            HP=hp, HC=hc, SR=sr, DP=max(16, frames.pow2(d)), ER=g.er, EC=g.ec, TOP=g.top, LEFT=g.left,
+            BMO=g.bmo, BNO=g.bno, MR=mr, MC=mc,
             HAS_K1=k1 is not None, CQ1=cq1, CK1=ck1, PL1=frames.pad_left(pad_key, ck1), HAS_W1=w1 is not None,
             HAS_K2=k2 is not None, CQ2=cq2, CK2=ck2, PL2=frames.pad_left(pad_key, ck2), HAS_W2=w2 is not None,
             HAS_KV=kv is not None, DROP=p_drop > 0.0,
@@ -380,12 +478,12 @@ def _launch(mode, q, k, v, do, o, lse, dd, dq, dk, dv, kv, k1, w1, k2, w2, parts
         # reports each pass's needs without a GPU).
         raise RuntimeError(
             f"model.attn_impl=triton: its {frames.PASSES[mode.value]!r} pass does not fit this GPU "
-            f"({e}); frame {g.er}x{g.ec}, {h} heads of {d}. Use model.attn_impl=blocked, or a smaller "
-            f"MTA_TRITON_FRAME where the halo allows") from e
+            f"({e}); frame {g.er}x{g.ec}, {h} heads of {d}, chunks {hc}x{sr}. Use model.attn_impl=blocked, "
+            f"or smaller MTA_TRITON_CHUNKS / MTA_TRITON_FRAME") from e
 
 
 def _sum_parts(part: torch.Tensor, h: int) -> torch.Tensor:
-    """Per-program partial gradients (programs, HP, ...) -> (H, ...)."""
+    """Per-item partial gradients (items, HP, ...) -> (H, ...)."""
     out = part.sum(0)[:h]
     return out[:, :h] if out.dim() == 2 else out
 
@@ -398,35 +496,36 @@ class _MTATriton(torch.autograd.Function):
         acc = q.dtype if q.dtype == torch.float64 else torch.float32
         kv = None if key_valid is None else key_valid.to(torch.int8).contiguous()
         seed = int(torch.randint(0, 2**31 - 1, ())) if p_drop > 0.0 else 0
-        lse = torch.empty(b, h, tq, dtype=acc, device=q.device)
-        o = torch.empty_like(q)
-        args = dict(kv=kv, k1=k1, w1=w1, k2=k2, w2=w2, parts=None, pad_key=pad_key, q_off=q_off,
-                    p_drop=p_drop, seed=seed)
-        _launch(_STATS, q, k, v, None, None, lse, None, None, None, None, **args)
-        _launch(_FWD, q, k, v, None, o, lse, None, None, None, None, **args)
+        args = dict(kv=kv, k1=k1, w1=w1, k2=k2, w2=w2, pad_key=pad_key, q_off=q_off, p_drop=p_drop, seed=seed)
+        stats = {"m": torch.full((b, h, tq), float("-inf"), dtype=acc, device=q.device),
+                 "l": torch.zeros(b, h, tq, dtype=acc, device=q.device)}
+        _launch(_STATS, q, k, v, None, stats, **args)
+        m, l = stats["m"], stats["l"]
+        # a pad row (nothing allowed) keeps l = 0: its probabilities are masked to 0 anyway
+        lse = torch.where(l > 0, m + torch.log(torch.where(l > 0, l, torch.ones_like(l))), torch.zeros_like(l))
+        fwd = {"lse": lse, "oacc": torch.zeros(q.shape, dtype=acc, device=q.device)}
+        _launch(_FWD, q, k, v, None, fwd, **args)
         ctx.save_for_backward(q, k, v, lse, kv, k1, w1, k2, w2)
         ctx.args = (pad_key, q_off, p_drop, seed)
-        return o
+        return fwd["oacc"].to(q.dtype)
 
     @staticmethod
     def backward(ctx, do):
         q, k, v, lse, kv, k1, w1, k2, w2 = ctx.saved_tensors
         pad_key, q_off, p_drop, seed = ctx.args
         do = do.contiguous()
-        b, h, tq, d = q.shape
+        h = q.shape[1]
         acc = lse.dtype
-        dd = torch.empty_like(lse)
-        dq = torch.empty_like(q)
-        dk = torch.zeros(k.shape, dtype=acc, device=k.device)
-        dv = torch.zeros(v.shape, dtype=acc, device=v.device)
-        parts: dict = {}
-        args = dict(kv=kv, k1=k1, w1=w1, k2=k2, w2=w2, parts=parts, pad_key=pad_key, q_off=q_off,
-                    p_drop=p_drop, seed=seed)
-        _launch(_BWD_D, q, k, v, do, None, lse, dd, None, None, None, **args)
-        _launch(_BWD, q, k, v, do, None, lse, dd, dq, dk, dv, **args)
-        grads = {n: _sum_parts(t, h) for n, t in parts.items()}
-        return (dq, dk.to(k.dtype), dv.to(v.dtype), grads.get("k1"), grads.get("w1"), grads.get("k2"),
-                grads.get("w2"), None, None, None, None)
+        bufs = {"lse": lse, "dd": torch.zeros_like(lse)}
+        args = dict(kv=kv, k1=k1, w1=w1, k2=k2, w2=w2, pad_key=pad_key, q_off=q_off, p_drop=p_drop, seed=seed)
+        _launch(_BWD_D, q, k, v, do, bufs, **args)
+        bufs.update(dqacc=torch.zeros(q.shape, dtype=acc, device=q.device),
+                    dk=torch.zeros(k.shape, dtype=acc, device=k.device),
+                    dv=torch.zeros(v.shape, dtype=acc, device=v.device))
+        _launch(_BWD, q, k, v, do, bufs, **args)
+        grads = {n[5:]: _sum_parts(t, h) for n, t in bufs.items() if n.startswith("part_")}
+        return (bufs["dqacc"].to(q.dtype), bufs["dk"].to(k.dtype), bufs["dv"].to(v.dtype), grads.get("k1"),
+                grads.get("w1"), grads.get("k2"), grads.get("w2"), None, None, None, None)
 
 
 def post_mix_matrix(p: ExplicitAttnParams) -> Optional[torch.Tensor]:

@@ -63,10 +63,11 @@ def frame(pass_: str, pre: Optional[tuple[int, int]], post: Optional[tuple[int, 
     elif pass_ == "forward":  # R on the owned block: P around it, S around that
         top, bot, left, right = h1 + h2, 0, l1 + l2, r1 + r2
     elif pass_ in ("backward_rowsum", "backward"):
-        # dS on the owned block reads dC below/beside it, whose dP reads dR further on; the
-        # weight gradients read P and S above/beside it.
+        # dS on the owned block reads dC below/beside it (adjoint shifts), whose P reads S
+        # and whose dP reads dR further on; the weight gradients read P and S above/beside it.
         top = bot = h1 + h2
-        left = right = (ck1 - 1) + (ck2 - 1)
+        left = max(r1 + l1, r1 + r2, l2 + l1)
+        right = max(l1 + r1, l1 + l2, r2 + r1)
     else:
         raise ValueError(f"unknown pass {pass_!r}; expected one of {PASSES}")
     override = frame_override()
