@@ -92,7 +92,7 @@ def main() -> None:
     ap.add_argument("--heads", type=int, default=16)
     ap.add_argument("--head-dim", type=int, default=96)
     ap.add_argument("--num-warps", type=int, default=8)
-    ap.add_argument("--chunks", default="2x4", help="heads per chunk x frame rows per mixing slab "
+    ap.add_argument("--chunks", default="1x4", help="heads per chunk x frame rows per mixing slab "
                     "(the GPU default of attention_triton._tiling)")
     a = ap.parse_args()
     chunks = tuple(int(x) for x in a.chunks.split("x"))

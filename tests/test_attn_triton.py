@@ -55,20 +55,26 @@ def qkv(b, h, tq, tk, d, seed=1):
     return [torch.randn(b, h, t, d, generator=g, dtype=torch.float64) for t in (tq, tk, tk)]
 
 
-def test_many_frames_with_padding_and_offset(monkeypatch):
+@pytest.mark.parametrize("chunks", [None, "1x4"])
+def test_many_frames_with_padding_and_offset(monkeypatch, chunks):
     """Small frames (MTA_TRITON_FRAME) put several row blocks and key blocks in every pass,
-    with causal skipping, left padding across block edges and a cached-key offset."""
+    with causal skipping, left padding across block edges and a cached-key offset; "1x4" is
+    the GPU tiling (one head per chunk, mixing 4 frame rows at a time) run here."""
     monkeypatch.setenv("MTA_TRITON_FRAME", "16x16")
+    if chunks:
+        monkeypatch.setenv("MTA_TRITON_CHUNKS", chunks)
     h = 4
     p = params(h, (2, 3), (3, 3), group=2)
-    q, k, v = qkv(2, h, 45, 45, 3)
-    assert_matches_torch(q, k, v, p)
-    key_valid = torch.ones(2, 45, dtype=torch.bool)
+    q, k, v = qkv(2, h, 37, 37, 3)
+    key_valid = torch.ones(2, 37, dtype=torch.bool)
     key_valid[1, :19] = False  # the pad edge falls inside a frame
     assert_matches_torch(q, k, v, p, attention_ops.AttnMask(0, key_valid))
-    q, _, _ = qkv(2, h, 21, 45, 3, seed=2)  # 21 new queries after 24 cached keys
+    if chunks:
+        return  # (the interpreter runs a chunked pass several times slower)
+    assert_matches_torch(q, k, v, p)
+    q, _, _ = qkv(2, h, 17, 37, 3, seed=2)  # 17 new queries after 20 cached keys
     assert_matches_torch(q, k, v, params(h, (3, 2), (2, 4), mix="wposm", pad_key="right"),
-                         attention_ops.AttnMask(24, key_valid))
+                         attention_ops.AttnMask(20, key_valid))
 
 
 def test_frame_override_is_checked(monkeypatch):
@@ -79,6 +85,10 @@ def test_frame_override_is_checked(monkeypatch):
         attention_ops.ATTN_IMPLS["triton"].fn(q, k, v, params(h, (6, 11), (6, 11)), attention_ops.AttnMask())
     monkeypatch.setenv("MTA_TRITON_FRAME", "24x32")
     with pytest.raises(ValueError, match="powers of two"):
+        attention_ops.ATTN_IMPLS["triton"].fn(q, k, v, params(h, (2, 3), None), attention_ops.AttnMask())
+    monkeypatch.delenv("MTA_TRITON_FRAME")
+    monkeypatch.setenv("MTA_TRITON_CHUNKS", "3x4")
+    with pytest.raises(ValueError, match="MTA_TRITON_CHUNKS='3x4': powers of two dividing 4 heads"):
         attention_ops.ATTN_IMPLS["triton"].fn(q, k, v, params(h, (2, 3), None), attention_ops.AttnMask())
 
 

@@ -117,7 +117,7 @@ def _mix_slabs(src, dst, w, H, HP: tl.constexpr, ER: tl.constexpr, EC: tl.conste
     h = tl.arange(0, HP)[:, None, None]
     cell = (h * (ER + 2 * MR) + MR + tl.arange(0, SR)[None, :, None]) * SC + MC + tl.arange(0, EC)[None, None, :]
     tl.debug_barrier()
-    for r0 in tl.static_range(0, ER, SR):
+    for r0 in range(0, ER, SR):
         x = tl.load(src + cell + r0 * SC)
         tl.store(dst + cell + r0 * SC, _mix(w, x, HP, SR, EC, USE_DOT, PREC))
     tl.debug_barrier()
@@ -134,7 +134,7 @@ def _mix_grad_slabs(gsrc, xsrc, u_own0, own_c, H, HP: tl.constexpr, ER: tl.const
     u = tl.arange(0, SR)
     cell = (h * (ER + 2 * MR) + MR + u[None, :, None]) * SC + MC + tl.arange(0, EC)[None, None, :]
     acc = tl.zeros([HP, HP], dtype=gsrc.dtype.element_ty)
-    for r0 in tl.static_range(0, ER, SR):
+    for r0 in range(0, ER, SR):
         rown = (r0 + u >= u_own0) & (r0 + u < u_own0 + n_own_rows)
         own = (hv < H)[:, None, None] & rown[None, :, None] & own_c[None, None, :]
         g = tl.where(own, tl.load(gsrc + cell + r0 * SC), 0.0)
@@ -244,7 +244,7 @@ def _mta_kernel(
                 allowed = allowed & (tl.load(kv_ptr + b * Tk + cols, mask=col_in, other=0) != 0)[None, :]
 
             # ---- S -> C (per head chunk), Z = mix(C)
-            for c0 in tl.static_range(0, HP, HC):
+            for c0 in range(0, HP, HC):
                 hc = c0 + hl
                 hm3 = (hc < H)[:, None, None]
                 q_c = _load_tile(q_ptr, b, hc, rows, Tq, H, d, DP)  # (HC, ER, DP)
@@ -264,7 +264,7 @@ def _mta_kernel(
                 zslot = scr + _C * SLOT
 
             if MODE == _STATS:
-                for c0 in tl.static_range(0, HP, HC):
+                for c0 in range(0, HP, HC):
                     hc = c0 + hl
                     own3 = own[None, :, :] & allowed[None, :, :] & (hc < H)[:, None, None]
                     zm = tl.where(own3, tl.load(zslot + c0 * SLOTH + cell), float("-inf"))
@@ -279,7 +279,7 @@ def _mta_kernel(
                     tl.store(l_ptr + sptr, l_i, mask=smask)
             else:
                 # ---- P = exp(Z - lse) exactly, R = mask * conv(P), A = mix(R)
-                for c0 in tl.static_range(0, HP, HC):
+                for c0 in range(0, HP, HC):
                     hc = c0 + hl
                     al3 = allowed[None, :, :] & (hc < H)[:, None, None]
                     sptr = (b * H + hc[:, None]) * Tq + rows[None, :]
@@ -303,7 +303,7 @@ def _mta_kernel(
                         aslot = scr + _R * SLOT
 
                 # ---- A V (forward); dA = dO V^T, dv (backward)
-                for c0 in tl.static_range(0, HP, HC):
+                for c0 in range(0, HP, HC):
                     hc = c0 + hl
                     hm3 = (hc < H)[:, None, None]
                     own3 = own[None, :, :] & hm3
@@ -345,7 +345,7 @@ def _mta_kernel(
                                                    SC, MR, MC, BMO, n_own_rows, USE_DOT, PREC)
                     else:
                         drslot = scr + _DA * SLOT
-                    for c0 in tl.static_range(0, HP, HC):
+                    for c0 in range(0, HP, HC):
                         hc = c0 + hl
                         hm3 = (hc < H)[:, None, None]
                         al3 = allowed[None, :, :] & hm3
@@ -379,7 +379,7 @@ def _mta_kernel(
                         dcslot = scr + _DA * SLOT
                     else:
                         dcslot = scr + _ZA * SLOT
-                    for c0 in tl.static_range(0, HP, HC):
+                    for c0 in range(0, HP, HC):
                         hc = c0 + hl
                         hm3 = (hc < H)[:, None, None]
                         own3 = own[None, :, :] & hm3
@@ -426,7 +426,7 @@ def _tiling(hp: int, er: int, device: torch.device) -> tuple[int, int]:
         return hc, sr
     if device.type == "cpu":
         return hp, er
-    return min(hp, 2), min(er, 4)
+    return 1, min(er, 4)
 
 
 def _launch(mode, q, k, v, do, bufs: dict, kv, k1, w1, k2, w2, pad_key, q_off, p_drop, seed):
