@@ -48,7 +48,7 @@ def compile_pass(name: str, pre, post, heads: int, head_dim: int, arch: int, num
         MR=max(cq1, cq2) - 1, MC=max(ck1, ck2) - 1,
         HAS_K1=pre is not None, CQ1=cq1, CK1=ck1, PL1=frames.pad_left("both", ck1), HAS_W1=True,
         HAS_K2=post is not None, CQ2=cq2, CK2=ck2, PL2=frames.pad_left("both", ck2), HAS_W2=True,
-        HAS_KV=False, DROP=False,
+        HAS_KV=False, DROP=False, UPCAST=False,
     )
     names = at._mta_kernel.arg_names
     sig = {}

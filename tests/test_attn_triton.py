@@ -174,3 +174,22 @@ def test_memory_preflight_stand_in_saves_what_the_kernel_saves():
     qm, km, vm = (torch.zeros(2, h, t, d, device="meta", requires_grad=True) for _ in range(3))
     stand_in = memory._saved_bytes(lambda: memory._triton_meta(qm, km, vm, p, attention_ops.AttnMask()), set())
     assert real == stand_in == 3 * 2 * h * t * d * 4 + 2 * h * t * 4
+
+
+def test_bfloat16_is_as_accurate_as_the_reference_in_bfloat16():
+    """bf16 inputs (the training dtype): fp32 accumulation inside the kernel, so its error
+    against float64 is no worse than the reference path's own bf16 error."""
+    h = 4
+    p = params(h, (2, 3), (3, 3), group=2)
+    q, k, v = qkv(2, h, 20, 20, 8)
+    want, want_g = grads_of("torch", q, k, v, p, attention_ops.AttnMask())
+    p32 = dataclasses.replace(p, **{f: getattr(p, f).float() for f in attention_ops._WEIGHT_FIELDS
+                                    if getattr(p, f) is not None})
+    errors = {}
+    for impl in ("torch", "triton"):
+        out, g = grads_of(impl, *(x.bfloat16() for x in (q, k, v)), p32, attention_ops.AttnMask())
+        assert out.dtype == torch.bfloat16
+        errors[impl] = [(out.double() - want).abs().max().item()] + [
+            ((g[n].double() - want_g[n]).abs().max() / want_g[n].abs().max()).item() for n in "qkv"]
+    for got, ref in zip(errors["triton"], errors["torch"]):
+        assert got <= 2 * ref + 1e-3, errors

@@ -83,14 +83,18 @@ N_SLOTS = 7
 
 
 @triton.jit
-def _load_tile(ptr, b, hc, idx, T, H, d, DP: tl.constexpr):
+def _load_tile(ptr, b, hc, idx, T, H, d, DP: tl.constexpr, UPCAST: tl.constexpr):
     """(HC, R, DP) tile of a contiguous (B, H, T, d) tensor: heads ``hc`` (HC,), positions
-    ``idx`` (R,); zero outside [0, T), past H heads and past d."""
+    ``idx`` (R,); zero outside [0, T), past H heads and past d. UPCAST: as fp32 (the
+    interpreter's tl.dot gets 16-bit floats wrong; a GPU multiplies them natively)."""
     h = hc[:, None, None]
     r = idx[None, :, None]
     e = tl.arange(0, DP)[None, None, :]
     m = (h < H) & (r >= 0) & (r < T) & (e < d)
-    return tl.load(ptr + ((b * H + h) * T + r) * d + e, mask=m, other=0.0)
+    x = tl.load(ptr + ((b * H + h) * T + r) * d + e, mask=m, other=0.0)
+    if UPCAST:
+        x = x.to(tl.float32) if x.dtype.primitive_bitwidth < 32 else x
+    return x
 
 
 @triton.jit
@@ -194,7 +198,7 @@ def _mta_kernel(
     HAS_K1: tl.constexpr, CQ1: tl.constexpr, CK1: tl.constexpr, PL1: tl.constexpr,
     HAS_W1: tl.constexpr,
     HAS_K2: tl.constexpr, CQ2: tl.constexpr, CK2: tl.constexpr, PL2: tl.constexpr,
-    HAS_W2: tl.constexpr, HAS_KV: tl.constexpr, DROP: tl.constexpr,
+    HAS_W2: tl.constexpr, HAS_KV: tl.constexpr, DROP: tl.constexpr, UPCAST: tl.constexpr,
 ):
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
@@ -247,8 +251,8 @@ def _mta_kernel(
             for c0 in range(0, HP, HC):
                 hc = c0 + hl
                 hm3 = (hc < H)[:, None, None]
-                q_c = _load_tile(q_ptr, b, hc, rows, Tq, H, d, DP)  # (HC, ER, DP)
-                k_c = _load_tile(k_ptr, b, hc, cols, Tk, H, d, DP)  # (HC, EC, DP)
+                q_c = _load_tile(q_ptr, b, hc, rows, Tq, H, d, DP, UPCAST)  # (HC, ER, DP)
+                k_c = _load_tile(k_ptr, b, hc, cols, Tk, H, d, DP, UPCAST)  # (HC, EC, DP)
                 s = tl.dot(q_c, tl.trans(k_c, 0, 2, 1), input_precision=PREC, out_dtype=ACC) * scale
                 s = tl.where(allowed[None, :, :] & hm3, s, 0.0)  # the convolution must not read the future
                 if HAS_K1:
@@ -307,7 +311,7 @@ def _mta_kernel(
                     hc = c0 + hl
                     hm3 = (hc < H)[:, None, None]
                     own3 = own[None, :, :] & hm3
-                    v_c = _load_tile(v_ptr, b, hc, cols, Tk, H, d, DP)  # (HC, EC, DP)
+                    v_c = _load_tile(v_ptr, b, hc, cols, Tk, H, d, DP, UPCAST)  # (HC, EC, DP)
                     if DROP:
                         offs = (hc[:, None, None] * Tq + rows[None, :, None]) * Tk + cols[None, None, :]
                         keep = tl.rand(seed + b, offs) >= p_drop
@@ -322,7 +326,7 @@ def _mta_kernel(
                         o_c = tl.dot(a_own.to(v_c.dtype), v_c, input_precision=PREC, out_dtype=ACC)
                         tl.store(oacc_ptr + optr, tl.load(oacc_ptr + optr, mask=omask, other=0.0) + o_c, mask=omask)
                     else:
-                        do_c = _load_tile(do_ptr, b, hc, rows, Tq, H, d, DP)  # (HC, ER, DP)
+                        do_c = _load_tile(do_ptr, b, hc, rows, Tq, H, d, DP, UPCAST)  # (HC, ER, DP)
                         da = tl.dot(do_c, tl.trans(v_c, 0, 2, 1), input_precision=PREC, out_dtype=ACC)
                         if DROP:
                             da = tl.where(keep, da / (1.0 - p_drop), 0.0)
@@ -392,8 +396,8 @@ def _mta_kernel(
                         else:
                             ds = dc
                         ds_own = tl.where(own3 & allowed[None, :, :], ds * scale, 0.0)
-                        q_c = _load_tile(q_ptr, b, hc, rows, Tq, H, d, DP)
-                        k_c = _load_tile(k_ptr, b, hc, cols, Tk, H, d, DP)
+                        q_c = _load_tile(q_ptr, b, hc, rows, Tq, H, d, DP, UPCAST)
+                        k_c = _load_tile(k_ptr, b, hc, cols, Tk, H, d, DP, UPCAST)
                         optr = ((b * H + hc[:, None, None]) * Tq + rows[None, :, None]) * d + e[None, None, :]
                         omask = hm3 & own_r[None, :, None] & (e < d)[None, None, :]
                         dq_c = tl.dot(ds_own, k_c.to(ACC), input_precision=PREC, out_dtype=ACC)
@@ -471,7 +475,7 @@ def _launch(mode, q, k, v, do, bufs: dict, kv, k1, w1, k2, w2, pad_key, q_off, p
             BMO=g.bmo, BNO=g.bno, MR=mr, MC=mc,
             HAS_K1=k1 is not None, CQ1=cq1, CK1=ck1, PL1=frames.pad_left(pad_key, ck1), HAS_W1=w1 is not None,
             HAS_K2=k2 is not None, CQ2=cq2, CK2=ck2, PL2=frames.pad_left(pad_key, ck2), HAS_W2=w2 is not None,
-            HAS_KV=kv is not None, DROP=p_drop > 0.0,
+            HAS_KV=kv is not None, DROP=p_drop > 0.0, UPCAST=q.device.type == "cpu",
         )
     except triton.runtime.errors.OutOfResources as e:
         # What a real compile shows and the interpreter cannot (scripts/compile_triton.py
