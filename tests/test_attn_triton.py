@@ -37,7 +37,7 @@ def grads_of(impl, q, k, v, p, mask):
     ts = {n: t.detach().clone().requires_grad_() for n, t in ts.items()}
     p = dataclasses.replace(p, **{n: t for n, t in ts.items() if n not in "qkv"})
     out = attention_ops.ATTN_IMPLS[impl].fn(ts["q"], ts["k"], ts["v"], p, mask, False)
-    gy = torch.randn(out.shape, generator=torch.Generator().manual_seed(7), dtype=out.dtype)
+    gy = torch.randn(out.shape, generator=torch.Generator().manual_seed(7), dtype=torch.float64).to(out.dtype)
     (out * gy).sum().backward()
     return out.detach(), {n: t.grad for n, t in ts.items()}
 
