@@ -8,58 +8,67 @@ writing any (B, H, Tq, Tk) tensor to global memory.
 
 Design
 ------
-*Frames.* A program owns a block of ``BMO`` query rows and walks the key axis in blocks
-of ``BNO`` columns (causal skipping: only blocks that hold a key <= its last row). For
-each (row block, key block) it computes on a *frame*: the owned (BMO x BNO) block grown
-by the halo every convolution in the chain reads (``TOP``/``BOT`` rows, ``LEFT``/``RIGHT``
-columns), rounded to powers of two (ER x EC, Triton's tile shapes). Every quantity of the
-chain is computed for all heads at once on the frame as an (HP, ER, EC) tile, so the
-head mixings are one (HP x HP) @ (HP x ER*EC) product; only the owned block's values are
-used (everything else is halo, recomputed by the neighbouring program: the overlapping-
-tile scheme, as in Gusanidas' CUDA pre-softmax kernel). Raw scores are one batched
-QK^T per frame, the halo included, so Q and K are read once per frame and no score is
-shifted by arithmetic on Q or K.
+*Frames.* A program takes (batch, block of ``BMO`` query rows) work items and walks the
+key axis in blocks of ``BNO`` columns (causal skipping: only blocks that hold a key <= the
+block's last row). For each (row block, key block) it computes on a *frame*: the owned
+(BMO x BNO) block grown by the halo every convolution of that pass reads (TOP/BOT rows,
+LEFT/RIGHT columns; ``model/frames.py``), rounded up to powers of two (ER x EC, Triton's
+tile shapes). Only the owned block's values are used; the halo is recomputed by the
+neighbouring program (the overlapping-tile scheme of Gusanidas' CUDA pre-softmax kernel).
 
-*Convolutions.* Triton cannot shift a register tile, so a convolution stores its input
-tile in a per-program scratch slot (HP x ER x EC, in global memory but private to the
-program: on a GPU it lives in L1/L2), then sums the c_q x c_k shifted reloads weighted by
-the per-head kernel entries; the adjoint convolution (backward) reloads with the
-opposite shifts. Each slot has zero margins as wide as the largest shift, so reloads
-that leave the frame read 0 without a mask: values near the frame's edge are wrong,
-and the halos are sized so that no owned value depends on them. Scratch is
-O(B * T/BMO * H * ER * EC): linear in T.
+*All heads, in chunks, through scratch.* Head mixing couples every head of a cell, so a
+program computes all heads of its frame, ``HC`` heads at a time (per-head work: the QK^T,
+A V, dO V^T, dq, dk, dv products as (HC, rows, d) tiles, the convolutions, softmax), and
+hands the stages to each other through a private scratch slot per stage (HP x frame, in
+global memory but touched by one program only: L1/L2 on a GPU). A mixing reads its slot
+``SR`` frame rows at a time as an (HP, SR*EC) slab and multiplies it by the (HP x HP)
+weight (``tl.dot`` from 16 heads, a broadcast sum below). ``_tiling``: on a GPU HC=1,
+SR=4 (registers and shared memory: ``scripts/compile_triton.py``); the interpreter takes
+whole tiles (fewest interpreted ops). ``MTA_TRITON_CHUNKS=HCxSR`` and
+``MTA_TRITON_FRAME=ROWSxCOLS`` override them.
 
-*Softmax.* The post-softmax transforms mix rows of different heads and neighbouring
-rows after normalisation, so one online pass does not suffice: pass 0 computes each
-row's log-sum-exp (online max/sum over key blocks), pass 1 recomputes the scores,
-forms exact probabilities ``exp(Z - lse)`` on the frame (halo rows included: the lse of
-every row is known after pass 0), and applies the post-softmax transforms and .V.
+*Convolutions.* Triton cannot shift a register tile, so a convolution stores its input in
+its slot and sums the c_q x c_k shifted reloads weighted by the per-head kernel entries;
+the adjoint convolution (backward) reloads with the opposite shifts. Each slot has zero
+margins as wide as the largest shift, so reloads that leave the frame read 0 without a
+mask: values near the frame's edge are wrong, and the halos are sized so that no owned
+value depends on them. On a GPU the grid is persistent (4 programs per SM), so the
+scratch is bounded by the GPU, not by T.
 
-*Backward.* Pass 2 computes ``D = rowsum(P * dP)`` (the softmax backward's row term; unlike
-plain attention it is not ``rowsum(dO * O)``, since dP comes through the post-softmax
-convolution's adjoint), pass 3 recomputes the forward chain from q, k, v and the lse,
-runs the chain's adjoint on the frame (dA = dO V^T -> mixing^T -> masked conv^T -> dP ->
-dZ = P (dP - D) -> mixing^T -> conv^T -> dS), accumulates dq in registers for the
-owned rows, adds dk and dv of the owned key block atomically (fp32/fp64 buffers), and
-accumulates the kernels' gradients (sums over owned (i, j) of the output gradient times
-the shifted input, reloaded from the scratch slots) and the mixings' gradients
-((HP x ER*EC) @ (ER*EC x HP)) in per-program slots that torch sums afterwards.
-Saved for backward: q, k, v, the (B, H, Tq) lse and the weights; nothing quadratic.
+*Softmax.* The post-softmax transforms mix rows of different heads and neighbouring rows
+after normalisation, so one online pass does not suffice: pass 0 (``stats``) computes each
+row's running max and sum over key blocks (the lse), pass 1 (``forward``) recomputes the
+scores, forms exact probabilities ``exp(Z - lse)`` on the frame (halo rows included: every
+row's lse is known after pass 0), and applies the post-softmax transforms and .V.
 
-*Masking.* Every masked value is selected (``tl.where``), never multiplied, so a
-fully masked pad row gives exact zeros and no NaN; exp arguments are clamped at 0 (a
-true probability is <= 1), so the frame's halo never overflows.
+*Backward.* Pass 2 (``backward_rowsum``) computes ``D = rowsum(P * dP)`` (the softmax
+backward's row term; unlike plain attention it is not ``rowsum(dO * O)``, since dP comes
+through the post-softmax convolution's adjoint). Pass 3 (``backward``) recomputes the
+forward chain from q, k, v and the lse, runs its adjoint on the frame (dA = dO V^T ->
+mixing^T -> masked conv^T -> dP -> dZ = P (dP - D) -> mixing^T -> conv^T -> dS), and
+accumulates: dq for the owned rows (each program owns its rows), dk and dv of the owned
+key block (atomically: other row blocks add to the same keys), the kernels' gradients
+(owned output gradient times the shifted input, reloaded from the slots) and the
+mixings' gradients (slab products) per work item, summed by torch afterwards.
+Accumulators (o, dq, the row statistics) live in fp32/fp64 buffers in global memory,
+owned by one program each. Saved for backward: q, k, v, the (B, H, Tq) lse and the
+weights; nothing quadratic.
+
+*Masking.* Every masked value is selected (``tl.where``), never multiplied, so a fully
+masked pad row gives exact zeros and no NaN; exp arguments are clamped at 0 (a true
+probability is <= 1), so the frame's halo never overflows.
 
 *Dropout* on the post-mixing probabilities draws its mask with ``tl.rand`` from a seed
-taken from torch's generator (saved for backward): the same masks in forward and backward,
-seeded runs are reproducible; the masks are not the ones ``F.dropout`` would draw.
+taken from torch's generator (saved for backward): the same masks in forward and
+backward, reproducible seeded runs; not the masks ``F.dropout`` would draw.
 
-Status: verified under ``TRITON_INTERPRET=1`` (tests/test_attn_impls.py runs it against
-"torch" for every option, forward and every gradient). Its speed and its compile on a GPU
-are unmeasured: no GPU was available while it was written. The tile shapes (frame
-ER x EC, all heads per program) are the first thing a real compile will push back on
-(registers / shared memory at H=16); ``MTA_TRITON_FRAME="ROWSxCOLS"`` overrides the frame
-without code changes.
+Status: verified under ``TRITON_INTERPRET=1`` (tests/test_attn_impls.py and
+tests/test_attn_triton.py: every option against "torch", forward and every gradient,
+bf16, chunked tiling, a whole debug training run). It compiles for sm_90 (H100/H200)
+within the shared-memory limit (``python scripts/compile_triton.py``: 13-98 KB per
+program, 0-6 KB of register spills). Its speed on a GPU is unmeasured: no GPU was
+available while it was written. GPU atomics make dk and dv (not the rest) bitwise
+nondeterministic across runs.
 """
 
 from __future__ import annotations
