@@ -508,7 +508,7 @@ class _MTATriton(torch.autograd.Function):
         b, h, tq, d = q.shape
         acc = q.dtype if q.dtype == torch.float64 else torch.float32
         kv = None if key_valid is None else key_valid.to(torch.int8).contiguous()
-        seed = int(torch.randint(0, 2**31 - 1, ())) if p_drop > 0.0 else 0
+        seed = int(torch.randint(0, 2**30, ())) if p_drop > 0.0 else 0  # + batch index stays int32
         args = dict(kv=kv, k1=k1, w1=w1, k2=k2, w2=w2, pad_key=pad_key, q_off=q_off, p_drop=p_drop, seed=seed)
         stats = {"m": torch.full((b, h, tq), float("-inf"), dtype=acc, device=q.device),
                  "l": torch.zeros(b, h, tq, dtype=acc, device=q.device)}

@@ -13,6 +13,8 @@ import os
 from dataclasses import dataclass
 from typing import Optional
 
+from mta_repro.model.attention_ops import pad_left
+
 # The kernel's passes, in the order they run (forward: 0, 1; backward: 2, 3).
 PASSES = ("stats", "forward", "backward_rowsum", "backward")
 
@@ -29,11 +31,6 @@ class Frame:
 
 def pow2(n: int) -> int:
     return 1 << max(0, int(n - 1).bit_length())
-
-
-def pad_left(pad_key: str, c_k: int) -> int:
-    """Keys padded before the window (the kernel's key offset 0 sits at this column)."""
-    return {"both": (c_k - 1) // 2, "left": c_k - 1, "right": 0}[pad_key]
 
 
 def frame_override() -> Optional[tuple[int, int]]:
