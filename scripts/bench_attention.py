@@ -6,6 +6,7 @@ side by side: fwd+bwd time, peak memory and the bytes saved for backward.
     python scripts/bench_attention.py --device cuda --dtype bfloat16   # + the triton kernel
     python scripts/bench_attention.py --block-sizes 64,128,256,512 --seqs 2048 --impls blocked
     python scripts/bench_attention.py --profile kq_conv:blocked:2048   # torch.profiler table
+    python scripts/bench_attention.py --device cuda --dtype bfloat16 --check 512   # correctness first
 
 Layers (the release's 830M options, 16 heads of 96, B = 1):
   kq_conv  6x11 key-query convolution before and after softmax, wpsm, head conv over 16
@@ -137,6 +138,55 @@ def profile(spec: str, device: str, dtype_name: str, block_size: int) -> None:
     print(prof.key_averages().table(sort_by=key, row_limit=20))
 
 
+def check(device: str, dtype_name: str, seq: int, impls: list[str]) -> bool:
+    """Each implementation against the float64 reference on the device (the inputs of the
+    benchmark at length ``seq``): max error of the output and of the q/k/v and parameter
+    gradients, relative to the reference's largest entry, beside the ``torch`` path's own
+    error in the same dtype. Prints a table; True when every implementation is within 4x
+    the reference's error (+1e-3)."""
+    import torch
+
+    from mta_repro.model import attention_ops
+
+    dev, dtype = torch.device(device), getattr(torch, dtype_name)
+    ok = True
+    print(f"| layer | impl | {dtype_name} output err | worst gradient err (rel. to max) | vs torch |")
+    print("|---|---|---|---|---|")
+    for layer in LAYERS:
+        g = torch.Generator().manual_seed(0)
+        base = [torch.randn(1, H, seq, D, generator=g, dtype=torch.float64) for _ in range(3)]
+        gy = torch.randn(1, H, seq, D, generator=g, dtype=torch.float64)
+        torch.manual_seed(0)
+        p64 = make_params(layer, "torch", torch.float64, dev, 128)
+        fields = [f for f in attention_ops._WEIGHT_FIELDS if getattr(p64, f) is not None]
+
+        def run(impl, dt):
+            q, k, v = (x.detach().to(dev, dt).requires_grad_() for x in base)
+            ws = {f: getattr(p64, f).detach().to(torch.float32 if dt != torch.float64 else dt).requires_grad_()
+                  for f in fields}
+            p = attention_ops.ExplicitAttnParams(**ws, pad_key="both")
+            out = attention_ops.ATTN_IMPLS[impl].fn(q, k, v, p, attention_ops.AttnMask(), False)
+            out.backward(gy.to(dev, dt))
+            return out.double(), [t.grad.double() for t in (q, k, v, *ws.values())]
+
+        want, want_g = run("torch", torch.float64)
+
+        def err(impl):
+            out, grads = run(impl, dtype)
+            e_out = ((out - want).abs().max() / want.abs().max()).item()
+            e_g = max(((a - b).abs().max() / b.abs().max()).item() for a, b in zip(grads, want_g))
+            return e_out, e_g
+
+        ref = err("torch")
+        for impl in impls:
+            e = err(impl)
+            good = all(x <= 4 * r + 1e-3 for x, r in zip(e, ref))
+            ok &= good
+            print(f"| {layer} | {impl} | {e[0]:.2e} | {e[1]:.2e} | {'ok' if good else 'FAIL'} "
+                  f"(torch: {ref[0]:.2e}, {ref[1]:.2e}) |")
+    return ok
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seqs", default="1024,2048,4096")
@@ -148,11 +198,19 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--json", default=None, help="also write the rows here")
     ap.add_argument("--profile", default=None, metavar="LAYER:IMPL:T")
+    ap.add_argument("--check", type=int, default=None, metavar="T",
+                    help="correctness on the device instead of timing: every implementation "
+                         "against the float64 reference at length T (exit 1 on a mismatch)")
     ap.add_argument("--one", nargs=4, metavar=("LAYER", "IMPL", "T", "BLOCK"), help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.profile:
         profile(a.profile, a.device, a.dtype, int(a.block_sizes.split(",")[0]))
         return
+    if a.check:
+        from mta_repro.model import attention_ops
+
+        names = a.impls.split(",") if a.impls else [n for n in attention_ops.ATTN_IMPLS if n != "torch"]
+        sys.exit(0 if check(a.device, a.dtype, a.check, names) else 1)
     if a.one:
         layer, impl, seq, bs = a.one
         print(json.dumps(run_one(layer, impl, int(seq), a.device, a.dtype, a.reps, int(bs))))
