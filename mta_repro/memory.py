@@ -15,7 +15,7 @@ checkpointing the trainer would apply. The rest is counted from the parameter co
 - the backward peak on top of the saved activations: the largest of (the logits'
   gradient in fp32 + compute dtype) and (one block's recomputation, with activation
   checkpointing), plus one attention query block's recomputed tensors (blocked path) or
-  one layer's backward workspace (triton path: scratch slots, fp32 dk/dv, dq).
+  one layer's backward workspace (triton path: scratch slots, fp32 dq/dk/dv).
 
 It fits a capacity when the total is at most 90% of it (allocator fragmentation, the CUDA
 context and NCCL buffers take the rest).
@@ -77,9 +77,10 @@ def _triton_meta(q, k, v, p, mask, training=False):
     return _TritonLike.apply(q, k, v)
 
 
-def triton_backward_workspace(attn, batch_size: int, seq_len: int) -> int:
+def triton_backward_workspace(attn, batch_size: int, seq_len: int, sms: int = 132) -> int:
     """Bytes the triton kernel's backward allocates for one layer: the per-program scratch
-    slots (fp32), the fp32 dk/dv accumulators and dq."""
+    slots (fp32; a persistent grid of PROGRAMS_PER_SM per SM, 132 SMs on an H100/H200), the
+    fp32 dq/dk/dv accumulators."""
     from mta_repro.model import frames
 
     p = attn.explicit_params()
@@ -89,8 +90,8 @@ def triton_backward_workspace(attn, batch_size: int, seq_len: int) -> int:
     mr = max(pre[0] if pre else 1, post[0] if post else 1) - 1
     mc = max(pre[1] if pre else 1, post[1] if post else 1) - 1
     hp = max(frames.pow2(attn.n_heads), 2)
-    programs = batch_size * -(-seq_len // f.bmo)
-    scratch = programs * 4 * hp * (f.er + 2 * mr) * (f.ec + 2 * mc) * 4
+    programs = min(batch_size * -(-seq_len // f.bmo), frames.PROGRAMS_PER_SM * sms)
+    scratch = programs * frames.N_SLOTS * hp * (f.er + 2 * mr) * (f.ec + 2 * mc) * 4
     grads = 3 * batch_size * attn.n_heads * seq_len * attn.head_dim * 4
     return scratch + grads
 

@@ -86,9 +86,10 @@ from mta_repro.model.attention_ops import AttnMask, ExplicitAttnParams
 
 # Pass modes of the one kernel (they share every stage of the chain).
 _STATS, _FWD, _BWD_D, _BWD = (tl.constexpr(i) for i in range(4))
-# Scratch slots per program (each HP heads x the frame, with zero margins):
+# Scratch slots per program (each HP heads x the frame, with zero margins): S (raw scores),
+# C (convolved), Z/A/dZ (mixing outputs in turn), P, R, dA/dC, dR.
 _S, _C, _ZA, _P, _R, _DA, _DR = (tl.constexpr(i) for i in range(7))
-N_SLOTS = 7
+_N_SLOTS = tl.constexpr(frames.N_SLOTS)
 
 
 @triton.jit
@@ -217,12 +218,12 @@ def _mta_kernel(
     e = tl.arange(0, DP)
     u = tl.arange(0, ER)
     w = tl.arange(0, EC)
-    # Scratch: N_SLOTS slots of (HP, ER + 2 MR, SC = EC + 2 MC): the frame with zero margins
+    # Scratch: _N_SLOTS slots of (HP, ER + 2 MR, SC = EC + 2 MC): the frame with zero margins
     # as wide as the largest shift, so shifted reloads need no masks.
     SC: tl.constexpr = EC + 2 * MC
     SLOTH: tl.constexpr = (ER + 2 * MR) * SC
     SLOT: tl.constexpr = HP * SLOTH
-    scr = scr_ptr + pid.to(tl.int64) * (7 * SLOT)
+    scr = scr_ptr + pid.to(tl.int64) * (_N_SLOTS * SLOT)
     cell = (hl[:, None, None] * (ER + 2 * MR) + MR + u[None, :, None]) * SC + MC + w[None, None, :]
     if HAS_W1:
         w1 = tl.load(w1_ptr + hv[:, None] * H + hv[None, :], mask=hmask[:, None] & hmask[None, :], other=0.0)
@@ -456,10 +457,11 @@ def _launch(mode, q, k, v, do, bufs: dict, kv, k1, w1, k2, w2, pad_key, q_off, p
     acc = q.dtype if q.dtype == torch.float64 else torch.float32
     # A persistent grid on a GPU bounds the scratch; the interpreter runs one item each.
     n_prog = n_items if q.device.type == "cpu" else min(
-        n_items, 4 * torch.cuda.get_device_properties(q.device).multi_processor_count)
+        n_items, frames.PROGRAMS_PER_SM * torch.cuda.get_device_properties(q.device).multi_processor_count)
     # zeros: the margins around each slot's frame must read 0 (they are never written)
     mr, mc = max(cq1, cq2) - 1, max(ck1, ck2) - 1
-    scratch = torch.zeros(n_prog * N_SLOTS * hp * (g.er + 2 * mr) * (g.ec + 2 * mc), dtype=acc, device=q.device)
+    slot = hp * (g.er + 2 * mr) * (g.ec + 2 * mc)
+    scratch = torch.zeros(n_prog * frames.N_SLOTS * slot, dtype=acc, device=q.device)
     dummy = scratch[:1]
     if mode == _BWD:
         for name, shape, present in (("k1", (cq1, ck1), k1 is not None), ("w1", (hp,), w1 is not None),

@@ -17,6 +17,9 @@ from mta_repro.model.attention_ops import pad_left
 
 # The kernel's passes, in the order they run (forward: 0, 1; backward: 2, 3).
 PASSES = ("stats", "forward", "backward_rowsum", "backward")
+# Scratch slots per program, and programs per SM of the persistent grid on a GPU.
+N_SLOTS = 7
+PROGRAMS_PER_SM = 4
 
 
 @dataclass(frozen=True)
