@@ -18,4 +18,4 @@ demo: install
 	$(PY) -m mta_repro.report runs/debug --out runs/debug/report
 
 test: install
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=15
