@@ -10,7 +10,7 @@ without touching the model.
 Shapes: B batch, H heads, Tq queries, Tk keys, d head_dim. Query row i sits at absolute
 position ``q_offset + i``; keys sit at 0..Tk-1 (a KV cache holds the earlier ones).
 
-Two implementations of the explicit path are registered (``model.attn_impl``):
+Three implementations of the explicit path are registered (``model.attn_impl``):
 - ``torch``: the reference, the release's computation on the whole (B, H, Tq, Tk) score
   matrix; every other implementation is tested against it.
 - ``blocked`` (default): queries in blocks of ``attn_block_size`` rows, each with the
@@ -19,6 +19,9 @@ Two implementations of the explicit path are registered (``model.attn_impl``):
   backward (``torch.utils.checkpoint``), so nothing of size T x T outlives its block.
   Key-query convolutions run through ``kq_conv_cpu`` (C loops) on CPU fp32/fp64 and
   ``F.conv2d`` elsewhere; head mixing is one matmul over the head axis.
+- ``triton``: the whole path in fused Triton kernels, forward and backward
+  (``attention_triton.py``); CUDA tensors, or CPU ones in Triton's interpreter
+  (``TRITON_INTERPRET=1``); elsewhere it falls back to ``blocked``.
 """
 
 from __future__ import annotations
@@ -353,9 +356,6 @@ class AttnImpl:
     fallback: str = "torch"
 
 
-# Registry of explicit-path implementations (``model.attn_impl``). An implementation has
-# the signature of ``explicit_attention_torch`` and its semantics; the parity tests in
-# tests/test_attn_impls.py run every registered name against "torch".
 def _explicit_attention_triton(q, k, v, p, mask, training=False):
     # Imported on first use: triton is optional, and TRITON_INTERPRET is read when the
     # kernels are defined.
@@ -374,6 +374,9 @@ def _triton_supports(q: torch.Tensor, p: ExplicitAttnParams, mask: AttnMask) -> 
     return None
 
 
+# Registry of explicit-path implementations (``model.attn_impl``). An implementation has
+# the signature of ``explicit_attention_torch`` and its semantics; the parity tests in
+# tests/test_attn_impls.py run every registered name against "torch".
 ATTN_IMPLS: dict[str, AttnImpl] = {
     "torch": AttnImpl(explicit_attention_torch, doc="reference: whole (B, H, Tq, Tk) matrix"),
     "blocked": AttnImpl(explicit_attention_blocked, doc="query blocks, causal skipping, recomputed"),
