@@ -87,11 +87,8 @@ def triton_backward_workspace(attn, batch_size: int, seq_len: int, sms: int = 13
     pre = None if p.mta_kernel is None else tuple(p.mta_kernel.shape[2:])
     post = None if p.mta_kernel_after_sm is None else tuple(p.mta_kernel_after_sm.shape[2:])
     f = frames.frame("backward", pre, post, p.pad_key)
-    mr = max(pre[0] if pre else 1, post[0] if post else 1) - 1
-    mc = max(pre[1] if pre else 1, post[1] if post else 1) - 1
-    hp = max(frames.pow2(attn.n_heads), 2)
     programs = min(batch_size * -(-seq_len // f.bmo), frames.PROGRAMS_PER_SM * sms)
-    scratch = programs * frames.N_SLOTS * hp * (f.er + 2 * mr) * (f.ec + 2 * mc) * 4
+    scratch = programs * frames.N_SLOTS * frames.slot_elements(f, pre, post, attn.n_heads) * 4
     grads = 3 * batch_size * attn.n_heads * seq_len * attn.head_dim * 4
     return scratch + grads
 

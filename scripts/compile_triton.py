@@ -40,12 +40,12 @@ def compile_pass(name: str, pre, post, heads: int, head_dim: int, arch: int, num
     g = frames.frame(name, pre, post, "both")
     cq1, ck1 = pre or (1, 1)
     cq2, ck2 = post or (1, 1)
-    hp = max(frames.pow2(heads), 2)
+    hp = frames.padded_heads(heads)
     consts = dict(
         MODE=mode, ACC=tl.float32, PREC="ieee", USE_DOT=hp >= 16, HP=hp, HC=min(hp, chunks[0]), SR=min(g.er, chunks[1]),
         DP=max(16, frames.pow2(head_dim)),
         ER=g.er, EC=g.ec, TOP=g.top, LEFT=g.left, BMO=g.bmo, BNO=g.bno,
-        MR=max(cq1, cq2) - 1, MC=max(ck1, ck2) - 1,
+        MR=frames.margins(pre, post)[0], MC=frames.margins(pre, post)[1],
         HAS_K1=pre is not None, CQ1=cq1, CK1=ck1, PL1=frames.pad_left("both", ck1), HAS_W1=True,
         HAS_K2=post is not None, CQ2=cq2, CK2=ck2, PL2=frames.pad_left("both", ck2), HAS_W2=True,
         HAS_KV=False, DROP=False, UPCAST=False,

@@ -139,7 +139,7 @@ def _mix_slabs(src, dst, w, H, HP: tl.constexpr, ER: tl.constexpr, EC: tl.conste
 
 @triton.jit
 def _mix_grad_slabs(gsrc, xsrc, u_own0, own_c, H, HP: tl.constexpr, ER: tl.constexpr, EC: tl.constexpr,
-                    SR: tl.constexpr, SC: tl.constexpr, MR: tl.constexpr, MC: tl.constexpr, BMO: tl.constexpr,
+                    SR: tl.constexpr, SC: tl.constexpr, MR: tl.constexpr, MC: tl.constexpr,
                     n_own_rows, USE_DOT: tl.constexpr, PREC: tl.constexpr):
     """d w[g, h] = sum over the owned cells of gout[g] x[h] (the gradient of a mixing weight);
     owned: frame rows [u_own0, u_own0 + n_own_rows), columns where ``own_c``."""
@@ -356,7 +356,7 @@ def _mta_kernel(
                         drslot = scr + _DR * SLOT
                         if MODE == _BWD:
                             dw2 += _mix_grad_slabs(scr + _DA * SLOT, scr + _R * SLOT, TOP, own_c, H, HP, ER, EC, SR,
-                                                   SC, MR, MC, BMO, n_own_rows, USE_DOT, PREC)
+                                                   SC, MR, MC, n_own_rows, USE_DOT, PREC)
                     else:
                         drslot = scr + _DA * SLOT
                     for c0 in range(0, HP, HC):
@@ -389,7 +389,7 @@ def _mta_kernel(
                         _mix_slabs(scr + _ZA * SLOT, scr + _DA * SLOT, tl.trans(w1), H, HP, ER, EC, SR, SC, MR, MC,
                                    USE_DOT, PREC)
                         dw1 += _mix_grad_slabs(scr + _ZA * SLOT, scr + _C * SLOT, TOP, own_c, H, HP, ER, EC, SR,
-                                               SC, MR, MC, BMO, n_own_rows, USE_DOT, PREC)
+                                               SC, MR, MC, n_own_rows, USE_DOT, PREC)
                         dcslot = scr + _DA * SLOT
                     else:
                         dcslot = scr + _ZA * SLOT
@@ -446,22 +446,23 @@ def _tiling(hp: int, er: int, device: torch.device) -> tuple[int, int]:
 def _launch(mode, q, k, v, do, bufs: dict, kv, k1, w1, k2, w2, pad_key, q_off, p_drop, seed):
     b, h, tq, d = q.shape
     tk = k.shape[2]
-    g = frames.frame(frames.PASSES[mode.value], None if k1 is None else tuple(k1.shape[1:]),
-                     None if k2 is None else tuple(k2.shape[1:]), pad_key)
+    pre = None if k1 is None else tuple(k1.shape[1:])
+    post = None if k2 is None else tuple(k2.shape[1:])
+    g = frames.frame(frames.PASSES[mode.value], pre, post, pad_key)
     cq1, ck1 = (1, 1) if k1 is None else k1.shape[1:]
     cq2, ck2 = (1, 1) if k2 is None else k2.shape[1:]
     n_rt = triton.cdiv(tq, g.bmo)
     n_items = b * n_rt
-    hp = max(frames.pow2(h), 2)
+    hp = frames.padded_heads(h)
     hc, sr = _tiling(hp, g.er, q.device)
     acc = q.dtype if q.dtype == torch.float64 else torch.float32
     # A persistent grid on a GPU bounds the scratch; the interpreter runs one item each.
     n_prog = n_items if q.device.type == "cpu" else min(
         n_items, frames.PROGRAMS_PER_SM * torch.cuda.get_device_properties(q.device).multi_processor_count)
     # zeros: the margins around each slot's frame must read 0 (they are never written)
-    mr, mc = max(cq1, cq2) - 1, max(ck1, ck2) - 1
-    slot = hp * (g.er + 2 * mr) * (g.ec + 2 * mc)
-    scratch = torch.zeros(n_prog * frames.N_SLOTS * slot, dtype=acc, device=q.device)
+    mr, mc = frames.margins(pre, post)
+    scratch = torch.zeros(n_prog * frames.N_SLOTS * frames.slot_elements(g, pre, post, h), dtype=acc,
+                          device=q.device)
     dummy = scratch[:1]
     if mode == _BWD:
         for name, shape, present in (("k1", (cq1, ck1), k1 is not None), ("w1", (hp,), w1 is not None),

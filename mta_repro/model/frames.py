@@ -83,6 +83,24 @@ def frame(pass_: str, pre: Optional[tuple[int, int]], post: Optional[tuple[int, 
     return Frame(er, ec, top, left, er - top - bot, ec - left - right)
 
 
+def padded_heads(n_heads: int) -> int:
+    """HP: the head axis of the kernel's tiles (a power of two, at least 2)."""
+    return max(pow2(n_heads), 2)
+
+
+def margins(pre: Optional[tuple[int, int]], post: Optional[tuple[int, int]]) -> tuple[int, int]:
+    """Zero rows and columns around each scratch slot's frame: the largest shift a
+    convolution (or its adjoint) reads."""
+    cq, ck = max((pre or (1, 1))[0], (post or (1, 1))[0]), max((pre or (1, 1))[1], (post or (1, 1))[1])
+    return cq - 1, ck - 1
+
+
+def slot_elements(f: Frame, pre, post, n_heads: int) -> int:
+    """Elements of one scratch slot: all (padded) heads x the frame with its margins."""
+    mr, mc = margins(pre, post)
+    return padded_heads(n_heads) * (f.er + 2 * mr) * (f.ec + 2 * mc)
+
+
 def cells_visited(f: Frame, tq: int, tk: int, q_offset: int = 0) -> int:
     """Frame cells one (batch, head) pass computes: every row block's frames, over the key
     blocks up to the one holding its last query (the kernel's causal skipping)."""
