@@ -1,6 +1,6 @@
 """Run-directory safety: the config check, the lock and ``config.yaml``.
 
-Before a run writes anything into ``run_dir`` (rank 0, ``prepare_run_dir``):
+Before a run writes anything into ``run_dir`` (rank 0, ``loop._prepare_run_dir``):
 
 1. If the run dir already holds a checkpoint, the new config is compared with the saved
    ``config.yaml``. Fields fall in three classes:
