@@ -436,14 +436,12 @@ def _convert_model(m: dict, given: set[str], data: dict, tok_path: Optional[str]
         n_heads = dim // head_dim
     if dim % n_heads:
         refuse("n_heads", n_heads, f"the release asserts model.dim ({dim}) % model.n_heads == 0")
-    if m["n_kv_heads"] not in (None, n_heads):
-        refuse("n_kv_heads", m["n_kv_heads"], "grouped-query attention is not implemented (n_kv_heads must equal n_heads)")
+    # Grouped-query attention as the release: wk/wv at n_kv_heads, repeated after RoPE.
+    n_kv_heads = m["n_kv_heads"]
+    if n_kv_heads is not None and (not isinstance(n_kv_heads, int) or n_kv_heads < 1 or n_heads % n_kv_heads):
+        refuse("n_kv_heads", n_kv_heads, f"the release asserts model.n_heads ({n_heads}) % model.n_kv_heads == 0")
     if m["sliding_window"] is not None:
         refuse("sliding_window", m["sliding_window"], "sliding-window attention is not implemented")
-    if m["init_base_std"] is not None:
-        refuse("init_base_std", m["init_base_std"], "our init uses the release default std dim**-0.5 (null)")
-    if m["init_std_factor"] != "disabled":
-        refuse("init_std_factor", m["init_std_factor"], "our init uses the release default 'disabled'")
     if "model.cache_attention_maps" in given:
         notes.append("ignored model.cache_attention_maps: an inference-time debugging buffer")
 
@@ -498,15 +496,19 @@ def _convert_model(m: dict, given: set[str], data: dict, tok_path: Optional[str]
         "dim": dim,
         "n_layers": m["n_layers"],
         "n_heads": n_heads,
+        "n_kv_heads": n_kv_heads,
         "head_dim": head_dim,
         "vocab_size": vocab,
         "ffn_dim_multiplier": 1.0 if m["ffn_dim_multiplier"] is None else m["ffn_dim_multiplier"],
         "multiple_of": m["multiple_of"],
         "norm_eps": m["norm_eps"],
+        "norm_order": "release",  # the release's block norms cast before the weight
         "rope_theta": m["rope_theta"],
         "max_seqlen": max_seqlen,
         "weight_tying": m["weight_tying"],
         "seed": m["seed"],
+        "init_base_std": m["init_base_std"],
+        "init_std_factor": m["init_std_factor"],
         "dropout": m["dropout"],
         "diff_transformer": False,  # not in the release's MTA project
         "attn_impl": ours.attn_impl,
