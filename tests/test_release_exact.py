@@ -74,14 +74,27 @@ def test_bf16_norms_equal_their_formula_bit_for_bit(order, block, final):
     assert (release_norm(x, w) != lingua_norm(x, w)).float().mean() > 0.05
 
 
-def test_curse_norm_scales_after_the_weight_in_bf16():
-    """The release's ``curse_norm``: output * (1 - lambda_init(l)) after the weight (bf16)."""
-    args = ModelArgs(dim=64, n_layers=3, n_heads=4, vocab_size=61, mta=MTAArgs(curse_norm=True))
+def release_scale(layer_id: int) -> float:
+    """The release's RMSNorm(layer_norm=True): layer_id is a tensor, so -0.3 * layer_id is
+    an fp32 tensor before math.exp (written out as the release writes it)."""
+    lambda_init = 0.8 - 0.6 * math.exp(-0.3 * torch.tensor(layer_id))
+    return 1 - lambda_init
+
+
+def test_depth_scaling_is_the_releases_in_bf16():
+    """``curse_norm`` (block norms) and ``layer_norm_rescale`` (subln): output * (1 -
+    lambda_init(l)) after the weight, lambda_init from an fp32 exponent as in the release
+    (it differs from the exact value in the last fp32 bit at depths 1 and 6)."""
+    mta = MTAArgs(use_mta=True, curse_norm=True, group_norm=True, layer_norm_rescale=True)
+    args = ModelArgs(dim=64, n_layers=7, n_heads=4, vocab_size=61, multiple_of=32, mta=mta)
     model = build_model(args).to(torch.bfloat16)
     x = torch.randn(2, 5, 64, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
     for i, layer in enumerate(model.layers):
-        scale = 1 - (0.8 - 0.6 * math.exp(-0.3 * i))
-        assert torch.equal(layer.ffn_norm(x), release_norm(x, layer.ffn_norm.weight) * scale)
+        assert layer.ffn_norm.out_scale == release_scale(i) == layer.attention.out_scale
+        # fp64 (the release run with default dtype float64): the exact value
+        assert layer.ffn_norm.out_scale_fp64 == 1 - (0.8 - 0.6 * math.exp(-0.3 * i)) == layer.attention.out_scale_fp64
+        assert torch.equal(layer.ffn_norm(x), release_norm(x, layer.ffn_norm.weight) * release_scale(i))
+    assert release_scale(1) != 1 - (0.8 - 0.6 * math.exp(-0.3))  # the fp32 exponent matters
 
 
 def test_norm_order_changes_nothing_in_fp32():
