@@ -37,6 +37,19 @@ from mta_repro.model import build_model
 model = build_model(model_args_from(compose(["model=tiny", "attention=mta"])))
 logits = model(torch.zeros(1, 8, dtype=torch.long))
 assert logits.shape[:2] == (1, 8)
+# the shipped configs log to wandb offline: without wandb, metrics.jsonl alone (one line
+# says so); online mode, which the user asked for by name, refuses
+import tempfile
+from mta_repro.train.args import LoggingArgs
+from mta_repro.train.metrics import MetricLogger
+with tempfile.TemporaryDirectory() as d:
+    log = MetricLogger(d, LoggingArgs(progress_bar=False, wandb_mode="offline"), {{}}, True, 2, 0)
+    assert log.wandb is None
+    try:
+        MetricLogger(d, LoggingArgs(progress_bar=False, wandb_mode="online"), {{}}, True, 2, 0)
+        raise SystemExit("online mode without wandb did not refuse")
+    except ImportError as e:
+        assert "mta-repro[wandb]" in str(e)
 loaded = sorted({{m.split(".")[0] for m in sys.modules}} & set(BLOCKED))
 print("loaded:", loaded)
 """
@@ -47,6 +60,7 @@ def test_model_data_train_import_without_the_extras():
                        capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr[-3000:]
     assert "loaded: []" in p.stdout
+    assert "wandb is not installed: logging to metrics.jsonl only" in p.stderr
 
 
 def _names(reqs):
