@@ -21,7 +21,7 @@ LAMBADA = ["lambada_standard", "lambada_openai"]
 def task_manager(include_path: Optional[str] = None):
     """lm-eval's TaskManager, with the index of lm-eval's own tasks read from a cache.
 
-    Building that index parses lm-eval's ~15,000 task YAMLs (20-50 s on 2 cores) and every
+    Building that index parses lm-eval's ~15,000 task YAMLs (4-7 s, ~50 s on a loaded machine) and every
     evaluation process did it again; the index depends only on the installed lm-eval, so
     it is kept as JSON in ``$MTA_REPRO_CACHE`` (default ``~/.cache/mta_repro``), keyed by
     lm-eval's version, location and tasks-folder mtime. ``include_path`` folders are
