@@ -30,7 +30,9 @@ class TrainerArgs:
     # "auto" = cuda if available else cpu; or "cpu" / "cuda".
     device: str = "auto"
     # What to do when the loss is NaN/inf: "raise" stops with an error (the last good
-    # checkpoint stays the latest), "skip" drops that update and goes on.
+    # checkpoint stays the latest; found at the next read, every logging.every steps and
+    # before any save), "skip" drops that update and goes on (it reads the loss every step:
+    # a host sync per step).
     nonfinite: str = "raise"
     # "module:function" building the per-rank batch iterator as
     # fn(data_args, rank, world_size) (the data contract: dict input/target, state_dict).
@@ -111,7 +113,11 @@ class CheckpointArgs:
 class LoggingArgs:
     """metrics.jsonl, progress bar and wandb (group ``configs/logging``)."""
 
-    # Write a metrics.jsonl line (and a wandb point) every this many steps.
+    # Write a metrics.jsonl line (and a wandb point) every this many steps. Also the host
+    # sync cadence: the loop reads the loss and grad norm from the device, and on several
+    # ranks agrees on a preemption signal (SIGUSR1/2, SIGTERM, Ctrl-C), only every this
+    # many steps (and before a save and at the end), so a signal is honoured within this
+    # many steps; one rank honours it at the next step (docs/errors_and_signals.md).
     every: int = 10
     # tqdm progress bar on rank 0.
     progress_bar: bool = True
