@@ -113,7 +113,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             rest.append(a)
     try:
         res = check(rest, tol, device)
-    except ValueError as e:
+    except UserError as e:
         print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
         return 2
     line = (f"appendix I check: first-batch loss source {res['source_loss']:.6f} | inserted "

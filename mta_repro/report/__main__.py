@@ -101,7 +101,7 @@ def main(argv=None) -> int:
     out = Path(args.out) if args.out else Path(args.run_dirs[0]) / "report"
     try:
         path = build_report(args.run_dirs, out, kernels=not args.no_kernels, labels=parse_labels(args.label))
-    except ValueError as e:
+    except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(path.read_text())
