@@ -63,7 +63,7 @@ def compose(overrides: Sequence[str] = (), config_name: str = "train") -> DictCo
 
 
 def model_args_from(cfg: DictConfig, key: Optional[str] = "model") -> ModelArgs:
-    """Validated ``ModelArgs`` from a composed config (raises ValueError on bad fields)."""
+    """Validated ``ModelArgs`` from a composed config (raises UserError on bad fields)."""
     from mta_repro.model import to_model_args
 
     return to_model_args(cfg[key] if key else cfg)

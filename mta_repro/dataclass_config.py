@@ -76,7 +76,7 @@ def to_dataclass(cls: type[T], cfg: Any, where: str) -> T:
     """An instance of the dataclass ``cls`` from an instance, a mapping or an OmegaConf node.
 
     Nested dataclass fields given as mappings are converted too. An unknown field raises
-    ValueError naming ``where`` (the config path, e.g. ``"model.mta"``), also for keys
+    UserError naming ``where`` (the config path, e.g. ``"model.mta"``), also for keys
     added to a structured node with Hydra's ``+key=``; the dataclass's own
     ``__post_init__`` does the value checks.
     """
