@@ -74,7 +74,7 @@ nondeterministic across runs.
 from __future__ import annotations
 
 import os
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import torch
 
@@ -82,7 +82,9 @@ import triton
 import triton.language as tl
 
 from mta_repro.model import frames
-from mta_repro.model.attention_ops import AttnMask, ExplicitAttnParams
+
+if TYPE_CHECKING:  # types only: attention_ops imports this module (lazily), not the reverse
+    from mta_repro.model.attention_ops import AttnMask, ExplicitAttnParams
 
 # Pass modes of the one kernel (they share every stage of the chain).
 _STATS, _FWD, _BWD_D, _BWD = (tl.constexpr(i) for i in range(4))
