@@ -221,3 +221,27 @@ def test_model_imports_run_one_way():
     cycles = [m for m in graph if reaches(m, m)]
     assert not cycles, {m: graph[m] for m in cycles}
     assert "attention_ops" not in graph["attention_triton"] | graph["frames"]
+
+
+def test_every_pass_launches_with_the_reported_configuration(monkeypatch):
+    """The launcher takes num_warps/num_stages from frames.launch_config, the function
+    scripts/compile_triton.py compiles with, for every pass (the kernel itself replaced by
+    a recorder: this checks the launch, not the math)."""
+    from mta_repro.model import attention_triton, frames
+
+    seen = []
+
+    class Recorder:
+        def __getitem__(self, grid):
+            def launch(*args, **kw):
+                seen.append((frames.PASSES[kw["MODE"]], kw["num_warps"], kw["num_stages"]))
+            return launch
+
+    monkeypatch.setattr(attention_triton, "_mta_kernel", Recorder())
+    h = 2
+    p = params(h, (2, 3), (2, 3))
+    q, k, v = (t.requires_grad_() for t in qkv(1, h, 5, 5, 3))
+    attention_ops.ATTN_IMPLS["triton"].fn(q, k, v, p, attention_ops.AttnMask(), False).sum().backward()
+    assert [s[0] for s in seen] == list(frames.PASSES)
+    for name, nw, ns in seen:
+        assert (nw, ns) == frames.launch_config(name, (2, 3), (2, 3))

@@ -62,13 +62,23 @@ probability is <= 1), so the frame's halo never overflows.
 taken from torch's generator (saved for backward): the same masks in forward and
 backward, reproducible seeded runs; not the masks ``F.dropout`` would draw.
 
-Status: verified under ``TRITON_INTERPRET=1`` (tests/test_attn_impls.py and
+*Launch* (``frames.launch_config``, shared with ``scripts/compile_triton.py``): 8 warps,
+1 stage, every loop ``num_stages=1`` (each hands data through scratch: a pipelined reload
+would read stale cells); lengths, offsets and the seed are not specialised (a new batch
+shape reuses the compiled kernel); element offsets are int64; dropout draws with the
+int64 cell index ((b*H + h)*Tq + row)*Tk + col (no wrap at long T); dk/dv atomics are
+relaxed.
+
+Status: exact, verified under ``TRITON_INTERPRET=1`` (tests/test_attn_impls.py and
 tests/test_attn_triton.py: every option against "torch", forward and every gradient,
-bf16, chunked tiling, a whole debug training run). It compiles for sm_90 (H100/H200)
-within the shared-memory limit (``python scripts/compile_triton.py``: 13-98 KB per
-program, 0-6 KB of register spills). Its speed on a GPU is unmeasured: no GPU was
-available while it was written. GPU atomics make dk and dv (not the rest) bitwise
-nondeterministic across runs.
+bf16, chunked tiling, a whole debug training run). It compiles for sm_90 (H100/H200),
+but its compiled code is slow: ``python scripts/compile_triton.py --json PATH`` counts
+what it compiles to and ESTIMATES (roofline, ``model/roofline.py``; no GPU measured it)
+a kq-conv layer at ~210x / ~180x FlashAttention-2's forward+backward at T=2048 / 4096 and
+a mixing layer at ~100x / ~115x: per-tap scalar reloads from scratch, most products off
+tensor cores, and one program walking every key block x 16 heads of its row block.
+``docs/triton_kernel.md`` has the figures and the redesign's targets. GPU atomics make dk
+and dv (not the rest) bitwise nondeterministic across runs.
 """
 
 from __future__ import annotations
