@@ -94,13 +94,16 @@ def _compile(consts: dict, arch: int, num_warps: int, num_stages: int):
 
 
 def ptxas(ptx: str, arch: int) -> dict:
+    """Registers and spill bytes (stores + loads) from ``ptxas -v``."""
     from triton.backends.nvidia.compiler import get_ptxas
 
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "k.ptx"
         path.write_text(ptx)
-        p = subprocess.run([str(get_ptxas(arch).path), f"-arch=sm_{arch}a" if arch >= 90 else f"-arch=sm_{arch}",
-                            "-v", str(path), "-o", str(Path(tmp) / "k.o")], capture_output=True, text=True)
+        # the flags triton's own make_cubin passes (3.9), so the counts are those of the cubin it builds
+        p = subprocess.run([str(get_ptxas(arch).path), "-lineinfo", "-v", "--regAllocOptLevel=2",
+                            f"--gpu-name=sm_{arch}a" if arch >= 90 else f"--gpu-name=sm_{arch}", str(path),
+                            "-o", str(Path(tmp) / "k.o")], capture_output=True, text=True)
     text = p.stdout + p.stderr
     regs = re.search(r"Used (\d+) registers", text)
     spill = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", text)

@@ -364,7 +364,9 @@ def _mta_kernel(
                             # dv of the owned key block: other query blocks add to the same keys
                             kptr = ((b.to(tl.int64) * H + hc[:, None, None]) * Tk + cols[None, :, None]) * d + e[None, None, :]
                             kmask = hm3 & own_c[None, :, None] & (e < d)[None, None, :]
-                            dv_c = tl.dot(tl.trans(a_own, 0, 2, 1), do_c.to(ACC), input_precision=PREC, out_dtype=ACC)
+                            # A in the inputs' dtype, as for A V (tensor cores for bf16 inputs)
+                            dv_c = tl.dot(tl.trans(a_own, 0, 2, 1).to(do_c.dtype), do_c, input_precision=PREC,
+                                          out_dtype=ACC)
                             tl.atomic_add(dv_ptr + kptr, dv_c, mask=kmask, sem="relaxed")
 
                 if MODE != _FWD:
@@ -429,11 +431,13 @@ def _mta_kernel(
                         k_c = _load_tile(k_ptr, b, hc, cols, Tk, H, d, DP, UPCAST)
                         optr = ((b.to(tl.int64) * H + hc[:, None, None]) * Tq + rows[None, :, None]) * d + e[None, None, :]
                         omask = hm3 & own_r[None, :, None] & (e < d)[None, None, :]
-                        dq_c = tl.dot(ds_own, k_c.to(ACC), input_precision=PREC, out_dtype=ACC)
+                        # dS in the inputs' dtype (FlashAttention's choice): tensor cores for bf16 inputs
+                        dq_c = tl.dot(ds_own.to(k_c.dtype), k_c, input_precision=PREC, out_dtype=ACC)
                         tl.store(dqacc_ptr + optr, tl.load(dqacc_ptr + optr, mask=omask, other=0.0) + dq_c, mask=omask)
                         kptr = ((b.to(tl.int64) * H + hc[:, None, None]) * Tk + cols[None, :, None]) * d + e[None, None, :]
                         kmask = hm3 & own_c[None, :, None] & (e < d)[None, None, :]
-                        dk_c = tl.dot(tl.trans(ds_own, 0, 2, 1), q_c.to(ACC), input_precision=PREC, out_dtype=ACC)
+                        dk_c = tl.dot(tl.trans(ds_own, 0, 2, 1).to(q_c.dtype), q_c, input_precision=PREC,
+                                      out_dtype=ACC)
                         tl.atomic_add(dk_ptr + kptr, dk_c, mask=kmask, sem="relaxed")
 
         if MODE == _BWD:
