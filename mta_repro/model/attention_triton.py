@@ -74,7 +74,7 @@ tests/test_attn_triton.py: every option against "torch", forward and every gradi
 bf16, chunked tiling, a whole debug training run). It compiles for sm_90 (H100/H200),
 but its compiled code is slow: ``python scripts/compile_triton.py --json PATH`` counts
 what it compiles to and ESTIMATES (roofline, ``model/roofline.py``; no GPU measured it)
-a kq-conv layer at ~210x / ~180x FlashAttention-2's forward+backward at T=2048 / 4096 and
+a kq-conv layer at ~170x / ~160x FlashAttention-2's forward+backward at T=2048 / 4096 and
 a mixing layer at ~100x / ~115x: per-tap scalar reloads from scratch, most products off
 tensor cores, and one program walking every key block x 16 heads of its row block.
 ``docs/triton_kernel.md`` has the figures and the redesign's targets. GPU atomics make dk
