@@ -44,6 +44,8 @@ MODULE_MARKERS = {
 # `slow`. Multi-rank tests inside otherwise fast modules, and subprocess command lines.
 TEST_MARKERS = {
     ("test_data.py", "test_two_real_ranks_match_in_process_loaders"): ("distributed",),
+    ("test_train_signals.py", "test_two_ranks_agree_and_read_only_on_logging_steps"): ("distributed",),
+    ("test_roofline.py", "test_a_real_sm90_compile_counts_its_tensor_core_dot"): ("triton",),
 }
 
 # Tests (module, test-function name) that are slow for their own sake: seconds or more
@@ -56,6 +58,8 @@ SLOW_TESTS = {
     ("test_eval_cli.py", "test_cli_writes_results"),
     ("test_eval_cli.py", "test_errors_before_work"),
     ("test_eval_cli.py", "test_export_cli_help_and_one_line_error"),
+    ("test_errors.py", "test_train_cli_fault_in_a_loader_keeps_its_traceback"),
+    ("test_errors.py", "test_train_cli_user_errors_are_one_line"),
     ("test_eval_load_robust.py", "test_cli_errors_are_one_line"),
     ("test_generate_cli.py", "test_generate_command"),
     ("test_generate_cli.py", "test_generate_errors_and_help"),
@@ -76,6 +80,8 @@ SLOW_TESTS = {
     ("test_memory.py", "test_shipped_experiments_fit_an_h200"),
     ("test_release.py", "test_every_release_config_matches_our_experiment"),
     ("test_train_corrupt.py", "test_truncated_distcp_falls_back_to_the_previous_and_resumes_exactly"),
+    ("test_train_signals.py", "test_ctrl_c_saves_at_the_interrupted_step_and_says_how_to_resume"),
+    ("test_train_signals.py", "test_no_host_sync_between_logging_steps"),
     ("test_train_corrupt.py", "test_truncated_distcp_is_named_and_refused_with_on_corrupt_raise"),
     ("test_train_validation.py", "test_validation_matches_the_eval_ppl_on_the_same_weights"),
 }
