@@ -17,8 +17,9 @@ Three implementations of the explicit path are registered (``model.attn_impl``):
   ``query_history`` halo rows its convolutions read, each seeing only the keys up to its
   own last row (causal skipping); with gradients on, each block is recomputed in
   backward (``torch.utils.checkpoint``), so nothing of size T x T outlives its block.
-  Key-query convolutions run through ``kq_conv_cpu`` (C loops) on CPU fp32/fp64 and
-  ``F.conv2d`` elsewhere; head mixing is one matmul over the head axis.
+  Key-query convolutions run through ``kq_conv_cpu`` (C loops) on CPU fp32/fp64,
+  ``kq_conv_triton`` (Triton kernels) on CUDA and ``F.conv2d`` elsewhere
+  (``kq_conv_backend``); head mixing is one matmul over the head axis.
 - ``triton``: the whole path in fused Triton kernels, forward and backward
   (``attention_triton.py``); CUDA tensors, or CPU ones in Triton's interpreter
   (``TRITON_INTERPRET=1``); elsewhere it falls back to ``blocked``.
@@ -224,23 +225,53 @@ def pad_left(pad_key: str, c_k: int) -> int:
     return {"both": (c_k - 1) // 2, "left": c_k - 1, "right": 0}[pad_key]
 
 
+def kq_conv_backend(x: torch.Tensor) -> str:
+    """Which kernel runs the key-query convolutions of ``blocked`` for this tensor:
+    ``c`` (kq_conv_cpu, CPU fp32/fp64), ``triton`` (kq_conv_triton: CUDA, or CPU tensors
+    under TRITON_INTERPRET=1 when asked for) or ``conv2d`` (``F.conv2d``: every other
+    case). ``MTA_KQ_CONV=c|triton|conv2d`` forces one (benchmarks and tests; ``auto``, the
+    default, picks c on CPU and triton on CUDA). On CUDA ``F.conv2d`` of a bf16 16-group
+    depthwise kernel is ATen's native ``conv_depthwise2d``, not cuDNN, hence triton there
+    (docs/gpu.md has the estimate)."""
+    want = os.environ.get("MTA_KQ_CONV", "auto")
+    if want not in ("auto", "c", "triton", "conv2d"):
+        raise ValueError(f"MTA_KQ_CONV={want!r}: expected auto, c, triton or conv2d")
+    if want in ("auto", "c"):
+        from mta_repro.model import kq_conv_cpu
+
+        if kq_conv_cpu.available(x):
+            return "c"
+    if want == "conv2d":
+        return "conv2d"
+    if want == "triton" or x.device.type == "cuda":
+        if importlib.util.find_spec("triton") is not None and (
+            x.device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
+        ):
+            return "triton"
+    return "conv2d"
+
+
 def masked_kq_conv(
     x: torch.Tensor, kernel: torch.Tensor, pad_key: str, allowed: torch.Tensor, mask: AttnMask
 ) -> torch.Tensor:
     """``kq_conv(x * allowed) * allowed``: both key-query convolutions in this form (before
     softmax the output mask changes nothing that survives the -inf mask; after softmax
-    the input is already zero where masked). On CPU fp32/fp64 the C kernel applies the
-    causal part itself (no mask passes, no work above the diagonal), so only padding
-    (``key_valid``) costs multiplies; elsewhere ``F.conv2d`` between two multiplies.
+    the input is already zero where masked). The C kernel (CPU fp32/fp64) and the Triton
+    kernels (CUDA) apply the causal part themselves (no mask passes, no work above the
+    diagonal), so only padding (``key_valid``) costs multiplies; ``F.conv2d`` elsewhere,
+    between two multiplies (``kq_conv_backend`` picks).
     x: (B, H, Tq, Tk) rows at ``mask.q_offset``; allowed: ``mask.dense`` of that shape."""
-    from mta_repro.model import kq_conv_cpu
-
-    if kq_conv_cpu.available(x):
-        if mask.key_valid is not None:
-            x = x * allowed
-        y = kq_conv_cpu.kq_conv(x, kernel[:, 0], pad_left(pad_key, kernel.shape[-1]), mask.q_offset)
-        return y if mask.key_valid is None else y * allowed
-    return kq_conv(x * allowed, kernel, pad_key) * allowed
+    backend = kq_conv_backend(x)
+    if backend == "conv2d":
+        return kq_conv(x * allowed, kernel, pad_key) * allowed
+    if backend == "c":
+        from mta_repro.model.kq_conv_cpu import kq_conv as op
+    else:
+        from mta_repro.model.kq_conv_triton import kq_conv as op
+    if mask.key_valid is not None:
+        x = x * allowed
+    y = op(x, kernel[:, 0], pad_left(pad_key, kernel.shape[-1]), mask.q_offset)
+    return y if mask.key_valid is None else y * allowed
 
 
 def head_mix_linear_fast(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
