@@ -249,19 +249,28 @@ def test_compiled_block_no_graph_breaks_and_bounded_recompiles(monkeypatch):
     counters.clear()
     p = t.make_params(pre=(3, 3), post=(2, 3), block_size=4)
 
-    def run(T, grad):
-        q, k, v = t.qkv(b=2, tq=T, tk=T)
+    def run(T, grad):  # a training step (forward, recomputing backward) or an evaluation
+        q, k, v = (x.requires_grad_(grad) for x in t.qkv(b=2, tq=T, tk=T))
         with torch.set_grad_enabled(grad):
-            return attention_ops.explicit_attention_blocked(q, k, v, p, attention_ops.AttnMask(), training=grad)
+            out = attention_ops.explicit_attention_blocked(q, k, v, p, attention_ops.AttnMask(), training=grad)
+            if grad:
+                out.backward(torch.ones_like(out))
 
     graphs = []
     for T, grad in [(11, True), (11, False), (17, True), (23, True)]:
-        out = run(T, grad)
+        run(T, grad)
         graphs.append(counters["stats"]["unique_graphs"])
     assert dict(counters["graph_break"]) == {}
     assert graphs[0] <= 3 and graphs[1] <= graphs[0] + 2 and graphs[2] <= graphs[1] + 1 and graphs[3] == graphs[2]
-    monkeypatch.setenv("MTA_COMPILE_BLOCK", "0")
-    q, k, v = t.qkv(b=2, tq=23, tk=23)
-    torch.testing.assert_close(out, attention_ops.explicit_attention_blocked(q, k, v, p, attention_ops.AttnMask()),
-                               rtol=1e-12, atol=1e-12)
+
+    def grads(compiled):  # outputs and q/k/v gradients through the recomputed blocks
+        monkeypatch.setenv("MTA_COMPILE_BLOCK", "1" if compiled else "0")
+        q, k, v = (x.requires_grad_() for x in t.qkv(b=2, tq=23, tk=23))
+        out = attention_ops.explicit_attention_blocked(q, k, v, p, attention_ops.AttnMask(), training=True)
+        out.backward(torch.ones_like(out))
+        return [out, q.grad, k.grad, v.grad]
+
+    for a, b in zip(grads(True), grads(False)):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+    assert counters["stats"]["unique_graphs"] == graphs[3]  # same length again: no recompile
     torch._dynamo.reset()
