@@ -362,7 +362,9 @@ def explicit_attention_blocked(
         t.requires_grad for t in (q, k, v, *weights)
     )
     bs = resolve_block_size(p.block_size, q.device)
-    block_fn = _block_fn(q.device)
+    # Dropout stays eager: the recomputation must draw the same mask, which the restored
+    # RNG state guarantees for eager ops, not for a compiled graph's own RNG.
+    block_fn = _block_fn(q.device) if not (p.dropout > 0.0 and training) else _score_path_fast
     if p.kq_backend is None and (p.mta_kernel is not None or p.mta_kernel_after_sm is not None):
         p = replace(p, kq_backend=kq_conv_backend(q))
     outs = []
@@ -411,8 +413,10 @@ _compiled_blocks: dict = {}
 def _block_fn(device: torch.device) -> Callable:
     """``_score_path_fast``, under torch.compile where ``compile_block`` says so.
 
-    Compiled (``dynamic=True``: one graph for every block of every length; Dynamo then
-    guards only on ``training``, the parameters' presence and the dtype), Inductor fuses
+    Compiled with ``dynamic=True`` (shapes and the key offset symbolic: a block at offset 0
+    or 1 gets its own graph, as Dynamo specialises 0 and 1, the other blocks of every
+    length share one; training and no-grad evaluation each have theirs; a new dtype or a
+    different set of parameters recompiles; tests/test_attention_ops.py counts them), Inductor fuses
     the masks, casts and softmax of a block and keeps the matmuls and the key-query
     convolution (a custom op) extern. Inside an already compiled region
     (``distributed.compile=true``) the plain function is traced in place."""
@@ -420,6 +424,10 @@ def _block_fn(device: torch.device) -> Callable:
         return _score_path_fast
     backend = os.environ.get("MTA_COMPILE_BLOCK_BACKEND", "inductor")
     if backend not in _compiled_blocks:
+        # Two layer kinds x train/eval x first/other blocks x dtypes can pass Dynamo's
+        # default of 8 graphs per function, after which it would silently run eager.
+        cfg = torch._dynamo.config
+        cfg.recompile_limit = max(cfg.recompile_limit, 32)
         _compiled_blocks[backend] = torch.compile(_score_path_fast, dynamic=True, backend=backend)
     return _compiled_blocks[backend]
 
