@@ -99,6 +99,15 @@ def test_backend_choice(monkeypatch):
     assert attention_ops.kq_conv_backend(x) == "conv2d"
     monkeypatch.setenv("MTA_KQ_CONV", "triton")
     assert attention_ops.kq_conv_backend(x) == "triton"  # CPU tensors: interpreter (conftest)
+    # A CUDA tensor (only its device and dtype are read): the Triton kernels by default,
+    # not F.conv2d (ATen's native depthwise kernel for bf16); conv2d only when asked.
+    from types import SimpleNamespace
+
+    cuda_x = SimpleNamespace(device=torch.device("cuda", 0), dtype=torch.bfloat16)
+    monkeypatch.delenv("MTA_KQ_CONV")
+    assert attention_ops.kq_conv_backend(cuda_x) == "triton"
+    monkeypatch.setenv("MTA_KQ_CONV", "conv2d")
+    assert attention_ops.kq_conv_backend(cuda_x) == "conv2d"
     monkeypatch.setenv("MTA_KQ_CONV", "cudnn")
     with pytest.raises(ValueError, match="MTA_KQ_CONV"):
         attention_ops.kq_conv_backend(x)
