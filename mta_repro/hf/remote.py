@@ -36,6 +36,7 @@ import types as _types
 # all this one module. The CPU C kernel of mta-repro is not bundled (F.conv2d is used).
 attention_ops = _sys.modules[__name__]
 kq_conv_cpu = _types.SimpleNamespace(available=lambda x: False)
+UserError = ValueError  # mta_repro.errors.UserError is a ValueError
 '''
 
 _WRAPPER = '''
@@ -97,7 +98,7 @@ def _strip_package_imports(src: str) -> str:
         s = line.strip()
         if s.startswith("from __future__"):
             continue
-        if re.match(r"from mta_repro\.model(\.\w+)? import", s):
+        if re.match(r"from mta_repro\.(model(\.\w+)?|errors) import", s):
             indent = line[: len(line) - len(line.lstrip())]
             if indent:  # a function-local import: keep the block non-empty
                 out.append(indent + "pass")

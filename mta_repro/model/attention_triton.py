@@ -81,6 +81,7 @@ import torch
 import triton
 import triton.language as tl
 
+from mta_repro.errors import UserError
 from mta_repro.model import frames
 from mta_repro.model.attention_ops import AttnMask, ExplicitAttnParams
 
@@ -434,9 +435,9 @@ def _tiling(hp: int, er: int, device: torch.device) -> tuple[int, int]:
         try:
             hc, sr = (int(x) for x in spec.lower().split("x"))
         except ValueError:
-            raise ValueError(f"MTA_TRITON_CHUNKS={spec!r}: expected HCxSR, e.g. 2x4") from None
+            raise UserError(f"MTA_TRITON_CHUNKS={spec!r}: expected HCxSR, e.g. 2x4") from None
         if hc < 1 or sr < 1 or hp % hc or er % sr or hc & (hc - 1) or sr & (sr - 1):
-            raise ValueError(f"MTA_TRITON_CHUNKS={spec!r}: powers of two dividing {hp} heads and {er} frame rows")
+            raise UserError(f"MTA_TRITON_CHUNKS={spec!r}: powers of two dividing {hp} heads and {er} frame rows")
         return hc, sr
     if device.type == "cpu":
         return hp, er

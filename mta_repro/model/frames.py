@@ -13,6 +13,7 @@ import os
 from dataclasses import dataclass
 from typing import Optional
 
+from mta_repro.errors import UserError
 from mta_repro.model.attention_ops import pad_left
 
 # The kernel's passes, in the order they run (forward: 0, 1; backward: 2, 3).
@@ -44,9 +45,9 @@ def frame_override() -> Optional[tuple[int, int]]:
     try:
         er, ec = (int(x) for x in spec.lower().split("x"))
     except ValueError:
-        raise ValueError(f"MTA_TRITON_FRAME={spec!r}: expected ROWSxCOLS, e.g. 64x64") from None
+        raise UserError(f"MTA_TRITON_FRAME={spec!r}: expected ROWSxCOLS, e.g. 64x64") from None
     if er < 1 or ec < 1 or er != pow2(er) or ec != pow2(ec):
-        raise ValueError(f"MTA_TRITON_FRAME={spec!r}: both sizes must be powers of two")
+        raise UserError(f"MTA_TRITON_FRAME={spec!r}: both sizes must be powers of two")
     return er, ec
 
 
@@ -74,7 +75,7 @@ def frame(pass_: str, pre: Optional[tuple[int, int]], post: Optional[tuple[int, 
     if override is not None:
         er, ec = override
         if er <= top + bot or ec <= left + right:
-            raise ValueError(
+            raise UserError(
                 f"MTA_TRITON_FRAME={er}x{ec} leaves no owned block: the halo needs "
                 f"{top + bot + 1}x{left + right + 1} at least")
     else:
