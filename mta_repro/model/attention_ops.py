@@ -436,7 +436,7 @@ def compile_block(device: torch.device) -> bool:
     costs tens of seconds)."""
     env = os.environ.get("MTA_COMPILE_BLOCK", "auto")
     if env not in ("auto", "0", "1"):
-        raise ValueError(f"MTA_COMPILE_BLOCK={env!r}: expected auto, 0 or 1")
+        raise UserError(f"MTA_COMPILE_BLOCK={env!r}: expected auto, 0 or 1")
     return env == "1" or (env == "auto" and device.type == "cuda")
 
 

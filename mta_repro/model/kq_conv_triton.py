@@ -38,6 +38,8 @@ import torch
 import triton
 import triton.language as tl
 
+from mta_repro.errors import UserError
+
 # "No causal mask": a diagonal beyond every column (same constant as kq_conv_cpu).
 NO_DIAG = 2**62
 
@@ -61,7 +63,7 @@ def tiles() -> tuple[int, int]:
     if env:
         r, c = (int(v) for v in env.lower().split("x"))
         if r < 16 or c < 16 or r != _pow2(r) or c != _pow2(c):
-            raise ValueError(f"MTA_KQ_TILE={env!r}: expected RxC, powers of two >= 16 (e.g. 64x64)")
+            raise UserError(f"MTA_KQ_TILE={env!r}: expected RxC, powers of two >= 16 (e.g. 64x64)")
         return r, c
     return 64, 64
 
