@@ -30,6 +30,7 @@ MODULE_MARKERS = {
     "distributed/test_train_reshard.py": ("distributed",),
     "test_eval_data_parallel.py": ("distributed",),
     "test_attn_triton.py": ("triton",),
+    "test_kq_conv_triton.py": ("triton",),
     "test_pipeline.py": ("pipeline",),
     "test_train_e2e.py": ("pipeline",),
     # lm-eval's task index (parsing ~15,000 YAMLs: 30 s and more before its cache exists)
@@ -61,6 +62,7 @@ SLOW_TESTS = {
     ("test_errors.py", "test_train_cli_fault_in_a_loader_keeps_its_traceback"),
     ("test_errors.py", "test_train_cli_user_errors_are_one_line"),
     ("test_eval_load_robust.py", "test_cli_errors_are_one_line"),
+    ("test_gpu_acceptance.py", "test_quick_cpu_run_writes_every_section"),
     ("test_generate_cli.py", "test_generate_command"),
     ("test_generate_cli.py", "test_generate_errors_and_help"),
     ("test_hf.py", "test_cli"),
