@@ -105,15 +105,14 @@ def test_import_random_llama_with_gqa(tmp_path, tied):
 
 def test_unsupported_rope_scaling_is_refused(tmp_path):
     kw = dict(vocab_size=50, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2)
-    scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-               "original_max_position_embeddings": 64, "rope_theta": 500000.0}
+    scaling = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64, "rope_theta": 500000.0}
     if "rope_parameters" in LlamaConfig().to_dict():
         kw["rope_parameters"] = scaling
     else:
         kw["rope_scaling"] = scaling
-    LlamaForCausalLM(LlamaConfig(**kw)).save_pretrained(tmp_path / "l31")
-    with pytest.raises(ValueError, match="rope_type='llama3' is not supported"):
-        import_hf(tmp_path / "l31", tmp_path / "x.pt")
+    LlamaForCausalLM(LlamaConfig(**kw)).save_pretrained(tmp_path / "yarn")
+    with pytest.raises(ValueError, match="rope_type='yarn' is not supported"):
+        import_hf(tmp_path / "yarn", tmp_path / "x.pt")
 
 
 def test_cli(tmp_path):
@@ -122,3 +121,6 @@ def test_cli(tmp_path):
     assert r.returncode == 2 and r.stderr.strip().startswith("hf: error: hf import:") and "config.json" in r.stderr
     r = subprocess.run([sys.executable, "-m", "mta_repro.hf", "--help"], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0 and "export" in r.stdout and "import" in r.stdout
+    # the help says what works: MTA/talking-heads/Diff export (trust_remote_code), llama3 import
+    assert "trust_remote_code" in r.stdout and "llama3" in r.stdout
+    assert "exporting MTA" not in r.stdout and "Not supported (clear errors): exporting" not in r.stdout
