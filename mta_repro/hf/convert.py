@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import shutil
+import sys
 from pathlib import Path
 from typing import Optional, Union
 
@@ -136,6 +137,16 @@ def export_hf(path: Union[str, Path], out_dir: Union[str, Path]) -> Path:
     # The tokenizer: its file as is, plus how to build it here (sentencepiece models
     # and Llama-3 ranks files are what Meta's checkpoints ship as tokenizer.model).
     tok_cfg = OmegaConf.to_container(cfg.data.tokenizer, resolve=True) if "data" in cfg else None
+    if tok_cfg and tok is not None:
+        # tokenizer.json: AutoTokenizer gives training's ids (BOS + text ids, issue 23 item 6)
+        src = _find(tok_cfg["path"]) if tok_cfg.get("path") and tok_cfg.get("name") != "bytes" else None
+        from mta_repro.hf.tokenizer import write_hf_tokenizer
+
+        why = write_hf_tokenizer({**tok_cfg, "path": str(src) if src else tok_cfg.get("path")}, tok, out_dir,
+                                 add_bos=bool(OmegaConf.select(cfg, "data.add_bos", default=True)))
+        if why:
+            print(f"[mta_repro.hf] no tokenizer.json written ({why}); tokenizer.model and {TOKENIZER_NOTE} are",
+                  file=sys.stderr)
     if tok_cfg and tok_cfg.get("path") and tok_cfg.get("name") != "bytes":
         src = _find(tok_cfg["path"])
         if src is not None:
