@@ -15,7 +15,7 @@ from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 from mta_repro.eval.load import load_model  # noqa: E402
 from mta_repro.hf import export_hf, import_hf  # noqa: E402
 from mta_repro.model import MTAArgs  # noqa: E402
-from mta_repro.model.convert import baseline_to_mta  # noqa: E402
+from mta_repro.model.insertion import baseline_to_mta  # noqa: E402
 
 TOKENS = torch.tensor([[1, 72, 101, 108, 108, 111, 44, 32, 119, 111, 114, 108, 100, 33, 5, 250, 3, 77]])
 

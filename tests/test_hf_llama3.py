@@ -105,6 +105,7 @@ def test_llama3_imports_and_exports_with_equal_logits(tmp_path, tied):
     assert a.weight_tying == tied and a.rope_theta == THETA and a.vocab_size == 258
     assert a.rope_scaling == RopeScalingArgs(**SCALING)
     assert a.n_kv_heads == 2  # grouped-query attention kept: K/V not expanded
+    assert a.norm_order == "hf"  # bf16 norms round as LlamaRMSNorm
     assert model.layers[0].attention.wk.weight.shape == (2 * 16, 64)
     with torch.no_grad():
         got = model(TOKENS)
@@ -124,7 +125,7 @@ def test_llama3_imports_and_exports_with_equal_logits(tmp_path, tied):
 
 
 def test_insertion_into_imported_llama_keeps_logits_and_passes_the_first_batch_check(tmp_path):
-    from mta_repro.model.convert import baseline_to_mta
+    from mta_repro.model.insertion import baseline_to_mta
     from mta_repro.pipeline.check import check
 
     _, folder = tiny_llama(tmp_path, tied=True, shard=False)

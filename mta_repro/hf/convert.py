@@ -245,6 +245,7 @@ def model_args_from_hf(c) -> ModelArgs:
         head_dim=None if d * H == c.hidden_size else d, vocab_size=c.vocab_size,
         norm_eps=float(c.rms_norm_eps), rope_theta=theta, rope_scaling=scaling,
         max_seqlen=int(c.max_position_embeddings), weight_tying=bool(getattr(c, "tie_word_embeddings", False)),
+        norm_order="hf",  # transformers' LlamaRMSNorm: normalise in fp32, cast, then the weight (all norms)
         **kv, **_ffn_fields(c.hidden_size, c.intermediate_size),
     )
     assert args.ffn_hidden_dim == c.intermediate_size, (args.ffn_hidden_dim, c.intermediate_size)

@@ -104,7 +104,7 @@ def _initial_weights(cfg: DictConfig, ckpt: CheckpointArgs, model_args, is_main:
         return sd
     # Appendix I: a baseline's weights into this MTA model, new parts at identity.
     from mta_repro.model.args import MTAArgs
-    from mta_repro.model.convert import baseline_to_mta
+    from mta_repro.model.insertion import baseline_to_mta
 
     base_args = dataclasses.replace(model_args, mta=MTAArgs(use_mta=False))
     model = baseline_to_mta(sd, base_args, model_args.mta, device="cpu")
