@@ -126,7 +126,8 @@ def test_talking_heads_pair_and_baseline_leftovers():
     "override, field",
     [
         ("model.n_kv_heads=3", "model.n_kv_heads"),
-        ("model.sliding_window=128", "model.sliding_window"),
+        ("model.sliding_window=0", "model.sliding_window"),
+        ("model.init_std_factor=depth", "model.init_std_factor"),
         ("model.mta.kernel_size=3", "model.mta.kernel_size"),
         ("distributed.tp_size=2", "distributed.tp_size"),
         ("distributed.fsdp_type=hybrid", "distributed.fsdp_type"),

@@ -23,11 +23,14 @@ from mta_repro.model.args import ModelArgs
 
 # --------------------------------------------------------------------------- pieces
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float = 1e-5, cast_before_weight: bool = False, out_scale: float = 1.0):
+    def __init__(self, dim: int, eps: float = 1e-5, cast_before_weight: bool = False, out_scale: float = 1.0,
+                 out_scale_fp64: Optional[float] = None):
         super().__init__()
         self.eps = eps
-        # A constant factor on the output (the release's ``curse_norm`` depth scaling).
+        # A constant factor on the output (the release's ``curse_norm`` depth scaling);
+        # out_scale_fp64 (if given) replaces it for fp64 inputs (``release_depth_scale``).
         self.out_scale = out_scale
+        self.out_scale_fp64 = out_scale if out_scale_fp64 is None else out_scale_fp64
         # Rounding order in bf16/fp16 (``ModelArgs.norm_order``): True = normalise in fp32,
         # cast to x's dtype, then scale by the weight (the release's block norms and its
         # ``subln``); False = scale in fp32, then cast (Lingua's RMSNorm).
@@ -42,7 +45,8 @@ class RMSNorm(nn.Module):
             x32 = x.to(torch.promote_types(x.dtype, torch.float32))
             out = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
             out = (out * self.weight.to(out.dtype)).type_as(x)
-        return out if self.out_scale == 1.0 else out * self.out_scale
+        scale = self.out_scale_fp64 if out.dtype == torch.float64 else self.out_scale
+        return out if scale == 1.0 else out * scale
 
     def reset_parameters(self) -> None:
         nn.init.ones_(self.weight)
@@ -83,6 +87,18 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     cos, sin = cos[None, :, None, :], sin[None, :, None, :]
     out = torch.stack((x0 * cos - x1 * sin, x0 * sin + x1 * cos), dim=-1)
     return out.flatten(-2).type_as(x)
+
+
+def release_depth_scale(layer_id: int, fp64: bool = False) -> float:
+    """1 - lambda_init(layer) as the release computes it for ``curse_norm`` and
+    ``layer_norm_rescale``: its RMSNorm holds layer_id as a tensor, so -0.3 * layer_id is
+    a tensor of the default dtype before the exp: fp32 in every real run (an fp32 ulp
+    apart from the exact value at some depths, which can flip a bf16 rounding); ``fp64``:
+    the exact value (the release run with default dtype float64)."""
+    if fp64:
+        return 1 - (0.8 - 0.6 * math.exp(-0.3 * layer_id))
+    x = float(torch.tensor(-0.3, dtype=torch.float32, device="cpu") * layer_id)  # also under a meta context
+    return 1 - (0.8 - 0.6 * math.exp(x))
 
 
 def _trunc_normal_(w: torch.Tensor, std: float, bound_std: Optional[float] = None) -> None:
@@ -213,7 +229,13 @@ class Attention(nn.Module):
         norm_dim = 2 * d if diff else d if m.group_norm else None
         self.subln = RMSNorm(norm_dim, eps=1e-5, cast_before_weight=True) if norm_dim else None
         rescale = diff or (m.group_norm and m.layer_norm_rescale)
-        self.out_scale = 1 - attention_ops.lambda_init_fn(layer_id) if rescale else 1.0
+        # diff: unilm's lambda_init (exact); MTA's depth scaling: the release's (fp32
+        # exponent, except for fp64 outputs).
+        self.out_scale = self.out_scale_fp64 = 1.0
+        if diff:
+            self.out_scale = self.out_scale_fp64 = 1 - attention_ops.lambda_init_fn(layer_id)
+        elif rescale:
+            self.out_scale, self.out_scale_fp64 = release_depth_scale(layer_id), release_depth_scale(layer_id, fp64=True)
         self.gate = nn.Linear(d, 1 if m.gate_1d else d, bias=True) if m.add_gating else None
 
     # -- parameters ------------------------------------------------------------------
@@ -324,8 +346,9 @@ class Attention(nn.Module):
 
         if self.subln is not None:
             out = self.subln(out)
-            if self.out_scale != 1.0:
-                out = out * self.out_scale
+            scale = self.out_scale_fp64 if out.dtype == torch.float64 else self.out_scale
+            if scale != 1.0:
+                out = out * scale
         if self.gate is not None:
             out = out * torch.sigmoid(self.gate(out))
         return self.wo(out.reshape(bsz, seqlen, H * d))
@@ -362,11 +385,13 @@ class TransformerBlock(nn.Module):
         self.feed_forward = FeedForward(
             args.dim, args.ffn_hidden_dim, args.init_base_std, args.init_std_factor_at(layer_id)
         )
-        scale = 1 - attention_ops.lambda_init_fn(layer_id) if args.mta.curse_norm else 1.0
+        scale = scale64 = 1.0
+        if args.mta.curse_norm:
+            scale, scale64 = release_depth_scale(layer_id), release_depth_scale(layer_id, fp64=True)
         # The release's block norms cast before the weight (ModelArgs.norm_order).
         cast = args.norm_order in ("release", "hf")
-        self.attention_norm = RMSNorm(args.dim, args.norm_eps, cast_before_weight=cast, out_scale=scale)
-        self.ffn_norm = RMSNorm(args.dim, args.norm_eps, cast_before_weight=cast, out_scale=scale)
+        self.attention_norm = RMSNorm(args.dim, args.norm_eps, cast, scale, scale64)
+        self.ffn_norm = RMSNorm(args.dim, args.norm_eps, cast, scale, scale64)
 
     def forward(self, x, cos, sin, cache=None, key_valid=None):
         h = x + self.attention(self.attention_norm(x), cos, sin, cache, key_valid)
