@@ -182,3 +182,40 @@ def test_import_holds_one_copy_of_the_weights(tmp_path):
     assert grew < 1.5 * sizes["big"], (grew, sizes["big"])
     sd = torch.load(tmp_path / "big.pt", map_location="cpu", mmap=True)["model"]
     assert sd["layers.0.attention.wq.weight"].dtype == torch.bfloat16  # the checkpoint's dtype kept
+
+
+def test_finetuned_llama_with_mta_exports_with_its_modeling_file(tmp_path):
+    """The result of Appendix I on a Llama (GQA, llama3 RoPE, MTA inserted) exported as a
+    trust_remote_code folder: transformers gives our logits."""
+    from transformers import AutoModelForCausalLM
+
+    from mta_repro.model.insertion import baseline_to_mta
+
+    _, folder = tiny_llama(tmp_path, tied=False, shard=False)
+    pt = import_hf(folder, tmp_path / "ours.pt")
+    model, _ = load_model(pt, device="cpu")
+    mta_args = MTAArgs(use_mta=True, query_kernel_size=2, key_kernel_size=3, pre_sm_linear_head=True,
+                       head_kernel_size=2, mta_layers="0")
+    mta = baseline_to_mta(model.state_dict(), model.args, mta_args).eval()
+    with torch.no_grad():  # move the new parts off identity, as finetuning would
+        mta.layers[0].attention.mta_kernel.add_(0.05 * torch.randn_like(mta.layers[0].attention.mta_kernel))
+        want = mta(TOKENS)
+    blob = torch.load(pt, map_location="cpu", weights_only=False)
+    import dataclasses
+
+    blob["config"]["model"]["mta"] = dataclasses.asdict(mta_args)
+    blob["model"] = mta.state_dict()
+    torch.save(blob, tmp_path / "mta.pt")
+    out = export_hf(tmp_path / "mta.pt", tmp_path / "hf_mta")
+    hf = AutoModelForCausalLM.from_pretrained(str(out), trust_remote_code=True, dtype=torch.float32).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(hf(TOKENS).logits, want, rtol=1e-5, atol=1e-5)
+
+
+def test_import_names_a_missing_shard(tmp_path):
+    _, folder = tiny_llama(tmp_path, tied=True)
+    victim = sorted(folder.glob("model-*.safetensors"))[1]
+    victim.unlink()
+    r = subprocess.run([sys.executable, "-m", "mta_repro.hf", "import", str(folder), str(tmp_path / "x.pt")],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2 and victim.name in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr

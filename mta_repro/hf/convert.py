@@ -14,6 +14,11 @@ from omegaconf import OmegaConf, open_dict
 
 from mta_repro.model import ModelArgs
 
+try:  # the project's user-error type (one line, exit status 2 in the command-line tools)
+    from mta_repro.errors import UserError
+except ImportError:  # pragma: no cover - before mta_repro.errors existed
+    UserError = ValueError
+
 TOKENIZER_NOTE = "mta_repro_tokenizer.json"  # our tokenizer settings, for the way back
 
 
@@ -30,7 +35,7 @@ def _permute_heads(w: torch.Tensor, n_heads: int, order: torch.Tensor) -> torch.
 def _check_baseline(args: ModelArgs) -> None:
     if args.diff_transformer or args.mta.use_mta:
         kind = "Differential" if args.diff_transformer else "MTA/talking-heads"
-        raise ValueError(
+        raise UserError(
             f"hf: this is a {kind} model; only baseline weights map onto LlamaForCausalLM "
             "(python -m mta_repro.hf export writes a trust_remote_code folder for the other variants)"
         )
@@ -179,15 +184,15 @@ def weight_files(hf_dir: Path) -> list:
         try:
             weight_map = json.loads(index.read_text())["weight_map"]
         except (json.JSONDecodeError, KeyError, TypeError):
-            raise ValueError(f"hf import: {index}: expected JSON with a 'weight_map' {{tensor: file}}") from None
+            raise UserError(f"hf import: {index}: expected JSON with a 'weight_map' {{tensor: file}}") from None
         files = [hf_dir / f for f in sorted(set(weight_map.values()))]
         missing = [f.name for f in files if not f.is_file()]
         if missing:
-            raise ValueError(f"hf import: {index} names shard(s) {missing} that are not in {hf_dir} (incomplete download?)")
+            raise UserError(f"hf import: {index} names shard(s) {missing} that are not in {hf_dir} (incomplete download?)")
         return files
     files = sorted(hf_dir.glob("*.safetensors"))
     if not files:
-        raise ValueError(f"hf import: {hf_dir} has no *.safetensors weights (pytorch_model.bin is not read)")
+        raise UserError(f"hf import: {hf_dir} has no *.safetensors weights (pytorch_model.bin is not read)")
     return files
 
 
@@ -209,18 +214,18 @@ def _rope_of(c) -> tuple:
     rope_type = merged.get("rope_type") or merged.get("type") or "default"
     theta = merged.get("rope_theta", getattr(c, "rope_theta", None))
     if theta is None:
-        raise ValueError("hf import: config.json has no rope_theta")
+        raise UserError("hf import: config.json has no rope_theta")
     if rope_type == "default":
         return float(theta), {"rope_type": "default"}
     if rope_type != "llama3":
-        raise ValueError(
+        raise UserError(
             f"hf import: rope_scaling rope_type={rope_type!r} is not supported; supported: default and "
             "'llama3' (Llama 3.1/3.2)"
         )
     fields = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
     absent = [f for f in fields if merged.get(f) is None]
     if absent:
-        raise ValueError(f"hf import: rope_scaling (llama3) lacks {absent}")
+        raise UserError(f"hf import: rope_scaling (llama3) lacks {absent}")
     out = {f: float(merged[f]) for f in fields}
     out["original_max_position_embeddings"] = int(merged["original_max_position_embeddings"])
     return float(theta), {"rope_type": "llama3", **out}
@@ -229,16 +234,16 @@ def _rope_of(c) -> tuple:
 def model_args_from_hf(c) -> ModelArgs:
     """Our ModelArgs for a LlamaForCausalLM config (grouped-query attention kept as it is)."""
     if getattr(c, "model_type", "llama") != "llama":
-        raise ValueError(f"hf import: model_type {c.model_type!r}; expected 'llama'")
+        raise UserError(f"hf import: model_type {c.model_type!r}; expected 'llama'")
     if getattr(c, "attention_bias", False) or getattr(c, "mlp_bias", False):
-        raise ValueError("hf import: attention_bias/mlp_bias checkpoints are not supported")
+        raise UserError("hf import: attention_bias/mlp_bias checkpoints are not supported")
     if getattr(c, "hidden_act", "silu") != "silu":
-        raise ValueError(f"hf import: hidden_act {c.hidden_act!r}; expected 'silu'")
+        raise UserError(f"hf import: hidden_act {c.hidden_act!r}; expected 'silu'")
     theta, scaling = _rope_of(c)
     H, KV = c.num_attention_heads, c.num_key_value_heads or c.num_attention_heads
     d = getattr(c, "head_dim", None) or c.hidden_size // H
     if H % KV:
-        raise ValueError(f"hf import: {H} attention heads are not a multiple of {KV} key/value heads")
+        raise UserError(f"hf import: {H} attention heads are not a multiple of {KV} key/value heads")
     kv = {"n_kv_heads": None if KV == H else KV} if _NATIVE_GQA else {}
     args = ModelArgs(
         dim=c.hidden_size, n_layers=c.num_hidden_layers, n_heads=H,
@@ -281,7 +286,7 @@ def _convert_tensor(name: str, w: torch.Tensor, c, args: ModelArgs) -> Optional[
         return None
     parts = name.split(".")
     if len(parts) < 5 or parts[:2] != ["model", "layers"] or ".".join(parts[3:]) not in _LAYER_KEYS:
-        raise ValueError(f"hf import: unexpected tensor {name!r} (not a LlamaForCausalLM weight)")
+        raise UserError(f"hf import: unexpected tensor {name!r} (not a LlamaForCausalLM weight)")
     i, tail = parts[2], ".".join(parts[3:])
     H, KV = c.num_attention_heads, c.num_key_value_heads or c.num_attention_heads
     d = args.resolved_head_dim
@@ -318,10 +323,10 @@ def _check_state(sd: dict, args: ModelArgs) -> None:
         want.pop("output.weight", None)
     missing = sorted(set(want) - set(sd))
     if missing:
-        raise ValueError(f"hf import: the checkpoint lacks {len(missing)} tensor(s), e.g. {missing[:3]}")
+        raise UserError(f"hf import: the checkpoint lacks {len(missing)} tensor(s), e.g. {missing[:3]}")
     bad = [(k, tuple(sd[k].shape), s) for k, s in want.items() if tuple(sd[k].shape) != s]
     if bad:
-        raise ValueError(f"hf import: tensor {bad[0][0]} has shape {bad[0][1]}, expected {bad[0][2]}")
+        raise UserError(f"hf import: tensor {bad[0][0]} has shape {bad[0][1]}, expected {bad[0][2]}")
 
 
 def read_hf_weights(hf_dir: Path, config, args: ModelArgs, dtype: Optional[torch.dtype] = None) -> dict:
@@ -341,7 +346,7 @@ def read_hf_weights(hf_dir: Path, config, args: ModelArgs, dtype: Optional[torch
                     continue
                 key, w = got
                 if key in sd:
-                    raise ValueError(f"hf import: tensor {name!r} appears in two files (second: {f.name})")
+                    raise UserError(f"hf import: tensor {name!r} appears in two files (second: {f.name})")
                 w = w.to(dtype) if dtype is not None and w.is_floating_point() else w
                 w = w.contiguous()
                 if w.untyped_storage().data_ptr() == raw.untyped_storage().data_ptr():
@@ -383,7 +388,7 @@ def import_hf(hf_dir: Union[str, Path], out: Union[str, Path], dtype: str = "aut
 
     hf_dir = Path(hf_dir)
     if not (hf_dir / "config.json").is_file():
-        raise ValueError(f"hf import: {hf_dir}/config.json is missing (expected a Hugging Face model folder)")
+        raise UserError(f"hf import: {hf_dir}/config.json is missing (expected a Hugging Face model folder)")
     config = AutoConfig.from_pretrained(str(hf_dir))
     args = model_args_from_hf(config)
     sd = read_hf_weights(hf_dir, config, args, None if dtype == "auto" else resolve_dtype(dtype))
