@@ -31,6 +31,7 @@ def test_insertion_experiments_fit_an_h200_with_fsdp(experiment):
     assert abs(tokens - (5.3e9 if "1_8b" in experiment else 10.5e9)) < 262_144
     est = estimate_from_config(cfg)
     assert est.world_size == 32 and est.fits(CAPACITIES["H200 141 GB"]), est.table()
+    assert "micro-batch 4 x 2048 tokens per GPU, bfloat16" in est.table()  # the assumptions, stated
 
 
 def test_appendix_i_llama3_pipeline_dry_run_prints_plan_and_every_sbatch(tmp_path):
