@@ -399,6 +399,10 @@ def import_hf(hf_dir: Union[str, Path], out: Union[str, Path], dtype: str = "aut
             with open_dict(cfg):
                 cfg.model[f.name] = v
     tok_cfg = _tokenizer_of(hf_dir)
+    if not tok_cfg:
+        print(f"[mta_repro.hf] note: {hf_dir} has no tokenizer.model (nor original/tokenizer.model); the .pt keeps "
+              "the default data.tokenizer: set data.tokenizer.name/path (Llama 3: tiktoken, Meta's tokenizer.model) "
+              "when you train or evaluate from it", file=sys.stderr)
     if tok_cfg:
         for k, v in tok_cfg.items():
             OmegaConf.update(cfg, f"data.tokenizer.{k}", v)
