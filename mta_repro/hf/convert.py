@@ -12,12 +12,8 @@ from typing import Optional, Union
 import torch
 from omegaconf import OmegaConf, open_dict
 
+from mta_repro.errors import UserError
 from mta_repro.model import ModelArgs
-
-try:  # the project's user-error type (one line, exit status 2 in the command-line tools)
-    from mta_repro.errors import UserError
-except ImportError:  # pragma: no cover - before mta_repro.errors existed
-    UserError = ValueError
 
 TOKENIZER_NOTE = "mta_repro_tokenizer.json"  # our tokenizer settings, for the way back
 

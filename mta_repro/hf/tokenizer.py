@@ -17,6 +17,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Optional
 
+from mta_repro.errors import UserError
+
 
 def _bytes_tokenizer():
     """Byte ids 0-255 through the byte-level pre-tokenizer, no merges."""
@@ -64,10 +66,10 @@ def _sentencepiece_tokenizer(path: str):
     proto = pb.ModelProto()
     proto.ParseFromString(Path(path).read_bytes())
     if proto.trainer_spec.model_type != pb.TrainerSpec.BPE:
-        raise ValueError("only sentencepiece BPE models are exported as tokenizer.json")
+        raise UserError("only sentencepiece BPE models are exported as tokenizer.json")
     ns = proto.normalizer_spec
     if ns.remove_extra_whitespaces or ns.name not in ("identity", ""):
-        raise ValueError(f"sentencepiece normalizer {ns.name!r} (remove_extra_whitespaces="
+        raise UserError(f"sentencepiece normalizer {ns.name!r} (remove_extra_whitespaces="
                          f"{ns.remove_extra_whitespaces}) is not reproduced")
     sp = spm.SentencePieceProcessor(model_file=str(path))
     vocab = {sp.id_to_piece(i): i for i in range(sp.get_piece_size())}
