@@ -122,7 +122,7 @@ def _initial_weights(cfg: Any, ck: CheckpointArgs, model_args, is_main: bool) ->
         return sd
     # Appendix I: a baseline's weights into this MTA model, new parts at identity.
     from mta_repro.model.args import MTAArgs
-    from mta_repro.model.convert import baseline_to_mta
+    from mta_repro.model.insertion import baseline_to_mta
 
     base_args = dataclasses.replace(model_args, mta=MTAArgs(use_mta=False))
     model = baseline_to_mta(sd, base_args, model_args.mta, device="cpu")
