@@ -10,16 +10,25 @@ VARIANT_LABELS = {
 
 # What the paper's numbers were measured on, per stage: model size (configs/model name and
 # its (dim, n_layers, n_heads)), optimizer steps and tokens.
+# "label": the size as the paper names it (configs/model/1b.yaml is the paper's "1.4B").
 PAPER_SETTING = {
-    "pretrain": {"size": "880m", "steps": 400_000, "tokens": "105B", "what": "880M, 105B tokens"},
-    "long_context": {"size": "880m", "steps": 40_054, "tokens": "10.5B",
+    "pretrain": {"size": "880m", "label": "880M", "steps": 400_000, "tokens": "105B", "what": "880M, 105B tokens"},
+    "long_context": {"size": "880m", "label": "880M", "steps": 40_054, "tokens": "10.5B",
                      "what": "880M, 105B tokens + 10.5B tokens at 4K"},
-    "insertion": {"size": "1b", "steps": 40_054, "tokens": "10.5B",
+    "insertion": {"size": "1b", "label": "1.4B", "steps": 40_054, "tokens": "10.5B",
                   "what": "1.4B Transformer + 10.5B tokens (Appendix I)"},
     # the Appendix I control: the baseline trained on alike (same length, no MTA)
-    "continued": {"size": "1b", "steps": 40_054, "tokens": "10.5B",
+    "continued": {"size": "1b", "label": "1.4B", "steps": 40_054, "tokens": "10.5B",
                   "what": "1.4B Transformer trained on for 10.5B tokens (Appendix I control)"},
 }
+# The perplexity window (tokens) of each stage's published perplexity. Pretraining and
+# Appendix I (trained on at 2048): the release's evaluation (projects/mta/eval.py,
+# ppl_seq_len 2048, batches of 4, 256 batches). After the 4K finetune: the finetuned
+# context, 4096 (the paper reports the finetuned models' perplexity without printing
+# the window; the release's ppl_seq_len is a setting; this project takes the context
+# the model was finetuned for; docs/evaluation.md). A run evaluated at another window
+# is not compared with these numbers.
+PPL_SEQ_LEN = {"pretrain": 2048, "long_context": 4096, "insertion": 2048, "continued": 2048}
 SIZES = {  # (dim, n_layers, n_heads) of configs/model/<name>.yaml
     "300m": (1024, 20, 16),
     "550m": (1280, 24, 10),
