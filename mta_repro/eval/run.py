@@ -182,13 +182,6 @@ def run(cfg: EvalConfig) -> dict:
     return written
 
 
-def summarize_lm_eval(results: dict, names) -> dict:
-    """Kept for callers of the old place; see ``mta_repro.eval.tasks.summarize_lm_eval``."""
-    from mta_repro.eval.tasks import summarize_lm_eval as summarize
-
-    return summarize(results, names)
-
-
 def main(argv: Optional[Sequence[str]] = None) -> int:
     from mta_repro.cli import run_cli
 
