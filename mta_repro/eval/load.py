@@ -7,7 +7,6 @@ consolidated ``.pt`` file (``{"model": state_dict, "config": dict, "step": int}`
 
 from __future__ import annotations
 
-import os
 import re
 import warnings
 from pathlib import Path
@@ -16,6 +15,8 @@ from typing import Any, Optional, Union
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from mta_repro.device import resolve_device  # noqa: F401 - the one device choice (eval.dist, tests)
+from mta_repro.errors import UserError
 from mta_repro.model import build_model
 
 DTYPES = {
@@ -33,29 +34,8 @@ def resolve_dtype(dtype: Union[str, torch.dtype]) -> torch.dtype:
     if isinstance(dtype, torch.dtype):
         return dtype
     if dtype not in DTYPES:
-        raise ValueError(f"eval dtype: expected one of {sorted(DTYPES)}, got {dtype!r}")
+        raise UserError(f"eval dtype: expected one of {sorted(DTYPES)}, got {dtype!r}")
     return DTYPES[dtype]
-
-
-def resolve_device(device: Union[str, torch.device, None] = "auto") -> torch.device:
-    """"auto" (or None) = the first GPU when there is one, else the CPU. Asking for a
-    GPU that this machine does not have is a clear error, not a CUDA assertion."""
-    if device is None or str(device) == "auto":
-        if not torch.cuda.is_available():
-            return torch.device("cpu")
-        # under torchrun each process takes the GPU of its local rank
-        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)) % torch.cuda.device_count())
-    try:
-        dev = torch.device(device)
-    except (RuntimeError, TypeError) as e:
-        raise ValueError(f"eval device: expected 'auto', 'cpu', 'cuda' or 'cuda:N', got {device!r}") from e
-    if dev.type == "cuda":
-        n = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        if n == 0:
-            raise ValueError(f"eval device: {device!r} was asked for but this machine has no CUDA GPU (use device=auto or device=cpu)")
-        if dev.index is not None and dev.index >= n:
-            raise ValueError(f"eval device: {device!r} was asked for but this machine has {n} CUDA GPU(s)")
-    return dev
 
 
 def complete_checkpoints(run_dir: Path) -> list:
@@ -80,9 +60,9 @@ def _read_consolidated(src: Path) -> dict:
     try:
         blob = torch.load(src, map_location="cpu", weights_only=False, mmap=True)
     except Exception as e:  # noqa: BLE001 - truncated/corrupt files raise many types
-        raise ValueError(f"checkpoint: {src} is unreadable ({type(e).__name__}: {e}); truncated or corrupt?") from None
+        raise UserError(f"checkpoint: {src} is unreadable ({type(e).__name__}: {e}); truncated or corrupt?") from None
     if not isinstance(blob, dict) or "model" not in blob or "config" not in blob:
-        raise ValueError(f"checkpoint: {src} is not a consolidated export (expected keys 'model', 'config')")
+        raise UserError(f"checkpoint: {src} is not a consolidated export (expected keys 'model', 'config')")
     return blob
 
 
@@ -97,7 +77,7 @@ def _candidates(path: Union[str, Path]) -> list:
     if path.is_file():
         return [("consolidated", path, None)]
     if not path.exists():
-        raise ValueError(f"checkpoint: {path} does not exist (expected a run directory or a consolidated .pt file)")
+        raise UserError(f"checkpoint: {path} does not exist (expected a run directory or a consolidated .pt file)")
     ckpts = [("dcp", c, int(c.name)) for c in complete_checkpoints(path)]
     export = path / "export" / "consolidated.pt"
     if export.is_file():
@@ -117,7 +97,7 @@ def _candidates(path: Union[str, Path]) -> list:
                 )
             return newer + [("consolidated", export, step)] + older
     if not ckpts:
-        raise ValueError(
+        raise UserError(
             f"checkpoint: run directory {path} has neither export/consolidated.pt nor a "
             f"complete DCP checkpoint under checkpoints/<step>/ (with a .complete marker)"
         )
@@ -141,7 +121,7 @@ def load_config(path: Union[str, Path]) -> DictConfig:
 def _run_config(ckpt: Path) -> DictConfig:
     cfg_file = ckpt.parents[1] / "config.yaml"
     if not cfg_file.is_file():
-        raise ValueError(f"checkpoint: {cfg_file} is missing (the run's resolved config)")
+        raise UserError(f"checkpoint: {cfg_file} is missing (the run's resolved config)")
     return OmegaConf.load(cfg_file)
 
 
@@ -154,7 +134,7 @@ def _read_weights(kind: str, src: Path) -> tuple:
         return state, cfg, blob.get("step")
     cfg = _run_config(src)
     if "model" not in cfg:
-        raise ValueError(f"checkpoint: the config of {src} has no 'model' section")
+        raise UserError(f"checkpoint: the config of {src} has no 'model' section")
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
 
@@ -168,7 +148,7 @@ def _read_weights(kind: str, src: Path) -> tuple:
             dcp.load({"model": state}, checkpoint_id=str(src))
     except (Exception, CheckpointException) as e:  # noqa: BLE001 - DCP's is a BaseException
         first = " ".join(str(e).split())[:300]
-        raise ValueError(f"checkpoint: {src} is unreadable ({type(e).__name__}: {first}); corrupt or partly written?") from None
+        raise UserError(f"checkpoint: {src} is unreadable ({type(e).__name__}: {first}); corrupt or partly written?") from None
     return state, cfg, int(src.name)
 
 
@@ -197,14 +177,14 @@ def load_model(
             if len(errors) < len(candidates):
                 warnings.warn(f"{e}; falling back to the previous complete checkpoint")
     else:
-        raise ValueError(errors[0] if len(errors) == 1 else "; ".join(errors))
+        raise UserError(errors[0] if len(errors) == 1 else "; ".join(errors))
     if "model" not in cfg:
-        raise ValueError(f"checkpoint: the config of {path} has no 'model' section")
+        raise UserError(f"checkpoint: the config of {path} has no 'model' section")
     model = build_model(cfg.model, device="cpu", init=False)
     missing, unexpected = model.load_state_dict(state, strict=False)
     missing = [m for m in missing if not m.endswith("output.weight") or not model.args.weight_tying]
     if missing or unexpected:
-        raise ValueError(
+        raise UserError(
             f"checkpoint: {src} does not match the config's model: missing {missing[:5]}, unexpected {unexpected[:5]}"
         )
     model = model.to(device=device, dtype=dtype).eval()
@@ -230,7 +210,7 @@ def load_tokenizer(cfg: Any):
     from mta_repro.data import build_tokenizer
 
     if "data" not in cfg or "tokenizer" not in cfg.data:
-        raise ValueError("config: no data.tokenizer section to build the tokenizer from")
+        raise UserError("config: no data.tokenizer section to build the tokenizer from")
     tok_cfg = cfg.data.tokenizer
     try:
         from mta_repro.data.args import TokenizerArgs
@@ -246,7 +226,7 @@ def check_vocab(tokenizer, model) -> None:
     n_words = int(tokenizer.n_words)
     vocab = int(model.args.vocab_size)
     if n_words != vocab:
-        raise ValueError(
+        raise UserError(
             f"tokenizer has n_words={n_words} but the model's vocab_size is {vocab}: "
             "this tokenizer does not belong to this model (check data.tokenizer)"
         )

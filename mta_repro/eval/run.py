@@ -27,12 +27,8 @@ from typing import Optional, Sequence
 
 from omegaconf import OmegaConf
 
+from mta_repro.errors import UserError
 from mta_repro.eval.args import EvalConfig, register_eval_config
-
-try:  # the project's user-error type where it exists (a ValueError either way)
-    from mta_repro.errors import UserError
-except ImportError:  # pragma: no cover - before mta_repro/errors.py
-    UserError = ValueError
 
 log = logging.getLogger("mta_repro.eval")
 
@@ -52,7 +48,7 @@ def parse_argv(argv: Sequence[str]) -> EvalConfig:
     paths = [a for a in argv if "=" not in a]
     overrides = [a for a in argv if "=" in a] + (["force=true"] if force else [])
     if len(paths) > 1:
-        raise ValueError(f"eval: expected one run directory, got {paths}")
+        raise UserError(f"eval: expected one run directory, got {paths}")
     if paths:
         overrides = [f"run_dir={paths[0]}"] + overrides
     from mta_repro.config import CONFIG_DIR

@@ -94,7 +94,9 @@ class NeedleTask(EvalTask):
 
     def check(self, cfg):
         if cfg.needle.query not in ("one", "all"):
-            raise ValueError(f"eval.needle.query: expected 'one' or 'all', got {cfg.needle.query!r}")
+            from mta_repro.errors import UserError
+
+            raise UserError(f"eval.needle.query: expected 'one' or 'all', got {cfg.needle.query!r}")
 
     def lengths(self, cfg, ctx):
         return {"needle.context_lens": max(int(c) for c in cfg.needle.context_lens)}

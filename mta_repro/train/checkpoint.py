@@ -31,6 +31,8 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
+from mta_repro.errors import UserError
+
 COMPLETE = ".complete"
 _STEP_DIR = re.compile(r"^\d{10}$")
 # Fault injection for the killed-save tests: "kill_in_save:<step>" SIGKILLs this process
@@ -130,7 +132,7 @@ def saved_world_size(path: Path) -> Optional[int]:
     return len(ranks) or None
 
 
-class CheckpointCorruptError(ValueError):
+class CheckpointCorruptError(UserError):
     pass
 
 
@@ -293,7 +295,7 @@ class CheckpointManager:
             text = str(e)
             if not any(m in text for m in _MISMATCH):
                 raise CheckpointCorruptError(f"checkpoint {path}: loading failed ({type(e).__name__})") from e
-            raise ValueError(
+            raise UserError(
                 f"checkpoint {path}: cannot restore it into this run ({text.strip().splitlines()[-1][:300]}). "
                 "It must come from the same model config"
             ) from e
@@ -355,7 +357,7 @@ def load_model_state(path: Path) -> tuple[dict, Optional[int]]:
     if path.is_file():
         blob = _load_pt(path)
         if not isinstance(blob, dict) or "model" not in blob:
-            raise ValueError(f"{path}: expected a consolidated checkpoint (a dict with key 'model')")
+            raise UserError(f"{path}: expected a consolidated checkpoint (a dict with key 'model')")
         return blob["model"], blob.get("step")
     if (path / "export" / "consolidated.pt").is_file() and not (path / COMPLETE).exists():
         run_ckpt = latest_checkpoint(path)
@@ -380,11 +382,11 @@ def load_model_state(path: Path) -> tuple[dict, Optional[int]]:
             print(f"[mta_repro.train] WARNING: checkpoint {cand} is unreadable ({why}); trying the previous one",
                   file=sys.stderr, flush=True)
     if ckpt is None:
-        raise ValueError(f"{path}: no consolidated .pt and no complete (readable) checkpoint found")
+        raise UserError(f"{path}: no consolidated .pt and no complete (readable) checkpoint found")
     run_dir = ckpt.parent.parent
     cfg_file = run_dir / "config.yaml"
     if not cfg_file.is_file():
-        raise ValueError(f"{cfg_file}: missing; needed to rebuild the model for {ckpt}")
+        raise UserError(f"{cfg_file}: missing; needed to rebuild the model for {ckpt}")
     cfg = OmegaConf.load(cfg_file)
     model = build_model(to_model_args(cfg.model), device="cpu", init=False)
     sd = model.state_dict()

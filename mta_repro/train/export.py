@@ -14,6 +14,7 @@ from typing import Optional, Union
 import torch.distributed.checkpoint as dcp
 from omegaconf import OmegaConf
 
+from mta_repro.errors import UserError
 from mta_repro.train.checkpoint import latest_checkpoint, save_file_atomic
 
 
@@ -24,10 +25,10 @@ def export_consolidated(run_dir: Union[str, Path], checkpoint: Optional[Path] = 
     run_dir = Path(run_dir)
     cfg_file = run_dir / "config.yaml"
     if not cfg_file.is_file():
-        raise ValueError(f"{cfg_file}: missing (is {run_dir} a training run directory?)")
+        raise UserError(f"{cfg_file}: missing (is {run_dir} a training run directory?)")
     ckpt = Path(checkpoint) if checkpoint is not None else latest_checkpoint(run_dir)
     if ckpt is None:
-        raise ValueError(f"{run_dir}/checkpoints: no complete checkpoint to export")
+        raise UserError(f"{run_dir}/checkpoints: no complete checkpoint to export")
     cfg = OmegaConf.load(cfg_file)
     model = build_model(to_model_args(cfg.model), device="cpu", init=False)
     state = {"model": model.state_dict(), "step": -1}

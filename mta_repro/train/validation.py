@@ -35,6 +35,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from mta_repro.errors import UserError
 from mta_repro.eval.ppl import sequence_ce, windows
 
 
@@ -63,7 +64,7 @@ class Validator:
                         if len(out) >= max_batches:
                             break
             except ValueError as e:  # e.g. no validation files: say how to train without them
-                raise ValueError(f"validation during training: {e} (set trainer.eval_every=0 to train "
+                raise UserError(f"validation during training: {e} (set trainer.eval_every=0 to train "
                                  "without validation)") from None
             if rows and len(out) < max_batches:
                 out.append(np.stack(rows))
@@ -79,7 +80,7 @@ class Validator:
                 + f": fewer validation tokens than one window of data.seq_len+1={seq_len + 1}; "
                 "val_ppl averages the other domains", stacklevel=2)
         if not self.batches:
-            raise ValueError(
+            raise UserError(
                 f"validation: no domain's validation documents hold data.seq_len+1={seq_len + 1} tokens "
                 f"({', '.join(f'{d} {n:,}' for d, n in self.skipped.items())}); set trainer.eval_every=0 to "
                 "train without validation"
