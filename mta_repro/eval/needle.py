@@ -232,7 +232,7 @@ def run_needle(model, tokenizer, args, background: Optional[Iterable[str]] = Non
     gen = generator
     if gen is None:
         if background is None:
-            raise ValueError("run_needle: give the background documents or a NeedleGenerator")
+            raise TypeError("run_needle: give the background documents or a NeedleGenerator")
         gen = NeedleGenerator(tokenizer, Haystack(tokenizer, background, args.max_background_chars), query)
         gen.check_all(context_lens, needle_counts, max_new_tokens)
     from mta_repro.eval import dist
