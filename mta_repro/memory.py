@@ -180,7 +180,7 @@ def estimate(model_args, batch_size: int, seq_len: int, world_size: int, activat
         if attn.kind not in ("kq_conv", "mixing") or attn.attn_impl != "blocked":
             continue
         p = attn.explicit_params()
-        rows = min(seq_len, p.block_size + attention_ops.query_history(p))
+        rows = min(seq_len, attention_ops.resolve_block_size(p.block_size, "cuda") + attention_ops.query_history(p))
         H, d = attn.n_heads, attn.head_dim
         q = torch.zeros(batch_size, H, rows, d, dtype=dtype, device="meta", requires_grad=True)
         k = torch.zeros(batch_size, H, seq_len, d, dtype=dtype, device="meta", requires_grad=True)

@@ -110,7 +110,7 @@ def test_progress_lines_without_a_tty(tmp_path):
     assert p.returncode == 0, p.stderr[-3000:]
     assert "\r" not in p.stderr
     lines = [l for l in p.stderr.splitlines() if l.startswith("[mta_repro.train] step ")]
-    assert len(lines) == 2 and "step 2/2" in lines[1] and "per GPU" in lines[1]
+    assert len(lines) == 2 and "step 2/2" in lines[1] and "per rank" in lines[1]
     assert math.isfinite(float(lines[1].split("loss ")[1].split()[0]))
 
 

@@ -123,10 +123,12 @@ class ModelArgs:
     # backward, causal skipping; the default) or "torch" (the reference: the whole
     # (B, H, T, T) score matrix, kept for backward). Faster kernels plug in there.
     attn_impl: str = "blocked"
-    # Query rows per block of attn_impl=blocked (scripts/bench_attention.py --block-sizes
-    # measures it: 128 was fastest for kq-conv layers at T=2048 and 4096 on CPU). The
-    # score path's working set is a few B x H x (block + halo) x T tensors.
-    attn_block_size: int = 128
+    # Query rows per block of attn_impl=blocked; null = per device
+    # (attention_ops.DEFAULT_BLOCK_SIZE: 128 on CPU, fastest for kq-conv layers at T=2048
+    # and 4096 there, scripts/bench_attention.py --block-sizes; 512 on CUDA, an estimate
+    # that scripts/gpu_acceptance.py checks). The score path's working set is a few
+    # B x H x (block + halo) x T tensors.
+    attn_block_size: Optional[int] = None
     # The release's key-query convolution layers for this size. ``attention=mta``
     # points ``mta.mta_layers`` here; changing it alone changes nothing.
     kq_conv_layers: Optional[str] = None
