@@ -94,7 +94,7 @@ def _initial_weights(cfg: DictConfig, ckpt: CheckpointArgs, model_args, is_main:
     """Full source weights for a stage start (rank 0 only), or None for the seeded init."""
     if ckpt.init_from is None or not is_main:
         return None
-    from mta_repro.release import load_init_weights
+    from mta_repro.train.checkpoint import load_init_weights
 
     # Ours (load_model_state) or a release/Lingua checkpoint, in our key layout.
     sd, step = load_init_weights(ckpt.init_from)
