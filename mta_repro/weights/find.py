@@ -93,9 +93,9 @@ def find_weights(path: Union[str, Path]) -> list[Candidate]:
     if ckpts:
         return ckpts
     raise NoWeightsError(
-        f"{path}: no weights found (expected a run directory with export/consolidated.pt or a complete "
-        "checkpoint under checkpoints/<step>/, a checkpoint folder, a consolidated .pt/.pth file, or a "
-        "Lingua/release consolidated/ or step folder)"
+        f"{path}: no weights found: neither export/consolidated.pt nor a complete DCP checkpoint under "
+        "checkpoints/<step>/ (with a .complete marker), and not a checkpoint folder, a consolidated .pt/.pth "
+        "file or a Lingua/release consolidated/ or step folder"
     )
 
 
