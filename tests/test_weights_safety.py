@@ -166,6 +166,13 @@ def test_crafted_dcp_metadata_and_entries_are_refused(tmp_path):
     (ck / ".metadata").write_bytes(pickle.dumps(_Touch(marker)))
     with pytest.raises(UnsafeFileError, match=r"\.metadata: not a plain DCP metadata file.*open"):
         find_weights(run_dir)
+    # data files named outside the folder are not read either
+    md = pickle.loads(meta)  # the real metadata, ours: only to build the crafted variant
+    info = next(iter(md.storage_data.values()))
+    info.relative_path = "../../elsewhere.distcp"
+    (ck / ".metadata").write_bytes(pickle.dumps(md))
+    with pytest.raises(UnsafeFileError, match="outside its folder"):
+        load_weights(ck)
     (ck / ".metadata").write_bytes(meta)
     # a non-tensor entry ("step") that would run code when read
     bad = run_dir / "checkpoints" / "0000000009"

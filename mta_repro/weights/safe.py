@@ -156,9 +156,15 @@ def read_dcp_metadata(path: Union[str, Path]):
     meta_file = path / ".metadata"
     try:
         with open(meta_file, "rb") as f:
-            return _MetadataUnpickler(f).load()
+            meta = _MetadataUnpickler(f).load()
     except UnsafeFileError as e:
         raise UnsafeFileError(f"{meta_file}: not a plain DCP metadata file ({e}); {_REFUSE_HINT}") from None
+    # The data files it names must lie inside the folder (no absolute paths, no "..").
+    for info in (getattr(meta, "storage_data", None) or {}).values():
+        rel = Path(str(getattr(info, "relative_path", "")))
+        if rel.is_absolute() or ".." in rel.parts:
+            raise UnsafeFileError(f"{meta_file}: names a data file outside its folder ({rel}); refusing to read it")
+    return meta
 
 
 def _reader_class():
