@@ -138,8 +138,9 @@ def test_clis_refuse_with_one_line_and_exit_2(evil, tmp_path, capsys):
 
 
 @pytest.mark.slow
-def test_pipeline_and_eval_processes_refuse(evil, tmp_path):
-    """As a user runs them: separate processes (the pipeline's finished check reads the export)."""
+def test_eval_pipeline_and_train_processes_refuse(evil, tmp_path):
+    """As a user runs them: separate processes (the pipeline's finished check reads the export;
+    the trainer's init_from)."""
     pt, run_dir, marker = evil
     env = {**os.environ, "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"}
     r = subprocess.run([sys.executable, "-m", "mta_repro.eval", str(pt), "tasks=[ppl]"],
@@ -152,6 +153,13 @@ def test_pipeline_and_eval_processes_refuse(evil, tmp_path):
                        capture_output=True, text=True, timeout=300, env=env, cwd=ROOT)
     assert r.returncode == 2, r.stdout[-2000:] + r.stderr[-2000:]
     _one_line(r.stderr, "pretrain/baseline/export/consolidated.pt", "refusing to unpickle")
+    r = subprocess.run([sys.executable, "-m", "mta_repro.train", "model=tiny", "attention=baseline",
+                        "trainer.steps=1", "trainer.device=cpu", "logging.wandb_mode=disabled",
+                        f"run_dir={tmp_path / 'train'}", f"checkpoint.init_from={pt}"],
+                       capture_output=True, text=True, timeout=300, env=env, cwd=ROOT)
+    assert r.returncode == 2, r.stdout[-2000:] + r.stderr[-2000:]
+    _one_line(r.stderr, "train: error:", str(pt), "refusing to unpickle")
+    assert not (tmp_path / "train").exists()  # a refused start leaves no run dir
 
 
 def test_crafted_dcp_metadata_and_entries_are_refused(tmp_path):
