@@ -69,7 +69,7 @@ def find_weights(path: Union[str, Path]) -> list[Candidate]:
     if path.is_file():
         return [Candidate("consolidated", path, _folder_step(path))]
     if not path.exists():
-        raise NoWeightsError(f"{path} does not exist (expected a run directory or a consolidated .pt file)")
+        raise NoWeightsError(f"checkpoint: {path} does not exist (expected a run directory or a consolidated .pt file)")
     if (path / COMPLETE).exists():
         return [_dcp(path)]
     src = release_checkpoint_path(path)
@@ -93,7 +93,7 @@ def find_weights(path: Union[str, Path]) -> list[Candidate]:
     if ckpts:
         return ckpts
     raise NoWeightsError(
-        f"{path}: no weights found: neither export/consolidated.pt nor a complete DCP checkpoint under "
+        f"checkpoint: {path}: no weights found: neither export/consolidated.pt nor a complete DCP checkpoint under "
         "checkpoints/<step>/ (with a .complete marker), and not a checkpoint folder, a consolidated .pt/.pth "
         "file or a Lingua/release consolidated/ or step folder"
     )
