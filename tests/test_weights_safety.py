@@ -162,6 +162,21 @@ def test_eval_pipeline_and_train_processes_refuse(evil, tmp_path):
     assert not (tmp_path / "train").exists()  # a refused start leaves no run dir
 
 
+def test_a_damaged_pickle_is_corrupt_not_unsafe(tmp_path):
+    """Garbage bytes where the pickle should be: damage (the caller may fall back), not a refusal."""
+    import zipfile
+
+    buf = io.BytesIO()
+    torch.save({"model": {}, "step": 1}, buf)
+    src = zipfile.ZipFile(buf)
+    bad = tmp_path / "damaged.pt"
+    with zipfile.ZipFile(bad, "w", zipfile.ZIP_STORED) as z:
+        for name in src.namelist():
+            z.writestr(name, b"\x80\x02" + b"\x00" * 8 if name.endswith("data.pkl") else src.read(name))
+    with pytest.raises(CorruptFileError, match=f"{bad} is unreadable .damaged pickle data.; the file is truncated"):
+        load_weights(bad)
+
+
 def test_crafted_dcp_metadata_and_entries_are_refused(tmp_path):
     import torch.distributed.checkpoint as dcp
 

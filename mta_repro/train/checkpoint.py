@@ -44,7 +44,14 @@ from mta_repro.weights.layout import (  # noqa: F401 - re-exported: the trainer'
     step_dir_name,
     verify_checkpoint,
 )
-from mta_repro.weights.safe import CorruptFileError, UnsafeFileError, decode_state, dcp_load, encode_state
+from mta_repro.weights.safe import (
+    CorruptFileError,
+    UnsafeFileError,
+    dcp_error_line,
+    dcp_load,
+    decode_state,
+    encode_state,
+)
 
 # Fault injection for the killed-save tests: "kill_in_save:<step>" SIGKILLs this process
 # after the DCP files of that step are written but before the save is marked complete;
@@ -214,7 +221,7 @@ class CheckpointManager:
                 try:
                     return path, self.load(path, model, optimizer, scheduler, loader)
                 except CheckpointCorruptError as e:
-                    why = str(e.__cause__ or e)
+                    why = dcp_error_line(e.__cause__) if e.__cause__ is not None else str(e)  # one line
             older = found[i + 1] if i + 1 < len(found) else None
             msg = f"checkpoint {path} is unreadable: {why}"
             if on_corrupt != "fallback":

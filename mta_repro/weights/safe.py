@@ -44,6 +44,13 @@ def _unsafe_global(text: str) -> str:
     return m.group(1) if m else "an object that is not a tensor or a plain type"
 
 
+def _refused(e: BaseException) -> bool:
+    """torch's weights_only unpickler refused an object (an unsafe file), as opposed to
+    failing on garbage bytes ("Unsupported operand 0": a damaged file)."""
+    text = str(e)
+    return "Weights only load failed" in text and bool(re.search(r"GLOBAL|[Uu]nsupported class", text))
+
+
 def load_pt(path: Union[str, Path], map_location: Any = "cpu", mmap: bool = True) -> Any:
     """The content of a ``torch.save`` file, read with ``weights_only=True``.
 
@@ -58,11 +65,11 @@ def load_pt(path: Union[str, Path], map_location: Any = "cpu", mmap: bool = True
                 raise
             return torch.load(path, map_location=map_location, weights_only=True)
     except pickle.UnpicklingError as e:
-        if "Weights only load failed" in str(e):
+        if _refused(e):
             raise UnsafeFileError(
                 f"{path}: not a plain weights file (it would unpickle {_unsafe_global(str(e))}); {_REFUSE_HINT}"
             ) from None
-        raise CorruptFileError(f"{path} is unreadable ({_first_line(e)}); the file is truncated or corrupt") from None
+        raise CorruptFileError(f"{path} is unreadable (damaged pickle data); the file is truncated or corrupt") from None
     except FileNotFoundError:
         raise
     except Exception as e:  # noqa: BLE001 - truncated/corrupt files raise many types
@@ -98,7 +105,7 @@ def decode_state(blob: bytes, what: str) -> Any:
     try:
         return torch.load(io.BytesIO(blob), map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as e:
-        if "Weights only load failed" in str(e):
+        if _refused(e):
             raise UnsafeFileError(f"{what}: would unpickle {_unsafe_global(str(e))}; {_REFUSE_HINT}") from None
         raise CorruptFileError(f"{what}: cannot be read ({_first_line(e)})") from None
 
@@ -196,6 +203,8 @@ def _planner_class():
             try:
                 obj = torch.load(value, weights_only=True)
             except pickle.UnpicklingError as e:
+                if not _refused(e):
+                    raise  # damaged bytes: the caller names the checkpoint as unreadable
                 fqn = read_item.dest_index.fqn
                 raise UnsafeFileError(f"entry {fqn!r} would unpickle {_unsafe_global(str(e))}") from None
             if self.flatten_state_dict:
