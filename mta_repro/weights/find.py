@@ -9,10 +9,10 @@ from typing import Optional, Union
 
 from mta_repro.weights.layout import COMPLETE, EXPORT, complete_checkpoints, verify_checkpoint
 from mta_repro.weights.lingua import _is_lingua_step, release_checkpoint_path
-from mta_repro.weights.safe import CorruptFileError, load_pt
+from mta_repro.weights.safe import CorruptFileError, UserError, load_pt
 
 
-class NoWeightsError(ValueError):
+class NoWeightsError(UserError, ValueError):
     """The path holds no weights at all (missing, or a folder of another kind)."""
 
 

@@ -30,11 +30,19 @@ import torch
 _REFUSE_HINT = "refusing to unpickle it (only tensors and plain types are read from files)"
 
 
-class CorruptFileError(ValueError):
+try:  # user errors get one line and exit 2 (mta_repro.errors, once the branch adding it is merged)
+    from mta_repro.errors import UserError
+except ImportError:  # pragma: no cover - until then every ValueError is a user error
+
+    class UserError(Exception):  # type: ignore[no-redef]
+        pass
+
+
+class CorruptFileError(UserError, ValueError):
     """A weights file that cannot be read (truncated, not a torch file): the message names it."""
 
 
-class UnsafeFileError(ValueError):
+class UnsafeFileError(UserError, ValueError):
     """A file whose unpickling would build objects other than tensors and plain types (and
     could run code): refused, never loaded. The message names the file and the object."""
 
