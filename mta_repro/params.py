@@ -6,6 +6,7 @@
                                                              # per-GPU memory pre-flight
     python -m mta_repro.params --memory --experiments        # every pretrain/long-context experiment
     python -m mta_repro.params --release-config 830M_mta.yaml  # an official-release YAML
+                                                             # (FLOPs at its data.seq_len)
 
 Sizes (model=): tiny, 300m, 550m, 880m, 1b; variants (attention=): baseline, diff,
 talking_heads, mta; any other Hydra override of configs/train.yaml (model.dim=...).
@@ -42,15 +43,19 @@ def count(args: ModelArgs, seq_len: int = 2048) -> dict:
 
 def main(argv: list[str]) -> None:
     if "--release-config" in argv:  # an official-release YAML (mta_repro/release.py)
-        from mta_repro.release import release_model_args
+        from mta_repro.release import convert_file
 
         i = argv.index("--release-config")
         if i + 1 >= len(argv):
             raise ValueError("--release-config needs the path of a release YAML")
-        seq = [a for a in argv[:i] if a.startswith("seq_len=")]
-        seq_len = int(seq[0].split("=", 1)[1]) if seq else 2048
         # [key=value ...] after the path: release field names
-        print(json.dumps(count(release_model_args(argv[i + 1], argv[i + 2:]), seq_len)))
+        conv = convert_file(argv[i + 1], overrides=argv[i + 2:])
+        seq = [a for a in argv[:i] if a.startswith("seq_len=")]
+        try:  # FLOPs at the config's data.seq_len unless seq_len= says otherwise
+            seq_len = int(seq[0].split("=", 1)[1]) if seq else int(conv.config["data"]["seq_len"])
+        except ValueError:
+            raise ValueError(f"{seq[0]}: expected an integer sequence length") from None
+        print(json.dumps(count(conv.model_args(), seq_len)))
         return
     seq_len, world = 2048, None
     rest = []

@@ -25,10 +25,12 @@ def real_saved_bytes(model, tokens):
     return sum(n for k, n in sizes.items() if k not in params)
 
 
+@pytest.mark.parametrize("n_kv_heads", [None, 2])  # 2: grouped-query attention
 @pytest.mark.parametrize("mta", [MTAArgs(), MTAArgs(use_mta=True, query_kernel_size=2, key_kernel_size=3,
                                                      pre_sm_linear_head=True, head_kernel_size=2)])
-def test_meta_count_equals_a_real_run(mta):
-    args = ModelArgs(dim=64, n_layers=2, n_heads=4, vocab_size=101, mta=mta, attn_block_size=16)
+def test_meta_count_equals_a_real_run(mta, n_kv_heads):
+    args = ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=n_kv_heads, vocab_size=101, mta=mta,
+                     attn_block_size=16)
     est = estimate(args, batch_size=2, seq_len=48, world_size=1, activation_checkpointing=False,
                    dtype=torch.float32)
     tokens = torch.randint(0, 101, (2, 48), generator=torch.Generator().manual_seed(0))

@@ -125,10 +125,9 @@ def test_talking_heads_pair_and_baseline_leftovers():
 @pytest.mark.parametrize(
     "override, field",
     [
-        ("model.n_kv_heads=2", "model.n_kv_heads"),
-        ("model.sliding_window=128", "model.sliding_window"),
-        ("model.init_base_std=0.02", "model.init_base_std"),
-        ("model.init_std_factor=current_depth", "model.init_std_factor"),
+        ("model.n_kv_heads=3", "model.n_kv_heads"),
+        ("model.sliding_window=0", "model.sliding_window"),
+        ("model.init_std_factor=depth", "model.init_std_factor"),
         ("model.mta.kernel_size=3", "model.mta.kernel_size"),
         ("distributed.tp_size=2", "distributed.tp_size"),
         ("distributed.fsdp_type=hybrid", "distributed.fsdp_type"),
@@ -191,7 +190,7 @@ def test_params_and_model_match_our_experiment(variant, capsys):
 
 
 def test_params_cli_error_is_one_line(capsys):
-    assert params.cli(["--release-config", str(FIX / "880m_mta.yaml"), "model.n_kv_heads=4"]) == 2
+    assert params.cli(["--release-config", str(FIX / "880m_mta.yaml"), "model.n_kv_heads=5"]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "model.n_kv_heads" in err
 

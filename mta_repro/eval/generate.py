@@ -2,7 +2,9 @@
 
 Prompts of different lengths are left-padded; ``key_valid`` marks the pads so no real
 token attends to them (RoPE is relative, so a shifted start changes nothing but
-rounding). The model's cache also keeps the last W rotated queries of MTA layers,
+rounding). The model's cache holds keys and values at the model's n_kv_heads heads
+(grouped-query attention repeats them per query head after the cache, as the release
+does), and also keeps the last W rotated queries of MTA layers,
 whose query-direction convolutions read earlier score rows, so cached decoding gives
 the logits of a full forward pass (tested in tests/test_eval_generate.py).
 """

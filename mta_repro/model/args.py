@@ -14,6 +14,17 @@ from typing import Optional
 
 PAD_KEY_CHOICES = ("left", "right", "both")
 INIT_CHOICES = ("identity", "const", "uniform", "diagonal", "normal")
+# Lingua's ``InitStdFactor`` (lingua/transformer.py): what the std of each block's output
+# projections (attention ``wo``, FFN ``w2``, the gate) is divided by, at 0-based depth l
+# of L layers: 1, sqrt(2 (L + 1)), sqrt(2 (l + 1)), dim / 4096.
+INIT_STD_FACTORS = ("disabled", "global_depth", "current_depth", "dim_ratio")
+# Where RMSNorm casts back to the model dtype (a difference only in bf16/fp16):
+# "release": the block norms (attention_norm, ffn_norm) normalise in fp32, cast, then
+#   multiply by the weight in the model dtype (projects/mta's RMSNorm); the final ``norm``
+#   multiplies in fp32, then casts (Lingua's RMSNorm), as the release builds them;
+# "lingua": every norm multiplies in fp32, then casts (Lingua's own models);
+# "hf": every norm casts, then multiplies (transformers' LlamaRMSNorm).
+NORM_ORDERS = ("release", "lingua", "hf")
 
 
 @dataclass
@@ -64,6 +75,14 @@ class ModelArgs:
     dim: int = 256
     n_layers: int = 4
     n_heads: int = 4
+    # Grouped-query attention (Lingua/release ``n_kv_heads``); None: n_heads (multi-head).
+    # wk/wv project to n_kv_heads heads; K/V are repeated right after RoPE (and after the
+    # KV cache, which holds only the n_kv_heads heads), so query head h reads K/V head
+    # h // (n_heads / n_kv_heads) and every attention implementation and every MTA
+    # parameter (sized by n_heads) sees n_heads heads, as in the release. The Differential
+    # Transformer repeats its value heads of size 2*head_dim (pairs of V heads), as in
+    # unilm's multihead_diffattn: diff head i reads value pair i // (n_heads / n_kv_heads).
+    n_kv_heads: Optional[int] = None
     # None: dim // n_heads.
     head_dim: Optional[int] = None
     # Must equal the tokenizer's id count; the trainer checks it.
@@ -72,6 +91,10 @@ class ModelArgs:
     ffn_dim_multiplier: float = 1.0
     multiple_of: int = 256
     norm_eps: float = 1e-5
+    # Rounding order of the RMSNorms in bf16/fp16 (NORM_ORDERS above); fp32/fp64 results
+    # do not depend on it. "release" is bit-identical to the official release in bf16;
+    # "lingua" for checkpoints trained by Lingua's own models.
+    norm_order: str = "release"
     # RoPE base: 1e5 for pretraining, 5e5 for the 4K long-context stage.
     rope_theta: float = 100_000.0
     # Longest sequence the RoPE table is precomputed for (grown on demand).
@@ -80,6 +103,13 @@ class ModelArgs:
     weight_tying: bool = True
     # Seed of the parameter initialisation (Lingua: 42).
     seed: int = 42
+    # Lingua's init options (BaseTransformerArgs). init_base_std: the std of wq/wk/wv/wo,
+    # w1/w3/w2 and the gate (None: dim**-0.5, and hidden**-0.5 for w2); the embeddings
+    # (and an untied output) always use dim**-0.5, as Lingua's LMTransformer does.
+    # init_std_factor (INIT_STD_FACTORS): divides the std of wo, w2 and the gate; the
+    # truncation bounds of wo and the gate stay at +-3 x the undivided std (Lingua's).
+    init_base_std: Optional[float] = None
+    init_std_factor: str = "disabled"
     # Dropout on the attention probabilities, as in the release (0 in every paper LM
     # run; 0.1 in the toy task). Training mode only.
     dropout: float = 0.0
@@ -109,6 +139,19 @@ class ModelArgs:
     @property
     def resolved_head_dim(self) -> int:
         return self.head_dim if self.head_dim is not None else self.dim // self.n_heads
+
+    @property
+    def resolved_n_kv_heads(self) -> int:
+        return self.n_kv_heads if self.n_kv_heads is not None else self.n_heads
+
+    def init_std_factor_at(self, layer_id: int) -> float:
+        """Lingua's ``InitStdFactor`` value for 0-based layer ``layer_id``."""
+        return {
+            "disabled": 1.0,
+            "global_depth": (2 * (self.n_layers + 1)) ** 0.5,
+            "current_depth": (2 * (layer_id + 1)) ** 0.5,
+            "dim_ratio": self.dim / 4096,
+        }[self.init_std_factor]
 
     @property
     def ffn_hidden_dim(self) -> int:
@@ -171,6 +214,24 @@ def validate(args: ModelArgs) -> None:
     for name in ("dim", "n_layers", "n_heads", "vocab_size", "multiple_of", "max_seqlen"):
         _positive(f"model.{name}", getattr(args, name))
     _positive("model.head_dim", args.head_dim)
+    _positive("model.n_kv_heads", args.n_kv_heads)
+    if args.n_heads % args.resolved_n_kv_heads:
+        raise ValueError(
+            f"model.n_kv_heads={args.n_kv_heads} must divide model.n_heads={args.n_heads} "
+            "(each K/V head serves n_heads / n_kv_heads query heads)"
+        )
+    if args.norm_order not in NORM_ORDERS:
+        raise ValueError(f"model.norm_order: expected one of {NORM_ORDERS}, got {args.norm_order!r}")
+    if args.init_std_factor not in INIT_STD_FACTORS:
+        raise ValueError(
+            f"model.init_std_factor: expected one of {INIT_STD_FACTORS} (Lingua's InitStdFactor), "
+            f"got {args.init_std_factor!r}"
+        )
+    if args.init_base_std is not None and (
+        isinstance(args.init_base_std, bool) or not isinstance(args.init_base_std, (int, float))
+        or not args.init_base_std > 0
+    ):
+        raise ValueError(f"model.init_base_std: expected a positive number or null, got {args.init_base_std!r}")
     if args.head_dim is None and args.dim % args.n_heads:
         raise ValueError(
             f"model.dim={args.dim} is not divisible by model.n_heads={args.n_heads}; "
@@ -194,6 +255,11 @@ def validate(args: ModelArgs) -> None:
             )
         if args.mta.use_mta:
             raise ValueError("model.diff_transformer and model.mta.use_mta are exclusive")
+        if args.resolved_n_kv_heads % 2:
+            raise ValueError(
+                f"model.n_kv_heads={args.n_kv_heads}: the Differential Transformer pairs K/V "
+                "heads too (n_kv_heads/2 value heads of size 2*head_dim), so it must be even"
+            )
     m = args.mta
     for name in (
         "query_kernel_size",

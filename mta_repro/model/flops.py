@@ -2,7 +2,9 @@
 
 Counts multiply-adds as 2 FLOPs, and counts what each attention path computes
 (``ModelArgs.layer_kind``):
-- dense matmuls: 2 * (attention projections + SwiGLU) per layer plus the output head;
+- dense matmuls: 2 * (attention projections + SwiGLU) per layer plus the output head
+  (wk/wv at n_kv_heads heads under grouped-query attention; the attention itself runs on
+  all n_heads query heads, K/V repeated);
 - "sdpa"/"diff": Q K^T and A V at the causal half of the T x T matrix (fused kernels
   skip the masked half; the Differential Transformer's two A V use values of size 2d);
 - "kq_conv"/"mixing" (explicit path): Q K^T, A V and the score transforms (c_q x c_k
@@ -100,7 +102,8 @@ def _per_layer(args: ModelArgs, seq_len: int, kind: str) -> tuple[float, float]:
 def forward_flops_per_token(args: ModelArgs, seq_len: int) -> dict[str, float]:
     d, L = args.dim, args.n_layers
     inner = args.n_heads * args.resolved_head_dim
-    dense = L * 2 * (4 * d * inner + 3 * d * args.ffn_hidden_dim) + 2 * d * args.vocab_size
+    kv_inner = args.resolved_n_kv_heads * args.resolved_head_dim  # wk, wv (grouped-query)
+    dense = L * 2 * (2 * d * inner + 2 * d * kv_inner + 3 * d * args.ffn_hidden_dim) + 2 * d * args.vocab_size
     attn = recompute = 0.0
     for i in range(L):
         f, r = _per_layer(args, seq_len, args.layer_kind(i))

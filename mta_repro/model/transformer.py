@@ -9,6 +9,7 @@ compile and checkpointing are applied from outside (``mta_repro.train``).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -22,13 +23,17 @@ from mta_repro.model.args import ModelArgs
 
 # --------------------------------------------------------------------------- pieces
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float = 1e-5, cast_before_weight: bool = False, out_scale: float = 1.0):
+    def __init__(self, dim: int, eps: float = 1e-5, cast_before_weight: bool = False, out_scale: float = 1.0,
+                 out_scale_fp64: Optional[float] = None):
         super().__init__()
         self.eps = eps
-        # A constant factor on the output (the release's ``curse_norm`` depth scaling).
+        # A constant factor on the output (the release's ``curse_norm`` depth scaling);
+        # out_scale_fp64 (if given) replaces it for fp64 inputs (``release_depth_scale``).
         self.out_scale = out_scale
-        # The release's attention-output norms (``subln``) cast to the compute dtype
-        # before scaling by the weight; Lingua's block norms scale in fp32.
+        self.out_scale_fp64 = out_scale if out_scale_fp64 is None else out_scale_fp64
+        # Rounding order in bf16/fp16 (``ModelArgs.norm_order``): True = normalise in fp32,
+        # cast to x's dtype, then scale by the weight (the release's block norms and its
+        # ``subln``); False = scale in fp32, then cast (Lingua's RMSNorm).
         self.cast_before_weight = cast_before_weight
         self.weight = nn.Parameter(torch.ones(dim))
 
@@ -40,7 +45,8 @@ class RMSNorm(nn.Module):
             x32 = x.to(torch.promote_types(x.dtype, torch.float32))
             out = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
             out = (out * self.weight.to(out.dtype)).type_as(x)
-        return out if self.out_scale == 1.0 else out * self.out_scale
+        scale = self.out_scale_fp64 if out.dtype == torch.float64 else self.out_scale
+        return out if scale == 1.0 else out * scale
 
     def reset_parameters(self) -> None:
         nn.init.ones_(self.weight)
@@ -64,8 +70,23 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return out.flatten(-2).type_as(x)
 
 
-def _trunc_normal_(w: torch.Tensor, std: float) -> None:
-    nn.init.trunc_normal_(w, mean=0.0, std=std, a=-3 * std, b=3 * std)
+def release_depth_scale(layer_id: int, fp64: bool = False) -> float:
+    """1 - lambda_init(layer) as the release computes it for ``curse_norm`` and
+    ``layer_norm_rescale``: its RMSNorm holds layer_id as a tensor, so -0.3 * layer_id is
+    a tensor of the default dtype before the exp: fp32 in every real run (an fp32 ulp
+    apart from the exact value at some depths, which can flip a bf16 rounding); ``fp64``:
+    the exact value (the release run with default dtype float64)."""
+    if fp64:
+        return 1 - (0.8 - 0.6 * math.exp(-0.3 * layer_id))
+    x = float(torch.tensor(-0.3, dtype=torch.float32, device="cpu") * layer_id)  # also under a meta context
+    return 1 - (0.8 - 0.6 * math.exp(x))
+
+
+def _trunc_normal_(w: torch.Tensor, std: float, bound_std: Optional[float] = None) -> None:
+    """Truncated normal at +-3 x ``bound_std`` (default ``std``). Lingua truncates the
+    output projections at 3 x the std *before* its depth factor divides it."""
+    bound = 3 * (std if bound_std is None else bound_std)
+    nn.init.trunc_normal_(w, mean=0.0, std=std, a=-bound, b=bound)
 
 
 def _copy_into(param: torch.Tensor, value: torch.Tensor) -> None:
@@ -81,9 +102,11 @@ def _copy_into(param: torch.Tensor, value: torch.Tensor) -> None:
 
 
 class FeedForward(nn.Module):
-    def __init__(self, dim: int, hidden_dim: int):
+    def __init__(self, dim: int, hidden_dim: int, init_std: Optional[float] = None, init_factor: float = 1.0):
         super().__init__()
         self.dim, self.hidden_dim = dim, hidden_dim
+        # Lingua's init_base_std (None: dim**-0.5 in, hidden**-0.5 out) and depth factor.
+        self.init_std, self.init_factor = init_std, init_factor
         self.w1 = nn.Linear(dim, hidden_dim, bias=False)
         self.w3 = nn.Linear(dim, hidden_dim, bias=False)
         self.w2 = nn.Linear(hidden_dim, dim, bias=False)
@@ -92,16 +115,20 @@ class FeedForward(nn.Module):
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
 
     def reset_parameters(self) -> None:
-        _trunc_normal_(self.w1.weight, self.dim**-0.5)
-        _trunc_normal_(self.w3.weight, self.dim**-0.5)
-        _trunc_normal_(self.w2.weight, self.hidden_dim**-0.5)
+        in_std = self.init_std or self.dim**-0.5
+        out_std = (self.init_std or self.hidden_dim**-0.5) / self.init_factor
+        _trunc_normal_(self.w1.weight, in_std)
+        _trunc_normal_(self.w3.weight, in_std)
+        _trunc_normal_(self.w2.weight, out_std)
 
 
 # ----------------------------------------------------------------------- KV cache
 @dataclass
 class LayerCache:
-    k: Optional[torch.Tensor] = None  # (B, H, Tk, d) rotated keys so far
-    v: Optional[torch.Tensor] = None  # (B, H, Tk, dv)
+    # Only the n_kv_heads K/V heads are kept (grouped-query attention repeats them per
+    # query head after the cache, as the release does).
+    k: Optional[torch.Tensor] = None  # (B, H_kv, Tk, d) rotated keys so far
+    v: Optional[torch.Tensor] = None  # (B, H_kv, Tk, dv)
     q: Optional[torch.Tensor] = None  # (B, H, W, d) last W rotated queries (MTA convs)
 
 
@@ -121,6 +148,15 @@ def _append(old: Optional[torch.Tensor], new: torch.Tensor) -> torch.Tensor:
     return new if old is None else torch.cat([old, new], dim=2)
 
 
+def repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
+    """(B, H_kv, T, d) -> (B, H_kv * n_rep, T, d), head h of the output being head
+    h // n_rep of x (Lingua's ``repeat_kv``, i.e. ``repeat_interleave`` over heads)."""
+    if n_rep == 1:
+        return x
+    b, h_kv, t, d = x.shape
+    return x[:, :, None].expand(b, h_kv, n_rep, t, d).reshape(b, h_kv * n_rep, t, d)
+
+
 # ---------------------------------------------------------------------- attention
 class Attention(nn.Module):
     """Multi-head attention. ``kind`` (``ModelArgs.layer_kind``) picks the score path, a
@@ -136,15 +172,19 @@ class Attention(nn.Module):
         self.model_dim = args.dim
         self.layer_id = layer_id
         self.n_heads = H = args.n_heads
+        self.n_kv_heads = H_kv = args.resolved_n_kv_heads
         self.head_dim = d = args.resolved_head_dim
+        # Lingua's init options: base std (None: dim**-0.5) and this depth's factor.
+        self.init_std = args.init_base_std
+        self.init_factor = args.init_std_factor_at(layer_id)
         self.dropout = args.dropout
         self.pad_key = m.pad_key
         self.init_method = m.init_method
         self.attn_impl = args.attn_impl
         self.attn_block_size = args.attn_block_size
         self.wq = nn.Linear(args.dim, H * d, bias=False)
-        self.wk = nn.Linear(args.dim, H * d, bias=False)
-        self.wv = nn.Linear(args.dim, H * d, bias=False)
+        self.wk = nn.Linear(args.dim, H_kv * d, bias=False)
+        self.wv = nn.Linear(args.dim, H_kv * d, bias=False)
         self.wo = nn.Linear(H * d, args.dim, bias=False)
 
         def param(on: bool, *shape) -> Optional[nn.Parameter]:
@@ -170,7 +210,13 @@ class Attention(nn.Module):
         norm_dim = 2 * d if diff else d if m.group_norm else None
         self.subln = RMSNorm(norm_dim, eps=1e-5, cast_before_weight=True) if norm_dim else None
         rescale = diff or (m.group_norm and m.layer_norm_rescale)
-        self.out_scale = 1 - attention_ops.lambda_init_fn(layer_id) if rescale else 1.0
+        # diff: unilm's lambda_init (exact); MTA's depth scaling: the release's (fp32
+        # exponent, except for fp64 outputs).
+        self.out_scale = self.out_scale_fp64 = 1.0
+        if diff:
+            self.out_scale = self.out_scale_fp64 = 1 - attention_ops.lambda_init_fn(layer_id)
+        elif rescale:
+            self.out_scale, self.out_scale_fp64 = release_depth_scale(layer_id), release_depth_scale(layer_id, fp64=True)
         self.gate = nn.Linear(d, 1 if m.gate_1d else d, bias=True) if m.add_gating else None
 
     # -- parameters ------------------------------------------------------------------
@@ -188,9 +234,10 @@ class Attention(nn.Module):
         )
 
     def reset_parameters(self) -> None:
-        std = self.model_dim**-0.5
-        for w in (self.wq, self.wk, self.wv, self.wo):
+        std = self.init_std or self.model_dim**-0.5
+        for w in (self.wq, self.wk, self.wv):
             _trunc_normal_(w.weight, std)
+        _trunc_normal_(self.wo.weight, std / self.init_factor, bound_std=std)
         self.reset_mta_parameters()
         if self.kind == "diff":
             for p in (self.lambda_q1, self.lambda_k1, self.lambda_q2, self.lambda_k2):
@@ -217,7 +264,8 @@ class Attention(nn.Module):
             if self.subln is not None and self.kind != "diff":
                 self.subln.reset_parameters()
             if self.gate is not None:
-                _trunc_normal_(self.gate.weight, self.model_dim**-0.5)
+                std = self.init_std or self.model_dim**-0.5
+                _trunc_normal_(self.gate.weight, std / self.init_factor, bound_std=std)
                 # The release never initialises this bias (meta -> to_empty); 0 here.
                 self.gate.bias.zero_()
 
@@ -248,16 +296,24 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         """x: (B, T, dim) -> (B, T, dim). cos/sin: (T, d/2) for these T positions."""
         bsz, seqlen, _ = x.shape
-        H, d = self.n_heads, self.head_dim
+        H, H_kv, d = self.n_heads, self.n_kv_heads, self.head_dim
         q = apply_rope(self.wq(x).view(bsz, seqlen, H, d), cos, sin).transpose(1, 2)
-        k = apply_rope(self.wk(x).view(bsz, seqlen, H, d), cos, sin).transpose(1, 2)
-        v = self.wv(x).view(bsz, seqlen, H, d).transpose(1, 2)  # (B, H, T, d)
+        k = apply_rope(self.wk(x).view(bsz, seqlen, H_kv, d), cos, sin).transpose(1, 2)
+        v = self.wv(x).view(bsz, seqlen, H_kv, d).transpose(1, 2)  # (B, H_kv, T, d)
 
         q_offset = 0
         if cache is not None:
             q_offset = 0 if cache.k is None else cache.k.shape[2]
             cache.k, cache.v = _append(cache.k, k), _append(cache.v, v)
-            k, v = cache.k, cache.v  # (B, H, Tk, d): every key so far
+            k, v = cache.k, cache.v  # (B, H_kv, Tk, d): every key so far
+        # Grouped-query attention: every implementation and MTA step sees H heads.
+        k = repeat_kv(k, H // H_kv)  # (B, H, Tk, d)
+        if self.kind == "diff" and H_kv != H:
+            # Diff heads take values of size 2d (heads 2i, 2i+1): repeat those pairs.
+            b_, _, tk, _ = v.shape
+            v = repeat_kv(v.reshape(b_, H_kv // 2, 2, tk * d), H // H_kv).reshape(b_, H, tk, d)
+        else:
+            v = repeat_kv(v, H // H_kv)
 
         mask = attention_ops.AttnMask(q_offset, key_valid)
         dropout = self.dropout if self.training else 0.0
@@ -271,8 +327,9 @@ class Attention(nn.Module):
 
         if self.subln is not None:
             out = self.subln(out)
-            if self.out_scale != 1.0:
-                out = out * self.out_scale
+            scale = self.out_scale_fp64 if out.dtype == torch.float64 else self.out_scale
+            if scale != 1.0:
+                out = out * scale
         if self.gate is not None:
             out = out * torch.sigmoid(self.gate(out))
         return self.wo(out.reshape(bsz, seqlen, H * d))
@@ -306,10 +363,16 @@ class TransformerBlock(nn.Module):
     def __init__(self, args: ModelArgs, layer_id: int):
         super().__init__()
         self.attention = Attention(args, layer_id)
-        self.feed_forward = FeedForward(args.dim, args.ffn_hidden_dim)
-        scale = 1 - attention_ops.lambda_init_fn(layer_id) if args.mta.curse_norm else 1.0
-        self.attention_norm = RMSNorm(args.dim, args.norm_eps, out_scale=scale)
-        self.ffn_norm = RMSNorm(args.dim, args.norm_eps, out_scale=scale)
+        self.feed_forward = FeedForward(
+            args.dim, args.ffn_hidden_dim, args.init_base_std, args.init_std_factor_at(layer_id)
+        )
+        scale = scale64 = 1.0
+        if args.mta.curse_norm:
+            scale, scale64 = release_depth_scale(layer_id), release_depth_scale(layer_id, fp64=True)
+        # The release's block norms cast before the weight (ModelArgs.norm_order).
+        cast = args.norm_order in ("release", "hf")
+        self.attention_norm = RMSNorm(args.dim, args.norm_eps, cast, scale, scale64)
+        self.ffn_norm = RMSNorm(args.dim, args.norm_eps, cast, scale, scale64)
 
     def forward(self, x, cos, sin, cache=None, key_valid=None):
         h = x + self.attention(self.attention_norm(x), cos, sin, cache, key_valid)
@@ -328,7 +391,8 @@ class Transformer(nn.Module):
         self.args = args
         self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
         self.layers = nn.ModuleList(TransformerBlock(args, i) for i in range(args.n_layers))
-        self.norm = RMSNorm(args.dim, args.norm_eps)
+        # The release's final norm is Lingua's (weight in fp32, then cast).
+        self.norm = RMSNorm(args.dim, args.norm_eps, cast_before_weight=args.norm_order == "hf")
         if not args.weight_tying:
             self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
 

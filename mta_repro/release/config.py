@@ -180,7 +180,7 @@ def load_release_config(path: str | Path, overrides: tuple[str, ...] | list[str]
     if not path.is_file():
         raise ValueError(f"{path}: no such release config file")
     try:
-        raw = yaml.safe_load(path.read_text())
+        raw = yaml.load(path.read_text(), Loader=_ReleaseLoader)
     except yaml.YAMLError as e:
         raise ValueError(f"{path}: not a YAML/JSON file ({e})") from None
     if not isinstance(raw, dict):
@@ -195,8 +195,43 @@ def load_release_config(path: str | Path, overrides: tuple[str, ...] | list[str]
             if not isinstance(node.get(p), dict):
                 node[p] = {}
             node = node[p]
-        node[parts[-1]] = yaml.safe_load(value) if value != "" else ""
+        node[parts[-1]] = yaml.load(value, Loader=_ReleaseLoader) if value != "" else ""
     return raw
+
+
+class _ReleaseLoader(yaml.SafeLoader):
+    """YAML 1.1 (PyYAML) reads ``1e-05`` (no dot), as json.dump writes Lingua's
+    params.json, as a string; JSON, YAML 1.2 and OmegaConf read it as a float."""
+
+
+_ReleaseLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:float", re.compile(r"^[-+]?[0-9][0-9_]*(\.[0-9_]*)?[eE][-+]?[0-9]+$"),
+    list("-+0123456789"),
+)
+
+
+def _schema_typed(config: dict) -> dict:
+    """``config`` with every value of our root schema's type (``TrainConfig``), as the
+    Hydra route would read it (e.g. a float field given the int 0 becomes 0.0); a value
+    of the wrong type raises ValueError naming the field."""
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    from mta_repro.config import TrainConfig
+
+    try:
+        typed = OmegaConf.to_container(
+            OmegaConf.merge(OmegaConf.structured(TrainConfig), config), resolve=False, throw_on_missing=False
+        )
+    except OmegaConfBaseException as e:
+        raise ValueError(f"converted field {e.full_key}: {e.msg}") from None
+
+    def pick(ours: Any, t: Any) -> Any:
+        if isinstance(ours, dict):
+            return {k: pick(v, t[k]) for k, v in ours.items()}
+        return ours if ours == MISSING else t  # a merged "???" keeps the schema's default
+
+    return pick(config, typed)
 
 
 def _merge_defaults(user: Any, defaults: Any, where: str) -> Any:
@@ -408,7 +443,7 @@ def release_to_config(release: dict, name: str = "release", source: str = "") ->
         "distributed": distributed,
         "data": data,
     }
-    conv = Conversion(config=config, notes=notes, source=source)
+    conv = Conversion(config=_schema_typed(config), notes=notes, source=source)
     conv.model_args()  # our validation: raises naming the field
     return conv
 
@@ -425,14 +460,26 @@ def _convert_model(m: dict, given: set[str], data: dict, tok_path: Optional[str]
         n_heads = dim // head_dim
     if dim % n_heads:
         refuse("n_heads", n_heads, f"the release asserts model.dim ({dim}) % model.n_heads == 0")
-    if m["n_kv_heads"] not in (None, n_heads):
-        refuse("n_kv_heads", m["n_kv_heads"], "grouped-query attention is not implemented (n_kv_heads must equal n_heads)")
-    if m["sliding_window"] is not None:
-        refuse("sliding_window", m["sliding_window"], "sliding-window attention is not implemented")
-    if m["init_base_std"] is not None:
-        refuse("init_base_std", m["init_base_std"], "our init uses the release default std dim**-0.5 (null)")
-    if m["init_std_factor"] != "disabled":
-        refuse("init_std_factor", m["init_std_factor"], "our init uses the release default 'disabled'")
+    # Grouped-query attention as the release: wk/wv at n_kv_heads, repeated after RoPE.
+    n_kv_heads = m["n_kv_heads"]
+    if n_kv_heads is not None and (not isinstance(n_kv_heads, int) or n_kv_heads < 1 or n_heads % n_kv_heads):
+        refuse("n_kv_heads", n_kv_heads, f"the release asserts model.n_heads ({n_heads}) % model.n_kv_heads == 0")
+    from mta_repro.model.args import INIT_STD_FACTORS
+
+    if m["init_std_factor"] not in INIT_STD_FACTORS:  # Lingua's InitStdFactor values
+        refuse("init_std_factor", m["init_std_factor"], f"expected one of {INIT_STD_FACTORS}")
+    sw = m["sliding_window"]
+    if sw is not None:
+        if isinstance(sw, bool) or not isinstance(sw, int) or sw < 1:
+            refuse("sliding_window", sw, "expected a positive integer or null")
+        # projects/mta/transformer.py create_causal_mask: the window acts only with
+        # attn_impl=xformers; the release's train.py calls the model with the default
+        # attn_impl=sdpa (and its MTA layers build their own causal mask), so it trains
+        # with full causal attention, as ours does.
+        notes.append(
+            f"ignored model.sliding_window={sw}: the release applies it only with attn_impl=xformers; "
+            "its training uses sdpa, where it has no effect (full causal attention, as here)"
+        )
     if "model.cache_attention_maps" in given:
         notes.append("ignored model.cache_attention_maps: an inference-time debugging buffer")
 
@@ -487,15 +534,19 @@ def _convert_model(m: dict, given: set[str], data: dict, tok_path: Optional[str]
         "dim": dim,
         "n_layers": m["n_layers"],
         "n_heads": n_heads,
+        "n_kv_heads": n_kv_heads,
         "head_dim": head_dim,
         "vocab_size": vocab,
         "ffn_dim_multiplier": 1.0 if m["ffn_dim_multiplier"] is None else m["ffn_dim_multiplier"],
         "multiple_of": m["multiple_of"],
         "norm_eps": m["norm_eps"],
+        "norm_order": "release",  # the release's block norms cast before the weight
         "rope_theta": m["rope_theta"],
         "max_seqlen": max_seqlen,
         "weight_tying": m["weight_tying"],
         "seed": m["seed"],
+        "init_base_std": m["init_base_std"],
+        "init_std_factor": m["init_std_factor"],
         "dropout": m["dropout"],
         "diff_transformer": False,  # not in the release's MTA project
         "attn_impl": ours.attn_impl,
