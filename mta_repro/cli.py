@@ -1,27 +1,82 @@
 """One clear line for command-line errors (train, slurm, eval, params, generate, hf,
 pipeline), not a traceback.
 
-User errors are ValueErrors (ours) or Hydra/OmegaConf errors from the overrides (a bad
-key, a string where a list is expected, an unknown config group option).
+User errors are ``mta_repro.errors.UserError`` (the input is wrong and the message says
+what was expected) and Hydra/OmegaConf errors from the overrides (a bad key, a string
+where a list is expected, an unknown config group option). Anything else is a fault in
+the code or its environment and keeps its traceback. ``MTA_REPRO_TRACEBACK=1`` shows the
+traceback of user errors too.
 """
 
 from __future__ import annotations
 
+import difflib
 import re
 import sys
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Callable, Optional, Sequence
+
+from mta_repro.errors import UserError, show_tracebacks
 
 
 def user_errors() -> tuple:
+    """The exception types reported as one line (none when MTA_REPRO_TRACEBACK is set)."""
+    if show_tracebacks():
+        return ()
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
 
-    return (ValueError, FileNotFoundError, HydraException, OmegaConfBaseException)
+    return (UserError, HydraException, OmegaConfBaseException)
+
+
+def _unknown_key_line(exc: BaseException) -> Optional[str]:
+    """Hydra's "Could not override 'trainer.step'. To append ... use +trainer.step=5" as
+    our one line with the nearest field (the ``+`` form gets the same from the schema check)."""
+    from hydra.errors import ConfigCompositionException
+    from omegaconf.errors import ConfigAttributeError, ConfigKeyError
+
+    cause = exc.__cause__
+    if not isinstance(exc, ConfigCompositionException) or not isinstance(cause, (ConfigAttributeError, ConfigKeyError)):
+        return None
+    full, owner = getattr(cause, "full_key", None), getattr(cause, "object_type", None)
+    if not full or owner is None or not str(exc).startswith("Could not override"):
+        return None
+    from mta_repro.dataclass_config import unknown_keys_error
+
+    parent = full.rpartition(".")[0]
+    return unknown_keys_error(owner, [full], parent)
+
+
+def _missing_option_line(exc: BaseException) -> Optional[str]:
+    """Hydra's ~40-line "Could not find 'experiment/debug_typo'" as one line."""
+    from hydra.errors import MissingConfigException
+
+    if not isinstance(exc, MissingConfigException) or not exc.options or not exc.missing_cfg_file:
+        return None
+    group, _, name = str(exc.missing_cfg_file).rpartition("/")
+    return unknown_option_line(group, name, exc.options)
+
+
+def unknown_option_line(group: str, value: str, options: Sequence[str]) -> str:
+    """``group=value`` names no config: the nearest public options (``_name`` files are
+    parts other configs include, not choices)."""
+    public = sorted(o for o in options if not o.startswith("_"))
+    near = difflib.get_close_matches(value, public, n=3, cutoff=0.5)
+    line = f"{group}={value}: unknown {group} config"
+    if near:
+        line += f"; did you mean {' or '.join(near)}?"
+    if len(public) <= 8:
+        line += f" (expected one of {public})"
+    else:
+        line += f" ({len(public)} options: the YAML files of configs/{group}/)"
+    return line
 
 
 def describe(exc: BaseException) -> str:
     """The exception and its causes, each once, on one line."""
+    special = _unknown_key_line(exc) or _missing_option_line(exc)
+    if special:
+        return special
     parts, seen = [], set()
     e = exc
     while e is not None and id(e) not in seen:
@@ -41,12 +96,18 @@ def describe(exc: BaseException) -> str:
 
 
 def run_cli(prog: str, fn: Callable[[], int]) -> int:
-    """``fn()``'s exit code; a user error prints ``<prog>: error: <one line>`` and gives 2."""
+    """``fn()``'s exit code; a user error prints ``<prog>: error: <one line>`` and gives 2,
+    Ctrl-C outside the training loop (which saves first) ``<prog>: interrupted`` and 130."""
     try:
         return fn()
     except user_errors() as e:
         print(f"{prog}: error: {describe(e)}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        if show_tracebacks():
+            raise
+        print(f"{prog}: interrupted", file=sys.stderr)
+        return 130
 
 
 def check_group_options(overrides: Sequence[str], groups: Sequence[str], config_dir: Path) -> None:
@@ -58,4 +119,44 @@ def check_group_options(overrides: Sequence[str], groups: Sequence[str], config_
         if key in groups:
             options = sorted(p.stem for p in (config_dir / key).glob("*.yaml"))
             if value not in options:
-                raise ValueError(f"{key}={value}: unknown {key} config; expected one of {options}")
+                raise UserError(unknown_option_line(key, value, options))
+
+
+def check_hydra_overrides(argv: Sequence[str], config_dir: Path, config_name: str,
+                          check: Optional[Callable] = None) -> None:
+    """Compose the config an ``@hydra.main`` command line asks for, before Hydra does, so
+    that an unknown key or config option is one line (Hydra prints several and exits 1).
+    Sweep values (``-m a=1,2``) are checked by their first value; ``hydra.*`` overrides
+    and a command line that names another config are left to Hydra. ``check(cfg)``: a
+    further check of the composed config (e.g. the schema's for ``+key=`` additions)."""
+    try:  # Hydra's own command-line parser (an internal module: if it moves, Hydra checks alone)
+        from hydra._internal.utils import get_args_parser
+        from hydra.core.override_parser.overrides_parser import OverridesParser
+    except ImportError:  # pragma: no cover - depends on the Hydra version
+        return
+    args, _ = get_args_parser().parse_known_args(list(argv))
+    if args.help or args.hydra_help or args.info or args.shell_completion or args.config_path or args.config_dir:
+        return
+    overrides = []
+    for o in OverridesParser.create().parse_overrides(args.overrides):
+        if o.is_hydra_override():
+            continue
+        if o.is_sweep_override():
+            first = next(iter(o.sweep_string_iterator()), None)
+            if first is None:
+                continue
+            overrides.append(f"{o.get_key_element()}={first}")
+        else:
+            overrides.append(o.input_line)
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    if GlobalHydra.instance().is_initialized():
+        GlobalHydra.instance().clear()
+    try:
+        with initialize_config_dir(config_dir=str(config_dir), version_base=None):
+            cfg = compose(config_name=args.config_name or config_name, overrides=overrides)
+    finally:
+        GlobalHydra.instance().clear()
+    if check is not None:
+        check(cfg)

@@ -10,10 +10,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
 from hydra.core.config_store import ConfigStore
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from mta_repro.data.args import DataArgs
 from mta_repro.model.args import ModelArgs
@@ -42,10 +42,8 @@ class TrainConfig:
 
 
 def register_configs() -> None:
-    """Make the schemas (and the configs' resolvers, e.g. ``mta_layers_every``) known to Hydra (idempotent)."""
-    from mta_repro.pipeline.sweep import register_resolvers
-
-    register_resolvers()
+    """Make the schema known to Hydra (idempotent). The configs' resolvers are registered
+    at ``import mta_repro`` (mta_repro/resolvers.py)."""
     ConfigStore.instance().store(name="train_schema", node=TrainConfig)
 
 
@@ -65,7 +63,34 @@ def compose(overrides: Sequence[str] = (), config_name: str = "train") -> DictCo
 
 
 def model_args_from(cfg: DictConfig, key: Optional[str] = "model") -> ModelArgs:
-    """Validated ``ModelArgs`` from a composed config (raises ValueError on bad fields)."""
+    """Validated ``ModelArgs`` from a composed config (raises UserError on bad fields)."""
     from mta_repro.model import to_model_args
 
     return to_model_args(cfg[key] if key else cfg)
+
+
+def check_schema(cfg: Any) -> None:
+    """Refuse keys the schema does not know (Hydra's ``+key=`` adds them in silence), with
+    the nearest field for a likely typo."""
+    if not isinstance(cfg, DictConfig):
+        return
+    from mta_repro.dataclass_config import unknown_keys, unknown_keys_error
+    from mta_repro.errors import UserError
+
+    bad = [k for k in unknown_keys(TrainConfig, cfg, "") if k != "hydra"]
+    if bad:
+        raise UserError(unknown_keys_error(TrainConfig, bad))
+
+
+def to_train_config(cfg: Any) -> TrainConfig:
+    """The typed config of a training run, converted once: the schema check, then every
+    section into its dataclass (``__post_init__`` validates the values). Accepts a composed
+    DictConfig, a plain mapping or a TrainConfig."""
+    if isinstance(cfg, TrainConfig):
+        return cfg
+    from mta_repro.dataclass_config import to_dataclass
+
+    check_schema(cfg)
+    if isinstance(cfg, DictConfig) and "hydra" in cfg:
+        cfg = OmegaConf.masked_copy(cfg, [k for k in cfg.keys() if k != "hydra"])
+    return to_dataclass(TrainConfig, cfg, "")

@@ -8,6 +8,8 @@ import typing
 from collections.abc import Mapping
 from typing import Any, TypeVar
 
+from mta_repro.errors import UserError
+
 T = TypeVar("T")
 
 
@@ -74,7 +76,7 @@ def to_dataclass(cls: type[T], cfg: Any, where: str) -> T:
     """An instance of the dataclass ``cls`` from an instance, a mapping or an OmegaConf node.
 
     Nested dataclass fields given as mappings are converted too. An unknown field raises
-    ValueError naming ``where`` (the config path, e.g. ``"model.mta"``), also for keys
+    UserError naming ``where`` (the config path, e.g. ``"model.mta"``), also for keys
     added to a structured node with Hydra's ``+key=``; the dataclass's own
     ``__post_init__`` does the value checks.
     """
@@ -85,16 +87,16 @@ def to_dataclass(cls: type[T], cfg: Any, where: str) -> T:
     if isinstance(cfg, DictConfig):
         bad = unknown_keys(cls, cfg, where)
         if bad:
-            raise ValueError(unknown_keys_error(cls, bad, where))
+            raise UserError(unknown_keys_error(cls, bad, where))
         cfg = OmegaConf.to_object(cfg)  # a structured node comes back as the instance
         if isinstance(cfg, cls):
             return cfg
     if not isinstance(cfg, Mapping):
-        raise ValueError(f"{where}: expected a mapping of {cls.__name__} fields, got {type(cfg).__name__}")
+        raise UserError(f"{where}: expected a mapping of {cls.__name__} fields, got {type(cfg).__name__}")
     known = {f.name for f in dataclasses.fields(cls)}
     unknown = set(cfg) - known
     if unknown:
-        raise ValueError(f"{where}: unknown field(s) {sorted(unknown)}; expected some of {sorted(known)}")
+        raise UserError(f"{where}: unknown field(s) {sorted(unknown)}; expected some of {sorted(known)}")
     hints = typing.get_type_hints(cls)
     kwargs = {}
     for name, value in cfg.items():

@@ -17,6 +17,8 @@ import argparse
 import sys
 from typing import Optional, Sequence
 
+from mta_repro.errors import UserError
+
 
 def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
@@ -47,9 +49,9 @@ def generate_from(path, prompts, max_new_tokens=64, temperature=0.0, top_k=None,
     from mta_repro.eval.load import load_for_eval
 
     if max_new_tokens < 1:
-        raise ValueError(f"--max-new-tokens: expected a positive count, got {max_new_tokens}")
+        raise UserError(f"--max-new-tokens: expected a positive count, got {max_new_tokens}")
     if temperature < 0:
-        raise ValueError(f"--temperature: expected >= 0, got {temperature}")
+        raise UserError(f"--temperature: expected >= 0, got {temperature}")
     model, tok, cfg = load_for_eval(path, device=device, dtype=dtype)
     max_length = max_length or trained_seq_len(cfg) or model.args.max_seqlen
     gen = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)

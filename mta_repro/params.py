@@ -19,6 +19,7 @@ import sys
 from pathlib import Path
 
 from mta_repro.config import compose, model_args_from
+from mta_repro.errors import UserError
 from mta_repro.model import ModelArgs, build_model
 from mta_repro.model.flops import train_flops_per_token
 
@@ -47,14 +48,14 @@ def main(argv: list[str]) -> None:
 
         i = argv.index("--release-config")
         if i + 1 >= len(argv):
-            raise ValueError("--release-config needs the path of a release YAML")
+            raise UserError("--release-config needs the path of a release YAML")
         # [key=value ...] after the path: release field names
         conv = release_file_to_config(argv[i + 1], overrides=argv[i + 2:])
         seq = [a for a in argv[:i] if a.startswith("seq_len=")]
         try:  # FLOPs at the config's data.seq_len unless seq_len= says otherwise
             seq_len = int(seq[0].split("=", 1)[1]) if seq else int(conv.config["data"]["seq_len"])
         except ValueError:
-            raise ValueError(f"{seq[0]}: expected an integer sequence length") from None
+            raise UserError(f"{seq[0]}: expected an integer sequence length") from None
         print(json.dumps(count(conv.model_args(), seq_len)))
         return
     seq_len, world = 2048, None
@@ -65,14 +66,14 @@ def main(argv: list[str]) -> None:
             try:
                 seq_len = int(a.split("=", 1)[1])
             except ValueError:
-                raise ValueError(f"{a}: expected an integer sequence length") from None
+                raise UserError(f"{a}: expected an integer sequence length") from None
         elif a == "--world-size":
             value = next(args_iter, "")
             if not value.isdigit() or int(value) < 1:
-                raise ValueError(f"--world-size: expected a positive integer, got {value!r}")
+                raise UserError(f"--world-size: expected a positive integer, got {value!r}")
             world = int(value)
         elif a.startswith("-") and a not in ("--table", "--memory", "--experiments"):
-            raise ValueError(
+            raise UserError(
                 f"unknown option {a!r}; expected --table, --memory [--world-size N | --experiments], "
                 "--help or Hydra overrides (model=880m)"
             )

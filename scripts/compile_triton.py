@@ -1,18 +1,34 @@
-"""Compile the triton attention kernel for a GPU target without a GPU, and report what
-only a real compile shows: shared memory per program, registers and spills (ptxas -v).
+"""Compile the triton attention kernel for a GPU target without a GPU, and judge what the
+compiler emitted: registers and spills (ptxas -v), shared memory, tensor-core vs CUDA-core
+MACs, global loads, barriers, and a stated roofline ESTIMATE of each pass on one H200
+(``mta_repro/model/roofline.py``) next to FlashAttention-2's for the same layer shape.
 
-    python scripts/compile_triton.py                       # sm_90 (H100/H200), 880M shapes
-    python scripts/compile_triton.py --arch 80 --passes forward --layers kq_conv
-    MTA_TRITON_FRAME=32x64 python scripts/compile_triton.py
+    python scripts/compile_triton.py                          # table, sm_90, 880M shapes
+    python scripts/compile_triton.py --json out.json          # + one record per (layer, pass, T)
+    python scripts/compile_triton.py --layers kq_conv --passes forward --seqs 2048
 
-Triton's wheel ships ptxas, so this runs on a CPU machine. It proves the kernel compiles
-for that target and what it costs in registers; it says nothing about speed (run
-scripts/bench_attention.py --device cuda on a GPU for that).
+Every pass is compiled with the launch configuration the launcher uses
+(``frames.launch_config``: the same num_warps/num_stages). Compiles are slow on a small
+CPU (minutes for the kq-conv backward): results are cached under ``--cache`` keyed on the
+kernel sources, the options and the Triton version. Lengths are not specialised, so one
+compile serves every T; T and the batch only change the schedule the estimate uses.
+
+Record keys: layer, pass, T, num_warps, num_stages, registers, spill_bytes (stores +
+loads), smem_bytes, mma_macs / fma_macs (tensor-core / CUDA-core multiply-adds of the
+whole pass at ``--batch``, counted from the compiled IR's dot encodings and multiplies
+weighted by loop trips), global_loads (ld.global + cp.async instructions in the PTX, per
+thread, static), barriers (bar.sync in the PTX, static), est_ms (this pass, estimate),
+fa2_est_ms (FlashAttention-2 forward+backward of the same layer shape, estimate; the same
+value on each record of a T), plus tc_share, the estimate's parts and the PTX cross-check.
+Layer "sdpa" records are FlashAttention-2's own passes under the same estimator.
 """
 
 from __future__ import annotations
 
 import argparse
+import gzip
+import hashlib
+import json
 import os
 import re
 import subprocess
@@ -23,88 +39,216 @@ from pathlib import Path
 
 os.environ.pop("TRITON_INTERPRET", None)  # a real compile, not the interpreter
 
-import triton  # noqa: E402
-import triton.language as tl  # noqa: E402
-from triton.backends.compiler import GPUTarget  # noqa: E402
-from triton.compiler import ASTSource  # noqa: E402
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from mta_repro.model import attention_triton as at  # noqa: E402
-from mta_repro.model import frames  # noqa: E402
+from mta_repro.model import frames, roofline  # noqa: E402
 
 LAYERS = {"kq_conv": ((6, 11), (6, 11)), "mixing": (None, None)}  # the 880M MTA options
+ROOT = Path(__file__).resolve().parents[1]
 
 
-def compile_pass(name: str, pre, post, heads: int, head_dim: int, arch: int, num_warps: int, chunks):
-    mode = frames.PASSES.index(name)
-    g = frames.frame(name, pre, post, "both")
+def kernel_constexprs(name: str, pre, post, heads: int, head_dim: int, chunks=None, pad_key: str = "both") -> dict:
+    """The constexprs ``attention_triton._launch`` passes on a GPU for bf16 inputs, the
+    pre/post-softmax mixings on (wpsm, head_kernel), no padding mask, no dropout."""
+    g = frames.frame(name, pre, post, pad_key)
     cq1, ck1 = pre or (1, 1)
     cq2, ck2 = post or (1, 1)
     hp = frames.padded_heads(heads)
-    consts = dict(
-        MODE=mode, ACC=tl.float32, PREC="ieee", USE_DOT=hp >= 16, HP=hp, HC=min(hp, chunks[0]), SR=min(g.er, chunks[1]),
-        DP=max(16, frames.pow2(head_dim)),
-        ER=g.er, EC=g.ec, TOP=g.top, LEFT=g.left, BMO=g.bmo, BNO=g.bno,
-        MR=frames.margins(pre, post)[0], MC=frames.margins(pre, post)[1],
-        HAS_K1=pre is not None, CQ1=cq1, CK1=ck1, PL1=frames.pad_left("both", ck1), HAS_W1=True,
-        HAS_K2=post is not None, CQ2=cq2, CK2=ck2, PL2=frames.pad_left("both", ck2), HAS_W2=True,
+    hc, sr = chunks or frames.gpu_chunks(hp, g.er)
+    mr, mc = frames.margins(pre, post)
+    return dict(
+        MODE=frames.PASSES.index(name), ACC="fp32", PREC="ieee", USE_DOT=hp >= 16, HP=hp, HC=min(hp, hc),
+        SR=min(g.er, sr), DP=max(16, frames.pow2(head_dim)),
+        ER=g.er, EC=g.ec, TOP=g.top, LEFT=g.left, BMO=g.bmo, BNO=g.bno, MR=mr, MC=mc,
+        HAS_K1=pre is not None, CQ1=cq1, CK1=ck1, PL1=frames.pad_left(pad_key, ck1), HAS_W1=True,
+        HAS_K2=post is not None, CQ2=cq2, CK2=ck2, PL2=frames.pad_left(pad_key, ck2), HAS_W2=True,
         HAS_KV=False, DROP=False, UPCAST=False,
     )
+
+
+def _compile(consts: dict, arch: int, num_warps: int, num_stages: int):
+    import triton
+    import triton.language as tl
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from mta_repro.model import attention_triton as at
+
+    consts = dict(consts, ACC=tl.float32)
     names = at._mta_kernel.arg_names
     sig = {}
     for n in names:
         if n in consts:
             sig[n] = "constexpr"
         elif n.endswith("_ptr"):
-            bf16 = n in ("q_ptr", "k_ptr", "v_ptr", "do_ptr")
-            sig[n] = "*i8" if n == "kv_ptr" else ("*bf16" if bf16 else "*fp32")
+            sig[n] = "*i8" if n == "kv_ptr" else ("*bf16" if n in ("q_ptr", "k_ptr", "v_ptr", "do_ptr") else "*fp32")
         elif n in ("scale", "p_drop"):
             sig[n] = "fp32"
         else:
             sig[n] = "i32"
-    src = ASTSource(fn=at._mta_kernel, signature=sig, constexprs={(names.index(k),): v for k, v in consts.items()})
-    t0 = time.time()
-    kernel = triton.compile(src, target=GPUTarget("cuda", arch, 32), options={"num_warps": num_warps})
-    return g, kernel, time.time() - t0
+    # the launcher's attributes: pointers 16-byte aligned, H and d as they are (specialised)
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in names if n.endswith("_ptr")}
+    src = ASTSource(fn=at._mta_kernel, signature=sig, constexprs={(names.index(k),): v for k, v in consts.items()},
+                    attrs=attrs)
+    return triton.compile(src, target=GPUTarget("cuda", arch, 32),
+                          options={"num_warps": num_warps, "num_stages": num_stages})
 
 
-def ptxas_report(ptx: str, arch: int) -> str:
+def ptxas(ptx: str, arch: int) -> dict:
+    """Registers and spill bytes (stores + loads) from ``ptxas -v``."""
     from triton.backends.nvidia.compiler import get_ptxas
 
-    ptxas = get_ptxas(arch).path  # the one triton itself assembles with
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "k.ptx"
         path.write_text(ptx)
-        p = subprocess.run([str(ptxas), f"-arch=sm_{arch}a" if arch >= 90 else f"-arch=sm_{arch}", "-v", str(path), "-o", str(Path(tmp) / "k.o")],
-                           capture_output=True, text=True)
+        # the flags triton's own make_cubin passes (3.9), so the counts are those of the cubin it builds
+        p = subprocess.run([str(get_ptxas(arch).path), "-lineinfo", "-v", "--regAllocOptLevel=2",
+                            f"--gpu-name=sm_{arch}a" if arch >= 90 else f"--gpu-name=sm_{arch}", str(path),
+                            "-o", str(Path(tmp) / "k.o")], capture_output=True, text=True)
     text = p.stdout + p.stderr
     regs = re.search(r"Used (\d+) registers", text)
     spill = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", text)
-    return (f"{regs.group(1) if regs else '?'} registers, spills {spill.group(1)}/{spill.group(2)} B"
-            if regs and spill else text.strip()[-300:])
+    if not (regs and spill):
+        raise RuntimeError(f"ptxas -v gave no register report: {text.strip()[-400:]}")
+    return {"registers": int(regs.group(1)), "spill_bytes": int(spill.group(1)) + int(spill.group(2))}
+
+
+def ptx_counts(ptx: str, num_warps: int) -> dict:
+    """Static instruction counts of the PTX (per thread) and the MACs its tensor-core
+    instructions do per program, to cross-check the IR count."""
+    ins = [re.sub(r"^@!?%p\d+\s+", "", s.strip()) for s in ptx.splitlines()]
+    mma_macs = 0
+    n_mma = n_wgmma = 0
+    for s in ins:
+        m = re.match(r"mma\.sync\.aligned\.m(\d+)n(\d+)k(\d+)", s)
+        if m:
+            n_mma += 1
+            mma_macs += num_warps * int(m.group(1)) * int(m.group(2)) * int(m.group(3))
+        m = re.match(r"wgmma\.mma_async\.sync\.aligned\.m(\d+)n(\d+)k(\d+)", s)
+        if m:
+            n_wgmma += 1
+            mma_macs += num_warps // 4 * int(m.group(1)) * int(m.group(2)) * int(m.group(3))
+    return {"ld_global": sum(s.startswith("ld.global") for s in ins),
+            "ld_global_vector": sum(bool(re.match(r"ld\.global\S*\.v[248]", s)) for s in ins),
+            "cp_async": sum(s.startswith("cp.async.") and "shared.global" in s for s in ins),
+            "atomics": sum(s.startswith(("atom.", "red.")) for s in ins),
+            "bar_sync": sum(s.startswith(("bar.sync", "barrier.sync")) for s in ins),
+            "mma_sync": n_mma, "wgmma": n_wgmma, "tc_macs_per_program": mma_macs,
+            "fma_f32": sum(s.startswith("fma.rn.f32") for s in ins)}
+
+
+def compiled_pass(layer: str, name: str, heads: int, head_dim: int, arch: int, cache: Path) -> dict:
+    """Everything the report needs from one compile, cached."""
+    pre, post = LAYERS[layer]
+    nw, ns = frames.launch_config(name, pre, post)
+    consts = kernel_constexprs(name, pre, post, heads, head_dim)
+    import triton
+
+    from mta_repro.model import attention_triton as at
+
+    # the kernel's own cache key (its source and the jit functions it calls), not the file:
+    # a docstring edit keeps the cache; the IR is stored, so the counting can change freely
+    key = hashlib.sha256(json.dumps([at._mta_kernel.cache_key, consts, arch, nw, ns, triton.__version__],
+                                    sort_keys=True).encode())
+    path = cache / f"{layer}-{name}-{key.hexdigest()[:16]}.json.gz"
+    if path.exists():
+        out = json.loads(gzip.decompress(path.read_bytes()))
+    else:
+        t0 = time.time()
+        k = _compile(consts, arch, nw, ns)
+        out = {"num_warps": nw, "num_stages": ns, "smem_bytes": int(k.metadata.shared),
+               "compile_s": round(time.time() - t0, 1), "ttgir": k.asm["ttgir"], "ptx": ptx_counts(k.asm["ptx"], nw),
+               **ptxas(k.asm["ptx"], arch)}
+        cache.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(gzip.compress(json.dumps(out).encode()))
+    c = roofline.count_ttgir(out.pop("ttgir"))
+    return dict(out, levels=c.levels, static=c.static)
+
+
+def schedule(layer: str, name: str, batch: int, heads: int, head_dim: int, seq: int, info: dict,
+             sms: int) -> roofline.Schedule:
+    """The programs ``_launch`` starts on a GPU and the key blocks each walks."""
+    pre, post = LAYERS[layer]
+    g = frames.frame(name, pre, post, "both")
+    n_rt = -(-seq // g.bmo)
+    items = [frames.key_blocks(g, t, seq, seq) for _ in range(batch) for t in range(n_rt)]
+    n_prog = min(len(items), frames.PROGRAMS_PER_SM * sms)
+    io = batch * heads * seq * head_dim  # elements of q (k, v, do, o alike)
+    rows = batch * heads * seq
+    scratch = n_prog * frames.N_SLOTS * frames.slot_elements(g, pre, post, heads) * 4  # zero-filled per launch
+    hbm = {"stats": 2 * io * 2 + 4 * rows * 4, "forward": 3 * io * 2 + rows * 4 + 2 * io * 4,
+           "backward_rowsum": 4 * io * 2 + 3 * rows * 4,
+           "backward": 4 * io * 2 + 2 * rows * 4 + 3 * 2 * io * 4}[name] + scratch
+    return roofline.Schedule(roofline.persistent(items, n_prog), hbm_bytes=hbm, num_warps=info["num_warps"],
+                             registers=info["registers"], smem_bytes=info["smem_bytes"])
+
+
+def record(layer, name, seq, info, est, fa2, batch) -> dict:
+    tot = est["total"]
+    tc = tot["mma_macs"] + tot["wgmma_macs"] + tot["tf32_macs"]
+    return {"layer": layer, "pass": name, "T": seq, "num_warps": info["num_warps"], "num_stages": info["num_stages"],
+            "registers": info["registers"], "spill_bytes": info["spill_bytes"], "smem_bytes": info["smem_bytes"],
+            "mma_macs": tc, "fma_macs": tot["fma_macs"], "global_loads": info["ptx"]["ld_global"] + info["ptx"]["cp_async"],
+            "barriers": info["ptx"]["bar_sync"], "est_ms": round(est["est_ms"], 4), "fa2_est_ms": round(fa2, 4),
+            "tc_share": round(tc / max(1.0, tc + tot["fma_macs"]), 4), "batch": batch,
+            "throughput_ms": round(est["throughput_ms"], 4), "chain_ms": round(est["chain_ms"], 4),
+            "occupancy": est["occupancy"], "programs": est["programs"], "global_bytes": tot["global_bytes"],
+            "ptx": info["ptx"], "compile_s": info.get("compile_s"), "estimate": True}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--arch", type=int, default=90)
     ap.add_argument("--passes", default=",".join(frames.PASSES))
-    ap.add_argument("--layers", default="mixing,kq_conv")
+    ap.add_argument("--layers", default="kq_conv,mixing")
     ap.add_argument("--heads", type=int, default=16)
     ap.add_argument("--head-dim", type=int, default=96)
-    ap.add_argument("--num-warps", type=int, default=8)
-    ap.add_argument("--chunks", default="1x4", help="heads per chunk x frame rows per mixing slab "
-                    "(the GPU default of attention_triton._tiling)")
+    ap.add_argument("--seqs", default="2048,4096")
+    ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--json", type=Path, help="write the records here")
+    ap.add_argument("--cache", type=Path, default=Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))
+                    / "mta_repro" / "compile_triton")
     a = ap.parse_args()
-    chunks = tuple(int(x) for x in a.chunks.split("x"))
-    print(f"chunks {a.chunks}, {a.num_warps} warps, {a.heads} heads of {a.head_dim}, bf16 inputs")
-    print(f"| layer | pass | frame (owned) | compile s | shared KB | ptxas (sm_{a.arch}) |")
-    print("|---|---|---|---|---|---|")
-    for layer in a.layers.split(","):
-        pre, post = LAYERS[layer]
-        for name in a.passes.split(","):
-            g, k, secs = compile_pass(name, pre, post, a.heads, a.head_dim, a.arch, a.num_warps, chunks)
-            print(f"| {layer} | {name} | {g.er}x{g.ec} ({g.bmo}x{g.bno}) | {secs:.0f} | "
-                  f"{k.metadata.shared / 1024:.0f} | {ptxas_report(k.asm['ptx'], a.arch)} |", flush=True)
+    gpu = roofline.H200
+    print(f"ESTIMATES, not measurements: roofline of {gpu.name}, batch {a.batch}, {a.heads} heads of {a.head_dim}, "
+          f"bf16 inputs, sm_{a.arch}. Constants: {json.dumps(gpu.constants())}")
+    seqs = [int(x) for x in a.seqs.split(",")]
+    records = []
+    for seq in seqs:
+        fa2 = roofline.fa2_passes(a.batch, a.heads, seq, a.head_dim, gpu)
+        fa2_ms = roofline.fa2_est_ms(a.batch, a.heads, seq, a.head_dim, gpu)["total"]
+        for name, (c, s) in fa2.items():
+            est = roofline.estimate(c, s, gpu)
+            info = {"num_warps": s.num_warps, "num_stages": None, "registers": s.registers, "spill_bytes": 0,
+                    "smem_bytes": s.smem_bytes, "ptx": {"ld_global": 0, "cp_async": 0, "bar_sync": None}}
+            r = record("sdpa", name, seq, info, est, fa2_ms, a.batch)
+            r.update(global_loads=None, modelled="FlashAttention-2 tile configuration, counted by hand")
+            records.append(r)
+        for layer in a.layers.split(","):
+            for name in a.passes.split(","):
+                info = compiled_pass(layer, name, a.heads, a.head_dim, a.arch, a.cache)
+                c = roofline.Counts(levels=info["levels"], static=info["static"])
+                est = roofline.estimate(c, schedule(layer, name, a.batch, a.heads, a.head_dim, seq, info, gpu.sms), gpu)
+                records.append(record(layer, name, seq, info, est, fa2_ms, a.batch))
+    print("| layer | pass | T | warps/stages | regs | spill B | smem KB | TC share | ld.global | bar.sync "
+          "| est ms | (throughput/chain) | FA2 fwd+bwd est ms |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for r in records:
+        print(f"| {r['layer']} | {r['pass']} | {r['T']} | {r['num_warps']}/{r['num_stages']} | {r['registers']} | "
+              f"{r['spill_bytes']} | {r['smem_bytes'] / 1024:.0f} | {r['tc_share']:.0%} | {r['global_loads']} | "
+              f"{r['barriers']} | {r['est_ms']:.3f} | {r['throughput_ms']:.3f}/{r['chain_ms']:.3f} | "
+              f"{r['fa2_est_ms']:.3f} |")
+    print("\nPer layer (sum of its passes), ESTIMATES:")
+    for seq in seqs:
+        for layer in ["sdpa"] + a.layers.split(","):
+            rs = [r for r in records if r["layer"] == layer and r["T"] == seq]
+            if rs:
+                tot = sum(r["est_ms"] for r in rs)
+                print(f"  T={seq} {layer}: {tot:.3f} ms = {tot / rs[0]['fa2_est_ms']:.1f}x FlashAttention-2 "
+                      f"({rs[0]['fa2_est_ms']:.3f} ms)")
+    if a.json:
+        a.json.write_text(json.dumps({"gpu": gpu.constants(), "batch": a.batch, "estimate": True,
+                                      "records": records}, indent=1))
+        print(f"wrote {len(records)} records to {a.json}")
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Dict, Optional
 
 from mta_repro.dataclass_config import to_dataclass
+from mta_repro.errors import UserError
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -87,26 +88,26 @@ def to_data_args(cfg) -> DataArgs:
 def validate(args: DataArgs) -> None:
     """Config faults -> ValueError naming the field (files are checked when opened)."""
     if args.layout not in LAYOUTS:
-        raise ValueError(f"data.layout={args.layout!r}: expected one of {LAYOUTS}")
+        raise UserError(f"data.layout={args.layout!r}: expected one of {LAYOUTS}")
     if args.tokenizer.name not in TOKENIZERS:
-        raise ValueError(f"data.tokenizer.name={args.tokenizer.name!r}: expected one of {TOKENIZERS}")
+        raise UserError(f"data.tokenizer.name={args.tokenizer.name!r}: expected one of {TOKENIZERS}")
     for key in ("seq_len", "batch_size"):
         v = getattr(args, key)
         if not isinstance(v, int) or v < 1:
-            raise ValueError(f"data.{key}={v!r}: expected a positive integer")
+            raise UserError(f"data.{key}={v!r}: expected a positive integer")
     for key in ("shuffle_buffer", "prefetch"):
         v = getattr(args, key)
         if not isinstance(v, int) or v < 0:
-            raise ValueError(f"data.{key}={v!r}: expected an integer >= 0")
+            raise UserError(f"data.{key}={v!r}: expected an integer >= 0")
     if not args.sources:
-        raise ValueError("data.sources is empty: expected {domain: weight, ...}")
+        raise UserError("data.sources is empty: expected {domain: weight, ...}")
     for name, w in args.sources.items():
         if isinstance(w, bool) or not isinstance(w, (int, float)) or not math.isfinite(w):
-            raise ValueError(f"data.sources.{name}={w!r}: expected a finite number")
+            raise UserError(f"data.sources.{name}={w!r}: expected a finite number")
         if w < 0:
-            raise ValueError(f"data.sources.{name}={w!r}: weights must be >= 0")
+            raise UserError(f"data.sources.{name}={w!r}: weights must be >= 0")
     if sum(args.sources.values()) <= 0:
-        raise ValueError(f"data.sources: all weights are zero ({dict(args.sources)})")
+        raise UserError(f"data.sources: all weights are zero ({dict(args.sources)})")
 
 
 def active_sources(args: DataArgs) -> Dict[str, float]:

@@ -34,6 +34,7 @@ import torch
 from mta_repro.data.args import DataArgs, active_sources, to_data_args
 from mta_repro.data.sources import BAD_KINDS, DocStream, check_domain, iter_docs
 from mta_repro.data.tokenizers import build_tokenizer
+from mta_repro.errors import UserError
 
 log = logging.getLogger(__name__)
 
@@ -231,16 +232,16 @@ class TrainLoader:
 
     def load_state_dict(self, sd: dict) -> None:
         if sd.get("version") != STATE_VERSION:
-            raise ValueError(f"data loader state: version {sd.get('version')!r}, expected {STATE_VERSION}")
+            raise UserError(f"data loader state: version {sd.get('version')!r}, expected {STATE_VERSION}")
         if (sd["rank"], sd["world_size"]) != (self.rank, self.world_size):
-            raise ValueError(
+            raise UserError(
                 f"data loader state is of rank {sd['rank']}/{sd['world_size']}, loader is rank "
                 f"{self.rank}/{self.world_size} (resuming on another world size cannot be exact)"
             )
         mine = self._config()
         for key, val in sd["config"].items():
             if mine.get(key) != val:
-                raise ValueError(f"data loader state: data.{key} was {val!r}, the config now has {mine.get(key)!r}")
+                raise UserError(f"data loader state: data.{key} was {val!r}, the config now has {mine.get(key)!r}")
         self._join()
         self._load(sd)
 
@@ -257,11 +258,11 @@ class TrainLoader:
         (fewer files than ranks: line-strided parts), the data order restarts with a warning.
         Token/document counters are carried over (on rank 0, so the sums stay right)."""
         if not states:
-            raise ValueError("data loader state: no saved ranks")
+            raise UserError("data loader state: no saved ranks")
         mine = self._config()
         for key, val in states[0]["config"].items():
             if key != "batch_size" and mine.get(key) != val:
-                raise ValueError(f"data loader state: data.{key} was {val!r}, the config now has {mine.get(key)!r}")
+                raise UserError(f"data loader state: data.{key} was {val!r}, the config now has {mine.get(key)!r}")
         self._join()
         old_world = len(states)
         derived = True

@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Dict, Iterator, List, Optional, Tuple
 
 from mta_repro.data.args import DataArgs, resolve_path
+from mta_repro.errors import UserError
 
 log = logging.getLogger(__name__)
 
@@ -65,13 +66,13 @@ def _is_val(p: Path) -> bool:
 def corpus_root(args: DataArgs) -> Path:
     root = resolve_path(args.root_dir)
     if not root.is_dir():
-        raise ValueError(f"data.root_dir={args.root_dir}: no such directory")
+        raise UserError(f"data.root_dir={args.root_dir}: no such directory")
     return root
 
 
 def check_domain(args: DataArgs, domain: str) -> None:
     if args.layout == "slimpajama" and domain not in SET_NAMES:
-        raise ValueError(
+        raise UserError(
             f"data.sources.{domain}: unknown domain for the slimpajama layout; expected one of {sorted(SET_NAMES)}"
         )
 
@@ -83,14 +84,14 @@ def list_files(args: DataArgs, domain: str, split: str = "train") -> List[str]:
     if args.layout == "slimpajama":
         base = root / split
         if not base.is_dir():
-            raise ValueError(f"data.root_dir={args.root_dir}: no {split}/ directory in {root}")
+            raise UserError(f"data.root_dir={args.root_dir}: no {split}/ directory in {root}")
         files = [p for p in base.rglob("*") if _is_jsonl(p)]
         if not files:
-            raise ValueError(f"data.root_dir={args.root_dir}: no *.jsonl or *.jsonl.zst files under {base}")
+            raise UserError(f"data.root_dir={args.root_dir}: no *.jsonl or *.jsonl.zst files under {base}")
     else:
         base = root / domain
         if not base.is_dir():
-            raise ValueError(f"data.sources.{domain}: no directory {base} (layout 'domains')")
+            raise UserError(f"data.sources.{domain}: no directory {base} (layout 'domains')")
         files = [p for p in base.iterdir() if _is_jsonl(p)]
         if split == "train":
             chunked = [p for p in files if re.search(r"\.chunk\.\d+\.jsonl", p.name)]
@@ -99,14 +100,14 @@ def list_files(args: DataArgs, domain: str, split: str = "train") -> List[str]:
             files = [p for p in files if _is_val(p)]
         if not files:
             what = "*.chunk.NN.jsonl[.zst] or *.jsonl[.zst]" if split == "train" else "*.val.jsonl[.zst]"
-            raise ValueError(f"data.sources.{domain}: no {split} files ({what}) in {base}")
+            raise UserError(f"data.sources.{domain}: no {split} files ({what}) in {base}")
     return sorted((str(p.relative_to(root)) for p in files), key=_natural_key)
 
 
 def shard_files(files: List[str], rank: int, world_size: int) -> List[Tuple[str, int, int]]:
     """Rank's share as (file, stride, offset): it reads the lines j with j % stride == offset."""
     if not 0 <= rank < world_size:
-        raise ValueError(f"rank {rank} outside world size {world_size}")
+        raise UserError(f"rank {rank} outside world size {world_size}")
     n = len(files)
     if n >= world_size:
         return [(f, 1, 0) for f in files[rank::world_size]]
@@ -118,7 +119,7 @@ def shard_files(files: List[str], rank: int, world_size: int) -> List[Tuple[str,
     return parts[rank::world_size]
 
 
-class CorruptFileError(ValueError):
+class CorruptFileError(UserError):
     """An input file that cannot be read to its end (a truncated or damaged download)."""
 
 
@@ -316,7 +317,7 @@ class DocStream:
         self.shard = epoch_order(self.base_shard, self.seed, self.domain, int(sd["epoch"]))
         names = [f for f, _, _ in self.shard]
         if sd["file"] not in names:
-            raise ValueError(f"data loader state: file {sd['file']!r} is not in the shard of {self.where}")
+            raise UserError(f"data loader state: file {sd['file']!r} is not in the shard of {self.where}")
         self.close()
         self.file = names.index(sd["file"])
         self.line, self.offset = int(sd["line"]), int(sd["offset"])
@@ -371,7 +372,7 @@ class DocStream:
         self.file, self.line, self.offset = self.file + 1, 0, 0
         if self.file == len(self.shard):
             if self.docs_in_epoch == 0:
-                raise ValueError(
+                raise UserError(
                     f"data: no usable documents for {self.where} in {[f for f, _, _ in self.shard]} "
                     f"under {self.root} (bad records: {self.bad})"
                 )

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import List, Protocol
 
 from mta_repro.data.args import TOKENIZERS, TokenizerArgs, resolve_path
+from mta_repro.errors import UserError
 
 
 class Tokenizer(Protocol):
@@ -57,11 +58,11 @@ class SentencePieceTokenizer:
         try:
             self.sp = spm.SentencePieceProcessor(model_file=str(path))
         except Exception as e:  # sentencepiece raises OSError/RuntimeError on a bad file
-            raise ValueError(f"data.tokenizer.path={path}: not a sentencepiece model ({e})") from None
+            raise UserError(f"data.tokenizer.path={path}: not a sentencepiece model ({e})") from None
         self.n_words = self.sp.vocab_size()
         self.bos_id, self.eos_id = self.sp.bos_id(), self.sp.eos_id()
         if self.bos_id < 0 or self.eos_id < 0:
-            raise ValueError(f"data.tokenizer.path={path}: the sentencepiece model has no BOS/EOS pieces")
+            raise UserError(f"data.tokenizer.path={path}: the sentencepiece model has no BOS/EOS pieces")
 
     def encode(self, text: str, add_bos: bool = True, add_eos: bool = True) -> List[int]:
         return _wrap(self.sp.encode(text), self.bos_id, self.eos_id, add_bos, add_eos)
@@ -108,12 +109,12 @@ class TikTokenTokenizer:
         try:
             ranks = load_tiktoken_bpe(str(path))
         except Exception as e:
-            raise ValueError(f"data.tokenizer.path={path}: not a tiktoken BPE ranks file ({type(e).__name__}: {e})") from None
+            raise UserError(f"data.tokenizer.path={path}: not a tiktoken BPE ranks file ({type(e).__name__}: {e})") from None
         if not ranks or sorted(ranks.values()) != list(range(len(ranks))):
-            raise ValueError(f"data.tokenizer.path={path}: ranks must be 0..n-1 without gaps")
+            raise UserError(f"data.tokenizer.path={path}: ranks must be 0..n-1 without gaps")
         missing = [b for b in range(256) if bytes([b]) not in ranks]
         if missing:
-            raise ValueError(f"data.tokenizer.path={path}: {len(missing)} single bytes have no rank (e.g. {missing[0]})")
+            raise UserError(f"data.tokenizer.path={path}: {len(missing)} single bytes have no rank (e.g. {missing[0]})")
         n = len(ranks)
         specials = {tok: n + i for i, tok in enumerate(llama3_special_tokens())}
         self.model = tiktoken.Encoding(
@@ -152,10 +153,10 @@ def build_tokenizer(tok_args: TokenizerArgs) -> Tokenizer:
     if name == "bytes":
         return ByteTokenizer()
     if name not in TOKENIZERS:
-        raise ValueError(f"data.tokenizer.name={name!r}: expected one of {TOKENIZERS}")
+        raise UserError(f"data.tokenizer.name={name!r}: expected one of {TOKENIZERS}")
     if not tok_args.path:
-        raise ValueError(f"data.tokenizer.path is empty: the {name} tokenizer needs a file")
+        raise UserError(f"data.tokenizer.path is empty: the {name} tokenizer needs a file")
     path = resolve_path(tok_args.path)
     if not path.is_file():
-        raise ValueError(f"data.tokenizer.path={tok_args.path}: no such file")
+        raise UserError(f"data.tokenizer.path={tok_args.path}: no such file")
     return SentencePieceTokenizer(str(path)) if name == "sentencepiece" else TikTokenTokenizer(str(path))

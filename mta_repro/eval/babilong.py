@@ -22,6 +22,7 @@ from typing import Iterable, Optional, Sequence
 
 import torch
 
+from mta_repro.errors import UserError
 from mta_repro.eval.babilong_prompts import PROMPTS, TASK_LABELS, TEMPLATE, LOCATIONS
 
 TASKS = ("qa1", "qa2", "qa3", "qa4", "qa5")
@@ -38,14 +39,14 @@ OPPOSITE = {"north": "south", "south": "north", "east": "west", "west": "east"}
 
 def check_task(task: str) -> None:
     if task not in TASKS:
-        raise ValueError(f"eval.babilong.tasks: unknown task {task!r}; expected one of {TASKS}")
+        raise UserError(f"eval.babilong.tasks: unknown task {task!r}; expected one of {TASKS}")
 
 
 def length_tokens(length) -> int:
     if isinstance(length, int):
         return length
     if length not in LENGTHS:
-        raise ValueError(f"eval.babilong.lengths: unknown length {length!r}; expected one of {list(LENGTHS)}")
+        raise UserError(f"eval.babilong.lengths: unknown length {length!r}; expected one of {list(LENGTHS)}")
     return LENGTHS[length]
 
 
@@ -238,7 +239,7 @@ class BabiGenerator:
             if n >= max_chars:
                 break
         if not sents:
-            raise ValueError("babilong: the background corpus has no sentences")
+            raise UserError("babilong: the background corpus has no sentences")
         self.tok = tokenizer
         self.sents = sents
         self.sent_len = [len(tokenizer.encode(" " + s, add_bos=False, add_eos=False)) for s in sents]
@@ -263,7 +264,7 @@ class BabiGenerator:
         if budget:
             fixed = self.prompt_tokens(task, bare) + answer_tokens
             if fixed > budget:
-                raise ValueError(
+                raise UserError(
                     f"babilong: a {budget}-token length cannot hold the {task} prompt, facts and "
                     f"{answer_tokens} answer tokens (they need {fixed})"
                 )
@@ -320,7 +321,7 @@ def run_babilong(
     for length in lengths:
         length_tokens(length)
     if source not in ("generated", "hf"):
-        raise ValueError(f"eval.babilong.source: expected 'generated' or 'hf', got {source!r}")
+        raise UserError(f"eval.babilong.source: expected 'generated' or 'hf', got {source!r}")
     from mta_repro.eval import dist
 
     gen = BabiGenerator(tokenizer, background) if source == "generated" else None

@@ -16,6 +16,7 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
+from mta_repro.errors import UserError
 from mta_repro.model import KVCache
 
 
@@ -73,7 +74,7 @@ def generate(
     Rows that ended keep being fed (their outputs are ignored) until all rows end.
     """
     if not prompts or any(len(p) == 0 for p in prompts):
-        raise ValueError("generate: every prompt needs at least one token")
+        raise UserError("generate: every prompt needs at least one token")
     device = next(model.parameters()).device
     bsz = len(prompts)
     longest = max(len(p) for p in prompts)
@@ -140,7 +141,7 @@ def generate_text(
     if max_length is not None:
         keep = max_length - max_new_tokens
         if keep < 1:
-            raise ValueError(f"generate: max_length={max_length} leaves no room for a prompt")
+            raise UserError(f"generate: max_length={max_length} leaves no room for a prompt")
         encoded = [e[-keep:] for e in encoded]
     order = sorted(range(len(prompts)), key=lambda i: -len(encoded[i]))
     results: list = [None] * len(prompts)

@@ -24,6 +24,7 @@ from lm_eval.api.registry import register_model
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 from tqdm import tqdm
 
+from mta_repro.errors import UserError
 from mta_repro.eval.progress import Progress
 
 from mta_repro.eval.generate import generate_text
@@ -64,20 +65,20 @@ class MTAReproLM(TemplateLM):
     ):
         super().__init__()
         if unused:
-            raise ValueError(f"mta_repro lm-eval model: unknown model_args {sorted(unused)}")
+            raise UserError(f"mta_repro lm-eval model: unknown model_args {sorted(unused)}")
         if batch_size in (None, "auto") or str(batch_size).startswith("auto"):
             batch_size = 8
         self._rank, self._world_size = _init_distributed(device)
         trained_len = None
         if model is None:
             if pretrained is None:
-                raise ValueError("mta_repro lm-eval model: pass model= or pretrained=<run dir or .pt>")
+                raise UserError("mta_repro lm-eval model: pass model= or pretrained=<run dir or .pt>")
             from mta_repro.eval.load import load_for_eval
 
             model, tokenizer, cfg = load_for_eval(pretrained, device=device, dtype=dtype, tokenizer=tokenizer)
             trained_len = trained_seq_len(cfg)
         elif tokenizer is None:
-            raise ValueError("mta_repro lm-eval model: a model instance needs its tokenizer=")
+            raise UserError("mta_repro lm-eval model: a model instance needs its tokenizer=")
         else:
             from mta_repro.eval.load import check_vocab
 
@@ -166,7 +167,7 @@ class MTAReproLM(TemplateLM):
         reqs = []
         for ctx, cont in pairs:
             if not cont:
-                raise ValueError("lm-eval request with an empty continuation")
+                raise UserError("lm-eval request with an empty continuation")
             whole = (list(ctx) + list(cont))[-(self.max_length + 1) :]
             inp = whole[:-1]
             n = min(len(cont), len(inp))

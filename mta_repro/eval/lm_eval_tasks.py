@@ -12,6 +12,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Optional
 
+from mta_repro.errors import UserError
+
 # The paper's benchmarks (spec 4): zero-shot, and MMLU 5-shot; LAMBADA separately.
 PAPER_ZERO_SHOT = ["boolq", "piqa", "social_iqa", "hellaswag", "winogrande", "arc_easy", "arc_challenge", "openbookqa"]
 PAPER_FEW_SHOT = {"mmlu": 5}
@@ -29,7 +31,7 @@ def check_task_names(names, manager) -> None:
     known = set(manager.all_tasks)
     unknown = [n for n in names if n not in known]
     if unknown:
-        raise ValueError(f"eval.lm_eval.tasks: unknown lm-eval task(s) {unknown}")
+        raise UserError(f"eval.lm_eval.tasks: unknown lm-eval task(s) {unknown}")
 
 
 def write_local_task(
@@ -47,7 +49,7 @@ def write_local_task(
     info = manager.task_index.get(task)
     yaml_path = info.get("yaml_path") if isinstance(info, dict) else getattr(info, "yaml_path", None)
     if info is None or yaml_path in (-1, None):
-        raise ValueError(f"lm-eval task {task!r} has no YAML definition to include")
+        raise UserError(f"lm-eval task {task!r} has no YAML definition to include")
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     name = new_name or f"{task}_local"
@@ -66,7 +68,7 @@ def write_local_task(
     for key, split in (("training_split", "train"), ("validation_split", "validation"), ("test_split", "test")):
         lines.append(f"{key}: {split if split in files else 'null'}")
     if "test" not in files and "validation" not in files:
-        raise ValueError(f"write_local_task: give a 'test' or 'validation' file for {task}")
+        raise UserError(f"write_local_task: give a 'test' or 'validation' file for {task}")
     path = out_dir / f"{name}.yaml"
     path.write_text("\n".join(lines) + "\n")
     return path

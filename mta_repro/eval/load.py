@@ -8,13 +8,14 @@ and reading them is ``mta_repro.weights``'.
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Any, Union
 
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from mta_repro.device import resolve_device  # noqa: F401 - the one device choice (eval.dist, tests)
+from mta_repro.errors import UserError
 from mta_repro.model import build_model
 from mta_repro.weights import find_weights, load_weights, read_config
 
@@ -33,29 +34,8 @@ def resolve_dtype(dtype: Union[str, torch.dtype]) -> torch.dtype:
     if isinstance(dtype, torch.dtype):
         return dtype
     if dtype not in DTYPES:
-        raise ValueError(f"eval dtype: expected one of {sorted(DTYPES)}, got {dtype!r}")
+        raise UserError(f"eval dtype: expected one of {sorted(DTYPES)}, got {dtype!r}")
     return DTYPES[dtype]
-
-
-def resolve_device(device: Union[str, torch.device, None] = "auto") -> torch.device:
-    """"auto" (or None) = the first GPU when there is one, else the CPU. Asking for a
-    GPU that this machine does not have is a clear error, not a CUDA assertion."""
-    if device is None or str(device) == "auto":
-        if not torch.cuda.is_available():
-            return torch.device("cpu")
-        # under torchrun each process takes the GPU of its local rank
-        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)) % torch.cuda.device_count())
-    try:
-        dev = torch.device(device)
-    except (RuntimeError, TypeError) as e:
-        raise ValueError(f"eval device: expected 'auto', 'cpu', 'cuda' or 'cuda:N', got {device!r}") from e
-    if dev.type == "cuda":
-        n = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        if n == 0:
-            raise ValueError(f"eval device: {device!r} was asked for but this machine has no CUDA GPU (use device=auto or device=cpu)")
-        if dev.index is not None and dev.index >= n:
-            raise ValueError(f"eval device: {device!r} was asked for but this machine has {n} CUDA GPU(s)")
-    return dev
 
 
 def load_config(path: Union[str, Path]) -> DictConfig:
@@ -63,7 +43,7 @@ def load_config(path: Union[str, Path]) -> DictConfig:
     cand = find_weights(path)[0]
     cfg = read_config(cand)
     if cfg is None:
-        raise ValueError(f"checkpoint: {cand.path} carries no run config (a consolidated export or a run's "
+        raise UserError(f"checkpoint: {cand.path} carries no run config (a consolidated export or a run's "
                          "checkpoint has one; a Lingua/release checkpoint is converted with mta_repro.release)")
     return OmegaConf.create(cfg)
 
@@ -87,16 +67,16 @@ def load_model(
     w = load_weights(path, who="mta_repro.eval")
     src = w.source.path
     if w.config is None:
-        raise ValueError(f"checkpoint: {src} carries no run config (a consolidated export or a run's checkpoint "
+        raise UserError(f"checkpoint: {src} carries no run config (a consolidated export or a run's checkpoint "
                          "has one; a Lingua/release checkpoint is converted with python -m mta_repro.release)")
     cfg = OmegaConf.create(w.config)
     if "model" not in cfg:
-        raise ValueError(f"checkpoint: the config of {src} has no 'model' section")
+        raise UserError(f"checkpoint: the config of {src} has no 'model' section")
     model = build_model(cfg.model, device="cpu", init=False)
     missing, unexpected = model.load_state_dict(w.state, strict=False)
     missing = [m for m in missing if not m.endswith("output.weight") or not model.args.weight_tying]
     if missing or unexpected:
-        raise ValueError(
+        raise UserError(
             f"checkpoint: {src} does not match the config's model: missing {missing[:5]}, unexpected {unexpected[:5]}"
         )
     model = model.to(device=device, dtype=dtype).eval()
@@ -122,7 +102,7 @@ def load_tokenizer(cfg: Any):
     from mta_repro.data import build_tokenizer
 
     if "data" not in cfg or "tokenizer" not in cfg.data:
-        raise ValueError("config: no data.tokenizer section to build the tokenizer from")
+        raise UserError("config: no data.tokenizer section to build the tokenizer from")
     tok_cfg = cfg.data.tokenizer
     try:
         from mta_repro.data.args import TokenizerArgs
@@ -138,7 +118,7 @@ def check_vocab(tokenizer, model) -> None:
     n_words = int(tokenizer.n_words)
     vocab = int(model.args.vocab_size)
     if n_words != vocab:
-        raise ValueError(
+        raise UserError(
             f"tokenizer has n_words={n_words} but the model's vocab_size is {vocab}: "
             "this tokenizer does not belong to this model (check data.tokenizer)"
         )

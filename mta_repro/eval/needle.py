@@ -36,6 +36,8 @@ from typing import Iterable, Sequence
 
 import torch
 
+from mta_repro.errors import UserError
+
 PREAMBLE = (
     "Some special magic numbers are hidden within the following text. "
     "Make sure to memorize it. I will quiz you about the numbers afterwards.\n"
@@ -73,7 +75,7 @@ class NeedleSample:
 def score_answer(answer: str, references: Sequence[str]) -> float:
     """RULER string match: fraction of the reference strings that occur in the answer."""
     if not references:
-        raise ValueError("score_answer: no reference values")
+        raise UserError("score_answer: no reference values")
     return sum(ref in answer for ref in references) / len(references)
 
 
@@ -118,7 +120,7 @@ class Haystack:
             if n_chars >= max_chars:
                 break
         if not ids:
-            raise ValueError("needle: the background corpus is empty")
+            raise UserError("needle: the background corpus is empty")
         self.ids = ids
         self.ends = ends  # token index right after each sentence (sorted)
         self.starts = [0] + ends[:-1]
@@ -141,7 +143,7 @@ class Haystack:
 class NeedleGenerator:
     def __init__(self, tokenizer, haystack: Haystack, query: str = "one"):
         if query not in ("one", "all"):
-            raise ValueError(f"eval.needle.query: expected 'one' or 'all', got {query!r}")
+            raise UserError(f"eval.needle.query: expected 'one' or 'all', got {query!r}")
         self.tok, self.hay, self.query = tokenizer, haystack, query
 
     def _enc(self, text: str) -> list:
@@ -157,7 +159,7 @@ class NeedleGenerator:
     def check_budget(self, context_len: int, n_needles: int, answer_tokens: int = 0) -> None:
         need = self.fixed_tokens(n_needles) + answer_tokens
         if need > context_len:
-            raise ValueError(
+            raise UserError(
                 f"eval.needle: a context of {context_len} tokens cannot hold {n_needles} needles "
                 f"plus the preamble, question and {answer_tokens} answer tokens (needs at least {need} tokens)"
             )
@@ -168,9 +170,9 @@ class NeedleGenerator:
         """A prompt of ``context_len - answer_tokens`` tokens, so that the prompt and the
         generated answer fit in ``context_len`` (RULER counts the answer in the limit)."""
         if not 0 <= depth <= 100:
-            raise ValueError(f"eval.needle.depths: expected percentages in [0, 100], got {depth}")
+            raise UserError(f"eval.needle.depths: expected percentages in [0, 100], got {depth}")
         if not 1 <= n_needles <= len(_ADJ) * len(_NOUN):
-            raise ValueError(f"eval.needle.needle_counts: bad needle count {n_needles}")
+            raise UserError(f"eval.needle.needle_counts: bad needle count {n_needles}")
         pairs = rng.sample([(a, n) for a in _ADJ for n in _NOUN], n_needles)
         keys = [f"{a}-{n}" for a, n in pairs]
         values = [str(v) for v in rng.sample(range(1_000_000, 10_000_000), n_needles)]
@@ -182,7 +184,7 @@ class NeedleGenerator:
         prompt_len = context_len - answer_tokens
         n_bg = prompt_len - len(head) - len(tail) - sum(len(n) for n in needles)
         if n_bg < 0:
-            raise ValueError(
+            raise UserError(
                 f"eval.needle: a context of {context_len} tokens cannot hold {n_needles} needles "
                 f"plus the preamble, question and {answer_tokens} answer tokens "
                 f"(needs {context_len - n_bg} tokens)"

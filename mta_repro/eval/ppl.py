@@ -18,6 +18,7 @@ from typing import Iterable, Iterator, Optional
 import torch
 import torch.nn.functional as F
 
+from mta_repro.errors import UserError
 from mta_repro.eval.progress import Progress
 
 
@@ -54,7 +55,7 @@ def domain_perplexity(
 ) -> dict:
     """{"ppl", "loss" (mean CE, nats), "tokens", "batches"} for one domain's docs."""
     if seq_len < 1 or batch_size < 1:
-        raise ValueError(f"ppl: seq_len and batch_size must be positive, got {seq_len}, {batch_size}")
+        raise UserError(f"ppl: seq_len and batch_size must be positive, got {seq_len}, {batch_size}")
     from mta_repro.eval import dist
 
     device = next(model.parameters()).device
@@ -84,7 +85,7 @@ def domain_perplexity(
     ces = dist.merge_dicts(ces)
     total = sum(ces[i] for i in range(n_batches))  # in batch order: as one process sums
     if n_tokens == 0:
-        raise ValueError(f"ppl: the documents hold fewer than seq_len+1={seq_len + 1} tokens")
+        raise UserError(f"ppl: the documents hold fewer than seq_len+1={seq_len + 1} tokens")
     loss = total / n_tokens
     return {"ppl": math.exp(loss), "loss": loss, "tokens": n_tokens, "batches": n_batches}
 
@@ -100,7 +101,7 @@ def validation_perplexity(
     known = set(data_mod.domains(data_args))
     unknown = [d for d in names if d not in known]
     if unknown:
-        raise ValueError(f"eval.ppl.domains: unknown domain(s) {unknown}; the data has {sorted(known)}")
+        raise UserError(f"eval.ppl.domains: unknown domain(s) {unknown}; the data has {sorted(known)}")
     seq_len = seq_len or int(data_args.seq_len)
     per = {}
     for name in names:

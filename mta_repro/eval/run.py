@@ -24,6 +24,7 @@ from typing import Optional, Sequence
 
 from omegaconf import OmegaConf
 
+from mta_repro.errors import UserError
 from mta_repro.eval.args import TASK_NAMES, EvalConfig, register_eval_config
 
 log = logging.getLogger("mta_repro.eval")
@@ -42,7 +43,7 @@ def parse_argv(argv: Sequence[str]) -> EvalConfig:
     paths = [a for a in argv if "=" not in a]
     overrides = [a for a in argv if "=" in a]
     if len(paths) > 1:
-        raise ValueError(f"eval: expected one run directory, got {paths}")
+        raise UserError(f"eval: expected one run directory, got {paths}")
     if paths:
         overrides = [f"run_dir={paths[0]}"] + overrides
     from mta_repro.config import CONFIG_DIR
@@ -74,9 +75,9 @@ def _docs(data_args, domain: str, splits):
 def run(cfg: EvalConfig) -> dict:
     unknown = [t for t in cfg.tasks if t not in TASK_NAMES]
     if unknown:
-        raise ValueError(f"eval.tasks: unknown task(s) {unknown}; expected any of {list(TASK_NAMES)}")
+        raise UserError(f"eval.tasks: unknown task(s) {unknown}; expected any of {list(TASK_NAMES)}")
     if cfg.needle.query not in ("one", "all"):
-        raise ValueError(f"eval.needle.query: expected 'one' or 'all', got {cfg.needle.query!r}")
+        raise UserError(f"eval.needle.query: expected 'one' or 'all', got {cfg.needle.query!r}")
     from mta_repro.eval import babilong as bl
     for t in cfg.babilong.tasks if "babilong" in cfg.tasks else ():
         bl.check_task(t)

@@ -23,6 +23,7 @@ from pathlib import Path
 from string import Template
 from typing import Optional
 
+from mta_repro.errors import UserError
 from mta_repro.train.slurm import SubmitError, _time, sbatch
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -54,10 +55,10 @@ def render(run_dir: str, overrides: list[str], *, gpus: int = 1, cpus: int = 8, 
     """(sbatch script, eval command). ValueError for bad resources or overrides."""
     for name, v, lo in (("--gpus", gpus, 0), ("--cpus", cpus, 1), ("--time-min", time_min, 1)):
         if v < lo:
-            raise ValueError(f"{name}: expected >= {lo}, got {v}")
+            raise UserError(f"{name}: expected >= {lo}, got {v}")
     bad = [o for o in overrides if "=" not in o]
     if bad:
-        raise ValueError(f"overrides: expected key=value after the run directory, got {bad}")
+        raise UserError(f"overrides: expected key=value after the run directory, got {bad}")
     rd = Path(run_dir).expanduser()
     rd = rd if rd.is_absolute() else Path.cwd() / rd
     # The overrides as mta_repro.eval will compose them (the run dir need not exist yet).
@@ -67,7 +68,7 @@ def render(run_dir: str, overrides: list[str], *, gpus: int = 1, cpus: int = 8, 
     cfg = compose_eval([f"run_dir={rd}", *overrides])
     unknown = [t for t in cfg.tasks if t not in TASK_NAMES]
     if unknown:
-        raise ValueError(f"tasks: unknown {unknown}; expected some of {list(TASK_NAMES)}")
+        raise UserError(f"tasks: unknown {unknown}; expected some of {list(TASK_NAMES)}")
     if gpus > 0 and str(cfg.device) == "cpu":
         print(f"# warning: the job requests {gpus} GPU(s) but the evaluation runs on device=cpu "
               "(add device=cuda, or --gpus 0)", file=sys.stderr)
@@ -91,7 +92,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     args = _parser().parse_args(sys.argv[1:] if argv is None else argv)
     try:
         if args.after is not None and not all(j.replace("_", "").isdigit() for j in args.after.split(":")):
-            raise ValueError(f"--after: expected a SLURM job id (or ids joined by ':'), got {args.after!r}")
+            raise UserError(f"--after: expected a SLURM job id (or ids joined by ':'), got {args.after!r}")
         script, command = render(
             args.run_dir, args.overrides, gpus=args.gpus, cpus=args.cpus, time_min=args.time_min,
             partition=args.partition, account=args.account, qos=args.qos, job_name=args.job_name,

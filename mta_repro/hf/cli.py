@@ -7,6 +7,8 @@ from typing import Optional, Sequence
 
 import mta_repro.hf as _pkg
 
+from mta_repro.errors import UserError
+
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m mta_repro.hf", description=_pkg.__doc__,
@@ -26,7 +28,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         try:
             import transformers  # noqa: F401
         except ImportError:
-            raise ValueError("transformers is not installed: pip install -e '.[hf]'") from None
+            raise UserError("transformers is not installed: pip install -e '.[hf]'") from None
         from mta_repro.hf.convert import export_hf, import_hf
 
         print(export_hf(args.path, args.out_dir) if args.cmd == "export" else import_hf(args.hf_dir, args.out, args.dtype))

@@ -11,6 +11,7 @@ from typing import Optional, Union
 import torch
 from omegaconf import OmegaConf
 
+from mta_repro.errors import UserError
 from mta_repro.model import ModelArgs
 
 TOKENIZER_NOTE = "mta_repro_tokenizer.json"  # our tokenizer settings, for the way back
@@ -29,7 +30,7 @@ def _permute_heads(w: torch.Tensor, n_heads: int, order: torch.Tensor) -> torch.
 def _check_baseline(args: ModelArgs) -> None:
     if args.diff_transformer or args.mta.use_mta:
         kind = "Differential" if args.diff_transformer else "MTA/talking-heads"
-        raise ValueError(
+        raise UserError(
             f"hf: this is a {kind} model; only baseline weights map onto LlamaForCausalLM "
             "(python -m mta_repro.hf export writes a trust_remote_code folder for the other variants)"
         )
@@ -142,7 +143,7 @@ def _read_hf_state(hf_dir: Path) -> dict:
 
     files = sorted(hf_dir.glob("*.safetensors"))
     if not files:
-        raise ValueError(f"hf import: {hf_dir} has no *.safetensors weights (pytorch_model.bin is not read)")
+        raise UserError(f"hf import: {hf_dir} has no *.safetensors weights (pytorch_model.bin is not read)")
     sd: dict = {}
     for f in files:
         sd.update(load_file(str(f)))
@@ -163,24 +164,24 @@ def hf_to_state(hf_sd: dict, config) -> tuple:
     """LlamaForCausalLM weights and config -> (our baseline state dict, ModelArgs)."""
     c = config
     if getattr(c, "model_type", "llama") != "llama":
-        raise ValueError(f"hf import: model_type {c.model_type!r}; expected 'llama'")
+        raise UserError(f"hf import: model_type {c.model_type!r}; expected 'llama'")
     rope = getattr(c, "rope_parameters", None) or {}
     scaling = getattr(c, "rope_scaling", None)
     rope_type = rope.get("rope_type") or (scaling or {}).get("rope_type") or (scaling or {}).get("type") or "default"
     if rope_type != "default":
-        raise ValueError(
+        raise UserError(
             f"hf import: rope_scaling rope_type={rope_type!r} is not supported (our RoPE has plain "
             "frequencies); Llama 3.1/3.2 checkpoints use 'llama3' scaling"
         )
     if getattr(c, "attention_bias", False) or getattr(c, "mlp_bias", False):
-        raise ValueError("hf import: attention_bias/mlp_bias checkpoints are not supported")
+        raise UserError("hf import: attention_bias/mlp_bias checkpoints are not supported")
     if getattr(c, "hidden_act", "silu") != "silu":
-        raise ValueError(f"hf import: hidden_act {c.hidden_act!r}; expected 'silu'")
+        raise UserError(f"hf import: hidden_act {c.hidden_act!r}; expected 'silu'")
     theta = rope.get("rope_theta", getattr(c, "rope_theta", None))
     H, KV = c.num_attention_heads, c.num_key_value_heads or c.num_attention_heads
     d = getattr(c, "head_dim", None) or c.hidden_size // H
     if H % KV:
-        raise ValueError(f"hf import: {H} attention heads are not a multiple of {KV} key/value heads")
+        raise UserError(f"hf import: {H} attention heads are not a multiple of {KV} key/value heads")
     tied = bool(getattr(c, "tie_word_embeddings", False))
     args = ModelArgs(
         dim=c.hidden_size, n_layers=c.num_hidden_layers, n_heads=H,
@@ -225,7 +226,7 @@ def import_hf(hf_dir: Union[str, Path], out: Union[str, Path], dtype: str = "flo
 
     hf_dir = Path(hf_dir)
     if not (hf_dir / "config.json").is_file():
-        raise ValueError(f"hf import: {hf_dir}/config.json is missing (expected a Hugging Face model folder)")
+        raise UserError(f"hf import: {hf_dir}/config.json is missing (expected a Hugging Face model folder)")
     config = AutoConfig.from_pretrained(str(hf_dir))
     sd, args = hf_to_state(_read_hf_state(hf_dir), config)
     model = build_model(args, device="cpu", init=False)

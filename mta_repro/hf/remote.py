@@ -2,7 +2,7 @@
 ``transformers`` loads with ``trust_remote_code=True``.
 
 The folder's ``modeling_mta_repro.py`` is self-contained: it is this project's own model
-code (``mta_repro/model/args.py``, ``attention_ops.py``, ``transformer.py``) bundled into
+code (``mta_repro/model/args.py``, ``conv_pad.py``, ``attention_ops.py``, ``transformer.py``) bundled into
 one module at export time, with the package imports rewritten to point inside it, plus a
 thin ``PreTrainedModel`` wrapper. So the exported model computes exactly what ours does
 (the reference explicit path and ``F.conv2d``; no C kernel, no mta_repro install needed),
@@ -23,7 +23,7 @@ MODEL_DIR = Path(__file__).resolve().parents[1] / "model"
 MODULE = "modeling_mta_repro"
 
 _HEADER = '''"""Self-contained modeling file written by mta-repro's `python -m mta_repro.hf export`
-(the project's mta_repro/model/{args,attention_ops,transformer}.py bundled into one module,
+(the project's mta_repro/model/{args,conv_pad,attention_ops,transformer}.py bundled into one module,
 plus a transformers wrapper). Load with
 AutoModelForCausalLM.from_pretrained(<folder>, trust_remote_code=True)."""
 
@@ -36,6 +36,7 @@ import types as _types
 # all this one module. The CPU C kernel of mta-repro is not bundled (F.conv2d is used).
 attention_ops = _sys.modules[__name__]
 kq_conv_cpu = _types.SimpleNamespace(available=lambda x: False)
+UserError = ValueError  # mta_repro.errors.UserError is a ValueError
 '''
 
 _WRAPPER = '''
@@ -97,7 +98,7 @@ def _strip_package_imports(src: str) -> str:
         s = line.strip()
         if s.startswith("from __future__"):
             continue
-        if re.match(r"from mta_repro\.model(\.\w+)? import", s):
+        if re.match(r"from mta_repro\.(model(\.\w+)?|errors) import", s):
             indent = line[: len(line) - len(line.lstrip())]
             if indent:  # a function-local import: keep the block non-empty
                 out.append(indent + "pass")
@@ -108,7 +109,7 @@ def _strip_package_imports(src: str) -> str:
 
 def modeling_source() -> str:
     parts = [_HEADER]
-    for name in ("args.py", "attention_ops.py", "transformer.py"):
+    for name in ("args.py", "conv_pad.py", "attention_ops.py", "transformer.py"):
         src = (MODEL_DIR / name).read_text()
         parts.append(f"\n# {'-' * 60} mta_repro/model/{name}\n" + _strip_package_imports(src))
     parts.append(_WRAPPER)

@@ -12,6 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
+from mta_repro.errors import UserError
+
 PAD_KEY_CHOICES = ("left", "right", "both")
 INIT_CHOICES = ("identity", "const", "uniform", "diagonal", "normal")
 # Lingua's ``InitStdFactor`` (lingua/transformer.py): what the std of each block's output
@@ -192,11 +194,11 @@ def _parse_layers(spec: Optional[str], n_layers: int) -> list[int]:
         try:
             idx = int(part)
         except ValueError:
-            raise ValueError(
+            raise UserError(
                 f"model.mta.mta_layers: expected a comma list of integers, got {spec!r}"
             ) from None
         if not 0 <= idx < n_layers:
-            raise ValueError(
+            raise UserError(
                 f"model.mta.mta_layers: layer {idx} is out of range for "
                 f"model.n_layers={n_layers} (ids are 0-based)"
             )
@@ -206,7 +208,7 @@ def _parse_layers(spec: Optional[str], n_layers: int) -> list[int]:
 
 def _positive(name: str, value) -> None:
     if value is not None and (not isinstance(value, int) or value < 1):
-        raise ValueError(f"{name}: expected a positive integer or null, got {value!r}")
+        raise UserError(f"{name}: expected a positive integer or null, got {value!r}")
 
 
 def validate(args: ModelArgs) -> None:
@@ -216,14 +218,14 @@ def validate(args: ModelArgs) -> None:
     _positive("model.head_dim", args.head_dim)
     _positive("model.n_kv_heads", args.n_kv_heads)
     if args.n_heads % args.resolved_n_kv_heads:
-        raise ValueError(
+        raise UserError(
             f"model.n_kv_heads={args.n_kv_heads} must divide model.n_heads={args.n_heads} "
             "(each K/V head serves n_heads / n_kv_heads query heads)"
         )
     if args.norm_order not in NORM_ORDERS:
-        raise ValueError(f"model.norm_order: expected one of {NORM_ORDERS}, got {args.norm_order!r}")
+        raise UserError(f"model.norm_order: expected one of {NORM_ORDERS}, got {args.norm_order!r}")
     if args.init_std_factor not in INIT_STD_FACTORS:
-        raise ValueError(
+        raise UserError(
             f"model.init_std_factor: expected one of {INIT_STD_FACTORS} (Lingua's InitStdFactor), "
             f"got {args.init_std_factor!r}"
         )
@@ -231,32 +233,32 @@ def validate(args: ModelArgs) -> None:
         isinstance(args.init_base_std, bool) or not isinstance(args.init_base_std, (int, float))
         or not args.init_base_std > 0
     ):
-        raise ValueError(f"model.init_base_std: expected a positive number or null, got {args.init_base_std!r}")
+        raise UserError(f"model.init_base_std: expected a positive number or null, got {args.init_base_std!r}")
     if args.head_dim is None and args.dim % args.n_heads:
-        raise ValueError(
+        raise UserError(
             f"model.dim={args.dim} is not divisible by model.n_heads={args.n_heads}; "
             "set model.head_dim explicitly"
         )
     from mta_repro.model.attention_ops import ATTN_IMPLS
 
     if args.attn_impl not in ATTN_IMPLS:
-        raise ValueError(
+        raise UserError(
             f"model.attn_impl: unknown implementation {args.attn_impl!r}; registered: "
             f"{sorted(ATTN_IMPLS)}"
         )
     _positive("model.attn_block_size", args.attn_block_size)
     if not 0.0 <= args.dropout < 1.0:
-        raise ValueError(f"model.dropout: expected 0 <= p < 1, got {args.dropout}")
+        raise UserError(f"model.dropout: expected 0 <= p < 1, got {args.dropout}")
     if args.diff_transformer:
         if args.n_heads % 2:
-            raise ValueError(
+            raise UserError(
                 f"model.n_heads={args.n_heads}: the Differential Transformer pairs heads "
                 "(n_heads/2 heads of value size 2*head_dim), so n_heads must be even"
             )
         if args.mta.use_mta:
-            raise ValueError("model.diff_transformer and model.mta.use_mta are exclusive")
+            raise UserError("model.diff_transformer and model.mta.use_mta are exclusive")
         if args.resolved_n_kv_heads % 2:
-            raise ValueError(
+            raise UserError(
                 f"model.n_kv_heads={args.n_kv_heads}: the Differential Transformer pairs K/V "
                 "heads too (n_kv_heads/2 value heads of size 2*head_dim), so it must be even"
             )
@@ -270,9 +272,9 @@ def validate(args: ModelArgs) -> None:
     ):
         _positive(f"model.mta.{name}", getattr(m, name))
     if m.pad_key not in PAD_KEY_CHOICES:
-        raise ValueError(f"model.mta.pad_key: expected one of {PAD_KEY_CHOICES}, got {m.pad_key!r}")
+        raise UserError(f"model.mta.pad_key: expected one of {PAD_KEY_CHOICES}, got {m.pad_key!r}")
     if m.init_method not in INIT_CHOICES:
-        raise ValueError(
+        raise UserError(
             f"model.mta.init_method: expected one of {INIT_CHOICES}, got {m.init_method!r}"
         )
     for q, k in (
@@ -281,23 +283,23 @@ def validate(args: ModelArgs) -> None:
     ):
         qv, kv = getattr(m, q), getattr(m, k)
         if (qv is None) != (kv is None):
-            raise ValueError(f"model.mta.{q} and model.mta.{k} must be set together (or both null)")
+            raise UserError(f"model.mta.{q} and model.mta.{k} must be set together (or both null)")
         if kv is not None and m.pad_key == "both" and kv % 2 == 0:
-            raise ValueError(
+            raise UserError(
                 f"model.mta.{k}={kv}: pad_key 'both' centres the key window, so the key "
                 "kernel size must be odd"
             )
     if m.head_kernel_size is not None:
         if args.n_heads % m.head_kernel_size:
-            raise ValueError(
+            raise UserError(
                 f"model.mta.head_kernel_size={m.head_kernel_size} must divide "
                 f"model.n_heads={args.n_heads}"
             )
         if m.post_sm_linear_head:
-            raise ValueError(
+            raise UserError(
                 "model.mta.head_kernel_size and model.mta.post_sm_linear_head are two forms "
                 "of post-softmax head mixing; set only one"
             )
     if m.layer_norm_rescale and not m.group_norm:
-        raise ValueError("model.mta.layer_norm_rescale rescales the group norm: it needs model.mta.group_norm")
+        raise UserError("model.mta.layer_norm_rescale rescales the group norm: it needs model.mta.group_norm")
     _parse_layers(m.mta_layers, args.n_layers)  # raises on bad ids

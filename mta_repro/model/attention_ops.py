@@ -37,6 +37,8 @@ import torch
 import torch.nn.functional as F
 import torch.utils.checkpoint
 
+from mta_repro.model.conv_pad import pad_left  # noqa: F401 (attention_ops.pad_left stays importable)
+
 
 @dataclass(frozen=True)
 class AttnMask:
@@ -217,11 +219,6 @@ def explicit_attention_torch(
     if p.dropout > 0.0 and training:
         probs = F.dropout(probs, p=p.dropout)
     return torch.matmul(probs, v)
-
-
-def pad_left(pad_key: str, c_k: int) -> int:
-    """Keys padded before the window (the kernel's key offset 0 sits at this column)."""
-    return {"both": (c_k - 1) // 2, "left": c_k - 1, "right": 0}[pad_key]
 
 
 def masked_kq_conv(

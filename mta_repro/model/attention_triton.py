@@ -62,27 +62,40 @@ probability is <= 1), so the frame's halo never overflows.
 taken from torch's generator (saved for backward): the same masks in forward and
 backward, reproducible seeded runs; not the masks ``F.dropout`` would draw.
 
-Status: verified under ``TRITON_INTERPRET=1`` (tests/test_attn_impls.py and
+*Launch* (``frames.launch_config``, shared with ``scripts/compile_triton.py``): 8 warps,
+1 stage, every loop ``num_stages=1`` (each hands data through scratch: a pipelined reload
+would read stale cells); lengths, offsets and the seed are not specialised (a new batch
+shape reuses the compiled kernel); element offsets are int64; dropout draws with the
+int64 cell index ((b*H + h)*Tq + row)*Tk + col (no wrap at long T); dk/dv atomics are
+relaxed.
+
+Status: exact, verified under ``TRITON_INTERPRET=1`` (tests/test_attn_impls.py and
 tests/test_attn_triton.py: every option against "torch", forward and every gradient,
-bf16, chunked tiling, a whole debug training run). It compiles for sm_90 (H100/H200)
-within the shared-memory limit (``python scripts/compile_triton.py``: 13-98 KB per
-program, 0-6 KB of register spills). Its speed on a GPU is unmeasured: no GPU was
-available while it was written. GPU atomics make dk and dv (not the rest) bitwise
-nondeterministic across runs.
+bf16, chunked tiling, a whole debug training run). It compiles for sm_90 (H100/H200),
+but its compiled code is slow: ``python scripts/compile_triton.py --json PATH`` counts
+what it compiles to and ESTIMATES (roofline, ``model/roofline.py``; no GPU measured it)
+a kq-conv layer at ~170x / ~160x FlashAttention-2's forward+backward at T=2048 / 4096 and
+a mixing layer at ~100x / ~115x: per-tap scalar reloads from scratch, most products off
+tensor cores, and one program walking every key block x 16 heads of its row block.
+``docs/triton_kernel.md`` has the figures and the redesign's targets. GPU atomics make dk
+and dv (not the rest) bitwise nondeterministic across runs.
 """
 
 from __future__ import annotations
 
 import os
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import torch
 
 import triton
 import triton.language as tl
 
+from mta_repro.errors import UserError
 from mta_repro.model import frames
-from mta_repro.model.attention_ops import AttnMask, ExplicitAttnParams
+
+if TYPE_CHECKING:  # types only: attention_ops imports this module (lazily), not the reverse
+    from mta_repro.model.attention_ops import AttnMask, ExplicitAttnParams
 
 # Pass modes of the one kernel (they share every stage of the chain).
 _STATS, _FWD, _BWD_D, _BWD = (tl.constexpr(i) for i in range(4))
@@ -101,7 +114,8 @@ def _load_tile(ptr, b, hc, idx, T, H, d, DP: tl.constexpr, UPCAST: tl.constexpr)
     r = idx[None, :, None]
     e = tl.arange(0, DP)[None, None, :]
     m = (h < H) & (r >= 0) & (r < T) & (e < d)
-    x = tl.load(ptr + ((b * H + h) * T + r) * d + e, mask=m, other=0.0)
+    # int64: B*H*T*d passes 2**31 for long eval batches (B >= 342 at 16 x 4096 x 96)
+    x = tl.load(ptr + ((b.to(tl.int64) * H + h) * T + r) * d + e, mask=m, other=0.0)
     if UPCAST:
         x = x.to(tl.float32) if x.dtype.primitive_bitwidth < 32 else x
     return x
@@ -131,7 +145,7 @@ def _mix_slabs(src, dst, w, H, HP: tl.constexpr, ER: tl.constexpr, EC: tl.conste
     h = tl.arange(0, HP)[:, None, None]
     cell = (h * (ER + 2 * MR) + MR + tl.arange(0, SR)[None, :, None]) * SC + MC + tl.arange(0, EC)[None, None, :]
     tl.debug_barrier()
-    for r0 in range(0, ER, SR):
+    for r0 in tl.range(0, ER, SR, num_stages=1):
         x = tl.load(src + cell + r0 * SC)
         tl.store(dst + cell + r0 * SC, _mix(w, x, HP, SR, EC, USE_DOT, PREC))
     tl.debug_barrier()
@@ -148,7 +162,7 @@ def _mix_grad_slabs(gsrc, xsrc, u_own0, own_c, H, HP: tl.constexpr, ER: tl.const
     u = tl.arange(0, SR)
     cell = (h * (ER + 2 * MR) + MR + u[None, :, None]) * SC + MC + tl.arange(0, EC)[None, None, :]
     acc = tl.zeros([HP, HP], dtype=gsrc.dtype.element_ty)
-    for r0 in range(0, ER, SR):
+    for r0 in tl.range(0, ER, SR, num_stages=1):
         rown = (r0 + u >= u_own0) & (r0 + u < u_own0 + n_own_rows)
         own = (hv < H)[:, None, None] & rown[None, :, None] & own_c[None, None, :]
         g = tl.where(own, tl.load(gsrc + cell + r0 * SC), 0.0)
@@ -196,7 +210,9 @@ def _conv_weight_grad(ptrs, gout, part, SC: tl.constexpr, CQ: tl.constexpr, CK: 
             tl.store(pbase + (a * CK + bb), tl.load(pbase + (a * CK + bb)) + s)
 
 
-@triton.jit
+# Lengths, offsets, counts and the seed change with every batch shape: not specialised, so
+# a new B or T reuses the compiled kernel (H and d stay specialised: fixed per model).
+@triton.jit(do_not_specialize=["Tq", "Tk", "q_off", "n_rt", "n_items", "seed"])
 def _mta_kernel(
     q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, dd_ptr, m_ptr, l_ptr, oacc_ptr, dqacc_ptr, dk_ptr, dv_ptr,
     kv_ptr, k1_ptr, w1_ptr, k2_ptr, w2_ptr, scr_ptr, pk1_ptr, pw1_ptr, pk2_ptr, pw2_ptr,
@@ -230,7 +246,9 @@ def _mta_kernel(
     if HAS_W2:
         w2 = tl.load(w2_ptr + hv[:, None] * H + hv[None, :], mask=hmask[:, None] & hmask[None, :], other=0.0)
 
-    for item in range(pid, n_items, nprog):  # (batch, query block) work items
+    # No loop here may be software-pipelined: each hands data through the scratch slots
+    # (num_stages=1 on every loop; frames.launch_config launches with 1 stage as well).
+    for item in tl.range(pid, n_items, nprog, num_stages=1):  # (batch, query block) work items
         b = item // n_rt
         t = item % n_rt
         rows = t * BMO - TOP + u  # (ER,) query index of each frame row
@@ -248,7 +266,7 @@ def _mta_kernel(
         # Causal skipping: key blocks up to the one holding this block's last query.
         last = tl.minimum(Tq, t * BMO + BMO) - 1 + q_off
         n_ct = tl.minimum(tl.cdiv(Tk, BNO), last // BNO + 1)
-        for ct in range(0, n_ct):
+        for ct in tl.range(0, n_ct, num_stages=1):
             cols = ct * BNO - LEFT + w  # (EC,) key index of each frame column
             col_in = (cols >= 0) & (cols < Tk)
             own_c = (w >= LEFT) & (w < LEFT + BNO) & col_in
@@ -258,7 +276,7 @@ def _mta_kernel(
                 allowed = allowed & (tl.load(kv_ptr + b * Tk + cols, mask=col_in, other=0) != 0)[None, :]
 
             # ---- S -> C (per head chunk), Z = mix(C)
-            for c0 in range(0, HP, HC):
+            for c0 in tl.range(0, HP, HC, num_stages=1):
                 hc = c0 + hl
                 hm3 = (hc < H)[:, None, None]
                 q_c = _load_tile(q_ptr, b, hc, rows, Tq, H, d, DP, UPCAST)  # (HC, ER, DP)
@@ -278,11 +296,11 @@ def _mta_kernel(
                 zslot = scr + _C * SLOT
 
             if MODE == _STATS:
-                for c0 in range(0, HP, HC):
+                for c0 in tl.range(0, HP, HC, num_stages=1):
                     hc = c0 + hl
                     own3 = own[None, :, :] & allowed[None, :, :] & (hc < H)[:, None, None]
                     zm = tl.where(own3, tl.load(zslot + c0 * SLOTH + cell), float("-inf"))
-                    sptr = (b * H + hc[:, None]) * Tq + rows[None, :]
+                    sptr = (b.to(tl.int64) * H + hc[:, None]) * Tq + rows[None, :]
                     smask = (hc < H)[:, None] & own_r[None, :]
                     m_i = tl.load(m_ptr + sptr, mask=smask, other=float("-inf"))
                     l_i = tl.load(l_ptr + sptr, mask=smask, other=0.0)
@@ -293,10 +311,10 @@ def _mta_kernel(
                     tl.store(l_ptr + sptr, l_i, mask=smask)
             else:
                 # ---- P = exp(Z - lse) exactly, R = mask * conv(P), A = mix(R)
-                for c0 in range(0, HP, HC):
+                for c0 in tl.range(0, HP, HC, num_stages=1):
                     hc = c0 + hl
                     al3 = allowed[None, :, :] & (hc < H)[:, None, None]
-                    sptr = (b * H + hc[:, None]) * Tq + rows[None, :]
+                    sptr = (b.to(tl.int64) * H + hc[:, None]) * Tq + rows[None, :]
                     lse = tl.load(lse_ptr + sptr, mask=(hc < H)[:, None] & row_in[None, :], other=0.0)
                     z = tl.load(zslot + c0 * SLOTH + cell)
                     # <= 1 by construction; clamped so that halo junk cannot overflow
@@ -317,20 +335,22 @@ def _mta_kernel(
                         aslot = scr + _R * SLOT
 
                 # ---- A V (forward); dA = dO V^T, dv (backward)
-                for c0 in range(0, HP, HC):
+                for c0 in tl.range(0, HP, HC, num_stages=1):
                     hc = c0 + hl
                     hm3 = (hc < H)[:, None, None]
                     own3 = own[None, :, :] & hm3
                     v_c = _load_tile(v_ptr, b, hc, cols, Tk, H, d, DP, UPCAST)  # (HC, EC, DP)
                     if DROP:
-                        offs = (hc[:, None, None] * Tq + rows[None, :, None]) * Tk + cols[None, None, :]
-                        keep = tl.rand(seed + b, offs) >= p_drop
+                        # int64 cell index of (b, h, row, col): distinct for every cell, no wrap
+                        offs = (((b.to(tl.int64) * H + hc[:, None, None]) * Tq + rows[None, :, None]) * Tk
+                                + cols[None, None, :])
+                        keep = tl.rand(seed, offs) >= p_drop
                     if MODE != _BWD_D:
                         a_ = tl.load(aslot + c0 * SLOTH + cell)
                         if DROP:
                             a_ = tl.where(keep, a_ / (1.0 - p_drop), 0.0)
                         a_own = tl.where(own3, a_, 0.0)
-                    optr = ((b * H + hc[:, None, None]) * Tq + rows[None, :, None]) * d + e[None, None, :]
+                    optr = ((b.to(tl.int64) * H + hc[:, None, None]) * Tq + rows[None, :, None]) * d + e[None, None, :]
                     omask = hm3 & own_r[None, :, None] & (e < d)[None, None, :]
                     if MODE == _FWD:
                         o_c = tl.dot(a_own.to(v_c.dtype), v_c, input_precision=PREC, out_dtype=ACC)
@@ -343,10 +363,12 @@ def _mta_kernel(
                         _put(scr + _DA * SLOT + c0 * SLOTH + cell, da)
                         if MODE == _BWD:
                             # dv of the owned key block: other query blocks add to the same keys
-                            kptr = ((b * H + hc[:, None, None]) * Tk + cols[None, :, None]) * d + e[None, None, :]
+                            kptr = ((b.to(tl.int64) * H + hc[:, None, None]) * Tk + cols[None, :, None]) * d + e[None, None, :]
                             kmask = hm3 & own_c[None, :, None] & (e < d)[None, None, :]
-                            dv_c = tl.dot(tl.trans(a_own, 0, 2, 1), do_c.to(ACC), input_precision=PREC, out_dtype=ACC)
-                            tl.atomic_add(dv_ptr + kptr, dv_c, mask=kmask)
+                            # A in the inputs' dtype, as for A V (tensor cores for bf16 inputs)
+                            dv_c = tl.dot(tl.trans(a_own, 0, 2, 1).to(do_c.dtype), do_c, input_precision=PREC,
+                                          out_dtype=ACC)
+                            tl.atomic_add(dv_ptr + kptr, dv_c, mask=kmask, sem="relaxed")
 
                 if MODE != _FWD:
                     # ---- dR = mix^T(dA); dP = conv^T(mask * dR)
@@ -359,7 +381,7 @@ def _mta_kernel(
                                                    SC, MR, MC, n_own_rows, USE_DOT, PREC)
                     else:
                         drslot = scr + _DA * SLOT
-                    for c0 in range(0, HP, HC):
+                    for c0 in tl.range(0, HP, HC, num_stages=1):
                         hc = c0 + hl
                         hm3 = (hc < H)[:, None, None]
                         al3 = allowed[None, :, :] & hm3
@@ -371,7 +393,7 @@ def _mta_kernel(
                         else:
                             dp = dr
                         p = tl.load(scr + _P * SLOT + c0 * SLOTH + cell)
-                        sptr = (b * H + hc[:, None]) * Tq + rows[None, :]
+                        sptr = (b.to(tl.int64) * H + hc[:, None]) * Tq + rows[None, :]
                         if MODE == _BWD_D:
                             smask = (hc < H)[:, None] & own_r[None, :]
                             dsum = tl.sum(tl.where(own3, p * dp, 0.0), axis=2)
@@ -393,7 +415,7 @@ def _mta_kernel(
                         dcslot = scr + _DA * SLOT
                     else:
                         dcslot = scr + _ZA * SLOT
-                    for c0 in range(0, HP, HC):
+                    for c0 in tl.range(0, HP, HC, num_stages=1):
                         hc = c0 + hl
                         hm3 = (hc < H)[:, None, None]
                         own3 = own[None, :, :] & hm3
@@ -408,14 +430,16 @@ def _mta_kernel(
                         ds_own = tl.where(own3 & allowed[None, :, :], ds * scale, 0.0)
                         q_c = _load_tile(q_ptr, b, hc, rows, Tq, H, d, DP, UPCAST)
                         k_c = _load_tile(k_ptr, b, hc, cols, Tk, H, d, DP, UPCAST)
-                        optr = ((b * H + hc[:, None, None]) * Tq + rows[None, :, None]) * d + e[None, None, :]
+                        optr = ((b.to(tl.int64) * H + hc[:, None, None]) * Tq + rows[None, :, None]) * d + e[None, None, :]
                         omask = hm3 & own_r[None, :, None] & (e < d)[None, None, :]
-                        dq_c = tl.dot(ds_own, k_c.to(ACC), input_precision=PREC, out_dtype=ACC)
+                        # dS in the inputs' dtype (FlashAttention's choice): tensor cores for bf16 inputs
+                        dq_c = tl.dot(ds_own.to(k_c.dtype), k_c, input_precision=PREC, out_dtype=ACC)
                         tl.store(dqacc_ptr + optr, tl.load(dqacc_ptr + optr, mask=omask, other=0.0) + dq_c, mask=omask)
-                        kptr = ((b * H + hc[:, None, None]) * Tk + cols[None, :, None]) * d + e[None, None, :]
+                        kptr = ((b.to(tl.int64) * H + hc[:, None, None]) * Tk + cols[None, :, None]) * d + e[None, None, :]
                         kmask = hm3 & own_c[None, :, None] & (e < d)[None, None, :]
-                        dk_c = tl.dot(tl.trans(ds_own, 0, 2, 1), q_c.to(ACC), input_precision=PREC, out_dtype=ACC)
-                        tl.atomic_add(dk_ptr + kptr, dk_c, mask=kmask)
+                        dk_c = tl.dot(tl.trans(ds_own, 0, 2, 1).to(q_c.dtype), q_c, input_precision=PREC,
+                                      out_dtype=ACC)
+                        tl.atomic_add(dk_ptr + kptr, dk_c, mask=kmask, sem="relaxed")
 
         if MODE == _BWD:
             wptr = item * (HP * HP) + hv[:, None] * HP + hv[None, :]
@@ -434,13 +458,13 @@ def _tiling(hp: int, er: int, device: torch.device) -> tuple[int, int]:
         try:
             hc, sr = (int(x) for x in spec.lower().split("x"))
         except ValueError:
-            raise ValueError(f"MTA_TRITON_CHUNKS={spec!r}: expected HCxSR, e.g. 2x4") from None
+            raise UserError(f"MTA_TRITON_CHUNKS={spec!r}: expected HCxSR, e.g. 2x4") from None
         if hc < 1 or sr < 1 or hp % hc or er % sr or hc & (hc - 1) or sr & (sr - 1):
-            raise ValueError(f"MTA_TRITON_CHUNKS={spec!r}: powers of two dividing {hp} heads and {er} frame rows")
+            raise UserError(f"MTA_TRITON_CHUNKS={spec!r}: powers of two dividing {hp} heads and {er} frame rows")
         return hc, sr
     if device.type == "cpu":
         return hp, er
-    return 1, min(er, 4)
+    return frames.gpu_chunks(hp, er)
 
 
 def _launch(mode, q, k, v, do, bufs: dict, kv, k1, w1, k2, w2, pad_key, q_off, p_drop, seed):
@@ -473,6 +497,7 @@ def _launch(mode, q, k, v, do, bufs: dict, kv, k1, w1, k2, w2, pad_key, q_off, p
     def buf(name):
         return bufs.get(name, dummy)
 
+    num_warps, num_stages = frames.launch_config(frames.PASSES[mode.value], pre, post)
     try:
         _mta_kernel[(n_prog,)](
             q, k, v, do if do is not None else q, buf("lse"), buf("dd"), buf("m"), buf("l"), buf("oacc"),
@@ -488,6 +513,7 @@ def _launch(mode, q, k, v, do, bufs: dict, kv, k1, w1, k2, w2, pad_key, q_off, p
             HAS_K1=k1 is not None, CQ1=cq1, CK1=ck1, PL1=frames.pad_left(pad_key, ck1), HAS_W1=w1 is not None,
             HAS_K2=k2 is not None, CQ2=cq2, CK2=ck2, PL2=frames.pad_left(pad_key, ck2), HAS_W2=w2 is not None,
             HAS_KV=kv is not None, DROP=p_drop > 0.0, UPCAST=q.device.type == "cpu",
+            num_warps=num_warps, num_stages=num_stages,
         )
     except triton.runtime.errors.OutOfResources as e:
         # What a real compile shows and the interpreter cannot (scripts/compile_triton.py
@@ -511,7 +537,7 @@ class _MTATriton(torch.autograd.Function):
         b, h, tq, d = q.shape
         acc = q.dtype if q.dtype == torch.float64 else torch.float32
         kv = None if key_valid is None else key_valid.to(torch.int8).contiguous()
-        seed = int(torch.randint(0, 2**30, ())) if p_drop > 0.0 else 0  # + batch index stays int32
+        seed = int(torch.randint(0, 2**31 - 1, ())) if p_drop > 0.0 else 0
         args = dict(kv=kv, k1=k1, w1=w1, k2=k2, w2=w2, pad_key=pad_key, q_off=q_off, p_drop=p_drop, seed=seed)
         stats = {"m": torch.full((b, h, tq), float("-inf"), dtype=acc, device=q.device),
                  "l": torch.zeros(b, h, tq, dtype=acc, device=q.device)}

@@ -13,6 +13,7 @@ from typing import Union
 
 import torch
 
+from mta_repro.errors import UserError
 from mta_repro.model.args import MTAArgs, ModelArgs
 from mta_repro.model.transformer import Transformer
 
@@ -36,9 +37,9 @@ def baseline_to_mta(
 
     mta = MTAArgs(**mta) if isinstance(mta, dict) else mta
     if baseline_args.mta.use_mta or baseline_args.diff_transformer:
-        raise ValueError("baseline_to_mta: the source model must be the plain baseline (model.mta.use_mta false)")
+        raise UserError("baseline_to_mta: the source model must be the plain baseline (model.mta.use_mta false)")
     if not mta.use_mta:
-        raise ValueError("baseline_to_mta: model.mta.use_mta must be true for the target")
+        raise UserError("baseline_to_mta: model.mta.use_mta must be true for the target")
     if exact:
         for name, bad in (
             ("init_method", mta.init_method != "identity"),
@@ -46,7 +47,7 @@ def baseline_to_mta(
             ("add_gating", mta.add_gating),
         ):
             if bad:
-                raise ValueError(
+                raise UserError(
                     f"baseline_to_mta: model.mta.{name}={getattr(mta, name)!r} would change the "
                     "baseline's outputs at insertion; use init_method=identity, group_norm=false, "
                     "add_gating=false, or pass exact=False"
@@ -55,9 +56,9 @@ def baseline_to_mta(
     model = build_model(args, device=device, init=True)  # MTA parts: identity per init_method
     missing, unexpected = model.load_state_dict(baseline_state, strict=False)
     if unexpected:
-        raise ValueError(f"baseline_to_mta: keys not in the MTA model: {sorted(unexpected)[:5]}")
+        raise UserError(f"baseline_to_mta: keys not in the MTA model: {sorted(unexpected)[:5]}")
     new_parts = ("mta_kernel", "mta_kernel_after_sm", "wpsm", "wposm", "head_kernel", "subln", "gate")
     not_new = [k for k in missing if not any(f".attention.{p}" in k for p in new_parts)]
     if not_new:
-        raise ValueError(f"baseline_to_mta: baseline state lacks {sorted(not_new)[:5]}")
+        raise UserError(f"baseline_to_mta: baseline state lacks {sorted(not_new)[:5]}")
     return model

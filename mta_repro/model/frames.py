@@ -13,13 +13,32 @@ import os
 from dataclasses import dataclass
 from typing import Optional
 
-from mta_repro.model.attention_ops import pad_left
+from mta_repro.errors import UserError
+from mta_repro.model.conv_pad import pad_left  # noqa: F401 (frames.pad_left for the launcher)
 
 # The kernel's passes, in the order they run (forward: 0, 1; backward: 2, 3).
 PASSES = ("stats", "forward", "backward_rowsum", "backward")
 # Scratch slots per program, and programs per SM of the persistent grid on a GPU.
 N_SLOTS = 7
 PROGRAMS_PER_SM = 4
+
+
+def launch_config(pass_: str, pre: Optional[tuple[int, int]], post: Optional[tuple[int, int]]) -> tuple[int, int]:
+    """(num_warps, num_stages) of a pass on a GPU: the one source for the launcher and
+    scripts/compile_triton.py, so the report describes what runs. 8 warps: at 4 the mixing
+    backward spills and the kq-conv backward's compile does not finish in minutes.
+    1 stage: no loop of this kernel may be software-pipelined, since each one hands data
+    to the next through the scratch slots (a prefetched reload would read stale cells);
+    the loops also say so themselves (``tl.range(..., num_stages=1)``)."""
+    if pass_ not in PASSES:
+        raise ValueError(f"unknown pass {pass_!r}; expected one of {PASSES}")
+    return 8, 1
+
+
+def gpu_chunks(hp: int, er: int) -> tuple[int, int]:
+    """(heads per chunk, frame rows per mixing slab) on a GPU: registers and shared memory
+    (``scripts/compile_triton.py``); the interpreter takes whole tiles."""
+    return 1, min(er, 4)
 
 
 @dataclass(frozen=True)
@@ -44,9 +63,9 @@ def frame_override() -> Optional[tuple[int, int]]:
     try:
         er, ec = (int(x) for x in spec.lower().split("x"))
     except ValueError:
-        raise ValueError(f"MTA_TRITON_FRAME={spec!r}: expected ROWSxCOLS, e.g. 64x64") from None
+        raise UserError(f"MTA_TRITON_FRAME={spec!r}: expected ROWSxCOLS, e.g. 64x64") from None
     if er < 1 or ec < 1 or er != pow2(er) or ec != pow2(ec):
-        raise ValueError(f"MTA_TRITON_FRAME={spec!r}: both sizes must be powers of two")
+        raise UserError(f"MTA_TRITON_FRAME={spec!r}: both sizes must be powers of two")
     return er, ec
 
 
@@ -74,7 +93,7 @@ def frame(pass_: str, pre: Optional[tuple[int, int]], post: Optional[tuple[int, 
     if override is not None:
         er, ec = override
         if er <= top + bot or ec <= left + right:
-            raise ValueError(
+            raise UserError(
                 f"MTA_TRITON_FRAME={er}x{ec} leaves no owned block: the halo needs "
                 f"{top + bot + 1}x{left + right + 1} at least")
     else:
@@ -104,9 +123,10 @@ def slot_elements(f: Frame, pre, post, n_heads: int) -> int:
 def cells_visited(f: Frame, tq: int, tk: int, q_offset: int = 0) -> int:
     """Frame cells one (batch, head) pass computes: every row block's frames, over the key
     blocks up to the one holding its last query (the kernel's causal skipping)."""
-    total = 0
-    for r0 in range(0, tq, f.bmo):
-        last = min(tq, r0 + f.bmo) - 1 + q_offset
-        n_ct = min(-(-tk // f.bno), last // f.bno + 1)
-        total += f.er * f.ec * n_ct
-    return total
+    return sum(f.er * f.ec * key_blocks(f, t, tq, tk, q_offset) for t in range(-(-tq // f.bmo)))
+
+
+def key_blocks(f: Frame, t: int, tq: int, tk: int, q_offset: int = 0) -> int:
+    """Key blocks row block ``t`` walks: up to the one holding its last query."""
+    last = min(tq, (t + 1) * f.bmo) - 1 + q_offset
+    return min(-(-tk // f.bno), last // f.bno + 1)

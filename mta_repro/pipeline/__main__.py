@@ -20,6 +20,8 @@ from __future__ import annotations
 import sys
 from typing import Optional, Sequence
 
+from mta_repro.errors import UserError
+
 LAUNCHERS = ("local", "slurm")
 
 
@@ -31,7 +33,7 @@ def build_plan(overrides: Sequence[str]):
 
     cfg = compose(list(overrides), config_name="run_pipeline")
     if cfg.launcher not in LAUNCHERS:
-        raise ValueError(f"launcher: expected one of {LAUNCHERS}, got {cfg.launcher!r}")
+        raise UserError(f"launcher: expected one of {LAUNCHERS}, got {cfg.launcher!r}")
     OmegaConf.resolve(cfg)
     return Plan(cfg.pipeline, cfg.root, python=cfg.python or sys.executable), cfg
 

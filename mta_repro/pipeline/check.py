@@ -18,6 +18,8 @@ import sys
 from pathlib import Path
 from typing import Optional, Sequence
 
+from mta_repro.errors import UserError
+
 DEFAULT_TOL = 1e-4
 RESULT_FILE = "appendix_i_check.json"
 
@@ -40,7 +42,7 @@ def first_batch_losses(overrides: Sequence[str], device: str = "auto") -> dict:
     cfg = compose(list(overrides))
     ck = to_dataclass(CheckpointArgs, cfg.checkpoint, "checkpoint")
     if ck.init_from is None:
-        raise ValueError("appendix I check: the stage needs checkpoint.init_from (the source model)")
+        raise UserError("appendix I check: the stage needs checkpoint.init_from (the source model)")
     dev = torch.device("cuda" if device == "auto" and torch.cuda.is_available() else
                        ("cpu" if device == "auto" else device))
     allow_tf32 = torch.backends.cuda.matmul.allow_tf32
@@ -111,7 +113,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             rest.append(a)
     try:
         res = check(rest, tol, device)
-    except ValueError as e:
+    except UserError as e:
         print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
         return 2
     line = (f"appendix I check: first-batch loss source {res['source_loss']:.6f} | inserted "

@@ -21,12 +21,14 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
+from mta_repro.errors import UserError
+
 
 def source_of(data_args) -> Path:
     root = data_args._get_parent() if isinstance(data_args, DictConfig) else None
     src = root.checkpoint.get("init_from") if root is not None and "checkpoint" in root else None
     if not src:
-        raise ValueError("trainer.loader=mta_repro.pipeline.data:build_continued_loader: needs "
+        raise UserError("trainer.loader=mta_repro.pipeline.data:build_continued_loader: needs "
                          "checkpoint.init_from (the run whose data position to continue)")
     return Path(str(src))
 
@@ -37,11 +39,11 @@ def source_stream_state(src: Path, rank: int, world_size: int) -> dict:
     from mta_repro.weights.safe import decode_state, dcp_load
 
     if src.is_file():
-        raise ValueError(f"checkpoint.init_from={src}: a consolidated .pt holds no data position; continuing the "
+        raise UserError(f"checkpoint.init_from={src}: a consolidated .pt holds no data position; continuing the "
                          "data needs the source run directory (or one of its checkpoint directories)")
     ckpt = src if (src / COMPLETE).exists() else latest_checkpoint(src)
     if ckpt is None:
-        raise ValueError(f"checkpoint.init_from={src}: no complete checkpoint to continue the data from")
+        raise UserError(f"checkpoint.init_from={src}: no complete checkpoint to continue the data from")
     key = f"rank{rank}"
     state = {key: b""}
     try:
@@ -49,14 +51,14 @@ def source_stream_state(src: Path, rank: int, world_size: int) -> dict:
     except UnsafeFileError:
         raise
     except Exception as e:  # noqa: BLE001 - name what is missing
-        raise ValueError(f"{ckpt}: no data-loader state of rank {rank} ({e}); the source must have run on "
+        raise UserError(f"{ckpt}: no data-loader state of rank {rank} ({e}); the source must have run on "
                          f"{world_size} rank(s) like this stage") from None
     per_rank = decode_state(state[key], f"checkpoint {ckpt}: {key}")
     data = per_rank.get("data") if isinstance(per_rank, dict) else None
     if not data or "streams" not in data:
-        raise ValueError(f"{ckpt}: rank {rank} saved no data-loader state")
+        raise UserError(f"{ckpt}: rank {rank} saved no data-loader state")
     if data.get("world_size") != world_size:
-        raise ValueError(f"{ckpt}: saved by {data.get('world_size')} rank(s), this stage runs on {world_size}; "
+        raise UserError(f"{ckpt}: saved by {data.get('world_size')} rank(s), this stage runs on {world_size}; "
                          "file shards are per rank, so continuing the data needs the same number of ranks")
     return data["streams"]
 

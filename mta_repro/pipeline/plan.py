@@ -40,6 +40,7 @@ from typing import Optional
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from mta_repro.config import CONFIG_DIR
+from mta_repro.errors import UserError
 
 REPO = CONFIG_DIR.parent
 VARIANTS = ("baseline", "diff", "talking_heads", "mta")
@@ -74,14 +75,14 @@ def _list(node, where: str) -> list:
         return []
     if isinstance(node, (list, tuple, ListConfig)):
         return [str(x) for x in node]
-    raise ValueError(f"{where}: expected a list, got {node!r}")
+    raise UserError(f"{where}: expected a list, got {node!r}")
 
 
 def _fmt(s: str, variant: str, where: str) -> str:
     try:
         return s.replace("{variant}", variant)
     except AttributeError:
-        raise ValueError(f"{where}: expected a string, got {s!r}") from None
+        raise UserError(f"{where}: expected a string, got {s!r}") from None
 
 
 def _experiment(stage: dict, variant: str, where: str) -> Optional[str]:
@@ -90,7 +91,7 @@ def _experiment(stage: dict, variant: str, where: str) -> Optional[str]:
         return None
     if isinstance(exp, (dict, DictConfig)):
         if variant not in exp:
-            raise ValueError(f"{where}.experiment: no experiment for variant {variant!r} (has {sorted(exp)})")
+            raise UserError(f"{where}.experiment: no experiment for variant {variant!r} (has {sorted(exp)})")
         return str(exp[variant])
     return _fmt(str(exp), variant, f"{where}.experiment")
 
@@ -143,11 +144,11 @@ def sweep_points(experiment: str) -> list:
 
     path = CONFIG_DIR / "experiment" / f"{experiment}.yaml"
     if not path.is_file():
-        raise ValueError(f"experiment={experiment}: no {path}")
+        raise UserError(f"experiment={experiment}: no {path}")
     raw = OmegaConf.load(path)
     params = OmegaConf.select(raw, "hydra.sweeper.params")
     if not params:
-        raise ValueError(f"experiment={experiment}: sweep: true but it has no hydra.sweeper.params")
+        raise UserError(f"experiment={experiment}: sweep: true but it has no hydra.sweeper.params")
     parsed = OverridesParser.create().parse_overrides([f"{k}={v}" for k, v in params.items()])
     axes = [[f"{o.get_key_element()}={v}" for v in o.sweep_string_iterator()] for o in parsed]
     return [list(c) for c in itertools.product(*axes)]
@@ -181,31 +182,31 @@ class Plan:
         s = self.spec
         extra = set(s) - PIPELINE_KEYS
         if extra:
-            raise ValueError(f"pipeline: unknown field(s) {sorted(extra)}; expected {sorted(PIPELINE_KEYS)}")
+            raise UserError(f"pipeline: unknown field(s) {sorted(extra)}; expected {sorted(PIPELINE_KEYS)}")
         for v in _list(s.get("variants"), "pipeline.variants"):
             if v not in VARIANTS:
-                raise ValueError(f"pipeline.variants: unknown variant {v!r}; expected any of {list(VARIANTS)}")
+                raise UserError(f"pipeline.variants: unknown variant {v!r}; expected any of {list(VARIANTS)}")
         if not s.get("stages"):
-            raise ValueError("pipeline.stages: empty; expected a list of stages")
+            raise UserError("pipeline.stages: empty; expected a list of stages")
         names = []
         for i, st in enumerate(s.stages):
             where = f"pipeline.stages[{i}]"
             extra = set(st) - STAGE_KEYS
             if extra:
-                raise ValueError(f"{where}: unknown field(s) {sorted(extra)}; expected {sorted(STAGE_KEYS)}")
+                raise UserError(f"{where}: unknown field(s) {sorted(extra)}; expected {sorted(STAGE_KEYS)}")
             if not st.get("name"):
-                raise ValueError(f"{where}.name: required")
+                raise UserError(f"{where}.name: required")
             if st.name in names:
-                raise ValueError(f"{where}.name: {st.name!r} appears twice")
+                raise UserError(f"{where}.name: {st.name!r} appears twice")
             if st.get("experiment") is None:
-                raise ValueError(f"{where}.experiment: required (a configs/experiment name, may use {{variant}})")
+                raise UserError(f"{where}.experiment: required (a configs/experiment name, may use {{variant}})")
             src = st.get("init_from")
             if src is not None and str(src).split("/")[0] not in names:
-                raise ValueError(f"{where}.init_from: {src!r} is not an earlier stage (earlier: {names})")
+                raise UserError(f"{where}.init_from: {src!r} is not an earlier stage (earlier: {names})")
             if st.get("check_first_loss") and src is None:
-                raise ValueError(f"{where}.check_first_loss: needs init_from (the source model)")
+                raise UserError(f"{where}.check_first_loss: needs init_from (the source model)")
             if st.get("continue_data") and src is None:
-                raise ValueError(f"{where}.continue_data: needs init_from (the run whose data position it continues)")
+                raise UserError(f"{where}.continue_data: needs init_from (the run whose data position it continues)")
             names.append(st.name)
 
     def _build(self) -> None:
@@ -237,12 +238,12 @@ class Plan:
                         points.append((_safe_name(Path(str(cfg.run_dir)).name), concrete))
                     names = [p for p, _ in points]
                     if len(set(names)) != len(names):
-                        raise ValueError(f"{where}: experiment={exp} names two sweep points alike ({names}); "
+                        raise UserError(f"{where}: experiment={exp} names two sweep points alike ({names}); "
                                          "its run_dir must contain every swept value")
                 for point, pt in points:
                     label = f"{st.name}/{point}"
                     if label in self.train_dirs:
-                        raise ValueError(f"{where}: run {label} planned twice")
+                        raise UserError(f"{where}: run {label} planned twice")
                     run_dir = self.root / st.name / point
                     ov = base + [_point_value(o) for o in pt]
                     if st.get("sweep"):
@@ -253,7 +254,7 @@ class Plan:
                         src = str(st.init_from)
                         src_label = src if "/" in src else f"{src}/{variant}"
                         if src_label not in self.train_dirs:
-                            raise ValueError(f"{where}.init_from: {src!r}: no run {src_label} in the plan "
+                            raise UserError(f"{where}.init_from: {src!r}: no run {src_label} in the plan "
                                              f"(planned: {sorted(self.train_dirs)})")
                         src_dir = self.train_dirs[src_label]
                         ov.append(f"checkpoint.init_from={src_dir}")
@@ -312,7 +313,7 @@ class Plan:
             for split, p in files.items():
                 f = resolve_path(str(p))
                 if not f.is_file():
-                    raise ValueError(f"pipeline.lm_eval_local.{task}.{split}: {p} does not exist")
+                    raise UserError(f"pipeline.lm_eval_local.{task}.{split}: {p} does not exist")
                 paths[str(split)] = f
             write_local_task(str(task), paths, out, manager=manager)
         return out
@@ -385,4 +386,4 @@ def done(job: Job) -> bool:
         newest = [f.stat().st_mtime for d in job.runs for f in (d / "eval").glob("*.json")] if job.runs else []
         newest += [(d / "metrics.jsonl").stat().st_mtime for d in job.runs if (d / "metrics.jsonl").is_file()]
         return all(t >= x for x in newest)
-    raise ValueError(f"unknown job kind {job.kind!r}")
+    raise UserError(f"unknown job kind {job.kind!r}")

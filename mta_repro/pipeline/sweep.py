@@ -1,7 +1,7 @@
 """Sweeps that cannot merge: the conv-layer resolver and the Hydra sweep guard.
 
-* ``${mta_layers_every:<n_layers>,<k>}`` (an OmegaConf resolver, registered by
-  ``mta_repro.config``): every k-th layer counted from layer 2 (the release's
+* ``${mta_layers_every:<n_layers>,<k>}`` (an OmegaConf resolver, registered with the
+  others in ``mta_repro/resolvers.py``): every k-th layer counted from layer 2 (the release's
   ``2,6,10,...`` for k=4), derived from the model's depth, so the conv-layer sweep works for
   any size. A stride that leaves the model with fewer than two distinct choices
   (k >= n_layers) is refused with the valid range.
@@ -20,6 +20,8 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
+from mta_repro.errors import UserError
+
 FIRST_CONV_LAYER = 2  # the release's choice: 2, 6, 10, ... (0-based)
 
 
@@ -30,7 +32,7 @@ def mta_layers_every(n_layers: Any, stride: Any) -> str:
         return ",".join(str(i) for i in range(n))
     if k < 1 or k >= n or FIRST_CONV_LAYER >= n:
         hi = n - 1
-        raise ValueError(
+        raise UserError(
             f"model.mta.mta_layers: every {k}th layer is not a valid choice for model.n_layers={n} "
             f"(valid strides: 1..{hi}" + ("" if FIRST_CONV_LAYER < n else f"; a model of {n} layers has no layer "
                                              f"{FIRST_CONV_LAYER}") + ")"
@@ -42,14 +44,7 @@ def required(field: str, what: str = "a value") -> None:
     """``${required:checkpoint.init_from,'the pretraining run'}``: a field the user (or the
     pipeline) must set; reading it unset is an error naming the field. (A YAML ``???``
     cannot override a group's default: OmegaConf merges skip missing values.)"""
-    raise ValueError(f"{field}: required, give {what} ({field}=<absolute path>)")
-
-
-def register_resolvers() -> None:
-    if not OmegaConf.has_resolver("mta_layers_every"):
-        OmegaConf.register_new_resolver("mta_layers_every", mta_layers_every)
-    if not OmegaConf.has_resolver("required"):
-        OmegaConf.register_new_resolver("required", required)
+    raise UserError(f"{field}: required, give {what} ({field}=<absolute path>)")
 
 
 def plain_run_dir_overrides(overrides) -> list:

@@ -9,6 +9,7 @@ import re
 import sys
 from pathlib import Path
 
+from mta_repro.errors import UserError
 from mta_repro.release.config import default_name, experiment_yaml, release_file_to_config
 
 
@@ -35,7 +36,7 @@ def main(argv: list[str]) -> int:
     try:
         name = a.name or default_name(a.path)
         if not re.fullmatch(r"[A-Za-z0-9_\-]+", name):
-            raise ValueError(f"--name {name!r}: use letters, digits, '_' and '-'")
+            raise UserError(f"--name {name!r}: use letters, digits, '_' and '-'")
         conv = release_file_to_config(a.path, name, a.overrides)
         text = experiment_yaml(conv, name)
         if a.print:
@@ -47,7 +48,7 @@ def main(argv: list[str]) -> int:
             out_dir = root / "experiment"
             out = out_dir / f"{name}.yaml"
             if out.exists() and not a.force:
-                raise ValueError(f"{out} exists; pass --force to overwrite or --name to choose another")
+                raise UserError(f"{out} exists; pass --force to overwrite or --name to choose another")
             out_dir.mkdir(parents=True, exist_ok=True)
             out.write_text(text)
             print(f"wrote {out}", file=sys.stderr)

@@ -27,6 +27,7 @@ from typing import Any, Optional
 
 import yaml
 
+from mta_repro.errors import UserError
 from mta_repro.model.args import MTAArgs, ModelArgs
 
 # What a value of the release means when it is written as a placeholder: ``<path_to_dataset>``.
@@ -178,17 +179,17 @@ def load_release_config(path: str | Path, overrides: tuple[str, ...] | list[str]
     overrides (release names) applied."""
     path = Path(path)
     if not path.is_file():
-        raise ValueError(f"{path}: no such release config file")
+        raise UserError(f"{path}: no such release config file")
     try:
         raw = yaml.load(path.read_text(), Loader=_ReleaseLoader)
     except yaml.YAMLError as e:
-        raise ValueError(f"{path}: not a YAML/JSON file ({e})") from None
+        raise UserError(f"{path}: not a YAML/JSON file ({e})") from None
     if not isinstance(raw, dict):
-        raise ValueError(f"{path}: expected a mapping of release config fields at the top level")
+        raise UserError(f"{path}: expected a mapping of release config fields at the top level")
     for ov in overrides:
         key, sep, value = ov.partition("=")
         if not sep or not key:
-            raise ValueError(f"override {ov!r}: expected key=value (release field names)")
+            raise UserError(f"override {ov!r}: expected key=value (release field names)")
         node = raw
         parts = key.split(".")
         for p in parts[:-1]:
@@ -224,7 +225,7 @@ def _schema_typed(config: dict) -> dict:
             OmegaConf.merge(OmegaConf.structured(TrainConfig), config), resolve=False, throw_on_missing=False
         )
     except OmegaConfBaseException as e:
-        raise ValueError(f"converted field {e.full_key}: {e.msg}") from None
+        raise UserError(f"converted field {e.full_key}: {e.msg}") from None
 
     def pick(ours: Any, t: Any) -> Any:
         if isinstance(ours, dict):
@@ -243,12 +244,12 @@ def _merge_defaults(user: Any, defaults: Any, where: str) -> Any:
     if user is None:
         user = {}
     if not isinstance(user, dict):
-        raise ValueError(f"release field {where}: expected a mapping, got {user!r}")
+        raise UserError(f"release field {where}: expected a mapping, got {user!r}")
     out = {}
     for k, v in user.items():
         if k not in defaults:
             known = ", ".join(sorted(defaults))
-            raise ValueError(
+            raise UserError(
                 f"release field {_join(where, k)} is not a field of the release's config "
                 f"(known here: {known})"
             )
@@ -283,7 +284,7 @@ def release_to_config(release: dict, name: str = "release", source: str = "") ->
     notes: list[str] = []
 
     def refuse(field: str, why: str) -> None:
-        raise ValueError(f"release field {field}={_get(r, field)!r} is not supported: {why}")
+        raise UserError(f"release field {field}={_get(r, field)!r} is not supported: {why}")
 
     def ignore(field: str, why: str) -> None:
         if field in given:
@@ -313,7 +314,7 @@ def release_to_config(release: dict, name: str = "release", source: str = "") ->
     d = r["data"]
     sources = d["sources"]
     if not isinstance(sources, dict) or not sources:
-        raise ValueError("release field data.sources: expected a non-empty {domain: weight} mapping")
+        raise UserError("release field data.sources: expected a non-empty {domain: weight} mapping")
     if d["n_views"] != 2:
         refuse("data.n_views", "the trainer reads (input, target) pairs, n_views 2")
     if d["src_tgt_format"]:
@@ -450,12 +451,12 @@ def release_to_config(release: dict, name: str = "release", source: str = "") ->
 
 def _convert_model(m: dict, given: set[str], data: dict, tok_path: Optional[str], notes: list[str]) -> dict:
     def refuse(field: str, value: Any, why: str) -> None:
-        raise ValueError(f"release field model.{field}={value!r} is not supported: {why}")
+        raise UserError(f"release field model.{field}={value!r} is not supported: {why}")
 
     # Release: head_dim = head_dim or dim // n_heads; n_heads = n_heads or dim // head_dim.
     n_heads, head_dim, dim = m["n_heads"], m["head_dim"], m["dim"]
     if n_heads is None and head_dim is None:
-        raise ValueError("release fields model.n_heads and model.head_dim are both unset: set one")
+        raise UserError("release fields model.n_heads and model.head_dim are both unset: set one")
     if n_heads is None:
         n_heads = dim // head_dim
     if dim % n_heads:
@@ -576,7 +577,7 @@ def _tokenizer_vocab(tok: dict, tok_path: Optional[str], notes: list[str]) -> in
             "(Llama-3's tokenizer.model, as every release config names; the trainer checks it)"
         )
         return LLAMA3_N_WORDS
-    raise ValueError(
+    raise UserError(
         f"release field model.vocab_size is unset (the release takes it from the tokenizer) and "
         f"data.tokenizer.path={tok['path']!r} cannot be read: pass model.vocab_size=<n> or a real data.tokenizer.path"
     )
@@ -624,7 +625,7 @@ def release_file_to_config(path: str | Path, name: Optional[str] = None, overrid
     try:
         return release_to_config(raw, name or default_name(path), source=str(path))
     except ValueError as e:
-        raise ValueError(f"{path}: {e}") from None
+        raise UserError(f"{path}: {e}") from None
 
 
 def default_name(path: str | Path) -> str:
@@ -649,7 +650,7 @@ def experiment_yaml(conv: Conversion, name: str) -> str:
         head += [f"#  - {n}" for n in conv.notes]
     if conv.config["checkpoint"]["init_from"] == MISSING:
         # A "???" here would merge under the default null and silently train from scratch.
-        raise ValueError(
+        raise UserError(
             "release field checkpoint.init_ckpt_path is a placeholder: give the real checkpoint "
             "to convert (checkpoint.init_ckpt_path=<dir> after the path), or drop it and pass "
             "checkpoint.init_from=<dir> when training"

@@ -19,6 +19,7 @@ import sys
 from pathlib import Path
 from typing import Optional
 
+from mta_repro.errors import UserError
 from mta_repro.report import plots
 from mta_repro.report.tables import STAGE_LABELS, all_tables, comparability, eval_command, load_run
 
@@ -29,7 +30,7 @@ def parse_labels(items) -> dict:
     for item in items or ():
         d, sep, name = item.rpartition("=")
         if not sep or not d or not name:
-            raise ValueError(f"report: --label expects DIR=NAME, got {item!r}")
+            raise UserError(f"report: --label expects DIR=NAME, got {item!r}")
         out[str(Path(d).resolve())] = name
     return out
 
@@ -38,7 +39,7 @@ def build_report(run_dirs, out: Path, kernels: bool = True, labels: Optional[dic
     labels = {str(Path(k).resolve()): v for k, v in (labels or {}).items()}
     unknown = set(labels) - {str(Path(p).resolve()) for p in run_dirs}
     if unknown:
-        raise ValueError(f"report: --label names a directory that is not among the runs: {sorted(unknown)}")
+        raise UserError(f"report: --label names a directory that is not among the runs: {sorted(unknown)}")
     runs = [load_run(p, labels.get(str(Path(p).resolve()))) for p in run_dirs]
     names = [r.label for r in runs]
     for r in runs:  # same basename in different parents: use parent/name
@@ -100,7 +101,7 @@ def main(argv=None) -> int:
     out = Path(args.out) if args.out else Path(args.run_dirs[0]) / "report"
     try:
         path = build_report(args.run_dirs, out, kernels=not args.no_kernels, labels=parse_labels(args.label))
-    except ValueError as e:
+    except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(path.read_text())

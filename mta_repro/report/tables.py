@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
+from mta_repro.errors import UserError
 from mta_repro.report import paper
 
 BENCH_ORDER = list(paper.BENCH_TASKS)
@@ -90,7 +91,7 @@ def run_stage(cfg: Optional[dict]) -> str:
 def load_run(path, label: Optional[str] = None) -> RunData:
     path = Path(path)
     if not path.is_dir():
-        raise ValueError(f"report: run directory {path} does not exist")
+        raise UserError(f"report: run directory {path} does not exist")
     run = RunData(path=path, label=label or path.name)
     cfg_file = path / "config.yaml"
     if cfg_file.is_file():
@@ -105,7 +106,7 @@ def load_run(path, label: Optional[str] = None) -> RunData:
         try:
             data = json.loads(f.read_text())
         except json.JSONDecodeError as e:
-            raise ValueError(f"report: {f} is not valid JSON ({e})") from None
+            raise UserError(f"report: {f} is not valid JSON ({e})") from None
         run.evals[data.get("task", f.stem)] = data
         run.variant = run.variant or data.get("variant")
     if run.variant is None and run.config and "model" in run.config:
@@ -123,7 +124,7 @@ def load_run(path, label: Optional[str] = None) -> RunData:
                 except json.JSONDecodeError:
                     continue  # a line cut by a crash
     if not run.evals and not run.metrics:
-        raise ValueError(f"report: {path} has no eval/*.json results and no metrics.jsonl; "
+        raise UserError(f"report: {path} has no eval/*.json results and no metrics.jsonl; "
                          f"train it, then evaluate it: {eval_command(path)}")
     return run
 

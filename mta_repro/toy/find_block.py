@@ -26,6 +26,8 @@ from typing import Optional
 import numpy as np
 import torch
 
+from mta_repro.errors import UserError
+
 TARGETS = ("all", "first", "last")
 IGNORE = -100  # label value of non-target positions (cross_entropy ignore_index)
 LETTERS = string.ascii_lowercase
@@ -49,7 +51,7 @@ class CharTokenizer:
         try:
             ids = [self.stoi[c] for c in text]
         except KeyError as e:
-            raise ValueError(f"CharTokenizer: character {e.args[0]!r} is not in the vocabulary") from None
+            raise UserError(f"CharTokenizer: character {e.args[0]!r} is not in the vocabulary") from None
         return ([self.BOS] if add_bos else []) + ids + ([self.EOS] if add_eos else [])
 
     def decode(self, ids) -> str:
@@ -85,29 +87,29 @@ class FindBlockArgs:
     def __post_init__(self) -> None:
         n, k, q = self.block_length, self.n_blocks, self.query_length
         if not 1 <= self.alphabet_size <= 26:
-            raise ValueError(f"data.alphabet_size: expected 1..26, got {self.alphabet_size}")
+            raise UserError(f"data.alphabet_size: expected 1..26, got {self.alphabet_size}")
         if not 1 <= n <= self.alphabet_size:
-            raise ValueError(
+            raise UserError(
                 f"data.block_length: expected 1..alphabet_size={self.alphabet_size} letters, got {n}"
             )
         if k < 1:
-            raise ValueError(f"data.n_blocks: expected >= 1, got {k}")
+            raise UserError(f"data.n_blocks: expected >= 1, got {k}")
         if not 1 <= q <= n:
-            raise ValueError(f"data.query_length: expected 1..block_length={n}, got {q}")
+            raise UserError(f"data.query_length: expected 1..block_length={n}, got {q}")
         # Other blocks must miss a query letter; there must be enough such blocks.
         a = self.alphabet_size
         free = math.perm(a, n) - math.perm(a, n) * math.comb(a - q, n - q) // math.comb(a, n)
         if free < k - 1:
-            raise ValueError(
+            raise UserError(
                 f"data: with alphabet_size={a}, block_length={n}, query_length={q} only {free} "
                 f"distinct blocks lack a query letter, fewer than n_blocks-1={k - 1}"
             )
         if self.target not in TARGETS:
-            raise ValueError(f"data.target: expected one of {TARGETS}, got {self.target!r}")
+            raise UserError(f"data.target: expected one of {TARGETS}, got {self.target!r}")
         if self.n_train < 1 or self.n_test < 1:
-            raise ValueError("data.n_train and data.n_test: expected positive sizes")
+            raise UserError("data.n_train and data.n_test: expected positive sizes")
         if self.pad_len is not None and self.pad_len < self.natural_len:
-            raise ValueError(
+            raise UserError(
                 f"data.pad_len={self.pad_len} is shorter than the {self.natural_len} tokens "
                 f"a sample needs (N={n}, K={k}, L={q}, target={self.target})"
             )

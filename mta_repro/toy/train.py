@@ -23,6 +23,7 @@ from typing import Any, Optional
 import torch
 import torch.nn.functional as F
 
+from mta_repro.errors import UserError
 from mta_repro.model import build_model
 from mta_repro.model.args import MTAArgs, ModelArgs
 from mta_repro.toy.find_block import (
@@ -93,27 +94,27 @@ def to_toy_config(cfg: Any) -> ToyConfig:
         out = OmegaConf.to_object(merged)
     for v in out.variants:
         if v not in VARIANTS:
-            raise ValueError(f"toy config variants: expected items of {VARIANTS}, got {v!r}")
+            raise UserError(f"toy config variants: expected items of {VARIANTS}, got {v!r}")
     n_words = CharTokenizer().n_words
     if out.model.vocab_size != n_words:
-        raise ValueError(
+        raise UserError(
             f"toy config model.vocab_size={out.model.vocab_size}: must equal the character "
             f"tokenizer's {n_words} ids"
         )
     if out.data.seq_len > out.model.max_seqlen:
-        raise ValueError(f"toy config: data.seq_len={out.data.seq_len} exceeds model.max_seqlen")
+        raise UserError(f"toy config: data.seq_len={out.data.seq_len} exceeds model.max_seqlen")
     if out.train.steps < 1 or out.train.batch_size < 1 or out.train.eval_every < 1:
-        raise ValueError("toy config train.steps, train.batch_size, train.eval_every: expected >= 1")
+        raise UserError("toy config train.steps, train.batch_size, train.eval_every: expected >= 1")
     return out
 
 
 def model_args_for(cfg: ToyConfig, variant: str, seed: int) -> ModelArgs:
     """The shared architecture with the variant's attention and the run's init seed."""
     if variant not in VARIANTS:
-        raise ValueError(f"variant: expected one of {VARIANTS}, got {variant!r}")
+        raise UserError(f"variant: expected one of {VARIANTS}, got {variant!r}")
     mta = replace(cfg.mta) if variant == "mta" else MTAArgs(use_mta=False)
     if variant == "mta" and not mta.use_mta:
-        raise ValueError("toy config mta.use_mta: must be true for the MTA variant")
+        raise UserError("toy config mta.use_mta: must be true for the MTA variant")
     return replace(cfg.model, mta=mta, seed=seed)
 
 
@@ -188,7 +189,7 @@ def train_run(
         state = load_pt(ckpt_path, map_location=device, mmap=False)
         if state["identity"] != identity:
             diff = sorted(k for k in identity if state["identity"].get(k) != identity[k])
-            raise ValueError(
+            raise UserError(
                 f"{ckpt_path}: checkpoint of a different run (differs in {diff}); "
                 "delete it or choose another out_dir"
             )

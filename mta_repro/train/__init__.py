@@ -2,6 +2,7 @@
 
 Modules: ``optim`` (AdamW + schedule), ``distributed`` (process group, FSDP2, init),
 ``checkpoint`` (DCP, atomic, keep-last-K, resume), ``export`` (consolidated file),
-``metrics`` (metrics.jsonl, wandb, MFU), ``signals`` (preemption), ``loop`` (the loop),
-``slurm`` (sbatch rendering / dry-run).
+``metrics`` (metrics.jsonl, wandb, MFU), ``signals`` (preemption, Ctrl-C), ``rundir``
+(config check, lock, config.yaml, failed-start cleanup), ``loop`` (the loop), ``slurm``
+(sbatch rendering / dry-run).
 """

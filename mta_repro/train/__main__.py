@@ -5,20 +5,27 @@ SLURM with ``srun`` (see slurm/train.sbatch); a single process needs no launcher
 Only rank 0 writes Hydra's output (``<run_dir>/.hydra`` and the job log): every other
 rank runs with ``hydra.output_subdir=null`` and logs to stdout, so N ranks never write the
 same files at once.
+
+A user error (a config key or option, the run directory, data, a checkpoint) is one line
+and exit status 2 (``mta_repro.cli.run_cli``); the overrides are checked before Hydra
+starts, so an unknown key or config option is that one line too. Ctrl-C checkpoints at
+the next step boundary and exits with status 130 (docs/errors_and_signals.md).
 """
 
 from __future__ import annotations
 
+import signal
 import sys
 
 import hydra
 from omegaconf import DictConfig
 
 from mta_repro.config import CONFIG_DIR
-from mta_repro.train.args import launcher_rank
+from mta_repro.train.distributed import launcher_rank
 
 # Appended to the command line of ranks other than 0 (a single run, not a sweep).
 NON_ZERO_RANK_OVERRIDES = ("hydra.output_subdir=null", "hydra/job_logging=stdout")
+PROG = "train"
 
 
 def hydra_argv(argv: list[str]) -> list[str]:
@@ -30,18 +37,34 @@ def hydra_argv(argv: list[str]) -> list[str]:
 
 @hydra.main(config_path=str(CONFIG_DIR), config_name="train", version_base=None)
 def main(cfg: DictConfig) -> None:
-    from mta_repro.cli import describe, user_errors
+    from mta_repro.cli import run_cli
     from mta_repro.train.loop import train
 
-    try:
-        train(cfg)
-    except user_errors() as e:
-        # A user error (config, run directory, data, checkpoint): one line, exit 2.
-        # Bugs and runtime failures keep their traceback.
-        print(f"train: error: {describe(e)}", file=sys.stderr)
-        sys.exit(2)
+    def go() -> int:
+        out = train(cfg)
+        # Stopped by Ctrl-C (after its checkpoint): the shell's status for an interrupt.
+        return 130 if out.get("stopped_by_signal") == signal.SIGINT else 0
+
+    # Inside Hydra's job (its output dir and logging stay as they are); SystemExit passes
+    # through Hydra, which would print any other exception as a multi-line report.
+    rc = run_cli(PROG, go)
+    if rc:
+        sys.exit(rc)
+
+
+def cli(argv: list[str]) -> int:
+    """Check the overrides (one line for an unknown key or option), then run Hydra's main."""
+    from mta_repro.cli import check_hydra_overrides, run_cli
+    from mta_repro.config import check_schema
+
+    argv = hydra_argv(argv)
+    rc = run_cli(PROG, lambda: check_hydra_overrides(argv, CONFIG_DIR, "train", check_schema) or 0)
+    if rc:
+        return rc
+    sys.argv[1:] = argv
+    main()
+    return 0
 
 
 if __name__ == "__main__":
-    sys.argv[1:] = hydra_argv(sys.argv[1:])
-    main()
+    sys.exit(cli(sys.argv[1:]))

@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
+from mta_repro.errors import UserError
+
 NONFINITE_CHOICES = ("raise", "skip")
 ON_CORRUPT_CHOICES = ("fallback", "raise")
 INIT_MODES = ("model", "baseline_to_mta")
@@ -28,7 +30,9 @@ class TrainerArgs:
     # "auto" = cuda if available else cpu; or "cpu" / "cuda".
     device: str = "auto"
     # What to do when the loss is NaN/inf: "raise" stops with an error (the last good
-    # checkpoint stays the latest), "skip" drops that update and goes on.
+    # checkpoint stays the latest; found at the next read, every logging.every steps and
+    # before any save), "skip" drops that update and goes on (it reads the loss every step:
+    # a host sync per step).
     nonfinite: str = "raise"
     # "module:function" building the per-rank batch iterator as
     # fn(data_args, rank, world_size) (the data contract: dict input/target, state_dict).
@@ -44,20 +48,20 @@ class TrainerArgs:
 
     def __post_init__(self) -> None:
         if self.eval_every < 0:
-            raise ValueError(f"trainer.eval_every: expected >= 0 (0 = no validation), got {self.eval_every}")
+            raise UserError(f"trainer.eval_every: expected >= 0 (0 = no validation), got {self.eval_every}")
         if self.eval_max_batches < 1 or self.eval_batch_size < 1:
-            raise ValueError(
+            raise UserError(
                 f"trainer.eval_max_batches / eval_batch_size: expected >= 1, got "
                 f"{self.eval_max_batches} / {self.eval_batch_size}"
             )
         if self.steps < 1:
-            raise ValueError(f"trainer.steps: expected >= 1, got {self.steps}")
+            raise UserError(f"trainer.steps: expected >= 1, got {self.steps}")
         if self.grad_accum < 1:
-            raise ValueError(f"trainer.grad_accum: expected >= 1, got {self.grad_accum}")
+            raise UserError(f"trainer.grad_accum: expected >= 1, got {self.grad_accum}")
         if self.nonfinite not in NONFINITE_CHOICES:
-            raise ValueError(f"trainer.nonfinite: expected one of {NONFINITE_CHOICES}, got {self.nonfinite!r}")
+            raise UserError(f"trainer.nonfinite: expected one of {NONFINITE_CHOICES}, got {self.nonfinite!r}")
         if self.device not in ("auto", "cpu", "cuda"):
-            raise ValueError(f"trainer.device: expected auto, cpu or cuda, got {self.device!r}")
+            raise UserError(f"trainer.device: expected auto, cpu or cuda, got {self.device!r}")
 
 
 @dataclass
@@ -96,20 +100,24 @@ class CheckpointArgs:
 
     def __post_init__(self) -> None:
         if self.on_corrupt not in ON_CORRUPT_CHOICES:
-            raise ValueError(f"checkpoint.on_corrupt: expected one of {ON_CORRUPT_CHOICES}, got {self.on_corrupt!r}")
+            raise UserError(f"checkpoint.on_corrupt: expected one of {ON_CORRUPT_CHOICES}, got {self.on_corrupt!r}")
         if self.every < 1:
-            raise ValueError(f"checkpoint.every: expected >= 1 steps, got {self.every}")
+            raise UserError(f"checkpoint.every: expected >= 1 steps, got {self.every}")
         if self.keep < 1:
-            raise ValueError(f"checkpoint.keep: expected >= 1, got {self.keep}")
+            raise UserError(f"checkpoint.keep: expected >= 1, got {self.keep}")
         if self.init_mode not in INIT_MODES:
-            raise ValueError(f"checkpoint.init_mode: expected one of {INIT_MODES}, got {self.init_mode!r}")
+            raise UserError(f"checkpoint.init_mode: expected one of {INIT_MODES}, got {self.init_mode!r}")
 
 
 @dataclass
 class LoggingArgs:
     """metrics.jsonl, progress bar and wandb (group ``configs/logging``)."""
 
-    # Write a metrics.jsonl line (and a wandb point) every this many steps.
+    # Write a metrics.jsonl line (and a wandb point) every this many steps. Also the host
+    # sync cadence: the loop reads the loss and grad norm from the device, and on several
+    # ranks agrees on a preemption signal (SIGUSR1/2, SIGTERM, Ctrl-C), only every this
+    # many steps (and before a save and at the end), so a signal is honoured within this
+    # many steps; one rank honours it at the next step (docs/errors_and_signals.md).
     every: int = 10
     # tqdm progress bar on rank 0.
     progress_bar: bool = True
@@ -122,9 +130,9 @@ class LoggingArgs:
 
     def __post_init__(self) -> None:
         if self.every < 1:
-            raise ValueError(f"logging.every: expected >= 1, got {self.every}")
+            raise UserError(f"logging.every: expected >= 1, got {self.every}")
         if self.wandb_mode not in WANDB_MODES:
-            raise ValueError(f"logging.wandb_mode: expected one of {WANDB_MODES}, got {self.wandb_mode!r}")
+            raise UserError(f"logging.wandb_mode: expected one of {WANDB_MODES}, got {self.wandb_mode!r}")
 
 
 @dataclass
@@ -151,10 +159,10 @@ class DistributedArgs:
 
     def __post_init__(self) -> None:
         if self.backend not in ("auto", "nccl", "gloo"):
-            raise ValueError(f"distributed.backend: expected auto, nccl or gloo, got {self.backend!r}")
+            raise UserError(f"distributed.backend: expected auto, nccl or gloo, got {self.backend!r}")
         for name in ("param_dtype", "reduce_dtype"):
             if getattr(self, name) not in ("bfloat16", "float16", "float32"):
-                raise ValueError(
+                raise UserError(
                     f"distributed.{name}: expected bfloat16, float16 or float32, got {getattr(self, name)!r}"
                 )
 
@@ -187,51 +195,18 @@ class SlurmArgs:
     def __post_init__(self) -> None:
         for name in ("nodes", "cpus_per_task", "time_min"):
             if getattr(self, name) < 1:
-                raise ValueError(f"slurm.{name}: expected >= 1, got {getattr(self, name)}")
+                raise UserError(f"slurm.{name}: expected >= 1, got {getattr(self, name)}")
         if self.gpus_per_node < 0:
-            raise ValueError(f"slurm.gpus_per_node: expected >= 0 (0 = CPU nodes), got {self.gpus_per_node}")
+            raise UserError(f"slurm.gpus_per_node: expected >= 0 (0 = CPU nodes), got {self.gpus_per_node}")
         if self.tasks_per_node is None and self.gpus_per_node == 0:
-            raise ValueError("slurm.tasks_per_node: required when slurm.gpus_per_node=0 (CPU nodes), "
+            raise UserError("slurm.tasks_per_node: required when slurm.gpus_per_node=0 (CPU nodes), "
                              "e.g. slurm.tasks_per_node=2")
         if self.tasks_per_node is not None and self.tasks_per_node < 1:
-            raise ValueError(f"slurm.tasks_per_node: expected >= 1 or null, got {self.tasks_per_node}")
+            raise UserError(f"slurm.tasks_per_node: expected >= 1 or null, got {self.tasks_per_node}")
         if self.signal_s < 0:
-            raise ValueError(f"slurm.signal_s: expected >= 0, got {self.signal_s}")
+            raise UserError(f"slurm.signal_s: expected >= 0, got {self.signal_s}")
 
     @property
     def ntasks_per_node(self) -> int:
         """Ranks per node: tasks_per_node, else one per GPU."""
         return self.tasks_per_node if self.tasks_per_node is not None else self.gpus_per_node
-
-
-def _register_slurm_resolvers() -> None:
-    """For configs/hydra/launcher/slurm.yaml: the submitit launcher gets the same tasks
-    per node as slurm/train.sbatch, and no GPU request on CPU nodes (0 -> null)."""
-    from omegaconf import OmegaConf
-
-    if not OmegaConf.has_resolver("mta_tasks_per_node"):
-        OmegaConf.register_new_resolver(
-            "mta_tasks_per_node", lambda tasks, gpus: int(tasks) if tasks is not None else int(gpus))
-    if not OmegaConf.has_resolver("mta_gpus_or_null"):
-        OmegaConf.register_new_resolver("mta_gpus_or_null", lambda gpus: int(gpus) or None)
-    if not OmegaConf.has_resolver("mta_rank0_only"):
-        # The value on rank 0, `other` (default null) elsewhere, from the launcher's
-        # variables in each task: rank-0-only Hydra output under submitit.
-        OmegaConf.register_new_resolver(
-            "mta_rank0_only", lambda value, other=None: value if launcher_rank() == 0 else other)
-
-
-def launcher_rank() -> int:
-    """This process's rank by the launcher's variables (torchrun's RANK wins over srun's
-    SLURM_PROCID), as in mta_repro.train.distributed.dist_env."""
-    import os
-
-    env = os.environ
-    if "RANK" in env and "WORLD_SIZE" in env:
-        return int(env["RANK"])
-    if "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
-        return int(env["SLURM_PROCID"])
-    return 0
-
-
-_register_slurm_resolvers()

@@ -35,6 +35,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
+from mta_repro.errors import UserError
 from mta_repro.weights import load_weights
 from mta_repro.weights.layout import (  # noqa: F401 - re-exported: the trainer's names for them
     COMPLETE,
@@ -266,7 +267,7 @@ class CheckpointManager:
             text = str(e)
             if not any(m in text for m in _MISMATCH):
                 raise CheckpointCorruptError(f"checkpoint {path}: loading failed ({type(e).__name__})") from e
-            raise ValueError(
+            raise UserError(
                 f"checkpoint {path}: cannot restore it into this run ({text.strip().splitlines()[-1][:300]}). "
                 "It must come from the same model config"
             ) from e

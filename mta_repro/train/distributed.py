@@ -24,6 +24,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from mta_repro.device import resolve_device
+from mta_repro.errors import UserError
 from mta_repro.train.args import DistributedArgs
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -60,50 +62,58 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def dist_env() -> tuple[int, int, int, bool]:
-    """(rank, world_size, local_rank, slurm) from torchrun's or SLURM's variables.
-
-    torchrun's RANK/WORLD_SIZE win (torchrun inside an sbatch, one task per node);
-    otherwise SLURM_PROCID/SLURM_NTASKS/SLURM_LOCALID (srun, one task per GPU) with the
-    master on the first host of SLURM_NODELIST; otherwise a single local process.
-    Sets MASTER_ADDR/MASTER_PORT when a launcher did not.
-    """
+def launcher_env() -> Optional[tuple[int, int, int, bool]]:
+    """(rank, world_size, local_rank, slurm) from the launcher's variables, or None for a
+    process no launcher started. torchrun's RANK/WORLD_SIZE win (torchrun inside an
+    sbatch, one task per node) over srun's SLURM_PROCID/SLURM_NTASKS/SLURM_LOCALID (one
+    task per GPU). The one place the launcher rank is read (Hydra's rank-0-only output,
+    the requeue, the process group)."""
     env = os.environ
     if "RANK" in env and "WORLD_SIZE" in env:
-        rank, world = int(env["RANK"]), int(env["WORLD_SIZE"])
-        local = int(env.get("LOCAL_RANK", rank))
+        rank = int(env["RANK"])
+        return rank, int(env["WORLD_SIZE"]), int(env.get("LOCAL_RANK", rank)), "SLURM_JOB_ID" in env
+    if "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
+        return int(env["SLURM_PROCID"]), int(env["SLURM_NTASKS"]), int(env.get("SLURM_LOCALID", 0)), True
+    return None
+
+
+def launcher_rank() -> int:
+    """This process's rank by the launcher's variables (0 without a launcher)."""
+    found = launcher_env()
+    return found[0] if found is not None else 0
+
+
+def dist_env() -> tuple[int, int, int, bool]:
+    """(rank, world_size, local_rank, slurm) as ``launcher_env`` reads them (a single local
+    process without a launcher), with the rendezvous: sets MASTER_ADDR/MASTER_PORT when a
+    launcher did not (under srun: the first host of SLURM_NODELIST and a port every task
+    of the job derives alike)."""
+    env = os.environ
+    found = launcher_env()
+    if found is None:
+        return 0, 1, 0, "SLURM_JOB_ID" in env
+    rank, world, local, slurm = found
+    if "RANK" in env and "WORLD_SIZE" in env:  # torchrun (or a hand-set environment)
         env.setdefault("MASTER_ADDR", "127.0.0.1")
         if "MASTER_PORT" not in env:
             if world > 1:
-                raise ValueError("environment: RANK/WORLD_SIZE are set but MASTER_PORT is not")
+                raise UserError("environment: RANK/WORLD_SIZE are set but MASTER_PORT is not")
             env["MASTER_PORT"] = str(_free_port())
-        return rank, world, local, "SLURM_JOB_ID" in env
-    if "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
-        rank, world = int(env["SLURM_PROCID"]), int(env["SLURM_NTASKS"])
-        local = int(env.get("SLURM_LOCALID", 0))
+    else:  # srun
         env.setdefault("MASTER_ADDR", first_slurm_host(env.get("SLURM_NODELIST", "127.0.0.1")))
-        # A port that every task of the job derives alike.
         env.setdefault("MASTER_PORT", str(20000 + int(env.get("SLURM_JOB_ID", "0")) % 20000))
-        return rank, world, local, True
-    return 0, 1, 0, "SLURM_JOB_ID" in env
-
-
-def resolve_device(pref: str, local_rank: int) -> torch.device:
-    if pref == "cuda" and not torch.cuda.is_available():
-        raise ValueError("trainer.device=cuda but no CUDA device is available (use auto or cpu)")
-    if pref == "cuda" or (pref == "auto" and torch.cuda.is_available()):
-        torch.cuda.set_device(local_rank % torch.cuda.device_count())
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
+    return rank, world, local, slurm
 
 
 def init_distributed(args: DistributedArgs, device_pref: str = "auto") -> DistInfo:
     """Join (or create) the process group; idempotent."""
     rank, world, local, slurm = dist_env()
-    device = resolve_device(device_pref, local)
+    device = resolve_device(device_pref, local_rank=local, what="trainer.device")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
     backend = args.backend if args.backend != "auto" else ("nccl" if device.type == "cuda" else "gloo")
     if backend == "nccl" and device.type != "cuda":
-        raise ValueError("distributed.backend=nccl needs trainer.device cuda")
+        raise UserError("distributed.backend=nccl needs trainer.device cuda")
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = args.allow_tf32
         torch.backends.cudnn.allow_tf32 = args.allow_tf32

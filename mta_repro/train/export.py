@@ -12,6 +12,7 @@ from typing import Optional, Union
 
 from omegaconf import OmegaConf
 
+from mta_repro.errors import UserError
 from mta_repro.train.checkpoint import latest_checkpoint, save_file_atomic
 from mta_repro.weights import read_dcp_model
 
@@ -21,10 +22,10 @@ def export_consolidated(run_dir: Union[str, Path], checkpoint: Optional[Path] = 
     run_dir = Path(run_dir)
     cfg_file = run_dir / "config.yaml"
     if not cfg_file.is_file():
-        raise ValueError(f"{cfg_file}: missing (is {run_dir} a training run directory?)")
+        raise UserError(f"{cfg_file}: missing (is {run_dir} a training run directory?)")
     ckpt = Path(checkpoint) if checkpoint is not None else latest_checkpoint(run_dir)
     if ckpt is None:
-        raise ValueError(f"{run_dir}/checkpoints: no complete checkpoint to export")
+        raise UserError(f"{run_dir}/checkpoints: no complete checkpoint to export")
     cfg = OmegaConf.load(cfg_file)
     # This process reads every shard itself, whatever the saving world size (fp32, CPU).
     sd, step = read_dcp_model(ckpt)

@@ -1,10 +1,19 @@
 """The training loop: ``train(cfg)`` on every rank (1 or N, same code).
 
-Per update: ``grad_accum`` micro-batches (cross entropy over all positions, gradients
-reduced only on the last one), clip, AdamW, schedule. At step boundaries: log, save,
-and check for preemption. A run dir with complete checkpoints resumes from the latest;
-a fresh run may start from another run's weights (``checkpoint.init_from``: the
-long-context and MTA-insertion stages).
+``train`` converts the composed config once into the typed ``TrainConfig``
+(``mta_repro.config.to_train_config``) and ``run(args)`` works from that alone (Lingua's
+``train(args: TrainArgs)``).
+
+Per update (``train_step``): ``grad_accum`` micro-batches (cross entropy over all
+positions, gradients reduced only on the last one), clip, AdamW, schedule. The step
+leaves its loss and gradient norm on the device: the host reads them (one all-reduce and
+one read for all the steps since the last read) only every ``logging.every`` steps, before
+a save and at the end, and agrees on a preemption signal across ranks at the same
+cadence, so the CPU runs ahead of the GPU in between (torchtitan does the same).
+``trainer.nonfinite=skip`` must decide about each update and reads every step.
+
+A run dir with complete checkpoints resumes from the latest; a fresh run may start from
+another run's weights (``checkpoint.init_from``: the long-context and MTA-insertion stages).
 """
 
 from __future__ import annotations
@@ -12,7 +21,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import math
-import os
+import signal
 import sys
 import warnings
 from pathlib import Path
@@ -23,21 +32,29 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from omegaconf import DictConfig, OmegaConf
 
+from mta_repro.config import TrainConfig, check_schema, to_train_config  # noqa: F401 - check_schema re-exported
 from mta_repro.dataclass_config import to_dataclass
+from mta_repro.errors import UserError
 from mta_repro.model import build_model, to_model_args
 from mta_repro.model.flops import train_flops_per_token
-from mta_repro.train.args import CheckpointArgs, DistributedArgs, LoggingArgs, TrainerArgs
-from mta_repro.train.checkpoint import CheckpointManager, complete_checkpoints, saved_world_size, verify_checkpoint
-from mta_repro.train.distributed import DistInfo, destroy_distributed, init_distributed, materialize, parallelize
+from mta_repro.train.args import CheckpointArgs, TrainerArgs
+from mta_repro.train.checkpoint import CheckpointManager
+from mta_repro.train.distributed import (
+    DistInfo,
+    destroy_distributed,
+    init_distributed,
+    launcher_rank,
+    materialize,
+    parallelize,
+)
 from mta_repro.train.metrics import MetricLogger, Throughput, device_peak_flops, mfu, peak_mem_gb
-from mta_repro.train.optim import build_lr_scheduler, build_optimizer, to_optim_args
+from mta_repro.train.optim import build_lr_scheduler, build_optimizer
 from mta_repro.train.rundir import (
-    RunDirError,
     RunLock,
-    check_config,
-    global_batch_error,
-    load_saved_config,
-    write_config,
+    is_fresh,
+    lock_heartbeat,
+    prepare_run_dir,
+    remove_failed_start,
 )
 from mta_repro.train.signals import PreemptionHandler, requeue_if_slurm
 from mta_repro.train.validation import maybe_validator
@@ -48,7 +65,7 @@ class NonFiniteLossError(FloatingPointError):
 
 
 def _section(cfg: DictConfig, key: str, cls):
-    """A validated dataclass from a config section (plain dicts from tests too)."""
+    """A validated dataclass from one config section (plain dicts too)."""
     node = cfg.get(key)
     if node is None:
         return cls()
@@ -58,11 +75,11 @@ def _section(cfg: DictConfig, key: str, cls):
 def load_factory(spec: str) -> Callable:
     module, _, name = spec.partition(":")
     if not module or not name:
-        raise ValueError(f"trainer.loader: expected 'module:function', got {spec!r}")
+        raise UserError(f"trainer.loader: expected 'module:function', got {spec!r}")
     try:
         return getattr(importlib.import_module(module), name)
     except (ImportError, AttributeError) as e:
-        raise ValueError(f"trainer.loader: cannot import {spec!r} ({e})") from e
+        raise UserError(f"trainer.loader: cannot import {spec!r} ({e})") from e
 
 
 def cross_entropy(model, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -73,33 +90,34 @@ def cross_entropy(model, inputs: torch.Tensor, targets: torch.Tensor) -> torch.T
     return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(0, 1))
 
 
-def _check_vocab(cfg: DictConfig, vocab_size: int) -> None:
+def _check_vocab(args: TrainConfig, vocab_size: int) -> None:
     """The model's vocabulary must equal the tokenizer's id count (data contract)."""
-    data = cfg.get("data")
-    if data is None or data.get("tokenizer") is None:
+    tok = args.data.tokenizer
+    if tok is None:
         return
     try:
         from mta_repro.data import build_tokenizer
     except ImportError:
         return
-    n = build_tokenizer(data.tokenizer).n_words
+    n = build_tokenizer(tok).n_words
     if n != vocab_size:
-        raise ValueError(
-            f"model.vocab_size={vocab_size} but the tokenizer data.tokenizer ({data.tokenizer.get('name')}) "
+        raise UserError(
+            f"model.vocab_size={vocab_size} but the tokenizer data.tokenizer ({tok.name}) "
             f"has {n} ids; set model.vocab_size={n}"
         )
 
 
-def _initial_weights(cfg: DictConfig, ckpt: CheckpointArgs, model_args, is_main: bool) -> Optional[dict]:
-    """Full source weights for a stage start (rank 0 only), or None for the seeded init."""
-    if ckpt.init_from is None or not is_main:
+def _initial_weights(cfg: Any, ck: CheckpointArgs, model_args, is_main: bool) -> Optional[dict]:
+    """Full source weights for a stage start (rank 0 only), or None for the seeded init.
+    (``cfg`` is unused: kept for mta_repro.pipeline.check, which calls this.)"""
+    if ck.init_from is None or not is_main:
         return None
     from mta_repro.train.checkpoint import load_init_weights
 
     # Ours (load_model_state) or a release/Lingua checkpoint, in our key layout.
-    sd, step = load_init_weights(ckpt.init_from)
-    if ckpt.init_mode == "model":
-        print(f"[mta_repro.train] initialised from {ckpt.init_from} (step {step}): model weights only",
+    sd, step = load_init_weights(ck.init_from)
+    if ck.init_mode == "model":
+        print(f"[mta_repro.train] initialised from {ck.init_from} (step {step}): model weights only",
               file=sys.stderr)
         return sd
     # Appendix I: a baseline's weights into this MTA model, new parts at identity.
@@ -108,78 +126,26 @@ def _initial_weights(cfg: DictConfig, ckpt: CheckpointArgs, model_args, is_main:
 
     base_args = dataclasses.replace(model_args, mta=MTAArgs(use_mta=False))
     model = baseline_to_mta(sd, base_args, model_args.mta, device="cpu")
-    print(f"[mta_repro.train] inserted MTA into the baseline from {ckpt.init_from} (step {step})", file=sys.stderr)
+    print(f"[mta_repro.train] inserted MTA into the baseline from {ck.init_from} (step {step})", file=sys.stderr)
     return model.state_dict()
 
 
-def _fresh(run_dir: Path) -> bool:
-    """No run has written into ``run_dir`` yet (Hydra's own files do not count)."""
-    return not any((run_dir / n).exists() for n in ("config.yaml", "checkpoints", "metrics.jsonl", "export"))
-
-
-def _remove_failed_start(run_dir: Path) -> None:
-    """A start that failed before it trained or saved anything leaves no run dir behind:
-    remove what it (and Hydra, if its output dir is the run dir) wrote, then the dir if empty."""
-    metrics = run_dir / "metrics.jsonl"
-    ckpts = run_dir / "checkpoints"
-    if (metrics.is_file() and metrics.stat().st_size > 0) or (ckpts.is_dir() and any(ckpts.iterdir())):
-        return
-    import shutil
-
-    for name in ("config.yaml", "config.prev.yaml", "metrics.jsonl", ".lock", "wandb_id.txt"):
-        (run_dir / name).unlink(missing_ok=True)
-    for name in ("checkpoints", "wandb"):
-        shutil.rmtree(run_dir / name, ignore_errors=True)
+def train(cfg: Any) -> dict[str, Any]:
+    """Run (or resume) training as configured (a composed DictConfig, a mapping or a
+    TrainConfig); returns a small summary. A start that fails before it trained or saved
+    anything leaves no run directory behind."""
+    run_dir = Path(cfg.run_dir if not isinstance(cfg, dict) else cfg["run_dir"])
+    fresh = is_fresh(run_dir)
     try:
-        from hydra.core.hydra_config import HydraConfig
-
-        hc = HydraConfig.get()
-        if Path(hc.runtime.output_dir).resolve() == run_dir.resolve():
-            if hc.output_subdir:
-                shutil.rmtree(run_dir / hc.output_subdir, ignore_errors=True)
-            (run_dir / f"{hc.job.name}.log").unlink(missing_ok=True)
-    except (ImportError, ValueError):
-        pass  # not under Hydra's main
-    try:
-        run_dir.rmdir()
-    except OSError:
-        pass  # not empty: something else lives there
-
-
-def _launch_rank() -> int:
-    import os
-
-    return int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", 0)))
-
-
-def check_schema(cfg) -> None:
-    """Refuse keys the schema does not know (Hydra's ``+key=`` adds them in silence)."""
-    if not isinstance(cfg, DictConfig):
-        return
-    from mta_repro.config import TrainConfig
-    from mta_repro.dataclass_config import unknown_keys, unknown_keys_error
-
-    bad = [k for k in unknown_keys(TrainConfig, cfg, "") if k != "hydra"]
-    if bad:
-        raise ValueError(unknown_keys_error(TrainConfig, bad))
-
-
-def train(cfg: DictConfig) -> dict[str, Any]:
-    """Run (or resume) training as configured; returns a small summary."""
-    run_dir = Path(cfg.run_dir)
-    fresh = _fresh(run_dir)
-    try:
-        check_schema(cfg)
-        tr = _section(cfg, "trainer", TrainerArgs)
-        dargs = _section(cfg, "distributed", DistributedArgs)
-        info = init_distributed(dargs, tr.device)
+        args = to_train_config(cfg)
+        info = init_distributed(args.distributed, args.trainer.device)
         try:
-            return _train(cfg, info, tr, dargs)
+            return _train(args, info)
         finally:
             destroy_distributed()
     except BaseException:
-        if fresh and _launch_rank() == 0:
-            _remove_failed_start(run_dir)
+        if fresh and launcher_rank() == 0:
+            remove_failed_start(run_dir)
         raise
 
 
@@ -201,78 +167,187 @@ def _agree(info: DistInfo, fn: Callable[[], Any]) -> Any:
     return value
 
 
-def _prepare_run_dir(cfg: DictConfig, ck: CheckpointArgs, tr: TrainerArgs, info: DistInfo, lock: RunLock):
-    """Rank 0, before anything is written: config check, lock, config.yaml. Returns the
-    step of the newest complete checkpoint (None if none)."""
-    run_dir = Path(cfg.run_dir)
-    found = complete_checkpoints(run_dir / "checkpoints") if ck.resume else []
-    at_step = int(found[-1].name) if found else None
-    if at_step == tr.steps and verify_checkpoint(found[-1]) is not None:
-        at_step = None  # "finished", but its last checkpoint is damaged: resume decides
-    saved = load_saved_config(run_dir)
-    new = OmegaConf.to_container(cfg, resolve=True)
-    if at_step is not None and at_step > tr.steps:
-        raise RunDirError(
-            f"run_dir={run_dir} is already at step {at_step} ({found[-1]}), beyond trainer.steps={tr.steps}: "
-            "nothing to train. Raise trainer.steps (with checkpoint.allow_config_change=true) or use another run_dir"
-        )
-    if found and saved is not None:
-        check_config(saved, new, ck.allow_config_change, run_dir, at_step)
-        saved_world = saved_world_size(found[-1])
-        if saved_world is not None:
-            err = global_batch_error(saved, cfg, saved_world, info.world_size)
-            if err:
-                raise RunDirError(f"run_dir={run_dir}: {err}")
-    if not ck.resume and (run_dir / "checkpoints").is_dir() and complete_checkpoints(run_dir / "checkpoints"):
-        raise RunDirError(
-            f"run_dir={run_dir} holds checkpoints and checkpoint.resume=false would train over them from "
-            "step 0: use another run_dir=..., or checkpoint.resume=true"
-        )
-    _check_vocab(cfg, to_model_args(cfg.model).vocab_size)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    lock.acquire()
-    write_config(run_dir, cfg)
-    return at_step
+def _train(args: TrainConfig, info: DistInfo) -> dict[str, Any]:
+    tr, run_dir = args.trainer, Path(args.run_dir)
+    torch.manual_seed(args.seed + info.rank)  # anything stochastic in training (dropout)
 
-
-def _train(cfg: DictConfig, info: DistInfo, tr: TrainerArgs, dargs: DistributedArgs) -> dict[str, Any]:
-    ck = _section(cfg, "checkpoint", CheckpointArgs)
-    lg = _section(cfg, "logging", LoggingArgs)
-    optim_args = to_optim_args(cfg.optim)
-    model_args = to_model_args(cfg.model)
-    run_dir = Path(cfg.run_dir)
-    torch.manual_seed(cfg.seed + info.rank)  # anything stochastic in training (dropout)
+    def prepare():
+        _check_vocab(args, to_model_args(args.model).vocab_size)
+        return prepare_run_dir(args, info, lock)
 
     lock = RunLock(run_dir)
     try:
-        at_step = _agree(info, lambda: _prepare_run_dir(cfg, ck, tr, info, lock))
+        at_step = _agree(info, prepare)
         if at_step is not None and at_step == tr.steps:
             if info.is_main:
                 print(f"[mta_repro.train] {run_dir} is already at trainer.steps={tr.steps}: nothing to train "
                       "(raise trainer.steps, with checkpoint.allow_config_change=true, to train on)",
                       file=sys.stderr, flush=True)
             return {"step": at_step, "loss": float("nan"), "stopped_by_signal": None, "export": None}
-        return _run(cfg, info, tr, dargs, ck, lg, optim_args, model_args, run_dir)
+        return run(args, info)
     finally:
         lock.release()
 
 
-def _run(cfg, info, tr, dargs, ck, lg, optim_args, model_args, run_dir) -> dict[str, Any]:
+# ------------------------------------------------------------------ one update
+def train_step(model, optimizer, scheduler, loader, tr: TrainerArgs, clip: float, device) -> tuple:
+    """One optimiser update over ``tr.grad_accum`` micro-batches, with no host sync.
+
+    Returns (loss, grad_norm, n_tokens, lr, finite): this rank's mean loss over its
+    micro-batches and the global gradient norm as 0-d device tensors, this rank's
+    tokens, the learning rate the update used, and ``finite`` (None unless
+    ``trainer.nonfinite=skip``, which reads the values to decide whether to apply it)."""
+    model.train()
+    loss_sum = torch.zeros((), device=device)
+    n_tokens = 0
+    for micro in range(tr.grad_accum):
+        batch = next(loader)
+        inputs = batch["input"].to(device, non_blocking=True)  # (B, T)
+        targets = batch["target"].to(device, non_blocking=True)
+        # Reduce-scatter gradients only after the last micro-batch.
+        model.set_requires_gradient_sync(micro == tr.grad_accum - 1)
+        loss = cross_entropy(model, inputs, targets) / tr.grad_accum
+        loss.backward()
+        loss_sum += loss.detach()
+        n_tokens += inputs.numel()
+    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip, foreach=True)
+    if hasattr(grad_norm, "full_tensor"):
+        grad_norm = grad_norm.full_tensor()
+    lr = optimizer.param_groups[0]["lr"]
+    finite = None
+    if tr.nonfinite == "skip":
+        # The decision needs the global loss: all ranks skip the same updates.
+        both = torch.stack([loss_sum, grad_norm.to(loss_sum.dtype)])
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(both, op=dist.ReduceOp.SUM)  # a non-finite value on any rank spreads
+        finite = bool(torch.isfinite(both).all())
+    if finite is not False:
+        optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    with warnings.catch_warnings():  # a skipped update still advances the schedule
+        warnings.simplefilter("ignore", UserWarning)
+        scheduler.step()
+    return loss_sum, grad_norm, n_tokens, lr, finite
+
+
+class StepValues:
+    """The per-step loss and gradient norm, kept on the device until ``read()`` (one
+    all-reduce over ranks and one host transfer for every step since the last read)."""
+
+    def __init__(self, info: DistInfo):
+        self.info = info
+        self.pending: list[tuple[int, torch.Tensor, torch.Tensor]] = []  # (step, loss, grad norm)
+        self.losses: list[float] = []  # global mean loss of each step since the last record
+        self.loss_last = float("nan")
+        self.grad_norm_last = float("nan")
+
+    def add(self, step: int, loss: torch.Tensor, grad_norm: torch.Tensor) -> None:
+        self.pending.append((step, loss, grad_norm))
+
+    def read(self) -> list[tuple[int, float, float]]:
+        """(step, global loss, grad norm) of the pending steps; also kept for the record."""
+        if not self.pending:
+            return []
+        losses = torch.stack([p[1] for p in self.pending])  # (n,) this rank's means
+        # Mean over ranks = the global batch's mean (equal tokens per rank).
+        if self.info.world_size > 1:
+            dist.all_reduce(losses, op=dist.ReduceOp.SUM)
+            losses /= self.info.world_size
+        norms = torch.stack([p[2].to(losses.dtype) for p in self.pending])
+        values = torch.stack([losses, norms]).tolist()  # the one host sync
+        out = [(p[0], lo, gn) for p, lo, gn in zip(self.pending, values[0], values[1])]
+        self.pending = []
+        self.losses.extend(v[1] for v in out)
+        self.loss_last, self.grad_norm_last = out[-1][1], out[-1][2]
+        return out
+
+    def interval_mean(self) -> float:
+        """The mean loss over the steps since the last record (and start a new interval)."""
+        mean = sum(self.losses) / len(self.losses)
+        self.losses = []
+        return mean
+
+
+def check_finite(values: list[tuple[int, float, float]], latest: Optional[Path]) -> None:
+    """``trainer.nonfinite=raise``: the first non-finite step of ``values`` stops the run."""
+    for step, loss, gnorm in values:
+        if not (math.isfinite(loss) and math.isfinite(gnorm)):
+            raise NonFiniteLossError(
+                f"non-finite loss {loss} (grad norm {gnorm}) at step {step}; "
+                f"the last good checkpoint is {latest or 'none (nothing saved yet)'}. "
+                "Lower optim.lr, or set trainer.nonfinite=skip to drop such updates."
+            )
+
+
+def metrics_record(step: int, values: StepValues, lr: float, n_tokens: int, info: DistInfo,
+                   meter: Throughput, flops_tok: float, peak: Optional[float], loader) -> dict[str, Any]:
+    """The metrics.jsonl line of a logged step (collective: data counts are summed over ranks)."""
+    tps = meter.rate()
+    record = {
+        "step": step,
+        # The mean over the steps since the last record (each step's loss is the mean over
+        # its global batch); loss_last is this step's alone.
+        "loss": values.interval_mean(),
+        "loss_last": values.loss_last,
+        "lr": lr,
+        "grad_norm": values.grad_norm_last,
+        "tokens_per_s_global": tps,
+        "tokens_per_s_per_gpu": tps / info.world_size,
+        "peak_mem_gb": peak_mem_gb(info.device),
+        "mfu": mfu(tps, flops_tok, peak, info.world_size),
+        "tokens_seen": step * n_tokens * info.world_size,
+    }
+    counts = _summed(loader, "token_counts", info)  # tokens trained on per domain
+    record.update({f"train_tokens/{d}": n for d, n in counts.items()})
+    bad = _summed(loader, "bad_records", info)
+    record.update({f"data_bad/{k}": n for k, n in bad.items() if n})
+    return record
+
+
+class Checkpointing:
+    """The save cadence: ``maybe_save(step, last=)`` saves every ``checkpoint.every`` steps,
+    at the last step and when asked (``last=True``: a stop), each step at most once."""
+
+    def __init__(self, manager: CheckpointManager, every: int, model, optimizer, scheduler, loader,
+                 last_saved: Optional[int]):
+        self.manager, self.every = manager, every
+        self.state = (model, optimizer, scheduler, loader)
+        self.last_saved = last_saved
+        self.last_path: Optional[Path] = manager.latest() if last_saved is not None else None
+
+    def due(self, step: int, last: bool = False) -> bool:
+        return self.last_saved != step and (last or step % self.every == 0)
+
+    def maybe_save(self, step: int, last: bool = False) -> bool:
+        if not self.due(step, last):
+            return False
+        self.last_path = self.manager.save(step, *self.state)
+        self.last_saved = step
+        return True
+
+
+# ------------------------------------------------------------------ the run
+def run(args: TrainConfig, info: DistInfo) -> dict[str, Any]:
+    """Train from the newest complete checkpoint (or the start) to ``trainer.steps``."""
+    tr, ck, lg = args.trainer, args.checkpoint, args.logging
+    run_dir = Path(args.run_dir)
+    model_args = to_model_args(args.model)
     manager = CheckpointManager(run_dir, ck.keep, info.rank, info.world_size, async_save=ck.async_save)
     manager.clean_stale()
     has_ckpt = ck.resume and manager.latest() is not None
 
     # Model: meta -> AC -> compile -> FSDP2 -> materialise with the full init/weights.
     model = build_model(model_args, device="meta")
-    parallelize(model, info, dargs)
-    full = None if has_ckpt else _initial_weights(cfg, ck, model_args, info.is_main)
+    parallelize(model, info, args.distributed)
+    full = None if has_ckpt else _initial_weights(args, ck, model_args, info.is_main)
     materialize(model, info, full_state=full, model_args=model_args, init=not has_ckpt)
 
-    optimizer = build_optimizer(model, optim_args)
-    scheduler = build_lr_scheduler(optimizer, optim_args, tr.steps)
-    loader = load_factory(tr.loader)(cfg.data if "data" in cfg else None, info.rank, info.world_size)
-    step = 0
-    resume_from = None
+    optimizer = build_optimizer(model, args.optim)
+    scheduler = build_lr_scheduler(optimizer, args.optim, tr.steps)
+    # The data contract (loader plugins, the validator) takes the data section as a config node.
+    data_node = OmegaConf.structured(args.data)
+    loader = load_factory(tr.loader)(data_node, info.rank, info.world_size)
+    step, resume_from = 0, None
     if has_ckpt:
         # The newest readable checkpoint (an unreadable one raises or falls back, per
         # checkpoint.on_corrupt).
@@ -280,115 +355,60 @@ def _run(cfg, info, tr, dargs, ck, lg, optim_args, model_args, run_dir) -> dict[
         if info.is_main:
             print(f"[mta_repro.train] resumed from {resume_from} at step {step}", file=sys.stderr)
 
-    seq_len = int(cfg.data.seq_len) if "data" in cfg else None
-    flops_tok = None
+    seq_len = args.data.seq_len
+    flops_tok = train_flops_per_token(model_args, seq_len)
     peak = device_peak_flops(info.device)
-    logger = MetricLogger(run_dir, lg, OmegaConf.to_container(cfg, resolve=True), info.is_main, tr.steps, step)
-    validator = maybe_validator(cfg, tr, info, seq_len)
+    config = OmegaConf.to_container(OmegaConf.structured(args), resolve=True)
+    logger = MetricLogger(run_dir, lg, config, info.is_main, tr.steps, step)
+    validator = maybe_validator(OmegaConf.create({"data": data_node}), tr, info, seq_len)
+    saver = Checkpointing(manager, ck.every, model, optimizer, scheduler, loader,
+                          last_saved=step if resume_from is not None else None)
     preempt = PreemptionHandler()
     meter = Throughput(info.device)
-    last_saved = step if resume_from is not None else None
+    values = StepValues(info)
+    clip = args.optim.clip if args.optim.clip > 0 else float("inf")
     stopped_by = None
-    loss_val = float("nan")
-    interval_losses: list[float] = []
     try:
         while step < tr.steps:
-            signum = preempt.agreed_signal(info.device)
-            if signum is not None:
-                stopped_by = signum
-                break
-            model.train()
-            loss_sum = torch.zeros((), device=info.device)
-            n_tokens = 0
-            for micro in range(tr.grad_accum):
-                batch = next(loader)
-                inputs = batch["input"].to(info.device, non_blocking=True)
-                targets = batch["target"].to(info.device, non_blocking=True)
-                if seq_len is None:
-                    seq_len = inputs.shape[1]
-                # Reduce-scatter gradients only after the last micro-batch.
-                model.set_requires_gradient_sync(micro == tr.grad_accum - 1)
-                loss = cross_entropy(model, inputs, targets) / tr.grad_accum
-                loss.backward()
-                loss_sum += loss.detach()
-                n_tokens += inputs.numel()
-            clip = optim_args.clip if optim_args.clip > 0 else float("inf")
-            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip, foreach=True)
-            if hasattr(grad_norm, "full_tensor"):
-                grad_norm = grad_norm.full_tensor()
-            # Mean loss over ranks = the global batch's mean (equal tokens per rank).
-            if info.world_size > 1:
-                dist.all_reduce(loss_sum, op=dist.ReduceOp.SUM)
-                loss_sum /= info.world_size
-            loss_val, gnorm_val = loss_sum.item(), grad_norm.item()
-            lr = optimizer.param_groups[0]["lr"]
-            skipped = False
-            if not (math.isfinite(loss_val) and math.isfinite(gnorm_val)):
-                if tr.nonfinite == "raise":
-                    latest = manager.latest()
-                    raise NonFiniteLossError(
-                        f"non-finite loss {loss_val} (grad norm {gnorm_val}) at step {step + 1}; "
-                        f"the last good checkpoint is {latest or 'none (nothing saved yet)'}. "
-                        "Lower optim.lr, or set trainer.nonfinite=skip to drop such updates."
-                    )
-                skipped = True  # trainer.nonfinite=skip: drop this update, keep going
-            else:
-                optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            with warnings.catch_warnings():  # a skipped update still advances the schedule
-                warnings.simplefilter("ignore", UserWarning)
-                scheduler.step()
+            # One rank reads its flag every step; several agree every logging.every steps.
+            if info.world_size == 1 or step % lg.every == 0:
+                stopped_by = preempt.agreed_signal(info.device)
+                if stopped_by is not None:
+                    break
+            loss, grad_norm, n_tokens, lr, finite = train_step(
+                model, optimizer, scheduler, loader, tr, clip, info.device)
             step += 1
-            interval_losses.append(loss_val)
+            values.add(step, loss, grad_norm)
             meter.add(n_tokens * info.world_size)
             logger.advance()
 
             validate = validator is not None and (step % tr.eval_every == 0 or step == tr.steps)
-            if step % lg.every == 0 or step == tr.steps or validate:
-                if flops_tok is None:
-                    flops_tok = train_flops_per_token(model_args, seq_len)
-                tps = meter.rate()
-                m = mfu(tps, flops_tok, peak, info.world_size)
-                record = {
-                    "step": step,
-                    # The mean over the steps since the last record (each step's loss is
-                    # the mean over its global batch); loss_last is this step's alone.
-                    "loss": sum(interval_losses) / len(interval_losses),
-                    "loss_last": loss_val,
-                    "lr": lr,
-                    "grad_norm": gnorm_val,
-                    "tokens_per_s_global": tps,
-                    "tokens_per_s_per_gpu": tps / info.world_size,
-                    "peak_mem_gb": peak_mem_gb(info.device),
-                    "mfu": m,
-                    "tokens_seen": step * n_tokens * info.world_size,
-                }
-                interval_losses = []
-                counts = _domain_tokens(loader, info)
-                if counts:
-                    record.update({f"train_tokens/{d}": n for d, n in counts.items()})
-                bad = _summed(loader, "bad_records", info)
-                record.update({f"data_bad/{k}": n for k, n in bad.items() if n})
-                if skipped:
+            log = step % lg.every == 0 or step == tr.steps or validate
+            if log or saver.due(step, last=step == tr.steps) or finite is not None:
+                read = values.read()  # the host sync of this window
+                if tr.nonfinite == "raise":
+                    check_finite(read, manager.latest())
+            if log:
+                record = metrics_record(step, values, lr, n_tokens, info, meter, flops_tok, peak, loader)
+                if finite is False:  # trainer.nonfinite=skip dropped this step's update
                     record["skipped"] = True
                 if validate:
                     record.update(validator.run(model, info.device))
                     meter.rate()  # validation time is not training throughput
                 logger.log(record)
-            if step % ck.every == 0 or step == tr.steps:
-                manager.save(step, model, optimizer, scheduler, loader)
-                last_saved = step
+            saver.maybe_save(step, last=step == tr.steps)
             lock_heartbeat(run_dir, info.is_main)
 
         if stopped_by is not None:
-            if last_saved != step:
-                manager.save(step, model, optimizer, scheduler, loader)
-            manager.wait()
+            read = values.read()
+            if tr.nonfinite == "raise":
+                check_finite(read, manager.latest())
+            saver.maybe_save(step, last=True)
+        manager.wait()
+        if stopped_by is not None:
             requeued = requeue_if_slurm(stopped_by, info.is_main)
             if info.is_main:
-                print(f"[mta_repro.train] stopped at step {step} after a signal"
-                      f"{' and requeued the job' if requeued else ''}", file=sys.stderr)
-        manager.wait()
+                _print_stop(step, stopped_by, requeued, saver.last_path)
     finally:
         preempt.restore()
         logger.close()
@@ -403,12 +423,16 @@ def _run(cfg, info, tr, dargs, ck, lg, optim_args, model_args, run_dir) -> dict[
             from mta_repro.train.export import export_consolidated
 
             exported = str(export_consolidated(run_dir))
-    return {"step": step, "loss": loss_val, "stopped_by_signal": stopped_by, "export": exported}
+    return {"step": step, "loss": values.loss_last, "stopped_by_signal": stopped_by, "export": exported}
 
 
-def _domain_tokens(loader, info: DistInfo) -> dict[str, int]:
-    """Tokens trained on per domain, summed over ranks (loaders that count them)."""
-    return _summed(loader, "token_counts", info)
+def _print_stop(step: int, signum: int, requeued: bool, ckpt: Optional[Path]) -> None:
+    """The one line a stop by a signal leaves: the step, the checkpoint, what to do next."""
+    name = signal.Signals(signum).name
+    where = f"checkpoint {ckpt}" if ckpt is not None else "no checkpoint"
+    then = "the job resumes by itself" if requeued else "rerun the same command to resume"
+    print(f"[mta_repro.train] stopped at step {step} after a signal{' and requeued the job' if requeued else ''} "
+          f"({name}): {where}; {then}", file=sys.stderr, flush=True)
 
 
 def _summed(loader, method: str, info: DistInfo) -> dict[str, int]:
@@ -422,12 +446,3 @@ def _summed(loader, method: str, info: DistInfo) -> dict[str, int]:
         dist.all_reduce(t, op=dist.ReduceOp.SUM)
         return {n: int(v) for n, v in zip(names, t.tolist())}
     return {n: int(counts[n]) for n in names}
-
-
-def lock_heartbeat(run_dir: Path, is_main: bool) -> None:
-    """Touch the lock (its mtime says when the holder was last alive)."""
-    if is_main:
-        try:
-            os.utime(run_dir / ".lock")
-        except OSError:
-            pass

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from mta_repro.dataclass_config import to_dataclass
+from mta_repro.errors import UserError
 
 SCHEDULERS = ("linear", "cosine", "constant")
 
@@ -53,19 +54,19 @@ class OptimArgs:
 
     def __post_init__(self) -> None:
         if self.scheduler not in SCHEDULERS:
-            raise ValueError(f"optim.scheduler: expected one of {SCHEDULERS}, got {self.scheduler!r}")
+            raise UserError(f"optim.scheduler: expected one of {SCHEDULERS}, got {self.scheduler!r}")
         if self.lr < 0:
-            raise ValueError(f"optim.lr: expected >= 0, got {self.lr}")
+            raise UserError(f"optim.lr: expected >= 0, got {self.lr}")
         if self.warmup < 0:
-            raise ValueError(f"optim.warmup: expected >= 0 steps, got {self.warmup}")
+            raise UserError(f"optim.warmup: expected >= 0 steps, got {self.warmup}")
         if self.warmup_frac is not None and not 0.0 <= self.warmup_frac < 1.0:
-            raise ValueError(f"optim.warmup_frac: expected a fraction in [0, 1) of trainer.steps, got {self.warmup_frac}")
+            raise UserError(f"optim.warmup_frac: expected a fraction in [0, 1) of trainer.steps, got {self.warmup_frac}")
         if not 0.0 <= self.lr_min_ratio <= 1.0:
-            raise ValueError(f"optim.lr_min_ratio: expected in [0, 1], got {self.lr_min_ratio}")
+            raise UserError(f"optim.lr_min_ratio: expected in [0, 1], got {self.lr_min_ratio}")
         for name in ("beta1", "beta2"):
             v = getattr(self, name)
             if not 0.0 <= v < 1.0:
-                raise ValueError(f"optim.{name}: expected in [0, 1), got {v}")
+                raise UserError(f"optim.{name}: expected in [0, 1), got {v}")
 
 
 def to_optim_args(cfg: Union[OptimArgs, dict, Any]) -> OptimArgs:
@@ -143,7 +144,7 @@ def build_lr_scheduler(
     """
     args = to_optim_args(optim_args)
     if total_steps < 1:
-        raise ValueError(f"trainer.steps: expected a positive number of steps, got {total_steps}")
+        raise UserError(f"trainer.steps: expected a positive number of steps, got {total_steps}")
     warmup = warmup_steps(args, total_steps)
     if warmup >= total_steps:
         peak = lr_factor(total_steps - 1, args, total_steps)

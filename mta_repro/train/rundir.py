@@ -1,4 +1,5 @@
-"""Run-directory safety: the config check, the lock and ``config.yaml``.
+"""Run-directory safety: the config check, the lock, ``config.yaml`` and the cleanup of a
+failed start.
 
 Before a run writes anything into ``run_dir`` (rank 0, ``prepare_run_dir``):
 
@@ -24,6 +25,10 @@ Before a run writes anything into ``run_dir`` (rank 0, ``prepare_run_dir``):
    SLURM job, a SLURM job that is no longer running) is taken over with a warning.
 3. ``config.yaml`` is written atomically (temporary file + rename); a previous one that
    differs is kept as ``config.prev.yaml``.
+
+While it trains, rank 0 touches the lock every step (``lock_heartbeat``: its mtime says
+when the holder was last alive). A start that fails before it trained or saved anything
+leaves no run directory behind (``remove_failed_start``).
 """
 
 from __future__ import annotations
@@ -40,6 +45,8 @@ from pathlib import Path
 from typing import Any, Optional
 
 from omegaconf import DictConfig, OmegaConf
+
+from mta_repro.errors import UserError
 
 LOCK = ".lock"
 
@@ -77,7 +84,7 @@ SAFE = (
 PATHS = ("checkpoint.init_from", "data.root_dir", "data.tokenizer.path")
 
 
-class RunDirError(ValueError):
+class RunDirError(UserError):
     """A start refused to protect an existing run directory."""
 
 
@@ -159,7 +166,7 @@ def check_config(saved: dict, new: dict, allow_change: bool, run_dir: Path, at_s
     return d
 
 
-def global_batch_error(saved_cfg: dict, new_cfg: DictConfig, saved_world: int, world: int) -> Optional[str]:
+def global_batch_error(saved_cfg: dict, new_cfg: Any, saved_world: int, world: int) -> Optional[str]:
     """An error text if the global batch would change, naming the grad_accum that keeps it."""
     try:
         b0, a0 = int(saved_cfg["data"]["batch_size"]), int(saved_cfg["trainer"].get("grad_accum", 1))
@@ -296,9 +303,12 @@ class RunLock:
 
 
 # ------------------------------------------------------------------ config.yaml
-def write_config(run_dir: Path, cfg: DictConfig) -> None:
-    """``config.yaml`` atomically; a previous, different one is kept as config.prev.yaml."""
+def write_config(run_dir: Path, cfg: Any) -> None:
+    """``config.yaml`` (of a DictConfig or a config dataclass) atomically; a previous,
+    different one is kept as config.prev.yaml."""
     path = Path(run_dir) / "config.yaml"
+    if not isinstance(cfg, DictConfig):
+        cfg = OmegaConf.structured(cfg)
     text = OmegaConf.to_yaml(cfg, resolve=True)
     if path.is_file():
         old = path.read_text()
@@ -324,3 +334,83 @@ def load_saved_config(run_dir: Path) -> Optional[dict]:
         return OmegaConf.to_container(OmegaConf.load(path), resolve=False)
     except Exception as e:  # noqa: BLE001 - a damaged file is a user-facing error
         raise RunDirError(f"{path}: cannot be read ({e}); use another run_dir=... or repair/delete it") from e
+
+
+# ------------------------------------------------------------------ the whole start
+def prepare_run_dir(args, info, lock: RunLock) -> Optional[int]:
+    """Rank 0, before anything is written (``args``: the TrainConfig): the config check
+    against the run's config.yaml, the lock, config.yaml. Returns the step of the newest
+    complete checkpoint (None if none)."""
+    from mta_repro.train.checkpoint import complete_checkpoints, saved_world_size, verify_checkpoint
+
+    tr, ck = args.trainer, args.checkpoint
+    run_dir = Path(args.run_dir)
+    found = complete_checkpoints(run_dir / "checkpoints") if ck.resume else []
+    at_step = int(found[-1].name) if found else None
+    if at_step == tr.steps and verify_checkpoint(found[-1]) is not None:
+        at_step = None  # "finished", but its last checkpoint is damaged: resume decides
+    saved = load_saved_config(run_dir)
+    new = OmegaConf.to_container(OmegaConf.structured(args), resolve=True)
+    if at_step is not None and at_step > tr.steps:
+        raise RunDirError(
+            f"run_dir={run_dir} is already at step {at_step} ({found[-1]}), beyond trainer.steps={tr.steps}: "
+            "nothing to train. Raise trainer.steps (with checkpoint.allow_config_change=true) or use another run_dir"
+        )
+    if found and saved is not None:
+        check_config(saved, new, ck.allow_config_change, run_dir, at_step)
+        saved_world = saved_world_size(found[-1])
+        if saved_world is not None:
+            err = global_batch_error(saved, args, saved_world, info.world_size)
+            if err:
+                raise RunDirError(f"run_dir={run_dir}: {err}")
+    if not ck.resume and (run_dir / "checkpoints").is_dir() and complete_checkpoints(run_dir / "checkpoints"):
+        raise RunDirError(
+            f"run_dir={run_dir} holds checkpoints and checkpoint.resume=false would train over them from "
+            "step 0: use another run_dir=..., or checkpoint.resume=true"
+        )
+    run_dir.mkdir(parents=True, exist_ok=True)
+    lock.acquire()
+    write_config(run_dir, args)
+    return at_step
+
+
+def is_fresh(run_dir: Path) -> bool:
+    """No run has written into ``run_dir`` yet (Hydra's own files do not count)."""
+    return not any((Path(run_dir) / n).exists() for n in ("config.yaml", "checkpoints", "metrics.jsonl", "export"))
+
+
+def remove_failed_start(run_dir: Path) -> None:
+    """A start that failed before it trained or saved anything leaves no run dir behind:
+    remove what it (and Hydra, if its output dir is the run dir) wrote, then the dir if empty."""
+    run_dir = Path(run_dir)
+    metrics = run_dir / "metrics.jsonl"
+    ckpts = run_dir / "checkpoints"
+    if (metrics.is_file() and metrics.stat().st_size > 0) or (ckpts.is_dir() and any(ckpts.iterdir())):
+        return
+    for name in ("config.yaml", "config.prev.yaml", "metrics.jsonl", LOCK, "wandb_id.txt"):
+        (run_dir / name).unlink(missing_ok=True)
+    for name in ("checkpoints", "wandb"):
+        shutil.rmtree(run_dir / name, ignore_errors=True)
+    try:
+        from hydra.core.hydra_config import HydraConfig
+
+        hc = HydraConfig.get()
+        if Path(hc.runtime.output_dir).resolve() == run_dir.resolve():
+            if hc.output_subdir:
+                shutil.rmtree(run_dir / hc.output_subdir, ignore_errors=True)
+            (run_dir / f"{hc.job.name}.log").unlink(missing_ok=True)
+    except (ImportError, ValueError):
+        pass  # not under Hydra's main
+    try:
+        run_dir.rmdir()
+    except OSError:
+        pass  # not empty: something else lives there
+
+
+def lock_heartbeat(run_dir: Path, is_main: bool) -> None:
+    """Touch the lock (its mtime says when the holder was last alive)."""
+    if is_main:
+        try:
+            os.utime(Path(run_dir) / LOCK)
+        except OSError:
+            pass

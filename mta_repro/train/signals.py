@@ -1,5 +1,9 @@
 """Preemption: SIGUSR2 / SIGTERM (and SIGUSR1, submitit's time-out signal) set a flag;
-the loop checkpoints at the next step boundary and exits cleanly. Under SLURM, SIGUSR2
+the loop checkpoints at the next step boundary and exits cleanly. Ctrl-C (SIGINT) does the
+same, without a requeue; a second Ctrl-C aborts at once (KeyboardInterrupt, no save).
+On several ranks the flag is agreed (an all-reduce and a host read) only every
+``logging.every`` steps, so the step loop does not wait for the device on the others: a
+signal is honoured within that many steps. Under SLURM, SIGUSR2
 (``#SBATCH --signal=USR2@120``: the time limit is near) and SIGUSR1 also requeue the job;
 SIGTERM does not, because ``scancel`` sends it too and a cancelled job must stay
 cancelled (SLURM requeues preempted jobs itself).
@@ -24,33 +28,43 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from mta_repro.train.args import launcher_rank
+from mta_repro.train.distributed import launcher_rank
 
-HANDLED = (signal.SIGUSR1, signal.SIGUSR2, signal.SIGTERM)
+HANDLED = (signal.SIGUSR1, signal.SIGUSR2, signal.SIGTERM, signal.SIGINT)
 REQUEUE_ON = (signal.SIGUSR1, signal.SIGUSR2)
 
 
 class PreemptionHandler:
     def __init__(self) -> None:
         self.signum: Optional[int] = None
+        self.interrupts = 0  # Ctrl-Cs seen
         self._previous = {}
         for sig in HANDLED:
             self._previous[sig] = signal.signal(sig, self._handle)
 
     def _handle(self, signum, frame) -> None:  # runs between bytecodes: a flag and a thread
+        if signum == signal.SIGINT and self.interrupts:
+            # The second Ctrl-C: the user does not want to wait for the save.
+            raise KeyboardInterrupt
+        if signum == signal.SIGINT:
+            self.interrupts += 1
         # Keep a requeue signal: the SIGTERM that follows our own requeue must not hide it.
         if self.signum not in REQUEUE_ON:
             self.signum = signum
-        print(f"[mta_repro.train] received {signal.Signals(signum).name}: checkpoint at the next step boundary",
-              file=sys.stderr, flush=True)
+        again = " (Ctrl-C again to stop at once, without saving)" if signum == signal.SIGINT else ""
+        print(f"[mta_repro.train] received {signal.Signals(signum).name}: checkpoint at the next step boundary"
+              f"{again}", file=sys.stderr, flush=True)
         if signum in REQUEUE_ON:
             _start_early_requeue()
 
     def agreed_signal(self, device: torch.device) -> Optional[int]:
-        """The signal seen by any rank (collective), so all ranks stop at the same step."""
+        """The signal seen by any rank (collective on several ranks: call it at the same
+        step on every rank), so all ranks stop at the same step. One rank reads its flag
+        (no device work)."""
+        if not (dist.is_initialized() and dist.get_world_size() > 1):
+            return self.signum
         local = torch.tensor([self.signum or 0], dtype=torch.int64, device=device)
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            dist.all_reduce(local, op=dist.ReduceOp.MAX)
+        dist.all_reduce(local, op=dist.ReduceOp.MAX)
         value = int(local.item())
         return value or None
 

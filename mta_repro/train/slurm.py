@@ -28,6 +28,7 @@ from typing import Optional, Sequence
 from omegaconf import DictConfig, OmegaConf
 
 from mta_repro.config import CONFIG_DIR, compose
+from mta_repro.errors import UserError
 from mta_repro.train.args import SlurmArgs
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -62,7 +63,7 @@ def _refuse_multirun(overrides: Sequence[str]) -> None:
     if flags or str(mode).endswith("MULTIRUN"):
         exp = next((o.split("=", 1)[1] for o in overrides if o.startswith("experiment=")), None)
         what = f"experiment={exp} is a sweep (hydra.mode: MULTIRUN)" if exp and not flags else "a sweep (-m)"
-        raise ValueError(
+        raise UserError(
             f"{what}: submit it with the submitit launcher, one job per point: "
             f"python -m mta_repro.train -m hydra/launcher=slurm {' '.join(o for o in overrides if o not in flags)}"
             " (or submit one point here with hydra.mode=RUN and the swept fields set)"
@@ -93,14 +94,14 @@ def render(overrides: list[str], python: str = "python", check_paths: bool = Tru
     assert isinstance(s, SlurmArgs)
     device = str(cfg.trainer.get("device", "auto"))
     if s.gpus_per_node == 0 and device == "cuda":
-        raise ValueError("trainer.device=cuda but slurm.gpus_per_node=0 (CPU nodes): set trainer.device=cpu, "
+        raise UserError("trainer.device=cuda but slurm.gpus_per_node=0 (CPU nodes): set trainer.device=cpu, "
                          "or request GPUs with slurm.gpus_per_node")
     if s.gpus_per_node > 0 and device == "cpu":
         print(f"# warning: the job requests {s.gpus_per_node} GPU(s) per node but trainer.device=cpu "
               "(CPU nodes: slurm.gpus_per_node=0 slurm.tasks_per_node=N)", file=sys.stderr)
     run_dir, init_from = resolve_paths(cfg)
     if init_from is not None and check_paths and not init_from.exists():
-        raise ValueError(
+        raise UserError(
             f"checkpoint.init_from: {init_from} does not exist (a run dir, a checkpoint dir or a .pt file; "
             "relative paths are taken from the submit directory)"
         )

@@ -26,6 +26,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from mta_repro.errors import UserError
 from mta_repro.eval.ppl import sequence_ce, windows
 
 
@@ -47,12 +48,12 @@ class Validator:
                         if len(out) >= max_batches:
                             break
             except ValueError as e:  # e.g. no validation files: say how to train without them
-                raise ValueError(f"validation during training: {e} (set trainer.eval_every=0 to train "
+                raise UserError(f"validation during training: {e} (set trainer.eval_every=0 to train "
                                  "without validation)") from None
             if rows and len(out) < max_batches:
                 out.append(np.stack(rows))
             if not out:
-                raise ValueError(
+                raise UserError(
                     f"validation: the {name!r} validation documents hold fewer than data.seq_len+1="
                     f"{seq_len + 1} tokens (set trainer.eval_every=0 to train without validation)"
                 )

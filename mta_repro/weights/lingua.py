@@ -12,6 +12,8 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+from mta_repro.errors import UserError
+
 # Module wrappers that prefix parameter names (torch.compile, activation checkpointing,
 # FSDP1); they can sit at any depth (Lingua wraps blocks).
 _WRAPPERS = {"_orig_mod", "_checkpoint_wrapped_module", "_fsdp_wrapped_module"}
@@ -37,7 +39,7 @@ def release_state_dict_to_ours(sd: dict) -> dict:
             parts = parts[1:]
         new = ".".join(parts)
         if new in out:
-            raise ValueError(f"state dict: {key!r} and another key both map to {new!r}")
+            raise UserError(f"state dict: {key!r} and another key both map to {new!r}")
         out[new] = value
     for key in _DROPPED:
         out.pop(key, None)
@@ -47,7 +49,7 @@ def release_state_dict_to_ours(sd: dict) -> dict:
         if emb is None:
             out["tok_embeddings.weight"] = tied
         elif emb.shape != tied.shape or not torch.equal(emb.to(tied.dtype), tied):
-            raise ValueError(
+            raise UserError(
                 "state dict: output.tied_module.weight differs from tok_embeddings.weight "
                 "(a tied output must be the embedding)"
             )

@@ -27,15 +27,11 @@ from typing import Any, Union
 
 import torch
 
+from mta_repro.errors import UserError
+
 _REFUSE_HINT = "refusing to unpickle it (only tensors and plain types are read from files)"
 
 
-try:  # user errors get one line and exit 2 (mta_repro.errors, once the branch adding it is merged)
-    from mta_repro.errors import UserError
-except ImportError:  # pragma: no cover - until then every ValueError is a user error
-
-    class UserError(Exception):  # type: ignore[no-redef]
-        pass
 
 
 class CorruptFileError(UserError, ValueError):
@@ -216,7 +212,9 @@ def _planner_class():
                 fqn = read_item.dest_index.fqn
                 raise UnsafeFileError(f"entry {fqn!r} would unpickle {_unsafe_global(str(e))}") from None
             if self.flatten_state_dict:
-                from torch.distributed.checkpoint._traverse import set_element  # as DCP's own planner
+                from torch.distributed.checkpoint._traverse import (
+                    set_element,  # as DCP's own planner
+                )
 
                 set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
             else:

@@ -1,0 +1,28 @@
+"""The project's error types: what the command-line tools report as the user's mistake.
+
+``UserError`` is raised where the input is wrong (a config field, an override, a run
+directory, a damaged or missing file the user named) and the message already says what
+was expected. The command-line tools (``mta_repro.cli.run_cli``) print such an error as
+one line and exit with status 2; any other exception is a fault in the code or its
+environment and keeps its traceback. ``MTA_REPRO_TRACEBACK=1`` shows the traceback of
+user errors too.
+
+``UserError`` subclasses ``ValueError`` so that code (and tests) catching ValueError
+around validation keeps working.
+"""
+
+from __future__ import annotations
+
+import os
+
+# Set to 1 to see full tracebacks for user errors as well.
+TRACEBACK_ENV = "MTA_REPRO_TRACEBACK"
+
+
+class UserError(ValueError):
+    """Bad input: the message names the file/field, what was expected and the fix."""
+
+
+def show_tracebacks() -> bool:
+    """Whether ``MTA_REPRO_TRACEBACK`` asks for tracebacks of user errors too."""
+    return os.environ.get(TRACEBACK_ENV, "").strip().lower() not in ("", "0", "false", "no")

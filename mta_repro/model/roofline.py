@@ -1,0 +1,317 @@
+"""A stated roofline for one kernel pass on one GPU, from what the compiler emitted.
+
+Used by ``scripts/compile_triton.py`` to judge ``model.attn_impl=triton`` without a GPU,
+and applied the same way to FlashAttention-2 (what SDPA runs for bf16 causal attention on
+an H100/H200), so the two are compared by one model. Every figure it gives is an
+ESTIMATE: a lower bound from throughput and from the programs' serial chains, not a
+measurement. No triton import here (the arithmetic is testable anywhere).
+
+Counting (``count_ttgir``): the pass's TritonGPU IR, i.e. after layout assignment and
+software pipelining, where each ``tt.dot`` carries the encoding that decides its
+instructions: ``#ttg.nvidia_mma`` v2 -> ``mma.sync`` (tensor cores), v3 /
+``ttng.warp_group_dot`` -> ``wgmma`` (tensor cores), ``#ttg.blocked`` -> scalar FMA (CUDA
+cores). Each op is weighted by the trip counts of the ``scf.for`` loops around it:
+constant bounds are read from the IR; loops with runtime bounds are the kernel's work loops,
+level 1 = the loop over work items of a program, level 2 = the loop over key blocks of an
+item (a third runtime level is an error: the schedule would not know its trips). Ops in an
+``scf.if`` are counted as always executed. Resources per op: MACs of dots by kind;
+elements of tensor ``arith.mulf``/``math.fma`` (CUDA-core multiplies: convolution taps,
+scalings); elements of ``math.exp``/``exp2`` (special-function unit); global bytes of
+``tt.load``/``tt.store``/``tt.atomic_rmw``/async copies (an atomic counts twice); shared
+bytes of ``ttg.local_load``/``local_store``; barriers, split into those that order global
+scratch (a ``tt.store``/atomic within two ops: a round trip through L1/L2) and plain
+shared-memory barriers. ``compile_triton.py`` checks the dot counts against the PTX's
+``mma``/``wgmma`` instructions.
+
+Time (``estimate``): with ``active`` = the SMs that get programs and the per-SM rates of
+``GPU``, throughput time = max over resources of total / (rate x active SMs), HBM bytes at
+the HBM bandwidth; chain time = the programs list-scheduled in launch order on SMs x
+``occupancy`` slots, each taking its own work at its share of one SM's rates (the SM's
+co-resident programs split it) plus its barrier latencies (not shared). est = max(throughput, chain) + launch latency. Left out (so the model
+is optimistic for every kernel alike): instruction issue other than the counted ops, memory
+latency other than barriers, bank conflicts, tail effects inside a wave.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+import re
+from dataclasses import dataclass, field
+
+RESOURCES = ("mma_macs", "wgmma_macs", "tf32_macs", "fma_macs", "sfu", "global_bytes", "shared_bytes",
+             "barriers_global", "barriers_shared")
+
+
+@dataclass(frozen=True)
+class GPU:
+    """One H200 SXM (H100 SXM's SMs and clocks, HBM3e). Rates per SM per clock."""
+
+    name: str = "H200 SXM (sm_90)"
+    sms: int = 132
+    clock_hz: float = 1.83e9  # the clock NVIDIA's dense tensor peak is quoted at
+    wgmma_bf16: float = 2048.0  # MAC/clk/SM: 132 x 2048 x 2 x 1.83 GHz = 989 TFLOP/s
+    mma_sync_fraction: float = 2 / 3  # assumption: Ampere-style mma.sync reaches ~2/3 of wgmma on sm_90
+    tf32_fraction: float = 0.5  # 32-bit operands on tensor cores: half the 16-bit rate
+    fma_fp32: float = 128.0  # MAC/clk/SM on CUDA cores (67 TFLOP/s)
+    sfu: float = 16.0  # exp/clk/SM (3.9 T/s)
+    lsu_bytes: float = 128.0  # B/clk/SM through L1/shared memory (global hits and shared alike)
+    hbm_bytes_s: float = 4.8e12
+    regs_per_sm: int = 65536
+    smem_per_sm: int = 228 * 1024
+    max_warps_per_sm: int = 64
+    barrier_global_cycles: float = 500.0  # a store -> barrier -> reload round trip (~2 L2 latencies)
+    barrier_shared_cycles: float = 25.0
+    launch_s: float = 5e-6
+
+    def constants(self) -> dict:
+        return dict(self.__dict__)
+
+
+H200 = GPU()
+
+
+@dataclass
+class Counts:
+    """Resources per level: 0 = once per program, 1 = per work item, 2 = per key block."""
+
+    levels: list = field(default_factory=lambda: [dict.fromkeys(RESOURCES, 0.0) for _ in range(3)])
+    static: dict = field(default_factory=lambda: dict.fromkeys(RESOURCES, 0.0))  # no loop weights
+
+    def add(self, level: int, res: str, amount: float, mult: float) -> None:
+        self.levels[level][res] += amount * mult
+        self.static[res] += amount
+
+
+_BYTES = {"bf16": 2, "f16": 2, "f32": 4, "f64": 8, "i1": 1, "i8": 1, "i16": 2, "i32": 4, "i64": 8,
+          "f8E4M3FN": 1, "f8E5M2": 1}
+_TENSOR = re.compile(r"tensor<([0-9x]+)x(!tt\.ptr<(\w+)>|(\w+))")
+
+
+def _tensor(text: str):
+    """(elements, bytes per element) of the first tensor type in ``text``; None if scalar."""
+    m = _TENSOR.search(text)
+    if not m:
+        return None
+    n = math.prod(int(x) for x in m.group(1).split("x"))
+    return n, _BYTES.get(m.group(3) or m.group(4), 4)
+
+
+def _strip_loc(line: str) -> str:
+    i = line.rfind(" loc(")
+    return line[:i] if i >= 0 else line
+
+
+def count_ttgir(ttgir: str) -> Counts:
+    """Loop-weighted resources of one compiled kernel (see the module docstring)."""
+    lines = [_strip_loc(raw).rstrip() for raw in ttgir.splitlines()]
+    consts = {}
+    for s in lines:
+        m = re.match(r"\s*(%[\w-]+) = arith\.constant (-?\d+) : i(32|64)$", s)
+        if m:
+            consts[m.group(1)] = int(m.group(2))
+    encodings = {}
+    for s in lines:
+        m = re.match(r"(#\w+) = #ttg\.nvidia_mma<\{versionMajor = (\d)", s)
+        if m:
+            encodings[m.group(1)] = "wgmma_macs" if m.group(2) == "3" else "mma_macs"
+    ops = [i for i, s in enumerate(lines) if re.match(r"\s*(%\S+ = )?[\"\w.]+", s.strip()) and s.strip()]
+
+    c = Counts()
+    stack = []  # ("for", trips or None) / ("other", None)
+
+    def weight():
+        mult, level = 1.0, 0
+        for kind, trips in stack:
+            if kind != "for":
+                continue
+            if trips is None:
+                level += 1
+            else:
+                mult *= trips
+        if level > 2:
+            raise ValueError("count_ttgir: more than two loops with runtime bounds; the schedule knows two")
+        return level, mult
+
+    for idx, s in enumerate(lines):
+        t = s.strip()
+        if t.startswith("}"):
+            if stack:
+                stack.pop()
+            if t.endswith("{"):
+                stack.append(("other", None))
+            continue
+        level, mult = weight()
+        if " tt.dot " in f" {t} " or "= tt.dot " in t:
+            a = _tensor(t.split("*")[0])
+            out = re.search(r"->\s*tensor<([0-9x]+)x\w+,\s*(#[\w.]+)", t)
+            n = int(out.group(1).split("x")[-1])
+            enc = out.group(2)
+            res = encodings.get(enc, "fma_macs")
+            if res != "fma_macs" and a[1] >= 4:  # 32-bit operands on tensor cores: tf32
+                res = "tf32_macs"
+            c.add(level, res, a[0] * n, mult)
+        elif "ttng.warp_group_dot " in t:
+            shapes = re.findall(r"<([0-9x]+)x(\w+)", t)
+            (m_, k_), n_ = [int(x) for x in shapes[0][0].split("x")][-2:], int(shapes[1][0].split("x")[-1])
+            c.add(level, "tf32_macs" if _BYTES.get(shapes[0][1], 2) >= 4 else "wgmma_macs", m_ * k_ * n_, mult)
+        elif re.search(r"= (arith\.mulf|math\.fma) ", t):
+            tt_ = _tensor(t.split(" : ")[-1])
+            if tt_:
+                c.add(level, "fma_macs", tt_[0], mult)
+        elif re.search(r"= math\.exp2? ", t):
+            tt_ = _tensor(t.split(" : ")[-1])
+            c.add(level, "sfu", tt_[0] if tt_ else 1, mult)
+        elif re.search(r"(= tt\.load |^tt\.store |= ttg\.async_copy_global_to_local |= tt\.atomic_rmw )", t):
+            tt_ = _tensor(t.split(" : ")[-1]) or (1, _BYTES.get(re.findall(r"!tt\.ptr<(\w+)>", t)[-1], 4))
+            c.add(level, "global_bytes", tt_[0] * tt_[1] * (2 if "atomic" in t else 1), mult)
+        elif re.search(r"(= ttg\.local_load |^ttg\.local_store )", t):
+            tt_ = _tensor(t.split("->")[-1] if "->" in t else t.split(" : ")[-1])
+            if tt_:
+                c.add(level, "shared_bytes", tt_[0] * tt_[1], mult)
+        elif re.match(r"(ttg|gpu)\.barrier", t):
+            near = [lines[j].strip() for j in ops if 0 < abs(j - idx) <= 3]
+            glob = any(x.startswith("tt.store") or "tt.atomic_rmw" in x for x in near)
+            c.add(level, "barriers_global" if glob else "barriers_shared", 1, mult)
+        if t.endswith("{"):
+            m = re.match(r"(?:%\S+ = )?scf\.for %\S+ = (%[\w-]+) to (%[\w-]+) step (%[\w-]+)", t)
+            if m:
+                lb, ub, st = (consts.get(g) for g in m.groups())
+                trips = None if None in (lb, ub, st) else max(0, -(-(ub - lb) // st))
+                stack.append(("for", trips))
+            else:
+                stack.append(("other", None))
+    return c
+
+
+@dataclass
+class Schedule:
+    """How a pass's work is laid out: ``programs[p]`` = the key-block counts of the items
+    program p walks, in order (an empty inner list: an item without a key-block loop)."""
+
+    programs: list
+    hbm_bytes: float  # compulsory traffic: inputs read once, outputs written, memsets
+    num_warps: int
+    registers: int
+    smem_bytes: int
+
+    @property
+    def n_items(self) -> int:
+        return sum(len(p) for p in self.programs)
+
+    @property
+    def n_frames(self) -> int:
+        return sum(sum(p) for p in self.programs)
+
+
+def persistent(items_frames: list, n_prog: int) -> list:
+    """Items handed round-robin to ``n_prog`` programs (``for item in range(pid, n, nprog)``)."""
+    return [items_frames[p::n_prog] for p in range(n_prog)]
+
+
+def occupancy(s: Schedule, gpu: GPU = H200) -> int:
+    """Programs resident per SM: the register file, shared memory and warp slots."""
+    regs = max(8, -(-s.registers // 8) * 8) * 32 * s.num_warps
+    by_regs = gpu.regs_per_sm // regs if regs else 32
+    by_smem = gpu.smem_per_sm // (s.smem_bytes + 1024)
+    return max(1, min(by_regs, by_smem, gpu.max_warps_per_sm // s.num_warps, 32))
+
+
+def _rate(gpu: GPU) -> dict:
+    return {"mma_macs": gpu.wgmma_bf16 * gpu.mma_sync_fraction, "wgmma_macs": gpu.wgmma_bf16,
+            "tf32_macs": gpu.wgmma_bf16 * gpu.mma_sync_fraction * gpu.tf32_fraction,
+            "fma_macs": gpu.fma_fp32, "sfu": gpu.sfu, "lsu": gpu.lsu_bytes}
+
+
+def _busy_cycles(r: dict, gpu: GPU) -> float:
+    """Cycles one SM needs for resources ``r`` (throughput only)."""
+    rate = _rate(gpu)
+    lsu = r["global_bytes"] + r["shared_bytes"]
+    return max(r["mma_macs"] / rate["mma_macs"] + r["wgmma_macs"] / rate["wgmma_macs"]
+               + r["tf32_macs"] / rate["tf32_macs"],
+               r["fma_macs"] / rate["fma_macs"], r["sfu"] / rate["sfu"], lsu / rate["lsu"])
+
+
+def program_resources(c: Counts, frames_of_items: list) -> dict:
+    out = dict(c.levels[0])
+    n_items, n_frames = len(frames_of_items), sum(frames_of_items)
+    for k in RESOURCES:
+        out[k] += n_items * c.levels[1][k] + n_frames * c.levels[2][k]
+    return out
+
+
+def estimate(c: Counts, s: Schedule, gpu: GPU = H200) -> dict:
+    """est_ms of one pass and its parts (see the module docstring)."""
+    per_prog = [program_resources(c, p) for p in s.programs]
+    total = {k: sum(r[k] for r in per_prog) for k in RESOURCES}
+    occ = occupancy(s, gpu)
+    active = min(gpu.sms, len(s.programs))
+    tp_cycles = _busy_cycles(total, gpu) / max(1, active)
+    t_tp = max(tp_cycles / gpu.clock_hz, s.hbm_bytes / gpu.hbm_bytes_s)
+    # list schedule: programs start in launch order on the first free slot (SMs x
+    # occupancy); co-resident programs share their SM's throughput; barrier latency is not shared
+    share = max(1, min(occ, -(-len(s.programs) // gpu.sms)))
+    slots = [0.0] * (gpu.sms * occ)
+    heapq.heapify(slots)
+    for r in per_prog:
+        start = heapq.heappop(slots)
+        heapq.heappush(slots, start + share * _busy_cycles(r, gpu) + r["barriers_global"] * gpu.barrier_global_cycles
+                       + r["barriers_shared"] * gpu.barrier_shared_cycles)
+    chain_cycles = max(slots)
+    t_chain = chain_cycles / gpu.clock_hz
+    return {"est_ms": 1e3 * (max(t_tp, t_chain) + gpu.launch_s), "throughput_ms": 1e3 * t_tp,
+            "chain_ms": 1e3 * t_chain, "occupancy": occ, "programs": len(s.programs), "total": total}
+
+
+# --------------------------------------------------------------------------------------
+# FlashAttention-2, forward + backward, counted the same way by hand from its published
+# tile configuration (flash-attn 2.x, head dim 96: forward 128x64 tiles on 4 warps, K/V
+# through shared memory; backward 64x128 tiles on 8 warps, programs own key blocks, dq by
+# fp32 atomics), mma.sync on bf16 operands, causal block skipping.
+
+def _res(**kw) -> dict:
+    return {k: float(kw.get(k, 0.0)) for k in RESOURCES}
+
+
+def fa2_passes(batch: int, heads: int, seq: int, head_dim: int, gpu: GPU = H200) -> dict:
+    """{pass: (Counts, Schedule)} of FlashAttention-2 fwd+bwd for causal self-attention."""
+    d = head_dim
+    out = {}
+    # forward: items (b, h, row block of 128), key blocks of 64 up to the diagonal
+    bm, bn = 128, 64
+    fwd = Counts()
+    fwd.levels[1] = _res(global_bytes=2 * bm * d * 2 + bm * 4)  # Q in, O and lse out
+    fwd.levels[2] = _res(mma_macs=2 * bm * bn * d, fma_macs=2 * bm * bn, sfu=bm * bn,
+                         global_bytes=2 * bn * d * 2, shared_bytes=4 * 2 * bn * d * 2, barriers_shared=2)
+    items = [-(-min(seq, (i + 1) * bm) // bn) for i in range(-(-seq // bm))] * (batch * heads)
+    io = batch * heads * seq * d * 2
+    out["fa2_forward"] = (fwd, Schedule([[f] for f in items], hbm_bytes=4 * io, num_warps=4, registers=255,
+                                        smem_bytes=(bm + 2 * bn) * d * 2))
+    # backward: dO.O row sums (memory-bound), then items (b, h, key block of 128) walking
+    # row blocks of 64 from the diagonal down, then dq fp32 -> bf16
+    pre = Counts()
+    pre.levels[1] = _res(global_bytes=2 * 128 * d * 2 + 128 * 4, fma_macs=128 * d)
+    n128 = -(-seq // 128)
+    out["fa2_backward_dot_do_o"] = (pre, Schedule([[0]] * (batch * heads * n128), hbm_bytes=2 * io,
+                                                  num_warps=4, registers=64, smem_bytes=0))
+    bm, bn = 64, 128
+    bwd = Counts()
+    bwd.levels[1] = _res(global_bytes=4 * bn * d * 2)  # K, V in; dK, dV out
+    bwd.levels[2] = _res(mma_macs=5 * bm * bn * d, fma_macs=3 * bm * bn, sfu=bm * bn,
+                         global_bytes=2 * bm * d * 2 + 2 * bm * 4 + 2 * bm * d * 4,
+                         shared_bytes=5 * (bm + bn) * d * 2, barriers_shared=4)
+    items = [-(-seq // bm) - (j * bn) // bm for j in range(-(-seq // bn))] * (batch * heads)
+    out["fa2_backward"] = (bwd, Schedule([[f] for f in items], hbm_bytes=6 * io + 2 * 2 * io, num_warps=8,
+                                         registers=255, smem_bytes=(2 * bn + 3 * bm) * d * 2))
+    conv = Counts()
+    conv.levels[1] = _res(global_bytes=128 * d * 6)
+    out["fa2_backward_convert_dq"] = (conv, Schedule([[0]] * (batch * heads * n128), hbm_bytes=3 * io,
+                                                     num_warps=4, registers=32, smem_bytes=0))
+    return out
+
+
+def fa2_est_ms(batch: int, heads: int, seq: int, head_dim: int, gpu: GPU = H200) -> dict:
+    """{pass: est_ms} of FlashAttention-2 and their sum under ``"total"``."""
+    ms = {name: estimate(c, s, gpu)["est_ms"] for name, (c, s) in fa2_passes(batch, heads, seq, head_dim, gpu).items()}
+    ms["total"] = sum(ms.values())
+    return ms

@@ -1,0 +1,77 @@
+"""Every OmegaConf resolver the configs use, registered in one place (at ``import mta_repro``).
+
+Resolvers must exist before any config is resolved, whichever entry point composed it, so
+``mta_repro/__init__.py`` calls ``register_resolvers()``. The names are the ones the YAML
+files (and the configs ``mta_repro.release`` writes) already carry; each resolver's body
+lives next to the code it belongs to and is imported only when a config uses it.
+
+=====================  ===========================================  =====================
+resolver               what it gives                                used by
+=====================  ===========================================  =====================
+release_placeholder    an error naming the override to pass         release-converted YAML
+mta_layers_every       the conv layers ``2, 2+k, ...`` below n       ablation_conv_layers
+required               an error naming a field that must be given    the stage experiments
+mta_tasks_per_node     tasks per node (tasks, else one per GPU)      hydra/launcher/slurm
+mta_gpus_or_null       the GPU request, null on CPU nodes (0)        hydra/launcher/slurm
+mta_rank0_only         a value on launcher rank 0, ``other`` else    train.yaml (Hydra out)
+=====================  ===========================================  =====================
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def release_placeholder(field: str):
+    """``${release_placeholder:data.root_dir}``: a value the official release's config left
+    as a placeholder (``<path_to_dataset>``); reading it says which override to pass."""
+    from mta_repro.errors import UserError
+
+    raise UserError(f"{field} is a placeholder in the official release's config: pass {field}=... on the command line")
+
+
+def _mta_layers_every(n_layers: Any, stride: Any) -> str:
+    from mta_repro.pipeline.sweep import mta_layers_every
+
+    return mta_layers_every(n_layers, stride)
+
+
+def _required(field: str, what: str = "a value") -> None:
+    from mta_repro.pipeline.sweep import required
+
+    return required(field, what)
+
+
+def _tasks_per_node(tasks: Any, gpus: Any) -> int:
+    # The submitit launcher gets the same tasks per node as slurm/train.sbatch.
+    return int(tasks) if tasks is not None else int(gpus)
+
+
+def _gpus_or_null(gpus: Any):
+    return int(gpus) or None  # no GPU request on CPU nodes
+
+
+def _rank0_only(value: Any, other: Any = None) -> Any:
+    # Rank-0-only Hydra output under submitit: the launcher's variables in each task.
+    from mta_repro.train.distributed import launcher_rank
+
+    return value if launcher_rank() == 0 else other
+
+
+RESOLVERS = {
+    "release_placeholder": release_placeholder,
+    "mta_layers_every": _mta_layers_every,
+    "required": _required,
+    "mta_tasks_per_node": _tasks_per_node,
+    "mta_gpus_or_null": _gpus_or_null,
+    "mta_rank0_only": _rank0_only,
+}
+
+
+def register_resolvers() -> None:
+    """Register every resolver of ``RESOLVERS`` (idempotent)."""
+    from omegaconf import OmegaConf
+
+    for name, fn in RESOLVERS.items():
+        if not OmegaConf.has_resolver(name):
+            OmegaConf.register_new_resolver(name, fn)

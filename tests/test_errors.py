@@ -1,0 +1,164 @@
+"""User errors are one line and exit 2; every other exception keeps its traceback.
+
+- ``run_cli``: a UserError (and a Hydra/OmegaConf config error) is one line and 2; a
+  bug-shaped ValueError propagates with its traceback; MTA_REPRO_TRACEBACK=1 shows the
+  traceback of a user error too;
+- the training CLI: an unknown key with or without ``+``, an unknown experiment, a bad
+  value: one line, exit 2; a ValueError raised by a plugged-in loader (a fault, not the
+  user's input) prints its traceback;
+- the raise sites of the package raise UserError, the configs' resolvers are registered in
+  one place.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from mta_repro.cli import describe, run_cli, unknown_option_line
+from mta_repro.errors import TRACEBACK_ENV, UserError
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+# ------------------------------------------------------------------ run_cli
+def test_user_error_is_one_line_and_exit_2(capsys, monkeypatch):
+    monkeypatch.delenv(TRACEBACK_ENV, raising=False)
+
+    def bad():
+        raise UserError("trainer.steps: expected >= 1, got 0")
+
+    assert run_cli("train", bad) == 2
+    assert capsys.readouterr().err == "train: error: trainer.steps: expected >= 1, got 0\n"
+
+
+def test_bug_shaped_value_error_keeps_its_traceback(monkeypatch):
+    monkeypatch.delenv(TRACEBACK_ENV, raising=False)
+
+    def bug():
+        return int("not a number")  # a ValueError from a fault in the code, not the user's input
+
+    with pytest.raises(ValueError, match="invalid literal"):
+        run_cli("train", bug)
+    with pytest.raises(FileNotFoundError):
+        run_cli("train", lambda: open("/nonexistent/mta_repro_internal.json"))
+
+
+def test_traceback_switch_shows_user_errors_too(monkeypatch):
+    monkeypatch.setenv(TRACEBACK_ENV, "1")
+    with pytest.raises(UserError):
+        run_cli("train", lambda: (_ for _ in ()).throw(UserError("x")))
+
+
+def test_user_error_is_a_value_error():
+    # Code and tests that catch ValueError around validation keep working.
+    assert issubclass(UserError, ValueError)
+    from mta_repro.data.sources import CorruptFileError
+    from mta_repro.train.checkpoint import CheckpointCorruptError
+    from mta_repro.train.rundir import RunDirError
+
+    for cls in (RunDirError, CheckpointCorruptError, CorruptFileError):
+        assert issubclass(cls, UserError)
+
+
+def test_config_validators_raise_user_error():
+    from mta_repro.config import compose, to_train_config
+
+    for override in ("trainer.steps=0", "checkpoint.keep=0", "model.n_layers=0", "optim.lr=-1", "model.mta.mta_layers=abc"):
+        with pytest.raises(UserError):
+            to_train_config(compose([override]))
+
+
+def test_unknown_option_line_names_the_nearest_public_options():
+    options = ["_pretrain", "_long_context", "debug", "pretrain_880m_mta", "pretrain_880m_baseline"]
+    line = unknown_option_line("experiment", "debug_typo", options)
+    assert line.startswith("experiment=debug_typo: unknown experiment config; did you mean debug?")
+    assert "_pretrain" not in line and "\n" not in line
+
+
+def test_hydra_unknown_key_is_described_with_the_nearest_field():
+    from mta_repro.config import compose
+
+    with pytest.raises(Exception) as e:
+        compose(["trainer.step=5"])
+    assert describe(e.value) == ("unknown config key(s) trainer.step (did you mean trainer.steps?): "
+                                 "no such field in the schema (TrainerArgs)")
+
+
+# ------------------------------------------------------------------ the package's raise sites
+# Internal argument checks (a caller's bug, never the user's input) stay ValueError.
+INTERNAL_VALUE_ERRORS = {
+    "mta_repro/model/flops.py": 1,
+    "mta_repro/model/frames.py": 2,
+    "mta_repro/model/roofline.py": 1,  # the compiled IR has a shape its parser does not know
+}
+
+
+def test_user_facing_raises_are_user_errors():
+    """Every ``raise ValueError(`` in the package is one of the listed internal checks: a new
+    user-facing check raises UserError (else the CLIs would print its traceback)."""
+    found = {}
+    for p in sorted((ROOT / "mta_repro").rglob("*.py")):
+        n = len(re.findall(r"raise ValueError\(", p.read_text()))
+        if n:
+            found[str(p.relative_to(ROOT))] = n
+    assert found == INTERNAL_VALUE_ERRORS
+
+
+def test_resolvers_are_registered_in_one_place():
+    from omegaconf import OmegaConf
+
+    import mta_repro  # noqa: F401 - registers them
+    from mta_repro.resolvers import RESOLVERS
+
+    sites = [str(p.relative_to(ROOT)) for p in (ROOT / "mta_repro").rglob("*.py")
+             if "register_new_resolver(" in p.read_text()]
+    assert sites == ["mta_repro/resolvers.py"]
+    used = set()
+    for p in list((ROOT / "configs").rglob("*.yaml")) + [ROOT / "mta_repro" / "release.py"]:
+        used |= set(re.findall(r"\$\{(\w+):", p.read_text()))
+    used -= {"now", "oc", "hydra"}  # Hydra's own
+    assert used <= set(RESOLVERS) and all(OmegaConf.has_resolver(n) for n in RESOLVERS)
+
+
+# ------------------------------------------------------------------ the training CLI
+def _train_cli(*args, extra_path=()):
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([str(ROOT), *map(str, extra_path)]))
+    env.pop(TRACEBACK_ENV, None)
+    return subprocess.run([sys.executable, "-m", "mta_repro.train", *args], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=300)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("override, expected", [
+    ("trainer.step=5", "unknown config key(s) trainer.step (did you mean trainer.steps?)"),
+    ("+trainer.step=5", "unknown config key(s) trainer.step (did you mean trainer.steps?)"),
+    ("model.n_layer=2", "unknown config key(s) model.n_layer (did you mean model.n_layers?)"),
+    ("experiment=debug_typo", "experiment=debug_typo: unknown experiment config; did you mean debug?"),
+    ("trainer.steps=0", "trainer.steps: expected >= 1, got 0"),
+])
+def test_train_cli_user_errors_are_one_line(tmp_path, override, expected):
+    run_dir = tmp_path / "run"
+    p = _train_cli("experiment=debug", f"run_dir={run_dir}", override)
+    assert p.returncode == 2, p.stderr[-3000:]
+    lines = p.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"train: error: {expected}"), p.stderr[-3000:]
+    assert not run_dir.exists()  # a refused start leaves nothing behind
+
+
+@pytest.mark.slow
+def test_train_cli_fault_in_a_loader_keeps_its_traceback(tmp_path):
+    (tmp_path / "faulty_loader.py").write_text(
+        "def build(data_args, rank, world_size):\n"
+        "    return iter([]) if int('x') else None  # a bug: ValueError from int()\n"
+    )
+    p = _train_cli("experiment=debug", f"run_dir={tmp_path / 'run'}", "trainer.loader=faulty_loader:build",
+                   "trainer.device=cpu", "logging.wandb_mode=disabled", "logging.progress_bar=false",
+                   extra_path=[tmp_path])
+    assert p.returncode not in (0, 2)
+    assert "Traceback" in p.stderr and "faulty_loader.py" in p.stderr and "invalid literal" in p.stderr

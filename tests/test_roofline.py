@@ -1,0 +1,206 @@
+"""The roofline estimator that judges the triton kernel without a GPU
+(mta_repro/model/roofline.py, scripts/compile_triton.py): its IR counting, its arithmetic
+on hand-computed cases, FlashAttention-2's closed-form work, the report's record schema,
+and (one small real compile for sm_90) that a tensor-core dot is counted as such."""
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from mta_repro.model import frames, roofline
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# A hand-written TTGIR fragment in the compiler's syntax: a runtime loop over items, a
+# runtime loop over key blocks inside it, a constant loop of 4 inside that.
+TTGIR = textwrap.dedent("""\
+    #blocked = #ttg.blocked<{sizePerThread = [1, 1], threadsPerWarp = [1, 32], warpsPerCTA = [4, 1], order = [1, 0]}>
+    #mma = #ttg.nvidia_mma<{versionMajor = 2, versionMinor = 0, warpsPerCTA = [4, 1], instrShape = [16, 8]}>
+    module attributes {"ttg.num-warps" = 4 : i32} {
+      tt.func public @k(%p: !tt.ptr<bf16>, %n: i32, %m: i32) attributes {noinline = false} {
+        %c0_i32 = arith.constant 0 : i32 loc(#loc1)
+        %c1_i32 = arith.constant 1 : i32 loc(#loc1)
+        %c4_i32 = arith.constant 4 : i32 loc(#loc1)
+        %x = tt.load %ptrs : tensor<64x!tt.ptr<f32>, #blocked> loc(#loc2)
+        scf.for %i = %c0_i32 to %n step %c1_i32  : i32 {
+          %y = tt.load %ptrs2 : tensor<16x32x!tt.ptr<bf16>, #blocked> loc(#loc3)
+          scf.for %j = %c0_i32 to %m step %c1_i32  : i32 {
+            scf.for %h = %c0_i32 to %c4_i32 step %c1_i32  : i32 {
+              %s = tt.dot %a, %b, %c : tensor<64x32xbf16, #ttg.dot_op<{opIdx = 0, parent = #mma, kWidth = 2}>> * tensor<32x16xbf16, #ttg.dot_op<{opIdx = 1, parent = #mma, kWidth = 2}>> -> tensor<64x16xf32, #mma> loc(#loc4)
+              %f = tt.dot %d, %e, %g : tensor<16x16xf32, #ttg.dot_op<{opIdx = 0, parent = #blocked}>> * tensor<16x8xf32, #ttg.dot_op<{opIdx = 1, parent = #blocked}>> -> tensor<16x8xf32, #blocked> loc(#loc5)
+              %t = arith.mulf %s, %s : tensor<64x16xf32, #mma> loc(#loc6)
+              %u = math.exp %t : tensor<64x16xf32, #mma> loc(#loc7)
+              %r = "tt.reduce"(%u) <{axis = 1 : i32}> ({
+              ^bb0(%q: f32 loc(#loc8), %w: f32 loc(#loc8)):
+                %z = arith.addf %q, %w : f32 loc(#loc9)
+                tt.reduce.return %z : f32 loc(#loc9)
+              }) : (tensor<64x16xf32, #mma>) -> tensor<64xf32, #ttg.slice<{dim = 1, parent = #mma}>> loc(#loc9)
+              ttg.barrier all loc(#loc10)
+              tt.store %ptrs3, %t : tensor<64x16x!tt.ptr<f32>, #mma> loc(#loc11)
+              ttg.barrier all loc(#loc12)
+            } loc(#loc13)
+            %o = tt.atomic_rmw fadd, relaxed, gpu, %pa, %va, %ma : (tensor<8x!tt.ptr<f32>, #blocked>, tensor<8xf32, #blocked>, tensor<8xi1, #blocked>) -> tensor<8xf32, #blocked> loc(#loc14)
+          } loc(#loc15)
+        } loc(#loc16)
+        tt.return loc(#loc17)
+      } loc(#loc18)
+    } loc(#loc19)
+    """)
+
+
+def test_ttgir_counts_are_loop_weighted_and_split_by_unit():
+    c = roofline.count_ttgir(TTGIR)
+    prog, item, frame = c.levels
+    assert prog["global_bytes"] == 64 * 4
+    assert item["global_bytes"] == 16 * 32 * 2
+    assert frame["mma_macs"] == 4 * 64 * 32 * 16  # tensor cores (nvidia_mma v2: mma.sync)
+    assert frame["fma_macs"] == 4 * (16 * 16 * 8 + 64 * 16)  # the blocked dot and the multiply
+    assert frame["sfu"] == 4 * 64 * 16
+    assert frame["global_bytes"] == 4 * 64 * 16 * 4 + 2 * 8 * 4  # store x4, atomic read+write
+    assert frame["barriers_global"] == 4 * 2 and frame["barriers_shared"] == 0
+    assert c.static["mma_macs"] == 64 * 32 * 16  # unweighted
+    with pytest.raises(ValueError, match="runtime bounds"):
+        roofline.count_ttgir(TTGIR.replace("%c4_i32 step", "%m step"))
+
+
+def test_estimate_arithmetic_on_a_hand_case():
+    gpu = roofline.GPU(sms=2, clock_hz=1e9, wgmma_bf16=300.0, mma_sync_fraction=0.5, fma_fp32=10.0, sfu=1.0,
+                       lsu_bytes=100.0, hbm_bytes_s=1e9, barrier_global_cycles=7.0, barrier_shared_cycles=3.0,
+                       launch_s=1e-6)
+    c = roofline.Counts()
+    c.levels[1]["global_bytes"] = 1000.0  # per item: 10 cycles of LSU
+    c.levels[2]["mma_macs"] = 3000.0  # per frame: 3000 / 150 = 20 cycles
+    c.levels[2]["fma_macs"] = 100.0  # 10 cycles (< 20: tensor cores bind)
+    c.levels[2]["barriers_global"] = 1.0  # 7 cycles each on the chain
+    # 3 programs: frames (5), (1, 1), (2): program work in cycles
+    programs = [[5], [1, 1], [2]]
+    s = roofline.Schedule(programs, hbm_bytes=0.0, num_warps=4, registers=128, smem_bytes=0)
+    assert roofline.occupancy(s, gpu) == 4  # 65536 / (128 x 128) registers
+    est = roofline.estimate(c, s, gpu)
+    busy = [max(20 * 5, 10 * 1), max(20 * 2, 10 * 2), max(20 * 2, 10)]  # per program
+    total = max(20 * 9, 10 * 4)  # mma 9 frames vs LSU 4 items
+    assert est["throughput_ms"] == pytest.approx(1e3 * total / 2 / 1e9)
+    # 3 programs on 2 SMs: two share an SM (share 2), list-scheduled on 8 slots
+    chain = max(2 * b + 7 * f for b, f in zip(busy, (5, 2, 2)))
+    assert est["chain_ms"] == pytest.approx(1e3 * chain / 1e9)
+    assert est["est_ms"] == pytest.approx(1e3 * (max(total / 2, chain) / 1e9 + 1e-6))
+    # HBM-bound when the compulsory bytes dominate
+    s.hbm_bytes = 1e6
+    assert roofline.estimate(c, s, gpu)["est_ms"] == pytest.approx(1e3 * (1e-3 + 1e-6))
+
+
+def test_persistent_programs_take_items_round_robin():
+    assert roofline.persistent([1, 2, 3, 4, 5], 2) == [[1, 3, 5], [2, 4]]
+
+
+@pytest.mark.parametrize("T", [2048, 4096])
+def test_fa2_work_is_the_causal_flash_count(T):
+    """FlashAttention-2's modelled MACs against the closed form: causal block skipping,
+    2 products forward and 5 backward of d-long dot products."""
+    B, H, d = 4, 16, 96
+    p = roofline.fa2_passes(B, H, T, d)
+    fwd = roofline.estimate(*p["fa2_forward"])["total"]["mma_macs"]
+    bwd = roofline.estimate(*p["fa2_backward"])["total"]["mma_macs"]
+    # forward: row block i of 128 sees keys [0, 128 (i+1)); backward: key block j of 128
+    # sees rows [128 j, T)
+    n = T // 128
+    assert fwd == B * H * 2 * d * sum(128 * 128 * (i + 1) for i in range(n))
+    assert bwd == B * H * 5 * d * sum(128 * (T - 128 * j) for j in range(n))
+    ms = roofline.fa2_est_ms(B, H, T, d)
+    flops = 2 * (fwd + bwd)
+    assert ms["total"] * 1e-3 >= flops / (989e12 * 2 / 3)  # never faster than mma.sync peak
+    assert ms["total"] == pytest.approx(sum(v for k, v in ms.items() if k != "total"))
+
+
+def _compile_script():
+    sys.path.insert(0, str(ROOT / "scripts"))
+    try:
+        import compile_triton
+    finally:
+        sys.path.pop(0)
+    return compile_triton
+
+
+def test_report_has_one_record_per_layer_pass_and_T(tmp_path, monkeypatch):
+    """The JSON schema, with the compile replaced by fixed counts (the real compiles take
+    minutes on a small CPU)."""
+    ct = _compile_script()
+    fake = {"num_warps": 8, "num_stages": 1, "smem_bytes": 1024, "registers": 128, "spill_bytes": 0,
+            "levels": [dict.fromkeys(roofline.RESOURCES, 0.0) for _ in range(3)],
+            "static": dict.fromkeys(roofline.RESOURCES, 0.0),
+            "ptx": {"ld_global": 3, "cp_async": 1, "bar_sync": 2}}
+    fake["levels"][2].update(mma_macs=9e6, fma_macs=1e6)
+    monkeypatch.setattr(ct, "compiled_pass", lambda *a, **k: fake)
+    out = tmp_path / "r.json"
+    monkeypatch.setattr(sys, "argv", ["compile_triton.py", "--json", str(out), "--cache", str(tmp_path)])
+    ct.main()
+    recs = json.loads(out.read_text())["records"]
+    keys = {"layer", "pass", "T", "num_warps", "num_stages", "registers", "spill_bytes", "smem_bytes", "mma_macs",
+            "fma_macs", "global_loads", "barriers", "est_ms", "fa2_est_ms"}
+    mta = [r for r in recs if r["layer"] != "sdpa"]
+    assert sorted((r["layer"], r["pass"], r["T"]) for r in mta) == sorted(
+        (layer, p, T) for layer in ("kq_conv", "mixing") for p in frames.PASSES for T in (2048, 4096))
+    for r in recs:
+        assert keys <= set(r) and r["estimate"] is True
+    for r in mta:
+        assert (r["num_warps"], r["num_stages"]) == frames.launch_config(r["pass"], None, None)
+        assert r["tc_share"] == pytest.approx(0.9)
+        assert r["global_loads"] == 4 and r["barriers"] == 2
+    # fa2_est_ms: the same value on every record of a T, the sum of the sdpa records
+    for T in (2048, 4096):
+        fa2 = {r["fa2_est_ms"] for r in recs if r["T"] == T}
+        assert len(fa2) == 1
+        assert fa2.pop() == pytest.approx(sum(r["est_ms"] for r in recs if r["T"] == T and r["layer"] == "sdpa"),
+                                          abs=1e-3)
+
+
+KERNEL = textwrap.dedent("""\
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def k(a_ptr, b_ptr, c_ptr, n):
+        i = tl.arange(0, 64)
+        a = tl.load(a_ptr + i[:, None] * 64 + i[None, :])
+        acc = tl.zeros([64, 64], dtype=tl.float32)
+        for j in tl.range(0, 4, num_stages=1):
+            b = tl.load(b_ptr + j * 4096 + i[:, None] * 64 + i[None, :])
+            acc += tl.dot(a, b)
+        tl.store(c_ptr + i[:, None] * 64 + i[None, :], acc)
+    """)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton not installed")
+def test_a_real_sm90_compile_counts_its_tensor_core_dot(tmp_path):
+    """A 64x64x64 bf16 dot in a loop of 4, compiled for sm_90 (no GPU needed): 4 x 64^3
+    tensor-core MACs, none on CUDA cores, and the PTX holds mma/wgmma instructions."""
+    (tmp_path / "tiny_kernel.py").write_text(KERNEL)
+    code = textwrap.dedent(f"""\
+        import json, sys
+        sys.path[:0] = [{str(tmp_path)!r}, {str(ROOT)!r}, {str(ROOT / 'scripts')!r}]
+        import triton
+        from triton.backends.compiler import GPUTarget
+        from triton.compiler import ASTSource
+        import tiny_kernel, compile_triton
+        from mta_repro.model import roofline
+        src = ASTSource(fn=tiny_kernel.k, signature={{"a_ptr": "*bf16", "b_ptr": "*bf16", "c_ptr": "*fp32",
+                                                     "n": "i32"}}, constexprs={{}})
+        kern = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={{"num_warps": 4}})
+        c = roofline.count_ttgir(kern.asm["ttgir"])
+        print(json.dumps({{"levels": c.levels, "ptx": compile_triton.ptx_counts(kern.asm["ptx"], 4)}}))
+        """)
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600)
+    assert p.returncode == 0, p.stderr[-2000:]
+    got = json.loads(p.stdout.strip().splitlines()[-1])
+    prog = got["levels"][0]
+    assert prog["mma_macs"] + prog["wgmma_macs"] == 4 * 64**3
+    assert prog["fma_macs"] == 0 and prog["tf32_macs"] == 0
+    assert got["ptx"]["mma_sync"] + got["ptx"]["wgmma"] > 0
+    assert got["ptx"]["tc_macs_per_program"] >= 64**3  # one iteration's worth, statically
