@@ -84,7 +84,7 @@ def read_weights(candidate: Candidate) -> Weights:
         step = step if step is not None else c.step
         config = _run_config(c.path)
     else:
-        raise ValueError(f"unknown weights kind {c.kind!r}")
+        raise TypeError(f"unknown weights kind {c.kind!r} (find_weights makes 'consolidated' or 'dcp')")
     state = {k: v.float() if v.is_floating_point() else v for k, v in release_state_dict_to_ours(state).items()}
     return Weights(state, step, config, c)
 
