@@ -122,6 +122,8 @@ class MemoryEstimate:
     world_size: int
     activation_checkpointing: bool
     parts: dict  # name -> bytes
+    # What was assumed: per-GPU micro-batch, sequence length, compute dtype, optimizer.
+    assumptions: str = ""
 
     @property
     def total(self) -> float:
@@ -137,7 +139,8 @@ class MemoryEstimate:
         verdict = ", ".join(
             f"{name}: {'fits' if self.fits(c) else 'DOES NOT FIT'}" for name, c in CAPACITIES.items()
         )
-        return "\n".join(lines) + f"\n\nworld size {self.world_size}, activation checkpointing " \
+        given = f"{self.assumptions}, " if self.assumptions else ""
+        return "\n".join(lines) + f"\n\n{given}world size {self.world_size}, activation checkpointing " \
             f"{'on' if self.activation_checkpointing else 'off'}; {verdict} (rule: total <= {HEADROOM:.0%} of capacity)"
 
 
@@ -180,7 +183,7 @@ def estimate(model_args, batch_size: int, seq_len: int, world_size: int, activat
         if attn.kind not in ("kq_conv", "mixing") or attn.attn_impl != "blocked":
             continue
         p = attn.explicit_params()
-        rows = min(seq_len, p.block_size + attention_ops.query_history(p))
+        rows = min(seq_len, attention_ops.resolve_block_size(p.block_size, "cuda") + attention_ops.query_history(p))
         H, d = attn.n_heads, attn.head_dim
         q = torch.zeros(batch_size, H, rows, d, dtype=dtype, device="meta", requires_grad=True)
         k = torch.zeros(batch_size, H, seq_len, d, dtype=dtype, device="meta", requires_grad=True)
@@ -202,7 +205,9 @@ def estimate(model_args, batch_size: int, seq_len: int, world_size: int, activat
         "backward peak: max(logits grad, block recompute) + attention block": max(logits_grad, recompute)
         + attn_block,
     }
-    return MemoryEstimate(world_size, activation_checkpointing, parts)
+    assumed = (f"micro-batch {batch_size} x {seq_len} tokens per GPU, {str(dtype).replace('torch.', '')} "
+               "compute, fp32 AdamW state")
+    return MemoryEstimate(world_size, activation_checkpointing, parts, assumed)
 
 
 def estimate_from_config(cfg, world_size: int | None = None) -> MemoryEstimate:

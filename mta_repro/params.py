@@ -101,7 +101,7 @@ def main(argv: list[str]) -> None:
         from mta_repro.memory import experiments_table
 
         names = sorted(p.stem for p in (CONFIG_DIR / "experiment").glob("[!_]*.yaml")
-                       if p.stem.startswith(("pretrain_", "long_context_")))
+                       if p.stem.startswith(("pretrain_", "long_context_", "mta_insertion")))
         print(experiments_table(names))
         return
     if "--memory" in rest:

@@ -3,6 +3,8 @@ measured for the blocked path, side by side (fwd+bwd, CPU fp32, median of --reps
 
     python scripts/bench_kq_conv.py                 # block of 256 rows x 2048 keys, 6x11
     python scripts/bench_kq_conv.py --rows 128 --keys 4096 --compile
+    python scripts/bench_kq_conv.py --device cuda --dtype bfloat16 --batch 4 --rows 512   # + triton
+    python scripts/bench_kq_conv.py --sm90          # compile the Triton kernels for sm_90, no GPU
 
 - conv2d:   F.conv2d, depthwise (the release's and the reference's way)
 - c_kernel: mta_repro.model.kq_conv_cpu (C loops, the one the blocked path uses)
@@ -34,15 +36,22 @@ def main() -> None:
     ap.add_argument("--ck", type=int, default=11)
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--compile", action="store_true")
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--sm90", action="store_true", help="compile report for sm_90 (no GPU needed), then exit")
     a = ap.parse_args()
+    if a.sm90:
+        return compile_report(a.cq, a.ck)
 
     from mta_repro.model import attention_ops, kq_conv_cpu
 
     H, n, T, cq, ck, d = a.heads, a.rows, a.keys, a.cq, a.ck, a.head_dim
     pl = (ck - 1) // 2
     g = torch.Generator().manual_seed(0)
-    x = torch.randn(1, H, n + cq - 1, T, generator=g, requires_grad=True)
-    w = torch.randn(H, 1, cq, ck, generator=g, requires_grad=True)
+    dev, dt = torch.device(a.device), getattr(torch, a.dtype)
+    x = torch.randn(a.batch, H, n + cq - 1, T, generator=g).to(dev, dt).requires_grad_()
+    w = torch.randn(H, 1, cq, ck, generator=g).to(dev, dt).requires_grad_()
 
     def shifted(x, w):
         xp = F.pad(x, (pl, ck - 1 - pl, cq - 1, 0))
@@ -53,8 +62,8 @@ def main() -> None:
                 out = out + w[:, 0, i, j].view(1, H, 1, 1) * xp[:, :, i : i + rows, j : j + keys]
         return out
 
-    qs = torch.randn(1, H, n, cq * d, generator=g, requires_grad=True)
-    ks = torch.randn(1, H, T, cq * d, generator=g, requires_grad=True)
+    qs = torch.randn(a.batch, H, n, cq * d, generator=g).to(dev, dt).requires_grad_()
+    ks = torch.randn(a.batch, H, T, cq * d, generator=g).to(dev, dt).requires_grad_()
     cases = {
         "conv2d": lambda: attention_ops.kq_conv(x, w, "both"),
         "shifted": lambda: shifted(x, w),
@@ -62,6 +71,11 @@ def main() -> None:
     }
     if kq_conv_cpu.available(x):
         cases["c_kernel"] = lambda: kq_conv_cpu.kq_conv(x, w[:, 0], pl)
+    if dev.type == "cuda":
+        from mta_repro.model import kq_conv_triton
+
+        # As the blocked path calls it for its last block: rows end at the last key.
+        cases["triton"] = lambda: kq_conv_triton.kq_conv(x, w[:, 0], pl, T - x.shape[2])
     if a.compile:
         comp = torch.compile(shifted)
         cases["compiled"] = lambda: comp(x, w)
@@ -72,19 +86,66 @@ def main() -> None:
         y.backward(torch.ones_like(y))
         times = []
         for _ in range(a.reps):
+            if dev.type == "cuda":
+                torch.cuda.synchronize()
             t0 = time.perf_counter()
             y = fn()
+            if dev.type == "cuda":
+                torch.cuda.synchronize()
             t1 = time.perf_counter()
             y.backward(torch.ones_like(y))
+            if dev.type == "cuda":
+                torch.cuda.synchronize()
             times.append((t1 - t0, time.perf_counter() - t0))
         rows.append((name, statistics.median(t[0] for t in times), statistics.median(t[1] for t in times)))
-    ref = dict((r[0], r[2]) for r in rows).get("c_kernel")
-    print(f"\nkey-query convolution, one block: {H} heads x {n} rows x {T} keys, {cq}x{ck}, CPU fp32, "
-          f"{torch.get_num_threads()} threads, median of {a.reps}\n")
-    print("| design | fwd s | fwd+bwd s | x c_kernel |")
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
+    base = "c_kernel" if dev.type == "cpu" else "conv2d"
+    ref = dict((r[0], r[2]) for r in rows).get(base)
+    print(f"\nkey-query convolution, one block: B={a.batch}, {H} heads x {n} rows x {T} keys, {cq}x{ck}, "
+          f"{a.device} {a.dtype}, {torch.get_num_threads()} threads, median of {a.reps}\n")
+    print(f"| design | fwd s | fwd+bwd s | x {base} |")
     print("|---|---|---|---|")
     for name, f, fb in rows:
         print(f"| {name} | {f:.3f} | {fb:.3f} | {fb / ref:.2f} |" if ref else f"| {name} | {f:.3f} | {fb:.3f} | n/a |")
+
+
+def compile_report(cq: int, ck: int) -> None:
+    """Both Triton kernels for sm_90 at the GPU tile size, bf16 inputs, 4 and 8 warps."""
+    import os
+    import sys
+    from pathlib import Path
+
+    os.environ.pop("TRITON_INTERPRET", None)
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import triton
+    import triton.language as tl
+    from compile_triton import ptxas_report
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from mta_repro.model import kq_conv_triton as kt
+
+    br, bc = kt.tiles()
+    common = dict(CQ=cq, CK=ck, BR=br, BC=bc, BCH=kt._pow2(bc + ck - 1), CAUSAL=True, ACC=tl.float32, PREC="tf32")
+    kernels = {
+        "corr (fwd, input grad)": (kt._corr_kernel, common, {"x_ptr": "*bf16", "w_ptr": "*fp32", "y_ptr": "*bf16"}),
+        "wgrad (kernel grad)": (kt._wgrad_kernel, dict(common, CKP=kt._pow2(ck)),
+                                {"gy_ptr": "*bf16", "x_ptr": "*bf16", "part_ptr": "*fp32"}),
+    }
+    print(f"Triton key-query convolution, {cq}x{ck}, tile {br}x{bc} (key window {common['BCH']}), bf16, sm_90\n")
+    print("| kernel | warps | compile s | shared KB | wgmma | ptxas |")
+    print("|---|---|---|---|---|---|")
+    for name, (fn, consts, ptrs) in kernels.items():
+        names = fn.arg_names
+        sig = {n: "constexpr" if n in consts else ptrs.get(n, "i32") for n in names}
+        for nw in (4, 8):
+            src = ASTSource(fn=fn, signature=sig, constexprs={(names.index(k),): v for k, v in consts.items()})
+            t0 = time.time()
+            k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": nw})
+            ptx = k.asm["ptx"]
+            print(f"| {name} | {nw} | {time.time() - t0:.1f} | {k.metadata.shared / 1024:.0f} | "
+                  f"{ptx.count('wgmma.mma_async')} | {ptxas_report(ptx, 90)} |", flush=True)
 
 
 if __name__ == "__main__":

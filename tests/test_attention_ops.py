@@ -224,3 +224,53 @@ def test_curse_norm_scales_both_block_norms_by_depth():
         scale = 1 - (0.8 - 0.6 * math.exp(-0.3 * layer_id))
         torch.testing.assert_close(block.attention_norm(x), plain * scale)
         torch.testing.assert_close(block.ffn_norm(x), plain * scale)
+
+
+# ------------------------------------------------------- blocked: block size, compiled block
+def test_block_size_default_is_per_device():
+    assert attention_ops.resolve_block_size(None, torch.device("cpu")) == 128
+    assert attention_ops.resolve_block_size(None, "cuda") == attention_ops.DEFAULT_BLOCK_SIZE["cuda"] == 512
+    assert attention_ops.resolve_block_size(64, "cuda") == 64  # a configured size wins
+    assert ModelArgs().attn_block_size is None
+
+
+def test_compiled_block_no_graph_breaks_and_bounded_recompiles(monkeypatch):
+    """The query block under torch.compile (what CUDA runs by default): no graph break, the
+    eager result, and a bounded number of graphs: with dynamic shapes a block at key
+    offset 0 or 1 gets its own graph (Dynamo specialises 0 and 1), training and no-grad
+    each get theirs, and a new length adds at most one; a third length adds none.
+    (aot_eager: Dynamo's graphs without Inductor's codegen, which costs minutes here.)"""
+    import test_attn_impls as t
+    from torch._dynamo.utils import counters
+
+    monkeypatch.setenv("MTA_COMPILE_BLOCK", "1")
+    monkeypatch.setenv("MTA_COMPILE_BLOCK_BACKEND", "aot_eager")
+    torch._dynamo.reset()
+    counters.clear()
+    p = t.make_params(pre=(3, 3), post=(2, 3), block_size=4)
+
+    def run(T, grad):  # a training step (forward, recomputing backward) or an evaluation
+        q, k, v = (x.requires_grad_(grad) for x in t.qkv(b=2, tq=T, tk=T))
+        with torch.set_grad_enabled(grad):
+            out = attention_ops.explicit_attention_blocked(q, k, v, p, attention_ops.AttnMask(), training=grad)
+            if grad:
+                out.backward(torch.ones_like(out))
+
+    graphs = []
+    for T, grad in [(11, True), (11, False), (17, True), (23, True)]:
+        run(T, grad)
+        graphs.append(counters["stats"]["unique_graphs"])
+    assert dict(counters["graph_break"]) == {}
+    assert graphs[0] <= 3 and graphs[1] <= graphs[0] + 2 and graphs[2] <= graphs[1] + 1 and graphs[3] == graphs[2]
+
+    def grads(compiled):  # outputs and q/k/v gradients through the recomputed blocks
+        monkeypatch.setenv("MTA_COMPILE_BLOCK", "1" if compiled else "0")
+        q, k, v = (x.requires_grad_() for x in t.qkv(b=2, tq=23, tk=23))
+        out = attention_ops.explicit_attention_blocked(q, k, v, p, attention_ops.AttnMask(), training=True)
+        out.backward(torch.ones_like(out))
+        return [out, q.grad, k.grad, v.grad]
+
+    for a, b in zip(grads(True), grads(False)):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+    assert counters["stats"]["unique_graphs"] == graphs[3]  # same length again: no recompile
+    torch._dynamo.reset()

@@ -7,6 +7,8 @@ from pathlib import Path
 
 import pytest
 
+from mta_repro.eval.args import BabiLongArgs
+
 sys.path.insert(0, str(Path(__file__).parent / "fixtures" / "eval"))
 from eval_helpers import make_tokenizer, tiny_model  # noqa: E402
 
@@ -124,14 +126,14 @@ def test_generator_answers_and_lengths(task):
 def test_run_babilong_on_tiny_model():
     tok = make_tokenizer()
     model = tiny_model("baseline", vocab_size=tok.n_words, n_layers=1)
-    out = run_babilong(model, tok, tasks=["qa1", "qa4"], lengths=["0k", 1600], samples=2,
-                       background=BACKGROUND, max_new_tokens=3, batch_size=2)
+    out = run_babilong(model, tok, BabiLongArgs(tasks=["qa1", "qa4"], lengths=["0k", "1600"], samples=2,
+                                                max_new_tokens=3, batch_size=2), background=BACKGROUND)
     assert set(out["accuracy"]) == {"qa1", "qa4"} and set(out["mean"]) == {"0k", "1600"}
     assert out["source"] == "generated" == out["settings"]["source"]
     for length in ("0k", "1600"):
         assert out["mean"][length] == pytest.approx((out["accuracy"]["qa1"][length] + out["accuracy"]["qa4"][length]) / 2)
     with pytest.raises(ValueError, match="unknown length"):
-        run_babilong(model, tok, tasks=["qa1"], lengths=["3k"], background=BACKGROUND)
+        run_babilong(model, tok, BabiLongArgs(tasks=["qa1"], lengths=["3k"]), background=BACKGROUND)
 
 
 def test_prompt_too_long_for_the_length_is_a_clear_error():

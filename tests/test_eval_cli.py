@@ -41,7 +41,7 @@ def test_errors_before_work(tmp_path):
 
 
 def test_cli_writes_results(tmp_path, capsys):
-    run_dir, _ = make_run(tmp_path / "run")
+    run_dir, _ = make_run(tmp_path / "run", seq_len=512)
     rc = main([str(run_dir), "tasks=[ppl,needle,babilong]", "ppl.seq_len=64", "ppl.max_batches=2",
                "ppl.domains=[book,github]", "needle.context_lens=[512]", "needle.needle_counts=[2]",
                "needle.depths=[0,100]", "needle.samples=1", "needle.max_new_tokens=2",
@@ -69,7 +69,9 @@ def test_cli_lm_eval_tasks_on_local_data(tmp_path):
     written = run(parse_argv([str(run_dir), "tasks=[benchmarks,lambada]", "lm_eval.benchmarks=[arc_easy_local]",
                               "lm_eval.lambada=[lambada_openai_local]", f"lm_eval.include_path={tasks_dir}"]))
     bench = json.loads(Path(written["benchmarks"]).read_text())["results"]
-    acc = bench["tasks"]["arc_easy_local"]["acc,none"]
+    # ARC-easy's headline metric is the length-normalised accuracy (the paper's), named
+    acc = bench["tasks"]["arc_easy_local"]["acc_norm,none"]
+    assert bench["metrics"]["arc_easy_local"] == "acc_norm"
     assert bench["summary"]["arc_easy_local"] == pytest.approx(100 * acc)
     assert bench["summary"]["average"] == pytest.approx(100 * acc)
     lam = json.loads(Path(written["lambada"]).read_text())["results"]

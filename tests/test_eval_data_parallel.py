@@ -30,7 +30,7 @@ def numbers(obj, path=""):
 
 @pytest.mark.slow
 def test_two_ranks_equal_one_process(tmp_path):
-    run_dir, _ = make_run(tmp_path / "run", attention="mta")
+    run_dir, _ = make_run(tmp_path / "run", attention="mta", seq_len=512)
     tasks = tmp_path / "tasks"
     write_local_task("arc_easy", {"test": FIX / "lm_eval" / "arc_easy_test.jsonl"}, tasks)
     args = [str(run_dir), "tasks=[ppl,needle,babilong,benchmarks]", "device=cpu",

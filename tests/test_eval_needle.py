@@ -6,6 +6,8 @@ from pathlib import Path
 
 import pytest
 
+from mta_repro.eval.args import NeedleArgs
+
 sys.path.insert(0, str(Path(__file__).parent / "fixtures" / "eval"))
 from eval_helpers import make_tokenizer, tiny_model  # noqa: E402
 
@@ -84,7 +86,8 @@ def test_budget_too_small_is_a_clear_error():
     with pytest.raises(ValueError, match="cannot hold 10 needles"):
         gen.check_budget(256, 10)
     with pytest.raises(ValueError, match="cannot hold 10 needles"):
-        run_needle(tiny_model("baseline", vocab_size=tok.n_words), tok, BACKGROUND, context_lens=[256], needle_counts=[10])
+        run_needle(tiny_model("baseline", vocab_size=tok.n_words), tok,
+                   NeedleArgs(context_lens=[256], needle_counts=[10]), BACKGROUND)
 
 
 def test_scoring_on_hand_made_answers():
@@ -97,8 +100,8 @@ def test_scoring_on_hand_made_answers():
 def test_run_needle_end_to_end_on_tiny_model():
     tok = make_tokenizer()
     model = tiny_model("mta", vocab_size=tok.n_words)
-    out = run_needle(model, tok, BACKGROUND, context_lens=[640], needle_counts=[2, 3], depths=[0, 100],
-                     samples=2, max_new_tokens=4, batch_size=2)
+    out = run_needle(model, tok, NeedleArgs(context_lens=[640], needle_counts=[2, 3], depths=[0, 100],
+                                            samples=2, max_new_tokens=4, batch_size=2), BACKGROUND)
     acc = out["accuracy"]["640"]
     assert set(acc) == {"2", "3"}
     for row in acc.values():

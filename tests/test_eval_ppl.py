@@ -78,3 +78,19 @@ def test_progress_off_a_terminal_is_plain_lines():
     lines = out.getvalue().splitlines()
     assert "\r" not in out.getvalue() and len(lines) == 5
     assert lines[1].startswith("[eval] ppl/book: 2/4 (50%)") and lines[-1].endswith("done")
+
+
+def test_progress_when_the_data_ends_before_the_limit_says_finished():
+    """A domain with 6 batches under a limit of 16 ends with a finished line, not '38%'."""
+    import io
+
+    from mta_repro.eval.progress import Progress
+
+    out = io.StringIO()
+    p = Progress("ppl/arxiv", total=16, every_s=1e9, stream=out)
+    for _ in range(6):
+        p.update()
+    p.close()
+    last = out.getvalue().splitlines()[-1]
+    assert last.startswith("[eval] ppl/arxiv: 6 of at most 16 (all the data holds)") and last.endswith("done")
+    assert "%" not in last

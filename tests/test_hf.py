@@ -15,7 +15,7 @@ from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 from mta_repro.eval.load import load_model  # noqa: E402
 from mta_repro.hf import export_hf, import_hf  # noqa: E402
 from mta_repro.model import MTAArgs  # noqa: E402
-from mta_repro.model.convert import baseline_to_mta  # noqa: E402
+from mta_repro.model.insertion import baseline_to_mta  # noqa: E402
 
 TOKENS = torch.tensor([[1, 72, 101, 108, 108, 111, 44, 32, 119, 111, 114, 108, 100, 33, 5, 250, 3, 77]])
 
@@ -105,15 +105,14 @@ def test_import_random_llama_with_gqa(tmp_path, tied):
 
 def test_unsupported_rope_scaling_is_refused(tmp_path):
     kw = dict(vocab_size=50, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2)
-    scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-               "original_max_position_embeddings": 64, "rope_theta": 500000.0}
+    scaling = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64, "rope_theta": 500000.0}
     if "rope_parameters" in LlamaConfig().to_dict():
         kw["rope_parameters"] = scaling
     else:
         kw["rope_scaling"] = scaling
-    LlamaForCausalLM(LlamaConfig(**kw)).save_pretrained(tmp_path / "l31")
-    with pytest.raises(ValueError, match="rope_type='llama3' is not supported"):
-        import_hf(tmp_path / "l31", tmp_path / "x.pt")
+    LlamaForCausalLM(LlamaConfig(**kw)).save_pretrained(tmp_path / "yarn")
+    with pytest.raises(ValueError, match="rope_type='yarn' is not supported"):
+        import_hf(tmp_path / "yarn", tmp_path / "x.pt")
 
 
 def test_cli(tmp_path):
@@ -122,3 +121,56 @@ def test_cli(tmp_path):
     assert r.returncode == 2 and r.stderr.strip().startswith("hf: error: hf import:") and "config.json" in r.stderr
     r = subprocess.run([sys.executable, "-m", "mta_repro.hf", "--help"], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0 and "export" in r.stdout and "import" in r.stdout
+    # the help says what works: MTA/talking-heads/Diff export (trust_remote_code), llama3 import
+    assert "trust_remote_code" in r.stdout and "llama3" in r.stdout
+    assert "exporting MTA" not in r.stdout and "Not supported (clear errors): exporting" not in r.stdout
+
+
+TEXTS = ["Hello world,  this is  a test.\nNew line 123 éà 日本語 🙂", " leading space", "x", "  two\n\n lines\t tab",
+         "the thing in the 1234 theater"]
+
+
+@pytest.mark.parametrize("attention", ["baseline", "mta"])
+def test_exported_tokenizer_gives_trainings_ids(tmp_path, attention):
+    """AutoTokenizer on the exported folder: tok(text) == BOS + text ids, as training and
+    mta_repro.generate feed the model (issue 23 item 6: it used to load without BOS)."""
+    from transformers import AutoTokenizer
+
+    from mta_repro.eval.load import load_tokenizer
+
+    run_dir, _ = make_run(tmp_path / "run", attention=attention)
+    _, cfg = load_model(run_dir, device="cpu")
+    ours = load_tokenizer(cfg)
+    out = export_hf(run_dir, tmp_path / "hf")
+    hf = AutoTokenizer.from_pretrained(str(out))
+    for t in TEXTS:
+        assert hf(t)["input_ids"] == ours.encode(t, add_bos=True, add_eos=False), t
+        assert hf.decode(hf(t)["input_ids"], skip_special_tokens=True) == t
+    assert (hf.bos_token_id, hf.eos_token_id) == (ours.bos_id, ours.eos_id)
+
+
+@pytest.mark.parametrize("name", ["sentencepiece", "tiktoken"])
+def test_hf_tokenizer_of_sentencepiece_and_tiktoken_files(tmp_path, name):
+    """The bundled sentencepiece model and a small Llama-3-format ranks file (same code path
+    as Meta's 128,000 ranks): the written tokenizer gives our ids."""
+    import base64
+
+    from transformers import AutoTokenizer
+
+    from mta_repro.data import build_tokenizer
+    from mta_repro.data.args import TokenizerArgs
+    from mta_repro.hf.tokenizer import write_hf_tokenizer
+
+    if name == "tiktoken":
+        pieces = [bytes([b]) for b in range(256)] + [b"th", b"he", b"the", b" t", b" the", b"in", b"ing", b"  ",
+                                                     b"\n\n", b"12", b"123"]
+        path = tmp_path / "ranks.model"
+        path.write_text("".join(f"{base64.b64encode(p).decode()} {i}\n" for i, p in enumerate(pieces)))
+    else:
+        path = Path(__file__).parents[1] / "data" / "tokenizer" / "mini_sp8192.model"
+    cfg = {"name": name, "path": str(path)}
+    ours = build_tokenizer(TokenizerArgs(**cfg))
+    assert write_hf_tokenizer(cfg, ours, tmp_path / "hf") is None
+    hf = AutoTokenizer.from_pretrained(str(tmp_path / "hf"))
+    for t in TEXTS:
+        assert hf(t)["input_ids"] == ours.encode(t, add_bos=True, add_eos=False), t

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from mta_repro.model import MTAArgs, ModelArgs, build_model
-from mta_repro.model.convert import baseline_to_mta
+from mta_repro.model.insertion import baseline_to_mta
 
 V = 97
 BASE = ModelArgs(dim=32, n_layers=3, n_heads=4, vocab_size=V)

@@ -21,12 +21,12 @@ from mta_repro.report.tables import describe_mta, load_run  # noqa: E402
 
 
 def write_evals(run_dir: Path, variant: str, ppl_scale: float, step: int = 7, bench_names=None,
-                babilong_source="generated"):
+                babilong_source="generated", window=2048, metrics=None):
     ev = run_dir / "eval"
     ev.mkdir(parents=True, exist_ok=True)
     doms = {"book": 20.0 * ppl_scale, "github": 8.0 * ppl_scale}
     ppl = {"domains": {d: {"ppl": p, "loss": math.log(p), "tokens": 100} for d, p in doms.items()},
-           "average": sum(doms.values()) / 2}
+           "average": sum(doms.values()) / 2, "seq_len": window}
     common = {"variant": variant, "step": step}
     (ev / "ppl.json").write_text(json.dumps({"task": "ppl", **common, "results": ppl}))
     needle = {"accuracy": {"2048": {"2": {"by_depth": {"0": 1.0, "50": 0.5, "100": 0.0}, "mean": 0.5},
@@ -38,7 +38,8 @@ def write_evals(run_dir: Path, variant: str, ppl_scale: float, step: int = 7, be
     names = bench_names or {"piqa": 60.0 * ppl_scale, "hellaswag": 30.0, "mmlu": 25.0}
     bench = {"tasks": {n: ({"acc,none": 0.1, "acc_norm,none": v / 100} if n.startswith("hellaswag") else
                            {"acc,none": v / 100}) for n, v in names.items()},
-             "summary": {**names, "average": sum(names.values()) / len(names)}}
+             "summary": {**names, "average": sum(names.values()) / len(names)},
+             **({"metrics": metrics} if metrics else {})}
     (ev / "benchmarks.json").write_text(json.dumps({"task": "benchmarks", **common, "results": bench}))
     lam = {"tasks": {}, "summary": {"lambada_standard": {"ppl": 50.0, "acc": 10.0},
                                     "lambada_openai": {"ppl": 30.0, "acc": 12.0}}}
@@ -56,15 +57,16 @@ def _csv(path):
 def test_report_tables_and_plots(tmp_path):
     mta_dir, _ = make_run(tmp_path / "mta_run", attention="mta")
     base_dir, _ = make_run(tmp_path / "base_run", attention="baseline")
-    write_evals(mta_dir, "mta", 1.0)
-    write_evals(base_dir, "baseline", 1.1)
+    m = {"piqa": "acc_norm", "hellaswag": "acc_norm", "mmlu": "acc"}
+    write_evals(mta_dir, "mta", 1.0, metrics=m)
+    write_evals(base_dir, "baseline", 1.1, metrics=m)
     out = tmp_path / "report"
     assert main([str(base_dir), str(mta_dir), "--out", str(out), "--label", f"{mta_dir}=MTA tiny"]) == 0
     md = (out / "report.md").read_text()
     # per-domain ppl, the difference to the baseline of the same stage, the paper's pretraining average
     head, ppl = _csv(out / "ppl.csv")
-    assert head == ["run", "model", "stage", "book", "github", "avg", "Δ vs baseline", "paper avg", "paper Δ",
-                    "vs paper"]
+    assert head == ["run", "model", "stage", "trained", "window", "book", "github", "avg", "Δ vs baseline",
+                    "paper avg", "paper Δ", "vs paper"]
     m, b = ppl["MTA tiny"], ppl["base_run"]
     assert float(m["book"]) == pytest.approx(20.0) and float(m["avg"]) == pytest.approx(14.0)
     assert float(m["Δ vs baseline"]) == pytest.approx(14.0 - 15.4) and float(b["Δ vs baseline"]) == 0.0
@@ -77,29 +79,32 @@ def test_report_tables_and_plots(tmp_path):
     lam_head, lam = _csv(out / "lambada.csv")
     assert float(lam["MTA tiny"]["paper standard"]) == 13.2 and float(lam["base_run"]["paper OpenAI"]) == 9.5
     bh, bench = _csv(out / "benchmarks.csv")
-    assert bh[3:6] == ["piqa (acc)", "hellaswag (acc_norm)", "mmlu (acc)"]
+    assert bh[3:6] == ["piqa (acc_norm)", "hellaswag (acc_norm)", "mmlu (acc)"]
     assert float(bench["MTA tiny"]["paper avg"]) == 44.9
     assert float(bench["MTA tiny"]["Δ vs baseline"]) == pytest.approx((60 + 30 + 25) / 3 - (66 + 30 + 25) / 3)
     assert "avg over 3 of the paper's 9 tasks" in bench["MTA tiny"]["vs paper"]
-    assert "Metric per task (lm-eval): piqa acc, hellaswag acc_norm, mmlu acc" in md
-    # the release MTA is not what this tiny config is: no Table 5 number
-    _, abl = _csv(out / "ablations.csv")
-    assert abl["MTA tiny"]["paper (Table 5)"] == "" and abl["base_run"]["paper (Table 5)"] == ""
-    for name in ("ppl", "benchmarks", "lambada", "ablations", "needle", "babilong"):
+    assert "Metric per task (lm-eval), the one the paper's table reports: piqa acc_norm, hellaswag acc_norm, " \
+           "mmlu acc" in md and "not the paper's metric" not in md
+    # one MTA configuration, not the release's: no ablation table (the ppl table has every run)
+    assert not (out / "ablations.csv").exists()
+    for name in ("ppl", "benchmarks", "lambada", "needle", "babilong"):
         tex = (out / f"{name}.tex").read_text()
         assert "\\begin{tabular}" in tex and "\\_" not in tex.split("\\caption")[0]
-    assert "| MTA tiny | MTA | pretrain | 20.00 | 8.00 | 14.00 | -1.40 | 10.91 | -0.34 |" in md
+    assert "| MTA tiny | MTA | pretrain | 256 | 2048 | 20.00 | 8.00 | 14.00 | -1.40 | 10.91 | -0.34 |" in md
+    # one name per variant in every table (the runs table too), and the sizes of the two validations said
+    assert "| MTA tiny | `" in md and "| MTA | pretrain | 7 | 256 |" in md and "| mta |" not in md
+    assert "not the validation logged during training" in md
     # BabiLong says its source and gets no paper column
     bab_head, _ = _csv(out / "babilong.csv")
-    assert bab_head[:3] == ["run", "source", "task"]
-    assert "| MTA tiny | generated | mean | 62.50 | 37.50 |" in md and "not comparable with the paper" in md
+    assert bab_head[:4] == ["run", "model", "source", "task"]
+    assert "| MTA tiny | MTA | generated | mean | 62.50 | 37.50 |" in md and "not comparable with the paper" in md
     # results.json: everything in the tables
     res = json.loads((out / "results.json").read_text())
     assert {r["label"]: r["stage"] for r in res["runs"]} == {"base_run": "pretrain", "MTA tiny": "pretrain"}
     assert res["runs"][1]["comparable"] is False
     row = next(r for r in res["tables"]["ppl"]["rows"] if r["run"] == "MTA tiny")
     assert row["avg"] == pytest.approx(14.0) and row["paper avg"] == 10.91
-    assert set(res["tables"]) == {"ppl", "benchmarks", "lambada", "ablations", "needle", "babilong"}
+    assert set(res["tables"]) == {"ppl", "benchmarks", "lambada", "needle", "babilong"}
     for png in ("needle.png", "babilong.png", "loss_curves.png", "kernels_MTA_tiny_pre-softmax.png",
                 "kernels_MTA_tiny_post-softmax.png"):
         data = (out / png).read_bytes()
@@ -107,12 +112,12 @@ def test_report_tables_and_plots(tmp_path):
     assert not (out / "kernels_base_run_pre-softmax.png").exists()
 
 
-def _fake_run(path: Path, overrides, variant, avg, step=400_000, init_from=None):
+def _fake_run(path: Path, overrides, variant, avg, step=400_000, init_from=None, window=2048):
     cfg = compose(overrides + ([f"checkpoint.init_from={init_from}"] if init_from else []))
     path.mkdir(parents=True)
     OmegaConf.save(OmegaConf.to_container(cfg, resolve=True), path / "config.yaml")
     (path / "eval").mkdir()
-    ppl = {"domains": {"book": {"ppl": avg, "loss": math.log(avg), "tokens": 1}}, "average": avg}
+    ppl = {"domains": {"book": {"ppl": avg, "loss": math.log(avg), "tokens": 1}}, "average": avg, "seq_len": window}
     (path / "eval" / "ppl.json").write_text(json.dumps({"task": "ppl", "variant": variant, "step": step,
                                                        "results": ppl}))
     return path
@@ -145,8 +150,8 @@ def test_paper_columns_follow_the_stage(tmp_path):
     pre_b = _fake_run(tmp_path / "pre_b", ["model=880m", "attention=baseline"], "baseline", 11.3)
     pre_m = _fake_run(tmp_path / "pre_m", ["model=880m", "attention=mta"], "mta", 11.0)
     lc = ["model=880m", "model.rope_theta=500000", "data.seq_len=4096"]
-    lc_b = _fake_run(tmp_path / "lc_b", lc + ["attention=baseline"], "baseline", 11.1, 40_054, pre_b)
-    lc_m = _fake_run(tmp_path / "lc_m", lc + ["attention=mta"], "mta", 10.7, 40_054, pre_m)
+    lc_b = _fake_run(tmp_path / "lc_b", lc + ["attention=baseline"], "baseline", 11.1, 40_054, pre_b, window=4096)
+    lc_m = _fake_run(tmp_path / "lc_m", lc + ["attention=mta"], "mta", 10.7, 40_054, pre_m, window=4096)
     ins = _fake_run(tmp_path / "ins", ["model=1b", "attention=mta", "model.mta.group_norm=false",
                                        "model.mta.add_gating=false", "checkpoint.init_mode=baseline_to_mta"],
                     "mta", 10.6, 100, pre_b)
@@ -166,7 +171,31 @@ def test_paper_columns_follow_the_stage(tmp_path):
     assert float(ppl["ins"]["paper Δ"]) == pytest.approx(10.61 - 10.69)
     assert ppl["lc_m"]["vs paper"] == "yes" and ppl["ins"]["vs paper"] == "no: 100 of the paper's 40,054 steps"
     _, abl = _csv(out / "ablations.csv")
-    assert abl["lc_m"]["paper (Table 5)"] == ""  # Table 5 is about pretraining
+    assert set(abl) == {"pre_m"}  # Table 5 is about pretraining: finetuned and Appendix I runs are not in it
+    assert "1.4B" in _paper_note_text(out) and "paper 1B" not in (out / "report.md").read_text()
+
+
+def _paper_note_text(out):
+    return (out / "report.md").read_text()
+
+
+def test_paper_numbers_only_at_the_same_window(tmp_path):
+    """A 4K-finetuned model measured at 2048-token windows is not set beside the paper's
+    finetuned number (the paper's is at 4096); at 4096 it is."""
+    pre_m = _fake_run(tmp_path / "pre_m", ["model=880m", "attention=mta"], "mta", 11.0)
+    lc = ["model=880m", "model.rope_theta=500000", "data.seq_len=4096", "attention=mta"]
+    at2k = _fake_run(tmp_path / "at2k", lc, "mta", 10.7, 40_054, pre_m, window=2048)
+    at4k = _fake_run(tmp_path / "at4k", lc, "mta", 10.6, 40_054, pre_m, window=4096)
+    out = tmp_path / "rep"
+    build_report([pre_m, at2k, at4k], out, kernels=False)
+    _, ppl = _csv(out / "ppl.csv")
+    assert ppl["at2k"]["trained"] == "4096" and ppl["at2k"]["window"] == "2048"
+    assert ppl["at2k"]["paper avg"] == "" and ppl["at2k"]["vs paper"] == "no: window 2048 tokens, paper 4096"
+    assert float(ppl["at4k"]["paper avg"]) == 10.65 and ppl["at4k"]["vs paper"] == "yes"
+    small = _fake_run(tmp_path / "small", ["model=880m", "attention=mta"], "mta", 11.0, window=512)
+    build_report([small], tmp_path / "rep2", kernels=False)
+    _, ppl = _csv(tmp_path / "rep2" / "ppl.csv")
+    assert ppl["small"]["paper avg"] == "" and "window 512 tokens, paper 2048" in ppl["small"]["vs paper"]
 
 
 def test_local_task_copies_and_old_names(tmp_path):
@@ -178,7 +207,9 @@ def test_local_task_copies_and_old_names(tmp_path):
     out = tmp_path / "rep"
     build_report([d], out, kernels=False)
     head, bench = _csv(out / "benchmarks.csv")
+    # results written before the metric was recorded: read as acc, and said not to be the paper's
     assert head[3:6] == ["social_iqa (acc)", "hellaswag (acc_norm)", "arc_easy (acc)"]
+    assert "not the paper's metric for arc_easy (acc, paper acc_norm): re-evaluate" in (out / "report.md").read_text()
     assert float(bench["r"]["arc_easy (acc)"]) == 40.0 and float(bench["r"]["avg"]) == pytest.approx(35.0)
     _, lam_rows = _csv(out / "lambada.csv")
     assert float(lam_rows["r"]["standard"]) == 50.0
@@ -203,7 +234,7 @@ def test_babilong_source_and_loss_series(tmp_path):
     out = tmp_path / "rep"
     build_report([d], out, kernels=False)
     md = (out / "report.md").read_text()
-    assert "| hf_run | hf | qa1 |" in md and "compare the 'hf' rows with it" in md
+    assert "| hf_run | Transformer | hf | qa1 |" in md and "compare the 'hf' rows with it" in md
 
 
 def test_report_errors_and_missing_eval(tmp_path, capsys):

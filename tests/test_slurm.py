@@ -244,6 +244,72 @@ def test_eval_sbatch_renders_the_eval_command(tmp_path):
     assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1 and "tasks: unknown ['pl']" in bad.stderr
 
 
+def test_gpu_job_hygiene_in_the_rendered_script(tmp_path):
+    """The 880M training job: allocator, node-local compile caches, NCCL flight recorder,
+    --mem and --exclusive from the experiment, each env setting overridable, valid bash."""
+    from mta_repro.train.slurm import render
+
+    script, _ = render(["experiment=pretrain_880m_mta"])
+    for line in (
+        "#SBATCH --mem=0\n", "#SBATCH --exclusive\n",
+        "export PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}\n",
+        "export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-${SLURM_TMPDIR:-/tmp}/",
+        "export TORCHINDUCTOR_CACHE_DIR=${TORCHINDUCTOR_CACHE_DIR:-${SLURM_TMPDIR:-/tmp}/",
+        "export TORCH_NCCL_TRACE_BUFFER_SIZE=${TORCH_NCCL_TRACE_BUFFER_SIZE:-2000}\n",
+        "export TORCH_NCCL_DUMP_ON_TIMEOUT=",
+        "/runs/pretrain_880m_mta/slurm/nccl_trace_${SLURM_JOB_ID}_rank_}",
+        "export OMP_NUM_THREADS=6\n",
+    ):
+        assert line in script, line
+    assert "KillWait" in script  # the preemption order is explained where it is set
+    # the #SBATCH lines come before the first command (sbatch stops reading them there)
+    lines = script.splitlines()
+    first_cmd = next(i for i, l in enumerate(lines) if l and not l.startswith("#"))
+    assert all(not l.startswith("#SBATCH") for l in lines[first_cmd:])
+    path = tmp_path / "t.sbatch"
+    path.write_text(script)
+    assert subprocess.run(["bash", "-n", str(path)]).returncode == 0
+    # the defaults stay off where the config does not ask, and a user's setting wins
+    dbg, _ = render(["experiment=debug", *CPU_PROFILE])
+    assert "--mem" not in dbg and "--exclusive" not in dbg
+    mem, _ = render(["experiment=debug", *CPU_PROFILE, "slurm.mem=64G"])
+    assert "#SBATCH --mem=64G\n" in mem
+    env = {"PATH": os.environ["PATH"], "PYTORCH_CUDA_ALLOC_CONF": "mine", "SLURM_JOB_ID": "7"}
+    exports = "\n".join(l for l in lines if l.startswith("export ")) + "\necho $PYTORCH_CUDA_ALLOC_CONF $TRITON_CACHE_DIR"
+    out = subprocess.run(["bash", "-c", exports], capture_output=True, text=True, env=env).stdout.split()
+    assert out[0] == "mine" and out[1].startswith("/tmp/mta_repro_")
+
+
+def test_time_limit_is_a_public_shared_helper():
+    from mta_repro import slurm
+    from mta_repro.eval import slurm as eval_slurm
+
+    assert slurm.time_limit(2880) == "2-00:00:00" and slurm.time_limit(90) == "0-01:30:00"
+    assert "_time" not in vars(eval_slurm)  # eval no longer reaches into train's private name
+
+
+def test_eval_sbatch_mem_and_exclusive(tmp_path):
+    p = _run(["-m", "mta_repro.eval.slurm", "runs/x", "tasks=[ppl]", "--gpus", "0", "--mem", "32G", "--exclusive"],
+             cwd=tmp_path)
+    assert "#SBATCH --mem=32G\n#SBATCH --exclusive\n" in p.stdout
+    assert "export PYTORCH_CUDA_ALLOC_CONF=" in p.stdout
+
+
+def test_pipeline_report_job_runs_after_all_end_and_is_small(tmp_path):
+    """afterany (not afterok): a failed evaluation must not leave the report pending
+    forever; it names what is missing; 2 CPUs for an hour, not a GPU job's day."""
+    p = subprocess.run([sys.executable, "-m", "mta_repro.pipeline", "pipeline=tiny", f"root={tmp_path}",
+                        "launcher=slurm", "pipeline.lm_eval_local=null", "--dry-run"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=300, env=_env())
+    assert p.returncode == 0, p.stderr[-2000:]
+    head, report = p.stdout.split("# ---- report: sbatch ", 1)
+    assert report.startswith("--dependency=afterany:")
+    assert "--dependency=afterany" not in head  # the stages themselves still need success
+    assert "#SBATCH --job-name=mta_report\n" in report and "#SBATCH --cpus-per-task=2\n" in report
+    assert "#SBATCH --time=0-01:00:00\n" in report and "--gpus" not in report
+    assert "report: missing: " in report and "/export (training did not finish)" in report
+
+
 # ------------------------------------------------------------------ the real scheduler
 
 

@@ -110,5 +110,58 @@ def test_progress_lines_without_a_tty(tmp_path):
     assert p.returncode == 0, p.stderr[-3000:]
     assert "\r" not in p.stderr
     lines = [l for l in p.stderr.splitlines() if l.startswith("[mta_repro.train] step ")]
-    assert len(lines) == 2 and "step 2/2" in lines[1] and "per GPU" in lines[1]
+    assert len(lines) == 2 and "step 2/2" in lines[1] and "per rank" in lines[1]
     assert math.isfinite(float(lines[1].split("loss ")[1].split()[0]))
+
+
+def _token_counts(cfg):
+    """Each domain's validation tokens, counted independently of the Validator."""
+    from mta_repro import data as data_mod
+
+    tok = data_mod.build_tokenizer(data_mod.to_data_args(cfg.data).tokenizer)
+    return {d: sum(len(tok.encode(doc, add_bos=True, add_eos=True))
+                   for doc in data_mod.iter_validation_docs(cfg.data, d)) for d in data_mod.domains(cfg.data)}
+
+
+def test_a_domain_too_small_for_one_window_is_skipped_with_one_warning(recwarn):
+    """At a window longer than the smallest domain's validation text (the bundled arxiv at
+    4K), that domain is skipped with one warning naming it; the others validate; only
+    when no domain fits is it an error."""
+    from mta_repro.train.validation import Validator
+
+    cfg = compose(["experiment=debug"])
+    counts = _token_counts(cfg)
+    smallest, second = sorted(counts.values())[:2]
+    seq_len = (smallest + second) // 2  # between the two smallest domains: exactly one too small
+    v = Validator(cfg.data, seq_len, batch_size=1, max_batches=1, rank=0, world_size=1)
+    small = [d for d, n in counts.items() if n < seq_len + 1]
+    assert len(small) == 1 and v.skipped == {small[0]: counts[small[0]]}
+    assert set(v.batches) == set(counts) - set(small)
+    msgs = [str(w.message) for w in recwarn if "validation: skipped" in str(w.message)]
+    assert len(msgs) == 1 and repr(small[0]) in msgs[0] and f"{counts[small[0]]:,} tokens" in msgs[0]
+    with pytest.raises(ValueError, match="no domain's validation documents hold data.seq_len"):
+        Validator(cfg.data, max(counts.values()) + 10, batch_size=1, max_batches=1, rank=0, world_size=1)
+
+
+def test_validation_states_its_cost_and_a_short_run_is_told(capsys):
+    """Before training: windows, tokens and the cost in training steps; a run shorter than
+    eval_every hears that it validates once, at the last step, and how to shrink it."""
+    from types import SimpleNamespace
+
+    from mta_repro.train.args import TrainerArgs
+    from mta_repro.train.validation import maybe_validator
+
+    cfg = compose(["experiment=debug", "data.seq_len=64", "data.batch_size=2"])
+    tr = TrainerArgs(steps=2, eval_every=50, eval_max_batches=3, eval_batch_size=2)
+    v = maybe_validator(cfg, tr, SimpleNamespace(rank=0, world_size=1), 64)
+    err = capsys.readouterr().err
+    n_windows = sum(b.shape[0] for bs in v.batches.values() for b in bs)
+    assert n_windows == len(v.batches) * 3 * 2  # every domain fills 3 batches of 2 at 64 tokens
+    tokens = n_windows * 64
+    assert (f"validation once, at the last step (trainer.steps=2 < trainer.eval_every=50): {n_windows} windows of "
+            f"64 tokens") in err
+    assert f"({tokens:,} tokens, about the compute of {tokens / (3 * 2 * 64):.1f} training steps)" in err
+    assert "trainer.eval_every=0 skips it" in err and len(err.strip().splitlines()) == 1
+    long = TrainerArgs(steps=200, eval_every=50, eval_max_batches=3, eval_batch_size=2)
+    maybe_validator(cfg, long, SimpleNamespace(rank=0, world_size=1), 64)
+    assert "every 50 steps and at the last" in capsys.readouterr().err

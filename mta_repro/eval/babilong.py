@@ -299,29 +299,33 @@ class BabiGenerator:
         return rec
 
 
+def parse_length(length):
+    """A length as configured: "0k".."16k" stay names, digit strings become ints."""
+    return int(length) if str(length).isdigit() else length
+
+
+def check_args(args) -> None:
+    """Task names, lengths and the source of ``BabiLongArgs``, before any model work."""
+    for t in args.tasks:
+        check_task(t)
+    for length in args.lengths:
+        length_tokens(parse_length(length))
+    if args.source not in ("generated", "hf"):
+        raise UserError(f"eval.babilong.source: expected 'generated' or 'hf', got {args.source!r}")
+
+
 @torch.no_grad()
-def run_babilong(
-    model,
-    tokenizer,
-    tasks: Sequence[str] = TASKS,
-    lengths: Sequence = ("0k", "1k", "2k", "4k"),
-    samples: int = 100,
-    source: str = "generated",
-    background: Optional[Iterable[str]] = None,
-    max_new_tokens: int = 20,
-    batch_size: int = 8,
-    seed: int = 0,
-    dataset: str = "RMT-team/babilong",
-) -> dict:
-    """Accuracy per task and length: {"accuracy": {task: {length: acc}}, "mean": {length: acc}}."""
+def run_babilong(model, tokenizer, args, background: Optional[Iterable[str]] = None) -> dict:
+    """Accuracy per task and length: {"accuracy": {task: {length: acc}}, "mean": {length: acc}}.
+
+    ``args``: the settings (``mta_repro.eval.args.BabiLongArgs``); ``background``: the
+    documents the generated source hides its facts in."""
     from mta_repro.eval.generate import generate_text
 
-    for t in tasks:
-        check_task(t)
-    for length in lengths:
-        length_tokens(length)
-    if source not in ("generated", "hf"):
-        raise UserError(f"eval.babilong.source: expected 'generated' or 'hf', got {source!r}")
+    check_args(args)
+    tasks, samples, source, dataset = list(args.tasks), args.samples, args.source, args.dataset
+    lengths = [parse_length(x) for x in args.lengths]
+    max_new_tokens, batch_size, seed = args.max_new_tokens, args.batch_size, args.seed
     from mta_repro.eval import dist
 
     gen = BabiGenerator(tokenizer, background) if source == "generated" else None

@@ -32,7 +32,7 @@ from __future__ import annotations
 import bisect
 import random
 from dataclasses import dataclass
-from typing import Iterable, Sequence
+from typing import Iterable, Optional, Sequence
 
 import torch
 
@@ -164,6 +164,12 @@ class NeedleGenerator:
                 f"plus the preamble, question and {answer_tokens} answer tokens (needs at least {need} tokens)"
             )
 
+    def check_all(self, context_lens, needle_counts, answer_tokens: int = 0) -> None:
+        """Every (context length, needle count) setting fits, or one clear error."""
+        for c in context_lens:
+            for k in needle_counts:
+                self.check_budget(int(c), int(k), answer_tokens)
+
     def sample(
         self, context_len: int, n_needles: int, depth: float, rng: random.Random, answer_tokens: int = 0,
     ) -> NeedleSample:
@@ -211,27 +217,24 @@ class NeedleGenerator:
 
 
 @torch.no_grad()
-def run_needle(
-    model,
-    tokenizer,
-    background: Iterable[str],
-    context_lens: Sequence[int] = (2048,),
-    needle_counts: Sequence[int] = (2, 4, 6, 8, 10),
-    depths: Sequence[float] = (0, 25, 50, 75, 100),
-    samples: int = 500,
-    query: str = "one",
-    max_new_tokens: int = 16,
-    batch_size: int = 8,
-    seed: int = 0,
-    max_background_chars: int = 2_000_000,
-) -> dict:
-    """Accuracy per (context length, needle count, depth); nested dict, JSON-ready."""
+def run_needle(model, tokenizer, args, background: Optional[Iterable[str]] = None,
+               generator: Optional[NeedleGenerator] = None) -> dict:
+    """Accuracy per (context length, needle count, depth); nested dict, JSON-ready.
+
+    ``args``: the settings (``mta_repro.eval.args.NeedleArgs``). The prompts come from
+    ``generator`` when given (its budgets already checked, as ``eval``'s prepare step
+    does), else from a haystack built here from the ``background`` documents."""
     from mta_repro.eval.generate import generate
 
-    gen = NeedleGenerator(tokenizer, Haystack(tokenizer, background, max_background_chars), query)
-    for c in context_lens:  # every bad setting fails before any model work
-        for n in needle_counts:
-            gen.check_budget(int(c), int(n), max_new_tokens)
+    context_lens, needle_counts, depths = args.context_lens, args.needle_counts, args.depths
+    samples, query, max_new_tokens = args.samples, args.query, args.max_new_tokens
+    batch_size, seed = args.batch_size, args.seed
+    gen = generator
+    if gen is None:
+        if background is None:
+            raise TypeError("run_needle: give the background documents or a NeedleGenerator")
+        gen = NeedleGenerator(tokenizer, Haystack(tokenizer, background, args.max_background_chars), query)
+        gen.check_all(context_lens, needle_counts, max_new_tokens)
     from mta_repro.eval import dist
 
     rng = random.Random(seed)

@@ -26,8 +26,12 @@ class Progress:
 
             self.bar = tqdm(total=total, desc=desc, file=self.stream, dynamic_ncols=True, leave=False)
 
-    def _line(self) -> str:
-        done = f"{self.n}/{self.total} ({100 * self.n / self.total:.0f}%)" if self.total else str(self.n)
+    def _line(self, final: bool = False) -> str:
+        if final and self.total and self.n < self.total:
+            # the data ran out before the limit: not stuck at n/total, finished
+            done = f"{self.n} of at most {self.total} (all the data holds)"
+        else:
+            done = f"{self.n}/{self.total} ({100 * self.n / self.total:.0f}%)" if self.total else str(self.n)
         return f"[eval] {self.desc}: {done}, {time.monotonic() - self.t0:.0f} s"
 
     def update(self, n: int = 1) -> None:
@@ -42,4 +46,4 @@ class Progress:
         if self.bar is not None:
             self.bar.close()
         elif self.enabled and self.n:
-            print(self._line() + " done", file=self.stream, flush=True)
+            print(self._line(final=True) + ", done", file=self.stream, flush=True)

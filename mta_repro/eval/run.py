@@ -7,9 +7,12 @@ Examples:
     torchrun --nproc_per_node 8 -m mta_repro.eval runs/x eval/preset=paper   # work split over GPUs
 
 Each task writes ``<out_dir>/<task>.json`` (out_dir defaults to ``<run_dir>/eval``):
-{"task", "run_dir", "step", "variant", "results": ...}. Bad task names, a missing
-checkpoint, a tokenizer/vocab mismatch and needle budgets are checked before any
-evaluation starts.
+{"task", "run_dir", "step", "variant", "trained_seq_len", "eval_lengths", "settings",
+"results": ...}. Bad task names, a missing checkpoint, a tokenizer/vocab mismatch, a
+length beyond the context the run was trained at (its data.seq_len; extrapolate=true
+allows it) and needle budgets are checked before any evaluation starts. A task whose
+JSON is newer than the weights and has the same settings is skipped (--force reruns it).
+The tasks: mta_repro/eval/tasks.py (EVAL_TASKS).
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ from typing import Optional, Sequence
 from omegaconf import OmegaConf
 
 from mta_repro.errors import UserError
-from mta_repro.eval.args import TASK_NAMES, EvalConfig, register_eval_config
+from mta_repro.eval.args import EvalConfig, register_eval_config
 
 log = logging.getLogger("mta_repro.eval")
 
@@ -40,8 +43,10 @@ def compose_eval(overrides: Sequence[str] = ()) -> EvalConfig:
 
 def parse_argv(argv: Sequence[str]) -> EvalConfig:
     """First argument without '=' is the run directory; the rest are Hydra overrides."""
+    force = "--force" in argv
+    argv = [a for a in argv if a != "--force"]
     paths = [a for a in argv if "=" not in a]
-    overrides = [a for a in argv if "=" in a]
+    overrides = [a for a in argv if "=" in a] + (["force=true"] if force else [])
     if len(paths) > 1:
         raise UserError(f"eval: expected one run directory, got {paths}")
     if paths:
@@ -65,35 +70,70 @@ def variant_name(model_cfg) -> str:
     return "talking_heads"
 
 
-def _docs(data_args, domain: str, splits):
-    from mta_repro.data.sources import iter_docs
+def trained_context(run_cfg) -> Optional[int]:
+    """The context the run was trained at: ``data.seq_len`` of its saved config (for a
+    finetuned run, the finetune's: the config of the last training stage). Not the
+    model's ``max_seqlen``, which bounds what the code accepts, not what was learned."""
+    from mta_repro.eval.lm_eval_model import trained_seq_len
 
-    for split in splits:
-        yield from iter_docs(data_args, domain, split)
+    return trained_seq_len(run_cfg)
+
+
+def check_context(cfg: EvalConfig, lengths: dict, trained: Optional[int]) -> None:
+    """Refuse a length beyond the trained context unless ``extrapolate=true``."""
+    if cfg.extrapolate or trained is None:
+        return
+    for (task, field_name), length in lengths.items():
+        if length > trained:
+            raise UserError(
+                f"eval: {field_name}={length} for task {task!r} is beyond the context {cfg.run_dir} was trained at "
+                f"(data.seq_len={trained} in its config); set extrapolate=true to evaluate beyond it on purpose "
+                "(length extrapolation)"
+            )
+
+
+def _up_to_date(path: Path, weights, record: dict) -> bool:
+    """A task's JSON is newer than the weights it scored and has the same settings."""
+    if not path.is_file() or not weights or not Path(weights).exists():
+        return False
+    if path.stat().st_mtime < Path(weights).stat().st_mtime:
+        return False
+    try:
+        old = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError):
+        return False
+    keys = ("weights", "step", "dtype", "settings", "eval_lengths", "trained_seq_len")
+    return all(old.get(k) == record.get(k) for k in keys)
 
 
 def run(cfg: EvalConfig) -> dict:
-    unknown = [t for t in cfg.tasks if t not in TASK_NAMES]
+    """Evaluate ``cfg.tasks`` (``tasks.EVAL_TASKS``) and write one JSON per task.
+
+    Everything that can fail on the config or the run fails before the first task runs
+    (task names, lengths beyond the trained context, needle budgets, lm-eval names). A
+    task whose JSON is newer than the weights and holds the same settings is skipped
+    unless ``force=true`` (``--force``)."""
+    from mta_repro.eval.tasks import EVAL_TASKS, EvalContext
+
+    unknown = [t for t in cfg.tasks if t not in EVAL_TASKS]
     if unknown:
-        raise UserError(f"eval.tasks: unknown task(s) {unknown}; expected any of {list(TASK_NAMES)}")
-    if cfg.needle.query not in ("one", "all"):
-        raise UserError(f"eval.needle.query: expected 'one' or 'all', got {cfg.needle.query!r}")
-    from mta_repro.eval import babilong as bl
-    for t in cfg.babilong.tasks if "babilong" in cfg.tasks else ():
-        bl.check_task(t)
-    for length in cfg.babilong.lengths if "babilong" in cfg.tasks else ():
-        bl.length_tokens(int(length) if str(length).isdigit() else length)
+        raise UserError(f"eval.tasks: unknown task(s) {unknown}; expected any of {list(EVAL_TASKS)}")
+    tasks = [EVAL_TASKS[t] for t in cfg.tasks]
+    for task in tasks:
+        task.check(cfg)
 
     from mta_repro.eval import dist
-    from mta_repro.eval.load import load_for_eval
+    from mta_repro.eval.load import default_out_dir, load_for_eval
 
     # Under torchrun every process takes its share of each task; rank 0 writes.
     rank, world = dist.init(cfg.device)
     model, tok, run_cfg = load_for_eval(cfg.run_dir, device=cfg.device, dtype=cfg.dtype)
     from mta_repro.data import to_data_args
 
-    data_args = to_data_args(run_cfg.data)
-    from mta_repro.eval.load import default_out_dir
+    ctx = EvalContext(model=model, tokenizer=tok, run_cfg=run_cfg, data_args=to_data_args(run_cfg.data),
+                      trained_seq_len=trained_context(run_cfg))
+    lengths = {t.name: t.lengths(cfg, ctx) for t in tasks}
+    check_context(cfg, {(n, f): v for n, per in lengths.items() for f, v in per.items()}, ctx.trained_seq_len)
 
     out_dir = Path(cfg.out_dir) if cfg.out_dir else default_out_dir(cfg.run_dir)
     source = getattr(model, "source", {})
@@ -103,113 +143,39 @@ def run(cfg: EvalConfig) -> dict:
         "step": source.get("step"),
         "weights": source.get("path"),  # the export or DCP checkpoint evaluated
         "dtype": cfg.dtype,
+        # the context the run was trained at (data.seq_len of its config) and the token
+        # lengths this task evaluated at (the largest, per setting); beyond = extrapolation
+        "trained_seq_len": ctx.trained_seq_len,
     }
+    records = {t.name: {**meta, "eval_lengths": lengths[t.name], "settings": t.settings(cfg)} for t in tasks}
+    todo = []
+    for t in tasks:
+        path = out_dir / f"{t.name}.json"
+        if not cfg.force and _up_to_date(path, meta["weights"], records[t.name]):
+            log.info("eval: %s is up to date (newer than %s, same settings): skipped; --force re-evaluates",
+                     path, meta["weights"])
+            continue
+        todo.append(t)
+    for t in todo:  # budgets and names fail here, before any evaluation
+        t.prepare(cfg, ctx)
 
-    lm_manager = None
-    if "benchmarks" in cfg.tasks or "lambada" in cfg.tasks:
-        from mta_repro.eval.lm_eval_tasks import check_task_names, task_manager
-
-        lm_manager = task_manager(cfg.lm_eval.include_path)
-        names = (cfg.lm_eval.benchmarks if "benchmarks" in cfg.tasks else []) + (
-            cfg.lm_eval.lambada if "lambada" in cfg.tasks else []
-        )
-        check_task_names(names, lm_manager)
-    needle_gen = None
-    if "needle" in cfg.tasks:
-        from mta_repro.eval.needle import Haystack, NeedleGenerator
-
-        n = cfg.needle
-        hay = Haystack(tok, _docs(data_args, n.background_domain, n.background_splits), n.max_background_chars)
-        needle_gen = NeedleGenerator(tok, hay, n.query)
-        for c in n.context_lens:
-            for k in n.needle_counts:
-                needle_gen.check_budget(int(c), int(k), n.max_new_tokens)
-
-    written = {}
-    for task in cfg.tasks:
+    written = {t.name: str(out_dir / f"{t.name}.json") for t in tasks if t not in todo}
+    for t in todo:
         t0 = time.time()
-        log.info("eval: %s on %s", task, cfg.run_dir)
-        if task == "ppl":
-            from mta_repro.eval.ppl import validation_perplexity
-
-            p = cfg.ppl
-            res = validation_perplexity(model, tok, data_args, p.domains, p.seq_len, p.batch_size, p.max_batches)
-        elif task == "needle":
-            from mta_repro.eval.needle import run_needle
-
-            n = cfg.needle
-            res = run_needle(
-                model, tok, _docs(data_args, n.background_domain, n.background_splits), n.context_lens,
-                n.needle_counts, n.depths, n.samples, n.query, n.max_new_tokens, n.batch_size, n.seed,
-                n.max_background_chars,
-            )
-        elif task == "babilong":
-            b = cfg.babilong
-            lengths = [int(x) if str(x).isdigit() else x for x in b.lengths]
-            res = bl.run_babilong(
-                model, tok, b.tasks, lengths, b.samples, b.source,
-                _docs(data_args, b.background_domain, b.background_splits) if b.source == "generated" else None,
-                b.max_new_tokens, b.batch_size, b.seed, b.dataset,
-            )
-        else:
-            res = _run_lm_eval(model, tok, cfg, task, lm_manager, run_cfg)
+        log.info("eval: %s on %s", t.name, cfg.run_dir)
+        res = t.run(cfg, ctx)
         if rank != 0:
             continue
-        res = {"task": task, **meta, "world_size": world, "seconds": round(time.time() - t0, 1), "results": res}
+        rec = records[t.name]
+        res = {"task": t.name, **rec, "extrapolated": any(v > (ctx.trained_seq_len or v)
+                                                          for v in rec["eval_lengths"].values()),
+               "world_size": world, "seconds": round(time.time() - t0, 1), "results": res}
         out_dir.mkdir(parents=True, exist_ok=True)
-        path = out_dir / f"{task}.json"
+        path = out_dir / f"{t.name}.json"
         path.write_text(json.dumps(res, indent=1, default=str))
-        written[task] = str(path)
+        written[t.name] = str(path)
         log.info("eval: wrote %s", path)
     return written
-
-
-def _run_lm_eval(model, tok, cfg: EvalConfig, task: str, manager, run_cfg) -> dict:
-    import lm_eval
-
-    from mta_repro.eval.lm_eval_model import MTAReproLM
-
-    e = cfg.lm_eval
-    from mta_repro.eval.lm_eval_model import trained_seq_len
-
-    max_length = e.max_length or trained_seq_len(run_cfg)
-    lm = MTAReproLM(model=model, tokenizer=tok, batch_size=e.batch_size, max_length=max_length)
-    names = e.benchmarks if task == "benchmarks" else e.lambada
-    groups: dict = {}
-    for name in names:  # one simple_evaluate call per few-shot count
-        groups.setdefault(int(e.num_fewshot.get(name, 0)), []).append(name)
-    results: dict = {}
-    for shots, group in groups.items():
-        out = lm_eval.simple_evaluate(
-            model=lm, tasks=group, num_fewshot=shots, task_manager=manager, limit=e.limit,
-            bootstrap_iters=0, log_samples=False,
-        )
-        if out is None:  # ranks other than 0 under torchrun: rank 0 has the results
-            continue
-        for name, metrics in out["results"].items():
-            results[name] = {k: v for k, v in metrics.items() if isinstance(v, (int, float)) or k == "alias"}
-    return {"tasks": results, "summary": summarize_lm_eval(results, names), "limit": e.limit, "max_length": lm.max_length}
-
-
-def summarize_lm_eval(results: dict, names) -> dict:
-    """One number per task: accuracy in % (acc_norm for HellaSwag as is customary),
-    perplexity for LAMBADA; the benchmark average over the accuracy tasks."""
-    summary = {}
-    for name in names:
-        r = results.get(name, {})
-        if name.startswith("lambada"):
-            summary[name] = {"ppl": r.get("perplexity,none"), "acc": _pct(r.get("acc,none"))}
-            continue
-        key = "acc_norm,none" if name == "hellaswag" and "acc_norm,none" in r else "acc,none"
-        summary[name] = _pct(r.get(key))
-    accs = [v for k, v in summary.items() if not k.startswith("lambada") and v is not None]
-    if accs:
-        summary["average"] = sum(accs) / len(accs)
-    return summary
-
-
-def _pct(x):
-    return None if x is None else 100.0 * float(x)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

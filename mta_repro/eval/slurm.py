@@ -24,7 +24,8 @@ from string import Template
 from typing import Optional
 
 from mta_repro.errors import UserError
-from mta_repro.train.slurm import SubmitError, _time, sbatch
+from mta_repro.slurm import memory_lines, time_limit
+from mta_repro.train.slurm import SubmitError, sbatch
 
 ROOT = Path(__file__).resolve().parents[2]
 TEMPLATE = ROOT / "slurm" / "eval.sbatch"
@@ -42,6 +43,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--gpus", type=int, default=1, help="GPUs (0: none requested)")
     p.add_argument("--cpus", type=int, default=8, help="CPUs for the task")
     p.add_argument("--time-min", type=int, default=240, help="time limit in minutes")
+    p.add_argument("--mem", help="sbatch --mem (per node, e.g. 64G; 0 = all of it)")
+    p.add_argument("--exclusive", action="store_true", help="sbatch --exclusive (the whole node)")
     p.add_argument("--partition")
     p.add_argument("--account")
     p.add_argument("--qos")
@@ -51,7 +54,8 @@ def _parser() -> argparse.ArgumentParser:
 
 def render(run_dir: str, overrides: list[str], *, gpus: int = 1, cpus: int = 8, time_min: int = 240,
            partition: Optional[str] = None, account: Optional[str] = None, qos: Optional[str] = None,
-           job_name: str = "mta-eval", python: str = "python") -> tuple[str, str]:
+           job_name: str = "mta-eval", python: str = "python", mem: Optional[str] = None,
+           exclusive: bool = False) -> tuple[str, str]:
     """(sbatch script, eval command). ValueError for bad resources or overrides."""
     for name, v, lo in (("--gpus", gpus, 0), ("--cpus", cpus, 1), ("--time-min", time_min, 1)):
         if v < lo:
@@ -79,7 +83,8 @@ def render(run_dir: str, overrides: list[str], *, gpus: int = 1, cpus: int = 8, 
         job_name=job_name,
         gpu_sbatch=f"#SBATCH --gpus-per-node={gpus}\n" if gpus > 0 else "",
         cpus_per_task=cpus,
-        time=_time(time_min),
+        mem_sbatch=memory_lines(mem, exclusive),
+        time=time_limit(time_min),
         log_dir=shlex.quote(str(rd / "slurm")),
         extra_sbatch="\n".join(extra),
         workdir=shlex.quote(str(ROOT)),
@@ -96,7 +101,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         script, command = render(
             args.run_dir, args.overrides, gpus=args.gpus, cpus=args.cpus, time_min=args.time_min,
             partition=args.partition, account=args.account, qos=args.qos, job_name=args.job_name,
-            python=sys.executable,
+            python=sys.executable, mem=args.mem, exclusive=args.exclusive,
         )
         dep = [f"--dependency=afterok:{args.after}", "--kill-on-invalid-dep=yes"] if args.after else []
         if not args.submit:

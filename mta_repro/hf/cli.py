@@ -14,13 +14,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m mta_repro.hf", description=_pkg.__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
-    e = sub.add_parser("export", help="baseline run or .pt -> LlamaForCausalLM folder")
+    e = sub.add_parser("export", help="run or .pt -> LlamaForCausalLM folder (baseline) or trust_remote_code folder (MTA, talking heads, Diff)")
     e.add_argument("path", help="run directory or consolidated .pt")
     e.add_argument("out_dir")
     i = sub.add_parser("import", help="Llama checkpoint folder -> consolidated .pt of our baseline")
     i.add_argument("hf_dir")
     i.add_argument("out", help="output .pt (evaluate it, or train from it with checkpoint.init_from)")
-    i.add_argument("--dtype", default="float32")
+    i.add_argument("--dtype", default="auto",
+                   help="auto (default): keep the checkpoint's dtype (bf16 for Meta's); or float32, bfloat16")
     args = ap.parse_args(argv)
     from mta_repro.cli import run_cli
 

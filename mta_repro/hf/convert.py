@@ -5,11 +5,12 @@ from __future__ import annotations
 import dataclasses
 import json
 import shutil
+import sys
 from pathlib import Path
 from typing import Optional, Union
 
 import torch
-from omegaconf import OmegaConf
+from omegaconf import OmegaConf, open_dict
 
 from mta_repro.errors import UserError
 from mta_repro.model import ModelArgs
@@ -36,6 +37,17 @@ def _check_baseline(args: ModelArgs) -> None:
         )
 
 
+def _kv_heads(args: ModelArgs) -> int:
+    """Key/value heads of ``args`` (grouped-query attention when fewer than n_heads)."""
+    return getattr(args, "resolved_n_kv_heads", args.n_heads)
+
+
+def _has_rope_parameters() -> bool:
+    from transformers import LlamaConfig
+
+    return "rope_parameters" in LlamaConfig().to_dict()  # transformers >= 5
+
+
 def llama_config(args: ModelArgs, bos_id: Optional[int] = None, eos_id: Optional[int] = None,
                  max_position_embeddings: Optional[int] = None):
     from transformers import LlamaConfig
@@ -46,7 +58,7 @@ def llama_config(args: ModelArgs, bos_id: Optional[int] = None, eos_id: Optional
         intermediate_size=args.ffn_hidden_dim,
         num_hidden_layers=args.n_layers,
         num_attention_heads=args.n_heads,
-        num_key_value_heads=args.n_heads,
+        num_key_value_heads=_kv_heads(args),
         head_dim=args.resolved_head_dim,
         hidden_act="silu",
         rms_norm_eps=args.norm_eps,
@@ -57,10 +69,17 @@ def llama_config(args: ModelArgs, bos_id: Optional[int] = None, eos_id: Optional
         bos_token_id=bos_id,
         eos_token_id=eos_id,
     )
-    if "rope_parameters" in LlamaConfig().to_dict():  # transformers >= 5
-        kw["rope_parameters"] = {"rope_type": "default", "rope_theta": float(args.rope_theta)}
+    rope = {"rope_type": "default"}
+    scaled = args.rope_scaling.rope_type != "default"
+    if scaled:  # Llama 3.1/3.2: the same rope_scaling back
+        rope = dataclasses.asdict(args.rope_scaling)
+        rope["original_max_position_embeddings"] = int(rope["original_max_position_embeddings"])
+    if _has_rope_parameters():
+        kw["rope_parameters"] = {**rope, "rope_theta": float(args.rope_theta)}
     else:
         kw["rope_theta"] = float(args.rope_theta)
+        if scaled:
+            kw["rope_scaling"] = rope
     return LlamaConfig(**kw)
 
 
@@ -68,11 +87,12 @@ def state_to_hf(sd: dict, args: ModelArgs) -> dict:
     """Our baseline state dict (Lingua keys) -> LlamaForCausalLM keys."""
     _check_baseline(args)
     order = _halves_from_pairs(args.resolved_head_dim)
+    kv = _kv_heads(args)
     out = {"model.embed_tokens.weight": sd["tok_embeddings.weight"], "model.norm.weight": sd["norm.weight"]}
     for i in range(args.n_layers):
         p, q = f"layers.{i}.", f"model.layers.{i}."
         out[q + "self_attn.q_proj.weight"] = _permute_heads(sd[p + "attention.wq.weight"], args.n_heads, order)
-        out[q + "self_attn.k_proj.weight"] = _permute_heads(sd[p + "attention.wk.weight"], args.n_heads, order)
+        out[q + "self_attn.k_proj.weight"] = _permute_heads(sd[p + "attention.wk.weight"], kv, order)
         out[q + "self_attn.v_proj.weight"] = sd[p + "attention.wv.weight"]
         out[q + "self_attn.o_proj.weight"] = sd[p + "attention.wo.weight"]
         out[q + "mlp.gate_proj.weight"] = sd[p + "feed_forward.w1.weight"]
@@ -118,6 +138,16 @@ def export_hf(path: Union[str, Path], out_dir: Union[str, Path]) -> Path:
     # The tokenizer: its file as is, plus how to build it here (sentencepiece models
     # and Llama-3 ranks files are what Meta's checkpoints ship as tokenizer.model).
     tok_cfg = OmegaConf.to_container(cfg.data.tokenizer, resolve=True) if "data" in cfg else None
+    if tok_cfg and tok is not None:
+        # tokenizer.json: AutoTokenizer gives training's ids (BOS + text ids, issue 23 item 6)
+        src = _find(tok_cfg["path"]) if tok_cfg.get("path") and tok_cfg.get("name") != "bytes" else None
+        from mta_repro.hf.tokenizer import write_hf_tokenizer
+
+        why = write_hf_tokenizer({**tok_cfg, "path": str(src) if src else tok_cfg.get("path")}, tok, out_dir,
+                                 add_bos=bool(OmegaConf.select(cfg, "data.add_bos", default=True)))
+        if why:
+            print(f"[mta_repro.hf] no tokenizer.json written ({why}); tokenizer.model and {TOKENIZER_NOTE} are",
+                  file=sys.stderr)
     if tok_cfg and tok_cfg.get("path") and tok_cfg.get("name") != "bytes":
         src = _find(tok_cfg["path"])
         if src is not None:
@@ -138,16 +168,28 @@ def _find(path: str) -> Optional[Path]:
     return None
 
 
-def _read_hf_state(hf_dir: Path) -> dict:
-    from safetensors.torch import load_file
+# ------------------------------------------------------------------------------ import
+INDEX = "model.safetensors.index.json"
 
+
+def weight_files(hf_dir: Path) -> list:
+    """The folder's safetensors files: those its ``model.safetensors.index.json`` names
+    (sharded checkpoints, e.g. Llama 3.1 8B's four shards), else every ``*.safetensors``."""
+    index = hf_dir / INDEX
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError, TypeError):
+            raise UserError(f"hf import: {index}: expected JSON with a 'weight_map' {{tensor: file}}") from None
+        files = [hf_dir / f for f in sorted(set(weight_map.values()))]
+        missing = [f.name for f in files if not f.is_file()]
+        if missing:
+            raise UserError(f"hf import: {index} names shard(s) {missing} that are not in {hf_dir} (incomplete download?)")
+        return files
     files = sorted(hf_dir.glob("*.safetensors"))
     if not files:
         raise UserError(f"hf import: {hf_dir} has no *.safetensors weights (pytorch_model.bin is not read)")
-    sd: dict = {}
-    for f in files:
-        sd.update(load_file(str(f)))
-    return sd
+    return files
 
 
 def _ffn_fields(dim: int, hidden: int) -> dict:
@@ -160,99 +202,207 @@ def _ffn_fields(dim: int, hidden: int) -> dict:
     return fields
 
 
-def hf_to_state(hf_sd: dict, config) -> tuple:
-    """LlamaForCausalLM weights and config -> (our baseline state dict, ModelArgs)."""
-    c = config
+def _rope_of(c) -> tuple:
+    """(rope_theta, RopeScalingArgs fields) of a LlamaConfig (transformers 4 or 5)."""
+    rope = dict(getattr(c, "rope_parameters", None) or {})
+    scaling = dict(getattr(c, "rope_scaling", None) or {})
+    merged = {**scaling, **rope}
+    rope_type = merged.get("rope_type") or merged.get("type") or "default"
+    theta = merged.get("rope_theta", getattr(c, "rope_theta", None))
+    if theta is None:
+        raise UserError("hf import: config.json has no rope_theta")
+    if rope_type == "default":
+        return float(theta), {"rope_type": "default"}
+    if rope_type != "llama3":
+        raise UserError(
+            f"hf import: rope_scaling rope_type={rope_type!r} is not supported; supported: default and "
+            "'llama3' (Llama 3.1/3.2)"
+        )
+    fields = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+    absent = [f for f in fields if merged.get(f) is None]
+    if absent:
+        raise UserError(f"hf import: rope_scaling (llama3) lacks {absent}")
+    out = {f: float(merged[f]) for f in fields}
+    out["original_max_position_embeddings"] = int(merged["original_max_position_embeddings"])
+    return float(theta), {"rope_type": "llama3", **out}
+
+
+def model_args_from_hf(c) -> ModelArgs:
+    """Our ModelArgs for a LlamaForCausalLM config (grouped-query attention kept as it is)."""
     if getattr(c, "model_type", "llama") != "llama":
         raise UserError(f"hf import: model_type {c.model_type!r}; expected 'llama'")
-    rope = getattr(c, "rope_parameters", None) or {}
-    scaling = getattr(c, "rope_scaling", None)
-    rope_type = rope.get("rope_type") or (scaling or {}).get("rope_type") or (scaling or {}).get("type") or "default"
-    if rope_type != "default":
-        raise UserError(
-            f"hf import: rope_scaling rope_type={rope_type!r} is not supported (our RoPE has plain "
-            "frequencies); Llama 3.1/3.2 checkpoints use 'llama3' scaling"
-        )
     if getattr(c, "attention_bias", False) or getattr(c, "mlp_bias", False):
         raise UserError("hf import: attention_bias/mlp_bias checkpoints are not supported")
     if getattr(c, "hidden_act", "silu") != "silu":
         raise UserError(f"hf import: hidden_act {c.hidden_act!r}; expected 'silu'")
-    theta = rope.get("rope_theta", getattr(c, "rope_theta", None))
+    theta, scaling = _rope_of(c)
     H, KV = c.num_attention_heads, c.num_key_value_heads or c.num_attention_heads
     d = getattr(c, "head_dim", None) or c.hidden_size // H
     if H % KV:
         raise UserError(f"hf import: {H} attention heads are not a multiple of {KV} key/value heads")
-    tied = bool(getattr(c, "tie_word_embeddings", False))
+    kv = {"n_kv_heads": None if KV == H else KV} if _NATIVE_GQA else {}
     args = ModelArgs(
         dim=c.hidden_size, n_layers=c.num_hidden_layers, n_heads=H,
         head_dim=None if d * H == c.hidden_size else d, vocab_size=c.vocab_size,
-        norm_eps=float(c.rms_norm_eps), rope_theta=float(theta), max_seqlen=int(c.max_position_embeddings),
-        weight_tying=tied, **_ffn_fields(c.hidden_size, c.intermediate_size),
+        norm_eps=float(c.rms_norm_eps), rope_theta=theta, rope_scaling=scaling,
+        max_seqlen=int(c.max_position_embeddings), weight_tying=bool(getattr(c, "tie_word_embeddings", False)),
+        norm_order="hf",  # transformers' LlamaRMSNorm: normalise in fp32, cast, then the weight (all norms)
+        **kv, **_ffn_fields(c.hidden_size, c.intermediate_size),
     )
     assert args.ffn_hidden_dim == c.intermediate_size, (args.ffn_hidden_dim, c.intermediate_size)
-    back = torch.argsort(_halves_from_pairs(d))
-
-    def kv(w):  # (KV*d, dim) -> (H*d, dim): each key/value head serves H/KV query heads
-        return w.view(KV, d, -1).repeat_interleave(H // KV, dim=0).reshape(H * d, -1)
-
-    sd = {"tok_embeddings.weight": hf_sd["model.embed_tokens.weight"], "norm.weight": hf_sd["model.norm.weight"]}
-    for i in range(c.num_hidden_layers):
-        p, q = f"layers.{i}.", f"model.layers.{i}."
-        sd[p + "attention.wq.weight"] = _permute_heads(hf_sd[q + "self_attn.q_proj.weight"], H, back)
-        sd[p + "attention.wk.weight"] = _permute_heads(kv(hf_sd[q + "self_attn.k_proj.weight"]), H, back)
-        sd[p + "attention.wv.weight"] = kv(hf_sd[q + "self_attn.v_proj.weight"])
-        sd[p + "attention.wo.weight"] = hf_sd[q + "self_attn.o_proj.weight"]
-        sd[p + "feed_forward.w1.weight"] = hf_sd[q + "mlp.gate_proj.weight"]
-        sd[p + "feed_forward.w3.weight"] = hf_sd[q + "mlp.up_proj.weight"]
-        sd[p + "feed_forward.w2.weight"] = hf_sd[q + "mlp.down_proj.weight"]
-        sd[p + "attention_norm.weight"] = hf_sd[q + "input_layernorm.weight"]
-        sd[p + "ffn_norm.weight"] = hf_sd[q + "post_attention_layernorm.weight"]
-    if not tied:
-        sd["output.weight"] = hf_sd["lm_head.weight"]
-    return {k: v.contiguous() for k, v in sd.items()}, args
+    return args
 
 
-def import_hf(hf_dir: Union[str, Path], out: Union[str, Path], dtype: str = "float32") -> Path:
+# Our ModelArgs has grouped-query attention (n_kv_heads): K/V stay at their head count.
+_NATIVE_GQA = "n_kv_heads" in {f.name for f in dataclasses.fields(ModelArgs)}
+
+_LAYER_KEYS = {
+    "self_attn.q_proj.weight": "attention.wq.weight",
+    "self_attn.k_proj.weight": "attention.wk.weight",
+    "self_attn.v_proj.weight": "attention.wv.weight",
+    "self_attn.o_proj.weight": "attention.wo.weight",
+    "mlp.gate_proj.weight": "feed_forward.w1.weight",
+    "mlp.up_proj.weight": "feed_forward.w3.weight",
+    "mlp.down_proj.weight": "feed_forward.w2.weight",
+    "input_layernorm.weight": "attention_norm.weight",
+    "post_attention_layernorm.weight": "ffn_norm.weight",
+}
+
+
+def _convert_tensor(name: str, w: torch.Tensor, c, args: ModelArgs) -> Optional[tuple]:
+    """One LlamaForCausalLM tensor -> (our key, tensor), or None for a tensor we do not
+    keep (a tied checkpoint's lm_head copy, old rotary inv_freq buffers)."""
+    if name == "model.embed_tokens.weight":
+        return "tok_embeddings.weight", w
+    if name == "model.norm.weight":
+        return "norm.weight", w
+    if name == "lm_head.weight":
+        return None if args.weight_tying else ("output.weight", w)
+    if name.endswith("rotary_emb.inv_freq"):
+        return None
+    parts = name.split(".")
+    if len(parts) < 5 or parts[:2] != ["model", "layers"] or ".".join(parts[3:]) not in _LAYER_KEYS:
+        raise UserError(f"hf import: unexpected tensor {name!r} (not a LlamaForCausalLM weight)")
+    i, tail = parts[2], ".".join(parts[3:])
+    H, KV = c.num_attention_heads, c.num_key_value_heads or c.num_attention_heads
+    d = args.resolved_head_dim
+    back = torch.argsort(_halves_from_pairs(d))  # HF's half-split rows -> our interleaved pairs
+    if tail in ("self_attn.k_proj.weight", "self_attn.v_proj.weight") and KV != H and not _NATIVE_GQA:
+        # A model without n_kv_heads: each key/value head serves H/KV query heads.
+        w = w.view(KV, d, -1).repeat_interleave(H // KV, dim=0).reshape(H * d, -1)
+        KV = H
+    if tail == "self_attn.q_proj.weight":
+        w = _permute_heads(w, H, back)
+    elif tail == "self_attn.k_proj.weight":
+        w = _permute_heads(w, KV, back)
+    return f"layers.{i}.{_LAYER_KEYS[tail]}", w
+
+
+def hf_to_state(hf_sd: dict, config) -> tuple:
+    """LlamaForCausalLM weights (a dict) and config -> (our baseline state dict, ModelArgs)."""
+    args = model_args_from_hf(config)
+    sd = {}
+    for name, w in hf_sd.items():
+        got = _convert_tensor(name, w, config, args)
+        if got is not None:
+            sd[got[0]] = got[1].contiguous()
+    _check_state(sd, args)
+    return sd, args
+
+
+def _check_state(sd: dict, args: ModelArgs) -> None:
+    """Every tensor of our model present with its shape (the model built on meta)."""
+    from mta_repro.model import build_model
+
+    want = {k: tuple(v.shape) for k, v in build_model(args, device="meta").state_dict().items()}
+    if args.weight_tying:
+        want.pop("output.weight", None)
+    missing = sorted(set(want) - set(sd))
+    if missing:
+        raise UserError(f"hf import: the checkpoint lacks {len(missing)} tensor(s), e.g. {missing[:3]}")
+    bad = [(k, tuple(sd[k].shape), s) for k, s in want.items() if tuple(sd[k].shape) != s]
+    if bad:
+        raise UserError(f"hf import: tensor {bad[0][0]} has shape {bad[0][1]}, expected {bad[0][2]}")
+
+
+def read_hf_weights(hf_dir: Path, config, args: ModelArgs, dtype: Optional[torch.dtype] = None) -> dict:
+    """Our state dict from the folder's safetensors, one tensor at a time: each tensor is
+    read from its (memory-mapped) shard, converted and cast, and the shard is closed before
+    the next is opened, so the host holds the converted weights plus one shard's mapping
+    (an 8B bf16 checkpoint: ~16 GB + one ~5 GB shard), never two copies of the model."""
+    from safetensors import safe_open
+
+    sd: dict = {}
+    for f in weight_files(hf_dir):
+        with safe_open(str(f), framework="pt", device="cpu") as st:
+            for name in st.keys():
+                raw = st.get_tensor(name)
+                got = _convert_tensor(name, raw, config, args)
+                if got is None:
+                    continue
+                key, w = got
+                if key in sd:
+                    raise UserError(f"hf import: tensor {name!r} appears in two files (second: {f.name})")
+                w = w.to(dtype) if dtype is not None and w.is_floating_point() else w
+                w = w.contiguous()
+                if w.untyped_storage().data_ptr() == raw.untyped_storage().data_ptr():
+                    w = w.clone()  # own memory, so that the shard's mapping goes when it closes
+                sd[key] = w
+                del raw, w
+    _check_state(sd, args)
+    return sd
+
+
+def _tokenizer_of(hf_dir: Path) -> Optional[dict]:
+    note = hf_dir / TOKENIZER_NOTE
+    if note.is_file():  # written by export_hf
+        tok_cfg = json.loads(note.read_text())
+        if tok_cfg.get("name") != "bytes" and tok_cfg.get("path") and (hf_dir / tok_cfg["path"]).is_file():
+            tok_cfg["path"] = str((hf_dir / tok_cfg["path"]).resolve())
+        return tok_cfg
+    # Meta's layout: tokenizer.model (or original/tokenizer.model)
+    for f in (hf_dir / "tokenizer.model", hf_dir / "original" / "tokenizer.model"):
+        if f.is_file():
+            with open(f, "rb") as fh:
+                name = "sentencepiece" if fh.read(1) == b"\n" else "tiktoken"  # protobuf vs base64 lines
+            return {"name": name, "path": str(f.resolve())}
+    return None
+
+
+def import_hf(hf_dir: Union[str, Path], out: Union[str, Path], dtype: str = "auto") -> Path:
     """Write a consolidated ``.pt`` ({"model", "config", "step": 0}) of our baseline from a
-    Llama checkpoint folder; its config is the default run config with these model
-    fields and the folder's tokenizer (``tokenizer.model``: a sentencepiece model or a
-    Llama-3 ranks file) when it has one."""
+    Llama checkpoint folder (config.json + safetensors, sharded with an index or not);
+    its config is the default run config with these model fields and the folder's
+    tokenizer (``tokenizer.model`` or ``original/tokenizer.model``: a sentencepiece model
+    or a Llama-3 ranks file) when it has one. ``dtype`` "auto" keeps the checkpoint's
+    dtype (bf16 for Meta's), else float32/bfloat16/float16."""
     from transformers import AutoConfig
 
     from mta_repro.config import compose
     from mta_repro.eval.load import resolve_dtype
-    from mta_repro.model import build_model
     from mta_repro.train.checkpoint import save_file_atomic
 
     hf_dir = Path(hf_dir)
     if not (hf_dir / "config.json").is_file():
         raise UserError(f"hf import: {hf_dir}/config.json is missing (expected a Hugging Face model folder)")
     config = AutoConfig.from_pretrained(str(hf_dir))
-    sd, args = hf_to_state(_read_hf_state(hf_dir), config)
-    model = build_model(args, device="cpu", init=False)
-    model.load_state_dict(sd, strict=True)
+    args = model_args_from_hf(config)
+    sd = read_hf_weights(hf_dir, config, args, None if dtype == "auto" else resolve_dtype(dtype))
     cfg = compose([])
-    model_fields = {f.name: getattr(args, f.name) for f in dataclasses.fields(args) if f.name != "mta"}
-    for k, v in model_fields.items():
-        OmegaConf.update(cfg, f"model.{k}", v, force_add=True)
-    note = hf_dir / TOKENIZER_NOTE
-    tok_cfg = None
-    if note.is_file():  # written by export_hf
-        tok_cfg = json.loads(note.read_text())
-        if tok_cfg.get("name") != "bytes" and tok_cfg.get("path") and (hf_dir / tok_cfg["path"]).is_file():
-            tok_cfg["path"] = str((hf_dir / tok_cfg["path"]).resolve())
-    else:  # Meta's layout: tokenizer.model (or original/tokenizer.model)
-        for f in (hf_dir / "tokenizer.model", hf_dir / "original" / "tokenizer.model"):
-            if f.is_file():
-                name = "sentencepiece" if f.read_bytes()[:1] == b"\n" else "tiktoken"  # protobuf vs base64 lines
-                tok_cfg = {"name": name, "path": str(f.resolve())}
-                break
+    for f in dataclasses.fields(args):
+        if f.name != "mta":
+            v = getattr(args, f.name)
+            with open_dict(cfg):
+                cfg.model[f.name] = v
+    tok_cfg = _tokenizer_of(hf_dir)
+    if not tok_cfg:
+        print(f"[mta_repro.hf] note: {hf_dir} has no tokenizer.model (nor original/tokenizer.model); the .pt keeps "
+              "the default data.tokenizer: set data.tokenizer.name/path (Llama 3: tiktoken, Meta's tokenizer.model) "
+              "when you train or evaluate from it", file=sys.stderr)
     if tok_cfg:
         for k, v in tok_cfg.items():
             OmegaConf.update(cfg, f"data.tokenizer.{k}", v)
     plain = OmegaConf.to_container(cfg, resolve=False)
-    dt = resolve_dtype(dtype)
-    state = {k: v.to(dt) if v.is_floating_point() else v for k, v in model.state_dict().items()}
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    return save_file_atomic({"model": state, "config": plain, "step": 0, "source": str(hf_dir)}, out)
+    return save_file_atomic({"model": sd, "config": plain, "step": 0, "source": str(hf_dir)}, out)

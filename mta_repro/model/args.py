@@ -71,6 +71,34 @@ class MTAArgs:
 
 
 @dataclass
+class RopeScalingArgs:
+    """RoPE frequency scaling, as ``rope_scaling`` in a Hugging Face ``config.json``.
+    ``rope_type: default``: plain frequencies (the other fields unused). ``llama3``
+    (Llama 3.1/3.2; ``use_scaled_rope`` in Meta's params.json): dimensions whose
+    wavelength is below original_max_position_embeddings / high_freq_factor keep their
+    frequency, those above original_max_position_embeddings / low_freq_factor are divided
+    by ``factor``, the band between is interpolated (transformer.rope_inv_freq). The
+    defaults below are Llama 3.1's; Llama 3.2 uses factor 32."""
+
+    rope_type: str = "default"
+    factor: float = 8.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+    def __post_init__(self) -> None:
+        if self.rope_type not in ("default", "llama3"):
+            raise UserError(f"model.rope_scaling.rope_type: expected 'default' or 'llama3', got {self.rope_type!r}")
+        if not self.factor > 0 or not self.high_freq_factor > self.low_freq_factor > 0:
+            raise UserError(
+                "model.rope_scaling: expected factor > 0 and high_freq_factor > low_freq_factor > 0, got "
+                f"{self.factor}, {self.high_freq_factor}, {self.low_freq_factor}"
+            )
+        if int(self.original_max_position_embeddings) < 1:
+            raise UserError("model.rope_scaling.original_max_position_embeddings: expected a positive integer")
+
+
+@dataclass
 class ModelArgs:
     """LLaMA-style decoder (Lingua ``BaseTransformerArgs`` names)."""
 
@@ -101,6 +129,8 @@ class ModelArgs:
     rope_theta: float = 100_000.0
     # Longest sequence the RoPE table is precomputed for (grown on demand).
     max_seqlen: int = 4096
+    # RoPE frequency scaling (RopeScalingArgs): rope_type default (plain) or llama3.
+    rope_scaling: RopeScalingArgs = field(default_factory=RopeScalingArgs)
     # Output projection shares the token embedding (as in every release config).
     weight_tying: bool = True
     # Seed of the parameter initialisation (Lingua: 42).
@@ -123,10 +153,12 @@ class ModelArgs:
     # backward, causal skipping; the default) or "torch" (the reference: the whole
     # (B, H, T, T) score matrix, kept for backward). Faster kernels plug in there.
     attn_impl: str = "blocked"
-    # Query rows per block of attn_impl=blocked (scripts/bench_attention.py --block-sizes
-    # measures it: 128 was fastest for kq-conv layers at T=2048 and 4096 on CPU). The
-    # score path's working set is a few B x H x (block + halo) x T tensors.
-    attn_block_size: int = 128
+    # Query rows per block of attn_impl=blocked; null = per device
+    # (attention_ops.DEFAULT_BLOCK_SIZE: 128 on CPU, fastest for kq-conv layers at T=2048
+    # and 4096 there, scripts/bench_attention.py --block-sizes; 512 on CUDA, an estimate
+    # that scripts/gpu_acceptance.py checks). The score path's working set is a few
+    # B x H x (block + halo) x T tensors.
+    attn_block_size: Optional[int] = None
     # The release's key-query convolution layers for this size. ``attention=mta``
     # points ``mta.mta_layers`` here; changing it alone changes nothing.
     kq_conv_layers: Optional[str] = None
@@ -135,6 +167,8 @@ class ModelArgs:
     def __post_init__(self) -> None:
         if isinstance(self.mta, dict):  # plain-dict construction, e.g. from a checkpoint
             self.mta = MTAArgs(**self.mta)
+        if isinstance(self.rope_scaling, dict):
+            self.rope_scaling = RopeScalingArgs(**self.rope_scaling)
         validate(self)
 
     # Derived sizes --------------------------------------------------------------

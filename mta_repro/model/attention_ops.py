@@ -17,8 +17,9 @@ Three implementations of the explicit path are registered (``model.attn_impl``):
   ``query_history`` halo rows its convolutions read, each seeing only the keys up to its
   own last row (causal skipping); with gradients on, each block is recomputed in
   backward (``torch.utils.checkpoint``), so nothing of size T x T outlives its block.
-  Key-query convolutions run through ``kq_conv_cpu`` (C loops) on CPU fp32/fp64 and
-  ``F.conv2d`` elsewhere; head mixing is one matmul over the head axis.
+  Key-query convolutions run through ``kq_conv_cpu`` (C loops) on CPU fp32/fp64,
+  ``kq_conv_triton`` (Triton kernels) on CUDA and ``F.conv2d`` elsewhere
+  (``kq_conv_backend``); head mixing is one matmul over the head axis.
 - ``triton``: the whole path in fused Triton kernels, forward and backward
   (``attention_triton.py``); CUDA tensors, or CPU ones in Triton's interpreter
   (``TRITON_INTERPRET=1``); elsewhere it falls back to ``blocked``.
@@ -38,6 +39,7 @@ import torch.nn.functional as F
 import torch.utils.checkpoint
 
 from mta_repro.model.conv_pad import pad_left  # noqa: F401 (attention_ops.pad_left stays importable)
+from mta_repro.errors import UserError
 
 
 @dataclass(frozen=True)
@@ -181,8 +183,13 @@ class ExplicitAttnParams:
     wposm: Optional[torch.Tensor] = None  # (H, H), after softmax
     pad_key: str = "both"
     dropout: float = 0.0
-    # Query rows per block of the ``blocked`` implementation (``model.attn_block_size``).
-    block_size: int = 128
+    # Query rows per block of the ``blocked`` implementation (``model.attn_block_size``);
+    # None: ``default_block_size`` of the tensors' device.
+    block_size: Optional[int] = None
+    # Kernel of the key-query convolutions (``kq_conv_backend``); None: chosen per call.
+    # ``blocked`` fixes it once per call, outside the (compiled, recomputed) block, so the
+    # forward and its recomputation agree and Dynamo traces no environment look-ups.
+    kq_backend: Optional[str] = None
 
 
 def explicit_attention_torch(
@@ -221,23 +228,54 @@ def explicit_attention_torch(
     return torch.matmul(probs, v)
 
 
+def kq_conv_backend(x: torch.Tensor) -> str:
+    """Which kernel runs the key-query convolutions of ``blocked`` for this tensor:
+    ``c`` (kq_conv_cpu, CPU fp32/fp64), ``triton`` (kq_conv_triton: CUDA, or CPU tensors
+    under TRITON_INTERPRET=1 when asked for) or ``conv2d`` (``F.conv2d``: every other
+    case). ``MTA_KQ_CONV=c|triton|conv2d`` forces one (benchmarks and tests; ``auto``, the
+    default, picks c on CPU and triton on CUDA). On CUDA ``F.conv2d`` of a bf16 16-group
+    depthwise kernel is ATen's native ``conv_depthwise2d``, not cuDNN, hence triton there
+    (docs/gpu.md has the estimate)."""
+    want = os.environ.get("MTA_KQ_CONV", "auto")
+    if want not in ("auto", "c", "triton", "conv2d"):
+        raise UserError(f"MTA_KQ_CONV={want!r}: expected auto, c, triton or conv2d")
+    if want in ("auto", "c"):
+        from mta_repro.model import kq_conv_cpu
+
+        if kq_conv_cpu.available(x):
+            return "c"
+    if want == "conv2d":
+        return "conv2d"
+    if want == "triton" or x.device.type == "cuda":
+        if importlib.util.find_spec("triton") is not None and (
+            x.device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
+        ):
+            return "triton"
+    return "conv2d"
+
+
 def masked_kq_conv(
-    x: torch.Tensor, kernel: torch.Tensor, pad_key: str, allowed: torch.Tensor, mask: AttnMask
+    x: torch.Tensor, kernel: torch.Tensor, pad_key: str, allowed: torch.Tensor, mask: AttnMask,
+    backend: Optional[str] = None,
 ) -> torch.Tensor:
     """``kq_conv(x * allowed) * allowed``: both key-query convolutions in this form (before
     softmax the output mask changes nothing that survives the -inf mask; after softmax
-    the input is already zero where masked). On CPU fp32/fp64 the C kernel applies the
-    causal part itself (no mask passes, no work above the diagonal), so only padding
-    (``key_valid``) costs multiplies; elsewhere ``F.conv2d`` between two multiplies.
+    the input is already zero where masked). The C kernel (CPU fp32/fp64) and the Triton
+    kernels (CUDA) apply the causal part themselves (no mask passes, no work above the
+    diagonal), so only padding (``key_valid``) costs multiplies; ``F.conv2d`` elsewhere,
+    between two multiplies (``kq_conv_backend`` picks).
     x: (B, H, Tq, Tk) rows at ``mask.q_offset``; allowed: ``mask.dense`` of that shape."""
-    from mta_repro.model import kq_conv_cpu
-
-    if kq_conv_cpu.available(x):
-        if mask.key_valid is not None:
-            x = x * allowed
-        y = kq_conv_cpu.kq_conv(x, kernel[:, 0], pad_left(pad_key, kernel.shape[-1]), mask.q_offset)
-        return y if mask.key_valid is None else y * allowed
-    return kq_conv(x * allowed, kernel, pad_key) * allowed
+    backend = backend or kq_conv_backend(x)
+    if backend == "conv2d":
+        return kq_conv(x * allowed, kernel, pad_key) * allowed
+    if backend == "c":
+        from mta_repro.model.kq_conv_cpu import kq_conv as op
+    else:
+        from mta_repro.model.kq_conv_triton import kq_conv as op
+    if mask.key_valid is not None:
+        x = x * allowed
+    y = op(x, kernel[:, 0], pad_left(pad_key, kernel.shape[-1]), mask.q_offset)
+    return y if mask.key_valid is None else y * allowed
 
 
 def head_mix_linear_fast(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -269,7 +307,7 @@ def _score_path_fast(q, k, v, p: ExplicitAttnParams, mask: AttnMask, training: b
     allowed = mask.dense(q.shape[2], k.shape[2], q.device)  # (1 or B, 1, rows, keys)
     scores = torch.matmul(q * q.shape[-1] ** -0.5, k.transpose(-2, -1))
     if p.mta_kernel is not None:
-        scores = masked_kq_conv(scores, p.mta_kernel, p.pad_key, allowed, mask)
+        scores = masked_kq_conv(scores, p.mta_kernel, p.pad_key, allowed, mask, p.kq_backend)
     if p.wpsm is not None:
         scores = head_mix_linear_fast(scores, p.wpsm)
     ct = torch.promote_types(scores.dtype, torch.float32)
@@ -282,7 +320,7 @@ def _score_path_fast(q, k, v, p: ExplicitAttnParams, mask: AttnMask, training: b
         probs = probs * allowed
     probs = probs.type_as(q)
     if p.mta_kernel_after_sm is not None:
-        probs = masked_kq_conv(probs, p.mta_kernel_after_sm, p.pad_key, allowed, mask)
+        probs = masked_kq_conv(probs, p.mta_kernel_after_sm, p.pad_key, allowed, mask, p.kq_backend)
     if p.head_kernel is not None:
         probs = head_conv_fast(probs, p.head_kernel)
     elif p.wposm is not None:
@@ -321,9 +359,15 @@ def explicit_attention_blocked(
     recompute = torch.is_grad_enabled() and any(
         t.requires_grad for t in (q, k, v, *weights)
     )
+    bs = resolve_block_size(p.block_size, q.device)
+    # Dropout stays eager: the recomputation must draw the same mask, which the restored
+    # RNG state guarantees for eager ops, not for a compiled graph's own RNG.
+    block_fn = _block_fn(q.device) if not (p.dropout > 0.0 and training) else _score_path_fast
+    if p.kq_backend is None and (p.mta_kernel is not None or p.mta_kernel_after_sm is not None):
+        p = replace(p, kq_backend=kq_conv_backend(q))
     outs = []
-    for r0 in range(0, tq, p.block_size):
-        r1 = min(r0 + p.block_size, tq)
+    for r0 in range(0, tq, bs):
+        r1 = min(r0 + bs, tq)
         s0 = max(0, r0 - w)
         kend = min(tk, mask.q_offset + r1)
         sub_mask = AttnMask(
@@ -333,11 +377,67 @@ def explicit_attention_blocked(
         if recompute:
             # Only the block's inputs are saved; its (H, rows, keys) tensors are rebuilt in
             # backward. The RNG state is restored, so dropout draws the same mask again.
-            out = torch.utils.checkpoint.checkpoint(_score_path_fast, *args, use_reentrant=False)
+            out = torch.utils.checkpoint.checkpoint(block_fn, *args, use_reentrant=False)
         else:
-            out = _score_path_fast(*args)
+            out = block_fn(*args)
         outs.append(out[:, :, r0 - s0 :])
     return outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
+
+
+# Query rows per block where ``model.attn_block_size`` is null, per device type. CPU: 128
+# was fastest for kq-conv layers at T=2048 and 4096 (scripts/bench_attention.py
+# --block-sizes). CUDA: 512, an estimate, not a measurement: eager ``blocked`` is
+# launch-bound there (~90 aten ops per query block and layer), so 4x fewer blocks cut the
+# CPU-side dispatch ~4x, for ~1.25x the score elements of 128-row blocks at T=2048 (keys
+# run to each block's last row) and a working set of ~0.27 GB per fp32 (B=4, 16 heads,
+# 522 x 2048) intermediate. ``scripts/gpu_acceptance.py`` sweeps 128-1024 and prints the
+# override to use.
+DEFAULT_BLOCK_SIZE = {"cpu": 128, "cuda": 512}
+
+
+def default_block_size(device) -> int:
+    """The block size for ``device`` (a torch.device or a type name) where none is set."""
+    kind = device if isinstance(device, str) else device.type
+    return DEFAULT_BLOCK_SIZE.get(kind, DEFAULT_BLOCK_SIZE["cuda"] if kind != "cpu" else 128)
+
+
+def resolve_block_size(block_size: Optional[int], device) -> int:
+    return block_size if block_size else default_block_size(device)
+
+
+_compiled_blocks: dict = {}
+
+
+def _block_fn(device: torch.device) -> Callable:
+    """``_score_path_fast``, under torch.compile where ``compile_block`` says so.
+
+    Compiled with ``dynamic=True`` (shapes and the key offset symbolic: a block at offset 0
+    or 1 gets its own graph, as Dynamo specialises 0 and 1, the other blocks of every
+    length share one; training and no-grad evaluation each have theirs; a new dtype or a
+    different set of parameters recompiles; tests/test_attention_ops.py counts them), Inductor fuses
+    the masks, casts and softmax of a block and keeps the matmuls and the key-query
+    convolution (a custom op) extern. Inside an already compiled region
+    (``distributed.compile=true``) the plain function is traced in place."""
+    if not compile_block(device) or torch.compiler.is_compiling():
+        return _score_path_fast
+    backend = os.environ.get("MTA_COMPILE_BLOCK_BACKEND", "inductor")
+    if backend not in _compiled_blocks:
+        # Two layer kinds x train/eval x first/other blocks x dtypes can pass Dynamo's
+        # default of 8 graphs per function, after which it would silently run eager.
+        cfg = torch._dynamo.config
+        cfg.recompile_limit = max(cfg.recompile_limit, 32)
+        _compiled_blocks[backend] = torch.compile(_score_path_fast, dynamic=True, backend=backend)
+    return _compiled_blocks[backend]
+
+
+def compile_block(device: torch.device) -> bool:
+    """Whether ``blocked`` runs its query block compiled: ``MTA_COMPILE_BLOCK=1|0``, default
+    on CUDA only (eager is launch-bound there; on CPU the C kernel dominates and a compile
+    costs tens of seconds)."""
+    env = os.environ.get("MTA_COMPILE_BLOCK", "auto")
+    if env not in ("auto", "0", "1"):
+        raise UserError(f"MTA_COMPILE_BLOCK={env!r}: expected auto, 0 or 1")
+    return env == "1" or (env == "auto" and device.type == "cuda")
 
 
 @dataclass(frozen=True)

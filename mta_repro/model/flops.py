@@ -38,8 +38,11 @@ def score_elements(args: ModelArgs, seq_len: int) -> float:
     if m.after_sm_query_kernel_size is not None:
         w += m.after_sm_query_kernel_size - 1
     total = 0
-    for r0 in range(0, seq_len, args.attn_block_size):
-        r1 = min(r0 + args.attn_block_size, seq_len)
+    from mta_repro.model.attention_ops import DEFAULT_BLOCK_SIZE
+
+    bs = args.attn_block_size or DEFAULT_BLOCK_SIZE["cuda"]  # null: the CUDA default (MFU is a GPU figure)
+    for r0 in range(0, seq_len, bs):
+        r1 = min(r0 + bs, seq_len)
         total += (r1 - max(0, r0 - w)) * r1
     return float(total)
 

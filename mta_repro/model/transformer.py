@@ -52,10 +52,29 @@ class RMSNorm(nn.Module):
         nn.init.ones_(self.weight)
 
 
-def rope_cos_sin(head_dim: int, positions: torch.Tensor, theta: float, dtype=torch.float32):
-    """cos/sin tables (T, head_dim/2) for the interleaved-pair RoPE (Lingua's frequencies)."""
-    exponents = torch.arange(0, head_dim, 2, device=positions.device, dtype=dtype) / head_dim
-    angles = torch.outer(positions.to(dtype), 1.0 / (theta**exponents))
+def rope_inv_freq(head_dim: int, theta: float, scaling=None, device=None, dtype=torch.float32) -> torch.Tensor:
+    """(head_dim/2,) RoPE frequencies theta^(-2i/d); with ``scaling`` (RopeScalingArgs),
+    Llama 3's: as Meta's reference ``apply_scaling`` (llama-models, Llama 3.1), a
+    frequency whose wavelength 2*pi/f is below L/high_freq_factor (L =
+    original_max_position_embeddings) stays, one above L/low_freq_factor becomes f/factor,
+    and between them f' = (1 - s) f/factor + s f with s = (L/wavelength - low) / (high - low)."""
+    exponents = torch.arange(0, head_dim, 2, device=device, dtype=dtype) / head_dim
+    inv = 1.0 / (theta**exponents)
+    if scaling is None or scaling.rope_type == "default":
+        return inv
+    low, high, factor = scaling.low_freq_factor, scaling.high_freq_factor, scaling.factor
+    old_len = scaling.original_max_position_embeddings
+    wavelen = 2 * math.pi / inv
+    smooth = (old_len / wavelen - low) / (high - low)
+    scaled = torch.where(wavelen > old_len / low, inv / factor, (1 - smooth) * inv / factor + smooth * inv)
+    return torch.where(wavelen < old_len / high, inv, scaled)
+
+
+def rope_cos_sin(head_dim: int, positions: torch.Tensor, theta: float, dtype=torch.float32, scaling=None):
+    """cos/sin tables (T, head_dim/2) for the interleaved-pair RoPE (Lingua's frequencies,
+    Llama 3's with ``scaling``)."""
+    inv = rope_inv_freq(head_dim, theta, scaling, positions.device, dtype)
+    angles = torch.outer(positions.to(dtype), inv)
     return angles.cos(), angles.sin()
 
 
@@ -414,7 +433,8 @@ class Transformer(nn.Module):
         positions = torch.arange(start, start + tokens.shape[1], device=tokens.device)
         h = self.tok_embeddings(tokens)
         rope_dtype = torch.promote_types(h.dtype, torch.float32)
-        cos, sin = rope_cos_sin(self.args.resolved_head_dim, positions, self.args.rope_theta, rope_dtype)
+        cos, sin = rope_cos_sin(self.args.resolved_head_dim, positions, self.args.rope_theta, rope_dtype,
+                                self.args.rope_scaling)
         for i, layer in enumerate(self.layers):
             h = layer(h, cos, sin, cache.layers[i] if cache is not None else None, key_valid)
         if cache is not None:

@@ -77,7 +77,7 @@ def _stage_start_weights(cfg, ck, model_args, is_main=True) -> dict:
     import dataclasses
 
     from mta_repro.model.args import MTAArgs
-    from mta_repro.model.convert import baseline_to_mta
+    from mta_repro.model.insertion import baseline_to_mta
     from mta_repro.train.checkpoint import load_model_state
 
     sd, _ = load_model_state(Path(ck.init_from))

@@ -13,6 +13,7 @@ from pathlib import Path
 from string import Template
 
 from mta_repro.pipeline.plan import REPO, Job, Plan, done
+from mta_repro.slurm import memory_lines, time_limit
 
 # Evaluation, Appendix I check and report jobs: one process on one node.
 JOB_TEMPLATE = Template("""#!/bin/bash
@@ -20,22 +21,38 @@ JOB_TEMPLATE = Template("""#!/bin/bash
 #SBATCH --nodes=1
 #SBATCH --ntasks=1
 ${gpu_sbatch}#SBATCH --cpus-per-task=${cpus}
-#SBATCH --time=${time}
+${mem_sbatch}#SBATCH --time=${time}
 #SBATCH --output=${log_dir}/%j.out
 #SBATCH --error=${log_dir}/%j.err
 ${extra_sbatch}
 # Written by python -m mta_repro.pipeline (${job_id}).
 set -euo pipefail
 cd ${workdir}
+# One process: half the CPUs for intra-op threads, the rest for its data/IO threads.
 export OMP_NUM_THREADS=${omp}
+export PYTORCH_CUDA_ALLOC_CONF=$${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}
+export TRITON_CACHE_DIR=$${TRITON_CACHE_DIR:-$${SLURM_TMPDIR:-/tmp}/mta_repro_$${USER:-user}/triton}
+export TORCHINDUCTOR_CACHE_DIR=$${TORCHINDUCTOR_CACHE_DIR:-$${SLURM_TMPDIR:-/tmp}/mta_repro_$${USER:-user}/inductor}
 ${command}
 """)
 
+# The report job runs after every other job has ended, failed ones included (afterany:
+# an afterok chain would leave it pending forever after one failed evaluation); it says
+# which runs lack an export or evaluation results, and reports what exists. It reads JSON
+# files and draws plots: 2 CPUs for an hour.
+REPORT_CPUS, REPORT_TIME_MIN = 2, 60
 
-def _time(minutes: int) -> str:
-    d, rem = divmod(int(minutes), 24 * 60)
-    h, m = divmod(rem, 60)
-    return f"{d}-{h:02d}:{m:02d}:00"
+
+def _missing_report_inputs(job: Job) -> str:
+    """Shell lines naming every run of the report without an export or evaluation JSON."""
+    lines = []
+    for d in job.runs:
+        q = shlex.quote(str(d))
+        lines.append(f"[ -f {q}/export/consolidated.pt ] || echo \"report: missing: {d}/export (training did not "
+                     "finish)\" >&2")
+        lines.append(f"ls {q}/eval/*.json >/dev/null 2>&1 || echo \"report: missing: {d}/eval/*.json (no "
+                     "evaluation results)\" >&2")
+    return "\n".join(lines)
 
 
 def job_script(job: Job, slurm: dict) -> str:
@@ -49,20 +66,24 @@ def job_script(job: Job, slurm: dict) -> str:
             kwargs["check_paths"] = False  # the source run is made by an earlier job of this plan
         script, _ = render(list(job.overrides), **kwargs)
         return script
-    gpus = int(slurm.get("gpus_per_node", 1)) if job.kind != "report" else 0
+    report = job.kind == "report"
+    gpus = int(slurm.get("gpus_per_node", 1)) if not report else 0
     extra = "\n".join(f"#SBATCH --{k}={slurm[k]}" for k in ("partition", "account", "qos") if slurm.get(k))
-    cpus = int(slurm.get("cpus_per_task", 12))
+    cpus = int(slurm.get("cpus_per_task", 12)) if not report else REPORT_CPUS
+    name = f"{job.kind}_{job.label}".replace("/", "_") if not report else "mta_report"
+    command = job.shell() if not report else _missing_report_inputs(job) + "\n" + job.shell()
     return JOB_TEMPLATE.substitute(
-        job_name=shlex.quote(f"{job.kind}_{job.label}".replace("/", "_"))[:64],
+        job_name=shlex.quote(name)[:64],
         gpu_sbatch=f"#SBATCH --gpus-per-node={gpus}\n" if gpus > 0 else "",
         cpus=cpus,
-        time=_time(slurm.get("time_min", 720)),
+        mem_sbatch=memory_lines(slurm.get("mem"), False) if not report else "",
+        time=time_limit(slurm.get("time_min", 720) if not report else REPORT_TIME_MIN),
         log_dir=shlex.quote(str(job.run_dir / "slurm")),
         extra_sbatch=extra,
         job_id=job.id,
         workdir=shlex.quote(str(REPO)),
         omp=max(1, cpus // 2),
-        command=job.shell(),
+        command=command,
     )
 
 
@@ -144,7 +165,8 @@ def submit_slurm(plan: Plan, dry_run: bool = False, log=print) -> int:
             continue
         script = job_script(job, slurm)
         deps = [ids[d] for d in job.deps if d in ids]
-        dep_args = [f"--dependency=afterok:{':'.join(deps)}"] if deps else []
+        kind = "afterany" if job.kind == "report" else "afterok"  # the report: after all END
+        dep_args = [f"--dependency={kind}:{':'.join(deps)}"] if deps else []
         if dry_run:
             ids[job.id] = f"<{job.id}>"
             log(f"# ---- {job.id}: sbatch {' '.join(dep_args)} {script_path(job)}")

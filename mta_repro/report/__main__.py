@@ -21,6 +21,7 @@ from typing import Optional
 
 from mta_repro.errors import UserError
 from mta_repro.report import plots
+from mta_repro.report.paper import VARIANT_LABELS
 from mta_repro.report.tables import STAGE_LABELS, all_tables, comparability, eval_command, load_run
 
 
@@ -63,11 +64,13 @@ def build_report(run_dirs, out: Path, kernels: bool = True, labels: Optional[dic
           "Paper numbers are the paper's own results: 880M-parameter models trained on 105B tokens "
           "(pretraining), then 10.5B more tokens at 4K (finetune columns), and the 1.4B model of Appendix I; "
           "a run of another size or with fewer steps is marked 'no' in the 'vs paper' column.", "",
-          "| run | dir | model | stage | step | vs paper |", "|---|---|---|---|---|---|"]
+          "| run | dir | model | stage | step | trained context | vs paper |", "|---|---|---|---|---|---|---|"]
     for r in runs:
         why = comparability(r)
-        md.append(f"| {r.label} | `{r.path}` | {r.variant} | {STAGE_LABELS.get(r.stage, r.stage)} | "
-                  f"{'—' if r.step is None else r.step} | {'no: ' + why if why else 'yes'} |")
+        trained = (r.config or {}).get("data", {}).get("seq_len") if isinstance(r.config, dict) else None
+        md.append(f"| {r.label} | `{r.path}` | {VARIANT_LABELS.get(r.variant, r.variant)} | "
+                  f"{STAGE_LABELS.get(r.stage, r.stage)} | {'—' if r.step is None else r.step} | "
+                  f"{'—' if trained is None else trained} | {'no: ' + why if why else 'yes'} |")
     md.append("")
     for r in missing_eval:
         msg = f"{r.label}: no evaluation results in {r.path / 'eval'}; run: {eval_command(r.path)}"

@@ -24,7 +24,7 @@ def _ctx_label(label: str, ctx) -> str:
 
 
 def _save(fig, path: Path) -> Path:
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=120, bbox_inches="tight")  # legends outside the axes stay in
     plt.close(fig)
     return path
 
@@ -100,28 +100,66 @@ def loss_series(run) -> dict:
     return out
 
 
+def _validation_sizes(run) -> tuple:
+    """(training's validation, the eval's ppl) as 'B batches x W windows of T tokens'."""
+    cfg = run.config or {}
+    tr, data = cfg.get("trainer") or {}, cfg.get("data") or {}
+    train = None
+    if tr.get("eval_max_batches") and data.get("seq_len"):
+        train = (f"at most {tr['eval_max_batches']} batches x {tr.get('eval_batch_size', 4)} windows of "
+                 f"{data['seq_len']} tokens per domain")
+    res = _res(run, "ppl")
+    ev = None
+    if res:
+        mb = res.get("max_batches")
+        ev = (f"{'all' if mb is None else f'at most {mb}'} batches x {res.get('batch_size', '?')} windows of "
+              f"{res.get('seq_len', '?')} tokens per domain")
+    return train, ev
+
+
 def loss_plot(runs, out: Path) -> Optional[Path]:
+    """One colour per run; line style says what: training loss (solid), the validation
+    logged during training (dashed, trainer.eval_max_batches), the evaluation's ppl
+    (star, eval/ppl.json: its own window and batch count, usually more batches). Two
+    small legends outside the axes: runs, and what the styles are."""
+    from matplotlib.lines import Line2D
+
     have = [r for r in runs if r.metrics]
     if not have:
         return None
-    fig, ax = plt.subplots(figsize=(7, 4.2))
+    fig, ax = plt.subplots(figsize=(9, 4.2))
+    run_handles = []
+    sizes = {}
     for i, r in enumerate(have):
         color = f"C{i % 10}"
         series = loss_series(r)
         pts = series.pop("train", [])
         if pts:
-            ax.plot(*zip(*pts), color=color, lw=1.2, label=f"{r.label} train")
-        for k, vp in series.items():
-            ax.plot(*zip(*vp), color=color, ls="--", marker=".", label=f"{r.label} {k}")
+            ax.plot(*zip(*pts), color=color, lw=1.2)
+        for _, vp in series.items():
+            ax.plot(*zip(*vp), color=color, ls="--", marker=".")
         ppl = _res(r, "ppl")
         if ppl:  # the eval's validation loss (mean over domains) at the evaluated step
             step = r.evals["ppl"].get("step") or (pts[-1][0] if pts else 0)
             losses = [d["loss"] for d in ppl["domains"].values()]
-            ax.plot([step], [sum(losses) / len(losses)], color=color, marker="*", ms=12, ls="none",
-                    label=f"{r.label} validation (eval)")
+            ax.plot([step], [sum(losses) / len(losses)], color=color, marker="*", ms=12, ls="none")
+        run_handles.append(Line2D([], [], color=color, lw=2, label=r.label))
+        sizes[r.label] = _validation_sizes(r)
+    train_size = next((t for t, _ in sizes.values() if t), None)
+    eval_size = next((e for _, e in sizes.values() if e), None)
+    style_handles = [
+        Line2D([], [], color="0.3", lw=1.2, label="training loss"),
+        Line2D([], [], color="0.3", ls="--", marker=".", label="validation during training"
+               + (f"\n({train_size})" if train_size else "")),
+        Line2D([], [], color="0.3", marker="*", ms=10, ls="none", label="evaluation ppl (eval/ppl.json)"
+               + (f"\n({eval_size})" if eval_size else "")),
+    ]
     ax.set(xlabel="step", ylabel="loss (nats/token)", title="Training and validation loss")
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
+    first = ax.legend(handles=run_handles, fontsize=7, title="run", title_fontsize=7, loc="upper left",
+                      bbox_to_anchor=(1.01, 1.0), borderaxespad=0)
+    ax.add_artist(first)
+    ax.legend(handles=style_handles, fontsize=7, loc="lower left", bbox_to_anchor=(1.01, 0.0), borderaxespad=0)
     fig.tight_layout()
     return _save(fig, out / "loss_curves.png")
 

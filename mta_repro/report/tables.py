@@ -20,8 +20,8 @@ from mta_repro.report import paper
 
 BENCH_ORDER = list(paper.BENCH_TASKS)
 # Old task names of this project -> lm-eval 0.4.x names.
-TASK_ALIASES = {"siqa": "social_iqa"}
-LOCAL_SUFFIX = "_local"
+TASK_ALIASES = paper.TASK_ALIASES
+LOCAL_SUFFIX = paper.LOCAL_SUFFIX
 STAGE_LABELS = {"pretrain": "pretrain", "long_context": "4K finetune", "insertion": "MTA insertion",
                 "continued": "continued training"}
 # Stages compared with each other: Appendix I's MTA insertion against its control.
@@ -147,7 +147,7 @@ def comparability(run: RunData) -> Optional[str]:
     if size_name(run) != setting["size"]:
         shape = run.shape
         got = f"dim {shape[0]} x {shape[1]} layers" if shape else "unknown size"
-        why.append(f"model {got}, paper {setting['size'].upper()}")
+        why.append(f"model {got}, paper {setting['label']}")
     step = run.step
     if step is None or step < setting["steps"]:
         why.append(f"{'?' if step is None else f'{step:,}'} of the paper's {setting['steps']:,} steps")
@@ -230,6 +230,35 @@ def _paper_note(stages) -> str:
     return "Paper numbers: " + "; ".join(parts) + ". Rows marked in 'vs paper' are not comparable."
 
 
+def ppl_length(run: RunData) -> Optional[int]:
+    """The window (tokens) a run's perplexity was measured at (eval/ppl.json)."""
+    res = _res(run, "ppl") or {}
+    n = res.get("seq_len")
+    return int(n) if isinstance(n, (int, float)) else None
+
+
+def ppl_comparison(run: RunData) -> Optional[str]:
+    """None when the run's perplexity is comparable with the paper's number for its stage
+    (setting and window length), else why not."""
+    why = [comparability(run)] if comparability(run) else []
+    want, got = paper.PPL_SEQ_LEN.get(run.stage), ppl_length(run)
+    if want is not None and got != want:
+        why.append(f"window {'?' if got is None else got} tokens, paper {want}")
+    return "; ".join(why) or None
+
+
+def _paper_ppl(run: RunData, numbers: dict) -> Optional[float]:
+    """The paper's number for this run, only when measured at the same window length."""
+    if ppl_length(run) is None or ppl_length(run) != paper.PPL_SEQ_LEN.get(run.stage):
+        return None
+    return numbers.get(run.variant)
+
+
+def _trained(run: RunData) -> Optional[int]:
+    n = _cfg_get(run.config, "data.seq_len")
+    return int(n) if isinstance(n, int) else None
+
+
 def ppl_table(runs) -> Optional[Table]:
     have = [r for r in runs if _res(r, "ppl")]
     if not have:
@@ -239,26 +268,33 @@ def ppl_table(runs) -> Optional[Table]:
     for r in have:
         res = _res(r, "ppl")
         base = baseline_of(r, have)
-        p = paper.AVG_PPL_BY_STAGE.get(r.stage, {})
+        numbers = paper.AVG_PPL_BY_STAGE.get(r.stage, {})
+        p = _paper_ppl(r, numbers)
+        p_base = numbers.get("baseline") if p is not None else None
         avg = res["average"]
-        rows.append([r.label, _model(r), STAGE_LABELS.get(r.stage, r.stage)]
+        same_len = base is not None and ppl_length(base) == ppl_length(r)
+        why = ppl_comparison(r)
+        rows.append([r.label, _model(r), STAGE_LABELS.get(r.stage, r.stage), _trained(r), ppl_length(r)]
                     + [res["domains"].get(d, {}).get("ppl") for d in domains]
-                    + [avg, _diff(avg, _res(base, "ppl")["average"]) if base else None,
-                       p.get(r.variant), _diff(p.get(r.variant), p.get("baseline")),
-                       comparability(r) and f"no: {comparability(r)}" or "yes"])
+                    + [avg, _diff(avg, _res(base, "ppl")["average"]) if same_len else None,
+                       p, _diff(p, p_base), f"no: {why}" if why else "yes"])
+    lens = ", ".join(f"{STAGE_LABELS[s]} {n}" for s, n in paper.PPL_SEQ_LEN.items() if s in {r.stage for r in have})
     notes = [_paper_note({r.stage for r in have}),
-             "Δ = this run's average minus the baseline run's of the same stage and size; "
+             "trained = the context the run was trained at (data.seq_len); window = the tokens per window the "
+             f"perplexity was measured at. The paper's windows: {lens}; a paper number is shown only for a run "
+             "measured at the same window (docs/evaluation.md).",
+             "Measured by python -m mta_repro.eval (eval/ppl.json), not the validation logged during training "
+             "(metrics.jsonl val_ppl, over trainer.eval_max_batches batches): the two can differ.",
+             "Δ = this run's average minus the baseline run's of the same stage, size and window; "
              "paper Δ = the same difference in the paper."]
     return Table("ppl", "Validation perplexity per domain",
-                 ["run", "model", "stage"] + domains + ["avg", "Δ vs baseline", "paper avg", "paper Δ", "vs paper"],
-                 rows, notes)
+                 ["run", "model", "stage", "trained", "window"] + domains
+                 + ["avg", "Δ vs baseline", "paper avg", "paper Δ", "vs paper"], rows, notes)
 
 
 def _canonical(name: str) -> tuple:
     """(paper task name, local copy?) for an lm-eval task name in a summary."""
-    local = name.endswith(LOCAL_SUFFIX)
-    base = name[: -len(LOCAL_SUFFIX)] if local else name
-    return TASK_ALIASES.get(base, base), local
+    return paper.canonical_task(name), name.endswith(LOCAL_SUFFIX)
 
 
 def _bench_summary(run: RunData) -> tuple:
@@ -266,13 +302,13 @@ def _bench_summary(run: RunData) -> tuple:
     res = _res(run, "benchmarks")
     out, metric, local = {}, {}, []
     for name, v in res["summary"].items():
-        if name == "average" or v is None:
+        if name in ("average", "metrics") or not isinstance(v, (int, float)):
             continue
         task, is_local = _canonical(name)
         out[task] = v
-        raw = (res.get("tasks") or {}).get(name) or {}
-        used = "acc_norm" if task == "hellaswag" and (not raw or "acc_norm,none" in raw) else "acc"
-        metric[task] = used
+        recorded = (res.get("metrics") or {}).get(name)
+        # results written before the metric was recorded: acc, acc_norm for HellaSwag
+        metric[task] = recorded or ("acc_norm" if task == "hellaswag" else "acc")
         if is_local:
             local.append(name)
     return out, metric, local
@@ -310,7 +346,12 @@ def benchmark_table(runs) -> Optional[Table]:
         limit = _res(r, "benchmarks").get("limit")
         if limit:
             notes.append(f"{r.label}: at most {limit} examples per task (lm_eval.limit), not a reported number")
-    notes.insert(0, "Metric per task (lm-eval): " + ", ".join(f"{c} {metric[c]}" for c in cols)
+    mismatch = [c for c in cols if c in paper.BENCH_METRIC and metric[c] != paper.BENCH_METRIC[c]]
+    if mismatch:
+        notes.append("not the paper's metric for " + ", ".join(f"{c} ({metric[c]}, paper {paper.BENCH_METRIC[c]})"
+                                                                 for c in mismatch) + ": re-evaluate")
+    notes.insert(0, "Metric per task (lm-eval), the one the paper's table reports: "
+                 + ", ".join(f"{c} {metric[c]}" for c in cols)
                  + "; MMLU 5-shot, the rest zero-shot. paper avg: the paper's mean over the nine tasks "
                  f"({paper.PAPER_SETTING['pretrain']['what']}, pretrained models only).")
     return Table("benchmarks", "Zero-shot benchmarks and MMLU 5-shot, accuracy %",
@@ -332,17 +373,19 @@ def lambada_table(runs) -> Optional[Table]:
             if is_local:
                 local.append(name)
         p = paper.LAMBADA.get(r.variant, (None, None)) if r.stage == "pretrain" else (None, None)
-        rows.append([r.label, _model(r), STAGE_LABELS.get(r.stage, r.stage),
+        rows.append([r.label, _model(r), STAGE_LABELS.get(r.stage, r.stage), _res(r, "lambada").get("max_length"),
                      (s.get("lambada_standard") or {}).get("ppl"), p[0],
                      (s.get("lambada_openai") or {}).get("ppl"), p[1],
                      comparability(r) and f"no: {comparability(r)}" or "yes"])
         if local:
             notes.append(f"{r.label}: {', '.join(sorted(local))} counted as "
                          f"{', '.join(_canonical(n)[0] for n in sorted(local))} (local copies of the task's data)")
-    notes.insert(0, "Perplexity of the last word. " + _paper_note({"pretrain"})
+    notes.insert(0, "Perplexity of the last word; context = the longest input in tokens (lm_eval.max_length, "
+                 "the trained context by default; longer passages are left-truncated). " + _paper_note({"pretrain"})
                  + " The paper reports the Transformer and MTA only.")
     return Table("lambada", "LAMBADA perplexity",
-                 ["run", "model", "stage", "standard", "paper standard", "OpenAI", "paper OpenAI", "vs paper"],
+                 ["run", "model", "stage", "context", "standard", "paper standard", "OpenAI", "paper OpenAI",
+                  "vs paper"],
                  rows, notes)
 
 
@@ -369,7 +412,9 @@ def describe_mta(cfg: Optional[dict]) -> tuple:
         parts.append(f"post-sm conv {kpost[0]}x{kpost[1]}")
     layers = mta.get("mta_layers")
     if layers is not None and (pre or post):
-        parts.append(f"conv layers {layers}")
+        idx = [x.strip() for x in str(layers).split(",") if x.strip()]
+        of = f" of {m['n_layers']}" if isinstance(m.get("n_layers"), int) else ""
+        parts.append(f"conv in {len(idx)}{of} layers (index {','.join(idx)}, from 0)")
     head_mix = bool(mta.get("pre_sm_linear_head") or mta.get("head_kernel_size") or mta.get("post_sm_linear_head"))
     if head_mix:
         parts.append("head mix")
@@ -403,27 +448,33 @@ def describe_mta(cfg: Optional[dict]) -> tuple:
 
 
 def ablation_table(runs) -> Optional[Table]:
-    have = [r for r in runs if _res(r, "ppl")]
-    if not have:
+    """Table 5: pretrained MTA runs that differ in their attention config (a sweep), or
+    one that matches a Table 5 row. Absent otherwise (the ppl table has every run)."""
+    have = [r for r in runs if _res(r, "ppl") and r.stage == "pretrain" and r.variant == "mta"]
+    described = {r.label: describe_mta(r.config) for r in have}
+    if len({d for d, _ in described.values()}) < 2 and not any(k for _, k in described.values()):
         return None
     rows = []
     for r in have:
-        desc, key = describe_mta(r.config)
-        base = baseline_of(r, have)
+        desc, key = described[r.label]
+        base = baseline_of(r, runs)
         avg = _res(r, "ppl")["average"]
-        p = paper.TABLE5.get(key) if key and r.stage == "pretrain" else None
-        rows.append([r.label, STAGE_LABELS.get(r.stage, r.stage), desc, avg,
-                     _diff(avg, _res(base, "ppl")["average"]) if base else None, p, key or "—",
-                     comparability(r) and f"no: {comparability(r)}" or "yes"])
-    notes = ["paper (Table 5): the paper's 880M ablation (105B tokens) whose configuration this run matches "
-             "(the release's MTA: 6x11 convolutions before and after softmax in every 4th layer from layer 2, "
-             "head mixing, group norm; then gating / depth scaling as named); other kernel sizes and "
-             "conv-layer choices have no published number here. The 11.41 row is the release's curse_norm "
-             "(block norms times 1 - lambda_init(layer); the spec names it 'one layer-norm-scaling "
-             "configuration'), run by experiment=ablation_layer_norm_scaling."]
-    return Table("ablations", "Ablations: average validation perplexity",
-                 ["run", "stage", "attention config", "avg ppl", "Δ vs baseline", "paper (Table 5)", "Table 5 row",
-                  "vs paper"], rows, notes)
+        p = paper.TABLE5.get(key) if key and ppl_length(r) == paper.PPL_SEQ_LEN["pretrain"] else None
+        same_len = base is not None and _res(base, "ppl") and ppl_length(base) == ppl_length(r)
+        why = ppl_comparison(r)
+        rows.append([r.label, _model(r), ppl_length(r), desc, avg,
+                     _diff(avg, _res(base, "ppl")["average"]) if same_len else None, p, key or "—",
+                     f"no: {why}" if why else "yes"])
+    notes = ["paper (Table 5): the paper's 880M ablation (105B tokens, 2048-token windows) whose configuration "
+             "this run matches (the release's MTA: 6x11 convolutions before and after softmax in every 4th layer "
+             "from layer index 2, head mixing, group norm; then gating / depth scaling as named); other kernel "
+             "sizes and conv-layer choices have no published number. The 11.41 row is the release's curse_norm "
+             "(block norms times 1 - lambda_init(layer); 'one layer-norm-scaling configuration'), run by "
+             "experiment=ablation_layer_norm_scaling. Δ vs baseline: the pretrained Transformer of the same size "
+             "and window."]
+    return Table("ablations", "Ablations (Table 5): average validation perplexity of MTA configurations",
+                 ["run", "model", "window", "attention config", "avg ppl", "Δ vs baseline", "paper (Table 5)",
+                  "Table 5 row", "vs paper"], rows, notes)
 
 
 def needle_table(runs) -> Optional[Table]:
@@ -434,11 +485,12 @@ def needle_table(runs) -> Optional[Table]:
     rows = []
     for r in have:
         for ctx, per in sorted(_res(r, "needle")["accuracy"].items(), key=lambda kv: int(kv[0])):
-            rows.append([r.label, STAGE_LABELS.get(r.stage, r.stage), int(ctx)] + [
+            rows.append([r.label, _model(r), STAGE_LABELS.get(r.stage, r.stage), _trained(r), int(ctx)] + [
                 100 * per[str(n)]["mean"] if str(n) in per else None for n in counts])
     return Table("needle", "Multi-needle NIAH accuracy % (averaged over depths)",
-                 ["run", "stage", "context"] + [f"{n} needles" for n in counts], rows,
-                 ["The paper shows these as figures (2K after pretraining, 4K after the finetune), no table."])
+                 ["run", "model", "stage", "trained", "context"] + [f"{n} needles" for n in counts], rows,
+                 ["The paper shows these as figures (2K after pretraining, 4K after the finetune), no table. "
+                  "trained = the run's data.seq_len; a context beyond it was evaluated with extrapolate=true."])
 
 
 def babilong_source(run: RunData) -> str:
@@ -461,16 +513,17 @@ def babilong_table(runs) -> Optional[Table]:
         res = _res(r, "babilong")
         src = babilong_source(r)
         for task in sorted(res["accuracy"]):
-            rows.append([r.label, src, task] + [100 * res["accuracy"][task].get(x) if x in res["accuracy"][task]
-                                                else None for x in lengths])
-        rows.append([r.label, src, "mean"] + [100 * res["mean"][x] if x in res["mean"] else None for x in lengths])
+            rows.append([r.label, _model(r), src, task] + [
+                100 * res["accuracy"][task].get(x) if x in res["accuracy"][task] else None for x in lengths])
+        rows.append([r.label, _model(r), src, "mean"] + [100 * res["mean"][x] if x in res["mean"] else None
+                                                         for x in lengths])
     notes = ["source: 'hf' = the benchmark's data (RMT-team/babilong, PG-19 haystack); 'generated' = this "
              "project's offline bAbI-style facts in the corpus's book domain (fixed fact counts, lengths in the "
              "model's tokens): not the benchmark, not comparable with the paper's figure."]
     if any(babilong_source(r) == "hf" for r in have):
         notes.append("The paper shows BabiLong as a figure (QA1-QA5, 0K-4K); compare the 'hf' rows with it.")
-    return Table("babilong", "BabiLong QA1-QA5 accuracy % by context length", ["run", "source", "task"] + lengths,
-                 rows, notes)
+    return Table("babilong", "BabiLong QA1-QA5 accuracy % by context length",
+                 ["run", "model", "source", "task"] + lengths, rows, notes)
 
 
 def all_tables(runs) -> list:

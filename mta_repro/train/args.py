@@ -191,6 +191,11 @@ class SlurmArgs:
     # CPUs); null leaves the flag out, for clusters without binding support
     # (TaskPlugin=task/none, e.g. scripts/slurm_local.sh), where srun warns about it.
     cpu_bind: Optional[str] = "none"
+    # sbatch --mem per node ("480G"; "0" = all of it); null = the cluster's default
+    # (DefMemPerCPU x CPUs, which may not hold rank 0's full fp32 model and the DCP staging).
+    mem: Optional[str] = None
+    # sbatch --exclusive: whole nodes (no other job's ranks on the GPUs' CPUs/NICs).
+    exclusive: bool = False
 
     def __post_init__(self) -> None:
         for name in ("nodes", "cpus_per_task", "time_min"):

@@ -122,7 +122,7 @@ def _initial_weights(cfg: Any, ck: CheckpointArgs, model_args, is_main: bool) ->
         return sd
     # Appendix I: a baseline's weights into this MTA model, new parts at identity.
     from mta_repro.model.args import MTAArgs
-    from mta_repro.model.convert import baseline_to_mta
+    from mta_repro.model.insertion import baseline_to_mta
 
     base_args = dataclasses.replace(model_args, mta=MTAArgs(use_mta=False))
     model = baseline_to_mta(sd, base_args, model_args.mta, device="cpu")
@@ -344,8 +344,11 @@ def run(args: TrainConfig, info: DistInfo) -> dict[str, Any]:
 
     optimizer = build_optimizer(model, args.optim)
     scheduler = build_lr_scheduler(optimizer, args.optim, tr.steps)
-    # The data contract (loader plugins, the validator) takes the data section as a config node.
-    data_node = OmegaConf.structured(args.data)
+    # The data contract (loader plugins, the validator) takes the data section as a config node,
+    # a child of the whole config: plugins may read sibling sections through its parent (the
+    # pipeline's continued loader reads checkpoint.init_from).
+    root_node = OmegaConf.structured(args)
+    data_node = root_node.data
     loader = load_factory(tr.loader)(data_node, info.rank, info.world_size)
     step, resume_from = 0, None
     if has_ckpt:
@@ -358,7 +361,7 @@ def run(args: TrainConfig, info: DistInfo) -> dict[str, Any]:
     seq_len = args.data.seq_len
     flops_tok = train_flops_per_token(model_args, seq_len)
     peak = device_peak_flops(info.device)
-    config = OmegaConf.to_container(OmegaConf.structured(args), resolve=True)
+    config = OmegaConf.to_container(root_node, resolve=True)
     logger = MetricLogger(run_dir, lg, config, info.is_main, tr.steps, step)
     validator = maybe_validator(OmegaConf.create({"data": data_node}), tr, info, seq_len)
     saver = Checkpointing(manager, ck.every, model, optimizer, scheduler, loader,

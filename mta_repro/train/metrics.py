@@ -54,6 +54,19 @@ def peak_mem_gb(device: torch.device) -> float:
     return rss * (1 if sys.platform == "darwin" else 1024) / 2**30
 
 
+def peak_mem_reserved_gb(device: Optional[torch.device] = None) -> Optional[float]:
+    """Peak memory the CUDA caching allocator reserved from the driver (GB): what the device
+    really lost to this process (allocated + cached free blocks + fragmentation), the figure
+    to hold against a GPU's capacity; None off CUDA (CPU reports RSS in ``peak_mem_gb``)."""
+    if device is None:
+        if not (torch.cuda.is_available() and torch.cuda.is_initialized()):
+            return None
+        device = torch.device("cuda", torch.cuda.current_device())
+    if device.type != "cuda":
+        return None
+    return torch.cuda.max_memory_reserved(device) / 2**30
+
+
 def mfu(tokens_per_s: float, flops_per_token: float, peak: Optional[float], world_size: int) -> Optional[float]:
     if not peak:
         return None
@@ -85,7 +98,10 @@ def _isatty(stream) -> bool:
 def format_line(m: dict[str, Any], total: int) -> str:
     """One progress line (no carriage return) for logs that are not a terminal."""
     parts = [f"step {m['step']}/{total}", f"loss {m['loss']:.4f}", f"lr {m['lr']:.3g}",
-             f"tok/s {m['tokens_per_s_global']:.0f} global, {m['tokens_per_s_per_gpu']:.0f} per GPU"]
+             # One rank per device (GPU) or per process (CPU): "per rank" is right on both.
+             f"tok/s {m['tokens_per_s_global']:.0f} global, {m['tokens_per_s_per_gpu']:.0f} per rank"]
+    if m.get("peak_mem_reserved_gb") is not None:
+        parts.append(f"mem {m['peak_mem_gb']:.1f} GB allocated, {m['peak_mem_reserved_gb']:.1f} GB reserved")
     if m.get("val_loss") is not None:
         parts.append(f"val_loss {m['val_loss']:.4f} val_ppl {m['val_ppl']:.2f}")
     return "[mta_repro.train] " + " | ".join(parts)
@@ -133,6 +149,9 @@ class MetricLogger:
     def log(self, metrics: dict[str, Any]) -> None:
         if not self.is_main:
             return
+        if "peak_mem_gb" in metrics and "peak_mem_reserved_gb" not in metrics:
+            # Reserved beside allocated: fragmentation shows only in the former.
+            metrics = {**metrics, "peak_mem_reserved_gb": peak_mem_reserved_gb()}
         self.file.write(json.dumps(metrics) + "\n")
         self.file.flush()
         if self.wandb is not None:

@@ -29,6 +29,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from mta_repro.config import CONFIG_DIR, compose
 from mta_repro.errors import UserError
+from mta_repro.slurm import memory_lines, time_limit
 from mta_repro.train.args import SlurmArgs
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -40,10 +41,8 @@ class SubmitError(RuntimeError):
     """sbatch is missing or refused the script (the message is one line)."""
 
 
-def _time(minutes: int) -> str:
-    d, rem = divmod(minutes, 24 * 60)
-    h, m = divmod(rem, 60)
-    return f"{d}-{h:02d}:{m:02d}:00"
+# Kept for callers of the old private name; use mta_repro.slurm.time_limit.
+_time = time_limit
 
 
 def _refuse_multirun(overrides: Sequence[str]) -> None:
@@ -117,8 +116,9 @@ def render(overrides: list[str], python: str = "python", check_paths: bool = Tru
         # no GPU gres is configured.
         gpu_sbatch=f"#SBATCH --gpus-per-node={s.gpus_per_node}\n" if s.gpus_per_node > 0 else "",
         cpus_per_task=s.cpus_per_task,
+        mem_sbatch=memory_lines(s.mem, s.exclusive),
         cpu_bind=f" --cpu-bind={s.cpu_bind}" if s.cpu_bind else "",
-        time=_time(s.time_min),
+        time=time_limit(s.time_min),
         signal_s=s.signal_s,
         log_dir=shlex.quote(str(run_dir / "slurm")),
         extra_sbatch="\n".join(extra),

@@ -12,6 +12,12 @@ fewer batches runs a discarded forward so that FSDP's collectives line up) and t
 all-reduced, so N ranks give the single-process number up to summation order. The
 windows are tokenized once and kept (int32) for the whole run.
 
+A domain too small for one window (fewer than ``seq_len + 1`` validation tokens, e.g.
+the bundled corpus's arxiv at 4096) is skipped with one warning naming it; the averages
+are over the domains that validated. Before training, the main process prints the cost
+of one validation (windows, tokens, and the equivalent in training steps), and a run
+shorter than ``trainer.eval_every`` is told that it validates once, at its last step.
+
 metrics.jsonl / wandb keys: ``val_loss`` (mean of the domains' losses), ``val_ppl`` (mean
 of the domains' ppl = the eval's "average" row), ``val_loss/<domain>``,
 ``val_ppl/<domain>``, ``val_tokens`` (target tokens evaluated, all domains).
@@ -20,6 +26,9 @@ of the domains' ppl = the eval's "average" row), ``val_loss/<domain>``,
 from __future__ import annotations
 
 import math
+import sys
+import time
+import warnings
 from typing import Optional
 
 import numpy as np
@@ -31,12 +40,19 @@ from mta_repro.eval.ppl import sequence_ce, windows
 
 
 class Validator:
+    """A domain whose validation documents hold fewer than ``seq_len + 1`` tokens (one
+    window; e.g. the bundled corpus's arxiv at seq_len 4096) is skipped with one warning
+    naming it, and the others validate; ``skipped`` lists such domains. Only when no
+    domain holds a window is it an error."""
+
     def __init__(self, data_cfg, seq_len: int, batch_size: int, max_batches: int, rank: int, world_size: int):
         from mta_repro import data as data_mod
 
-        self.rank, self.world_size = rank, world_size
+        self.rank, self.world_size, self.seq_len = rank, world_size, seq_len
+        self._timed = False
         tokenizer = data_mod.build_tokenizer(data_mod.to_data_args(data_cfg).tokenizer)
         self.batches: dict[str, list[np.ndarray]] = {}
+        self.skipped: dict[str, int] = {}  # domain -> its validation tokens (< seq_len + 1)
         for name in data_mod.domains(data_cfg):
             rows, out = [], []
             try:
@@ -53,16 +69,41 @@ class Validator:
             if rows and len(out) < max_batches:
                 out.append(np.stack(rows))
             if not out:
-                raise UserError(
-                    f"validation: the {name!r} validation documents hold fewer than data.seq_len+1="
-                    f"{seq_len + 1} tokens (set trainer.eval_every=0 to train without validation)"
-                )
+                n_tokens = sum(len(tokenizer.encode(d, add_bos=True, add_eos=True))
+                               for d in data_mod.iter_validation_docs(data_cfg, name))
+                self.skipped[name] = n_tokens
+                continue
             self.batches[name] = out
+        if self.skipped and rank == 0:
+            warnings.warn(
+                "validation: skipped domain(s) " + ", ".join(f"{d!r} ({n:,} tokens)" for d, n in self.skipped.items())
+                + f": fewer validation tokens than one window of data.seq_len+1={seq_len + 1}; "
+                "val_ppl averages the other domains", stacklevel=2)
+        if not self.batches:
+            raise UserError(
+                f"validation: no domain's validation documents hold data.seq_len+1={seq_len + 1} tokens "
+                f"({', '.join(f'{d} {n:,}' for d, n in self.skipped.items())}); set trainer.eval_every=0 to "
+                "train without validation"
+            )
+
+    @property
+    def n_windows(self) -> int:
+        return sum(b.shape[0] for bs in self.batches.values() for b in bs)
+
+    def cost(self, tokens_per_step: int) -> str:
+        """One line: what one validation evaluates and what it costs in training steps."""
+        n_batches = sum(len(b) for b in self.batches.values())
+        tokens = self.n_windows * self.seq_len
+        # a forward pass is about a third of a training step's work on the same tokens
+        steps = tokens / (3 * tokens_per_step) if tokens_per_step else float("nan")
+        return (f"{self.n_windows} windows of {self.seq_len} tokens in {n_batches} forward batches over "
+                f"{len(self.batches)} domains ({tokens:,} tokens, about the compute of {steps:.1f} training steps)")
 
     @torch.no_grad()
     def run(self, model, device: torch.device) -> dict[str, float]:
         was_training = model.training
         model.eval()
+        t0 = time.monotonic()
         try:
             per: dict[str, tuple[float, int]] = {}
             for name, batches in self.batches.items():
@@ -91,13 +132,29 @@ class Validator:
             out["val_loss"] = sum(losses) / len(losses)
             out["val_ppl"] = sum(ppls) / len(ppls)
             out["val_tokens"] = int(sums[:, 1].sum())
+            if self.rank == 0 and not self._timed:  # the measured cost, once
+                self._timed = True
+                print(f"[mta_repro.train] validation took {time.monotonic() - t0:.1f} s", file=sys.stderr, flush=True)
             return out
         finally:
             model.train(was_training)
 
 
 def maybe_validator(cfg, tr, info, seq_len: Optional[int]) -> Optional[Validator]:
-    """The run's Validator, or None (trainer.eval_every=0, or a loader without data config)."""
+    """The run's Validator, or None (trainer.eval_every=0, or a loader without data config).
+
+    Before training starts, the main process prints what one validation costs; a run
+    shorter than ``eval_every`` validates once, at its last step, and is told so with
+    the overrides that make it smaller or skip it."""
     if tr.eval_every == 0 or "data" not in cfg or seq_len is None:
         return None
-    return Validator(cfg.data, seq_len, tr.eval_batch_size, tr.eval_max_batches, info.rank, info.world_size)
+    v = Validator(cfg.data, seq_len, tr.eval_batch_size, tr.eval_max_batches, info.rank, info.world_size)
+    if info.rank == 0:
+        per_step = int(cfg.data.batch_size) * seq_len * info.world_size * tr.grad_accum
+        when = (f"once, at the last step (trainer.steps={tr.steps} < trainer.eval_every={tr.eval_every})"
+                if tr.steps < tr.eval_every else f"every {tr.eval_every} steps and at the last")
+        line = f"[mta_repro.train] validation {when}: {v.cost(per_step)}"
+        if tr.steps < tr.eval_every:
+            line += ("; trainer.eval_max_batches=N makes it smaller, trainer.eval_every=0 skips it")
+        print(line, file=sys.stderr, flush=True)
+    return v

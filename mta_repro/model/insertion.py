@@ -1,4 +1,4 @@
-"""Checkpoint conversions.
+"""Appendix I insertion: a trained baseline into an MTA model.
 
 ``baseline_to_mta`` is the paper's Appendix I at the model level: a trained baseline's
 weights go into an MTA model whose new parts (key-query kernels, head mixing) start at
