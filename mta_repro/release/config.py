@@ -554,6 +554,8 @@ def _convert_model(m: dict, given: set[str], data: dict, tok_path: Optional[str]
         "attn_block_size": ours.attn_block_size,
         "kq_conv_layers": mta["mta_layers"],
         "mta": mta,
+        # Lingua's RoPE has no frequency scaling (rope_theta only): the plain frequencies.
+        "rope_scaling": dataclasses.asdict(ours.rope_scaling),
     }
     assert set(out) == {f.name for f in dataclasses.fields(ModelArgs)}, "ModelArgs gained a field: map it here"
     return out
