@@ -1,21 +1,48 @@
-# The two commands a fresh machine needs (see README):
-#   make demo   install, then run the main job on the bundled default (CPU, minutes)
-#   make test   install, then run the test suite (what .ci/run runs)
+# The commands a fresh machine needs (see README):
+#   make demo        install, then run the main job on the bundled default (CPU, ~3 min)
+#   make test        install, then ruff and the whole test suite (what .ci/run runs)
+#   make test-fast   install, then ruff and the unit-level tier (the edit loop, < 3 min)
 PY ?= python3
 # The CPU wheel; on a GPU cluster install your CUDA build of torch first and use
 # `make TORCH= demo` to leave it alone.
 TORCH ?= torch==2.13.0
 
-.PHONY: install demo test
-install:
+# pip runs again only when pyproject.toml changed since the last install of that set of
+# extras (the stamps live in pip's own egg-info folder, which git ignores); `make install`
+# always runs it.
+STAMPS := mta_repro.egg-info
+define pip_install
 	$(if $(TORCH),$(PY) -m pip install -q $(TORCH))
-	$(PY) -m pip install -q -e ".[dev,hf]"
+	$(PY) -m pip install -q -e ".[$(1)]"
+	touch $(STAMPS)/.make-installed-$(1)
+endef
 
-demo: install
+.PHONY: install demo test test-fast lint
+# Everything the tests touch: every extra (eval, report, wandb, slurm, hf) and the dev tools.
+install:
+	$(call pip_install,all$(comma)dev)
+
+comma := ,
+$(STAMPS)/.make-installed-all,dev: pyproject.toml
+	$(call pip_install,all$(comma)dev)
+
+# What the demo runs: training (wandb logs offline), evaluation and the report's plots.
+$(STAMPS)/.make-installed-eval,report,wandb: pyproject.toml
+	$(call pip_install,eval$(comma)report$(comma)wandb)
+
+demo: $(STAMPS)/.make-installed-eval,report,wandb
 	$(PY) -m mta_repro.params --table
 	$(PY) -m mta_repro.train experiment=debug run_dir=runs/debug
 	$(PY) -m mta_repro.eval runs/debug eval/preset=debug
 	$(PY) -m mta_repro.report runs/debug --out runs/debug/report
 
-test: install
+lint: $(STAMPS)/.make-installed-all,dev
+	$(PY) -m ruff check .
+
+test: lint
 	$(PY) -m pytest -q --durations=15
+
+# Markers are assigned in tests/conftest.py; -m "not slow" leaves out the cluster,
+# multi-rank, pipeline, Triton-interpreter and long training tests.
+test-fast: lint
+	$(PY) -m pytest -q -m "not slow" --durations=10

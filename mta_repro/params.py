@@ -2,8 +2,9 @@
 
     python -m mta_repro.params model=880m attention=mta      # one JSON object
     python -m mta_repro.params --table [seq_len=2048]        # every size x variant
-    python -m mta_repro.params experiment=long_context_880m_mta --memory [--world-size N]
-                                                             # per-GPU memory pre-flight
+    python -m mta_repro.params experiment=pretrain_880m_mta --memory [--world-size N]
+                                                             # per-GPU memory pre-flight, with the
+                                                             # seq_len/batch/world/dtype it assumes
     python -m mta_repro.params --memory --experiments        # every pretrain/long-context experiment
     python -m mta_repro.params --release-config 830M_mta.yaml  # an official-release YAML
                                                              # (FLOPs at its data.seq_len)
@@ -40,6 +41,29 @@ def count(args: ModelArgs, seq_len: int = 2048) -> dict:
         "train_flops_per_token": train_flops_per_token(args, seq_len),
         "seq_len": seq_len,
     }
+
+
+def memory_assumptions(cfg, world_size: int, overrides: list[str]) -> str:
+    """The shape the memory estimate is for, in one paragraph: an estimate is only as
+    good as the seq_len, micro-batch and world size it assumed, and the defaults (the
+    bundled data's seq_len 256, one CPU rank, fp32) are far from a paper run's."""
+    on_gpu = str(cfg.trainer.get("device", "cpu")).startswith("cuda")
+    # the dtype rule of mta_repro.memory.estimate_from_config: param_dtype on GPU, fp32 on CPU
+    dtype = str(cfg.distributed.param_dtype) if on_gpu else "float32"
+    B, T, accum = int(cfg.data.batch_size), int(cfg.data.seq_len), int(cfg.trainer.get("grad_accum", 1))
+    line = (
+        f"assumes: seq_len {T}, micro-batch {B} x {T} tokens per rank, grad_accum {accum} "
+        f"(no effect on memory), world size {world_size}, {dtype} parameters on "
+        f"{'GPU' if on_gpu else 'CPU (trainer.device)'}, attn_impl {cfg.model.get('attn_impl', 'blocked')}, "
+        f"activation checkpointing {'on' if cfg.distributed.activation_checkpointing else 'off'}"
+    )
+    if not any(o.startswith("experiment=") for o in overrides):
+        line += (
+            "\nnote: no experiment= given, so this is the bundled demo data's shape; for a paper run "
+            "give it, e.g. experiment=pretrain_880m_mta (or data.seq_len=, data.batch_size=, "
+            "trainer.device=cuda, --world-size N)"
+        )
+    return line + "\n"
 
 
 def main(argv: list[str]) -> None:
@@ -107,8 +131,11 @@ def main(argv: list[str]) -> None:
     if "--memory" in rest:
         from mta_repro.memory import estimate_from_config
 
-        cfg = compose([a for a in rest if not a.startswith("--")])
-        print(estimate_from_config(cfg, world).table())
+        overrides = [a for a in rest if not a.startswith("--")]
+        cfg = compose(overrides)
+        est = estimate_from_config(cfg, world)
+        print(memory_assumptions(cfg, est.world_size, overrides))
+        print(est.table())
         return
     args = model_args_from(compose(rest))
     out = count(args, seq_len)

@@ -1,8 +1,134 @@
-"""Test-session setup shared by every test module."""
+"""Test-session setup shared by every test module, and the test tiers.
+
+Tiers are assigned here, in one place, by test module and test name (not by decorators in
+each file), so that moving a test between tiers is a one-line change in this file:
+
+    make test-fast        python -m pytest -m "not slow"   (the edit loop, < 3 min on 2 cores)
+    make test             everything (what .ci/run runs)
+    python -m pytest -m triton | slurm | distributed | pipeline | lm_eval
+
+``slow`` = anything outside the fast tier: every test that carries one of the other
+markers, plus the tests named in SLOW_TESTS (measured with ``--durations``: seconds or
+more on a quiet 2-core machine, mostly training runs and subprocess command lines).
+Markers are registered in pyproject.toml.
+"""
 
 import os
+import warnings
+
+import pytest
 
 # The tests run the Triton kernels (model.attn_impl=triton) on CPU tensors, in Triton's
 # interpreter, GPU or not (on a GPU, scripts/bench_attention.py --device cuda runs them
 # compiled). The variable must be set before the kernels are defined (first use).
 os.environ.setdefault("TRITON_INTERPRET", "1")
+
+# Whole modules (paths relative to tests/) -> markers besides `slow`.
+MODULE_MARKERS = {
+    "test_slurm.py": ("slurm",),
+    "distributed/test_train_distributed.py": ("distributed",),
+    "distributed/test_train_reshard.py": ("distributed",),
+    "test_eval_data_parallel.py": ("distributed",),
+    "test_attn_triton.py": ("triton",),
+    "test_kq_conv_triton.py": ("triton",),
+    "test_pipeline.py": ("pipeline",),
+    "test_train_e2e.py": ("pipeline",),
+    # lm-eval's task index (parsing ~15,000 YAMLs: 30 s and more before its cache exists)
+    # or lm-eval's own command line
+    "test_eval_lm_eval.py": ("lm_eval",),
+    "test_eval_lm_eval_cli.py": ("lm_eval",),
+    "test_eval_tasks.py": ("lm_eval",),
+    "test_lm_eval_index_cache.py": ("lm_eval",),
+}
+
+# Single tests (module, test-function name: every parametrization) -> markers besides
+# `slow`. Multi-rank tests inside otherwise fast modules, and subprocess command lines.
+TEST_MARKERS = {
+    ("test_data.py", "test_two_real_ranks_match_in_process_loaders"): ("distributed",),
+    ("test_train_signals.py", "test_two_ranks_agree_and_read_only_on_logging_steps"): ("distributed",),
+    ("test_roofline.py", "test_a_real_sm90_compile_counts_its_tensor_core_dot"): ("triton",),
+}
+
+# Tests (module, test-function name) that are slow for their own sake: seconds or more
+# each on 2 cores (measured with --durations; see the module docstring).
+SLOW_TESTS = {
+    # command lines run as subprocesses (an interpreter start, imports, Hydra: seconds each)
+    ("test_config_params.py", "test_params_cli_prints_json"),
+    ("test_data_integrity.py", "test_prepare_fails_with_the_list_then_skip_keeps_the_rest"),
+    ("test_eval_cli.py", "test_cli_lm_eval_tasks_on_local_data"),
+    ("test_eval_cli.py", "test_cli_writes_results"),
+    ("test_eval_cli.py", "test_errors_before_work"),
+    ("test_eval_cli.py", "test_export_cli_help_and_one_line_error"),
+    ("test_errors.py", "test_train_cli_fault_in_a_loader_keeps_its_traceback"),
+    ("test_errors.py", "test_train_cli_user_errors_are_one_line"),
+    ("test_eval_context.py", "test_refusal_is_one_line_rc2_and_extrapolate_allows_it"),
+    ("test_eval_load_robust.py", "test_cli_errors_are_one_line"),
+    ("test_hf_llama3.py", "test_import_holds_one_copy_of_the_weights"),
+    ("test_hf_llama3.py", "test_import_names_a_missing_shard"),
+    ("test_llama3_configs.py", "test_appendix_i_llama3_pipeline_dry_run_prints_plan_and_every_sbatch"),
+    ("test_gpu_acceptance.py", "test_quick_cpu_run_writes_every_section"),
+    ("test_generate_cli.py", "test_generate_command"),
+    ("test_generate_cli.py", "test_generate_errors_and_help"),
+    ("test_hf.py", "test_cli"),
+    ("test_packaging.py", "test_model_data_train_import_without_the_extras"),
+    ("test_pipeline_configs.py", "test_plain_run_dir_in_a_sweep_is_refused_before_any_job"),
+    ("test_release.py", "test_convert_cli_composes_and_trains_from_release_checkpoint"),
+    ("test_table5_small.py", "test_one_point_end_to_end"),
+    ("test_toy.py", "test_killed_run_resumes_exactly"),
+    ("test_toy.py", "test_script_sigterm_stops_workers_and_rerun_resumes"),
+    ("test_train.py", "test_sbatch_dry_run"),
+    ("test_train_rundir.py", "test_a_failed_start_leaves_no_run_dir"),
+    ("test_train_validation.py", "test_progress_lines_without_a_tty"),
+    # training runs, resumes, whole-config sweeps and end-to-end evaluations in-process
+    ("test_eval_needle.py", "test_run_needle_end_to_end_on_tiny_model"),
+    ("test_attn_impls.py", "test_blocked_model_traces_under_torch_compile"),
+    ("test_data_integrity.py", "test_trainer_logs_the_bad_records"),
+    ("test_memory.py", "test_shipped_experiments_fit_an_h200"),
+    ("test_memory_measured.py", "test_preflight_bounds_a_measured_cpu_step_for_baseline_and_mta"),
+    ("test_weights_safety.py", "test_eval_pipeline_and_train_processes_refuse"),
+    ("test_weights_safety.py", "test_train_eval_and_weights_do_not_import_the_release_converter"),
+    ("test_release.py", "test_every_release_config_matches_our_experiment"),
+    ("test_train_corrupt.py", "test_truncated_distcp_falls_back_to_the_previous_and_resumes_exactly"),
+    ("test_train_signals.py", "test_ctrl_c_saves_at_the_interrupted_step_and_says_how_to_resume"),
+    ("test_train_signals.py", "test_no_host_sync_between_logging_steps"),
+    ("test_train_corrupt.py", "test_truncated_distcp_is_named_and_refused_with_on_corrupt_raise"),
+    ("test_train_validation.py", "test_validation_matches_the_eval_ppl_on_the_same_weights"),
+}
+
+# Warnings a test provokes on purpose without asserting them, ignored for that test only
+# (pyproject.toml filters the two that come from tiny configs everywhere): anything else
+# printed in the warnings summary is worth reading.
+EXPECTED_WARNINGS = {
+    ("test_weights_safety.py", "test_eval_names_a_corrupt_checkpoint_and_its_fallback_in_one_line"):
+        "ignore:.* is unreadable",
+}
+
+
+def _where(item) -> str:
+    path = os.path.relpath(str(item.path), os.path.dirname(__file__))
+    return path.replace(os.sep, "/")
+
+
+def pytest_collection_modifyitems(config, items):
+    seen_modules, seen = set(), set()
+    for item in items:
+        module = _where(item)
+        name = getattr(item, "originalname", None) or item.name.split("[")[0]
+        seen_modules.add(module)
+        seen.add((module, name))
+        marks = set(MODULE_MARKERS.get(module, ())) | set(TEST_MARKERS.get((module, name), ()))
+        # Triton's interpreter, wherever a test parametrizes over implementations
+        if "triton" in item.name.split("[", 1)[-1] and "[" in item.name:
+            marks.add("triton")
+        if marks or (module, name) in SLOW_TESTS or item.get_closest_marker("slow"):
+            marks.add("slow")
+        for m in sorted(marks):
+            item.add_marker(getattr(pytest.mark, m))
+        if (module, name) in EXPECTED_WARNINGS:
+            item.add_marker(pytest.mark.filterwarnings(EXPECTED_WARNINGS[(module, name)]))
+    # A renamed test would silently fall into the fast tier: name the stale entries.
+    listed = set(SLOW_TESTS) | set(TEST_MARKERS) | set(EXPECTED_WARNINGS)
+    stale = [f"{m}::{n}" for m, n in sorted(listed) if m in seen_modules and (m, n) not in seen]
+    if stale and not config.getoption("keyword") and not config.getoption("markexpr", ""):
+        warnings.warn(pytest.PytestConfigWarning(
+            f"tests/conftest.py names tests that do not exist (renamed?): {stale}"), stacklevel=1)

@@ -7,7 +7,6 @@ import importlib.util
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton not installed")
 

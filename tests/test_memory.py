@@ -4,7 +4,7 @@ experiment fits an H200 by it (the reference path at 4K would not)."""
 import pytest
 import torch
 
-from mta_repro.config import compose, model_args_from
+from mta_repro.config import compose
 from mta_repro.memory import CAPACITIES, estimate, estimate_from_config
 from mta_repro.model import MTAArgs, ModelArgs, build_model
 

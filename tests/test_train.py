@@ -134,7 +134,7 @@ def test_train_flops_count_the_variant():
     base = train_flops_per_token(model_args_from(compose(["model=880m"])), 2048)
     mta = train_flops_per_token(model_args_from(compose(["model=880m", "attention=mta", "model.attn_impl=torch"])), 2048)
     H, T, L, d = 16, 2048, 24, 96
-    # spec section 7's extras (train = 3x), plus what the reference path really computes:
+    # the paper's MTA cost: convolutions and head mixing (train = 3x), plus what the reference path really computes:
     # Q K^T and A V over the whole T x T matrix, not the causal half SDPA visits.
     extra = 3 * (6 * 2 * 2 * H * T * 6 * 11 + L * 2 * 2 * H * T * H + L * 2 * T * H * d)
     assert mta - base == pytest.approx(extra, rel=1e-9)

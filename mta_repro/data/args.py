@@ -12,7 +12,7 @@ from mta_repro.errors import UserError
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
-# The paper's per-*document* domain weights (MTA_SPEC section 3; the release's config).
+# The paper's per-*document* domain weights (the paper's section 4; the release's config).
 PAPER_WEIGHTS = {
     "arxiv": 0.023,
     "book": 0.021,

@@ -1,5 +1,5 @@
 """Evaluation: model loading, cached generation, per-domain perplexity, lm-eval
-benchmarks, multi-needle NIAH and BabiLong (spec section 4).
+benchmarks, multi-needle NIAH and BabiLong (the paper's section 4).
 
 Entry points: ``python -m mta_repro.eval <run_dir> tasks=[ppl,needle,babilong,benchmarks,lambada]``
 (``python -m mta_repro.lm_eval`` for lm-eval's own CLI, ``python -m mta_repro.generate``)

@@ -18,7 +18,7 @@
 from __future__ import annotations
 
 import random
-from typing import Iterable, Optional, Sequence
+from typing import Iterable, Optional
 
 import torch
 

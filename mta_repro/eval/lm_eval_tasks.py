@@ -14,16 +14,66 @@ from typing import Optional
 
 from mta_repro.errors import UserError
 
-# The paper's benchmarks (spec 4): zero-shot, and MMLU 5-shot; LAMBADA separately.
+# The paper's benchmarks (the paper's section 4): zero-shot, and MMLU 5-shot; LAMBADA separately.
 PAPER_ZERO_SHOT = ["boolq", "piqa", "social_iqa", "hellaswag", "winogrande", "arc_easy", "arc_challenge", "openbookqa"]
 PAPER_FEW_SHOT = {"mmlu": 5}
 LAMBADA = ["lambada_standard", "lambada_openai"]
 
 
 def task_manager(include_path: Optional[str] = None):
+    """lm-eval's TaskManager, with the index of lm-eval's own tasks read from a cache.
+
+    Building that index parses lm-eval's ~15,000 task YAMLs (4-7 s, ~50 s on a loaded machine) and every
+    evaluation process did it again; the index depends only on the installed lm-eval, so
+    it is kept as JSON in ``$MTA_REPRO_CACHE`` (default ``~/.cache/mta_repro``), keyed by
+    lm-eval's version, location and tasks-folder mtime. ``include_path`` folders are
+    always indexed afresh (they are small and change). Any mismatch with lm-eval's
+    internals falls back to the plain TaskManager: the cache is only a speed-up."""
     from lm_eval.tasks import TaskManager
 
-    return TaskManager(include_path=include_path) if include_path else TaskManager()
+    try:
+        return _cached_task_manager(TaskManager, include_path)
+    except Exception:  # noqa: BLE001 - another lm-eval layout: build the index as lm-eval does
+        return TaskManager(include_path=include_path) if include_path else TaskManager()
+
+
+def _cached_task_manager(TaskManager, include_path):
+    import hashlib
+    import json
+    import os
+    from importlib.metadata import version
+
+    import lm_eval.tasks
+    from lm_eval.tasks._index import Entry, Kind, TaskIndex
+
+    root = Path(lm_eval.tasks.__file__).parent
+    key = f"{version('lm_eval')}|{root}|{root.stat().st_mtime_ns}"
+    cache_dir = Path(os.environ.get("MTA_REPRO_CACHE", Path.home() / ".cache" / "mta_repro"))
+    path = cache_dir / f"lm_eval_index_{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
+    try:
+        rows = json.loads(path.read_text())
+        defaults = {k: Entry(n, Kind[kind], None if y is None else Path(y), cfg, set(tags))
+                    for k, (n, kind, y, cfg, tags) in rows.items()}
+    except (OSError, ValueError, KeyError, TypeError):  # absent or unreadable: rebuild it
+        defaults = TaskIndex.build([root])
+        rows = {k: [e.name, e.kind.name, None if e.yaml_path is None else str(e.yaml_path), e.cfg, sorted(e.tags)]
+                for k, e in defaults.items()}
+        try:
+            cache_dir.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_suffix(f".tmp{os.getpid()}")
+            tmp.write_text(json.dumps(rows))
+            os.replace(tmp, path)  # atomic: a concurrent reader sees the old file or the whole new one
+        except (OSError, TypeError, ValueError):
+            pass  # not cacheable here (read-only home, a non-JSON config): index built anyway
+    manager = TaskManager(include_path=include_path, include_defaults=False)
+    # What TaskManager.__init__ derives from its index (lm-eval 0.4.9+), over defaults + include_path
+    # (later paths win, as in lm-eval).
+    manager._index = index = {**defaults, **manager._index}
+    manager._all_tasks = sorted(index)
+    manager._all_subtasks = sorted(k for k, e in index.items() if e.kind in (Kind.TASK, Kind.PY_TASK))
+    manager._all_groups = sorted(k for k, e in index.items() if e.kind == Kind.GROUP)
+    manager._all_tags = sorted(k for k, e in index.items() if e.kind == Kind.TAG)
+    return manager
 
 
 def check_task_names(names, manager) -> None:

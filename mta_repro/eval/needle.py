@@ -1,4 +1,4 @@
-"""Multi-needle needle-in-a-haystack (spec section 4; the template is the project's).
+"""Multi-needle needle-in-a-haystack (the paper's section 4; the template is the project's).
 
 Template (RULER-style needles, Kamradt-style insertion), all at the token level of the
 model's tokenizer so that every prompt is exactly ``context_len - max_new_tokens``

@@ -1,4 +1,4 @@
-"""Per-domain validation perplexity with the release's protocol (spec section 4).
+"""Per-domain validation perplexity with the release's protocol (the paper's section 4).
 
 Each domain's validation documents are tokenized with BOS and EOS and concatenated;
 the stream is cut into windows of ``seq_len + 1`` tokens that advance by ``seq_len``

@@ -127,7 +127,9 @@ class ModelArgs:
     norm_order: str = "release"
     # RoPE base: 1e5 for pretraining, 5e5 for the 4K long-context stage.
     rope_theta: float = 100_000.0
-    # Longest sequence the RoPE table is precomputed for (grown on demand).
+    # Longest sequence the model is meant for (the release's max_seqlen; HF export's
+    # max_position_embeddings, eval's default max_length): RoPE cos/sin are computed
+    # for the positions of each forward, so nothing is precomputed or limited by it.
     max_seqlen: int = 4096
     # RoPE frequency scaling (RopeScalingArgs): rope_type default (plain) or llama3.
     rope_scaling: RopeScalingArgs = field(default_factory=RopeScalingArgs)
@@ -150,7 +152,8 @@ class ModelArgs:
     diff_transformer: bool = False
     # Implementation of the explicit attention path (MTA, talking heads); a key into
     # ``mta_repro.model.attention_ops.ATTN_IMPLS``: "blocked" (query blocks recomputed in
-    # backward, causal skipping; the default) or "torch" (the reference: the whole
+    # backward, causal skipping; the default), "triton" (fused kernels, CUDA or Triton's
+    # interpreter; falls back to blocked elsewhere) or "torch" (the reference: the whole
     # (B, H, T, T) score matrix, kept for backward). Faster kernels plug in there.
     attn_impl: str = "blocked"
     # Query rows per block of attn_impl=blocked; null = per device

@@ -1,4 +1,4 @@
-"""FLOPs per token of each variant (MTA_SPEC section 7), for MFU and planning.
+"""FLOPs per token of each variant (dense layers, attention, and MTA's convolutions and head mixing), for MFU and planning.
 
 Counts multiply-adds as 2 FLOPs, and counts what each attention path computes
 (``ModelArgs.layer_kind``):

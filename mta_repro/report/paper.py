@@ -1,4 +1,4 @@
-"""The paper's published numbers (MTA_SPEC section 5), keyed by attention variant, and
+"""The paper's published numbers (the paper's tables and Appendix I), keyed by attention variant, and
 what they were measured on (so a report can say when a run is not comparable)."""
 
 VARIANT_LABELS = {

@@ -127,10 +127,17 @@ class MetricLogger:
             from tqdm import tqdm
 
             self.bar = tqdm(total=total, initial=start, desc="train", dynamic_ncols=True, file=sys.stderr)
+        wandb = None
         if logging_args.wandb_mode != "disabled":
+            try:
+                import wandb
+            except ImportError:  # an extra (pip install 'mta-repro[wandb]'); metrics.jsonl has every number
+                if logging_args.wandb_mode == "online":
+                    raise ImportError("logging.wandb_mode=online needs wandb: pip install 'mta-repro[wandb]'") from None
+                print("wandb is not installed: logging to metrics.jsonl only (pip install 'mta-repro[wandb]', "
+                      "or logging.wandb_mode=disabled to silence this)", file=sys.stderr)
+        if wandb is not None:
             import os
-
-            import wandb
 
             id_file = Path(run_dir) / "wandb_id.txt"
             run_id = id_file.read_text().strip() if id_file.is_file() else uuid.uuid4().hex[:8]

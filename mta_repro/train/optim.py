@@ -1,4 +1,4 @@
-"""AdamW and the learning-rate schedule of MTA_SPEC section 3.
+"""AdamW and the learning-rate schedule of the paper (section 4) and the release's configs.
 
 ``build_optimizer(model, optim_args)`` and ``build_lr_scheduler(optimizer, optim_args,
 total_steps)`` are the whole interface (the toy task uses them too). Defaults are the

@@ -1,7 +1,7 @@
 """Run-directory safety: the config check, the lock, ``config.yaml`` and the cleanup of a
 failed start.
 
-Before a run writes anything into ``run_dir`` (rank 0, ``prepare_run_dir``):
+Before a run writes anything into ``run_dir`` (rank 0, ``loop._prepare_run_dir``):
 
 1. If the run dir already holds a checkpoint, the new config is compared with the saved
    ``config.yaml``. Fields fall in three classes:

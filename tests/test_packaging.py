@@ -1,0 +1,81 @@
+"""Packaging: the model, data and trainer work without the eval/report/wandb/SLURM/HF
+extras, and the extras in pyproject.toml say which package needs what."""
+
+import re
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+EXTRAS_ONLY = ("lm_eval", "datasets", "wandb", "matplotlib", "nltk", "submitit", "hydra_plugins",
+               "transformers", "safetensors")
+
+# Runs in a fresh interpreter: importing any of EXTRAS_ONLY fails there, as on a machine
+# where only `pip install mta-repro` (no extras) was run.
+_PROBE = """
+import importlib, pkgutil, sys
+BLOCKED = {blocked!r}
+
+class Block:
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in BLOCKED:
+            raise ImportError("not installed here: " + name)
+
+sys.meta_path.insert(0, Block())
+import torch
+import mta_repro
+for pkg in ("mta_repro.model", "mta_repro.data", "mta_repro.train"):
+    mod = importlib.import_module(pkg)
+    for m in pkgutil.walk_packages(mod.__path__, pkg + "."):
+        if not m.name.endswith("__main__"):
+            importlib.import_module(m.name)
+for name in ("mta_repro.config", "mta_repro.params", "mta_repro.memory", "mta_repro.cli"):
+    importlib.import_module(name)
+from mta_repro.config import compose, model_args_from
+from mta_repro.model import build_model
+model = build_model(model_args_from(compose(["model=tiny", "attention=mta"])))
+logits = model(torch.zeros(1, 8, dtype=torch.long))
+assert logits.shape[:2] == (1, 8)
+# the shipped configs log to wandb offline: without wandb, metrics.jsonl alone (one line
+# says so); online mode, which the user asked for by name, refuses
+import tempfile
+from mta_repro.train.args import LoggingArgs
+from mta_repro.train.metrics import MetricLogger
+with tempfile.TemporaryDirectory() as d:
+    log = MetricLogger(d, LoggingArgs(progress_bar=False, wandb_mode="offline"), {{}}, True, 2, 0)
+    assert log.wandb is None
+    try:
+        MetricLogger(d, LoggingArgs(progress_bar=False, wandb_mode="online"), {{}}, True, 2, 0)
+        raise SystemExit("online mode without wandb did not refuse")
+    except ImportError as e:
+        assert "mta-repro[wandb]" in str(e)
+loaded = sorted({{m.split(".")[0] for m in sys.modules}} & set(BLOCKED))
+print("loaded:", loaded)
+"""
+
+
+def test_model_data_train_import_without_the_extras():
+    p = subprocess.run([sys.executable, "-c", _PROBE.format(blocked=EXTRAS_ONLY)], cwd=ROOT,
+                       capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "loaded: []" in p.stdout
+    assert "wandb is not installed: logging to metrics.jsonl only" in p.stderr
+
+
+def _names(reqs):
+    return {re.split(r"[<>=\[ ;]", r, maxsplit=1)[0].lower() for r in reqs}
+
+
+def test_eval_stack_is_in_extras_not_core():
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    core = _names(project["dependencies"])
+    extras = project["optional-dependencies"]
+    for pkg in ("lm-eval", "datasets", "wandb", "matplotlib", "nltk", "hydra-submitit-launcher",
+                "transformers", "safetensors"):
+        assert pkg not in core, pkg
+        assert any(pkg in _names(reqs) for reqs in extras.values()), pkg
+    assert {"eval", "report", "wandb", "slurm", "hf", "all", "dev"} <= set(extras)
+    # `all` names every extra but dev
+    (all_spec,) = extras["all"]
+    assert set(all_spec.split("[")[1].rstrip("]").split(",")) == set(extras) - {"all", "dev"}
