@@ -94,3 +94,13 @@ def to_train_config(cfg: Any) -> TrainConfig:
     if isinstance(cfg, DictConfig) and "hydra" in cfg:
         cfg = OmegaConf.masked_copy(cfg, [k for k in cfg.keys() if k != "hydra"])
     return to_dataclass(TrainConfig, cfg, "")
+
+
+def trained_seq_len(cfg) -> Optional[int]:
+    """The context a run was trained at (its saved config's data.seq_len: the last training
+    stage's), if the config says. Evaluation refuses longer inputs; the HF export writes it
+    as max_position_embeddings."""
+    try:
+        return int(cfg.data.seq_len)
+    except (AttributeError, KeyError, TypeError, ValueError):
+        return None

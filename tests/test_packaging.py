@@ -30,7 +30,8 @@ for pkg in ("mta_repro.model", "mta_repro.data", "mta_repro.train"):
     for m in pkgutil.walk_packages(mod.__path__, pkg + "."):
         if not m.name.endswith("__main__"):
             importlib.import_module(m.name)
-for name in ("mta_repro.config", "mta_repro.params", "mta_repro.memory", "mta_repro.cli"):
+for name in ("mta_repro.config", "mta_repro.params", "mta_repro.memory", "mta_repro.cli", "mta_repro.generate",
+             "mta_repro.weights"):
     importlib.import_module(name)
 from mta_repro.config import compose, model_args_from
 from mta_repro.model import build_model
@@ -79,3 +80,16 @@ def test_eval_stack_is_in_extras_not_core():
     # `all` names every extra but dev
     (all_spec,) = extras["all"]
     assert set(all_spec.split("[")[1].rstrip("]").split(",")) == set(extras) - {"all", "dev"}
+
+
+def test_hf_interop_needs_only_the_hf_extra():
+    """`python -m mta_repro.hf export|import` with `pip install mta-repro[hf]`: the eval stack
+    (lm-eval and the rest) is not imported on the way."""
+    blocked = tuple(p for p in EXTRAS_ONLY if p not in ("transformers", "safetensors"))
+    probe = (_PROBE.split("import torch\n")[0]
+             + "import mta_repro.hf.convert, mta_repro.hf.cli, mta_repro.eval.load, mta_repro.config\n"
+             + "print('loaded:', sorted({{m.split('.')[0] for m in sys.modules}} & set(BLOCKED)))\n")
+    p = subprocess.run([sys.executable, "-c", probe.format(blocked=blocked)], cwd=ROOT,
+                       capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "loaded: []" in p.stdout

@@ -24,18 +24,11 @@ from lm_eval.api.registry import register_model
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 from tqdm import tqdm
 
+from mta_repro.config import trained_seq_len  # noqa: F401 (also imported from here)
 from mta_repro.errors import UserError
 from mta_repro.eval.progress import Progress
 
 from mta_repro.eval.generate import generate_text
-
-
-def trained_seq_len(cfg) -> Optional[int]:
-    """The sequence length a run was trained on (its data.seq_len), if the config says."""
-    try:
-        return int(cfg.data.seq_len)
-    except (AttributeError, KeyError, TypeError, ValueError):
-        return None
 
 
 def _init_distributed(device) -> tuple:

@@ -74,7 +74,7 @@ def trained_context(run_cfg) -> Optional[int]:
     """The context the run was trained at: ``data.seq_len`` of its saved config (for a
     finetuned run, the finetune's: the config of the last training stage). Not the
     model's ``max_seqlen``, which bounds what the code accepts, not what was learned."""
-    from mta_repro.eval.lm_eval_model import trained_seq_len
+    from mta_repro.config import trained_seq_len
 
     return trained_seq_len(run_cfg)
 

@@ -109,7 +109,7 @@ def export_hf(path: Union[str, Path], out_dir: Union[str, Path]) -> Path:
     tokenizer file and our tokenizer settings) from a baseline run or .pt."""
     from transformers import LlamaForCausalLM
 
-    from mta_repro.eval.lm_eval_model import trained_seq_len
+    from mta_repro.config import trained_seq_len
     from mta_repro.eval.load import load_model, load_tokenizer
 
     model, cfg = load_model(path, device="cpu", dtype="float32")
