@@ -28,7 +28,9 @@ def test_insertion_experiments_fit_an_h200_with_fsdp(experiment):
     cfg = compose([f"experiment={experiment}"])
     assert int(cfg.data.seq_len) == 2048
     tokens = int(cfg.trainer.steps) * 262_144  # 4 x 2048 x 32 GPUs
-    assert abs(tokens - (5.3e9 if "1_8b" in experiment else 10.5e9)) < 262_144
+    # Appendix I: the public Llama 3.x models were trained 5.3B tokens more (the paper's own
+    # 1.4B got 10.5B: configs/experiment/mta_insertion.yaml)
+    assert abs(tokens - 5.3e9) < 262_144
     est = estimate_from_config(cfg)
     assert est.world_size == 32 and est.fits(CAPACITIES["H200 141 GB"]), est.table()
     assert "micro-batch 4 x 2048 tokens per GPU, bfloat16" in est.table()  # the assumptions, stated
