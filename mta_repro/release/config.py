@@ -277,28 +277,72 @@ def _placeholder(value: Any) -> bool:
 
 
 # --------------------------------------------------------------------------- conversion
-def release_to_config(release: dict, name: str = "release", source: str = "") -> Conversion:
-    """A release config dict -> our root config (plain dict) and notes."""
-    given = _set_fields(release)
-    r = _merge_defaults(release, RELEASE_DEFAULTS, "")
-    notes: list[str] = []
+class _Fields:
+    """What every section's conversion shares: the release config with its defaults merged
+    (``r``), the fields the file itself set (``given``) and the notes collected so far."""
 
-    def refuse(field: str, why: str) -> None:
-        raise UserError(f"release field {field}={_get(r, field)!r} is not supported: {why}")
+    def __init__(self, release: dict):
+        self.given = _set_fields(release)
+        self.r = _merge_defaults(release, RELEASE_DEFAULTS, "")
+        self.notes: list[str] = []
 
-    def ignore(field: str, why: str) -> None:
-        if field in given:
-            notes.append(f"ignored {field}: {why}")
+    def refuse(self, field: str, why: str) -> None:
+        raise UserError(f"release field {field}={_get(self.r, field)!r} is not supported: {why}")
 
-    def path_value(field: str, override: str) -> Optional[str]:
-        v = _get(r, field)
+    def ignore(self, field: str, why: str) -> None:
+        if field in self.given:
+            self.notes.append(f"ignored {field}: {why}")
+
+    def path_value(self, field: str, override: str) -> Optional[str]:
+        v = _get(self.r, field)
         if _placeholder(v):
-            notes.append(f"{field} is a placeholder in the release ({v}): pass {override}=... when training")
+            self.notes.append(f"{field} is a placeholder in the release ({v}): pass {override}=... when training")
             return MISSING
         return v
 
-    # ---- top level
-    for f, why in (
+
+def release_to_config(release: dict, name: str = "release", source: str = "") -> Conversion:
+    """A release config dict -> our root config (plain dict) and notes, one section at a time."""
+    f = _Fields(release)
+    _ignore_top_level(f)
+    data = _convert_data(f)  # first: the model's vocabulary may come from the tokenizer
+    model = _convert_model(f.r["model"], f.given, f.r["data"], data["tokenizer"]["path"], f.notes)
+    optim = _convert_optim(f)
+    distributed = _convert_distributed(f)
+    checkpoint = _convert_checkpoint(f)
+    f.ignore("logging.acc_freq", "we log optimiser steps")
+    f.ignore("logging.wandb", "wandb logs offline to logging.wandb_project (pass logging.wandb_mode=online ...)")
+    f.notes.append(
+        "the global batch is data.batch_size x data.seq_len x GPUs: the release ran 32 GPUs "
+        "(1B: 64; its README), so pass slurm.nodes=4 (8) with slurm.gpus_per_node=8"
+    )
+    config = {
+        "run_dir": f"runs/{name}",
+        "seed": f.r["seed"],
+        "model": model,
+        "optim": optim,
+        "trainer": {
+            "steps": f.r["steps"],
+            "grad_accum": f.r["grad_acc_steps"],
+            # The release trains on GPUs; "auto" also lets the converted config run on CPU.
+            "device": "auto",
+            # The release validates on separate files (its eval.ppl_files, not mapped): our
+            # validation reads *.val.jsonl beside each domain's training files, which a
+            # release corpus does not have. Set trainer.eval_every=N once they exist.
+            "eval_every": 0,
+        },
+        "checkpoint": checkpoint,
+        "logging": {"every": f.r["logging"]["freq"]},
+        "distributed": distributed,
+        "data": data,
+    }
+    conv = Conversion(config=_schema_typed(config), notes=f.notes, source=source)
+    conv.model_args()  # our validation: raises naming the field
+    return conv
+
+
+def _ignore_top_level(f: _Fields) -> None:
+    for field, why in (
         ("name", "the run directory is run_dir (runs/<experiment>)"),
         ("dump_dir", "outputs go to run_dir; pass run_dir=... to choose it"),
         ("gc_collect_freq", "Python GC scheduling"),
@@ -308,32 +352,33 @@ def release_to_config(release: dict, name: str = "release", source: str = "") ->
         ("env", "environment variables of Lingua's launcher"),
         ("profiling", "the profiler; scripts/bench_train.py measures throughput"),
     ):
-        ignore(f, why)
+        f.ignore(field, why)
 
-    # ---- data (first: the model's vocabulary may come from the tokenizer)
-    d = r["data"]
+
+def _convert_data(f: _Fields) -> dict:
+    d = f.r["data"]
     sources = d["sources"]
     if not isinstance(sources, dict) or not sources:
         raise UserError("release field data.sources: expected a non-empty {domain: weight} mapping")
     if d["n_views"] != 2:
-        refuse("data.n_views", "the trainer reads (input, target) pairs, n_views 2")
+        f.refuse("data.n_views", "the trainer reads (input, target) pairs, n_views 2")
     if d["src_tgt_format"]:
-        refuse("data.src_tgt_format", "source/target loss masking is not implemented")
-    ignore("data.no_loss_prompt", "used only with src_tgt_format")
-    ignore("data.src_tgt_sep", "used only with src_tgt_format")
+        f.refuse("data.src_tgt_format", "source/target loss masking is not implemented")
+    f.ignore("data.no_loss_prompt", "used only with src_tgt_format")
+    f.ignore("data.src_tgt_sep", "used only with src_tgt_format")
     tok = d["tokenizer"]
     if tok["name"] not in TOKENIZER_NAMES:
-        refuse("data.tokenizer.name", f"expected one of {sorted(TOKENIZER_NAMES)}")
+        f.refuse("data.tokenizer.name", f"expected one of {sorted(TOKENIZER_NAMES)}")
     root_dir = d["root_dir"]
     if root_dir is None:
-        notes.append("data.root_dir is unset in the release config: pass data.root_dir=... when training")
+        f.notes.append("data.root_dir is unset in the release config: pass data.root_dir=... when training")
         root_dir = MISSING
     else:
-        root_dir = path_value("data.root_dir", "data.root_dir")
-    tok_path = path_value("data.tokenizer.path", "data.tokenizer.path")
+        root_dir = f.path_value("data.root_dir", "data.root_dir")
+    tok_path = f.path_value("data.tokenizer.path", "data.tokenizer.path")
     # Lingua shuffles blocks of prefetch_size * batch_size sequences; ours keeps a buffer
     # of that many sequences and draws uniformly from it.
-    data = {
+    return {
         "root_dir": root_dir,
         "layout": "domains",  # the release reads <root_dir>/<domain>/*.chunk.*.jsonl
         "sources": {**{k: 0.0 for k in _default_domains() if k not in sources}, **sources},
@@ -347,20 +392,18 @@ def release_to_config(release: dict, name: str = "release", source: str = "") ->
         "tokenizer": {"name": TOKENIZER_NAMES[tok["name"]], "path": tok_path if tok["name"] != "bytes" else None},
     }
 
-    # ---- model
-    model = _convert_model(r["model"], given, d, tok_path, notes)
 
-    # ---- optim
-    o = r["optim"]
+def _convert_optim(f: _Fields) -> dict:
+    o = f.r["optim"]
     if o["scheduler"] not in SCHEDULERS:
-        refuse("optim.scheduler", f"expected one of {SCHEDULERS}")
+        f.refuse("optim.scheduler", f"expected one of {SCHEDULERS}")
     if o["scheduler"] == "cosine":
-        for f in ("cycle_length", "cosine_theta"):
-            if float(o[f]) != 1.0:
-                refuse(f"optim.{f}", "our cosine schedule is one half cycle (Lingua's 1.0)")
-    for f in ("annealing_step", "decay_fraction", "exp_factor"):
-        ignore(f"optim.{f}", "used only by schedulers we do not have (wsd, inv_sqrt)")
-    optim = {
+        for field in ("cycle_length", "cosine_theta"):
+            if float(o[field]) != 1.0:
+                f.refuse(f"optim.{field}", "our cosine schedule is one half cycle (Lingua's 1.0)")
+    for field in ("annealing_step", "decay_fraction", "exp_factor"):
+        f.ignore(f"optim.{field}", "used only by schedulers we do not have (wsd, inv_sqrt)")
+    return {
         "lr": o["lr"],
         "beta1": o["beta1"],
         "beta2": o["beta2"],
@@ -373,27 +416,28 @@ def release_to_config(release: dict, name: str = "release", source: str = "") ->
         "lr_min_ratio": o["lr_min_ratio"],
     }
 
-    # ---- distributed
-    g = r["distributed"]
+
+def _convert_distributed(f: _Fields) -> dict:
+    g = f.r["distributed"]
     if g["tp_size"] != 1:
-        refuse("distributed.tp_size", "tensor parallelism is not implemented (FSDP2 only)")
+        f.refuse("distributed.tp_size", "tensor parallelism is not implemented (FSDP2 only)")
     if g["fsdp_type"] not in ("full_shard", "no_shard"):
-        refuse("distributed.fsdp_type", "expected full_shard or no_shard")
+        f.refuse("distributed.fsdp_type", "expected full_shard or no_shard")
     if g["float8_recipe"] is not None:
-        refuse("distributed.float8_recipe", "float8 training is not implemented")
+        f.refuse("distributed.float8_recipe", "float8 training is not implemented")
     if g["model_dtype"] not in DTYPES:
-        refuse("distributed.model_dtype", f"expected one of {sorted(DTYPES)}")
-    ignore("distributed.fsdp_type", "FSDP2 shards over all ranks (same math as Lingua's full_shard/no_shard)")
-    for f in ("dp_shard", "dp_replicate"):
-        ignore(f"distributed.{f}", "the data-parallel size is the world size")
-    for f in ("float8_filter", "detect_anomaly", "compile_cache_size_limit", "spawn_method"):
-        ignore(f"distributed.{f}", "no effect on the trained model")
+        f.refuse("distributed.model_dtype", f"expected one of {sorted(DTYPES)}")
+    f.ignore("distributed.fsdp_type", "FSDP2 shards over all ranks (same math as Lingua's full_shard/no_shard)")
+    for field in ("dp_shard", "dp_replicate"):
+        f.ignore(f"distributed.{field}", "the data-parallel size is the world size")
+    for field in ("float8_filter", "detect_anomaly", "compile_cache_size_limit", "spawn_method"):
+        f.ignore(f"distributed.{field}", "no effect on the trained model")
     if g["selective_activation_checkpointing"]:
-        notes.append(
+        f.notes.append(
             "distributed.selective_activation_checkpointing -> distributed.activation_checkpointing "
             "(recomputes whole blocks; same numbers, different speed)"
         )
-    distributed = {
+    return {
         "param_dtype": DTYPES[g["model_dtype"]],
         "reduce_dtype": "float32",  # Lingua's MixedPrecisionPolicy
         "compile": bool(g["compile"]),
@@ -401,52 +445,20 @@ def release_to_config(release: dict, name: str = "release", source: str = "") ->
         "activation_checkpointing": bool(g["selective_activation_checkpointing"]),
     }
 
-    # ---- checkpoint
-    c = r["checkpoint"]
+
+def _convert_checkpoint(f: _Fields) -> dict:
+    c = f.r["checkpoint"]
     keep = c["dump"]["keep"]
     if keep <= 0:
-        notes.append(f"checkpoint.dump.keep={keep} keeps every checkpoint in Lingua: checkpoint.keep=1000000")
+        f.notes.append(f"checkpoint.dump.keep={keep} keeps every checkpoint in Lingua: checkpoint.keep=1000000")
         keep = 1_000_000
-    ignore("checkpoint.eval", "Lingua's extra saves for its in-training evals; evaluate any checkpoint later")
-    ignore("checkpoint.path", "checkpoints go to <run_dir>/checkpoints")
-    ignore("checkpoint.continue_training_from_init", "unused by Lingua's CheckpointManager")
+    f.ignore("checkpoint.eval", "Lingua's extra saves for its in-training evals; evaluate any checkpoint later")
+    f.ignore("checkpoint.path", "checkpoints go to <run_dir>/checkpoints")
+    f.ignore("checkpoint.continue_training_from_init", "unused by Lingua's CheckpointManager")
     init_from = c["init_ckpt_path"]
     if init_from is not None:
-        init_from = path_value("checkpoint.init_ckpt_path", "checkpoint.init_from")
-    checkpoint = {"every": c["dump"]["every"], "keep": keep, "init_from": init_from, "init_mode": "model"}
-
-    # ---- logging
-    lg = r["logging"]
-    ignore("logging.acc_freq", "we log optimiser steps")
-    ignore("logging.wandb", "wandb logs offline to logging.wandb_project (pass logging.wandb_mode=online ...)")
-
-    notes.append(
-        "the global batch is data.batch_size x data.seq_len x GPUs: the release ran 32 GPUs "
-        "(1B: 64; its README), so pass slurm.nodes=4 (8) with slurm.gpus_per_node=8"
-    )
-    config = {
-        "run_dir": f"runs/{name}",
-        "seed": r["seed"],
-        "model": model,
-        "optim": optim,
-        "trainer": {
-            "steps": r["steps"],
-            "grad_accum": r["grad_acc_steps"],
-            # The release trains on GPUs; "auto" also lets the converted config run on CPU.
-            "device": "auto",
-            # The release validates on separate files (its eval.ppl_files, not mapped): our
-            # validation reads *.val.jsonl beside each domain's training files, which a
-            # release corpus does not have. Set trainer.eval_every=N once they exist.
-            "eval_every": 0,
-        },
-        "checkpoint": checkpoint,
-        "logging": {"every": lg["freq"]},
-        "distributed": distributed,
-        "data": data,
-    }
-    conv = Conversion(config=_schema_typed(config), notes=notes, source=source)
-    conv.model_args()  # our validation: raises naming the field
-    return conv
+        init_from = f.path_value("checkpoint.init_ckpt_path", "checkpoint.init_from")
+    return {"every": c["dump"]["every"], "keep": keep, "init_from": init_from, "init_mode": "model"}
 
 
 def _convert_model(m: dict, given: set[str], data: dict, tok_path: Optional[str], notes: list[str]) -> dict:
@@ -492,7 +504,43 @@ def _convert_model(m: dict, given: set[str], data: dict, tok_path: Optional[str]
     # the length of the precomputed RoPE table (grown on demand).
     max_seqlen = data["seq_len"]
 
-    mt = dict(m["mta"])
+    mta = _convert_mta(m["mta"], given, notes)
+
+    ours = ModelArgs()
+    out = {
+        "dim": dim,
+        "n_layers": m["n_layers"],
+        "n_heads": n_heads,
+        "n_kv_heads": n_kv_heads,
+        "head_dim": head_dim,
+        "vocab_size": vocab,
+        "ffn_dim_multiplier": 1.0 if m["ffn_dim_multiplier"] is None else m["ffn_dim_multiplier"],
+        "multiple_of": m["multiple_of"],
+        "norm_eps": m["norm_eps"],
+        "norm_order": "release",  # the release's block norms cast before the weight
+        "rope_theta": m["rope_theta"],
+        "max_seqlen": max_seqlen,
+        "weight_tying": m["weight_tying"],
+        "seed": m["seed"],
+        "init_base_std": m["init_base_std"],
+        "init_std_factor": m["init_std_factor"],
+        "dropout": m["dropout"],
+        "diff_transformer": False,  # not in the release's MTA project
+        "attn_impl": ours.attn_impl,
+        "attn_block_size": ours.attn_block_size,
+        "kq_conv_layers": mta["mta_layers"],
+        "mta": mta,
+        # Lingua's RoPE has no frequency scaling (rope_theta only): the plain frequencies.
+        "rope_scaling": dataclasses.asdict(ours.rope_scaling),
+    }
+    assert set(out) == {f.name for f in dataclasses.fields(ModelArgs)}, "ModelArgs gained a field: map it here"
+    return out
+
+
+def _convert_mta(release_mta: dict, given: set[str], notes: list[str]) -> dict:
+    """The release's ``model.mta`` section -> our MTAArgs fields (same names), with notes on
+    settings that have no effect in the release and on combinations its init asserts against."""
+    mt = dict(release_mta)
     if mt["mta_layers"] is not None:
         mt["mta_layers"] = str(mt["mta_layers"])
     # The release builds a key-query kernel only when both sizes of a pair are set.
@@ -528,37 +576,7 @@ def _convert_model(m: dict, given: set[str], data: dict, tok_path: Optional[str]
             notes.append("the release asserts init_method identity with post-softmax kernels; ours starts them at identity")
         if mt["head_kernel_size"] is not None and mt["init_method"] != "identity":
             notes.append("the release raises for head_kernel_size with a non-identity init_method; ours starts head_kernel at identity")
-    mta = {f.name: mt[f.name] for f in dataclasses.fields(MTAArgs)}
-
-    ours = ModelArgs()
-    out = {
-        "dim": dim,
-        "n_layers": m["n_layers"],
-        "n_heads": n_heads,
-        "n_kv_heads": n_kv_heads,
-        "head_dim": head_dim,
-        "vocab_size": vocab,
-        "ffn_dim_multiplier": 1.0 if m["ffn_dim_multiplier"] is None else m["ffn_dim_multiplier"],
-        "multiple_of": m["multiple_of"],
-        "norm_eps": m["norm_eps"],
-        "norm_order": "release",  # the release's block norms cast before the weight
-        "rope_theta": m["rope_theta"],
-        "max_seqlen": max_seqlen,
-        "weight_tying": m["weight_tying"],
-        "seed": m["seed"],
-        "init_base_std": m["init_base_std"],
-        "init_std_factor": m["init_std_factor"],
-        "dropout": m["dropout"],
-        "diff_transformer": False,  # not in the release's MTA project
-        "attn_impl": ours.attn_impl,
-        "attn_block_size": ours.attn_block_size,
-        "kq_conv_layers": mta["mta_layers"],
-        "mta": mta,
-        # Lingua's RoPE has no frequency scaling (rope_theta only): the plain frequencies.
-        "rope_scaling": dataclasses.asdict(ours.rope_scaling),
-    }
-    assert set(out) == {f.name for f in dataclasses.fields(ModelArgs)}, "ModelArgs gained a field: map it here"
-    return out
+    return {f.name: mt[f.name] for f in dataclasses.fields(MTAArgs)}
 
 
 def _tokenizer_vocab(tok: dict, tok_path: Optional[str], notes: list[str]) -> int:
