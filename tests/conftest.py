@@ -73,7 +73,7 @@ SLOW_TESTS = {
     ("test_packaging.py", "test_model_data_train_import_without_the_extras"),
     ("test_pipeline_configs.py", "test_plain_run_dir_in_a_sweep_is_refused_before_any_job"),
     ("test_release.py", "test_convert_cli_composes_and_trains_from_release_checkpoint"),
-    ("test_table5_small.py", "test_one_point_end_to_end"),
+    ("test_table5_small.py", "test_two_points_end_to_end"),
     ("test_toy.py", "test_killed_run_resumes_exactly"),
     ("test_toy.py", "test_script_sigterm_stops_workers_and_rerun_resumes"),
     ("test_train.py", "test_sbatch_dry_run"),

@@ -79,26 +79,31 @@ def test_every_point_trains_past_warmup_with_its_swept_values(plan):
 
 
 @pytest.mark.slow
-def test_one_point_end_to_end(plan, tmp_path):
-    """The kernel 4x7 point for 4 steps: trained, evaluated, tabled in the ablation table."""
-    train = plan.job("train:ablation_kernels/kernel_4x7")
-    run_dir = tmp_path / "kernel_4x7"
-    cmd = [*train.command[:-1], f"run_dir={run_dir}", "trainer.steps=4", "checkpoint.every=4", "logging.every=1"]
-    assert train.command[-1].startswith("run_dir=")
-    p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
-    assert p.returncode == 0, p.stderr[-3000:]
-    losses = [json.loads(line)["loss"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert len(losses) == 4 and losses[-1] < losses[0]  # the lr is not ~0: the loss moves
-    ev = plan.job("eval:ablation_kernels/kernel_4x7")
-    cmd = [ev.command[0], "-m", "mta_repro.eval", str(run_dir), *ev.command[4:], "ppl.max_batches=1"]
-    p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
-    assert p.returncode == 0, p.stderr[-3000:]
+def test_two_points_end_to_end(plan, tmp_path):
+    """The kernel 4x7 and 4x11 points for 4 steps each: trained, evaluated, tabled side by
+    side in the ablation table (which appears once runs differ in their attention config)."""
+    avgs = []
+    for point in ("kernel_4x7", "kernel_4x11"):
+        train = plan.job(f"train:ablation_kernels/{point}")
+        run_dir = tmp_path / point
+        cmd = [*train.command[:-1], f"run_dir={run_dir}", "trainer.steps=4", "checkpoint.every=4", "logging.every=1"]
+        assert train.command[-1].startswith("run_dir=")
+        p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+        assert p.returncode == 0, p.stderr[-3000:]
+        losses = [json.loads(line)["loss"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+        assert len(losses) == 4 and losses[-1] < losses[0]  # the lr is not ~0: the loss moves
+        ev = plan.job(f"eval:ablation_kernels/{point}")
+        cmd = [ev.command[0], "-m", "mta_repro.eval", str(run_dir), *ev.command[4:], "ppl.max_batches=1"]
+        p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+        assert p.returncode == 0, p.stderr[-3000:]
+        avgs.append(json.loads((run_dir / "eval" / "ppl.json").read_text())["results"]["average"])
     out = tmp_path / "report"
-    p = subprocess.run([sys.executable, "-m", "mta_repro.report", str(run_dir), "--out", str(out)], cwd=ROOT,
+    p = subprocess.run([sys.executable, "-m", "mta_repro.report", str(tmp_path / "kernel_4x7"),
+                        str(tmp_path / "kernel_4x11"), "--out", str(out)], cwd=ROOT,
                        capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stderr[-3000:]
     tables = json.loads((out / "results.json").read_text())["tables"]
     ablations = tables["ablations"] if isinstance(tables, dict) else next(t for t in tables if t["name"] == "ablations")
     rows = ablations["rows"] if isinstance(ablations, dict) else ablations
-    avg = json.loads((run_dir / "eval" / "ppl.json").read_text())["results"]["average"]
-    assert any(isinstance(v, float) and v == pytest.approx(avg) for r in rows for v in r.values()), rows
+    for avg in avgs:
+        assert any(isinstance(v, float) and v == pytest.approx(avg) for r in rows for v in r.values()), rows
