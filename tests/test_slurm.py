@@ -172,6 +172,11 @@ def test_launcher_config_follows_the_slurm_section():
     assert (cpu.hydra.launcher.tasks_per_node, cpu.hydra.launcher.gpus_per_node) == (2, None)
     assert (gpu.hydra.launcher.tasks_per_node, gpu.hydra.launcher.gpus_per_node, gpu.hydra.launcher.nodes) == (8, 8, 4)
     assert "export SRUN_CPUS_PER_TASK=12" in gpu.hydra.launcher.setup
+    # Each job's config is resolved again by Hydra: a resolved setup line must hold no
+    # interpolation (an escaped shell ${VAR:-x} becomes one), and the GPU settings are there.
+    setup = list(gpu.hydra.launcher.setup)
+    assert not [line for line in setup if "${" in line], setup
+    assert any(line.startswith("export PYTORCH_CUDA_ALLOC_CONF=") for line in setup)
 
 
 def test_paths_made_absolute_and_init_from_checked(tmp_path):
