@@ -43,14 +43,14 @@ def count(args: ModelArgs, seq_len: int = 2048) -> dict:
 
 
 def main(argv: list[str]) -> None:
-    if "--release-config" in argv:  # an official-release YAML (mta_repro/release.py)
-        from mta_repro.release import convert_file
+    if "--release-config" in argv:  # an official-release YAML (mta_repro/release/config.py)
+        from mta_repro.release import release_file_to_config
 
         i = argv.index("--release-config")
         if i + 1 >= len(argv):
             raise UserError("--release-config needs the path of a release YAML")
         # [key=value ...] after the path: release field names
-        conv = convert_file(argv[i + 1], overrides=argv[i + 2:])
+        conv = release_file_to_config(argv[i + 1], overrides=argv[i + 2:])
         seq = [a for a in argv[:i] if a.startswith("seq_len=")]
         try:  # FLOPs at the config's data.seq_len unless seq_len= says otherwise
             seq_len = int(seq[0].split("=", 1)[1]) if seq else int(conv.config["data"]["seq_len"])

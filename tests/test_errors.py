@@ -120,7 +120,7 @@ def test_resolvers_are_registered_in_one_place():
              if "register_new_resolver(" in p.read_text()]
     assert sites == ["mta_repro/resolvers.py"]
     used = set()
-    for p in list((ROOT / "configs").rglob("*.yaml")) + [ROOT / "mta_repro" / "release.py"]:
+    for p in list((ROOT / "configs").rglob("*.yaml")) + [ROOT / "mta_repro" / "release" / "config.py"]:
         # ``\${VAR:-default}`` is an escaped shell expansion (sbatch setup lines), not a resolver.
         used |= set(re.findall(r"(?<!\\)\$\{(\w+):", p.read_text()))
     used -= {"now", "oc", "hydra"}  # Hydra's own

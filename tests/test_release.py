@@ -31,16 +31,16 @@ from mta_repro.release import (
     LLAMA3_N_WORDS,
     RELEASE_DEFAULTS,
     _merge_defaults,
-    convert,
-    convert_file,
     experiment_yaml,
-    load_init_weights,
     load_release_config,
     main as release_main,
     release_checkpoint_path,
     release_model_args,
     release_state_dict_to_ours,
 )
+from mta_repro.release import release_file_to_config as convert_file  # noqa: E402 - short names in these tests
+from mta_repro.release import release_to_config as convert  # noqa: E402
+from mta_repro.train.checkpoint import load_init_weights  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 FIX = ROOT / "tests" / "fixtures" / "release"

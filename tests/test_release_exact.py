@@ -27,7 +27,8 @@ from mta_repro import params
 from mta_repro.config import TrainConfig
 from mta_repro.model import MTAArgs, ModelArgs, build_model
 from mta_repro.model.flops import train_flops_per_token
-from mta_repro.release import convert_file, load_release_config, release_model_args, release_state_dict_to_ours
+from mta_repro.release import load_release_config, release_model_args, release_state_dict_to_ours
+from mta_repro.release import release_file_to_config as convert_file
 
 FIX = Path(__file__).resolve().parent / "fixtures" / "release"
 EPS = 1e-5

@@ -99,7 +99,7 @@ def test_truncated_consolidated_pt_is_named(base, tmp_path):
     pt = tmp_path / "consolidated.pt"
     data = (base / "export" / "consolidated.pt").read_bytes()
     pt.write_bytes(data[: len(data) // 3])
-    with pytest.raises(CheckpointCorruptError, match=rf"{pt}: cannot be read .*truncated or corrupt"):
+    with pytest.raises(CheckpointCorruptError, match=rf"{pt} is unreadable .*truncated or corrupt"):
         load_model_state(pt)
     good = load_model_state(base / "export" / "consolidated.pt")[0]
     assert all(torch.equal(v, good[k]) for k, v in load_model_state(base)[0].items())

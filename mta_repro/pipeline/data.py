@@ -17,8 +17,6 @@ consolidated .pt has no data position); otherwise it stops with an error naming 
 
 from __future__ import annotations
 
-import pickle
-import warnings
 from pathlib import Path
 
 from omegaconf import DictConfig
@@ -37,9 +35,8 @@ def source_of(data_args) -> Path:
 
 def source_stream_state(src: Path, rank: int, world_size: int) -> dict:
     """{domain: stream state} of rank ``rank`` at the source's latest complete checkpoint."""
-    import torch.distributed.checkpoint as dcp
-
-    from mta_repro.train.checkpoint import COMPLETE, latest_checkpoint
+    from mta_repro.weights import COMPLETE, UnsafeFileError, latest_checkpoint
+    from mta_repro.weights.safe import decode_state, dcp_load
 
     if src.is_file():
         raise UserError(f"checkpoint.init_from={src}: a consolidated .pt holds no data position; continuing the "
@@ -50,13 +47,13 @@ def source_stream_state(src: Path, rank: int, world_size: int) -> dict:
     key = f"rank{rank}"
     state = {key: b""}
     try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", UserWarning)
-            dcp.load(state, checkpoint_id=str(ckpt), no_dist=True)
+        dcp_load(state, ckpt, no_dist=True)
+    except UnsafeFileError:
+        raise
     except Exception as e:  # noqa: BLE001 - name what is missing
         raise UserError(f"{ckpt}: no data-loader state of rank {rank} ({e}); the source must have run on "
                          f"{world_size} rank(s) like this stage") from None
-    per_rank = pickle.loads(state[key])
+    per_rank = decode_state(state[key], f"checkpoint {ckpt}: {key}")
     data = per_rank.get("data") if isinstance(per_rank, dict) else None
     if not data or "streams" not in data:
         raise UserError(f"{ckpt}: rank {rank} saved no data-loader state")

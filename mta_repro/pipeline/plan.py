@@ -401,29 +401,21 @@ class Plan:
         return "\n".join(lines)
 
 
-def _export_step(run_dir: Path) -> Optional[int]:
-    f = run_dir / "export" / "consolidated.pt"
-    if not f.is_file():
-        return None
-    import torch
-
-    try:
-        return int(torch.load(f, map_location="cpu", weights_only=False, mmap=True).get("step", -1))
-    except Exception:  # noqa: BLE001 - a truncated file is not done
-        return None
-
-
 def _finished(run_dir: Path, steps: int) -> Optional[Path]:
     """The file that shows the run reached ``steps``: its export, else (checkpoint.export=false)
-    the complete checkpoint of that step; None while it has not."""
-    step = _export_step(run_dir)
-    if step is not None and step >= steps:
-        return run_dir / "export" / "consolidated.pt"
-    from mta_repro.train.checkpoint import COMPLETE, latest_checkpoint
+    the complete checkpoint of that step; None while it has not (a damaged file does not
+    count). Weights that would unpickle code raise ``UnsafeFileError`` (one line, exit 2)."""
+    from mta_repro.weights import COMPLETE, NoWeightsError, find_weights
 
-    ck = latest_checkpoint(run_dir) if (run_dir / "checkpoints").is_dir() else None
-    if ck is not None and int(ck.name) >= steps:
-        return ck / COMPLETE
+    if not run_dir.is_dir():
+        return None
+    try:
+        found = find_weights(run_dir)
+    except NoWeightsError:
+        return None
+    for c in found:  # newest first; the export wins a tie
+        if c.problem is None and c.step is not None and c.step >= steps:
+            return c.path / COMPLETE if c.kind == "dcp" else c.path
     return None
 
 

@@ -184,7 +184,9 @@ def train_run(
     curve, first_step, elapsed0 = [], 1, 0.0
     identity = _run_identity(cfg, variant, seed)
     if ckpt_path is not None and Path(ckpt_path).exists():
-        state = torch.load(ckpt_path, map_location=device, weights_only=True)
+        from mta_repro.weights import load_pt  # weights_only, one line naming a bad file
+
+        state = load_pt(ckpt_path, map_location=device, mmap=False)
         if state["identity"] != identity:
             diff = sorted(k for k in identity if state["identity"].get(k) != identity[k])
             raise UserError(

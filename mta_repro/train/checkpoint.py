@@ -4,20 +4,24 @@ Layout: ``<run_dir>/checkpoints/<step:010d>/`` holds the DCP files of
 
     {"model": plain model state dict (Lingua keys, sharded DTensors while saving),
      "optim": optimizer state dict (parameter-name keyed, from get_state_dict),
-     "scheduler": pickled LR-scheduler state, "step": int,
-     "rank{r}": pickled {"rng": ..., "data": loader state} of rank r, for every rank}
+     "scheduler": LR-scheduler state, "step": int,
+     "rank{r}": {"rng": ..., "data": loader state} of rank r, for every rank}
 
 and a ``.complete`` marker. Saving writes into ``.tmp-<step>``, adds the marker, then
 renames the directory (atomic on POSIX), so a save killed midway never leaves a
 directory that looks complete; stale temporaries are removed at the next start.
+
+The scheduler and per-rank entries are run-state in plain types and tensors, stored as
+``torch.save`` bytes and read back with ``weights_only=True`` (``mta_repro.weights.safe``):
+resuming never unpickles code, like every other read in the project (docs/trust.md).
+Finding and reading weights (``init_from``, exports, release/Lingua checkpoints) is
+``mta_repro.weights``'; the layout helpers below are re-exported from there.
 """
 
 from __future__ import annotations
 
 import os
-import pickle
 import random
-import re
 import shutil
 import signal
 import sys
@@ -32,9 +36,24 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from mta_repro.errors import UserError
+from mta_repro.weights import load_weights
+from mta_repro.weights.layout import (  # noqa: F401 - re-exported: the trainer's names for them
+    COMPLETE,
+    complete_checkpoints,
+    latest_checkpoint,
+    saved_world_size,
+    step_dir_name,
+    verify_checkpoint,
+)
+from mta_repro.weights.safe import (
+    CorruptFileError,
+    UnsafeFileError,
+    dcp_error_line,
+    dcp_load,
+    decode_state,
+    encode_state,
+)
 
-COMPLETE = ".complete"
-_STEP_DIR = re.compile(r"^\d{10}$")
 # Fault injection for the killed-save tests: "kill_in_save:<step>" SIGKILLs this process
 # after the DCP files of that step are written but before the save is marked complete;
 # "kill_in_async_save:<step>" (checkpoint.async_save) while the background write is on.
@@ -51,31 +70,14 @@ def save_file_atomic(obj: Any, path: Path) -> Path:
     return path
 
 
-def step_dir_name(step: int) -> str:
-    return f"{step:010d}"
-
-
-def complete_checkpoints(ckpt_root: Path) -> list[Path]:
-    """Complete checkpoint directories, oldest first."""
-    if not ckpt_root.is_dir():
-        return []
-    out = [p for p in ckpt_root.iterdir() if _STEP_DIR.match(p.name) and (p / COMPLETE).is_file()]
-    return sorted(out, key=lambda p: int(p.name))
-
-
-def latest_checkpoint(path: Path) -> Optional[Path]:
-    """Newest complete checkpoint of a run dir (or of its checkpoints/ folder)."""
-    path = Path(path)
-    root = path / "checkpoints" if (path / "checkpoints").is_dir() else path
-    found = complete_checkpoints(root)
-    return found[-1] if found else None
-
-
 # ------------------------------------------------------------------ RNG state
 def rng_state() -> dict:
+    # Plain types and tensors only (numpy's key array as a tensor): read with weights_only.
+    np_state = np.random.get_state(legacy=False)
+    np_state["state"] = {**np_state["state"], "key": torch.from_numpy(np_state["state"]["key"].astype(np.int64))}
     state = {
         "python": random.getstate(),
-        "numpy": np.random.get_state(),
+        "numpy": np_state,
         "torch": torch.get_rng_state(),
     }
     if torch.cuda.is_available() and torch.cuda.is_initialized():
@@ -85,7 +87,9 @@ def rng_state() -> dict:
 
 def set_rng_state(state: dict) -> None:
     random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
+    np_state = state["numpy"]
+    np_state["state"] = {**np_state["state"], "key": np_state["state"]["key"].numpy().astype(np.uint32)}
+    np.random.set_state(np_state)
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["cuda"])
@@ -97,43 +101,9 @@ def set_rng_state(state: dict) -> None:
 _MISMATCH = ("Missing key", "Unexpected key", "size mismatch", "shape mismatch")
 
 
-def verify_checkpoint(path: Path) -> Optional[str]:
-    """None if the DCP metadata reads and every file it names is there and long enough;
-    else why not, naming the file (a truncated ``.distcp`` from a full disk or a kill)."""
-    path = Path(path)
-    meta = path / ".metadata"
-    if not meta.is_file():
-        return "file .metadata is missing"
-    try:
-        md = dcp.FileSystemReader(str(path)).read_metadata()
-    except Exception as e:  # noqa: BLE001 - any failure to parse is damage
-        return f"file .metadata cannot be read ({type(e).__name__}: {e})"
-    need: dict[str, int] = {}
-    for info in (md.storage_data or {}).values():
-        end = int(info.offset) + int(info.length)
-        need[info.relative_path] = max(need.get(info.relative_path, 0), end)
-    for rel in sorted(need):
-        f = path / rel
-        if not f.is_file():
-            return f"file {rel} is missing"
-        size = f.stat().st_size
-        if size < need[rel]:
-            return f"file {rel} is truncated ({size} bytes; the metadata needs {need[rel]})"
-    return None
-
-
-def saved_world_size(path: Path) -> Optional[int]:
-    """The number of ranks that saved a checkpoint (its per-rank ``rank{r}`` entries)."""
-    try:
-        md = dcp.FileSystemReader(str(path)).read_metadata()
-    except Exception:  # noqa: BLE001
-        return None
-    ranks = [k for k in md.state_dict_metadata if re.fullmatch(r"rank\d+", k)]
-    return len(ranks) or None
-
-
-class CheckpointCorruptError(UserError):
-    pass
+# A damaged checkpoint or weights file (the message names it): the trainer falls back to
+# the previous checkpoint on it. One class with the weights module's, so either is caught.
+CheckpointCorruptError = CorruptFileError
 
 
 # ------------------------------------------------------------------ manager
@@ -176,9 +146,9 @@ class CheckpointManager:
         return {
             "model": model_sd,
             "optim": optim_sd,
-            "scheduler": pickle.dumps(scheduler.state_dict()),
+            "scheduler": encode_state(scheduler.state_dict()),
             "step": step,
-            f"rank{self.rank}": pickle.dumps(per_rank),
+            f"rank{self.rank}": encode_state(per_rank),
         }
 
     def _finalize(self, step: int, tmp: Path, final: Path) -> None:
@@ -252,7 +222,7 @@ class CheckpointManager:
                 try:
                     return path, self.load(path, model, optimizer, scheduler, loader)
                 except CheckpointCorruptError as e:
-                    why = str(e.__cause__ or e)
+                    why = dcp_error_line(e.__cause__) if e.__cause__ is not None else str(e)  # one line
             older = found[i + 1] if i + 1 < len(found) else None
             msg = f"checkpoint {path} is unreadable: {why}"
             if on_corrupt != "fallback":
@@ -290,7 +260,9 @@ class CheckpointManager:
         if not reshard:
             state[key] = b""
         try:
-            dcp.load(state, checkpoint_id=str(path))
+            dcp_load(state, path)
+        except UnsafeFileError:
+            raise  # refused: not damage, so no fallback to an older file of the same origin
         except Exception as e:  # noqa: BLE001 - name the checkpoint in the error
             text = str(e)
             if not any(m in text for m in _MISMATCH):
@@ -300,12 +272,12 @@ class CheckpointManager:
                 "It must come from the same model config"
             ) from e
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
-        scheduler.load_state_dict(pickle.loads(state["scheduler"]))
+        scheduler.load_state_dict(decode_state(state["scheduler"], f"checkpoint {path}: scheduler"))
         step = int(state["step"])
         if reshard:
             self._load_other_world(path, saved_world, loader, step)
         else:
-            per_rank = pickle.loads(state[key])
+            per_rank = decode_state(state[key], f"checkpoint {path}: {key}")
             set_rng_state(per_rank["rng"])
             if loader is not None and per_rank["data"] is not None:
                 loader.load_state_dict(per_rank["data"])
@@ -317,8 +289,8 @@ class CheckpointManager:
         (``loader.load_other_world_state``), or, if it cannot, restarts its data order
         with a warning; the RNG is reseeded per rank (dropout only)."""
         states = {f"rank{r}": b"" for r in range(saved_world)}
-        dcp.load(states, checkpoint_id=str(path))
-        saved = [pickle.loads(states[f"rank{r}"]) for r in range(saved_world)]
+        dcp_load(states, path)
+        saved = [decode_state(states[f"rank{r}"], f"checkpoint {path}: rank{r}") for r in range(saved_world)]
         if self.rank == 0:
             print(f"[mta_repro.train] resuming a {saved_world}-rank checkpoint on {self.world_size} ranks",
                   file=sys.stderr, flush=True)
@@ -336,62 +308,13 @@ class CheckpointManager:
             )
 
 
-def _load_pt(path: Path):
-    try:
-        return torch.load(path, map_location="cpu", weights_only=False)
-    except Exception as e:  # noqa: BLE001 - a truncated/corrupt file: name it
-        raise CheckpointCorruptError(
-            f"{path}: cannot be read ({type(e).__name__}: {str(e).strip().splitlines()[0][:200]}); "
-            "the file is truncated or corrupt (re-export it with python -m mta_repro.train.export <run_dir>)"
-        ) from e
-
-
 def load_model_state(path: Path) -> tuple[dict, Optional[int]]:
-    """Full (unsharded) model state dict from a run dir, a DCP checkpoint dir or a
-    consolidated .pt; read in this process only (no collectives). Returns (sd, step)."""
-    from omegaconf import OmegaConf
+    """Full (unsharded) model state dict and its step from a run dir, a DCP checkpoint dir,
+    a consolidated .pt, or a release/Lingua checkpoint (``mta_repro.weights.load_weights``:
+    the newest readable one, read in this process only, no collectives)."""
+    w = load_weights(path, who="mta_repro.train")
+    return w.state, w.step
 
-    from mta_repro.model import build_model, to_model_args
 
-    path = Path(path)
-    if path.is_file():
-        blob = _load_pt(path)
-        if not isinstance(blob, dict) or "model" not in blob:
-            raise UserError(f"{path}: expected a consolidated checkpoint (a dict with key 'model')")
-        return blob["model"], blob.get("step")
-    if (path / "export" / "consolidated.pt").is_file() and not (path / COMPLETE).exists():
-        run_ckpt = latest_checkpoint(path)
-        blob = _load_pt(path / "export" / "consolidated.pt")
-        # Prefer the newer of export and the latest checkpoint.
-        if run_ckpt is None or int(run_ckpt.name) <= int(blob.get("step") or 0):
-            return blob["model"], blob.get("step")
-    if (path / COMPLETE).exists():
-        ckpt = path
-        why = verify_checkpoint(ckpt)
-        if why:
-            raise CheckpointCorruptError(f"checkpoint {ckpt} is unreadable: {why}")
-    else:
-        ckpt = None
-        root = path / "checkpoints" if (path / "checkpoints").is_dir() else path
-        for cand in complete_checkpoints(root)[::-1]:  # the newest readable one
-            why = verify_checkpoint(cand)
-            if why is None:
-                ckpt = cand
-                break
-            warnings.warn(f"checkpoint {cand} is unreadable ({why}); trying the previous one", stacklevel=2)
-            print(f"[mta_repro.train] WARNING: checkpoint {cand} is unreadable ({why}); trying the previous one",
-                  file=sys.stderr, flush=True)
-    if ckpt is None:
-        raise UserError(f"{path}: no consolidated .pt and no complete (readable) checkpoint found")
-    run_dir = ckpt.parent.parent
-    cfg_file = run_dir / "config.yaml"
-    if not cfg_file.is_file():
-        raise UserError(f"{cfg_file}: missing; needed to rebuild the model for {ckpt}")
-    cfg = OmegaConf.load(cfg_file)
-    model = build_model(to_model_args(cfg.model), device="cpu", init=False)
-    sd = model.state_dict()
-    state = {"model": sd, "step": -1}
-    with warnings.catch_warnings():  # DCP warns that it loads in a single process: intended
-        warnings.simplefilter("ignore", UserWarning)
-        dcp.load(state, checkpoint_id=str(ckpt), no_dist=True)
-    return {k: v.float() if v.is_floating_point() else v for k, v in state["model"].items()}, int(state["step"])
+# What ``checkpoint.init_from`` loads (ours or the release's/Lingua's, in our key layout).
+load_init_weights = load_model_state

@@ -7,21 +7,18 @@ complete DCP checkpoint in a single process (no process group needed).
 
 from __future__ import annotations
 
-import warnings
 from pathlib import Path
 from typing import Optional, Union
 
-import torch.distributed.checkpoint as dcp
 from omegaconf import OmegaConf
 
 from mta_repro.errors import UserError
 from mta_repro.train.checkpoint import latest_checkpoint, save_file_atomic
+from mta_repro.weights import read_dcp_model
 
 
 def export_consolidated(run_dir: Union[str, Path], checkpoint: Optional[Path] = None) -> Path:
     """Write ``<run_dir>/export/consolidated.pt`` from ``checkpoint`` (default: latest)."""
-    from mta_repro.model import build_model, to_model_args
-
     run_dir = Path(run_dir)
     cfg_file = run_dir / "config.yaml"
     if not cfg_file.is_file():
@@ -30,18 +27,14 @@ def export_consolidated(run_dir: Union[str, Path], checkpoint: Optional[Path] = 
     if ckpt is None:
         raise UserError(f"{run_dir}/checkpoints: no complete checkpoint to export")
     cfg = OmegaConf.load(cfg_file)
-    model = build_model(to_model_args(cfg.model), device="cpu", init=False)
-    state = {"model": model.state_dict(), "step": -1}
-    # no_dist: this process reads every shard itself, whatever the saving world size.
-    with warnings.catch_warnings():  # DCP warns that it loads in a single process: intended
-        warnings.simplefilter("ignore", UserWarning)
-        dcp.load(state, checkpoint_id=str(ckpt), no_dist=True)
-    sd = {k: (v.float() if v.is_floating_point() else v).contiguous() for k, v in state["model"].items()}
+    # This process reads every shard itself, whatever the saving world size (fp32, CPU).
+    sd, step = read_dcp_model(ckpt)
+    sd = {k: (v.float() if v.is_floating_point() else v).contiguous() for k, v in sd.items()}
     out = run_dir / "export" / "consolidated.pt"
     out.parent.mkdir(parents=True, exist_ok=True)
     # atomic: readers never see a half-written export
     return save_file_atomic(
-        {"model": sd, "config": OmegaConf.to_container(cfg, resolve=True), "step": int(state["step"])}, out
+        {"model": sd, "config": OmegaConf.to_container(cfg, resolve=True), "step": int(step if step is not None else ckpt.name)}, out
     )
 
 

@@ -112,7 +112,7 @@ def _initial_weights(cfg: Any, ck: CheckpointArgs, model_args, is_main: bool) ->
     (``cfg`` is unused: kept for mta_repro.pipeline.check, which calls this.)"""
     if ck.init_from is None or not is_main:
         return None
-    from mta_repro.release import load_init_weights
+    from mta_repro.train.checkpoint import load_init_weights
 
     # Ours (load_model_state) or a release/Lingua checkpoint, in our key layout.
     sd, step = load_init_weights(ck.init_from)

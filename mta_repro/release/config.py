@@ -1,7 +1,8 @@
-"""The official release (facebookresearch/RAM ``projects/mta``, built on Meta Lingua) in and out.
+"""Config conversion: the official release's training YAML (or the ``params.json`` beside a
+Lingua checkpoint) -> our config, field by field (``release_to_config``,
+``release_file_to_config``; ``python -m mta_repro.release convert`` writes it as an experiment).
 
-Configs: a release training YAML (or the ``params.json`` beside a Lingua checkpoint) becomes
-our config, field by field. Fields absent from the YAML take the *release's* defaults
+Fields absent from the YAML take the *release's* defaults
 (``MTATransformerArgs``, ``BaseTransformerArgs``/``LMTransformerArgs``, Lingua's
 ``OptimArgs``, ``DistributedArgs``, ``DataArgs``, ...), which differ from ours: e.g. the
 release's key-query kernel sizes default to 1, so ``use_mta: true`` with no kernel sizes
@@ -10,29 +11,17 @@ builds a learned 1x1 per-head score scale in every MTA layer; ``rope_theta`` 100
 naming the field; fields without effect on training (profiling, dump_dir, wandb, eval,
 ...) are dropped with a note.
 
-    python -m mta_repro.release convert PATH [--name NAME] [--config-dir DIR] [--print] [key=value ...]
-    python -m mta_repro.params --release-config PATH          # same JSON as our Hydra config
-
 ``key=value`` overrides use the *release's* names (``model.vocab_size=32000``) and apply
-before conversion. The converted experiment trains with
-``python -m mta_repro.train experiment=<name> [data.root_dir=...]``; values that are
-placeholders in the release (``<path_to_dataset>``) become ``${release_placeholder:F}``,
-which fails naming the override to pass (``F=...``) only when read.
-
-Checkpoints: ``release_state_dict_to_ours`` maps a Lingua/release state dict (Lingua's
-key names, which are ours, plus wrapper prefixes and ``TiedLinear``'s
-``output.tied_module.weight``) to ours; ``release_checkpoint_path`` finds the
-``consolidated.pth`` in a Lingua ``consolidated/`` folder; ``load_init_weights`` (what
-``checkpoint.init_from`` loads) also reads Lingua's DCP step folders and dump dirs.
+before conversion. Values that are placeholders in the release (``<path_to_dataset>``)
+become ``${release_placeholder:F}``, which fails naming the override to pass (``F=...``)
+only when read.
 """
 
 from __future__ import annotations
 
-import argparse
 import copy
 import dataclasses
 import re
-import sys
 from pathlib import Path
 from typing import Any, Optional
 
@@ -288,7 +277,7 @@ def _placeholder(value: Any) -> bool:
 
 
 # --------------------------------------------------------------------------- conversion
-def convert(release: dict, name: str = "release", source: str = "") -> Conversion:
+def release_to_config(release: dict, name: str = "release", source: str = "") -> Conversion:
     """A release config dict -> our root config (plain dict) and notes."""
     given = _set_fields(release)
     r = _merge_defaults(release, RELEASE_DEFAULTS, "")
@@ -565,6 +554,8 @@ def _convert_model(m: dict, given: set[str], data: dict, tok_path: Optional[str]
         "attn_block_size": ours.attn_block_size,
         "kq_conv_layers": mta["mta_layers"],
         "mta": mta,
+        # Lingua's RoPE has no frequency scaling (rope_theta only): the plain frequencies.
+        "rope_scaling": dataclasses.asdict(ours.rope_scaling),
     }
     assert set(out) == {f.name for f in dataclasses.fields(ModelArgs)}, "ModelArgs gained a field: map it here"
     return out
@@ -626,14 +617,15 @@ def _get(d: dict, dotted: str) -> Any:
 
 def release_model_args(path: str | Path, overrides: tuple[str, ...] | list[str] = ()) -> ModelArgs:
     """Our ModelArgs for a release config file (what ``params --release-config`` counts)."""
-    return convert_file(path, overrides=overrides).model_args()
+    return release_file_to_config(path, overrides=overrides).model_args()
 
 
-def convert_file(path: str | Path, name: Optional[str] = None, overrides: tuple[str, ...] | list[str] = ()) -> Conversion:
+def release_file_to_config(path: str | Path, name: Optional[str] = None, overrides: tuple[str, ...] | list[str] = ()) -> Conversion:
+    """A release YAML or Lingua ``params.json`` (with release-named ``key=value`` overrides) -> our config."""
     path = Path(path)
     raw = load_release_config(path, overrides)
     try:
-        return convert(raw, name or default_name(path), source=str(path))
+        return release_to_config(raw, name or default_name(path), source=str(path))
     except ValueError as e:
         raise UserError(f"{path}: {e}") from None
 
@@ -673,166 +665,3 @@ def experiment_yaml(conv: Conversion, name: str) -> str:
         _set(config, field, "${release_placeholder:%s}" % field)
     body = yaml.safe_dump(config, sort_keys=False, default_flow_style=False)
     return "\n".join(head) + "\n" + body
-
-
-# --------------------------------------------------------------------------- checkpoints
-# Module wrappers that prefix parameter names (torch.compile, activation checkpointing,
-# FSDP1); they can sit at any depth (Lingua wraps blocks).
-_WRAPPERS = {"_orig_mod", "_checkpoint_wrapped_module", "_fsdp_wrapped_module"}
-# Buffers the release may carry that we recompute.
-_DROPPED = ("rope_embeddings.freqs_cis",)
-
-
-def release_state_dict_to_ours(sd: dict) -> dict:
-    """A Lingua/release model state dict -> ours (a new dict; tensors shared, not copied).
-
-    Key names are Lingua's on both sides; this removes wrapper path components
-    (``_orig_mod.``, ``_checkpoint_wrapped_module.``, ``_fsdp_wrapped_module.``, a leading
-    DDP ``module.``), drops the RoPE table buffer, and folds ``TiedLinear``'s
-    ``output.tied_module.weight`` into ``tok_embeddings.weight`` (refusing a tied copy that
-    differs). Our own state dicts pass through unchanged.
-    """
-    import torch
-
-    out: dict = {}
-    for key, value in sd.items():
-        parts = [p for p in key.split(".") if p not in _WRAPPERS]
-        if parts and parts[0] == "module":
-            parts = parts[1:]
-        new = ".".join(parts)
-        if new in out:
-            raise UserError(f"state dict: {key!r} and another key both map to {new!r}")
-        out[new] = value
-    for key in _DROPPED:
-        out.pop(key, None)
-    tied = out.pop("output.tied_module.weight", None)
-    if tied is not None:
-        emb = out.get("tok_embeddings.weight")
-        if emb is None:
-            out["tok_embeddings.weight"] = tied
-        elif emb.shape != tied.shape or not torch.equal(emb.to(tied.dtype), tied):
-            raise UserError(
-                "state dict: output.tied_module.weight differs from tok_embeddings.weight "
-                "(a tied output must be the embedding)"
-            )
-    return out
-
-
-def release_checkpoint_path(path: str | Path) -> Path:
-    """Where the weights of a release/Lingua checkpoint are: the ``consolidated.pth`` of a
-    ``consolidated/`` folder or of a step folder holding one; a Lingua step folder (DCP,
-    ``params.json``, no ``consolidated/``) itself; the newest such step of a Lingua
-    ``dump_dir`` (``<dump_dir>/checkpoints/<step:010d>``). Any other path unchanged."""
-    path = Path(path)
-    if not path.is_dir():
-        return path
-    for cand in (path / "consolidated.pth", path / "consolidated" / "consolidated.pth"):
-        if cand.is_file():
-            return cand
-    if _is_lingua_step(path):
-        return path
-    root = path / "checkpoints"
-    if root.is_dir():
-        steps = sorted(p for p in root.iterdir() if re.fullmatch(r"\d{10}", p.name) and _is_lingua_step(p))
-        if steps and not any((p / ".complete").exists() for p in root.iterdir()):
-            return release_checkpoint_path(steps[-1])
-    return path
-
-
-def _is_lingua_step(path: Path) -> bool:
-    # Lingua's CheckpointManager.save: DCP files + params.json (+ train_state_*.json); ours
-    # marks a finished save with .complete and has no params.json.
-    return (path / ".metadata").is_file() and (path / "params.json").is_file() and not (path / ".complete").exists()
-
-
-def load_release_dcp(path: str | Path) -> dict:
-    """The model weights of a Lingua DCP step folder (``{"model": ..., "optim": ...}`` as
-    Lingua's CheckpointManager saves it), read in this process, without the optimizer."""
-    import warnings
-
-    import torch
-    import torch.distributed.checkpoint as dcp
-
-    meta = dcp.FileSystemReader(str(path)).read_metadata()
-    sd = {}
-    for key, m in meta.state_dict_metadata.items():
-        if key.startswith("model.") and hasattr(m, "size"):  # tensors under "model"
-            sd[key[len("model."):]] = torch.empty(tuple(m.size), dtype=m.properties.dtype)
-    if not sd:
-        raise UserError(f"{path}: a DCP checkpoint without 'model' tensors (not a Lingua/release checkpoint?)")
-    state = {"model": sd}
-    with warnings.catch_warnings():  # DCP warns that it loads in a single process: intended
-        warnings.simplefilter("ignore", UserWarning)
-        dcp.load(state, checkpoint_id=str(path), no_dist=True)
-    return state["model"]
-
-
-def load_init_weights(path: str | Path) -> tuple[dict, Optional[int]]:
-    """What ``checkpoint.init_from`` loads, as our full state dict and its step: ours (run
-    dir, checkpoint dir, consolidated .pt) or the release's/Lingua's (``consolidated/``
-    folder or its ``consolidated.pth``, a step folder with or without ``consolidated/``,
-    a ``dump_dir``)."""
-    from mta_repro.train.checkpoint import load_model_state
-
-    src = release_checkpoint_path(path)
-    # Lingua names step folders <step:010d>; its consolidated.pth carries no step.
-    folder = src.parent.parent if src.name == "consolidated.pth" else src
-    lingua_step = int(folder.name) if re.fullmatch(r"\d{10}", folder.name) else None
-    if src.is_dir() and _is_lingua_step(src):
-        return release_state_dict_to_ours(load_release_dcp(src)), lingua_step
-    sd, step = load_model_state(src)
-    return release_state_dict_to_ours(sd), step if step is not None else lingua_step
-
-
-# --------------------------------------------------------------------------- CLI
-def main(argv: list[str]) -> int:
-    ap = argparse.ArgumentParser(
-        prog="python -m mta_repro.release",
-        description="Convert an official-release (facebookresearch/RAM projects/mta) training YAML "
-        "into configs/experiment/<name>.yaml.",
-    )
-    sub = ap.add_subparsers(dest="cmd", required=True)
-    c = sub.add_parser("convert", help="write configs/experiment/<name>.yaml from a release YAML or params.json")
-    c.add_argument("path")
-    c.add_argument("overrides", nargs="*", help="key=value with the release's field names, applied first")
-    c.add_argument("--name", default=None, help="experiment name (default release_<file stem>)")
-    c.add_argument("--config-dir", default=None,
-                   help="config root to write <dir>/experiment/<name>.yaml into (default: the project's configs/)")
-    c.add_argument("--print", action="store_true", help="print the YAML instead of writing it")
-    c.add_argument("--force", action="store_true", help="overwrite an existing file")
-    a, extra = ap.parse_known_args(argv)  # key=value may also follow the options
-    unknown = [x for x in extra if "=" not in x or x.startswith("-")]
-    if unknown:
-        ap.error(f"unrecognized arguments: {' '.join(unknown)}")
-    a.overrides = list(a.overrides) + extra
-    try:
-        name = a.name or default_name(a.path)
-        if not re.fullmatch(r"[A-Za-z0-9_\-]+", name):
-            raise UserError(f"--name {name!r}: use letters, digits, '_' and '-'")
-        conv = convert_file(a.path, name, a.overrides)
-        text = experiment_yaml(conv, name)
-        if a.print:
-            sys.stdout.write(text)
-        else:
-            from mta_repro.config import CONFIG_DIR
-
-            root = Path(a.config_dir) if a.config_dir else CONFIG_DIR
-            out_dir = root / "experiment"
-            out = out_dir / f"{name}.yaml"
-            if out.exists() and not a.force:
-                raise UserError(f"{out} exists; pass --force to overwrite or --name to choose another")
-            out_dir.mkdir(parents=True, exist_ok=True)
-            out.write_text(text)
-            print(f"wrote {out}", file=sys.stderr)
-            extra = "" if a.config_dir is None else f" 'hydra.searchpath=[file://{root.resolve()}]'"
-            print(f"train: python -m mta_repro.train experiment={name}{extra}", file=sys.stderr)
-        for n in conv.notes:
-            print(f"note: {n}", file=sys.stderr)
-    except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,140 @@
+"""Reading one candidate (``read_weights``) and the newest readable one of a path
+(``load_weights``)."""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+import warnings
+from pathlib import Path
+from typing import Any, Optional, Union
+
+from mta_repro.weights.find import Candidate, find_weights
+from mta_repro.weights.layout import COMPLETE
+from mta_repro.weights.lingua import release_state_dict_to_ours
+from mta_repro.weights.safe import CorruptFileError, UnsafeFileError, dcp_error_line, dcp_load, load_pt, \
+    read_dcp_metadata
+
+
+class FallbackWarning(UserWarning):
+    """Newer weights were unreadable and older ones are used. ``load_weights`` prints it as
+    one line on stderr; the warning is for callers that catch it (ignored by default)."""
+
+
+warnings.filterwarnings("ignore", category=FallbackWarning)
+
+
+@dataclasses.dataclass
+class Weights:
+    """A full model state dict in our key layout (float tensors as float32, on the CPU),
+    the step it was saved at (None if unknown) and the run config saved with it (a plain
+    dict; None for a Lingua/release checkpoint, whose config is a release config)."""
+
+    state: dict
+    step: Optional[int]
+    config: Optional[dict]
+    source: Candidate
+
+
+def read_dcp_model(path: Union[str, Path]) -> tuple[dict, Optional[int]]:
+    """The "model" tensors (and the "step", if saved) of a DCP step folder, ours or Lingua's
+    (``{"model": ..., "optim": ...}``), read in this process without the optimizer: the
+    tensors are allocated from the metadata, so no model config is needed."""
+    import torch
+
+    meta = read_dcp_metadata(path)
+    sd = {}
+    for key, m in meta.state_dict_metadata.items():
+        if key.startswith("model.") and hasattr(m, "size"):  # tensors under "model"
+            sd[key[len("model."):]] = torch.empty(tuple(m.size), dtype=m.properties.dtype)
+    if not sd:
+        raise CorruptFileError(f"{path}: a DCP checkpoint without 'model' tensors (not a training checkpoint?)")
+    state: dict[str, Any] = {"model": sd}
+    if "step" in meta.state_dict_metadata:
+        state["step"] = -1
+    dcp_load(state, path, no_dist=True)
+    step = state.get("step")
+    return state["model"], int(step) if isinstance(step, int) and step >= 0 else None
+
+
+def read_weights(candidate: Candidate) -> Weights:
+    """Read one candidate of ``find_weights``. ``CorruptFileError`` (naming the file) if it
+    is damaged; ``UnsafeFileError`` if it would need unpickling code (never loaded)."""
+    c = candidate
+    if c.problem:
+        raise CorruptFileError(c.problem)
+    if c.kind == "consolidated":
+        blob = load_pt(c.path)
+        if not isinstance(blob, dict) or "model" not in blob or not isinstance(blob["model"], dict):
+            raise CorruptFileError(f"{c.path}: expected a consolidated checkpoint (a dict with key 'model')")
+        config = blob.get("config")
+        if config is not None and not isinstance(config, dict):
+            raise CorruptFileError(f"{c.path}: its 'config' is a {type(config).__name__}, expected a mapping")
+        step = blob.get("step")
+        state, step = blob["model"], int(step) if step is not None else c.step
+    elif c.kind == "dcp":
+        try:
+            state, step = read_dcp_model(c.path)
+        except (UnsafeFileError, CorruptFileError):
+            raise
+        except BaseException as e:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
+            if isinstance(e, (KeyboardInterrupt, SystemExit)):
+                raise
+            raise CorruptFileError(f"checkpoint {c.path} is unreadable ({dcp_error_line(e)})") from None
+        step = step if step is not None else c.step
+        config = _run_config(c.path)
+    else:
+        raise TypeError(f"unknown weights kind {c.kind!r} (find_weights makes 'consolidated' or 'dcp')")
+    state = {k: v.float() if v.is_floating_point() else v for k, v in release_state_dict_to_ours(state).items()}
+    return Weights(state, step, config, c)
+
+
+def _run_config(ckpt: Path) -> Optional[dict]:
+    """The resolved config of the run a checkpoint of ours belongs to (config.yaml)."""
+    cfg_file = ckpt.parent.parent / "config.yaml"
+    if not (ckpt / COMPLETE).exists() or not cfg_file.is_file():
+        return None
+    from omegaconf import OmegaConf
+
+    return OmegaConf.to_container(OmegaConf.load(cfg_file))
+
+
+def read_config(candidate: Candidate) -> Optional[dict]:
+    """The run config saved with a candidate, without reading its tensors."""
+    if candidate.kind == "consolidated":
+        if candidate.problem:
+            raise CorruptFileError(candidate.problem)
+        blob = load_pt(candidate.path)
+        config = blob.get("config") if isinstance(blob, dict) else None
+        return config if isinstance(config, dict) else None
+    return _run_config(candidate.path)
+
+
+def notice(msg: str, who: str = "mta_repro") -> None:
+    """One line on stderr (and a ``FallbackWarning`` for callers that catch it)."""
+    print(f"[{who}] WARNING: {' '.join(msg.split())}", file=sys.stderr, flush=True)
+    warnings.warn(msg, FallbackWarning, stacklevel=3)
+
+
+def load_weights(path: Union[str, Path], who: str = "mta_repro") -> Weights:
+    """The newest readable weights of ``path`` (``find_weights``' order). A damaged newer
+    candidate is named in one line and the next one is used; if none can be read, the
+    error names each. An unsafe file is refused, never skipped."""
+    candidates = find_weights(path)
+    errors = []
+    for i, c in enumerate(candidates):
+        try:
+            w = read_weights(c)
+        except CorruptFileError as e:
+            errors.append(str(e))
+            if i + 1 < len(candidates):
+                nxt = candidates[i + 1]
+                step = f" (step {nxt.step})" if nxt.step is not None else ""
+                notice(f"{e}; falling back to {nxt.path}{step}", who)
+            continue
+        stale = [x for x in candidates[i + 1:] if x.kind == "consolidated" and x.step is not None]
+        if c.kind == "dcp" and stale and w.step is not None:
+            notice(f"checkpoint {c.path} (step {w.step}) is newer than {stale[0].path} (step {stale[0].step}); "
+                   "using the newer checkpoint (re-export with python -m mta_repro.train.export)", who)
+        return w
+    raise CorruptFileError(errors[0] if len(errors) == 1 else "; ".join(errors))
