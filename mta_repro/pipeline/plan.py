@@ -421,15 +421,15 @@ def _finished(run_dir: Path, steps: int) -> Optional[Path]:
 
 def imported_from(pt: Path) -> Optional[str]:
     """The folder a ``python -m mta_repro.hf import`` .pt was read from, or None when the
-    file is not there or not a complete import (a truncated or foreign file). Read as data
-    only (weights_only) and memory-mapped: the weights are not read."""
+    file is not there or not a complete import (truncated, or not an import). Read as data
+    only (``mta_repro.weights.load_pt``) and memory-mapped: the weights are not read."""
     if not pt.is_file():
         return None
-    import torch
+    from mta_repro.weights import CorruptFileError, load_pt
 
-    try:
-        blob = torch.load(pt, map_location="cpu", weights_only=True, mmap=True)
-    except Exception:  # noqa: BLE001 - truncated, not a zip archive, foreign objects: not done
+    try:  # a file that would unpickle code raises UnsafeFileError (one line), as for the runs
+        blob = load_pt(pt)
+    except (CorruptFileError, OSError):  # truncated (not written by the atomic save), not a torch file
         return None
     if not isinstance(blob, dict) or not isinstance(blob.get("model"), dict) or "config" not in blob:
         return None

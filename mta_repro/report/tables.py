@@ -91,15 +91,16 @@ def run_stage(cfg: Optional[dict]) -> str:
 
 
 def _pt_header(pt: Path) -> Optional[dict]:
-    """{"config", "source"} of a consolidated .pt, read as data only and memory-mapped (the
-    weights are not read); None when it is not there or not readable."""
+    """{"config", "source"} of a consolidated .pt, read as data only and memory-mapped
+    (``mta_repro.weights.load_pt``: the weights are not read); None when it is not there or
+    not readable (unsafe files included: the stage then comes from the run's own config)."""
     if not pt.is_file():
         return None
-    import torch
+    from mta_repro.weights import load_pt
 
     try:
-        blob = torch.load(pt, map_location="cpu", weights_only=True, mmap=True)
-    except Exception:  # noqa: BLE001 - not there on this machine, truncated, foreign: unknown
+        blob = load_pt(pt)
+    except (UserError, OSError):  # not there on this machine, truncated, foreign objects: unknown
         return None
     return {"config": blob.get("config"), "source": blob.get("source")} if isinstance(blob, dict) else None
 
