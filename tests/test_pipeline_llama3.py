@@ -164,3 +164,38 @@ def test_plan_errors_name_the_field(tmp_path):
     spec["imports"] = ["x"]
     with pytest.raises(UserError, match=r"pipeline.imports: expected a map"):
         Plan(OmegaConf.create(spec), tmp_path / "runs")
+
+
+def test_slurm_chain_import_check_train(finished, tmp_path, monkeypatch):
+    """launcher=slurm against a stand-in sbatch: the import first (CPU), the check after it,
+    the MTA run after both, the control after the import; scripts are valid bash."""
+    import stat
+    import subprocess
+
+    from mta_repro.pipeline.run import submit_slurm
+
+    _, folder, _ = finished
+    log = tmp_path / "sbatch.log"
+    log.touch()
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for name, body in (("sbatch", f'n=$(( $(wc -l < {log}) + 100 ))\necho "$n $*" >> {log}\necho "$n"\n'),
+                       ("squeue", "exit 0\n")):
+        (bin_dir / name).write_text("#!/bin/bash\n" + body)
+        (bin_dir / name).chmod((bin_dir / name).stat().st_mode | stat.S_IEXEC)
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    root = tmp_path / "runs"
+    plan = Plan(OmegaConf.create(_spec(folder)), root)
+    assert submit_slurm(plan, log=lambda *_: None) == 0
+    calls = {c.split()[-1]: (c.split()[0], [a for a in c.split()[1:-1] if a.startswith("--dependency")])
+             for c in log.read_text().splitlines()}
+    job = lambda rel, kind: calls[str(root / rel / "slurm" / f"pipeline_{kind}.sbatch")]  # noqa: E731
+    imp, chk = job("imports/tiny_llama", "import"), job("tiny_llama/mta", "check")
+    assert imp[1] == [] and chk[1] == [f"--dependency=afterok:{imp[0]}"]
+    assert job("tiny_llama/mta", "train")[1] == [f"--dependency=afterok:{imp[0]}:{chk[0]}"]
+    assert job("tiny_llama/baseline", "train")[1] == [f"--dependency=afterok:{imp[0]}"]
+    assert job("report", "report")[1][0].startswith("--dependency=afterany:") and len(calls) == 7
+    script = root / "imports" / "tiny_llama" / "slurm" / "pipeline_import.sbatch"
+    text = script.read_text()
+    assert "--gpus-per-node" not in text and f"-m mta_repro.hf import {folder} " in text
+    assert subprocess.run(["bash", "-n", str(script)]).returncode == 0
