@@ -1,5 +1,6 @@
 """Appendix I on the public Llama 3 checkpoints: model configs, memory pre-flight, pipeline plan."""
 
+import os
 import subprocess
 import sys
 
@@ -38,10 +39,34 @@ def test_insertion_experiments_fit_an_h200_with_fsdp(experiment):
 
 def test_appendix_i_llama3_pipeline_dry_run_prints_plan_and_every_sbatch(tmp_path):
     r = subprocess.run([sys.executable, "-m", "mta_repro.pipeline", "pipeline=appendix_i_llama3", "launcher=slurm",
-                        f"root={tmp_path}", "--dry-run"], capture_output=True, text=True, timeout=600)
+                        f"root={tmp_path}", "--dry-run"], capture_output=True, text=True, timeout=600,
+                       env={k: v for k, v in os.environ.items() if k != "LLAMA3_DIR"})
     assert r.returncode == 0, r.stderr[-2000:]
     out = r.stdout + r.stderr
-    assert "pipeline appendix_i_llama3: 13 jobs" in out
+    # per model: import (CPU) -> Appendix I check of the insertion -> MTA + control -> 2 evals; 1 report
+    assert "pipeline appendix_i_llama3: 19 jobs" in out
     for e in EXPERIMENTS:
         assert f"experiment={e} " in out
-    assert out.count("#!/bin/bash") == 13
+    assert out.count("#!/bin/bash") == 19
+    for m, folder in (("2_1b", "Llama-3.2-1B"), ("2_3b", "Llama-3.2-3B"), ("1_8b", "Llama-3.1-8B")):
+        pt = tmp_path / "imports" / f"llama3_{m}" / "consolidated.pt"
+        # the import reads the user's own folder (LLAMA3_DIR, default /checkpoints/llama3) into the run root
+        assert f"-m mta_repro.hf import /checkpoints/llama3/{folder} {pt}\n" in out
+        assert f"note: pipeline.imports.llama3_{m}: /checkpoints/llama3/{folder}/config.json does not exist" in out
+        imp, chk = f"<import:llama3_{m}>", f"<check:llama3_{m}/mta>"
+        assert f"# ---- import:llama3_{m}: sbatch  {pt.parent}/slurm/pipeline_import.sbatch" in out
+        assert f"# ---- check:llama3_{m}/mta: sbatch --dependency=afterok:{imp} " in out
+        assert f"# ---- train:llama3_{m}/mta: sbatch --dependency=afterok:{imp}:{chk} " in out
+        assert f"# ---- train:llama3_{m}/baseline: sbatch --dependency=afterok:{imp} " in out
+        assert f"# ---- eval:llama3_{m}/mta: sbatch --dependency=afterok:<train:llama3_{m}/mta> " in out
+        for v in ("mta", "baseline"):  # every run starts from the imported file, not $LLAMA3_IMPORTS
+            assert f"experiment=mta_insertion_llama3_{m}{'' if v == 'mta' else '_control'} checkpoint.init_from={pt} " \
+                   f"run_dir={tmp_path / f'llama3_{m}' / v}" in out
+        assert f"-m mta_repro.pipeline.check experiment=mta_insertion_llama3_{m} checkpoint.init_from={pt} " in out
+    # the import job: CPU only; the check: one GPU
+    imp_script = out.split("# ---- import:llama3_1_8b:")[1].split("# ----")[0]
+    assert "--gpus-per-node" not in imp_script and "#SBATCH --job-name=import_llama3_1_8b" in imp_script
+    chk_script = out.split("# ---- check:llama3_1_8b/mta:")[1].split("# ----")[0]
+    assert "#SBATCH --gpus-per-node=1" in chk_script
+    report = next(l for l in out.splitlines() if l.startswith("# ---- report: sbatch --dependency=afterany:"))
+    assert report.count("<") == 18

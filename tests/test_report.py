@@ -252,3 +252,61 @@ def test_report_errors_and_missing_eval(tmp_path, capsys):
     assert "python -m mta_repro.eval" in (tmp_path / "o2" / "report.md").read_text()
     assert main([str(trained), "--label", "nope"]) == 2
     assert "--label expects DIR=NAME" in capsys.readouterr().err
+
+
+def _fake_import(path: Path, model: str) -> Path:
+    """What ``python -m mta_repro.hf import`` writes, without weights: {model, config, step, source}."""
+    import torch
+
+    cfg = OmegaConf.to_container(compose([f"model={model}"]), resolve=True)  # data: the default (256), not trained
+    path.parent.mkdir(parents=True, exist_ok=True)
+    torch.save({"model": {}, "config": cfg, "step": 0, "source": f"/checkpoints/{model}"}, path)
+    return path
+
+
+def test_appendix_i_rows_compare_with_their_own_models_pair(tmp_path):
+    """Appendix I of the paper: each insertion and control row beside its own model's
+    average perplexity (MTA vs control): 1.4B 10.61 / 10.69, Llama 3.2 1B 10.46 / 10.53,
+    3.2 3B 8.89 / 8.93, 3.1 8B 8.48 / 8.53 (values written out here, not read from the code)."""
+    want = {"1b": (10.61, 10.69), "llama3_2_1b": (10.46, 10.53), "llama3_2_3b": (8.89, 8.93),
+            "llama3_1_8b": (8.48, 8.53)}
+    steps = {"1b": 40_054, "llama3_2_1b": 40_054, "llama3_2_3b": 40_054, "llama3_1_8b": 20_218}
+    pre_b = _fake_run(tmp_path / "pre_b", ["data.seq_len=2048", "model=1b", "attention=baseline"], "baseline", 11.3)
+    dirs = []
+    for m, (p_mta, p_ctl) in want.items():
+        src = pre_b if m == "1b" else _fake_import(tmp_path / "imports" / f"{m}.pt", m)
+        ins = ["data.seq_len=2048", f"model={m}", "attention=mta", "model.mta.group_norm=false",
+               "model.mta.add_gating=false", "checkpoint.init_mode=baseline_to_mta"]
+        dirs.append(_fake_run(tmp_path / f"{m}_mta", ins, "mta", p_mta - 0.01, steps[m], src))
+        dirs.append(_fake_run(tmp_path / f"{m}_ctl", ["data.seq_len=2048", f"model={m}", "attention=baseline"],
+                              "baseline", p_ctl + 0.02, steps[m], src))
+    # a control whose imported .pt is not on this machine: Llama 3's RoPE scaling says it is one
+    gone = _fake_run(tmp_path / "gone_ctl", ["data.seq_len=2048", "model=llama3_2_3b", "attention=baseline"],
+                     "baseline", 9.0, 40_054, tmp_path / "elsewhere" / "llama3_2_3b.pt")
+    out = tmp_path / "rep"
+    build_report([pre_b, *dirs, gone], out, kernels=False)
+    _, ppl = _csv(out / "ppl.csv")
+    for m, (p_mta, p_ctl) in want.items():
+        r_mta, r_ctl = ppl[f"{m}_mta"], ppl[f"{m}_ctl"]
+        assert r_mta["stage"] == "MTA insertion" and r_ctl["stage"] == "continued training", m
+        assert float(r_mta["paper avg"]) == p_mta and float(r_ctl["paper avg"]) == p_ctl, m
+        assert float(r_mta["paper Δ"]) == pytest.approx(p_mta - p_ctl), m
+        # against its own control (same model), not another model's
+        assert float(r_mta["Δ vs baseline"]) == pytest.approx((p_mta - 0.01) - (p_ctl + 0.02)), m
+        assert r_mta["vs paper"] == "yes" and r_ctl["vs paper"] == "yes", m
+    assert ppl["gone_ctl"]["stage"] == "continued training" and float(ppl["gone_ctl"]["paper avg"]) == 8.93
+    md = (out / "report.md").read_text()
+    for what in ("MTA insertion: the paper's Llama 3.2 1B + 10.5B tokens (Appendix I)",
+                 "MTA insertion: the paper's Llama 3.1 8B + 5.3B tokens (Appendix I)",
+                 "continued training: the paper's Llama 3.2 3B trained on for 10.5B tokens (Appendix I control)",
+                 "MTA insertion: the paper's 1.4B + 10.5B tokens (Appendix I)"):
+        assert what in md, what
+    # fewer steps than the appendix's budget for that model: not comparable, and why
+    short = _fake_run(tmp_path / "short", ["data.seq_len=2048", "model=llama3_1_8b", "attention=mta",
+                                           "model.mta.group_norm=false", "model.mta.add_gating=false",
+                                           "checkpoint.init_mode=baseline_to_mta"], "mta", 8.6, 100,
+                      tmp_path / "imports" / "llama3_1_8b.pt")
+    build_report([short], tmp_path / "rep2", kernels=False)
+    _, ppl = _csv(tmp_path / "rep2" / "ppl.csv")
+    assert float(ppl["short"]["paper avg"]) == 8.48
+    assert ppl["short"]["vs paper"] == "no: 100 of the paper's 20,218 steps"

@@ -6,7 +6,8 @@ A pipeline config (``configs/pipeline/<name>.yaml``, the ``pipeline`` node) list
 * ``train_overrides``: Hydra overrides every training stage gets (e.g. a CPU size);
 * ``stages``: in order, each ``{name, experiment, variants, init_from, overrides, sweep,
   eval, check_first_loss, continue_data}``. ``experiment`` and ``overrides`` may use
-  ``{variant}``; ``experiment`` may also be a {variant: experiment} map. ``init_from``
+  ``{variant}``; ``experiment`` may also be a {variant: experiment} map, ``overrides`` a
+  {variant: [overrides]} map. ``init_from``
   names the stage whose run hands its weights over (same variant), or ``stage/variant``.
   ``sweep: true`` expands the experiment's Hydra sweep (``hydra.sweeper.params``) into one
   run per point. ``eval``: overrides of ``python -m mta_repro.eval`` for this stage's runs
@@ -14,7 +15,14 @@ A pipeline config (``configs/pipeline/<name>.yaml``, the ``pipeline`` node) list
   ``continue_data``: read the training data from where the ``init_from`` run stopped
   (``mta_repro.pipeline.data``), not from the start of the stream again;
 * ``lm_eval_local``: {task: {split: file}} lm-eval tasks over local files (written as
-  ``<task>_local`` YAMLs under ``<root>/lm_eval_tasks`` and put on ``lm_eval.include_path``).
+  ``<task>_local`` YAMLs under ``<root>/lm_eval_tasks`` and put on ``lm_eval.include_path``);
+* ``imports``: {name: local Hugging Face Llama folder} (your own download, e.g. Meta's
+  Llama 3.2 1B; nothing is fetched from a hub): one ``import:<name>`` job per entry runs
+  ``python -m mta_repro.hf import <folder> <root>/imports/<name>/consolidated.pt`` (CPU);
+  a stage's ``init_from: import:<name>`` starts from that file (after the import job), and
+  its ``check_first_loss`` checks the insertion against it (docs/llama3.md).
+  ``check_first_loss`` may also be a list of variants (e.g. ``[mta]``: the control, which
+  starts from the source unchanged, needs no check).
 
 Every run lives at ``<root>/<stage>/<variant>`` (sweeps: ``<root>/<stage>/<point>``, the
 point named by the experiment's own run_dir, i.e. by the swept values), given to the
@@ -24,7 +32,8 @@ A job is done when its output is there: a training run when ``export/consolidate
 holds the configured last step (the trainer exports only after the last step; with
 ``checkpoint.export=false``, the complete checkpoint of that step), an evaluation when
 every task's JSON is newer than that, the Appendix I check when its
-JSON says ok, the report when its ``results.json`` is newer than every evaluation.
+JSON says ok, an import when its ``.pt`` is there (written atomically) and was read from
+the configured folder, the report when its ``results.json`` is newer than every evaluation.
 """
 
 from __future__ import annotations
@@ -47,14 +56,15 @@ VARIANTS = ("baseline", "diff", "talking_heads", "mta")
 STAGE_KEYS = {"name", "experiment", "variants", "init_from", "overrides", "sweep", "eval", "check_first_loss",
               "continue_data"}
 PIPELINE_KEYS = {"name", "variants", "train_overrides", "stages", "lm_eval_local", "report", "appendix_i_tol",
-                 "slurm"}
+                 "slurm", "imports"}
+IMPORT_PREFIX = "import:"  # init_from: import:<name> = the imports entry <name>
 CONTINUE_LOADER = "mta_repro.pipeline.data:build_continued_loader"
 
 
 @dataclass
 class Job:
-    id: str  # "train:pretrain/mta", "eval:pretrain/mta", "check:insertion/mta", "report"
-    kind: str  # train | eval | check | report
+    id: str  # "train:pretrain/mta", "eval:pretrain/mta", "check:insertion/mta", "import:llama3_2_1b", "report"
+    kind: str  # train | eval | check | import | report
     run_dir: Path  # the run (report: the report's output directory)
     command: list  # argv
     deps: list = field(default_factory=list)  # job ids
@@ -65,6 +75,8 @@ class Job:
     eval_tasks: list = field(default_factory=list)  # eval: task names
     eval_out: Optional[Path] = None  # eval: where the JSONs go
     runs: list = field(default_factory=list)  # report: run dirs
+    hf_dir: Optional[Path] = None  # import: the local Hugging Face folder read
+    out_file: Optional[Path] = None  # import: the consolidated .pt written
 
     def shell(self) -> str:
         return " ".join(shlex.quote(str(a)) for a in self.command)
@@ -154,6 +166,24 @@ def sweep_points(experiment: str) -> list:
     return [list(c) for c in itertools.product(*axes)]
 
 
+def _overrides(stage, variant: str, where: str) -> list:
+    """A stage's ``overrides``: a list (may use {variant}), or a {variant: list} map."""
+    ov = stage.get("overrides")
+    if isinstance(ov, (dict, DictConfig)):
+        return _list(ov.get(variant), f"{where}.overrides.{variant}")
+    return _list(ov, f"{where}.overrides")
+
+
+def _checks(stage, variant: str, where: str) -> bool:
+    """Whether ``check_first_loss`` (true/false or a list of variants) asks for this variant's check."""
+    v = stage.get("check_first_loss")
+    if isinstance(v, (list, tuple, ListConfig)):
+        return variant in [str(x) for x in v]
+    if v is None or isinstance(v, bool):
+        return bool(v)
+    raise UserError(f"{where}.check_first_loss: expected true/false or a list of variants, got {v!r}")
+
+
 def _safe_name(name: str) -> str:
     """A directory name that needs no quoting in a Hydra override (``2,6,10`` -> ``2-6-10``)."""
     return "".join(c if c.isalnum() or c in "._-" else "-" for c in name)
@@ -188,6 +218,7 @@ class Plan:
                 raise UserError(f"pipeline.variants: unknown variant {v!r}; expected any of {list(VARIANTS)}")
         if not s.get("stages"):
             raise UserError("pipeline.stages: empty; expected a list of stages")
+        imports = self._imports()
         names = []
         for i, st in enumerate(s.stages):
             where = f"pipeline.stages[{i}]"
@@ -201,13 +232,36 @@ class Plan:
             if st.get("experiment") is None:
                 raise UserError(f"{where}.experiment: required (a configs/experiment name, may use {{variant}})")
             src = st.get("init_from")
-            if src is not None and str(src).split("/")[0] not in names:
-                raise UserError(f"{where}.init_from: {src!r} is not an earlier stage (earlier: {names})")
+            imported = src is not None and str(src).startswith(IMPORT_PREFIX)
+            if imported and str(src)[len(IMPORT_PREFIX):] not in imports:
+                raise UserError(f"{where}.init_from: {src!r}: no such entry in pipeline.imports "
+                                 f"(has {sorted(imports)})")
+            if src is not None and not imported and str(src).split("/")[0] not in names:
+                raise UserError(f"{where}.init_from: {src!r} is not an earlier stage (earlier: {names})"
+                                 + (f" nor import:<name> of pipeline.imports ({sorted(imports)})" if imports else ""))
             if st.get("check_first_loss") and src is None:
                 raise UserError(f"{where}.check_first_loss: needs init_from (the source model)")
-            if st.get("continue_data") and src is None:
-                raise UserError(f"{where}.continue_data: needs init_from (the run whose data position it continues)")
+            if st.get("continue_data") and (src is None or imported):
+                raise UserError(f"{where}.continue_data: needs init_from of an earlier stage (the run whose data "
+                                 "position it continues)")
             names.append(st.name)
+
+    def _imports(self) -> dict:
+        """{name: absolute folder} of ``pipeline.imports``."""
+        node = self.spec.get("imports")
+        if node is None:
+            return {}
+        if not isinstance(node, (dict, DictConfig)):
+            raise UserError(f"pipeline.imports: expected a map {{name: local Hugging Face folder}}, got {node!r}")
+        out = {}
+        for name, folder in node.items():
+            if _safe_name(str(name)) != str(name) or not str(name):
+                raise UserError(f"pipeline.imports: {name!r}: a name of letters, digits, '.', '_', '-' expected")
+            if not isinstance(folder, (str, Path)) or not str(folder):
+                raise UserError(f"pipeline.imports.{name}: expected the path of a local Hugging Face model folder "
+                                 f"(config.json + safetensors), got {folder!r}")
+            out[str(name)] = Path(str(folder)).expanduser().resolve()
+        return out
 
     def _build(self) -> None:
         self._validate()
@@ -220,13 +274,20 @@ class Plan:
         pipeline_variants = _list(s.get("variants"), "pipeline.variants")
         include = self._lm_eval_include()
         evals = []
+        imported: dict[str, Path] = {}  # import name -> the .pt its job writes
+        for name, folder in self._imports().items():
+            out = self.root / "imports" / name / "consolidated.pt"
+            imported[name] = out
+            self.jobs.append(Job(f"{IMPORT_PREFIX}{name}", "import", out.parent,
+                                 [self.python, "-m", "mta_repro.hf", "import", str(folder), str(out)],
+                                 [], "imports", name, hf_dir=folder, out_file=out))
         for i, st in enumerate(s.stages):
             where = f"pipeline.stages[{i}]"
             variants = _list(st.get("variants"), f"{where}.variants") or pipeline_variants
             for variant in variants:
                 exp = _experiment(st, variant, where)
                 base = [f"experiment={exp}"] + common + [
-                    _fmt(o, variant, f"{where}.overrides") for o in _list(st.get("overrides"), f"{where}.overrides")]
+                    _fmt(o, variant, f"{where}.overrides") for o in _overrides(st, variant, where)]
                 points = [(variant, [])]
                 if st.get("sweep"):
                     points = []
@@ -250,7 +311,11 @@ class Plan:
                         ov.append("hydra.mode=RUN")  # one point per job, not the experiment's multirun
                     deps = []
                     src_dir = None
-                    if st.get("init_from") is not None:
+                    if st.get("init_from") is not None and str(st.init_from).startswith(IMPORT_PREFIX):
+                        src_dir = imported[str(st.init_from)[len(IMPORT_PREFIX):]]
+                        ov.append(f"checkpoint.init_from={src_dir}")
+                        deps.append(str(st.init_from))
+                    elif st.get("init_from") is not None:
                         src = str(st.init_from)
                         src_label = src if "/" in src else f"{src}/{variant}"
                         if src_label not in self.train_dirs:
@@ -265,7 +330,7 @@ class Plan:
                     # a typo or a missing field fails here, before any job
                     cfg = c.train(ov)
                     self.train_dirs[label] = run_dir
-                    if st.get("check_first_loss"):
+                    if _checks(st, variant, where):
                         tol = float(s.get("appendix_i_tol", 1e-4))
                         self.jobs.append(Job(
                             f"check:{label}", "check", run_dir,
@@ -354,7 +419,34 @@ def _finished(run_dir: Path, steps: int) -> Optional[Path]:
     return None
 
 
+def imported_from(pt: Path) -> Optional[str]:
+    """The folder a ``python -m mta_repro.hf import`` .pt was read from, or None when the
+    file is not there or not a complete import (truncated, or not an import). Read as data
+    only (``mta_repro.weights.load_pt``) and memory-mapped: the weights are not read."""
+    if not pt.is_file():
+        return None
+    from mta_repro.weights import CorruptFileError, load_pt
+
+    try:  # a file that would unpickle code raises UnsafeFileError (one line), as for the runs
+        blob = load_pt(pt)
+    except (CorruptFileError, OSError):  # truncated (not written by the atomic save), not a torch file
+        return None
+    if not isinstance(blob, dict) or not isinstance(blob.get("model"), dict) or "config" not in blob:
+        return None
+    return str(blob.get("source")) if blob.get("source") is not None else None
+
+
+def missing_sources(plan: "Plan") -> list:
+    """One line per import job still to run whose folder is not a Hugging Face model folder."""
+    return [f"pipeline.imports.{j.label}: {j.hf_dir}/config.json does not exist (expected your "
+            "local download of the Hugging Face model folder, docs/llama3.md)"
+            for j in plan.jobs if j.kind == "import" and not done(j) and not (j.hf_dir / "config.json").is_file()]
+
+
 def done(job: Job) -> bool:
+    if job.kind == "import":
+        src = imported_from(job.out_file)
+        return src is not None and Path(src).expanduser().resolve() == job.hf_dir
     if job.kind == "train":
         return _finished(job.run_dir, job.steps or 0) is not None
     if job.kind == "check":

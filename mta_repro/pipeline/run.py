@@ -12,7 +12,8 @@ import time
 from pathlib import Path
 from string import Template
 
-from mta_repro.pipeline.plan import REPO, Job, Plan, done
+from mta_repro.errors import UserError
+from mta_repro.pipeline.plan import REPO, Job, Plan, done, missing_sources
 from mta_repro.slurm import memory_lines, time_limit
 
 # Evaluation, Appendix I check and report jobs: one process on one node.
@@ -41,6 +42,11 @@ ${command}
 # which runs lack an export or evaluation results, and reports what exists. It reads JSON
 # files and draws plots: 2 CPUs for an hour.
 REPORT_CPUS, REPORT_TIME_MIN = 2, 60
+# The import of a Hugging Face folder (python -m mta_repro.hf import): CPU only, one
+# tensor at a time from memory-mapped shards (host memory ~1.5x the checkpoint: ~24 GB for
+# Llama 3.1 8B in bf16; set pipeline.slurm.mem if the cluster's default per-CPU memory
+# gives less); minutes, mostly reading the files.
+IMPORT_CPUS, IMPORT_TIME_MIN = 4, 120
 
 
 def _missing_report_inputs(job: Job) -> str:
@@ -67,9 +73,10 @@ def job_script(job: Job, slurm: dict) -> str:
         script, _ = render(list(job.overrides), **kwargs)
         return script
     report = job.kind == "report"
-    gpus = int(slurm.get("gpus_per_node", 1)) if not report else 0
+    cpu_only = report or job.kind == "import"
+    gpus = int(slurm.get("gpus_per_node", 1)) if not cpu_only else 0
     extra = "\n".join(f"#SBATCH --{k}={slurm[k]}" for k in ("partition", "account", "qos") if slurm.get(k))
-    cpus = int(slurm.get("cpus_per_task", 12)) if not report else REPORT_CPUS
+    cpus = REPORT_CPUS if report else (IMPORT_CPUS if job.kind == "import" else int(slurm.get("cpus_per_task", 12)))
     name = f"{job.kind}_{job.label}".replace("/", "_") if not report else "mta_report"
     command = job.shell() if not report else _missing_report_inputs(job) + "\n" + job.shell()
     return JOB_TEMPLATE.substitute(
@@ -77,7 +84,8 @@ def job_script(job: Job, slurm: dict) -> str:
         gpu_sbatch=f"#SBATCH --gpus-per-node={gpus}\n" if gpus > 0 else "",
         cpus=cpus,
         mem_sbatch=memory_lines(slurm.get("mem"), False) if not report else "",
-        time=time_limit(slurm.get("time_min", 720) if not report else REPORT_TIME_MIN),
+        time=time_limit(REPORT_TIME_MIN if report else (IMPORT_TIME_MIN if job.kind == "import"
+                                                         else slurm.get("time_min", 720))),
         log_dir=shlex.quote(str(job.run_dir / "slurm")),
         extra_sbatch=extra,
         job_id=job.id,
@@ -98,6 +106,7 @@ def run_local(plan: Plan, log=print) -> int:
     if not todo:
         log(f"pipeline: nothing to do, all {len(plan.jobs)} jobs are done ({plan.root})")
         return 0
+    _require_sources(plan)
     if any(j.kind == "eval" for j in todo):
         plan.write_lm_eval_tasks()
     env = dict(os.environ)
@@ -151,6 +160,11 @@ def submit_slurm(plan: Plan, dry_run: bool = False, log=print) -> int:
     state_f = _state_file(plan)
     previous = json.loads(state_f.read_text()) if state_f.is_file() else {}
     alive = _alive(list(previous.values())) if not dry_run else set()
+    if dry_run:
+        for line in missing_sources(plan):
+            log(f"# note: {line}")
+    else:
+        _require_sources(plan)
     ids: dict = {}
     if not dry_run and any(j.kind == "eval" and not done(j) for j in plan.jobs):
         plan.write_lm_eval_tasks()
@@ -184,6 +198,13 @@ def submit_slurm(plan: Plan, dry_run: bool = False, log=print) -> int:
         log(f"pipeline: {submitted} job(s) submitted; rerun this command after they end (it skips what is done "
             f"and resubmits what is not); report: {plan.root / 'report' / 'report.md'}")
     return 0
+
+
+def _require_sources(plan: Plan) -> None:
+    """Refuse to start when an import's folder is missing: before any job, not hours in."""
+    missing = missing_sources(plan)
+    if missing:
+        raise UserError(missing[0] + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
 
 
 def _submit(path: Path, dep_args) -> str:

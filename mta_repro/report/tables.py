@@ -74,6 +74,8 @@ def run_stage(cfg: Optional[dict]) -> str:
     if _cfg_get(cfg, "checkpoint.init_mode") == "baseline_to_mta":
         return "insertion"
     seq, theta = _cfg_get(cfg, "data.seq_len"), _cfg_get(cfg, "model.rope_theta")
+    if Path(str(src)).suffix == ".pt" or Path(str(src)).is_file():
+        return _stage_from_pt(cfg, Path(str(src)))
     src_cfg = Path(str(src)) / "config.yaml"
     if src_cfg.is_file():
         from omegaconf import OmegaConf
@@ -85,6 +87,45 @@ def run_stage(cfg: Optional[dict]) -> str:
         if s is not None:
             longer = seq is not None and _cfg_get(s, "data.seq_len") is not None and seq > _cfg_get(s, "data.seq_len")
             return "long_context" if longer or theta != _cfg_get(s, "model.rope_theta") else "continued"
+    return "long_context" if theta is not None and float(theta) >= 500_000 else "continued"
+
+
+def _pt_header(pt: Path) -> Optional[dict]:
+    """{"config", "source"} of a consolidated .pt, read as data only and memory-mapped
+    (``mta_repro.weights.load_pt``: the weights are not read); None when it is not there or
+    not readable (unsafe files included: the stage then comes from the run's own config)."""
+    if not pt.is_file():
+        return None
+    from mta_repro.weights import load_pt
+
+    try:
+        blob = load_pt(pt)
+    except (UserError, OSError):  # not there on this machine, truncated, foreign objects: unknown
+        return None
+    return {"config": blob.get("config"), "source": blob.get("source")} if isinstance(blob, dict) else None
+
+
+def _stage_from_pt(cfg: Optional[dict], pt: Path) -> str:
+    """The stage of a run started from a .pt with init_mode model. An import of a Hugging
+    Face checkpoint (``python -m mta_repro.hf import``: Meta's Llama 3, RoPE theta 500,000
+    of its own) is continued training unless the run changed its RoPE; its config's
+    data.seq_len is the default, not a trained context, so it is not compared. A .pt of our
+    own run: as a run directory's config."""
+    seq, theta = _cfg_get(cfg, "data.seq_len"), _cfg_get(cfg, "model.rope_theta")
+    head = _pt_header(pt)
+    s = (head or {}).get("config")
+    if isinstance(s, dict):
+        same_rope = (theta == _cfg_get(s, "model.rope_theta")
+                     and _cfg_get(cfg, "model.rope_scaling") == _cfg_get(s, "model.rope_scaling"))
+        if head.get("source") is not None:  # an import
+            return "continued" if same_rope else "long_context"
+        longer = seq is not None and _cfg_get(s, "data.seq_len") is not None and seq > _cfg_get(s, "data.seq_len")
+        return "long_context" if longer or not same_rope else "continued"
+    # The .pt is not readable here (e.g. a report made on another machine): a model with
+    # Llama 3's RoPE scaling is a Llama 3 trained on (theta 500,000 is its own, not a
+    # long-context change); otherwise theta 500,000 marks the paper's 4K finetune.
+    if _cfg_get(cfg, "model.rope_scaling.rope_type") == "llama3":
+        return "continued"
     return "long_context" if theta is not None and float(theta) >= 500_000 else "continued"
 
 
@@ -138,12 +179,36 @@ def size_name(run: RunData) -> Optional[str]:
     return next((n for n, s in paper.SIZES.items() if s == shape), None)
 
 
+def paper_setting(run: RunData) -> Optional[dict]:
+    """What the paper's number for this run was measured on: the stage's setting; for
+    Appendix I (the insertion and its control) the run's own model (1.4B or a Llama 3)."""
+    if run.stage in paper.APPENDIX_I_STAGES and size_name(run) in paper.APPENDIX_I:
+        return paper.appendix_i_setting(size_name(run), run.stage)
+    return paper.PAPER_SETTING.get(run.stage)
+
+
+def paper_numbers(run: RunData) -> dict:
+    """{variant: avg ppl} the paper has for this run's stage (Appendix I: its own model's
+    pair; none for a model the appendix did not finetune)."""
+    if run.stage in paper.APPENDIX_I_STAGES:
+        a = paper.APPENDIX_I.get(size_name(run))
+        if a is None:
+            return {}
+        return {"mta": a["mta"], "baseline": a["baseline"]} if run.stage == "insertion" else {"baseline": a["baseline"]}
+    return paper.AVG_PPL_BY_STAGE.get(run.stage, {})
+
+
 def comparability(run: RunData) -> Optional[str]:
     """None when the run is in the paper's setting for its stage, else why it is not."""
-    setting = paper.PAPER_SETTING.get(run.stage)
+    setting = paper_setting(run)
     if setting is None:
         return "no paper number for this stage"
     why = []
+    if run.stage in paper.APPENDIX_I_STAGES and size_name(run) not in paper.APPENDIX_I:
+        shape = run.shape
+        got = f"dim {shape[0]} x {shape[1]} layers" if shape else "unknown size"
+        models = ", ".join(a["label"] for a in paper.APPENDIX_I.values())
+        return f"model {got}; Appendix I finetuned {models}"
     if size_name(run) != setting["size"]:
         shape = run.shape
         got = f"dim {shape[0]} x {shape[1]} layers" if shape else "unknown size"
@@ -224,9 +289,17 @@ def _diff(a, b):
     return None if a is None or b is None else a - b
 
 
-def _paper_note(stages) -> str:
-    parts = [f"{STAGE_LABELS[s]}: the paper's {paper.PAPER_SETTING[s]['what']}"
-             for s in ("pretrain", "long_context", "insertion", "continued") if s in stages]
+def _paper_note(stages, runs=()) -> str:
+    parts = []
+    for s in ("pretrain", "long_context", "insertion", "continued"):
+        if s not in stages:
+            continue
+        # Appendix I: each model's own setting (1.4B, Llama 3.2 1B, ...) among the runs given
+        sizes = [n for n in paper.APPENDIX_I if any(r.stage == s and size_name(r) == n for r in runs)]
+        if s in paper.APPENDIX_I_STAGES and sizes:
+            parts += [f"{STAGE_LABELS[s]}: the paper's {paper.appendix_i_setting(n, s)['what']}" for n in sizes]
+        else:
+            parts.append(f"{STAGE_LABELS[s]}: the paper's {paper.PAPER_SETTING[s]['what']}")
     return "Paper numbers: " + "; ".join(parts) + ". Rows marked in 'vs paper' are not comparable."
 
 
@@ -268,7 +341,7 @@ def ppl_table(runs) -> Optional[Table]:
     for r in have:
         res = _res(r, "ppl")
         base = baseline_of(r, have)
-        numbers = paper.AVG_PPL_BY_STAGE.get(r.stage, {})
+        numbers = paper_numbers(r)
         p = _paper_ppl(r, numbers)
         p_base = numbers.get("baseline") if p is not None else None
         avg = res["average"]
@@ -279,7 +352,7 @@ def ppl_table(runs) -> Optional[Table]:
                     + [avg, _diff(avg, _res(base, "ppl")["average"]) if same_len else None,
                        p, _diff(p, p_base), f"no: {why}" if why else "yes"])
     lens = ", ".join(f"{STAGE_LABELS[s]} {n}" for s, n in paper.PPL_SEQ_LEN.items() if s in {r.stage for r in have})
-    notes = [_paper_note({r.stage for r in have}),
+    notes = [_paper_note({r.stage for r in have}, have),
              "trained = the context the run was trained at (data.seq_len); window = the tokens per window the "
              f"perplexity was measured at. The paper's windows: {lens}; a paper number is shown only for a run "
              "measured at the same window (docs/evaluation.md).",
