@@ -270,7 +270,8 @@ def test_appendix_i_rows_compare_with_their_own_models_pair(tmp_path):
     3.2 3B 8.89 / 8.93, 3.1 8B 8.48 / 8.53 (values written out here, not read from the code)."""
     want = {"1b": (10.61, 10.69), "llama3_2_1b": (10.46, 10.53), "llama3_2_3b": (8.89, 8.93),
             "llama3_1_8b": (8.48, 8.53)}
-    steps = {"1b": 40_054, "llama3_2_1b": 40_054, "llama3_2_3b": 40_054, "llama3_1_8b": 20_218}
+    # the paper's budgets: its own 1.4B 10.5B tokens, each public Llama 5.3B (262,144 tokens a step)
+    steps = {"1b": 40_054, "llama3_2_1b": 20_218, "llama3_2_3b": 20_218, "llama3_1_8b": 20_218}
     pre_b = _fake_run(tmp_path / "pre_b", ["data.seq_len=2048", "model=1b", "attention=baseline"], "baseline", 11.3)
     dirs = []
     for m, (p_mta, p_ctl) in want.items():
@@ -282,7 +283,7 @@ def test_appendix_i_rows_compare_with_their_own_models_pair(tmp_path):
                               "baseline", p_ctl + 0.02, steps[m], src))
     # a control whose imported .pt is not on this machine: Llama 3's RoPE scaling says it is one
     gone = _fake_run(tmp_path / "gone_ctl", ["data.seq_len=2048", "model=llama3_2_3b", "attention=baseline"],
-                     "baseline", 9.0, 40_054, tmp_path / "elsewhere" / "llama3_2_3b.pt")
+                     "baseline", 9.0, 20_218, tmp_path / "elsewhere" / "llama3_2_3b.pt")
     out = tmp_path / "rep"
     build_report([pre_b, *dirs, gone], out, kernels=False)
     _, ppl = _csv(out / "ppl.csv")
@@ -296,9 +297,9 @@ def test_appendix_i_rows_compare_with_their_own_models_pair(tmp_path):
         assert r_mta["vs paper"] == "yes" and r_ctl["vs paper"] == "yes", m
     assert ppl["gone_ctl"]["stage"] == "continued training" and float(ppl["gone_ctl"]["paper avg"]) == 8.93
     md = (out / "report.md").read_text()
-    for what in ("MTA insertion: the paper's Llama 3.2 1B + 10.5B tokens (Appendix I)",
+    for what in ("MTA insertion: the paper's Llama 3.2 1B + 5.3B tokens (Appendix I)",
                  "MTA insertion: the paper's Llama 3.1 8B + 5.3B tokens (Appendix I)",
-                 "continued training: the paper's Llama 3.2 3B trained on for 10.5B tokens (Appendix I control)",
+                 "continued training: the paper's Llama 3.2 3B trained on for 5.3B tokens (Appendix I control)",
                  "MTA insertion: the paper's 1.4B + 10.5B tokens (Appendix I)"):
         assert what in md, what
     # fewer steps than the appendix's budget for that model: not comparable, and why
