@@ -78,19 +78,26 @@ def _triton_meta(q, k, v, p, mask, training=False):
 
 
 def triton_backward_workspace(attn, batch_size: int, seq_len: int, sms: int = 132) -> int:
-    """Bytes the triton kernel's backward allocates for one layer: the per-program scratch
-    slots (fp32; a persistent grid of PROGRAMS_PER_SM per SM, 132 SMs on an H100/H200), the
-    fp32 dq/dk/dv accumulators."""
+    """Bytes the triton kernel's backward pass allocates for one layer (its largest pass):
+    the per-program scratch slots (compute dtype, taken as 2 bytes; a persistent grid of
+    PROGRAMS_PER_SM per SM, 132 SMs on an H100/H200), the per-item fp32 dq partials of the
+    owned rows, the fp32 dk/dv accumulators, the convolved keys and the band table."""
     from mta_repro.model import frames
 
     p = attn.explicit_params()
     pre = None if p.mta_kernel is None else tuple(p.mta_kernel.shape[2:])
     post = None if p.mta_kernel_after_sm is None else tuple(p.mta_kernel_after_sm.shape[2:])
     f = frames.frame("backward", pre, post, p.pad_key)
-    programs = min(batch_size * -(-seq_len // f.bmo), frames.PROGRAMS_PER_SM * sms)
-    scratch = programs * frames.N_SLOTS * frames.slot_elements(f, pre, post, attn.n_heads) * 4
-    grads = 3 * batch_size * attn.n_heads * seq_len * attn.head_dim * 4
-    return scratch + grads
+    n_target = frames.PROGRAMS_PER_SM * sms
+    sched = frames.items(f, batch_size, seq_len, seq_len, 0, n_target)
+    programs = min(len(sched.items), n_target)
+    hp = frames.padded_heads(attn.n_heads)
+    n_slot = frames.scratch_slots("backward", pre is not None, post is not None)["NSLOT"]
+    scratch = programs * n_slot * hp * f.er * f.ec * 2
+    io = batch_size * attn.n_heads * seq_len * attn.head_dim
+    dq_parts = batch_size * sched.n_rt * sched.s_max * attn.n_heads * f.er * attn.head_dim * 4
+    khat = (pre[0] * io * 2 + batch_size * attn.n_heads * seq_len * 16 * 4) if pre else 0
+    return scratch + dq_parts + 2 * io * 4 + khat
 
 
 def _saved_bytes(fn, exclude: set) -> int:

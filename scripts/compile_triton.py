@@ -37,8 +37,6 @@ import tempfile
 import time
 from pathlib import Path
 
-os.environ.pop("TRITON_INTERPRET", None)  # a real compile, not the interpreter
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from mta_repro.model import frames, roofline  # noqa: E402
 
@@ -46,41 +44,41 @@ LAYERS = {"kq_conv": ((6, 11), (6, 11)), "mixing": (None, None)}  # the 880M MTA
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def kernel_constexprs(name: str, pre, post, heads: int, head_dim: int, chunks=None, pad_key: str = "both") -> dict:
+def kernel_constexprs(name: str, pre, post, heads: int, head_dim: int, pad_key: str = "both") -> dict:
     """The constexprs ``attention_triton._launch`` passes on a GPU for bf16 inputs, the
     pre/post-softmax mixings on (wpsm, head_kernel), no padding mask, no dropout."""
-    g = frames.frame(name, pre, post, pad_key)
-    cq1, ck1 = pre or (1, 1)
-    cq2, ck2 = post or (1, 1)
-    hp = frames.padded_heads(heads)
-    hc, sr = chunks or frames.gpu_chunks(hp, g.er)
-    mr, mc = frames.margins(pre, post)
-    return dict(
-        MODE=frames.PASSES.index(name), ACC="fp32", PREC="ieee", USE_DOT=hp >= 16, HP=hp, HC=min(hp, hc),
-        SR=min(g.er, sr), DP=max(16, frames.pow2(head_dim)),
-        ER=g.er, EC=g.ec, TOP=g.top, LEFT=g.left, BMO=g.bmo, BNO=g.bno, MR=mr, MC=mc,
-        HAS_K1=pre is not None, CQ1=cq1, CK1=ck1, PL1=frames.pad_left(pad_key, ck1), HAS_W1=True,
-        HAS_K2=post is not None, CQ2=cq2, CK2=ck2, PL2=frames.pad_left(pad_key, ck2), HAS_W2=True,
-        HAS_KV=False, DROP=False, UPCAST=False,
-    )
+    import torch
+
+    from mta_repro.model import attention_triton as at
+
+    f = frames.frame(name, pre, post, pad_key)
+    return at.kernel_constexprs(frames.PASSES.index(name), f, h=heads, d=head_dim, pre=pre, post=post,
+                                pad_key=pad_key, has_w1=True, has_w2=True, has_kv=False, drop=False, gpu=True,
+                                dtype=torch.bfloat16)
+
+
+# the kernel's tensor arguments in the launcher's dtypes for bf16 inputs (the rest fp32)
+_BF16_ARGS = ("q_ptr", "k_ptr", "v_ptr", "do_ptr", "kh_ptr", "scr_ptr", "tf2_ptr", "ta2_ptr", "ta1_ptr")
+_INT_ARGS = {"kv_ptr": "*i8", "items_ptr": "*i32"}
 
 
 def _compile(consts: dict, arch: int, num_warps: int, num_stages: int):
     import triton
-    import triton.language as tl
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
     from mta_repro.model import attention_triton as at
 
-    consts = dict(consts, ACC=tl.float32)
+    if not isinstance(at._mta_kernel, triton.runtime.JITFunction):
+        raise RuntimeError("compile_triton: the kernels were defined under TRITON_INTERPRET=1; compile in a "
+                           "process without it (python scripts/compile_triton.py)")
     names = at._mta_kernel.arg_names
     sig = {}
     for n in names:
         if n in consts:
             sig[n] = "constexpr"
         elif n.endswith("_ptr"):
-            sig[n] = "*i8" if n == "kv_ptr" else ("*bf16" if n in ("q_ptr", "k_ptr", "v_ptr", "do_ptr") else "*fp32")
+            sig[n] = _INT_ARGS.get(n, "*bf16" if n in _BF16_ARGS else "*fp32")
         elif n in ("scale", "p_drop"):
             sig[n] = "fp32"
         else:
@@ -147,8 +145,8 @@ def compiled_pass(layer: str, name: str, heads: int, head_dim: int, arch: int, c
 
     # the kernel's own cache key (its source and the jit functions it calls), not the file:
     # a docstring edit keeps the cache; the IR is stored, so the counting can change freely
-    key = hashlib.sha256(json.dumps([at._mta_kernel.cache_key, consts, arch, nw, ns, triton.__version__],
-                                    sort_keys=True).encode())
+    key = hashlib.sha256(json.dumps([at._mta_kernel.cache_key, {k: str(v) for k, v in consts.items()}, arch, nw, ns,
+                                     triton.__version__], sort_keys=True).encode())
     path = cache / f"{layer}-{name}-{key.hexdigest()[:16]}.json.gz"
     if path.exists():
         out = json.loads(gzip.decompress(path.read_bytes()))
@@ -166,19 +164,25 @@ def compiled_pass(layer: str, name: str, heads: int, head_dim: int, arch: int, c
 
 def schedule(layer: str, name: str, batch: int, heads: int, head_dim: int, seq: int, info: dict,
              sms: int) -> roofline.Schedule:
-    """The programs ``_launch`` starts on a GPU and the key blocks each walks."""
+    """The programs ``_launch`` starts on a GPU and the key blocks each walks (its items,
+    longest first, round-robin over the persistent grid)."""
     pre, post = LAYERS[layer]
-    g = frames.frame(name, pre, post, "both")
-    n_rt = -(-seq // g.bmo)
-    items = [frames.key_blocks(g, t, seq, seq) for _ in range(batch) for t in range(n_rt)]
-    n_prog = min(len(items), frames.PROGRAMS_PER_SM * sms)
+    f = frames.frame(name, pre, post, "both")
+    n_target = frames.PROGRAMS_PER_SM * sms
+    sched = frames.items(f, batch, seq, seq, 0, n_target)
+    n_prog = min(len(sched.items), n_target)
+    tiles = [it[3] - it[2] for it in sched.items]
     io = batch * heads * seq * head_dim  # elements of q (k, v, do, o alike)
     rows = batch * heads * seq
-    scratch = n_prog * frames.N_SLOTS * frames.slot_elements(g, pre, post, heads) * 4  # zero-filled per launch
-    hbm = {"stats": 2 * io * 2 + 4 * rows * 4, "forward": 3 * io * 2 + rows * 4 + 2 * io * 4,
-           "backward_rowsum": 4 * io * 2 + 3 * rows * 4,
-           "backward": 4 * io * 2 + 2 * rows * 4 + 3 * 2 * io * 4}[name] + scratch
-    return roofline.Schedule(roofline.persistent(items, n_prog), hbm_bytes=hbm, num_warps=info["num_warps"],
+    n_slots = batch * sched.n_rt * sched.s_max
+    part = n_slots * heads * f.er  # per-slot row partials (elements)
+    # compulsory HBM traffic: the inputs once (bf16), the outputs and the zeroed partials (fp32)
+    cq = (pre or (1, 1))[0]
+    hbm = {"stats": (1 + cq) * io * 2 + 2 * part * 4 * 2,
+           "forward": (2 + cq) * io * 2 + rows * 4 + part * head_dim * 4 * 2,
+           "backward_rowsum": (3 + cq) * io * 2 + rows * 4 + part * 4 * 2,
+           "backward": (4 + cq) * io * 2 + 2 * rows * 4 + part * head_dim * 4 * 2 + 2 * io * 4 * 2}[name]
+    return roofline.Schedule(roofline.persistent(tiles, n_prog), hbm_bytes=hbm, num_warps=info["num_warps"],
                              registers=info["registers"], smem_bytes=info["smem_bytes"])
 
 
@@ -196,6 +200,9 @@ def record(layer, name, seq, info, est, fa2, batch) -> dict:
 
 
 def main() -> None:
+    # a real compile, not the interpreter (set before attention_triton defines its kernels;
+    # only here, so importing this module as a library changes nothing of its process)
+    os.environ.pop("TRITON_INTERPRET", None)
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--arch", type=int, default=90)
     ap.add_argument("--passes", default=",".join(frames.PASSES))

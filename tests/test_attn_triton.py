@@ -55,41 +55,110 @@ def qkv(b, h, tq, tk, d, seed=1):
     return [torch.randn(b, h, t, d, generator=g, dtype=torch.float64) for t in (tq, tk, tk)]
 
 
-@pytest.mark.parametrize("chunks", [None, "1x4"])
-def test_many_frames_with_padding_and_offset(monkeypatch, chunks):
+@pytest.mark.parametrize("gpu_schedule", [False, True])
+def test_many_frames_with_padding_and_offset(monkeypatch, gpu_schedule):
     """Small frames (MTA_TRITON_FRAME) put several row blocks and key blocks in every pass,
-    with causal skipping, left padding across block edges and a cached-key offset; "1x4" is
-    the GPU tiling (one head per chunk, mixing 4 frame rows at a time) run here."""
+    with causal skipping, left padding across block edges and a cached-key offset. The
+    GPU schedule: 4-row mixing slabs and two persistent programs, so items hold several
+    tiles (partials accumulated across a row's key blocks) instead of one tile each."""
     monkeypatch.setenv("MTA_TRITON_FRAME", "16x16")
-    if chunks:
-        monkeypatch.setenv("MTA_TRITON_CHUNKS", chunks)
+    if gpu_schedule:
+        monkeypatch.setenv("MTA_TRITON_SLAB_ROWS", "4")
+        monkeypatch.setenv("MTA_TRITON_PROGRAMS", "2")
     h = 4
     p = params(h, (2, 3), (3, 3), group=2)
     q, k, v = qkv(2, h, 37, 37, 3)
     key_valid = torch.ones(2, 37, dtype=torch.bool)
     key_valid[1, :19] = False  # the pad edge falls inside a frame
     assert_matches_torch(q, k, v, p, attention_ops.AttnMask(0, key_valid))
-    if chunks:
-        return  # (the interpreter runs a chunked pass several times slower)
+    if gpu_schedule:
+        return  # (the interpreter runs 4-row slabs several times slower)
     assert_matches_torch(q, k, v, p)
     q, _, _ = qkv(2, h, 17, 37, 3, seed=2)  # 17 new queries after 20 cached keys
     assert_matches_torch(q, k, v, params(h, (3, 2), (2, 4), mix="wposm", pad_key="right"),
                          attention_ops.AttnMask(20, key_valid))
 
 
-def test_frame_override_is_checked(monkeypatch):
+def test_overrides_are_checked(monkeypatch):
     h = 4
     q, k, v = qkv(1, h, 8, 8, 3)
-    monkeypatch.setenv("MTA_TRITON_FRAME", "16x8")  # the halo of 6x11 convolutions does not fit
-    with pytest.raises(ValueError, match="MTA_TRITON_FRAME=16x8 leaves no owned block"):
-        attention_ops.ATTN_IMPLS["triton"].fn(q, k, v, params(h, (6, 11), (6, 11)), attention_ops.AttnMask())
+    run = attention_ops.ATTN_IMPLS["triton"].fn
+    monkeypatch.setenv("MTA_TRITON_FRAME", "16x16")  # the backward halo of 6x11 convolutions needs 16x21
+    with pytest.raises(ValueError, match="MTA_TRITON_FRAME=16x16 leaves no owned block: the halo needs 16x21"):
+        run(q.requires_grad_(), k, v, params(h, (6, 11), (6, 11)), attention_ops.AttnMask()).sum().backward()
+    q = q.detach()
     monkeypatch.setenv("MTA_TRITON_FRAME", "24x32")
-    with pytest.raises(ValueError, match="powers of two"):
-        attention_ops.ATTN_IMPLS["triton"].fn(q, k, v, params(h, (2, 3), None), attention_ops.AttnMask())
-    monkeypatch.delenv("MTA_TRITON_FRAME")
-    monkeypatch.setenv("MTA_TRITON_CHUNKS", "3x4")
-    with pytest.raises(ValueError, match="MTA_TRITON_CHUNKS='3x4': powers of two dividing 4 heads"):
-        attention_ops.ATTN_IMPLS["triton"].fn(q, k, v, params(h, (2, 3), None), attention_ops.AttnMask())
+    with pytest.raises(ValueError, match="powers of two, at least 16"):
+        run(q, k, v, params(h, (2, 3), None), attention_ops.AttnMask())
+    monkeypatch.setenv("MTA_TRITON_FRAME", "16x16")
+    monkeypatch.setenv("MTA_TRITON_SLAB_ROWS", "3")
+    with pytest.raises(ValueError, match="MTA_TRITON_SLAB_ROWS='3': a power of two dividing the frame's 16 rows"):
+        run(q, k, v, params(h, (2, 3), None), attention_ops.AttnMask())
+    monkeypatch.delenv("MTA_TRITON_SLAB_ROWS")
+    monkeypatch.setenv("MTA_TRITON_PROGRAMS", "zero")
+    with pytest.raises(ValueError, match="MTA_TRITON_PROGRAMS='zero': expected a positive integer"):
+        run(q, k, v, params(h, (2, 3), None), attention_ops.AttnMask())
+
+
+@pytest.mark.parametrize("pad_key, kernel, q_off", [("both", (6, 11), 0), ("left", (3, 5), 0), ("right", (2, 7), 3),
+                                                     ("both", (4, 9), 5)])
+def test_factorised_pre_softmax_conv_with_band_correction_is_the_masked_conv(pad_key, kernel, q_off):
+    """The identity the kernel computes the pre-softmax convolution with (float64): shifted
+    queries against convolved keys (``_khat``), minus the band table (``_band``) on the NB
+    diagonals next to the diagonal, equals conv(S with the future zeroed) on every allowed
+    cell; padding is zeroed in q and k first."""
+    from mta_repro.model import attention_triton as at
+
+    g = torch.Generator().manual_seed(3)
+    b, h, tq, d = 2, 3, 23, 5
+    tk = tq + q_off
+    q = torch.randn(b, h, tq, d, generator=g, dtype=torch.float64)
+    k = torch.randn(b, h, tk, d, generator=g, dtype=torch.float64)
+    theta = torch.randn(h, *kernel, generator=g, dtype=torch.float64)
+    key_valid = torch.ones(b, tk, dtype=torch.bool)
+    key_valid[1, :6] = False
+    mask = attention_ops.AttnMask(q_off, key_valid)
+    allowed = mask.dense(tq, tk, q.device)
+    scale = d ** -0.5
+    want = attention_ops.kq_conv((q @ k.transpose(-1, -2) * scale) * allowed, theta[:, None], pad_key)
+    vq, vk = key_valid[:, q_off:q_off + tq, None].double(), key_valid[:, :, None].double()
+    qm, km = q * vq[:, None], k * vk[:, None]
+    pl = attention_ops.pad_left(pad_key, kernel[1])
+    khat = at._khat(km, theta, pl)  # (B, H, c_q, Tk, d)
+    qs = torch.stack([torch.nn.functional.pad(qm, (0, 0, r, 0))[:, :, :tq] for r in range(kernel[0])], 2)
+    got = torch.einsum("bhrid,bhrjd->bhij", qs, khat) * scale
+    band = at._band(qm, km, theta, pl, q_off, scale)  # (B, H, Tq, NB)
+    t = torch.arange(tq)[:, None] + q_off - torch.arange(tk)[None, :]
+    inb = (t >= 0) & (t < band.shape[-1])
+    got = got - torch.where(inb, band.gather(3, t.clamp(0, band.shape[-1] - 1).expand(b, h, tq, tk)), 0.0)
+    assert band.shape[-1] == at.band_width(*kernel, pl)
+    torch.testing.assert_close(got * allowed, want * allowed, rtol=1e-12, atol=1e-12)
+    # without the correction the band is wrong (the table is not zero where it matters)
+    assert not torch.allclose((got + torch.where(inb, band.gather(3, t.clamp(0, band.shape[-1] - 1).expand(
+        b, h, tq, tk)), 0.0)) * allowed, want * allowed)
+
+
+def test_schedule_covers_every_tile_once_longest_first():
+    """frames.items: every (batch, row block, key block) the causal mask needs, exactly once,
+    in near-equal items (at most one tile apart within a row block), longest first, with
+    distinct partial slots."""
+    from mta_repro.model import frames
+
+    f = frames.frame("forward", (6, 11), (6, 11), "both")
+    for b, tq, tk, q_off, n_prog in ((4, 2048, 2048, 0, 132), (1, 2048, 2048, 0, 132), (2, 300, 700, 400, 7)):
+        sched = frames.items(f, b, tq, tk, q_off, n_prog)
+        seen = [(bb, t, c) for bb, t, c0, c1, _ in sched.items for c in range(c0, c1)]
+        want = [(bb, t, c) for bb in range(b) for t in range(sched.n_rt) for c in range(frames.key_blocks(f, t, tq, tk, q_off))]
+        assert sorted(seen) == sorted(want) and len(seen) == len(set(seen))
+        sizes = [c1 - c0 for _, _, c0, c1, _ in sched.items]
+        assert sizes == sorted(sizes, reverse=True)
+        assert len({it[4] for it in sched.items}) == len(sched.items) <= b * sched.n_rt * sched.s_max
+        per_row = {}
+        for bb, t, c0, c1, _ in sched.items:
+            per_row.setdefault((bb, t), []).append(c1 - c0)
+        assert all(max(v) - min(v) <= 1 for v in per_row.values())
+        if b * tq >= 2048:  # enough work: about two items per program, so B=1 fills the GPU too
+            assert len(sched.items) >= n_prog
 
 
 @pytest.mark.parametrize(

@@ -131,12 +131,15 @@ def test_report_has_one_record_per_layer_pass_and_T(tmp_path, monkeypatch):
     """The JSON schema, with the compile replaced by fixed counts (the real compiles take
     minutes on a small CPU)."""
     ct = _compile_script()
-    fake = {"num_warps": 8, "num_stages": 1, "smem_bytes": 1024, "registers": 128, "spill_bytes": 0,
+    nw, ns = frames.launch_config("stats", None, None)
+    fake = {"num_warps": nw, "num_stages": ns, "smem_bytes": 1024, "registers": 128, "spill_bytes": 0,
             "levels": [dict.fromkeys(roofline.RESOURCES, 0.0) for _ in range(3)],
             "static": dict.fromkeys(roofline.RESOURCES, 0.0),
             "ptx": {"ld_global": 3, "cp_async": 1, "bar_sync": 2}}
     fake["levels"][2].update(mma_macs=9e6, fma_macs=1e6)
     monkeypatch.setattr(ct, "compiled_pass", lambda *a, **k: fake)
+    # main() clears TRITON_INTERPRET for its compiles: restored after this test for the rest of the run
+    monkeypatch.setenv("TRITON_INTERPRET", os.environ.get("TRITON_INTERPRET", "0"))
     out = tmp_path / "r.json"
     monkeypatch.setattr(sys, "argv", ["compile_triton.py", "--json", str(out), "--cache", str(tmp_path)])
     ct.main()

@@ -4,81 +4,78 @@ Computes exactly what ``attention_ops.explicit_attention_torch`` computes (the r
 order: pre-softmax key-query convolution -> pre-softmax head mixing -> causal softmax ->
 post-softmax key-query convolution, no renormalisation -> post-softmax head mixing ->
 dropout -> .V, with ``key_valid`` padding and ``q_offset``), forward and backward, without
-writing any (B, H, Tq, Tk) tensor to global memory.
+keeping any (B, H, Tq, Tk) tensor: saved for backward are q, k, v, the (B, H, Tq) lse and
+the weights. Every product runs on tensor cores (bf16/fp16 operands, fp32 accumulation;
+tf32 for fp32 inputs), none per convolution tap.
 
 Design
 ------
-*Frames.* A program takes (batch, block of ``BMO`` query rows) work items and walks the
-key axis in blocks of ``BNO`` columns (causal skipping: only blocks that hold a key <= the
-block's last row). For each (row block, key block) it computes on a *frame*: the owned
-(BMO x BNO) block grown by the halo every convolution of that pass reads (TOP/BOT rows,
-LEFT/RIGHT columns; ``model/frames.py``), rounded up to powers of two (ER x EC, Triton's
-tile shapes). Only the owned block's values are used; the halo is recomputed by the
-neighbouring program (the overlapping-tile scheme of Gusanidas' CUDA pre-softmax kernel).
+*Tiles, all heads.* Head mixing couples every head of a (query, key) cell, so a program
+computes a tile (a frame of ``ER`` x ``EC`` cells, ``model/frames.py``) for all heads. The
+per-head products (the scores, dO V^T, A V, dS K, dS^T Q, A^T dO) are 2-D ``tl.dot`` of
+64-row tiles, one head after another (wgmma on sm_90). Their results meet in a private
+scratch slot per stage ((HP, ER, EC) in the compute dtype: L1/L2 on a GPU), and each head
+mixing reads ``SR`` frame rows of all heads as one (cells, heads) matrix and multiplies it
+by the (heads, heads) weight: one tensor-core product per slab, no per-head loop.
 
-*All heads, in chunks, through scratch.* Head mixing couples every head of a cell, so a
-program computes all heads of its frame, ``HC`` heads at a time (per-head work: the QK^T,
-A V, dO V^T, dq, dk, dv products as (HC, rows, d) tiles, the convolutions, softmax), and
-hands the stages to each other through a private scratch slot per stage (HP x frame, in
-global memory but touched by one program only: L1/L2 on a GPU). A mixing reads its slot
-``SR`` frame rows at a time as an (HP, SR*EC) slab and multiplies it by the (HP x HP)
-weight (``tl.dot`` from 16 heads, a broadcast sum below). ``_tiling``: on a GPU HC=1,
-SR=4 (registers and shared memory: ``scripts/compile_triton.py``); the interpreter takes
-whole tiles (fewest interpreted ops). ``MTA_TRITON_CHUNKS=HCxSR`` and
-``MTA_TRITON_FRAME=ROWSxCOLS`` override them.
+*Pre-softmax convolution as a GEMM.* Without the causal zeroing, conv(QK^T) factorises:
+C[i, j] = sum_rho q[i - rho] . Khat_rho[j], Khat_rho = the keys convolved along the key axis
+with the kernel's row c_q-1-rho (``_khat``, computed by torch before the launch). So the
+convolved scores of any tile are one product of inner dimension c_q*d (shifted query rows
+against convolved keys): no halo, no taps. The causal zeroing only changes cells within
+NB = (c_q-1) + (c_k-1-pad_left) diagonals of the diagonal; their exact correction (the
+kernel applied to the few "future" scores next to the diagonal, ``_band``, an O(T) table)
+is subtracted on the tiles that touch the band. Padding (``key_valid``) zeroes the pad rows
+of q and k first, which zeroes exactly the scores the reference masks.
 
-*Convolutions.* Triton cannot shift a register tile, so a convolution stores its input in
-its slot and sums the c_q x c_k shifted reloads weighted by the per-head kernel entries;
-the adjoint convolution (backward) reloads with the opposite shifts. Each slot has zero
-margins as wide as the largest shift, so reloads that leave the frame read 0 without a
-mask: values near the frame's edge are wrong, and the halos are sized so that no owned
-value depends on them. On a GPU the grid is persistent (4 programs per SM), so the
-scratch is bounded by the GPU, not by T.
+*Post-softmax convolution and every adjoint as Toeplitz products.* The c_k key taps of one
+row shift are a banded Toeplitz matrix: output columns [c0, c0 + KCH) of a frame row block
+= (its 2*KCH-column input window, rows shifted by rho) x T_rho (2*KCH x KCH), one tensor-core
+product per (row shift, column chunk), with T built per head by torch (``_toeplitz``). The
+backward's adjoints use the flipped kernel and look forward. A kernel's gradient is the
+transposed product (window^T x output gradient, accumulated over the chunks) whose
+diagonals are the taps: summed once per tile (a gather and a row sum), not per tap.
 
-*Softmax.* The post-softmax transforms mix rows of different heads and neighbouring rows
-after normalisation, so one online pass does not suffice: pass 0 (``stats``) computes each
-row's running max and sum over key blocks (the lse), pass 1 (``forward``) recomputes the
-scores, forms exact probabilities ``exp(Z - lse)`` on the frame (halo rows included: every
-row's lse is known after pass 0), and applies the post-softmax transforms and .V.
+*Frames.* Only convolutions need a halo: the forward's post-softmax conv reads P above and
+beside the owned block, the backward's adjoints read below and beside (``frames.halo``).
+The halo is recomputed by the neighbouring tile; values near the frame's edge may be wrong
+and are never used for an owned cell.
 
-*Backward.* Pass 2 (``backward_rowsum``) computes ``D = rowsum(P * dP)`` (the softmax
-backward's row term; unlike plain attention it is not ``rowsum(dO * O)``, since dP comes
-through the post-softmax convolution's adjoint). Pass 3 (``backward``) recomputes the
-forward chain from q, k, v and the lse, runs its adjoint on the frame (dA = dO V^T ->
-mixing^T -> masked conv^T -> dP -> dZ = P (dP - D) -> mixing^T -> conv^T -> dS), and
-accumulates: dq for the owned rows (each program owns its rows), dk and dv of the owned
-key block (atomically: other row blocks add to the same keys), the kernels' gradients
-(owned output gradient times the shifted input, reloaded from the slots) and the
-mixings' gradients (slab products) per work item, summed by torch afterwards.
-Accumulators (o, dq, the row statistics) live in fp32/fp64 buffers in global memory,
-owned by one program each. Saved for backward: q, k, v, the (B, H, Tq) lse and the
-weights; nothing quadratic.
+*Passes.* The post-softmax transforms mix rows of different heads after normalisation, so
+the forward is two passes: ``stats`` (each row's max and sum over its keys, merged over
+key splits into the lse) and ``forward`` (exact probabilities ``exp(Z - lse)``, post-softmax
+transforms, .V). The backward: ``backward_rowsum`` (D = rowsum(P * dP), the softmax
+backward's row term, which the post-softmax conv keeps from being rowsum(dO * O)) and
+``backward`` (the adjoint chain dA -> dR -> dP -> dZ -> dC -> dS; dq, dk, dv, the
+kernels' and mixings' gradients).
 
-*Masking.* Every masked value is selected (``tl.where``), never multiplied, so a fully
-masked pad row gives exact zeros and no NaN; exp arguments are clamped at 0 (a true
-probability is <= 1), so the frame's halo never overflows.
+*Work and determinism.* Items are (batch, row block, range of key blocks) of near-equal
+size, longest first, on a persistent grid (``frames.items``): long rows split across
+programs, so B=1 fills the GPU. Each item writes its own slot of per-item partial buffers
+(row statistics, O, D, dq), which torch reduces in a fixed order; weight gradients are
+per-program partials. Only dk and dv are accumulated with (relaxed fp32) atomics, so they
+alone are bitwise nondeterministic on a GPU.
+
+*Masking.* Every masked value is selected (``tl.where``), never multiplied: a fully masked
+pad row gives exact zeros and no NaN; exp arguments are clamped at 0 (a true probability is
+<= 1), so halo rows never overflow.
 
 *Dropout* on the post-mixing probabilities draws its mask with ``tl.rand`` from a seed
-taken from torch's generator (saved for backward): the same masks in forward and
-backward, reproducible seeded runs; not the masks ``F.dropout`` would draw.
+taken from torch's generator (saved for backward) and the int64 cell index
+((b*H + h)*Tq + row)*Tk + col: the same masks in forward and backward, reproducible seeded
+runs, no wrap at long T; not the masks ``F.dropout`` would draw.
 
-*Launch* (``frames.launch_config``, shared with ``scripts/compile_triton.py``): 8 warps,
-1 stage, every loop ``num_stages=1`` (each hands data through scratch: a pipelined reload
-would read stale cells); lengths, offsets and the seed are not specialised (a new batch
-shape reuses the compiled kernel); element offsets are int64; dropout draws with the
-int64 cell index ((b*H + h)*Tq + row)*Tk + col (no wrap at long T); dk/dv atomics are
-relaxed.
+*Launch* (``frames.launch_config``, shared with ``scripts/compile_triton.py``): 8 warps;
+lengths, offsets, counts and the seed are not specialised (a new batch shape reuses the
+compiled kernel; H and d are, fixed per model); element offsets are int64; a loop that
+reads scratch written in the same tile is ``num_stages=1`` and separated from its writers
+by a barrier, so no software pipeliner can reorder the two.
 
-Status: exact, verified under ``TRITON_INTERPRET=1`` (tests/test_attn_impls.py and
-tests/test_attn_triton.py: every option against "torch", forward and every gradient,
-bf16, chunked tiling, a whole debug training run). It compiles for sm_90 (H100/H200),
-but its compiled code is slow: ``python scripts/compile_triton.py --json PATH`` counts
-what it compiles to and ESTIMATES (roofline, ``model/roofline.py``; no GPU measured it)
-a kq-conv layer at ~170x / ~160x FlashAttention-2's forward+backward at T=2048 / 4096 and
-a mixing layer at ~100x / ~115x: per-tap scalar reloads from scratch, most products off
-tensor cores, and one program walking every key block x 16 heads of its row block.
-``docs/triton_kernel.md`` has the figures and the redesign's targets. GPU atomics make dk
-and dv (not the rest) bitwise nondeterministic across runs.
+Status: exact under ``TRITON_INTERPRET=1`` (tests/test_attn_impls.py, tests/test_attn_triton.py:
+every option against "torch" in float64, forward and every gradient; bf16; a debug training
+run). Its compiled code for sm_90 is judged by ``scripts/compile_triton.py`` (registers,
+spills, tensor-core share, a roofline ESTIMATE: no GPU has measured it yet);
+``docs/triton_kernel.md`` has the figures.
 """
 
 from __future__ import annotations
@@ -87,6 +84,7 @@ import os
 from typing import TYPE_CHECKING, Optional
 
 import torch
+import torch.nn.functional as F
 
 import triton
 import triton.language as tl
@@ -97,477 +95,783 @@ from mta_repro.model import frames
 if TYPE_CHECKING:  # types only: attention_ops imports this module (lazily), not the reverse
     from mta_repro.model.attention_ops import AttnMask, ExplicitAttnParams
 
-# Pass modes of the one kernel (they share every stage of the chain).
-_STATS, _FWD, _BWD_D, _BWD = (tl.constexpr(i) for i in range(4))
-# Scratch slots per program (each HP heads x the frame, with zero margins): S (raw scores),
-# C (convolved), Z/A/dZ (mixing outputs in turn), P, R, dA/dC, dR.
-_S, _C, _ZA, _P, _R, _DA, _DR = (tl.constexpr(i) for i in range(7))
-_N_SLOTS = tl.constexpr(frames.N_SLOTS)
+_STATS, _FWD, _ROWSUM, _BWD = (tl.constexpr(i) for i in range(4))
+
+
+# ----------------------------------------------------------------------------- helpers
+@triton.jit
+def _allowed(i, j, b, kv_ptr, Tq, Tk, q_off, HAS_KV: tl.constexpr):
+    """Which (query i, key j) cells interact: causal from q_off, in range, not padding.
+    i and j broadcast against each other (e.g. (R, 1) and (1, C))."""
+    ok = (i >= 0) & (i < Tq) & (j >= 0) & (j < Tk) & (j <= i + q_off)
+    if HAS_KV:
+        iq = (i >= 0) & (i < Tq)
+        jk = (j >= 0) & (j < Tk)
+        vq = tl.load(kv_ptr + b.to(tl.int64) * Tk + i + q_off, mask=iq, other=0) != 0
+        vk = tl.load(kv_ptr + b.to(tl.int64) * Tk + j, mask=jk, other=0) != 0
+        ok = ok & vq & vk
+    return ok
 
 
 @triton.jit
-def _load_tile(ptr, b, hc, idx, T, H, d, DP: tl.constexpr, UPCAST: tl.constexpr):
-    """(HC, R, DP) tile of a contiguous (B, H, T, d) tensor: heads ``hc`` (HC,), positions
-    ``idx`` (R,); zero outside [0, T), past H heads and past d. UPCAST: as fp32 (the
-    interpreter's tl.dot gets 16-bit floats wrong; a GPU multiplies them natively)."""
-    h = hc[:, None, None]
-    r = idx[None, :, None]
-    e = tl.arange(0, DP)[None, None, :]
-    m = (h < H) & (r >= 0) & (r < T) & (e < d)
-    # int64: B*H*T*d passes 2**31 for long eval batches (B >= 342 at 16 x 4096 x 96)
-    x = tl.load(ptr + ((b.to(tl.int64) * H + h) * T + r) * d + e, mask=m, other=0.0)
-    if UPCAST:
-        x = x.to(tl.float32) if x.dtype.primitive_bitwidth < 32 else x
-    return x
+def _rows(ptr, bh, idx, T, D: tl.constexpr, E0: tl.constexpr, DX: tl.constexpr, MMA: tl.constexpr):
+    """(len(idx), DX) tile of a contiguous (B*H, T, D) tensor at plane ``bh`` (an int64
+    scalar): positions idx, features [E0, E0 + DX); zero outside [0, T) and past D."""
+    e = E0 + tl.arange(0, DX)
+    m = (idx[:, None] >= 0) & (idx[:, None] < T) & (e[None, :] < D)
+    return tl.load(ptr + bh * T * D + idx[:, None] * D + e[None, :], mask=m, other=0.0).to(MMA)
 
 
 @triton.jit
-def _put(ptrs, x):
-    tl.debug_barrier()  # earlier readers of these cells are done
-    tl.store(ptrs, x)
-    tl.debug_barrier()  # every thread sees the whole tile
+def _scores(q_ptr, kh_ptr, band_ptr, bh, i, j, row0, col0, Tq, Tk, q_off, scale,
+            D: tl.constexpr, DA: tl.constexpr, DB: tl.constexpr, CQ: tl.constexpr, NB: tl.constexpr,
+            ER: tl.constexpr, EC: tl.constexpr, MMA: tl.constexpr, ACC: tl.constexpr, PREC: tl.constexpr):
+    """(ER, EC) scores of frame rows i and columns j for one head: sum_rho q[i - rho] .
+    khat_rho[j] * scale (khat: (B*H, CQ, Tk, D); CQ = 1 and khat = k: the plain scores),
+    minus the band correction (NB > 0) on a tile that touches the diagonal band."""
+    acc = tl.zeros([ER, EC], ACC)
+    # a runtime loop: one set of operand buffers, prefetched shift by shift (an unrolled loop
+    # would hold every shift's operands in shared memory at once)
+    for rho in tl.range(0, CQ):
+        khp = bh * CQ + rho
+        acc += tl.dot(_rows(q_ptr, bh, i - rho, Tq, D, 0, DA, MMA),
+                      tl.trans(_rows(kh_ptr, khp, j, Tk, D, 0, DA, MMA)), input_precision=PREC, out_dtype=ACC)
+        if DB > 0:
+            acc += tl.dot(_rows(q_ptr, bh, i - rho, Tq, D, DA, DB, MMA),
+                          tl.trans(_rows(kh_ptr, khp, j, Tk, D, DA, DB, MMA)), input_precision=PREC, out_dtype=ACC)
+    acc = acc * scale
+    if NB > 0:
+        # cells with 0 <= t = i + q_off - j < NB: their future taps are in the sum above
+        if (row0 + ER - 1 + q_off - col0 >= 0) & (row0 + q_off - (col0 + EC - 1) < NB):
+            tt = i[:, None] + q_off - j[None, :]
+            bm = (tt >= 0) & (tt < NB) & (i[:, None] >= 0) & (i[:, None] < Tq)
+            acc -= tl.load(band_ptr + (bh * Tq + i[:, None]) * NB + tt, mask=bm, other=0.0)
+    return acc
 
 
 @triton.jit
-def _mix(w, x, HP: tl.constexpr, R: tl.constexpr, EC: tl.constexpr, USE_DOT: tl.constexpr, PREC: tl.constexpr):
-    """out[g] = sum_h w[g, h] x[h]: w (HP, HP), x (HP, R, EC)."""
-    if USE_DOT:
-        out = tl.dot(w, tl.reshape(x, [HP, R * EC]), input_precision=PREC, out_dtype=x.dtype)
-        return tl.reshape(out, [HP, R, EC])
-    else:  # tl.dot needs >= 16 rows on a GPU; small head counts broadcast instead
-        return tl.sum(w[:, :, None, None] * x[None, :, :, :], axis=1)
+def _to_scratch(x, dtype: tl.constexpr, RNE: tl.constexpr):
+    """x in the scratch dtype. RNE (the interpreter with bf16 scratch): round to nearest even
+    first, as a GPU's conversion does; the interpreter's own fp32 -> bf16 truncates, which
+    would bias every stage handed through scratch."""
+    if RNE:
+        bits = x.to(tl.float32).to(tl.uint32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+        x = bits.to(tl.float32, bitcast=True)
+    return x.to(dtype)
 
 
 @triton.jit
-def _mix_slabs(src, dst, w, H, HP: tl.constexpr, ER: tl.constexpr, EC: tl.constexpr, SR: tl.constexpr,
-               SC: tl.constexpr, MR: tl.constexpr, MC: tl.constexpr, USE_DOT: tl.constexpr, PREC: tl.constexpr):
-    """Head mixing of a whole slot, SR frame rows at a time: dst[g] = sum_h w[g, h] src[h]."""
-    h = tl.arange(0, HP)[:, None, None]
-    cell = (h * (ER + 2 * MR) + MR + tl.arange(0, SR)[None, :, None]) * SC + MC + tl.arange(0, EC)[None, None, :]
-    tl.debug_barrier()
-    for r0 in tl.range(0, ER, SR, num_stages=1):
-        x = tl.load(src + cell + r0 * SC)
-        tl.store(dst + cell + r0 * SC, _mix(w, x, HP, SR, EC, USE_DOT, PREC))
-    tl.debug_barrier()
+def _plane_load(plane, u0, w0, R: tl.constexpr, C: tl.constexpr, ER: tl.constexpr, EC: tl.constexpr, MMA: tl.constexpr):
+    """(R, C) block of a scratch plane (ER x EC) at frame row u0, column w0; 0 outside the frame."""
+    u = u0 + tl.arange(0, R)
+    w = w0 + tl.arange(0, C)
+    m = (u[:, None] >= 0) & (u[:, None] < ER) & (w[None, :] >= 0) & (w[None, :] < EC)
+    return tl.load(plane + u[:, None] * EC + w[None, :], mask=m, other=0.0).to(MMA)
 
 
 @triton.jit
-def _mix_grad_slabs(gsrc, xsrc, u_own0, own_c, H, HP: tl.constexpr, ER: tl.constexpr, EC: tl.constexpr,
-                    SR: tl.constexpr, SC: tl.constexpr, MR: tl.constexpr, MC: tl.constexpr,
-                    n_own_rows, USE_DOT: tl.constexpr, PREC: tl.constexpr):
-    """d w[g, h] = sum over the owned cells of gout[g] x[h] (the gradient of a mixing weight);
-    owned: frame rows [u_own0, u_own0 + n_own_rows), columns where ``own_c``."""
-    hv = tl.arange(0, HP)
-    h = hv[:, None, None]
-    u = tl.arange(0, SR)
-    cell = (h * (ER + 2 * MR) + MR + u[None, :, None]) * SC + MC + tl.arange(0, EC)[None, None, :]
-    acc = tl.zeros([HP, HP], dtype=gsrc.dtype.element_ty)
-    for r0 in tl.range(0, ER, SR, num_stages=1):
-        rown = (r0 + u >= u_own0) & (r0 + u < u_own0 + n_own_rows)
-        own = (hv < H)[:, None, None] & rown[None, :, None] & own_c[None, None, :]
-        g = tl.where(own, tl.load(gsrc + cell + r0 * SC), 0.0)
-        x = tl.load(xsrc + cell + r0 * SC)
-        if USE_DOT:
-            acc += tl.dot(tl.reshape(g, [HP, SR * EC]), tl.trans(tl.reshape(x, [HP, SR * EC])),
-                          input_precision=PREC, out_dtype=acc.dtype)
+def _conv(plane, tpl, CQ: tl.constexpr, OFF: tl.constexpr, ADJ: tl.constexpr, ER: tl.constexpr, EC: tl.constexpr,
+          HW: tl.constexpr, MMA: tl.constexpr, ACC: tl.constexpr, PREC: tl.constexpr):
+    """(ER, EC) key-query convolution (ADJ: its adjoint) of one head's scratch plane: for each
+    row shift rho (back for the convolution, forward for the adjoint), the plane's window of
+    columns [-OFF, EC - OFF) and its HW-column halo [EC - OFF, EC + HW - OFF), times that
+    shift's Toeplitz matrix (tpl: this head's (CQ, EC + HW, EC) table), two tensor-core
+    products per shift."""
+    acc = tl.zeros([ER, EC], ACC)
+    m = tl.arange(0, EC)
+    mh = EC + tl.arange(0, HW)
+    n = tl.arange(0, EC)
+    # a runtime loop: one set of operand buffers (an unrolled loop would hold all shifts')
+    for rho in tl.range(0, CQ):
+        if ADJ:
+            du = rho
         else:
-            acc += tl.sum(tl.sum(g[:, None, :, :] * x[None, :, :, :], axis=3), axis=2)
+            du = -rho
+        x = _plane_load(plane, du, -OFF, ER, EC, ER, EC, MMA)
+        xh = _plane_load(plane, du, EC - OFF, ER, HW, ER, EC, MMA)
+        tb = tpl + rho * (EC + HW) * EC
+        acc += tl.dot(x, tl.load(tb + m[:, None] * EC + n[None, :]).to(MMA), input_precision=PREC, out_dtype=ACC)
+        acc += tl.dot(xh, tl.load(tb + mh[:, None] * EC + n[None, :]).to(MMA), input_precision=PREC, out_dtype=ACC)
     return acc
 
 
 @triton.jit
-def _conv(ptrs, x, kern, hmask, SC: tl.constexpr, CQ: tl.constexpr, CK: tl.constexpr, PL: tl.constexpr,
-          ADJOINT: tl.constexpr):
-    """Depthwise key-query convolution of the frame tile x (HC, ER, EC) through a scratch slot
-    (``ptrs``: the slot's frame cells of these heads, rows SC apart, zero margins around).
-
-    Forward: out[u, w] = sum_{a, b} kern[h, a, b] x[u + a - (CQ-1), w + b - PL] (queries look
-    back only). Adjoint: out[u, w] = sum_{a, b} kern[h, a, b] x[u + (CQ-1) - a, w + PL - b].
-    Reads that leave the frame land in the margins and read 0 (only the halo sees them)."""
-    kbase = kern + tl.arange(0, hmask.shape[0])[:, None, None] * (CQ * CK)
-    km = hmask[:, None, None]
-    _put(ptrs, x)
-    acc = tl.zeros(x.shape, dtype=x.dtype)
-    for a in tl.static_range(CQ):
-        for bb in tl.static_range(CK):
-            if ADJOINT:
-                shift = (CQ - 1 - a) * SC + (PL - bb)
-            else:
-                shift = (a - (CQ - 1)) * SC + (bb - PL)
-            acc += tl.load(kbase + (a * CK + bb), mask=km, other=0.0) * tl.load(ptrs + shift)
+def _conv_and_weight_grad(plane, tpl, g, part, OFF: tl.constexpr, CQ: tl.constexpr, CK: tl.constexpr,
+                          CKP: tl.constexpr, ER: tl.constexpr, EC: tl.constexpr, HW: tl.constexpr, MMA: tl.constexpr,
+                          ACC: tl.constexpr, PREC: tl.constexpr):
+    """``_conv`` (forward) of the plane and ``_conv_weight_grad`` with gradient g, from the same
+    input windows (each loaded once for both)."""
+    acc = tl.zeros([ER, EC], ACC)
+    m = tl.arange(0, EC)
+    mh = EC + tl.arange(0, HW)
+    n = tl.arange(0, EC)
+    r = tl.arange(0, CKP)
+    sk = r[:, None] + n[None, :]
+    gm = g.to(MMA)
+    for rho in tl.range(0, CQ):
+        x = _plane_load(plane, -rho, -OFF, ER, EC, ER, EC, MMA)
+        xh = _plane_load(plane, -rho, EC - OFF, ER, HW, ER, EC, MMA)
+        tb = tpl + rho * (EC + HW) * EC
+        acc += tl.dot(x, tl.load(tb + m[:, None] * EC + n[None, :]).to(MMA), input_precision=PREC, out_dtype=ACC)
+        acc += tl.dot(xh, tl.load(tb + mh[:, None] * EC + n[None, :]).to(MMA), input_precision=PREC, out_dtype=ACC)
+        mm = tl.dot(tl.trans(x), gm, input_precision=PREC, out_dtype=ACC)
+        mhh = tl.dot(tl.trans(xh), gm, input_precision=PREC, out_dtype=ACC)
+        taps = tl.sum(tl.where(sk < EC, tl.gather(mm, tl.minimum(sk, EC - 1), 0), 0.0), 1)
+        taps += tl.sum(tl.where((sk >= EC) & (sk < EC + HW),
+                                tl.gather(mhh, tl.minimum(tl.maximum(sk - EC, 0), HW - 1), 0), 0.0), 1)
+        ptr = part + (CQ - 1 - rho) * CK + r
+        tl.store(ptr, tl.load(ptr, mask=r < CK, other=0.0) + taps, mask=r < CK)
     return acc
 
 
 @triton.jit
-def _conv_weight_grad(ptrs, gout, part, SC: tl.constexpr, CQ: tl.constexpr, CK: tl.constexpr, PL: tl.constexpr):
-    """part[h, a, b] += sum_{u, w} gout[h, u, w] x[h, u + a - (CQ-1), w + b - PL], x the
-    forward input still in the slot at ``ptrs``; gout is zero outside the owned block."""
-    pbase = part + tl.arange(0, gout.shape[0]) * (CQ * CK)
-    for a in tl.static_range(CQ):
-        for bb in tl.static_range(CK):
-            xs = tl.load(ptrs + ((a - (CQ - 1)) * SC + (bb - PL)))
-            s = tl.sum(tl.sum(gout * xs, axis=2), axis=1)
-            tl.store(pbase + (a * CK + bb), tl.load(pbase + (a * CK + bb)) + s)
+def _conv_weight_grad(xplane, g, part, OFF: tl.constexpr, CQ: tl.constexpr, CK: tl.constexpr, CKP: tl.constexpr,
+                      ER: tl.constexpr, EC: tl.constexpr, HW: tl.constexpr, MMA: tl.constexpr, ACC: tl.constexpr,
+                      PREC: tl.constexpr):
+    """part[a, b] += sum over cells (u, w) of G[u, w] X[u - rho, w + b - OFF], a = CQ-1-rho:
+    G (ER, EC) is this head's output gradient, already zero outside the owned cells; X the
+    convolution's input plane. Per row shift, the window^T G products ((EC + HW) x EC) hold
+    tap b on their diagonal b: a gather (skew) and a row sum, once per tile."""
+    r = tl.arange(0, CKP)
+    n = tl.arange(0, EC)
+    sk = r[:, None] + n[None, :]  # (CKP, EC): row n + b of the stacked product
+    gm = g.to(MMA)
+    for rho in tl.range(0, CQ):
+        x = _plane_load(xplane, -rho, -OFF, ER, EC, ER, EC, MMA)
+        xh = _plane_load(xplane, -rho, EC - OFF, ER, HW, ER, EC, MMA)
+        mm = tl.dot(tl.trans(x), gm, input_precision=PREC, out_dtype=ACC)  # (EC, EC)
+        mh = tl.dot(tl.trans(xh), gm, input_precision=PREC, out_dtype=ACC)  # (HW, EC)
+        taps = tl.sum(tl.where(sk < EC, tl.gather(mm, tl.minimum(sk, EC - 1), 0), 0.0), 1)
+        taps += tl.sum(tl.where((sk >= EC) & (sk < EC + HW),
+                                tl.gather(mh, tl.minimum(tl.maximum(sk - EC, 0), HW - 1), 0), 0.0), 1)
+        ptr = part + (CQ - 1 - rho) * CK + r
+        tl.store(ptr, tl.load(ptr, mask=r < CK, other=0.0) + taps, mask=r < CK)
 
 
+@triton.jit
+def _grads_qkv(ds, ac, q_ptr, k_ptr, do_ptr, pdq_ptr, dk_ptr, dv_ptr, bh, i, j, orow, own_u, kmask, Tq, Tk,
+               D: tl.constexpr, E0: tl.constexpr, DX: tl.constexpr, MMA: tl.constexpr, ACC: tl.constexpr,
+               PREC: tl.constexpr):
+    """Features [E0, E0 + DX) of one head's dq (into its item's partial, owned rows), dk and dv
+    (atomically, owned keys) from a tile's dS and A (ER x EC, zero outside the owned cells)."""
+    e = E0 + tl.arange(0, DX)
+    em = (e < D)[None, :]
+    dq = tl.dot(ds, _rows(k_ptr, bh, j, Tk, D, E0, DX, MMA), input_precision=PREC, out_dtype=ACC)
+    optr = pdq_ptr + orow[:, None] * D + e[None, :]
+    tl.store(optr, tl.load(optr, mask=own_u[:, None] & em, other=0.0) + dq, mask=own_u[:, None] & em)
+    kptr = (bh * Tk + j[:, None]) * D + e[None, :]
+    tl.atomic_add(dk_ptr + kptr, tl.dot(tl.trans(ds), _rows(q_ptr, bh, i, Tq, D, E0, DX, MMA), input_precision=PREC,
+                                        out_dtype=ACC), mask=kmask & em, sem="relaxed")
+    tl.atomic_add(dv_ptr + kptr, tl.dot(tl.trans(ac), _rows(do_ptr, bh, i, Tq, D, E0, DX, MMA), input_precision=PREC,
+                                        out_dtype=ACC), mask=kmask & em, sem="relaxed")
+
+
+@triton.jit
+def _slab(plane_base, cu, cw, hh, H: tl.constexpr, ER: tl.constexpr, EC: tl.constexpr, MMA: tl.constexpr):
+    """(cells, HP) slab of a scratch slot: cells at frame rows cu, columns cw, all heads."""
+    return tl.load(plane_base + (hh[None, :] * ER + cu[:, None]) * EC + cw[:, None], mask=(hh < H)[None, :],
+                   other=0.0).to(MMA)
+
+
+@triton.jit
+def _slab_store(plane_base, cu, cw, hh, x, H: tl.constexpr, ER: tl.constexpr, EC: tl.constexpr, RNE: tl.constexpr):
+    tl.store(plane_base + (hh[None, :] * ER + cu[:, None]) * EC + cw[:, None],
+             _to_scratch(x, plane_base.dtype.element_ty, RNE), mask=(hh < H)[None, :])
+
+
+@triton.jit
+def _row_stat(ptr, b, i_rows, hh, Tq, H: tl.constexpr, SR: tl.constexpr, EC: tl.constexpr):
+    """A (B, H, Tq) per-row statistic (lse, D) broadcast to the slab's (SR*EC, HP) cells."""
+    m = (hh[None, :] < H) & (i_rows[:, None] >= 0) & (i_rows[:, None] < Tq)
+    x = tl.load(ptr + (b.to(tl.int64) * H + hh[None, :]) * Tq + i_rows[:, None], mask=m, other=0.0)
+    return tl.reshape(tl.broadcast_to(x[:, None, :], (SR, EC, x.shape[1])), (SR * EC, x.shape[1]))
+
+
+@triton.jit
+def _keep(seed, b, i, j, hh, Tq, Tk, p_drop, H: tl.constexpr):
+    """Dropout's keep mask of (cells, HP): drawn from the int64 cell index (no wrap)."""
+    offs = ((b.to(tl.int64) * H + hh[None, :]) * Tq + i[:, None]) * Tk + j[:, None]
+    return tl.rand(seed, offs) >= p_drop
+
+
+@triton.jit
+def _mix(x, w, HAS: tl.constexpr, PREC: tl.constexpr, ACC: tl.constexpr):
+    """x (cells, HP) @ w (HP, HP), or x itself when the mixing is off."""
+    if HAS:
+        return tl.dot(x, w, input_precision=PREC, out_dtype=ACC)
+    else:
+        return x.to(ACC)
+
+
+@triton.jit
+def _wgrad(acc, g, x, own, HAS: tl.constexpr, MMA: tl.constexpr, PREC: tl.constexpr, ACC: tl.constexpr):
+    """acc (HP, HP) += g_owned^T x over the slab's cells: a mixing weight's gradient."""
+    if HAS:
+        go = tl.where(own[:, None], g, 0.0).to(MMA)
+        acc += tl.dot(tl.trans(go), x.to(MMA), input_precision=PREC, out_dtype=ACC)
+    return acc
+
+
+# ----------------------------------------------------------------------------- the kernel
 # Lengths, offsets, counts and the seed change with every batch shape: not specialised, so
 # a new B or T reuses the compiled kernel (H and d stay specialised: fixed per model).
-@triton.jit(do_not_specialize=["Tq", "Tk", "q_off", "n_rt", "n_items", "seed"])
+@triton.jit(do_not_specialize=["Tq", "Tk", "q_off", "n_items", "seed"])
 def _mta_kernel(
-    q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, dd_ptr, m_ptr, l_ptr, oacc_ptr, dqacc_ptr, dk_ptr, dv_ptr,
-    kv_ptr, k1_ptr, w1_ptr, k2_ptr, w2_ptr, scr_ptr, pk1_ptr, pw1_ptr, pk2_ptr, pw2_ptr,
-    Tq, Tk, q_off, H, d, n_rt, n_items, scale, p_drop, seed,
-    MODE: tl.constexpr, ACC: tl.constexpr, PREC: tl.constexpr, USE_DOT: tl.constexpr,
-    HP: tl.constexpr, HC: tl.constexpr, SR: tl.constexpr, DP: tl.constexpr, ER: tl.constexpr, EC: tl.constexpr,
-    TOP: tl.constexpr, LEFT: tl.constexpr, BMO: tl.constexpr, BNO: tl.constexpr,
-    MR: tl.constexpr, MC: tl.constexpr,
-    HAS_K1: tl.constexpr, CQ1: tl.constexpr, CK1: tl.constexpr, PL1: tl.constexpr,
-    HAS_W1: tl.constexpr,
-    HAS_K2: tl.constexpr, CQ2: tl.constexpr, CK2: tl.constexpr, PL2: tl.constexpr,
-    HAS_W2: tl.constexpr, HAS_KV: tl.constexpr, DROP: tl.constexpr, UPCAST: tl.constexpr,
+    q_ptr, k_ptr, v_ptr, do_ptr, kh_ptr, band_ptr, kv_ptr,
+    w1t_ptr, w2t_ptr, tf2_ptr, ta2_ptr, ta1_ptr,
+    lse_ptr, dd_ptr, items_ptr,
+    pm_ptr, pl_ptr, po_ptr, pd_ptr, pdq_ptr, dk_ptr, dv_ptr, pw1_ptr, pw2_ptr, pt1_ptr, pt2_ptr,
+    scr_ptr,
+    Tq, Tk, q_off, n_items, scale, p_drop, seed,
+    MODE: tl.constexpr, H: tl.constexpr, HP: tl.constexpr, D: tl.constexpr, DA: tl.constexpr, DB: tl.constexpr,
+    ER: tl.constexpr, EC: tl.constexpr, TOP: tl.constexpr, LEFT: tl.constexpr, BMO: tl.constexpr,
+    BNO: tl.constexpr, SR: tl.constexpr, HW: tl.constexpr,
+    HAS_K1: tl.constexpr, CQ1: tl.constexpr, CK1: tl.constexpr, CKP1: tl.constexpr, PL1: tl.constexpr,
+    NB1: tl.constexpr,
+    HAS_W1: tl.constexpr, HAS_K2: tl.constexpr, CQ2: tl.constexpr, CK2: tl.constexpr, CKP2: tl.constexpr,
+    PL2: tl.constexpr,
+    HAS_W2: tl.constexpr, HAS_KV: tl.constexpr, DROP: tl.constexpr,
+    MMA: tl.constexpr, ACC: tl.constexpr, PREC: tl.constexpr, RNE: tl.constexpr, NSLOT: tl.constexpr,
+    S_C: tl.constexpr, S_DA: tl.constexpr, S_S0: tl.constexpr, S_P: tl.constexpr, S_DR: tl.constexpr,
+    S_DP: tl.constexpr, S_R: tl.constexpr, S_DC: tl.constexpr, S_A: tl.constexpr,
 ):
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
-    hv = tl.arange(0, HP)
-    hmask = hv < H
-    hl = tl.arange(0, HC)  # a chunk's heads, relative to its first
-    e = tl.arange(0, DP)
+    hh = tl.arange(0, HP)
     u = tl.arange(0, ER)
     w = tl.arange(0, EC)
-    # Scratch: _N_SLOTS slots of (HP, ER + 2 MR, SC = EC + 2 MC): the frame with zero margins
-    # as wide as the largest shift, so shifted reloads need no masks.
-    SC: tl.constexpr = EC + 2 * MC
-    SLOTH: tl.constexpr = (ER + 2 * MR) * SC
-    SLOT: tl.constexpr = HP * SLOTH
-    scr = scr_ptr + pid.to(tl.int64) * (_N_SLOTS * SLOT)
-    cell = (hl[:, None, None] * (ER + 2 * MR) + MR + u[None, :, None]) * SC + MC + w[None, None, :]
+    PLANE: tl.constexpr = ER * EC
+    SLOT: tl.constexpr = HP * PLANE
+    scr = scr_ptr + pid.to(tl.int64) * (NSLOT * SLOT)
+    R1: tl.constexpr = CK1 - 1 - PL1
+    R2: tl.constexpr = CK2 - 1 - PL2
+    own_u = (u >= TOP) & (u < TOP + BMO)
+    own_w = (w >= LEFT) & (w < LEFT + BNO)
+    # the (HP, HP) mixings as right factors of (cells, heads) slabs: x @ W^T mixes, x @ W is the adjoint
+    hw = (hh[:, None] < H) & (hh[None, :] < H)
     if HAS_W1:
-        w1 = tl.load(w1_ptr + hv[:, None] * H + hv[None, :], mask=hmask[:, None] & hmask[None, :], other=0.0)
+        w1t = tl.load(w1t_ptr + hh[:, None] * HP + hh[None, :], mask=hw, other=0.0).to(MMA)
+        w1 = tl.trans(w1t)
+    else:
+        w1t = tl.zeros([HP, HP], MMA)
+        w1 = w1t
     if HAS_W2:
-        w2 = tl.load(w2_ptr + hv[:, None] * H + hv[None, :], mask=hmask[:, None] & hmask[None, :], other=0.0)
+        w2t = tl.load(w2t_ptr + hh[:, None] * HP + hh[None, :], mask=hw, other=0.0).to(MMA)
+        w2 = tl.trans(w2t)
+    else:
+        w2t = tl.zeros([HP, HP], MMA)
+        w2 = w2t
+    dw1 = tl.zeros([HP, HP], ACC)
+    dw2 = tl.zeros([HP, HP], ACC)
+    cell = tl.arange(0, SR * EC)
 
-    # No loop here may be software-pipelined: each hands data through the scratch slots
-    # (num_stages=1 on every loop; frames.launch_config launches with 1 stage as well).
-    for item in tl.range(pid, n_items, nprog, num_stages=1):  # (batch, query block) work items
-        b = item // n_rt
-        t = item % n_rt
-        rows = t * BMO - TOP + u  # (ER,) query index of each frame row
-        own_r = (u >= TOP) & (u < TOP + BMO) & (rows < Tq)
-        row_in = (rows >= 0) & (rows < Tq)
-        if HAS_KV:
-            row_ok = row_in & (tl.load(kv_ptr + b * Tk + rows + q_off, mask=row_in, other=0) != 0)
-        else:
-            row_ok = row_in
-        n_own_rows = tl.minimum(BMO, Tq - t * BMO)
-        if MODE == _BWD:
-            dw1 = tl.zeros([HP, HP], dtype=ACC)
-            dw2 = tl.zeros([HP, HP], dtype=ACC)
+    for it in tl.range(pid, n_items, nprog, num_stages=1):
+        b = tl.load(items_ptr + it * 5)
+        t = tl.load(items_ptr + it * 5 + 1)
+        kb0 = tl.load(items_ptr + it * 5 + 2)
+        kb1 = tl.load(items_ptr + it * 5 + 3)
+        slot = tl.load(items_ptr + it * 5 + 4).to(tl.int64)
+        row0 = t * BMO - TOP  # query index of frame row 0
+        i = row0 + u
+        for c in tl.range(kb0, kb1, num_stages=1):
+            col0 = c * BNO - LEFT  # key index of frame column 0
+            j = col0 + w
+            tl.debug_barrier()  # every reader of the previous tile's slots is done
 
-        # Causal skipping: key blocks up to the one holding this block's last query.
-        last = tl.minimum(Tq, t * BMO + BMO) - 1 + q_off
-        n_ct = tl.minimum(tl.cdiv(Tk, BNO), last // BNO + 1)
-        for ct in tl.range(0, n_ct, num_stages=1):
-            cols = ct * BNO - LEFT + w  # (EC,) key index of each frame column
-            col_in = (cols >= 0) & (cols < Tk)
-            own_c = (w >= LEFT) & (w < LEFT + BNO) & col_in
-            own = own_r[:, None] & own_c[None, :]  # (ER, EC)
-            allowed = row_ok[:, None] & col_in[None, :] & (cols[None, :] <= rows[:, None] + q_off)
-            if HAS_KV:
-                allowed = allowed & (tl.load(kv_ptr + b * Tk + cols, mask=col_in, other=0) != 0)[None, :]
+            # ---- H1: per-head products on the frame -> slots
+            for h in tl.range(0, H, num_stages=1):
+                bh = b.to(tl.int64) * H + h
+                pc = scr + S_C * SLOT + h * PLANE + u[:, None] * EC + w[None, :]
+                cst = _scores(q_ptr, kh_ptr, band_ptr, bh, i, j, row0, col0, Tq, Tk, q_off, scale, D, DA, DB,
+                              CQ1, NB1, ER, EC, MMA, ACC, PREC)
+                tl.store(pc, _to_scratch(cst, scr_ptr.dtype.element_ty, RNE))
+                if MODE == _ROWSUM or MODE == _BWD:
+                    da = tl.dot(_rows(do_ptr, bh, i, Tq, D, 0, DA, MMA), tl.trans(_rows(v_ptr, bh, j, Tk, D, 0, DA, MMA)),
+                                input_precision=PREC, out_dtype=ACC)
+                    if DB > 0:
+                        da += tl.dot(_rows(do_ptr, bh, i, Tq, D, DA, DB, MMA),
+                                     tl.trans(_rows(v_ptr, bh, j, Tk, D, DA, DB, MMA)), input_precision=PREC,
+                                     out_dtype=ACC)
+                    tl.store(scr + S_DA * SLOT + h * PLANE + u[:, None] * EC + w[None, :],
+                             _to_scratch(da, scr_ptr.dtype.element_ty, RNE))
+                if MODE == _BWD:
+                    if HAS_K1:  # the raw masked scores, the pre-softmax kernel's input (its gradient)
+                        s0 = _scores(q_ptr, k_ptr, band_ptr, bh, i, j, row0, col0, Tq, Tk, q_off, scale, D, DA, DB,
+                                     1, 0, ER, EC, MMA, ACC, PREC)
+                        ok = _allowed(i[:, None], j[None, :], b, kv_ptr, Tq, Tk, q_off, HAS_KV)
+                        tl.store(scr + S_S0 * SLOT + h * PLANE + u[:, None] * EC + w[None, :],
+                                 _to_scratch(tl.where(ok, s0, 0.0), scr_ptr.dtype.element_ty, RNE))
+            tl.debug_barrier()
 
-            # ---- S -> C (per head chunk), Z = mix(C)
-            for c0 in tl.range(0, HP, HC, num_stages=1):
-                hc = c0 + hl
-                hm3 = (hc < H)[:, None, None]
-                q_c = _load_tile(q_ptr, b, hc, rows, Tq, H, d, DP, UPCAST)  # (HC, ER, DP)
-                k_c = _load_tile(k_ptr, b, hc, cols, Tk, H, d, DP, UPCAST)  # (HC, EC, DP)
-                s = tl.dot(q_c, tl.trans(k_c, 0, 2, 1), input_precision=PREC, out_dtype=ACC) * scale
-                s = tl.where(allowed[None, :, :] & hm3, s, 0.0)  # the convolution must not read the future
-                if HAS_K1:
-                    c = _conv(scr + _S * SLOT + c0 * SLOTH + cell, s, k1_ptr + c0 * CQ1 * CK1, hc < H,
-                              SC, CQ1, CK1, PL1, False)
+            # ---- M1: slabs of all heads: mixing, softmax, (no post conv: the rest of the chain)
+            for r0 in tl.range(0, ER, SR, num_stages=1):
+                cu = r0 + cell // EC
+                cw = cell % EC
+                ci = row0 + cu
+                cj = col0 + cw
+                ok = _allowed(ci, cj, b, kv_ptr, Tq, Tk, q_off, HAS_KV)
+                own = (cu >= TOP) & (cu < TOP + BMO) & (cw >= LEFT) & (cw < LEFT + BNO) & ok
+                i_rows = row0 + r0 + tl.arange(0, SR)
+                xc = _slab(scr + S_C * SLOT, cu, cw, hh, H, ER, EC, MMA)
+                z = _mix(xc, w1t, HAS_W1, PREC, ACC)
+                if MODE == _STATS:
+                    zm = tl.where(ok[:, None], z, float("-inf"))
+                    z3 = tl.reshape(zm, (SR, EC, HP))
+                    tmax = tl.max(z3, 1)  # (SR, HP)
+                    u_rows = r0 + tl.arange(0, SR)
+                    sptr = (slot * HP + hh[None, :]) * ER + u_rows[:, None]
+                    m_old = tl.load(pm_ptr + sptr)
+                    l_old = tl.load(pl_ptr + sptr)
+                    m_new = tl.maximum(m_old, tmax)
+                    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+                    e3 = tl.exp(z3 - m_safe[:, None, :])
+                    l_new = l_old * tl.exp(tl.where(m_old == float("-inf"), float("-inf"), m_old - m_safe)) + tl.sum(e3, 1)
+                    tl.store(pm_ptr + sptr, m_new)
+                    tl.store(pl_ptr + sptr, l_new)
                 else:
-                    c = s
-                _put(scr + _C * SLOT + c0 * SLOTH + cell, c)
-            if HAS_W1:
-                _mix_slabs(scr + _C * SLOT, scr + _ZA * SLOT, w1, H, HP, ER, EC, SR, SC, MR, MC, USE_DOT, PREC)
-                zslot = scr + _ZA * SLOT
-            else:
-                zslot = scr + _C * SLOT
-
-            if MODE == _STATS:
-                for c0 in tl.range(0, HP, HC, num_stages=1):
-                    hc = c0 + hl
-                    own3 = own[None, :, :] & allowed[None, :, :] & (hc < H)[:, None, None]
-                    zm = tl.where(own3, tl.load(zslot + c0 * SLOTH + cell), float("-inf"))
-                    sptr = (b.to(tl.int64) * H + hc[:, None]) * Tq + rows[None, :]
-                    smask = (hc < H)[:, None] & own_r[None, :]
-                    m_i = tl.load(m_ptr + sptr, mask=smask, other=float("-inf"))
-                    l_i = tl.load(l_ptr + sptr, mask=smask, other=0.0)
-                    m_new = tl.maximum(m_i, tl.max(zm, axis=2))
-                    base = tl.where(m_new == float("-inf"), 0.0, m_new)
-                    l_i = l_i * tl.exp(m_i - base) + tl.sum(tl.exp(zm - base[:, :, None]), axis=2)
-                    tl.store(m_ptr + sptr, m_new, mask=smask)
-                    tl.store(l_ptr + sptr, l_i, mask=smask)
-            else:
-                # ---- P = exp(Z - lse) exactly, R = mask * conv(P), A = mix(R)
-                for c0 in tl.range(0, HP, HC, num_stages=1):
-                    hc = c0 + hl
-                    al3 = allowed[None, :, :] & (hc < H)[:, None, None]
-                    sptr = (b.to(tl.int64) * H + hc[:, None]) * Tq + rows[None, :]
-                    lse = tl.load(lse_ptr + sptr, mask=(hc < H)[:, None] & row_in[None, :], other=0.0)
-                    z = tl.load(zslot + c0 * SLOTH + cell)
-                    # <= 1 by construction; clamped so that halo junk cannot overflow
-                    p = tl.where(al3, tl.exp(tl.minimum(z - lse[:, :, None], 0.0)), 0.0)
-                    if HAS_K2:
-                        r = tl.where(al3, _conv(scr + _P * SLOT + c0 * SLOTH + cell, p, k2_ptr + c0 * CQ2 * CK2,
-                                                hc < H, SC, CQ2, CK2, PL2, False), 0.0)
-                    else:
-                        _put(scr + _P * SLOT + c0 * SLOTH + cell, p)
-                        r = p
-                    if MODE != _BWD_D:
-                        _put(scr + _R * SLOT + c0 * SLOTH + cell, r)
-                if MODE != _BWD_D:
-                    if HAS_W2:
-                        _mix_slabs(scr + _R * SLOT, scr + _ZA * SLOT, w2, H, HP, ER, EC, SR, SC, MR, MC, USE_DOT, PREC)
-                        aslot = scr + _ZA * SLOT
-                    else:
-                        aslot = scr + _R * SLOT
-
-                # ---- A V (forward); dA = dO V^T, dv (backward)
-                for c0 in tl.range(0, HP, HC, num_stages=1):
-                    hc = c0 + hl
-                    hm3 = (hc < H)[:, None, None]
-                    own3 = own[None, :, :] & hm3
-                    v_c = _load_tile(v_ptr, b, hc, cols, Tk, H, d, DP, UPCAST)  # (HC, EC, DP)
+                    lse = _row_stat(lse_ptr, b, i_rows, hh, Tq, H, SR, EC)
+                    okh = ok[:, None] & (hh < H)[None, :]
+                    p = tl.where(okh, tl.exp(tl.minimum(z - lse, 0.0)), 0.0)
                     if DROP:
-                        # int64 cell index of (b, h, row, col): distinct for every cell, no wrap
-                        offs = (((b.to(tl.int64) * H + hc[:, None, None]) * Tq + rows[None, :, None]) * Tk
-                                + cols[None, None, :])
-                        keep = tl.rand(seed, offs) >= p_drop
-                    if MODE != _BWD_D:
-                        a_ = tl.load(aslot + c0 * SLOTH + cell)
-                        if DROP:
-                            a_ = tl.where(keep, a_ / (1.0 - p_drop), 0.0)
-                        a_own = tl.where(own3, a_, 0.0)
-                    optr = ((b.to(tl.int64) * H + hc[:, None, None]) * Tq + rows[None, :, None]) * d + e[None, None, :]
-                    omask = hm3 & own_r[None, :, None] & (e < d)[None, None, :]
+                        keep = _keep(seed, b, ci, cj, hh, Tq, Tk, p_drop, H)
                     if MODE == _FWD:
-                        o_c = tl.dot(a_own.to(v_c.dtype), v_c, input_precision=PREC, out_dtype=ACC)
-                        tl.store(oacc_ptr + optr, tl.load(oacc_ptr + optr, mask=omask, other=0.0) + o_c, mask=omask)
+                        if HAS_K2:
+                            _slab_store(scr + S_P * SLOT, cu, cw, hh, p, H, ER, EC, RNE)
+                        else:
+                            a = _mix(p.to(MMA), w2t, HAS_W2, PREC, ACC)
+                            if DROP:
+                                a = tl.where(keep, a / (1.0 - p_drop), 0.0)
+                            _slab_store(scr + S_A * SLOT, cu, cw, hh, a, H, ER, EC, RNE)
                     else:
-                        do_c = _load_tile(do_ptr, b, hc, rows, Tq, H, d, DP, UPCAST)  # (HC, ER, DP)
-                        da = tl.dot(do_c, tl.trans(v_c, 0, 2, 1), input_precision=PREC, out_dtype=ACC)
+                        da = _slab(scr + S_DA * SLOT, cu, cw, hh, H, ER, EC, ACC)
                         if DROP:
                             da = tl.where(keep, da / (1.0 - p_drop), 0.0)
-                        _put(scr + _DA * SLOT + c0 * SLOTH + cell, da)
-                        if MODE == _BWD:
-                            # dv of the owned key block: other query blocks add to the same keys
-                            kptr = ((b.to(tl.int64) * H + hc[:, None, None]) * Tk + cols[None, :, None]) * d + e[None, None, :]
-                            kmask = hm3 & own_c[None, :, None] & (e < d)[None, None, :]
-                            # A in the inputs' dtype, as for A V (tensor cores for bf16 inputs)
-                            dv_c = tl.dot(tl.trans(a_own, 0, 2, 1).to(do_c.dtype), do_c, input_precision=PREC,
-                                          out_dtype=ACC)
-                            tl.atomic_add(dv_ptr + kptr, dv_c, mask=kmask, sem="relaxed")
-
-                if MODE != _FWD:
-                    # ---- dR = mix^T(dA); dP = conv^T(mask * dR)
-                    if HAS_W2:
-                        _mix_slabs(scr + _DA * SLOT, scr + _DR * SLOT, tl.trans(w2), H, HP, ER, EC, SR, SC, MR, MC,
-                                   USE_DOT, PREC)
-                        drslot = scr + _DR * SLOT
-                        if MODE == _BWD:
-                            dw2 += _mix_grad_slabs(scr + _DA * SLOT, scr + _R * SLOT, TOP, own_c, H, HP, ER, EC, SR,
-                                                   SC, MR, MC, n_own_rows, USE_DOT, PREC)
-                    else:
-                        drslot = scr + _DA * SLOT
-                    for c0 in tl.range(0, HP, HC, num_stages=1):
-                        hc = c0 + hl
-                        hm3 = (hc < H)[:, None, None]
-                        al3 = allowed[None, :, :] & hm3
-                        own3 = own[None, :, :] & hm3
-                        dr = tl.where(al3, tl.load(drslot + c0 * SLOTH + cell), 0.0)
+                        dr = tl.where(okh, _mix(da.to(MMA), w2, HAS_W2, PREC, ACC), 0.0)
                         if HAS_K2:
-                            dp = _conv(drslot + c0 * SLOTH + cell, dr, k2_ptr + c0 * CQ2 * CK2, hc < H,
-                                       SC, CQ2, CK2, PL2, True)
+                            _slab_store(scr + S_P * SLOT, cu, cw, hh, p, H, ER, EC, RNE)
+                            _slab_store(scr + S_DR * SLOT, cu, cw, hh, dr, H, ER, EC, RNE)
+                        elif MODE == _ROWSUM:
+                            dsum = tl.sum(tl.reshape(tl.where(own[:, None], p * dr, 0.0), (SR, EC, HP)), 1)
+                            u_rows = r0 + tl.arange(0, SR)
+                            dptr = pd_ptr + (slot * HP + hh[None, :]) * ER + u_rows[:, None]
+                            tl.store(dptr, tl.load(dptr) + dsum)
                         else:
-                            dp = dr
-                        p = tl.load(scr + _P * SLOT + c0 * SLOTH + cell)
-                        sptr = (b.to(tl.int64) * H + hc[:, None]) * Tq + rows[None, :]
-                        if MODE == _BWD_D:
-                            smask = (hc < H)[:, None] & own_r[None, :]
-                            dsum = tl.sum(tl.where(own3, p * dp, 0.0), axis=2)
-                            tl.store(dd_ptr + sptr, tl.load(dd_ptr + sptr, mask=smask, other=0.0) + dsum, mask=smask)
-                        else:
-                            dd = tl.load(dd_ptr + sptr, mask=(hc < H)[:, None] & row_in[None, :], other=0.0)
-                            _put(scr + _ZA * SLOT + c0 * SLOTH + cell, p * (dp - dd[:, :, None]))  # dZ
-                            if HAS_K2:
-                                _conv_weight_grad(scr + _P * SLOT + c0 * SLOTH + cell, tl.where(own3, dr, 0.0),
-                                                  pk2_ptr + item * (HP * CQ2 * CK2) + c0 * CQ2 * CK2, SC, CQ2, CK2, PL2)
+                            dd = _row_stat(dd_ptr, b, i_rows, hh, Tq, H, SR, EC)
+                            dz = p * (dr - dd)
+                            _slab_store(scr + S_DC * SLOT, cu, cw, hh, _mix(dz.to(MMA), w1, HAS_W1, PREC, ACC),
+                                        H, ER, EC, RNE)
+                            a = _mix(p.to(MMA), w2t, HAS_W2, PREC, ACC)
+                            if DROP:
+                                a = tl.where(keep, a / (1.0 - p_drop), 0.0)
+                            _slab_store(scr + S_A * SLOT, cu, cw, hh, a, H, ER, EC, RNE)
+                            dw1 = _wgrad(dw1, dz, xc, own, HAS_W1, MMA, PREC, ACC)
+                            dw2 = _wgrad(dw2, da, p, own, HAS_W2, MMA, PREC, ACC)
 
-                if MODE == _BWD:
-                    # ---- dC = mix^T(dZ); dS = mask * conv^T(dC); dq, dk
-                    if HAS_W1:
-                        _mix_slabs(scr + _ZA * SLOT, scr + _DA * SLOT, tl.trans(w1), H, HP, ER, EC, SR, SC, MR, MC,
-                                   USE_DOT, PREC)
-                        dw1 += _mix_grad_slabs(scr + _ZA * SLOT, scr + _C * SLOT, TOP, own_c, H, HP, ER, EC, SR,
-                                               SC, MR, MC, n_own_rows, USE_DOT, PREC)
-                        dcslot = scr + _DA * SLOT
+            if HAS_K2 and MODE != _STATS:
+                tl.debug_barrier()
+                # ---- H2: the post-softmax convolution / its adjoint / its kernel's gradient, per head
+                for h in tl.range(0, H, num_stages=1):
+                    pp = u[:, None] * EC + w[None, :]
+                    ok = _allowed(i[:, None], j[None, :], b, kv_ptr, Tq, Tk, q_off, HAS_KV)
+                    if MODE == _FWD:
+                        rr = _conv(scr + S_P * SLOT + h * PLANE, tf2_ptr + h * (CQ2 * (EC + HW) * EC), CQ2, PL2, False,
+                                   ER, EC, HW, MMA, ACC, PREC)
+                    if MODE == _BWD:  # R and the post kernel's gradient read the same P windows
+                        g = tl.where(own_u[:, None] & own_w[None, :], tl.load(scr + S_DR * SLOT + h * PLANE + pp), 0.0)
+                        rr = _conv_and_weight_grad(scr + S_P * SLOT + h * PLANE, tf2_ptr + h * (CQ2 * (EC + HW) * EC), g,
+                                                   pt2_ptr + (pid.to(tl.int64) * HP + h) * (CQ2 * CK2), PL2, CQ2, CK2,
+                                                   CKP2, ER, EC, HW, MMA, ACC, PREC)
+                    if MODE == _FWD or MODE == _BWD:
+                        tl.store(scr + S_R * SLOT + h * PLANE + pp,
+                                 _to_scratch(tl.where(ok, rr, 0.0), scr_ptr.dtype.element_ty, RNE))
+                    if MODE == _ROWSUM or MODE == _BWD:
+                        dp = _conv(scr + S_DR * SLOT + h * PLANE, ta2_ptr + h * (CQ2 * (EC + HW) * EC), CQ2, R2, True,
+                                   ER, EC, HW, MMA, ACC, PREC)
+                        tl.store(scr + S_DP * SLOT + h * PLANE + pp, _to_scratch(dp, scr_ptr.dtype.element_ty, RNE))
+                tl.debug_barrier()
+                # ---- M2: slabs again: the post-softmax mixing / the softmax backward
+                for r0 in tl.range(0, ER, SR, num_stages=1):
+                    cu = r0 + cell // EC
+                    cw = cell % EC
+                    ci = row0 + cu
+                    cj = col0 + cw
+                    ok = _allowed(ci, cj, b, kv_ptr, Tq, Tk, q_off, HAS_KV)
+                    own = (cu >= TOP) & (cu < TOP + BMO) & (cw >= LEFT) & (cw < LEFT + BNO) & ok
+                    i_rows = row0 + r0 + tl.arange(0, SR)
+                    if DROP:
+                        keep = _keep(seed, b, ci, cj, hh, Tq, Tk, p_drop, H)
+                    if MODE == _FWD:
+                        a = _mix(_slab(scr + S_R * SLOT, cu, cw, hh, H, ER, EC, MMA), w2t, HAS_W2, PREC, ACC)
+                        if DROP:
+                            a = tl.where(keep, a / (1.0 - p_drop), 0.0)
+                        _slab_store(scr + S_A * SLOT, cu, cw, hh, a, H, ER, EC, RNE)
+                    elif MODE == _ROWSUM:
+                        p = _slab(scr + S_P * SLOT, cu, cw, hh, H, ER, EC, ACC)
+                        dp = _slab(scr + S_DP * SLOT, cu, cw, hh, H, ER, EC, ACC)
+                        dsum = tl.sum(tl.reshape(tl.where(own[:, None], p * dp, 0.0), (SR, EC, HP)), 1)
+                        u_rows = r0 + tl.arange(0, SR)
+                        dptr = pd_ptr + (slot * HP + hh[None, :]) * ER + u_rows[:, None]
+                        tl.store(dptr, tl.load(dptr) + dsum)
                     else:
-                        dcslot = scr + _ZA * SLOT
-                    for c0 in tl.range(0, HP, HC, num_stages=1):
-                        hc = c0 + hl
-                        hm3 = (hc < H)[:, None, None]
-                        own3 = own[None, :, :] & hm3
-                        dc = tl.load(dcslot + c0 * SLOTH + cell)
+                        p = _slab(scr + S_P * SLOT, cu, cw, hh, H, ER, EC, ACC)
+                        dp = _slab(scr + S_DP * SLOT, cu, cw, hh, H, ER, EC, ACC)
+                        dd = _row_stat(dd_ptr, b, i_rows, hh, Tq, H, SR, EC)
+                        dz = p * (dp - dd)
+                        _slab_store(scr + S_DC * SLOT, cu, cw, hh, _mix(dz.to(MMA), w1, HAS_W1, PREC, ACC), H, ER, EC, RNE)
+                        rr = _slab(scr + S_R * SLOT, cu, cw, hh, H, ER, EC, MMA)
+                        a = _mix(rr, w2t, HAS_W2, PREC, ACC)
+                        if DROP:
+                            a = tl.where(keep, a / (1.0 - p_drop), 0.0)
+                        _slab_store(scr + S_A * SLOT, cu, cw, hh, a, H, ER, EC, RNE)
+                        da = _slab(scr + S_DA * SLOT, cu, cw, hh, H, ER, EC, ACC)
+                        if DROP:
+                            da = tl.where(keep, da / (1.0 - p_drop), 0.0)
+                        dw1 = _wgrad(dw1, dz, _slab(scr + S_C * SLOT, cu, cw, hh, H, ER, EC, MMA), own, HAS_W1, MMA,
+                                     PREC, ACC)
+                        dw2 = _wgrad(dw2, da, rr, own, HAS_W2, MMA, PREC, ACC)
+
+            if MODE == _FWD or MODE == _BWD:
+                tl.debug_barrier()
+                # ---- H3: per-head products of the owned block: O; dq, dk, dv, the pre kernel's gradient
+                for h in tl.range(0, H, num_stages=1):
+                    bh = b.to(tl.int64) * H + h
+                    if MODE == _FWD:
+                        a = _plane_load(scr + S_A * SLOT + h * PLANE, 0, 0, ER, EC, ER, EC, MMA)
+                        a = tl.where(((w >= LEFT) & (w < LEFT + BNO))[None, :], a, 0.0).to(MMA)
+                        orow = (slot * H + h) * ER + u
+                        om = own_u[:, None]
+                        ea = tl.arange(0, DA)
+                        optr = po_ptr + orow[:, None] * D + ea[None, :]
+                        oa = tl.dot(a, _rows(v_ptr, bh, j, Tk, D, 0, DA, MMA), input_precision=PREC, out_dtype=ACC)
+                        tl.store(optr, tl.load(optr, mask=om & (ea < D)[None, :], other=0.0) + oa,
+                                 mask=om & (ea < D)[None, :])
+                        if DB > 0:
+                            eb = DA + tl.arange(0, DB)
+                            optr = po_ptr + orow[:, None] * D + eb[None, :]
+                            ob = tl.dot(a, _rows(v_ptr, bh, j, Tk, D, DA, DB, MMA), input_precision=PREC, out_dtype=ACC)
+                            tl.store(optr, tl.load(optr, mask=om & (eb < D)[None, :], other=0.0) + ob,
+                                     mask=om & (eb < D)[None, :])
+                    else:
+                        pp = u[:, None] * EC + w[None, :]
+                        ok = _allowed(i[:, None], j[None, :], b, kv_ptr, Tq, Tk, q_off, HAS_KV)
+                        own2 = own_u[:, None] & own_w[None, :] & ok
                         if HAS_K1:
-                            ds = _conv(dcslot + c0 * SLOTH + cell, dc, k1_ptr + c0 * CQ1 * CK1, hc < H,
-                                       SC, CQ1, CK1, PL1, True)
-                            _conv_weight_grad(scr + _S * SLOT + c0 * SLOTH + cell, tl.where(own3, dc, 0.0),
-                                              pk1_ptr + item * (HP * CQ1 * CK1) + c0 * CQ1 * CK1, SC, CQ1, CK1, PL1)
+                            ds = _conv(scr + S_DC * SLOT + h * PLANE, ta1_ptr + h * (CQ1 * (EC + HW) * EC), CQ1, R1,
+                                       True, ER, EC, HW, MMA, ACC, PREC)
                         else:
-                            ds = dc
-                        ds_own = tl.where(own3 & allowed[None, :, :], ds * scale, 0.0)
-                        q_c = _load_tile(q_ptr, b, hc, rows, Tq, H, d, DP, UPCAST)
-                        k_c = _load_tile(k_ptr, b, hc, cols, Tk, H, d, DP, UPCAST)
-                        optr = ((b.to(tl.int64) * H + hc[:, None, None]) * Tq + rows[None, :, None]) * d + e[None, None, :]
-                        omask = hm3 & own_r[None, :, None] & (e < d)[None, None, :]
-                        # dS in the inputs' dtype (FlashAttention's choice): tensor cores for bf16 inputs
-                        dq_c = tl.dot(ds_own.to(k_c.dtype), k_c, input_precision=PREC, out_dtype=ACC)
-                        tl.store(dqacc_ptr + optr, tl.load(dqacc_ptr + optr, mask=omask, other=0.0) + dq_c, mask=omask)
-                        kptr = ((b.to(tl.int64) * H + hc[:, None, None]) * Tk + cols[None, :, None]) * d + e[None, None, :]
-                        kmask = hm3 & own_c[None, :, None] & (e < d)[None, None, :]
-                        dk_c = tl.dot(tl.trans(ds_own, 0, 2, 1).to(q_c.dtype), q_c, input_precision=PREC,
-                                      out_dtype=ACC)
-                        tl.atomic_add(dk_ptr + kptr, dk_c, mask=kmask, sem="relaxed")
+                            ds = tl.load(scr + S_DC * SLOT + h * PLANE + pp).to(ACC)
+                        ds = tl.where(own2, ds * scale, 0.0).to(MMA)
+                        ac = tl.where(own2, tl.load(scr + S_A * SLOT + h * PLANE + pp), 0.0).to(MMA)
+                        orow = (slot * H + h) * ER + u
+                        kmask = (own_w & (j < Tk))[:, None]
+                        _grads_qkv(ds, ac, q_ptr, k_ptr, do_ptr, pdq_ptr, dk_ptr, dv_ptr, bh, i, j, orow, own_u, kmask,
+                                   Tq, Tk, D, 0, DA, MMA, ACC, PREC)
+                        if DB > 0:
+                            _grads_qkv(ds, ac, q_ptr, k_ptr, do_ptr, pdq_ptr, dk_ptr, dv_ptr, bh, i, j, orow, own_u,
+                                       kmask, Tq, Tk, D, DA, DB, MMA, ACC, PREC)
+                        if HAS_K1:
+                            g = tl.where(own_u[:, None] & own_w[None, :], tl.load(scr + S_DC * SLOT + h * PLANE + pp), 0.0)
+                            _conv_weight_grad(scr + S_S0 * SLOT + h * PLANE, g,
+                                              pt1_ptr + (pid.to(tl.int64) * HP + h) * (CQ1 * CK1), PL1, CQ1, CK1, CKP1,
+                                              ER, EC, HW, MMA, ACC, PREC)
 
-        if MODE == _BWD:
-            wptr = item * (HP * HP) + hv[:, None] * HP + hv[None, :]
-            if HAS_W1:
-                tl.store(pw1_ptr + wptr, dw1)
-            if HAS_W2:
-                tl.store(pw2_ptr + wptr, dw2)
+    if MODE == _BWD:
+        wptr = pid.to(tl.int64) * (HP * HP) + hh[:, None] * HP + hh[None, :]
+        if HAS_W1:
+            tl.store(pw1_ptr + wptr, dw1)
+        if HAS_W2:
+            tl.store(pw2_ptr + wptr, dw2)
 
 
-def _tiling(hp: int, er: int, device: torch.device) -> tuple[int, int]:
-    """(heads per chunk, frame rows per mixing slab). The interpreter runs whole tiles
-    (fewest interpreted ops); a GPU takes small chunks (registers, shared memory).
-    ``MTA_TRITON_CHUNKS=HCxSR`` overrides both."""
-    spec = os.environ.get("MTA_TRITON_CHUNKS")
-    if spec:
-        try:
-            hc, sr = (int(x) for x in spec.lower().split("x"))
-        except ValueError:
-            raise UserError(f"MTA_TRITON_CHUNKS={spec!r}: expected HCxSR, e.g. 2x4") from None
-        if hc < 1 or sr < 1 or hp % hc or er % sr or hc & (hc - 1) or sr & (sr - 1):
-            raise UserError(f"MTA_TRITON_CHUNKS={spec!r}: powers of two dividing {hp} heads and {er} frame rows")
-        return hc, sr
+# ----------------------------------------------------------------------------- host side
+def _khat(k_m: torch.Tensor, theta: torch.Tensor, pl: int) -> torch.Tensor:
+    """Keys convolved along the key axis with each kernel row: (B, H, T, d), theta (H, c_q, c_k)
+    -> (B, H, c_q, T, d), khat[rho][j] = sum_b theta[c_q-1-rho, b] k[j + b - pl] (0 outside)."""
+    cq, ck = theta.shape[1:]
+    kp = F.pad(k_m, (0, 0, pl, ck - 1 - pl))  # (B, H, T + ck - 1, d)
+    win = kp.unfold(2, ck, 1)  # (B, H, T, d, ck)
+    return torch.einsum("bhtdk,hrk->bhrtd", win, theta.flip(1).to(k_m.dtype)).contiguous()
+
+
+def band_width(cq: int, ck: int, pl: int) -> int:
+    """Diagonals next to the diagonal whose convolved score reads a future (masked) score."""
+    return cq - 1 + ck - 1 - pl
+
+
+def _band(q_m: torch.Tensor, k_m: torch.Tensor, theta: torch.Tensor, pl: int, q_off: int, scale: float) -> torch.Tensor:
+    """The causal correction of the factorised pre-softmax convolution: (B, H, Tq, NB) with
+    [i, t] = sum of kernel x score over the taps of output (i, j = i + q_off - t) that read a
+    future score (key m > row r + q_off); the kernel subtracts it on those cells."""
+    b_, h_, tq, d = q_m.shape
+    tk = k_m.shape[2]
+    cq, ck = theta.shape[1:]
+    nb = band_width(cq, ck, pl)
+    acc = torch.promote_types(q_m.dtype, torch.float32)
+    delta = torch.arange(1, nb + 1, device=q_m.device)
+    kidx = torch.arange(tq, device=q_m.device)[:, None] + q_off + delta[None, :]  # (Tq, NB): key of (r, delta)
+    kg = k_m[:, :, kidx.clamp(max=tk - 1)].to(acc) * (kidx < tk)[None, None, :, :, None]
+    sband = torch.einsum("bhrd,bhrnd->bhrn", q_m.to(acc), kg) * scale  # (B, H, Tq, NB): S[r, r + q_off + delta]
+    # coefficient of sband[i - rho, delta] in correction[i, t]: theta[c_q-1-rho, kappa + pl], kappa = delta + t - rho
+    rho = torch.arange(cq, device=q_m.device)[:, None, None]
+    t = torch.arange(nb, device=q_m.device)[None, :, None]
+    kappa = delta[None, None, :] + t - rho  # (cq, NB, NB)
+    valid = (kappa >= -pl) & (kappa <= ck - 1 - pl)
+    th = theta.flip(1).to(acc)  # th[h, rho] = theta[c_q-1-rho]
+    coef = th[:, rho.expand_as(kappa), (kappa + pl).clamp(0, ck - 1)] * valid  # (H, cq, NB, NB)
+    shifted = torch.stack([F.pad(sband, (0, 0, r, 0))[:, :, :tq] for r in range(cq)], 2)  # (B, H, cq, Tq, NB)
+    return torch.einsum("bhrin,hrtn->bhit", shifted, coef).contiguous()
+
+
+def _toeplitz(theta: torch.Tensor, ec: int, hw: int, hp: int, adjoint: bool) -> torch.Tensor:
+    """Per head and row shift rho, the (ec + hw, ec) Toeplitz matrix of one kernel row's key
+    taps: T[m, n] = theta[c_q-1-rho, m - n] (adjoint: theta[c_q-1-rho, c_k-1-(m-n)]) for
+    0 <= m - n < c_k. theta (H, c_q, c_k) -> (HP, c_q, ec + hw, ec)."""
+    h, cq, ck = theta.shape
+    m = torch.arange(ec + hw, device=theta.device)[:, None]
+    n = torch.arange(ec, device=theta.device)[None, :]
+    bb = m - n
+    ok = (bb >= 0) & (bb < ck)
+    tap = (ck - 1 - bb) if adjoint else bb
+    th = theta.flip(1)
+    out = torch.zeros(hp, cq, ec + hw, ec, dtype=theta.dtype, device=theta.device)
+    out[:h] = th[:, :, tap.clamp(0, ck - 1)] * ok
+    return out
+
+
+def _types(dtype: torch.dtype, device: torch.device):
+    """(dot operand type, accumulator type, tl.dot precision, scratch dtype) for inputs of
+    ``dtype``. The interpreter computes 16-bit dots wrongly, so there they run on fp32."""
+    if dtype == torch.float64:
+        return tl.float64, tl.float64, "ieee", torch.float64
     if device.type == "cpu":
-        return hp, er
-    return frames.gpu_chunks(hp, er)
+        return tl.float32, tl.float32, "ieee", dtype
+    if dtype == torch.float32:
+        return tl.float32, tl.float32, "tf32", torch.float32
+    return (tl.bfloat16 if dtype == torch.bfloat16 else tl.float16), tl.float32, "tf32", dtype
 
 
-def _launch(mode, q, k, v, do, bufs: dict, kv, k1, w1, k2, w2, pad_key, q_off, p_drop, seed):
-    b, h, tq, d = q.shape
-    tk = k.shape[2]
-    pre = None if k1 is None else tuple(k1.shape[1:])
-    post = None if k2 is None else tuple(k2.shape[1:])
-    g = frames.frame(frames.PASSES[mode.value], pre, post, pad_key)
-    cq1, ck1 = (1, 1) if k1 is None else k1.shape[1:]
-    cq2, ck2 = (1, 1) if k2 is None else k2.shape[1:]
-    n_rt = triton.cdiv(tq, g.bmo)
-    n_items = b * n_rt
-    hp = frames.padded_heads(h)
-    hc, sr = _tiling(hp, g.er, q.device)
-    acc = q.dtype if q.dtype == torch.float64 else torch.float32
-    # A persistent grid on a GPU bounds the scratch; the interpreter runs one item each.
-    n_prog = n_items if q.device.type == "cpu" else min(
-        n_items, frames.PROGRAMS_PER_SM * torch.cuda.get_device_properties(q.device).multi_processor_count)
-    # zeros: the margins around each slot's frame must read 0 (they are never written)
-    mr, mc = frames.margins(pre, post)
-    scratch = torch.zeros(n_prog * frames.N_SLOTS * frames.slot_elements(g, pre, post, h), dtype=acc,
-                          device=q.device)
-    dummy = scratch[:1]
-    if mode == _BWD:
-        for name, shape, present in (("k1", (cq1, ck1), k1 is not None), ("w1", (hp,), w1 is not None),
-                                     ("k2", (cq2, ck2), k2 is not None), ("w2", (hp,), w2 is not None)):
-            if present:
-                bufs["part_" + name] = torch.zeros(n_items, hp, *shape, dtype=acc, device=q.device)
+class _Problem:
+    """Everything a launch needs that does not change between the passes of one call."""
+
+    def __init__(self, q, k, v, kv, k1, w1, k2, w2, pad_key, q_off, p_drop, seed):
+        self.b, self.h, self.tq, self.d = q.shape
+        self.tk = k.shape[2]
+        self.dev = q.device
+        self.gpu = q.device.type != "cpu"
+        self.hp = frames.padded_heads(self.h, self.gpu)
+        self.da, self.db = frames.head_dim_split(self.d)
+        self.mma, self.acc, self.prec, self.sdt = _types(q.dtype, q.device)
+        self.acc_t = torch.float64 if q.dtype == torch.float64 else torch.float32
+        self.pre = None if k1 is None else tuple(k1.shape[1:])
+        self.post = None if k2 is None else tuple(k2.shape[1:])
+        self.pad_key, self.q_off, self.p_drop, self.seed = pad_key, q_off, p_drop, seed
+        self.kv = kv
+        self.scale = self.d ** -0.5
+        if kv is not None:  # pad rows of q and keys of k give exactly the zero scores the reference masks
+            vq = kv[:, q_off:q_off + self.tq].to(q.dtype)[:, None, :, None]
+            vk = kv.to(k.dtype)[:, None, :, None]
+            q, k = q * vq, k * vk
+        self.q, self.k, self.v = q.contiguous(), k.contiguous(), v.contiguous()
+        self.k1, self.k2 = k1, k2
+        self.pl1 = frames.pad_left(pad_key, self.pre[1]) if self.pre else 0
+        self.pl2 = frames.pad_left(pad_key, self.post[1]) if self.post else 0
+        if k1 is not None:
+            self.khat = _khat(self.k, k1.to(self.acc_t), self.pl1)
+            self.band = _band(self.q, self.k, k1.to(self.acc_t), self.pl1, q_off, self.scale)
+            self.nb1 = self.band.shape[-1]
+        else:
+            self.khat, self.band, self.nb1 = self.k, None, 0
+
+        def padw(x):
+            if x is None:
+                return None
+            out = torch.zeros(self.hp, self.hp, dtype=self.acc_t, device=self.dev)
+            out[:self.h, :self.h] = x.t()
+            return out
+
+        self.w1t, self.w2t = padw(w1), padw(w2)
+        self.dummy = torch.zeros(1, dtype=self.acc_t, device=self.dev)
+
+    def geometry(self, mode: int):
+        f = frames.frame(frames.PASSES[mode], self.pre, self.post, self.pad_key)
+        n_prog_target = programs(self.dev)
+        sched = frames.items(f, self.b, self.tq, self.tk, self.q_off, n_prog_target)
+        return f, sched, min(len(sched.items), n_prog_target)
+
+    def toeplitz(self, ec: int, hw: int):
+        """The convolutions' Toeplitz tables in the operand dtype (bf16 on a GPU)."""
+        dt = self.sdt if self.gpu else self.acc_t
+        if self.k2 is not None:
+            self.tf2 = _toeplitz(self.k2.to(self.acc_t), ec, hw, self.hp, False).to(dt).contiguous()
+            self.ta2 = _toeplitz(self.k2.to(self.acc_t), ec, hw, self.hp, True).to(dt).contiguous()
+        if self.k1 is not None:
+            self.ta1 = _toeplitz(self.k1.to(self.acc_t), ec, hw, self.hp, True).to(dt).contiguous()
+
+
+def programs(device: torch.device) -> int:
+    """Persistent programs of a launch: ``frames.PROGRAMS_PER_SM`` per SM on a GPU; in the
+    interpreter one per item (its programs run one after another anyway).
+    ``MTA_TRITON_PROGRAMS`` overrides (tests run a GPU's multi-tile items in the interpreter)."""
+    env = os.environ.get("MTA_TRITON_PROGRAMS")
+    if env:
+        if not env.isdigit() or int(env) < 1:
+            raise UserError(f"MTA_TRITON_PROGRAMS={env!r}: expected a positive integer")
+        return int(env)
+    if device.type == "cpu":
+        return 1 << 30
+    return frames.PROGRAMS_PER_SM * torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def slab_rows(f: frames.Frame, gpu: bool) -> int:
+    """Frame rows per mixing slab: ``frames.SLAB_ROWS_GPU`` on a GPU, the whole frame in the
+    interpreter (fewest interpreted ops); ``MTA_TRITON_SLAB_ROWS`` overrides (tests run the
+    GPU's slabs in the interpreter)."""
+    env = os.environ.get("MTA_TRITON_SLAB_ROWS")
+    if env:
+        try:
+            sr = int(env)
+        except ValueError:
+            sr = 0
+        if sr < 1 or sr & (sr - 1) or f.er % sr:
+            raise UserError(f"MTA_TRITON_SLAB_ROWS={env!r}: a power of two dividing the frame's {f.er} rows")
+        return sr
+    return min(f.er, frames.SLAB_ROWS_GPU) if gpu else f.er
+
+
+def kernel_constexprs(mode: int, f: frames.Frame, *, h: int, d: int, pre, post, pad_key: str, has_w1: bool,
+                      has_w2: bool, has_kv: bool, drop: bool, gpu: bool, dtype: torch.dtype) -> dict:
+    """The constexprs of one pass's launch: the one source for ``_launch`` and
+    ``scripts/compile_triton.py`` (which compiles exactly what runs)."""
+    cq1, ck1 = pre or (1, 1)
+    cq2, ck2 = post or (1, 1)
+    pl1 = frames.pad_left(pad_key, ck1) if pre else 0
+    pl2 = frames.pad_left(pad_key, ck2) if post else 0
+    mma, acc, prec, sdt = _types(dtype, torch.device("cuda" if gpu else "cpu"))
+    da, db = frames.head_dim_split(d)
+    return dict(
+        MODE=mode, H=h, HP=frames.padded_heads(h, gpu), D=d, DA=da, DB=db,
+        ER=f.er, EC=f.ec, TOP=f.top, LEFT=f.left, BMO=f.bmo, BNO=f.bno, SR=slab_rows(f, gpu), HW=f.hw,
+        HAS_K1=pre is not None, CQ1=cq1, CK1=ck1, CKP1=frames.pow2(ck1), PL1=pl1, NB1=band_width(cq1, ck1, pl1) if pre else 0,
+        HAS_W1=has_w1, HAS_K2=post is not None, CQ2=cq2, CK2=ck2, CKP2=frames.pow2(ck2), PL2=pl2, HAS_W2=has_w2,
+        HAS_KV=has_kv, DROP=drop, MMA=mma, ACC=acc, PREC=prec, RNE=not gpu and sdt == torch.bfloat16,
+        **frames.scratch_slots(frames.PASSES[mode], pre is not None, post is not None),
+    )
+
+
+def _launch(mode: int, pb: _Problem, bufs: dict, do: Optional[torch.Tensor] = None):
+    f, sched, n_prog = pb.geometry(mode)
+    pb.toeplitz(f.ec, f.hw)
+    n_slots = pb.b * sched.n_rt * sched.s_max
+    acc = pb.acc_t
+    if mode == _STATS.value:
+        bufs["pm"] = torch.full((n_slots, pb.hp, f.er), float("-inf"), dtype=acc, device=pb.dev)
+        bufs["pl"] = torch.zeros(n_slots, pb.hp, f.er, dtype=acc, device=pb.dev)
+    elif mode == _FWD.value:
+        bufs["po"] = torch.zeros(n_slots, pb.h, f.er, pb.d, dtype=acc, device=pb.dev)
+    elif mode == _ROWSUM.value:
+        bufs["pd"] = torch.zeros(n_slots, pb.hp, f.er, dtype=acc, device=pb.dev)
+    else:
+        bufs["pdq"] = torch.zeros(n_slots, pb.h, f.er, pb.d, dtype=acc, device=pb.dev)
+        bufs["dk"] = torch.zeros(pb.b, pb.h, pb.tk, pb.d, dtype=acc, device=pb.dev)
+        bufs["dv"] = torch.zeros(pb.b, pb.h, pb.tk, pb.d, dtype=acc, device=pb.dev)
+        bufs["pw1"] = torch.zeros(max(1, n_prog), pb.hp, pb.hp, dtype=acc, device=pb.dev)
+        bufs["pw2"] = torch.zeros(max(1, n_prog), pb.hp, pb.hp, dtype=acc, device=pb.dev)
+        if pb.pre:
+            bufs["pt1"] = torch.zeros(max(1, n_prog), pb.hp, *pb.pre, dtype=acc, device=pb.dev)
+        if pb.post:
+            bufs["pt2"] = torch.zeros(max(1, n_prog), pb.hp, *pb.post, dtype=acc, device=pb.dev)
+    if not sched.items:
+        return f, sched
+    consts = kernel_constexprs(mode, f, h=pb.h, d=pb.d, pre=pb.pre, post=pb.post, pad_key=pb.pad_key,
+                               has_w1=pb.w1t is not None, has_w2=pb.w2t is not None, has_kv=pb.kv is not None,
+                               drop=pb.p_drop > 0.0, gpu=pb.gpu, dtype=pb.q.dtype)
+    # unwritten cells are never read (each phase writes whole planes before the next reads)
+    scratch = torch.empty(n_prog * consts["NSLOT"] * pb.hp * f.er * f.ec, dtype=pb.sdt, device=pb.dev)
+    items = torch.tensor(sched.items, dtype=torch.int32, device=pb.dev).flatten()
+    dm = pb.dummy
 
     def buf(name):
-        return bufs.get(name, dummy)
+        return bufs.get(name, dm)
 
-    num_warps, num_stages = frames.launch_config(frames.PASSES[mode.value], pre, post)
+    num_warps, num_stages = frames.launch_config(frames.PASSES[mode], pb.pre, pb.post)
     try:
         _mta_kernel[(n_prog,)](
-            q, k, v, do if do is not None else q, buf("lse"), buf("dd"), buf("m"), buf("l"), buf("oacc"),
-            buf("dqacc"), buf("dk"), buf("dv"), kv if kv is not None else dummy,
-            k1 if k1 is not None else dummy, w1 if w1 is not None else dummy,
-            k2 if k2 is not None else dummy, w2 if w2 is not None else dummy,
-            scratch, buf("part_k1"), buf("part_w1"), buf("part_k2"), buf("part_w2"),
-            tq, tk, q_off, h, d, n_rt, n_items, d ** -0.5, p_drop, seed,
-            MODE=mode.value, ACC=tl.float64 if acc == torch.float64 else tl.float32,
-            PREC="ieee", USE_DOT=hp >= 16,
-            HP=hp, HC=hc, SR=sr, DP=max(16, frames.pow2(d)), ER=g.er, EC=g.ec, TOP=g.top, LEFT=g.left,
-            BMO=g.bmo, BNO=g.bno, MR=mr, MC=mc,
-            HAS_K1=k1 is not None, CQ1=cq1, CK1=ck1, PL1=frames.pad_left(pad_key, ck1), HAS_W1=w1 is not None,
-            HAS_K2=k2 is not None, CQ2=cq2, CK2=ck2, PL2=frames.pad_left(pad_key, ck2), HAS_W2=w2 is not None,
-            HAS_KV=kv is not None, DROP=p_drop > 0.0, UPCAST=q.device.type == "cpu",
-            num_warps=num_warps, num_stages=num_stages,
+            pb.q, pb.k, pb.v, do if do is not None else pb.q, pb.khat, pb.band if pb.band is not None else dm,
+            pb.kv if pb.kv is not None else dm,
+            pb.w1t if pb.w1t is not None else dm, pb.w2t if pb.w2t is not None else dm,
+            getattr(pb, "tf2", dm), getattr(pb, "ta2", dm), getattr(pb, "ta1", dm),
+            buf("lse"), buf("dd"), items,
+            buf("pm"), buf("pl"), buf("po"), buf("pd"), buf("pdq"), buf("dk"), buf("dv"),
+            buf("pw1"), buf("pw2"), buf("pt1"), buf("pt2"), scratch,
+            pb.tq, pb.tk, pb.q_off, len(sched.items), pb.scale, pb.p_drop, pb.seed,
+            **consts, num_warps=num_warps, num_stages=num_stages,
         )
     except triton.runtime.errors.OutOfResources as e:
         # What a real compile shows and the interpreter cannot (scripts/compile_triton.py
         # reports each pass's needs without a GPU).
         raise RuntimeError(
-            f"model.attn_impl=triton: its {frames.PASSES[mode.value]!r} pass does not fit this GPU "
-            f"({e}); frame {g.er}x{g.ec}, {h} heads of {d}, chunks {hc}x{sr}. Use model.attn_impl=blocked, "
-            f"or smaller MTA_TRITON_CHUNKS / MTA_TRITON_FRAME") from e
+            f"model.attn_impl=triton: its {frames.PASSES[mode]!r} pass does not fit this GPU ({e}); frame "
+            f"{f.er}x{f.ec}, {pb.h} heads of {pb.d}. Use model.attn_impl=blocked, or a smaller MTA_TRITON_FRAME"
+        ) from e
+    return f, sched
 
 
-def _sum_parts(part: torch.Tensor, h: int) -> torch.Tensor:
-    """Per-item partial gradients (items, HP, ...) -> (H, ...)."""
-    out = part.sum(0)[:h]
-    return out[:, :h] if out.dim() == 2 else out
+def _per_row(part: torch.Tensor, f, sched, pb: _Problem, reduce) -> torch.Tensor:
+    """Per-slot partials (slots, X, ER, ...) -> (B, X, Tq, ...) over the owned rows, the key
+    splits of a row block combined by ``reduce`` (over dim 2 of (B, n_rt, S, ...))."""
+    x = part.view(pb.b, sched.n_rt, sched.s_max, *part.shape[1:])
+    x = reduce(x)  # (B, n_rt, X, ER, ...)
+    x = x[:, :, :, f.top:f.top + f.bmo]  # owned rows
+    x = x.transpose(1, 2).reshape(pb.b, x.shape[2], sched.n_rt * f.bmo, *x.shape[4:])
+    return x[:, :, :pb.tq]
 
 
 class _MTATriton(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, k1, w1, k2, w2, key_valid, q_off, pad_key, p_drop):
-        q, k, v = (t.contiguous() for t in (q, k, v))
-        b, h, tq, d = q.shape
-        acc = q.dtype if q.dtype == torch.float64 else torch.float32
         kv = None if key_valid is None else key_valid.to(torch.int8).contiguous()
         seed = int(torch.randint(0, 2**31 - 1, ())) if p_drop > 0.0 else 0
-        args = dict(kv=kv, k1=k1, w1=w1, k2=k2, w2=w2, pad_key=pad_key, q_off=q_off, p_drop=p_drop, seed=seed)
-        stats = {"m": torch.full((b, h, tq), float("-inf"), dtype=acc, device=q.device),
-                 "l": torch.zeros(b, h, tq, dtype=acc, device=q.device)}
-        _launch(_STATS, q, k, v, None, stats, **args)
-        m, l = stats["m"], stats["l"]
-        # a pad row (nothing allowed) keeps l = 0: its probabilities are masked to 0 anyway
-        lse = torch.where(l > 0, m + torch.log(torch.where(l > 0, l, torch.ones_like(l))), torch.zeros_like(l))
-        fwd = {"lse": lse, "oacc": torch.zeros(q.shape, dtype=acc, device=q.device)}
-        _launch(_FWD, q, k, v, None, fwd, **args)
+        pb = _Problem(q, k, v, kv, k1, w1, k2, w2, pad_key, q_off, p_drop, seed)
+        bufs: dict = {}
+        f, sched = _launch(_STATS.value, pb, bufs)
+        m = bufs["pm"].view(pb.b, sched.n_rt, sched.s_max, pb.hp, f.er)
+        l_ = bufs["pl"].view_as(m)
+        mx = m.amax(2, keepdim=True)
+        mx_safe = torch.where(torch.isfinite(mx), mx, torch.zeros_like(mx))
+        tot = (l_ * torch.exp(m - mx_safe)).sum(2)
+        lse = torch.where(tot > 0, mx_safe.squeeze(2) + torch.log(torch.where(tot > 0, tot, torch.ones_like(tot))),
+                          torch.zeros_like(tot))  # a pad row (nothing allowed): 0, its probabilities are masked
+        lse = lse[:, :, :pb.h, f.top:f.top + f.bmo].transpose(1, 2).reshape(pb.b, pb.h, -1)[:, :, :pb.tq].contiguous()
+        fb = {"lse": lse}
+        f, sched = _launch(_FWD.value, pb, fb)
+        out = _per_row(fb["po"], f, sched, pb, lambda x: x.sum(2))
         ctx.save_for_backward(q, k, v, lse, kv, k1, w1, k2, w2)
         ctx.args = (pad_key, q_off, p_drop, seed)
-        return fwd["oacc"].to(q.dtype)
+        return out.to(q.dtype)
 
     @staticmethod
     def backward(ctx, do):
         q, k, v, lse, kv, k1, w1, k2, w2 = ctx.saved_tensors
         pad_key, q_off, p_drop, seed = ctx.args
         do = do.contiguous()
-        h = q.shape[1]
-        acc = lse.dtype
-        bufs = {"lse": lse, "dd": torch.zeros_like(lse)}
-        args = dict(kv=kv, k1=k1, w1=w1, k2=k2, w2=w2, pad_key=pad_key, q_off=q_off, p_drop=p_drop, seed=seed)
-        _launch(_BWD_D, q, k, v, do, bufs, **args)
-        bufs.update(dqacc=torch.zeros(q.shape, dtype=acc, device=q.device),
-                    dk=torch.zeros(k.shape, dtype=acc, device=k.device),
-                    dv=torch.zeros(v.shape, dtype=acc, device=v.device))
-        _launch(_BWD, q, k, v, do, bufs, **args)
-        grads = {n[5:]: _sum_parts(t, h) for n, t in bufs.items() if n.startswith("part_")}
-        return (bufs["dqacc"].to(q.dtype), bufs["dk"].to(k.dtype), bufs["dv"].to(v.dtype), grads.get("k1"),
-                grads.get("w1"), grads.get("k2"), grads.get("w2"), None, None, None, None)
+        pb = _Problem(q, k, v, kv, k1, w1, k2, w2, pad_key, q_off, p_drop, seed)
+        bufs = {"lse": lse}
+        f, sched = _launch(_ROWSUM.value, pb, bufs, do)
+        dd = _per_row(bufs["pd"], f, sched, pb, lambda x: x.sum(2))[:, :pb.h].contiguous()
+        bufs["dd"] = dd
+        f, sched = _launch(_BWD.value, pb, bufs, do)
+        dq = _per_row(bufs["pdq"], f, sched, pb, lambda x: x.sum(2))
+        dk, dv = bufs["dk"], bufs["dv"]
+        if kv is not None:
+            dq = dq * kv[:, q_off:q_off + pb.tq].to(dq.dtype)[:, None, :, None]
+            dk = dk * kv.to(dk.dtype)[:, None, :, None]
+        h = pb.h
+        g1 = bufs["pw1"].sum(0)[:h, :h] if w1 is not None else None
+        g2 = bufs["pw2"].sum(0)[:h, :h] if w2 is not None else None
+        t1 = bufs["pt1"].sum(0)[:h] if k1 is not None else None
+        t2 = bufs["pt2"].sum(0)[:h] if k2 is not None else None
+        return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), t1, g1, t2, g2, None, None, None, None)
 
 
 def post_mix_matrix(p: ExplicitAttnParams) -> Optional[torch.Tensor]:
@@ -601,3 +905,4 @@ def explicit_attention_triton(
         cast(w2),
         mask.key_valid, mask.q_offset, p.pad_key, p.dropout if training else 0.0,
     )
+

@@ -15,8 +15,10 @@ Training = 3 x forward, plus one more forward of the explicit score path for "bl
 which recomputes each block in backward: the FLOPs it performs, not a nominal count.
 For "triton" (model/frames.py) every pass computes its stages on whole frames (owned
 block plus halo) of the key blocks up to the diagonal; its four passes are counted stage
-by stage (head mixing as a full H x H product: the kernel expands ``head_kernel``), and
-training = their sum (reported as 3 x its two forward passes + the rest).
+by stage as the kernel computes them (the pre-softmax conv as a GEMM of c_q d-long
+products, the post conv and the adjoints as Toeplitz products, head mixing as a full
+H x H product: the kernel expands ``head_kernel``), and training = their sum (reported as
+3 x its two forward passes + the rest).
 """
 
 from __future__ import annotations
@@ -57,17 +59,27 @@ def _triton_passes(args: ModelArgs, seq_len: int, kind: str) -> tuple[float, flo
         if m.after_sm_query_kernel_size is not None:
             post = (m.after_sm_query_kernel_size, m.after_sm_key_kernel_size)
     qk = 2 * hd  # also A V, dO V^T, dq, dk, dv: one d-long product per cell each
-    conv1 = 2 * pre[0] * pre[1] if pre else 0
-    conv2 = 2 * post[0] * post[1] if post else 0
     mix1 = 2 * H if m.pre_sm_linear_head else 0
     mix2 = 2 * H if (m.head_kernel_size or m.post_sm_linear_head) else 0
-    # per frame cell; a transform's weight gradient costs what the transform does
-    chain = qk + conv1 + mix1
+    f_bwd = frames.frame("backward", pre, post, m.pad_key)
+    # the kernel's products per frame cell (attention_triton.py): the pre-softmax conv as
+    # the GEMM of shifted queries and convolved keys (c_q d-long products), the post conv
+    # and every adjoint as Toeplitz products of a (frame + halo)-wide window per row shift
+    scores = qk * (pre[0] if pre else 1)
+
+    def toe(k):
+        return 2 * k[0] * (f_bwd.ec + f_bwd.hw) if k else 0
+
+    conv1, conv2 = toe(pre), toe(post)
+    chain = scores + mix1
     per_cell = {
         "stats": chain,
         "forward": chain + conv2 + mix2 + qk,
         "backward_rowsum": chain + qk + mix2 + conv2,
-        "backward": chain + conv2 + mix2 + qk + 2 * (mix2 + conv2 + mix1 + conv1) + 3 * qk,
+        # dA, dR, (dP, R and the post kernel's gradient), dZ -> dC, A, the mixings'
+        # gradients, (S, dS and the pre kernel's gradient), dq, dk, dv
+        "backward": chain + qk + mix2 + 3 * conv2 + mix1 + mix2 + mix1 + mix2
+        + ((qk + 2 * conv1) if pre else 0) + 3 * qk,
     }
     cost = {
         name: H * flops * frames.cells_visited(frames.frame(name, pre, post, m.pad_key), seq_len, seq_len) / seq_len

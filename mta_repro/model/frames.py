@@ -1,10 +1,19 @@
-"""Tile geometry of ``model.attn_impl=triton`` (attention_triton.py), without triton.
+"""Tile geometry and work schedule of ``model.attn_impl=triton`` (attention_triton.py),
+without triton: the launcher, ``scripts/compile_triton.py`` (the static judge) and
+``flops.py`` / ``memory.py`` all read it from here, so they describe what runs.
 
-A pass of the fused kernel gives each program ``bmo`` owned query rows and walks the keys
-in blocks of ``bno`` owned columns; it computes on a frame of ``er`` x ``ec`` cells (powers of
-two): the owned block plus the halo the convolutions of that pass read (``top``/``bot``
-rows, ``left``/``right`` columns). Also used by flops.py to count the cells the kernel
-visits, so MFU counts the work it does.
+A pass of the fused kernel works on *tiles*: one (batch, row block, key block) cell block
+for all heads at once. A tile is computed on a *frame* of ``er`` x ``ec`` cells (powers of
+two): the owned ``bmo`` x ``bno`` block plus the halo that the pass's convolutions read
+(``halo``); only owned values leave the tile, the halo is recomputed by the neighbours.
+Passes without a convolution to apply have no halo (frame = owned block): the pre-softmax
+key-query convolution is computed as a GEMM that needs no halo, so only the post-softmax
+convolution (forward) and the adjoints (backward) widen frames.
+
+Work items are (batch, row block, range of key blocks): long rows are split so that every
+item holds about the same number of tiles and the persistent grid starts the longest items
+first (``items``); each item owns a slot of the per-item partial buffers, reduced by torch
+after the launch (deterministic: fixed order, no atomics on O, dq or the statistics).
 """
 
 from __future__ import annotations
@@ -18,27 +27,56 @@ from mta_repro.model.conv_pad import pad_left  # noqa: F401 (frames.pad_left for
 
 # The kernel's passes, in the order they run (forward: 0, 1; backward: 2, 3).
 PASSES = ("stats", "forward", "backward_rowsum", "backward")
-# Scratch slots per program, and programs per SM of the persistent grid on a GPU.
-N_SLOTS = 7
-PROGRAMS_PER_SM = 4
+# Persistent programs per SM on a GPU (each holds its scratch slots).
+PROGRAMS_PER_SM = 1
+# Default frame edge on every device; a halo too wide for it doubles it.
+FRAME_EDGE = 64
+# Frame rows per head-mixing slab: SR x ec cells x all heads per (cells, heads) x (heads,
+# heads) tensor-core product; the interpreter takes whole frames (fewest interpreted ops).
+SLAB_ROWS_GPU = 4
 
 
 def launch_config(pass_: str, pre: Optional[tuple[int, int]], post: Optional[tuple[int, int]]) -> tuple[int, int]:
     """(num_warps, num_stages) of a pass on a GPU: the one source for the launcher and
-    scripts/compile_triton.py, so the report describes what runs. 8 warps: at 4 the mixing
-    backward spills and the kq-conv backward's compile does not finish in minutes.
-    1 stage: no loop of this kernel may be software-pipelined, since each one hands data
-    to the next through the scratch slots (a prefetched reload would read stale cells);
-    the loops also say so themselves (``tl.range(..., num_stages=1)``)."""
+    scripts/compile_triton.py. 8 warps: two warpgroups, so a 64-row frame's products are
+    wgmma m64 tiles with N split between them. num_stages=2: the per-head loops that read
+    only the inputs prefetch the next head's operands (cp.async); every loop that reads
+    scratch written in the same tile says ``num_stages=1`` itself and is ordered by the
+    barriers between phases."""
     if pass_ not in PASSES:
         raise ValueError(f"unknown pass {pass_!r}; expected one of {PASSES}")
-    return 8, 1
+    return 8, 2
 
 
-def gpu_chunks(hp: int, er: int) -> tuple[int, int]:
-    """(heads per chunk, frame rows per mixing slab) on a GPU: registers and shared memory
-    (``scripts/compile_triton.py``); the interpreter takes whole tiles."""
-    return 1, min(er, 4)
+@dataclass(frozen=True)
+class Halo:
+    top: int  # rows above the owned block (the post-softmax conv and the weight gradients look back)
+    bot: int  # rows below (adjoints look forward)
+    left: int
+    right: int
+
+
+def halo(pass_: str, pre: Optional[tuple[int, int]], post: Optional[tuple[int, int]], pad_key: str) -> Halo:
+    """What the pass's convolutions read around the owned block, for kernels (c_q, c_k)
+    ``pre``/``post`` softmax (None: off). L/R: a kernel's key taps left/right of the key."""
+    cq1, ck1 = pre or (1, 1)
+    cq2, ck2 = post or (1, 1)
+    l1, l2 = pad_left(pad_key, ck1), pad_left(pad_key, ck2)
+    r1, r2 = ck1 - 1 - l1, ck2 - 1 - l2
+    h1, h2 = cq1 - 1, cq2 - 1
+    if pass_ == "stats":  # Z on the owned block: the pre-softmax conv is a GEMM, no halo
+        return Halo(0, 0, 0, 0)
+    if pass_ == "forward":  # R = conv2(P) on the owned block: P around it
+        return Halo(h2, 0, l2, r2)
+    if pass_ == "backward_rowsum":  # dP = conv2^T(dR) on the owned block: dR below/beside it
+        return Halo(0, h2, r2, l2)
+    if pass_ == "backward":
+        # dS = conv1^T(dC) on the owned block reads dC on owned + (h1 below, r1 left, l1 right);
+        # dC there needs dP = conv2^T(dR), i.e. dR h2 rows further down and (r2, l2) beside.
+        # The weight gradients and R = conv2(P) read P (S for the pre kernel) above/beside.
+        return Halo(max(h1, h2) if (pre or post) else 0, h1 + h2,
+                    max(r1 + r2, l1, l2, r1), max(l1 + l2, r1, r2, l1))
+    raise ValueError(f"unknown pass {pass_!r}; expected one of {PASSES}")
 
 
 @dataclass(frozen=True)
@@ -49,6 +87,27 @@ class Frame:
     left: int  # halo columns left of it
     bmo: int  # owned rows
     bno: int  # owned columns
+    hw: int  # a convolution's halo window: the frame's columns plus hw more feed each Toeplitz product
+
+
+# The stages a pass hands between its phases through per-program scratch slots (HP x frame
+# each, compute dtype): C scores (convolved), DA = dO V^T, S0 the raw masked scores (the pre
+# kernel's gradient), P probabilities, DR/DP the post conv's output gradient and input
+# gradient, R its output, DC the gradient of C, A the post-mixing probabilities.
+STAGES = ("C", "DA", "S0", "P", "DR", "DP", "R", "DC", "A")
+
+
+def scratch_slots(pass_: str, has_pre: bool, has_post: bool) -> dict:
+    """{"S_<stage>": slot index or -1, "NSLOT": slots} of a pass: the kernel's constexprs."""
+    need = {"stats": ["C"], "forward": ["C", "A"] + (["P", "R"] if has_post else []),
+            "backward_rowsum": ["C", "DA"] + (["P", "DR", "DP"] if has_post else []),
+            "backward": ["C", "DA", "DC", "A"] + (["S0"] if has_pre else []) + (["P", "DR", "DP", "R"] if has_post else [])}
+    if pass_ not in need:
+        raise ValueError(f"unknown pass {pass_!r}; expected one of {PASSES}")
+    out = {f"S_{n}": -1 for n in STAGES}
+    out.update({f"S_{n}": i for i, n in enumerate(need[pass_])})
+    out["NSLOT"] = len(need[pass_])
+    return out
 
 
 def pow2(n: int) -> int:
@@ -64,69 +123,88 @@ def frame_override() -> Optional[tuple[int, int]]:
         er, ec = (int(x) for x in spec.lower().split("x"))
     except ValueError:
         raise UserError(f"MTA_TRITON_FRAME={spec!r}: expected ROWSxCOLS, e.g. 64x64") from None
-    if er < 1 or ec < 1 or er != pow2(er) or ec != pow2(ec):
-        raise UserError(f"MTA_TRITON_FRAME={spec!r}: both sizes must be powers of two")
+    if er < 16 or ec < 16 or er != pow2(er) or ec != pow2(ec):
+        raise UserError(f"MTA_TRITON_FRAME={spec!r}: both sizes must be powers of two, at least 16")
     return er, ec
 
 
-def frame(pass_: str, pre: Optional[tuple[int, int]], post: Optional[tuple[int, int]], pad_key: str,
-          min_own: int = 16) -> Frame:
-    """The frame of one pass for kernels of (c_q, c_k) ``pre``/``post`` softmax (None: off)."""
-    cq1, ck1 = pre or (1, 1)
-    cq2, ck2 = post or (1, 1)
-    h1, h2 = cq1 - 1, cq2 - 1
-    l1, l2 = pad_left(pad_key, ck1), pad_left(pad_key, ck2)
-    r1, r2 = ck1 - 1 - l1, ck2 - 1 - l2
-    if pass_ == "stats":  # Z on the owned block
-        top, bot, left, right = h1, 0, l1, r1
-    elif pass_ == "forward":  # R on the owned block: P around it, S around that
-        top, bot, left, right = h1 + h2, 0, l1 + l2, r1 + r2
-    elif pass_ in ("backward_rowsum", "backward"):
-        # dS on the owned block reads dC below/beside it (adjoint shifts), whose P reads S
-        # and whose dP reads dR further on; the weight gradients read P and S above/beside it.
-        top = bot = h1 + h2
-        left = max(r1 + l1, r1 + r2, l2 + l1)
-        right = max(l1 + r1, l1 + l2, r2 + r1)
-    else:
-        raise ValueError(f"unknown pass {pass_!r}; expected one of {PASSES}")
+def frame(pass_: str, pre: Optional[tuple[int, int]], post: Optional[tuple[int, int]], pad_key: str) -> Frame:
+    """The frame of one pass for kernels (c_q, c_k) ``pre``/``post`` softmax (None: off)."""
+    hl = halo(pass_, pre, post, pad_key)
+    ck = max((pre or (1, 1))[1], (post or (1, 1))[1])
     override = frame_override()
     if override is not None:
         er, ec = override
-        if er <= top + bot or ec <= left + right:
+        if er <= hl.top + hl.bot or ec <= hl.left + hl.right:
             raise UserError(
                 f"MTA_TRITON_FRAME={er}x{ec} leaves no owned block: the halo needs "
-                f"{top + bot + 1}x{left + right + 1} at least")
+                f"{hl.top + hl.bot + 1}x{hl.left + hl.right + 1} at least")
     else:
-        er = max(16, pow2(top + bot + min_own))
-        ec = max(16, pow2(left + right + min_own))
-    return Frame(er, ec, top, left, er - top - bot, ec - left - right)
+        er = ec = FRAME_EDGE
+        # at least half of the frame owned in each direction
+        while 2 * (hl.top + hl.bot) > er:
+            er *= 2
+        while 2 * (hl.left + hl.right) > ec:
+            ec *= 2
+    # the window past the frame's columns must hold a kernel's c_k - 1 extra taps
+    hw = max(16, pow2(ck - 1))
+    if hw > ec:
+        raise UserError(f"MTA_TRITON_FRAME={er}x{ec}: a key kernel of {ck} taps needs frames of {hw} columns or more")
+    return Frame(er, ec, hl.top, hl.left, er - hl.top - hl.bot, ec - hl.left - hl.right, hw)
 
 
-def padded_heads(n_heads: int) -> int:
-    """HP: the head axis of the kernel's tiles (a power of two, at least 2)."""
-    return max(pow2(n_heads), 2)
+def padded_heads(n_heads: int, gpu: bool = True) -> int:
+    """HP: the head axis of the mixing products, a power of two; at least 16 on a GPU
+    (a tensor-core product's inner dimension), at least 2 in the interpreter."""
+    return max(pow2(n_heads), 16 if gpu else 2)
 
 
-def margins(pre: Optional[tuple[int, int]], post: Optional[tuple[int, int]]) -> tuple[int, int]:
-    """Zero rows and columns around each scratch slot's frame: the largest shift a
-    convolution (or its adjoint) reads."""
-    cq, ck = max((pre or (1, 1))[0], (post or (1, 1))[0]), max((pre or (1, 1))[1], (post or (1, 1))[1])
-    return cq - 1, ck - 1
+def head_dim_split(d: int) -> tuple[int, int]:
+    """(DA, DB): the head dimension as one or two power-of-two parts (96 = 64 + 32), each at
+    least 16 (tensor-core K/N), so no product is padded to the next power of two."""
+    if d <= 16:
+        return 16, 0
+    da = 1 << (d.bit_length() - 1)
+    if da == d:
+        return d, 0
+    return da, max(16, pow2(d - da))
 
 
-def slot_elements(f: Frame, pre, post, n_heads: int) -> int:
-    """Elements of one scratch slot: all (padded) heads x the frame with its margins."""
-    mr, mc = margins(pre, post)
-    return padded_heads(n_heads) * (f.er + 2 * mr) * (f.ec + 2 * mc)
+def key_blocks(f: Frame, t: int, tq: int, tk: int, q_offset: int = 0) -> int:
+    """Key blocks row block ``t`` needs: up to the one holding its last query."""
+    last = min(tq, (t + 1) * f.bmo) - 1 + q_offset
+    return min(-(-tk // f.bno), last // f.bno + 1)
+
+
+@dataclass(frozen=True)
+class Schedule:
+    items: list  # (b, t, kb_first, kb_last, slot), longest first
+    n_rt: int  # row blocks
+    s_max: int  # key splits of the longest row block (slots per row block)
+
+
+def items(f: Frame, batch: int, tq: int, tk: int, q_offset: int, n_prog: int) -> Schedule:
+    """Work items of a pass: every (batch, row block) with its key blocks split into near-equal
+    ranges of at most ``tau`` tiles, tau chosen so that the persistent grid of ``n_prog``
+    programs gets about two items each; sorted longest first (stable: batch, row block)."""
+    n_rt = -(-tq // f.bmo)
+    per_row = [key_blocks(f, t, tq, tk, q_offset) for t in range(n_rt)]
+    total = batch * sum(per_row)
+    tau = max(1, -(-total // max(1, 2 * n_prog)))
+    s_max = max(1, max(-(-n // tau) for n in per_row) if per_row else 1)
+    out = []
+    for b in range(batch):
+        for t, n in enumerate(per_row):
+            n_split = max(1, -(-n // tau))
+            bounds = [n * s // n_split for s in range(n_split + 1)]
+            for s in range(n_split):
+                if bounds[s + 1] > bounds[s]:
+                    out.append((b, t, bounds[s], bounds[s + 1], (b * n_rt + t) * s_max + s))
+    out.sort(key=lambda it: -(it[3] - it[2]))
+    return Schedule(out, n_rt, s_max)
 
 
 def cells_visited(f: Frame, tq: int, tk: int, q_offset: int = 0) -> int:
     """Frame cells one (batch, head) pass computes: every row block's frames, over the key
     blocks up to the one holding its last query (the kernel's causal skipping)."""
     return sum(f.er * f.ec * key_blocks(f, t, tq, tk, q_offset) for t in range(-(-tq // f.bmo)))
-
-
-def key_blocks(f: Frame, t: int, tq: int, tk: int, q_offset: int = 0) -> int:
-    """Key blocks row block ``t`` walks: up to the one holding its last query."""
-    last = min(tq, (t + 1) * f.bmo) - 1 + q_offset
-    return min(-(-tk // f.bno), last // f.bno + 1)
