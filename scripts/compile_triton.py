@@ -182,17 +182,22 @@ def schedule(layer: str, name: str, batch: int, heads: int, head_dim: int, seq: 
            "forward": (2 + cq) * io * 2 + rows * 4 + part * head_dim * 4 * 2,
            "backward_rowsum": (3 + cq) * io * 2 + rows * 4 + part * 4 * 2,
            "backward": (4 + cq) * io * 2 + 2 * rows * 4 + part * head_dim * 4 * 2 + 2 * io * 4 * 2}[name]
+    slots = frames.scratch_slots(name, pre is not None, post is not None)["NSLOT"]
+    plane = frames.padded_heads(heads) * f.er * f.ec * 2  # one slot: all heads x the frame, bf16
     return roofline.Schedule(roofline.persistent(tiles, n_prog), hbm_bytes=hbm, num_warps=info["num_warps"],
-                             registers=info["registers"], smem_bytes=info["smem_bytes"])
+                             registers=info["registers"], smem_bytes=info["smem_bytes"],
+                             scratch_bytes=n_prog * slots * plane, scratch_traffic=2 * sum(tiles) * slots * plane)
 
 
-def record(layer, name, seq, info, est, fa2, batch) -> dict:
+def record(layer, name, seq, info, est, fa2, batch, fa2_l2) -> dict:
     tot = est["total"]
     tc = tot["mma_macs"] + tot["wgmma_macs"] + tot["tf32_macs"]
     return {"layer": layer, "pass": name, "T": seq, "num_warps": info["num_warps"], "num_stages": info["num_stages"],
             "registers": info["registers"], "spill_bytes": info["spill_bytes"], "smem_bytes": info["smem_bytes"],
             "mma_macs": tc, "fma_macs": tot["fma_macs"], "global_loads": info["ptx"]["ld_global"] + info["ptx"]["cp_async"],
             "barriers": info["ptx"]["bar_sync"], "est_ms": round(est["est_ms"], 4), "fa2_est_ms": round(fa2, 4),
+            "est_l2_ms": round(est["est_l2_ms"], 4), "fa2_est_l2_ms": round(fa2_l2, 4), "l2_ms": round(est["l2_ms"], 4),
+            "hbm_ms": round(est["hbm_ms"], 4),
             "tc_share": round(tc / max(1.0, tc + tot["fma_macs"]), 4), "batch": batch,
             "throughput_ms": round(est["throughput_ms"], 4), "chain_ms": round(est["chain_ms"], 4),
             "occupancy": est["occupancy"], "programs": est["programs"], "global_bytes": tot["global_bytes"],
@@ -223,11 +228,12 @@ def main() -> None:
     for seq in seqs:
         fa2 = roofline.fa2_passes(a.batch, a.heads, seq, a.head_dim, gpu)
         fa2_ms = roofline.fa2_est_ms(a.batch, a.heads, seq, a.head_dim, gpu)["total"]
+        fa2_l2 = roofline.fa2_est_ms(a.batch, a.heads, seq, a.head_dim, gpu, key="est_l2_ms")["total"]
         for name, (c, s) in fa2.items():
             est = roofline.estimate(c, s, gpu)
             info = {"num_warps": s.num_warps, "num_stages": None, "registers": s.registers, "spill_bytes": 0,
                     "smem_bytes": s.smem_bytes, "ptx": {"ld_global": 0, "cp_async": 0, "bar_sync": None}}
-            r = record("sdpa", name, seq, info, est, fa2_ms, a.batch)
+            r = record("sdpa", name, seq, info, est, fa2_ms, a.batch, fa2_l2)
             r.update(global_loads=None, modelled="FlashAttention-2 tile configuration, counted by hand")
             records.append(r)
         for layer in a.layers.split(","):
@@ -235,23 +241,25 @@ def main() -> None:
                 info = compiled_pass(layer, name, a.heads, a.head_dim, a.arch, a.cache)
                 c = roofline.Counts(levels=info["levels"], static=info["static"])
                 est = roofline.estimate(c, schedule(layer, name, a.batch, a.heads, a.head_dim, seq, info, gpu.sms), gpu)
-                records.append(record(layer, name, seq, info, est, fa2_ms, a.batch))
+                records.append(record(layer, name, seq, info, est, fa2_ms, a.batch, fa2_l2))
     print("| layer | pass | T | warps/stages | regs | spill B | smem KB | TC share | ld.global | bar.sync "
-          "| est ms | (throughput/chain) | FA2 fwd+bwd est ms |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "| est ms | (throughput/chain) | est_l2 ms | (L2/HBM) |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in records:
         print(f"| {r['layer']} | {r['pass']} | {r['T']} | {r['num_warps']}/{r['num_stages']} | {r['registers']} | "
               f"{r['spill_bytes']} | {r['smem_bytes'] / 1024:.0f} | {r['tc_share']:.0%} | {r['global_loads']} | "
               f"{r['barriers']} | {r['est_ms']:.3f} | {r['throughput_ms']:.3f}/{r['chain_ms']:.3f} | "
-              f"{r['fa2_est_ms']:.3f} |")
-    print("\nPer layer (sum of its passes), ESTIMATES:")
+              f"{r['est_l2_ms']:.3f} | {r['l2_ms']:.3f}/{r['hbm_ms']:.3f} |")
+    print("\nPer layer (sum of its passes), ESTIMATES (est_ms; est_l2_ms: every global byte through the L2):")
     for seq in seqs:
         for layer in ["sdpa"] + a.layers.split(","):
             rs = [r for r in records if r["layer"] == layer and r["T"] == seq]
             if rs:
                 tot = sum(r["est_ms"] for r in rs)
+                tl2 = sum(r["est_l2_ms"] for r in rs)
                 print(f"  T={seq} {layer}: {tot:.3f} ms = {tot / rs[0]['fa2_est_ms']:.1f}x FlashAttention-2 "
-                      f"({rs[0]['fa2_est_ms']:.3f} ms)")
+                      f"({rs[0]['fa2_est_ms']:.3f} ms); L2-bound {tl2:.3f} ms = {tl2 / rs[0]['fa2_est_l2_ms']:.1f}x "
+                      f"({rs[0]['fa2_est_l2_ms']:.3f} ms)")
     if a.json:
         a.json.write_text(json.dumps({"gpu": gpu.constants(), "batch": a.batch, "estimate": True,
                                       "records": records}, indent=1))

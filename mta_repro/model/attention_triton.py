@@ -114,16 +114,33 @@ def _allowed(i, j, b, kv_ptr, Tq, Tk, q_off, HAS_KV: tl.constexpr):
 
 
 @triton.jit
-def _rows(ptr, bh, idx, T, D: tl.constexpr, E0: tl.constexpr, DX: tl.constexpr, MMA: tl.constexpr):
-    """(len(idx), DX) tile of a contiguous (B*H, T, D) tensor at plane ``bh`` (an int64
-    scalar): positions idx, features [E0, E0 + DX); zero outside [0, T) and past D."""
-    e = E0 + tl.arange(0, DX)
-    m = (idx[:, None] >= 0) & (idx[:, None] < T) & (e[None, :] < D)
-    return tl.load(ptr + bh * T * D + idx[:, None] * D + e[None, :], mask=m, other=0.0).to(MMA)
+def _rows(ptr, bh, r0, loc, T, D: tl.constexpr, E0: tl.constexpr, DX: tl.constexpr, MMA: tl.constexpr):
+    """(len(loc), DX) tile of a contiguous (B*H, T, D) tensor at plane ``bh`` (an int64
+    scalar): positions r0 + loc, features [E0, E0 + DX); zero outside [0, T) and past D.
+    The plane, the first position and the feature offset join the scalar base, so every
+    such tile shares one loop-invariant offset tensor (the compiler hoists invariant
+    tensors out of every loop: each distinct one costs registers for the whole kernel)."""
+    e = tl.arange(0, DX)
+    pos = r0 + loc
+    m = ((pos >= 0) & (pos < T))[:, None]
+    if E0 + DX > D:
+        m = m & (E0 + e < D)[None, :]
+    return tl.load((ptr + bh * T * D + r0.to(tl.int64) * D + E0) + (loc[:, None] * D + e[None, :]), mask=m,
+                   other=0.0).to(MMA)
 
 
 @triton.jit
-def _scores(q_ptr, kh_ptr, band_ptr, bh, i, j, row0, col0, Tq, Tk, q_off, scale,
+def _rows_at(ptr, bh, r0, loc, T, D: tl.constexpr, E0, DX: tl.constexpr, MMA: tl.constexpr):
+    """``_rows`` with a runtime first feature E0 (the feature mask is then always applied)."""
+    e = tl.arange(0, DX)
+    pos = r0 + loc
+    m = ((pos >= 0) & (pos < T))[:, None] & (E0 + e < D)[None, :]
+    return tl.load((ptr + bh * T * D + r0.to(tl.int64) * D + E0) + (loc[:, None] * D + e[None, :]), mask=m,
+                   other=0.0).to(MMA)
+
+
+@triton.jit
+def _scores(q_ptr, kh_ptr, band_ptr, bh, i, j, u, w, row0, col0, Tq, Tk, q_off, scale,
             D: tl.constexpr, DA: tl.constexpr, DB: tl.constexpr, CQ: tl.constexpr, NB: tl.constexpr,
             ER: tl.constexpr, EC: tl.constexpr, MMA: tl.constexpr, ACC: tl.constexpr, PREC: tl.constexpr):
     """(ER, EC) scores of frame rows i and columns j for one head: sum_rho q[i - rho] .
@@ -134,18 +151,18 @@ def _scores(q_ptr, kh_ptr, band_ptr, bh, i, j, row0, col0, Tq, Tk, q_off, scale,
     # would hold every shift's operands in shared memory at once)
     for rho in tl.range(0, CQ):
         khp = bh * CQ + rho
-        acc += tl.dot(_rows(q_ptr, bh, i - rho, Tq, D, 0, DA, MMA),
-                      tl.trans(_rows(kh_ptr, khp, j, Tk, D, 0, DA, MMA)), input_precision=PREC, out_dtype=ACC)
+        acc = tl.dot(_rows(q_ptr, bh, row0 - rho, u, Tq, D, 0, DA, MMA),
+                      tl.trans(_rows(kh_ptr, khp, col0, w, Tk, D, 0, DA, MMA)), acc, input_precision=PREC, out_dtype=ACC)
         if DB > 0:
-            acc += tl.dot(_rows(q_ptr, bh, i - rho, Tq, D, DA, DB, MMA),
-                          tl.trans(_rows(kh_ptr, khp, j, Tk, D, DA, DB, MMA)), input_precision=PREC, out_dtype=ACC)
+            acc = tl.dot(_rows(q_ptr, bh, row0 - rho, u, Tq, D, DA, DB, MMA),
+                          tl.trans(_rows(kh_ptr, khp, col0, w, Tk, D, DA, DB, MMA)), acc, input_precision=PREC, out_dtype=ACC)
     acc = acc * scale
     if NB > 0:
         # cells with 0 <= t = i + q_off - j < NB: their future taps are in the sum above
         if (row0 + ER - 1 + q_off - col0 >= 0) & (row0 + q_off - (col0 + EC - 1) < NB):
             tt = i[:, None] + q_off - j[None, :]
             bm = (tt >= 0) & (tt < NB) & (i[:, None] >= 0) & (i[:, None] < Tq)
-            acc -= tl.load(band_ptr + (bh * Tq + i[:, None]) * NB + tt, mask=bm, other=0.0)
+            acc -= tl.load((band_ptr + bh * Tq * NB) + (i[:, None] * NB + tt), mask=bm, other=0.0)
     return acc
 
 
@@ -191,8 +208,8 @@ def _conv(plane, tpl, CQ: tl.constexpr, OFF: tl.constexpr, ADJ: tl.constexpr, ER
         x = _plane_load(plane, du, -OFF, ER, EC, ER, EC, MMA)
         xh = _plane_load(plane, du, EC - OFF, ER, HW, ER, EC, MMA)
         tb = tpl + rho * (EC + HW) * EC
-        acc += tl.dot(x, tl.load(tb + m[:, None] * EC + n[None, :]).to(MMA), input_precision=PREC, out_dtype=ACC)
-        acc += tl.dot(xh, tl.load(tb + mh[:, None] * EC + n[None, :]).to(MMA), input_precision=PREC, out_dtype=ACC)
+        acc = tl.dot(x, tl.load(tb + m[:, None] * EC + n[None, :]).to(MMA), acc, input_precision=PREC, out_dtype=ACC)
+        acc = tl.dot(xh, tl.load(tb + mh[:, None] * EC + n[None, :]).to(MMA), acc, input_precision=PREC, out_dtype=ACC)
     return acc
 
 
@@ -213,8 +230,8 @@ def _conv_and_weight_grad(plane, tpl, g, part, OFF: tl.constexpr, CQ: tl.constex
         x = _plane_load(plane, -rho, -OFF, ER, EC, ER, EC, MMA)
         xh = _plane_load(plane, -rho, EC - OFF, ER, HW, ER, EC, MMA)
         tb = tpl + rho * (EC + HW) * EC
-        acc += tl.dot(x, tl.load(tb + m[:, None] * EC + n[None, :]).to(MMA), input_precision=PREC, out_dtype=ACC)
-        acc += tl.dot(xh, tl.load(tb + mh[:, None] * EC + n[None, :]).to(MMA), input_precision=PREC, out_dtype=ACC)
+        acc = tl.dot(x, tl.load(tb + m[:, None] * EC + n[None, :]).to(MMA), acc, input_precision=PREC, out_dtype=ACC)
+        acc = tl.dot(xh, tl.load(tb + mh[:, None] * EC + n[None, :]).to(MMA), acc, input_precision=PREC, out_dtype=ACC)
         mm = tl.dot(tl.trans(x), gm, input_precision=PREC, out_dtype=ACC)
         mhh = tl.dot(tl.trans(xh), gm, input_precision=PREC, out_dtype=ACC)
         taps = tl.sum(tl.where(sk < EC, tl.gather(mm, tl.minimum(sk, EC - 1), 0), 0.0), 1)
@@ -250,21 +267,23 @@ def _conv_weight_grad(xplane, g, part, OFF: tl.constexpr, CQ: tl.constexpr, CK: 
 
 
 @triton.jit
-def _grads_qkv(ds, ac, q_ptr, k_ptr, do_ptr, pdq_ptr, dk_ptr, dv_ptr, bh, i, j, orow, own_u, kmask, Tq, Tk,
-               D: tl.constexpr, E0: tl.constexpr, DX: tl.constexpr, MMA: tl.constexpr, ACC: tl.constexpr,
+def _grad_pair(g, x_ptr, y_ptr, xo_ptr, yo_ptr, bh, row0, col0, u, w, xo_base, own_u, kmask, Tq, Tk,
+               D: tl.constexpr, E0, DX: tl.constexpr, HAS_XO: tl.constexpr, MMA: tl.constexpr, ACC: tl.constexpr,
                PREC: tl.constexpr):
-    """Features [E0, E0 + DX) of one head's dq (into its item's partial, owned rows), dk and dv
-    (atomically, owned keys) from a tile's dS and A (ER x EC, zero outside the owned cells)."""
-    e = E0 + tl.arange(0, DX)
-    em = (e < D)[None, :]
-    dq = tl.dot(ds, _rows(k_ptr, bh, j, Tk, D, E0, DX, MMA), input_precision=PREC, out_dtype=ACC)
-    optr = pdq_ptr + orow[:, None] * D + e[None, :]
-    tl.store(optr, tl.load(optr, mask=own_u[:, None] & em, other=0.0) + dq, mask=own_u[:, None] & em)
-    kptr = (bh * Tk + j[:, None]) * D + e[None, :]
-    tl.atomic_add(dk_ptr + kptr, tl.dot(tl.trans(ds), _rows(q_ptr, bh, i, Tq, D, E0, DX, MMA), input_precision=PREC,
-                                        out_dtype=ACC), mask=kmask & em, sem="relaxed")
-    tl.atomic_add(dv_ptr + kptr, tl.dot(tl.trans(ac), _rows(do_ptr, bh, i, Tq, D, E0, DX, MMA), input_precision=PREC,
-                                        out_dtype=ACC), mask=kmask & em, sem="relaxed")
+    """Features [E0, E0 + DX) (E0 a runtime loop index) of one head's products of a tile
+    gradient g (ER x EC, zero outside the owned cells): yo += g^T @ y[rows] atomically into the
+    owned keys, and (HAS_XO) xo += g @ x[cols] into its item's row partial at xo_base (owned
+    rows). dS gives dk from q and dq from k, A gives dv from dO. The item's partial is written
+    by one program only, each element from the same thread in every tile: the atomic add is a
+    deterministic reduction that needs no load (nor the load's layout)."""
+    e = tl.arange(0, DX)
+    if HAS_XO:
+        rm = own_u[:, None] & (E0 + e < D)[None, :]
+        xo = tl.dot(g, _rows_at(x_ptr, bh, col0, w, Tk, D, E0, DX, MMA), input_precision=PREC, out_dtype=ACC)
+        tl.atomic_add((xo_ptr + xo_base + E0) + (u[:, None] * D + e[None, :]), xo, mask=rm, sem="relaxed")
+    yo = tl.dot(tl.trans(g), _rows_at(y_ptr, bh, row0, u, Tq, D, E0, DX, MMA), input_precision=PREC, out_dtype=ACC)
+    tl.atomic_add((yo_ptr + bh * Tk * D + col0.to(tl.int64) * D + E0) + (w[:, None] * D + e[None, :]), yo,
+                  mask=kmask & (E0 + e < D)[None, :], sem="relaxed")
 
 
 @triton.jit
@@ -284,7 +303,7 @@ def _slab_store(plane_base, cu, cw, hh, x, H: tl.constexpr, ER: tl.constexpr, EC
 def _row_stat(ptr, b, i_rows, hh, Tq, H: tl.constexpr, SR: tl.constexpr, EC: tl.constexpr):
     """A (B, H, Tq) per-row statistic (lse, D) broadcast to the slab's (SR*EC, HP) cells."""
     m = (hh[None, :] < H) & (i_rows[:, None] >= 0) & (i_rows[:, None] < Tq)
-    x = tl.load(ptr + (b.to(tl.int64) * H + hh[None, :]) * Tq + i_rows[:, None], mask=m, other=0.0)
+    x = tl.load((ptr + b.to(tl.int64) * H * Tq) + (hh[None, :] * Tq + i_rows[:, None]), mask=m, other=0.0)
     return tl.reshape(tl.broadcast_to(x[:, None, :], (SR, EC, x.shape[1])), (SR * EC, x.shape[1]))
 
 
@@ -309,7 +328,7 @@ def _wgrad(acc, g, x, own, HAS: tl.constexpr, MMA: tl.constexpr, PREC: tl.conste
     """acc (HP, HP) += g_owned^T x over the slab's cells: a mixing weight's gradient."""
     if HAS:
         go = tl.where(own[:, None], g, 0.0).to(MMA)
-        acc += tl.dot(tl.trans(go), x.to(MMA), input_precision=PREC, out_dtype=ACC)
+        acc = tl.dot(tl.trans(go), x.to(MMA), acc, input_precision=PREC, out_dtype=ACC)
     return acc
 
 
@@ -332,7 +351,8 @@ def _mta_kernel(
     HAS_W1: tl.constexpr, HAS_K2: tl.constexpr, CQ2: tl.constexpr, CK2: tl.constexpr, CKP2: tl.constexpr,
     PL2: tl.constexpr,
     HAS_W2: tl.constexpr, HAS_KV: tl.constexpr, DROP: tl.constexpr,
-    MMA: tl.constexpr, ACC: tl.constexpr, PREC: tl.constexpr, RNE: tl.constexpr, NSLOT: tl.constexpr,
+    MMA: tl.constexpr, ACC: tl.constexpr, PREC: tl.constexpr, RNE: tl.constexpr, GP: tl.constexpr,
+    NSLOT: tl.constexpr,
     S_C: tl.constexpr, S_DA: tl.constexpr, S_S0: tl.constexpr, S_P: tl.constexpr, S_DR: tl.constexpr,
     S_DP: tl.constexpr, S_R: tl.constexpr, S_DC: tl.constexpr, S_A: tl.constexpr,
 ):
@@ -383,21 +403,21 @@ def _mta_kernel(
             for h in tl.range(0, H, num_stages=1):
                 bh = b.to(tl.int64) * H + h
                 pc = scr + S_C * SLOT + h * PLANE + u[:, None] * EC + w[None, :]
-                cst = _scores(q_ptr, kh_ptr, band_ptr, bh, i, j, row0, col0, Tq, Tk, q_off, scale, D, DA, DB,
+                cst = _scores(q_ptr, kh_ptr, band_ptr, bh, i, j, u, w, row0, col0, Tq, Tk, q_off, scale, D, DA, DB,
                               CQ1, NB1, ER, EC, MMA, ACC, PREC)
                 tl.store(pc, _to_scratch(cst, scr_ptr.dtype.element_ty, RNE))
                 if MODE == _ROWSUM or MODE == _BWD:
-                    da = tl.dot(_rows(do_ptr, bh, i, Tq, D, 0, DA, MMA), tl.trans(_rows(v_ptr, bh, j, Tk, D, 0, DA, MMA)),
+                    da = tl.dot(_rows(do_ptr, bh, row0, u, Tq, D, 0, DA, MMA), tl.trans(_rows(v_ptr, bh, col0, w, Tk, D, 0, DA, MMA)),
                                 input_precision=PREC, out_dtype=ACC)
                     if DB > 0:
-                        da += tl.dot(_rows(do_ptr, bh, i, Tq, D, DA, DB, MMA),
-                                     tl.trans(_rows(v_ptr, bh, j, Tk, D, DA, DB, MMA)), input_precision=PREC,
+                        da = tl.dot(_rows(do_ptr, bh, row0, u, Tq, D, DA, DB, MMA),
+                                     tl.trans(_rows(v_ptr, bh, col0, w, Tk, D, DA, DB, MMA)), da, input_precision=PREC,
                                      out_dtype=ACC)
                     tl.store(scr + S_DA * SLOT + h * PLANE + u[:, None] * EC + w[None, :],
                              _to_scratch(da, scr_ptr.dtype.element_ty, RNE))
                 if MODE == _BWD:
                     if HAS_K1:  # the raw masked scores, the pre-softmax kernel's input (its gradient)
-                        s0 = _scores(q_ptr, k_ptr, band_ptr, bh, i, j, row0, col0, Tq, Tk, q_off, scale, D, DA, DB,
+                        s0 = _scores(q_ptr, k_ptr, band_ptr, bh, i, j, u, w, row0, col0, Tq, Tk, q_off, scale, D, DA, DB,
                                      1, 0, ER, EC, MMA, ACC, PREC)
                         ok = _allowed(i[:, None], j[None, :], b, kv_ptr, Tq, Tk, q_off, HAS_KV)
                         tl.store(scr + S_S0 * SLOT + h * PLANE + u[:, None] * EC + w[None, :],
@@ -420,15 +440,15 @@ def _mta_kernel(
                     z3 = tl.reshape(zm, (SR, EC, HP))
                     tmax = tl.max(z3, 1)  # (SR, HP)
                     u_rows = r0 + tl.arange(0, SR)
-                    sptr = (slot * HP + hh[None, :]) * ER + u_rows[:, None]
-                    m_old = tl.load(pm_ptr + sptr)
-                    l_old = tl.load(pl_ptr + sptr)
+                    sptr = hh[None, :] * ER + u_rows[:, None]
+                    m_old = tl.load((pm_ptr + slot * HP * ER) + sptr)
+                    l_old = tl.load((pl_ptr + slot * HP * ER) + sptr)
                     m_new = tl.maximum(m_old, tmax)
                     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
                     e3 = tl.exp(z3 - m_safe[:, None, :])
                     l_new = l_old * tl.exp(tl.where(m_old == float("-inf"), float("-inf"), m_old - m_safe)) + tl.sum(e3, 1)
-                    tl.store(pm_ptr + sptr, m_new)
-                    tl.store(pl_ptr + sptr, l_new)
+                    tl.store((pm_ptr + slot * HP * ER) + sptr, m_new)
+                    tl.store((pl_ptr + slot * HP * ER) + sptr, l_new)
                 else:
                     lse = _row_stat(lse_ptr, b, i_rows, hh, Tq, H, SR, EC)
                     okh = ok[:, None] & (hh < H)[None, :]
@@ -454,7 +474,7 @@ def _mta_kernel(
                         elif MODE == _ROWSUM:
                             dsum = tl.sum(tl.reshape(tl.where(own[:, None], p * dr, 0.0), (SR, EC, HP)), 1)
                             u_rows = r0 + tl.arange(0, SR)
-                            dptr = pd_ptr + (slot * HP + hh[None, :]) * ER + u_rows[:, None]
+                            dptr = (pd_ptr + slot * HP * ER) + (hh[None, :] * ER + u_rows[:, None])
                             tl.store(dptr, tl.load(dptr) + dsum)
                         else:
                             dd = _row_stat(dd_ptr, b, i_rows, hh, Tq, H, SR, EC)
@@ -511,7 +531,7 @@ def _mta_kernel(
                         dp = _slab(scr + S_DP * SLOT, cu, cw, hh, H, ER, EC, ACC)
                         dsum = tl.sum(tl.reshape(tl.where(own[:, None], p * dp, 0.0), (SR, EC, HP)), 1)
                         u_rows = r0 + tl.arange(0, SR)
-                        dptr = pd_ptr + (slot * HP + hh[None, :]) * ER + u_rows[:, None]
+                        dptr = (pd_ptr + slot * HP * ER) + (hh[None, :] * ER + u_rows[:, None])
                         tl.store(dptr, tl.load(dptr) + dsum)
                     else:
                         p = _slab(scr + S_P * SLOT, cu, cw, hh, H, ER, EC, ACC)
@@ -534,44 +554,54 @@ def _mta_kernel(
             if MODE == _FWD or MODE == _BWD:
                 tl.debug_barrier()
                 # ---- H3: per-head products of the owned block: O; dq, dk, dv, the pre kernel's gradient
-                for h in tl.range(0, H, num_stages=1):
-                    bh = b.to(tl.int64) * H + h
-                    if MODE == _FWD:
+                if MODE == _FWD:
+                    for h in tl.range(0, H, num_stages=1):
+                        bh = b.to(tl.int64) * H + h
                         a = _plane_load(scr + S_A * SLOT + h * PLANE, 0, 0, ER, EC, ER, EC, MMA)
                         a = tl.where(((w >= LEFT) & (w < LEFT + BNO))[None, :], a, 0.0).to(MMA)
-                        orow = (slot * H + h) * ER + u
+                        obase = po_ptr + (slot * H + h) * ER * D
                         om = own_u[:, None]
                         ea = tl.arange(0, DA)
-                        optr = po_ptr + orow[:, None] * D + ea[None, :]
-                        oa = tl.dot(a, _rows(v_ptr, bh, j, Tk, D, 0, DA, MMA), input_precision=PREC, out_dtype=ACC)
-                        tl.store(optr, tl.load(optr, mask=om & (ea < D)[None, :], other=0.0) + oa,
-                                 mask=om & (ea < D)[None, :])
+                        optr = obase + (u[:, None] * D + ea[None, :])
+                        oa = tl.dot(a, _rows(v_ptr, bh, col0, w, Tk, D, 0, DA, MMA), input_precision=PREC, out_dtype=ACC)
+                        # the item's own partial (see _grad_pair): a deterministic atomic add
+                        tl.atomic_add(optr, oa, mask=om & (ea < D)[None, :], sem="relaxed")
                         if DB > 0:
                             eb = DA + tl.arange(0, DB)
-                            optr = po_ptr + orow[:, None] * D + eb[None, :]
-                            ob = tl.dot(a, _rows(v_ptr, bh, j, Tk, D, DA, DB, MMA), input_precision=PREC, out_dtype=ACC)
-                            tl.store(optr, tl.load(optr, mask=om & (eb < D)[None, :], other=0.0) + ob,
-                                     mask=om & (eb < D)[None, :])
-                    else:
-                        pp = u[:, None] * EC + w[None, :]
-                        ok = _allowed(i[:, None], j[None, :], b, kv_ptr, Tq, Tk, q_off, HAS_KV)
-                        own2 = own_u[:, None] & own_w[None, :] & ok
+                            optr = obase + (u[:, None] * D + eb[None, :])
+                            ob = tl.dot(a, _rows(v_ptr, bh, col0, w, Tk, D, DA, DB, MMA), input_precision=PREC, out_dtype=ACC)
+                            tl.atomic_add(optr, ob, mask=om & (eb < D)[None, :], sem="relaxed")
+                if MODE == _BWD:
+                    # the backward's products, one kind per head loop, so that no two kinds' operands
+                    # and results are live at once (registers): dq and dk from dS, dv from A, the pre
+                    # kernel's gradient; feature parts of GP columns in a runtime loop, one live at a time
+                    kmask = (own_w & (j < Tk))[:, None]
+                    for h in tl.range(0, H, num_stages=1):
+                        bh = b.to(tl.int64) * H + h
+                        own2 = own_u[:, None] & own_w[None, :] & _allowed(i[:, None], j[None, :], b, kv_ptr, Tq, Tk,
+                                                                          q_off, HAS_KV)
                         if HAS_K1:
                             ds = _conv(scr + S_DC * SLOT + h * PLANE, ta1_ptr + h * (CQ1 * (EC + HW) * EC), CQ1, R1,
                                        True, ER, EC, HW, MMA, ACC, PREC)
                         else:
-                            ds = tl.load(scr + S_DC * SLOT + h * PLANE + pp).to(ACC)
+                            ds = tl.load(scr + S_DC * SLOT + h * PLANE + u[:, None] * EC + w[None, :]).to(ACC)
                         ds = tl.where(own2, ds * scale, 0.0).to(MMA)
-                        ac = tl.where(own2, tl.load(scr + S_A * SLOT + h * PLANE + pp), 0.0).to(MMA)
-                        orow = (slot * H + h) * ER + u
-                        kmask = (own_w & (j < Tk))[:, None]
-                        _grads_qkv(ds, ac, q_ptr, k_ptr, do_ptr, pdq_ptr, dk_ptr, dv_ptr, bh, i, j, orow, own_u, kmask,
-                                   Tq, Tk, D, 0, DA, MMA, ACC, PREC)
-                        if DB > 0:
-                            _grads_qkv(ds, ac, q_ptr, k_ptr, do_ptr, pdq_ptr, dk_ptr, dv_ptr, bh, i, j, orow, own_u,
-                                       kmask, Tq, Tk, D, DA, DB, MMA, ACC, PREC)
-                        if HAS_K1:
-                            g = tl.where(own_u[:, None] & own_w[None, :], tl.load(scr + S_DC * SLOT + h * PLANE + pp), 0.0)
+                        for e0 in tl.range(0, DA + DB, GP, num_stages=1):
+                            _grad_pair(ds, k_ptr, q_ptr, pdq_ptr, dk_ptr, bh, row0, col0, u, w, (slot * H + h) * ER * D,
+                                       own_u, kmask, Tq, Tk, D, e0, GP, True, MMA, ACC, PREC)
+                    for h in tl.range(0, H, num_stages=1):
+                        bh = b.to(tl.int64) * H + h
+                        own2 = own_u[:, None] & own_w[None, :] & _allowed(i[:, None], j[None, :], b, kv_ptr, Tq, Tk,
+                                                                          q_off, HAS_KV)
+                        ac = tl.where(own2, tl.load(scr + S_A * SLOT + h * PLANE + u[:, None] * EC + w[None, :]),
+                                      0.0).to(MMA)
+                        for e0 in tl.range(0, DA + DB, GP, num_stages=1):
+                            _grad_pair(ac, do_ptr, do_ptr, pdq_ptr, dv_ptr, bh, row0, col0, u, w, 0, own_u, kmask,
+                                       Tq, Tk, D, e0, GP, False, MMA, ACC, PREC)
+                    if HAS_K1:
+                        for h in tl.range(0, H, num_stages=1):
+                            g = tl.where(own_u[:, None] & own_w[None, :],
+                                         tl.load(scr + S_DC * SLOT + h * PLANE + u[:, None] * EC + w[None, :]), 0.0)
                             _conv_weight_grad(scr + S_S0 * SLOT + h * PLANE, g,
                                               pt1_ptr + (pid.to(tl.int64) * HP + h) * (CQ1 * CK1), PL1, CQ1, CK1, CKP1,
                                               ER, EC, HW, MMA, ACC, PREC)
@@ -755,6 +785,7 @@ def kernel_constexprs(mode: int, f: frames.Frame, *, h: int, d: int, pre, post, 
         HAS_K1=pre is not None, CQ1=cq1, CK1=ck1, CKP1=frames.pow2(ck1), PL1=pl1, NB1=band_width(cq1, ck1, pl1) if pre else 0,
         HAS_W1=has_w1, HAS_K2=post is not None, CQ2=cq2, CK2=ck2, CKP2=frames.pow2(ck2), PL2=pl2, HAS_W2=has_w2,
         HAS_KV=has_kv, DROP=drop, MMA=mma, ACC=acc, PREC=prec, RNE=not gpu and sdt == torch.bfloat16,
+        GP=min(32, da) if db == 0 or db >= 32 else 16,
         **frames.scratch_slots(frames.PASSES[mode], pre is not None, post is not None),
     )
 

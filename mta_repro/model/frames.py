@@ -29,8 +29,12 @@ from mta_repro.model.conv_pad import pad_left  # noqa: F401 (frames.pad_left for
 PASSES = ("stats", "forward", "backward_rowsum", "backward")
 # Persistent programs per SM on a GPU (each holds its scratch slots).
 PROGRAMS_PER_SM = 1
-# Default frame edge on every device; a halo too wide for it doubles it.
-FRAME_EDGE = 64
+# Default frame: 128 rows x 64 columns on every device (a halo too wide for it doubles an
+# edge). 128 rows with 8 warps: each of the two warpgroups owns 64 rows of a product (wgmma
+# m64), so products, loads and stores share a layout; 64-row frames split N between them and
+# pay a layout conversion at almost every hand-off (scripts/compile_triton.py, both sizes:
+# docs/triton_kernel.md).
+FRAME_ROWS, FRAME_COLS = 128, 64
 # Frame rows per head-mixing slab: SR x ec cells x all heads per (cells, heads) x (heads,
 # heads) tensor-core product; the interpreter takes whole frames (fewest interpreted ops).
 SLAB_ROWS_GPU = 4
@@ -140,7 +144,7 @@ def frame(pass_: str, pre: Optional[tuple[int, int]], post: Optional[tuple[int, 
                 f"MTA_TRITON_FRAME={er}x{ec} leaves no owned block: the halo needs "
                 f"{hl.top + hl.bot + 1}x{hl.left + hl.right + 1} at least")
     else:
-        er = ec = FRAME_EDGE
+        er, ec = FRAME_ROWS, FRAME_COLS
         # at least half of the frame owned in each direction
         while 2 * (hl.top + hl.bot) > er:
             er *= 2

@@ -30,6 +30,13 @@ the HBM bandwidth; chain time = the programs list-scheduled in launch order on S
 co-resident programs split it) plus its barrier latencies (not shared). est = max(throughput, chain) + launch latency. Left out (so the model
 is optimistic for every kernel alike): instruction issue other than the counted ops, memory
 latency other than barriers, bank conflicts, tail effects inside a wave.
+
+``est_l2_ms`` is the same bound with two memory terms more, for kernels that move most of
+their bytes through global memory (per-program scratch, accumulators): every global byte
+through the L2 at ``l2_bytes_clk`` per SM (no L1 hits), and the share of the scratch that the
+L2 cannot hold beside the pass's inputs (``Schedule.scratch_bytes``) through HBM. The truth
+on a GPU lies between the two figures; FlashAttention-2 barely moves, a scratch-bound kernel
+does not.
 """
 
 from __future__ import annotations
@@ -39,7 +46,7 @@ import math
 import re
 from dataclasses import dataclass, field
 
-RESOURCES = ("mma_macs", "wgmma_macs", "tf32_macs", "fma_macs", "sfu", "global_bytes", "shared_bytes",
+RESOURCES = ("mma_macs", "wgmma_macs", "tf32_macs", "fma_macs", "alu", "sfu", "global_bytes", "shared_bytes",
              "barriers_global", "barriers_shared")
 
 
@@ -57,6 +64,10 @@ class GPU:
     sfu: float = 16.0  # exp/clk/SM (3.9 T/s)
     lsu_bytes: float = 128.0  # B/clk/SM through L1/shared memory (global hits and shared alike)
     hbm_bytes_s: float = 4.8e12
+    # L2: A100's documented read bandwidth of 5120 B/clk over its 108 SMs, taken per SM for
+    # Hopper too (an optimistic assumption, so the bound stays a lower bound); 50 MB.
+    l2_bytes_clk: float = 5120 / 108
+    l2_bytes: float = 50 * 2**20
     regs_per_sm: int = 65536
     smem_per_sm: int = 228 * 1024
     max_warps_per_sm: int = 64
@@ -162,6 +173,18 @@ def count_ttgir(ttgir: str) -> Counts:
         elif re.search(r"= math\.exp2? ", t):
             tt_ = _tensor(t.split(" : ")[-1])
             c.add(level, "sfu", tt_[0] if tt_ else 1, mult)
+        elif re.search(r"= (arith|math)\.\w+ ", t) and "arith.constant" not in t:
+            tt_ = _tensor(t.split(" : ")[-1])  # every other elementwise op on a tensor: masks, selects, casts
+            if tt_:
+                c.add(level, "alu", tt_[0], mult)
+        elif '"tt.reduce"' in t:
+            tt_ = _tensor(t.split(": (")[-1]) if ": (" in t else None
+            if tt_:
+                c.add(level, "alu", tt_[0], mult)
+        elif re.search(r"= (tt\.gather|ttg\.convert_layout) ", t):
+            tt_ = _tensor(t.split("->")[-1] if "->" in t else t.split(" : ")[-1])
+            if tt_:  # through shared memory (or shuffles): a store and a load of the tensor
+                c.add(level, "shared_bytes", 2 * tt_[0] * tt_[1], mult)
         elif re.search(r"(= tt\.load |^tt\.store |= ttg\.async_copy_global_to_local |= tt\.atomic_rmw )", t):
             tt_ = _tensor(t.split(" : ")[-1]) or (1, _BYTES.get(re.findall(r"!tt\.ptr<(\w+)>", t)[-1], 4))
             c.add(level, "global_bytes", tt_[0] * tt_[1] * (2 if "atomic" in t else 1), mult)
@@ -194,6 +217,10 @@ class Schedule:
     num_warps: int
     registers: int
     smem_bytes: int
+    # per-program scratch: bytes resident at once over all programs, and bytes written to it
+    # and read back once over the pass (what must leave the SM; window re-reads are L1 hits)
+    scratch_bytes: float = 0.0
+    scratch_traffic: float = 0.0
 
     @property
     def n_items(self) -> int:
@@ -229,7 +256,7 @@ def _busy_cycles(r: dict, gpu: GPU) -> float:
     lsu = r["global_bytes"] + r["shared_bytes"]
     return max(r["mma_macs"] / rate["mma_macs"] + r["wgmma_macs"] / rate["wgmma_macs"]
                + r["tf32_macs"] / rate["tf32_macs"],
-               r["fma_macs"] / rate["fma_macs"], r["sfu"] / rate["sfu"], lsu / rate["lsu"])
+               (r["fma_macs"] + r["alu"]) / rate["fma_macs"], r["sfu"] / rate["sfu"], lsu / rate["lsu"])
 
 
 def program_resources(c: Counts, frames_of_items: list) -> dict:
@@ -259,8 +286,15 @@ def estimate(c: Counts, s: Schedule, gpu: GPU = H200) -> dict:
                        + r["barriers_shared"] * gpu.barrier_shared_cycles)
     chain_cycles = max(slots)
     t_chain = chain_cycles / gpu.clock_hz
+    # the memory-honest bound: every global byte through the L2 (no L1 hits), and the share
+    # of the scratch the L2 cannot hold (with the pass's inputs) through HBM
+    t_l2 = total["global_bytes"] / (gpu.l2_bytes_clk * max(1, active)) / gpu.clock_hz
+    spill = s.scratch_traffic * max(0.0, 1.0 - gpu.l2_bytes / max(1.0, s.scratch_bytes + s.hbm_bytes))
+    t_hbm = (s.hbm_bytes + spill) / gpu.hbm_bytes_s
     return {"est_ms": 1e3 * (max(t_tp, t_chain) + gpu.launch_s), "throughput_ms": 1e3 * t_tp,
-            "chain_ms": 1e3 * t_chain, "occupancy": occ, "programs": len(s.programs), "total": total}
+            "chain_ms": 1e3 * t_chain, "occupancy": occ, "programs": len(s.programs), "total": total,
+            "est_l2_ms": 1e3 * (max(t_tp, t_chain, t_l2, t_hbm) + gpu.launch_s), "l2_ms": 1e3 * t_l2,
+            "hbm_ms": 1e3 * t_hbm}
 
 
 # --------------------------------------------------------------------------------------
@@ -281,7 +315,7 @@ def fa2_passes(batch: int, heads: int, seq: int, head_dim: int, gpu: GPU = H200)
     bm, bn = 128, 64
     fwd = Counts()
     fwd.levels[1] = _res(global_bytes=2 * bm * d * 2 + bm * 4)  # Q in, O and lse out
-    fwd.levels[2] = _res(mma_macs=2 * bm * bn * d, fma_macs=2 * bm * bn, sfu=bm * bn,
+    fwd.levels[2] = _res(mma_macs=2 * bm * bn * d, fma_macs=2 * bm * bn, alu=5 * bm * bn, sfu=bm * bn,
                          global_bytes=2 * bn * d * 2, shared_bytes=4 * 2 * bn * d * 2, barriers_shared=2)
     items = [-(-min(seq, (i + 1) * bm) // bn) for i in range(-(-seq // bm))] * (batch * heads)
     io = batch * heads * seq * d * 2
@@ -297,7 +331,7 @@ def fa2_passes(batch: int, heads: int, seq: int, head_dim: int, gpu: GPU = H200)
     bm, bn = 64, 128
     bwd = Counts()
     bwd.levels[1] = _res(global_bytes=4 * bn * d * 2)  # K, V in; dK, dV out
-    bwd.levels[2] = _res(mma_macs=5 * bm * bn * d, fma_macs=3 * bm * bn, sfu=bm * bn,
+    bwd.levels[2] = _res(mma_macs=5 * bm * bn * d, fma_macs=3 * bm * bn, alu=6 * bm * bn, sfu=bm * bn,
                          global_bytes=2 * bm * d * 2 + 2 * bm * 4 + 2 * bm * d * 4,
                          shared_bytes=5 * (bm + bn) * d * 2, barriers_shared=4)
     items = [-(-seq // bm) - (j * bn) // bm for j in range(-(-seq // bn))] * (batch * heads)
@@ -310,8 +344,9 @@ def fa2_passes(batch: int, heads: int, seq: int, head_dim: int, gpu: GPU = H200)
     return out
 
 
-def fa2_est_ms(batch: int, heads: int, seq: int, head_dim: int, gpu: GPU = H200) -> dict:
-    """{pass: est_ms} of FlashAttention-2 and their sum under ``"total"``."""
-    ms = {name: estimate(c, s, gpu)["est_ms"] for name, (c, s) in fa2_passes(batch, heads, seq, head_dim, gpu).items()}
+def fa2_est_ms(batch: int, heads: int, seq: int, head_dim: int, gpu: GPU = H200, key: str = "est_ms") -> dict:
+    """{pass: est_ms} of FlashAttention-2 and their sum under ``"total"`` (``key="est_l2_ms"``:
+    the memory-honest bound)."""
+    ms = {name: estimate(c, s, gpu)[key] for name, (c, s) in fa2_passes(batch, heads, seq, head_dim, gpu).items()}
     ms["total"] = sum(ms.values())
     return ms
