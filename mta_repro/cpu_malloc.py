@@ -13,8 +13,9 @@ width and 4096 tokens, and varying by GBs between identical runs (docs/memory.md
 turns the dynamic adjustment off): the peak resident memory of a CPU run is then what its
 tensors need, which is what ``python -m mta_repro.params --memory`` estimates. The price
 is speed: every such tensor is a fresh ``mmap`` whose pages the kernel zeroes on first
-touch, measured 1.6-1.9x the step time on 2 cores (the tiny demo and 300M width, baseline
-and MTA; docs/memory.md). So the trainer leaves glibc's default alone unless asked:
+touch: measured on 2 cores, 1.1x the step time of the 300M-width baseline, 1.7x of its MTA
+(whose query blocks allocate the most) and 1.8-1.9x of the tiny CPU demo (docs/memory.md).
+So the trainer leaves glibc's default alone unless asked:
 ``trainer.cpu_mmap_threshold=131072`` (bytes; glibc's initial value) fixes it on CPU
 before the model is built. A threshold set through glibc's own ``MALLOC_MMAP_THRESHOLD_``
 or ``GLIBC_TUNABLES`` is left as it is; on a C library other than glibc (musl, macOS)

@@ -49,7 +49,7 @@ class TrainerArgs:
     # CPU only: fix glibc's mmap threshold at this many bytes before the model is built,
     # so that peak resident memory stays at what the tensors need (the memory pre-flight's
     # estimate) instead of glibc's dynamic heap, which keeps GBs of freed tensors at 300M
-    # width; costs ~1.6-1.9x the step time on CPU. null = glibc's default (fastest).
+    # width; costs 1.1-1.9x the step time on CPU. null = glibc's default (fastest).
     # 131072 is glibc's initial value (mta_repro/cpu_malloc.py, docs/memory.md).
     cpu_mmap_threshold: Optional[int] = None
 
