@@ -3,19 +3,43 @@
     python -m mta_repro.params experiment=long_context_880m_mta --memory
     python -m mta_repro.params experiment=pretrain_880m_mta --memory --world-size 8
 
-Activations are not guessed: the model runs its forward and loss on the ``meta`` device
-(shapes only, no memory, about a second at 880M) in the config's compute dtype, and
-``saved_tensors_hooks`` add up what autograd keeps for backward, with the same activation
-checkpointing the trainer would apply. The rest is counted from the parameter count:
+The estimate is the peak of one steady-state training step (the second on: AdamW's
+moments exist) on one rank. Nothing about activations is guessed: the model runs one
+forward, loss and backward on the ``meta`` device (shapes only, no memory; seconds at
+880M) in the config's compute dtype, with the trainer's activation checkpointing, and a
+dispatch mode (``_LiveBytes``) records every storage an op creates and when it is freed,
+so the running sum of live bytes is the step's memory over time, transients and the
+blocked path's query-block recomputation included. On meta the run's kernels are
+stand-ins that keep what the real ones keep: flash-like SDPA (q, k, v, output and the fp32
+log-sum-exp; on CUDA its backward also holds FlashAttention-2's fp32 dq accumulator and
+row sums), the triton stand-in (plus ``triton_backward_workspace`` at the moment its
+backward starts), and the key-query convolution kernel the run's device picks (its fake
+implementation). The blocked path uses the run's device's query-block size. The parts:
 
-- FSDP2 state, sharded over the world size: fp32 parameters, fp32 gradients and AdamW's
-  two moments (16 bytes per parameter / world);
-- gathered compute-dtype parameters: the root (embeddings) plus two blocks (the current
-  one and the prefetched next), and one block's unsharded gradients before reduce-scatter;
-- the backward peak on top of the saved activations: the largest of (the logits'
-  gradient in fp32 + compute dtype) and (one block's recomputation, with activation
-  checkpointing), plus one attention query block's recomputed tensors (blocked path) or
-  one layer's backward workspace (triton path: scratch slots, fp32 dq/dk/dv).
+- parameters and AdamW moments: fp32, sharded over the world size (12 bytes per parameter
+  / world), held through the whole step;
+- gathered parameters (FSDP2): the root (embeddings) plus two blocks (the current one and
+  the prefetched next) in the compute dtype, and one block's unsharded fp32 gradients
+  before reduce-scatter;
+- gradients held across micro-batches (``grad_accum`` > 1 only): FSDP2 keeps them
+  unsharded in fp32 between reductions, 4 bytes per parameter on every rank;
+- the step peak, the larger of
+  - forward/backward: the peak of the live bytes on meta, where each parameter's gradient
+    counts from the moment backward creates it as what the run keeps (fp32, sharded: 4
+    bytes / world);
+  - the optimizer step: all gradients (4 bytes per parameter / world) plus what AdamW
+    allocates on top, measured by running its step on meta shards (torch's default on
+    CUDA, the for-each kernels, holds whole lists of temporaries; on CPU the per-parameter
+    loop, two of one parameter's; ``optim.fused`` none).
+
+Against a real CPU fp32 step, the forward/backward and optimizer peaks equal the live
+tensor bytes that torch.profiler records, up to the CPU RNG state (5 KB) that
+``torch.utils.checkpoint`` keeps per recomputed query block (tests/test_memory.py); the
+whole estimate is within 3% of a measured step's peak resident memory at 300M width with
+glibc's mmap threshold fixed (tests/test_memory_measured.py, docs/memory.md). Not
+counted: gradient clipping (in place, scalars), kernels' internal per-thread scratch,
+and on CPU the memory glibc's heap keeps after tensors are freed
+(``trainer.cpu_mmap_threshold``, mta_repro/cpu_malloc.py).
 
 It fits a capacity when the total is at most 90% of it (allocator fragmentation, the CUDA
 context and NCCL buffers take the rest).
@@ -23,9 +47,15 @@ context and NCCL buffers take the rest).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import importlib.util
+import os
+import weakref
+from contextlib import contextmanager
+from dataclasses import dataclass, field, replace
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 GB = 1e9
 CAPACITIES = {"80 GB": 80 * GB, "H200 141 GB": 141 * GB}
@@ -35,26 +65,36 @@ HEADROOM = 0.9
 class _FlashLikeSDPA(torch.autograd.Function):
     """What a fused (flash) SDPA keeps for backward: q, k, v, the output and the fp32
     log-sum-exp per row. On meta, F.scaled_dot_product_attention takes the math path,
-    which would count the (B, H, T, T) probabilities that no GPU run keeps."""
+    which would count the (B, H, T, T) probabilities that no GPU run keeps. With
+    ``workspace`` (CUDA runs), backward also allocates what FlashAttention-2's backward does
+    beside dq, dk, dv: an fp32 dq accumulator and the fp32 row sums of dO * O."""
 
     @staticmethod
-    def forward(ctx, q, k, v):
+    def forward(ctx, q, k, v, workspace=False):
         # (B, T, H, d) in memory as the fused kernels write it, so the model's
         # transpose-reshape before wo is a view of the same storage.
         b, h, t, _ = q.shape
         out = q.new_empty(b, t, h, v.shape[-1]).transpose(1, 2)
         lse = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)
         ctx.save_for_backward(q, k, v, out, lse)
+        ctx.workspace = workspace
         return out
 
     @staticmethod
     def backward(ctx, g):
-        q, k, v, _, _ = ctx.saved_tensors
-        return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        q, k, v, _, lse = ctx.saved_tensors
+        scratch = (torch.empty_like(q, dtype=torch.float32), torch.empty_like(lse)) if ctx.workspace else ()
+        grads = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), None
+        del scratch
+        return grads
 
 
 def _sdpa_meta(q, k, v, *args, **kwargs):
     return _FlashLikeSDPA.apply(q, k, v)
+
+
+def _sdpa_meta_cuda(q, k, v, *args, **kwargs):
+    return _FlashLikeSDPA.apply(q, k, v, True)
 
 
 class _TritonLike(torch.autograd.Function):
@@ -124,13 +164,193 @@ def _saved_bytes(fn, exclude: set) -> int:
     return sum(n for k, n in sizes.items() if k not in exclude)
 
 
+class _LiveBytes(TorchDispatchMode):
+    """Every storage that an op creates, from its creation until it is freed, in order.
+
+    On meta nothing is allocated, but storages still have sizes and lifetimes: each op's
+    output storages are recorded once (views share them), and a finalizer on the storage
+    records its release. Storages in ``known`` (parameters, inputs) are not counted."""
+
+    def __init__(self, known=()):
+        super().__init__()
+        self.known = set(known)
+        self.open: dict[int, int] = {}  # storage id -> serial
+        self.sizes: list[int] = []  # serial -> bytes
+        self.events: list[tuple[int, int, str]] = []  # (serial or -1, +/- bytes, op)
+
+    def _track(self, t: torch.Tensor, op: str) -> None:
+        st = t.untyped_storage()
+        key = st._cdata
+        if key in self.known or key in self.open:
+            return
+        serial = len(self.sizes)
+        self.sizes.append(st.nbytes())
+        self.open[key] = serial
+        self.events.append((serial, self.sizes[serial], op))
+        weakref.finalize(st, self._free, key, serial)
+
+    def _free(self, key: int, serial: int) -> None:
+        self.open.pop(key, None)
+        self.events.append((serial, -self.sizes[serial], ""))
+
+    def spike(self, nbytes: int, what: str) -> None:
+        """A workspace that exists for a moment (allocated and freed by a kernel)."""
+        self.events += [(-1, nbytes, what), (-1, -nbytes, "")]
+
+    def serial_of(self, t: torch.Tensor) -> int | None:
+        return self.open.get(t.untyped_storage()._cdata)
+
+    def peak(self, weight: dict[int, int]) -> tuple[int, int, str, int]:
+        """(peak bytes, index of the event, its op, bytes of ``weight``'s storages then
+        live): ``weight`` replaces some storages' sizes (the parameters' gradients)."""
+        live = weighted = 0
+        best = (0, -1, "", 0)
+        for i, (serial, n, op) in enumerate(self.events):
+            if serial in weight:
+                w = weight[serial] if n > 0 else -weight[serial]
+                n, weighted = w, weighted + w
+            live += n
+            if live > best[0]:
+                best = (live, i, op, weighted)
+        return best
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor) and t.device.type == "meta":
+                self._track(t, func.__name__)
+        return out
+
+
+def target_kq_backend(device: str, dtype: torch.dtype) -> str:
+    """The key-query convolution kernel that ``attention_ops.kq_conv_backend`` picks on the
+    run's device (its fake implementation is what then runs on meta): on CPU that function
+    itself (the C kernel in fp32/fp64 where it compiles, ``MTA_KQ_CONV`` honoured); on CUDA
+    the Triton kernel where triton is installed, unless ``MTA_KQ_CONV=conv2d``."""
+    from mta_repro.model import attention_ops
+
+    if device == "cpu":
+        return attention_ops.kq_conv_backend(torch.empty(0, dtype=dtype))
+    attention_ops.kq_conv_backend(torch.empty(0, device="meta"))  # a bad MTA_KQ_CONV is one line
+    if os.environ.get("MTA_KQ_CONV", "auto") == "conv2d" or importlib.util.find_spec("triton") is None:
+        return "conv2d"
+    return "triton"
+
+
+@contextmanager
+def _run_device_impls(live: _LiveBytes, device: str, dtype: torch.dtype, workspace: dict):
+    """Stand-ins on meta for what runs on ``device``: flash-like SDPA, the triton stand-in
+    (plus its backward workspace, as a spike when its output's gradient arrives; bytes per
+    attention module in ``workspace``), the device's key-query convolution kernel."""
+    from mta_repro.model import attention_ops
+
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    triton_impl = attention_ops.ATTN_IMPLS["triton"]
+    kq_backend = attention_ops.kq_conv_backend
+    backend = target_kq_backend(device, dtype)
+    current = {"bytes": 0}
+
+    def triton(q, k, v, p, mask, training=False):
+        out = _triton_meta(q, k, v, p, mask, training)
+        if out.requires_grad and current["bytes"]:
+            n = current["bytes"]
+            out.register_hook(lambda g: live.spike(n, "triton backward workspace"))
+        return out
+
+    hooks = [m.register_forward_pre_hook(lambda m, a, n=n: current.update(bytes=n)) for m, n in workspace.items()]
+    torch.nn.functional.scaled_dot_product_attention = _sdpa_meta_cuda if device == "cuda" else _sdpa_meta
+    attention_ops.ATTN_IMPLS["triton"] = attention_ops.AttnImpl(triton)
+    attention_ops.kq_conv_backend = lambda x: backend
+    try:
+        yield
+    finally:
+        torch.nn.functional.scaled_dot_product_attention = sdpa
+        attention_ops.ATTN_IMPLS["triton"] = triton_impl
+        attention_ops.kq_conv_backend = kq_backend
+        for h in hooks:
+            h.remove()
+
+
+def _adamw_temporaries(model, world_size: int, device: str, fused) -> int:
+    """Peak bytes AdamW's step allocates on top of parameters, gradients and moments (one
+    fp32 shard per parameter, as FSDP2 hands it): torch's default there is the for-each
+    kernels on CUDA (whole lists of temporaries) and the per-parameter loop on CPU (two
+    temporaries of one parameter, plus the previous one's); ``fused`` has none."""
+    if fused:
+        return 0
+    shards = []
+    for p in model.parameters():
+        shape = ((-(-p.shape[0] // world_size),) + tuple(p.shape[1:])) if p.dim() else ()
+        shards.append(torch.nn.Parameter(torch.empty(shape, device="meta")))
+        shards[-1].grad = torch.empty_like(shards[-1])
+    opt = torch.optim.AdamW(shards, lr=1e-4, foreach=device == "cuda")
+    opt.step()  # creates the moments: state, not temporaries
+    known = [t.untyped_storage()._cdata for p in shards
+             for t in (p, p.grad, *(v for v in opt.state[p].values() if isinstance(v, torch.Tensor)))]
+    with _LiveBytes(known) as live:
+        opt.step()
+    return live.peak({})[0]
+
+
+def _step_on_meta(model, batch_size: int, seq_len: int, world_size: int, device: str, dtype: torch.dtype,
+                  activation_checkpointing: bool, grads_held: bool, workspace: dict) -> dict:
+    """One forward + loss + backward on meta, as the trainer runs it, through ``_LiveBytes``.
+
+    Returns the peak of live bytes (and when it happens), with each parameter's gradient
+    counted at what the run keeps: fp32, sharded over the world size (FSDP2's reduced
+    gradient), from the moment backward creates it; 0 when ``grads_held`` (the gradients
+    of earlier micro-batches are counted outside, and this one accumulates into them)."""
+    params = {p.untyped_storage()._cdata for p in model.parameters()}
+    tokens = torch.zeros(batch_size, seq_len, dtype=torch.long, device="meta")
+    saved: dict[int, int] = {}
+
+    def pack(t):
+        s = t.untyped_storage()
+        if s._cdata not in params:
+            saved[s._cdata] = s.nbytes()
+        return t
+
+    def loss():
+        # as mta_repro.train.loop.cross_entropy: logits in the compute dtype, the loss in fp32
+        logits = model(tokens)
+        return torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), tokens.flatten(0, 1))
+
+    if activation_checkpointing:
+        from torch.utils.checkpoint import checkpoint
+
+        # What the trainer's checkpoint_wrapper does: each block recomputed in backward,
+        # RNG state kept only with dropout.
+        keep_rng = float(getattr(model.args, "dropout", 0.0) or 0.0) > 0
+        for layer in model.layers:
+            forward = layer.forward
+            layer.forward = lambda *a, _f=forward, **k: checkpoint(_f, *a, use_reentrant=False,
+                                                                   preserve_rng_state=keep_rng, **k)
+    live = _LiveBytes(params | {tokens.untyped_storage()._cdata})
+    with _run_device_impls(live, device, dtype, workspace), live:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            out = loss()
+        end_of_forward = len(live.events)
+        out.backward()
+        del out
+    grads = {}
+    for p in model.parameters():
+        serial = None if p.grad is None else live.serial_of(p.grad)
+        if serial is not None:
+            grads[serial] = 0 if grads_held else 4 * -(-p.numel() // world_size)
+    peak, at, op, grad_bytes = live.peak(grads)
+    return {"peak": peak, "op": op, "in_backward": at >= end_of_forward, "gradients_at_peak": grad_bytes,
+            "saved": sum(saved.values())}
+
+
 @dataclass
 class MemoryEstimate:
     world_size: int
     activation_checkpointing: bool
-    parts: dict  # name -> bytes
+    parts: dict  # name -> bytes, summing to the total
     # What was assumed: per-GPU micro-batch, sequence length, compute dtype, optimizer.
     assumptions: str = ""
+    # Figures behind the parts, not added to the total (name -> bytes or text).
+    details: dict = field(default_factory=dict)
 
     @property
     def total(self) -> float:
@@ -147,88 +367,75 @@ class MemoryEstimate:
             f"{name}: {'fits' if self.fits(c) else 'DOES NOT FIT'}" for name, c in CAPACITIES.items()
         )
         given = f"{self.assumptions}, " if self.assumptions else ""
+        notes = "; ".join(f"{k} {v / GB:.2f} GB" if isinstance(v, (int, float)) else f"{k}: {v}"
+                          for k, v in self.details.items())
         return "\n".join(lines) + f"\n\n{given}world size {self.world_size}, activation checkpointing " \
-            f"{'on' if self.activation_checkpointing else 'off'}; {verdict} (rule: total <= {HEADROOM:.0%} of capacity)"
+            f"{'on' if self.activation_checkpointing else 'off'}; {verdict} (rule: total <= {HEADROOM:.0%} of capacity)" \
+            + (f"\n\n{notes}" if notes else "")
 
 
 def estimate(model_args, batch_size: int, seq_len: int, world_size: int, activation_checkpointing: bool,
-             dtype: torch.dtype = torch.bfloat16) -> MemoryEstimate:
-    from mta_repro.model import build_model
-    from mta_repro.model import attention_ops
+             dtype: torch.dtype = torch.bfloat16, device: str = "cuda", grad_accum: int = 1,
+             fused_adamw=None) -> MemoryEstimate:
+    """The peak of one steady-state training step per rank (module docstring)."""
+    from mta_repro.model import attention_ops, build_model
 
+    if model_args.attn_block_size is None:  # the blocked path's rows per query block on the run's device
+        model_args = replace(model_args, attn_block_size=attention_ops.default_block_size(device))
     model = build_model(model_args, device="meta").to(dtype)
     n_params = sum(p.numel() for p in model.parameters())
-    params = {p.untyped_storage()._cdata for p in model.parameters()}
-    tokens = torch.zeros(batch_size, seq_len, dtype=torch.long, device="meta")
     bpe = torch.finfo(dtype).bits // 8
-
-    def loss():
-        logits = model(tokens)
-        torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), tokens.flatten())
-
-    # One block's saved activations (no checkpointing), for the recomputation peak.
-    per_block = []
-    for layer in model.layers:
-        x = torch.zeros(batch_size, seq_len, model_args.dim, dtype=dtype, device="meta", requires_grad=True)
-        cos = torch.zeros(seq_len, model_args.resolved_head_dim // 2, device="meta")
-        per_block.append(_saved_bytes(lambda: layer(x, cos, cos), params))
-    if activation_checkpointing:
-        from torch.utils.checkpoint import checkpoint
-
-        # What the trainer's checkpoint_wrapper keeps: each block's input only.
-        for layer in model.layers:
-            forward = layer.forward
-            layer.forward = lambda *a, _f=forward, **k: checkpoint(_f, *a, use_reentrant=False, **k)
-    saved = _saved_bytes(loss, params)
-
-    # One attention query block recomputed in backward (its saved tensors, largest block).
-    attn_block = 0
-    for layer in model.layers:
-        attn = layer.attention
-        if attn.kind in ("kq_conv", "mixing") and attn.attn_impl == "triton":
-            attn_block = max(attn_block, triton_backward_workspace(attn, batch_size, seq_len))
-        if attn.kind not in ("kq_conv", "mixing") or attn.attn_impl != "blocked":
-            continue
-        p = attn.explicit_params()
-        rows = min(seq_len, attention_ops.resolve_block_size(p.block_size, "cuda") + attention_ops.query_history(p))
-        H, d = attn.n_heads, attn.head_dim
-        q = torch.zeros(batch_size, H, rows, d, dtype=dtype, device="meta", requires_grad=True)
-        k = torch.zeros(batch_size, H, seq_len, d, dtype=dtype, device="meta", requires_grad=True)
-        weights = [getattr(p, f) for f in attention_ops._WEIGHT_FIELDS if getattr(p, f) is not None]
-        attn_block = max(attn_block, _saved_bytes(
-            lambda: attention_ops._score_path_fast(q, k, k, p, attention_ops.AttnMask(seq_len - rows), True, *weights),
-            params,
-        ))
+    workspace = {layer.attention: triton_backward_workspace(layer.attention, batch_size, seq_len)
+                 for layer in model.layers
+                 if layer.attention.kind in ("kq_conv", "mixing") and layer.attention.attn_impl == "triton"}
+    step = _step_on_meta(model, batch_size, seq_len, world_size, device, dtype, activation_checkpointing,
+                         grad_accum > 1, workspace)
+    grads = 4 * n_params / world_size
+    optimizer = grads + _adamw_temporaries(model, world_size, device, fused_adamw)
 
     block_params = max(sum(p.numel() for p in layer.parameters()) for layer in model.layers)
     root_params = n_params - sum(sum(p.numel() for p in layer.parameters()) for layer in model.layers)
-    logits_grad = batch_size * seq_len * model_args.vocab_size * (4 + bpe)
-    recompute = max(per_block) if activation_checkpointing else 0
     parts = {
-        "parameters, gradients, AdamW (fp32, sharded)": 16 * n_params / world_size,
+        "parameters and AdamW moments (fp32, sharded)": 12 * n_params / world_size,
         "gathered parameters (root + 2 blocks) and one block's gradients": (root_params + 2 * block_params) * bpe
         + block_params * 4,
-        "saved activations (measured on meta)": saved,
-        "backward peak: max(logits grad, block recompute) + attention block": max(logits_grad, recompute)
-        + attn_block,
     }
+    if grad_accum > 1:
+        # FSDP2 keeps gradients unsharded in fp32 between reductions (no-sync micro-batches)
+        parts["gradients held across micro-batches (fp32, unsharded)"] = 4 * n_params
+    if step["peak"] >= optimizer:
+        where = "backward" if step["in_backward"] else "forward"
+        parts[f"step peak: {where} (measured on meta: activations, transients, gradients)"] = step["peak"]
+    else:
+        parts["step peak: optimizer step (gradients, AdamW temporaries)"] = optimizer
+    details = {
+        "saved activations at the end of forward": step["saved"],
+        "forward/backward peak": step["peak"],
+        "gradients live at that peak": step["gradients_at_peak"],
+        "peak op": step["op"],
+        "optimizer step peak": optimizer,
+    }
+    if device == "cpu":
+        details["CPU"] = ("this counts tensors; glibc's default heap keeps freed ones resident on top "
+                          "(GBs at 300M width, docs/memory.md) unless trainer.cpu_mmap_threshold=131072")
     assumed = (f"micro-batch {batch_size} x {seq_len} tokens per GPU, {str(dtype).replace('torch.', '')} "
                "compute, fp32 AdamW state")
-    return MemoryEstimate(world_size, activation_checkpointing, parts, assumed)
+    return MemoryEstimate(world_size, activation_checkpointing, parts, assumed, details)
 
 
 def estimate_from_config(cfg, world_size: int | None = None) -> MemoryEstimate:
     """From a composed training config (Hydra DictConfig)."""
     from mta_repro.config import model_args_from
 
-    if world_size is None:
-        on_gpu = str(cfg.trainer.get("device", "cpu")).startswith("cuda")
-        world_size = int(cfg.slurm.nodes) * int(cfg.slurm.gpus_per_node) if on_gpu else 1
     on_gpu = str(cfg.trainer.get("device", "cpu")).startswith("cuda")
+    if world_size is None:
+        world_size = int(cfg.slurm.nodes) * int(cfg.slurm.gpus_per_node) if on_gpu else 1
     dtype = getattr(torch, cfg.distributed.param_dtype) if on_gpu else torch.float32
+    fused = cfg.get("optim", {}).get("fused", None)
     return estimate(
         model_args_from(cfg), int(cfg.data.batch_size), int(cfg.data.seq_len), world_size,
-        bool(cfg.distributed.activation_checkpointing), dtype,
+        bool(cfg.distributed.activation_checkpointing), dtype, "cuda" if on_gpu else "cpu",
+        int(cfg.trainer.get("grad_accum", 1)), None if fused is None else bool(fused),
     )
 
 

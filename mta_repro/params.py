@@ -53,7 +53,8 @@ def memory_assumptions(cfg, world_size: int, overrides: list[str]) -> str:
     B, T, accum = int(cfg.data.batch_size), int(cfg.data.seq_len), int(cfg.trainer.get("grad_accum", 1))
     line = (
         f"assumes: seq_len {T}, micro-batch {B} x {T} tokens per rank, grad_accum {accum} "
-        f"(no effect on memory), world size {world_size}, {dtype} parameters on "
+        f"{'(gradients held between micro-batches)' if accum > 1 else '(no accumulation)'}, "
+        f"world size {world_size}, {dtype} parameters on "
         f"{'GPU' if on_gpu else 'CPU (trainer.device)'}, attn_impl {cfg.model.get('attn_impl', 'blocked')}, "
         f"activation checkpointing {'on' if cfg.distributed.activation_checkpointing else 'off'}"
     )

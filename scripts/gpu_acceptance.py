@@ -441,6 +441,8 @@ def memory_and_preempt(dev, s, picked, out_dir) -> tuple[dict, dict]:
     reserved = max((x.get("peak_mem_reserved_gb") or 0 for x in rows), default=None) if dev.type == "cuda" else None
     memory = {"model": " ".join(s["full"]) + " attention=mta", "B": B, "T": T, "steps_logged": len(rows),
               "peak_alloc_gb": alloc, "peak_reserved_gb": reserved, "estimate_gb": est.total / 2**30,
+              # the pre-flight is the peak of a steady-state step's tensors: compare with allocated
+              "estimate_over_alloc": est.total / 2**30 / alloc if alloc else None,
               "estimate_note": "python -m mta_repro.params ... --memory --world-size 1 (CPU: peak RSS is measured)",
               "tokens_per_s": [x["tokens_per_s_global"] for x in rows]}
     preempt = {"signal": "SIGUSR2", "after_step": 3, "signal_to_complete_s": r["latency_s"],
@@ -508,7 +510,8 @@ def markdown(res: dict) -> str:
     fmt = lambda x: f"{x:.2f}" if isinstance(x, (int, float)) else "-"  # noqa: E731
     L += ["", "## Memory (full model, trainer, world 1)", "",
           f"{m['model']}, B={m['B']} x T={m['T']}: peak allocated {fmt(m['peak_alloc_gb'])} GB, reserved "
-          f"{fmt(m['peak_reserved_gb'])} GB; estimate {fmt(m['estimate_gb'])} GB ({m['estimate_note']})."]
+          f"{fmt(m['peak_reserved_gb'])} GB; estimate {fmt(m['estimate_gb'])} GB, "
+          f"{fmt(m.get('estimate_over_alloc'))}x allocated ({m['estimate_note']})."]
     p = res["preempt"]
     L += ["", "## Preemption", "", f"SIGUSR2 after step {p['after_step']} -> checkpoint complete in "
           f"{fmt(p['signal_to_complete_s'])} s ({'ok' if p['ok'] else 'FAILED'}); compare with the cluster's KillWait."]

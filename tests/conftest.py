@@ -84,7 +84,7 @@ SLOW_TESTS = {
     ("test_attn_impls.py", "test_blocked_model_traces_under_torch_compile"),
     ("test_data_integrity.py", "test_trainer_logs_the_bad_records"),
     ("test_memory.py", "test_shipped_experiments_fit_an_h200"),
-    ("test_memory_measured.py", "test_preflight_bounds_a_measured_cpu_step_for_baseline_and_mta"),
+    ("test_memory_measured.py", "test_preflight_matches_a_measured_cpu_step_for_baseline_and_mta"),
     ("test_weights_safety.py", "test_eval_pipeline_and_train_processes_refuse"),
     ("test_weights_safety.py", "test_train_eval_and_weights_do_not_import_the_release_converter"),
     ("test_release.py", "test_every_release_config_matches_our_experiment"),

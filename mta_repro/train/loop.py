@@ -33,6 +33,7 @@ import torch.nn.functional as F
 from omegaconf import DictConfig, OmegaConf
 
 from mta_repro.config import TrainConfig, check_schema, to_train_config  # noqa: F401 - check_schema re-exported
+from mta_repro.cpu_malloc import fix_mmap_threshold
 from mta_repro.dataclass_config import to_dataclass
 from mta_repro.errors import UserError
 from mta_repro.model import build_model, to_model_args
@@ -139,6 +140,9 @@ def train(cfg: Any) -> dict[str, Any]:
     try:
         args = to_train_config(cfg)
         info = init_distributed(args.distributed, args.trainer.device)
+        if info.device.type == "cpu":
+            # Before the model is built: trainer.cpu_mmap_threshold (mta_repro/cpu_malloc.py)
+            fix_mmap_threshold(args.trainer.cpu_mmap_threshold)
         try:
             return _train(args, info)
         finally:

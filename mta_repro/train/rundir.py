@@ -7,8 +7,8 @@ Before a run writes anything into ``run_dir`` (rank 0, ``loop._prepare_run_dir``
    ``config.yaml``. Fields fall in three classes:
 
    - ``FREE``: never compared (they change nothing a run's numbers depend on: where the
-     run dir is, SLURM resources, the progress bar, prefetching, timeouts, this check's
-     own switches);
+     run dir is, SLURM resources, the progress bar, prefetching, timeouts, the CPU
+     allocator's policy, this check's own switches);
    - ``SAFE``: may change with ``checkpoint.allow_config_change=true`` (``trainer.steps``
      and the other trainer knobs below, ``logging.*``, checkpoint cadence/keep/export,
      ``distributed.*`` performance settings, and the locations of the corpus, tokenizer
@@ -61,6 +61,7 @@ FREE = (
     "checkpoint.on_corrupt",
     "checkpoint.async_save",
     "trainer.grad_accum",  # compared as the global batch
+    "trainer.cpu_mmap_threshold",  # the C allocator's policy: memory and speed, not numbers
 )
 SAFE = (
     "trainer.steps",
