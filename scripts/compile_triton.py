@@ -58,7 +58,7 @@ def kernel_constexprs(name: str, pre, post, heads: int, head_dim: int, pad_key: 
 
 
 # the kernel's tensor arguments in the launcher's dtypes for bf16 inputs (the rest fp32)
-_BF16_ARGS = ("q_ptr", "k_ptr", "v_ptr", "do_ptr", "kh_ptr", "scr_ptr", "tf2_ptr", "ta2_ptr", "ta1_ptr")
+_BF16_ARGS = ("scr_ptr",)
 _INT_ARGS = {"kv_ptr": "*i8", "items_ptr": "*i32"}
 
 
@@ -73,10 +73,13 @@ def _compile(consts: dict, arch: int, num_warps: int, num_stages: int):
         raise RuntimeError("compile_triton: the kernels were defined under TRITON_INTERPRET=1; compile in a "
                            "process without it (python scripts/compile_triton.py)")
     names = at._mta_kernel.arg_names
+    descs = at.descriptor_specs(consts)
     sig = {}
     for n in names:
         if n in consts:
             sig[n] = "constexpr"
+        elif n in descs:  # bf16 inputs and tables through tensor descriptors (TMA on sm_90)
+            sig[n] = f"tensordesc<bf16[{','.join(str(x) for x in descs[n][1])}]>"
         elif n.endswith("_ptr"):
             sig[n] = _INT_ARGS.get(n, "*bf16" if n in _BF16_ARGS else "*fp32")
         elif n in ("scale", "p_drop"):

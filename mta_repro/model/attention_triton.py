@@ -88,6 +88,7 @@ import torch.nn.functional as F
 
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from mta_repro.errors import UserError
 from mta_repro.model import frames
@@ -114,48 +115,29 @@ def _allowed(i, j, b, kv_ptr, Tq, Tk, q_off, HAS_KV: tl.constexpr):
 
 
 @triton.jit
-def _rows(ptr, bh, r0, loc, T, D: tl.constexpr, E0: tl.constexpr, DX: tl.constexpr, MMA: tl.constexpr):
-    """(len(loc), DX) tile of a contiguous (B*H, T, D) tensor at plane ``bh`` (an int64
-    scalar): positions r0 + loc, features [E0, E0 + DX); zero outside [0, T) and past D.
-    The plane, the first position and the feature offset join the scalar base, so every
-    such tile shares one loop-invariant offset tensor (the compiler hoists invariant
-    tensors out of every loop: each distinct one costs registers for the whole kernel)."""
-    e = tl.arange(0, DX)
-    pos = r0 + loc
-    m = ((pos >= 0) & (pos < T))[:, None]
-    if E0 + DX > D:
-        m = m & (E0 + e < D)[None, :]
-    return tl.load((ptr + bh * T * D + r0.to(tl.int64) * D + E0) + (loc[:, None] * D + e[None, :]), mask=m,
-                   other=0.0).to(MMA)
+def _tile(desc, plane, r0, e0, R: tl.constexpr, GP: tl.constexpr, MMA: tl.constexpr):
+    """(R, GP) rows [r0, r0 + R) x features [e0, e0 + GP) of plane ``plane`` of a (planes, T,
+    DPAD) input through its tensor descriptor: a TMA copy on sm_90, with rows outside [0, T)
+    (r0 may be negative) read as 0 by the copy itself, so no offset tensors or bounds masks
+    exist in registers (the compiler would hoist them: registers for the whole kernel)."""
+    return desc.load([plane.to(tl.int32), r0, e0]).reshape(R, GP).to(MMA)  # TMA coordinates are int32
 
 
 @triton.jit
-def _rows_at(ptr, bh, r0, loc, T, D: tl.constexpr, E0, DX: tl.constexpr, MMA: tl.constexpr):
-    """``_rows`` with a runtime first feature E0 (the feature mask is then always applied)."""
-    e = tl.arange(0, DX)
-    pos = r0 + loc
-    m = ((pos >= 0) & (pos < T))[:, None] & (E0 + e < D)[None, :]
-    return tl.load((ptr + bh * T * D + r0.to(tl.int64) * D + E0) + (loc[:, None] * D + e[None, :]), mask=m,
-                   other=0.0).to(MMA)
-
-
-@triton.jit
-def _scores(q_ptr, kh_ptr, band_ptr, bh, i, j, u, w, row0, col0, Tq, Tk, q_off, scale,
-            D: tl.constexpr, DA: tl.constexpr, DB: tl.constexpr, CQ: tl.constexpr, NB: tl.constexpr,
-            ER: tl.constexpr, EC: tl.constexpr, MMA: tl.constexpr, ACC: tl.constexpr, PREC: tl.constexpr):
-    """(ER, EC) scores of frame rows i and columns j for one head: sum_rho q[i - rho] .
-    khat_rho[j] * scale (khat: (B*H, CQ, Tk, D); CQ = 1 and khat = k: the plain scores),
-    minus the band correction (NB > 0) on a tile that touches the diagonal band."""
+def _scores(qd, khd, band_ptr, bh, i, j, row0, col0, Tq, q_off, scale, CQ: tl.constexpr, NB: tl.constexpr,
+            ER: tl.constexpr, EC: tl.constexpr, GP: tl.constexpr, DPAD: tl.constexpr, MMA: tl.constexpr,
+            ACC: tl.constexpr, PREC: tl.constexpr):
+    """(ER, EC) scores of frame rows i (from row0) and columns j (from col0) for one head (bh):
+    sum_rho q[i - rho] . khat_rho[j] * scale (khd: the (B*H*CQ, Tk, DPAD) convolved keys; CQ = 1
+    and the keys themselves: the plain scores), minus the band correction (NB > 0) on a tile
+    that touches the diagonal band. Runtime loops over the shifts and feature parts: one set of
+    operand buffers, prefetched by the pipeliner (unrolled, every shift's would be resident)."""
     acc = tl.zeros([ER, EC], ACC)
-    # a runtime loop: one set of operand buffers, prefetched shift by shift (an unrolled loop
-    # would hold every shift's operands in shared memory at once)
     for rho in tl.range(0, CQ):
-        khp = bh * CQ + rho
-        acc = tl.dot(_rows(q_ptr, bh, row0 - rho, u, Tq, D, 0, DA, MMA),
-                      tl.trans(_rows(kh_ptr, khp, col0, w, Tk, D, 0, DA, MMA)), acc, input_precision=PREC, out_dtype=ACC)
-        if DB > 0:
-            acc = tl.dot(_rows(q_ptr, bh, row0 - rho, u, Tq, D, DA, DB, MMA),
-                          tl.trans(_rows(kh_ptr, khp, col0, w, Tk, D, DA, DB, MMA)), acc, input_precision=PREC, out_dtype=ACC)
+        for e0 in tl.range(0, DPAD, GP):
+            acc = tl.dot(_tile(qd, bh, row0 - rho, e0, ER, GP, MMA),
+                         tl.trans(_tile(khd, bh * CQ + rho, col0, e0, EC, GP, MMA)), acc, input_precision=PREC,
+                         out_dtype=ACC)
     acc = acc * scale
     if NB > 0:
         # cells with 0 <= t = i + q_off - j < NB: their future taps are in the sum above
@@ -188,17 +170,15 @@ def _plane_load(plane, u0, w0, R: tl.constexpr, C: tl.constexpr, ER: tl.constexp
 
 
 @triton.jit
-def _conv(plane, tpl, CQ: tl.constexpr, OFF: tl.constexpr, ADJ: tl.constexpr, ER: tl.constexpr, EC: tl.constexpr,
-          HW: tl.constexpr, MMA: tl.constexpr, ACC: tl.constexpr, PREC: tl.constexpr):
+def _conv(plane, tm, th, t0, CQ: tl.constexpr, OFF: tl.constexpr, ADJ: tl.constexpr, ER: tl.constexpr,
+          EC: tl.constexpr, HW: tl.constexpr, MMA: tl.constexpr, ACC: tl.constexpr, PREC: tl.constexpr):
     """(ER, EC) key-query convolution (ADJ: its adjoint) of one head's scratch plane: for each
     row shift rho (back for the convolution, forward for the adjoint), the plane's window of
     columns [-OFF, EC - OFF) and its HW-column halo [EC - OFF, EC + HW - OFF), times that
-    shift's Toeplitz matrix (tpl: this head's (CQ, EC + HW, EC) table), two tensor-core
-    products per shift."""
+    shift's Toeplitz matrix (rows t0 + rho * (EC + HW) of the (HP * CQ * (EC + HW), EC) table,
+    read through its descriptors: tm the main (EC, EC) block, th the (HW, EC) halo block), two
+    tensor-core products per shift."""
     acc = tl.zeros([ER, EC], ACC)
-    m = tl.arange(0, EC)
-    mh = EC + tl.arange(0, HW)
-    n = tl.arange(0, EC)
     # a runtime loop: one set of operand buffers (an unrolled loop would hold all shifts')
     for rho in tl.range(0, CQ):
         if ADJ:
@@ -207,21 +187,19 @@ def _conv(plane, tpl, CQ: tl.constexpr, OFF: tl.constexpr, ADJ: tl.constexpr, ER
             du = -rho
         x = _plane_load(plane, du, -OFF, ER, EC, ER, EC, MMA)
         xh = _plane_load(plane, du, EC - OFF, ER, HW, ER, EC, MMA)
-        tb = tpl + rho * (EC + HW) * EC
-        acc = tl.dot(x, tl.load(tb + m[:, None] * EC + n[None, :]).to(MMA), acc, input_precision=PREC, out_dtype=ACC)
-        acc = tl.dot(xh, tl.load(tb + mh[:, None] * EC + n[None, :]).to(MMA), acc, input_precision=PREC, out_dtype=ACC)
+        tb = t0 + rho * (EC + HW)
+        acc = tl.dot(x, tm.load([tb, 0]).to(MMA), acc, input_precision=PREC, out_dtype=ACC)
+        acc = tl.dot(xh, th.load([tb + EC, 0]).to(MMA), acc, input_precision=PREC, out_dtype=ACC)
     return acc
 
 
 @triton.jit
-def _conv_and_weight_grad(plane, tpl, g, part, OFF: tl.constexpr, CQ: tl.constexpr, CK: tl.constexpr,
+def _conv_and_weight_grad(plane, tm, th, t0, g, part, OFF: tl.constexpr, CQ: tl.constexpr, CK: tl.constexpr,
                           CKP: tl.constexpr, ER: tl.constexpr, EC: tl.constexpr, HW: tl.constexpr, MMA: tl.constexpr,
                           ACC: tl.constexpr, PREC: tl.constexpr):
     """``_conv`` (forward) of the plane and ``_conv_weight_grad`` with gradient g, from the same
     input windows (each loaded once for both)."""
     acc = tl.zeros([ER, EC], ACC)
-    m = tl.arange(0, EC)
-    mh = EC + tl.arange(0, HW)
     n = tl.arange(0, EC)
     r = tl.arange(0, CKP)
     sk = r[:, None] + n[None, :]
@@ -229,9 +207,9 @@ def _conv_and_weight_grad(plane, tpl, g, part, OFF: tl.constexpr, CQ: tl.constex
     for rho in tl.range(0, CQ):
         x = _plane_load(plane, -rho, -OFF, ER, EC, ER, EC, MMA)
         xh = _plane_load(plane, -rho, EC - OFF, ER, HW, ER, EC, MMA)
-        tb = tpl + rho * (EC + HW) * EC
-        acc = tl.dot(x, tl.load(tb + m[:, None] * EC + n[None, :]).to(MMA), acc, input_precision=PREC, out_dtype=ACC)
-        acc = tl.dot(xh, tl.load(tb + mh[:, None] * EC + n[None, :]).to(MMA), acc, input_precision=PREC, out_dtype=ACC)
+        tb = t0 + rho * (EC + HW)
+        acc = tl.dot(x, tm.load([tb, 0]).to(MMA), acc, input_precision=PREC, out_dtype=ACC)
+        acc = tl.dot(xh, th.load([tb + EC, 0]).to(MMA), acc, input_precision=PREC, out_dtype=ACC)
         mm = tl.dot(tl.trans(x), gm, input_precision=PREC, out_dtype=ACC)
         mhh = tl.dot(tl.trans(xh), gm, input_precision=PREC, out_dtype=ACC)
         taps = tl.sum(tl.where(sk < EC, tl.gather(mm, tl.minimum(sk, EC - 1), 0), 0.0), 1)
@@ -267,23 +245,24 @@ def _conv_weight_grad(xplane, g, part, OFF: tl.constexpr, CQ: tl.constexpr, CK: 
 
 
 @triton.jit
-def _grad_pair(g, x_ptr, y_ptr, xo_ptr, yo_ptr, bh, row0, col0, u, w, xo_base, own_u, kmask, Tq, Tk,
-               D: tl.constexpr, E0, DX: tl.constexpr, HAS_XO: tl.constexpr, MMA: tl.constexpr, ACC: tl.constexpr,
-               PREC: tl.constexpr):
-    """Features [E0, E0 + DX) (E0 a runtime loop index) of one head's products of a tile
+def _grad_pair(g, xd, yd, xo_ptr, yo_ptr, bh, row0, col0, u, w, xo_base, own_u, kmask, Tk,
+               D: tl.constexpr, E0, GP: tl.constexpr, ER: tl.constexpr, EC: tl.constexpr, HAS_XO: tl.constexpr,
+               MMA: tl.constexpr, ACC: tl.constexpr, PREC: tl.constexpr):
+    """Features [E0, E0 + GP) (E0 a runtime loop index) of one head's products of a tile
     gradient g (ER x EC, zero outside the owned cells): yo += g^T @ y[rows] atomically into the
     owned keys, and (HAS_XO) xo += g @ x[cols] into its item's row partial at xo_base (owned
     rows). dS gives dk from q and dq from k, A gives dv from dO. The item's partial is written
     by one program only, each element from the same thread in every tile: the atomic add is a
     deterministic reduction that needs no load (nor the load's layout)."""
-    e = tl.arange(0, DX)
+    e = tl.arange(0, GP)
+    em = (E0 + e < D)[None, :]
     if HAS_XO:
-        rm = own_u[:, None] & (E0 + e < D)[None, :]
-        xo = tl.dot(g, _rows_at(x_ptr, bh, col0, w, Tk, D, E0, DX, MMA), input_precision=PREC, out_dtype=ACC)
-        tl.atomic_add((xo_ptr + xo_base + E0) + (u[:, None] * D + e[None, :]), xo, mask=rm, sem="relaxed")
-    yo = tl.dot(tl.trans(g), _rows_at(y_ptr, bh, row0, u, Tq, D, E0, DX, MMA), input_precision=PREC, out_dtype=ACC)
+        xo = tl.dot(g, _tile(xd, bh, col0, E0, EC, GP, MMA), input_precision=PREC, out_dtype=ACC)
+        tl.atomic_add((xo_ptr + xo_base + E0) + (u[:, None] * D + e[None, :]), xo, mask=own_u[:, None] & em,
+                      sem="relaxed")
+    yo = tl.dot(tl.trans(g), _tile(yd, bh, row0, E0, ER, GP, MMA), input_precision=PREC, out_dtype=ACC)
     tl.atomic_add((yo_ptr + bh * Tk * D + col0.to(tl.int64) * D + E0) + (w[:, None] * D + e[None, :]), yo,
-                  mask=kmask & (E0 + e < D)[None, :], sem="relaxed")
+                  mask=kmask & em, sem="relaxed")
 
 
 @triton.jit
@@ -337,13 +316,13 @@ def _wgrad(acc, g, x, own, HAS: tl.constexpr, MMA: tl.constexpr, PREC: tl.conste
 # a new B or T reuses the compiled kernel (H and d stay specialised: fixed per model).
 @triton.jit(do_not_specialize=["Tq", "Tk", "q_off", "n_items", "seed"])
 def _mta_kernel(
-    q_ptr, k_ptr, v_ptr, do_ptr, kh_ptr, band_ptr, kv_ptr,
-    w1t_ptr, w2t_ptr, tf2_ptr, ta2_ptr, ta1_ptr,
+    qd, kd, vd, dod, khd, band_ptr, kv_ptr,
+    w1t_ptr, w2t_ptr, tf2m, tf2h, ta2m, ta2h, ta1m, ta1h,
     lse_ptr, dd_ptr, items_ptr,
     pm_ptr, pl_ptr, po_ptr, pd_ptr, pdq_ptr, dk_ptr, dv_ptr, pw1_ptr, pw2_ptr, pt1_ptr, pt2_ptr,
     scr_ptr,
     Tq, Tk, q_off, n_items, scale, p_drop, seed,
-    MODE: tl.constexpr, H: tl.constexpr, HP: tl.constexpr, D: tl.constexpr, DA: tl.constexpr, DB: tl.constexpr,
+    MODE: tl.constexpr, H: tl.constexpr, HP: tl.constexpr, D: tl.constexpr, DPAD: tl.constexpr,
     ER: tl.constexpr, EC: tl.constexpr, TOP: tl.constexpr, LEFT: tl.constexpr, BMO: tl.constexpr,
     BNO: tl.constexpr, SR: tl.constexpr, HW: tl.constexpr,
     HAS_K1: tl.constexpr, CQ1: tl.constexpr, CK1: tl.constexpr, CKP1: tl.constexpr, PL1: tl.constexpr,
@@ -403,22 +382,20 @@ def _mta_kernel(
             for h in tl.range(0, H, num_stages=1):
                 bh = b.to(tl.int64) * H + h
                 pc = scr + S_C * SLOT + h * PLANE + u[:, None] * EC + w[None, :]
-                cst = _scores(q_ptr, kh_ptr, band_ptr, bh, i, j, u, w, row0, col0, Tq, Tk, q_off, scale, D, DA, DB,
-                              CQ1, NB1, ER, EC, MMA, ACC, PREC)
+                cst = _scores(qd, khd, band_ptr, bh, i, j, row0, col0, Tq, q_off, scale, CQ1, NB1, ER, EC, GP, DPAD,
+                              MMA, ACC, PREC)
                 tl.store(pc, _to_scratch(cst, scr_ptr.dtype.element_ty, RNE))
                 if MODE == _ROWSUM or MODE == _BWD:
-                    da = tl.dot(_rows(do_ptr, bh, row0, u, Tq, D, 0, DA, MMA), tl.trans(_rows(v_ptr, bh, col0, w, Tk, D, 0, DA, MMA)),
-                                input_precision=PREC, out_dtype=ACC)
-                    if DB > 0:
-                        da = tl.dot(_rows(do_ptr, bh, row0, u, Tq, D, DA, DB, MMA),
-                                     tl.trans(_rows(v_ptr, bh, col0, w, Tk, D, DA, DB, MMA)), da, input_precision=PREC,
-                                     out_dtype=ACC)
+                    da = tl.zeros([ER, EC], ACC)
+                    for e0 in tl.range(0, DPAD, GP):
+                        da = tl.dot(_tile(dod, bh, row0, e0, ER, GP, MMA), tl.trans(_tile(vd, bh, col0, e0, EC, GP, MMA)),
+                                    da, input_precision=PREC, out_dtype=ACC)
                     tl.store(scr + S_DA * SLOT + h * PLANE + u[:, None] * EC + w[None, :],
                              _to_scratch(da, scr_ptr.dtype.element_ty, RNE))
                 if MODE == _BWD:
                     if HAS_K1:  # the raw masked scores, the pre-softmax kernel's input (its gradient)
-                        s0 = _scores(q_ptr, k_ptr, band_ptr, bh, i, j, u, w, row0, col0, Tq, Tk, q_off, scale, D, DA, DB,
-                                     1, 0, ER, EC, MMA, ACC, PREC)
+                        s0 = _scores(qd, kd, band_ptr, bh, i, j, row0, col0, Tq, q_off, scale, 1, 0, ER, EC, GP, DPAD,
+                                     MMA, ACC, PREC)
                         ok = _allowed(i[:, None], j[None, :], b, kv_ptr, Tq, Tk, q_off, HAS_KV)
                         tl.store(scr + S_S0 * SLOT + h * PLANE + u[:, None] * EC + w[None, :],
                                  _to_scratch(tl.where(ok, s0, 0.0), scr_ptr.dtype.element_ty, RNE))
@@ -495,18 +472,18 @@ def _mta_kernel(
                     pp = u[:, None] * EC + w[None, :]
                     ok = _allowed(i[:, None], j[None, :], b, kv_ptr, Tq, Tk, q_off, HAS_KV)
                     if MODE == _FWD:
-                        rr = _conv(scr + S_P * SLOT + h * PLANE, tf2_ptr + h * (CQ2 * (EC + HW) * EC), CQ2, PL2, False,
+                        rr = _conv(scr + S_P * SLOT + h * PLANE, tf2m, tf2h, h * CQ2 * (EC + HW), CQ2, PL2, False,
                                    ER, EC, HW, MMA, ACC, PREC)
                     if MODE == _BWD:  # R and the post kernel's gradient read the same P windows
                         g = tl.where(own_u[:, None] & own_w[None, :], tl.load(scr + S_DR * SLOT + h * PLANE + pp), 0.0)
-                        rr = _conv_and_weight_grad(scr + S_P * SLOT + h * PLANE, tf2_ptr + h * (CQ2 * (EC + HW) * EC), g,
+                        rr = _conv_and_weight_grad(scr + S_P * SLOT + h * PLANE, tf2m, tf2h, h * CQ2 * (EC + HW), g,
                                                    pt2_ptr + (pid.to(tl.int64) * HP + h) * (CQ2 * CK2), PL2, CQ2, CK2,
                                                    CKP2, ER, EC, HW, MMA, ACC, PREC)
                     if MODE == _FWD or MODE == _BWD:
                         tl.store(scr + S_R * SLOT + h * PLANE + pp,
                                  _to_scratch(tl.where(ok, rr, 0.0), scr_ptr.dtype.element_ty, RNE))
                     if MODE == _ROWSUM or MODE == _BWD:
-                        dp = _conv(scr + S_DR * SLOT + h * PLANE, ta2_ptr + h * (CQ2 * (EC + HW) * EC), CQ2, R2, True,
+                        dp = _conv(scr + S_DR * SLOT + h * PLANE, ta2m, ta2h, h * CQ2 * (EC + HW), CQ2, R2, True,
                                    ER, EC, HW, MMA, ACC, PREC)
                         tl.store(scr + S_DP * SLOT + h * PLANE + pp, _to_scratch(dp, scr_ptr.dtype.element_ty, RNE))
                 tl.debug_barrier()
@@ -561,16 +538,12 @@ def _mta_kernel(
                         a = tl.where(((w >= LEFT) & (w < LEFT + BNO))[None, :], a, 0.0).to(MMA)
                         obase = po_ptr + (slot * H + h) * ER * D
                         om = own_u[:, None]
-                        ea = tl.arange(0, DA)
-                        optr = obase + (u[:, None] * D + ea[None, :])
-                        oa = tl.dot(a, _rows(v_ptr, bh, col0, w, Tk, D, 0, DA, MMA), input_precision=PREC, out_dtype=ACC)
-                        # the item's own partial (see _grad_pair): a deterministic atomic add
-                        tl.atomic_add(optr, oa, mask=om & (ea < D)[None, :], sem="relaxed")
-                        if DB > 0:
-                            eb = DA + tl.arange(0, DB)
-                            optr = obase + (u[:, None] * D + eb[None, :])
-                            ob = tl.dot(a, _rows(v_ptr, bh, col0, w, Tk, D, DA, DB, MMA), input_precision=PREC, out_dtype=ACC)
-                            tl.atomic_add(optr, ob, mask=om & (eb < D)[None, :], sem="relaxed")
+                        e = tl.arange(0, GP)
+                        for e0 in tl.range(0, DPAD, GP, num_stages=1):
+                            oa = tl.dot(a, _tile(vd, bh, col0, e0, EC, GP, MMA), input_precision=PREC, out_dtype=ACC)
+                            # the item's own partial (see _grad_pair): a deterministic atomic add
+                            tl.atomic_add((obase + e0) + (u[:, None] * D + e[None, :]), oa,
+                                          mask=om & (e0 + e < D)[None, :], sem="relaxed")
                 if MODE == _BWD:
                     # the backward's products, one kind per head loop, so that no two kinds' operands
                     # and results are live at once (registers): dq and dk from dS, dv from A, the pre
@@ -581,23 +554,23 @@ def _mta_kernel(
                         own2 = own_u[:, None] & own_w[None, :] & _allowed(i[:, None], j[None, :], b, kv_ptr, Tq, Tk,
                                                                           q_off, HAS_KV)
                         if HAS_K1:
-                            ds = _conv(scr + S_DC * SLOT + h * PLANE, ta1_ptr + h * (CQ1 * (EC + HW) * EC), CQ1, R1,
+                            ds = _conv(scr + S_DC * SLOT + h * PLANE, ta1m, ta1h, h * CQ1 * (EC + HW), CQ1, R1,
                                        True, ER, EC, HW, MMA, ACC, PREC)
                         else:
                             ds = tl.load(scr + S_DC * SLOT + h * PLANE + u[:, None] * EC + w[None, :]).to(ACC)
                         ds = tl.where(own2, ds * scale, 0.0).to(MMA)
-                        for e0 in tl.range(0, DA + DB, GP, num_stages=1):
-                            _grad_pair(ds, k_ptr, q_ptr, pdq_ptr, dk_ptr, bh, row0, col0, u, w, (slot * H + h) * ER * D,
-                                       own_u, kmask, Tq, Tk, D, e0, GP, True, MMA, ACC, PREC)
+                        for e0 in tl.range(0, DPAD, GP, num_stages=1):
+                            _grad_pair(ds, kd, qd, pdq_ptr, dk_ptr, bh, row0, col0, u, w, (slot * H + h) * ER * D,
+                                       own_u, kmask, Tk, D, e0, GP, ER, EC, True, MMA, ACC, PREC)
                     for h in tl.range(0, H, num_stages=1):
                         bh = b.to(tl.int64) * H + h
                         own2 = own_u[:, None] & own_w[None, :] & _allowed(i[:, None], j[None, :], b, kv_ptr, Tq, Tk,
                                                                           q_off, HAS_KV)
                         ac = tl.where(own2, tl.load(scr + S_A * SLOT + h * PLANE + u[:, None] * EC + w[None, :]),
                                       0.0).to(MMA)
-                        for e0 in tl.range(0, DA + DB, GP, num_stages=1):
-                            _grad_pair(ac, do_ptr, do_ptr, pdq_ptr, dv_ptr, bh, row0, col0, u, w, 0, own_u, kmask,
-                                       Tq, Tk, D, e0, GP, False, MMA, ACC, PREC)
+                        for e0 in tl.range(0, DPAD, GP, num_stages=1):
+                            _grad_pair(ac, dod, dod, pdq_ptr, dv_ptr, bh, row0, col0, u, w, 0, own_u, kmask,
+                                       Tk, D, e0, GP, ER, EC, False, MMA, ACC, PREC)
                     if HAS_K1:
                         for h in tl.range(0, H, num_stages=1):
                             g = tl.where(own_u[:, None] & own_w[None, :],
@@ -690,7 +663,7 @@ class _Problem:
         self.dev = q.device
         self.gpu = q.device.type != "cpu"
         self.hp = frames.padded_heads(self.h, self.gpu)
-        self.da, self.db = frames.head_dim_split(self.d)
+        self.gp, self.dpad = frames.feature_parts(self.d)
         self.mma, self.acc, self.prec, self.sdt = _types(q.dtype, q.device)
         self.acc_t = torch.float64 if q.dtype == torch.float64 else torch.float32
         self.pre = None if k1 is None else tuple(k1.shape[1:])
@@ -722,6 +695,18 @@ class _Problem:
 
         self.w1t, self.w2t = padw(w1), padw(w2)
         self.dummy = torch.zeros(1, dtype=self.acc_t, device=self.dev)
+        # the descriptors' views: (planes, T, DPAD), features zero-padded to whole GP parts
+        self.qp, self.kp, self.vp = self.padded(self.q), self.padded(self.k), self.padded(self.v)
+        self.khatp = self.padded(self.khat.flatten(1, 2)) if k1 is not None else self.kp
+
+    def padded(self, x: torch.Tensor) -> torch.Tensor:
+        """(..., T, d) -> contiguous (planes, T, DPAD), 16-byte aligned (a copy only when d is
+        not a whole number of feature parts or the tensor is not aligned)."""
+        x = x.reshape(-1, x.shape[-2], x.shape[-1])
+        if self.dpad != self.d:
+            x = F.pad(x, (0, self.dpad - self.d))
+        x = x.contiguous()
+        return x if x.data_ptr() % 16 == 0 else x.clone()
 
     def geometry(self, mode: int):
         f = frames.frame(frames.PASSES[mode], self.pre, self.post, self.pad_key)
@@ -732,11 +717,14 @@ class _Problem:
     def toeplitz(self, ec: int, hw: int):
         """The convolutions' Toeplitz tables in the operand dtype (bf16 on a GPU)."""
         dt = self.sdt if self.gpu else self.acc_t
+
+        def table(theta, adjoint):  # 2-D, as its tensor descriptors read it: (HP * c_q * (ec + hw), ec)
+            return _toeplitz(theta.to(self.acc_t), ec, hw, self.hp, adjoint).to(dt).reshape(-1, ec).contiguous()
+
         if self.k2 is not None:
-            self.tf2 = _toeplitz(self.k2.to(self.acc_t), ec, hw, self.hp, False).to(dt).contiguous()
-            self.ta2 = _toeplitz(self.k2.to(self.acc_t), ec, hw, self.hp, True).to(dt).contiguous()
+            self.tf2, self.ta2 = table(self.k2, False), table(self.k2, True)
         if self.k1 is not None:
-            self.ta1 = _toeplitz(self.k1.to(self.acc_t), ec, hw, self.hp, True).to(dt).contiguous()
+            self.ta1 = table(self.k1, True)
 
 
 def programs(device: torch.device) -> int:
@@ -778,16 +766,35 @@ def kernel_constexprs(mode: int, f: frames.Frame, *, h: int, d: int, pre, post, 
     pl1 = frames.pad_left(pad_key, ck1) if pre else 0
     pl2 = frames.pad_left(pad_key, ck2) if post else 0
     mma, acc, prec, sdt = _types(dtype, torch.device("cuda" if gpu else "cpu"))
-    da, db = frames.head_dim_split(d)
+    gp, dpad = frames.feature_parts(d)
     return dict(
-        MODE=mode, H=h, HP=frames.padded_heads(h, gpu), D=d, DA=da, DB=db,
+        MODE=mode, H=h, HP=frames.padded_heads(h, gpu), D=d, DPAD=dpad,
         ER=f.er, EC=f.ec, TOP=f.top, LEFT=f.left, BMO=f.bmo, BNO=f.bno, SR=slab_rows(f, gpu), HW=f.hw,
         HAS_K1=pre is not None, CQ1=cq1, CK1=ck1, CKP1=frames.pow2(ck1), PL1=pl1, NB1=band_width(cq1, ck1, pl1) if pre else 0,
         HAS_W1=has_w1, HAS_K2=post is not None, CQ2=cq2, CK2=ck2, CKP2=frames.pow2(ck2), PL2=pl2, HAS_W2=has_w2,
         HAS_KV=has_kv, DROP=drop, MMA=mma, ACC=acc, PREC=prec, RNE=not gpu and sdt == torch.bfloat16,
-        GP=min(32, da) if db == 0 or db >= 32 else 16,
+        GP=gp,
         **frames.scratch_slots(frames.PASSES[mode], pre is not None, post is not None),
     )
+
+
+def descriptor_specs(consts: dict) -> dict:
+    """{kernel argument: (input, block shape)} of the kernel's tensor descriptors: rows x GP
+    features of a (planes, T, DPAD) input; the Toeplitz tables' main (EC, EC) and halo (HW, EC)
+    blocks of a (HP * c_q * (EC + HW), EC) table. The one source for ``_launch`` and
+    ``scripts/compile_triton.py``."""
+    er, ec, gp, hw = consts["ER"], consts["EC"], consts["GP"], consts["HW"]
+    return {"qd": ("q", [1, er, gp]), "kd": ("k", [1, ec, gp]), "vd": ("v", [1, ec, gp]), "dod": ("do", [1, er, gp]),
+            "khd": ("khat", [1, ec, gp]), "tf2m": ("tf2", [ec, ec]), "tf2h": ("tf2", [hw, ec]),
+            "ta2m": ("ta2", [ec, ec]), "ta2h": ("ta2", [hw, ec]), "ta1m": ("ta1", [ec, ec]), "ta1h": ("ta1", [hw, ec])}
+
+
+def _descriptor(x: Optional[torch.Tensor], block: list, like: torch.Tensor):
+    """A host tensor descriptor of x ((planes, T, DPAD) or a 2-D table), or of a dummy of the
+    block's shape when the input is absent (its loads are compiled out)."""
+    if x is None:
+        x = torch.zeros(block, dtype=like.dtype, device=like.device)
+    return TensorDescriptor.from_tensor(x, block)
 
 
 def _launch(mode: int, pb: _Problem, bufs: dict, do: Optional[torch.Tensor] = None):
@@ -819,6 +826,10 @@ def _launch(mode: int, pb: _Problem, bufs: dict, do: Optional[torch.Tensor] = No
                                drop=pb.p_drop > 0.0, gpu=pb.gpu, dtype=pb.q.dtype)
     # unwritten cells are never read (each phase writes whole planes before the next reads)
     scratch = torch.empty(n_prog * consts["NSLOT"] * pb.hp * f.er * f.ec, dtype=pb.sdt, device=pb.dev)
+    inputs = {"q": pb.qp, "k": pb.kp, "v": pb.vp, "do": None if do is None else pb.padded(do),
+              "khat": pb.khatp, "tf2": getattr(pb, "tf2", None), "ta2": getattr(pb, "ta2", None),
+              "ta1": getattr(pb, "ta1", None)}
+    descs = {name: _descriptor(inputs[src], block, pb.qp) for name, (src, block) in descriptor_specs(consts).items()}
     items = torch.tensor(sched.items, dtype=torch.int32, device=pb.dev).flatten()
     dm = pb.dummy
 
@@ -828,10 +839,10 @@ def _launch(mode: int, pb: _Problem, bufs: dict, do: Optional[torch.Tensor] = No
     num_warps, num_stages = frames.launch_config(frames.PASSES[mode], pb.pre, pb.post)
     try:
         _mta_kernel[(n_prog,)](
-            pb.q, pb.k, pb.v, do if do is not None else pb.q, pb.khat, pb.band if pb.band is not None else dm,
+            descs["qd"], descs["kd"], descs["vd"], descs["dod"], descs["khd"], pb.band if pb.band is not None else dm,
             pb.kv if pb.kv is not None else dm,
             pb.w1t if pb.w1t is not None else dm, pb.w2t if pb.w2t is not None else dm,
-            getattr(pb, "tf2", dm), getattr(pb, "ta2", dm), getattr(pb, "ta1", dm),
+            descs["tf2m"], descs["tf2h"], descs["ta2m"], descs["ta2h"], descs["ta1m"], descs["ta1h"],
             buf("lse"), buf("dd"), items,
             buf("pm"), buf("pl"), buf("po"), buf("pd"), buf("pdq"), buf("dk"), buf("dv"),
             buf("pw1"), buf("pw2"), buf("pt1"), buf("pt2"), scratch,

@@ -163,15 +163,13 @@ def padded_heads(n_heads: int, gpu: bool = True) -> int:
     return max(pow2(n_heads), 16 if gpu else 2)
 
 
-def head_dim_split(d: int) -> tuple[int, int]:
-    """(DA, DB): the head dimension as one or two power-of-two parts (96 = 64 + 32), each at
-    least 16 (tensor-core K/N), so no product is padded to the next power of two."""
-    if d <= 16:
-        return 16, 0
-    da = 1 << (d.bit_length() - 1)
-    if da == d:
-        return d, 0
-    return da, max(16, pow2(d - da))
+def feature_parts(d: int) -> tuple[int, int]:
+    """(GP, DPAD): the head dimension in parts of GP features (32; 16 below 32), padded to
+    DPAD = a whole number of parts (96 = 3 x 32: no padding for 64, 96 or 128). Every product
+    over the head dimension runs part by part, so no tile is padded to the next power of two
+    and one tensor descriptor per input serves every product."""
+    gp = 32 if d >= 32 else 16
+    return gp, -(-d // gp) * gp
 
 
 def key_blocks(f: Frame, t: int, tq: int, tk: int, q_offset: int = 0) -> int:

@@ -166,6 +166,11 @@ def count_ttgir(ttgir: str) -> Counts:
             shapes = re.findall(r"<([0-9x]+)x(\w+)", t)
             (m_, k_), n_ = [int(x) for x in shapes[0][0].split("x")][-2:], int(shapes[1][0].split("x")[-1])
             c.add(level, "tf32_macs" if _BYTES.get(shapes[0][1], 2) >= 4 else "wgmma_macs", m_ * k_ * n_, mult)
+            # operands in shared memory are read from it by the tensor cores (as ldmatrix reads
+            # them for mma.sync: FlashAttention-2's modelled shared traffic)
+            types = t.split(" : ")[-1].split("->")[0]
+            for mem in re.findall(r"!ttg\.memdesc<([0-9x]+)x(\w+)", types):
+                c.add(level, "shared_bytes", math.prod(int(x) for x in mem[0].split("x")) * _BYTES.get(mem[1], 2), mult)
         elif re.search(r"= (arith\.mulf|math\.fma) ", t):
             tt_ = _tensor(t.split(" : ")[-1])
             if tt_:
@@ -185,6 +190,11 @@ def count_ttgir(ttgir: str) -> Counts:
             tt_ = _tensor(t.split("->")[-1] if "->" in t else t.split(" : ")[-1])
             if tt_:  # through shared memory (or shuffles): a store and a load of the tensor
                 c.add(level, "shared_bytes", 2 * tt_[0] * tt_[1], mult)
+        elif t.startswith("ttng.async_tma_copy_global_to_local "):
+            mem = re.findall(r"-> !ttg\.memdesc<([0-9x]+)x(\w+)", t)
+            if mem:  # a TMA copy: global bytes of the box (then read from shared memory by its users)
+                c.add(level, "global_bytes", math.prod(int(x) for x in mem[-1][0].split("x")) * _BYTES.get(mem[-1][1], 2),
+                      mult)
         elif re.search(r"(= tt\.load |^tt\.store |= ttg\.async_copy_global_to_local |= tt\.atomic_rmw )", t):
             tt_ = _tensor(t.split(" : ")[-1]) or (1, _BYTES.get(re.findall(r"!tt\.ptr<(\w+)>", t)[-1], 4))
             c.add(level, "global_bytes", tt_[0] * tt_[1] * (2 if "atomic" in t else 1), mult)
