@@ -59,7 +59,7 @@ def kernel_constexprs(name: str, pre, post, heads: int, head_dim: int, pad_key: 
 
 # the kernel's tensor arguments in the launcher's dtypes for bf16 inputs (the rest fp32)
 _BF16_ARGS = ("scr_ptr",)
-_INT_ARGS = {"kv_ptr": "*i8", "items_ptr": "*i32"}
+_INT_ARGS = {"kv_ptr": "*i8", "items_ptr": "*i32", "starts_ptr": "*i32"}
 
 
 def _compile(consts: dict, arch: int, num_warps: int, num_stages: int):
@@ -173,7 +173,7 @@ def schedule(layer: str, name: str, batch: int, heads: int, head_dim: int, seq: 
     f = frames.frame(name, pre, post, "both")
     n_target = frames.PROGRAMS_PER_SM * sms
     sched = frames.items(f, batch, seq, seq, 0, n_target)
-    n_prog = min(len(sched.items), n_target)
+    n_prog = len(sched.starts) - 1
     tiles = [it[3] - it[2] for it in sched.items]
     io = batch * heads * seq * head_dim  # elements of q (k, v, do, o alike)
     rows = batch * heads * seq
@@ -187,7 +187,7 @@ def schedule(layer: str, name: str, batch: int, heads: int, head_dim: int, seq: 
            "backward": (4 + cq) * io * 2 + 2 * rows * 4 + part * head_dim * 4 * 2 + 2 * io * 4 * 2}[name]
     slots = frames.scratch_slots(name, pre is not None, post is not None)["NSLOT"]
     plane = frames.padded_heads(heads) * f.er * f.ec * 2  # one slot: all heads x the frame, bf16
-    return roofline.Schedule(roofline.persistent(tiles, n_prog), hbm_bytes=hbm, num_warps=info["num_warps"],
+    return roofline.Schedule(sched.programs(), hbm_bytes=hbm, num_warps=info["num_warps"],
                              registers=info["registers"], smem_bytes=info["smem_bytes"],
                              scratch_bytes=n_prog * slots * plane, scratch_traffic=2 * sum(tiles) * slots * plane)
 

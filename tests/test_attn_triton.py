@@ -138,27 +138,31 @@ def test_factorised_pre_softmax_conv_with_band_correction_is_the_masked_conv(pad
         b, h, tq, tk)), 0.0)) * allowed, want * allowed)
 
 
-def test_schedule_covers_every_tile_once_longest_first():
+def test_schedule_covers_every_tile_once_and_balances_the_programs():
     """frames.items: every (batch, row block, key block) the causal mask needs, exactly once,
-    in near-equal items (at most one tile apart within a row block), longest first, with
-    distinct partial slots."""
+    in near-equal items (at most one tile apart within a row block) with distinct partial
+    slots, assigned longest first to the least loaded program: no program's load exceeds
+    another's by more than one item."""
     from mta_repro.model import frames
 
     f = frames.frame("forward", (6, 11), (6, 11), "both")
-    for b, tq, tk, q_off, n_prog in ((4, 2048, 2048, 0, 132), (1, 2048, 2048, 0, 132), (2, 300, 700, 400, 7)):
+    for b, tq, tk, q_off, n_prog in ((4, 2048, 2048, 0, 132), (1, 2048, 2048, 0, 132), (2, 300, 700, 400, 7),
+                                     (4, 4096, 4096, 0, 132)):
         sched = frames.items(f, b, tq, tk, q_off, n_prog)
         seen = [(bb, t, c) for bb, t, c0, c1, _ in sched.items for c in range(c0, c1)]
         want = [(bb, t, c) for bb in range(b) for t in range(sched.n_rt) for c in range(frames.key_blocks(f, t, tq, tk, q_off))]
         assert sorted(seen) == sorted(want) and len(seen) == len(set(seen))
-        sizes = [c1 - c0 for _, _, c0, c1, _ in sched.items]
-        assert sizes == sorted(sizes, reverse=True)
         assert len({it[4] for it in sched.items}) == len(sched.items) <= b * sched.n_rt * sched.s_max
         per_row = {}
         for bb, t, c0, c1, _ in sched.items:
             per_row.setdefault((bb, t), []).append(c1 - c0)
         assert all(max(v) - min(v) <= 1 for v in per_row.values())
-        if b * tq >= 2048:  # enough work: about two items per program, so B=1 fills the GPU too
-            assert len(sched.items) >= n_prog
+        progs = sched.programs()
+        assert len(progs) == len(sched.starts) - 1 <= n_prog and sum(map(len, progs)) == len(sched.items)
+        loads = [sum(p) for p in progs]
+        assert max(loads) - min(loads) <= max(c1 - c0 for _, _, c0, c1, _ in sched.items)
+        if b * tq >= 2048:  # enough work for every program, so B=1 fills the GPU too
+            assert len(progs) == n_prog and min(loads) > 0
 
 
 @pytest.mark.parametrize(

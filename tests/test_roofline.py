@@ -207,3 +207,28 @@ def test_a_real_sm90_compile_counts_its_tensor_core_dot(tmp_path):
     assert prog["fma_macs"] == 0 and prog["tf32_macs"] == 0
     assert got["ptx"]["mma_sync"] + got["ptx"]["wgmma"] > 0
     assert got["ptx"]["tc_macs_per_program"] >= 64**3  # one iteration's worth, statically
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton not installed")
+def test_the_shipped_kernel_compiles_for_an_h200_within_its_limits(tmp_path):
+    """scripts/compile_triton.py on the kernel as shipped (the 880M layer kinds, sm_90, the
+    launcher's configuration): every pass fits one H200 program (shared memory <= 227 KB,
+    registers <= 255), at least 90% of its multiply-adds run on tensor cores, and the mixing
+    layer's passes (18 of the 880M model's 24 layers) and the kq-conv layer's forward passes
+    spill nothing; the report carries both estimates, as estimates."""
+    out = tmp_path / "r.json"
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    p = subprocess.run([sys.executable, str(ROOT / "scripts" / "compile_triton.py"), "--seqs", "2048", "--json", str(out),
+                        "--cache", str(tmp_path / "cache")], capture_output=True, text=True, env=env, timeout=1500)
+    assert p.returncode == 0, p.stderr[-3000:]
+    recs = [r for r in json.loads(out.read_text())["records"] if r["layer"] != "sdpa"]
+    assert sorted((r["layer"], r["pass"]) for r in recs) == sorted(
+        (layer, name) for layer in ("kq_conv", "mixing") for name in frames.PASSES)
+    for r in recs:
+        pre_post = ((6, 11), (6, 11)) if r["layer"] == "kq_conv" else (None, None)
+        assert (r["num_warps"], r["num_stages"]) == frames.launch_config(r["pass"], *pre_post), r
+        assert r["smem_bytes"] <= 227 * 1024 and r["registers"] <= 255, r
+        assert r["tc_share"] >= 0.9, r
+        assert r["estimate"] is True and 0 < r["est_ms"] <= r["est_l2_ms"], r
+        if r["layer"] == "mixing" or r["pass"] != "backward":
+            assert r["spill_bytes"] == 0, r

@@ -11,12 +11,25 @@ tf32 for fp32 inputs), none per convolution tap.
 Design
 ------
 *Tiles, all heads.* Head mixing couples every head of a (query, key) cell, so a program
-computes a tile (a frame of ``ER`` x ``EC`` cells, ``model/frames.py``) for all heads. The
-per-head products (the scores, dO V^T, A V, dS K, dS^T Q, A^T dO) are 2-D ``tl.dot`` of
-64-row tiles, one head after another (wgmma on sm_90). Their results meet in a private
-scratch slot per stage ((HP, ER, EC) in the compute dtype: L1/L2 on a GPU), and each head
-mixing reads ``SR`` frame rows of all heads as one (cells, heads) matrix and multiplies it
-by the (heads, heads) weight: one tensor-core product per slab, no per-head loop.
+computes a tile (a frame of ``ER`` x ``EC`` cells, 128 x 64 or 128 x 128: ``model/frames.py``)
+for all heads. The per-head products (the scores, dO V^T, A V, dS K, dS^T Q, A^T dO) are
+2-D ``tl.dot`` of 128-row tiles, one head after another (wgmma on sm_90, each of the two
+warpgroups owning 64 rows, so products, loads and stores share one layout). Their results
+meet in a private scratch slot per stage ((HP, ER, EC) in the compute dtype: L1/L2 on a
+GPU), and each head mixing reads ``SR`` frame rows of all heads as one (cells, heads)
+matrix and multiplies it by the (heads, heads) weight: one tensor-core product per slab.
+Why scratch and not registers: one tile's 16 heads at 128 x 64 are 131K values, and the
+per-row accumulators of 16 heads (O, dq: 16 x d per row) cannot stay on chip either, so
+O and dq go into per-item partials and dk/dv into atomics (``docs/triton_kernel.md``).
+
+*Inputs through tensor descriptors.* q, k, v, dO, the convolved keys and the Toeplitz
+tables are read through ``TensorDescriptor`` tiles of (rows, GP features) (TMA copies on
+sm_90, double-buffered by the pipeliner): rows outside the sequence (the shifted query rows
+start before it) are read as zero by the copy itself, so no offset tensors or bounds masks
+live in registers (hoisted out of every loop, they spilled). Scratch hand-offs stay plain
+stores and loads ordered by barriers: TMA reads of data written in the same kernel would
+need cross-proxy fences that only a GPU could verify. The head dimension runs in parts of
+GP = 32 features (96 = 3 x 32), so no tile is padded to a power of two.
 
 *Pre-softmax convolution as a GEMM.* Without the causal zeroing, conv(QK^T) factorises:
 C[i, j] = sum_rho q[i - rho] . Khat_rho[j], Khat_rho = the keys convolved along the key axis
@@ -29,12 +42,12 @@ is subtracted on the tiles that touch the band. Padding (``key_valid``) zeroes t
 of q and k first, which zeroes exactly the scores the reference masks.
 
 *Post-softmax convolution and every adjoint as Toeplitz products.* The c_k key taps of one
-row shift are a banded Toeplitz matrix: output columns [c0, c0 + KCH) of a frame row block
-= (its 2*KCH-column input window, rows shifted by rho) x T_rho (2*KCH x KCH), one tensor-core
-product per (row shift, column chunk), with T built per head by torch (``_toeplitz``). The
+row shift are a banded Toeplitz matrix: a frame's output = (its input window of the frame's
+columns and an HW-column halo, rows shifted by rho) x T_rho ((EC + HW) x EC), two
+tensor-core products per row shift, T built per head by torch (``_toeplitz``). The
 backward's adjoints use the flipped kernel and look forward. A kernel's gradient is the
-transposed product (window^T x output gradient, accumulated over the chunks) whose
-diagonals are the taps: summed once per tile (a gather and a row sum), not per tap.
+transposed product (window^T x output gradient) whose diagonals are the taps: summed once
+per tile (a gather and a row sum), not per tap.
 
 *Frames.* Only convolutions need a halo: the forward's post-softmax conv reads P above and
 beside the owned block, the backward's adjoints read below and beside (``frames.halo``).
@@ -47,14 +60,15 @@ key splits into the lse) and ``forward`` (exact probabilities ``exp(Z - lse)``, 
 transforms, .V). The backward: ``backward_rowsum`` (D = rowsum(P * dP), the softmax
 backward's row term, which the post-softmax conv keeps from being rowsum(dO * O)) and
 ``backward`` (the adjoint chain dA -> dR -> dP -> dZ -> dC -> dS; dq, dk, dv, the
-kernels' and mixings' gradients).
+kernels' and mixings' gradients, each kind of product in its own head loop).
 
 *Work and determinism.* Items are (batch, row block, range of key blocks) of near-equal
 size, longest first, on a persistent grid (``frames.items``): long rows split across
-programs, so B=1 fills the GPU. Each item writes its own slot of per-item partial buffers
-(row statistics, O, D, dq), which torch reduces in a fixed order; weight gradients are
-per-program partials. Only dk and dv are accumulated with (relaxed fp32) atomics, so they
-alone are bitwise nondeterministic on a GPU.
+programs, so B=1 fills the GPU. Each item adds into its own slot of per-item partial buffers
+(row statistics, O, D, dq), which torch reduces in a fixed order; one program writes a slot,
+each element from the same thread in every tile, so those atomic adds are deterministic.
+Weight gradients are per-program partials. Only dk and dv are accumulated across programs
+with (relaxed fp32) atomics, so they alone are bitwise nondeterministic on a GPU.
 
 *Masking.* Every masked value is selected (``tl.where``), never multiplied: a fully masked
 pad row gives exact zeros and no NaN; exp arguments are clamped at 0 (a true probability is
@@ -65,17 +79,18 @@ taken from torch's generator (saved for backward) and the int64 cell index
 ((b*H + h)*Tq + row)*Tk + col: the same masks in forward and backward, reproducible seeded
 runs, no wrap at long T; not the masks ``F.dropout`` would draw.
 
-*Launch* (``frames.launch_config``, shared with ``scripts/compile_triton.py``): 8 warps;
-lengths, offsets, counts and the seed are not specialised (a new batch shape reuses the
-compiled kernel; H and d are, fixed per model); element offsets are int64; a loop that
-reads scratch written in the same tile is ``num_stages=1`` and separated from its writers
-by a barrier, so no software pipeliner can reorder the two.
+*Launch* (``frames.launch_config``, shared with ``scripts/compile_triton.py``, which also
+takes the constexprs from ``kernel_constexprs`` and the descriptors from
+``descriptor_specs``): 8 warps; lengths, offsets, counts and the seed are not specialised
+(a new batch shape reuses the compiled kernel; H and d are, fixed per model); element
+offsets are int64; a loop that reads scratch written in the same tile is ``num_stages=1``
+and separated from its writers by a barrier, so no software pipeliner can reorder the two.
 
 Status: exact under ``TRITON_INTERPRET=1`` (tests/test_attn_impls.py, tests/test_attn_triton.py:
 every option against "torch" in float64, forward and every gradient; bf16; a debug training
-run). Its compiled code for sm_90 is judged by ``scripts/compile_triton.py`` (registers,
-spills, tensor-core share, a roofline ESTIMATE: no GPU has measured it yet);
-``docs/triton_kernel.md`` has the figures.
+run; the identities above in float64). Its compiled code for sm_90 is judged by
+``scripts/compile_triton.py`` (registers, spills, tensor-core share, a roofline ESTIMATE: no
+GPU has measured it yet); ``docs/triton_kernel.md`` has the figures.
 """
 
 from __future__ import annotations
@@ -314,14 +329,14 @@ def _wgrad(acc, g, x, own, HAS: tl.constexpr, MMA: tl.constexpr, PREC: tl.conste
 # ----------------------------------------------------------------------------- the kernel
 # Lengths, offsets, counts and the seed change with every batch shape: not specialised, so
 # a new B or T reuses the compiled kernel (H and d stay specialised: fixed per model).
-@triton.jit(do_not_specialize=["Tq", "Tk", "q_off", "n_items", "seed"])
+@triton.jit(do_not_specialize=["Tq", "Tk", "q_off", "seed"])
 def _mta_kernel(
     qd, kd, vd, dod, khd, band_ptr, kv_ptr,
     w1t_ptr, w2t_ptr, tf2m, tf2h, ta2m, ta2h, ta1m, ta1h,
-    lse_ptr, dd_ptr, items_ptr,
+    lse_ptr, dd_ptr, items_ptr, starts_ptr,
     pm_ptr, pl_ptr, po_ptr, pd_ptr, pdq_ptr, dk_ptr, dv_ptr, pw1_ptr, pw2_ptr, pt1_ptr, pt2_ptr,
     scr_ptr,
-    Tq, Tk, q_off, n_items, scale, p_drop, seed,
+    Tq, Tk, q_off, scale, p_drop, seed,
     MODE: tl.constexpr, H: tl.constexpr, HP: tl.constexpr, D: tl.constexpr, DPAD: tl.constexpr,
     ER: tl.constexpr, EC: tl.constexpr, TOP: tl.constexpr, LEFT: tl.constexpr, BMO: tl.constexpr,
     BNO: tl.constexpr, SR: tl.constexpr, HW: tl.constexpr,
@@ -336,7 +351,6 @@ def _mta_kernel(
     S_DP: tl.constexpr, S_R: tl.constexpr, S_DC: tl.constexpr, S_A: tl.constexpr,
 ):
     pid = tl.program_id(0)
-    nprog = tl.num_programs(0)
     hh = tl.arange(0, HP)
     u = tl.arange(0, ER)
     w = tl.arange(0, EC)
@@ -365,7 +379,7 @@ def _mta_kernel(
     dw2 = tl.zeros([HP, HP], ACC)
     cell = tl.arange(0, SR * EC)
 
-    for it in tl.range(pid, n_items, nprog, num_stages=1):
+    for it in tl.range(tl.load(starts_ptr + pid), tl.load(starts_ptr + pid + 1), num_stages=1):  # this program's items
         b = tl.load(items_ptr + it * 5)
         t = tl.load(items_ptr + it * 5 + 1)
         kb0 = tl.load(items_ptr + it * 5 + 2)
@@ -712,7 +726,7 @@ class _Problem:
         f = frames.frame(frames.PASSES[mode], self.pre, self.post, self.pad_key)
         n_prog_target = programs(self.dev)
         sched = frames.items(f, self.b, self.tq, self.tk, self.q_off, n_prog_target)
-        return f, sched, min(len(sched.items), n_prog_target)
+        return f, sched, len(sched.starts) - 1
 
     def toeplitz(self, ec: int, hw: int):
         """The convolutions' Toeplitz tables in the operand dtype (bf16 on a GPU)."""
@@ -831,6 +845,7 @@ def _launch(mode: int, pb: _Problem, bufs: dict, do: Optional[torch.Tensor] = No
               "ta1": getattr(pb, "ta1", None)}
     descs = {name: _descriptor(inputs[src], block, pb.qp) for name, (src, block) in descriptor_specs(consts).items()}
     items = torch.tensor(sched.items, dtype=torch.int32, device=pb.dev).flatten()
+    starts = torch.tensor(sched.starts, dtype=torch.int32, device=pb.dev)
     dm = pb.dummy
 
     def buf(name):
@@ -843,10 +858,10 @@ def _launch(mode: int, pb: _Problem, bufs: dict, do: Optional[torch.Tensor] = No
             pb.kv if pb.kv is not None else dm,
             pb.w1t if pb.w1t is not None else dm, pb.w2t if pb.w2t is not None else dm,
             descs["tf2m"], descs["tf2h"], descs["ta2m"], descs["ta2h"], descs["ta1m"], descs["ta1h"],
-            buf("lse"), buf("dd"), items,
+            buf("lse"), buf("dd"), items, starts,
             buf("pm"), buf("pl"), buf("po"), buf("pd"), buf("pdq"), buf("dk"), buf("dv"),
             buf("pw1"), buf("pw2"), buf("pt1"), buf("pt2"), scratch,
-            pb.tq, pb.tk, pb.q_off, len(sched.items), pb.scale, pb.p_drop, pb.seed,
+            pb.tq, pb.tk, pb.q_off, pb.scale, pb.p_drop, pb.seed,
             **consts, num_warps=num_warps, num_stages=num_stages,
         )
     except triton.runtime.errors.OutOfResources as e:

@@ -18,6 +18,7 @@ after the launch (deterministic: fixed order, no atomics on O, dq or the statist
 
 from __future__ import annotations
 
+import heapq
 import os
 from dataclasses import dataclass
 from typing import Optional
@@ -27,14 +28,31 @@ from mta_repro.model.conv_pad import pad_left  # noqa: F401 (frames.pad_left for
 
 # The kernel's passes, in the order they run (forward: 0, 1; backward: 2, 3).
 PASSES = ("stats", "forward", "backward_rowsum", "backward")
-# Persistent programs per SM on a GPU (each holds its scratch slots).
+# Persistent programs per SM on a GPU (each holds its scratch slots), and work items per
+# program: more, smaller items balance the programs better (longest first to the least
+# loaded, so the longest program carries at most one item more than the shortest) at the
+# cost of more per-item partial slots to reduce afterwards.
 PROGRAMS_PER_SM = 1
-# Default frame: 128 rows x 64 columns on every device (a halo too wide for it doubles an
-# edge). 128 rows with 8 warps: each of the two warpgroups owns 64 rows of a product (wgmma
-# m64), so products, loads and stores share a layout; 64-row frames split N between them and
-# pay a layout conversion at almost every hand-off (scripts/compile_triton.py, both sizes:
-# docs/triton_kernel.md).
-FRAME_ROWS, FRAME_COLS = 128, 64
+ITEMS_PER_PROGRAM = 4  # 2 -> 4: kq-conv layer 23.8x -> 20.5x FA2 (estimate, T=2048); 8: no better
+
+
+def items_per_program() -> int:
+    """``ITEMS_PER_PROGRAM``, or ``MTA_TRITON_ITEMS_PER_PROGRAM`` (a tuning knob for a GPU)."""
+    env = os.environ.get("MTA_TRITON_ITEMS_PER_PROGRAM")
+    if env is None:
+        return ITEMS_PER_PROGRAM
+    if not env.isdigit() or int(env) < 1:
+        raise UserError(f"MTA_TRITON_ITEMS_PER_PROGRAM={env!r}: expected a positive integer")
+    return int(env)
+# Default frames (a halo too wide for one doubles an edge): 128 rows, with 8 warps each of the
+# two warpgroups owns 64 rows of a product (wgmma m64), so products, loads and stores share a
+# layout (64-row frames split N between them and convert layouts at almost every hand-off);
+# 128 key columns where no convolution runs and registers allow (fewer accumulator adds per
+# cell), 64 where the passes would spill at 128 (scripts/compile_triton.py with
+# MTA_TRITON_FRAME; the figures are in docs/triton_kernel.md).
+FRAME_ROWS = 128
+FRAME_COLS = {"stats": 128, "forward": 128, "backward_rowsum": 128, "backward": 64}  # layers without convolutions
+FRAME_COLS_CONV = 64  # every pass of a layer with a key-query convolution
 # Frame rows per head-mixing slab: SR x ec cells x all heads per (cells, heads) x (heads,
 # heads) tensor-core product; the interpreter takes whole frames (fewest interpreted ops).
 SLAB_ROWS_GPU = 4
@@ -144,7 +162,7 @@ def frame(pass_: str, pre: Optional[tuple[int, int]], post: Optional[tuple[int, 
                 f"MTA_TRITON_FRAME={er}x{ec} leaves no owned block: the halo needs "
                 f"{hl.top + hl.bot + 1}x{hl.left + hl.right + 1} at least")
     else:
-        er, ec = FRAME_ROWS, FRAME_COLS
+        er, ec = FRAME_ROWS, (FRAME_COLS[pass_] if pre is None and post is None else FRAME_COLS_CONV)
         # at least half of the frame owned in each direction
         while 2 * (hl.top + hl.bot) > er:
             er *= 2
@@ -180,19 +198,25 @@ def key_blocks(f: Frame, t: int, tq: int, tk: int, q_offset: int = 0) -> int:
 
 @dataclass(frozen=True)
 class Schedule:
-    items: list  # (b, t, kb_first, kb_last, slot), longest first
+    items: list  # (b, t, kb_first, kb_last, slot), grouped by program: program p runs items[starts[p]:starts[p+1]]
     n_rt: int  # row blocks
     s_max: int  # key splits of the longest row block (slots per row block)
+    starts: tuple = ()  # n_prog + 1 offsets into items
+
+    def programs(self) -> list:
+        """The tile counts of each program's items, in order (the roofline's schedule)."""
+        return [[c1 - c0 for _, _, c0, c1, _ in self.items[a:b]] for a, b in zip(self.starts, self.starts[1:])]
 
 
 def items(f: Frame, batch: int, tq: int, tk: int, q_offset: int, n_prog: int) -> Schedule:
     """Work items of a pass: every (batch, row block) with its key blocks split into near-equal
     ranges of at most ``tau`` tiles, tau chosen so that the persistent grid of ``n_prog``
-    programs gets about two items each; sorted longest first (stable: batch, row block)."""
+    programs gets about ``items_per_program()`` items each; assigned to the programs longest
+    first, each to the least loaded one."""
     n_rt = -(-tq // f.bmo)
     per_row = [key_blocks(f, t, tq, tk, q_offset) for t in range(n_rt)]
     total = batch * sum(per_row)
-    tau = max(1, -(-total // max(1, 2 * n_prog)))
+    tau = max(1, -(-total // max(1, items_per_program() * n_prog)))
     s_max = max(1, max(-(-n // tau) for n in per_row) if per_row else 1)
     out = []
     for b in range(batch):
@@ -203,7 +227,19 @@ def items(f: Frame, batch: int, tq: int, tk: int, q_offset: int, n_prog: int) ->
                 if bounds[s + 1] > bounds[s]:
                     out.append((b, t, bounds[s], bounds[s + 1], (b * n_rt + t) * s_max + s))
     out.sort(key=lambda it: -(it[3] - it[2]))
-    return Schedule(out, n_rt, s_max)
+    # longest processing time first: each item to the least loaded program (a heap), so the
+    # persistent programs finish together (round-robin left ~20-30% imbalance at 2 items each)
+    n = max(1, min(n_prog, len(out)))
+    heap = [(0, p) for p in range(n)]
+    per_prog: list = [[] for _ in range(n)]
+    for it in out:
+        load, p = heapq.heappop(heap)
+        per_prog[p].append(it)
+        heapq.heappush(heap, (load + it[3] - it[2], p))
+    starts = [0]
+    for lst in per_prog:
+        starts.append(starts[-1] + len(lst))
+    return Schedule([it for lst in per_prog for it in lst], n_rt, s_max, tuple(starts))
 
 
 def cells_visited(f: Frame, tq: int, tk: int, q_offset: int = 0) -> int:
