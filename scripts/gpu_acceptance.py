@@ -132,6 +132,31 @@ def kq_backend(name: str):
                 os.environ["MTA_KQ_CONV"] = old
 
 
+# The fused kernel's autotune space on a GPU (docs/triton_kernel.md, "Knobs"): the frame of
+# every pass and the work items per program, each timed under its environment variable; the
+# pick reports the fastest as the environment to train with. The static estimate chose the
+# defaults (the empty setting); only a GPU can tell.
+TRITON_KNOBS = ("", "MTA_TRITON_FRAME=128x64", "MTA_TRITON_FRAME=128x128", "MTA_TRITON_ITEMS_PER_PROGRAM=2",
+                "MTA_TRITON_ITEMS_PER_PROGRAM=8")
+
+
+@contextlib.contextmanager
+def knob_env(knob: str):
+    """Set one ``NAME=value`` knob (nothing for "") while a timing runs, forward and backward."""
+    name, _, value = knob.partition("=")
+    old = os.environ.get(name) if name else None
+    if name:
+        os.environ[name] = value
+    try:
+        yield
+    finally:
+        if name:
+            if old is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = old
+
+
 def parity(dev, s, impls, dtypes) -> list[dict]:
     from mta_repro.model import attention_ops
 
@@ -191,7 +216,7 @@ def _sync(dev):
         torch.cuda.synchronize(dev)
 
 
-def time_layer(dev, s, layer, impl, B, T, block, dtype) -> dict:
+def time_layer(dev, s, layer, impl, B, T, block, dtype, knob: str = "") -> dict:
     H, D = s["heads"], s["head_dim"]
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(B, H, T, D, generator=g).to(dev, dtype).requires_grad_() for _ in range(3))
@@ -204,9 +229,9 @@ def time_layer(dev, s, layer, impl, B, T, block, dtype) -> dict:
                 getattr(p, f).requires_grad_()
         fwd = lambda: call_impl(impl, q, k, v, p, True)  # noqa: E731
     row = {"layer": layer if impl != "sdpa" else "sdpa", "impl": impl, "B": B, "T": T,
-           "block_size": block if impl.startswith("blocked") else None}
+           "block_size": block if impl.startswith("blocked") else None, "knob": knob}
     try:
-        with kq_backend(impl):
+        with kq_backend(impl), knob_env(knob):
             return _time(dev, s, fwd, row)
     except torch.OutOfMemoryError:
         return {**row, "status": "oom"}
@@ -244,12 +269,13 @@ def layers(dev, s, impls, dtype) -> list[dict]:
                 blocks = s["blocks"] if impl.startswith("blocked") else [None]
                 if impl == "blocked+conv2d":
                     blocks = blocks[:1] if dev.type == "cuda" else blocks[:1]  # the comparison, not a sweep
-                for bs in blocks:
-                    r = time_layer(dev, s, layer, impl, B, T, bs or 128, dtype)
+                knobs = TRITON_KNOBS if impl == "triton" and dev.type == "cuda" else ("",)
+                for bs, knob in ((b_, k_) for b_ in blocks for k_ in knobs):
+                    r = time_layer(dev, s, layer, impl, B, T, bs or 128, dtype, knob)
                     if r["status"] == "ok" and base.get("s"):
                         r["x_sdpa"] = r["s"] / base["s"]
                     rows.append(r)
-                    print(f"  layer {layer:8s} {impl:15s} B={B} T={T} block={bs} {r['status']} "
+                    print(f"  layer {layer:8s} {impl:15s} B={B} T={T} block={bs} {knob} {r['status']} "
                           + (f"{r['s']:.4f} s ({r.get('x_sdpa', 0):.1f}x SDPA)" if r["status"] == "ok" else ""),
                           flush=True)
         if dev.type == "cuda":
@@ -266,28 +292,28 @@ def pick(parity_rows, layer_rows, dtype_name) -> dict:
     for r in layer_rows:
         if r["status"] != "ok" or r["impl"] == "sdpa" or (r["layer"], r["impl"]) not in passed:
             continue
-        key = (r["layer"], r["impl"], r["block_size"])
+        key = (r["layer"], r["impl"], r["block_size"], r.get("knob", ""))
         totals.setdefault(key, []).append(r["s"])
-    for (layer, impl, bs), ts in totals.items():
+    for (layer, impl, bs, knob), ts in totals.items():
         if len(ts) < shapes_n:
             continue  # failed (OOM) at some shape
         if layer not in best or sum(ts) < best[layer]["s_total"]:
-            best[layer] = {"impl": impl, "block_size": bs, "s_total": sum(ts)}
+            best[layer] = {"impl": impl, "block_size": bs, "knob": knob, "s_total": sum(ts)}
     # One model-wide choice (model.attn_impl is per model): 6 kq_conv + 18 mixing layers.
     weight = {"kq_conv": 6, "mixing": 18}
     model_cost: dict = {}
-    for (layer, impl, bs), ts in totals.items():
+    for (layer, impl, bs, knob), ts in totals.items():
         if len(ts) == shapes_n:
-            model_cost.setdefault((impl, bs), {})[layer] = sum(ts)
+            model_cost.setdefault((impl, bs, knob), {})[layer] = sum(ts)
     whole = [(sum(weight[l] * t for l, t in c.items()), k) for k, c in model_cost.items() if len(c) == len(LAYERS)]
     out = {"per_layer": best}
     if whole:
-        cost, (impl, bs) = min(whole)
+        cost, (impl, bs, knob) = min(whole)
         base = impl.partition("+")[0]
         ov = [f"model.attn_impl={base}"] + ([f"model.attn_block_size={bs}"] if bs else [])
-        env = "MTA_KQ_CONV=conv2d " if impl.endswith("+conv2d") else ""
-        out.update(model={"impl": impl, "block_size": bs, "attention_s_per_step_estimate": cost},
-                   override=" ".join(ov), env=env.strip())
+        env = " ".join(x for x in ("MTA_KQ_CONV=conv2d" if impl.endswith("+conv2d") else "", knob) if x)
+        out.update(model={"impl": impl, "block_size": bs, "knob": knob, "attention_s_per_step_estimate": cost},
+                   override=" ".join(ov), env=env)
         print(f"  pick: {env}{' '.join(ov)}", flush=True)
     return out
 
@@ -490,16 +516,18 @@ def markdown(res: dict) -> str:
     for r in res["parity"]:
         L.append(f"| {r['layer']} | {r['impl']} | {r['dtype']} | {r.get('out_err', float('nan')):.1e} | "
                  f"{r.get('grad_err', float('nan')):.1e} | {r['torch_err'][0]:.1e} / {r['torch_err'][1]:.1e} | {r['status']} |")
-    L += ["", "## One layer, fwd+bwd", "", "| layer | impl | block | B x T | s | x SDPA | peak alloc GB |", "|---|---|---|---|---|---|---|"]
+    L += ["", "## One layer, fwd+bwd", "", "| layer | impl | block / knob | B x T | s | x SDPA | peak alloc GB |",
+          "|---|---|---|---|---|---|---|"]
     for r in res["layers"]:
         s = f"{r['s']:.4f}" if r.get("s") is not None else r["status"]
         pk = f"{r['peak_alloc_gb']:.2f}" if r.get("peak_alloc_gb") is not None else "-"
-        L.append(f"| {r['layer']} | {r['impl']} | {r['block_size'] or '-'} | {r['B']} x {r['T']} | {s} | "
+        L.append(f"| {r['layer']} | {r['impl']} | {r['block_size'] or r.get('knob') or '-'} | {r['B']} x {r['T']} | {s} | "
                  f"{r.get('x_sdpa', 1.0 if r['impl'] == 'sdpa' else float('nan')):.1f} | {pk} |")
     pk = res["pick"]
     L += ["", "## Pick", "", f"Override for an 880M MTA model: `{pk.get('env', '')} {pk.get('override', '(none passed)')}`".replace("` ", "`"), ""]
     for layer, b in pk.get("per_layer", {}).items():
-        L.append(f"- {layer}: {b['impl']} (block {b['block_size']}), {b['s_total']:.4f} s summed over shapes")
+        L.append(f"- {layer}: {b['impl']} (block {b['block_size']}{', ' + b['knob'] if b.get('knob') else ''}), "
+                 f"{b['s_total']:.4f} s summed over shapes")
     L += ["", "## Step (tokens/s)", "", "| variant | compile | layers | B x T | impl | tok/s | first step s | peak reserved GB |",
           "|---|---|---|---|---|---|---|---|"]
     for r in res["step"]["rows"]:

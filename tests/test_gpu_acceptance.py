@@ -37,3 +37,42 @@ def test_quick_cpu_run_writes_every_section(tmp_path):
     assert res["resume"]["ok"] and res["resume"]["max_rel_diff"] == 0.0  # CPU: bitwise
     text = md.read_text()
     assert "## Table 9" in text and "| Transformer |" in text and "| MTA |" in text
+
+
+def _acceptance_module():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("gpu_acceptance", ROOT / "scripts" / "gpu_acceptance.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_the_pick_reports_the_fastest_triton_knob_as_the_environment(monkeypatch):
+    """On a GPU the fused kernel is timed under each setting of TRITON_KNOBS; the pick weighs
+    the layers as the 880M model has them (6 kq-conv, 18 mixing) and returns the fastest
+    whole-model choice with its knob as the environment to train with."""
+    ga = _acceptance_module()
+    parity = [{"layer": layer, "impl": impl, "dtype": "bfloat16", "status": "ok"}
+              for layer in ("kq_conv", "mixing") for impl in ("triton", "blocked")]
+    t = {("kq_conv", ""): 10.0, ("mixing", ""): 2.0, ("kq_conv", "MTA_TRITON_FRAME=128x128"): 8.0,
+         ("mixing", "MTA_TRITON_FRAME=128x128"): 2.5, ("kq_conv", "MTA_TRITON_ITEMS_PER_PROGRAM=8"): 9.0,
+         ("mixing", "MTA_TRITON_ITEMS_PER_PROGRAM=8"): 1.9}
+    rows = [{"layer": layer, "impl": "triton", "B": 1, "T": 64, "block_size": None, "knob": knob, "status": "ok", "s": s}
+            for (layer, knob), s in t.items()]
+    rows += [{"layer": layer, "impl": "blocked", "B": 1, "T": 64, "block_size": 128, "knob": "", "status": "ok", "s": 99.0}
+             for layer in ("kq_conv", "mixing")]
+    pick = ga.pick(parity, rows, "bfloat16")
+    cost = {knob: 6 * t[("kq_conv", knob)] + 18 * t[("mixing", knob)] for knob in {k for _, k in t}}
+    best = min(cost, key=cost.get)  # an independent argmin of the weighted sums
+    assert pick["model"]["impl"] == "triton" and pick["model"]["knob"] == best == "MTA_TRITON_ITEMS_PER_PROGRAM=8"
+    assert pick["env"] == best and pick["override"] == "model.attn_impl=triton"
+    assert pick["per_layer"]["kq_conv"]["knob"] == "MTA_TRITON_FRAME=128x128"  # per layer, its own fastest
+    monkeypatch.setenv("MTA_TRITON_FRAME", "64x64")
+    with ga.knob_env("MTA_TRITON_FRAME=128x128"):
+        assert os.environ["MTA_TRITON_FRAME"] == "128x128"
+    assert os.environ["MTA_TRITON_FRAME"] == "64x64"
+    monkeypatch.delenv("MTA_TRITON_ITEMS_PER_PROGRAM", raising=False)
+    with ga.knob_env("MTA_TRITON_ITEMS_PER_PROGRAM=2"):
+        assert os.environ["MTA_TRITON_ITEMS_PER_PROGRAM"] == "2"
+    assert "MTA_TRITON_ITEMS_PER_PROGRAM" not in os.environ
