@@ -135,7 +135,8 @@ def kq_backend(name: str):
 # The fused kernel's autotune space on a GPU (docs/triton_kernel.md, "Knobs"): the frame of
 # every pass and the work items per program, each timed under its environment variable; the
 # pick reports the fastest as the environment to train with. The static estimate chose the
-# defaults (the empty setting); only a GPU can tell.
+# defaults (the empty setting); only a GPU can tell. Opt-in (--sweep-triton): each setting is a
+# first compile of every pass, and the acceptance run itself should fit one 10-minute call.
 TRITON_KNOBS = ("", "MTA_TRITON_FRAME=128x64", "MTA_TRITON_FRAME=128x128", "MTA_TRITON_ITEMS_PER_PROGRAM=2",
                 "MTA_TRITON_ITEMS_PER_PROGRAM=8")
 
@@ -259,7 +260,7 @@ def _time(dev, s, fwd, row) -> dict:
     return {**row, "status": "ok", "s": statistics.median(times), "s_all": times, "peak_alloc_gb": peak}
 
 
-def layers(dev, s, impls, dtype) -> list[dict]:
+def layers(dev, s, impls, dtype, sweep_triton: bool = False) -> list[dict]:
     rows = []
     for B, T in s["layer_shapes"]:
         base = time_layer(dev, s, "sdpa", "sdpa", B, T, 0, dtype)
@@ -269,7 +270,7 @@ def layers(dev, s, impls, dtype) -> list[dict]:
                 blocks = s["blocks"] if impl.startswith("blocked") else [None]
                 if impl == "blocked+conv2d":
                     blocks = blocks[:1] if dev.type == "cuda" else blocks[:1]  # the comparison, not a sweep
-                knobs = TRITON_KNOBS if impl == "triton" and dev.type == "cuda" else ("",)
+                knobs = TRITON_KNOBS if impl == "triton" and dev.type == "cuda" and sweep_triton else ("",)
                 for bs, knob in ((b_, k_) for b_ in blocks for k_ in knobs):
                     r = time_layer(dev, s, layer, impl, B, T, bs or 128, dtype, knob)
                     if r["status"] == "ok" and base.get("s"):
@@ -576,6 +577,9 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true", help="toy shapes (CI); the same code path")
     ap.add_argument("--out", default="results/gpu")
     ap.add_argument("--skip", default="", help="comma list of implementations to leave out (e.g. triton)")
+    ap.add_argument("--sweep-triton", action="store_true",
+                    help="also time the fused kernel under each setting of TRITON_KNOBS (CUDA; ~20 more layer "
+                         "timings, each a first compile: several minutes)")
     ap.add_argument("--compile", default=None, choices=["off", "on", "both"],
                     help="step section: torch.compile off, on or both (default: both; --quick: off)")
     ap.add_argument("--sections", default="parity,layers,step,memory,resume",
@@ -608,7 +612,8 @@ def main(argv=None) -> int:
     print("parity", flush=True)
     res["parity"] = parity(dev, s, impls, dtypes) if "parity" in sections else []
     print("layers", flush=True)
-    res["layers"] = layers(dev, s, ["torch", *impls], torch.bfloat16) if "layers" in sections else []
+    res["layers"] = (layers(dev, s, ["torch", *impls], torch.bfloat16, a.sweep_triton) if "layers" in sections
+                     else [])
     res["pick"] = pick(res["parity"], res["layers"], "bfloat16")
     print("step", flush=True)
     res["step"] = step_section(dev, s, res["pick"], compile_modes, torch.bfloat16) if "step" in sections else \
