@@ -281,6 +281,22 @@ def _grad_pair(g, xd, yd, xo_ptr, yo_ptr, bh, row0, col0, u, w, xo_base, own_u, 
 
 
 @triton.jit
+def _slab_cells(r0, row0, col0, b, kv_ptr, Tq, Tk, q_off, HAS_KV: tl.constexpr, ER: tl.constexpr, EC: tl.constexpr,
+                TOP: tl.constexpr, LEFT: tl.constexpr, BMO: tl.constexpr, BNO: tl.constexpr, SR: tl.constexpr):
+    """The cells of the slab of SR frame rows from r0: frame rows cu and columns cw, query and
+    key indices ci and cj, which interact (ok), which are owned and interact (own), and the
+    slab's query rows."""
+    cell = tl.arange(0, SR * EC)
+    cu = r0 + cell // EC
+    cw = cell % EC
+    ci = row0 + cu
+    cj = col0 + cw
+    ok = _allowed(ci, cj, b, kv_ptr, Tq, Tk, q_off, HAS_KV)
+    own = (cu >= TOP) & (cu < TOP + BMO) & (cw >= LEFT) & (cw < LEFT + BNO) & ok
+    return cu, cw, ci, cj, ok, own, row0 + r0 + tl.arange(0, SR)
+
+
+@triton.jit
 def _slab(plane_base, cu, cw, hh, H: tl.constexpr, ER: tl.constexpr, EC: tl.constexpr, MMA: tl.constexpr):
     """(cells, HP) slab of a scratch slot: cells at frame rows cu, columns cw, all heads."""
     return tl.load(plane_base + (hh[None, :] * ER + cu[:, None]) * EC + cw[:, None], mask=(hh < H)[None, :],
@@ -377,7 +393,6 @@ def _mta_kernel(
         w2 = w2t
     dw1 = tl.zeros([HP, HP], ACC)
     dw2 = tl.zeros([HP, HP], ACC)
-    cell = tl.arange(0, SR * EC)
 
     for it in tl.range(tl.load(starts_ptr + pid), tl.load(starts_ptr + pid + 1), num_stages=1):  # this program's items
         b = tl.load(items_ptr + it * 5)
@@ -417,13 +432,8 @@ def _mta_kernel(
 
             # ---- M1: slabs of all heads: mixing, softmax, (no post conv: the rest of the chain)
             for r0 in tl.range(0, ER, SR, num_stages=1):
-                cu = r0 + cell // EC
-                cw = cell % EC
-                ci = row0 + cu
-                cj = col0 + cw
-                ok = _allowed(ci, cj, b, kv_ptr, Tq, Tk, q_off, HAS_KV)
-                own = (cu >= TOP) & (cu < TOP + BMO) & (cw >= LEFT) & (cw < LEFT + BNO) & ok
-                i_rows = row0 + r0 + tl.arange(0, SR)
+                cu, cw, ci, cj, ok, own, i_rows = _slab_cells(r0, row0, col0, b, kv_ptr, Tq, Tk, q_off, HAS_KV, ER, EC,
+                                                              TOP, LEFT, BMO, BNO, SR)
                 xc = _slab(scr + S_C * SLOT, cu, cw, hh, H, ER, EC, MMA)
                 z = _mix(xc, w1t, HAS_W1, PREC, ACC)
                 if MODE == _STATS:
@@ -503,13 +513,8 @@ def _mta_kernel(
                 tl.debug_barrier()
                 # ---- M2: slabs again: the post-softmax mixing / the softmax backward
                 for r0 in tl.range(0, ER, SR, num_stages=1):
-                    cu = r0 + cell // EC
-                    cw = cell % EC
-                    ci = row0 + cu
-                    cj = col0 + cw
-                    ok = _allowed(ci, cj, b, kv_ptr, Tq, Tk, q_off, HAS_KV)
-                    own = (cu >= TOP) & (cu < TOP + BMO) & (cw >= LEFT) & (cw < LEFT + BNO) & ok
-                    i_rows = row0 + r0 + tl.arange(0, SR)
+                    cu, cw, ci, cj, ok, own, i_rows = _slab_cells(r0, row0, col0, b, kv_ptr, Tq, Tk, q_off, HAS_KV, ER,
+                                                                  EC, TOP, LEFT, BMO, BNO, SR)
                     if DROP:
                         keep = _keep(seed, b, ci, cj, hh, Tq, Tk, p_drop, H)
                     if MODE == _FWD:
