@@ -11,9 +11,11 @@ key-query convolution is computed as a GEMM that needs no halo, so only the post
 convolution (forward) and the adjoints (backward) widen frames.
 
 Work items are (batch, row block, range of key blocks): long rows are split so that every
-item holds about the same number of tiles and the persistent grid starts the longest items
-first (``items``); each item owns a slot of the per-item partial buffers, reduced by torch
-after the launch (deterministic: fixed order, no atomics on O, dq or the statistics).
+item holds about the same number of tiles, and the items are assigned longest first to the
+least loaded program of the persistent grid (``items``); each item owns a slot of the
+per-item partial buffers, which only its program adds into, and torch reduces the slots in
+a fixed order after the launch (deterministic: no sum over programs for O, dq or the row
+statistics; only dk and dv take atomics from several programs).
 """
 
 from __future__ import annotations
@@ -44,6 +46,8 @@ def items_per_program() -> int:
     if not env.isdigit() or int(env) < 1:
         raise UserError(f"MTA_TRITON_ITEMS_PER_PROGRAM={env!r}: expected a positive integer")
     return int(env)
+
+
 # Default frames (a halo too wide for one doubles an edge): 128 rows, with 8 warps each of the
 # two warpgroups owns 64 rows of a product (wgmma m64), so products, loads and stores share a
 # layout (64-row frames split N between them and convert layouts at almost every hand-off);
@@ -60,11 +64,10 @@ SLAB_ROWS_GPU = 4
 
 def launch_config(pass_: str, pre: Optional[tuple[int, int]], post: Optional[tuple[int, int]]) -> tuple[int, int]:
     """(num_warps, num_stages) of a pass on a GPU: the one source for the launcher and
-    scripts/compile_triton.py. 8 warps: two warpgroups, so a 64-row frame's products are
-    wgmma m64 tiles with N split between them. num_stages=2: the per-head loops that read
-    only the inputs prefetch the next head's operands (cp.async); every loop that reads
-    scratch written in the same tile says ``num_stages=1`` itself and is ordered by the
-    barriers between phases."""
+    scripts/compile_triton.py. 8 warps: two warpgroups, each owning 64 rows of a 128-row
+    frame's products (wgmma m64). num_stages=2: the loops over row shifts and feature parts
+    double-buffer their TMA tiles of the inputs; every loop that reads scratch written in the
+    same tile says ``num_stages=1`` itself and is ordered by the barriers between phases."""
     if pass_ not in PASSES:
         raise ValueError(f"unknown pass {pass_!r}; expected one of {PASSES}")
     return 8, 2
