@@ -69,6 +69,47 @@ def test_ttgir_counts_are_loop_weighted_and_split_by_unit():
         roofline.count_ttgir(TTGIR.replace("%c4_i32 step", "%m step"))
 
 
+# The Hopper forms the shipped kernel compiles to (lines as the compiler prints them, loc
+# dropped), inside one constant loop of 2: a TMA box copy, a warpgroup dot reading both
+# operands from shared memory, a layout conversion and a gather (through shared memory),
+# a select (ALU) and a row reduction whose types sit on its closing line.
+TTGIR_SM90 = textwrap.dedent("""\
+    #mma = #ttg.nvidia_mma<{versionMajor = 3, versionMinor = 0, warpsPerCTA = [4, 1], instrShape = [16, 64, 16]}>
+    module attributes {"ttg.num-warps" = 4 : i32} {
+      tt.func public @k(%qd: !tt.tensordesc<1x128x32xbf16, #shared>) attributes {noinline = false} {
+        %c0_i32 = arith.constant 0 : i32
+        %c1_i32 = arith.constant 1 : i32
+        %c2_i32 = arith.constant 2 : i32
+        scf.for %i = %c0_i32 to %c2_i32 step %c1_i32  : i32 {
+          ttng.async_tma_copy_global_to_local %qd[%a, %b, %c0_i32] %buf, %bar, %true : !tt.tensordesc<1x128x32xbf16, #shared>, !ttg.memdesc<1xi64, #shared4, #smem, mutable> -> !ttg.memdesc<128x32xbf16, #shared3, #smem, mutable>
+          %acc = ttng.warp_group_dot %x, %y, %cst {inputPrecision = 0 : i32, isAsync = true} : !ttg.memdesc<128x32xbf16, #shared2, #smem> * !ttg.memdesc<32x64xbf16, #shared3, #smem> -> tensor<128x64xf32, #mma>
+          %cv = ttg.convert_layout %acc : tensor<128x64xf32, #mma> -> tensor<128x64xf32, #blocked>
+          %g = tt.gather %cv[%idx] {axis = 0 : i32, efficient_layout} : (tensor<128x64xf32, #blocked>, tensor<16x64xi32, #blocked>) -> tensor<16x64xf32, #blocked>
+          %sel = arith.select %m, %acc, %cst : tensor<128x64xi1, #mma>, tensor<128x64xf32, #mma>
+          %red = "tt.reduce"(%sel) <{axis = 1 : i32}> ({
+          ^bb0(%q: f32, %w: f32):
+            %z = arith.maxnumf %q, %w : f32
+            tt.reduce.return %z : f32
+          }) : (tensor<128x64xf32, #mma>) -> tensor<128xf32, #ttg.slice<{dim = 1, parent = #mma}>>
+        }
+        tt.return
+      }
+    }
+    """)
+
+
+def test_hopper_forms_are_counted_on_their_units():
+    c = roofline.count_ttgir(TTGIR_SM90)
+    prog = c.levels[0]
+    assert prog["global_bytes"] == 2 * 128 * 32 * 2  # the TMA box, twice
+    assert prog["wgmma_macs"] == 2 * 128 * 32 * 64
+    # shared: the dot's two operands, the conversion's and the gather's store + load
+    assert prog["shared_bytes"] == 2 * ((128 * 32 + 32 * 64) * 2 + 2 * 128 * 64 * 4 + 2 * 16 * 64 * 4)
+    # ALU: the select and the reduction, one op per element each (scalar ops in the
+    # reduction's body are not counted again)
+    assert prog["alu"] == 2 * (128 * 64 + 128 * 64)
+
+
 def test_estimate_arithmetic_on_a_hand_case():
     gpu = roofline.GPU(sms=2, clock_hz=1e9, wgmma_bf16=300.0, mma_sync_fraction=0.5, fma_fp32=10.0, sfu=1.0,
                        lsu_bytes=100.0, hbm_bytes_s=1e9, barrier_global_cycles=7.0, barrier_shared_cycles=3.0,

@@ -149,6 +149,13 @@ def count_ttgir(ttgir: str) -> Counts:
         if t.startswith("}"):
             if stack:
                 stack.pop()
+            if t.startswith("}) : (tensor<"):
+                # a region op's closing line carries its types: ``tt.reduce`` (its combine
+                # body holds only scalar ops) costs one ALU op per input element
+                level, mult = weight()
+                tt_ = _tensor(t.split(": (", 1)[1])
+                if tt_:
+                    c.add(level, "alu", tt_[0], mult)
             if t.endswith("{"):
                 stack.append(("other", None))
             continue
@@ -180,10 +187,6 @@ def count_ttgir(ttgir: str) -> Counts:
             c.add(level, "sfu", tt_[0] if tt_ else 1, mult)
         elif re.search(r"= (arith|math)\.\w+ ", t) and "arith.constant" not in t:
             tt_ = _tensor(t.split(" : ")[-1])  # every other elementwise op on a tensor: masks, selects, casts
-            if tt_:
-                c.add(level, "alu", tt_[0], mult)
-        elif '"tt.reduce"' in t:
-            tt_ = _tensor(t.split(": (")[-1]) if ": (" in t else None
             if tt_:
                 c.add(level, "alu", tt_[0], mult)
         elif re.search(r"= (tt\.gather|ttg\.convert_layout) ", t):
