@@ -185,14 +185,44 @@ def _plane_load(plane, u0, w0, R: tl.constexpr, C: tl.constexpr, ER: tl.constexp
 
 
 @triton.jit
+def _window(plane, du, OFF: tl.constexpr, ER: tl.constexpr, EC: tl.constexpr, HW: tl.constexpr, MMA: tl.constexpr):
+    """A convolution's input at row shift du: the plane's window of columns [-OFF, EC - OFF)
+    (ER, EC) and its halo [EC - OFF, EC + HW - OFF) (ER, HW)."""
+    return (_plane_load(plane, du, -OFF, ER, EC, ER, EC, MMA), _plane_load(plane, du, EC - OFF, ER, HW, ER, EC, MMA))
+
+
+@triton.jit
+def _toeplitz_step(acc, x, xh, tm, th, tb, EC: tl.constexpr, MMA: tl.constexpr, ACC: tl.constexpr,
+                   PREC: tl.constexpr):
+    """acc += one row shift's window and halo times its Toeplitz matrix (rows tb of the table:
+    tm the main (EC, EC) block, th the (HW, EC) halo block): two tensor-core products."""
+    acc = tl.dot(x, tm.load([tb, 0]).to(MMA), acc, input_precision=PREC, out_dtype=ACC)
+    return tl.dot(xh, th.load([tb + EC, 0]).to(MMA), acc, input_precision=PREC, out_dtype=ACC)
+
+
+@triton.jit
+def _add_taps(x, xh, gm, ptr, CK: tl.constexpr, CKP: tl.constexpr, EC: tl.constexpr, HW: tl.constexpr,
+              ACC: tl.constexpr, PREC: tl.constexpr):
+    """ptr[b] += tap b of one kernel row's gradient, b < CK: the window^T G products ((EC + HW)
+    x EC, G = gm the output gradient) hold tap b on their diagonal b, summed by a gather (skew)
+    and a row sum, once per tile and row shift (not per tap)."""
+    r = tl.arange(0, CKP)
+    sk = r[:, None] + tl.arange(0, EC)[None, :]  # (CKP, EC): row n + b of the stacked product
+    mm = tl.dot(tl.trans(x), gm, input_precision=PREC, out_dtype=ACC)  # (EC, EC)
+    mh = tl.dot(tl.trans(xh), gm, input_precision=PREC, out_dtype=ACC)  # (HW, EC)
+    taps = tl.sum(tl.where(sk < EC, tl.gather(mm, tl.minimum(sk, EC - 1), 0), 0.0), 1)
+    taps += tl.sum(tl.where((sk >= EC) & (sk < EC + HW),
+                            tl.gather(mh, tl.minimum(tl.maximum(sk - EC, 0), HW - 1), 0), 0.0), 1)
+    tl.store(ptr + r, tl.load(ptr + r, mask=r < CK, other=0.0) + taps, mask=r < CK)
+
+
+@triton.jit
 def _conv(plane, tm, th, t0, CQ: tl.constexpr, OFF: tl.constexpr, ADJ: tl.constexpr, ER: tl.constexpr,
           EC: tl.constexpr, HW: tl.constexpr, MMA: tl.constexpr, ACC: tl.constexpr, PREC: tl.constexpr):
     """(ER, EC) key-query convolution (ADJ: its adjoint) of one head's scratch plane: for each
-    row shift rho (back for the convolution, forward for the adjoint), the plane's window of
-    columns [-OFF, EC - OFF) and its HW-column halo [EC - OFF, EC + HW - OFF), times that
+    row shift rho (back for the convolution, forward for the adjoint), its window times that
     shift's Toeplitz matrix (rows t0 + rho * (EC + HW) of the (HP * CQ * (EC + HW), EC) table,
-    read through its descriptors: tm the main (EC, EC) block, th the (HW, EC) halo block), two
-    tensor-core products per shift."""
+    read through its descriptors tm and th)."""
     acc = tl.zeros([ER, EC], ACC)
     # a runtime loop: one set of operand buffers (an unrolled loop would hold all shifts')
     for rho in tl.range(0, CQ):
@@ -200,38 +230,8 @@ def _conv(plane, tm, th, t0, CQ: tl.constexpr, OFF: tl.constexpr, ADJ: tl.conste
             du = rho
         else:
             du = -rho
-        x = _plane_load(plane, du, -OFF, ER, EC, ER, EC, MMA)
-        xh = _plane_load(plane, du, EC - OFF, ER, HW, ER, EC, MMA)
-        tb = t0 + rho * (EC + HW)
-        acc = tl.dot(x, tm.load([tb, 0]).to(MMA), acc, input_precision=PREC, out_dtype=ACC)
-        acc = tl.dot(xh, th.load([tb + EC, 0]).to(MMA), acc, input_precision=PREC, out_dtype=ACC)
-    return acc
-
-
-@triton.jit
-def _conv_and_weight_grad(plane, tm, th, t0, g, part, OFF: tl.constexpr, CQ: tl.constexpr, CK: tl.constexpr,
-                          CKP: tl.constexpr, ER: tl.constexpr, EC: tl.constexpr, HW: tl.constexpr, MMA: tl.constexpr,
-                          ACC: tl.constexpr, PREC: tl.constexpr):
-    """``_conv`` (forward) of the plane and ``_conv_weight_grad`` with gradient g, from the same
-    input windows (each loaded once for both)."""
-    acc = tl.zeros([ER, EC], ACC)
-    n = tl.arange(0, EC)
-    r = tl.arange(0, CKP)
-    sk = r[:, None] + n[None, :]
-    gm = g.to(MMA)
-    for rho in tl.range(0, CQ):
-        x = _plane_load(plane, -rho, -OFF, ER, EC, ER, EC, MMA)
-        xh = _plane_load(plane, -rho, EC - OFF, ER, HW, ER, EC, MMA)
-        tb = t0 + rho * (EC + HW)
-        acc = tl.dot(x, tm.load([tb, 0]).to(MMA), acc, input_precision=PREC, out_dtype=ACC)
-        acc = tl.dot(xh, th.load([tb + EC, 0]).to(MMA), acc, input_precision=PREC, out_dtype=ACC)
-        mm = tl.dot(tl.trans(x), gm, input_precision=PREC, out_dtype=ACC)
-        mhh = tl.dot(tl.trans(xh), gm, input_precision=PREC, out_dtype=ACC)
-        taps = tl.sum(tl.where(sk < EC, tl.gather(mm, tl.minimum(sk, EC - 1), 0), 0.0), 1)
-        taps += tl.sum(tl.where((sk >= EC) & (sk < EC + HW),
-                                tl.gather(mhh, tl.minimum(tl.maximum(sk - EC, 0), HW - 1), 0), 0.0), 1)
-        ptr = part + (CQ - 1 - rho) * CK + r
-        tl.store(ptr, tl.load(ptr, mask=r < CK, other=0.0) + taps, mask=r < CK)
+        x, xh = _window(plane, du, OFF, ER, EC, HW, MMA)
+        acc = _toeplitz_step(acc, x, xh, tm, th, t0 + rho * (EC + HW), EC, MMA, ACC, PREC)
     return acc
 
 
@@ -241,22 +241,26 @@ def _conv_weight_grad(xplane, g, part, OFF: tl.constexpr, CQ: tl.constexpr, CK: 
                       PREC: tl.constexpr):
     """part[a, b] += sum over cells (u, w) of G[u, w] X[u - rho, w + b - OFF], a = CQ-1-rho:
     G (ER, EC) is this head's output gradient, already zero outside the owned cells; X the
-    convolution's input plane. Per row shift, the window^T G products ((EC + HW) x EC) hold
-    tap b on their diagonal b: a gather (skew) and a row sum, once per tile."""
-    r = tl.arange(0, CKP)
-    n = tl.arange(0, EC)
-    sk = r[:, None] + n[None, :]  # (CKP, EC): row n + b of the stacked product
+    convolution's input plane."""
     gm = g.to(MMA)
     for rho in tl.range(0, CQ):
-        x = _plane_load(xplane, -rho, -OFF, ER, EC, ER, EC, MMA)
-        xh = _plane_load(xplane, -rho, EC - OFF, ER, HW, ER, EC, MMA)
-        mm = tl.dot(tl.trans(x), gm, input_precision=PREC, out_dtype=ACC)  # (EC, EC)
-        mh = tl.dot(tl.trans(xh), gm, input_precision=PREC, out_dtype=ACC)  # (HW, EC)
-        taps = tl.sum(tl.where(sk < EC, tl.gather(mm, tl.minimum(sk, EC - 1), 0), 0.0), 1)
-        taps += tl.sum(tl.where((sk >= EC) & (sk < EC + HW),
-                                tl.gather(mh, tl.minimum(tl.maximum(sk - EC, 0), HW - 1), 0), 0.0), 1)
-        ptr = part + (CQ - 1 - rho) * CK + r
-        tl.store(ptr, tl.load(ptr, mask=r < CK, other=0.0) + taps, mask=r < CK)
+        x, xh = _window(xplane, -rho, OFF, ER, EC, HW, MMA)
+        _add_taps(x, xh, gm, part + (CQ - 1 - rho) * CK, CK, CKP, EC, HW, ACC, PREC)
+
+
+@triton.jit
+def _conv_and_weight_grad(plane, tm, th, t0, g, part, OFF: tl.constexpr, CQ: tl.constexpr, CK: tl.constexpr,
+                          CKP: tl.constexpr, ER: tl.constexpr, EC: tl.constexpr, HW: tl.constexpr, MMA: tl.constexpr,
+                          ACC: tl.constexpr, PREC: tl.constexpr):
+    """``_conv`` (forward) of the plane and ``_conv_weight_grad`` with gradient g, from the same
+    input windows (each loaded once for both)."""
+    acc = tl.zeros([ER, EC], ACC)
+    gm = g.to(MMA)
+    for rho in tl.range(0, CQ):
+        x, xh = _window(plane, -rho, OFF, ER, EC, HW, MMA)
+        acc = _toeplitz_step(acc, x, xh, tm, th, t0 + rho * (EC + HW), EC, MMA, ACC, PREC)
+        _add_taps(x, xh, gm, part + (CQ - 1 - rho) * CK, CK, CKP, EC, HW, ACC, PREC)
+    return acc
 
 
 @triton.jit
@@ -318,10 +322,32 @@ def _row_stat(ptr, b, i_rows, hh, Tq, H: tl.constexpr, SR: tl.constexpr, EC: tl.
 
 
 @triton.jit
-def _keep(seed, b, i, j, hh, Tq, Tk, p_drop, H: tl.constexpr):
-    """Dropout's keep mask of (cells, HP): drawn from the int64 cell index (no wrap)."""
-    offs = ((b.to(tl.int64) * H + hh[None, :]) * Tq + i[:, None]) * Tk + j[:, None]
-    return tl.rand(seed, offs) >= p_drop
+def _keep(seed, b, i, j, hh, Tq, Tk, p_drop, H: tl.constexpr, DROP: tl.constexpr):
+    """Dropout's keep mask of (cells, HP), drawn from the int64 cell index (no wrap); without
+    dropout a placeholder that ``_drop`` ignores."""
+    keep = 0
+    if DROP:
+        offs = ((b.to(tl.int64) * H + hh[None, :]) * Tq + i[:, None]) * Tk + j[:, None]
+        keep = tl.rand(seed, offs) >= p_drop
+    return keep
+
+
+@triton.jit
+def _drop(x, keep, p_drop, DROP: tl.constexpr):
+    """Inverted dropout of the post-mixing probabilities (or of their gradient) with the slab's mask."""
+    if DROP:
+        x = tl.where(keep, x / (1.0 - p_drop), 0.0)
+    return x
+
+
+@triton.jit
+def _add_row_sums(pd_ptr, slot, hh, r0, x, own, SR: tl.constexpr, EC: tl.constexpr, HP: tl.constexpr,
+                  ER: tl.constexpr):
+    """The item's D partial (its slot, (HP, ER)) += the slab's row sums of x (cells, HP) over
+    its owned cells."""
+    dsum = tl.sum(tl.reshape(tl.where(own[:, None], x, 0.0), (SR, EC, HP)), 1)
+    dptr = (pd_ptr + slot * HP * ER) + (hh[None, :] * ER + (r0 + tl.arange(0, SR))[:, None])
+    tl.store(dptr, tl.load(dptr) + dsum)
 
 
 @triton.jit
@@ -454,37 +480,27 @@ def _mta_kernel(
                     lse = _row_stat(lse_ptr, b, i_rows, hh, Tq, H, SR, EC)
                     okh = ok[:, None] & (hh < H)[None, :]
                     p = tl.where(okh, tl.exp(tl.minimum(z - lse, 0.0)), 0.0)
-                    if DROP:
-                        keep = _keep(seed, b, ci, cj, hh, Tq, Tk, p_drop, H)
+                    keep = _keep(seed, b, ci, cj, hh, Tq, Tk, p_drop, H, DROP)
                     if MODE == _FWD:
                         if HAS_K2:
                             _slab_store(scr + S_P * SLOT, cu, cw, hh, p, H, ER, EC, RNE)
                         else:
-                            a = _mix(p.to(MMA), w2t, HAS_W2, PREC, ACC)
-                            if DROP:
-                                a = tl.where(keep, a / (1.0 - p_drop), 0.0)
+                            a = _drop(_mix(p.to(MMA), w2t, HAS_W2, PREC, ACC), keep, p_drop, DROP)
                             _slab_store(scr + S_A * SLOT, cu, cw, hh, a, H, ER, EC, RNE)
                     else:
-                        da = _slab(scr + S_DA * SLOT, cu, cw, hh, H, ER, EC, ACC)
-                        if DROP:
-                            da = tl.where(keep, da / (1.0 - p_drop), 0.0)
+                        da = _drop(_slab(scr + S_DA * SLOT, cu, cw, hh, H, ER, EC, ACC), keep, p_drop, DROP)
                         dr = tl.where(okh, _mix(da.to(MMA), w2, HAS_W2, PREC, ACC), 0.0)
                         if HAS_K2:
                             _slab_store(scr + S_P * SLOT, cu, cw, hh, p, H, ER, EC, RNE)
                             _slab_store(scr + S_DR * SLOT, cu, cw, hh, dr, H, ER, EC, RNE)
                         elif MODE == _ROWSUM:
-                            dsum = tl.sum(tl.reshape(tl.where(own[:, None], p * dr, 0.0), (SR, EC, HP)), 1)
-                            u_rows = r0 + tl.arange(0, SR)
-                            dptr = (pd_ptr + slot * HP * ER) + (hh[None, :] * ER + u_rows[:, None])
-                            tl.store(dptr, tl.load(dptr) + dsum)
+                            _add_row_sums(pd_ptr, slot, hh, r0, p * dr, own, SR, EC, HP, ER)
                         else:
                             dd = _row_stat(dd_ptr, b, i_rows, hh, Tq, H, SR, EC)
                             dz = p * (dr - dd)
                             _slab_store(scr + S_DC * SLOT, cu, cw, hh, _mix(dz.to(MMA), w1, HAS_W1, PREC, ACC),
                                         H, ER, EC, RNE)
-                            a = _mix(p.to(MMA), w2t, HAS_W2, PREC, ACC)
-                            if DROP:
-                                a = tl.where(keep, a / (1.0 - p_drop), 0.0)
+                            a = _drop(_mix(p.to(MMA), w2t, HAS_W2, PREC, ACC), keep, p_drop, DROP)
                             _slab_store(scr + S_A * SLOT, cu, cw, hh, a, H, ER, EC, RNE)
                             dw1 = _wgrad(dw1, dz, xc, own, HAS_W1, MMA, PREC, ACC)
                             dw2 = _wgrad(dw2, da, p, own, HAS_W2, MMA, PREC, ACC)
@@ -515,20 +531,15 @@ def _mta_kernel(
                 for r0 in tl.range(0, ER, SR, num_stages=1):
                     cu, cw, ci, cj, ok, own, i_rows = _slab_cells(r0, row0, col0, b, kv_ptr, Tq, Tk, q_off, HAS_KV, ER,
                                                                   EC, TOP, LEFT, BMO, BNO, SR)
-                    if DROP:
-                        keep = _keep(seed, b, ci, cj, hh, Tq, Tk, p_drop, H)
+                    keep = _keep(seed, b, ci, cj, hh, Tq, Tk, p_drop, H, DROP)
                     if MODE == _FWD:
-                        a = _mix(_slab(scr + S_R * SLOT, cu, cw, hh, H, ER, EC, MMA), w2t, HAS_W2, PREC, ACC)
-                        if DROP:
-                            a = tl.where(keep, a / (1.0 - p_drop), 0.0)
+                        rr = _slab(scr + S_R * SLOT, cu, cw, hh, H, ER, EC, MMA)
+                        a = _drop(_mix(rr, w2t, HAS_W2, PREC, ACC), keep, p_drop, DROP)
                         _slab_store(scr + S_A * SLOT, cu, cw, hh, a, H, ER, EC, RNE)
                     elif MODE == _ROWSUM:
                         p = _slab(scr + S_P * SLOT, cu, cw, hh, H, ER, EC, ACC)
                         dp = _slab(scr + S_DP * SLOT, cu, cw, hh, H, ER, EC, ACC)
-                        dsum = tl.sum(tl.reshape(tl.where(own[:, None], p * dp, 0.0), (SR, EC, HP)), 1)
-                        u_rows = r0 + tl.arange(0, SR)
-                        dptr = (pd_ptr + slot * HP * ER) + (hh[None, :] * ER + u_rows[:, None])
-                        tl.store(dptr, tl.load(dptr) + dsum)
+                        _add_row_sums(pd_ptr, slot, hh, r0, p * dp, own, SR, EC, HP, ER)
                     else:
                         p = _slab(scr + S_P * SLOT, cu, cw, hh, H, ER, EC, ACC)
                         dp = _slab(scr + S_DP * SLOT, cu, cw, hh, H, ER, EC, ACC)
@@ -536,13 +547,9 @@ def _mta_kernel(
                         dz = p * (dp - dd)
                         _slab_store(scr + S_DC * SLOT, cu, cw, hh, _mix(dz.to(MMA), w1, HAS_W1, PREC, ACC), H, ER, EC, RNE)
                         rr = _slab(scr + S_R * SLOT, cu, cw, hh, H, ER, EC, MMA)
-                        a = _mix(rr, w2t, HAS_W2, PREC, ACC)
-                        if DROP:
-                            a = tl.where(keep, a / (1.0 - p_drop), 0.0)
+                        a = _drop(_mix(rr, w2t, HAS_W2, PREC, ACC), keep, p_drop, DROP)
                         _slab_store(scr + S_A * SLOT, cu, cw, hh, a, H, ER, EC, RNE)
-                        da = _slab(scr + S_DA * SLOT, cu, cw, hh, H, ER, EC, ACC)
-                        if DROP:
-                            da = tl.where(keep, da / (1.0 - p_drop), 0.0)
+                        da = _drop(_slab(scr + S_DA * SLOT, cu, cw, hh, H, ER, EC, ACC), keep, p_drop, DROP)
                         dw1 = _wgrad(dw1, dz, _slab(scr + S_C * SLOT, cu, cw, hh, H, ER, EC, MMA), own, HAS_W1, MMA,
                                      PREC, ACC)
                         dw2 = _wgrad(dw2, da, rr, own, HAS_W2, MMA, PREC, ACC)
@@ -554,7 +561,7 @@ def _mta_kernel(
                     for h in tl.range(0, H, num_stages=1):
                         bh = b.to(tl.int64) * H + h
                         a = _plane_load(scr + S_A * SLOT + h * PLANE, 0, 0, ER, EC, ER, EC, MMA)
-                        a = tl.where(((w >= LEFT) & (w < LEFT + BNO))[None, :], a, 0.0).to(MMA)
+                        a = tl.where(own_w[None, :], a, 0.0).to(MMA)
                         obase = po_ptr + (slot * H + h) * ER * D
                         om = own_u[:, None]
                         e = tl.arange(0, GP)
@@ -879,14 +886,26 @@ def _launch(mode: int, pb: _Problem, bufs: dict, do: Optional[torch.Tensor] = No
     return f, sched
 
 
-def _per_row(part: torch.Tensor, f, sched, pb: _Problem, reduce) -> torch.Tensor:
-    """Per-slot partials (slots, X, ER, ...) -> (B, X, Tq, ...) over the owned rows, the key
-    splits of a row block combined by ``reduce`` (over dim 2 of (B, n_rt, S, ...))."""
+def _per_row(part: torch.Tensor, f, sched, pb: _Problem, reduce=lambda x: x.sum(2)) -> torch.Tensor:
+    """Per-slot partials (slots, ...) -> (B, X, Tq, ...) over the owned rows, the key splits
+    of a row block combined by ``reduce`` ((B, n_rt, S, ...) -> (B, n_rt, X, ER, ...); a sum
+    unless told)."""
     x = part.view(pb.b, sched.n_rt, sched.s_max, *part.shape[1:])
     x = reduce(x)  # (B, n_rt, X, ER, ...)
     x = x[:, :, :, f.top:f.top + f.bmo]  # owned rows
     x = x.transpose(1, 2).reshape(pb.b, x.shape[2], sched.n_rt * f.bmo, *x.shape[4:])
     return x[:, :, :pb.tq]
+
+
+def _merge_stats(x: torch.Tensor) -> torch.Tensor:
+    """(B, n_rt, S, 2, HP, ER) per key split (row max, sum of exp(z - max)) -> (B, n_rt, HP, ER)
+    lse; a pad row (nothing allowed) gets 0, its probabilities are masked anyway."""
+    m, l_ = x[:, :, :, 0], x[:, :, :, 1]
+    mx = m.amax(2, keepdim=True)
+    mx_safe = torch.where(torch.isfinite(mx), mx, torch.zeros_like(mx))
+    tot = (l_ * torch.exp(m - mx_safe)).sum(2)
+    return torch.where(tot > 0, mx_safe.squeeze(2) + torch.log(torch.where(tot > 0, tot, torch.ones_like(tot))),
+                       torch.zeros_like(tot))
 
 
 class _MTATriton(torch.autograd.Function):
@@ -897,17 +916,11 @@ class _MTATriton(torch.autograd.Function):
         pb = _Problem(q, k, v, kv, k1, w1, k2, w2, pad_key, q_off, p_drop, seed)
         bufs: dict = {}
         f, sched = _launch(_STATS.value, pb, bufs)
-        m = bufs["pm"].view(pb.b, sched.n_rt, sched.s_max, pb.hp, f.er)
-        l_ = bufs["pl"].view_as(m)
-        mx = m.amax(2, keepdim=True)
-        mx_safe = torch.where(torch.isfinite(mx), mx, torch.zeros_like(mx))
-        tot = (l_ * torch.exp(m - mx_safe)).sum(2)
-        lse = torch.where(tot > 0, mx_safe.squeeze(2) + torch.log(torch.where(tot > 0, tot, torch.ones_like(tot))),
-                          torch.zeros_like(tot))  # a pad row (nothing allowed): 0, its probabilities are masked
-        lse = lse[:, :, :pb.h, f.top:f.top + f.bmo].transpose(1, 2).reshape(pb.b, pb.h, -1)[:, :, :pb.tq].contiguous()
+        ml = torch.stack((bufs["pm"], bufs["pl"]), 1)  # (slots, 2, HP, ER): each split's row max and sum
+        lse = _per_row(ml, f, sched, pb, _merge_stats)[:, :pb.h].contiguous()
         fb = {"lse": lse}
         f, sched = _launch(_FWD.value, pb, fb)
-        out = _per_row(fb["po"], f, sched, pb, lambda x: x.sum(2))
+        out = _per_row(fb["po"], f, sched, pb)
         ctx.save_for_backward(q, k, v, lse, kv, k1, w1, k2, w2)
         ctx.args = (pad_key, q_off, p_drop, seed)
         return out.to(q.dtype)
@@ -920,10 +933,10 @@ class _MTATriton(torch.autograd.Function):
         pb = _Problem(q, k, v, kv, k1, w1, k2, w2, pad_key, q_off, p_drop, seed)
         bufs = {"lse": lse}
         f, sched = _launch(_ROWSUM.value, pb, bufs, do)
-        dd = _per_row(bufs["pd"], f, sched, pb, lambda x: x.sum(2))[:, :pb.h].contiguous()
+        dd = _per_row(bufs["pd"], f, sched, pb)[:, :pb.h].contiguous()
         bufs["dd"] = dd
         f, sched = _launch(_BWD.value, pb, bufs, do)
-        dq = _per_row(bufs["pdq"], f, sched, pb, lambda x: x.sum(2))
+        dq = _per_row(bufs["pdq"], f, sched, pb)
         dk, dv = bufs["dk"], bufs["dv"]
         if kv is not None:
             dq = dq * kv[:, q_off:q_off + pb.tq].to(dq.dtype)[:, None, :, None]
