@@ -39,8 +39,13 @@ demo: $(STAMPS)/.make-installed-eval,report,wandb
 lint: $(STAMPS)/.make-installed-all,dev
 	$(PY) -m ruff check .
 
+# The whole suite on TEST_WORKERS pytest-xdist processes (2: this project's 2-core CI
+# machine; most of the suite waits on subprocesses, the interpreter and the SLURM queue,
+# not on arithmetic); --dist loadgroup keeps the SLURM tests on one worker (tests/conftest.py).
+# TEST_WORKERS=0 runs it in one process.
+TEST_WORKERS ?= 2
 test: lint
-	$(PY) -m pytest -q --durations=15
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup --durations=15
 
 # Markers are assigned in tests/conftest.py; -m "not slow" leaves out the cluster,
 # multi-rank, pipeline, Triton-interpreter and long training tests.

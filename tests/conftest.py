@@ -4,7 +4,7 @@ Tiers are assigned here, in one place, by test module and test name (not by deco
 each file), so that moving a test between tiers is a one-line change in this file:
 
     make test-fast        python -m pytest -m "not slow"   (the edit loop, < 3 min on 2 cores)
-    make test             everything (what .ci/run runs)
+    make test             everything (what .ci/run runs), on TEST_WORKERS pytest-xdist workers
     python -m pytest -m triton | slurm | distributed | pipeline | lm_eval
 
 ``slow`` = anything outside the fast tier: every test that carries one of the other
@@ -125,6 +125,11 @@ def pytest_collection_modifyitems(config, items):
             marks.add("slow")
         for m in sorted(marks):
             item.add_marker(getattr(pytest.mark, m))
+        # `make test` runs the suite on several pytest-xdist workers (--dist loadgroup): the
+        # SLURM tests share one single-node cluster and its queue, so they run on one worker,
+        # one after the other, as they would alone
+        if "slurm" in marks and config.pluginmanager.hasplugin("xdist"):
+            item.add_marker(pytest.mark.xdist_group("slurm"))
         if (module, name) in EXPECTED_WARNINGS:
             item.add_marker(pytest.mark.filterwarnings(EXPECTED_WARNINGS[(module, name)]))
     # A renamed test would silently fall into the fast tier: name the stale entries.
