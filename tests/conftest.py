@@ -96,6 +96,14 @@ SLOW_TESTS = {
     ("test_train_validation.py", "test_validation_matches_the_eval_ppl_on_the_same_weights"),
 }
 
+# Modules with module- or session-scoped fixtures (built once, used by several tests): one
+# pytest-xdist worker each (below). tests/test_conftest_groups.py keeps this list complete.
+SHARED_FIXTURE_MODULES = {
+    "test_eval_lm_eval.py", "test_eval_tasks.py", "test_pipeline.py", "test_pipeline_llama3.py", "test_slurm.py",
+    "test_table5_small.py", "test_train_corrupt.py", "test_train_e2e.py", "test_train_rundir.py",
+    "test_train_validation.py",
+}
+
 # Warnings a test provokes on purpose without asserting them, ignored for that test only
 # (pyproject.toml filters the two that come from tiny configs everywhere): anything else
 # printed in the warnings summary is worth reading.
@@ -127,9 +135,11 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(getattr(pytest.mark, m))
         # `make test` runs the suite on several pytest-xdist workers (--dist loadgroup): the
         # SLURM tests share one single-node cluster and its queue, so they run on one worker,
-        # one after the other, as they would alone
-        if "slurm" in marks and config.pluginmanager.hasplugin("xdist"):
-            item.add_marker(pytest.mark.xdist_group("slurm"))
+        # one after the other, as they would alone; a module whose fixtures are built once per
+        # module (a trained tiny run, a pipeline) keeps its tests on one worker, so that the
+        # fixture is built once, not once per worker
+        if config.pluginmanager.hasplugin("xdist") and ("slurm" in marks or module in SHARED_FIXTURE_MODULES):
+            item.add_marker(pytest.mark.xdist_group(module))
         if (module, name) in EXPECTED_WARNINGS:
             item.add_marker(pytest.mark.filterwarnings(EXPECTED_WARNINGS[(module, name)]))
     # A renamed test would silently fall into the fast tier: name the stale entries.
