@@ -6,6 +6,7 @@ MACs, global loads, barriers, and a stated roofline ESTIMATE of each pass on one
     python scripts/compile_triton.py                          # table, sm_90, 880M shapes
     python scripts/compile_triton.py --json out.json          # + one record per (layer, pass, T)
     python scripts/compile_triton.py --layers kq_conv --passes forward --seqs 2048
+    python scripts/compile_triton.py --layers kq_conv --passes backward --by-line 15   # where it goes, by line
 
 Every pass is compiled with the launch configuration the launcher uses
 (``frames.launch_config``: the same num_warps/num_stages). Compiles are slow on a small
@@ -162,7 +163,7 @@ def compiled_pass(layer: str, name: str, heads: int, head_dim: int, arch: int, c
         cache.mkdir(parents=True, exist_ok=True)
         path.write_bytes(gzip.compress(json.dumps(out).encode()))
     c = roofline.count_ttgir(out.pop("ttgir"))
-    return dict(out, levels=c.levels, static=c.static)
+    return dict(out, levels=c.levels, static=c.static, by_line=c.by_line)
 
 
 def schedule(layer: str, name: str, batch: int, heads: int, head_dim: int, seq: int, info: dict,
@@ -220,6 +221,9 @@ def main() -> None:
     ap.add_argument("--seqs", default="2048,4096")
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--json", type=Path, help="write the records here")
+    ap.add_argument("--by-line", type=int, default=0, metavar="N",
+                    help="also print each pass's N source lines that spend the most per key block (ESTIMATED "
+                         "SM cycles per unit, from the same counts): where to look before optimising")
     ap.add_argument("--cache", type=Path, default=Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))
                     / "mta_repro" / "compile_triton")
     a = ap.parse_args()
@@ -227,7 +231,7 @@ def main() -> None:
     print(f"ESTIMATES, not measurements: roofline of {gpu.name}, batch {a.batch}, {a.heads} heads of {a.head_dim}, "
           f"bf16 inputs, sm_{a.arch}. Constants: {json.dumps(gpu.constants())}")
     seqs = [int(x) for x in a.seqs.split(",")]
-    records = []
+    records, by_line = [], []
     for seq in seqs:
         fa2 = roofline.fa2_passes(a.batch, a.heads, seq, a.head_dim, gpu)
         fa2_ms = roofline.fa2_est_ms(a.batch, a.heads, seq, a.head_dim, gpu)["total"]
@@ -242,9 +246,11 @@ def main() -> None:
         for layer in a.layers.split(","):
             for name in a.passes.split(","):
                 info = compiled_pass(layer, name, a.heads, a.head_dim, a.arch, a.cache)
-                c = roofline.Counts(levels=info["levels"], static=info["static"])
+                c = roofline.Counts(levels=info["levels"], static=info["static"], by_line=info.get("by_line", {}))
                 est = roofline.estimate(c, schedule(layer, name, a.batch, a.heads, a.head_dim, seq, info, gpu.sms), gpu)
                 records.append(record(layer, name, seq, info, est, fa2_ms, a.batch, fa2_l2))
+                if a.by_line and seq == seqs[0]:  # per key block: the same at every T
+                    by_line.append((layer, name, roofline.line_cycles(c, gpu)[:a.by_line]))
     print("| layer | pass | T | warps/stages | regs | spill B | smem KB | TC share | ld.global | bar.sync "
           "| est ms | (throughput/chain) | est_l2 ms | (L2/HBM) |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
@@ -263,6 +269,20 @@ def main() -> None:
                 print(f"  T={seq} {layer}: {tot:.3f} ms = {tot / rs[0]['fa2_est_ms']:.1f}x FlashAttention-2 "
                       f"({rs[0]['fa2_est_ms']:.3f} ms); L2-bound {tl2:.3f} ms = {tl2 / rs[0]['fa2_est_l2_ms']:.1f}x "
                       f"({rs[0]['fa2_est_l2_ms']:.3f} ms)")
+    if by_line:
+        src = (ROOT / "mta_repro" / "model" / "attention_triton.py").read_text().splitlines()
+        print("\nWhere each pass spends its work per key block, by source line of mta_repro/model/attention_triton.py "
+              "(ESTIMATED SM cycles per program and key block: tensor cores / CUDA cores / L1+shared traffic of "
+              "global and shared bytes; 'via' = the lines that called the helper):")
+        for layer, name, rows in by_line:
+            print(f"\n{layer} {name}:")
+            print("| line | tensor | alu | global | shared | source | via |")
+            print("|---|---|---|---|---|---|---|")
+            for where, cyc in rows:
+                text = src[where[0] - 1].strip()[:70] if where and where[0] <= len(src) else "(no source line)"
+                via = " < ".join(str(x) for x in where[1:])
+                print(f"| {where[0] if where else '-'} | {cyc['tensor']:.0f} | {cyc['alu']:.0f} | {cyc['global']:.0f} | "
+                      f"{cyc['shared']:.0f} | `{text}` | {via} |")
     if a.json:
         a.json.write_text(json.dumps({"gpu": gpu.constants(), "batch": a.batch, "estimate": True,
                                       "records": records}, indent=1))

@@ -69,6 +69,32 @@ def test_ttgir_counts_are_loop_weighted_and_split_by_unit():
         roofline.count_ttgir(TTGIR.replace("%c4_i32 step", "%m step"))
 
 
+
+def test_per_key_block_work_is_attributed_to_its_source_lines():
+    """compile_triton.py --by-line: every per-key-block resource lands on the source line of
+    the op that spends it (through a helper's call site: the helper's line, then its caller's;
+    a named location: the line it names), and the lines add up to the level's total."""
+    locs = textwrap.dedent("""\
+        #loc4 = loc("/src/mta_repro/model/attention_triton.py":153:10)
+        #loc20 = loc("/src/mta_repro/model/attention_triton.py":200:5)
+        #loc21 = loc("/src/mta_repro/model/attention_triton.py":500:9)
+        #loc6 = loc(callsite(#loc20 at #loc21))
+        #loc7 = loc("acc"(#loc4))
+        #loc11 = loc("/elsewhere/other.py":7:1)
+        """)
+    c = roofline.count_ttgir(TTGIR + locs)
+    frame = c.levels[2]
+    assert c.by_line[(153,)]["mma_macs"] == 4 * 64 * 32 * 16  # the dot at #loc4
+    assert c.by_line[(153,)]["sfu"] == 4 * 64 * 16  # the exp, named after #loc4
+    assert c.by_line[(200, 500)]["fma_macs"] == 4 * 64 * 16  # the multiply, inlined from line 200 called at 500
+    assert c.by_line[()]["global_bytes"] == frame["global_bytes"]  # the store (another file) and the atomic (no def)
+    for res in roofline.RESOURCES:
+        assert sum(r[res] for r in c.by_line.values()) == pytest.approx(frame[res]), res
+    gpu = roofline.H200
+    ranked = roofline.line_cycles(c, gpu)
+    assert ranked[0][0] == (153,)  # 131072 MACs at mma.sync's rate outweigh the rest
+    assert ranked[0][1]["tensor"] == pytest.approx(4 * 64 * 32 * 16 / (gpu.wgmma_bf16 * gpu.mma_sync_fraction))
+
 # The Hopper forms the shipped kernel compiles to (lines as the compiler prints them, loc
 # dropped), inside one constant loop of 2: a TMA box copy, a warpgroup dot reading both
 # operands from shared memory, a layout conversion and a gather (through shared memory),
@@ -168,7 +194,7 @@ def _compile_script():
     return compile_triton
 
 
-def test_report_has_one_record_per_layer_pass_and_T(tmp_path, monkeypatch):
+def test_report_has_one_record_per_layer_pass_and_T(tmp_path, monkeypatch, capsys):
     """The JSON schema, with the compile replaced by fixed counts (the real compiles take
     minutes on a small CPU)."""
     ct = _compile_script()
@@ -178,13 +204,22 @@ def test_report_has_one_record_per_layer_pass_and_T(tmp_path, monkeypatch):
             "static": dict.fromkeys(roofline.RESOURCES, 0.0),
             "ptx": {"ld_global": 3, "cp_async": 1, "bar_sync": 2}}
     fake["levels"][2].update(mma_macs=9e6, fma_macs=1e6)
+    line = 1 + next(i for i, t in enumerate((ROOT / "mta_repro/model/attention_triton.py").read_text().splitlines())
+                    if t.startswith("def _mta_kernel("))
+    fake["by_line"] = {(line, 7): dict(fake["levels"][2])}  # all of it on one line, called from line 7
     monkeypatch.setattr(ct, "compiled_pass", lambda *a, **k: fake)
     # main() clears TRITON_INTERPRET for its compiles: restored after this test for the rest of the run
     monkeypatch.setenv("TRITON_INTERPRET", os.environ.get("TRITON_INTERPRET", "0"))
     out = tmp_path / "r.json"
-    monkeypatch.setattr(sys, "argv", ["compile_triton.py", "--json", str(out), "--cache", str(tmp_path)])
+    monkeypatch.setattr(sys, "argv", ["compile_triton.py", "--json", str(out), "--cache", str(tmp_path),
+                                      "--by-line", "3"])
     ct.main()
+    printed = capsys.readouterr().out
     recs = json.loads(out.read_text())["records"]
+    # --by-line: each pass's table names the line, its source and its caller, in cycles at the rates
+    rate = roofline._rate(roofline.H200)
+    want = f"| {line} | {9e6 / rate['mma_macs']:.0f} | {1e6 / rate['fma_macs']:.0f} | 0 | 0 | `def _mta_kernel(` | 7 |"
+    assert printed.count(want) == 2 * len(frames.PASSES), printed[-2000:]
     keys = {"layer", "pass", "T", "num_warps", "num_stages", "registers", "spill_bytes", "smem_bytes", "mma_macs",
             "fma_macs", "global_loads", "barriers", "est_ms", "fa2_est_ms"}
     mta = [r for r in recs if r["layer"] != "sdpa"]

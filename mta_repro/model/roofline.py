@@ -88,10 +88,17 @@ class Counts:
 
     levels: list = field(default_factory=lambda: [dict.fromkeys(RESOURCES, 0.0) for _ in range(3)])
     static: dict = field(default_factory=lambda: dict.fromkeys(RESOURCES, 0.0))  # no loop weights
+    # the level-2 (per key block) resources by the source lines of the op that spends them:
+    # {(line, caller line, ...): {resource: amount}}, innermost line first (``source_chains``)
+    by_line: dict = field(default_factory=dict)
+    where: tuple = ()  # the source chain of the op being counted
 
     def add(self, level: int, res: str, amount: float, mult: float) -> None:
         self.levels[level][res] += amount * mult
         self.static[res] += amount
+        if level == 2:
+            row = self.by_line.setdefault(self.where, dict.fromkeys(RESOURCES, 0.0))
+            row[res] += amount * mult
 
 
 _BYTES = {"bf16": 2, "f16": 2, "f32": 4, "f64": 8, "i1": 1, "i8": 1, "i16": 2, "i32": 4, "i64": 8,
@@ -113,9 +120,43 @@ def _strip_loc(line: str) -> str:
     return line[:i] if i >= 0 else line
 
 
-def count_ttgir(ttgir: str) -> Counts:
-    """Loop-weighted resources of one compiled kernel (see the module docstring)."""
-    lines = [_strip_loc(raw).rstrip() for raw in ttgir.splitlines()]
+_LOC_FILE = re.compile(r'(#loc\d*) = loc\("([^"]*)":(\d+):\d+\)')
+_LOC_CALL = re.compile(r"(#loc\d*) = loc\(callsite\((#loc\d*) at (#loc\d*)\)\)")
+_LOC_NAMED = re.compile(r'(#loc\d*) = loc\("[^"]*"\((#loc\d*)\)\)')
+
+
+def source_chains(ttgir: str, source: str) -> dict:
+    """{loc alias: (line, caller line, ...)} of the IR's locations in file ``source`` (a path
+    suffix), innermost first: an op inlined from a ``@triton.jit`` helper carries a call-site
+    location, resolved here to the helper's line and the lines that called it."""
+    defs = {}
+    for raw in ttgir.splitlines():
+        m = _LOC_FILE.match(raw)
+        if m:
+            defs[m.group(1)] = ("line", int(m.group(3)) if m.group(2).endswith(source) else None)
+            continue
+        m = _LOC_CALL.match(raw) or _LOC_NAMED.match(raw)
+        if m:
+            defs[m.group(1)] = ("call", m.group(2), m.group(m.lastindex))
+
+    def chain(alias, depth=0):
+        d = defs.get(alias)
+        if d is None or depth > 64:
+            return ()
+        if d[0] == "line":
+            return () if d[1] is None else (d[1],)
+        inner, outer = chain(d[1], depth + 1), chain(d[2], depth + 1)
+        return inner + tuple(x for x in outer if not inner or x != inner[-1])
+
+    return {alias: chain(alias) for alias in defs}
+
+
+def count_ttgir(ttgir: str, source: str = "attention_triton.py") -> Counts:
+    """Loop-weighted resources of one compiled kernel (see the module docstring); the
+    per-key-block ones also by source line of ``source`` (``Counts.by_line``)."""
+    raw_lines = ttgir.splitlines()
+    chains = source_chains(ttgir, source)
+    lines = [_strip_loc(raw).rstrip() for raw in raw_lines]
     consts = {}
     for s in lines:
         m = re.match(r"\s*(%[\w-]+) = arith\.constant (-?\d+) : i(32|64)$", s)
@@ -146,6 +187,8 @@ def count_ttgir(ttgir: str) -> Counts:
 
     for idx, s in enumerate(lines):
         t = s.strip()
+        m = re.search(r"loc\((#loc\d*)\)\s*$", raw_lines[idx])
+        c.where = chains.get(m.group(1), ()) if m else ()
         if t.startswith("}"):
             if stack:
                 stack.pop()
@@ -270,6 +313,22 @@ def _busy_cycles(r: dict, gpu: GPU) -> float:
     return max(r["mma_macs"] / rate["mma_macs"] + r["wgmma_macs"] / rate["wgmma_macs"]
                + r["tf32_macs"] / rate["tf32_macs"],
                (r["fma_macs"] + r["alu"]) / rate["fma_macs"], r["sfu"] / rate["sfu"], lsu / rate["lsu"])
+
+
+def line_cycles(c: Counts, gpu: GPU = None) -> list:
+    """The per-key-block work of ``c.by_line`` as SM cycles per unit, busiest line first:
+    [(source chain, {"tensor", "alu", "sfu", "global", "shared"}: cycles)]. Where a pass's
+    time goes, to profile a design before changing it (estimates, like everything here)."""
+    rate = _rate(gpu or H200)
+    out = []
+    for where, r in c.by_line.items():
+        cyc = {"tensor": r["mma_macs"] / rate["mma_macs"] + r["wgmma_macs"] / rate["wgmma_macs"]
+               + r["tf32_macs"] / rate["tf32_macs"],
+               "alu": (r["fma_macs"] + r["alu"]) / rate["fma_macs"], "sfu": r["sfu"] / rate["sfu"],
+               "global": r["global_bytes"] / rate["lsu"], "shared": r["shared_bytes"] / rate["lsu"]}
+        out.append((where, cyc))
+    return sorted(out, key=lambda x: -max(x[1]["tensor"], x[1]["alu"], x[1]["sfu"],
+                                           x[1]["global"] + x[1]["shared"]))
 
 
 def program_resources(c: Counts, frames_of_items: list) -> dict:
