@@ -78,6 +78,7 @@ SLOW_TESTS = {
     ("test_toy.py", "test_killed_run_resumes_exactly"),
     ("test_toy.py", "test_script_sigterm_stops_workers_and_rerun_resumes"),
     ("test_train.py", "test_sbatch_dry_run"),
+    ("test_conftest_groups.py", "test_a_shared_fixture_module_runs_on_one_xdist_worker"),
     ("test_train_rundir.py", "test_a_failed_start_leaves_no_run_dir"),
     ("test_train_validation.py", "test_progress_lines_without_a_tty"),
     # training runs, resumes, whole-config sweeps and end-to-end evaluations in-process
@@ -118,6 +119,8 @@ def _where(item) -> str:
     return path.replace(os.sep, "/")
 
 
+# tryfirst: pytest-xdist's workers read the xdist_group marks in their own hook of this name
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
     seen_modules, seen = set(), set()
     for item in items:

@@ -26,3 +26,20 @@ def test_every_module_with_a_shared_fixture_is_one_group():
                for d in node.decorator_list):
             found.add(path.relative_to(TESTS).as_posix())
     assert found == conftest.SHARED_FIXTURE_MODULES
+
+
+def test_a_shared_fixture_module_runs_on_one_xdist_worker():
+    """The marks take effect: on two workers with --dist loadgroup, every test of such a
+    module carries its group and runs on the same worker (pytest-xdist reads the marks in its
+    own collection hook; conftest's must run before it)."""
+    import re
+    import subprocess
+    import sys
+
+    p = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-n", "2", "--dist", "loadgroup",
+                        "-v", str(TESTS / "test_train_rundir.py"), "-k", "stale_locks or write_config_is_atomic"],
+                       cwd=TESTS.parent, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+    ran = re.findall(r"\[(gw\d+)\] .*PASSED (\S+)", p.stdout)
+    assert len(ran) == 2, p.stdout[-2000:]
+    assert len({w for w, _ in ran}) == 1 and all(n.endswith("@test_train_rundir.py") for _, n in ran), ran
