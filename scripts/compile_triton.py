@@ -79,8 +79,9 @@ def _compile(consts: dict, arch: int, num_warps: int, num_stages: int):
     for n in names:
         if n in consts:
             sig[n] = "constexpr"
-        elif n in descs:  # bf16 inputs and tables through tensor descriptors (TMA on sm_90)
-            sig[n] = f"tensordesc<bf16[{','.join(str(x) for x in descs[n][1])}]>"
+        elif n in descs:  # bf16 inputs and tables, fp32 accumulators, through tensor descriptors (TMA on sm_90)
+            dt = "fp32" if descs[n][0] in at.ACCUMULATORS else "bf16"
+            sig[n] = f"tensordesc<{dt}[{','.join(str(x) for x in descs[n][1])}]>"
         elif n.endswith("_ptr"):
             sig[n] = _INT_ARGS.get(n, "*bf16" if n in _BF16_ARGS else "*fp32")
         elif n in ("scale", "p_drop"):

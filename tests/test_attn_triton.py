@@ -79,6 +79,69 @@ def test_many_frames_with_padding_and_offset(monkeypatch, gpu_schedule):
                          attention_ops.AttnMask(20, key_valid))
 
 
+def test_float32_accumulates_through_descriptor_reductions(monkeypatch):
+    """Below float64 the kernel adds O, dq, dk and dv by descriptor reductions (TMA on a GPU;
+    here the interpreter's element-wise meaning of them): with several key blocks per row,
+    frames whose keys start before 0 and end past Tk, padding and an offset, the float32
+    result is the float64 reference's to float32 accuracy."""
+    monkeypatch.setenv("MTA_TRITON_FRAME", "16x16")
+    monkeypatch.setenv("MTA_TRITON_PROGRAMS", "2")
+    h = 4
+    p = params(h, (2, 3), (3, 3), group=2)
+    q, k, v = qkv(2, h, 17, 37, 3, seed=3)
+    key_valid = torch.ones(2, 37, dtype=torch.bool)
+    key_valid[1, :19] = False
+    mask = attention_ops.AttnMask(20, key_valid)
+    want, want_g = grads_of("torch", q, k, v, p, mask)
+    p32 = dataclasses.replace(p, **{f: getattr(p, f).float() for f in attention_ops._WEIGHT_FIELDS
+                                    if getattr(p, f) is not None})
+    got, got_g = grads_of("triton", q.float(), k.float(), v.float(), p32, mask)
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-5)
+    for name, g in want_g.items():
+        torch.testing.assert_close(got_g[name].double(), g, rtol=1e-4, atol=1e-4 * g.abs().max().item(), msg=name)
+
+
+def test_interpreter_descriptor_reduction_adds_the_box_inside_the_tensor():
+    """The interpreter (Triton 3.9) has no descriptor reductions; attention_triton gives it
+    their meaning: the box is added into the elements of the tensor it covers, and the
+    parts outside (a negative row offset, rows past the end) are dropped, as a TMA
+    reduction drops them."""
+    import triton
+    import triton.language as tl
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    from mta_repro.model import attention_triton  # noqa: F401  (installs the interpreter's reduction)
+
+    @triton.jit
+    def add_box(desc, r0, c0, x_ptr):
+        r = tl.arange(0, 4)
+        c = tl.arange(0, 8)
+        desc.atomic_add([r0, c0], tl.load(x_ptr + r[:, None] * 8 + c[None, :]))
+
+    x = torch.arange(32, dtype=torch.float32).reshape(4, 8) + 1
+    for r0, c0 in ((-2, 0), (4, 8), (0, 4)):
+        big = torch.full((10, 16), 0.5)
+        out = big[2:8, :12]  # a (6, 12) tensor inside a larger buffer, whose other elements must stay
+        add_box[(1,)](TensorDescriptor.from_tensor(out, [4, 8]), r0, c0, x)
+        want = torch.full((10, 16), 0.5)
+        for r in range(4):
+            for c in range(8):
+                if 0 <= r0 + r < 6 and 0 <= c0 + c < 12:
+                    want[2 + r0 + r, c0 + c] += x[r, c]
+        torch.testing.assert_close(big, want, rtol=0, atol=0)
+
+
+def test_float64_on_a_gpu_falls_back(monkeypatch):
+    """The fused kernel's accumulators are 32-bit reductions: float64 on a GPU is declined
+    (the registry then runs ``blocked``), float64 in the interpreter is its exact check."""
+    fake = type("T", (), {"device": torch.device("cuda"), "dtype": torch.float64})()
+    reason = attention_ops._triton_supports(fake, params(4, None, None), attention_ops.AttnMask())
+    assert reason is not None and "float64" in reason
+    fake.dtype = torch.bfloat16
+    assert attention_ops._triton_supports(fake, params(4, None, None), attention_ops.AttnMask()) is None
+
+
 def test_overrides_are_checked(monkeypatch):
     h = 4
     q, k, v = qkv(1, h, 8, 8, 3)

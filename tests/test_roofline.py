@@ -98,7 +98,9 @@ def test_per_key_block_work_is_attributed_to_its_source_lines():
 # The Hopper forms the shipped kernel compiles to (lines as the compiler prints them, loc
 # dropped), inside one constant loop of 2: a TMA box copy, a warpgroup dot reading both
 # operands from shared memory, a layout conversion and a gather (through shared memory),
-# a select (ALU) and a row reduction whose types sit on its closing line.
+# a select (ALU), a row reduction whose types sit on its closing line, a register tensor
+# stored into shared memory, and a pipelined TMA reduction (a wait for its read of shared
+# memory in the loop, one for its completion after it).
 TTGIR_SM90 = textwrap.dedent("""\
     #mma = #ttg.nvidia_mma<{versionMajor = 3, versionMinor = 0, warpsPerCTA = [4, 1], instrShape = [16, 64, 16]}>
     module attributes {"ttg.num-warps" = 4 : i32} {
@@ -117,7 +119,11 @@ TTGIR_SM90 = textwrap.dedent("""\
             %z = arith.maxnumf %q, %w : f32
             tt.reduce.return %z : f32
           }) : (tensor<128x64xf32, #mma>) -> tensor<128xf32, #ttg.slice<{dim = 1, parent = #mma}>>
+          %st = ttg.local_alloc %acc : (tensor<128x64xf32, #mma>) -> !ttg.memdesc<128x64xf32, #shared2, #smem>
+          ttng.async_tma_store_wait {pendings = 0 : i32, read_only}
+          ttng.async_tma_reduce add, %od[%a, %b, %c0_i32] %st2 : !tt.tensordesc<1x128x32xf32, #shared2>, !ttg.memdesc<1x128x32xf32, #shared2, #smem>
         }
+        ttng.async_tma_store_wait {pendings = 0 : i32}
         tt.return
       }
     }
@@ -127,10 +133,16 @@ TTGIR_SM90 = textwrap.dedent("""\
 def test_hopper_forms_are_counted_on_their_units():
     c = roofline.count_ttgir(TTGIR_SM90)
     prog = c.levels[0]
-    assert prog["global_bytes"] == 2 * 128 * 32 * 2  # the TMA box, twice
+    # the TMA box copied, twice; the reduction's fp32 box read and written in global memory, twice
+    assert prog["global_bytes"] == 2 * 128 * 32 * 2 + 2 * 2 * 128 * 32 * 4
     assert prog["wgmma_macs"] == 2 * 128 * 32 * 64
-    # shared: the dot's two operands, the conversion's and the gather's store + load
-    assert prog["shared_bytes"] == 2 * ((128 * 32 + 32 * 64) * 2 + 2 * 128 * 64 * 4 + 2 * 16 * 64 * 4)
+    # shared: the dot's two operands, the conversion's and the gather's store + load, the
+    # register tensor stored, the reduction's box read by the TMA unit
+    assert prog["shared_bytes"] == 2 * ((128 * 32 + 32 * 64) * 2 + 2 * 128 * 64 * 4 + 2 * 16 * 64 * 4
+                                        + 128 * 64 * 4 + 128 * 32 * 4)
+    # waiting for the reduction to be read: a shared-memory wait, each trip; for it to complete: a
+    # round trip to global memory, once
+    assert prog["barriers_shared"] == 2 and prog["barriers_global"] == 1
     # ALU: the select and the reduction, one op per element each (scalar ops in the
     # reduction's body are not counted again)
     assert prog["alu"] == 2 * (128 * 64 + 128 * 64)

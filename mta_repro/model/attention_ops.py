@@ -468,6 +468,9 @@ def _triton_supports(q: torch.Tensor, p: ExplicitAttnParams, mask: AttnMask) -> 
         return "CPU tensors unless TRITON_INTERPRET=1 (Triton's interpreter: for tests, slow)"
     if q.device.type not in ("cuda", "cpu"):
         return f"{q.device.type} tensors"
+    if q.device.type == "cuda" and q.dtype == torch.float64:
+        # its accumulators are added by TMA reductions, which stop at 32-bit floats
+        return "float64 tensors on a GPU (float64 runs in the interpreter, for its checks)"
     return None
 
 

@@ -20,7 +20,10 @@ GPU), and each head mixing reads ``SR`` frame rows of all heads as one (cells, h
 matrix and multiplies it by the (heads, heads) weight: one tensor-core product per slab.
 Why scratch and not registers: one tile's 16 heads at 128 x 64 are 131K values, and the
 per-row accumulators of 16 heads (O, dq: 16 x d per row) cannot stay on chip either, so
-O and dq go into per-item partials and dk/dv into atomics (``docs/triton_kernel.md``).
+O and dq are added into per-item partials and dk/dv into whole-layer buffers, by TMA
+reductions of (rows, GP) boxes through fp32 tensor descriptors (``_accumulate``): no
+per-thread addresses or masks, whose registers spilled, and no layout change for an atomic
+(``docs/triton_kernel.md``).
 
 *Inputs through tensor descriptors.* q, k, v, dO, the convolved keys and the Toeplitz
 tables are read through ``TensorDescriptor`` tiles of (rows, GP features) (TMA copies on
@@ -66,9 +69,12 @@ kernels' and mixings' gradients, each kind of product in its own head loop).
 size, longest first, on a persistent grid (``frames.items``): long rows split across
 programs, so B=1 fills the GPU. Each item adds into its own slot of per-item partial buffers
 (row statistics, O, D, dq), which torch reduces in a fixed order; one program writes a slot,
-each element from the same thread in every tile, so those atomic adds are deterministic.
-Weight gradients are per-program partials. Only dk and dv are accumulated across programs
-with (relaxed fp32) atomics, so they alone are bitwise nondeterministic on a GPU.
+and its reductions into O and dq run in a pipelined head loop that ends by waiting for them
+to complete, so each element's adds happen in tile order: deterministic. Weight gradients
+are per-program partials, added once per tile. Only dk and dv are accumulated across
+programs, so they alone are bitwise nondeterministic on a GPU. A float64 accumulator (the
+interpreter's float64 checks) is read, added and written back instead: TMA reductions stop at
+32 bits, so float64 on a GPU runs ``blocked``.
 
 *Masking.* Every masked value is selected (``tl.where``), never multiplied: a fully masked
 pad row gives exact zeros and no NaN; exp arguments are clamped at 0 (a true probability is
@@ -83,8 +89,11 @@ runs, no wrap at long T; not the masks ``F.dropout`` would draw.
 takes the constexprs from ``kernel_constexprs`` and the descriptors from
 ``descriptor_specs``): 8 warps; lengths, offsets, counts and the seed are not specialised
 (a new batch shape reuses the compiled kernel; H and d are, fixed per model); element
-offsets are int64; a loop that reads scratch written in the same tile is ``num_stages=1``
-and separated from its writers by a barrier, so no software pipeliner can reorder the two.
+offsets are int64; scratch written in a tile is read only by later loops, after a barrier
+(a pipeliner's prefetch sits after it, before its loop); loops that write scratch are
+``num_stages=1``. The per-head product loops of the last phase are pipelined
+(``num_stages=2``, their feature parts unrolled), so a TMA reduction overlaps the next head's
+work and only the loop's end waits for completion.
 
 Status: exact under ``TRITON_INTERPRET=1`` (tests/test_attn_impls.py, tests/test_attn_triton.py:
 every option against "torch" in float64, forward and every gradient; bf16; a debug training
@@ -112,6 +121,30 @@ if TYPE_CHECKING:  # types only: attention_ops imports this module (lazily), not
     from mta_repro.model.attention_ops import AttnMask, ExplicitAttnParams
 
 _STATS, _FWD, _ROWSUM, _BWD = (tl.constexpr(i) for i in range(4))
+
+
+def _interpreter_descriptor_reduce(builder, kind, desc, value, indices):
+    """What a descriptor's ``atomic_add`` means, for Triton's interpreter, which (3.9) has no
+    descriptor reductions: an atomic add of the box into the elements inside the tensor
+    (``TensorDescHandle.materialize_pointers``: the box's addresses and which lie in bounds)."""
+    from triton._C.libtriton import ir
+
+    if kind != ir.DESCRIPTOR_REDUCE_KIND.ADD:
+        raise NotImplementedError(f"interpreter: descriptor reduction {kind}")
+    ptrs, mask = desc.materialize_pointers(indices)
+    return builder.create_atomic_rmw(ir.ATOMIC_OP.FADD, ptrs, value, mask, ir.MEM_SEMANTIC.RELAXED,
+                                     ir.MEM_SYNC_SCOPE.GPU)
+
+
+def _install_interpreter_reduce() -> None:
+    from triton.runtime import interpreter
+
+    if not hasattr(interpreter.InterpreterBuilder, "create_descriptor_reduce"):
+        interpreter.InterpreterBuilder.create_descriptor_reduce = _interpreter_descriptor_reduce
+
+
+if os.environ.get("TRITON_INTERPRET") == "1":  # read when the kernels are defined, as Triton does
+    _install_interpreter_reduce()
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -264,24 +297,31 @@ def _conv_and_weight_grad(plane, tm, th, t0, g, part, OFF: tl.constexpr, CQ: tl.
 
 
 @triton.jit
-def _grad_pair(g, xd, yd, xo_ptr, yo_ptr, bh, row0, col0, u, w, xo_base, own_u, kmask, Tk,
-               D: tl.constexpr, E0, GP: tl.constexpr, ER: tl.constexpr, EC: tl.constexpr, HAS_XO: tl.constexpr,
-               MMA: tl.constexpr, ACC: tl.constexpr, PREC: tl.constexpr):
+def _accumulate(desc, plane, r0, e0, x, R: tl.constexpr, GP: tl.constexpr, ACC: tl.constexpr):
+    """desc[plane, r0 : r0 + R, e0 : e0 + GP] += x (R, GP): a bulk tensor reduction (a TMA
+    reduction on sm_90: no per-thread addresses, masks or layout change for it; rows outside
+    the descriptor, e.g. keys beyond Tk or before 0, are not written). Reductions are 32 bits
+    wide at most, so a float64 accumulator (the interpreter's float64 checks; ``_Problem``
+    refuses it on a GPU) is read, added and written back: exact there, where programs run
+    one after another."""
+    if ACC == tl.float64:
+        desc.store([plane, r0, e0], desc.load([plane, r0, e0]) + x.reshape(1, R, GP))
+    else:
+        desc.atomic_add([plane, r0, e0], x.reshape(1, R, GP))
+
+
+@triton.jit
+def _grad_pair(g, xd, yd, xod, yod, bh, row0, col0, xo_plane, E0, GP: tl.constexpr, ER: tl.constexpr,
+               EC: tl.constexpr, HAS_XO: tl.constexpr, MMA: tl.constexpr, ACC: tl.constexpr, PREC: tl.constexpr):
     """Features [E0, E0 + GP) (E0 a runtime loop index) of one head's products of a tile
-    gradient g (ER x EC, zero outside the owned cells): yo += g^T @ y[rows] atomically into the
-    owned keys, and (HAS_XO) xo += g @ x[cols] into its item's row partial at xo_base (owned
-    rows). dS gives dk from q and dq from k, A gives dv from dO. The item's partial is written
-    by one program only, each element from the same thread in every tile: the atomic add is a
-    deterministic reduction that needs no load (nor the load's layout)."""
-    e = tl.arange(0, GP)
-    em = (E0 + e < D)[None, :]
+    gradient g (ER x EC, zero outside the owned cells, so the rest adds 0): yo += g^T @ y[rows]
+    into keys [col0, col0 + EC) of plane bh of yod, and (HAS_XO) xo += g @ x[cols] into plane
+    xo_plane of xod, its item's row partial. dS gives dk from q and dq from k, A gives dv from dO."""
     if HAS_XO:
         xo = tl.dot(g, _tile(xd, bh, col0, E0, EC, GP, MMA), input_precision=PREC, out_dtype=ACC)
-        tl.atomic_add((xo_ptr + xo_base + E0) + (u[:, None] * D + e[None, :]), xo, mask=own_u[:, None] & em,
-                      sem="relaxed")
+        _accumulate(xod, xo_plane.to(tl.int32), 0, E0, xo, ER, GP, ACC)
     yo = tl.dot(tl.trans(g), _tile(yd, bh, row0, E0, ER, GP, MMA), input_precision=PREC, out_dtype=ACC)
-    tl.atomic_add((yo_ptr + bh * Tk * D + col0.to(tl.int64) * D + E0) + (w[:, None] * D + e[None, :]), yo,
-                  mask=kmask & em, sem="relaxed")
+    _accumulate(yod, bh.to(tl.int32), col0, E0, yo, EC, GP, ACC)
 
 
 @triton.jit
@@ -368,6 +408,18 @@ def _wgrad(acc, g, x, own, HAS: tl.constexpr, MMA: tl.constexpr, PREC: tl.conste
     return acc
 
 
+@triton.jit
+def _weights(wt_ptr, hh, H: tl.constexpr, HAS: tl.constexpr, MMA: tl.constexpr):
+    """A (HP, HP) head mixing as right factors of (cells, heads) slabs: (W^T, W); x @ W^T
+    mixes, x @ W is the adjoint. Zeros when the layer has none."""
+    if HAS:
+        wt = tl.load(wt_ptr + hh[:, None] * hh.shape[0] + hh[None, :], mask=(hh[:, None] < H) & (hh[None, :] < H),
+                     other=0.0).to(MMA)
+    else:
+        wt = tl.zeros([hh.shape[0], hh.shape[0]], MMA)
+    return wt, tl.trans(wt)
+
+
 # ----------------------------------------------------------------------------- the kernel
 # Lengths, offsets, counts and the seed change with every batch shape: not specialised, so
 # a new B or T reuses the compiled kernel (H and d stay specialised: fixed per model).
@@ -376,7 +428,7 @@ def _mta_kernel(
     qd, kd, vd, dod, khd, band_ptr, kv_ptr,
     w1t_ptr, w2t_ptr, tf2m, tf2h, ta2m, ta2h, ta1m, ta1h,
     lse_ptr, dd_ptr, items_ptr, starts_ptr,
-    pm_ptr, pl_ptr, po_ptr, pd_ptr, pdq_ptr, dk_ptr, dv_ptr, pw1_ptr, pw2_ptr, pt1_ptr, pt2_ptr,
+    pm_ptr, pl_ptr, pod, pd_ptr, pdqd, dkd, dvd, pw1_ptr, pw2_ptr, pt1_ptr, pt2_ptr,
     scr_ptr,
     Tq, Tk, q_off, scale, p_drop, seed,
     MODE: tl.constexpr, H: tl.constexpr, HP: tl.constexpr, D: tl.constexpr, DPAD: tl.constexpr,
@@ -404,21 +456,8 @@ def _mta_kernel(
     own_u = (u >= TOP) & (u < TOP + BMO)
     own_w = (w >= LEFT) & (w < LEFT + BNO)
     # the (HP, HP) mixings as right factors of (cells, heads) slabs: x @ W^T mixes, x @ W is the adjoint
-    hw = (hh[:, None] < H) & (hh[None, :] < H)
-    if HAS_W1:
-        w1t = tl.load(w1t_ptr + hh[:, None] * HP + hh[None, :], mask=hw, other=0.0).to(MMA)
-        w1 = tl.trans(w1t)
-    else:
-        w1t = tl.zeros([HP, HP], MMA)
-        w1 = w1t
-    if HAS_W2:
-        w2t = tl.load(w2t_ptr + hh[:, None] * HP + hh[None, :], mask=hw, other=0.0).to(MMA)
-        w2 = tl.trans(w2t)
-    else:
-        w2t = tl.zeros([HP, HP], MMA)
-        w2 = w2t
-    dw1 = tl.zeros([HP, HP], ACC)
-    dw2 = tl.zeros([HP, HP], ACC)
+    w1t, w1 = _weights(w1t_ptr, hh, H, HAS_W1, MMA)
+    w2t, w2 = _weights(w2t_ptr, hh, H, HAS_W2, MMA)
 
     for it in tl.range(tl.load(starts_ptr + pid), tl.load(starts_ptr + pid + 1), num_stages=1):  # this program's items
         b = tl.load(items_ptr + it * 5)
@@ -432,6 +471,8 @@ def _mta_kernel(
             col0 = c * BNO - LEFT  # key index of frame column 0
             j = col0 + w
             tl.debug_barrier()  # every reader of the previous tile's slots is done
+            dw1 = tl.zeros([HP, HP], ACC)
+            dw2 = tl.zeros([HP, HP], ACC)
 
             # ---- H1: per-head products on the frame -> slots
             for h in tl.range(0, H, num_stages=1):
@@ -554,49 +595,60 @@ def _mta_kernel(
                                      PREC, ACC)
                         dw2 = _wgrad(dw2, da, rr, own, HAS_W2, MMA, PREC, ACC)
 
+            if MODE == _BWD:  # this tile's mixing gradients into the program's partials
+                wptr = pid.to(tl.int64) * (HP * HP) + hh[:, None] * HP + hh[None, :]
+                if HAS_W1:
+                    tl.store(pw1_ptr + wptr, tl.load(pw1_ptr + wptr) + dw1)
+                if HAS_W2:
+                    tl.store(pw2_ptr + wptr, tl.load(pw2_ptr + wptr) + dw2)
             if MODE == _FWD or MODE == _BWD:
                 tl.debug_barrier()
                 # ---- H3: per-head products of the owned block: O; dq, dk, dv, the pre kernel's gradient
                 if MODE == _FWD:
-                    for h in tl.range(0, H, num_stages=1):
+                    for h in tl.range(0, H, num_stages=2):
                         bh = b.to(tl.int64) * H + h
                         a = _plane_load(scr + S_A * SLOT + h * PLANE, 0, 0, ER, EC, ER, EC, MMA)
-                        a = tl.where(own_w[None, :], a, 0.0).to(MMA)
-                        obase = po_ptr + (slot * H + h) * ER * D
-                        om = own_u[:, None]
-                        e = tl.arange(0, GP)
-                        for e0 in tl.range(0, DPAD, GP, num_stages=1):
+                        a = tl.where(own_w[None, :], a, 0.0).to(MMA)  # (rows it does not own: never read)
+                        for e0 in tl.static_range(0, DPAD, GP):
                             oa = tl.dot(a, _tile(vd, bh, col0, e0, EC, GP, MMA), input_precision=PREC, out_dtype=ACC)
-                            # the item's own partial (see _grad_pair): a deterministic atomic add
-                            tl.atomic_add((obase + e0) + (u[:, None] * D + e[None, :]), oa,
-                                          mask=om & (e0 + e < D)[None, :], sem="relaxed")
+                            _accumulate(pod, (slot * H + h).to(tl.int32), 0, e0, oa, ER, GP, ACC)
                 if MODE == _BWD:
                     # the backward's products, one kind per head loop, so that no two kinds' operands
                     # and results are live at once (registers): dq and dk from dS, dv from A, the pre
-                    # kernel's gradient; feature parts of GP columns in a runtime loop, one live at a time
-                    kmask = (own_w & (j < Tk))[:, None]
-                    for h in tl.range(0, H, num_stages=1):
-                        bh = b.to(tl.int64) * H + h
-                        own2 = own_u[:, None] & own_w[None, :] & _allowed(i[:, None], j[None, :], b, kv_ptr, Tq, Tk,
-                                                                          q_off, HAS_KV)
-                        if HAS_K1:
+                    # kernel's gradient. The product loops hold no inner loop, so they pipeline
+                    # (their TMA reductions overlap the next head; one completion wait per loop):
+                    # with a pre kernel, dS (its adjoint of dC, a loop per row shift) is computed
+                    # first, scaled, into the DA planes, free since the mixing phase
+                    if HAS_K1:
+                        for h in tl.range(0, H, num_stages=1):
+                            own2 = own_u[:, None] & own_w[None, :] & _allowed(i[:, None], j[None, :], b, kv_ptr, Tq,
+                                                                              Tk, q_off, HAS_KV)
                             ds = _conv(scr + S_DC * SLOT + h * PLANE, ta1m, ta1h, h * CQ1 * (EC + HW), CQ1, R1,
                                        True, ER, EC, HW, MMA, ACC, PREC)
+                            tl.store(scr + S_DA * SLOT + h * PLANE + u[:, None] * EC + w[None, :],
+                                     _to_scratch(tl.where(own2, ds * scale, 0.0), scr_ptr.dtype.element_ty, RNE))
+                        tl.debug_barrier()
+                    for h in tl.range(0, H, num_stages=2):
+                        bh = b.to(tl.int64) * H + h
+                        if HAS_K1:
+                            ds = tl.load(scr + S_DA * SLOT + h * PLANE + u[:, None] * EC + w[None, :]).to(MMA)
                         else:
+                            own2 = own_u[:, None] & own_w[None, :] & _allowed(i[:, None], j[None, :], b, kv_ptr, Tq,
+                                                                              Tk, q_off, HAS_KV)
                             ds = tl.load(scr + S_DC * SLOT + h * PLANE + u[:, None] * EC + w[None, :]).to(ACC)
-                        ds = tl.where(own2, ds * scale, 0.0).to(MMA)
-                        for e0 in tl.range(0, DPAD, GP, num_stages=1):
-                            _grad_pair(ds, kd, qd, pdq_ptr, dk_ptr, bh, row0, col0, u, w, (slot * H + h) * ER * D,
-                                       own_u, kmask, Tk, D, e0, GP, ER, EC, True, MMA, ACC, PREC)
-                    for h in tl.range(0, H, num_stages=1):
+                            ds = tl.where(own2, ds * scale, 0.0).to(MMA)
+                        for e0 in tl.static_range(0, DPAD, GP):
+                            _grad_pair(ds, kd, qd, pdqd, dkd, bh, row0, col0, slot * H + h, e0, GP, ER, EC, True,
+                                       MMA, ACC, PREC)
+                    for h in tl.range(0, H, num_stages=2):
                         bh = b.to(tl.int64) * H + h
                         own2 = own_u[:, None] & own_w[None, :] & _allowed(i[:, None], j[None, :], b, kv_ptr, Tq, Tk,
                                                                           q_off, HAS_KV)
                         ac = tl.where(own2, tl.load(scr + S_A * SLOT + h * PLANE + u[:, None] * EC + w[None, :]),
                                       0.0).to(MMA)
-                        for e0 in tl.range(0, DPAD, GP, num_stages=1):
-                            _grad_pair(ac, dod, dod, pdq_ptr, dv_ptr, bh, row0, col0, u, w, 0, own_u, kmask,
-                                       Tk, D, e0, GP, ER, EC, False, MMA, ACC, PREC)
+                        for e0 in tl.static_range(0, DPAD, GP):
+                            _grad_pair(ac, dod, dod, pdqd, dvd, bh, row0, col0, 0, e0, GP, ER, EC, False,
+                                       MMA, ACC, PREC)
                     if HAS_K1:
                         for h in tl.range(0, H, num_stages=1):
                             g = tl.where(own_u[:, None] & own_w[None, :],
@@ -605,12 +657,6 @@ def _mta_kernel(
                                               pt1_ptr + (pid.to(tl.int64) * HP + h) * (CQ1 * CK1), PL1, CQ1, CK1, CKP1,
                                               ER, EC, HW, MMA, ACC, PREC)
 
-    if MODE == _BWD:
-        wptr = pid.to(tl.int64) * (HP * HP) + hh[:, None] * HP + hh[None, :]
-        if HAS_W1:
-            tl.store(pw1_ptr + wptr, dw1)
-        if HAS_W2:
-            tl.store(pw2_ptr + wptr, dw2)
 
 
 # ----------------------------------------------------------------------------- host side
@@ -806,20 +852,27 @@ def kernel_constexprs(mode: int, f: frames.Frame, *, h: int, d: int, pre, post, 
 
 def descriptor_specs(consts: dict) -> dict:
     """{kernel argument: (input, block shape)} of the kernel's tensor descriptors: rows x GP
-    features of a (planes, T, DPAD) input; the Toeplitz tables' main (EC, EC) and halo (HW, EC)
-    blocks of a (HP * c_q * (EC + HW), EC) table. The one source for ``_launch`` and
+    features of a (planes, T, DPAD) input or accumulator; the Toeplitz tables' main (EC, EC) and
+    halo (HW, EC) blocks of a (HP * c_q * (EC + HW), EC) table. The one source for ``_launch`` and
     ``scripts/compile_triton.py``."""
     er, ec, gp, hw = consts["ER"], consts["EC"], consts["GP"], consts["HW"]
     return {"qd": ("q", [1, er, gp]), "kd": ("k", [1, ec, gp]), "vd": ("v", [1, ec, gp]), "dod": ("do", [1, er, gp]),
             "khd": ("khat", [1, ec, gp]), "tf2m": ("tf2", [ec, ec]), "tf2h": ("tf2", [hw, ec]),
-            "ta2m": ("ta2", [ec, ec]), "ta2h": ("ta2", [hw, ec]), "ta1m": ("ta1", [ec, ec]), "ta1h": ("ta1", [hw, ec])}
+            "ta2m": ("ta2", [ec, ec]), "ta2h": ("ta2", [hw, ec]), "ta1m": ("ta1", [ec, ec]), "ta1h": ("ta1", [hw, ec]),
+            # the accumulators (fp32; ``ACCUMULATORS``): O's and dq's per-item row partials, dk, dv
+            "pod": ("po", [1, er, gp]), "pdqd": ("pdq", [1, er, gp]), "dkd": ("dk", [1, ec, gp]),
+            "dvd": ("dv", [1, ec, gp])}
 
 
-def _descriptor(x: Optional[torch.Tensor], block: list, like: torch.Tensor):
+ACCUMULATORS = ("po", "pdq", "dk", "dv")  # descriptor sources in the accumulator dtype, the rest in the inputs'
+
+
+
+def _descriptor(x: Optional[torch.Tensor], block: list, dtype: torch.dtype, device: torch.device):
     """A host tensor descriptor of x ((planes, T, DPAD) or a 2-D table), or of a dummy of the
-    block's shape when the input is absent (its loads are compiled out)."""
+    block's shape when this pass does not use it (its loads and stores are compiled out)."""
     if x is None:
-        x = torch.zeros(block, dtype=like.dtype, device=like.device)
+        x = torch.zeros(block, dtype=dtype, device=device)
     return TensorDescriptor.from_tensor(x, block)
 
 
@@ -831,14 +884,14 @@ def _launch(mode: int, pb: _Problem, bufs: dict, do: Optional[torch.Tensor] = No
     if mode == _STATS.value:
         bufs["pm"] = torch.full((n_slots, pb.hp, f.er), float("-inf"), dtype=acc, device=pb.dev)
         bufs["pl"] = torch.zeros(n_slots, pb.hp, f.er, dtype=acc, device=pb.dev)
-    elif mode == _FWD.value:
-        bufs["po"] = torch.zeros(n_slots, pb.h, f.er, pb.d, dtype=acc, device=pb.dev)
+    elif mode == _FWD.value:  # accumulators: DPAD features, so their rows suit a tensor descriptor
+        bufs["po"] = torch.zeros(n_slots, pb.h, f.er, pb.dpad, dtype=acc, device=pb.dev)
     elif mode == _ROWSUM.value:
         bufs["pd"] = torch.zeros(n_slots, pb.hp, f.er, dtype=acc, device=pb.dev)
     else:
-        bufs["pdq"] = torch.zeros(n_slots, pb.h, f.er, pb.d, dtype=acc, device=pb.dev)
-        bufs["dk"] = torch.zeros(pb.b, pb.h, pb.tk, pb.d, dtype=acc, device=pb.dev)
-        bufs["dv"] = torch.zeros(pb.b, pb.h, pb.tk, pb.d, dtype=acc, device=pb.dev)
+        bufs["pdq"] = torch.zeros(n_slots, pb.h, f.er, pb.dpad, dtype=acc, device=pb.dev)
+        bufs["dk"] = torch.zeros(pb.b, pb.h, pb.tk, pb.dpad, dtype=acc, device=pb.dev)
+        bufs["dv"] = torch.zeros(pb.b, pb.h, pb.tk, pb.dpad, dtype=acc, device=pb.dev)
         bufs["pw1"] = torch.zeros(max(1, n_prog), pb.hp, pb.hp, dtype=acc, device=pb.dev)
         bufs["pw2"] = torch.zeros(max(1, n_prog), pb.hp, pb.hp, dtype=acc, device=pb.dev)
         if pb.pre:
@@ -855,7 +908,10 @@ def _launch(mode: int, pb: _Problem, bufs: dict, do: Optional[torch.Tensor] = No
     inputs = {"q": pb.qp, "k": pb.kp, "v": pb.vp, "do": None if do is None else pb.padded(do),
               "khat": pb.khatp, "tf2": getattr(pb, "tf2", None), "ta2": getattr(pb, "ta2", None),
               "ta1": getattr(pb, "ta1", None)}
-    descs = {name: _descriptor(inputs[src], block, pb.qp) for name, (src, block) in descriptor_specs(consts).items()}
+    for name in ACCUMULATORS:  # (planes, rows, DPAD) views of the accumulators this pass adds into
+        inputs[name] = bufs[name].flatten(0, 1) if name in bufs else None
+    descs = {name: _descriptor(inputs[src], block, pb.acc_t if src in ACCUMULATORS else pb.qp.dtype, pb.dev)
+             for name, (src, block) in descriptor_specs(consts).items()}
     items = torch.tensor(sched.items, dtype=torch.int32, device=pb.dev).flatten()
     starts = torch.tensor(sched.starts, dtype=torch.int32, device=pb.dev)
     dm = pb.dummy
@@ -871,7 +927,7 @@ def _launch(mode: int, pb: _Problem, bufs: dict, do: Optional[torch.Tensor] = No
             pb.w1t if pb.w1t is not None else dm, pb.w2t if pb.w2t is not None else dm,
             descs["tf2m"], descs["tf2h"], descs["ta2m"], descs["ta2h"], descs["ta1m"], descs["ta1h"],
             buf("lse"), buf("dd"), items, starts,
-            buf("pm"), buf("pl"), buf("po"), buf("pd"), buf("pdq"), buf("dk"), buf("dv"),
+            buf("pm"), buf("pl"), descs["pod"], buf("pd"), descs["pdqd"], descs["dkd"], descs["dvd"],
             buf("pw1"), buf("pw2"), buf("pt1"), buf("pt2"), scratch,
             pb.tq, pb.tk, pb.q_off, pb.scale, pb.p_drop, pb.seed,
             **consts, num_warps=num_warps, num_stages=num_stages,
@@ -920,7 +976,7 @@ class _MTATriton(torch.autograd.Function):
         lse = _per_row(ml, f, sched, pb, _merge_stats)[:, :pb.h].contiguous()
         fb = {"lse": lse}
         f, sched = _launch(_FWD.value, pb, fb)
-        out = _per_row(fb["po"], f, sched, pb)
+        out = _per_row(fb["po"][..., :pb.d], f, sched, pb)
         ctx.save_for_backward(q, k, v, lse, kv, k1, w1, k2, w2)
         ctx.args = (pad_key, q_off, p_drop, seed)
         return out.to(q.dtype)
@@ -936,8 +992,8 @@ class _MTATriton(torch.autograd.Function):
         dd = _per_row(bufs["pd"], f, sched, pb)[:, :pb.h].contiguous()
         bufs["dd"] = dd
         f, sched = _launch(_BWD.value, pb, bufs, do)
-        dq = _per_row(bufs["pdq"], f, sched, pb)
-        dk, dv = bufs["dk"], bufs["dv"]
+        dq = _per_row(bufs["pdq"][..., :pb.d], f, sched, pb)
+        dk, dv = bufs["dk"][..., :pb.d], bufs["dv"][..., :pb.d]
         if kv is not None:
             dq = dq * kv[:, q_off:q_off + pb.tq].to(dq.dtype)[:, None, :, None]
             dk = dk * kv.to(dk.dtype)[:, None, :, None]

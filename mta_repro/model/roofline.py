@@ -18,9 +18,12 @@ item (a third runtime level is an error: the schedule would not know its trips).
 elements of tensor ``arith.mulf``/``math.fma`` (CUDA-core multiplies: convolution taps,
 scalings); elements of ``math.exp``/``exp2`` (special-function unit); global bytes of
 ``tt.load``/``tt.store``/``tt.atomic_rmw``/async copies (an atomic counts twice); shared
-bytes of ``ttg.local_load``/``local_store``; barriers, split into those that order global
-scratch (a ``tt.store``/atomic within two ops: a round trip through L1/L2) and plain
-shared-memory barriers. ``compile_triton.py`` checks the dot counts against the PTX's
+bytes of ``ttg.local_load``/``local_store``/``local_alloc`` of a register tensor; a TMA
+store or reduction (``ttng.async_tma_*``) as its box read from shared memory and written
+(a reduction: read and written) in global memory; barriers, split into those that order
+global scratch (a ``tt.store``/atomic within two ops: a round trip through L1/L2, as is
+waiting for a TMA store to complete) and plain shared-memory barriers (and waits for a TMA
+store's read of shared memory). ``compile_triton.py`` checks the dot counts against the PTX's
 ``mma``/``wgmma`` instructions.
 
 Time (``estimate``): with ``active`` = the SMs that get programs and the per-SM rates of
@@ -248,6 +251,20 @@ def count_ttgir(ttgir: str, source: str = "attention_triton.py") -> Counts:
             tt_ = _tensor(t.split("->")[-1] if "->" in t else t.split(" : ")[-1])
             if tt_:
                 c.add(level, "shared_bytes", tt_[0] * tt_[1], mult)
+        elif re.search(r"= ttg\.local_alloc %\S+ : \(tensor<", t):
+            tt_ = _tensor(t.split(" : ")[-1])  # a register tensor stored into a new shared buffer
+            c.add(level, "shared_bytes", tt_[0] * tt_[1], mult)
+        elif re.match(r"ttng\.async_tma_(reduce|copy_local_to_global) ", t):
+            mem = re.findall(r"!ttg\.memdesc<([0-9x]+)x(\w+)", t)
+            box = math.prod(int(x) for x in mem[-1][0].split("x")) * _BYTES.get(mem[-1][1], 4)
+            # a TMA store / reduction: the box read from shared memory, written (a reduction: read
+            # and written, the atomics' rule) in global memory
+            c.add(level, "shared_bytes", box, mult)
+            c.add(level, "global_bytes", box * (2 if "reduce" in t else 1), mult)
+        elif t.startswith("ttng.async_tma_store_wait "):
+            # waiting for a TMA store's completion is a round trip to global memory; for its read of
+            # shared memory only (read_only: the pipelined form), a shared-memory wait
+            c.add(level, "barriers_shared" if "read_only" in t else "barriers_global", 1, mult)
         elif re.match(r"(ttg|gpu)\.barrier", t):
             near = [lines[j].strip() for j in ops if 0 < abs(j - idx) <= 3]
             glob = any(x.startswith("tt.store") or "tt.atomic_rmw" in x for x in near)
