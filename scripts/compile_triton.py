@@ -15,7 +15,8 @@ kernel sources, the options and the Triton version. Lengths are not specialised,
 compile serves every T; T and the batch only change the schedule the estimate uses.
 
 Record keys: layer, pass, T, num_warps, num_stages, registers, spill_bytes (stores +
-loads), smem_bytes, mma_macs / fma_macs (tensor-core / CUDA-core multiply-adds of the
+loads), wgmma_serialized (ptxas's C7514: it serialises the kernel's wgmma, because a
+non-wgmma instruction reads a wgmma accumulator inside its pipeline stage), smem_bytes, mma_macs / fma_macs (tensor-core / CUDA-core multiply-adds of the
 whole pass at ``--batch``, counted from the compiled IR's dot encodings and multiplies
 weighted by loop trips), global_loads (ld.global + cp.async instructions in the PTX, per
 thread, static), barriers (bar.sync in the PTX, static), est_ms (this pass, estimate),
@@ -97,7 +98,7 @@ def _compile(consts: dict, arch: int, num_warps: int, num_stages: int):
 
 
 def ptxas(ptx: str, arch: int) -> dict:
-    """Registers and spill bytes (stores + loads) from ``ptxas -v``."""
+    """Registers, spill bytes (stores + loads) and whether wgmma are serialised (C7514), from ``ptxas -v``."""
     from triton.backends.nvidia.compiler import get_ptxas
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -112,7 +113,8 @@ def ptxas(ptx: str, arch: int) -> dict:
     spill = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", text)
     if not (regs and spill):
         raise RuntimeError(f"ptxas -v gave no register report: {text.strip()[-400:]}")
-    return {"registers": int(regs.group(1)), "spill_bytes": int(spill.group(1)) + int(spill.group(2))}
+    return {"registers": int(regs.group(1)), "spill_bytes": int(spill.group(1)) + int(spill.group(2)),
+            "wgmma_serialized": "(C7514)" in text}
 
 
 def ptx_counts(ptx: str, num_warps: int) -> dict:
@@ -139,6 +141,11 @@ def ptx_counts(ptx: str, num_warps: int) -> dict:
             "fma_f32": sum(s.startswith("fma.rn.f32") for s in ins)}
 
 
+# what a cache entry holds besides the IR: a new field here starts new entries
+_CACHED_FIELDS = ("num_warps", "num_stages", "smem_bytes", "compile_s", "ptx", "registers", "spill_bytes",
+                  "wgmma_serialized")
+
+
 def compiled_pass(layer: str, name: str, heads: int, head_dim: int, arch: int, cache: Path) -> dict:
     """Everything the report needs from one compile, cached."""
     pre, post = LAYERS[layer]
@@ -151,7 +158,7 @@ def compiled_pass(layer: str, name: str, heads: int, head_dim: int, arch: int, c
     # the kernel's own cache key (its source and the jit functions it calls), not the file:
     # a docstring edit keeps the cache; the IR is stored, so the counting can change freely
     key = hashlib.sha256(json.dumps([at._mta_kernel.cache_key, {k: str(v) for k, v in consts.items()}, arch, nw, ns,
-                                     triton.__version__], sort_keys=True).encode())
+                                     triton.__version__, _CACHED_FIELDS], sort_keys=True).encode())
     path = cache / f"{layer}-{name}-{key.hexdigest()[:16]}.json.gz"
     if path.exists():
         out = json.loads(gzip.decompress(path.read_bytes()))
@@ -198,7 +205,8 @@ def record(layer, name, seq, info, est, fa2, batch, fa2_l2) -> dict:
     tot = est["total"]
     tc = tot["mma_macs"] + tot["wgmma_macs"] + tot["tf32_macs"]
     return {"layer": layer, "pass": name, "T": seq, "num_warps": info["num_warps"], "num_stages": info["num_stages"],
-            "registers": info["registers"], "spill_bytes": info["spill_bytes"], "smem_bytes": info["smem_bytes"],
+            "registers": info["registers"], "spill_bytes": info["spill_bytes"],
+            "wgmma_serialized": info.get("wgmma_serialized"), "smem_bytes": info["smem_bytes"],
             "mma_macs": tc, "fma_macs": tot["fma_macs"], "global_loads": info["ptx"]["ld_global"] + info["ptx"]["cp_async"],
             "barriers": info["ptx"]["bar_sync"], "est_ms": round(est["est_ms"], 4), "fa2_est_ms": round(fa2, 4),
             "est_l2_ms": round(est["est_l2_ms"], 4), "fa2_est_l2_ms": round(fa2_l2, 4), "l2_ms": round(est["l2_ms"], 4),
@@ -260,6 +268,8 @@ def main() -> None:
               f"{r['spill_bytes']} | {r['smem_bytes'] / 1024:.0f} | {r['tc_share']:.0%} | {r['global_loads']} | "
               f"{r['barriers']} | {r['est_ms']:.3f} | {r['throughput_ms']:.3f}/{r['chain_ms']:.3f} | "
               f"{r['est_l2_ms']:.3f} | {r['l2_ms']:.3f}/{r['hbm_ms']:.3f} |")
+    serial = sorted({f"{r['layer']} {r['pass']}" for r in records if r.get("wgmma_serialized")})
+    print(f"\nwgmma serialised by ptxas (C7514; not in the estimate): {', '.join(serial) or 'none'}")
     print("\nPer layer (sum of its passes), ESTIMATES (est_ms; est_l2_ms: every global byte through the L2):")
     for seq in seqs:
         for layer in ["sdpa"] + a.layers.split(","):

@@ -530,7 +530,10 @@ def _mta_kernel(
                             _slab_store(scr + S_A * SLOT, cu, cw, hh, a, H, ER, EC, RNE)
                     else:
                         da = _drop(_slab(scr + S_DA * SLOT, cu, cw, hh, H, ER, EC, ACC), keep, p_drop, DROP)
-                        dr = tl.where(okh, _mix(da.to(MMA), w2, HAS_W2, PREC, ACC), 0.0)
+                        # masked before the mixing, not after: the same values (a cell's mix is of its
+                        # own heads; padded heads' weights are 0), and a select of the product's
+                        # accumulator made ptxas serialise every wgmma of the kq-conv passes (C7514)
+                        dr = _mix(tl.where(okh, da, 0.0).to(MMA), w2, HAS_W2, PREC, ACC)
                         if HAS_K2:
                             _slab_store(scr + S_P * SLOT, cu, cw, hh, p, H, ER, EC, RNE)
                             _slab_store(scr + S_DR * SLOT, cu, cw, hh, dr, H, ER, EC, RNE)
