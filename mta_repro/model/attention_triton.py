@@ -301,9 +301,9 @@ def _accumulate(desc, plane, r0, e0, x, R: tl.constexpr, GP: tl.constexpr, ACC: 
     """desc[plane, r0 : r0 + R, e0 : e0 + GP] += x (R, GP): a bulk tensor reduction (a TMA
     reduction on sm_90: no per-thread addresses, masks or layout change for it; rows outside
     the descriptor, e.g. keys beyond Tk or before 0, are not written). Reductions are 32 bits
-    wide at most, so a float64 accumulator (the interpreter's float64 checks; ``_Problem``
-    refuses it on a GPU) is read, added and written back: exact there, where programs run
-    one after another."""
+    wide at most, so a float64 accumulator (the interpreter's float64 checks; on a GPU the
+    registry runs ``blocked`` for float64, ``attention_ops._triton_supports``) is read, added
+    and written back: exact there, where programs run one after another."""
     if ACC == tl.float64:
         desc.store([plane, r0, e0], desc.load([plane, r0, e0]) + x.reshape(1, R, GP))
     else:
@@ -313,7 +313,7 @@ def _accumulate(desc, plane, r0, e0, x, R: tl.constexpr, GP: tl.constexpr, ACC: 
 @triton.jit
 def _grad_pair(g, xd, yd, xod, yod, bh, row0, col0, xo_plane, E0, GP: tl.constexpr, ER: tl.constexpr,
                EC: tl.constexpr, HAS_XO: tl.constexpr, MMA: tl.constexpr, ACC: tl.constexpr, PREC: tl.constexpr):
-    """Features [E0, E0 + GP) (E0 a runtime loop index) of one head's products of a tile
+    """Features [E0, E0 + GP) (one feature part) of one head's products of a tile
     gradient g (ER x EC, zero outside the owned cells, so the rest adds 0): yo += g^T @ y[rows]
     into keys [col0, col0 + EC) of plane bh of yod, and (HAS_XO) xo += g @ x[cols] into plane
     xo_plane of xod, its item's row partial. dS gives dk from q and dq from k, A gives dv from dO."""
@@ -431,7 +431,7 @@ def _mta_kernel(
     pm_ptr, pl_ptr, pod, pd_ptr, pdqd, dkd, dvd, pw1_ptr, pw2_ptr, pt1_ptr, pt2_ptr,
     scr_ptr,
     Tq, Tk, q_off, scale, p_drop, seed,
-    MODE: tl.constexpr, H: tl.constexpr, HP: tl.constexpr, D: tl.constexpr, DPAD: tl.constexpr,
+    MODE: tl.constexpr, H: tl.constexpr, HP: tl.constexpr, DPAD: tl.constexpr,
     ER: tl.constexpr, EC: tl.constexpr, TOP: tl.constexpr, LEFT: tl.constexpr, BMO: tl.constexpr,
     BNO: tl.constexpr, SR: tl.constexpr, HW: tl.constexpr,
     HAS_K1: tl.constexpr, CQ1: tl.constexpr, CK1: tl.constexpr, CKP1: tl.constexpr, PL1: tl.constexpr,
@@ -843,7 +843,7 @@ def kernel_constexprs(mode: int, f: frames.Frame, *, h: int, d: int, pre, post, 
     mma, acc, prec, sdt = _types(dtype, torch.device("cuda" if gpu else "cpu"))
     gp, dpad = frames.feature_parts(d)
     return dict(
-        MODE=mode, H=h, HP=frames.padded_heads(h, gpu), D=d, DPAD=dpad,
+        MODE=mode, H=h, HP=frames.padded_heads(h, gpu), DPAD=dpad,
         ER=f.er, EC=f.ec, TOP=f.top, LEFT=f.left, BMO=f.bmo, BNO=f.bno, SR=slab_rows(f, gpu), HW=f.hw,
         HAS_K1=pre is not None, CQ1=cq1, CK1=ck1, CKP1=frames.pow2(ck1), PL1=pl1, NB1=band_width(cq1, ck1, pl1) if pre else 0,
         HAS_W1=has_w1, HAS_K2=post is not None, CQ2=cq2, CK2=ck2, CKP2=frames.pow2(ck2), PL2=pl2, HAS_W2=has_w2,
