@@ -135,9 +135,10 @@ def triton_backward_workspace(attn, batch_size: int, seq_len: int, sms: int = 13
     n_slot = frames.scratch_slots("backward", pre is not None, post is not None)["NSLOT"]
     scratch = programs * n_slot * hp * f.er * f.ec * 2
     io = batch_size * attn.n_heads * seq_len * attn.head_dim
-    dq_parts = batch_size * sched.n_rt * sched.s_max * attn.n_heads * f.er * attn.head_dim * 4
+    dpad = frames.feature_parts(attn.head_dim)[1]  # the accumulators' feature width (tensor descriptors)
+    dq_parts = batch_size * sched.n_rt * sched.s_max * attn.n_heads * f.er * dpad * 4
     khat = (pre[0] * io * 2 + batch_size * attn.n_heads * seq_len * 16 * 4) if pre else 0
-    return scratch + dq_parts + 2 * io * 4 + khat
+    return scratch + dq_parts + 2 * (io // attn.head_dim * dpad) * 4 + khat
 
 
 def _saved_bytes(fn, exclude: set) -> int:

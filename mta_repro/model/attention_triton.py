@@ -816,10 +816,10 @@ def programs(device: torch.device) -> int:
     return frames.PROGRAMS_PER_SM * torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def slab_rows(f: frames.Frame, gpu: bool) -> int:
-    """Frame rows per mixing slab: ``frames.SLAB_ROWS_GPU`` on a GPU, the whole frame in the
-    interpreter (fewest interpreted ops); ``MTA_TRITON_SLAB_ROWS`` overrides (tests run the
-    GPU's slabs in the interpreter)."""
+def slab_rows(pass_: str, f: frames.Frame, gpu: bool, conv: bool) -> int:
+    """Frame rows per mixing slab: ``frames.SLAB_ROWS_GPU`` (a layer with a convolution:
+    ``SLAB_ROWS_GPU_CONV``) on a GPU, the whole frame in the interpreter (fewest interpreted
+    ops); ``MTA_TRITON_SLAB_ROWS`` overrides (tests run the GPU's slabs in the interpreter)."""
     env = os.environ.get("MTA_TRITON_SLAB_ROWS")
     if env:
         try:
@@ -829,7 +829,7 @@ def slab_rows(f: frames.Frame, gpu: bool) -> int:
         if sr < 1 or sr & (sr - 1) or f.er % sr:
             raise UserError(f"MTA_TRITON_SLAB_ROWS={env!r}: a power of two dividing the frame's {f.er} rows")
         return sr
-    return min(f.er, frames.SLAB_ROWS_GPU) if gpu else f.er
+    return min(f.er, frames.SLAB_ROWS_GPU_CONV if conv else frames.SLAB_ROWS_GPU[pass_]) if gpu else f.er
 
 
 def kernel_constexprs(mode: int, f: frames.Frame, *, h: int, d: int, pre, post, pad_key: str, has_w1: bool,
@@ -844,7 +844,7 @@ def kernel_constexprs(mode: int, f: frames.Frame, *, h: int, d: int, pre, post, 
     gp, dpad = frames.feature_parts(d)
     return dict(
         MODE=mode, H=h, HP=frames.padded_heads(h, gpu), DPAD=dpad,
-        ER=f.er, EC=f.ec, TOP=f.top, LEFT=f.left, BMO=f.bmo, BNO=f.bno, SR=slab_rows(f, gpu), HW=f.hw,
+        ER=f.er, EC=f.ec, TOP=f.top, LEFT=f.left, BMO=f.bmo, BNO=f.bno, SR=slab_rows(frames.PASSES[mode], f, gpu, pre is not None or post is not None), HW=f.hw,
         HAS_K1=pre is not None, CQ1=cq1, CK1=ck1, CKP1=frames.pow2(ck1), PL1=pl1, NB1=band_width(cq1, ck1, pl1) if pre else 0,
         HAS_W1=has_w1, HAS_K2=post is not None, CQ2=cq2, CK2=ck2, CKP2=frames.pow2(ck2), PL2=pl2, HAS_W2=has_w2,
         HAS_KV=has_kv, DROP=drop, MMA=mma, ACC=acc, PREC=prec, RNE=not gpu and sdt == torch.bfloat16,

@@ -51,15 +51,17 @@ def items_per_program() -> int:
 # Default frames (a halo too wide for one doubles an edge): 128 rows, with 8 warps each of the
 # two warpgroups owns 64 rows of a product (wgmma m64), so products, loads and stores share a
 # layout (64-row frames split N between them and convert layouts at almost every hand-off);
-# 128 key columns where no convolution runs and registers allow (fewer accumulator adds per
-# cell), 64 where the passes would spill at 128 (scripts/compile_triton.py with
-# MTA_TRITON_FRAME; the figures are in docs/triton_kernel.md).
+# 128 key columns where no convolution runs (fewer accumulator adds per cell), 64 with one,
+# whose passes would spill at 128 (scripts/compile_triton.py with MTA_TRITON_FRAME; the
+# figures are in docs/triton_kernel.md).
 FRAME_ROWS = 128
-FRAME_COLS = {"stats": 128, "forward": 128, "backward_rowsum": 128, "backward": 64}  # layers without convolutions
+FRAME_COLS = 128  # every pass of a layer without convolutions
 FRAME_COLS_CONV = 64  # every pass of a layer with a key-query convolution
-# Frame rows per head-mixing slab: SR x ec cells x all heads per (cells, heads) x (heads,
-# heads) tensor-core product; the interpreter takes whole frames (fewest interpreted ops).
-SLAB_ROWS_GPU = 4
+# Frame rows per head-mixing slab on a GPU: SR x ec cells x all heads per (cells, heads) x
+# (heads, heads) tensor-core product; the interpreter takes whole frames (fewest interpreted
+# ops). The mixing layer's backward takes one row of its 128 columns: at 2 or 4 rows it spills.
+SLAB_ROWS_GPU = {"stats": 4, "forward": 4, "backward_rowsum": 4, "backward": 1}  # layers without convolutions
+SLAB_ROWS_GPU_CONV = 4
 
 
 def launch_config(pass_: str, pre: Optional[tuple[int, int]], post: Optional[tuple[int, int]]) -> tuple[int, int]:
@@ -165,7 +167,7 @@ def frame(pass_: str, pre: Optional[tuple[int, int]], post: Optional[tuple[int, 
                 f"MTA_TRITON_FRAME={er}x{ec} leaves no owned block: the halo needs "
                 f"{hl.top + hl.bot + 1}x{hl.left + hl.right + 1} at least")
     else:
-        er, ec = FRAME_ROWS, (FRAME_COLS[pass_] if pre is None and post is None else FRAME_COLS_CONV)
+        er, ec = FRAME_ROWS, (FRAME_COLS if pre is None and post is None else FRAME_COLS_CONV)
         # at least half of the frame owned in each direction
         while 2 * (hl.top + hl.bot) > er:
             er *= 2
