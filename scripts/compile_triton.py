@@ -16,9 +16,9 @@ compile serves every T; T and the batch only change the schedule the estimate us
 
 Record keys: layer, pass, T, num_warps, num_stages, registers, spill_bytes (stores +
 loads), wgmma_serialized (ptxas's C7514: it serialises the kernel's wgmma, because a
-non-wgmma instruction reads a wgmma accumulator inside its pipeline stage), smem_bytes, mma_macs / fma_macs (tensor-core / CUDA-core multiply-adds of the
-whole pass at ``--batch``, counted from the compiled IR's dot encodings and multiplies
-weighted by loop trips), global_loads (ld.global + cp.async instructions in the PTX, per
+non-wgmma instruction reads a wgmma accumulator inside its pipeline stage), smem_bytes,
+mma_macs / fma_macs (tensor-core / CUDA-core multiply-adds of the whole pass at ``--batch``,
+counted from the compiled IR's dot encodings and multiplies weighted by loop trips), global_loads (ld.global + cp.async instructions in the PTX, per
 thread, static), barriers (bar.sync in the PTX, static), est_ms (this pass, estimate),
 fa2_est_ms (FlashAttention-2 forward+backward of the same layer shape, estimate; the same
 value on each record of a T), plus tc_share, the estimate's parts and the PTX cross-check.
