@@ -15,13 +15,14 @@ kernel sources, the options and the Triton version. Lengths are not specialised,
 compile serves every T; T and the batch only change the schedule the estimate uses.
 
 Record keys: layer, pass, T, num_warps, num_stages, registers, spill_bytes (stores +
-loads), wgmma_serialized (ptxas's C7514: it serialises the kernel's wgmma, because a
-non-wgmma instruction reads a wgmma accumulator inside its pipeline stage), smem_bytes,
-mma_macs / fma_macs (tensor-core / CUDA-core multiply-adds of the whole pass at ``--batch``,
-counted from the compiled IR's dot encodings and multiplies weighted by loop trips), global_loads (ld.global + cp.async instructions in the PTX, per
-thread, static), barriers (bar.sync in the PTX, static), est_ms (this pass, estimate),
-fa2_est_ms (FlashAttention-2 forward+backward of the same layer shape, estimate; the same
-value on each record of a T), plus tc_share, the estimate's parts and the PTX cross-check.
+loads), wgmma_serialized (ptxas's C7514: it serialises the kernel's wgmma, because a non-
+wgmma instruction reads a wgmma accumulator inside its pipeline stage), smem_bytes,
+mma_macs / fma_macs (tensor-core / CUDA-core multiply-adds of the whole pass at
+``--batch``, counted from the compiled IR's dot encodings and multiplies weighted by loop
+trips), global_loads (ld.global + cp.async instructions in the PTX, per thread, static),
+barriers (bar.sync in the PTX, static), est_ms (this pass, estimate), fa2_est_ms
+(FlashAttention-2 forward+backward of the same layer shape, estimate; the same value on
+each record of a T), plus tc_share, the estimate's parts and the PTX cross-check.
 Layer "sdpa" records are FlashAttention-2's own passes under the same estimator.
 """
 
