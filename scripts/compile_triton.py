@@ -15,8 +15,8 @@ kernel sources, the options and the Triton version. Lengths are not specialised,
 compile serves every T; T and the batch only change the schedule the estimate uses.
 
 Record keys: layer, pass, T, num_warps, num_stages, registers, spill_bytes (stores +
-loads), wgmma_serialized (ptxas's C7514: it serialises the kernel's wgmma, because a non-
-wgmma instruction reads a wgmma accumulator inside its pipeline stage), smem_bytes,
+loads), wgmma_serialized (ptxas's C7514: it serialises the kernel's wgmma, because a
+non-wgmma instruction reads a wgmma accumulator inside its pipeline stage), smem_bytes,
 mma_macs / fma_macs (tensor-core / CUDA-core multiply-adds of the whole pass at
 ``--batch``, counted from the compiled IR's dot encodings and multiplies weighted by loop
 trips), global_loads (ld.global + cp.async instructions in the PTX, per thread, static),
