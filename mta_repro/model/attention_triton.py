@@ -622,10 +622,11 @@ def _mta_kernel(
                     # (their TMA reductions overlap the next head; one completion wait per loop):
                     # with a pre kernel, dS (its adjoint of dC, a loop per row shift) is computed
                     # first, scaled, into the DA planes, free since the mixing phase
+                    # the owned, allowed cells of the tile: where dS and A are nonzero
+                    own2 = own_u[:, None] & own_w[None, :] & _allowed(i[:, None], j[None, :], b, kv_ptr, Tq, Tk, q_off,
+                                                                      HAS_KV)
                     if HAS_K1:
                         for h in tl.range(0, H, num_stages=1):
-                            own2 = own_u[:, None] & own_w[None, :] & _allowed(i[:, None], j[None, :], b, kv_ptr, Tq,
-                                                                              Tk, q_off, HAS_KV)
                             ds = _conv(scr + S_DC * SLOT + h * PLANE, ta1m, ta1h, h * CQ1 * (EC + HW), CQ1, R1,
                                        True, ER, EC, HW, MMA, ACC, PREC)
                             tl.store(scr + S_DA * SLOT + h * PLANE + u[:, None] * EC + w[None, :],
@@ -636,8 +637,6 @@ def _mta_kernel(
                         if HAS_K1:
                             ds = tl.load(scr + S_DA * SLOT + h * PLANE + u[:, None] * EC + w[None, :]).to(MMA)
                         else:
-                            own2 = own_u[:, None] & own_w[None, :] & _allowed(i[:, None], j[None, :], b, kv_ptr, Tq,
-                                                                              Tk, q_off, HAS_KV)
                             ds = tl.load(scr + S_DC * SLOT + h * PLANE + u[:, None] * EC + w[None, :]).to(ACC)
                             ds = tl.where(own2, ds * scale, 0.0).to(MMA)
                         for e0 in tl.static_range(0, DPAD, GP):
@@ -645,8 +644,6 @@ def _mta_kernel(
                                        MMA, ACC, PREC)
                     for h in tl.range(0, H, num_stages=2):
                         bh = b.to(tl.int64) * H + h
-                        own2 = own_u[:, None] & own_w[None, :] & _allowed(i[:, None], j[None, :], b, kv_ptr, Tq, Tk,
-                                                                          q_off, HAS_KV)
                         ac = tl.where(own2, tl.load(scr + S_A * SLOT + h * PLANE + u[:, None] * EC + w[None, :]),
                                       0.0).to(MMA)
                         for e0 in tl.static_range(0, DPAD, GP):
