@@ -218,44 +218,33 @@ def _plane_load(plane, u0, w0, R: tl.constexpr, C: tl.constexpr, ER: tl.constexp
 
 
 @triton.jit
-def _window(plane, du, OFF: tl.constexpr, ER: tl.constexpr, EC: tl.constexpr, HW: tl.constexpr, MMA: tl.constexpr):
-    """A convolution's input at row shift du: the plane's window of columns [-OFF, EC - OFF)
-    (ER, EC) and its halo [EC - OFF, EC + HW - OFF) (ER, HW)."""
-    return (_plane_load(plane, du, -OFF, ER, EC, ER, EC, MMA), _plane_load(plane, du, EC - OFF, ER, HW, ER, EC, MMA))
-
-
-@triton.jit
-def _toeplitz_step(acc, x, xh, tm, th, tb, EC: tl.constexpr, MMA: tl.constexpr, ACC: tl.constexpr,
-                   PREC: tl.constexpr):
-    """acc += one row shift's window and halo times its Toeplitz matrix (rows tb of the table:
-    tm the main (EC, EC) block, th the (HW, EC) halo block): two tensor-core products."""
-    acc = tl.dot(x, tm.load([tb, 0]).to(MMA), acc, input_precision=PREC, out_dtype=ACC)
-    return tl.dot(xh, th.load([tb + EC, 0]).to(MMA), acc, input_precision=PREC, out_dtype=ACC)
-
-
-@triton.jit
-def _add_taps(x, xh, gm, ptr, CK: tl.constexpr, CKP: tl.constexpr, EC: tl.constexpr, HW: tl.constexpr,
+def _add_taps(x, gm, ptr, SHIFT: tl.constexpr, CK: tl.constexpr, CKP: tl.constexpr, EC: tl.constexpr,
               ACC: tl.constexpr, PREC: tl.constexpr):
-    """ptr[b] += tap b of one kernel row's gradient, b < CK: the window^T G products ((EC + HW)
-    x EC, G = gm the output gradient) hold tap b on their diagonal b, summed by a gather (skew)
-    and a row sum, once per tile and row shift (not per tap)."""
+    """ptr[b] += tap b of one kernel row's gradient, b < CK: the product x^T G (x the input
+    plane's frame columns at one row shift, G = gm the output gradient, zero outside the owned
+    columns) holds tap b of column n at row n + b + SHIFT (SHIFT = -OFF, the kernel's reach left
+    of its key), summed by a gather (skew) and a row sum, once per tile and row shift (not per
+    tap). The frame holds every column an owned cell's taps read, so x needs no halo block."""
     r = tl.arange(0, CKP)
-    sk = r[:, None] + tl.arange(0, EC)[None, :]  # (CKP, EC): row n + b of the stacked product
+    sk = r[:, None] + tl.arange(0, EC)[None, :] + SHIFT  # (CKP, EC): row n + b + SHIFT of the product
     mm = tl.dot(tl.trans(x), gm, input_precision=PREC, out_dtype=ACC)  # (EC, EC)
-    mh = tl.dot(tl.trans(xh), gm, input_precision=PREC, out_dtype=ACC)  # (HW, EC)
-    taps = tl.sum(tl.where(sk < EC, tl.gather(mm, tl.minimum(sk, EC - 1), 0), 0.0), 1)
-    taps += tl.sum(tl.where((sk >= EC) & (sk < EC + HW),
-                            tl.gather(mh, tl.minimum(tl.maximum(sk - EC, 0), HW - 1), 0), 0.0), 1)
+    taps = tl.sum(tl.where((sk >= 0) & (sk < EC), tl.gather(mm, tl.minimum(tl.maximum(sk, 0), EC - 1), 0), 0.0), 1)
     tl.store(ptr + r, tl.load(ptr + r, mask=r < CK, other=0.0) + taps, mask=r < CK)
 
 
 @triton.jit
-def _conv(plane, tm, th, t0, CQ: tl.constexpr, OFF: tl.constexpr, ADJ: tl.constexpr, ER: tl.constexpr,
-          EC: tl.constexpr, HW: tl.constexpr, MMA: tl.constexpr, ACC: tl.constexpr, PREC: tl.constexpr):
+def _conv(plane, tm, th, t0, CQ: tl.constexpr, OFF: tl.constexpr, ADJ: tl.constexpr, OWNED: tl.constexpr,
+          ER: tl.constexpr, EC: tl.constexpr, HW: tl.constexpr, MMA: tl.constexpr, ACC: tl.constexpr,
+          PREC: tl.constexpr):
     """(ER, EC) key-query convolution (ADJ: its adjoint) of one head's scratch plane: for each
     row shift rho (back for the convolution, forward for the adjoint), its window times that
     shift's Toeplitz matrix (rows t0 + rho * (EC + HW) of the (HP * CQ * (EC + HW), EC) table,
-    read through its descriptors tm and th)."""
+    read through its descriptors tm and th); OFF is the kernel's reach left of its key.
+    OWNED: only the owned columns' outputs are used, and the frame holds every column they read
+    (``frames.halo``), so the window is the plane's own columns and one product per shift
+    (the table's rows from OFF on); the rest of the frame is then wrong and never read.
+    Otherwise the window starts OFF columns left of the frame and runs HW columns past it
+    (every frame column right): two products per shift."""
     acc = tl.zeros([ER, EC], ACC)
     # a runtime loop: one set of operand buffers (an unrolled loop would hold all shifts')
     for rho in tl.range(0, CQ):
@@ -263,36 +252,42 @@ def _conv(plane, tm, th, t0, CQ: tl.constexpr, OFF: tl.constexpr, ADJ: tl.conste
             du = rho
         else:
             du = -rho
-        x, xh = _window(plane, du, OFF, ER, EC, HW, MMA)
-        acc = _toeplitz_step(acc, x, xh, tm, th, t0 + rho * (EC + HW), EC, MMA, ACC, PREC)
+        tb = t0 + rho * (EC + HW)
+        if OWNED:
+            x = _plane_load(plane, du, 0, ER, EC, ER, EC, MMA)
+            acc = tl.dot(x, tm.load([tb + OFF, 0]).to(MMA), acc, input_precision=PREC, out_dtype=ACC)
+        else:
+            x = _plane_load(plane, du, -OFF, ER, EC, ER, EC, MMA)
+            xh = _plane_load(plane, du, EC - OFF, ER, HW, ER, EC, MMA)
+            acc = tl.dot(x, tm.load([tb, 0]).to(MMA), acc, input_precision=PREC, out_dtype=ACC)
+            acc = tl.dot(xh, th.load([tb + EC, 0]).to(MMA), acc, input_precision=PREC, out_dtype=ACC)
     return acc
 
 
 @triton.jit
 def _conv_weight_grad(xplane, g, part, OFF: tl.constexpr, CQ: tl.constexpr, CK: tl.constexpr, CKP: tl.constexpr,
-                      ER: tl.constexpr, EC: tl.constexpr, HW: tl.constexpr, MMA: tl.constexpr, ACC: tl.constexpr,
-                      PREC: tl.constexpr):
+                      ER: tl.constexpr, EC: tl.constexpr, MMA: tl.constexpr, ACC: tl.constexpr, PREC: tl.constexpr):
     """part[a, b] += sum over cells (u, w) of G[u, w] X[u - rho, w + b - OFF], a = CQ-1-rho:
     G (ER, EC) is this head's output gradient, already zero outside the owned cells; X the
-    convolution's input plane."""
+    convolution's input plane (the frame holds every column the owned cells' taps read)."""
     gm = g.to(MMA)
     for rho in tl.range(0, CQ):
-        x, xh = _window(xplane, -rho, OFF, ER, EC, HW, MMA)
-        _add_taps(x, xh, gm, part + (CQ - 1 - rho) * CK, CK, CKP, EC, HW, ACC, PREC)
+        _add_taps(_plane_load(xplane, -rho, 0, ER, EC, ER, EC, MMA), gm, part + (CQ - 1 - rho) * CK, -OFF, CK, CKP,
+                  EC, ACC, PREC)
 
 
 @triton.jit
-def _conv_and_weight_grad(plane, tm, th, t0, g, part, OFF: tl.constexpr, CQ: tl.constexpr, CK: tl.constexpr,
+def _conv_and_weight_grad(plane, tm, t0, g, part, OFF: tl.constexpr, CQ: tl.constexpr, CK: tl.constexpr,
                           CKP: tl.constexpr, ER: tl.constexpr, EC: tl.constexpr, HW: tl.constexpr, MMA: tl.constexpr,
                           ACC: tl.constexpr, PREC: tl.constexpr):
-    """``_conv`` (forward) of the plane and ``_conv_weight_grad`` with gradient g, from the same
-    input windows (each loaded once for both)."""
+    """``_conv`` (forward, OWNED) of the plane and ``_conv_weight_grad`` with gradient g, from
+    the same input windows (each loaded once for both)."""
     acc = tl.zeros([ER, EC], ACC)
     gm = g.to(MMA)
     for rho in tl.range(0, CQ):
-        x, xh = _window(plane, -rho, OFF, ER, EC, HW, MMA)
-        acc = _toeplitz_step(acc, x, xh, tm, th, t0 + rho * (EC + HW), EC, MMA, ACC, PREC)
-        _add_taps(x, xh, gm, part + (CQ - 1 - rho) * CK, CK, CKP, EC, HW, ACC, PREC)
+        x = _plane_load(plane, -rho, 0, ER, EC, ER, EC, MMA)
+        acc = tl.dot(x, tm.load([t0 + rho * (EC + HW) + OFF, 0]).to(MMA), acc, input_precision=PREC, out_dtype=ACC)
+        _add_taps(x, gm, part + (CQ - 1 - rho) * CK, -OFF, CK, CKP, EC, ACC, PREC)
     return acc
 
 
@@ -453,6 +448,16 @@ def _mta_kernel(
     scr = scr_ptr + pid.to(tl.int64) * (NSLOT * SLOT)
     R1: tl.constexpr = CK1 - 1 - PL1
     R2: tl.constexpr = CK2 - 1 - PL2
+    # the convolutions whose outputs are used on the owned block alone (all but the backward's
+    # dP) read only the frame's own columns: its margins hold their key taps (``frames.halo``)
+    RIGHT: tl.constexpr = EC - LEFT - BNO
+    if HAS_K2 and (MODE == _FWD or MODE == _BWD):
+        tl.static_assert((LEFT >= PL2) & (RIGHT >= R2), "the frame's margins must hold the post kernel's taps")
+    if HAS_K2 and MODE == _ROWSUM:
+        tl.static_assert((LEFT >= R2) & (RIGHT >= PL2), "the frame's margins must hold the post adjoint's taps")
+    if HAS_K1 and MODE == _BWD:
+        tl.static_assert((LEFT >= PL1) & (RIGHT >= R1) & (LEFT >= R1) & (RIGHT >= PL1),
+                         "the frame's margins must hold the pre kernel's taps")
     own_u = (u >= TOP) & (u < TOP + BMO)
     own_w = (w >= LEFT) & (w < LEFT + BNO)
     # the (HP, HP) mixings as right factors of (cells, heads) slabs: x @ W^T mixes, x @ W is the adjoint
@@ -557,18 +562,19 @@ def _mta_kernel(
                     ok = _allowed(i[:, None], j[None, :], b, kv_ptr, Tq, Tk, q_off, HAS_KV)
                     if MODE == _FWD:
                         rr = _conv(scr + S_P * SLOT + h * PLANE, tf2m, tf2h, h * CQ2 * (EC + HW), CQ2, PL2, False,
-                                   ER, EC, HW, MMA, ACC, PREC)
+                                   True, ER, EC, HW, MMA, ACC, PREC)
                     if MODE == _BWD:  # R and the post kernel's gradient read the same P windows
                         g = tl.where(own_u[:, None] & own_w[None, :], tl.load(scr + S_DR * SLOT + h * PLANE + pp), 0.0)
-                        rr = _conv_and_weight_grad(scr + S_P * SLOT + h * PLANE, tf2m, tf2h, h * CQ2 * (EC + HW), g,
+                        rr = _conv_and_weight_grad(scr + S_P * SLOT + h * PLANE, tf2m, h * CQ2 * (EC + HW), g,
                                                    pt2_ptr + (pid.to(tl.int64) * HP + h) * (CQ2 * CK2), PL2, CQ2, CK2,
                                                    CKP2, ER, EC, HW, MMA, ACC, PREC)
                     if MODE == _FWD or MODE == _BWD:
                         tl.store(scr + S_R * SLOT + h * PLANE + pp,
                                  _to_scratch(tl.where(ok, rr, 0.0), scr_ptr.dtype.element_ty, RNE))
                     if MODE == _ROWSUM or MODE == _BWD:
+                        # dP: on the whole frame in the backward (dC's halo), the owned block in the row sums
                         dp = _conv(scr + S_DR * SLOT + h * PLANE, ta2m, ta2h, h * CQ2 * (EC + HW), CQ2, R2, True,
-                                   ER, EC, HW, MMA, ACC, PREC)
+                                   MODE == _ROWSUM, ER, EC, HW, MMA, ACC, PREC)
                         tl.store(scr + S_DP * SLOT + h * PLANE + pp, _to_scratch(dp, scr_ptr.dtype.element_ty, RNE))
                 tl.debug_barrier()
                 # ---- M2: slabs again: the post-softmax mixing / the softmax backward
@@ -628,7 +634,7 @@ def _mta_kernel(
                     if HAS_K1:
                         for h in tl.range(0, H, num_stages=1):
                             ds = _conv(scr + S_DC * SLOT + h * PLANE, ta1m, ta1h, h * CQ1 * (EC + HW), CQ1, R1,
-                                       True, ER, EC, HW, MMA, ACC, PREC)
+                                       True, True, ER, EC, HW, MMA, ACC, PREC)
                             tl.store(scr + S_DA * SLOT + h * PLANE + u[:, None] * EC + w[None, :],
                                      _to_scratch(tl.where(own2, ds * scale, 0.0), scr_ptr.dtype.element_ty, RNE))
                         tl.debug_barrier()
@@ -655,7 +661,7 @@ def _mta_kernel(
                                          tl.load(scr + S_DC * SLOT + h * PLANE + u[:, None] * EC + w[None, :]), 0.0)
                             _conv_weight_grad(scr + S_S0 * SLOT + h * PLANE, g,
                                               pt1_ptr + (pid.to(tl.int64) * HP + h) * (CQ1 * CK1), PL1, CQ1, CK1, CKP1,
-                                              ER, EC, HW, MMA, ACC, PREC)
+                                              ER, EC, MMA, ACC, PREC)
 
 
 
