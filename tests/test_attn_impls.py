@@ -81,8 +81,7 @@ def assert_same(impl, q, k, v, p, mask):
         ("both", (2, 3), (3, 3), "head_kernel", True),  # the paper's MTA layer, small
         ("left", (3, 2), None, "wposm", False),  # pre only
         ("right", None, (2, 4), None, True),  # post only
-        # post only, centred: the backward frame's right margin is narrower than the kernel, so
-        # the triton kernel gradient's taps reach the window's halo block
+        # post only, centred: triton's frames have margins of exactly the kernel's reach
         ("both", None, (3, 3), "head_kernel", True),
         ("both", None, None, "head_kernel", True),  # talking heads (mixing-only layer)
         ("left", (2, 3), (2, 2), None, False),  # both convs, no mixing

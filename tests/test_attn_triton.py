@@ -74,8 +74,8 @@ def test_many_frames_with_padding_and_offset(monkeypatch, gpu_schedule):
     if gpu_schedule:
         return  # (the interpreter runs 4-row slabs several times slower)
     assert_matches_torch(q, k, v, p)
-    # post only, centred: the backward frame's right margin is narrower than the kernel, so
-    # the kernel gradient's taps of the owned block's last columns come from the halo block
+    # post only, centred: the frames' margins are exactly the kernel's reach (the convolutions
+    # used on the owned block read up to the frame's edge), over several key blocks
     assert_matches_torch(q, k, v, params(h, None, (2, 3), pad_key="both"))
     q, _, _ = qkv(2, h, 17, 37, 3, seed=2)  # 17 new queries after 20 cached keys
     assert_matches_torch(q, k, v, params(h, (3, 2), (2, 4), mix="wposm", pad_key="right"),
