@@ -45,17 +45,20 @@ is subtracted on the tiles that touch the band. Padding (``key_valid``) zeroes t
 of q and k first, which zeroes exactly the scores the reference masks.
 
 *Post-softmax convolution and every adjoint as Toeplitz products.* The c_k key taps of one
-row shift are a banded Toeplitz matrix: a frame's output = (its input window of the frame's
-columns and an HW-column halo, rows shifted by rho) x T_rho ((EC + HW) x EC), two
-tensor-core products per row shift, T built per head by torch (``_toeplitz``). The
-backward's adjoints use the flipped kernel and look forward. A kernel's gradient is the
-transposed product (window^T x output gradient) whose diagonals are the taps: summed once
-per tile (a gather and a row sum), not per tap.
+row shift are a banded Toeplitz matrix: a frame's output = (its input plane, rows shifted by
+rho) x T_rho (EC x EC, the frame's columns to its columns), one tensor-core product per row
+shift, T built per head by torch (``_toeplitz``). The backward's adjoints use the flipped
+kernel and look forward. A kernel's gradient is the transposed product (shifted input^T x
+output gradient) whose diagonals are the taps: summed once per tile (a gather and a row
+sum), not per tap.
 
 *Frames.* Only convolutions need a halo: the forward's post-softmax conv reads P above and
 beside the owned block, the backward's adjoints read below and beside (``frames.halo``).
-The halo is recomputed by the neighbouring tile; values near the frame's edge may be wrong
-and are never used for an owned cell.
+The halo is recomputed by the neighbouring tile. Every convolution reads only its frame's
+columns: the margins hold the taps of every cell whose result is used (the owned block, and
+in the backward the cells around it that the adjoint of the pre-softmax conv reads), so no
+window reaches past the frame; results nearer its edge are wrong and never read (checked
+per pass by ``tl.static_assert``).
 
 *Passes.* The post-softmax transforms mix rows of different heads after normalisation, so
 the forward is two passes: ``stats`` (each row's max and sum over its keys, merged over
@@ -209,12 +212,13 @@ def _to_scratch(x, dtype: tl.constexpr, RNE: tl.constexpr):
 
 
 @triton.jit
-def _plane_load(plane, u0, w0, R: tl.constexpr, C: tl.constexpr, ER: tl.constexpr, EC: tl.constexpr, MMA: tl.constexpr):
-    """(R, C) block of a scratch plane (ER x EC) at frame row u0, column w0; 0 outside the frame."""
-    u = u0 + tl.arange(0, R)
-    w = w0 + tl.arange(0, C)
-    m = (u[:, None] >= 0) & (u[:, None] < ER) & (w[None, :] >= 0) & (w[None, :] < EC)
-    return tl.load(plane + u[:, None] * EC + w[None, :], mask=m, other=0.0).to(MMA)
+def _plane_rows(plane, du, ER: tl.constexpr, EC: tl.constexpr, MMA: tl.constexpr):
+    """A scratch plane (ER x EC) with its rows shifted by du: frame rows [du, du + ER), 0 outside
+    the frame. Every convolution reads its input this way, the frame's own columns: the frame's
+    margins hold the key taps of every cell whose result is used (``frames.halo``)."""
+    u = du + tl.arange(0, ER)
+    w = tl.arange(0, EC)
+    return tl.load(plane + u[:, None] * EC + w[None, :], mask=((u >= 0) & (u < ER))[:, None], other=0.0).to(MMA)
 
 
 @triton.jit
@@ -224,7 +228,7 @@ def _add_taps(x, gm, ptr, SHIFT: tl.constexpr, CK: tl.constexpr, CKP: tl.constex
     plane's frame columns at one row shift, G = gm the output gradient, zero outside the owned
     columns) holds tap b of column n at row n + b + SHIFT (SHIFT = -OFF, the kernel's reach left
     of its key), summed by a gather (skew) and a row sum, once per tile and row shift (not per
-    tap). The frame holds every column an owned cell's taps read, so x needs no halo block."""
+    tap). The frame holds every column an owned cell's taps read."""
     r = tl.arange(0, CKP)
     sk = r[:, None] + tl.arange(0, EC)[None, :] + SHIFT  # (CKP, EC): row n + b + SHIFT of the product
     mm = tl.dot(tl.trans(x), gm, input_precision=PREC, out_dtype=ACC)  # (EC, EC)
@@ -233,18 +237,14 @@ def _add_taps(x, gm, ptr, SHIFT: tl.constexpr, CK: tl.constexpr, CKP: tl.constex
 
 
 @triton.jit
-def _conv(plane, tm, th, t0, CQ: tl.constexpr, OFF: tl.constexpr, ADJ: tl.constexpr, OWNED: tl.constexpr,
-          ER: tl.constexpr, EC: tl.constexpr, HW: tl.constexpr, MMA: tl.constexpr, ACC: tl.constexpr,
-          PREC: tl.constexpr):
+def _conv(plane, td, t0, CQ: tl.constexpr, ADJ: tl.constexpr, ER: tl.constexpr, EC: tl.constexpr,
+          MMA: tl.constexpr, ACC: tl.constexpr, PREC: tl.constexpr):
     """(ER, EC) key-query convolution (ADJ: its adjoint) of one head's scratch plane: for each
-    row shift rho (back for the convolution, forward for the adjoint), its window times that
-    shift's Toeplitz matrix (rows t0 + rho * (EC + HW) of the (HP * CQ * (EC + HW), EC) table,
-    read through its descriptors tm and th); OFF is the kernel's reach left of its key.
-    OWNED: only the owned columns' outputs are used, and the frame holds every column they read
-    (``frames.halo``), so the window is the plane's own columns and one product per shift
-    (the table's rows from OFF on); the rest of the frame is then wrong and never read.
-    Otherwise the window starts OFF columns left of the frame and runs HW columns past it
-    (every frame column right): two products per shift."""
+    row shift rho (back for the convolution, forward for the adjoint), the shifted plane times
+    that shift's (EC, EC) Toeplitz matrix (rows t0 + rho * EC of the (HP * CQ * EC, EC) table,
+    read through its descriptor td): one tensor-core product per shift. A cell's result is
+    exact where its taps lie in the frame: on every cell whose result is used (the owned block,
+    and for dP the cells dS reads); the rest is never read."""
     acc = tl.zeros([ER, EC], ACC)
     # a runtime loop: one set of operand buffers (an unrolled loop would hold all shifts')
     for rho in tl.range(0, CQ):
@@ -252,15 +252,8 @@ def _conv(plane, tm, th, t0, CQ: tl.constexpr, OFF: tl.constexpr, ADJ: tl.conste
             du = rho
         else:
             du = -rho
-        tb = t0 + rho * (EC + HW)
-        if OWNED:
-            x = _plane_load(plane, du, 0, ER, EC, ER, EC, MMA)
-            acc = tl.dot(x, tm.load([tb + OFF, 0]).to(MMA), acc, input_precision=PREC, out_dtype=ACC)
-        else:
-            x = _plane_load(plane, du, -OFF, ER, EC, ER, EC, MMA)
-            xh = _plane_load(plane, du, EC - OFF, ER, HW, ER, EC, MMA)
-            acc = tl.dot(x, tm.load([tb, 0]).to(MMA), acc, input_precision=PREC, out_dtype=ACC)
-            acc = tl.dot(xh, th.load([tb + EC, 0]).to(MMA), acc, input_precision=PREC, out_dtype=ACC)
+        acc = tl.dot(_plane_rows(plane, du, ER, EC, MMA), td.load([t0 + rho * EC, 0]).to(MMA), acc,
+                     input_precision=PREC, out_dtype=ACC)
     return acc
 
 
@@ -269,24 +262,24 @@ def _conv_weight_grad(xplane, g, part, OFF: tl.constexpr, CQ: tl.constexpr, CK: 
                       ER: tl.constexpr, EC: tl.constexpr, MMA: tl.constexpr, ACC: tl.constexpr, PREC: tl.constexpr):
     """part[a, b] += sum over cells (u, w) of G[u, w] X[u - rho, w + b - OFF], a = CQ-1-rho:
     G (ER, EC) is this head's output gradient, already zero outside the owned cells; X the
-    convolution's input plane (the frame holds every column the owned cells' taps read)."""
+    convolution's input plane."""
     gm = g.to(MMA)
     for rho in tl.range(0, CQ):
-        _add_taps(_plane_load(xplane, -rho, 0, ER, EC, ER, EC, MMA), gm, part + (CQ - 1 - rho) * CK, -OFF, CK, CKP,
-                  EC, ACC, PREC)
+        _add_taps(_plane_rows(xplane, -rho, ER, EC, MMA), gm, part + (CQ - 1 - rho) * CK, -OFF, CK, CKP, EC, ACC,
+                  PREC)
 
 
 @triton.jit
-def _conv_and_weight_grad(plane, tm, t0, g, part, OFF: tl.constexpr, CQ: tl.constexpr, CK: tl.constexpr,
-                          CKP: tl.constexpr, ER: tl.constexpr, EC: tl.constexpr, HW: tl.constexpr, MMA: tl.constexpr,
+def _conv_and_weight_grad(plane, td, t0, g, part, OFF: tl.constexpr, CQ: tl.constexpr, CK: tl.constexpr,
+                          CKP: tl.constexpr, ER: tl.constexpr, EC: tl.constexpr, MMA: tl.constexpr,
                           ACC: tl.constexpr, PREC: tl.constexpr):
-    """``_conv`` (forward, OWNED) of the plane and ``_conv_weight_grad`` with gradient g, from
-    the same input windows (each loaded once for both)."""
+    """``_conv`` (forward) of the plane and ``_conv_weight_grad`` with gradient g, from the same
+    shifted planes (each loaded once for both)."""
     acc = tl.zeros([ER, EC], ACC)
     gm = g.to(MMA)
     for rho in tl.range(0, CQ):
-        x = _plane_load(plane, -rho, 0, ER, EC, ER, EC, MMA)
-        acc = tl.dot(x, tm.load([t0 + rho * (EC + HW) + OFF, 0]).to(MMA), acc, input_precision=PREC, out_dtype=ACC)
+        x = _plane_rows(plane, -rho, ER, EC, MMA)
+        acc = tl.dot(x, td.load([t0 + rho * EC, 0]).to(MMA), acc, input_precision=PREC, out_dtype=ACC)
         _add_taps(x, gm, part + (CQ - 1 - rho) * CK, -OFF, CK, CKP, EC, ACC, PREC)
     return acc
 
@@ -421,14 +414,14 @@ def _weights(wt_ptr, hh, H: tl.constexpr, HAS: tl.constexpr, MMA: tl.constexpr):
 @triton.jit(do_not_specialize=["Tq", "Tk", "q_off", "seed"])
 def _mta_kernel(
     qd, kd, vd, dod, khd, band_ptr, kv_ptr,
-    w1t_ptr, w2t_ptr, tf2m, tf2h, ta2m, ta2h, ta1m, ta1h,
+    w1t_ptr, w2t_ptr, tf2d, ta2d, ta1d,
     lse_ptr, dd_ptr, items_ptr, starts_ptr,
     pm_ptr, pl_ptr, pod, pd_ptr, pdqd, dkd, dvd, pw1_ptr, pw2_ptr, pt1_ptr, pt2_ptr,
     scr_ptr,
     Tq, Tk, q_off, scale, p_drop, seed,
     MODE: tl.constexpr, H: tl.constexpr, HP: tl.constexpr, DPAD: tl.constexpr,
     ER: tl.constexpr, EC: tl.constexpr, TOP: tl.constexpr, LEFT: tl.constexpr, BMO: tl.constexpr,
-    BNO: tl.constexpr, SR: tl.constexpr, HW: tl.constexpr,
+    BNO: tl.constexpr, SR: tl.constexpr,
     HAS_K1: tl.constexpr, CQ1: tl.constexpr, CK1: tl.constexpr, CKP1: tl.constexpr, PL1: tl.constexpr,
     NB1: tl.constexpr,
     HAS_W1: tl.constexpr, HAS_K2: tl.constexpr, CQ2: tl.constexpr, CK2: tl.constexpr, CKP2: tl.constexpr,
@@ -448,13 +441,17 @@ def _mta_kernel(
     scr = scr_ptr + pid.to(tl.int64) * (NSLOT * SLOT)
     R1: tl.constexpr = CK1 - 1 - PL1
     R2: tl.constexpr = CK2 - 1 - PL2
-    # the convolutions whose outputs are used on the owned block alone (all but the backward's
-    # dP) read only the frame's own columns: its margins hold their key taps (``frames.halo``)
+    # every convolution reads the frame's own columns (``_conv``): its margins must hold the key
+    # taps of each cell whose result is used (``frames.halo`` makes them so), i.e. of the owned
+    # block, and in the backward also of the cells around it that dS = conv1^T(dC) reads (dC
+    # there, so dP there: R1 columns left of the block, PL1 right, each reading dR R2 / PL2 further)
     RIGHT: tl.constexpr = EC - LEFT - BNO
     if HAS_K2 and (MODE == _FWD or MODE == _BWD):
         tl.static_assert((LEFT >= PL2) & (RIGHT >= R2), "the frame's margins must hold the post kernel's taps")
     if HAS_K2 and MODE == _ROWSUM:
         tl.static_assert((LEFT >= R2) & (RIGHT >= PL2), "the frame's margins must hold the post adjoint's taps")
+    if HAS_K2 and MODE == _BWD:
+        tl.static_assert((LEFT >= R1 + R2) & (RIGHT >= PL1 + PL2), "the frame's margins must hold dP's taps")
     if HAS_K1 and MODE == _BWD:
         tl.static_assert((LEFT >= PL1) & (RIGHT >= R1) & (LEFT >= R1) & (RIGHT >= PL1),
                          "the frame's margins must hold the pre kernel's taps")
@@ -561,20 +558,17 @@ def _mta_kernel(
                     pp = u[:, None] * EC + w[None, :]
                     ok = _allowed(i[:, None], j[None, :], b, kv_ptr, Tq, Tk, q_off, HAS_KV)
                     if MODE == _FWD:
-                        rr = _conv(scr + S_P * SLOT + h * PLANE, tf2m, tf2h, h * CQ2 * (EC + HW), CQ2, PL2, False,
-                                   True, ER, EC, HW, MMA, ACC, PREC)
-                    if MODE == _BWD:  # R and the post kernel's gradient read the same P windows
+                        rr = _conv(scr + S_P * SLOT + h * PLANE, tf2d, h * CQ2 * EC, CQ2, False, ER, EC, MMA, ACC, PREC)
+                    if MODE == _BWD:  # R and the post kernel's gradient read the same shifted P planes
                         g = tl.where(own_u[:, None] & own_w[None, :], tl.load(scr + S_DR * SLOT + h * PLANE + pp), 0.0)
-                        rr = _conv_and_weight_grad(scr + S_P * SLOT + h * PLANE, tf2m, h * CQ2 * (EC + HW), g,
+                        rr = _conv_and_weight_grad(scr + S_P * SLOT + h * PLANE, tf2d, h * CQ2 * EC, g,
                                                    pt2_ptr + (pid.to(tl.int64) * HP + h) * (CQ2 * CK2), PL2, CQ2, CK2,
-                                                   CKP2, ER, EC, HW, MMA, ACC, PREC)
+                                                   CKP2, ER, EC, MMA, ACC, PREC)
                     if MODE == _FWD or MODE == _BWD:
                         tl.store(scr + S_R * SLOT + h * PLANE + pp,
                                  _to_scratch(tl.where(ok, rr, 0.0), scr_ptr.dtype.element_ty, RNE))
                     if MODE == _ROWSUM or MODE == _BWD:
-                        # dP: on the whole frame in the backward (dC's halo), the owned block in the row sums
-                        dp = _conv(scr + S_DR * SLOT + h * PLANE, ta2m, ta2h, h * CQ2 * (EC + HW), CQ2, R2, True,
-                                   MODE == _ROWSUM, ER, EC, HW, MMA, ACC, PREC)
+                        dp = _conv(scr + S_DR * SLOT + h * PLANE, ta2d, h * CQ2 * EC, CQ2, True, ER, EC, MMA, ACC, PREC)
                         tl.store(scr + S_DP * SLOT + h * PLANE + pp, _to_scratch(dp, scr_ptr.dtype.element_ty, RNE))
                 tl.debug_barrier()
                 # ---- M2: slabs again: the post-softmax mixing / the softmax backward
@@ -616,7 +610,7 @@ def _mta_kernel(
                 if MODE == _FWD:
                     for h in tl.range(0, H, num_stages=2):
                         bh = b.to(tl.int64) * H + h
-                        a = _plane_load(scr + S_A * SLOT + h * PLANE, 0, 0, ER, EC, ER, EC, MMA)
+                        a = tl.load(scr + S_A * SLOT + h * PLANE + u[:, None] * EC + w[None, :]).to(MMA)
                         a = tl.where(own_w[None, :], a, 0.0).to(MMA)  # (rows it does not own: never read)
                         for e0 in tl.static_range(0, DPAD, GP):
                             oa = tl.dot(a, _tile(vd, bh, col0, e0, EC, GP, MMA), input_precision=PREC, out_dtype=ACC)
@@ -633,8 +627,8 @@ def _mta_kernel(
                                                                       HAS_KV)
                     if HAS_K1:
                         for h in tl.range(0, H, num_stages=1):
-                            ds = _conv(scr + S_DC * SLOT + h * PLANE, ta1m, ta1h, h * CQ1 * (EC + HW), CQ1, R1,
-                                       True, True, ER, EC, HW, MMA, ACC, PREC)
+                            ds = _conv(scr + S_DC * SLOT + h * PLANE, ta1d, h * CQ1 * EC, CQ1, True, ER, EC, MMA, ACC,
+                                       PREC)
                             tl.store(scr + S_DA * SLOT + h * PLANE + u[:, None] * EC + w[None, :],
                                      _to_scratch(tl.where(own2, ds * scale, 0.0), scr_ptr.dtype.element_ty, RNE))
                         tl.debug_barrier()
@@ -704,18 +698,20 @@ def _band(q_m: torch.Tensor, k_m: torch.Tensor, theta: torch.Tensor, pl: int, q_
     return torch.einsum("bhrin,hrtn->bhit", shifted, coef).contiguous()
 
 
-def _toeplitz(theta: torch.Tensor, ec: int, hw: int, hp: int, adjoint: bool) -> torch.Tensor:
-    """Per head and row shift rho, the (ec + hw, ec) Toeplitz matrix of one kernel row's key
-    taps: T[m, n] = theta[c_q-1-rho, m - n] (adjoint: theta[c_q-1-rho, c_k-1-(m-n)]) for
-    0 <= m - n < c_k. theta (H, c_q, c_k) -> (HP, c_q, ec + hw, ec)."""
+def _toeplitz(theta: torch.Tensor, ec: int, hp: int, adjoint: bool, off: int) -> torch.Tensor:
+    """Per head and row shift rho, the (ec, ec) Toeplitz matrix of one kernel row's key taps
+    that maps a frame's columns m to its columns n: T[m, n] = theta[c_q-1-rho, m - n + off]
+    (adjoint: theta[c_q-1-rho, c_k-1-(m - n + off)]) for 0 <= m - n + off < c_k, off the taps'
+    reach left of the output column (pad_left; the adjoint's: c_k-1-pad_left).
+    theta (H, c_q, c_k) -> (HP, c_q, ec, ec)."""
     h, cq, ck = theta.shape
-    m = torch.arange(ec + hw, device=theta.device)[:, None]
+    m = torch.arange(ec, device=theta.device)[:, None]
     n = torch.arange(ec, device=theta.device)[None, :]
-    bb = m - n
+    bb = m - n + off
     ok = (bb >= 0) & (bb < ck)
     tap = (ck - 1 - bb) if adjoint else bb
     th = theta.flip(1)
-    out = torch.zeros(hp, cq, ec + hw, ec, dtype=theta.dtype, device=theta.device)
+    out = torch.zeros(hp, cq, ec, ec, dtype=theta.dtype, device=theta.device)
     out[:h] = th[:, :, tap.clamp(0, ck - 1)] * ok
     return out
 
@@ -792,17 +788,18 @@ class _Problem:
         sched = frames.items(f, self.b, self.tq, self.tk, self.q_off, n_prog_target)
         return f, sched, len(sched.starts) - 1
 
-    def toeplitz(self, ec: int, hw: int):
+    def toeplitz(self, ec: int):
         """The convolutions' Toeplitz tables in the operand dtype (bf16 on a GPU)."""
         dt = self.sdt if self.gpu else self.acc_t
 
-        def table(theta, adjoint):  # 2-D, as its tensor descriptors read it: (HP * c_q * (ec + hw), ec)
-            return _toeplitz(theta.to(self.acc_t), ec, hw, self.hp, adjoint).to(dt).reshape(-1, ec).contiguous()
+        def table(theta, adjoint, pl):  # 2-D, as its tensor descriptor reads it: (HP * c_q * ec, ec)
+            off = theta.shape[-1] - 1 - pl if adjoint else pl
+            return _toeplitz(theta.to(self.acc_t), ec, self.hp, adjoint, off).to(dt).reshape(-1, ec).contiguous()
 
         if self.k2 is not None:
-            self.tf2, self.ta2 = table(self.k2, False), table(self.k2, True)
+            self.tf2, self.ta2 = table(self.k2, False, self.pl2), table(self.k2, True, self.pl2)
         if self.k1 is not None:
-            self.ta1 = table(self.k1, True)
+            self.ta1 = table(self.k1, True, self.pl1)
 
 
 def programs(device: torch.device) -> int:
@@ -847,7 +844,7 @@ def kernel_constexprs(mode: int, f: frames.Frame, *, h: int, d: int, pre, post, 
     gp, dpad = frames.feature_parts(d)
     return dict(
         MODE=mode, H=h, HP=frames.padded_heads(h, gpu), DPAD=dpad,
-        ER=f.er, EC=f.ec, TOP=f.top, LEFT=f.left, BMO=f.bmo, BNO=f.bno, SR=slab_rows(frames.PASSES[mode], f, gpu, pre is not None or post is not None), HW=f.hw,
+        ER=f.er, EC=f.ec, TOP=f.top, LEFT=f.left, BMO=f.bmo, BNO=f.bno, SR=slab_rows(frames.PASSES[mode], f, gpu, pre is not None or post is not None),
         HAS_K1=pre is not None, CQ1=cq1, CK1=ck1, CKP1=frames.pow2(ck1), PL1=pl1, NB1=band_width(cq1, ck1, pl1) if pre else 0,
         HAS_W1=has_w1, HAS_K2=post is not None, CQ2=cq2, CK2=ck2, CKP2=frames.pow2(ck2), PL2=pl2, HAS_W2=has_w2,
         HAS_KV=has_kv, DROP=drop, MMA=mma, ACC=acc, PREC=prec, RNE=not gpu and sdt == torch.bfloat16,
@@ -858,13 +855,12 @@ def kernel_constexprs(mode: int, f: frames.Frame, *, h: int, d: int, pre, post, 
 
 def descriptor_specs(consts: dict) -> dict:
     """{kernel argument: (input, block shape)} of the kernel's tensor descriptors: rows x GP
-    features of a (planes, T, DPAD) input or accumulator; the Toeplitz tables' main (EC, EC) and
-    halo (HW, EC) blocks of a (HP * c_q * (EC + HW), EC) table. The one source for ``_launch`` and
+    features of a (planes, T, DPAD) input or accumulator; the Toeplitz tables' (EC, EC) blocks
+    of a (HP * c_q * EC, EC) table. The one source for ``_launch`` and
     ``scripts/compile_triton.py``."""
-    er, ec, gp, hw = consts["ER"], consts["EC"], consts["GP"], consts["HW"]
+    er, ec, gp = consts["ER"], consts["EC"], consts["GP"]
     return {"qd": ("q", [1, er, gp]), "kd": ("k", [1, ec, gp]), "vd": ("v", [1, ec, gp]), "dod": ("do", [1, er, gp]),
-            "khd": ("khat", [1, ec, gp]), "tf2m": ("tf2", [ec, ec]), "tf2h": ("tf2", [hw, ec]),
-            "ta2m": ("ta2", [ec, ec]), "ta2h": ("ta2", [hw, ec]), "ta1m": ("ta1", [ec, ec]), "ta1h": ("ta1", [hw, ec]),
+            "khd": ("khat", [1, ec, gp]), "tf2d": ("tf2", [ec, ec]), "ta2d": ("ta2", [ec, ec]), "ta1d": ("ta1", [ec, ec]),
             # the accumulators (fp32; ``ACCUMULATORS``): O's and dq's per-item row partials, dk, dv
             "pod": ("po", [1, er, gp]), "pdqd": ("pdq", [1, er, gp]), "dkd": ("dk", [1, ec, gp]),
             "dvd": ("dv", [1, ec, gp])}
@@ -884,7 +880,7 @@ def _descriptor(x: Optional[torch.Tensor], block: list, dtype: torch.dtype, devi
 
 def _launch(mode: int, pb: _Problem, bufs: dict, do: Optional[torch.Tensor] = None):
     f, sched, n_prog = pb.geometry(mode)
-    pb.toeplitz(f.ec, f.hw)
+    pb.toeplitz(f.ec)
     n_slots = pb.b * sched.n_rt * sched.s_max
     acc = pb.acc_t
     if mode == _STATS.value:
@@ -931,7 +927,7 @@ def _launch(mode: int, pb: _Problem, bufs: dict, do: Optional[torch.Tensor] = No
             descs["qd"], descs["kd"], descs["vd"], descs["dod"], descs["khd"], pb.band if pb.band is not None else dm,
             pb.kv if pb.kv is not None else dm,
             pb.w1t if pb.w1t is not None else dm, pb.w2t if pb.w2t is not None else dm,
-            descs["tf2m"], descs["tf2h"], descs["ta2m"], descs["ta2h"], descs["ta1m"], descs["ta1h"],
+            descs["tf2d"], descs["ta2d"], descs["ta1d"],
             buf("lse"), buf("dd"), items, starts,
             buf("pm"), buf("pl"), descs["pod"], buf("pd"), descs["pdqd"], descs["dkd"], descs["dvd"],
             buf("pw1"), buf("pw2"), buf("pt1"), buf("pt2"), scratch,

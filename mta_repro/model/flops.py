@@ -64,11 +64,11 @@ def _triton_passes(args: ModelArgs, seq_len: int, kind: str) -> tuple[float, flo
     f_bwd = frames.frame("backward", pre, post, m.pad_key)
     # the kernel's products per frame cell (attention_triton.py): the pre-softmax conv as
     # the GEMM of shifted queries and convolved keys (c_q d-long products), the post conv
-    # and every adjoint as Toeplitz products of a (frame + halo)-wide window per row shift
+    # and every adjoint as one (frame columns)-wide Toeplitz product per row shift
     scores = qk * (pre[0] if pre else 1)
 
     def toe(k):
-        return 2 * k[0] * (f_bwd.ec + f_bwd.hw) if k else 0
+        return 2 * k[0] * f_bwd.ec if k else 0
 
     conv1, conv2 = toe(pre), toe(post)
     chain = scores + mix1

@@ -114,7 +114,6 @@ class Frame:
     left: int  # halo columns left of it
     bmo: int  # owned rows
     bno: int  # owned columns
-    hw: int  # a convolution's halo window: the frame's columns plus hw more feed each Toeplitz product
 
 
 # The stages a pass hands between its phases through per-program scratch slots (HP x frame
@@ -158,7 +157,6 @@ def frame_override() -> Optional[tuple[int, int]]:
 def frame(pass_: str, pre: Optional[tuple[int, int]], post: Optional[tuple[int, int]], pad_key: str) -> Frame:
     """The frame of one pass for kernels (c_q, c_k) ``pre``/``post`` softmax (None: off)."""
     hl = halo(pass_, pre, post, pad_key)
-    ck = max((pre or (1, 1))[1], (post or (1, 1))[1])
     override = frame_override()
     if override is not None:
         er, ec = override
@@ -173,11 +171,7 @@ def frame(pass_: str, pre: Optional[tuple[int, int]], post: Optional[tuple[int, 
             er *= 2
         while 2 * (hl.left + hl.right) > ec:
             ec *= 2
-    # the window past the frame's columns must hold a kernel's c_k - 1 extra taps
-    hw = max(16, pow2(ck - 1))
-    if hw > ec:
-        raise UserError(f"MTA_TRITON_FRAME={er}x{ec}: a key kernel of {ck} taps needs frames of {hw} columns or more")
-    return Frame(er, ec, hl.top, hl.left, er - hl.top - hl.bot, ec - hl.left - hl.right, hw)
+    return Frame(er, ec, hl.top, hl.left, er - hl.top - hl.bot, ec - hl.left - hl.right)
 
 
 def padded_heads(n_heads: int, gpu: bool = True) -> int:
