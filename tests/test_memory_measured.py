@@ -32,8 +32,12 @@ SHAPE = ["model=300m", "model.n_layers=2", "model.kq_conv_layers=1", "model.voca
          "data.seq_len=2048", "data.batch_size=1", "trainer.cpu_mmap_threshold=131072"]
 TOLERANCE = 0.10
 EXTRA_TOLERANCE = 0.25
-# the script imports this checkout's package (it runs from scripts/, not the root)
-ENV = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)}
+# the script imports this checkout's package (it runs from scripts/, not the root). One
+# intra-op thread: with two, the threads' concurrent scratch made the peak depend on their
+# interleaving, and under the parallel suite's load MTA's measured extra came out at -5 MB
+# and 29 MB (~70 MB alone)
+ENV = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p),
+       "OMP_NUM_THREADS": "1"}
 
 
 def _measure(attention: str) -> dict:
