@@ -133,12 +133,11 @@ def kq_backend(name: str):
 
 
 # The fused kernel's autotune space on a GPU (docs/triton_kernel.md, "Knobs"): the frame of
-# every pass and the work items per program, each timed under its environment variable; the
+# every pass and the head-mixing slab rows, each timed under its environment variable; the
 # pick reports the fastest as the environment to train with. The static estimate chose the
 # defaults (the empty setting); only a GPU can tell. Opt-in (--sweep-triton): each setting is a
 # first compile of every pass, and the acceptance run itself should fit one 10-minute call.
-TRITON_KNOBS = ("", "MTA_TRITON_FRAME=128x64", "MTA_TRITON_FRAME=128x128", "MTA_TRITON_ITEMS_PER_PROGRAM=2",
-                "MTA_TRITON_ITEMS_PER_PROGRAM=8")
+TRITON_KNOBS = ("", "MTA_TRITON_FRAME=128x64", "MTA_TRITON_FRAME=128x128", "MTA_TRITON_SLAB_ROWS=2")
 
 
 @contextlib.contextmanager

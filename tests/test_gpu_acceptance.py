@@ -56,8 +56,8 @@ def test_the_pick_reports_the_fastest_triton_knob_as_the_environment(monkeypatch
     parity = [{"layer": layer, "impl": impl, "dtype": "bfloat16", "status": "ok"}
               for layer in ("kq_conv", "mixing") for impl in ("triton", "blocked")]
     t = {("kq_conv", ""): 10.0, ("mixing", ""): 2.0, ("kq_conv", "MTA_TRITON_FRAME=128x128"): 8.0,
-         ("mixing", "MTA_TRITON_FRAME=128x128"): 2.5, ("kq_conv", "MTA_TRITON_ITEMS_PER_PROGRAM=8"): 9.0,
-         ("mixing", "MTA_TRITON_ITEMS_PER_PROGRAM=8"): 1.9}
+         ("mixing", "MTA_TRITON_FRAME=128x128"): 2.5, ("kq_conv", "MTA_TRITON_SLAB_ROWS=2"): 9.0,
+         ("mixing", "MTA_TRITON_SLAB_ROWS=2"): 1.9}
     rows = [{"layer": layer, "impl": "triton", "B": 1, "T": 64, "block_size": None, "knob": knob, "status": "ok", "s": s}
             for (layer, knob), s in t.items()]
     rows += [{"layer": layer, "impl": "blocked", "B": 1, "T": 64, "block_size": 128, "knob": "", "status": "ok", "s": 99.0}
@@ -65,14 +65,14 @@ def test_the_pick_reports_the_fastest_triton_knob_as_the_environment(monkeypatch
     pick = ga.pick(parity, rows, "bfloat16")
     cost = {knob: 6 * t[("kq_conv", knob)] + 18 * t[("mixing", knob)] for knob in {k for _, k in t}}
     best = min(cost, key=cost.get)  # an independent argmin of the weighted sums
-    assert pick["model"]["impl"] == "triton" and pick["model"]["knob"] == best == "MTA_TRITON_ITEMS_PER_PROGRAM=8"
+    assert pick["model"]["impl"] == "triton" and pick["model"]["knob"] == best == "MTA_TRITON_SLAB_ROWS=2"
     assert pick["env"] == best and pick["override"] == "model.attn_impl=triton"
     assert pick["per_layer"]["kq_conv"]["knob"] == "MTA_TRITON_FRAME=128x128"  # per layer, its own fastest
     monkeypatch.setenv("MTA_TRITON_FRAME", "64x64")
     with ga.knob_env("MTA_TRITON_FRAME=128x128"):
         assert os.environ["MTA_TRITON_FRAME"] == "128x128"
     assert os.environ["MTA_TRITON_FRAME"] == "64x64"
-    monkeypatch.delenv("MTA_TRITON_ITEMS_PER_PROGRAM", raising=False)
-    with ga.knob_env("MTA_TRITON_ITEMS_PER_PROGRAM=2"):
-        assert os.environ["MTA_TRITON_ITEMS_PER_PROGRAM"] == "2"
-    assert "MTA_TRITON_ITEMS_PER_PROGRAM" not in os.environ
+    monkeypatch.delenv("MTA_TRITON_SLAB_ROWS", raising=False)
+    with ga.knob_env("MTA_TRITON_SLAB_ROWS=2"):
+        assert os.environ["MTA_TRITON_SLAB_ROWS"] == "2"
+    assert "MTA_TRITON_SLAB_ROWS" not in os.environ

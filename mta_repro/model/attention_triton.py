@@ -68,9 +68,9 @@ backward's row term, which the post-softmax conv keeps from being rowsum(dO * O)
 ``backward`` (the adjoint chain dA -> dR -> dP -> dZ -> dC -> dS; dq, dk, dv, the
 kernels' and mixings' gradients, each kind of product in its own head loop).
 
-*Work and determinism.* Items are (batch, row block, range of key blocks) of near-equal
-size, longest first, on a persistent grid (``frames.items``): long rows split across
-programs, so B=1 fills the GPU. Each item adds into its own slot of per-item partial buffers
+*Work and determinism.* Items are (batch, row block, range of key blocks) on a persistent
+grid (``frames.items``): the rows' tiles laid end to end are cut into one run per program,
+equal to the tile, so long rows split across programs and B=1 fills the GPU. Each item adds into its own slot of per-item partial buffers
 (row statistics, O, D, dq), which torch reduces in a fixed order; one program writes a slot,
 and its reductions into O and dq run in a pipelined head loop that ends by waiting for them
 to complete, so each element's adds happen in tile order: deterministic. Weight gradients

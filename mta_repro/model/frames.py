@@ -10,9 +10,9 @@ Passes without a convolution to apply have no halo (frame = owned block): the pr
 key-query convolution is computed as a GEMM that needs no halo, so only the post-softmax
 convolution (forward) and the adjoints (backward) widen frames.
 
-Work items are (batch, row block, range of key blocks): long rows are split so that every
-item holds about the same number of tiles, and the items are assigned longest first to the
-least loaded program of the persistent grid (``items``); each item owns a slot of the
+Work items are (batch, row block, range of key blocks): the rows' tiles laid end to end are
+cut into one contiguous run per program of the persistent grid, equal to the tile (``items``),
+and an item is one row's share of a run; each item owns a slot of the
 per-item partial buffers, which only its program adds into, and torch reduces the slots in
 a fixed order after the launch (deterministic: no sum over programs for O, dq or the row
 statistics; only dk and dv take atomics from several programs).
@@ -20,7 +20,6 @@ statistics; only dk and dv take atomics from several programs).
 
 from __future__ import annotations
 
-import heapq
 import os
 from dataclasses import dataclass
 from typing import Optional
@@ -30,22 +29,8 @@ from mta_repro.model.conv_pad import pad_left  # noqa: F401 (frames.pad_left for
 
 # The kernel's passes, in the order they run (forward: 0, 1; backward: 2, 3).
 PASSES = ("stats", "forward", "backward_rowsum", "backward")
-# Persistent programs per SM on a GPU (each holds its scratch slots), and work items per
-# program: more, smaller items balance the programs better (longest first to the least
-# loaded, so the longest program carries at most one item more than the shortest) at the
-# cost of more per-item partial slots to reduce afterwards.
+# Persistent programs per SM on a GPU (each holds its scratch slots; registers allow one).
 PROGRAMS_PER_SM = 1
-ITEMS_PER_PROGRAM = 4  # 2 -> 4: kq-conv layer 23.8x -> 20.5x FA2 (estimate, T=2048); 8: no better
-
-
-def items_per_program() -> int:
-    """``ITEMS_PER_PROGRAM``, or ``MTA_TRITON_ITEMS_PER_PROGRAM`` (a tuning knob for a GPU)."""
-    env = os.environ.get("MTA_TRITON_ITEMS_PER_PROGRAM")
-    if env is None:
-        return ITEMS_PER_PROGRAM
-    if not env.isdigit() or int(env) < 1:
-        raise UserError(f"MTA_TRITON_ITEMS_PER_PROGRAM={env!r}: expected a positive integer")
-    return int(env)
 
 
 # Default frames (a halo too wide for one doubles an edge): 128 rows, with 8 warps each of the
@@ -208,37 +193,36 @@ class Schedule:
 
 
 def items(f: Frame, batch: int, tq: int, tk: int, q_offset: int, n_prog: int) -> Schedule:
-    """Work items of a pass: every (batch, row block) with its key blocks split into near-equal
-    ranges of at most ``tau`` tiles, tau chosen so that the persistent grid of ``n_prog``
-    programs gets about ``items_per_program()`` items each; assigned to the programs longest
-    first, each to the least loaded one."""
+    """Work items of a pass, balanced to the tile: the tiles of every (batch, row block), its
+    key blocks in order, laid end to end in row order (N tiles in all) and cut into
+    min(n_prog, N) contiguous runs of floor or ceil(N / programs) tiles, one run per program.
+    An item is one row's share of one run (the end of a row, a whole row or its start; a long
+    row spans several runs, so B=1 fills the GPU), and takes the next partial slot of its row.
+    No program carries more than one tile above another's (a list schedule of whole items,
+    longest first, left up to a tenth more on the longest program), and a row is cut into at
+    most ceil(its tiles / run) + 1 items, so the per-item partial slots stay few."""
     n_rt = -(-tq // f.bmo)
     per_row = [key_blocks(f, t, tq, tk, q_offset) for t in range(n_rt)]
     total = batch * sum(per_row)
-    tau = max(1, -(-total // max(1, items_per_program() * n_prog)))
-    s_max = max(1, max(-(-n // tau) for n in per_row) if per_row else 1)
-    out = []
-    for b in range(batch):
-        for t, n in enumerate(per_row):
-            n_split = max(1, -(-n // tau))
-            bounds = [n * s // n_split for s in range(n_split + 1)]
-            for s in range(n_split):
-                if bounds[s + 1] > bounds[s]:
-                    out.append((b, t, bounds[s], bounds[s + 1], (b * n_rt + t) * s_max + s))
-    out.sort(key=lambda it: -(it[3] - it[2]))
-    # longest processing time first: each item to the least loaded program (a heap), so the
-    # persistent programs finish together (round-robin left ~20-30% imbalance at 2 items each)
-    n = max(1, min(n_prog, len(out)))
-    heap = [(0, p) for p in range(n)]
+    n = max(1, min(n_prog, total))
+    bounds = [p * total // n for p in range(n + 1)]  # program p runs tiles [bounds[p], bounds[p + 1])
     per_prog: list = [[] for _ in range(n)]
-    for it in out:
-        load, p = heapq.heappop(heap)
-        per_prog[p].append(it)
-        heapq.heappush(heap, (load + it[3] - it[2], p))
+    p, g = 0, 0  # the program that holds tile g of the concatenation
+    for b in range(batch):
+        for t, n_tiles in enumerate(per_row):
+            c, s = 0, 0
+            while c < n_tiles:
+                while bounds[p + 1] <= g:
+                    p += 1
+                take = min(n_tiles - c, bounds[p + 1] - g)
+                per_prog[p].append((b, t, c, c + take, s))
+                c, g, s = c + take, g + take, s + 1
+    s_max = max([it[4] + 1 for lst in per_prog for it in lst], default=1)
     starts = [0]
     for lst in per_prog:
         starts.append(starts[-1] + len(lst))
-    return Schedule([it for lst in per_prog for it in lst], n_rt, s_max, tuple(starts))
+    return Schedule([(b, t, c0, c1, (b * n_rt + t) * s_max + s) for lst in per_prog for b, t, c0, c1, s in lst],
+                    n_rt, s_max, tuple(starts))
 
 
 def cells_visited(f: Frame, tq: int, tk: int, q_offset: int = 0) -> int:
