@@ -62,7 +62,7 @@ def kernel_constexprs(name: str, pre, post, heads: int, head_dim: int, pad_key: 
 
 # the kernel's tensor arguments in the launcher's dtypes for bf16 inputs (the rest fp32)
 _BF16_ARGS = ("scr_ptr",)
-_INT_ARGS = {"kv_ptr": "*i8", "items_ptr": "*i32", "starts_ptr": "*i32"}
+_INT_ARGS = {"kv_ptr": "*i8", "tiles_ptr": "*i32", "starts_ptr": "*i32"}
 
 
 def _compile(consts: dict, arch: int, num_warps: int, num_stages: int):

@@ -70,6 +70,21 @@ def test_ttgir_counts_are_loop_weighted_and_split_by_unit():
 
 
 
+def test_a_kernel_with_one_runtime_loop_counts_its_body_per_key_block():
+    """The fused kernel walks its program's tiles in one loop (frames.Schedule.tiles): that
+    loop's body is the per-key-block work (level 2, what the schedule multiplies by tiles and
+    --by-line splits), nothing is per item; the two-loop form above keeps its levels."""
+    one = "\n".join(line for line in TTGIR.splitlines() if "scf.for %j" not in line and "} loc(#loc15)" not in line)
+    assert one.count("scf.for") == TTGIR.count("scf.for") - 1
+    c = roofline.count_ttgir(one)
+    prog, item, frame = c.levels
+    assert prog["global_bytes"] == 64 * 4 and all(v == 0 for v in item.values())
+    assert frame["global_bytes"] == 16 * 32 * 2 + 4 * 64 * 16 * 4 + 2 * 8 * 4  # the item's load is now per tile
+    assert frame["mma_macs"] == 4 * 64 * 32 * 16
+    assert sum(r["global_bytes"] for r in c.by_line.values()) == frame["global_bytes"]
+
+
+
 def test_per_key_block_work_is_attributed_to_its_source_lines():
     """compile_triton.py --by-line: every per-key-block resource lands on the source line of
     the op that spends it (through a helper's call site: the helper's line, then its caller's;

@@ -70,7 +70,8 @@ kernels' and mixings' gradients, each kind of product in its own head loop).
 
 *Work and determinism.* Items are (batch, row block, range of key blocks) on a persistent
 grid (``frames.items``): the rows' tiles laid end to end are cut into one run per program,
-equal to the tile, so long rows split across programs and B=1 fills the GPU. Each item adds into its own slot of per-item partial buffers
+equal to the tile, so long rows split across programs and B=1 fills the GPU; a program walks
+its run in one loop over tiles (``Schedule.tiles``). Each item adds into its own slot of per-item partial buffers
 (row statistics, O, D, dq), which torch reduces in a fixed order; one program writes a slot,
 and its reductions into O and dq run in a pipelined head loop that ends by waiting for them
 to complete, so each element's adds happen in tile order: deterministic. Weight gradients
@@ -415,7 +416,7 @@ def _weights(wt_ptr, hh, H: tl.constexpr, HAS: tl.constexpr, MMA: tl.constexpr):
 def _mta_kernel(
     qd, kd, vd, dod, khd, band_ptr, kv_ptr,
     w1t_ptr, w2t_ptr, tf2d, ta2d, ta1d,
-    lse_ptr, dd_ptr, items_ptr, starts_ptr,
+    lse_ptr, dd_ptr, tiles_ptr, starts_ptr,
     pm_ptr, pl_ptr, pod, pd_ptr, pdqd, dkd, dvd, pw1_ptr, pw2_ptr, pt1_ptr, pt2_ptr,
     scr_ptr,
     Tq, Tk, q_off, scale, p_drop, seed,
@@ -461,201 +462,202 @@ def _mta_kernel(
     w1t, w1 = _weights(w1t_ptr, hh, H, HAS_W1, MMA)
     w2t, w2 = _weights(w2t_ptr, hh, H, HAS_W2, MMA)
 
-    for it in tl.range(tl.load(starts_ptr + pid), tl.load(starts_ptr + pid + 1), num_stages=1):  # this program's items
-        b = tl.load(items_ptr + it * 5)
-        t = tl.load(items_ptr + it * 5 + 1)
-        kb0 = tl.load(items_ptr + it * 5 + 2)
-        kb1 = tl.load(items_ptr + it * 5 + 3)
-        slot = tl.load(items_ptr + it * 5 + 4).to(tl.int64)
+    # this program's tiles, one loop (frames.Schedule.tiles: batch, row block, key block, its
+    # item's partial slot): an item loop around a key-block loop kept its bounds and the item's
+    # values live across the whole tile (the kq-conv backward spilled 196 B, now 124 B)
+    for it in tl.range(tl.load(starts_ptr + pid), tl.load(starts_ptr + pid + 1), num_stages=1):
+        b = tl.load(tiles_ptr + it * 4)
+        t = tl.load(tiles_ptr + it * 4 + 1)
+        c = tl.load(tiles_ptr + it * 4 + 2)
+        slot = tl.load(tiles_ptr + it * 4 + 3).to(tl.int64)
         row0 = t * BMO - TOP  # query index of frame row 0
         i = row0 + u
-        for c in tl.range(kb0, kb1, num_stages=1):
-            col0 = c * BNO - LEFT  # key index of frame column 0
-            j = col0 + w
-            tl.debug_barrier()  # every reader of the previous tile's slots is done
-            dw1 = tl.zeros([HP, HP], ACC)
-            dw2 = tl.zeros([HP, HP], ACC)
+        col0 = c * BNO - LEFT  # key index of frame column 0
+        j = col0 + w
+        tl.debug_barrier()  # every reader of the previous tile's slots is done
+        dw1 = tl.zeros([HP, HP], ACC)
+        dw2 = tl.zeros([HP, HP], ACC)
 
-            # ---- H1: per-head products on the frame -> slots
-            for h in tl.range(0, H, num_stages=1):
-                bh = b.to(tl.int64) * H + h
-                pc = scr + S_C * SLOT + h * PLANE + u[:, None] * EC + w[None, :]
-                cst = _scores(qd, khd, band_ptr, bh, i, j, row0, col0, Tq, q_off, scale, CQ1, NB1, ER, EC, GP, DPAD,
-                              MMA, ACC, PREC)
-                tl.store(pc, _to_scratch(cst, scr_ptr.dtype.element_ty, RNE))
-                if MODE == _ROWSUM or MODE == _BWD:
-                    da = tl.zeros([ER, EC], ACC)
-                    for e0 in tl.range(0, DPAD, GP):
-                        da = tl.dot(_tile(dod, bh, row0, e0, ER, GP, MMA), tl.trans(_tile(vd, bh, col0, e0, EC, GP, MMA)),
-                                    da, input_precision=PREC, out_dtype=ACC)
-                    tl.store(scr + S_DA * SLOT + h * PLANE + u[:, None] * EC + w[None, :],
-                             _to_scratch(da, scr_ptr.dtype.element_ty, RNE))
-                if MODE == _BWD:
-                    if HAS_K1:  # the raw masked scores, the pre-softmax kernel's input (its gradient)
-                        s0 = _scores(qd, kd, band_ptr, bh, i, j, row0, col0, Tq, q_off, scale, 1, 0, ER, EC, GP, DPAD,
-                                     MMA, ACC, PREC)
-                        ok = _allowed(i[:, None], j[None, :], b, kv_ptr, Tq, Tk, q_off, HAS_KV)
-                        tl.store(scr + S_S0 * SLOT + h * PLANE + u[:, None] * EC + w[None, :],
-                                 _to_scratch(tl.where(ok, s0, 0.0), scr_ptr.dtype.element_ty, RNE))
-            tl.debug_barrier()
-
-            # ---- M1: slabs of all heads: mixing, softmax, (no post conv: the rest of the chain)
-            for r0 in tl.range(0, ER, SR, num_stages=1):
-                cu, cw, ci, cj, ok, own, i_rows = _slab_cells(r0, row0, col0, b, kv_ptr, Tq, Tk, q_off, HAS_KV, ER, EC,
-                                                              TOP, LEFT, BMO, BNO, SR)
-                xc = _slab(scr + S_C * SLOT, cu, cw, hh, H, ER, EC, MMA)
-                z = _mix(xc, w1t, HAS_W1, PREC, ACC)
-                if MODE == _STATS:
-                    zm = tl.where(ok[:, None], z, float("-inf"))
-                    z3 = tl.reshape(zm, (SR, EC, HP))
-                    tmax = tl.max(z3, 1)  # (SR, HP)
-                    u_rows = r0 + tl.arange(0, SR)
-                    sptr = hh[None, :] * ER + u_rows[:, None]
-                    m_old = tl.load((pm_ptr + slot * HP * ER) + sptr)
-                    l_old = tl.load((pl_ptr + slot * HP * ER) + sptr)
-                    m_new = tl.maximum(m_old, tmax)
-                    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-                    e3 = tl.exp(z3 - m_safe[:, None, :])
-                    l_new = l_old * tl.exp(tl.where(m_old == float("-inf"), float("-inf"), m_old - m_safe)) + tl.sum(e3, 1)
-                    tl.store((pm_ptr + slot * HP * ER) + sptr, m_new)
-                    tl.store((pl_ptr + slot * HP * ER) + sptr, l_new)
-                else:
-                    lse = _row_stat(lse_ptr, b, i_rows, hh, Tq, H, SR, EC)
-                    okh = ok[:, None] & (hh < H)[None, :]
-                    p = tl.where(okh, tl.exp(tl.minimum(z - lse, 0.0)), 0.0)
-                    keep = _keep(seed, b, ci, cj, hh, Tq, Tk, p_drop, H, DROP)
-                    if MODE == _FWD:
-                        if HAS_K2:
-                            _slab_store(scr + S_P * SLOT, cu, cw, hh, p, H, ER, EC, RNE)
-                        else:
-                            a = _drop(_mix(p.to(MMA), w2t, HAS_W2, PREC, ACC), keep, p_drop, DROP)
-                            _slab_store(scr + S_A * SLOT, cu, cw, hh, a, H, ER, EC, RNE)
-                    else:
-                        da = _drop(_slab(scr + S_DA * SLOT, cu, cw, hh, H, ER, EC, ACC), keep, p_drop, DROP)
-                        # masked before the mixing, not after: the same values (a cell's mix is of its
-                        # own heads; padded heads' weights are 0), and a select of the product's
-                        # accumulator made ptxas serialise every wgmma of the kq-conv passes (C7514)
-                        dr = _mix(tl.where(okh, da, 0.0).to(MMA), w2, HAS_W2, PREC, ACC)
-                        if HAS_K2:
-                            _slab_store(scr + S_P * SLOT, cu, cw, hh, p, H, ER, EC, RNE)
-                            _slab_store(scr + S_DR * SLOT, cu, cw, hh, dr, H, ER, EC, RNE)
-                        elif MODE == _ROWSUM:
-                            _add_row_sums(pd_ptr, slot, hh, r0, p * dr, own, SR, EC, HP, ER)
-                        else:
-                            dd = _row_stat(dd_ptr, b, i_rows, hh, Tq, H, SR, EC)
-                            dz = p * (dr - dd)
-                            _slab_store(scr + S_DC * SLOT, cu, cw, hh, _mix(dz.to(MMA), w1, HAS_W1, PREC, ACC),
-                                        H, ER, EC, RNE)
-                            a = _drop(_mix(p.to(MMA), w2t, HAS_W2, PREC, ACC), keep, p_drop, DROP)
-                            _slab_store(scr + S_A * SLOT, cu, cw, hh, a, H, ER, EC, RNE)
-                            dw1 = _wgrad(dw1, dz, xc, own, HAS_W1, MMA, PREC, ACC)
-                            dw2 = _wgrad(dw2, da, p, own, HAS_W2, MMA, PREC, ACC)
-
-            if HAS_K2 and MODE != _STATS:
-                tl.debug_barrier()
-                # ---- H2: the post-softmax convolution / its adjoint / its kernel's gradient, per head
-                for h in tl.range(0, H, num_stages=1):
-                    pp = u[:, None] * EC + w[None, :]
+        # ---- H1: per-head products on the frame -> slots
+        for h in tl.range(0, H, num_stages=1):
+            bh = b.to(tl.int64) * H + h
+            pc = scr + S_C * SLOT + h * PLANE + u[:, None] * EC + w[None, :]
+            cst = _scores(qd, khd, band_ptr, bh, i, j, row0, col0, Tq, q_off, scale, CQ1, NB1, ER, EC, GP, DPAD,
+                          MMA, ACC, PREC)
+            tl.store(pc, _to_scratch(cst, scr_ptr.dtype.element_ty, RNE))
+            if MODE == _ROWSUM or MODE == _BWD:
+                da = tl.zeros([ER, EC], ACC)
+                for e0 in tl.range(0, DPAD, GP):
+                    da = tl.dot(_tile(dod, bh, row0, e0, ER, GP, MMA), tl.trans(_tile(vd, bh, col0, e0, EC, GP, MMA)),
+                                da, input_precision=PREC, out_dtype=ACC)
+                tl.store(scr + S_DA * SLOT + h * PLANE + u[:, None] * EC + w[None, :],
+                         _to_scratch(da, scr_ptr.dtype.element_ty, RNE))
+            if MODE == _BWD:
+                if HAS_K1:  # the raw masked scores, the pre-softmax kernel's input (its gradient)
+                    s0 = _scores(qd, kd, band_ptr, bh, i, j, row0, col0, Tq, q_off, scale, 1, 0, ER, EC, GP, DPAD,
+                                 MMA, ACC, PREC)
                     ok = _allowed(i[:, None], j[None, :], b, kv_ptr, Tq, Tk, q_off, HAS_KV)
-                    if MODE == _FWD:
-                        rr = _conv(scr + S_P * SLOT + h * PLANE, tf2d, h * CQ2 * EC, CQ2, False, ER, EC, MMA, ACC, PREC)
-                    if MODE == _BWD:  # R and the post kernel's gradient read the same shifted P planes
-                        g = tl.where(own_u[:, None] & own_w[None, :], tl.load(scr + S_DR * SLOT + h * PLANE + pp), 0.0)
-                        rr = _conv_and_weight_grad(scr + S_P * SLOT + h * PLANE, tf2d, h * CQ2 * EC, g,
-                                                   pt2_ptr + (pid.to(tl.int64) * HP + h) * (CQ2 * CK2), PL2, CQ2, CK2,
-                                                   CKP2, ER, EC, MMA, ACC, PREC)
-                    if MODE == _FWD or MODE == _BWD:
-                        tl.store(scr + S_R * SLOT + h * PLANE + pp,
-                                 _to_scratch(tl.where(ok, rr, 0.0), scr_ptr.dtype.element_ty, RNE))
-                    if MODE == _ROWSUM or MODE == _BWD:
-                        dp = _conv(scr + S_DR * SLOT + h * PLANE, ta2d, h * CQ2 * EC, CQ2, True, ER, EC, MMA, ACC, PREC)
-                        tl.store(scr + S_DP * SLOT + h * PLANE + pp, _to_scratch(dp, scr_ptr.dtype.element_ty, RNE))
-                tl.debug_barrier()
-                # ---- M2: slabs again: the post-softmax mixing / the softmax backward
-                for r0 in tl.range(0, ER, SR, num_stages=1):
-                    cu, cw, ci, cj, ok, own, i_rows = _slab_cells(r0, row0, col0, b, kv_ptr, Tq, Tk, q_off, HAS_KV, ER,
-                                                                  EC, TOP, LEFT, BMO, BNO, SR)
-                    keep = _keep(seed, b, ci, cj, hh, Tq, Tk, p_drop, H, DROP)
-                    if MODE == _FWD:
-                        rr = _slab(scr + S_R * SLOT, cu, cw, hh, H, ER, EC, MMA)
-                        a = _drop(_mix(rr, w2t, HAS_W2, PREC, ACC), keep, p_drop, DROP)
-                        _slab_store(scr + S_A * SLOT, cu, cw, hh, a, H, ER, EC, RNE)
-                    elif MODE == _ROWSUM:
-                        p = _slab(scr + S_P * SLOT, cu, cw, hh, H, ER, EC, ACC)
-                        dp = _slab(scr + S_DP * SLOT, cu, cw, hh, H, ER, EC, ACC)
-                        _add_row_sums(pd_ptr, slot, hh, r0, p * dp, own, SR, EC, HP, ER)
-                    else:
-                        p = _slab(scr + S_P * SLOT, cu, cw, hh, H, ER, EC, ACC)
-                        dp = _slab(scr + S_DP * SLOT, cu, cw, hh, H, ER, EC, ACC)
-                        dd = _row_stat(dd_ptr, b, i_rows, hh, Tq, H, SR, EC)
-                        dz = p * (dp - dd)
-                        _slab_store(scr + S_DC * SLOT, cu, cw, hh, _mix(dz.to(MMA), w1, HAS_W1, PREC, ACC), H, ER, EC, RNE)
-                        rr = _slab(scr + S_R * SLOT, cu, cw, hh, H, ER, EC, MMA)
-                        a = _drop(_mix(rr, w2t, HAS_W2, PREC, ACC), keep, p_drop, DROP)
-                        _slab_store(scr + S_A * SLOT, cu, cw, hh, a, H, ER, EC, RNE)
-                        da = _drop(_slab(scr + S_DA * SLOT, cu, cw, hh, H, ER, EC, ACC), keep, p_drop, DROP)
-                        dw1 = _wgrad(dw1, dz, _slab(scr + S_C * SLOT, cu, cw, hh, H, ER, EC, MMA), own, HAS_W1, MMA,
-                                     PREC, ACC)
-                        dw2 = _wgrad(dw2, da, rr, own, HAS_W2, MMA, PREC, ACC)
+                    tl.store(scr + S_S0 * SLOT + h * PLANE + u[:, None] * EC + w[None, :],
+                             _to_scratch(tl.where(ok, s0, 0.0), scr_ptr.dtype.element_ty, RNE))
+        tl.debug_barrier()
 
-            if MODE == _BWD:  # this tile's mixing gradients into the program's partials
-                wptr = pid.to(tl.int64) * (HP * HP) + hh[:, None] * HP + hh[None, :]
-                if HAS_W1:
-                    tl.store(pw1_ptr + wptr, tl.load(pw1_ptr + wptr) + dw1)
-                if HAS_W2:
-                    tl.store(pw2_ptr + wptr, tl.load(pw2_ptr + wptr) + dw2)
-            if MODE == _FWD or MODE == _BWD:
-                tl.debug_barrier()
-                # ---- H3: per-head products of the owned block: O; dq, dk, dv, the pre kernel's gradient
+        # ---- M1: slabs of all heads: mixing, softmax, (no post conv: the rest of the chain)
+        for r0 in tl.range(0, ER, SR, num_stages=1):
+            cu, cw, ci, cj, ok, own, i_rows = _slab_cells(r0, row0, col0, b, kv_ptr, Tq, Tk, q_off, HAS_KV, ER, EC,
+                                                          TOP, LEFT, BMO, BNO, SR)
+            xc = _slab(scr + S_C * SLOT, cu, cw, hh, H, ER, EC, MMA)
+            z = _mix(xc, w1t, HAS_W1, PREC, ACC)
+            if MODE == _STATS:
+                zm = tl.where(ok[:, None], z, float("-inf"))
+                z3 = tl.reshape(zm, (SR, EC, HP))
+                tmax = tl.max(z3, 1)  # (SR, HP)
+                u_rows = r0 + tl.arange(0, SR)
+                sptr = hh[None, :] * ER + u_rows[:, None]
+                m_old = tl.load((pm_ptr + slot * HP * ER) + sptr)
+                l_old = tl.load((pl_ptr + slot * HP * ER) + sptr)
+                m_new = tl.maximum(m_old, tmax)
+                m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+                e3 = tl.exp(z3 - m_safe[:, None, :])
+                l_new = l_old * tl.exp(tl.where(m_old == float("-inf"), float("-inf"), m_old - m_safe)) + tl.sum(e3, 1)
+                tl.store((pm_ptr + slot * HP * ER) + sptr, m_new)
+                tl.store((pl_ptr + slot * HP * ER) + sptr, l_new)
+            else:
+                lse = _row_stat(lse_ptr, b, i_rows, hh, Tq, H, SR, EC)
+                okh = ok[:, None] & (hh < H)[None, :]
+                p = tl.where(okh, tl.exp(tl.minimum(z - lse, 0.0)), 0.0)
+                keep = _keep(seed, b, ci, cj, hh, Tq, Tk, p_drop, H, DROP)
                 if MODE == _FWD:
-                    for h in tl.range(0, H, num_stages=2):
-                        bh = b.to(tl.int64) * H + h
-                        a = tl.load(scr + S_A * SLOT + h * PLANE + u[:, None] * EC + w[None, :]).to(MMA)
-                        a = tl.where(own_w[None, :], a, 0.0).to(MMA)  # (rows it does not own: never read)
-                        for e0 in tl.static_range(0, DPAD, GP):
-                            oa = tl.dot(a, _tile(vd, bh, col0, e0, EC, GP, MMA), input_precision=PREC, out_dtype=ACC)
-                            _accumulate(pod, (slot * H + h).to(tl.int32), 0, e0, oa, ER, GP, ACC)
-                if MODE == _BWD:
-                    # the backward's products, one kind per head loop, so that no two kinds' operands
-                    # and results are live at once (registers): dq and dk from dS, dv from A, the pre
-                    # kernel's gradient. The product loops hold no inner loop, so they pipeline
-                    # (their TMA reductions overlap the next head; one completion wait per loop):
-                    # with a pre kernel, dS (its adjoint of dC, a loop per row shift) is computed
-                    # first, scaled, into the DA planes, free since the mixing phase
-                    # the owned, allowed cells of the tile: where dS and A are nonzero
-                    own2 = own_u[:, None] & own_w[None, :] & _allowed(i[:, None], j[None, :], b, kv_ptr, Tq, Tk, q_off,
-                                                                      HAS_KV)
+                    if HAS_K2:
+                        _slab_store(scr + S_P * SLOT, cu, cw, hh, p, H, ER, EC, RNE)
+                    else:
+                        a = _drop(_mix(p.to(MMA), w2t, HAS_W2, PREC, ACC), keep, p_drop, DROP)
+                        _slab_store(scr + S_A * SLOT, cu, cw, hh, a, H, ER, EC, RNE)
+                else:
+                    da = _drop(_slab(scr + S_DA * SLOT, cu, cw, hh, H, ER, EC, ACC), keep, p_drop, DROP)
+                    # masked before the mixing, not after: the same values (a cell's mix is of its
+                    # own heads; padded heads' weights are 0), and a select of the product's
+                    # accumulator made ptxas serialise every wgmma of the kq-conv passes (C7514)
+                    dr = _mix(tl.where(okh, da, 0.0).to(MMA), w2, HAS_W2, PREC, ACC)
+                    if HAS_K2:
+                        _slab_store(scr + S_P * SLOT, cu, cw, hh, p, H, ER, EC, RNE)
+                        _slab_store(scr + S_DR * SLOT, cu, cw, hh, dr, H, ER, EC, RNE)
+                    elif MODE == _ROWSUM:
+                        _add_row_sums(pd_ptr, slot, hh, r0, p * dr, own, SR, EC, HP, ER)
+                    else:
+                        dd = _row_stat(dd_ptr, b, i_rows, hh, Tq, H, SR, EC)
+                        dz = p * (dr - dd)
+                        _slab_store(scr + S_DC * SLOT, cu, cw, hh, _mix(dz.to(MMA), w1, HAS_W1, PREC, ACC),
+                                    H, ER, EC, RNE)
+                        a = _drop(_mix(p.to(MMA), w2t, HAS_W2, PREC, ACC), keep, p_drop, DROP)
+                        _slab_store(scr + S_A * SLOT, cu, cw, hh, a, H, ER, EC, RNE)
+                        dw1 = _wgrad(dw1, dz, xc, own, HAS_W1, MMA, PREC, ACC)
+                        dw2 = _wgrad(dw2, da, p, own, HAS_W2, MMA, PREC, ACC)
+
+        if HAS_K2 and MODE != _STATS:
+            tl.debug_barrier()
+            # ---- H2: the post-softmax convolution / its adjoint / its kernel's gradient, per head
+            for h in tl.range(0, H, num_stages=1):
+                pp = u[:, None] * EC + w[None, :]
+                ok = _allowed(i[:, None], j[None, :], b, kv_ptr, Tq, Tk, q_off, HAS_KV)
+                if MODE == _FWD:
+                    rr = _conv(scr + S_P * SLOT + h * PLANE, tf2d, h * CQ2 * EC, CQ2, False, ER, EC, MMA, ACC, PREC)
+                if MODE == _BWD:  # R and the post kernel's gradient read the same shifted P planes
+                    g = tl.where(own_u[:, None] & own_w[None, :], tl.load(scr + S_DR * SLOT + h * PLANE + pp), 0.0)
+                    rr = _conv_and_weight_grad(scr + S_P * SLOT + h * PLANE, tf2d, h * CQ2 * EC, g,
+                                               pt2_ptr + (pid.to(tl.int64) * HP + h) * (CQ2 * CK2), PL2, CQ2, CK2,
+                                               CKP2, ER, EC, MMA, ACC, PREC)
+                if MODE == _FWD or MODE == _BWD:
+                    tl.store(scr + S_R * SLOT + h * PLANE + pp,
+                             _to_scratch(tl.where(ok, rr, 0.0), scr_ptr.dtype.element_ty, RNE))
+                if MODE == _ROWSUM or MODE == _BWD:
+                    dp = _conv(scr + S_DR * SLOT + h * PLANE, ta2d, h * CQ2 * EC, CQ2, True, ER, EC, MMA, ACC, PREC)
+                    tl.store(scr + S_DP * SLOT + h * PLANE + pp, _to_scratch(dp, scr_ptr.dtype.element_ty, RNE))
+            tl.debug_barrier()
+            # ---- M2: slabs again: the post-softmax mixing / the softmax backward
+            for r0 in tl.range(0, ER, SR, num_stages=1):
+                cu, cw, ci, cj, ok, own, i_rows = _slab_cells(r0, row0, col0, b, kv_ptr, Tq, Tk, q_off, HAS_KV, ER,
+                                                              EC, TOP, LEFT, BMO, BNO, SR)
+                keep = _keep(seed, b, ci, cj, hh, Tq, Tk, p_drop, H, DROP)
+                if MODE == _FWD:
+                    rr = _slab(scr + S_R * SLOT, cu, cw, hh, H, ER, EC, MMA)
+                    a = _drop(_mix(rr, w2t, HAS_W2, PREC, ACC), keep, p_drop, DROP)
+                    _slab_store(scr + S_A * SLOT, cu, cw, hh, a, H, ER, EC, RNE)
+                elif MODE == _ROWSUM:
+                    p = _slab(scr + S_P * SLOT, cu, cw, hh, H, ER, EC, ACC)
+                    dp = _slab(scr + S_DP * SLOT, cu, cw, hh, H, ER, EC, ACC)
+                    _add_row_sums(pd_ptr, slot, hh, r0, p * dp, own, SR, EC, HP, ER)
+                else:
+                    p = _slab(scr + S_P * SLOT, cu, cw, hh, H, ER, EC, ACC)
+                    dp = _slab(scr + S_DP * SLOT, cu, cw, hh, H, ER, EC, ACC)
+                    dd = _row_stat(dd_ptr, b, i_rows, hh, Tq, H, SR, EC)
+                    dz = p * (dp - dd)
+                    _slab_store(scr + S_DC * SLOT, cu, cw, hh, _mix(dz.to(MMA), w1, HAS_W1, PREC, ACC), H, ER, EC, RNE)
+                    rr = _slab(scr + S_R * SLOT, cu, cw, hh, H, ER, EC, MMA)
+                    a = _drop(_mix(rr, w2t, HAS_W2, PREC, ACC), keep, p_drop, DROP)
+                    _slab_store(scr + S_A * SLOT, cu, cw, hh, a, H, ER, EC, RNE)
+                    da = _drop(_slab(scr + S_DA * SLOT, cu, cw, hh, H, ER, EC, ACC), keep, p_drop, DROP)
+                    dw1 = _wgrad(dw1, dz, _slab(scr + S_C * SLOT, cu, cw, hh, H, ER, EC, MMA), own, HAS_W1, MMA,
+                                 PREC, ACC)
+                    dw2 = _wgrad(dw2, da, rr, own, HAS_W2, MMA, PREC, ACC)
+
+        if MODE == _BWD:  # this tile's mixing gradients into the program's partials
+            wptr = pid.to(tl.int64) * (HP * HP) + hh[:, None] * HP + hh[None, :]
+            if HAS_W1:
+                tl.store(pw1_ptr + wptr, tl.load(pw1_ptr + wptr) + dw1)
+            if HAS_W2:
+                tl.store(pw2_ptr + wptr, tl.load(pw2_ptr + wptr) + dw2)
+        if MODE == _FWD or MODE == _BWD:
+            tl.debug_barrier()
+            # ---- H3: per-head products of the owned block: O; dq, dk, dv, the pre kernel's gradient
+            if MODE == _FWD:
+                for h in tl.range(0, H, num_stages=2):
+                    bh = b.to(tl.int64) * H + h
+                    a = tl.load(scr + S_A * SLOT + h * PLANE + u[:, None] * EC + w[None, :]).to(MMA)
+                    a = tl.where(own_w[None, :], a, 0.0).to(MMA)  # (rows it does not own: never read)
+                    for e0 in tl.static_range(0, DPAD, GP):
+                        oa = tl.dot(a, _tile(vd, bh, col0, e0, EC, GP, MMA), input_precision=PREC, out_dtype=ACC)
+                        _accumulate(pod, (slot * H + h).to(tl.int32), 0, e0, oa, ER, GP, ACC)
+            if MODE == _BWD:
+                # the backward's products, one kind per head loop, so that no two kinds' operands
+                # and results are live at once (registers): dq and dk from dS, dv from A, the pre
+                # kernel's gradient. The product loops hold no inner loop, so they pipeline
+                # (their TMA reductions overlap the next head; one completion wait per loop):
+                # with a pre kernel, dS (its adjoint of dC, a loop per row shift) is computed
+                # first, scaled, into the DA planes, free since the mixing phase
+                # the owned, allowed cells of the tile: where dS and A are nonzero
+                own2 = own_u[:, None] & own_w[None, :] & _allowed(i[:, None], j[None, :], b, kv_ptr, Tq, Tk, q_off,
+                                                                  HAS_KV)
+                if HAS_K1:
+                    for h in tl.range(0, H, num_stages=1):
+                        ds = _conv(scr + S_DC * SLOT + h * PLANE, ta1d, h * CQ1 * EC, CQ1, True, ER, EC, MMA, ACC,
+                                   PREC)
+                        tl.store(scr + S_DA * SLOT + h * PLANE + u[:, None] * EC + w[None, :],
+                                 _to_scratch(tl.where(own2, ds * scale, 0.0), scr_ptr.dtype.element_ty, RNE))
+                    tl.debug_barrier()
+                for h in tl.range(0, H, num_stages=2):
+                    bh = b.to(tl.int64) * H + h
                     if HAS_K1:
-                        for h in tl.range(0, H, num_stages=1):
-                            ds = _conv(scr + S_DC * SLOT + h * PLANE, ta1d, h * CQ1 * EC, CQ1, True, ER, EC, MMA, ACC,
-                                       PREC)
-                            tl.store(scr + S_DA * SLOT + h * PLANE + u[:, None] * EC + w[None, :],
-                                     _to_scratch(tl.where(own2, ds * scale, 0.0), scr_ptr.dtype.element_ty, RNE))
-                        tl.debug_barrier()
-                    for h in tl.range(0, H, num_stages=2):
-                        bh = b.to(tl.int64) * H + h
-                        if HAS_K1:
-                            ds = tl.load(scr + S_DA * SLOT + h * PLANE + u[:, None] * EC + w[None, :]).to(MMA)
-                        else:
-                            ds = tl.load(scr + S_DC * SLOT + h * PLANE + u[:, None] * EC + w[None, :]).to(ACC)
-                            ds = tl.where(own2, ds * scale, 0.0).to(MMA)
-                        for e0 in tl.static_range(0, DPAD, GP):
-                            _grad_pair(ds, kd, qd, pdqd, dkd, bh, row0, col0, slot * H + h, e0, GP, ER, EC, True,
-                                       MMA, ACC, PREC)
-                    for h in tl.range(0, H, num_stages=2):
-                        bh = b.to(tl.int64) * H + h
-                        ac = tl.where(own2, tl.load(scr + S_A * SLOT + h * PLANE + u[:, None] * EC + w[None, :]),
-                                      0.0).to(MMA)
-                        for e0 in tl.static_range(0, DPAD, GP):
-                            _grad_pair(ac, dod, dod, pdqd, dvd, bh, row0, col0, 0, e0, GP, ER, EC, False,
-                                       MMA, ACC, PREC)
-                    if HAS_K1:
-                        for h in tl.range(0, H, num_stages=1):
-                            g = tl.where(own_u[:, None] & own_w[None, :],
-                                         tl.load(scr + S_DC * SLOT + h * PLANE + u[:, None] * EC + w[None, :]), 0.0)
-                            _conv_weight_grad(scr + S_S0 * SLOT + h * PLANE, g,
-                                              pt1_ptr + (pid.to(tl.int64) * HP + h) * (CQ1 * CK1), PL1, CQ1, CK1, CKP1,
-                                              ER, EC, MMA, ACC, PREC)
+                        ds = tl.load(scr + S_DA * SLOT + h * PLANE + u[:, None] * EC + w[None, :]).to(MMA)
+                    else:
+                        ds = tl.load(scr + S_DC * SLOT + h * PLANE + u[:, None] * EC + w[None, :]).to(ACC)
+                        ds = tl.where(own2, ds * scale, 0.0).to(MMA)
+                    for e0 in tl.static_range(0, DPAD, GP):
+                        _grad_pair(ds, kd, qd, pdqd, dkd, bh, row0, col0, slot * H + h, e0, GP, ER, EC, True,
+                                   MMA, ACC, PREC)
+                for h in tl.range(0, H, num_stages=2):
+                    bh = b.to(tl.int64) * H + h
+                    ac = tl.where(own2, tl.load(scr + S_A * SLOT + h * PLANE + u[:, None] * EC + w[None, :]),
+                                  0.0).to(MMA)
+                    for e0 in tl.static_range(0, DPAD, GP):
+                        _grad_pair(ac, dod, dod, pdqd, dvd, bh, row0, col0, 0, e0, GP, ER, EC, False,
+                                   MMA, ACC, PREC)
+                if HAS_K1:
+                    for h in tl.range(0, H, num_stages=1):
+                        g = tl.where(own_u[:, None] & own_w[None, :],
+                                     tl.load(scr + S_DC * SLOT + h * PLANE + u[:, None] * EC + w[None, :]), 0.0)
+                        _conv_weight_grad(scr + S_S0 * SLOT + h * PLANE, g,
+                                          pt1_ptr + (pid.to(tl.int64) * HP + h) * (CQ1 * CK1), PL1, CQ1, CK1, CKP1,
+                                          ER, EC, MMA, ACC, PREC)
 
 
 
@@ -914,8 +916,9 @@ def _launch(mode: int, pb: _Problem, bufs: dict, do: Optional[torch.Tensor] = No
         inputs[name] = bufs[name].flatten(0, 1) if name in bufs else None
     descs = {name: _descriptor(inputs[src], block, pb.acc_t if src in ACCUMULATORS else pb.qp.dtype, pb.dev)
              for name, (src, block) in descriptor_specs(consts).items()}
-    items = torch.tensor(sched.items, dtype=torch.int32, device=pb.dev).flatten()
-    starts = torch.tensor(sched.starts, dtype=torch.int32, device=pb.dev)
+    tiles, tile_starts = sched.tiles()
+    tile_rows = torch.tensor(tiles, dtype=torch.int32, device=pb.dev).flatten()
+    starts = torch.tensor(tile_starts, dtype=torch.int32, device=pb.dev)
     dm = pb.dummy
 
     def buf(name):
@@ -928,7 +931,7 @@ def _launch(mode: int, pb: _Problem, bufs: dict, do: Optional[torch.Tensor] = No
             pb.kv if pb.kv is not None else dm,
             pb.w1t if pb.w1t is not None else dm, pb.w2t if pb.w2t is not None else dm,
             descs["tf2d"], descs["ta2d"], descs["ta1d"],
-            buf("lse"), buf("dd"), items, starts,
+            buf("lse"), buf("dd"), tile_rows, starts,
             buf("pm"), buf("pl"), descs["pod"], buf("pd"), descs["pdqd"], descs["dkd"], descs["dvd"],
             buf("pw1"), buf("pw2"), buf("pt1"), buf("pt2"), scratch,
             pb.tq, pb.tk, pb.q_off, pb.scale, pb.p_drop, pb.seed,

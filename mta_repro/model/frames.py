@@ -191,6 +191,15 @@ class Schedule:
         """The tile counts of each program's items, in order (the roofline's schedule)."""
         return [[c1 - c0 for _, _, c0, c1, _ in self.items[a:b]] for a, b in zip(self.starts, self.starts[1:])]
 
+    def tiles(self) -> tuple[list, list]:
+        """What the kernel walks: (b, t, key block, slot) of every tile, program by program in
+        item order, and the n_prog + 1 offsets of each program's tiles."""
+        rows, starts = [], [0]
+        for a, z in zip(self.starts, self.starts[1:]):
+            rows += [(b, t, c, slot) for b, t, c0, c1, slot in self.items[a:z] for c in range(c0, c1)]
+            starts.append(len(rows))
+        return rows, starts
+
 
 def items(f: Frame, batch: int, tq: int, tk: int, q_offset: int, n_prog: int) -> Schedule:
     """Work items of a pass, balanced to the tile: the tiles of every (batch, row block), its

@@ -13,7 +13,8 @@ instructions: ``#ttg.nvidia_mma`` v2 -> ``mma.sync`` (tensor cores), v3 /
 cores). Each op is weighted by the trip counts of the ``scf.for`` loops around it:
 constant bounds are read from the IR; loops with runtime bounds are the kernel's work loops,
 level 1 = the loop over work items of a program, level 2 = the loop over key blocks of an
-item (a third runtime level is an error: the schedule would not know its trips). Ops in an
+item (a third runtime level is an error: the schedule would not know its trips); a kernel
+with one runtime loop walks its program's tiles in it, so that loop is level 2. Ops in an
 ``scf.if`` are counted as always executed. Resources per op: MACs of dots by kind;
 elements of tensor ``arith.mulf``/``math.fma`` (CUDA-core multiplies: convolution taps,
 scalings); elements of ``math.exp``/``exp2`` (special-function unit); global bytes of
@@ -154,7 +155,7 @@ def source_chains(ttgir: str, source: str) -> dict:
     return {alias: chain(alias) for alias in defs}
 
 
-def count_ttgir(ttgir: str, source: str = "attention_triton.py") -> Counts:
+def count_ttgir(ttgir: str, source: str = "attention_triton.py", _tile_loop_level: int = 2) -> Counts:
     """Loop-weighted resources of one compiled kernel (see the module docstring); the
     per-key-block ones also by source line of ``source`` (``Counts.by_line``)."""
     raw_lines = ttgir.splitlines()
@@ -174,6 +175,7 @@ def count_ttgir(ttgir: str, source: str = "attention_triton.py") -> Counts:
 
     c = Counts()
     stack = []  # ("for", trips or None) / ("other", None)
+    depth = [0]  # the deepest runtime-bounded loop nesting seen
 
     def weight():
         mult, level = 1.0, 0
@@ -186,7 +188,8 @@ def count_ttgir(ttgir: str, source: str = "attention_triton.py") -> Counts:
                 mult *= trips
         if level > 2:
             raise ValueError("count_ttgir: more than two loops with runtime bounds; the schedule knows two")
-        return level, mult
+        depth[0] = max(depth[0], level)
+        return (2 if level == _tile_loop_level else level), mult
 
     for idx, s in enumerate(lines):
         t = s.strip()
@@ -277,6 +280,8 @@ def count_ttgir(ttgir: str, source: str = "attention_triton.py") -> Counts:
                 stack.append(("for", trips))
             else:
                 stack.append(("other", None))
+    if depth[0] == 1 and _tile_loop_level == 2:  # one runtime loop: the tiles (per key block)
+        return count_ttgir(ttgir, source, _tile_loop_level=1)
     return c
 
 
