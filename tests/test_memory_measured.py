@@ -58,3 +58,34 @@ def test_preflight_matches_a_measured_cpu_step_for_baseline_and_mta():
     extra_measured = mta["measured_bytes"] - base["measured_bytes"]
     assert extra_measured > 0
     assert extra_est == pytest.approx(extra_measured, rel=EXTRA_TOLERANCE), (extra_est, extra_measured)
+
+
+CHILD = """
+import json, sys
+sys.path.insert(0, sys.argv[1])
+import measure_memory as mm
+reset = mm._reset_peak()
+base = mm._rss()
+x = bytearray(64 * 2**20)
+for i in range(0, len(x), 4096):
+    x[i] = 1
+print(json.dumps({"reset": reset, "peak_above_base": mm._peak(reset) - base}))
+"""
+
+
+@pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="Linux's resettable high-water mark")
+def test_the_measured_peak_is_the_measured_process_own_not_its_launcher():
+    """A process started by subprocess inherits its launcher's resident high-water mark in
+    ru_maxrss (vfork + exec): under a pytest worker grown past the step's peak, the 300M
+    baseline step measured 1.23 GB for 1.00 GB. The script's peak is its own since its reset:
+    a child touching 64 MB under a parent holding 512 MB measures ~64 MB."""
+    held = bytearray(512 * 2**20)
+    for i in range(0, len(held), 4096):
+        held[i] = 1
+    p = subprocess.run([sys.executable, "-c", CHILD, str(ROOT / "scripts")], capture_output=True, text=True,
+                       timeout=120)
+    assert p.returncode == 0, p.stderr[-2000:]
+    r = json.loads(p.stdout.strip().splitlines()[-1])
+    assert r["reset"]
+    assert 60 * 2**20 <= r["peak_above_base"] <= 100 * 2**20, r
+    del held
