@@ -229,11 +229,15 @@ def _add_taps(x, gm, ptr, SHIFT: tl.constexpr, CK: tl.constexpr, CKP: tl.constex
     plane's frame columns at one row shift, G = gm the output gradient, zero outside the owned
     columns) holds tap b of column n at row n + b + SHIFT (SHIFT = -OFF, the kernel's reach left
     of its key), summed by a gather (skew) and a row sum, once per tile and row shift (not per
-    tap). The frame holds every column an owned cell's taps read."""
+    tap). The frame holds every column an owned cell's taps read, so the gather needs no
+    mask: an owned column's rows n + b + SHIFT (b < CK) lie in the frame, and every other
+    column of the product is zero (G is; x is finite), whatever row its wrapped index reads.
+    (A mask and a clamped index, hoisted out of every loop, spilled: 124 -> 96 B.)"""
+    tl.static_assert((EC & (EC - 1)) == 0, "the tap gather wraps its row index modulo EC")
     r = tl.arange(0, CKP)
     sk = r[:, None] + tl.arange(0, EC)[None, :] + SHIFT  # (CKP, EC): row n + b + SHIFT of the product
     mm = tl.dot(tl.trans(x), gm, input_precision=PREC, out_dtype=ACC)  # (EC, EC)
-    taps = tl.sum(tl.where((sk >= 0) & (sk < EC), tl.gather(mm, tl.minimum(tl.maximum(sk, 0), EC - 1), 0), 0.0), 1)
+    taps = tl.sum(tl.gather(mm, sk & (EC - 1), 0), 1)  # rows b >= CK: not stored
     tl.store(ptr + r, tl.load(ptr + r, mask=r < CK, other=0.0) + taps, mask=r < CK)
 
 
@@ -464,7 +468,7 @@ def _mta_kernel(
 
     # this program's tiles, one loop (frames.Schedule.tiles: batch, row block, key block, its
     # item's partial slot): an item loop around a key-block loop kept its bounds and the item's
-    # values live across the whole tile (the kq-conv backward spilled 196 B, now 124 B)
+    # values live across the whole tile (the kq-conv backward spilled 196 B, then 124 B)
     for it in tl.range(tl.load(starts_ptr + pid), tl.load(starts_ptr + pid + 1), num_stages=1):
         b = tl.load(tiles_ptr + it * 4)
         t = tl.load(tiles_ptr + it * 4 + 1)
