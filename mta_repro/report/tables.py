@@ -157,13 +157,23 @@ def load_run(path, label: Optional[str] = None) -> RunData:
     run.stage = run_stage(run.config)
     m = path / "metrics.jsonl"
     if m.is_file():
-        for line in m.read_text().splitlines():
-            line = line.strip()
-            if line:
+        lines, skipped = m.read_bytes().split(b"\n"), []
+        for n, line in enumerate(lines, 1):
+            if line.strip():
                 try:
-                    run.metrics.append(json.loads(line))
-                except json.JSONDecodeError:
-                    continue  # a line cut by a crash
+                    record = json.loads(line.decode("utf-8"))
+                except (ValueError, RecursionError):  # not UTF-8 / not JSON
+                    record = None
+                if isinstance(record, dict):
+                    run.metrics.append(record)
+                elif n < len(lines):  # (the last line, without its newline, may be a write in progress)
+                    skipped.append(n)
+        if skipped:  # damaged lines the trainer kept as they are on resume
+            import sys
+
+            print(f"report: {m}: skipped {len(skipped)} damaged line{'s' if len(skipped) > 1 else ''} "
+                  f"(not a JSON object): {', '.join(map(str, skipped[:10]))}{', ...' if len(skipped) > 10 else ''}",
+                  file=sys.stderr)
     if not run.evals and not run.metrics:
         raise UserError(f"report: {path} has no eval/*.json results and no metrics.jsonl; "
                          f"train it, then evaluate it: {eval_command(path)}")

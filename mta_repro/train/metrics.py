@@ -9,6 +9,7 @@ peak is unknown on CPU (and on unlisted GPUs), and ``mfu`` is then null.
 from __future__ import annotations
 
 import json
+import os
 import resource
 import sys
 import time
@@ -17,6 +18,8 @@ from pathlib import Path
 from typing import Any, Optional
 
 import torch
+
+from mta_repro.train.durable import replace_atomically
 
 # Dense (no sparsity) bf16 tensor-core peaks, FLOP/s, from the vendors' datasheets.
 # Longest matching name wins ("H100 PCIe" before "H100").
@@ -73,19 +76,81 @@ def mfu(tokens_per_s: float, flops_per_token: float, peak: Optional[float], worl
     return tokens_per_s * flops_per_token / (peak * world_size)
 
 
+def _line_problem(raw: bytes) -> tuple[Optional[int], Optional[str], bool]:
+    """(step, problem, parses) of one metrics.jsonl line (without its newline): the integer
+    ``step`` of a metric record, else what is wrong with the line; ``parses`` is False for a
+    line that is not JSON text at all (what a torn write leaves)."""
+    try:
+        record = json.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError:
+        return None, "not UTF-8 text", False
+    except (ValueError, RecursionError):
+        return None, "not JSON", False
+    if not isinstance(record, dict):
+        return None, f"JSON {type(record).__name__}, not an object", True
+    step = record.get("step")
+    if not isinstance(step, int) or isinstance(step, bool):
+        return None, 'no integer "step"', True
+    return step, None, True
+
+
 def truncate_after(path: Path, step: int) -> None:
     """Drop metric lines of steps after ``step`` (a crashed run logged them; the resumed
-    run logs them again)."""
+    run logs them again), and a last line that a kill cut short (not JSON).
+
+    Every other line is kept byte for byte, a damaged one too (not UTF-8, not JSON, not an
+    object, no integer ``step``: named on stderr, not guessed at), and counts as before
+    ``step``. The file is rewritten atomically (temp file, fsync, rename), and only when a
+    line is dropped."""
+    path = Path(path)
     if not path.is_file():
         return
-    keep = []
-    for line in path.read_text().splitlines():
-        try:
-            if json.loads(line).get("step", 0) <= step:
-                keep.append(line)
-        except json.JSONDecodeError:  # a torn last line from a kill
+    if path.is_symlink():  # rewrite the file the link points at, not the link
+        path = Path(os.path.realpath(path))
+    lines = path.read_bytes().split(b"\n")
+    if lines[-1] == b"":  # the newline after the last line, not a line
+        lines.pop()
+    keep, damaged, dropped, torn = [], [], 0, None
+    for i, raw in enumerate(lines):
+        if not raw.strip():  # blank: no record, harmless
+            keep.append(raw)
             continue
-    path.write_text("".join(l + "\n" for l in keep))
+        line_step, problem, parses = _line_problem(raw)
+        if problem is None:
+            if line_step <= step:
+                keep.append(raw)
+            else:
+                dropped += 1
+        elif i == len(lines) - 1 and not parses:
+            torn = raw
+        else:
+            keep.append(raw)
+            damaged.append((i + 1, problem))
+    if damaged:
+        shown = ", ".join(f"line {n}: {why}" for n, why in damaged[:10])
+        more = f", and {len(damaged) - 10} more" if len(damaged) > 10 else ""
+        numbers = ", ".join(str(n) for n, _ in damaged[:10]) + (", ..." if len(damaged) > 10 else "")
+        print(f"[mta_repro.train] {path}: kept {len(damaged)} damaged line{'s' if len(damaged) > 1 else ''} as they are "
+              f"(line{'s' if len(damaged) > 1 else ''} {numbers}): {shown}{more}; they are not metric records",
+              file=sys.stderr, flush=True)
+    if torn is not None:
+        print(f"[mta_repro.train] {path}: dropped its last line {len(lines)}, cut short by a killed run "
+              f"({len(torn)} bytes: {torn[:60]!r}{'...' if len(torn) > 60 else ''})", file=sys.stderr, flush=True)
+    if dropped or torn is not None:
+        replace_atomically(path, b"".join(raw + b"\n" for raw in keep))
+
+
+def _ends_without_newline(path: Path) -> bool:
+    """``path`` has bytes and the last one is not a newline (a line appended now would join it)."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            if f.tell() == 0:
+                return False
+            f.seek(-1, os.SEEK_END)
+            return f.read(1) != b"\n"
+    except OSError:
+        return False
 
 
 def _isatty(stream) -> bool:
@@ -118,7 +183,11 @@ class MetricLogger:
         if not is_main:
             return
         truncate_after(self.path, start)
+        newline = _ends_without_newline(self.path)
         self.file = open(self.path, "a")
+        if newline:  # a last line without its newline: the next record starts a line of its own
+            self.file.write("\n")
+            self.file.flush()
         self.total = total
         # A tqdm bar only on a terminal; elsewhere (SLURM's .err files, pipes) one plain
         # line per logged step, no carriage returns.
@@ -137,8 +206,6 @@ class MetricLogger:
                 print("wandb is not installed: logging to metrics.jsonl only (pip install 'mta-repro[wandb]', "
                       "or logging.wandb_mode=disabled to silence this)", file=sys.stderr)
         if wandb is not None:
-            import os
-
             id_file = Path(run_dir) / "wandb_id.txt"
             run_id = id_file.read_text().strip() if id_file.is_file() else uuid.uuid4().hex[:8]
             id_file.write_text(run_id)
