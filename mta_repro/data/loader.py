@@ -32,7 +32,7 @@ import numpy as np
 import torch
 
 from mta_repro.data.args import DataArgs, active_sources, to_data_args
-from mta_repro.data.sources import BAD_KINDS, DocStream, check_domain, iter_docs
+from mta_repro.data.sources import BAD_KINDS, BadLedger, DocStream, check_domain, iter_docs, list_files, shard_files
 from mta_repro.data.tokenizers import build_tokenizer
 from mta_repro.errors import UserError
 
@@ -51,13 +51,12 @@ class TrainLoader:
             check_domain(self.args, d)
         self.domains: List[str] = list(weights)
         self.cum = np.cumsum([weights[d] for d in self.domains]).tolist()
-        first = self.domains[0]
-        self.streams: Dict[str, DocStream] = {
-            d: DocStream(
-                self.args, d, rank, world_size, count_bad=(self.args.layout == "domains" or d == first)
-            )
-            for d in self.domains
-        }
+        # Streams that read the same files (every domain in the slimpajama layout) share a
+        # ledger, so a bad record or file is counted once, by whichever stream reads it first.
+        self.streams: Dict[str, DocStream] = {d: DocStream(self.args, d, rank, world_size) for d in self.domains}
+        ledgers: Dict[tuple, BadLedger] = {}
+        for s in self.streams.values():
+            s.use_ledger(ledgers.setdefault(tuple(s.base_shard), s.ledger))
         # Two independent generators so the document sequence does not depend on the
         # buffer size. Seeds combine the data seed with the rank.
         self.doc_rng = np.random.Generator(np.random.PCG64([self.args.seed, rank, 0]))
@@ -256,7 +255,8 @@ class TrainLoader:
         dropped, and an old rank that was already in a later epoch of a domain loses that
         progress. The domain draws continue from new seeds. If the shards cannot be mapped
         (fewer files than ranks: line-strided parts), the data order restarts with a warning.
-        Token/document counters are carried over (on rank 0, so the sums stay right)."""
+        Token/document and bad-record counters are carried over (on rank 0, so the sums
+        stay right)."""
         if not states:
             raise UserError("data loader state: no saved ranks")
         mine = self._config()
@@ -267,8 +267,6 @@ class TrainLoader:
         old_world = len(states)
         derived = True
         for d, stream in self.streams.items():
-            from mta_repro.data.sources import list_files, shard_files
-
             shards = [shard_files(list_files(self.args, d, "train"), r, old_world) for r in range(old_world)]
             derived = stream.derive_from([s["streams"][d] for s in states], shards) and derived
         if not derived:
@@ -277,9 +275,19 @@ class TrainLoader:
                 "the data order restarts from the beginning (documents will repeat)", old_world, self.world_size,
             )
             for stream in self.streams.values():
-                stream.close()
-                stream.file, stream.line, stream.offset, stream.epoch, stream.docs_in_epoch = 0, 0, 0, 0, 0
-                stream.done, stream.partial = set(), {}
+                stream.restart()
+        # Bad-record counts: the old ranks' sums on rank 0 (so the sum over ranks stays
+        # right), derived or not; the files found unreadable are known to every rank (not
+        # counted again).
+        for d, stream in self.streams.items():
+            olds = [s["streams"][d] for s in states]
+            stream.bad = {}
+            if self.rank == 0:
+                for s in olds:
+                    for k, v in s["bad"].items():
+                        stream.bad[k] = stream.bad.get(k, 0) + int(v)
+            stream.bad_files = set().union(*(s.get("bad_files", ()) for s in olds))
+            stream.ledger.invalidate()
         total_batches = sum(int(s["n_batches"]) for s in states)
         self.doc_rng = np.random.Generator(np.random.PCG64([self.args.seed, self.rank, 2, old_world, total_batches]))
         self.buf_rng = np.random.Generator(np.random.PCG64([self.args.seed, self.rank, 3, old_world, total_batches]))
@@ -318,7 +326,10 @@ class TrainLoader:
 
     # ------------------------------------------------------------------ reporting
     def bad_records(self) -> Dict[str, int]:
-        """Bad records skipped so far on this rank, by kind (persisted in the state)."""
+        """Bad records skipped so far on this rank, by kind (persisted in the state): every
+        kind of ``BAD_KINDS``, 0 included, so every rank has the same names. Counted by the
+        domain stream that read the record first (see ``DocStream``), up to the last batch
+        handed out."""
         sd = self.state_dict()
         out = {k: 0 for k in BAD_KINDS}
         for s in sd["streams"].values():

@@ -272,15 +272,86 @@ def epoch_order(shard: List[Tuple[str, int, int]], seed: int, domain: str, epoch
     return [shard[i] for i in rng.permutation(len(shard))]
 
 
+class BadLedger:
+    """What the domain streams of one rank that read the same files (all of them in the
+    slimpajama layout) have checked for bad records, so that every bad record and every
+    unreadable file is counted once, by whichever stream reaches it first, and not again
+    in a later epoch (the counts are of the distinct faults met so far).
+
+    Plain bookkeeping derived from the streams' positions (rebuilt after a load), so it
+    needs no state of its own: ``checked[file]`` is the number of the file's lines some
+    stream has read in epoch 0 (the most any stream has read; reads are prefixes), once a
+    stream is past epoch 0 every line has been read (``passed``), and ``files`` are the
+    files found unreadable.
+    """
+
+    def __init__(self) -> None:
+        self.streams: List["DocStream"] = []
+        self.files: set = set()
+        self.checked: Dict[str, float] = {}
+        self.passed = False
+        self._stale = False
+
+    def invalidate(self) -> None:
+        """A stream's position was set from outside (a load): rebuild before the next use."""
+        self._stale = True
+
+    def _rebuild(self) -> None:
+        self._stale = False
+        self.files = set().union(*(s.bad_files for s in self.streams))
+        self.passed = any(s.epoch > 0 for s in self.streams)
+        self.checked = {}
+        if self.passed:
+            return
+        for s in self.streams:
+            for i, (name, _, _) in enumerate(s.shard):
+                if i < s.file or name in s.done:  # read (by this stream, or by the old ranks)
+                    n = math.inf
+                else:
+                    n = s.partial.get(name, (0, 0))[0]
+                    if i == s.file:
+                        n = max(n, s.line)
+                if n:
+                    self.checked[name] = max(self.checked.get(name, 0), n)
+
+    def claim(self, name: str, line: int) -> bool:
+        """Whether ``line`` of ``name`` is read for the first time (then the reader counts
+        its faults); marks it read."""
+        if self._stale:
+            self._rebuild()
+        if self.passed or self.checked.get(name, 0) > line:
+            return False
+        self.checked[name] = line + 1
+        return True
+
+    def claim_file(self, name: str) -> bool:
+        """Whether the unreadable file ``name`` is met for the first time (then it is counted)."""
+        if self._stale:
+            self._rebuild()
+        if name in self.files:
+            return False
+        self.files.add(name)
+        return True
+
+    def enter_epoch(self, epoch: int) -> None:
+        """A stream starts ``epoch``: past epoch 0, every line has been read once."""
+        if epoch > 0:
+            self.passed, self.checked = True, {}
+
+
 class DocStream:
     """One domain's documents on one rank, endlessly (epoch after epoch), resumable.
 
-    ``count_bad``: whether this stream counts bad records. In the slimpajama layout all
-    domain streams read the same files, so only one of them counts (and the others may
-    skip lines that cannot be theirs without parsing them).
+    ``ledger``: shared by the streams of one loader that read the same files (in the
+    slimpajama layout every domain stream reads every file of the rank's shard). Whichever
+    stream reads a line first parses it and counts its faults in its ``bad``; the others
+    (and later epochs) skip the lines that cannot be theirs without parsing them. So the
+    sum of the streams' ``bad`` counts every bad record met so far once, from the first
+    batch on, whichever domain is drawn. Without one, the stream counts alone.
     """
 
-    def __init__(self, args: DataArgs, domain: str, rank: int, world_size: int, count_bad: bool = True) -> None:
+    def __init__(self, args: DataArgs, domain: str, rank: int, world_size: int,
+                 ledger: Optional[BadLedger] = None) -> None:
         self.domain = domain
         self.root = corpus_root(args)
         self.seed = args.seed
@@ -288,16 +359,27 @@ class DocStream:
         self.shard = epoch_order(self.base_shard, self.seed, domain, 0)
         self.set_name = SET_NAMES[domain] if args.layout == "slimpajama" else None
         self._needle = json.dumps(self.set_name).encode() if self.set_name else None
-        self.count_bad = count_bad
         self.where = f"domain {domain!r} on rank {rank}/{world_size}"
         self.file, self.line, self.offset, self.epoch, self.docs_in_epoch = 0, 0, 0, 0, 0
         self.bad: Dict[str, int] = {}
-        self.bad_files: set = set()  # files found unreadable (counted once each)
+        self.bad_files: set = set()  # files found unreadable (counted once each, by one stream)
         self._reader: Optional[_LineReader] = None
         # Set by ``derive_from`` (a resume on another world size), for this epoch only:
         # files other ranks already read, and files they read part of ({file: (line, offset)}).
         self.done: set = set()
         self.partial: Dict[str, Tuple[int, int]] = {}
+        self.ledger = BadLedger()
+        self.use_ledger(ledger if ledger is not None else self.ledger)
+
+    def use_ledger(self, ledger: BadLedger) -> None:
+        """Count bad records with ``ledger`` (shared with the streams reading the same files)."""
+        if self in self.ledger.streams:
+            self.ledger.streams.remove(self)
+            self.ledger.invalidate()
+        self.ledger = ledger
+        if self not in ledger.streams:
+            ledger.streams.append(self)
+        ledger.invalidate()
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict:
@@ -326,6 +408,7 @@ class DocStream:
         self.bad_files = set(sd.get("bad_files", ()))
         self.done = set(sd.get("done", ()))
         self.partial = {f: (int(v[0]), int(v[1])) for f, v in sd.get("partial", {}).items()}
+        self.ledger.invalidate()
 
     def derive_from(self, states: List[dict], shards: List[List[Tuple[str, int, int]]]) -> bool:
         """Continue where the streams of another world size stopped (``states[r]`` of the
@@ -359,7 +442,18 @@ class DocStream:
         for s in states:
             for k, v in s["bad"].items():
                 self.bad[k] = self.bad.get(k, 0) + int(v)
+        # the files the old ranks found unreadable were counted: not again
+        self.bad_files = set().union(*(s.get("bad_files", ()) for s in states))
+        self.ledger.invalidate()
         return True
+
+    def restart(self) -> None:
+        """Back to the start of epoch 0 (the data order restarts; the counts are kept)."""
+        self.close()
+        self.file, self.line, self.offset, self.epoch, self.docs_in_epoch = 0, 0, 0, 0, 0
+        self.shard = epoch_order(self.base_shard, self.seed, self.domain, 0)
+        self.done, self.partial = set(), {}
+        self.ledger.invalidate()
 
     def close(self) -> None:
         if self._reader is not None:
@@ -379,6 +473,7 @@ class DocStream:
             self.file, self.epoch, self.docs_in_epoch = 0, self.epoch + 1, 0
             self.done, self.partial = set(), {}
             self.shard = epoch_order(self.base_shard, self.seed, self.domain, self.epoch)
+            self.ledger.enter_epoch(self.epoch)
             log.info("data: %s starts epoch %d", self.where, self.epoch)
 
     def next_doc(self) -> str:
@@ -395,9 +490,11 @@ class DocStream:
                     self._reader = _LineReader(self.root / name, self.offset)
                 line = self._reader.readline()
             except Exception as e:  # noqa: BLE001 - a corrupt/truncated file: skip its rest
-                if self.count_bad and name not in self.bad_files:
-                    self.bad_files.add(name)
+                # counted once on this rank (the first stream to meet it) and, for a file cut
+                # into line-strided parts among ranks, only by the rank of part 0
+                if self.ledger.claim_file(name) and sub == 0:
                     self.bad["corrupt_file"] = self.bad.get("corrupt_file", 0) + 1
+                self.bad_files.add(name)
                 if str(self.root / name) not in _WARNED_FILES:
                     _WARNED_FILES.add(str(self.root / name))
                     log.warning("data: %s is truncated or corrupt (unreadable after line %d: %s); its remaining "
@@ -410,11 +507,12 @@ class DocStream:
             j = self.line
             self.line += 1
             self.offset += len(line)
+            first = self.ledger.claim(name, j)  # no stream of this rank read line j yet
             if j % stride != sub or not line.strip():
                 continue
-            if not self.count_bad and self._needle is not None and self._needle not in line:
-                continue  # cannot be this domain's record; another stream counts faults
-            text = parse_record(line, self.set_name, self.bad if self.count_bad else None)
+            if not first and self._needle is not None and self._needle not in line:
+                continue  # cannot be this domain's record; its faults were counted by a stream ahead
+            text = parse_record(line, self.set_name, self.bad if first else None)
             if text is not None:
                 self.docs_in_epoch += 1
                 return text
