@@ -158,5 +158,21 @@ def check_hydra_overrides(argv: Sequence[str], config_dir: Path, config_name: st
             cfg = compose(config_name=args.config_name or config_name, overrides=overrides)
     finally:
         GlobalHydra.instance().clear()
+    resolve_all(cfg)
     if check is not None:
         check(cfg)
+
+
+def resolve_all(cfg) -> None:
+    """Resolve every interpolation of a composed config (e.g. a ``${oc.env:VAR}`` in an
+    experiment YAML), so that one that cannot resolve is a one-line error naming its key
+    here rather than a traceback from inside Hydra's job setup (``hydra.run.dir`` is
+    ``${run_dir}``)."""
+    from omegaconf import OmegaConf
+    from omegaconf.errors import InterpolationResolutionError
+
+    try:
+        OmegaConf.to_container(cfg, resolve=True)
+    except InterpolationResolutionError as e:
+        key = getattr(e, "full_key", None)
+        raise UserError(f"{key + ': ' if key else ''}cannot resolve {describe(e)}") from e

@@ -26,3 +26,9 @@ class UserError(ValueError):
 def show_tracebacks() -> bool:
     """Whether ``MTA_REPRO_TRACEBACK`` asks for tracebacks of user errors too."""
     return os.environ.get(TRACEBACK_ENV, "").strip().lower() not in ("", "0", "false", "no")
+
+
+class NoSpaceError(UserError):
+    """The disk filled up: the message names the path, the bytes needed and those free.
+    Not the input's fault, but the user's to fix (free space, then rerun to resume), so it
+    is reported as one line like a user error."""

@@ -95,6 +95,14 @@ SLOW_TESTS = {
     ("test_train_signals.py", "test_no_host_sync_between_logging_steps"),
     ("test_train_corrupt.py", "test_truncated_distcp_is_named_and_refused_with_on_corrupt_raise"),
     ("test_train_validation.py", "test_validation_matches_the_eval_ppl_on_the_same_weights"),
+    ("test_train_metrics_history.py", "test_a_sigkill_during_the_rewrite_leaves_the_history_whole"),
+    ("test_data_bad_counts.py", "test_trainer_metrics_have_the_counts_from_the_first_step"),
+    ("test_train_nothing_lost.py", "test_twenty_double_starts_never_delete_the_winners_files"),
+    ("test_train_nothing_lost.py", "test_resume_without_config_yaml_is_checked_against_the_checkpoints_config"),
+    ("test_train_nothing_lost.py", "test_checkpoint_is_fsynced_before_it_is_marked_complete"),
+    ("test_train_nothing_lost.py", "test_a_full_disk_is_one_line_and_leaves_no_partial_checkpoint"),
+    ("test_train_nothing_lost.py", "test_an_unresolvable_env_var_is_one_line"),
+    ("test_train_nothing_lost.py", "test_a_non_finite_loss_is_one_line_naming_the_checkpoint"),
 }
 
 # Modules with module- or session-scoped fixtures (built once, used by several tests): one

@@ -7,9 +7,14 @@ Layout: ``<run_dir>/checkpoints/<step:010d>/`` holds the DCP files of
      "scheduler": LR-scheduler state, "step": int,
      "rank{r}": {"rng": ..., "data": loader state} of rank r, for every rank}
 
-and a ``.complete`` marker. Saving writes into ``.tmp-<step>``, adds the marker, then
-renames the directory (atomic on POSIX), so a save killed midway never leaves a
-directory that looks complete; stale temporaries are removed at the next start.
+a ``config.yaml`` (the resolved run config it was trained with: a resume checks the
+command against it when the run's own config.yaml is gone) and a ``.complete`` marker.
+Saving writes into ``.tmp-<step>``, fsyncs every file and the folder, adds the marker
+(fsynced too), then renames the directory (atomic on POSIX) and fsyncs its parent, so
+neither a kill nor a power loss midway leaves a directory that looks complete with data
+still unwritten; stale temporaries are removed at the next start. A save that fails on a
+full disk removes its ``.tmp-<step>`` and stops the run with one line (``NoSpaceError``:
+the path, the bytes the checkpoint needs and those free).
 
 The scheduler and per-rank entries are run-state in plain types and tensors, stored as
 ``torch.save`` bytes and read back with ``weights_only=True`` (``mta_repro.weights.safe``):
@@ -20,6 +25,7 @@ Finding and reading weights (``init_from``, exports, release/Lingua checkpoints)
 
 from __future__ import annotations
 
+import errno
 import os
 import random
 import shutil
@@ -33,11 +39,14 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-from mta_repro.errors import UserError
+from mta_repro.errors import NoSpaceError, UserError
+from mta_repro.train.durable import fsync_path, fsync_tree
 from mta_repro.weights import load_weights
 from mta_repro.weights.layout import (  # noqa: F401 - re-exported: the trainer's names for them
+    CHECKPOINT_CONFIG,
     COMPLETE,
     complete_checkpoints,
     latest_checkpoint,
@@ -68,6 +77,38 @@ def save_file_atomic(obj: Any, path: Path) -> Path:
     torch.save(obj, tmp)
     os.replace(tmp, path)
     return path
+
+
+def state_bytes(obj: Any) -> int:
+    """The bytes of the tensors and byte strings in a (nested) state dict: what a checkpoint
+    of it needs on disk, about (a sharded tensor counts whole)."""
+    if isinstance(obj, torch.Tensor):
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, (bytes, bytearray)):
+        return len(obj)
+    if isinstance(obj, dict):
+        return sum(state_bytes(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(state_bytes(v) for v in obj)
+    return 0
+
+
+# What a failed write raises: DCP gathers the ranks' errors into a CheckpointException,
+# which is a BaseException (a Ctrl-C during a save is not caught: it stops at once).
+_SAVE_ERRORS = (Exception, CheckpointException)
+
+
+def _caused_by_enospc(exc: BaseException) -> bool:
+    seen = set()
+    e: Optional[BaseException] = exc
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, OSError) and e.errno == errno.ENOSPC:
+            return True
+        if "No space left on device" in str(e):
+            return True
+        e = e.__cause__ or e.__context__
+    return False
 
 
 # ------------------------------------------------------------------ RNG state
@@ -116,12 +157,15 @@ class CheckpointManager:
     previous complete checkpoint as the latest.
     """
 
-    def __init__(self, run_dir: Path, keep: int, rank: int, world_size: int, async_save: bool = False):
+    def __init__(self, run_dir: Path, keep: int, rank: int, world_size: int, async_save: bool = False,
+                 config_text: Optional[str] = None):
         self.root = Path(run_dir) / "checkpoints"
         self.keep = keep
         self.rank, self.world_size = rank, world_size
         self.async_save = async_save
-        self._pending = None  # (future, step, tmp, final) of an async save in flight
+        # The resolved run config (YAML) each checkpoint carries as config.yaml (rank 0).
+        self.config_text = config_text
+        self._pending = None  # (future, step, tmp, final, bytes) of an async save in flight
         self._pg = None
 
     def _barrier(self) -> None:
@@ -151,18 +195,49 @@ class CheckpointManager:
             f"rank{self.rank}": encode_state(per_rank),
         }
 
+    def _durable(self, tmp: Path) -> None:
+        """Every rank: this rank's files (all of them, on one host) on disk; rank 0 also
+        writes the config beside them."""
+        if self.rank == 0 and self.config_text is not None:
+            (tmp / CHECKPOINT_CONFIG).write_text(self.config_text)
+        fsync_tree(tmp)
+
     def _finalize(self, step: int, tmp: Path, final: Path) -> None:
-        """Rank 0: mark complete, rename into place, rotate (every rank's files are written)."""
+        """Rank 0: mark complete, rename into place, rotate (every rank's files are written
+        and fsynced: the marker never reaches the disk before the data)."""
         fault = os.environ.get(FAULT_ENV, "")
         if fault == f"kill_in_save:{step}":
             os.kill(os.getpid(), signal.SIGKILL)
         if self.rank == 0:
-            (tmp / COMPLETE).write_text(f"{step}\n")
+            marker = tmp / COMPLETE
+            with open(marker, "w") as f:
+                f.write(f"{step}\n")
+                f.flush()
+                os.fsync(f.fileno())
+            fsync_path(tmp)
             if final.exists():  # a re-save of the same step (e.g. after a fallback): replace
                 shutil.rmtree(final)
             os.replace(tmp, final)
+            fsync_path(self.root)
             for old in complete_checkpoints(self.root)[: -self.keep]:
                 shutil.rmtree(old, ignore_errors=True)
+
+    def _failed(self, exc: BaseException, step: int, tmp: Path, need: int) -> None:
+        """A save that raised: remove its partial folder; a full disk becomes one line."""
+        shutil.rmtree(tmp, ignore_errors=True)  # every rank: idempotent
+        try:
+            free = shutil.disk_usage(self.root).free
+        except OSError:
+            free = None
+        if _caused_by_enospc(exc) or (free is not None and free < need):
+            have = f"{free:,} bytes free" if free is not None else "free space unknown"
+            latest = self.latest()
+            raise NoSpaceError(
+                f"no space left on device: the checkpoint of step {step} in {self.root} needs about "
+                f"{need:,} bytes and the filesystem has {have} (the partial {tmp.name} is removed; "
+                f"{'the latest checkpoint ' + str(latest) + ' is intact' if latest else 'no checkpoint saved yet'}). "
+                "Free space (or lower checkpoint.keep) and rerun the same command to resume"
+            ) from None  # the writer's own error says nothing about space (a torch.save "unexpected pos")
 
     def save(self, step: int, model, optimizer, scheduler, loader) -> Path:
         """Collective: every rank calls it at the same step boundary."""
@@ -175,13 +250,18 @@ class CheckpointManager:
                 shutil.rmtree(tmp)
         self._barrier()
         state = self._state(step, model, optimizer, scheduler, loader)
+        need = state_bytes(state)
         if self.async_save:
             if self._pg is None and dist.is_initialized():
                 # The background thread coordinates over gloo (CPU), never over NCCL.
                 self._pg = dist.new_group(backend="gloo") if dist.get_backend() != "gloo" else dist.group.WORLD
-            fut = dcp.async_save(state, checkpoint_id=str(tmp), process_group=self._pg)
+            try:
+                fut = dcp.async_save(state, checkpoint_id=str(tmp), process_group=self._pg)
+            except _SAVE_ERRORS as e:  # re-raised after _failed
+                self._failed(e, step, tmp, need)
+                raise
             fut = getattr(fut, "upload_completion", fut)  # AsyncSaveResponse in newer torch
-            self._pending = (fut, step, tmp, final)
+            self._pending = (fut, step, tmp, final, need)
             if os.environ.get(FAULT_ENV, "") == f"kill_in_async_save:{step}":
                 # A save killed midway: once the background write has begun its files.
                 import time
@@ -191,7 +271,12 @@ class CheckpointManager:
                     time.sleep(0.001)
                 os.kill(os.getpid(), signal.SIGKILL)
             return final
-        dcp.save(state, checkpoint_id=str(tmp))
+        try:
+            dcp.save(state, checkpoint_id=str(tmp))
+            self._durable(tmp)
+        except _SAVE_ERRORS as e:  # re-raised after _failed
+            self._failed(e, step, tmp, need)
+            raise
         self._barrier()
         self._finalize(step, tmp, final)
         self._barrier()
@@ -201,9 +286,14 @@ class CheckpointManager:
         """Collective: finish (and finalise) an async save in flight, if any."""
         if self._pending is None:
             return
-        fut, step, tmp, final = self._pending
+        fut, step, tmp, final, need = self._pending
         self._pending = None
-        fut.result()  # raises if this rank's write failed
+        try:
+            fut.result()  # raises if this rank's write failed
+            self._durable(tmp)
+        except _SAVE_ERRORS as e:  # re-raised after _failed
+            self._failed(e, step, tmp, need)
+            raise
         self._barrier()  # every rank's write (and the metadata) is on disk
         self._finalize(step, tmp, final)
         self._barrier()

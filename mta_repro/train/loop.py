@@ -19,6 +19,7 @@ another run's weights (``checkpoint.init_from``: the long-context and MTA-insert
 from __future__ import annotations
 
 import dataclasses
+import errno
 import importlib
 import math
 import signal
@@ -35,7 +36,7 @@ from omegaconf import DictConfig, OmegaConf
 from mta_repro.config import TrainConfig, check_schema, to_train_config  # noqa: F401 - check_schema re-exported
 from mta_repro.cpu_malloc import fix_mmap_threshold
 from mta_repro.dataclass_config import to_dataclass
-from mta_repro.errors import UserError
+from mta_repro.errors import NoSpaceError, UserError
 from mta_repro.model import build_model, to_model_args
 from mta_repro.model.flops import train_flops_per_token
 from mta_repro.train.args import CheckpointArgs, TrainerArgs
@@ -52,17 +53,18 @@ from mta_repro.train.metrics import MetricLogger, Throughput, device_peak_flops,
 from mta_repro.train.optim import build_lr_scheduler, build_optimizer
 from mta_repro.train.rundir import (
     RunLock,
-    is_fresh,
+    clean_failed_start,
     lock_heartbeat,
     prepare_run_dir,
-    remove_failed_start,
 )
 from mta_repro.train.signals import PreemptionHandler, requeue_if_slurm
 from mta_repro.train.validation import maybe_validator
 
 
-class NonFiniteLossError(FloatingPointError):
-    pass
+class NonFiniteLossError(UserError, FloatingPointError):
+    """A NaN/inf loss or gradient norm (``trainer.nonfinite=raise``): the message names the
+    step and the last good checkpoint. One line and rc 2 on the command line: the fix is
+    the config's (a lower lr, or ``trainer.nonfinite=skip``)."""
 
 
 def _section(cfg: DictConfig, key: str, cls):
@@ -133,10 +135,12 @@ def _initial_weights(cfg: Any, ck: CheckpointArgs, model_args, is_main: bool) ->
 
 def train(cfg: Any) -> dict[str, Any]:
     """Run (or resume) training as configured (a composed DictConfig, a mapping or a
-    TrainConfig); returns a small summary. A start that fails before it trained or saved
-    anything leaves no run directory behind."""
+    TrainConfig); returns a small summary. Rank 0 takes the run dir's lock before it
+    decides or writes anything there (a start refused by it touches nothing); a start that
+    fails before it trained or saved anything in a run dir it found fresh leaves no run
+    directory behind."""
     run_dir = Path(cfg.run_dir if not isinstance(cfg, dict) else cfg["run_dir"])
-    fresh = is_fresh(run_dir)
+    lock = RunLock(run_dir)
     try:
         args = to_train_config(cfg)
         info = init_distributed(args.distributed, args.trainer.device)
@@ -144,13 +148,18 @@ def train(cfg: Any) -> dict[str, Any]:
             # Before the model is built: trainer.cpu_mmap_threshold (mta_repro/cpu_malloc.py)
             fix_mmap_threshold(args.trainer.cpu_mmap_threshold)
         try:
-            return _train(args, info)
+            return _train(args, info, lock)
         finally:
             destroy_distributed()
-    except BaseException:
-        if fresh and launcher_rank() == 0:
-            remove_failed_start(run_dir)
+    except BaseException as e:
+        if launcher_rank() == 0:
+            clean_failed_start(run_dir, lock)
+        if isinstance(e, OSError) and e.errno == errno.ENOSPC:
+            raise NoSpaceError(f"no space left on device: {e.filename or run_dir}: {e.strerror}; free space "
+                               "and rerun the same command to resume") from e
         raise
+    finally:
+        lock.release()
 
 
 def _agree(info: DistInfo, fn: Callable[[], Any]) -> Any:
@@ -171,7 +180,7 @@ def _agree(info: DistInfo, fn: Callable[[], Any]) -> Any:
     return value
 
 
-def _train(args: TrainConfig, info: DistInfo) -> dict[str, Any]:
+def _train(args: TrainConfig, info: DistInfo, lock: RunLock) -> dict[str, Any]:
     tr, run_dir = args.trainer, Path(args.run_dir)
     torch.manual_seed(args.seed + info.rank)  # anything stochastic in training (dropout)
 
@@ -179,18 +188,14 @@ def _train(args: TrainConfig, info: DistInfo) -> dict[str, Any]:
         _check_vocab(args, to_model_args(args.model).vocab_size)
         return prepare_run_dir(args, info, lock)
 
-    lock = RunLock(run_dir)
-    try:
-        at_step = _agree(info, prepare)
-        if at_step is not None and at_step == tr.steps:
-            if info.is_main:
-                print(f"[mta_repro.train] {run_dir} is already at trainer.steps={tr.steps}: nothing to train "
-                      "(raise trainer.steps, with checkpoint.allow_config_change=true, to train on)",
-                      file=sys.stderr, flush=True)
-            return {"step": at_step, "loss": float("nan"), "stopped_by_signal": None, "export": None}
-        return run(args, info)
-    finally:
-        lock.release()
+    at_step = _agree(info, prepare)
+    if at_step is not None and at_step == tr.steps:
+        if info.is_main:
+            print(f"[mta_repro.train] {run_dir} is already at trainer.steps={tr.steps}: nothing to train "
+                  "(raise trainer.steps, with checkpoint.allow_config_change=true, to train on)",
+                  file=sys.stderr, flush=True)
+        return {"step": at_step, "loss": float("nan"), "stopped_by_signal": None, "export": None}
+    return run(args, info)
 
 
 # ------------------------------------------------------------------ one update
@@ -336,7 +341,9 @@ def run(args: TrainConfig, info: DistInfo) -> dict[str, Any]:
     tr, ck, lg = args.trainer, args.checkpoint, args.logging
     run_dir = Path(args.run_dir)
     model_args = to_model_args(args.model)
-    manager = CheckpointManager(run_dir, ck.keep, info.rank, info.world_size, async_save=ck.async_save)
+    root_node = OmegaConf.structured(args)
+    manager = CheckpointManager(run_dir, ck.keep, info.rank, info.world_size, async_save=ck.async_save,
+                                config_text=OmegaConf.to_yaml(root_node, resolve=True))
     manager.clean_stale()
     has_ckpt = ck.resume and manager.latest() is not None
 
@@ -351,7 +358,6 @@ def run(args: TrainConfig, info: DistInfo) -> dict[str, Any]:
     # The data contract (loader plugins, the validator) takes the data section as a config node,
     # a child of the whole config: plugins may read sibling sections through its parent (the
     # pipeline's continued loader reads checkpoint.init_from).
-    root_node = OmegaConf.structured(args)
     data_node = root_node.data
     loader = load_factory(tr.loader)(data_node, info.rank, info.world_size)
     step, resume_from = 0, None

@@ -1,10 +1,15 @@
 """Run-directory safety: the config check, the lock, ``config.yaml`` and the cleanup of a
 failed start.
 
-Before a run writes anything into ``run_dir`` (rank 0, ``loop._prepare_run_dir``):
+Before a run writes anything into ``run_dir`` (rank 0, ``prepare_run_dir``):
 
+0. A lock ``<run_dir>/.lock`` (host, pid, SLURM job id, start time) is taken first, before
+   anything is decided or written: a live holder refuses and the refused start touches
+   nothing; a stale one (dead pid on this host, an earlier incarnation of this SLURM job,
+   a SLURM job that is no longer running) is taken over with a warning.
 1. If the run dir already holds a checkpoint, the new config is compared with the saved
-   ``config.yaml``. Fields fall in three classes:
+   ``config.yaml`` (or, if that is gone, with the config the newest checkpoint carries).
+   Fields fall in three classes:
 
    - ``FREE``: never compared (they change nothing a run's numbers depend on: where the
      run dir is, SLURM resources, the progress bar, prefetching, timeouts, the CPU
@@ -20,15 +25,12 @@ Before a run writes anything into ``run_dir`` (rank 0, ``loop._prepare_run_dir``
      another world size with the grad_accum that keeps it (see ``global_batch_error``).
 
    A refused difference raises ``RunDirError`` naming the keys and the ways out.
-2. A lock ``<run_dir>/.lock`` (host, pid, SLURM job id, start time) is taken; a live
-   holder refuses; a stale one (dead pid on this host, an earlier incarnation of this
-   SLURM job, a SLURM job that is no longer running) is taken over with a warning.
-3. ``config.yaml`` is written atomically (temporary file + rename); a previous one that
+2. ``config.yaml`` is written atomically (temporary file + rename); a previous one that
    differs is kept as ``config.prev.yaml``.
 
 While it trains, rank 0 touches the lock every step (``lock_heartbeat``: its mtime says
-when the holder was last alive). A start that fails before it trained or saved anything
-leaves no run directory behind (``remove_failed_start``).
+when the holder was last alive). A start that took the lock on a fresh run dir and fails
+before it trained or saved anything leaves no run directory behind (``remove_failed_start``).
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ from typing import Any, Optional
 from omegaconf import DictConfig, OmegaConf
 
 from mta_repro.errors import UserError
+from mta_repro.train.durable import replace_atomically
 
 LOCK = ".lock"
 
@@ -147,13 +150,15 @@ def _fmt(diff: dict[str, tuple], limit: int = 6) -> str:
     return "; ".join(items) + (f"; also {', '.join(rest)}" if rest else "")
 
 
-def check_config(saved: dict, new: dict, allow_change: bool, run_dir: Path, at_step: Optional[int]) -> ConfigDiff:
-    """Raise RunDirError if ``new`` may not continue the run saved as ``saved``."""
+def check_config(saved: dict, new: dict, allow_change: bool, run_dir: Path, at_step: Optional[int],
+                 source: str = "the run's config.yaml") -> ConfigDiff:
+    """Raise RunDirError if ``new`` may not continue the run saved as ``saved`` (read from
+    ``source``, named in the error)."""
     d = diff_configs(saved, new)
     where = f"{run_dir} (at step {at_step})" if at_step is not None else str(run_dir)
     if d.unsafe:
         raise RunDirError(
-            f"run_dir={run_dir}: this config differs from the run's config.yaml in fields that define "
+            f"run_dir={run_dir}: this config differs from {source} in fields that define "
             f"the model, data or optimiser state: {_fmt(d.unsafe)}. The run in {where} is left untouched. "
             "Use another run_dir=..., or start a new stage from its weights with "
             f"run_dir=<new> checkpoint.init_from={run_dir}"
@@ -253,43 +258,117 @@ def _describe(holder: dict, path: Optional[Path] = None) -> str:
             f"{', SLURM job ' + job if job else ''}, since {holder.get('started')}{alive}")
 
 
-class RunLock:
-    """``<run_dir>/.lock``: one job per run dir (held by rank 0)."""
+def _create_with(path: Path, text: str) -> None:
+    """Create ``path`` holding ``text``, or raise FileExistsError: the file appears whole
+    (written to a private name, fsynced, then hard-linked into place), so a racing reader
+    never sees it empty. Falls back to O_EXCL creation where links are not supported."""
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.{time.monotonic_ns()}")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    try:
+        os.link(tmp, path)
+    except FileExistsError:
+        raise
+    except OSError:  # a filesystem without hard links: O_EXCL (a reader may see it empty)
+        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+    finally:
+        tmp.unlink(missing_ok=True)
 
-    def __init__(self, run_dir: Path):
+
+def _age_s(path: Path) -> float:
+    try:
+        return time.time() - path.stat().st_mtime
+    except OSError:
+        return 0.0
+
+
+class RunLock:
+    """``<run_dir>/.lock``: one job per run dir (held by rank 0).
+
+    The lock file appears with its content (``_create_with``); a stale one is taken over
+    under a second, short-lived ``.lock.takeover`` file, and only if it still holds the
+    holder judged stale, so two starts taking over at once never both win."""
+
+    # An empty or unreadable lock younger than this may be a lock being written by a
+    # filesystem without hard links: wait for it rather than take it over.
+    EMPTY_GRACE_S = 5.0
+    # A takeover file older than this belongs to a start that died while taking over.
+    TAKEOVER_STALE_S = 60.0
+
+    def __init__(self, run_dir: Path, timeout_s: float = 60.0):
         self.path = Path(run_dir) / LOCK
         self.held = False
+        self.timeout_s = timeout_s
+        # Whether no run had written into the run dir when this lock was taken: only then
+        # may a failed start remove what is there (remove_failed_start).
+        self.found_fresh = False
+
+    def _read(self) -> Optional[str]:
+        try:
+            return self.path.read_text()
+        except FileNotFoundError:
+            return None
+        except (OSError, UnicodeDecodeError):
+            return ""
 
     def acquire(self) -> None:
-        me = _holder()
-        for _ in range(3):
-            try:
-                fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
-            except FileExistsError:
-                try:
-                    holder = json.loads(self.path.read_text())
-                except (OSError, ValueError):
-                    holder = {}
-                if not holder:  # torn write of a lock (killed while taking it): stale
-                    reason = "it is empty or unreadable"
-                else:
-                    reason = stale_reason(holder)
-                if reason is None:
-                    raise RunDirError(
-                        f"run_dir={self.path.parent} is in use by another job ({_describe(holder, self.path)}); "
-                        f"wait for it, use another run_dir=..., or if that job is dead delete {self.path}"
-                    )
-                print(f"[mta_repro.train] taking over the stale lock {self.path} ({reason})", file=sys.stderr)
-                try:
-                    self.path.unlink()
-                except FileNotFoundError:
-                    pass
-                continue
-            with os.fdopen(fd, "w") as f:
-                json.dump(me, f)
-            self.held = True
+        """Take the lock (a no-op if this object holds it); RunDirError if a live job holds it."""
+        if self.held:
             return
-        raise RunDirError(f"{self.path}: could not take the lock (another start is racing for it)")
+        me = json.dumps(_holder())
+        deadline = time.monotonic() + self.timeout_s
+        while time.monotonic() < deadline:
+            try:
+                _create_with(self.path, me)
+            except FileExistsError:
+                pass
+            else:
+                self.held = True
+                self.found_fresh = is_fresh(self.path.parent)
+                return
+            text = self._read()
+            if text is None:  # released in between: try again
+                continue
+            try:
+                holder = json.loads(text) if text else {}
+            except ValueError:
+                holder = {}
+            if not isinstance(holder, dict) or not holder:
+                if _age_s(self.path) < self.EMPTY_GRACE_S:
+                    time.sleep(0.05)
+                    continue
+                reason = "it is empty or unreadable"
+            else:
+                reason = stale_reason(holder)
+            if reason is None:
+                raise RunDirError(
+                    f"run_dir={self.path.parent} is in use by another job ({_describe(holder, self.path)}); "
+                    f"wait for it, use another run_dir=..., or if that job is dead delete {self.path}"
+                )
+            self._take_over(text, reason)
+        raise RunDirError(f"{self.path}: could not take the lock within {self.timeout_s:.0f} s "
+                          "(other starts are racing for it)")
+
+    def _take_over(self, stale_text: str, reason: str) -> None:
+        """Remove the lock if it still holds ``stale_text`` (under ``.lock.takeover``)."""
+        guard = self.path.with_name(LOCK + ".takeover")
+        try:
+            _create_with(guard, json.dumps(_holder()))
+        except FileExistsError:  # another start is taking over: let it, then look again
+            if _age_s(guard) > self.TAKEOVER_STALE_S:
+                guard.unlink(missing_ok=True)
+            time.sleep(0.05)
+            return
+        try:
+            if self._read() == stale_text:
+                print(f"[mta_repro.train] taking over the stale lock {self.path} ({reason})", file=sys.stderr)
+                self.path.unlink(missing_ok=True)
+        finally:
+            guard.unlink(missing_ok=True)
 
     def release(self) -> None:
         if not self.held:
@@ -319,16 +398,12 @@ def write_config(run_dir: Path, cfg: Any) -> None:
         tmp = prev.with_name(prev.name + ".tmp")
         tmp.write_text(old)
         os.replace(tmp, prev)
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    replace_atomically(path, text.encode())
 
 
-def load_saved_config(run_dir: Path) -> Optional[dict]:
-    path = Path(run_dir) / "config.yaml"
+def load_saved_config(run_dir: Path, name: str = "config.yaml") -> Optional[dict]:
+    """The config saved as ``<run_dir>/<name>`` (a run dir's, or a checkpoint folder's own), or None."""
+    path = Path(run_dir) / name
     if not path.is_file():
         return None
     try:
@@ -342,15 +417,36 @@ def prepare_run_dir(args, info, lock: RunLock) -> Optional[int]:
     """Rank 0, before anything is written (``args``: the TrainConfig): the config check
     against the run's config.yaml, the lock, config.yaml. Returns the step of the newest
     complete checkpoint (None if none)."""
-    from mta_repro.train.checkpoint import complete_checkpoints, saved_world_size, verify_checkpoint
+    from mta_repro.train.checkpoint import (
+        CHECKPOINT_CONFIG,
+        complete_checkpoints,
+        saved_world_size,
+        verify_checkpoint,
+    )
 
     tr, ck = args.trainer, args.checkpoint
     run_dir = Path(args.run_dir)
+    # The lock first: nothing below is decided on files another live job is writing.
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise RunDirError(f"run_dir={run_dir}: cannot create it ({e.strerror})") from e
+    lock.acquire()
     found = complete_checkpoints(run_dir / "checkpoints") if ck.resume else []
     at_step = int(found[-1].name) if found else None
     if at_step == tr.steps and verify_checkpoint(found[-1]) is not None:
         at_step = None  # "finished", but its last checkpoint is damaged: resume decides
-    saved = load_saved_config(run_dir)
+    saved, source = load_saved_config(run_dir), "the run's config.yaml"
+    if found and saved is None:
+        # config.yaml is gone (deleted, or lost with a copied run dir): the checkpoint
+        # carries the config it was trained with.
+        saved, source = load_saved_config(found[-1], CHECKPOINT_CONFIG), f"the config stored in {found[-1]}"
+        if saved is None and not ck.allow_config_change:
+            raise RunDirError(
+                f"run_dir={run_dir} has checkpoints but no config.yaml, and {found[-1]} carries no config "
+                "(saved by an older version), so this command cannot be checked against the run: restore "
+                "config.yaml, or add checkpoint.allow_config_change=true to take this command's config as the run's"
+            )
     new = OmegaConf.to_container(OmegaConf.structured(args), resolve=True)
     if at_step is not None and at_step > tr.steps:
         raise RunDirError(
@@ -358,7 +454,7 @@ def prepare_run_dir(args, info, lock: RunLock) -> Optional[int]:
             "nothing to train. Raise trainer.steps (with checkpoint.allow_config_change=true) or use another run_dir"
         )
     if found and saved is not None:
-        check_config(saved, new, ck.allow_config_change, run_dir, at_step)
+        check_config(saved, new, ck.allow_config_change, run_dir, at_step, source)
         saved_world = saved_world_size(found[-1])
         if saved_world is not None:
             err = global_batch_error(saved, args, saved_world, info.world_size)
@@ -369,8 +465,6 @@ def prepare_run_dir(args, info, lock: RunLock) -> Optional[int]:
             f"run_dir={run_dir} holds checkpoints and checkpoint.resume=false would train over them from "
             "step 0: use another run_dir=..., or checkpoint.resume=true"
         )
-    run_dir.mkdir(parents=True, exist_ok=True)
-    lock.acquire()
     write_config(run_dir, args)
     return at_step
 
@@ -380,15 +474,34 @@ def is_fresh(run_dir: Path) -> bool:
     return not any((Path(run_dir) / n).exists() for n in ("config.yaml", "checkpoints", "metrics.jsonl", "export"))
 
 
+def clean_failed_start(run_dir: Path, lock: RunLock) -> None:
+    """After a start failed (rank 0): if the run dir was fresh when this start took its lock
+    (or, failing before it got that far, is fresh now and its lock can be had), remove what
+    the start wrote. A start refused by the lock, or one that found another run's files,
+    touches nothing."""
+    if not lock.held:
+        if not Path(run_dir).is_dir():
+            return
+        try:
+            lock.acquire()
+        except RunDirError:
+            return  # another job's run dir now: nothing here is ours to remove
+    if lock.found_fresh:
+        remove_failed_start(run_dir)
+        lock.held = False  # removed with the run dir's files
+
+
 def remove_failed_start(run_dir: Path) -> None:
     """A start that failed before it trained or saved anything leaves no run dir behind:
-    remove what it (and Hydra, if its output dir is the run dir) wrote, then the dir if empty."""
+    remove what it (and Hydra, if its output dir is the run dir) wrote, then the dir if empty.
+    Only for a start that holds the run's lock and found the run dir fresh when it took it
+    (``loop.train``): a start refused by the lock touches nothing."""
     run_dir = Path(run_dir)
     metrics = run_dir / "metrics.jsonl"
     ckpts = run_dir / "checkpoints"
     if (metrics.is_file() and metrics.stat().st_size > 0) or (ckpts.is_dir() and any(ckpts.iterdir())):
         return
-    for name in ("config.yaml", "config.prev.yaml", "metrics.jsonl", LOCK, "wandb_id.txt"):
+    for name in ("config.yaml", "config.prev.yaml", "metrics.jsonl", "metrics.jsonl.tmp", "wandb_id.txt"):
         (run_dir / name).unlink(missing_ok=True)
     for name in ("checkpoints", "wandb"):
         shutil.rmtree(run_dir / name, ignore_errors=True)
@@ -402,6 +515,9 @@ def remove_failed_start(run_dir: Path) -> None:
             (run_dir / f"{hc.job.name}.log").unlink(missing_ok=True)
     except (ImportError, ValueError):
         pass  # not under Hydra's main
+    # The lock last: until it is gone no other start can take the run dir, so nothing
+    # removed above can be another job's.
+    (run_dir / LOCK).unlink(missing_ok=True)
     try:
         run_dir.rmdir()
     except OSError:

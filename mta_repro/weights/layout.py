@@ -11,6 +11,9 @@ from typing import Optional
 from mta_repro.weights.safe import UnsafeFileError, read_dcp_metadata
 
 COMPLETE = ".complete"
+# The resolved run config a checkpoint was trained with, beside its DCP files: what a
+# resume checks the command against when the run's own config.yaml is gone.
+CHECKPOINT_CONFIG = "config.yaml"
 EXPORT = Path("export") / "consolidated.pt"
 # Step folders: ten digits, ours (step_dir_name) and Lingua's alike.
 _STEP_DIR = re.compile(r"^\d{10}$")

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any, Optional, Union
 
 from mta_repro.weights.find import Candidate, find_weights
-from mta_repro.weights.layout import COMPLETE
+from mta_repro.weights.layout import CHECKPOINT_CONFIG, COMPLETE
 from mta_repro.weights.lingua import release_state_dict_to_ours
 from mta_repro.weights.safe import CorruptFileError, UnsafeFileError, dcp_error_line, dcp_load, load_pt, \
     read_dcp_metadata
@@ -90,8 +90,11 @@ def read_weights(candidate: Candidate) -> Weights:
 
 
 def _run_config(ckpt: Path) -> Optional[dict]:
-    """The resolved config of the run a checkpoint of ours belongs to (config.yaml)."""
-    cfg_file = ckpt.parent.parent / "config.yaml"
+    """The resolved config a checkpoint of ours was trained with: its own config.yaml, or
+    (a checkpoint saved before they carried one) its run's."""
+    cfg_file = ckpt / CHECKPOINT_CONFIG
+    if not cfg_file.is_file():
+        cfg_file = ckpt.parent.parent / "config.yaml"
     if not (ckpt / COMPLETE).exists() or not cfg_file.is_file():
         return None
     from omegaconf import OmegaConf
