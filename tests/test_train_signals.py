@@ -120,6 +120,22 @@ def test_ctrl_c_saves_at_the_interrupted_step_and_says_how_to_resume(tmp_path):
     assert "train: interrupted" in err2 or "stopped at step" in err2  # the 2nd may land after the save
 
 
+@pytest.mark.parametrize("sig,code", [(signal.SIGTERM, 143), (signal.SIGUSR2, 140)])
+def test_a_stop_by_signal_is_an_unfinished_run_exit(tmp_path, sig, code):
+    # scancel sends SIGTERM and SLURM's time-limit warning SIGUSR2: the run saves and exits
+    # with 128 + the signal's number, so `train && eval` and afterok never go on from it.
+    run_dir = tmp_path / "run"
+    proc = _start(tmp_path, run_dir, steps=60)
+    _wait_for_steps(run_dir, 2, proc)
+    proc.send_signal(sig)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == code, err[-3000:]
+    m = re.search(rf"stopped at step (\d+) after a signal \({sig.name}\): checkpoint (\S+); "
+                  r"rerun the same command to resume", err)
+    assert m and "Traceback" not in err, err[-3000:]
+    assert (Path(m.group(2)) / ".complete").is_file()
+
+
 # ------------------------------------------------------------------ host syncs
 SYNCS = ("item", "tolist", "__bool__", "__float__", "__int__")
 

@@ -101,7 +101,8 @@ def script_path(job: Job) -> Path:
 
 # ------------------------------------------------------------------ local
 def run_local(plan: Plan, log=print) -> int:
-    """Run the jobs in order; skip the done ones. 0, or 1 at the first failure."""
+    """Run the jobs in order; skip the done ones. 0; 1 at the first failure; 128 + N when a
+    job was stopped by signal N (it saved: unfinished, the same command resumes it)."""
     todo = [j for j in plan.jobs if not done(j)]
     if not todo:
         log(f"pipeline: nothing to do, all {len(plan.jobs)} jobs are done ({plan.root})")
@@ -127,6 +128,11 @@ def run_local(plan: Plan, log=print) -> int:
             rc = subprocess.run(job.command, cwd=str(REPO), stdout=f, stderr=subprocess.STDOUT, env=env).returncode
         if rc != 0 or not done(job):
             tail = "\n".join(logf.read_text().splitlines()[-15:])
+            if rc > 128 or rc < 0:  # stopped by a signal (a run saves first): unfinished, not done
+                sig = rc - 128 if rc > 128 else -rc
+                log(f"pipeline: {job.id}: stopped by signal {sig} (exit {rc}) after {time.time() - t0:.0f}s, "
+                    f"unfinished; rerun the same command to resume. Last lines of {logf}:\n{tail}")
+                return rc if rc > 128 else 128 + sig
             log(f"pipeline: {job.id}: FAILED (exit {rc}) after {time.time() - t0:.0f}s; rerun the same command "
                 f"to resume. Last lines of {logf}:\n{tail}")
             return 1

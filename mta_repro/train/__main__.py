@@ -8,13 +8,13 @@ same files at once.
 
 A user error (a config key or option, the run directory, data, a checkpoint) is one line
 and exit status 2 (``mta_repro.cli.run_cli``); the overrides are checked before Hydra
-starts, so an unknown key or config option is that one line too. Ctrl-C checkpoints at
-the next step boundary and exits with status 130 (docs/errors_and_signals.md).
+starts, so an unknown key or config option is that one line too. Ctrl-C (or SIGTERM,
+SIGUSR1/2) checkpoints at the next step boundary and exits with 128 + the signal's number
+(130 for Ctrl-C, 143 for SIGTERM): the run is unfinished (docs/errors_and_signals.md).
 """
 
 from __future__ import annotations
 
-import signal
 import sys
 
 import hydra
@@ -39,11 +39,13 @@ def hydra_argv(argv: list[str]) -> list[str]:
 def main(cfg: DictConfig) -> None:
     from mta_repro.cli import run_cli
     from mta_repro.train.loop import train
+    from mta_repro.train.signals import stop_exit_code
 
     def go() -> int:
         out = train(cfg)
-        # Stopped by Ctrl-C (after its checkpoint): the shell's status for an interrupt.
-        return 130 if out.get("stopped_by_signal") == signal.SIGINT else 0
+        # Stopped by a signal (after its checkpoint): unfinished, 128 + the signal's number.
+        sig = out.get("stopped_by_signal")
+        return stop_exit_code(sig) if sig else 0
 
     # Inside Hydra's job (its output dir and logging stay as they are); SystemExit passes
     # through Hydra, which would print any other exception as a multi-line report.

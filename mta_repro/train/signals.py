@@ -1,6 +1,7 @@
 """Preemption: SIGUSR2 / SIGTERM (and SIGUSR1, submitit's time-out signal) set a flag;
-the loop checkpoints at the next step boundary and exits cleanly. Ctrl-C (SIGINT) does the
-same, without a requeue; a second Ctrl-C aborts at once (KeyboardInterrupt, no save).
+the loop checkpoints at the next step boundary and exits with 128 + the signal's number
+(``stop_exit_code``: the run is unfinished). Ctrl-C (SIGINT) does the same (130), without
+a requeue; a second Ctrl-C aborts at once (KeyboardInterrupt, no save).
 On several ranks the flag is agreed (an all-reduce and a host read) only every
 ``logging.every`` steps, so the step loop does not wait for the device on the others: a
 signal is honoured within that many steps. Under SLURM, SIGUSR2
@@ -32,6 +33,14 @@ from mta_repro.train.distributed import launcher_rank
 
 HANDLED = (signal.SIGUSR1, signal.SIGUSR2, signal.SIGTERM, signal.SIGINT)
 REQUEUE_ON = (signal.SIGUSR1, signal.SIGUSR2)
+
+
+def stop_exit_code(signum: int) -> int:
+    """The exit status of a run stopped by ``signum`` after its checkpoint: the shell's
+    128 + signal number (SIGINT 130, SIGUSR1 138, SIGUSR2 140, SIGTERM 143), never 0, so
+    ``train && eval`` and SLURM's ``afterok`` do not take an unfinished run for a finished
+    one. Rerunning the same command resumes it."""
+    return 128 + int(signum)
 
 
 class PreemptionHandler:
