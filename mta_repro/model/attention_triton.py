@@ -119,7 +119,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from mta_repro.errors import UserError
-from mta_repro.model import frames
+from mta_repro.model import frames, triton_interp
 
 if TYPE_CHECKING:  # types only: attention_ops imports this module (lazily), not the reverse
     from mta_repro.model.attention_ops import AttnMask, ExplicitAttnParams
@@ -147,8 +147,9 @@ def _install_interpreter_reduce() -> None:
         interpreter.InterpreterBuilder.create_descriptor_reduce = _interpreter_descriptor_reduce
 
 
-if os.environ.get("TRITON_INTERPRET") == "1":  # read when the kernels are defined, as Triton does
+if triton_interp.interpreting():  # read when the kernels are defined, as Triton does
     _install_interpreter_reduce()
+    triton_interp.install()
 
 
 # ----------------------------------------------------------------------------- helpers

@@ -1,0 +1,84 @@
+#!/usr/bin/env bash
+# The lent GPU machine's image as a supported platform, checked on this CPU machine:
+#
+#   scripts/check_versions.sh image     a venv with only the image's packages (torch CPU
+#                                       standing in for its 2.11+cu130) plus the wheels of
+#                                       scripts/device_wheels.sh, installed --no-index: the
+#                                       trainer's command line trains 2 steps and
+#                                       gpu_acceptance.py --quick --device cpu passes
+#   scripts/check_versions.sh kernels   the Triton kernels under the image's Triton 3.6.0:
+#                                       the interpreter tests (TRITON_INTERPRET=1) and the
+#                                       sm_90 compile report of scripts/compile_triton.py
+#   scripts/check_versions.sh           both
+#
+# KERNEL_TESTS (pytest -k expression, default: all of both kernel test files) narrows the
+# interpreter tests; COMPILE_ARGS the compile (default: every layer and pass at T=2048;
+# COMPILE=0 skips it: minutes on 2 cores); ACCEPTANCE=0 skips the acceptance run of `image`.
+# The venv lives in $CHECK_VENV (default .venv-check/, git-ignored) and is reused.
+# Needs a package registry (PyPI) for the venv. tests/test_device_image.py runs `image`
+# and the kernels' first tests (the slow tier). The image's torch 2.11 itself is a CUDA
+# build on PyPI (no CPU wheel there): the code paths are checked against torch 2.13's API,
+# and docs/gpu.md lists the calls that need a newer torch than 2.11 (none known).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+ROOT=$PWD
+WHAT=${1:-all}
+VENV=${CHECK_VENV:-.venv-check}
+PY=${PY:-python3}
+TRITON_VERSION=${TRITON_VERSION:-3.6.0}
+# What the image has that the trainer, the acceptance script and the tests import.
+IMAGE_PACKAGES=(torch==2.13.0 numpy pyyaml packaging tqdm sentencepiece tiktoken safetensors
+                "triton==$TRITON_VERSION" pytest)
+say() { echo "check_versions.sh: $*" >&2; }
+
+venv() {
+  if [[ ! -x $VENV/bin/python ]] || ! "$VENV/bin/python" -c "import triton, sys; sys.exit(triton.__version__ != '$TRITON_VERSION')" 2>/dev/null; then
+    say "building $VENV (no system packages): ${IMAGE_PACKAGES[*]}"
+    rm -rf "$VENV"
+    "$PY" -m venv "$VENV"
+    "$VENV/bin/python" -m pip install -q "${IMAGE_PACKAGES[@]}"
+    local pyver
+    pyver=$("$VENV/bin/python" -c 'import sys; print(f"{sys.version_info[0]}.{sys.version_info[1]}")')
+    PYVER=$pyver scripts/device_wheels.sh "$VENV/wheels" >/dev/null
+    # As on the device: the missing packages from the carried wheels only, no registry.
+    "$VENV/bin/python" -m pip install -q --no-index --find-links "$VENV/wheels" \
+      hydra-core omegaconf antlr4-python3-runtime zstandard
+  fi
+  "$VENV/bin/python" -c "import torch, triton; print(f'check_versions.sh: torch {torch.__version__}, triton {triton.__version__}')" >&2
+}
+
+image() {
+  local tmp
+  tmp=$(mktemp -d)
+  trap 'rm -rf "$tmp"' RETURN
+  say "image: the trainer's command line, 2 steps"
+  PYTHONPATH=$ROOT "$VENV/bin/python" -m mta_repro.train experiment=debug run_dir="$tmp/run" trainer.steps=2 \
+    trainer.eval_every=0 logging.wandb_mode=disabled checkpoint.export=false
+  test -f "$tmp/run/checkpoints/0000000002/.complete"
+  if [[ ${ACCEPTANCE:-1} == 1 ]]; then
+    say "image: gpu_acceptance.py --quick --device cpu"
+    env -u TRITON_INTERPRET PYTHONPATH="$ROOT" "$VENV/bin/python" scripts/gpu_acceptance.py --quick --device cpu \
+      --out "$tmp/acceptance"
+  fi
+  say "image: ok"
+}
+
+kernels() {
+  say "kernels: interpreter tests under Triton $TRITON_VERSION${KERNEL_TESTS:+ (-k $KERNEL_TESTS)}"
+  TRITON_INTERPRET=1 PYTHONPATH=$ROOT "$VENV/bin/python" -m pytest -q -p no:cacheprovider \
+    tests/test_kq_conv_triton.py tests/test_attn_triton.py ${KERNEL_TESTS:+-k "$KERNEL_TESTS"}
+  if [[ ${COMPILE:-1} == 1 ]]; then
+    say "kernels: sm_90 compile report under Triton $TRITON_VERSION"
+    # shellcheck disable=SC2086
+    PYTHONPATH=$ROOT "$VENV/bin/python" scripts/compile_triton.py ${COMPILE_ARGS:---seqs 2048}
+  fi
+  say "kernels: ok"
+}
+
+venv
+case $WHAT in
+  image) image ;;
+  kernels) kernels ;;
+  all) image; kernels ;;
+  *) say "unknown check '$WHAT' (image, kernels or nothing for both)"; exit 2 ;;
+esac
