@@ -115,21 +115,12 @@ def call_impl(name: str, q, k, v, p, training: bool):
     return entry.fn(q, k, v, p, attention_ops.AttnMask(), training)
 
 
-@contextlib.contextmanager
 def kq_backend(name: str):
-    """``blocked+conv2d``: MTA_KQ_CONV=conv2d while it runs, forward and backward alike."""
-    conv = name.partition("+")[2]
-    old = os.environ.get("MTA_KQ_CONV")
-    if conv:
-        os.environ["MTA_KQ_CONV"] = conv
-    try:
-        yield
-    finally:
-        if conv:
-            if old is None:
-                os.environ.pop("MTA_KQ_CONV", None)
-            else:
-                os.environ["MTA_KQ_CONV"] = old
+    """``blocked+conv2d``: MTA_KQ_CONV=conv2d while it runs, forward and backward alike (the
+    trainer's self-check runs its fallback the same way)."""
+    from mta_repro.model.selfcheck import kq_backend_env
+
+    return kq_backend_env(name)
 
 
 # The fused kernel's autotune space on a GPU (docs/triton_kernel.md, "Knobs"): the frame of
@@ -159,6 +150,7 @@ def knob_env(knob: str):
 
 def parity(dev, s, impls, dtypes) -> list[dict]:
     from mta_repro.model import attention_ops
+    from mta_repro.model.selfcheck import within_tolerance
 
     rows = []
     H, D, T = s["heads"], s["head_dim"], s["parity_t"]
@@ -202,13 +194,33 @@ def parity(dev, s, impls, dtypes) -> list[dict]:
                 if e is None:
                     row.update(status="unsupported")
                 else:
-                    good = all(x <= 4 * r + 1e-3 for x, r in zip(e, ref))
+                    good = all(within_tolerance(x, r) for x, r in zip(e, ref))
                     row.update(out_err=e[0], grad_err=e[1], status="ok" if good else "FAIL")
                 rows.append(row)
                 print(f"  parity {layer:8s} {impl:15s} {row['dtype']:9s} {row['status']}"
                       + (f" out {e[0]:.1e} grad {e[1]:.1e} (torch {ref[0]:.1e} {ref[1]:.1e})" if e else ""),
                       flush=True)
     return rows
+
+
+def fallbacks(rows: list[dict], impls: list[str], dtype: str) -> dict[str, str]:
+    """{implementation with a FAIL row in ``dtype``: what the trainer's self-check would run
+    instead}: the next of its chain (mta_repro/model/selfcheck.py) whose rows all passed
+    here (``torch``, the reference, always runs)."""
+    from mta_repro.model.selfcheck import next_impl
+
+    def passed(name: str) -> bool:
+        mine = [r for r in rows if r["impl"] == name and r["dtype"] == dtype]
+        return name == "torch" or (name in impls and bool(mine) and all(r["status"] == "ok" for r in mine))
+
+    out = {}
+    for impl in impls:
+        if any(r["impl"] == impl and r["dtype"] == dtype and r["status"] == "FAIL" for r in rows):
+            to = next_impl(impl)
+            while not passed(to):
+                to = next_impl(to)
+            out[impl] = to
+    return out
 
 
 def _sync(dev):
@@ -473,7 +485,8 @@ def memory_and_preempt(dev, s, picked, out_dir) -> tuple[dict, dict]:
               "tokens_per_s": [x["tokens_per_s_global"] for x in rows]}
     preempt = {"signal": "SIGUSR2", "after_step": 3, "signal_to_complete_s": r["latency_s"],
                "returncode": r["returncode"], "checkpoints": r["complete_checkpoints"],
-               "ok": r["latency_s"] is not None and r["returncode"] == 0}
+               # stopped by the signal after its checkpoint: 128 + SIGUSR2, the unfinished run's status
+               "ok": r["latency_s"] is not None and r["returncode"] == 128 + signal.SIGUSR2}
     if not preempt["ok"]:
         preempt["log_tail"] = r["log_tail"]
     return memory, preempt
@@ -607,26 +620,46 @@ def main(argv=None) -> int:
     res["device"]["kq_conv_backend"] = attention_ops.kq_conv_backend(probe)
     skipped = {"status": "skipped"}
     t0 = time.time()
+    json_path, md_path = out_dir / f"{stem}.json", out_dir / f"{stem}.md"
+    res["completed"] = []
+
+    def done(section: str) -> None:
+        """The JSON as it stands, written (atomically) the moment a section ends: a command
+        killed at its time limit still leaves everything measured before."""
+        from mta_repro.train.durable import replace_atomically
+
+        if section in sections:
+            res["completed"].append(section)
+        res["seconds"] = time.time() - t0
+        replace_atomically(json_path, json.dumps(res, indent=1, default=str).encode())
+
     dtypes = [torch.bfloat16, torch.float32]
     print("parity", flush=True)
     res["parity"] = parity(dev, s, impls, dtypes) if "parity" in sections else []
+    res["fallbacks"] = fallbacks(res["parity"], impls, "bfloat16" if dev.type == "cuda" else "float32")
+    for impl, to in res["fallbacks"].items():
+        print(f"  parity FAIL: {impl}; the trainer's self-check (model.attn_selfcheck=warn) would fall back to "
+              f"{to}: model.attn_impl={to.partition('+')[0]}"
+              + (f" with MTA_KQ_CONV={to.partition('+')[2]}" if "+" in to else ""), flush=True)
+    done("parity")
     print("layers", flush=True)
     res["layers"] = (layers(dev, s, ["torch", *impls], torch.bfloat16, a.sweep_triton) if "layers" in sections
                      else [])
     res["pick"] = pick(res["parity"], res["layers"], "bfloat16")
+    done("layers")
     print("step", flush=True)
     res["step"] = step_section(dev, s, res["pick"], compile_modes, torch.bfloat16) if "step" in sections else \
         {"rows": [], "mta_over_baseline": {}}
+    done("step")
     print("memory + preempt", flush=True)
     if "memory" in sections:
         res["memory"], res["preempt"] = memory_and_preempt(dev, s, res["pick"], work)
     else:
         res["memory"], res["preempt"] = dict(skipped), dict(skipped)
+    done("memory")
     print("resume", flush=True)
     res["resume"] = resume_check(dev, s, work) if "resume" in sections else dict(skipped)
-    res["seconds"] = time.time() - t0
-    json_path, md_path = out_dir / f"{stem}.json", out_dir / f"{stem}.md"
-    json_path.write_text(json.dumps(res, indent=1, default=str))
+    done("resume")
     try:
         md_path.write_text(markdown(res))
     except (KeyError, TypeError) as e:  # a skipped section: the JSON says what ran

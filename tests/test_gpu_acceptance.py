@@ -76,3 +76,45 @@ def test_the_pick_reports_the_fastest_triton_knob_as_the_environment(monkeypatch
     with ga.knob_env("MTA_TRITON_SLAB_ROWS=2"):
         assert os.environ["MTA_TRITON_SLAB_ROWS"] == "2"
     assert "MTA_TRITON_SLAB_ROWS" not in os.environ
+
+
+def test_a_run_killed_mid_way_leaves_the_sections_it_finished(tmp_path):
+    """Each section's result is in the JSON the moment it ends: a device command killed at
+    its time limit still returns what it measured."""
+    import signal
+    import time
+
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    env.pop("TRITON_INTERPRET", None)
+    p = subprocess.Popen([sys.executable, "scripts/gpu_acceptance.py", "--quick", "--device", "cpu", "--out",
+                          str(tmp_path), "--compile", "off"], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                         stderr=subprocess.STDOUT, text=True)
+    deadline = time.time() + 300
+    res = None
+    while time.time() < deadline and p.poll() is None:
+        found = list(tmp_path.glob("cpu_*.json"))
+        if found:
+            res = json.loads(found[0].read_text())  # atomic: always whole
+            if "layers" in res["completed"]:
+                break
+        time.sleep(0.05)
+    p.send_signal(signal.SIGKILL)
+    p.wait()
+    assert res is not None and res["completed"][:2] == ["parity", "layers"], res and res["completed"]
+    (js,) = tmp_path.glob("cpu_*.json")
+    final = json.loads(js.read_text())
+    assert final["completed"][0] == "parity" and final["parity"] and "resume" not in final["completed"]
+
+
+def test_a_parity_fail_names_the_fallback_the_trainer_takes():
+    ga = _acceptance_module()
+    ok = lambda impl, layer="kq_conv": {"layer": layer, "impl": impl, "dtype": "bfloat16", "status": "ok"}  # noqa: E731
+    fail = lambda impl: {"layer": "kq_conv", "impl": impl, "dtype": "bfloat16", "status": "FAIL"}  # noqa: E731
+    impls = ["blocked", "triton", "blocked+conv2d"]
+    assert ga.fallbacks([fail("triton"), ok("blocked"), ok("blocked+conv2d")], impls, "bfloat16") == {"triton": "blocked"}
+    # blocked fails too: the chain goes on to blocked+conv2d, and past it to torch
+    assert ga.fallbacks([fail("triton"), fail("blocked"), ok("blocked+conv2d")], impls, "bfloat16") == \
+        {"triton": "blocked+conv2d", "blocked": "blocked+conv2d"}
+    assert ga.fallbacks([fail("triton"), fail("blocked"), fail("blocked+conv2d")], impls, "bfloat16") == \
+        {"triton": "torch", "blocked": "torch", "blocked+conv2d": "torch"}
+    assert ga.fallbacks([ok("triton"), ok("blocked")], impls, "bfloat16") == {}

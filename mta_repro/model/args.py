@@ -162,6 +162,14 @@ class ModelArgs:
     # that scripts/gpu_acceptance.py checks). The score path's working set is a few
     # B x H x (block + halo) x T tensors.
     attn_block_size: Optional[int] = None
+    # Before training on a non-CPU device, check attn_impl there, in the run's dtype, on each
+    # explicit layer kind against the float64 reference (mta_repro/model/selfcheck.py):
+    # "warn" falls back along triton -> blocked -> blocked+conv2d -> torch with one line
+    # and records what ran (<run_dir>/attn_selfcheck.json, "attn_impl" in metrics.jsonl);
+    # "strict" refuses to train (rc 2); "off" skips it.
+    attn_selfcheck: str = "warn"
+    # Run that check on the CPU too (it is for devices the code was not tested on; tests).
+    attn_selfcheck_cpu: bool = False
     # The release's key-query convolution layers for this size. ``attention=mta``
     # points ``mta.mta_layers`` here; changing it alone changes nothing.
     kq_conv_layers: Optional[str] = None
@@ -284,6 +292,8 @@ def validate(args: ModelArgs) -> None:
             f"{sorted(ATTN_IMPLS)}"
         )
     _positive("model.attn_block_size", args.attn_block_size)
+    if args.attn_selfcheck not in ("warn", "strict", "off"):
+        raise UserError(f"model.attn_selfcheck: expected warn, strict or off, got {args.attn_selfcheck!r}")
     if not 0.0 <= args.dropout < 1.0:
         raise UserError(f"model.dropout: expected 0 <= p < 1, got {args.dropout}")
     if args.diff_transformer:

@@ -21,9 +21,12 @@ from __future__ import annotations
 import dataclasses
 import errno
 import importlib
+import json
 import math
+import os
 import signal
 import sys
+import time
 import warnings
 from pathlib import Path
 from typing import Any, Callable, Optional
@@ -340,7 +343,7 @@ def run(args: TrainConfig, info: DistInfo) -> dict[str, Any]:
     """Train from the newest complete checkpoint (or the start) to ``trainer.steps``."""
     tr, ck, lg = args.trainer, args.checkpoint, args.logging
     run_dir = Path(args.run_dir)
-    model_args = to_model_args(args.model)
+    model_args, attn_used = attn_selfcheck(to_model_args(args.model), info, args.distributed.param_dtype, run_dir)
     root_node = OmegaConf.structured(args)
     manager = CheckpointManager(run_dir, ck.keep, info.rank, info.world_size, async_save=ck.async_save,
                                 config_text=OmegaConf.to_yaml(root_node, resolve=True))
@@ -405,6 +408,8 @@ def run(args: TrainConfig, info: DistInfo) -> dict[str, Any]:
                 record = metrics_record(step, values, lr, n_tokens, info, meter, flops_tok, peak, loader)
                 if finite is False:  # trainer.nonfinite=skip dropped this step's update
                     record["skipped"] = True
+                if attn_used is not None:  # the implementation the self-check let run
+                    record["attn_impl"] = attn_used
                 if validate:
                     record.update(validator.run(model, info.device))
                     meter.rate()  # validation time is not training throughput
@@ -437,6 +442,67 @@ def run(args: TrainConfig, info: DistInfo) -> dict[str, Any]:
 
             exported = str(export_consolidated(run_dir))
     return {"step": step, "loss": values.loss_last, "stopped_by_signal": stopped_by, "export": exported}
+
+
+def attn_selfcheck(model_args, info: DistInfo, param_dtype: str, run_dir: Path) -> tuple[Any, Optional[str]]:
+    """``model.attn_selfcheck`` before the model is built: the model's attention
+    implementation checked on this device in the run's dtype (mta_repro/model/selfcheck.py),
+    replaced by the first of its fallbacks that passes on every rank. Returns the model
+    args to build with and the name that runs (None when no check ran); rank 0 appends the
+    decision to ``<run_dir>/attn_selfcheck.json``."""
+    mode = model_args.attn_selfcheck
+    if mode == "off" or (info.device.type == "cpu" and not model_args.attn_selfcheck_cpu):
+        return model_args, None
+    from mta_repro.model import selfcheck
+    from mta_repro.train.distributed import DTYPES
+
+    if not selfcheck.explicit_layer_kinds(model_args):
+        return model_args, None  # sdpa/diff layers only: nothing to check
+    dtype = DTYPES[param_dtype] if info.device.type == "cuda" else torch.float32
+    err: Optional[BaseException] = None
+    try:
+        decision = selfcheck.decide(model_args, info.device, dtype, strict=mode == "strict",
+                                    log=lambda line: print(f"[mta_repro.train] rank {info.rank}: {line}"
+                                                           if info.world_size > 1 else f"[mta_repro.train] {line}",
+                                                           file=sys.stderr, flush=True))
+        chain = [model_args.attn_impl]
+        while chain[-1] != decision.used:
+            chain.append(selfcheck.next_impl(chain[-1]))
+        pos = len(chain) - 1
+    except selfcheck.SelfCheckError as e:
+        err, pos = e, -1
+    if info.world_size > 1:  # every rank runs the furthest fallback any rank needed; a refusal stops all
+        t = torch.tensor([pos if err is None else 2**31, 1 if err is not None else 0], device=info.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        if err is None and int(t[1]):
+            err = selfcheck.SelfCheckError("attention self-check: another rank refused (its line says why)")
+        pos = int(t[0])
+    if err is not None:
+        raise err
+    used = model_args.attn_impl
+    for _ in range(pos):
+        used = selfcheck.next_impl(used)
+    if info.is_main:
+        _record_selfcheck(run_dir, {**decision.as_dict(), "used": used, "world_size": info.world_size})
+    base, conv = selfcheck.split_impl(used)
+    if conv:  # blocked+conv2d: ATen's convolution for the key-query convolutions, this process
+        os.environ["MTA_KQ_CONV"] = conv
+    return dataclasses.replace(model_args, attn_impl=base), used
+
+
+def _record_selfcheck(run_dir: Path, entry: dict) -> None:
+    """Append one start's decision to ``<run_dir>/attn_selfcheck.json`` (a list, atomically)."""
+    from mta_repro.train.durable import replace_atomically
+
+    path = Path(run_dir) / "attn_selfcheck.json"
+    try:
+        history = json.loads(path.read_text()) if path.is_file() else []
+    except (OSError, ValueError):
+        history = []
+    if not isinstance(history, list):
+        history = []
+    history.append({"time": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime()) + " UTC", **entry})
+    replace_atomically(path, json.dumps(history, indent=1).encode())
 
 
 def _print_stop(step: int, signum: int, requeued: bool, ckpt: Optional[Path]) -> None:

@@ -65,6 +65,8 @@ FREE = (
     "checkpoint.async_save",
     "trainer.grad_accum",  # compared as the global batch
     "trainer.cpu_mmap_threshold",  # the C allocator's policy: memory and speed, not numbers
+    "model.attn_selfcheck",  # the check before training (what ran is recorded in the run dir)
+    "model.attn_selfcheck_cpu",
 )
 SAFE = (
     "trainer.steps",
