@@ -16,9 +16,9 @@
 # COMPILE=0 skips it: minutes on 2 cores); ACCEPTANCE=0 skips the acceptance run of `image`.
 # The venv lives in $CHECK_VENV (default .venv-check/, git-ignored) and is reused.
 # Needs a package registry (PyPI) for the venv. tests/test_device_image.py runs `image`
-# and the kernels' first tests (the slow tier). The image's torch 2.11 itself is a CUDA
-# build on PyPI (no CPU wheel there): the code paths are checked against torch 2.13's API,
-# and docs/gpu.md lists the calls that need a newer torch than 2.11 (none known).
+# and the kernels' first tests (the slow tier), with torch 2.13's CPU wheel.
+# TORCH_VERSION=2.11.0 checks the image's own torch: PyPI has it only as a CUDA build
+# (with its nvidia-* libraries a 4.7 GB venv, minutes to install), which runs on a CPU.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
@@ -26,13 +26,14 @@ WHAT=${1:-all}
 VENV=${CHECK_VENV:-.venv-check}
 PY=${PY:-python3}
 TRITON_VERSION=${TRITON_VERSION:-3.6.0}
+TORCH_VERSION=${TORCH_VERSION:-2.13.0}
 # What the image has that the trainer, the acceptance script and the tests import.
-IMAGE_PACKAGES=(torch==2.13.0 numpy pyyaml packaging tqdm sentencepiece tiktoken safetensors
+IMAGE_PACKAGES=("torch==$TORCH_VERSION" numpy pyyaml packaging tqdm sentencepiece tiktoken safetensors
                 "triton==$TRITON_VERSION" pytest)
 say() { echo "check_versions.sh: $*" >&2; }
 
 venv() {
-  if [[ ! -x $VENV/bin/python ]] || ! "$VENV/bin/python" -c "import triton, sys; sys.exit(triton.__version__ != '$TRITON_VERSION')" 2>/dev/null; then
+  if [[ ! -x $VENV/bin/python ]] || ! "$VENV/bin/python" -c "import torch, triton, sys; sys.exit(triton.__version__ != '$TRITON_VERSION' or not torch.__version__.startswith('$TORCH_VERSION'))" 2>/dev/null; then
     say "building $VENV (no system packages): ${IMAGE_PACKAGES[*]}"
     rm -rf "$VENV"
     "$PY" -m venv "$VENV"

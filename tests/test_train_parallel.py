@@ -75,3 +75,31 @@ def test_activation_checkpointing_keeps_gradients_with_dropout(info, dropout):
     assert plain.keys() == ac.keys()
     for n in plain:
         assert torch.allclose(plain[n], ac[n], atol=1e-6, rtol=1e-5), n
+
+
+def test_the_forward_keeps_clear_of_the_fsdp_registered_output_head(info):
+    """``logits`` is an FSDP forward method (eval calls it alone, in chunks). Called from
+    inside the root's forward, its post-forward reshards the root's parameters before
+    backward: under torch 2.11 (the lent GPU image's) backward then read the final norm's
+    freed weight (a segfault on CPU). The forward uses the unregistered head; the
+    registered one still gives the same logits, and the gradients equal an unsharded
+    model's."""
+    args = model_args_from(compose([]))
+    model = build_model(args, device="meta")
+    parallelize(model, info, DistributedArgs())
+    materialize(model, info, model_args=args)
+    calls = []
+    registered = model.logits
+    model.logits = lambda h: (calls.append(h.shape), registered(h))[1]
+    x = torch.randint(0, args.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
+    out = model(x)
+    out.float().logsumexp(-1).mean().backward()
+    assert calls == []  # the training forward never entered the registered method
+    grads = {n: p.grad.full_tensor().clone() for n, p in model.named_parameters()}
+    plain = build_model(args, device="cpu")
+    plain(x).float().logsumexp(-1).mean().backward()
+    for n, q in plain.named_parameters():
+        torch.testing.assert_close(grads[n], q.grad, rtol=1e-5, atol=1e-7, msg=n)
+    with torch.no_grad():
+        h = model(x, return_hidden=True)
+        torch.testing.assert_close(model.logits(h), out.detach(), rtol=0, atol=0)

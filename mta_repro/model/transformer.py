@@ -440,9 +440,18 @@ class Transformer(nn.Module):
         if cache is not None:
             cache.pos += tokens.shape[1]
         h = self.norm(h)
-        return h if return_hidden else self.logits(h)
+        # Not through self.logits: under FSDP2 that is a registered forward method, and a
+        # call to it nested in this forward reshards the root's parameters when it returns
+        # (torch 2.11, the lent GPU image's: backward then reads the final norm's freed
+        # weight, a segfault on CPU; scripts/check_versions.sh with TORCH_VERSION=2.11.0).
+        return h if return_hidden else self._head(h)
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
+        """Final normed hidden states (..., dim) -> logits (..., vocab), called on its own
+        (mta_repro.eval's ppl does it in chunks; FSDP gathers for it like for a forward)."""
+        return self._head(h)
+
+    def _head(self, h: torch.Tensor) -> torch.Tensor:
         weight = self.tok_embeddings.weight if self.args.weight_tying else self.output.weight
         return F.linear(h, weight)
 
