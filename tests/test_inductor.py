@@ -38,13 +38,12 @@ def _block_run(monkeypatch, backend: str, compiled: bool = True):
 
 def test_the_compiled_block_under_inductor_matches_eager_without_breaks(monkeypatch):
     eager, _, _ = _block_run(monkeypatch, "inductor", compiled=False)
-    _, aot_graphs, _ = _block_run(monkeypatch, "aot_eager")
     got, graphs, breaks = _block_run(monkeypatch, "inductor")
     assert breaks == {}
-    # Inductor compiles the graphs Dynamo made for aot_eager, no more: per mode (training,
-    # no-grad evaluation) the blocks at key offsets 0 and 1 (Dynamo specialises 0 and 1)
-    # and one symbolic graph for all the others.
-    assert graphs == aot_graphs and graphs <= 6
+    # Per mode (training, no-grad evaluation): the blocks at key offsets 0 and 1 (Dynamo
+    # specialises 0 and 1) and one symbolic graph for all the others; aot_eager makes the
+    # same 6 (tests/test_attention_ops.py bounds them per step).
+    assert graphs == 6
     for a, b in zip(got, eager):
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
     torch._dynamo.reset()

@@ -176,7 +176,7 @@ def _run(name: str, q64, k64, v64, p64, gy64, device, dtype):
                 raise _Unsupported(why)
         out = entry.fn(q, k, v, p, mask, True)
         if out.shape != q.shape:
-            raise ValueError(f"output shape {tuple(out.shape)}, expected {tuple(q.shape)}")
+            raise RuntimeError(f"output shape {tuple(out.shape)}, expected {tuple(q.shape)}")
         out.backward(gy64.to(device, dtype))
     return out.detach().double().cpu(), [t.grad.double().cpu() if t.grad is not None else None
                                          for t in (q, k, v, *ws.values())]

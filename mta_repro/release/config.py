@@ -528,6 +528,8 @@ def _convert_model(m: dict, given: set[str], data: dict, tok_path: Optional[str]
         "diff_transformer": False,  # not in the release's MTA project
         "attn_impl": ours.attn_impl,
         "attn_block_size": ours.attn_block_size,
+        "attn_selfcheck": ours.attn_selfcheck,  # ours alone: the check before training
+        "attn_selfcheck_cpu": ours.attn_selfcheck_cpu,
         "kq_conv_layers": mta["mta_layers"],
         "mta": mta,
         # Lingua's RoPE has no frequency scaling (rope_theta only): the plain frequencies.
