@@ -27,21 +27,11 @@ import pytest
 import yaml
 
 from mta_repro.config import compose
+from test_train_rundir import COMMON as RUNDIR_COMMON
 
 ROOT = Path(__file__).resolve().parents[1]
-COMMON = [
-    "data.seq_len=32",
-    "data.batch_size=2",
-    "data.shuffle_buffer=4",
-    "trainer.device=cpu",
-    "trainer.eval_every=0",
-    "checkpoint.every=1",
-    "checkpoint.export=false",
-    "logging.every=1",
-    "logging.wandb_mode=disabled",
-    "logging.progress_bar=false",
-    "optim.warmup=1",
-]
+# The tiny run of tests/test_train_rundir.py, its length left to each test.
+COMMON = [o for o in RUNDIR_COMMON if not o.startswith("trainer.steps=")] + ["optim.warmup=1"]
 
 
 def _env(**extra):
