@@ -124,4 +124,13 @@ def write_hf_tokenizer(tok_cfg: dict, tok, out_dir: Path, add_bos: bool = True) 
     fast = PreTrainedTokenizerFast(tokenizer_object=hf, bos_token=bos, eos_token=eos,
                                    model_max_length=int(1e30), clean_up_tokenization_spaces=False)
     fast.save_pretrained(str(out_dir))
+    # A plain PreTrainedTokenizerFast on every transformers version: 5.x writes its own
+    # class name "TokenizersBackend", which 4.x cannot load; and no token_type_ids (4.x's
+    # default), which the model does not take.
+    import json
+
+    path = out_dir / "tokenizer_config.json"
+    tc = json.loads(path.read_text())
+    tc.update(tokenizer_class="PreTrainedTokenizerFast", model_input_names=["input_ids", "attention_mask"])
+    path.write_text(json.dumps(tc, indent=2) + "\n")
     return None
