@@ -121,7 +121,7 @@ class MTAReproForCausalLM(PreTrainedModel, GenerationMixin):
         state = cache if cache is not None else past_key_values
         if state is not None and not isinstance(state, KVCache):
             if getattr(state, "get_seq_length", lambda: 0)() != 0:
-                raise ValueError(
+                raise UserError(
                     f"modeling_mta_repro: a {type(state).__name__} with tokens in it was passed; this model "
                     "keeps its own MTAReproCache (MTA needs query rows besides keys and values)")
             state = None  # an empty foreign cache: start ours
