@@ -15,6 +15,11 @@ Defaults added here: ``--model mta_repro`` when no ``--model`` is given, and ``-
 auto`` (a GPU when there is one) instead of lm-eval's ``cuda:0``. model_args of
 ``mta_repro``: pretrained (run dir or consolidated .pt), dtype, device, batch_size,
 max_length (default: the run's trained data.seq_len), max_gen_toks, add_bos.
+
+Offline (no route to huggingface.co), the HF libraries are switched to offline mode up
+front, and a task whose dataset is not cached fails in one line naming the task and the
+fix: ``python -m mta_repro.eval.lm_eval_tasks TASK test=FILE.jsonl --out DIR`` writes a
+task YAML over a local copy (``--include_path DIR --tasks TASK_local``).
 """
 
 from __future__ import annotations
@@ -42,6 +47,17 @@ def build_argv(argv: Sequence[str]) -> list:
     return ["run"] + body
 
 
+def requested_tasks(argv) -> list:
+    """The names given to ``--tasks`` (comma-separated, one flag or several)."""
+    out = []
+    for i, a in enumerate(argv):
+        if a == "--tasks" and i + 1 < len(argv):
+            out += argv[i + 1].split(",")
+        elif a.startswith("--tasks="):
+            out += a.split("=", 1)[1].split(",")
+    return [t for t in out if t]
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help") or argv == ["run"]:
@@ -49,12 +65,17 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         argv = ["run", "--help"]
     else:
         argv = build_argv(argv)
+    from mta_repro.eval.hub import hub_errors, offline_if_unreachable
+
+    if argv[0] == "run":
+        offline_if_unreachable()  # before the HF libraries read their offline flags
     import mta_repro.eval.lm_eval_model  # noqa: F401  registers "mta_repro" with lm-eval
     from lm_eval.__main__ import cli_evaluate
 
     sys.argv = ["mta-lm-eval"] + argv
     try:
-        cli_evaluate()
+        with hub_errors(requested_tasks(argv)):
+            cli_evaluate()
     except SystemExit as e:  # argparse's --help / usage errors
         return int(e.code or 0) if not isinstance(e.code, str) else (print(e.code, file=sys.stderr) or 2)
     except ValueError as e:  # our model's user errors (bad run dir, device, model_args)

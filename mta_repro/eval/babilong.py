@@ -82,7 +82,12 @@ def load_hf(task: str, length: str, dataset: str = "RMT-team/babilong", limit: O
     check_task(task)
     from datasets import load_dataset
 
-    ds = load_dataset(dataset, length, split=task)
+    from mta_repro.eval.hub import hub_errors, offline_if_unreachable
+
+    offline_if_unreachable()
+    with hub_errors(what=f"babilong {task} at {length}",
+                    fix="set babilong.source=generated (the stories made here, no download)"):
+        ds = load_dataset(dataset, length, split=task)
     rows = [{"input": r["input"], "question": r["question"], "target": r["target"]} for r in ds]
     return rows[:limit] if limit else rows
 

@@ -94,6 +94,20 @@ class MTAReproLM(TemplateLM):
         self.forward_rows = 0  # rows run through the model (for benchmarks and tests)
         self._device = next(model.parameters()).device
 
+    # lm-eval passes its --device/--batch_size as extra keywords besides model_args; lm-eval's
+    # default would raise "multiple values for keyword argument 'device'" when model_args names
+    # one too. The model_args value wins: it is the more specific of the two.
+    @classmethod
+    def create_from_arg_string(cls, arg_string, additional_config=None):
+        from lm_eval.utils import simple_parse_args_string
+
+        return cls.create_from_arg_obj(simple_parse_args_string(arg_string), additional_config)
+
+    @classmethod
+    def create_from_arg_obj(cls, arg_dict, additional_config=None):
+        extra = {k: v for k, v in (additional_config or {}).items() if v is not None and k not in arg_dict}
+        return cls(**arg_dict, **extra)
+
     # -- data parallel (lm-eval splits requests by rank/world_size) ---------------------
     def all_gather(self, tensor):
         if self._world_size == 1:

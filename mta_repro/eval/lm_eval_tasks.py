@@ -4,7 +4,10 @@ Real runs use lm-eval's registered tasks, whose datasets come from the HF hub or
 local cache. ``write_local_task`` makes a YAML that ``include:``s lm-eval's own task
 definition (so the official prompt format is used) but reads rows of that task's HF
 schema from local json/jsonl files: the offline tests run on these, and so can anyone
-with a local copy of a dataset.
+with a local copy of a dataset:
+
+    python -m mta_repro.eval.lm_eval_tasks lambada_openai test=lambada_test.jsonl --out tasks/
+    python -m mta_repro.lm_eval --model_args pretrained=RUN --include_path tasks/ --tasks lambada_openai_local
 """
 
 from __future__ import annotations
@@ -81,7 +84,13 @@ def check_task_names(names, manager) -> None:
     known = set(manager.all_tasks)
     unknown = [n for n in names if n not in known]
     if unknown:
-        raise UserError(f"eval.lm_eval.tasks: unknown lm-eval task(s) {unknown}")
+        import difflib
+
+        near = {n: difflib.get_close_matches(n, sorted(known), n=1, cutoff=0.75) for n in unknown}
+        hints = [f"{n} -> {m[0]}" for n, m in near.items() if m]
+        hint = f" (did you mean {', '.join(hints)}?)" if hints else ""
+        raise UserError(f"eval.lm_eval.tasks: unknown lm-eval task(s) {unknown}{hint}; "
+                        "list them with: python -m mta_repro.lm_eval ls tasks")
 
 
 def write_local_task(
@@ -122,3 +131,39 @@ def write_local_task(
     path = out_dir / f"{name}.yaml"
     path.write_text("\n".join(lines) + "\n")
     return path
+
+
+def main(argv=None) -> int:
+    """``TASK SPLIT=FILE [SPLIT=FILE ...] [--out DIR] [--name NAME]``: write the task YAML."""
+    import argparse
+
+    p = argparse.ArgumentParser(prog="python -m mta_repro.eval.lm_eval_tasks",
+                                description="Write an lm-eval task YAML that reads TASK's rows from local json/jsonl files.")
+    p.add_argument("task", help="an lm-eval task name (its prompt format is included)")
+    p.add_argument("files", nargs="+", metavar="SPLIT=FILE", help="e.g. test=lambada_test.jsonl")
+    p.add_argument("--out", default="lm_eval_tasks", help="folder for the YAML (default: lm_eval_tasks)")
+    p.add_argument("--name", default=None, help="the new task's name (default: TASK_local)")
+    a = p.parse_args(argv)
+
+    def run() -> int:
+        files = {}
+        for f in a.files:
+            split, sep, path = f.partition("=")
+            if not sep or not split or not path:
+                raise UserError(f"{f!r}: expected SPLIT=FILE, e.g. test=data.jsonl")
+            if not Path(path).is_file():
+                raise UserError(f"{split}={path}: no such file")
+            files[split] = path
+        manager = task_manager()
+        check_task_names([a.task], manager)
+        path = write_local_task(a.task, files, a.out, new_name=a.name, manager=manager)
+        print(f"wrote {path}\nuse: --include_path {Path(a.out)} --tasks {path.stem}")
+        return 0
+
+    from mta_repro.cli import run_cli
+
+    return run_cli("lm_eval_tasks", run)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -154,8 +154,10 @@ class _LMEvalTask(EvalTask):
         return {"lm_eval.max_length": int(n)} if n else {}
 
     def prepare(self, cfg, ctx):
+        from mta_repro.eval.hub import offline_if_unreachable
         from mta_repro.eval.lm_eval_tasks import check_task_names, task_manager
 
+        offline_if_unreachable()  # no hub: cached datasets load, missing ones fail in one line
         if "lm_manager" not in ctx.state:  # one task index for benchmarks and LAMBADA
             ctx.state["lm_manager"] = task_manager(cfg.lm_eval.include_path)
         check_task_names(self.task_names(cfg), ctx.state["lm_manager"])
@@ -169,6 +171,7 @@ class _LMEvalTask(EvalTask):
     def run(self, cfg, ctx):
         import lm_eval
 
+        from mta_repro.eval.hub import hub_errors
         from mta_repro.eval.lm_eval_model import MTAReproLM
 
         e = cfg.lm_eval
@@ -180,10 +183,11 @@ class _LMEvalTask(EvalTask):
             groups.setdefault(int(e.num_fewshot.get(name, 0)), []).append(name)
         results: dict = {}
         for shots, group in groups.items():
-            out = lm_eval.simple_evaluate(
-                model=lm, tasks=group, num_fewshot=shots, task_manager=ctx.state["lm_manager"], limit=e.limit,
-                bootstrap_iters=0, log_samples=False,
-            )
+            with hub_errors(group):
+                out = lm_eval.simple_evaluate(
+                    model=lm, tasks=group, num_fewshot=shots, task_manager=ctx.state["lm_manager"], limit=e.limit,
+                    bootstrap_iters=0, log_samples=False,
+                )
             if out is None:  # ranks other than 0 under torchrun: rank 0 has the results
                 continue
             for name, metrics in out["results"].items():
