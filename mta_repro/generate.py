@@ -9,6 +9,11 @@ the run's tokenizer, encodes each prompt with BOS (as in training), and prints e
 continuation (greedy unless --temperature > 0), one block per prompt. Prompts are
 left-truncated to fit --max-length (default: the run's trained data.seq_len) together
 with the new tokens. Generation stops at EOS or at any --stop string.
+
+stderr names the weights loaded (the export or checkpoint, and its step) and the
+tokenizer. A continuation that is only whitespace (what a barely trained model emits) is
+summarised on stderr, e.g. ``64 x '\n'``, instead of printing blank lines; ``--raw``
+prints every continuation exactly as generated.
 """
 
 from __future__ import annotations
@@ -36,12 +41,14 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
     ap.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16")
     ap.add_argument("--no-bos", action="store_true", help="do not start prompts with BOS")
+    ap.add_argument("--raw", action="store_true", help="print whitespace-only continuations as they are")
     return ap
 
 
 def generate_from(path, prompts, max_new_tokens=64, temperature=0.0, top_k=None, top_p=None, seed=0,
-                  stop=(), max_length=None, device="auto", dtype="float32", add_bos=True) -> list:
-    """Continuations of ``prompts`` by the model at ``path`` (run dir or .pt)."""
+                  stop=(), max_length=None, device="auto", dtype="float32", add_bos=True, report=None) -> list:
+    """Continuations of ``prompts`` by the model at ``path`` (run dir or .pt). ``report``
+    (a callable) receives one line naming the weights and tokenizer loaded."""
     import torch
 
     from mta_repro.eval.generate import generate_text
@@ -54,11 +61,31 @@ def generate_from(path, prompts, max_new_tokens=64, temperature=0.0, top_k=None,
         raise UserError(f"--temperature: expected >= 0, got {temperature}")
     model, tok, cfg = load_for_eval(path, device=device, dtype=dtype)
     max_length = max_length or trained_seq_len(cfg) or model.args.max_seqlen
+    if report is not None:
+        report(loaded_line(model, cfg, max_new_tokens, temperature))
     gen = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
     return generate_text(
         model, tok, list(prompts), max_new_tokens, until=list(stop), max_length=max_length,
         add_bos=add_bos, temperature=temperature, top_k=top_k, top_p=top_p, generator=gen,
     )
+
+
+def loaded_line(model, cfg, max_new_tokens: int, temperature: float) -> str:
+    src = getattr(model, "source", {})
+    step = f" (step {src['step']})" if src.get("step") is not None else ""
+    t = cfg.get("data", {}).get("tokenizer", {})
+    name = t.get("name", "sentencepiece")
+    tok = name if name == "bytes" else f"{name} {t.get('path')}"  # bytes needs no file
+    how = "greedy" if temperature == 0 else f"sampling at temperature {temperature:g}"
+    return (f"generate: weights {src.get('path')}{step}, tokenizer {tok}; {how}, "
+            f"up to {max_new_tokens} new tokens")
+
+
+def whitespace_summary(text: str) -> str:
+    """``64 x '\\n'`` for a run of one character, else the repr of a short text."""
+    if len(set(text)) == 1:
+        return f"{len(text)} x {text[0]!r}"
+    return repr(text) if len(text) <= 40 else f"{len(text)} whitespace characters ({text[:20]!r}...)"
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -70,11 +97,17 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         outs = generate_from(
             args.path, args.prompt, args.max_new_tokens, args.temperature, args.top_k, args.top_p, args.seed,
             args.stop, args.max_length, args.device, args.dtype, not args.no_bos,
+            report=lambda line: print(line, file=sys.stderr),
         )
         for i, (prompt, out) in enumerate(zip(args.prompt, outs)):
             if len(outs) > 1:
                 print(f"=== prompt {i}")
-            print(prompt + out)
+            if out and not out.strip() and not args.raw:
+                print(prompt)
+                print(f"generate: prompt {i}: the continuation is whitespace only ({whitespace_summary(out)}); "
+                      "--raw prints it", file=sys.stderr)
+            else:
+                print(prompt + out)
         return 0
 
     return run_cli("generate", go)

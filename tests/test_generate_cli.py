@@ -52,3 +52,36 @@ def test_generate_errors_and_help(tmp_path):
     r = subprocess.run([sys.executable, "-m", "mta_repro.generate", "--help"], capture_output=True, text=True,
                        timeout=120)
     assert r.returncode == 0 and "--max-new-tokens" in r.stdout and "KV-cache" in r.stdout
+
+
+def test_whitespace_continuations_are_summarised_and_the_weights_named(tmp_path):
+    """A model that can only say '\\n' (every embedding a multiple of one vector, the
+    newline's the longest, blocks adding nothing, tied output): the command prints the
+    prompt and says on stderr what the continuation was, instead of 64 blank lines; --raw
+    prints it exactly. stderr names the export and its step."""
+    run_dir, model = make_run(tmp_path / "run", attention="baseline")
+    tok = make_tokenizer()
+    nl = tok.encode("\n", add_bos=False, add_eos=False)[-1]
+    pt = run_dir / "export" / "consolidated.pt"
+    ck = torch.load(pt, weights_only=True)
+    sd = ck["model"]
+    assert "output.weight" not in sd  # tied: logits are embeddings . final state
+    v = torch.rand(sd["tok_embeddings.weight"].shape[1]) + 0.5
+    sd["tok_embeddings.weight"][:] = v
+    sd["tok_embeddings.weight"][nl] = 10 * v
+    for k in sd:
+        if k.endswith(("attention.wo.weight", "feed_forward.w2.weight")):
+            sd[k].zero_()  # each block adds nothing to the residual stream
+    torch.save(ck, pt)
+
+    def cli(*extra):
+        return subprocess.run([sys.executable, "-m", "mta_repro.generate", str(run_dir), "--prompt", "The cat",
+                               "--device", "cpu", *extra], capture_output=True, text=True, timeout=120)
+
+    r = cli()
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout == "The cat\n"
+    assert f"generate: weights {pt} (step 7), tokenizer bytes; greedy, up to 64 new tokens" in r.stderr
+    assert "prompt 0: the continuation is whitespace only (64 x '\\n'); --raw prints it" in r.stderr
+    r = cli("--raw", "--max-new-tokens", "5")
+    assert r.returncode == 0 and r.stdout == "The cat" + "\n" * 5 + "\n"

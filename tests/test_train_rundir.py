@@ -64,7 +64,7 @@ def run(base, tmp_path):
 
 
 @pytest.mark.parametrize("override,key", [
-    ("attention=mta", "model.mta.use_mta"),
+    ("attention=mta", "attention: baseline -> mta"),  # the option, not the dozen fields it sets
     ("optim.lr=1e-2", "optim.lr"),
     ("data.sources.book=0.5", "data.sources.book"),
     ("seed=7", "seed"),
@@ -103,6 +103,20 @@ def test_steps_below_the_run_step_says_so(run, capsys):
     out = _train(run)  # == the run's step: nothing to do, said on stderr, exit normally
     assert out["step"] == 2
     assert "already at trainer.steps=2: nothing to train" in capsys.readouterr().err
+
+
+def test_another_model_with_fewer_steps_names_the_model_not_the_steps(run):
+    """Reusing a run dir for another model: the refusal is about the model (no hint to raise
+    trainer.steps or allow_config_change, which could never make it continue), in one short line."""
+    before = _snapshot(run)
+    for extra in ([], ["checkpoint.allow_config_change=true"]):
+        with pytest.raises(RunDirError) as e:
+            _train(run, "attention=talking_heads", "trainer.steps=1", *extra)
+        msg = str(e.value)
+        assert "in fields that define the model, data or optimiser state: attention: baseline -> talking_heads." in msg
+        assert "allow_config_change" not in msg and "model.mta." not in msg
+        assert len(msg.replace(str(run), "RUN")) < 350, msg
+    assert _snapshot(run) == before
 
 
 def test_moved_run_dir_and_relative_paths_are_no_change(run, monkeypatch):

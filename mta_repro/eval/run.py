@@ -27,6 +27,7 @@ from typing import Optional, Sequence
 
 from omegaconf import OmegaConf
 
+from mta_repro.config import attention_variant
 from mta_repro.errors import UserError
 from mta_repro.eval.args import EvalConfig, register_eval_config
 
@@ -57,17 +58,6 @@ def parse_argv(argv: Sequence[str]) -> EvalConfig:
     # an optional group: Hydra would silently skip an unknown preset
     check_group_options(overrides, ["eval/preset"], Path(CONFIG_DIR))
     return compose_eval(overrides)
-
-
-def variant_name(model_cfg) -> str:
-    if model_cfg.get("diff_transformer"):
-        return "diff"
-    mta = model_cfg.get("mta") or {}
-    if not mta.get("use_mta"):
-        return "baseline"
-    if mta.get("query_kernel_size") or mta.get("after_sm_query_kernel_size"):
-        return "mta"
-    return "talking_heads"
 
 
 def trained_context(run_cfg) -> Optional[int]:
@@ -139,7 +129,7 @@ def run(cfg: EvalConfig) -> dict:
     source = getattr(model, "source", {})
     meta = {
         "run_dir": str(cfg.run_dir),
-        "variant": variant_name(run_cfg.model),
+        "variant": attention_variant(run_cfg.model),
         "step": source.get("step"),
         "weights": source.get("path"),  # the export or DCP checkpoint evaluated
         "dtype": cfg.dtype,

@@ -151,9 +151,9 @@ def load_run(path, label: Optional[str] = None) -> RunData:
         run.evals[data.get("task", f.stem)] = data
         run.variant = run.variant or data.get("variant")
     if run.variant is None and run.config and "model" in run.config:
-        from mta_repro.eval.run import variant_name
+        from mta_repro.config import attention_variant
 
-        run.variant = variant_name(run.config["model"])
+        run.variant = attention_variant(run.config["model"])
     run.stage = run_stage(run.config)
     m = path / "metrics.jsonl"
     if m.is_file():

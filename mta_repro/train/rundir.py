@@ -145,9 +145,24 @@ def diff_configs(saved: dict, new: dict) -> ConfigDiff:
     return ConfigDiff(unsafe, safe)
 
 
-def _fmt(diff: dict[str, tuple], limit: int = 6) -> str:
-    """Every differing key; the saved -> new values of the first ``limit``."""
-    items = [f"{k}: {a!r} -> {b!r}" for k, (a, b) in list(diff.items())[:limit]]
+# What an ``attention=`` option (configs/attention/) sets: a changed option is reported as one
+# "attention: mta -> baseline", not as the dozen model.mta.* fields it moves.
+ATTENTION_KEYS = ("model.mta.", "model.diff_transformer")
+
+
+def _fmt(diff: dict[str, tuple], limit: int = 6, saved: Optional[dict] = None, new: Optional[dict] = None) -> str:
+    """Every differing key; the saved -> new values of the first ``limit``. With the two
+    configs, a change of attention variant is one item."""
+    items = []
+    if saved is not None and new is not None:
+        from mta_repro.config import attention_variant
+
+        a, b = attention_variant(saved.get("model") or {}), attention_variant(new.get("model") or {})
+        if a != b:
+            items.append(f"attention: {a} -> {b}")
+            diff = {k: v for k, v in diff.items() if not _matches(k, ATTENTION_KEYS)}
+            limit = max(limit - 1, 0)
+    items += [f"{k}: {a!r} -> {b!r}" for k, (a, b) in list(diff.items())[:limit]]
     rest = list(diff)[limit:]
     return "; ".join(items) + (f"; also {', '.join(rest)}" if rest else "")
 
@@ -161,7 +176,7 @@ def check_config(saved: dict, new: dict, allow_change: bool, run_dir: Path, at_s
     if d.unsafe:
         raise RunDirError(
             f"run_dir={run_dir}: this config differs from {source} in fields that define "
-            f"the model, data or optimiser state: {_fmt(d.unsafe)}. The run in {where} is left untouched. "
+            f"the model, data or optimiser state: {_fmt(d.unsafe, saved=saved, new=new)}. The run in {where} is left untouched. "
             "Use another run_dir=..., or start a new stage from its weights with "
             f"run_dir=<new> checkpoint.init_from={run_dir}"
         )
@@ -450,6 +465,10 @@ def prepare_run_dir(args, info, lock: RunLock) -> Optional[int]:
                 "config.yaml, or add checkpoint.allow_config_change=true to take this command's config as the run's"
             )
     new = OmegaConf.to_container(OmegaConf.structured(args), resolve=True)
+    if found and saved is not None:
+        # A different model or data first: that is never a matter of trainer.steps or of
+        # allow_config_change, which the checks below would suggest.
+        check_config(saved, new, True, run_dir, at_step, source)
     if at_step is not None and at_step > tr.steps:
         raise RunDirError(
             f"run_dir={run_dir} is already at step {at_step} ({found[-1]}), beyond trainer.steps={tr.steps}: "
