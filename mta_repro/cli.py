@@ -62,11 +62,15 @@ def unknown_option_line(group: str, value: str, options: Sequence[str]) -> str:
     parts other configs include, not choices)."""
     public = sorted(o for o in options if not o.startswith("_"))
     near = difflib.get_close_matches(value, public, n=3, cutoff=0.5)
+    if not near and value:  # a part of a name ("880m_mta"): the names that contain it
+        near = [o for o in public if value.lower() in o.lower()][:3]
     line = f"{group}={value}: unknown {group} config"
     if near:
         line += f"; did you mean {' or '.join(near)}?"
     if len(public) <= 8:
         line += f" (expected one of {public})"
+    elif len(public) <= 40:  # every choice, so that nobody has to list the folder
+        line += f" ({len(public)} options in configs/{group}/: {', '.join(public)})"
     else:
         line += f" ({len(public)} options: the YAML files of configs/{group}/)"
     return line

@@ -81,6 +81,23 @@ def test_unknown_option_line_names_the_nearest_public_options():
     assert "_pretrain" not in line and "\n" not in line
 
 
+def test_unknown_experiment_lists_the_choices_and_names_containing_the_value():
+    """With no close spelling, names that contain the value are suggested, and the real
+    folder's options (more than 8, at most 40) are all listed, the private parts not."""
+    from mta_repro.config import CONFIG_DIR
+
+    options = sorted(p.stem for p in (CONFIG_DIR / "experiment").glob("*.yaml"))
+    line = unknown_option_line("experiment", "880m_mta", options)
+    head = line.split("?")[0]
+    assert head.startswith("experiment=880m_mta: unknown experiment config; did you mean ")
+    assert "pretrain_880m_mta" in head and "long_context_880m_mta" in head
+    line = unknown_option_line("experiment", "300m", options)  # no close spelling: the names containing it
+    assert "did you mean pretrain_300m_baseline or pretrain_300m_diff or pretrain_300m_mta?" in line
+    public = [o for o in options if not o.startswith("_")]
+    assert 8 < len(public) <= 40
+    assert line.endswith(f"({len(public)} options in configs/experiment/: {', '.join(public)})")
+
+
 def test_hydra_unknown_key_is_described_with_the_nearest_field():
     from mta_repro.config import compose
 

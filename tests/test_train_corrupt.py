@@ -73,10 +73,21 @@ def test_truncated_distcp_falls_back_to_the_previous_and_resumes_exactly(base, t
     run = tmp_path / "run"
     shutil.copytree(base, run)
     _truncate_latest(run)
-    with pytest.warns(UserWarning, match=r"0000000003 is unreadable: file __0_0.distcp is truncated"):
+    from mta_repro.weights.read import FallbackWarning
+
+    with pytest.warns(FallbackWarning, match=r"0000000003 is unreadable: file __0_0.distcp is truncated"):
         _train(run)
     err = capsys.readouterr().err
     assert "falling back to" in err and "resumed from" in err and "at step 2" in err
+    # Said once: the line on stderr; the warning is a FallbackWarning, which Python's
+    # warning display ignores by default (it used to print the same text a second time).
+    assert err.count("is unreadable") == 1
+    import subprocess
+    import sys
+
+    shown = subprocess.run([sys.executable, "-c", "from mta_repro.weights.read import notice; notice('x is bad')"],
+                           capture_output=True, text=True, timeout=60).stderr
+    assert shown == "[mta_repro] WARNING: x is bad\n"  # a fresh process shows the notice once
     ckpts = run / "checkpoints"
     assert (ckpts / "corrupt-0000000003").is_dir()  # kept for inspection, no longer counted
     assert (ckpts / "0000000003" / ".complete").is_file() and verify_checkpoint(ckpts / "0000000003") is None

@@ -322,10 +322,11 @@ class CheckpointManager:
                 )
             if older is None:
                 raise CheckpointCorruptError(f"{msg}, and there is no older complete checkpoint to fall back to")
-            if self.rank == 0:
-                warnings.warn(f"{msg}; falling back to {older} (the damaged one is kept as corrupt-{path.name})",
-                              stacklevel=2)
-                print(f"[mta_repro.train] WARNING: {msg}; falling back to {older}", file=sys.stderr, flush=True)
+            if self.rank == 0:  # one line on stderr (the FallbackWarning it also raises is not shown)
+                from mta_repro.weights.read import notice
+
+                notice(f"{msg}; falling back to {older} (the damaged one is kept as corrupt-{path.name})",
+                       "mta_repro.train")
             self._barrier()
             if self.rank == 0:
                 dest = path.with_name(f"corrupt-{path.name}")
