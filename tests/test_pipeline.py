@@ -226,6 +226,22 @@ def test_paper_plan_dry_run():
     assert len([l for l in out.splitlines() if l.startswith("# ---- eval:")]) == 20
 
 
+def test_plan_only_view_is_one_line_a_job(capsys):
+    """--plan: the job table alone (the slurm --dry-run prints ~1,600 lines of scripts);
+    a bare pipeline name means pipeline=<name>, an unknown one is a one-line error."""
+    assert main(["paper_880m", "root=/scratch/mta", "launcher=slurm", "--plan"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == "pipeline paper_880m: 41 jobs under /scratch/mta"
+    jobs = lines[1:-1]
+    assert len(jobs) == 41 and all(line.startswith("  [todo] ") for line in jobs)
+    assert jobs[-1].split()[:2] == ["[todo]", "report"]
+    assert lines[-1].startswith("(--dry-run adds each job's command")
+    assert main(["paper880", "--plan"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: 'paper880' is neither an override (key=value) nor a pipeline name; ")
+    assert "did you mean paper_880m?" in err and "\n" not in err
+
+
 def test_plan_errors_are_one_line():
     p = _pipeline("pipeline=tiny", "root=/tmp/x", "launcher=cloud", timeout=120)
     assert p.returncode == 2 and p.stderr.strip() == "error: launcher: expected one of ('local', 'slurm'), got 'cloud'"

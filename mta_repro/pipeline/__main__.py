@@ -1,4 +1,4 @@
-"""``python -m mta_repro.pipeline pipeline=<name> [root=DIR] [launcher=local|slurm] [--dry-run] [overrides]``
+"""``python -m mta_repro.pipeline pipeline=<name> [root=DIR] [launcher=local|slurm] [--plan|--dry-run] [overrides]``
 
 Runs the paper's protocol as one plan (configs/pipeline/<name>.yaml): training stages x
 variants (+ sweep points), each in its own run directory under ``root``, hand-offs by
@@ -8,7 +8,9 @@ absolute paths, evaluation of each run, and a report over all of them in <root>/
     python -m mta_repro.pipeline pipeline=paper_880m root=/scratch/mta launcher=slurm --dry-run
     python -m mta_repro.pipeline pipeline=paper_880m root=/scratch/mta launcher=slurm
 
-``--dry-run`` prints the plan (and with launcher=slurm every sbatch script). Rerunning the
+``--plan`` prints the job table alone (one line a job, done or to do, its run directory
+and dependencies); ``--dry-run`` adds each job's command (and with launcher=slurm every
+sbatch script). ``paper_880m`` alone means ``pipeline=paper_880m``. Rerunning the
 same command skips the jobs that are done and resumes the others (training resumes from
 its checkpoints); with launcher=slurm it submits what is not done and not still queued,
 chained with --dependency=afterok. Overrides change the plan like any Hydra config:
@@ -38,20 +40,39 @@ def build_plan(overrides: Sequence[str]):
     return Plan(cfg.pipeline, cfg.root, python=cfg.python or sys.executable), cfg
 
 
+def _bare_name(arg: str) -> str:
+    """``paper_880m`` (no ``=``) means ``pipeline=paper_880m`` when such a pipeline exists."""
+    if "=" in arg:
+        return arg
+    from mta_repro.cli import unknown_option_line
+    from mta_repro.config import CONFIG_DIR
+
+    names = sorted(p.stem for p in (CONFIG_DIR / "pipeline").glob("*.yaml"))
+    if arg in names:
+        return f"pipeline={arg}"
+    raise UserError(f"{arg!r} is neither an override (key=value) nor a pipeline name; "
+                    + unknown_option_line("pipeline", arg, names))
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if any(a in ("-h", "--help") for a in argv):
         print(__doc__)
         return 0
-    dry_run = "--dry-run" in argv
-    overrides = [a for a in argv if a != "--dry-run"]
+    dry_run, plan_only = "--dry-run" in argv, "--plan" in argv
+    overrides = [a for a in argv if a not in ("--dry-run", "--plan")]
     bad = [a for a in overrides if a.startswith("--")]
     if bad:
-        print(f"error: unknown option {bad[0]} (options: --dry-run, --help; the rest are Hydra overrides)",
+        print(f"error: unknown option {bad[0]} (options: --plan, --dry-run, --help; the rest are Hydra overrides)",
               file=sys.stderr)
         return 2
     try:
+        overrides = [_bare_name(a) for a in overrides]
         plan, cfg = build_plan(overrides)
+        if plan_only:
+            print(plan.describe())
+            print("(--dry-run adds each job's command, and with launcher=slurm its sbatch script)")
+            return 0
         from mta_repro.pipeline.run import main_run
 
         return main_run(plan, cfg.launcher, dry_run)

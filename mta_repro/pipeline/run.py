@@ -234,7 +234,9 @@ def main_run(plan: Plan, launcher: str, dry_run: bool, log=print) -> int:
     if dry_run:
         print_plan(plan, log)
         if launcher == "slurm":
-            return submit_slurm(plan, dry_run=True, log=log)
+            rc = submit_slurm(plan, dry_run=True, log=log)
+            log(f"({len(plan.jobs)} jobs; --plan prints the job table alone)")
+            return rc
         return 0
     if launcher == "slurm":
         return submit_slurm(plan, log=log)
