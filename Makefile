@@ -11,10 +11,13 @@ TORCH ?= torch==2.13.0
 # extras (the stamps live in pip's own egg-info folder, which git ignores); `make install`
 # always runs it.
 STAMPS := mta_repro.egg-info
+# Said before it starts: a first install takes ~2-3 minutes, and pip -q prints nothing.
 define pip_install
+	@echo "make: installing $(if $(TORCH),$(TORCH) (CPU wheel) and )mta-repro[$(1)] with pip (first time ~2-3 min; later runs skip this)"
 	$(if $(TORCH),$(PY) -m pip install -q $(TORCH))
 	$(PY) -m pip install -q -e ".[$(1)]"
-	touch $(STAMPS)/.make-installed-$(1)
+	@touch $(STAMPS)/.make-installed-$(1)
+	@echo "make: installed mta-repro[$(1)]"
 endef
 
 .PHONY: install demo test test-fast lint
@@ -31,10 +34,15 @@ $(STAMPS)/.make-installed-eval,report,wandb: pyproject.toml
 	$(call pip_install,eval$(comma)report$(comma)wandb)
 
 demo: $(STAMPS)/.make-installed-eval,report,wandb
+	@echo "make demo 1/4: the paper's model sizes"
 	$(PY) -m mta_repro.params --table
+	@echo "make demo 2/4: train the tiny debug model (experiment=debug) on the bundled corpus (CPU, ~2 min)"
 	$(PY) -m mta_repro.train experiment=debug run_dir=runs/debug
+	@echo "make demo 3/4: evaluate it (eval/preset=debug: small settings, minutes)"
 	$(PY) -m mta_repro.eval runs/debug eval/preset=debug
+	@echo "make demo 4/4: the report (tables and figures)"
 	$(PY) -m mta_repro.report runs/debug --out runs/debug/report
+	@echo "make demo: done; the report is in runs/debug/report"
 
 lint: $(STAMPS)/.make-installed-all,dev
 	$(PY) -m ruff check .
