@@ -10,6 +10,12 @@
 #                                       the interpreter tests (TRITON_INTERPRET=1) and the
 #                                       sm_90 compile report of scripts/compile_triton.py
 #   scripts/check_versions.sh           both
+#   scripts/check_versions.sh hf        the HF export under the oldest transformers the `hf`
+#                                       extra allows (TRANSFORMERS_VERSION, default 4.45.0):
+#                                       tests/test_hf.py and tests/test_hf_cache.py, slow tier
+#                                       included, in a venv ($HF_VENV, default .venv-hf/) over
+#                                       this interpreter's packages with that transformers
+#                                       (and the tokenizers/huggingface_hub it pins) on top
 #
 # KERNEL_TESTS (pytest -k expression, default: all of both kernel test files) narrows the
 # interpreter tests; COMPILE_ARGS the compile (default: every layer and pass at T=2048;
@@ -76,10 +82,26 @@ kernels() {
   say "kernels: ok"
 }
 
-venv
+hf() {
+  local v=${HF_VENV:-.venv-hf} tf=${TRANSFORMERS_VERSION:-4.45.0}
+  if ! "$v/bin/python" -c "import transformers, sys; sys.exit(transformers.__version__ != '$tf')" 2>/dev/null; then
+    say "building $v: this interpreter's packages + transformers==$tf"
+    rm -rf "$v"
+    "$PY" -m venv --system-site-packages "$v"
+    # datasets 4.x+ needs huggingface_hub >= 1, which transformers 4.x refuses: the datasets
+    # of that era comes along (lm-eval's --model hf test imports it).
+    "$v/bin/python" -m pip install -q "transformers==$tf" ${HF_EXTRA_PACKAGES-"datasets<4"}
+  fi
+  "$v/bin/python" -c "import transformers, tokenizers; print(f'check_versions.sh: transformers {transformers.__version__}, tokenizers {tokenizers.__version__}')" >&2
+  PYTHONPATH=$ROOT "$v/bin/python" -m pytest -q -p no:cacheprovider tests/test_hf.py tests/test_hf_cache.py \
+    ${HF_TESTS:+-k "$HF_TESTS"}
+  say "hf: ok"
+}
+
 case $WHAT in
-  image) image ;;
-  kernels) kernels ;;
-  all) image; kernels ;;
-  *) say "unknown check '$WHAT' (image, kernels or nothing for both)"; exit 2 ;;
+  image) venv; image ;;
+  kernels) venv; kernels ;;
+  all) venv; image; kernels ;;
+  hf) hf ;;
+  *) say "unknown check '$WHAT' (image, kernels, hf or nothing for image and kernels)"; exit 2 ;;
 esac

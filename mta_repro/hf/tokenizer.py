@@ -51,8 +51,13 @@ def _tiktoken_tokenizer(path: str):
 
     from mta_repro.data.tokenizers import LLAMA3_PATTERN, llama3_special_tokens
 
-    return TikTokenConverter(vocab_file=path, pattern=LLAMA3_PATTERN,
-                             extra_special_tokens=llama3_special_tokens()).converted()
+    import inspect
+
+    # transformers 5.x names the special tokens extra_special_tokens, 4.x additional_special_tokens
+    # (4.x silently drops an unknown keyword and then fails on None).
+    params = inspect.signature(TikTokenConverter.__init__).parameters
+    key = "extra_special_tokens" if "extra_special_tokens" in params else "additional_special_tokens"
+    return TikTokenConverter(vocab_file=path, pattern=LLAMA3_PATTERN, **{key: llama3_special_tokens()}).converted()
 
 
 def _sentencepiece_tokenizer(path: str):
