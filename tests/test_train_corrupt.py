@@ -114,3 +114,45 @@ def test_truncated_consolidated_pt_is_named(base, tmp_path):
         load_model_state(pt)
     good = load_model_state(base / "export" / "consolidated.pt")[0]
     assert all(torch.equal(v, good[k]) for k, v in load_model_state(base)[0].items())
+
+
+@pytest.mark.parametrize("async_save", [False, True])
+def test_save_hook_sees_each_save_before_it_is_complete(tmp_path, monkeypatch, async_save):
+    """checkpoint.save_hook (where the kill tests inject their faults): called at
+    "written" with the temporary folder holding the step's files and no completion marker
+    yet, and, for an async save, at "async_writing" first; the run's numbers are those of
+    a run without the hook."""
+    import sys
+    import types
+
+    seen = []
+
+    def hook(event, step, path):
+        seen.append((event, step, path.name, path.is_dir(), (path / ".complete").exists()))
+
+    mod = types.ModuleType("save_hook_recorder")
+    mod.record = hook
+    monkeypatch.setitem(sys.modules, "save_hook_recorder", mod)
+    run = tmp_path / "run"
+    _train(run, "checkpoint.save_hook=save_hook_recorder:record", f"checkpoint.async_save={str(async_save).lower()}")
+    written = [s for s in seen if s[0] == "written"]
+    assert [s[1] for s in written] == [1, 2, 3]
+    assert all(name == f".tmp-{step:010d}" and is_dir and not complete for _, step, name, is_dir, complete in written)
+    if async_save:
+        assert [s[1] for s in seen if s[0] == "async_writing"] == [1, 2, 3]
+        order = [(e, st) for e, st, *_ in seen]
+        assert all(order.index(("async_writing", k)) < order.index(("written", k)) for k in (1, 2, 3))
+    else:
+        assert len(seen) == 3
+    ref = tmp_path / "ref"
+    _train(ref)
+    assert _losses(run) == _losses(ref)
+
+
+def test_a_bad_save_hook_is_one_line(tmp_path):
+    from mta_repro.errors import UserError
+
+    with pytest.raises(UserError, match=r"^checkpoint.save_hook: cannot import 'no_such_module:fn'"):
+        _train(tmp_path / "run", "checkpoint.save_hook=no_such_module:fn")
+    with pytest.raises(UserError, match=r"^checkpoint.save_hook: expected 'module:function', got 'fn'"):
+        _train(tmp_path / "run2", "checkpoint.save_hook=fn")

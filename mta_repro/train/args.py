@@ -105,6 +105,12 @@ class CheckpointArgs:
     # the files; the checkpoint is marked complete and renamed only after the write
     # finished (the same atomicity as a plain save). CPU memory holds one staged copy.
     async_save: bool = False
+    # "module:function" called as fn(event, step, path) at the two moments of a save that a
+    # kill can tear: "written" (this rank's files of `step` are on disk in the temporary
+    # folder `path`, not yet marked complete) and "async_writing" (an async save's
+    # background write of `path` has begun). For tests that inject faults there (tests/
+    # fixtures/faults.py) and for instrumentation; nothing a run's numbers depend on.
+    save_hook: Optional[str] = None
 
     def __post_init__(self) -> None:
         if self.on_corrupt not in ON_CORRUPT_CHOICES:

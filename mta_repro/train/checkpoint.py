@@ -29,11 +29,10 @@ import errno
 import os
 import random
 import shutil
-import signal
 import sys
 import warnings
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import numpy as np
 import torch
@@ -62,12 +61,6 @@ from mta_repro.weights.safe import (
     decode_state,
     encode_state,
 )
-
-# Fault injection for the killed-save tests: "kill_in_save:<step>" SIGKILLs this process
-# after the DCP files of that step are written but before the save is marked complete;
-# "kill_in_async_save:<step>" (checkpoint.async_save) while the background write is on.
-FAULT_ENV = "MTA_REPRO_FAULT"
-
 
 def save_file_atomic(obj: Any, path: Path) -> Path:
     """``torch.save`` to ``path`` through a temporary file and a rename, so a kill midway
@@ -158,8 +151,10 @@ class CheckpointManager:
     """
 
     def __init__(self, run_dir: Path, keep: int, rank: int, world_size: int, async_save: bool = False,
-                 config_text: Optional[str] = None):
+                 config_text: Optional[str] = None, save_hook: Optional[Callable] = None):
         self.root = Path(run_dir) / "checkpoints"
+        # fn(event, step, tmp) at "written" and "async_writing" (checkpoint.save_hook)
+        self.save_hook = save_hook
         self.keep = keep
         self.rank, self.world_size = rank, world_size
         self.async_save = async_save
@@ -205,9 +200,8 @@ class CheckpointManager:
     def _finalize(self, step: int, tmp: Path, final: Path) -> None:
         """Rank 0: mark complete, rename into place, rotate (every rank's files are written
         and fsynced: the marker never reaches the disk before the data)."""
-        fault = os.environ.get(FAULT_ENV, "")
-        if fault == f"kill_in_save:{step}":
-            os.kill(os.getpid(), signal.SIGKILL)
+        if self.save_hook is not None:
+            self.save_hook("written", step, tmp)
         if self.rank == 0:
             marker = tmp / COMPLETE
             with open(marker, "w") as f:
@@ -262,14 +256,8 @@ class CheckpointManager:
                 raise
             fut = getattr(fut, "upload_completion", fut)  # AsyncSaveResponse in newer torch
             self._pending = (fut, step, tmp, final, need)
-            if os.environ.get(FAULT_ENV, "") == f"kill_in_async_save:{step}":
-                # A save killed midway: once the background write has begun its files.
-                import time
-
-                deadline = time.time() + 30
-                while time.time() < deadline and not (tmp.is_dir() and any(tmp.iterdir())):
-                    time.sleep(0.001)
-                os.kill(os.getpid(), signal.SIGKILL)
+            if self.save_hook is not None:
+                self.save_hook("async_writing", step, tmp)
             return final
         try:
             dcp.save(state, checkpoint_id=str(tmp))

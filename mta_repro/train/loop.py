@@ -78,14 +78,15 @@ def _section(cfg: DictConfig, key: str, cls):
     return to_dataclass(cls, node, key)
 
 
-def load_factory(spec: str) -> Callable:
+def load_factory(spec: str, field: str = "trainer.loader") -> Callable:
+    """The function a ``module:function`` config field names."""
     module, _, name = spec.partition(":")
     if not module or not name:
-        raise UserError(f"trainer.loader: expected 'module:function', got {spec!r}")
+        raise UserError(f"{field}: expected 'module:function', got {spec!r}")
     try:
         return getattr(importlib.import_module(module), name)
     except (ImportError, AttributeError) as e:
-        raise UserError(f"trainer.loader: cannot import {spec!r} ({e})") from e
+        raise UserError(f"{field}: cannot import {spec!r} ({e})") from e
 
 
 def cross_entropy(model, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -346,7 +347,8 @@ def run(args: TrainConfig, info: DistInfo) -> dict[str, Any]:
     model_args, attn_used = attn_selfcheck(to_model_args(args.model), info, args.distributed.param_dtype, run_dir)
     root_node = OmegaConf.structured(args)
     manager = CheckpointManager(run_dir, ck.keep, info.rank, info.world_size, async_save=ck.async_save,
-                                config_text=OmegaConf.to_yaml(root_node, resolve=True))
+                                config_text=OmegaConf.to_yaml(root_node, resolve=True),
+                                save_hook=load_factory(ck.save_hook, "checkpoint.save_hook") if ck.save_hook else None)
     manager.clean_stale()
     has_ckpt = ck.resume and manager.latest() is not None
 

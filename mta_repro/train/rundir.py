@@ -63,6 +63,7 @@ FREE = (
     "checkpoint.resume",
     "checkpoint.on_corrupt",
     "checkpoint.async_save",
+    "checkpoint.save_hook",  # test and instrumentation hook
     "trainer.grad_accum",  # compared as the global batch
     "trainer.cpu_mmap_threshold",  # the C allocator's policy: memory and speed, not numbers
     "model.attn_selfcheck",  # the check before training (what ran is recorded in the run dir)

@@ -48,11 +48,11 @@ def test_two_ranks_resume_on_one_with_grad_accum(tmp_path, monkeypatch, capsys):
 
     monkeypatch.syspath_prepend(str(HERE))  # batch_source
     run = tmp_path / "run"
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([str(ROOT), str(HERE)]),
-               MTA_REPRO_FAULT="kill_in_save:4")
+    faults = ROOT / "tests" / "fixtures" / "faults"
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([str(ROOT), str(HERE), str(faults)]))
     p = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "mta_repro.train",
-         f"run_dir={run}", *COMMON, "data.batch_size=2"],
+         f"run_dir={run}", *COMMON, "data.batch_size=2", "checkpoint.save_hook=faults:kill_in_save_4"],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=400,
     )
     assert p.returncode != 0  # killed in the save of step 4
