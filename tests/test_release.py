@@ -359,3 +359,20 @@ def test_convert_print_and_placeholder_init_checkpoint(capsys):
     conv = convert_file(FIX / "880m_mta.yaml", overrides=["checkpoint.init_ckpt_path=<path_to_ckpt>/0000010000"])
     with pytest.raises(ValueError, match="checkpoint.init_ckpt_path is a placeholder"):
         experiment_yaml(conv, "x")
+
+
+@pytest.mark.parametrize("old, module, new", [
+    ("convert", "mta_repro.release.config", "release_to_config"),
+    ("convert_file", "mta_repro.release.config", "release_file_to_config"),
+    ("load_init_weights", "mta_repro.train.checkpoint", "load_model_state"),
+])
+def test_renamed_functions_keep_their_old_names_with_a_warning(old, module, new):
+    import importlib
+
+    import mta_repro.release as release
+
+    with pytest.warns(FutureWarning, match=rf"mta_repro.release.{old} is renamed {module}.{new}"):
+        fn = getattr(release, old)
+    assert fn is getattr(importlib.import_module(module), new)
+    with pytest.raises(AttributeError):
+        release.no_such_name  # noqa: B018

@@ -32,12 +32,8 @@ def first_batch_losses(overrides: Sequence[str], device: str = "auto") -> dict:
     from mta_repro.eval.load import load_model
     from mta_repro.model import build_model, to_model_args
     from mta_repro.train.args import CheckpointArgs
-    from mta_repro.train.loop import cross_entropy, load_factory
-
-    try:  # the trainer's own stage start, so the check sees exactly what training starts from
-        from mta_repro.train.loop import _initial_weights
-    except ImportError:  # pragma: no cover - the same steps through the public API
-        _initial_weights = _stage_start_weights
+    # the trainer's own stage start, so the check sees exactly what training starts from
+    from mta_repro.train.loop import cross_entropy, load_factory, stage_start_weights
 
     cfg = compose(list(overrides))
     ck = to_dataclass(CheckpointArgs, cfg.checkpoint, "checkpoint")
@@ -49,7 +45,7 @@ def first_batch_losses(overrides: Sequence[str], device: str = "auto") -> dict:
     torch.backends.cuda.matmul.allow_tf32 = False
     try:
         model_args = to_model_args(cfg.model)
-        weights = _initial_weights(cfg, ck, model_args, True)  # what the trainer starts from
+        weights = stage_start_weights(ck, model_args)  # what the trainer starts from
         inserted = build_model(model_args, device="cpu", init=False)
         inserted.load_state_dict(weights)
         inserted = inserted.to(dev).eval()
@@ -71,20 +67,6 @@ def first_batch_losses(overrides: Sequence[str], device: str = "auto") -> dict:
         torch.backends.cuda.matmul.allow_tf32 = allow_tf32
     return {"source": str(ck.init_from), "run_dir": str(cfg.run_dir), "batch_shape": list(x.shape),
             "device": str(dev), "source_loss": src, "inserted_loss": ins, "abs_diff": abs(src - ins)}
-
-
-def _stage_start_weights(cfg, ck, model_args, is_main=True) -> dict:
-    import dataclasses
-
-    from mta_repro.model.args import MTAArgs
-    from mta_repro.model.insertion import baseline_to_mta
-    from mta_repro.train.checkpoint import load_model_state
-
-    sd, _ = load_model_state(Path(ck.init_from))
-    if ck.init_mode == "model":
-        return sd
-    base_args = dataclasses.replace(model_args, mta=MTAArgs(use_mta=False))
-    return baseline_to_mta(sd, base_args, model_args.mta, device="cpu").state_dict()
 
 
 def check(overrides: Sequence[str], tol: float = DEFAULT_TOL, device: str = "auto") -> dict:

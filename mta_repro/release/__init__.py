@@ -30,3 +30,23 @@ from mta_repro.release.config import (  # noqa: F401
 )
 from mta_repro.release.cli import main  # noqa: F401
 from mta_repro.weights.lingua import release_checkpoint_path, release_state_dict_to_ours  # noqa: F401
+
+# Names this package had before 0.1.0's split (release.py -> release/, weights/): they still
+# work, with a FutureWarning naming the new one, until the next release removes them.
+_RENAMED = {
+    "convert": ("mta_repro.release.config", "release_to_config"),
+    "convert_file": ("mta_repro.release.config", "release_file_to_config"),
+    "load_init_weights": ("mta_repro.train.checkpoint", "load_model_state"),
+}
+
+
+def __getattr__(name):
+    if name not in _RENAMED:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    import importlib
+    import warnings
+
+    module, new = _RENAMED[name]
+    warnings.warn(f"mta_repro.release.{name} is renamed {module}.{new}; the old name goes in the next release",
+                  FutureWarning, stacklevel=2)
+    return getattr(importlib.import_module(module), new)

@@ -114,9 +114,10 @@ def _check_vocab(args: TrainConfig, vocab_size: int) -> None:
         )
 
 
-def _initial_weights(cfg: Any, ck: CheckpointArgs, model_args, is_main: bool) -> Optional[dict]:
-    """Full source weights for a stage start (rank 0 only), or None for the seeded init.
-    (``cfg`` is unused: kept for mta_repro.pipeline.check, which calls this.)"""
+def stage_start_weights(ck: CheckpointArgs, model_args, is_main: bool = True) -> Optional[dict]:
+    """Full source weights for a stage start (``checkpoint.init_from``, read on rank 0 only),
+    or None for the seeded init. mta_repro.pipeline.check calls it too, so that its
+    Appendix I check sees exactly what training starts from."""
     if ck.init_from is None or not is_main:
         return None
     from mta_repro.train.checkpoint import load_init_weights
@@ -355,7 +356,7 @@ def run(args: TrainConfig, info: DistInfo) -> dict[str, Any]:
     # Model: meta -> AC -> compile -> FSDP2 -> materialise with the full init/weights.
     model = build_model(model_args, device="meta")
     parallelize(model, info, args.distributed)
-    full = None if has_ckpt else _initial_weights(args, ck, model_args, info.is_main)
+    full = None if has_ckpt else stage_start_weights(ck, model_args, info.is_main)
     materialize(model, info, full_state=full, model_args=model_args, init=not has_ckpt)
 
     optimizer = build_optimizer(model, args.optim)
