@@ -52,7 +52,7 @@ def generate_from(path, prompts, max_new_tokens=64, temperature=0.0, top_k=None,
     import torch
 
     from mta_repro.eval.generate import generate_text
-    from mta_repro.eval.lm_eval_model import trained_seq_len
+    from mta_repro.config import trained_seq_len
     from mta_repro.eval.load import load_for_eval
 
     if max_new_tokens < 1:

@@ -10,7 +10,8 @@ sys.path.insert(0, str(Path(__file__).parent / "fixtures" / "eval"))
 from eval_helpers import make_run  # noqa: E402
 
 from mta_repro.eval.lm_eval_model import MTAReproLM  # noqa: E402
-from mta_repro.eval.load import load_model, resolve_device  # noqa: E402
+from mta_repro.device import resolve_device  # noqa: E402
+from mta_repro.eval.load import load_model  # noqa: E402
 
 
 def test_auto_device_follows_the_machine():

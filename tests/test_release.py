@@ -30,7 +30,6 @@ from mta_repro.model import build_model
 from mta_repro.release import (
     LLAMA3_N_WORDS,
     RELEASE_DEFAULTS,
-    _merge_defaults,
     experiment_yaml,
     load_release_config,
     main as release_main,
@@ -40,6 +39,7 @@ from mta_repro.release import (
 )
 from mta_repro.release import release_file_to_config as convert_file  # noqa: E402 - short names in these tests
 from mta_repro.release import release_to_config as convert  # noqa: E402
+from mta_repro.release.config import _merge_defaults  # noqa: E402 - the defaults merge itself
 from mta_repro.train.checkpoint import load_init_weights  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]

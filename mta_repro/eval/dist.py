@@ -21,7 +21,7 @@ def init(device=None) -> tuple:
         return dist.get_rank(), dist.get_world_size()
     if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
         return 0, 1
-    from mta_repro.eval.load import resolve_device
+    from mta_repro.device import resolve_device
 
     dev = resolve_device(device)
     if dev.type == "cuda":

@@ -24,7 +24,7 @@ from lm_eval.api.registry import register_model
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 from tqdm import tqdm
 
-from mta_repro.config import trained_seq_len  # noqa: F401 (also imported from here)
+from mta_repro.config import trained_seq_len
 from mta_repro.errors import UserError
 from mta_repro.eval.progress import Progress
 

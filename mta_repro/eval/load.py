@@ -14,7 +14,7 @@ from typing import Any, Union
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from mta_repro.device import resolve_device  # noqa: F401 - the one device choice (eval.dist, tests)
+from mta_repro.device import resolve_device
 from mta_repro.errors import UserError
 from mta_repro.model import build_model
 from mta_repro.weights import find_weights, load_weights, read_config

@@ -25,4 +25,6 @@ Refused with a clear error: rope_scaling types other than default and llama3, bi
 activations other than SiLU, ``pytorch_model.bin`` weights.
 """
 
-from mta_repro.hf.convert import export_hf, hf_to_state, import_hf, state_to_hf  # noqa: F401
+from mta_repro.hf.convert import export_hf, hf_to_state, import_hf, state_to_hf
+
+__all__ = ["export_hf", "hf_to_state", "import_hf", "state_to_hf"]

@@ -26,10 +26,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     from mta_repro.cli import run_cli
 
     def go() -> int:
-        try:
-            import transformers  # noqa: F401
-        except ImportError:
-            raise UserError("transformers is not installed: pip install -e '.[hf]'") from None
+        import importlib.util
+
+        if importlib.util.find_spec("transformers") is None:
+            raise UserError("transformers is not installed: pip install -e '.[hf]'")
         from mta_repro.hf.convert import export_hf, import_hf
 
         print(export_hf(args.path, args.out_dir) if args.cmd == "export" else import_hf(args.hf_dir, args.out, args.dtype))

@@ -38,7 +38,7 @@ import torch
 import torch.nn.functional as F
 import torch.utils.checkpoint
 
-from mta_repro.model.conv_pad import pad_left  # noqa: F401 (attention_ops.pad_left stays importable)
+from mta_repro.model.conv_pad import pad_left
 from mta_repro.errors import UserError
 
 

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from mta_repro.errors import UserError
-from mta_repro.model.conv_pad import pad_left  # noqa: F401 (frames.pad_left for the launcher)
+from mta_repro.model.conv_pad import pad_left
 
 # The kernel's passes, in the order they run (forward: 0, 1; backward: 2, 3).
 PASSES = ("stats", "forward", "backward_rowsum", "backward")

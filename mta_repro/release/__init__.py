@@ -14,13 +14,12 @@
   the two names below are re-exported for convenience.
 """
 
-from mta_repro.release.config import (  # noqa: F401
+from mta_repro.release.config import (
     BYTES_N_WORDS,
     LLAMA3_N_WORDS,
     RELEASE_DEFAULTS,
     RELEASE_MTA_DEFAULTS,
     Conversion,
-    _merge_defaults,
     default_name,
     experiment_yaml,
     load_release_config,
@@ -28,8 +27,14 @@ from mta_repro.release.config import (  # noqa: F401
     release_model_args,
     release_to_config,
 )
-from mta_repro.release.cli import main  # noqa: F401
-from mta_repro.weights.lingua import release_checkpoint_path, release_state_dict_to_ours  # noqa: F401
+from mta_repro.release.cli import main
+from mta_repro.weights.lingua import release_checkpoint_path, release_state_dict_to_ours
+
+__all__ = [
+    "BYTES_N_WORDS", "LLAMA3_N_WORDS", "RELEASE_DEFAULTS", "RELEASE_MTA_DEFAULTS", "Conversion", "default_name",
+    "experiment_yaml", "load_release_config", "release_file_to_config", "release_model_args", "release_to_config",
+    "main", "release_checkpoint_path", "release_state_dict_to_ours",
+]
 
 # Names this package had before 0.1.0's split (release.py -> release/, weights/): they still
 # work, with a FutureWarning naming the new one, until the next release removes them.

@@ -44,11 +44,10 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from mta_repro.errors import NoSpaceError, UserError
 from mta_repro.train.durable import fsync_path, fsync_tree
 from mta_repro.weights import load_weights
-from mta_repro.weights.layout import (  # noqa: F401 - re-exported: the trainer's names for them
+from mta_repro.weights.layout import (
     CHECKPOINT_CONFIG,
     COMPLETE,
     complete_checkpoints,
-    latest_checkpoint,
     saved_world_size,
     step_dir_name,
     verify_checkpoint,

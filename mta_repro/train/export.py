@@ -13,7 +13,8 @@ from typing import Optional, Union
 from omegaconf import OmegaConf
 
 from mta_repro.errors import UserError
-from mta_repro.train.checkpoint import latest_checkpoint, save_file_atomic
+from mta_repro.train.checkpoint import save_file_atomic
+from mta_repro.weights.layout import latest_checkpoint
 from mta_repro.weights import read_dcp_model
 
 

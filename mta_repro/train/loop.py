@@ -36,7 +36,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from omegaconf import DictConfig, OmegaConf
 
-from mta_repro.config import TrainConfig, check_schema, to_train_config  # noqa: F401 - check_schema re-exported
+from mta_repro.config import TrainConfig, to_train_config
 from mta_repro.cpu_malloc import fix_mmap_threshold
 from mta_repro.dataclass_config import to_dataclass
 from mta_repro.errors import NoSpaceError, UserError

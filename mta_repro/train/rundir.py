@@ -435,7 +435,7 @@ def prepare_run_dir(args, info, lock: RunLock) -> Optional[int]:
     """Rank 0, before anything is written (``args``: the TrainConfig): the config check
     against the run's config.yaml, the lock, config.yaml. Returns the step of the newest
     complete checkpoint (None if none)."""
-    from mta_repro.train.checkpoint import (
+    from mta_repro.weights.layout import (
         CHECKPOINT_CONFIG,
         complete_checkpoints,
         saved_world_size,
