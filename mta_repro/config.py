@@ -26,7 +26,7 @@ CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs"
 @dataclass
 class TrainConfig:
     # Where checkpoints, metrics.jsonl and results go; a run resumes from here.
-    run_dir: str = "runs/debug"
+    run_dir: str = field(default="runs/debug", metadata={"run_dir": "free"})
     # Seed of everything not seeded elsewhere (the model init has model.seed).
     seed: int = 42
     model: ModelArgs = field(default_factory=ModelArgs)

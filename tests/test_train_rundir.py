@@ -235,3 +235,25 @@ def test_fields_added_to_the_schema_since_compare_as_defaults():
     del saved["trainer"]["eval_every"], saved["model"]["dropout"]  # an older run's config.yaml
     d = diff_configs(saved, new)
     assert d.unsafe == {"model.dropout": (0.0, 0.1)} and d.safe == {}
+
+
+def test_field_classes_come_from_the_schema():
+    """FREE/SAFE/PATHS are read from the fields' metadata and the sections' RUN_DIR: the
+    keys documented in mta_repro/train/rundir.py, each a real key of the composed config."""
+    from mta_repro.train.rundir import FREE, PATHS, SAFE
+
+    assert set(FREE) == {
+        "run_dir", "slurm.", "logging.progress_bar", "data.prefetch", "distributed.timeout_min",
+        "checkpoint.allow_config_change", "checkpoint.resume", "checkpoint.on_corrupt", "checkpoint.async_save",
+        "checkpoint.save_hook", "trainer.grad_accum", "trainer.cpu_mmap_threshold", "model.attn_selfcheck",
+        "model.attn_selfcheck_cpu"}
+    assert set(SAFE) == {
+        "trainer.steps", "trainer.nonfinite", "trainer.device", "trainer.eval_every", "trainer.eval_max_batches",
+        "trainer.eval_batch_size", "logging.", "checkpoint.every", "checkpoint.keep", "checkpoint.export",
+        "distributed.", "checkpoint.init_from", "data.root_dir", "data.tokenizer.path"}
+    assert set(PATHS) == {"checkpoint.init_from", "data.root_dir", "data.tokenizer.path"}
+    from mta_repro.train.rundir import flatten
+
+    keys = flatten(OmegaConf.to_container(compose([]), resolve=False))
+    for k in FREE + SAFE:
+        assert (k in keys) if not k.endswith(".") else any(x.startswith(k) for x in keys), k

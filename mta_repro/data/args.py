@@ -34,7 +34,7 @@ class TokenizerArgs:
     name: str = "sentencepiece"
     # Path of the tokenizer file; relative paths are tried from the working directory,
     # then from the repository root. Ignored by "bytes".
-    path: Optional[str] = "data/tokenizer/mini_sp8192.model"
+    path: Optional[str] = field(default="data/tokenizer/mini_sp8192.model", metadata={"run_dir": "safe", "path": True})
 
 
 @dataclass
@@ -45,7 +45,7 @@ class DataArgs:
     # else every *.jsonl* but *.val.jsonl*; validation: *.val.jsonl*), as written by
     # scripts/prepare_slimpajama.py and read by the official release.
     # Default: the bundled small corpus (data/README.md).
-    root_dir: str = "data/mini_slimpajama"
+    root_dir: str = field(default="data/mini_slimpajama", metadata={"run_dir": "safe", "path": True})
     layout: str = "slimpajama"
     # Probability weights of the domains, per *document* (normalised; 0 leaves a domain
     # out). Every domain named must exist; there is no implicit default weight.
@@ -59,7 +59,7 @@ class DataArgs:
     # Packed sequences held per rank and handed out in random order (0 or 1: in order).
     shuffle_buffer: int = 64
     # Batches made ahead by a background thread (0: made on demand, in the caller).
-    prefetch: int = 0
+    prefetch: int = field(default=0, metadata={"run_dir": "free"})
     # Wrap every document in BOS ... EOS (the paper does both).
     add_bos: bool = True
     add_eos: bool = True

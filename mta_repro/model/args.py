@@ -167,9 +167,9 @@ class ModelArgs:
     # "warn" falls back along triton -> blocked -> blocked+conv2d -> torch with one line
     # and records what ran (<run_dir>/attn_selfcheck.json, "attn_impl" in metrics.jsonl);
     # "strict" refuses to train (rc 2); "off" skips it.
-    attn_selfcheck: str = "warn"
+    attn_selfcheck: str = field(default="warn", metadata={"run_dir": "free"})
     # Run that check on the CPU too (it is for devices the code was not tested on; tests).
-    attn_selfcheck_cpu: bool = False
+    attn_selfcheck_cpu: bool = field(default=False, metadata={"run_dir": "free"})
     # The release's key-query convolution layers for this size. ``attention=mta``
     # points ``mta.mta_layers`` here; changing it alone changes nothing.
     kq_conv_layers: Optional[str] = None

@@ -7,8 +7,8 @@ override (``trainer.stpes=10``) fails when Hydra composes the config.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Optional
+from dataclasses import dataclass, field
+from typing import ClassVar, Optional
 
 from mta_repro.cpu_malloc import check_threshold
 from mta_repro.errors import UserError
@@ -24,34 +24,34 @@ class TrainerArgs:
     """The loop (group ``configs/trainer``)."""
 
     # Optimiser updates to run in total (the schedule decays to 0 at this step).
-    steps: int = 1000
+    steps: int = field(default=1000, metadata={"run_dir": "safe"})
     # Micro-batches per update; the global batch is
     # data.batch_size * data.seq_len * world_size * grad_accum tokens.
-    grad_accum: int = 1
+    grad_accum: int = field(default=1, metadata={"run_dir": "free"})
     # "auto" = cuda if available else cpu; or "cpu" / "cuda".
-    device: str = "auto"
+    device: str = field(default="auto", metadata={"run_dir": "safe"})
     # What to do when the loss is NaN/inf: "raise" stops with an error (the last good
     # checkpoint stays the latest; found at the next read, every logging.every steps and
     # before any save), "skip" drops that update and goes on (it reads the loss every step:
     # a host sync per step).
-    nonfinite: str = "raise"
+    nonfinite: str = field(default="raise", metadata={"run_dir": "safe"})
     # "module:function" building the per-rank batch iterator as
     # fn(data_args, rank, world_size) (the data contract: dict input/target, state_dict).
     loader: str = "mta_repro.data:build_train_loader"
     # Validation: per-domain loss/ppl on the data's validation split every this many
     # steps and always at the last step (the protocol of `mta_repro.eval`'s ppl:
     # mta_repro/eval/ppl.py); 0 = never. Logged as val_* keys to metrics.jsonl and wandb.
-    eval_every: int = 1000
+    eval_every: int = field(default=1000, metadata={"run_dir": "safe"})
     # Per domain: at most this many batches of eval_batch_size windows of data.seq_len
     # tokens (the eval's defaults: 256 x 4 windows = 2M tokens at seq_len 2048).
-    eval_max_batches: int = 256
-    eval_batch_size: int = 4
+    eval_max_batches: int = field(default=256, metadata={"run_dir": "safe"})
+    eval_batch_size: int = field(default=4, metadata={"run_dir": "safe"})
     # CPU only: fix glibc's mmap threshold at this many bytes before the model is built,
     # so that peak resident memory stays at what the tensors need (the memory pre-flight's
     # estimate) instead of glibc's dynamic heap, which keeps GBs of freed tensors at 300M
     # width; costs 1.1-1.9x the step time on CPU. null = glibc's default (fastest).
     # 131072 is glibc's initial value (mta_repro/cpu_malloc.py, docs/memory.md).
-    cpu_mmap_threshold: Optional[int] = None
+    cpu_mmap_threshold: Optional[int] = field(default=None, metadata={"run_dir": "free"})
 
     def __post_init__(self) -> None:
         if self.eval_every < 0:
@@ -77,40 +77,40 @@ class CheckpointArgs:
     """Checkpoints, resume and stage initialisation (group ``configs/checkpoint``)."""
 
     # Save every this many steps (and always at the last step and on preemption).
-    every: int = 1000
+    every: int = field(default=1000, metadata={"run_dir": "safe"})
     # Keep the newest K complete checkpoints; older ones are deleted.
-    keep: int = 3
+    keep: int = field(default=3, metadata={"run_dir": "safe"})
     # Start from the latest complete checkpoint in <run_dir>/checkpoints if any.
-    resume: bool = True
+    resume: bool = field(default=True, metadata={"run_dir": "free"})
     # Stage start (used only when there is nothing to resume): a run dir, a DCP
     # checkpoint dir or a consolidated .pt whose *model* weights initialise this run
     # (fresh optimizer, schedule and data). None = the seeded init.
-    init_from: Optional[str] = None
+    init_from: Optional[str] = field(default=None, metadata={"run_dir": "safe", "path": True})
     # "model": load the weights as they are (long-context finetuning);
     # "baseline_to_mta": a baseline's weights into this MTA model, new parts at identity
     # (Appendix I).
     init_mode: str = "model"
     # Write <run_dir>/export/consolidated.pt when training finishes.
-    export: bool = True
+    export: bool = field(default=True, metadata={"run_dir": "safe"})
     # Restarting in a run dir whose saved config.yaml differs only in fields that do not
     # change the model, data or optimiser state (trainer.steps, logging, checkpoint
     # cadence, distributed/performance settings) is refused unless this is true. Model,
     # data and optimiser fields can never change within a run dir
-    # (mta_repro/train/rundir.py lists the classes).
-    allow_config_change: bool = False
+    # (each field's class is its metadata "run_dir"; mta_repro/train/rundir.py).
+    allow_config_change: bool = field(default=False, metadata={"run_dir": "free"})
     # The latest checkpoint cannot be read (e.g. a truncated .distcp): "fallback" loads the
     # newest earlier complete one with a warning, "raise" stops with the error.
-    on_corrupt: str = "fallback"
+    on_corrupt: str = field(default="fallback", metadata={"run_dir": "free"})
     # Save with DCP's async_save: the step loop goes on while a background thread writes
     # the files; the checkpoint is marked complete and renamed only after the write
     # finished (the same atomicity as a plain save). CPU memory holds one staged copy.
-    async_save: bool = False
+    async_save: bool = field(default=False, metadata={"run_dir": "free"})
     # "module:function" called as fn(event, step, path) at the two moments of a save that a
     # kill can tear: "written" (this rank's files of `step` are on disk in the temporary
     # folder `path`, not yet marked complete) and "async_writing" (an async save's
     # background write of `path` has begun). For tests that inject faults there (tests/
     # fixtures/faults.py) and for instrumentation; nothing a run's numbers depend on.
-    save_hook: Optional[str] = None
+    save_hook: Optional[str] = field(default=None, metadata={"run_dir": "free"})
 
     def __post_init__(self) -> None:
         if self.on_corrupt not in ON_CORRUPT_CHOICES:
@@ -127,6 +127,8 @@ class CheckpointArgs:
 class LoggingArgs:
     """metrics.jsonl, progress bar and wandb (group ``configs/logging``)."""
 
+    # A run dir's config may change these with checkpoint.allow_config_change (rundir.py).
+    RUN_DIR: ClassVar[str] = "safe"
     # Write a metrics.jsonl line (and a wandb point) every this many steps. Also the host
     # sync cadence: the loop reads the loss and grad norm from the device, and on several
     # ranks agrees on a preemption signal (SIGUSR1/2, SIGTERM, Ctrl-C), only every this
@@ -134,7 +136,7 @@ class LoggingArgs:
     # many steps; one rank honours it at the next step (docs/errors_and_signals.md).
     every: int = 10
     # tqdm progress bar on rank 0.
-    progress_bar: bool = True
+    progress_bar: bool = field(default=True, metadata={"run_dir": "free"})
     # wandb mode: "offline" (default; sync later with `wandb sync`), "online" (needs a
     # login) or "disabled". Nothing ever prompts for a login.
     wandb_mode: str = "offline"
@@ -153,6 +155,8 @@ class LoggingArgs:
 class DistributedArgs:
     """Process group and FSDP2 (group ``configs/distributed``)."""
 
+    # Performance settings: may change within a run dir with checkpoint.allow_config_change.
+    RUN_DIR: ClassVar[str] = "safe"
     # "auto" = nccl on cuda, gloo on cpu.
     backend: str = "auto"
     # FSDP2 mixed precision on GPU (parameters gathered in this dtype, gradients
@@ -169,7 +173,7 @@ class DistributedArgs:
     # TF32 matmuls on Ampere+ (the paper: off).
     allow_tf32: bool = False
     # Process-group timeout.
-    timeout_min: int = 30
+    timeout_min: int = field(default=30, metadata={"run_dir": "free"})
 
     def __post_init__(self) -> None:
         if self.backend not in ("auto", "nccl", "gloo"):
@@ -186,6 +190,7 @@ class SlurmArgs:
     """What ``python -m mta_repro.train.slurm`` renders into slurm/train.sbatch (and what
     configs/hydra/launcher/slurm.yaml gives each submitit sweep job)."""
 
+    RUN_DIR: ClassVar[str] = "free"  # resources: nothing a run's numbers depend on
     nodes: int = 1
     # GPUs per node. 0 = a CPU partition: no GPU request (set tasks_per_node).
     gpus_per_node: int = 8

@@ -24,7 +24,9 @@ Before a run writes anything into ``run_dir`` (rank 0, ``prepare_run_dir``):
      batch (``data.batch_size * world_size * grad_accum``), so a run may continue on
      another world size with the grad_accum that keeps it (see ``global_batch_error``).
 
-   A refused difference raises ``RunDirError`` naming the keys and the ways out.
+   Each field's class is declared with it (``metadata={"run_dir": ...}``, a section's
+   ``RUN_DIR``; ``_classified``). A refused difference raises ``RunDirError`` naming the keys
+   and the ways out.
 2. ``config.yaml`` is written atomically (temporary file + rename); a previous one that
    differs is kept as ``config.prev.yaml``.
 
@@ -53,42 +55,41 @@ from mta_repro.train.durable import replace_atomically
 
 LOCK = ".lock"
 
-FREE = (
-    "run_dir",
-    "slurm.",
-    "logging.progress_bar",
-    "data.prefetch",
-    "distributed.timeout_min",
-    "checkpoint.allow_config_change",
-    "checkpoint.resume",
-    "checkpoint.on_corrupt",
-    "checkpoint.async_save",
-    "checkpoint.save_hook",  # test and instrumentation hook
-    "trainer.grad_accum",  # compared as the global batch
-    "trainer.cpu_mmap_threshold",  # the C allocator's policy: memory and speed, not numbers
-    "model.attn_selfcheck",  # the check before training (what ran is recorded in the run dir)
-    "model.attn_selfcheck_cpu",
-)
-SAFE = (
-    "trainer.steps",
-    "trainer.nonfinite",
-    "trainer.device",
-    "trainer.eval_every",
-    "trainer.eval_max_batches",
-    "trainer.eval_batch_size",
-    "logging.",
-    "checkpoint.every",
-    "checkpoint.keep",
-    "checkpoint.export",
-    "distributed.",
-    # Locations: a moved copy of the corpus, tokenizer or source run is the same data
-    # (the loader state names files relative to the root and checks them on resume).
-    "checkpoint.init_from",
-    "data.root_dir",
-    "data.tokenizer.path",
-)
-# Path-valued fields: compared as resolved paths (relative vs absolute is no change).
-PATHS = ("checkpoint.init_from", "data.root_dir", "data.tokenizer.path")
+def _classified() -> tuple[tuple, tuple, tuple]:
+    """(FREE, SAFE, PATHS) keys from the schema itself: a field's ``metadata={"run_dir":
+    "free" | "safe"}`` (``"path": True`` for a path compared resolved), a section's
+    ``RUN_DIR`` class attribute (every key under it, ``"logging."``). The classes are
+    declared beside the fields they describe (mta_repro/train/args.py, data/args.py,
+    model/args.py, config.py)."""
+    import dataclasses
+
+    from mta_repro.config import TrainConfig
+
+    free, safe, paths = [], [], []
+    out = {"free": free, "safe": safe}
+
+    def walk(cls, prefix: str) -> None:
+        for f in dataclasses.fields(cls):
+            key = prefix + f.name
+            if f.metadata.get("run_dir") in out:
+                out[f.metadata["run_dir"]].append(key)
+            if f.metadata.get("path"):
+                paths.append(key)
+            sub = f.default_factory if f.default_factory is not dataclasses.MISSING else None
+            if sub is not None and dataclasses.is_dataclass(sub):
+                if getattr(sub, "RUN_DIR", None) in out:
+                    out[sub.RUN_DIR].append(key + ".")
+                walk(sub, key + ".")
+
+    walk(TrainConfig, "")
+    return tuple(free), tuple(safe), tuple(paths)
+
+
+# FREE: never compared (where the run dir is, SLURM resources, the progress bar, prefetching,
+# timeouts, the CPU allocator's policy, this check's own switches; trainer.grad_accum is
+# compared as the global batch). SAFE: may change with checkpoint.allow_config_change.
+# PATHS: compared as resolved paths (relative vs absolute is no change).
+FREE, SAFE, PATHS = _classified()
 
 
 class RunDirError(UserError):
