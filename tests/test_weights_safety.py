@@ -218,6 +218,7 @@ def test_resume_refuses_pickled_run_state_and_round_trips_the_plain_one(tmp_path
     from mta_repro.model import build_model
     from mta_repro.model.args import ModelArgs
     from mta_repro.train.checkpoint import CheckpointManager
+    from mta_repro.train.state import TrainState
 
     torch.manual_seed(0)
     model = build_model(ModelArgs(dim=32, n_layers=1, n_heads=2, vocab_size=64, multiple_of=16), device="cpu")
@@ -228,10 +229,10 @@ def test_resume_refuses_pickled_run_state_and_round_trips_the_plain_one(tmp_path
     sched.step()
     mgr = CheckpointManager(tmp_path / "run", keep=3, rank=0, world_size=1)
     random.seed(1), np.random.seed(2), torch.manual_seed(3)
-    path = mgr.save(1, model, opt, sched, None)
+    path = mgr.save(TrainState(model, opt, sched, step=1))
     expect = (random.random(), np.random.rand(), torch.rand(1))
     random.seed(9), np.random.seed(9), torch.manual_seed(9)
-    assert mgr.load(path, model, opt, sched, None) == 1
+    assert mgr.load(path, TrainState(model, opt, sched)) == 1
     assert (random.random(), np.random.rand(), torch.rand(1)) == expect  # the RNG state came back exactly
 
     marker = tmp_path / "PWNED"
@@ -248,7 +249,7 @@ def test_resume_refuses_pickled_run_state_and_round_trips_the_plain_one(tmp_path
             warnings.simplefilter("ignore")
             dcp.save(state, checkpoint_id=str(evil))
         with pytest.raises(UnsafeFileError, match=f"{entry}.*refusing to unpickle"):
-            mgr.load(evil, model, opt, sched, None)
+            mgr.load(evil, TrainState(model, opt, sched))
     assert not marker.exists()
 
 

@@ -1,11 +1,12 @@
 """Atomic, resumable checkpoints with torch.distributed.checkpoint (DCP).
 
-Layout: ``<run_dir>/checkpoints/<step:010d>/`` holds the DCP files of
+Layout: ``<run_dir>/checkpoints/<step:010d>/`` holds the DCP files of a
+``TrainState`` (mta_repro/train/state.py), saved as one object:
 
     {"model": plain model state dict (Lingua keys, sharded DTensors while saving),
      "optim": optimizer state dict (parameter-name keyed, from get_state_dict),
      "scheduler": LR-scheduler state, "step": int,
-     "rank{r}": {"rng": ..., "data": loader state} of rank r, for every rank}
+     "rank{r}": {"rng": ..., "data": loader state, "tokens_seen": int} of rank r, for every rank}
 
 a ``config.yaml`` (the resolved run config it was trained with: a resume checks the
 command against it when the run's own config.yaml is gone) and a ``.complete`` marker.
@@ -27,22 +28,20 @@ from __future__ import annotations
 
 import errno
 import os
-import random
 import shutil
 import sys
 import warnings
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from mta_repro.errors import NoSpaceError, UserError
 from mta_repro.train.durable import fsync_path, fsync_tree
+from mta_repro.train.state import TrainState, rank_key
 from mta_repro.weights import load_weights
 from mta_repro.weights.layout import (
     CHECKPOINT_CONFIG,
@@ -58,7 +57,6 @@ from mta_repro.weights.safe import (
     dcp_error_line,
     dcp_load,
     decode_state,
-    encode_state,
 )
 
 def save_file_atomic(obj: Any, path: Path) -> Path:
@@ -104,30 +102,6 @@ def _caused_by_enospc(exc: BaseException) -> bool:
 
 
 # ------------------------------------------------------------------ RNG state
-def rng_state() -> dict:
-    # Plain types and tensors only (numpy's key array as a tensor): read with weights_only.
-    np_state = np.random.get_state(legacy=False)
-    np_state["state"] = {**np_state["state"], "key": torch.from_numpy(np_state["state"]["key"].astype(np.int64))}
-    state = {
-        "python": random.getstate(),
-        "numpy": np_state,
-        "torch": torch.get_rng_state(),
-    }
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state()
-    return state
-
-
-def set_rng_state(state: dict) -> None:
-    random.setstate(state["python"])
-    np_state = state["numpy"]
-    np_state["state"] = {**np_state["state"], "key": np_state["state"]["key"].numpy().astype(np.uint32)}
-    np.random.set_state(np_state)
-    torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state(state["cuda"])
-
-
 # ------------------------------------------------------------------ integrity
 # Errors of a load that mean "this checkpoint is another model / world", not "damaged":
 # falling back to an older checkpoint of the same run would not help.
@@ -178,17 +152,6 @@ class CheckpointManager:
         found = complete_checkpoints(self.root)
         return found[-1] if found else None
 
-    def _state(self, step: int, model, optimizer, scheduler, loader) -> dict:
-        model_sd, optim_sd = get_state_dict(model, optimizer)
-        per_rank = {"rng": rng_state(), "data": loader.state_dict() if loader is not None else None}
-        return {
-            "model": model_sd,
-            "optim": optim_sd,
-            "scheduler": encode_state(scheduler.state_dict()),
-            "step": step,
-            f"rank{self.rank}": encode_state(per_rank),
-        }
-
     def _durable(self, tmp: Path) -> None:
         """Every rank: this rank's files (all of them, on one host) on disk; rank 0 also
         writes the config beside them."""
@@ -232,8 +195,9 @@ class CheckpointManager:
                 "Free space (or lower checkpoint.keep) and rerun the same command to resume"
             ) from None  # the writer's own error says nothing about space (a torch.save "unexpected pos")
 
-    def save(self, step: int, model, optimizer, scheduler, loader) -> Path:
-        """Collective: every rank calls it at the same step boundary."""
+    def save(self, state: TrainState) -> Path:
+        """Collective: every rank calls it at the same step boundary (``state.step``)."""
+        step = state.step
         self.wait()  # DCP saves never overlap; finalises the previous async save
         final = self.root / step_dir_name(step)
         tmp = self.root / f".tmp-{step_dir_name(step)}"
@@ -242,7 +206,7 @@ class CheckpointManager:
             if tmp.exists():
                 shutil.rmtree(tmp)
         self._barrier()
-        state = self._state(step, model, optimizer, scheduler, loader)
+        state = state.state_dict()
         need = state_bytes(state)
         if self.async_save:
             if self._pg is None and dist.is_initialized():
@@ -285,8 +249,8 @@ class CheckpointManager:
         self._finalize(step, tmp, final)
         self._barrier()
 
-    def resume(self, model, optimizer, scheduler, loader, on_corrupt: str = "fallback") -> tuple[Optional[Path], int]:
-        """Load the newest readable complete checkpoint; (path, step) or (None, 0).
+    def resume(self, state: TrainState, on_corrupt: str = "fallback") -> Optional[Path]:
+        """Load the newest readable complete checkpoint into ``state``; its path, or None.
 
         An unreadable newest checkpoint (missing/truncated file, or a load failing on
         damaged data) is named in the error; with ``on_corrupt="fallback"`` it is renamed
@@ -297,7 +261,8 @@ class CheckpointManager:
             why = verify_checkpoint(path)
             if why is None:
                 try:
-                    return path, self.load(path, model, optimizer, scheduler, loader)
+                    self.load(path, state)
+                    return path
                 except CheckpointCorruptError as e:
                     why = dcp_error_line(e.__cause__) if e.__cause__ is not None else str(e)  # one line
             older = found[i + 1] if i + 1 < len(found) else None
@@ -321,24 +286,15 @@ class CheckpointManager:
                     shutil.rmtree(dest)
                 os.replace(path, dest)
             self._barrier()
-        return None, 0
+        return None
 
-    def load(self, path: Path, model, optimizer, scheduler, loader) -> int:
-        """Restore everything saved by ``save``; returns the step."""
-        model_sd, optim_sd = get_state_dict(model, optimizer)
-        key = f"rank{self.rank}"
+    def load(self, path: Path, state: TrainState) -> int:
+        """Restore everything ``save`` saved into ``state``; returns the step."""
         saved_world = saved_world_size(path)
         reshard = saved_world is not None and saved_world != self.world_size
-        state: dict[str, Any] = {
-            "model": model_sd,
-            "optim": optim_sd,
-            "scheduler": b"",
-            "step": -1,
-        }
-        if not reshard:
-            state[key] = b""
+        entries = state.template([] if reshard else [self.rank])
         try:
-            dcp_load(state, path)
+            dcp_load(entries, path)
         except UnsafeFileError:
             raise  # refused: not damage, so no fallback to an older file of the same origin
         except Exception as e:  # noqa: BLE001 - name the checkpoint in the error
@@ -349,30 +305,25 @@ class CheckpointManager:
                 f"checkpoint {path}: cannot restore it into this run ({text.strip().splitlines()[-1][:300]}). "
                 "It must come from the same model config"
             ) from e
-        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
-        scheduler.load_state_dict(decode_state(state["scheduler"], f"checkpoint {path}: scheduler"))
-        step = int(state["step"])
+        state.load_state_dict(entries, f"checkpoint {path}")
         if reshard:
-            self._load_other_world(path, saved_world, loader, step)
-        else:
-            per_rank = decode_state(state[key], f"checkpoint {path}: {key}")
-            set_rng_state(per_rank["rng"])
-            if loader is not None and per_rank["data"] is not None:
-                loader.load_state_dict(per_rank["data"])
-        return step
+            self._load_other_world(path, saved_world, state)
+        return state.step
 
-    def _load_other_world(self, path: Path, saved_world: int, loader, step: int) -> None:
+    def _load_other_world(self, path: Path, saved_world: int, state: TrainState) -> None:
         """Resume on another world size: the model and optimiser resharded through DCP;
         the data loader re-derives this rank's position from every saved rank's state
         (``loader.load_other_world_state``), or, if it cannot, restarts its data order
         with a warning; the RNG is reseeded per rank (dropout only)."""
-        states = {f"rank{r}": b"" for r in range(saved_world)}
+        states = {rank_key(r): b"" for r in range(saved_world)}
         dcp_load(states, path)
-        saved = [decode_state(states[f"rank{r}"], f"checkpoint {path}: rank{r}") for r in range(saved_world)]
+        saved = [decode_state(states[rank_key(r)], f"checkpoint {path}: {rank_key(r)}") for r in range(saved_world)]
         if self.rank == 0:
             print(f"[mta_repro.train] resuming a {saved_world}-rank checkpoint on {self.world_size} ranks",
                   file=sys.stderr, flush=True)
-        torch.manual_seed(hash((step, self.rank)) % (2**63))
+        torch.manual_seed(hash((state.step, self.rank)) % (2**63))
+        state.tokens_seen = saved[0].get("tokens_seen")  # the global count: every rank saved the same
+        loader = state.loader
         if loader is None:
             return
         datas = [s["data"] for s in saved]

@@ -29,7 +29,7 @@ import sys
 import time
 import warnings
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable, NamedTuple, Optional
 
 import torch
 import torch.distributed as dist
@@ -44,6 +44,7 @@ from mta_repro.model import build_model, to_model_args
 from mta_repro.model.flops import train_flops_per_token
 from mta_repro.train.args import CheckpointArgs, TrainerArgs
 from mta_repro.train.checkpoint import CheckpointManager
+from mta_repro.train.state import TrainState
 from mta_repro.train.distributed import (
     DistInfo,
     destroy_distributed,
@@ -204,13 +205,18 @@ def _train(args: TrainConfig, info: DistInfo, lock: RunLock) -> dict[str, Any]:
 
 
 # ------------------------------------------------------------------ one update
-def train_step(model, optimizer, scheduler, loader, tr: TrainerArgs, clip: float, device) -> tuple:
-    """One optimiser update over ``tr.grad_accum`` micro-batches, with no host sync.
+class StepOutput(NamedTuple):
+    """What one update reports, with no host sync (the tensors stay on the device)."""
 
-    Returns (loss, grad_norm, n_tokens, lr, finite): this rank's mean loss over its
-    micro-batches and the global gradient norm as 0-d device tensors, this rank's
-    tokens, the learning rate the update used, and ``finite`` (None unless
-    ``trainer.nonfinite=skip``, which reads the values to decide whether to apply it)."""
+    loss: torch.Tensor  # 0-d: this rank's mean loss over its micro-batches
+    grad_norm: torch.Tensor  # 0-d: the global gradient norm before clipping
+    n_tokens: int  # this rank's tokens in the update
+    lr: float  # the learning rate the update used
+    finite: Optional[bool]  # None unless trainer.nonfinite=skip (which reads the values to decide)
+
+
+def train_step(model, optimizer, scheduler, loader, tr: TrainerArgs, clip: float, device) -> StepOutput:
+    """One optimiser update over ``tr.grad_accum`` micro-batches, with no host sync."""
     model.train()
     loss_sum = torch.zeros((), device=device)
     n_tokens = 0
@@ -241,7 +247,7 @@ def train_step(model, optimizer, scheduler, loader, tr: TrainerArgs, clip: float
     with warnings.catch_warnings():  # a skipped update still advances the schedule
         warnings.simplefilter("ignore", UserWarning)
         scheduler.step()
-    return loss_sum, grad_norm, n_tokens, lr, finite
+    return StepOutput(loss_sum, grad_norm, n_tokens, lr, finite)
 
 
 class StepValues:
@@ -293,12 +299,13 @@ def check_finite(values: list[tuple[int, float, float]], latest: Optional[Path])
             )
 
 
-def metrics_record(step: int, values: StepValues, lr: float, n_tokens: int, info: DistInfo,
-                   meter: Throughput, flops_tok: float, peak: Optional[float], loader) -> dict[str, Any]:
+def metrics_record(state: TrainState, values: StepValues, lr: float, n_tokens: int, info: DistInfo,
+                   meter: Throughput, flops_tok: float, peak: Optional[float]) -> dict[str, Any]:
     """The metrics.jsonl line of a logged step (collective: data counts are summed over ranks)."""
     tps = meter.rate()
+    loader = state.loader
     record = {
-        "step": step,
+        "step": state.step,
         # The mean over the steps since the last record (each step's loss is the mean over
         # its global batch); loss_last is this step's alone.
         "loss": values.interval_mean(),
@@ -309,7 +316,7 @@ def metrics_record(step: int, values: StepValues, lr: float, n_tokens: int, info
         "tokens_per_s_per_gpu": tps / info.world_size,
         "peak_mem_gb": peak_mem_gb(info.device),
         "mfu": mfu(tps, flops_tok, peak, info.world_size),
-        "tokens_seen": step * n_tokens * info.world_size,
+        "tokens_seen": state.tokens_seen,
     }
     counts = _summed(loader, "token_counts", info)  # tokens trained on per domain
     record.update({f"train_tokens/{d}": n for d, n in counts.items()})
@@ -319,32 +326,53 @@ def metrics_record(step: int, values: StepValues, lr: float, n_tokens: int, info
 
 
 class Checkpointing:
-    """The save cadence: ``maybe_save(step, last=)`` saves every ``checkpoint.every`` steps,
-    at the last step and when asked (``last=True``: a stop), each step at most once."""
+    """The save cadence: ``maybe_save(last=)`` saves the state at every ``checkpoint.every``
+    steps, at the last step and when asked (``last=True``: a stop), each step at most once."""
 
-    def __init__(self, manager: CheckpointManager, every: int, model, optimizer, scheduler, loader,
-                 last_saved: Optional[int]):
-        self.manager, self.every = manager, every
-        self.state = (model, optimizer, scheduler, loader)
+    def __init__(self, manager: CheckpointManager, every: int, state: TrainState, last_saved: Optional[int]):
+        self.manager, self.every, self.state = manager, every, state
         self.last_saved = last_saved
         self.last_path: Optional[Path] = manager.latest() if last_saved is not None else None
 
-    def due(self, step: int, last: bool = False) -> bool:
+    def due(self, last: bool = False) -> bool:
+        step = self.state.step
         return self.last_saved != step and (last or step % self.every == 0)
 
-    def maybe_save(self, step: int, last: bool = False) -> bool:
-        if not self.due(step, last):
+    def maybe_save(self, last: bool = False) -> bool:
+        if not self.due(last):
             return False
-        self.last_path = self.manager.save(step, *self.state)
-        self.last_saved = step
+        self.last_path = self.manager.save(self.state)
+        self.last_saved = self.state.step
         return True
 
 
 # ------------------------------------------------------------------ the run
 def run(args: TrainConfig, info: DistInfo) -> dict[str, Any]:
     """Train from the newest complete checkpoint (or the start) to ``trainer.steps``."""
-    tr, ck, lg = args.trainer, args.checkpoint, args.logging
-    run_dir = Path(args.run_dir)
+    state, manager, attn_used, resumed = build_state(args, info)
+    parts = LoopParts.create(args, info, state, manager, attn_used, resumed)
+    try:
+        stopped_by = train_steps(args, info, state, parts)
+        finish(args, info, state, parts, stopped_by)
+    finally:
+        parts.close()
+    exported = None
+    if stopped_by is None and args.checkpoint.export:
+        if dist.is_initialized():
+            dist.barrier()
+        if info.is_main:
+            from mta_repro.train.export import export_consolidated
+
+            exported = str(export_consolidated(Path(args.run_dir)))
+    return {"step": state.step, "loss": parts.values.loss_last, "stopped_by_signal": stopped_by, "export": exported}
+
+
+def build_state(args: TrainConfig, info: DistInfo) -> tuple[TrainState, CheckpointManager, Optional[str], bool]:
+    """The model (meta -> AC -> compile -> FSDP2 -> materialised with the init or the stage
+    start's weights), optimizer, scheduler and loader as a TrainState, resumed from the
+    newest readable checkpoint if there is one. Returns (state, manager, the attention
+    implementation the self-check let run, whether it resumed)."""
+    ck, run_dir = args.checkpoint, Path(args.run_dir)
     model_args, attn_used = attn_selfcheck(to_model_args(args.model), info, args.distributed.param_dtype, run_dir)
     root_node = OmegaConf.structured(args)
     manager = CheckpointManager(run_dir, ck.keep, info.rank, info.world_size, async_save=ck.async_save,
@@ -353,98 +381,121 @@ def run(args: TrainConfig, info: DistInfo) -> dict[str, Any]:
     manager.clean_stale()
     has_ckpt = ck.resume and manager.latest() is not None
 
-    # Model: meta -> AC -> compile -> FSDP2 -> materialise with the full init/weights.
     model = build_model(model_args, device="meta")
     parallelize(model, info, args.distributed)
     full = None if has_ckpt else stage_start_weights(ck, model_args, info.is_main)
     materialize(model, info, full_state=full, model_args=model_args, init=not has_ckpt)
-
     optimizer = build_optimizer(model, args.optim)
-    scheduler = build_lr_scheduler(optimizer, args.optim, tr.steps)
+    scheduler = build_lr_scheduler(optimizer, args.optim, args.trainer.steps)
     # The data contract (loader plugins, the validator) takes the data section as a config node,
     # a child of the whole config: plugins may read sibling sections through its parent (the
     # pipeline's continued loader reads checkpoint.init_from).
-    data_node = root_node.data
-    loader = load_factory(tr.loader)(data_node, info.rank, info.world_size)
-    step, resume_from = 0, None
+    loader = load_factory(args.trainer.loader)(root_node.data, info.rank, info.world_size)
+    state = TrainState(model, optimizer, scheduler, loader, rank=info.rank)
+    resumed_from = None
     if has_ckpt:
         # The newest readable checkpoint (an unreadable one raises or falls back, per
         # checkpoint.on_corrupt).
-        resume_from, step = manager.resume(model, optimizer, scheduler, loader, ck.on_corrupt)
-        if info.is_main:
-            print(f"[mta_repro.train] resumed from {resume_from} at step {step}", file=sys.stderr)
+        resumed_from = manager.resume(state, ck.on_corrupt)
+        if info.is_main and resumed_from is not None:
+            print(f"[mta_repro.train] resumed from {resumed_from} at step {state.step}", file=sys.stderr)
+    return state, manager, attn_used, resumed_from is not None
 
-    seq_len = args.data.seq_len
-    flops_tok = train_flops_per_token(model_args, seq_len)
-    peak = device_peak_flops(info.device)
-    config = OmegaConf.to_container(root_node, resolve=True)
-    logger = MetricLogger(run_dir, lg, config, info.is_main, tr.steps, step)
-    validator = maybe_validator(OmegaConf.create({"data": data_node}), tr, info, seq_len)
-    saver = Checkpointing(manager, ck.every, model, optimizer, scheduler, loader,
-                          last_saved=step if resume_from is not None else None)
-    preempt = PreemptionHandler()
-    meter = Throughput(info.device)
-    values = StepValues(info)
-    clip = args.optim.clip if args.optim.clip > 0 else float("inf")
-    stopped_by = None
-    try:
-        while step < tr.steps:
-            # One rank reads its flag every step; several agree every logging.every steps.
-            if info.world_size == 1 or step % lg.every == 0:
-                stopped_by = preempt.agreed_signal(info.device)
-                if stopped_by is not None:
-                    break
-            loss, grad_norm, n_tokens, lr, finite = train_step(
-                model, optimizer, scheduler, loader, tr, clip, info.device)
-            step += 1
-            values.add(step, loss, grad_norm)
-            meter.add(n_tokens * info.world_size)
-            logger.advance()
 
-            validate = validator is not None and (step % tr.eval_every == 0 or step == tr.steps)
-            log = step % lg.every == 0 or step == tr.steps or validate
-            if log or saver.due(step, last=step == tr.steps) or finite is not None:
-                read = values.read()  # the host sync of this window
-                if tr.nonfinite == "raise":
-                    check_finite(read, manager.latest())
-            if log:
-                record = metrics_record(step, values, lr, n_tokens, info, meter, flops_tok, peak, loader)
-                if finite is False:  # trainer.nonfinite=skip dropped this step's update
-                    record["skipped"] = True
-                if attn_used is not None:  # the implementation the self-check let run
-                    record["attn_impl"] = attn_used
-                if validate:
-                    record.update(validator.run(model, info.device))
-                    meter.rate()  # validation time is not training throughput
-                logger.log(record)
-            saver.maybe_save(step, last=step == tr.steps)
-            lock_heartbeat(run_dir, info.is_main)
+@dataclasses.dataclass
+class LoopParts:
+    """What the step loop uses besides the TrainState: logging, validation, saving,
+    preemption, throughput and the per-step values."""
 
-        if stopped_by is not None:
-            read = values.read()
+    manager: CheckpointManager
+    logger: MetricLogger
+    validator: Any
+    saver: Checkpointing
+    preempt: PreemptionHandler
+    meter: Throughput
+    values: StepValues
+    attn_used: Optional[str]
+    flops_tok: float
+    peak: Optional[float]
+    clip: float
+    loader: Any
+
+    @classmethod
+    def create(cls, args: TrainConfig, info: DistInfo, state: TrainState, manager: CheckpointManager,
+               attn_used: Optional[str], resumed: bool) -> "LoopParts":
+        root_node = OmegaConf.structured(args)
+        config = OmegaConf.to_container(root_node, resolve=True)
+        seq_len = args.data.seq_len
+        return cls(
+            manager=manager,
+            logger=MetricLogger(Path(args.run_dir), args.logging, config, info.is_main, args.trainer.steps,
+                                state.step),
+            validator=maybe_validator(OmegaConf.create({"data": root_node.data}), args.trainer, info, seq_len),
+            saver=Checkpointing(manager, args.checkpoint.every, state, last_saved=state.step if resumed else None),
+            preempt=PreemptionHandler(), meter=Throughput(info.device), values=StepValues(info),
+            attn_used=attn_used, flops_tok=train_flops_per_token(to_model_args(args.model), seq_len),
+            peak=device_peak_flops(info.device), clip=args.optim.clip if args.optim.clip > 0 else float("inf"),
+            loader=state.loader,
+        )
+
+    def close(self) -> None:
+        self.preempt.restore()
+        self.logger.close()
+        if hasattr(self.loader, "close"):
+            self.loader.close()
+
+
+def train_steps(args: TrainConfig, info: DistInfo, state: TrainState, parts: LoopParts) -> Optional[str]:
+    """Updates until ``trainer.steps`` or an agreed stop signal (returned, else None):
+    each logged, validated and checkpointed on its cadence."""
+    tr, lg, p = args.trainer, args.logging, parts
+    while state.step < tr.steps:
+        # One rank reads its flag every step; several agree every logging.every steps.
+        if info.world_size == 1 or state.step % lg.every == 0:
+            stopped_by = p.preempt.agreed_signal(info.device)
+            if stopped_by is not None:
+                return stopped_by
+        out = train_step(state.model, state.optimizer, state.scheduler, state.loader, tr, p.clip, info.device)
+        state.advance(out.n_tokens * info.world_size)
+        step = state.step
+        p.values.add(step, out.loss, out.grad_norm)
+        p.meter.add(out.n_tokens * info.world_size)
+        p.logger.advance()
+
+        validate = p.validator is not None and (step % tr.eval_every == 0 or step == tr.steps)
+        log = step % lg.every == 0 or step == tr.steps or validate
+        if log or p.saver.due(last=step == tr.steps) or out.finite is not None:
+            read = p.values.read()  # the host sync of this window
             if tr.nonfinite == "raise":
-                check_finite(read, manager.latest())
-            saver.maybe_save(step, last=True)
-        manager.wait()
-        if stopped_by is not None:
-            requeued = requeue_if_slurm(stopped_by, info.is_main)
-            if info.is_main:
-                _print_stop(step, stopped_by, requeued, saver.last_path)
-    finally:
-        preempt.restore()
-        logger.close()
-        if hasattr(loader, "close"):
-            loader.close()
+                check_finite(read, p.manager.latest())
+        if log:
+            record = metrics_record(state, p.values, out.lr, out.n_tokens, info, p.meter, p.flops_tok, p.peak)
+            if out.finite is False:  # trainer.nonfinite=skip dropped this step's update
+                record["skipped"] = True
+            if p.attn_used is not None:  # the implementation the self-check let run
+                record["attn_impl"] = p.attn_used
+            if validate:
+                record.update(p.validator.run(state.model, info.device))
+                p.meter.rate()  # validation time is not training throughput
+            p.logger.log(record)
+        p.saver.maybe_save(last=step == tr.steps)
+        lock_heartbeat(Path(args.run_dir), info.is_main)
+    return None
 
-    exported = None
-    if stopped_by is None and ck.export:
-        if dist.is_initialized():
-            dist.barrier()
+
+def finish(args: TrainConfig, info: DistInfo, state: TrainState, parts: LoopParts, stopped_by: Optional[str]) -> None:
+    """After the loop: a stop saves the state it reached (then requeues under SLURM); every
+    async save in flight is finalised."""
+    if stopped_by is not None:
+        read = parts.values.read()
+        if args.trainer.nonfinite == "raise":
+            check_finite(read, parts.manager.latest())
+        parts.saver.maybe_save(last=True)
+    parts.manager.wait()
+    if stopped_by is not None:
+        requeued = requeue_if_slurm(stopped_by, info.is_main)
         if info.is_main:
-            from mta_repro.train.export import export_consolidated
-
-            exported = str(export_consolidated(run_dir))
-    return {"step": step, "loss": values.loss_last, "stopped_by_signal": stopped_by, "export": exported}
+            _print_stop(state.step, stopped_by, requeued, parts.saver.last_path)
 
 
 def attn_selfcheck(model_args, info: DistInfo, param_dtype: str, run_dir: Path) -> tuple[Any, Optional[str]]:
