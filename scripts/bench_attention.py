@@ -28,40 +28,15 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
-import statistics
 import subprocess
 import sys
-import time
 from pathlib import Path
+
+from benchlib import layer_params, median_seconds, peak_rss_gb, ratio, sync, write_rows
 
 ROOT = Path(__file__).resolve().parents[1]
 H, D = 16, 96
 LAYERS = ("kq_conv", "mixing")
-
-
-def _rss_gb() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 2**30
-
-
-def make_params(layer: str, impl: str, dtype, device, block_size: int):
-    import torch
-
-    from mta_repro.model import attention_ops
-
-    def param(*shape, eye=False):
-        t = torch.eye(H) if eye else torch.randn(*shape) * 0.1
-        return t.to(device, dtype).requires_grad_()
-
-    conv = layer == "kq_conv"
-    return attention_ops.ExplicitAttnParams(
-        mta_kernel=param(H, 1, 6, 11) if conv else None,
-        wpsm=param(H, H, eye=True),
-        mta_kernel_after_sm=param(H, 1, 6, 11) if conv else None,
-        head_kernel=param(1, H, H),
-        pad_key="both",
-        block_size=block_size,
-    )
 
 
 def run_one(layer: str, impl: str, seq: int, device: str, dtype_name: str, reps: int, block_size: int) -> dict:
@@ -72,14 +47,15 @@ def run_one(layer: str, impl: str, seq: int, device: str, dtype_name: str, reps:
 
     dev = torch.device(device)
     dtype = getattr(torch, dtype_name)
-    rss0 = _rss_gb()
+    rss0 = peak_rss_gb()
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(1, H, seq, D, generator=g).to(dev, dtype).requires_grad_() for _ in range(3))
     if impl == "sdpa":
         def fwd():
             return F.scaled_dot_product_attention(q, k, v, is_causal=True)
     else:
-        p = make_params(layer, impl, dtype, dev, block_size)
+        # the release's 6x11 kernels, the pre-softmax mixing exactly the identity
+        p = layer_params(layer, H, (6, 11), dtype, dev, block_size, requires_grad=True, mixing="identity")
 
         def fwd():
             return attention_ops.ATTN_IMPLS[impl].fn(q, k, v, p, attention_ops.AttnMask(), True)
@@ -100,22 +76,17 @@ def run_one(layer: str, impl: str, seq: int, device: str, dtype_name: str, reps:
     out.backward(torch.ones_like(out))
     del out
 
+    sync(dev)
     if dev.type == "cuda":
-        torch.cuda.synchronize(dev)
         torch.cuda.reset_peak_memory_stats(dev)
-    times = []
-    for _ in range(reps):
-        if dev.type == "cuda":
-            torch.cuda.synchronize(dev)
-        t0 = time.perf_counter()
+
+    def step():
         out = fwd()
         out.backward(torch.ones_like(out))
-        if dev.type == "cuda":
-            torch.cuda.synchronize(dev)
-        times.append(time.perf_counter() - t0)
-        del out
-    peak = torch.cuda.max_memory_allocated(dev) / 2**30 if dev.type == "cuda" else _rss_gb() - rss0
-    return {"layer": layer, "impl": impl, "seq": seq, "block_size": block_size, "s": statistics.median(times),
+
+    median, times = median_seconds(step, reps, dev, warmup=0)
+    peak = torch.cuda.max_memory_allocated(dev) / 2**30 if dev.type == "cuda" else peak_rss_gb() - rss0
+    return {"layer": layer, "impl": impl, "seq": seq, "block_size": block_size, "s": median,
             "s_all": times, "peak_gb": peak, "saved_gb": saved / 2**30, "saved_inputs_gb": saved_inputs / 2**30}
 
 
@@ -127,7 +98,7 @@ def profile(spec: str, device: str, dtype_name: str, block_size: int) -> None:
     layer, impl, seq = spec.split(":")
     dev, dtype = torch.device(device), getattr(torch, dtype_name)
     q, k, v = (torch.randn(1, H, int(seq), D).to(dev, dtype).requires_grad_() for _ in range(3))
-    p = make_params(layer, impl, dtype, dev, block_size)
+    p = layer_params(layer, H, (6, 11), dtype, dev, block_size, requires_grad=True, mixing="identity")
     out = attention_ops.ATTN_IMPLS[impl].fn(q, k, v, p, attention_ops.AttnMask(), True)
     out.backward(torch.ones_like(out))
     acts = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if dev.type == "cuda" else [])
@@ -158,7 +129,7 @@ def check(device: str, dtype_name: str, seq: int, impls: list[str]) -> bool:
         base = [torch.randn(1, H, seq, D, generator=g, dtype=torch.float64) for _ in range(3)]
         gy = torch.randn(1, H, seq, D, generator=g, dtype=torch.float64)
         torch.manual_seed(0)
-        p64 = make_params(layer, "torch", torch.float64, dev, 128)
+        p64 = layer_params(layer, H, (6, 11), torch.float64, dev, 128, requires_grad=True, mixing="identity")
         fields = [f for f in attention_ops._WEIGHT_FIELDS if getattr(p64, f) is not None]
 
         def run(impl, dt):
@@ -255,12 +226,9 @@ def main() -> None:
     print("|" + "---|" * 9)
     for r in rows:
         b = sdpa.get(r["seq"])
-        tr = f"{r['s'] / b['s']:.2f}" if b else "n/a"
-        mr = f"{r['peak_gb'] / b['peak_gb']:.2f}" if b and b["peak_gb"] > 0 else "n/a"
-        print(f"| {r['layer']} | {r['impl']} | {r['block_size'] or '-'} | {r['seq']} | {r['s']:.3f} | {tr} | "
-              f"{r['peak_gb']:.2f} | {mr} | {r['saved_gb']:.3f} |")
-    if a.json:
-        Path(a.json).write_text(json.dumps(rows, indent=1))
+        print(f"| {r['layer']} | {r['impl']} | {r['block_size'] or '-'} | {r['seq']} | {r['s']:.3f} | "
+              f"{ratio(r, b, 's')} | {r['peak_gb']:.2f} | {ratio(r, b, 'peak_gb')} | {r['saved_gb']:.3f} |")
+    write_rows(a.json, rows)
 
 
 if __name__ == "__main__":

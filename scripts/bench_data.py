@@ -37,12 +37,10 @@ import time
 import zipfile
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
+from mta_repro.data import DataArgs, TokenizerArgs, build_train_loader
+from mta_repro.data.args import REPO_ROOT
 
-from mta_repro.data import DataArgs, TokenizerArgs, build_train_loader  # noqa: E402
-from mta_repro.data.args import REPO_ROOT  # noqa: E402
+REPO = Path(__file__).resolve().parents[1]
 
 # Paper Table 9: 880M training throughput on 32 H200, tokens/s (all GPUs).
 PAPER_880M_TOKENS_PER_S = {"baseline": 54.3e3, "mta": 5.7e3}

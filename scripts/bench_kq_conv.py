@@ -113,11 +113,8 @@ def main() -> None:
 def compile_report(cq: int, ck: int) -> None:
     """Both Triton kernels for sm_90 at the GPU tile size, bf16 inputs, 4 and 8 warps."""
     import os
-    import sys
-    from pathlib import Path
 
     os.environ.pop("TRITON_INTERPRET", None)
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
     import triton
     import triton.language as tl
     from compile_triton import ptxas_report

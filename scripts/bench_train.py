@@ -30,12 +30,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
+
+from benchlib import peak_rss_gb, ratio, write_rows
 
 ROOT = Path(__file__).resolve().parents[1]
 VARIANTS = ("baseline", "diff", "talking_heads", "mta")
@@ -70,10 +71,6 @@ def _hf_llama(args, device):
     return LlamaForCausalLM(cfg).to(device)
 
 
-def _rss_gb() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 2**30
-
-
 def run_one(config: str, variant: str, device: str, warmup: int, steps: int, threads: int) -> dict:
     import torch
 
@@ -88,7 +85,7 @@ def run_one(config: str, variant: str, device: str, warmup: int, steps: int, thr
     hf = variant == "llama_hf"
     args = model_args_from(compose([*spec["overrides"], f"attention={'baseline' if hf else variant}"]))
     dev = torch.device(device)
-    rss0 = _rss_gb()
+    rss0 = peak_rss_gb()
     model = _hf_llama(args, dev) if hf else build_model(args, device=dev)
     n_params = sum(p.numel() for p in model.parameters())
     opt = build_optimizer(model, OptimArgs(lr=1e-4, warmup=0))
@@ -132,7 +129,7 @@ def run_one(config: str, variant: str, device: str, warmup: int, steps: int, thr
         if i >= warmup:
             times.append(time.perf_counter() - t0)
     step = statistics.median(times)
-    peak = torch.cuda.max_memory_allocated(dev) / 2**30 if dev.type == "cuda" else _rss_gb() - rss0
+    peak = torch.cuda.max_memory_allocated(dev) / 2**30 if dev.type == "cuda" else peak_rss_gb() - rss0
     saved = sum(n for ptr, n in storages.items() if ptr not in params) / 2**30
     return {"config": config, "variant": variant, "params": n_params, "step_s": step, "steps_s": times,
             "tokens_per_s": spec["batch"] * spec["seq"] / step, "peak_mem_gb": peak, "saved_gb": saved,
@@ -192,13 +189,10 @@ def main() -> None:
     print("|" + "---|" * 10)
     for r in rows:
         b = base.get(r["config"])
-        tr = f"{r['step_s'] / b['step_s']:.2f}x" if b else "n/a"
-        mr = f"{r['peak_mem_gb'] / b['peak_mem_gb']:.2f}x" if b and b["peak_mem_gb"] > 0 else "n/a"
-        sr = f"{r['saved_gb'] / b['saved_gb']:.2f}x" if b and b["saved_gb"] > 0 else "n/a"
         print(f"| {r['config']} | {r['variant']} | {r['params'] / 1e6:.2f}M | {r['tokens_per_s']:.0f} | "
-              f"{r['step_s'] * 1e3:.0f} | {r['peak_mem_gb']:.2f} | {r['saved_gb']:.2f} | {tr} | {mr} | {sr} |")
-    if a.json:
-        Path(a.json).write_text(json.dumps(rows, indent=1))
+              f"{r['step_s'] * 1e3:.0f} | {r['peak_mem_gb']:.2f} | {r['saved_gb']:.2f} | {ratio(r, b, 'step_s', 'x')} | "
+              f"{ratio(r, b, 'peak_mem_gb', 'x')} | {ratio(r, b, 'saved_gb', 'x')} |")
+    write_rows(a.json, rows)
 
 
 if __name__ == "__main__":

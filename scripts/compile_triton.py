@@ -35,13 +35,11 @@ import json
 import os
 import re
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from mta_repro.model import frames, roofline  # noqa: E402
+from mta_repro.model import frames, roofline
 
 LAYERS = {"kq_conv": ((6, 11), (6, 11)), "mixing": (None, None)}  # the 880M MTA options
 ROOT = Path(__file__).resolve().parents[1]

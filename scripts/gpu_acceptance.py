@@ -55,11 +55,18 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+import torch
+import torch.nn.functional as F
 
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
+try:
+    import mta_repro  # noqa: F401 - the package the acceptance runs, checked before anything starts
+except ImportError:
+    sys.exit("gpu_acceptance.py: the mta_repro package is not importable; run it from the repository root "
+             "as PYTHONPATH=. python scripts/gpu_acceptance.py (or pip install -e . first)")
+
+from benchlib import layer_params, sync  # noqa: E402 - after the check above
+
+ROOT = Path(__file__).resolve().parents[1]
 
 LAYERS = ("kq_conv", "mixing")
 
@@ -78,22 +85,6 @@ def shapes(quick: bool) -> dict:
 
 
 # ------------------------------------------------------------------ parity and layers
-def layer_params(layer: str, heads: int, kernel, dtype, device, block_size: int, seed: int = 0):
-    from mta_repro.model import attention_ops
-
-    g = torch.Generator().manual_seed(seed)
-    param = lambda *s: (torch.randn(*s, generator=g) * 0.1).to(device, dtype)  # noqa: E731
-    conv = layer == "kq_conv"
-    return attention_ops.ExplicitAttnParams(
-        mta_kernel=param(heads, 1, *kernel) if conv else None,
-        wpsm=torch.eye(heads).to(device, dtype) + param(heads, heads),
-        mta_kernel_after_sm=param(heads, 1, *kernel) if conv else None,
-        head_kernel=param(1, heads, heads),
-        pad_key="both",
-        block_size=block_size,
-    )
-
-
 def implementations(skip: set) -> list[str]:
     """Registered names (but the reference) plus ``blocked+conv2d``: blocked with F.conv2d
     for the key-query convolutions (ATen's native depthwise kernel on CUDA), to show what
@@ -223,11 +214,6 @@ def fallbacks(rows: list[dict], impls: list[str], dtype: str) -> dict[str, str]:
     return out
 
 
-def _sync(dev):
-    if dev.type == "cuda":
-        torch.cuda.synchronize(dev)
-
-
 def time_layer(dev, s, layer, impl, B, T, block, dtype, knob: str = "") -> dict:
     H, D = s["heads"], s["head_dim"]
     g = torch.Generator().manual_seed(0)
@@ -255,16 +241,16 @@ def _time(dev, s, fwd, row) -> dict:
         return {**row, "status": "unsupported"}
     out.backward(torch.ones_like(out))  # warm-up: JIT, autotune, allocator
     del out
-    _sync(dev)
+    sync(dev)
     if dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats(dev)
     times = []
     for _ in range(s["reps"]):
-        _sync(dev)
+        sync(dev)
         t0 = time.perf_counter()
         out = fwd()
         out.backward(torch.ones_like(out))
-        _sync(dev)
+        sync(dev)
         times.append(time.perf_counter() - t0)
         del out
     peak = torch.cuda.max_memory_allocated(dev) / 2**30 if dev.type == "cuda" else None
@@ -355,7 +341,7 @@ def step_bench(dev, s, variant, compiled, picked, dtype) -> dict:
         torch.cuda.reset_peak_memory_stats(dev)
     times, first = [], None
     for i in range(1 + s["step_reps"]):
-        _sync(dev)
+        sync(dev)
         t0 = time.perf_counter()
         with amp:
             loss = F.cross_entropy(model(x).flatten(0, 1).float(), y.flatten())
@@ -363,7 +349,7 @@ def step_bench(dev, s, variant, compiled, picked, dtype) -> dict:
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
-        _sync(dev)
+        sync(dev)
         if i == 0:
             first = time.perf_counter() - t0  # includes compile / JIT
         else:

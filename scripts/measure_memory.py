@@ -31,33 +31,12 @@ import json
 import resource
 import time
 
+from mta_repro.train.metrics import peak_rss_bytes, reset_peak_rss
+
 
 def _rss() -> int:
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * resource.getpagesize()
-
-
-def _reset_peak() -> bool:
-    """Reset this process's resident high-water mark to its current RSS (Linux >= 4.0).
-    ``ru_maxrss`` cannot be reset, and it starts at the launching process's peak: a child
-    started by ``subprocess`` (vfork + exec) inherits the parent's high-water mark, so under
-    a pytest worker grown to 1.3 GB a 1.0 GB step measured 1.23 GB."""
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return True
-    except OSError:
-        return False
-
-
-def _peak(reset: bool) -> int:
-    """Peak resident bytes since ``_reset_peak`` (VmHWM), else of the process's life (ru_maxrss)."""
-    if reset:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024  # kB
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
 
 
 def _phase_peaks(prof) -> dict:
@@ -116,7 +95,7 @@ def measure(overrides: list, steps: int = 2, tensors: bool = False, fsdp: bool =
 
         prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
     phase = torch.profiler.record_function if tensors else (lambda name: contextlib.nullcontext())
-    reset = _reset_peak()
+    reset = reset_peak_rss()  # the peak is this process's own from here (ru_maxrss is not)
     base = _rss()
     seconds = []
     with prof or contextlib.nullcontext():
@@ -145,10 +124,11 @@ def measure(overrides: list, steps: int = 2, tensors: bool = False, fsdp: bool =
                 opt.zero_grad(set_to_none=True)
             del loss
             seconds.append(time.perf_counter() - t0)
-    peak = _peak(reset)
+    peak = peak_rss_bytes()
     out = {"overrides": list(overrides), "steps": steps, "fsdp": fsdp, "mmap_threshold": threshold,
            "measured_bytes": peak - base, "estimated_bytes": sum(parts.values()), "parts": parts,
-           "details": est.details, "step_seconds": seconds}
+           "details": est.details, "step_seconds": seconds,
+           "peak_since_reset": reset}  # False: VmHWM could not be reset, the peak is the process's life
     if prof is not None:
         out["tensor_peak_bytes"] = _phase_peaks(prof)
     return out

@@ -41,8 +41,6 @@ from pathlib import Path
 from typing import Dict, Iterator, List, Optional, Tuple
 
 REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
 
 from mta_repro.data.sources import (  # noqa: E402
     DOMAIN_OF_SET,

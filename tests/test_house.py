@@ -25,3 +25,9 @@ def test_no_fault_injection_reads_the_environment_in_product_code():
     hits = [str(p.relative_to(ROOT)) for p in (ROOT / "mta_repro").rglob("*.py") if "MTA_REPRO_FAULT" in p.read_text()]
     assert not hits, hits
 
+
+def test_scripts_edit_no_sys_path():
+    """The scripts import the installed package (and scripts/benchlib.py from their own
+    folder): none edits sys.path."""
+    hits = [p.name for p in sorted((ROOT / "scripts").glob("*.py")) if "sys.path.insert(" in p.read_text()]
+    assert not hits, hits

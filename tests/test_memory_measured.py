@@ -64,12 +64,13 @@ CHILD = """
 import json, sys
 sys.path.insert(0, sys.argv[1])
 import measure_memory as mm
-reset = mm._reset_peak()
+from mta_repro.train.metrics import peak_rss_bytes, reset_peak_rss
+reset = reset_peak_rss()
 base = mm._rss()
 x = bytearray(64 * 2**20)
 for i in range(0, len(x), 4096):
     x[i] = 1
-print(json.dumps({"reset": reset, "peak_above_base": mm._peak(reset) - base}))
+print(json.dumps({"reset": reset, "peak_above_base": peak_rss_bytes() - base}))
 """
 
 

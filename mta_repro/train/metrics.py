@@ -49,12 +49,37 @@ def device_peak_flops(device: torch.device) -> Optional[float]:
     return None
 
 
+def peak_rss_bytes() -> int:
+    """This process's peak resident set size: Linux's ``VmHWM`` (the high-water mark of this
+    process's own memory; ``reset_peak_rss`` restarts it), else ``ru_maxrss``. ``ru_maxrss``
+    alone misleads: a process started by a large one (a launcher, a pytest worker) inherits
+    its parent's peak (scripts/measure_memory.py measured 1.23 GB for a 1.0 GB step)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024  # kB
+    except OSError:
+        pass
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
+    return rss * (1 if sys.platform == "darwin" else 1024)
+
+
+def reset_peak_rss() -> bool:
+    """Restart ``VmHWM`` at the current resident size (Linux >= 4.0); False where it cannot."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
 def peak_mem_gb(device: torch.device) -> float:
     """Peak allocated accelerator memory, or on CPU the peak resident set size."""
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**30
-    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
-    return rss * (1 if sys.platform == "darwin" else 1024) / 2**30
+    return peak_rss_bytes() / 2**30
 
 
 def peak_mem_reserved_gb(device: Optional[torch.device] = None) -> Optional[float]:

@@ -1,0 +1,85 @@
+"""What the benchmark scripts share: timing, peak memory and the one-layer attention
+parameters. Imported as ``benchlib`` (a script's own folder is on its ``sys.path``); the
+package itself must be importable (``pip install -e .``, or ``PYTHONPATH=.`` on a machine
+where it is not installed, e.g. the lent GPU's image)."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Callable, Optional
+
+import torch
+
+from mta_repro.train.metrics import peak_rss_bytes, reset_peak_rss  # noqa: F401 - shared with the scripts
+
+
+def peak_rss_gb() -> float:
+    """This process's peak resident set (VmHWM), GB."""
+    return peak_rss_bytes() / 2**30
+
+
+def sync(device) -> None:
+    """Wait for the device's queued work (a no-op on CPU): timings end when the work does."""
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def median_seconds(fn: Callable[[], object], reps: int, device="cpu", warmup: int = 1) -> tuple[float, list]:
+    """(median, all) wall seconds of ``fn()`` over ``reps`` runs after ``warmup`` runs,
+    the device synchronised around each."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(reps):
+        sync(device)
+        t0 = time.perf_counter()
+        fn()
+        sync(device)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times), times
+
+
+def layer_params(layer: str, heads: int, kernel, dtype, device, block_size: int, seed: int = 0,
+                 requires_grad: bool = False, mixing: Optional[str] = "noisy"):
+    """The MTA parameters of one attention layer: ``kq_conv`` (key-query convolutions
+    before and after softmax, ``kernel`` = (c_q, c_k), and head mixing) or ``mixing``
+    (head mixing only). Weights ~ 0.1 N(0, 1) from ``seed``; the pre-softmax head mixing
+    is the identity plus such noise (``mixing="noisy"``, so that it mixes) or exactly the
+    identity (``"identity"``)."""
+    from mta_repro.model import attention_ops
+
+    g = torch.Generator().manual_seed(seed)
+
+    def param(*shape):
+        return (torch.randn(*shape, generator=g) * 0.1).to(device, dtype).requires_grad_(requires_grad)
+
+    conv = layer == "kq_conv"
+    pre = param(heads, 1, *kernel) if conv else None  # drawn in this order: the seed fixes each
+    eye = torch.eye(heads).to(device, dtype)
+    wpsm = (eye + param(heads, heads).detach()) if mixing == "noisy" else eye
+    post = param(heads, 1, *kernel) if conv else None
+    return attention_ops.ExplicitAttnParams(
+        mta_kernel=pre,
+        wpsm=wpsm.requires_grad_(requires_grad),
+        mta_kernel_after_sm=post,
+        head_kernel=param(1, heads, heads),
+        pad_key="both",
+        block_size=block_size,
+    )
+
+
+def ratio(row: dict, base: Optional[dict], key: str, suffix: str = "") -> str:
+    """``row[key] / base[key]`` for a table column, "n/a" without a positive base."""
+    if not base or not base.get(key):
+        return "n/a"
+    return f"{row[key] / base[key]:.2f}{suffix}"
+
+
+def write_rows(path: Optional[str], rows: list) -> None:
+    """The table's rows as JSON, when ``--json PATH`` asked for them."""
+    if path:
+        import json
+        from pathlib import Path
+
+        Path(path).write_text(json.dumps(rows, indent=1))
