@@ -31,3 +31,16 @@ def test_scripts_edit_no_sys_path():
     folder): none edits sys.path."""
     hits = [p.name for p in sorted((ROOT / "scripts").glob("*.py")) if "sys.path.insert(" in p.read_text()]
     assert not hits, hits
+
+
+def test_every_environment_variable_the_package_reads_is_in_the_one_table():
+    """docs/environment.md lists each MTA_* variable read anywhere in mta_repro."""
+    import re
+
+    read = set()
+    for p in (ROOT / "mta_repro").rglob("*.py"):
+        text = p.read_text()
+        read |= set(re.findall(r"environ(?:\.get\(|\[)\s*[\"'](MTA_[A-Z_]+)", text))
+        read |= set(re.findall(r"_ENV\s*=\s*[\"'](MTA_[A-Z_]+)", text))
+    table = set(re.findall(r"^\| `(MTA_[A-Z_]+)", (ROOT / "docs" / "environment.md").read_text(), flags=re.M))
+    assert read and read <= table, sorted(read - table)
