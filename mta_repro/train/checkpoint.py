@@ -206,14 +206,14 @@ class CheckpointManager:
             if tmp.exists():
                 shutil.rmtree(tmp)
         self._barrier()
-        state = state.state_dict()
-        need = state_bytes(state)
+        entries = state.state_dict()
+        need = state_bytes(entries)
         if self.async_save:
             if self._pg is None and dist.is_initialized():
                 # The background thread coordinates over gloo (CPU), never over NCCL.
                 self._pg = dist.new_group(backend="gloo") if dist.get_backend() != "gloo" else dist.group.WORLD
             try:
-                fut = dcp.async_save(state, checkpoint_id=str(tmp), process_group=self._pg)
+                fut = dcp.async_save(entries, checkpoint_id=str(tmp), process_group=self._pg)
             except _SAVE_ERRORS as e:  # re-raised after _failed
                 self._failed(e, step, tmp, need)
                 raise
@@ -223,7 +223,7 @@ class CheckpointManager:
                 self.save_hook("async_writing", step, tmp)
             return final
         try:
-            dcp.save(state, checkpoint_id=str(tmp))
+            dcp.save(entries, checkpoint_id=str(tmp))
             self._durable(tmp)
         except _SAVE_ERRORS as e:  # re-raised after _failed
             self._failed(e, step, tmp, need)

@@ -44,7 +44,6 @@ from mta_repro.model import build_model, to_model_args
 from mta_repro.model.flops import train_flops_per_token
 from mta_repro.train.args import CheckpointArgs, TrainerArgs
 from mta_repro.train.checkpoint import CheckpointManager
-from mta_repro.train.state import TrainState
 from mta_repro.train.distributed import (
     DistInfo,
     destroy_distributed,
@@ -62,6 +61,7 @@ from mta_repro.train.rundir import (
     prepare_run_dir,
 )
 from mta_repro.train.signals import PreemptionHandler, requeue_if_slurm
+from mta_repro.train.state import TrainState
 from mta_repro.train.validation import maybe_validator
 
 
@@ -299,8 +299,8 @@ def check_finite(values: list[tuple[int, float, float]], latest: Optional[Path])
             )
 
 
-def metrics_record(state: TrainState, values: StepValues, lr: float, n_tokens: int, info: DistInfo,
-                   meter: Throughput, flops_tok: float, peak: Optional[float]) -> dict[str, Any]:
+def metrics_record(state: TrainState, values: StepValues, lr: float, info: DistInfo, meter: Throughput,
+                   flops_tok: float, peak: Optional[float]) -> dict[str, Any]:
     """The metrics.jsonl line of a logged step (collective: data counts are summed over ranks)."""
     tps = meter.rate()
     loader = state.loader
@@ -469,7 +469,7 @@ def train_steps(args: TrainConfig, info: DistInfo, state: TrainState, parts: Loo
             if tr.nonfinite == "raise":
                 check_finite(read, p.manager.latest())
         if log:
-            record = metrics_record(state, p.values, out.lr, out.n_tokens, info, p.meter, p.flops_tok, p.peak)
+            record = metrics_record(state, p.values, out.lr, info, p.meter, p.flops_tok, p.peak)
             if out.finite is False:  # trainer.nonfinite=skip dropped this step's update
                 record["skipped"] = True
             if p.attn_used is not None:  # the implementation the self-check let run
