@@ -75,6 +75,10 @@ def test_other_errors_pass_through_untouched():
         with hub.hub_errors(["arc_easy"]):
             raise KeyError("x")
     assert hub.describe(ValueError("bad"), ["arc_easy"]) is None
+    # a connection error that is not the hub's (a rank's peer gone) is not reported as one
+    assert hub.describe(ConnectionResetError("Connection reset by peer"), ["arc_easy"]) is None
+    msg = hub.describe(ConnectionError("Couldn't reach 'EleutherAI/lambada_openai' on the Hub (x)"), ["lambada_openai"])
+    assert msg.startswith("lm-eval task 'lambada_openai': dataset 'EleutherAI/lambada_openai' is not in the local HF cache")
 
 
 def test_babilong_from_the_hub_offline_names_the_generated_source(tmp_path):

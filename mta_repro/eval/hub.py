@@ -93,8 +93,20 @@ def _chain(exc: BaseException):
         exc = exc.__cause__ or exc.__context__
 
 
+_HUB_MODULES = ("huggingface_hub", "datasets", "requests", "httpx", "httpcore", "urllib3")
+
+
 def is_hub_failure(exc: BaseException) -> bool:
-    return any(c.__name__ in _HUB_FAILURES for e in _chain(exc) for c in type(e).__mro__)
+    """A connection failure of the HF libraries (not, say, a rank's broken pipe): one of
+    ``_HUB_FAILURES`` raised by an HTTP/hub library or saying it is about the hub."""
+    for e in _chain(exc):
+        names = {c.__name__ for c in type(e).__mro__}
+        if not names & set(_HUB_FAILURES):
+            continue
+        where = type(e).__module__.split(".")[0]
+        if where in _HUB_MODULES or "hub" in str(e).lower() or "huggingface" in str(e).lower():
+            return True
+    return False
 
 
 def _failed_task(exc: BaseException) -> Optional[str]:
