@@ -42,7 +42,7 @@ def build_plan(overrides: Sequence[str]):
 
 def _bare_name(arg: str) -> str:
     """``paper_880m`` (no ``=``) means ``pipeline=paper_880m`` when such a pipeline exists."""
-    if "=" in arg:
+    if "=" in arg or arg.startswith("~"):  # key=value, or Hydra's ~key (delete)
         return arg
     from mta_repro.cli import unknown_option_line
     from mta_repro.config import CONFIG_DIR
