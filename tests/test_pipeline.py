@@ -240,6 +240,9 @@ def test_plan_only_view_is_one_line_a_job(capsys):
     err = capsys.readouterr().err.strip()
     assert err.startswith("error: 'paper880' is neither an override (key=value) nor a pipeline name; ")
     assert "did you mean paper_880m?" in err and "\n" not in err
+    from mta_repro.pipeline.__main__ import _bare_name
+
+    assert _bare_name("~pipeline.lm_eval_local") == "~pipeline.lm_eval_local"  # Hydra's delete, not a name
 
 
 def test_plan_errors_are_one_line():
