@@ -64,7 +64,10 @@ WORKER = textwrap.dedent('''
             res = {"ok": True, "step": out["step"]}
         except BaseException as e:
             res = {"ok": False, "type": type(e).__name__, "msg": str(e), "tb": traceback.format_exc()}
-        (root / f"res-{i}-{name}.json").write_text(json.dumps(res))
+        # Written aside, then renamed: the test polls for the name and must never read half a file.
+        tmp = root / f".res-{i}-{name}.json"
+        tmp.write_text(json.dumps(res))
+        tmp.rename(root / f"res-{i}-{name}.json")
 ''')
 
 
