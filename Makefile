@@ -35,7 +35,7 @@ $(STAMPS)/.make-installed-eval,report,wandb: pyproject.toml
 
 demo: $(STAMPS)/.make-installed-eval,report,wandb
 	@echo "make demo 1/4: the paper's model sizes"
-	$(PY) -m mta_repro.params --table
+	$(PY) -m mta_repro.estimate.params --table
 	@echo "make demo 2/4: train the tiny debug model (experiment=debug) on the bundled corpus (CPU, ~2 min)"
 	$(PY) -m mta_repro.train experiment=debug run_dir=runs/debug
 	@echo "make demo 3/4: evaluate it (eval/preset=debug: small settings, minutes)"

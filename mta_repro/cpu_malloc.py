@@ -11,7 +11,7 @@ width and 4096 tokens, and varying by GBs between identical runs (docs/memory.md
 
 ``fix_mmap_threshold`` sets the threshold to a fixed value with ``mallopt`` (which also
 turns the dynamic adjustment off): the peak resident memory of a CPU run is then what its
-tensors need, which is what ``python -m mta_repro.params --memory`` estimates. The price
+tensors need, which is what ``python -m mta_repro.estimate --memory`` estimates. The price
 is speed: every such tensor is a fresh ``mmap`` whose pages the kernel zeroes on first
 touch: measured on 2 cores, 1.1x the step time of the 300M-width baseline, 1.7x of its MTA
 (whose query blocks allocate the most) and 1.8-1.9x of the tiny CPU demo (docs/memory.md).

@@ -7,7 +7,7 @@ measured for the blocked path, side by side (fwd+bwd, CPU fp32, median of --reps
     python scripts/bench_kq_conv.py --sm90          # compile the Triton kernels for sm_90, no GPU
 
 - conv2d:   F.conv2d, depthwise (the release's and the reference's way)
-- c_kernel: mta_repro.model.kq_conv_cpu (C loops, the one the blocked path uses)
+- c_kernel: mta_repro.kernels.kq_conv_cpu (C loops, the one the blocked path uses)
 - shifted:  sum over the c_q x c_k taps of shifted slices, eager
 - compiled: the same under torch.compile (inductor; --compile, minutes to compile)
 - gemm_qk:  the identity sum_a shift_a(Q) . conv1d_a(K)^T (PERF_NOTES.md): its GEMM alone
@@ -44,7 +44,8 @@ def main() -> None:
     if a.sm90:
         return compile_report(a.cq, a.ck)
 
-    from mta_repro.model import attention_ops, kq_conv_cpu
+    from mta_repro.model import attention_ops
+    from mta_repro.kernels import kq_conv_cpu
 
     H, n, T, cq, ck, d = a.heads, a.rows, a.keys, a.cq, a.ck, a.head_dim
     pl = (ck - 1) // 2
@@ -72,7 +73,7 @@ def main() -> None:
     if kq_conv_cpu.available(x):
         cases["c_kernel"] = lambda: kq_conv_cpu.kq_conv(x, w[:, 0], pl)
     if dev.type == "cuda":
-        from mta_repro.model import kq_conv_triton
+        from mta_repro.kernels import kq_conv_triton
 
         # As the blocked path calls it for its last block: rows end at the last key.
         cases["triton"] = lambda: kq_conv_triton.kq_conv(x, w[:, 0], pl, T - x.shape[2])
@@ -121,7 +122,7 @@ def compile_report(cq: int, ck: int) -> None:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from mta_repro.model import kq_conv_triton as kt
+    from mta_repro.kernels import kq_conv_triton as kt
 
     br, bc = kt.tiles()
     common = dict(CQ=cq, CK=ck, BR=br, BC=bc, BCH=kt._pow2(bc + ck - 1), CAUSAL=True, ACC=tl.float32, PREC="tf32")

@@ -1,7 +1,7 @@
 """Compile the triton attention kernel for a GPU target without a GPU, and judge what the
 compiler emitted: registers and spills (ptxas -v), shared memory, tensor-core vs CUDA-core
 MACs, global loads, barriers, and a stated roofline ESTIMATE of each pass on one H200
-(``mta_repro/model/roofline.py``) next to FlashAttention-2's for the same layer shape.
+(``mta_repro/estimate/roofline.py``) next to FlashAttention-2's for the same layer shape.
 
     python scripts/compile_triton.py                          # table, sm_90, 880M shapes
     python scripts/compile_triton.py --json out.json          # + one record per (layer, pass, T)
@@ -39,7 +39,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from mta_repro.model import frames, roofline
+from mta_repro.kernels import frames
+from mta_repro.estimate import roofline
 
 LAYERS = {"kq_conv": ((6, 11), (6, 11)), "mixing": (None, None)}  # the 880M MTA options
 ROOT = Path(__file__).resolve().parents[1]
@@ -50,7 +51,7 @@ def kernel_constexprs(name: str, pre, post, heads: int, head_dim: int, pad_key: 
     pre/post-softmax mixings on (wpsm, head_kernel), no padding mask, no dropout."""
     import torch
 
-    from mta_repro.model import attention_triton as at
+    from mta_repro.kernels import attention_triton as at
 
     f = frames.frame(name, pre, post, pad_key)
     return at.kernel_constexprs(frames.PASSES.index(name), f, h=heads, d=head_dim, pre=pre, post=post,
@@ -68,7 +69,7 @@ def _compile(consts: dict, arch: int, num_warps: int, num_stages: int):
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from mta_repro.model import attention_triton as at
+    from mta_repro.kernels import attention_triton as at
 
     if not isinstance(at._mta_kernel, triton.runtime.JITFunction):
         raise RuntimeError("compile_triton: the kernels were defined under TRITON_INTERPRET=1; compile in a "
@@ -152,7 +153,7 @@ def compiled_pass(layer: str, name: str, heads: int, head_dim: int, arch: int, c
     consts = kernel_constexprs(name, pre, post, heads, head_dim)
     import triton
 
-    from mta_repro.model import attention_triton as at
+    from mta_repro.kernels import attention_triton as at
 
     # the kernel's own cache key (its source and the jit functions it calls), not the file:
     # a docstring edit keeps the cache; the IR is stored, so the counting can change freely
@@ -280,8 +281,8 @@ def main() -> None:
                       f"({rs[0]['fa2_est_ms']:.3f} ms); L2-bound {tl2:.3f} ms = {tl2 / rs[0]['fa2_est_l2_ms']:.1f}x "
                       f"({rs[0]['fa2_est_l2_ms']:.3f} ms)")
     if by_line:
-        src = (ROOT / "mta_repro" / "model" / "attention_triton.py").read_text().splitlines()
-        print("\nWhere each pass spends its work per key block, by source line of mta_repro/model/attention_triton.py "
+        src = (ROOT / "mta_repro" / "kernels" / "attention_triton.py").read_text().splitlines()
+        print("\nWhere each pass spends its work per key block, by source line of mta_repro/kernels/attention_triton.py "
               "(ESTIMATED SM cycles per program and key block: tensor cores / CUDA cores / L1+shared traffic of "
               "global and shared bytes; 'via' = the lines that called the helper):")
         for layer, name, rows in by_line:

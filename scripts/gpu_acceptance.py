@@ -23,7 +23,7 @@ Sections (the JSON's top-level keys, in run order):
            T=2048, bf16 autocast, AdamW, baseline vs MTA (with the pick), torch.compile off
            and on (per block, as ``distributed.compile=true``): tokens/s and the ratio.
   memory   the full 24-layer 880M MTA, B=4 x T=2048, through the trainer (world 1): peak
-           allocated and reserved of the logged steps against ``python -m mta_repro.params
+           allocated and reserved of the logged steps against ``python -m mta_repro.estimate
            ... --memory --world-size 1``.
   preempt  that same run gets SIGUSR2 after its third step: seconds from the signal to the
            checkpoint's ``.complete`` marker (must be far below the cluster's KillWait).
@@ -450,7 +450,7 @@ def signalled_run(run_dir, over, after_step: int, sig, kill_after_save: bool, ti
 
 def memory_and_preempt(dev, s, picked, out_dir) -> tuple[dict, dict]:
     from mta_repro.config import compose
-    from mta_repro.memory import estimate_from_config
+    from mta_repro.estimate.memory import estimate_from_config
 
     B, T = s["full_bt"]
     over = [*TRAIN_COMMON, *s["full"], "attention=mta", f"trainer.device={dev.type}", f"data.batch_size={B}",
@@ -467,7 +467,7 @@ def memory_and_preempt(dev, s, picked, out_dir) -> tuple[dict, dict]:
               "peak_alloc_gb": alloc, "peak_reserved_gb": reserved, "estimate_gb": est.total / 2**30,
               # the pre-flight is the peak of a steady-state step's tensors: compare with allocated
               "estimate_over_alloc": est.total / 2**30 / alloc if alloc else None,
-              "estimate_note": "python -m mta_repro.params ... --memory --world-size 1 (CPU: peak RSS is measured)",
+              "estimate_note": "python -m mta_repro.estimate ... --memory --world-size 1 (CPU: peak RSS is measured)",
               "tokens_per_s": [x["tokens_per_s_global"] for x in rows]}
     preempt = {"signal": "SIGUSR2", "after_step": 3, "signal_to_complete_s": r["latency_s"],
                "returncode": r["returncode"], "checkpoints": r["complete_checkpoints"],

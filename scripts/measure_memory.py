@@ -18,7 +18,7 @@ before the model is built) minus its resident memory then: what the steps hold a
 a memory limit sees it). With ``--tensors``, also the peak of live tensor bytes in each
 phase of each step, from torch.profiler's allocation events (independent of the
 allocator; the profiler's own memory shows in the RSS figure then). Estimated =
-``mta_repro.memory.estimate`` for the same shapes at world size 1 on CPU, without the FSDP
+``mta_repro.estimate.memory.estimate`` for the same shapes at world size 1 on CPU, without the FSDP
 gathered-parameter term (a single process without FSDP gathers nothing); ``--fsdp`` runs
 the trainer's FSDP2 wrapping on one gloo rank instead and keeps the term. Prints one JSON
 line.
@@ -69,7 +69,7 @@ def measure(overrides: list, steps: int = 2, tensors: bool = False, fsdp: bool =
 
     from mta_repro.config import compose, model_args_from
     from mta_repro.cpu_malloc import fix_mmap_threshold
-    from mta_repro.memory import estimate
+    from mta_repro.estimate.memory import estimate
     from mta_repro.model import build_model
     from mta_repro.train.loop import cross_entropy
 

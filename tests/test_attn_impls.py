@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from mta_repro.model import MTAArgs, ModelArgs, build_model
-from mta_repro.model import kq_conv_cpu, attention_ops
+from mta_repro.model import attention_ops
+from mta_repro.kernels import kq_conv_cpu
 
 import importlib.util
 

@@ -173,7 +173,7 @@ def test_factorised_pre_softmax_conv_with_band_correction_is_the_masked_conv(pad
     queries against convolved keys (``_khat``), minus the band table (``_band``) on the NB
     diagonals next to the diagonal, equals conv(S with the future zeroed) on every allowed
     cell; padding is zeroed in q and k first."""
-    from mta_repro.model import attention_triton as at
+    from mta_repro.kernels import attention_triton as at
 
     g = torch.Generator().manual_seed(3)
     b, h, tq, d = 2, 3, 23, 5
@@ -210,7 +210,7 @@ def test_schedule_covers_every_tile_once_and_balances_the_programs():
     end to end, so no program carries more than one tile above another (the estimate's serial
     chain is the longest program), the grid is filled whenever there are tiles enough, and a
     row is cut into few items (the per-item partial slots the launcher allocates and reduces)."""
-    from mta_repro.model import frames
+    from mta_repro.kernels import frames
 
     for pass_, b, tq, tk, q_off, n_prog in (("forward", 4, 2048, 2048, 0, 132), ("backward", 1, 2048, 2048, 0, 132),
                                             ("forward", 2, 300, 700, 400, 7), ("backward", 4, 4096, 4096, 0, 132),
@@ -305,9 +305,9 @@ def test_debug_experiment_with_mta_trains_as_torch(tmp_path):
 
 
 def test_memory_preflight_stand_in_saves_what_the_kernel_saves():
-    """mta_repro.memory measures triton layers on meta through a stand-in (Triton does not
+    """mta_repro.estimate.memory measures triton layers on meta through a stand-in (Triton does not
     run on meta): it must keep the bytes the real kernel keeps."""
-    from mta_repro import memory
+    from mta_repro.estimate import memory
 
     h, t, d = 4, 20, 8
     p = params(h, (2, 3), (3, 3))
@@ -318,7 +318,59 @@ def test_memory_preflight_stand_in_saves_what_the_kernel_saves():
         lambda: attention_ops.ATTN_IMPLS["triton"].fn(q, k, v, p, attention_ops.AttnMask()), weights)
     qm, km, vm = (torch.zeros(2, h, t, d, device="meta", requires_grad=True) for _ in range(3))
     stand_in = memory._saved_bytes(lambda: memory._triton_meta(qm, km, vm, p, attention_ops.AttnMask()), set())
-    assert real == stand_in == 3 * 2 * h * t * d * 4 + 2 * h * t * 4
+    # q, k, v and the fp32 lse, plus the fp32 copies of the (here float64) weights the kernel reads;
+    # head_kernel as the (H, H) block-diagonal matrix it multiplies with
+    weight_copies = 4 * (h * 2 * 3 + h * h + h * 3 * 3 + h * h)
+    assert real == stand_in == 3 * 2 * h * t * d * 4 + 2 * h * t * 4 + weight_copies
+
+
+@pytest.mark.parametrize("pre, post, mix", [((2, 3), (3, 3), "head_kernel"), (None, None, "wposm")])
+def test_the_workspace_the_preflight_counts_is_what_the_backward_launch_holds(monkeypatch, pre, post, mix):
+    """frames.backward_workspace_bytes (what the memory pre-flight adds per layer) equals the
+    bytes of every tensor the backward pass's launch receives that the call itself made:
+    its arguments' storages, counted once, minus the caller's q, k, v, dO and the saved lse,
+    and minus the placeholders of descriptors the pass compiles out."""
+    from mta_repro.kernels import attention_triton, frames
+
+    h, t, d, b = 4, 40, 16, 2
+    monkeypatch.setenv("MTA_TRITON_PROGRAMS", "3")  # a GPU's multi-item programs
+    monkeypatch.setenv("MTA_TRITON_FRAME", "16x16")
+    p = params(h, pre, post, mix=mix)
+    q, k, v = (x.float().contiguous().requires_grad_() for x in qkv(b, h, t, t, d))
+    seen, pending, placeholders = {}, [], set()
+    real_descriptor, real_kernel = attention_triton._descriptor, attention_triton._mta_kernel
+
+    def descriptor(x, block, dtype, device):
+        out = real_descriptor(x, block, dtype, device)
+        if x is None:  # this launch's placeholder (kept alive here: storage ids are addresses)
+            pending.append(out.base)
+        return out
+
+    class Kernel:
+        def __getitem__(self, grid):
+            def launch(*args, **kw):
+                if kw["MODE"] == 3:
+                    placeholders.update(t.untyped_storage()._cdata for t in pending)
+                    for a in args:
+                        a = getattr(a, "base", a)
+                        if isinstance(a, torch.Tensor):
+                            seen[a.untyped_storage()._cdata] = a.untyped_storage().nbytes()
+                pending.clear()
+                return real_kernel[grid](*args, **kw)
+            return launch
+
+    monkeypatch.setattr(attention_triton, "_descriptor", descriptor)
+    monkeypatch.setattr(attention_triton, "_mta_kernel", Kernel())
+    out = attention_ops.ATTN_IMPLS["triton"].fn(q, k, v, p, attention_ops.AttnMask())
+    grad = torch.ones_like(out)
+    lse = [x for x in out.grad_fn.saved_tensors if x is not None and x.shape == (b, h, t)]
+    callers = {x.untyped_storage()._cdata for x in (q, k, v, grad, *lse)}
+    out.backward(grad)
+    held = sum(n for key, n in seen.items() if key not in callers and key not in placeholders)
+    mix_on = (p.wpsm is not None, attention_triton.post_mix_matrix(p) is not None)
+    want = frames.backward_workspace_bytes(b=b, h=h, d=d, seq_len=t, pre=pre, post=post, mix=mix_on,
+                                           pad_key=p.pad_key, dtype=torch.float32, n_prog=3, gpu=False)
+    assert len(lse) == 1 and held == want
 
 
 def test_bfloat16_is_as_accurate_as_the_reference_in_bfloat16():
@@ -372,7 +424,7 @@ def test_every_pass_launches_with_the_reported_configuration(monkeypatch):
     """The launcher takes num_warps/num_stages from frames.launch_config, the function
     scripts/compile_triton.py compiles with, for every pass (the kernel itself replaced by
     a recorder: this checks the launch, not the math)."""
-    from mta_repro.model import attention_triton, frames
+    from mta_repro.kernels import attention_triton, frames
 
     seen = []
 

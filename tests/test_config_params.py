@@ -9,7 +9,7 @@ from hydra.errors import ConfigCompositionException
 
 from mta_repro.config import compose, model_args_from
 from mta_repro.model import ModelArgs, MTAArgs
-from mta_repro.params import count
+from mta_repro.estimate.params import count
 
 # (dim, layers, heads, head_kernel, conv layers) and the published/spec counts.
 SIZES = {
@@ -55,7 +55,7 @@ def test_diff_and_talking_heads_counts():
 
 def test_params_cli_prints_json():
     out = subprocess.run(
-        [sys.executable, "-m", "mta_repro.params", "model=880m", "attention=mta"],
+        [sys.executable, "-m", "mta_repro.estimate", "model=880m", "attention=mta"],
         capture_output=True, text=True, check=True,
     )
     got = json.loads(out.stdout)

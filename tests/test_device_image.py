@@ -3,7 +3,7 @@ this CPU: a venv with only the image's packages plus the wheels scripts/device_w
 makes, installed with --no-index as on the device, trains through the command line; and
 the key-query convolution kernel's first interpreter test passes under the image's
 Triton 3.6.0 (it failed there: the interpreter's loop bounds,
-mta_repro/model/triton_interp.py; `scripts/check_versions.sh kernels` runs all of both
+mta_repro/kernels/triton_interp.py; `scripts/check_versions.sh kernels` runs all of both
 kernels' tests, 6 minutes here, too long for the suite). Builds a
 venv from the package registry (minutes): the slow tier."""
 

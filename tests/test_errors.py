@@ -110,9 +110,9 @@ def test_hydra_unknown_key_is_described_with_the_nearest_field():
 # ------------------------------------------------------------------ the package's raise sites
 # Internal argument checks (a caller's bug, never the user's input) stay ValueError.
 INTERNAL_VALUE_ERRORS = {
-    "mta_repro/model/flops.py": 1,
-    "mta_repro/model/frames.py": 3,  # an unknown pass name (launch_config, halo, scratch_slots)
-    "mta_repro/model/roofline.py": 1,  # the compiled IR has a shape its parser does not know
+    "mta_repro/estimate/flops.py": 1,
+    "mta_repro/kernels/frames.py": 3,  # an unknown pass name (launch_config, halo, scratch_slots)
+    "mta_repro/estimate/roofline.py": 1,  # the compiled IR has a shape its parser does not know
 }
 
 

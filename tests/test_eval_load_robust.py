@@ -122,8 +122,8 @@ def test_cli_errors_are_one_line(tmp_path):
     one_line_error(cli("mta_repro.eval", str(run_dir), "tasks=ppl"), "eval: error:", "tasks=ppl", "tasks=[ppl]")
     one_line_error(cli("mta_repro.eval", str(run_dir), "eval/preset=papr"), "eval/preset=papr", "'paper'")
     one_line_error(cli("mta_repro.eval", str(tmp_path / "nope")), "does not exist")
-    one_line_error(cli("mta_repro.params", "model=880"), "params: error: model=880", "'880m'")
-    one_line_error(cli("mta_repro.params", "model.dimm=3"), "model.dimm")
-    for mod in ("mta_repro.eval", "mta_repro.params"):
+    one_line_error(cli("mta_repro.estimate", "model=880"), "estimate: error: model=880", "'880m'")
+    one_line_error(cli("mta_repro.estimate", "model.dimm=3"), "model.dimm")
+    for mod in ("mta_repro.eval", "mta_repro.estimate"):
         r = cli(mod, "--help")
         assert r.returncode == 0 and "python -m " + mod in r.stdout, (mod, r.stdout[:500], r.stderr[-500:])

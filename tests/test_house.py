@@ -44,3 +44,36 @@ def test_every_environment_variable_the_package_reads_is_in_the_one_table():
         read |= set(re.findall(r"_ENV\s*=\s*[\"'](MTA_[A-Z_]+)", text))
     table = set(re.findall(r"^\| `(MTA_[A-Z_]+)", (ROOT / "docs" / "environment.md").read_text(), flags=re.M))
     assert read and read <= table, sorted(read - table)
+
+
+def _imports(path: Path) -> set[str]:
+    """Every mta_repro module a file imports, wherever the import sits: at the top, inside a
+    function (lazy) or under ``if TYPE_CHECKING`` (all are arrows of the import graph)."""
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            out |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            out |= {node.module} | {f"{node.module}.{a.name}" for a in node.names}
+    return {m for m in out if m.startswith("mta_repro")}
+
+
+def test_the_kernels_import_neither_the_model_nor_the_estimates():
+    """mta_repro.kernels is a leaf: the model picks a kernel and the estimates judge one, never
+    the reverse, so no arrow (lazy or TYPE_CHECKING ones included) runs back to them and the
+    model <-> kernel circle that attention_ops <-> attention_triton once was cannot return."""
+    bad = {f"{p.name} -> {m}" for p in sorted((ROOT / "mta_repro" / "kernels").glob("*.py"))
+           for m in _imports(p) if m.startswith(("mta_repro.model", "mta_repro.estimate", "mta_repro.train"))}
+    assert not bad, sorted(bad)
+    bad = {f"{p.name} -> {m}" for p in sorted((ROOT / "mta_repro" / "model").glob("*.py"))
+           for m in _imports(p) if m.startswith(("mta_repro.estimate", "mta_repro.train"))}
+    assert not bad, sorted(bad)
+
+
+def test_the_estimates_live_in_their_own_package():
+    """Memory, parameter, FLOP and roofline estimates sit in mta_repro/estimate, not at the
+    package root or inside the model."""
+    stray = [p for p in ("mta_repro/memory.py", "mta_repro/params.py", "mta_repro/model/flops.py",
+                         "mta_repro/model/roofline.py") if (ROOT / p).exists()]
+    assert not stray, stray
+    assert {"memory.py", "params.py", "flops.py", "roofline.py"} <= {p.name for p in (ROOT / "mta_repro" / "estimate").glob("*.py")}

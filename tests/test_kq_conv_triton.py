@@ -28,7 +28,7 @@ def reference(x, w, pad_key, diag):
 
 
 def check(shape, cq, ck, pad_key, diag, dtype=torch.float64, tol=1e-12):
-    from mta_repro.model import kq_conv_triton
+    from mta_repro.kernels import kq_conv_triton
 
     g = torch.Generator().manual_seed(cq * 100 + ck)
     x = torch.randn(*shape, generator=g, dtype=torch.float64)
@@ -113,7 +113,7 @@ def test_backend_choice(monkeypatch):
 
 
 def test_bad_tile_setting_is_refused(monkeypatch):
-    from mta_repro.model import kq_conv_triton
+    from mta_repro.kernels import kq_conv_triton
 
     monkeypatch.setenv("MTA_KQ_TILE", "48x64")
     with pytest.raises(ValueError, match="MTA_KQ_TILE"):

@@ -7,7 +7,7 @@ import sys
 import pytest
 
 from mta_repro.config import compose, model_args_from
-from mta_repro.params import count
+from mta_repro.estimate.params import count
 
 # Meta's published parameter counts (model cards / safetensors metadata).
 META_PARAMS = {"llama3_2_1b": 1_235_814_400, "llama3_2_3b": 3_212_749_824, "llama3_1_8b": 8_030_261_248}
@@ -24,7 +24,7 @@ def test_llama3_model_configs_have_metas_parameter_count(model):
 
 @pytest.mark.parametrize("experiment", EXPERIMENTS)
 def test_insertion_experiments_fit_an_h200_with_fsdp(experiment):
-    from mta_repro.memory import CAPACITIES, estimate_from_config
+    from mta_repro.estimate.memory import CAPACITIES, estimate_from_config
 
     cfg = compose([f"experiment={experiment}"])
     assert int(cfg.data.seq_len) == 2048

@@ -7,7 +7,7 @@ from torch._C._profiler import _EventType
 from torch.profiler import ProfilerActivity, profile
 
 from mta_repro.config import compose
-from mta_repro.memory import CAPACITIES, estimate, estimate_from_config
+from mta_repro.estimate.memory import CAPACITIES, estimate, estimate_from_config
 from mta_repro.model import MTAArgs, ModelArgs, build_model
 
 

@@ -30,7 +30,7 @@ for pkg in ("mta_repro.model", "mta_repro.data", "mta_repro.train"):
     for m in pkgutil.walk_packages(mod.__path__, pkg + "."):
         if not m.name.endswith("__main__"):
             importlib.import_module(m.name)
-for name in ("mta_repro.config", "mta_repro.params", "mta_repro.memory", "mta_repro.cli", "mta_repro.generate",
+for name in ("mta_repro.config", "mta_repro.estimate.params", "mta_repro.estimate.memory", "mta_repro.cli", "mta_repro.generate",
              "mta_repro.weights"):
     importlib.import_module(name)
 from mta_repro.config import compose, model_args_from

@@ -1,6 +1,6 @@
-"""``python -m mta_repro.params --memory`` says the shape its estimate is for."""
+"""``python -m mta_repro.estimate --memory`` says the shape its estimate is for."""
 
-from mta_repro.params import main
+from mta_repro.estimate.params import main
 
 
 def test_memory_states_its_assumptions_and_flags_the_demo_shape(capsys):

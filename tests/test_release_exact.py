@@ -23,10 +23,10 @@ import pytest
 import torch
 from torch import nn
 
-from mta_repro import params
+from mta_repro.estimate import params
 from mta_repro.config import TrainConfig
 from mta_repro.model import MTAArgs, ModelArgs, build_model
-from mta_repro.model.flops import train_flops_per_token
+from mta_repro.estimate.flops import train_flops_per_token
 from mta_repro.release import load_release_config, release_model_args, release_state_dict_to_ours
 from mta_repro.release import release_file_to_config as convert_file
 

@@ -1,5 +1,5 @@
 """The roofline estimator that judges the triton kernel without a GPU
-(mta_repro/model/roofline.py, scripts/compile_triton.py): its IR counting, its arithmetic
+(mta_repro/estimate/roofline.py, scripts/compile_triton.py): its IR counting, its arithmetic
 on hand-computed cases, FlashAttention-2's closed-form work, the report's record schema,
 and (one small real compile for sm_90) that a tensor-core dot is counted as such."""
 
@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from mta_repro.model import frames, roofline
+from mta_repro.kernels import frames
+from mta_repro.estimate import roofline
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -90,9 +91,9 @@ def test_per_key_block_work_is_attributed_to_its_source_lines():
     the op that spends it (through a helper's call site: the helper's line, then its caller's;
     a named location: the line it names), and the lines add up to the level's total."""
     locs = textwrap.dedent("""\
-        #loc4 = loc("/src/mta_repro/model/attention_triton.py":153:10)
-        #loc20 = loc("/src/mta_repro/model/attention_triton.py":200:5)
-        #loc21 = loc("/src/mta_repro/model/attention_triton.py":500:9)
+        #loc4 = loc("/src/mta_repro/kernels/attention_triton.py":153:10)
+        #loc20 = loc("/src/mta_repro/kernels/attention_triton.py":200:5)
+        #loc21 = loc("/src/mta_repro/kernels/attention_triton.py":500:9)
         #loc6 = loc(callsite(#loc20 at #loc21))
         #loc7 = loc("acc"(#loc4))
         #loc11 = loc("/elsewhere/other.py":7:1)
@@ -231,7 +232,7 @@ def test_report_has_one_record_per_layer_pass_and_T(tmp_path, monkeypatch, capsy
             "static": dict.fromkeys(roofline.RESOURCES, 0.0),
             "ptx": {"ld_global": 3, "cp_async": 1, "bar_sync": 2}}
     fake["levels"][2].update(mma_macs=9e6, fma_macs=1e6)
-    line = 1 + next(i for i, t in enumerate((ROOT / "mta_repro/model/attention_triton.py").read_text().splitlines())
+    line = 1 + next(i for i, t in enumerate((ROOT / "mta_repro/kernels/attention_triton.py").read_text().splitlines())
                     if t.startswith("def _mta_kernel("))
     fake["by_line"] = {(line, 7): dict(fake["levels"][2])}  # all of it on one line, called from line 7
     monkeypatch.setattr(ct, "compiled_pass", lambda *a, **k: fake)
@@ -294,7 +295,7 @@ def test_a_real_sm90_compile_counts_its_tensor_core_dot(tmp_path):
         from triton.backends.compiler import GPUTarget
         from triton.compiler import ASTSource
         import tiny_kernel, compile_triton
-        from mta_repro.model import roofline
+        from mta_repro.estimate import roofline
         src = ASTSource(fn=tiny_kernel.k, signature={{"a_ptr": "*bf16", "b_ptr": "*bf16", "c_ptr": "*fp32",
                                                      "n": "i32"}}, constexprs={{}})
         kern = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={{"num_warps": 4}})

@@ -129,7 +129,7 @@ def test_mfu_formula_and_cpu_peak_unknown():
 
 
 def test_train_flops_count_the_variant():
-    from mta_repro.model.flops import train_flops_per_token
+    from mta_repro.estimate.flops import train_flops_per_token
 
     base = train_flops_per_token(model_args_from(compose(["model=880m"])), 2048)
     mta = train_flops_per_token(model_args_from(compose(["model=880m", "attention=mta", "model.attn_impl=torch"])), 2048)

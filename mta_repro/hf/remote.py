@@ -2,9 +2,10 @@
 ``transformers`` loads with ``trust_remote_code=True``.
 
 The folder's ``modeling_mta_repro.py`` is self-contained: it is this project's own model
-code (``mta_repro/model/args.py``, ``conv_pad.py``, ``attention_ops.py``, ``transformer.py``) bundled into
-one module at export time, with the package imports rewritten to point inside it, plus a
-thin ``PreTrainedModel`` wrapper. So the exported model computes exactly what ours does
+code (``BUNDLED``: ``mta_repro/model/args.py``, ``attention_ops.py``, ``transformer.py``, and
+``mta_repro/kernels/conv_pad.py``, ``types.py``) bundled into one module at export time,
+with the package imports rewritten to point inside it, plus a thin ``PreTrainedModel``
+wrapper. So the exported model computes exactly what ours does
 (the reference explicit path and ``F.conv2d``; no C kernel, no mta_repro install needed),
 and the file is never a second copy of the model to keep in sync by hand.
 ``generate()`` decodes with the model's own cache (``MTAReproCache``: keys, values and,
@@ -21,12 +22,12 @@ from pathlib import Path
 
 import torch
 
-MODEL_DIR = Path(__file__).resolve().parents[1] / "model"
+PACKAGE_DIR = Path(__file__).resolve().parents[1]  # mta_repro/
 MODULE = "modeling_mta_repro"
 
 _HEADER = '''"""Self-contained modeling file written by mta-repro's `python -m mta_repro.hf export`
-(the project's mta_repro/model/{args,conv_pad,attention_ops,transformer}.py bundled into one module,
-plus a transformers wrapper). Load with
+(the project's mta_repro/model/{args,attention_ops,transformer}.py and
+mta_repro/kernels/{conv_pad,types}.py bundled into one module, plus a transformers wrapper). Load with
 AutoModelForCausalLM.from_pretrained(<folder>, trust_remote_code=True)."""
 
 from __future__ import annotations
@@ -157,7 +158,7 @@ def _strip_package_imports(src: str) -> str:
         s = line.strip()
         if s.startswith("from __future__"):
             continue
-        if re.match(r"from mta_repro\.(model(\.\w+)?|errors) import", s):
+        if re.match(r"from mta_repro\.((model|kernels)(\.\w+)?|errors) import", s):
             indent = line[: len(line) - len(line.lstrip())]
             if indent:  # a function-local import: keep the block non-empty
                 out.append(indent + "pass")
@@ -166,11 +167,15 @@ def _strip_package_imports(src: str) -> str:
     return "\n".join(out)
 
 
+# The model's source files, in dependency order (paths under mta_repro/).
+BUNDLED = ("model/args.py", "kernels/conv_pad.py", "kernels/types.py", "model/attention_ops.py", "model/transformer.py")
+
+
 def modeling_source() -> str:
     parts = [_HEADER]
-    for name in ("args.py", "conv_pad.py", "attention_ops.py", "transformer.py"):
-        src = (MODEL_DIR / name).read_text()
-        parts.append(f"\n# {'-' * 60} mta_repro/model/{name}\n" + _strip_package_imports(src))
+    for name in BUNDLED:
+        src = (PACKAGE_DIR / name).read_text()
+        parts.append(f"\n# {'-' * 60} mta_repro/{name}\n" + _strip_package_imports(src))
     parts.append(_WRAPPER)
     return "\n".join(parts)
 

@@ -32,52 +32,15 @@ import math
 import os
 import warnings
 from dataclasses import dataclass, replace
-from typing import Callable, Optional
+from typing import Callable, Mapping, Optional
 
 import torch
 import torch.nn.functional as F
 import torch.utils.checkpoint
 
-from mta_repro.model.conv_pad import pad_left
+from mta_repro.kernels.conv_pad import pad_left
+from mta_repro.kernels.types import AttnMask, ExplicitAttnParams
 from mta_repro.errors import UserError
-
-
-@dataclass(frozen=True)
-class AttnMask:
-    """The structure of the attention mask: causal from ``q_offset``, minus padding.
-
-    Implementations receive this instead of a dense (Tq, Tk) tensor, so a blocked or
-    fused kernel builds only the tiles it needs. key_valid: (B, Tk) bool, False at pad
-    positions of left-padded batches (None: no padding).
-    """
-
-    q_offset: int = 0
-    key_valid: Optional[torch.Tensor] = None
-
-    def dense(self, tq: int, tk: int, device: torch.device) -> torch.Tensor:
-        return allowed_mask(tq, tk, self.q_offset, device, self.key_valid)
-
-
-def allowed_mask(
-    tq: int,
-    tk: int,
-    q_offset: int,
-    device: torch.device,
-    key_valid: Optional[torch.Tensor] = None,
-) -> torch.Tensor:
-    """Which (query, key) pairs may interact: causal, minus padding.
-
-    Returns bool (1, 1, Tq, Tk), or (B, 1, Tq, Tk) when ``key_valid`` (B, Tk) marks real
-    (non-pad) positions. A pad query row is all False, so in the explicit path it
-    contributes exactly the zeros that the convolution's own padding would.
-    """
-    qpos = torch.arange(tq, device=device)[:, None] + q_offset
-    kpos = torch.arange(tk, device=device)[None, :]
-    mask = (kpos <= qpos)[None, None]
-    if key_valid is not None:
-        q_valid = key_valid[:, q_offset : q_offset + tq]
-        mask = mask & key_valid[:, None, None, :] & q_valid[:, None, :, None]
-    return mask
 
 
 def kq_conv(scores: torch.Tensor, kernel: torch.Tensor, pad_key: str) -> torch.Tensor:
@@ -136,25 +99,29 @@ def lambda_init_fn(layer_id: int) -> float:
 
 
 # ------------------------------------------------------------ fused softmax attention
-def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: AttnMask, dropout: float = 0.0) -> torch.Tensor:
-    """Causal softmax attention through F.scaled_dot_product_attention (flash kernels).
+def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: AttnMask, dropout: float = 0.0,
+         fn: Optional[Callable] = None) -> torch.Tensor:
+    """Causal softmax attention through F.scaled_dot_product_attention (flash kernels), or
+    ``fn`` with its signature (``AttnKernels.sdpa``).
 
     q: (B, H, Tq, d); k, v: (B, H, Tk, dv) -> (B, H, Tq, dv). A dense mask only when a
     cache (q_offset) or padding needs one.
     """
+    fn = fn or F.scaled_dot_product_attention
     tq, tk = q.shape[2], k.shape[2]
     if mask.q_offset == 0 and mask.key_valid is None and tq == tk:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout)
+        return fn(q, k, v, is_causal=True, dropout_p=dropout)
     allowed = mask.dense(tq, tk, q.device)
     # A pad query row would be all-masked (NaN); let it see itself. Real rows never
     # attend to pads, so this changes nothing a real token sees.
     eye = torch.zeros_like(allowed[:1, :1])
     eye[..., torch.arange(tq), mask.q_offset + torch.arange(tq)] = True
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed | eye, dropout_p=dropout)
+    return fn(q, k, v, attn_mask=allowed | eye, dropout_p=dropout)
 
 
 def diff_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lam: torch.Tensor, mask: AttnMask, dropout: float = 0.0
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lam: torch.Tensor, mask: AttnMask, dropout: float = 0.0,
+    fn: Optional[Callable] = None,
 ) -> torch.Tensor:
     """Differential attention (A1 - lam A2) V = A1 V - lam A2 V: two fused calls.
 
@@ -167,29 +134,9 @@ def diff_attention(
     q = q.view(b, h // 2, 2, tq, d)
     k = k.view(b, h // 2, 2, tk, d)
     v = v.transpose(1, 2).reshape(b, tk, h // 2, 2 * d).transpose(1, 2)  # (B, H', Tk, 2d)
-    a1 = sdpa(q[:, :, 0], k[:, :, 0], v, mask, dropout)
-    a2 = sdpa(q[:, :, 1], k[:, :, 1], v, mask, dropout)
+    a1 = sdpa(q[:, :, 0], k[:, :, 0], v, mask, dropout, fn)
+    a2 = sdpa(q[:, :, 1], k[:, :, 1], v, mask, dropout, fn)
     return a1 - lam * a2
-
-
-@dataclass
-class ExplicitAttnParams:
-    """The score-path parameters of one layer (None = that part is off)."""
-
-    mta_kernel: Optional[torch.Tensor] = None  # (H, 1, c_q, c_k), before softmax
-    wpsm: Optional[torch.Tensor] = None  # (H, H), before softmax
-    mta_kernel_after_sm: Optional[torch.Tensor] = None  # (H, 1, c_q', c_k'), after softmax
-    head_kernel: Optional[torch.Tensor] = None  # (H/c_h, c_h, c_h), after softmax
-    wposm: Optional[torch.Tensor] = None  # (H, H), after softmax
-    pad_key: str = "both"
-    dropout: float = 0.0
-    # Query rows per block of the ``blocked`` implementation (``model.attn_block_size``);
-    # None: ``default_block_size`` of the tensors' device.
-    block_size: Optional[int] = None
-    # Kernel of the key-query convolutions (``kq_conv_backend``); None: chosen per call.
-    # ``blocked`` fixes it once per call, outside the (compiled, recomputed) block, so the
-    # forward and its recomputation agree and Dynamo traces no environment look-ups.
-    kq_backend: Optional[str] = None
 
 
 def explicit_attention_torch(
@@ -240,7 +187,7 @@ def kq_conv_backend(x: torch.Tensor) -> str:
     if want not in ("auto", "c", "triton", "conv2d"):
         raise UserError(f"MTA_KQ_CONV={want!r}: expected auto, c, triton or conv2d")
     if want in ("auto", "c"):
-        from mta_repro.model import kq_conv_cpu
+        from mta_repro.kernels import kq_conv_cpu
 
         if kq_conv_cpu.available(x):
             return "c"
@@ -269,9 +216,9 @@ def masked_kq_conv(
     if backend == "conv2d":
         return kq_conv(x * allowed, kernel, pad_key) * allowed
     if backend == "c":
-        from mta_repro.model.kq_conv_cpu import kq_conv as op
+        from mta_repro.kernels.kq_conv_cpu import kq_conv as op
     else:
-        from mta_repro.model.kq_conv_triton import kq_conv as op
+        from mta_repro.kernels.kq_conv_triton import kq_conv as op
     if mask.key_valid is not None:
         x = x * allowed
     y = op(x, kernel[:, 0], pad_left(pad_key, kernel.shape[-1]), mask.q_offset)
@@ -456,7 +403,7 @@ class AttnImpl:
 def _explicit_attention_triton(q, k, v, p, mask, training=False):
     # Imported on first use: triton is optional, and TRITON_INTERPRET is read when the
     # kernels are defined.
-    from mta_repro.model.attention_triton import explicit_attention_triton
+    from mta_repro.kernels.attention_triton import explicit_attention_triton
 
     return explicit_attention_triton(q, k, v, p, mask, training)
 
@@ -499,15 +446,33 @@ def explicit_attention(
     p: ExplicitAttnParams,
     mask: AttnMask,
     training: bool = False,
+    impls: Optional[Mapping[str, AttnImpl]] = None,
 ) -> torch.Tensor:
-    """Dispatch to ``ATTN_IMPLS[impl]``, or to its fallback where it declares no support."""
-    entry = ATTN_IMPLS[impl]
+    """Dispatch to ``impls[impl]`` (default: the registry ``ATTN_IMPLS``), or to its
+    fallback where it declares no support."""
+    impls = ATTN_IMPLS if impls is None else impls
+    entry = impls[impl]
     if entry.supports is not None:
         reason = entry.supports(q, p, mask)
         if reason is not None:
             _warn_fallback(impl, reason, entry.fallback)
-            entry = ATTN_IMPLS[entry.fallback]
+            entry = impls[entry.fallback]
     return entry.fn(q, k, v, p, mask, training)
+
+
+@dataclass(frozen=True)
+class AttnKernels:
+    """The functions one ``Attention`` module computes with (its ``kernels`` attribute).
+
+    The defaults are what runs: torch's SDPA, the registry ``ATTN_IMPLS`` and the key-query
+    convolution backend chosen per call (``kq_conv_backend``). Whoever needs other ones
+    for one model hands them to that model's modules: the memory pre-flight gives its meta
+    model stand-ins that keep what the device's kernels keep (``mta_repro.estimate.memory``),
+    so nothing process-wide is swapped and a model next to it is untouched."""
+
+    sdpa: Optional[Callable] = None  # F.scaled_dot_product_attention's signature; None: that function
+    impls: Optional[Mapping[str, AttnImpl]] = None  # None: ATTN_IMPLS as it is at the call
+    kq_backend: Optional[str] = None  # c | triton | conv2d; None: kq_conv_backend per call
 
 
 _warned: set = set()

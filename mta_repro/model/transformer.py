@@ -201,6 +201,9 @@ class Attention(nn.Module):
         self.init_method = m.init_method
         self.attn_impl = args.attn_impl
         self.attn_block_size = args.attn_block_size
+        # What the score path runs on: the defaults, unless a caller hands this module others
+        # (the memory pre-flight's meta stand-ins; see attention_ops.AttnKernels).
+        self.kernels = attention_ops.AttnKernels()
         self.wq = nn.Linear(args.dim, H * d, bias=False)
         self.wk = nn.Linear(args.dim, H_kv * d, bias=False)
         self.wv = nn.Linear(args.dim, H_kv * d, bias=False)
@@ -250,6 +253,7 @@ class Attention(nn.Module):
             pad_key=self.pad_key,
             dropout=self.dropout,
             block_size=self.attn_block_size,
+            kq_backend=self.kernels.kq_backend,
         )
 
     def reset_parameters(self) -> None:
@@ -337,9 +341,9 @@ class Attention(nn.Module):
         mask = attention_ops.AttnMask(q_offset, key_valid)
         dropout = self.dropout if self.training else 0.0
         if self.kind == "sdpa":
-            out = attention_ops.sdpa(q, k, v, mask, dropout)
+            out = attention_ops.sdpa(q, k, v, mask, dropout, self.kernels.sdpa)
         elif self.kind == "diff":
-            out = attention_ops.diff_attention(q, k, v, self._diff_lambda(q.dtype), mask, dropout)
+            out = attention_ops.diff_attention(q, k, v, self._diff_lambda(q.dtype), mask, dropout, self.kernels.sdpa)
         else:
             out = self._explicit(q, k, v, mask, cache)
         out = out.transpose(1, 2)  # (B, T, heads, head size): H x d, or H/2 x 2d for diff
@@ -367,14 +371,16 @@ class Attention(nn.Module):
         params = self.explicit_params()
         w = attention_ops.query_history(params)
         if cache is None or w == 0:
-            return attention_ops.explicit_attention(self.attn_impl, q, k, v, params, mask, self.training)
+            return attention_ops.explicit_attention(self.attn_impl, q, k, v, params, mask, self.training,
+                                                    self.kernels.impls)
         # Cached MTA decoding: the query-direction convolutions read the score rows of
         # the last w queries, so recompute those rows too and keep only the new ones.
         new = q.shape[2]
         q = _append(cache.q, q)  # (B, H, <= w + new, d)
         cache.q = q[:, :, -w:]
         mask = attention_ops.AttnMask(mask.q_offset + new - q.shape[2], mask.key_valid)
-        return attention_ops.explicit_attention(self.attn_impl, q, k, v, params, mask, self.training)[:, :, -new:]
+        return attention_ops.explicit_attention(self.attn_impl, q, k, v, params, mask, self.training,
+                                                self.kernels.impls)[:, :, -new:]
 
 
 # -------------------------------------------------------------------------- model

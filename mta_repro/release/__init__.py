@@ -5,7 +5,7 @@
   ``experiment_yaml``, ``release_model_args``).
 - ``mta_repro.release.cli``: ``python -m mta_repro.release convert PATH [--name NAME]
   [--config-dir DIR] [--print] [key=value ...]`` writes ``configs/experiment/<name>.yaml``;
-  ``python -m mta_repro.params --release-config PATH`` prints the same JSON as our Hydra
+  ``python -m mta_repro.estimate --release-config PATH`` prints the same JSON as our Hydra
   config. The converted experiment trains with ``python -m mta_repro.train
   experiment=<name> [data.root_dir=...]``.
 - Checkpoints are *not* here: reading the release's and Lingua's weights (state-dict keys,

@@ -41,7 +41,7 @@ from mta_repro.cpu_malloc import fix_mmap_threshold
 from mta_repro.dataclass_config import to_dataclass
 from mta_repro.errors import NoSpaceError, UserError
 from mta_repro.model import build_model, to_model_args
-from mta_repro.model.flops import train_flops_per_token
+from mta_repro.estimate.flops import train_flops_per_token
 from mta_repro.train.args import CheckpointArgs, TrainerArgs
 from mta_repro.train.checkpoint import CheckpointManager
 from mta_repro.train.distributed import (

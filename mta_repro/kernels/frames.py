@@ -20,12 +20,15 @@ statistics; only dk and dv take atomics from several programs).
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass
-from typing import Optional
+from typing import NamedTuple, Optional
+
+import torch
 
 from mta_repro.errors import UserError
-from mta_repro.model.conv_pad import pad_left
+from mta_repro.kernels.conv_pad import pad_left
 
 # The kernel's passes, in the order they run (forward: 0, 1; backward: 2, 3).
 PASSES = ("stats", "forward", "backward_rowsum", "backward")
@@ -238,3 +241,101 @@ def cells_visited(f: Frame, tq: int, tk: int, q_offset: int = 0) -> int:
     """Frame cells one (batch, head) pass computes: every row block's frames, over the key
     blocks up to the one holding its last query (the kernel's causal skipping)."""
     return sum(f.er * f.ec * key_blocks(f, t, tq, tk, q_offset) for t in range(-(-tq // f.bmo)))
+
+
+# ------------------------------------------------------------------ workspace
+# What a launch allocates, in one place: ``attention_triton._launch`` allocates from
+# ``pass_buffers`` and the memory pre-flight (``mta_repro.estimate.memory``) sums
+# ``backward_workspace_bytes``, so the two cannot drift apart.
+
+
+class Buffer(NamedTuple):
+    shape: tuple
+    dtype: torch.dtype
+    fill: Optional[float]  # None: torch.empty (every cell is written before it is read)
+
+
+def acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The accumulators' dtype of inputs of ``dtype``: fp64 for fp64 (the interpreter's
+    checks), fp32 otherwise. Scratch is in the inputs' dtype."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def pass_buffers(pass_: str, f: Frame, sched: Schedule, n_prog: int, *, b: int, h: int, hp: int, tk: int, dpad: int,
+                 pre: Optional[tuple[int, int]], post: Optional[tuple[int, int]], dtype: torch.dtype) -> dict:
+    """{name: Buffer} a pass's launch allocates: its per-item partials (slots = B x row
+    blocks x key splits; DPAD features so their rows suit a tensor descriptor), the
+    backward's dk/dv and per-program weight-gradient partials, and the per-program scratch
+    slots of its stages (``scratch_slots``)."""
+    acc, slots = acc_dtype(dtype), b * sched.n_rt * sched.s_max
+    progs = max(1, n_prog)
+    out = {
+        "stats": lambda: {"pm": Buffer((slots, hp, f.er), acc, float("-inf")), "pl": Buffer((slots, hp, f.er), acc, 0.0)},
+        "forward": lambda: {"po": Buffer((slots, h, f.er, dpad), acc, 0.0)},
+        "backward_rowsum": lambda: {"pd": Buffer((slots, hp, f.er), acc, 0.0)},
+        "backward": lambda: {
+            "pdq": Buffer((slots, h, f.er, dpad), acc, 0.0), "dk": Buffer((b, h, tk, dpad), acc, 0.0),
+            "dv": Buffer((b, h, tk, dpad), acc, 0.0), "pw1": Buffer((progs, hp, hp), acc, 0.0),
+            "pw2": Buffer((progs, hp, hp), acc, 0.0),
+            **({"pt1": Buffer((progs, hp, *pre), acc, 0.0)} if pre else {}),
+            **({"pt2": Buffer((progs, hp, *post), acc, 0.0)} if post else {})},
+    }[pass_]()
+    nslot = scratch_slots(pass_, pre is not None, post is not None)["NSLOT"]
+    n_tiles = sum(c1 - c0 for _, _, c0, c1, _ in sched.items)
+    out["tiles"] = Buffer((4 * n_tiles + n_prog + 1,), torch.int32, None)  # Schedule.tiles(), as the kernel walks it
+    out["scratch"] = Buffer((n_prog * nslot * hp * f.er * f.ec,), dtype, None)
+    return out
+
+
+def nbytes(bufs: dict) -> int:
+    return sum(math.prod(x.shape) * x.dtype.itemsize for x in bufs.values())
+
+
+def problem_buffers(*, b: int, h: int, hp: int, tq: int, tk: int, d: int, pre: Optional[tuple[int, int]],
+                    post: Optional[tuple[int, int]], mix: tuple[bool, bool], pad_key: str, ec: int,
+                    dtype: torch.dtype, gpu: bool = True) -> dict:
+    """{name: Buffer} of what one call derives from its inputs and holds through its passes
+    (``attention_triton._Problem``): the keys convolved with each pre-softmax kernel row
+    (B, H, c_q, T, d; a DPAD copy besides when d is not whole feature parts), the causal band
+    correction (B, H, Tq, NB), the convolutions' Toeplitz tables (HP x c_q x EC, EC) of a
+    pass whose frames are ``ec`` wide, the (HP, HP) head-mixing matrices (``mix``: pre- and
+    post-softmax mixing on) and the DPAD copies of q, k, v."""
+    acc, dpad = acc_dtype(dtype), feature_parts(d)[1]
+    out = {"dummy": Buffer((1,), acc, 0.0)}  # the argument of every buffer a pass does not use
+    if pre is not None:
+        cq, ck = pre
+        out["khat"] = Buffer((b, h, cq, tk, d), dtype, None)
+        if dpad != d:
+            out["khat_padded"] = Buffer((b * h * cq, tk, dpad), dtype, None)
+        out["band"] = Buffer((b, h, tq, cq - 1 + ck - 1 - pad_left(pad_key, ck)), acc, None)  # band_width
+    out.update({name: Buffer((hp, hp), acc, None) for name, on in zip(("w1t", "w2t"), mix) if on})
+    table_dtype = dtype if gpu else acc
+    for name, k in (("ta1", pre), ("tf2", post), ("ta2", post)):
+        if k is not None:
+            out[name] = Buffer((hp * k[0] * ec, ec), table_dtype, None)
+    if dpad != d:
+        out["padded_qkv"] = Buffer((b * h, tq + 2 * tk, dpad), dtype, None)
+    return out
+
+
+def backward_workspace_bytes(*, b: int, h: int, d: int, seq_len: int, pre: Optional[tuple[int, int]],
+                             post: Optional[tuple[int, int]], mix: tuple[bool, bool], pad_key: str,
+                             dtype: torch.dtype, n_prog: int, gpu: bool = True) -> int:
+    """Bytes the fused kernel holds beyond its inputs, outputs and saved tensors while its
+    backward pass runs (its largest moment): the call's derived inputs, the rowsum pass's
+    partials and their per-row reduction D (B, H, T) fp32, and the backward pass's own
+    buffers. ``n_prog``: persistent programs (``PROGRAMS_PER_SM`` x SMs on a GPU)."""
+    hp, dpad = padded_heads(h, gpu), feature_parts(d)[1]
+    ec = frame("backward", pre, post, pad_key).ec
+    total = nbytes(problem_buffers(b=b, h=h, hp=hp, tq=seq_len, tk=seq_len, d=d, pre=pre, post=post, mix=mix,
+                                   pad_key=pad_key, ec=ec, dtype=dtype, gpu=gpu))
+    total += b * h * seq_len * acc_dtype(dtype).itemsize  # D
+    for pass_ in ("backward_rowsum", "backward"):
+        f = frame(pass_, pre, post, pad_key)
+        sched = items(f, b, seq_len, seq_len, 0, n_prog)
+        bufs = pass_buffers(pass_, f, sched, len(sched.starts) - 1, b=b, h=h, hp=hp, tk=seq_len, dpad=dpad,
+                            pre=pre, post=post, dtype=dtype)
+        if pass_ == "backward_rowsum":  # freed when its launch returns; its partials stay
+            del bufs["scratch"], bufs["tiles"]
+        total += nbytes(bufs)
+    return total

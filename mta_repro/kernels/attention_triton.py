@@ -109,7 +109,7 @@ GPU has measured it yet); ``docs/triton_kernel.md`` has the figures.
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING, Optional
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -119,10 +119,9 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from mta_repro.errors import UserError
-from mta_repro.model import frames, triton_interp
+from mta_repro.kernels import frames, triton_interp
+from mta_repro.kernels.types import AttnMask, ExplicitAttnParams, post_mix_matrix
 
-if TYPE_CHECKING:  # types only: attention_ops imports this module (lazily), not the reverse
-    from mta_repro.model.attention_ops import AttnMask, ExplicitAttnParams
 
 _STATS, _FWD, _ROWSUM, _BWD = (tl.constexpr(i) for i in range(4))
 
@@ -888,32 +887,19 @@ def _descriptor(x: Optional[torch.Tensor], block: list, dtype: torch.dtype, devi
 def _launch(mode: int, pb: _Problem, bufs: dict, do: Optional[torch.Tensor] = None):
     f, sched, n_prog = pb.geometry(mode)
     pb.toeplitz(f.ec)
-    n_slots = pb.b * sched.n_rt * sched.s_max
-    acc = pb.acc_t
-    if mode == _STATS.value:
-        bufs["pm"] = torch.full((n_slots, pb.hp, f.er), float("-inf"), dtype=acc, device=pb.dev)
-        bufs["pl"] = torch.zeros(n_slots, pb.hp, f.er, dtype=acc, device=pb.dev)
-    elif mode == _FWD.value:  # accumulators: DPAD features, so their rows suit a tensor descriptor
-        bufs["po"] = torch.zeros(n_slots, pb.h, f.er, pb.dpad, dtype=acc, device=pb.dev)
-    elif mode == _ROWSUM.value:
-        bufs["pd"] = torch.zeros(n_slots, pb.hp, f.er, dtype=acc, device=pb.dev)
-    else:
-        bufs["pdq"] = torch.zeros(n_slots, pb.h, f.er, pb.dpad, dtype=acc, device=pb.dev)
-        bufs["dk"] = torch.zeros(pb.b, pb.h, pb.tk, pb.dpad, dtype=acc, device=pb.dev)
-        bufs["dv"] = torch.zeros(pb.b, pb.h, pb.tk, pb.dpad, dtype=acc, device=pb.dev)
-        bufs["pw1"] = torch.zeros(max(1, n_prog), pb.hp, pb.hp, dtype=acc, device=pb.dev)
-        bufs["pw2"] = torch.zeros(max(1, n_prog), pb.hp, pb.hp, dtype=acc, device=pb.dev)
-        if pb.pre:
-            bufs["pt1"] = torch.zeros(max(1, n_prog), pb.hp, *pb.pre, dtype=acc, device=pb.dev)
-        if pb.post:
-            bufs["pt2"] = torch.zeros(max(1, n_prog), pb.hp, *pb.post, dtype=acc, device=pb.dev)
+    specs = frames.pass_buffers(frames.PASSES[mode], f, sched, n_prog, b=pb.b, h=pb.h, hp=pb.hp, tk=pb.tk,
+                                dpad=pb.dpad, pre=pb.pre, post=pb.post, dtype=pb.q.dtype)
+    scratch_spec = specs.pop("scratch")
+    specs.pop("tiles")  # built below from the schedule
+    for name, (shape, dtype, fill) in specs.items():
+        bufs[name] = torch.full(shape, fill, dtype=dtype, device=pb.dev)
     if not sched.items:
         return f, sched
     consts = kernel_constexprs(mode, f, h=pb.h, d=pb.d, pre=pb.pre, post=pb.post, pad_key=pb.pad_key,
                                has_w1=pb.w1t is not None, has_w2=pb.w2t is not None, has_kv=pb.kv is not None,
                                drop=pb.p_drop > 0.0, gpu=pb.gpu, dtype=pb.q.dtype)
     # unwritten cells are never read (each phase writes whole planes before the next reads)
-    scratch = torch.empty(n_prog * consts["NSLOT"] * pb.hp * f.er * f.ec, dtype=pb.sdt, device=pb.dev)
+    scratch = torch.empty(scratch_spec.shape, dtype=scratch_spec.dtype, device=pb.dev)
     inputs = {"q": pb.qp, "k": pb.kp, "v": pb.vp, "do": None if do is None else pb.padded(do),
               "khat": pb.khatp, "tf2": getattr(pb, "tf2", None), "ta2": getattr(pb, "ta2", None),
               "ta1": getattr(pb, "ta1", None)}
@@ -1013,14 +999,6 @@ class _MTATriton(torch.autograd.Function):
         t1 = bufs["pt1"].sum(0)[:h] if k1 is not None else None
         t2 = bufs["pt2"].sum(0)[:h] if k2 is not None else None
         return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), t1, g1, t2, g2, None, None, None, None)
-
-
-def post_mix_matrix(p: ExplicitAttnParams) -> Optional[torch.Tensor]:
-    """The post-softmax head mixing as one (H_out, H_in) matrix: ``wposm`` itself, or the
-    block-diagonal matrix of the grouped ``head_kernel`` (out g*c_h+j <- in g*c_h+i)."""
-    if p.head_kernel is not None:
-        return torch.block_diag(*p.head_kernel.transpose(1, 2))
-    return p.wposm
 
 
 def explicit_attention_triton(

@@ -1,7 +1,7 @@
 /* Depthwise 2-D correlation for MTA's key-query convolution on CPU, causal-aware (the
  * forward, the input gradient and the weight gradient all reduce to the two loops below).
  *
- * Compiled on first use by mta_repro/model/kq_conv_cpu.py (cc -O3 -march=native
+ * Compiled on first use by mta_repro/kernels/kq_conv_cpu.py (cc -O3 -march=native
  * -fopenmp) and called through ctypes. Why not F.conv2d: its depthwise backward on CPU is
  * the largest single cost of an MTA layer (PERF_NOTES.md). Each output row stays in L1
  * while every tap adds a shifted input row to it; those loops vectorise along the keys.

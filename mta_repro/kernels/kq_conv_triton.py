@@ -39,9 +39,9 @@ import triton
 import triton.language as tl
 
 from mta_repro.errors import UserError
-from mta_repro.model import triton_interp
+from mta_repro.kernels import triton_interp
 
-triton_interp.install()  # Triton 3.6's interpreter with numpy >= 2.4 (mta_repro/model/triton_interp.py)
+triton_interp.install()  # Triton 3.6's interpreter with numpy >= 2.4 (mta_repro/kernels/triton_interp.py)
 
 # "No causal mask": a diagonal beyond every column (same constant as kq_conv_cpu).
 NO_DIAG = 2**62

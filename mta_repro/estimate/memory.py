@@ -1,7 +1,7 @@
 """Per-GPU memory pre-flight of a training config: will it fit 80 GB and 141 GB (H200)?
 
-    python -m mta_repro.params experiment=long_context_880m_mta --memory
-    python -m mta_repro.params experiment=pretrain_880m_mta --memory --world-size 8
+    python -m mta_repro.estimate experiment=long_context_880m_mta --memory
+    python -m mta_repro.estimate experiment=pretrain_880m_mta --memory --world-size 8
 
 The estimate is the peak of one steady-state training step (the second on: AdamW's
 moments exist) on one rank. Nothing about activations is guessed: the model runs one
@@ -12,9 +12,11 @@ so the running sum of live bytes is the step's memory over time, transients and 
 blocked path's query-block recomputation included. On meta the run's kernels are
 stand-ins that keep what the real ones keep: flash-like SDPA (q, k, v, output and the fp32
 log-sum-exp; on CUDA its backward also holds FlashAttention-2's fp32 dq accumulator and
-row sums), the triton stand-in (plus ``triton_backward_workspace`` at the moment its
-backward starts), and the key-query convolution kernel the run's device picks (its fake
-implementation). The blocked path uses the run's device's query-block size. The parts:
+row sums), the triton stand-in (plus the kernel's own backward workspace,
+``frames.backward_workspace_bytes``, at the moment its backward starts), and the key-query
+convolution kernel the run's device picks (its fake implementation); the meta model's
+attention modules are handed them (``Attention.kernels``), nothing process-wide is
+swapped. The blocked path uses the run's device's query-block size. The parts:
 
 - parameters and AdamW moments: fp32, sharded over the world size (12 bytes per parameter
   / world), held through the whole step;
@@ -98,47 +100,46 @@ def _sdpa_meta_cuda(q, k, v, *args, **kwargs):
 
 
 class _TritonLike(torch.autograd.Function):
-    """What ``attn_impl=triton`` keeps for backward: contiguous q, k, v and the fp32
-    log-sum-exp per row (the weights are parameters). Triton does not run on meta."""
+    """What ``attn_impl=triton`` keeps for backward: contiguous q, k, v, the fp32
+    log-sum-exp per row and the weights as the kernel reads them (in its accumulator dtype:
+    a copy where they are in another, e.g. bf16 parameters). Triton does not run on meta."""
 
     @staticmethod
-    def forward(ctx, q, k, v):
+    def forward(ctx, q, k, v, *weights):
         lse = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)
-        ctx.save_for_backward(q.contiguous(), k.contiguous(), v.contiguous(), lse)
+        ctx.save_for_backward(q.contiguous(), k.contiguous(), v.contiguous(), lse, *weights)
         return torch.empty_like(q)
 
     @staticmethod
     def backward(ctx, g):
-        q, k, v, _ = ctx.saved_tensors
-        return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        q, k, v, *_ = ctx.saved_tensors
+        return (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)) + (None,) * (len(ctx.saved_tensors) - 4)
 
 
 def _triton_meta(q, k, v, p, mask, training=False):
-    return _TritonLike.apply(q, k, v)
+    from mta_repro.kernels.types import post_mix_matrix
+
+    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    weights = (None if p.mta_kernel is None else p.mta_kernel[:, 0], p.wpsm,
+               None if p.mta_kernel_after_sm is None else p.mta_kernel_after_sm[:, 0], post_mix_matrix(p))
+    return _TritonLike.apply(q, k, v, *(w.to(acc).contiguous() for w in weights if w is not None))
 
 
 def triton_backward_workspace(attn, batch_size: int, seq_len: int, sms: int = 132) -> int:
-    """Bytes the triton kernel's backward pass allocates for one layer (its largest pass):
-    the per-program scratch slots (compute dtype, taken as 2 bytes; a persistent grid of
-    PROGRAMS_PER_SM per SM, 132 SMs on an H100/H200), the per-item fp32 dq partials of the
-    owned rows, the fp32 dk/dv accumulators, the convolved keys and the band table."""
-    from mta_repro.model import frames
+    """Bytes the triton kernel holds while its backward pass runs for one layer (its largest
+    moment): ``frames.backward_workspace_bytes``, the sum of what its launcher allocates
+    (a persistent grid of PROGRAMS_PER_SM per SM, 132 SMs on an H100/H200; scratch in the
+    module's compute dtype)."""
+    from mta_repro.kernels import frames
+    from mta_repro.kernels.types import post_mix_matrix
 
     p = attn.explicit_params()
     pre = None if p.mta_kernel is None else tuple(p.mta_kernel.shape[2:])
     post = None if p.mta_kernel_after_sm is None else tuple(p.mta_kernel_after_sm.shape[2:])
-    f = frames.frame("backward", pre, post, p.pad_key)
-    n_target = frames.PROGRAMS_PER_SM * sms
-    sched = frames.items(f, batch_size, seq_len, seq_len, 0, n_target)
-    programs = len(sched.starts) - 1
-    hp = frames.padded_heads(attn.n_heads)
-    n_slot = frames.scratch_slots("backward", pre is not None, post is not None)["NSLOT"]
-    scratch = programs * n_slot * hp * f.er * f.ec * 2
-    io = batch_size * attn.n_heads * seq_len * attn.head_dim
-    dpad = frames.feature_parts(attn.head_dim)[1]  # the accumulators' feature width (tensor descriptors)
-    dq_parts = batch_size * sched.n_rt * sched.s_max * attn.n_heads * f.er * dpad * 4
-    khat = (pre[0] * io * 2 + batch_size * attn.n_heads * seq_len * 16 * 4) if pre else 0
-    return scratch + dq_parts + 2 * (io // attn.head_dim * dpad) * 4 + khat
+    return frames.backward_workspace_bytes(b=batch_size, h=attn.n_heads, d=attn.head_dim, seq_len=seq_len, pre=pre,
+                                           post=post, mix=(p.wpsm is not None, post_mix_matrix(p) is not None),
+                                           pad_key=p.pad_key, dtype=attn.wq.weight.dtype,
+                                           n_prog=frames.PROGRAMS_PER_SM * sms)
 
 
 def _saved_bytes(fn, exclude: set) -> int:
@@ -150,18 +151,8 @@ def _saved_bytes(fn, exclude: set) -> int:
         sizes[s._cdata] = s.nbytes()
         return t
 
-    from mta_repro.model import attention_ops
-
-    sdpa = torch.nn.functional.scaled_dot_product_attention
-    triton_impl = attention_ops.ATTN_IMPLS["triton"]
-    torch.nn.functional.scaled_dot_product_attention = _sdpa_meta
-    attention_ops.ATTN_IMPLS["triton"] = attention_ops.AttnImpl(_triton_meta)
-    try:
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            fn()
-    finally:
-        torch.nn.functional.scaled_dot_product_attention = sdpa
-        attention_ops.ATTN_IMPLS["triton"] = triton_impl
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fn()
     return sum(n for k, n in sizes.items() if k not in exclude)
 
 
@@ -239,16 +230,13 @@ def target_kq_backend(device: str, dtype: torch.dtype) -> str:
 
 
 @contextmanager
-def _run_device_impls(live: _LiveBytes, device: str, dtype: torch.dtype, workspace: dict):
-    """Stand-ins on meta for what runs on ``device``: flash-like SDPA, the triton stand-in
-    (plus its backward workspace, as a spike when its output's gradient arrives; bytes per
-    attention module in ``workspace``), the device's key-query convolution kernel."""
+def _run_device_impls(model, live: _LiveBytes, device: str, dtype: torch.dtype, workspace: dict):
+    """Hands ``model``'s attention modules stand-ins on meta for what runs on ``device``
+    (``Attention.kernels``; nothing process-wide changes): flash-like SDPA, the triton
+    stand-in (plus its backward workspace, as a spike when its output's gradient arrives;
+    bytes per attention module in ``workspace``), the device's key-query convolution kernel."""
     from mta_repro.model import attention_ops
 
-    sdpa = torch.nn.functional.scaled_dot_product_attention
-    triton_impl = attention_ops.ATTN_IMPLS["triton"]
-    kq_backend = attention_ops.kq_conv_backend
-    backend = target_kq_backend(device, dtype)
     current = {"bytes": 0}
 
     def triton(q, k, v, p, mask, training=False):
@@ -258,16 +246,20 @@ def _run_device_impls(live: _LiveBytes, device: str, dtype: torch.dtype, workspa
             out.register_hook(lambda g: live.spike(n, "triton backward workspace"))
         return out
 
+    kernels = attention_ops.AttnKernels(
+        sdpa=_sdpa_meta_cuda if device == "cuda" else _sdpa_meta,
+        impls={**attention_ops.ATTN_IMPLS, "triton": attention_ops.AttnImpl(triton)},
+        kq_backend=target_kq_backend(device, dtype))
+    modules = [layer.attention for layer in model.layers]
+    before = [m.kernels for m in modules]
     hooks = [m.register_forward_pre_hook(lambda m, a, n=n: current.update(bytes=n)) for m, n in workspace.items()]
-    torch.nn.functional.scaled_dot_product_attention = _sdpa_meta_cuda if device == "cuda" else _sdpa_meta
-    attention_ops.ATTN_IMPLS["triton"] = attention_ops.AttnImpl(triton)
-    attention_ops.kq_conv_backend = lambda x: backend
+    for m in modules:
+        m.kernels = kernels
     try:
         yield
     finally:
-        torch.nn.functional.scaled_dot_product_attention = sdpa
-        attention_ops.ATTN_IMPLS["triton"] = triton_impl
-        attention_ops.kq_conv_backend = kq_backend
+        for m, k in zip(modules, before):
+            m.kernels = k
         for h in hooks:
             h.remove()
 
@@ -327,7 +319,7 @@ def _step_on_meta(model, batch_size: int, seq_len: int, world_size: int, device:
             layer.forward = lambda *a, _f=forward, **k: checkpoint(_f, *a, use_reentrant=False,
                                                                    preserve_rng_state=keep_rng, **k)
     live = _LiveBytes(params | {tokens.untyped_storage()._cdata})
-    with _run_device_impls(live, device, dtype, workspace), live:
+    with _run_device_impls(model, live, device, dtype, workspace), live:
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             out = loss()
         end_of_forward = len(live.events)

@@ -1,4 +1,4 @@
-"""The key-query convolution on CPU through small C loops (``kernels/kq_conv.c``).
+"""The key-query convolution on CPU through small C loops (``kq_conv.c``).
 
 ``F.conv2d``'s depthwise backward is the largest single cost of an MTA layer on CPU
 (PERF_NOTES.md: 4.0 of 8.2 s). The C file computes the forward, the input gradient and
@@ -26,7 +26,7 @@ from typing import Optional
 
 import torch
 
-_SRC = Path(__file__).with_name("kernels") / "kq_conv.c"
+_SRC = Path(__file__).with_name("kq_conv.c")
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c99"]
 _DTYPES = {torch.float32: "f32", torch.float64: "f64"}
 _lib: Optional[ctypes.CDLL] = None

@@ -23,7 +23,7 @@ H x H product: the kernel expands ``head_kernel``), and training = their sum (re
 
 from __future__ import annotations
 
-from mta_repro.model import frames
+from mta_repro.kernels import frames
 from mta_repro.model.args import ModelArgs
 
 

@@ -1,0 +1,7 @@
+"""``python -m mta_repro.estimate``: the command line of ``mta_repro.estimate.params``."""
+
+import sys
+
+from mta_repro.estimate.params import cli
+
+sys.exit(cli(sys.argv[1:]))
