@@ -114,7 +114,7 @@ def test_interpreter_descriptor_reduction_adds_the_box_inside_the_tensor():
     import triton.language as tl
     from triton.tools.tensor_descriptor import TensorDescriptor
 
-    from mta_repro.model import attention_triton  # noqa: F401  (installs the interpreter's reduction)
+    from mta_repro.kernels import attention_triton  # noqa: F401  (installs the interpreter's reduction)
 
     @triton.jit
     def add_box(desc, r0, c0, x_ptr):
@@ -393,23 +393,25 @@ def test_bfloat16_is_as_accurate_as_the_reference_in_bfloat16():
 
 
 def test_model_imports_run_one_way():
-    """No import cycle among mta_repro/model's modules at module level (function-local
-    imports and ``if TYPE_CHECKING:`` blocks excluded): attention_ops reaches the fused
+    """No import cycle among the modules of mta_repro/model and mta_repro/kernels at module
+    level (function-local imports and ``if TYPE_CHECKING:`` blocks excluded; tests/test_house.py
+    also forbids those from the kernels to the model): attention_ops reaches the fused
     kernel only lazily, and the kernel and its geometry never import attention_ops."""
     import ast
     from pathlib import Path
 
-    model = Path(attention_ops.__file__).parent
+    pkg = Path(attention_ops.__file__).parents[1]
     graph = {}
-    for f in model.glob("*.py"):
+    for f in [*(pkg / "model").glob("*.py"), *(pkg / "kernels").glob("*.py")]:
         deps = set()
         for node in ast.parse(f.read_text()).body:  # module level only
             if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
                 continue
             for n in ast.walk(node) if not isinstance(node, (ast.FunctionDef, ast.ClassDef)) else ():
-                if isinstance(n, ast.ImportFrom) and (n.module or "").startswith("mta_repro.model"):
+                if isinstance(n, ast.ImportFrom) and (n.module or "").startswith(("mta_repro.model", "mta_repro.kernels")):
+                    sub = n.module.split(".")[1]
                     mod = n.module.split(".")[2] if n.module.count(".") >= 2 else None
-                    deps |= {mod} if mod else {a.name for a in n.names if (model / f"{a.name}.py").exists()}
+                    deps |= {mod} if mod else {a.name for a in n.names if (pkg / sub / f"{a.name}.py").exists()}
         graph[f.stem] = deps - {f.stem}
 
     def reaches(a, b, seen=()):
@@ -417,6 +419,7 @@ def test_model_imports_run_one_way():
 
     cycles = [m for m in graph if reaches(m, m)]
     assert not cycles, {m: graph[m] for m in cycles}
+    assert "attention_ops" in graph and "attention_triton" in graph and "frames" in graph
     assert "attention_ops" not in graph["attention_triton"] | graph["frames"]
 
 
