@@ -49,11 +49,13 @@ lint: $(STAMPS)/.make-installed-all,dev
 
 # The whole suite on TEST_WORKERS pytest-xdist processes (2: this project's 2-core CI
 # machine; most of the suite waits on subprocesses, the interpreter and the SLURM queue,
-# not on arithmetic); --dist loadgroup keeps the SLURM tests on one worker (tests/conftest.py).
+# not on arithmetic); --dist loadgroup keeps the SLURM tests on one worker (tests/conftest.py),
+# and --no-loadscope-reorder hands the work out in the workers' collection order, which
+# tests/conftest.py (LONGEST_FIRST) sorts longest first.
 # TEST_WORKERS=0 runs it in one process.
 TEST_WORKERS ?= 2
 test: lint
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup --durations=15
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder --durations=15
 
 # Markers are assigned in tests/conftest.py; -m "not slow" leaves out the cluster,
 # multi-rank, pipeline, Triton-interpreter and long training tests.

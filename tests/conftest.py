@@ -123,6 +123,26 @@ SHARED_FIXTURE_MODULES = {
     "test_train_validation.py",
 }
 
+# The order in which `make test` hands work to its pytest-xdist workers, longest first (it
+# passes --no-loadscope-reorder, so work units go out in collection order; this order is
+# applied on the workers only, a run without xdist keeps the files' order): the SLURM
+# group, the critical path on one worker, then the other units of a minute or more
+# (seconds: --durations on 2 cores), so that no worker starts a minutes-long test while
+# the other one is finishing. Then the other shared-fixture groups, the rest of the slow
+# tier, the fast tier. A module name stands for its group; (module, test) for one test.
+LONGEST_FIRST = (
+    "test_slurm.py",  # ~230 s of cluster jobs, one after the other
+    "test_pipeline.py",  # the tiny pipeline (~190 s) and its reruns
+    ("test_attn_triton.py", "test_debug_experiment_with_mta_trains_as_torch"),  # ~160 s
+    ("test_device_image.py", "test_the_trainer_and_kernels_run_with_only_the_image_and_its_wheels"),  # ~100 s
+    ("test_memory_measured.py", "test_preflight_matches_a_measured_cpu_step_for_baseline_and_mta"),  # ~70 s
+    ("distributed/test_train_distributed.py", "test_two_ranks_match_one_rank_on_the_same_global_batch"),  # ~70 s
+    ("test_gpu_acceptance.py", "test_quick_cpu_run_writes_every_section"),  # ~60 s
+    ("test_attn_triton.py", "test_many_frames_with_padding_and_offset"),  # ~57 s
+    "test_table5_small.py",  # ~55 s
+    "test_pipeline_llama3.py",  # ~50 s fixture
+)
+
 # Warnings a test provokes on purpose without asserting them, ignored for that test only
 # (pyproject.toml filters the two that come from tiny configs everywhere): anything else
 # printed in the warnings summary is worth reading.
@@ -140,6 +160,20 @@ EXPECTED_WARNINGS = {
 def _where(item) -> str:
     path = os.path.relpath(str(item.path), os.path.dirname(__file__))
     return path.replace(os.sep, "/")
+
+
+def _schedule_rank(item) -> int:
+    """Where an item goes in LONGEST_FIRST's order (sorted() keeps the rest in file order,
+    so a module's tests stay together)."""
+    module = _where(item)
+    name = getattr(item, "originalname", None) or item.name.split("[")[0]
+    for i, entry in enumerate(LONGEST_FIRST):
+        if entry == module or entry == (module, name):
+            return i
+    n = len(LONGEST_FIRST)
+    if module in SHARED_FIXTURE_MODULES:
+        return n
+    return n + 1 if item.get_closest_marker("slow") else n + 2
 
 
 # tryfirst: pytest-xdist's workers read the xdist_group marks in their own hook of this name
@@ -168,8 +202,11 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.xdist_group(module))
         if (module, name) in EXPECTED_WARNINGS:
             item.add_marker(pytest.mark.filterwarnings(EXPECTED_WARNINGS[(module, name)]))
+    if hasattr(config, "workerinput"):  # a pytest-xdist worker: its order is the schedule's
+        items[:] = sorted(items, key=_schedule_rank)
     # A renamed test would silently fall into the fast tier: name the stale entries.
-    listed = set(SLOW_TESTS) | set(TEST_MARKERS) | set(EXPECTED_WARNINGS)
+    listed = set(SLOW_TESTS) | set(TEST_MARKERS) | set(EXPECTED_WARNINGS) | {
+        e for e in LONGEST_FIRST if isinstance(e, tuple)}
     stale = [f"{m}::{n}" for m, n in sorted(listed) if m in seen_modules and (m, n) not in seen]
     if stale and not config.getoption("keyword") and not config.getoption("markexpr", ""):
         warnings.warn(pytest.PytestConfigWarning(

@@ -38,6 +38,10 @@ COMMON = [
     "logging.progress_bar=false",
     "optim.lr=3e-3",
     "optim.warmup=2",
+    # Validation at the last step runs (on both ranks, under srun) but on one batch per
+    # domain: these tests compare training losses, and the default 256 batches per domain
+    # (1,012 forward batches) were 40-80 s of every job and of the reference
+    "trainer.eval_max_batches=1",
 ]
 CPU_PROFILE = ["slurm.gpus_per_node=0", "slurm.tasks_per_node=2", "slurm.cpus_per_task=1", "slurm.cpu_bind=null",
                "slurm.time_min=10", "slurm.signal_s=30"]
@@ -365,7 +369,8 @@ def test_table5_sweep_through_submitit(tmp_path):
     # (the experiment's run_dir interpolates the swept fields; here under tmp_path).
     p = _run(["-m", "mta_repro.train", "-m", "hydra/launcher=slurm", "experiment=ablation_kernels",
               "model=tiny", "data=mini", "data.seq_len=32", "data.batch_size=1", "trainer.steps=2",
-              "trainer.device=cpu", "distributed.compile=false", "distributed.param_dtype=float32",
+              "trainer.device=cpu", "trainer.eval_max_batches=1", "distributed.compile=false",
+              "distributed.param_dtype=float32",
               "checkpoint.every=2", "checkpoint.export=false", "logging.every=1", "logging.wandb_mode=disabled",
               "logging.progress_bar=false", "slurm.nodes=1", "slurm.gpus_per_node=0", "slurm.tasks_per_node=1",
               "slurm.cpus_per_task=1", "slurm.time_min=10",
