@@ -131,9 +131,8 @@ SHARED_FIXTURE_MODULES = {
 # the other one is finishing. Then the other shared-fixture groups, the rest of the slow
 # tier, the fast tier. A module name stands for its group; (module, test) for one test.
 LONGEST_FIRST = (
-    "test_slurm.py",  # ~230 s of cluster jobs, one after the other
+    "test_slurm.py",  # ~250 s: cluster jobs one after the other (~210 s), renderings
     "test_pipeline.py",  # the tiny pipeline (~190 s) and its reruns
-    ("test_attn_triton.py", "test_debug_experiment_with_mta_trains_as_torch"),  # ~160 s
     ("test_device_image.py", "test_the_trainer_and_kernels_run_with_only_the_image_and_its_wheels"),  # ~100 s
     ("test_memory_measured.py", "test_preflight_matches_a_measured_cpu_step_for_baseline_and_mta"),  # ~70 s
     ("distributed/test_train_distributed.py", "test_two_ranks_match_one_rank_on_the_same_global_batch"),  # ~70 s
@@ -141,6 +140,7 @@ LONGEST_FIRST = (
     ("test_attn_triton.py", "test_many_frames_with_padding_and_offset"),  # ~57 s
     "test_table5_small.py",  # ~55 s
     "test_pipeline_llama3.py",  # ~50 s fixture
+    ("test_attn_triton.py", "test_debug_experiment_with_mta_trains_as_torch"),  # ~35 s
 )
 
 # Warnings a test provokes on purpose without asserting them, ignored for that test only

@@ -292,7 +292,10 @@ def test_debug_experiment_with_mta_trains_as_torch(tmp_path):
         run_dir = tmp_path / impl
         train(compose([
             "experiment=debug", "attention=mta", f"model.attn_impl={impl}", f"run_dir={run_dir}",
+            # validation: one window per domain (the interpreter's time grows with the batch:
+            # 4 windows a batch made validation most of this test's ~160 s)
             "data.seq_len=16", "data.batch_size=1", "trainer.steps=3", "trainer.eval_max_batches=1",
+            "trainer.eval_batch_size=1",
             "checkpoint.every=3", "checkpoint.export=false", "logging.every=1",
             "logging.wandb_mode=disabled", "logging.progress_bar=false",
         ]))
