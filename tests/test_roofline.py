@@ -278,6 +278,32 @@ def test_the_l2_rate_is_the_hopper_measurement():
     assert gpu.constants()["l2_bytes_clk"] == pytest.approx(28.98, abs=0.01)
 
 
+def test_fa2_published_time_is_the_fa_papers_flops_at_the_published_rate():
+    # B=4, H=16, T=2048, d=96: forward 4 B H T^2 d / 2 = 5.154e10 FLOP; rates midway between
+    # hd64 and hd128: forward (262 + 298) / 2 = 280, backward (264 + 291) / 2 = 277.5 TFLOP/s
+    fwd = 4 * 4 * 16 * 2048**2 * 96 / 2
+    assert fwd == pytest.approx(5.1540e10, rel=1e-4)
+    ms = roofline.fa2_published_ms(4, 16, 2048, 96)
+    assert ms["forward"] == pytest.approx(1e3 * fwd / 280e12)
+    assert ms["backward"] == pytest.approx(1e3 * 2.5 * fwd / 277.5e12)
+    assert ms["total"] == pytest.approx(0.1841 + 0.4643, abs=2e-4)
+    assert roofline.fa2_published_tflops(64) == {"forward": 262.0, "backward": 264.0}
+    assert roofline.fa2_published_tflops(256) == {"forward": 298.0, "backward": 291.0}  # the nearer end
+    assert roofline.fa2_published_ms(4, 16, 4096, 96)["total"] == pytest.approx(4 * ms["total"])  # T^2
+
+
+def test_step_ratio_on_a_hand_computation():
+    ct = _compile_script()
+    # 40% of 989 TFLOP/s on 6 x 876.5M x 8192 = 4.3082e13 FLOP: 108.91 ms
+    st = ct.step_ratio({"kq_conv": 10.0, "mixing": 2.0}, 0.5, 8192, 0.4)
+    linear = 1e3 * 6 * 876.5e6 * 8192 / (0.4 * 989e12)
+    assert linear == pytest.approx(108.91, abs=0.01) and st["linear_ms"] == pytest.approx(linear)
+    assert st["baseline_ms"] == pytest.approx(linear + 24 * 0.5)
+    assert st["mta_ms"] == pytest.approx(linear + 6 * 10.0 + 18 * 2.0)
+    assert st["ratio"] == pytest.approx((108.91 + 96.0) / (108.91 + 12.0), abs=1e-3)
+    assert ct.step_ratio({"kq_conv": 1.0, "mixing": 1.0}, 1.0, 8192, 0.6)["ratio"] == pytest.approx(1.0)
+
+
 def test_persistent_programs_take_items_round_robin():
     assert roofline.persistent([1, 2, 3, 4, 5], 2) == [[1, 3, 5], [2, 4]]
 
@@ -337,7 +363,9 @@ def test_report_has_one_record_per_layer_pass_and_T(tmp_path, monkeypatch, capsy
     want = f"| {line} | {9e6 / rate['mma_macs']:.0f} | {1e6 / rate['fma_macs']:.0f} | 0 | 0 | `def _mta_kernel(` | 7 |"
     assert printed.count(want) == 2 * len(frames.PASSES), printed[-2000:]
     keys = {"layer", "pass", "T", "num_warps", "num_stages", "registers", "spill_bytes", "smem_bytes", "mma_macs",
-            "fma_macs", "global_loads", "barriers", "est_ms", "fa2_est_ms"}
+            "fma_macs", "global_loads", "barriers", "est_ms", "fa2_est_ms", "est_l2_ms", "fa2_est_l2_ms",
+            "fa2_published_ms", "io_bytes", "scratch_bytes", "scratch_l1_bytes", "scratch_l2_bytes",
+            "scratch_hbm_bytes"}
     mta = [r for r in recs if r["layer"] != "sdpa"]
     assert sorted((r["layer"], r["pass"], r["T"]) for r in mta) == sorted(
         (layer, p, T) for layer in ("kq_conv", "mixing") for p in frames.PASSES for T in (2048, 4096))
@@ -347,6 +375,14 @@ def test_report_has_one_record_per_layer_pass_and_T(tmp_path, monkeypatch, capsy
         assert (r["num_warps"], r["num_stages"]) == frames.launch_config(r["pass"], None, None)
         assert r["tc_share"] == pytest.approx(0.9)
         assert r["global_loads"] == 4 and r["barriers"] == 2
+    # the split accounts for every scratch byte; fa2_published_ms, the published rate's time
+    for r in mta:
+        assert r["scratch_l1_bytes"] + r["scratch_l2_bytes"] + r["scratch_hbm_bytes"] == pytest.approx(
+            r["scratch_bytes"])
+    for T in (2048, 4096):
+        assert {r["fa2_published_ms"] for r in recs if r["T"] == T} == {
+            round(roofline.fa2_published_ms(4, 16, T, 96)["total"], 4)}
+    assert "The 880M step" in printed and "baseline with FA2 published" in printed
     # fa2_est_ms: the same value on every record of a T, the sum of the sdpa records
     for T in (2048, 4096):
         fa2 = {r["fa2_est_ms"] for r in recs if r["T"] == T}

@@ -535,3 +535,38 @@ def fa2_est_ms(batch: int, heads: int, seq: int, head_dim: int, gpu: GPU = H200,
     ms["total"] = sum(ms.values())
     return ms
 
+
+# FlashAttention-2's published speed on an H100 SXM (FlashAttention-3 paper, Shah et al.,
+# arXiv 2407.08608, its forward and backward charts, BF16, causal, seqlen 2K): TFLOP/s by head
+# dim, FLOPs counted the FlashAttention papers' way (``fa_flops``). Read from the charts, so
+# +-2%; the same rates are used at every T (at longer sequences the charts run a little faster).
+FA2_PUBLISHED_TFLOPS = {"forward": {64: 262.0, 128: 298.0}, "backward": {64: 264.0, 128: 291.0}}
+
+
+def fa_flops(batch: int, heads: int, seq: int, head_dim: int, causal: bool = True) -> dict:
+    """The FlashAttention papers' FLOP count: forward 4·B·H·T²·d (two T×T×d products),
+    halved when causal; backward 2.5× the forward (five products against two)."""
+    fwd = 4.0 * batch * heads * seq * seq * head_dim / (2 if causal else 1)
+    return {"forward": fwd, "backward": 2.5 * fwd}
+
+
+def fa2_published_tflops(head_dim: int) -> dict:
+    """FlashAttention-2's published H100 rates at ``head_dim``: the charts' head dims 64 and
+    128, linear in the head dim between them (96: the midpoint, fwd 280, bwd 277.5 TFLOP/s),
+    the nearer end outside them."""
+    out = {}
+    for p, by_d in FA2_PUBLISHED_TFLOPS.items():
+        lo, hi = min(by_d), max(by_d)
+        x = min(max(head_dim, lo), hi)
+        out[p] = by_d[lo] + (by_d[hi] - by_d[lo]) * (x - lo) / (hi - lo)
+    return out
+
+
+def fa2_published_ms(batch: int, heads: int, seq: int, head_dim: int) -> dict:
+    """{"forward", "backward", "total"}: FlashAttention-2 (causal, bf16) at its published
+    H100 SXM rate (``fa2_published_tflops``) in ms: an H100 figure taken for the H200, whose
+    SMs and clocks are the same (its faster HBM barely matters to a compute-bound kernel)."""
+    fl, rate = fa_flops(batch, heads, seq, head_dim), fa2_published_tflops(head_dim)
+    ms = {p: 1e3 * fl[p] / (rate[p] * 1e12) for p in fl}
+    ms["total"] = ms["forward"] + ms["backward"]
+    return ms
