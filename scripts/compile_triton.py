@@ -22,8 +22,16 @@ mma_macs / fma_macs (tensor-core / CUDA-core multiply-adds of the whole pass at
 trips), global_loads (ld.global + cp.async instructions in the PTX, per thread, static),
 barriers (bar.sync in the PTX, static), est_ms (this pass, estimate), fa2_est_ms
 (FlashAttention-2 forward+backward of the same layer shape, estimate; the same value on
-each record of a T), plus tc_share, the estimate's parts and the PTX cross-check.
-Layer "sdpa" records are FlashAttention-2's own passes under the same estimator.
+each record of a T), est_l2_ms / fa2_est_l2_ms (the bytes charged where they go: roofline.py's docstring),
+fa2_published_ms (FlashAttention-2 fwd+bwd at its published H100 rate, FlashAttention-3
+paper), the memory split of est_l2_ms in bytes over the pass: io_bytes (global bytes that are
+not scratch, through the L2), scratch_bytes (the IR's scratch loads and stores), of them
+scratch_compulsory_bytes (one store and one reload per slot and tile), scratch_l1_bytes,
+scratch_l2_bytes, scratch_hbm_bytes (where they go; the three add up to scratch_bytes),
+l1_free_bytes (per SM beside the shared memory), l2_bytes and hbm_bytes (all that passes the
+L2 / HBM), plus tc_share, the estimate's parts and the PTX cross-check. Layer "sdpa" records
+are FlashAttention-2's own passes under the same estimator. The report ends with each layer's
+totals against FlashAttention-2 both ways and the implied 880M step ratio (``step_ratio``).
 """
 
 from __future__ import annotations
@@ -170,7 +178,8 @@ def compiled_pass(layer: str, name: str, heads: int, head_dim: int, arch: int, c
                **ptxas(k.asm["ptx"], arch)}
         cache.mkdir(parents=True, exist_ok=True)
         path.write_bytes(gzip.compress(json.dumps(out).encode()))
-    c = roofline.count_ttgir(out.pop("ttgir"))
+    # the kernel's only bf16 pointer is its scratch (_BF16_ARGS): those loads/stores are scratch bytes
+    c = roofline.count_ttgir(out.pop("ttgir"), scratch_elem="bf16")
     return dict(out, levels=c.levels, static=c.static, by_line=c.by_line)
 
 
@@ -198,10 +207,30 @@ def schedule(layer: str, name: str, batch: int, heads: int, head_dim: int, seq: 
     plane = frames.padded_heads(heads) * f.er * f.ec * 2  # one slot: all heads x the frame, bf16
     return roofline.Schedule(sched.programs(), hbm_bytes=hbm, num_warps=info["num_warps"],
                              registers=info["registers"], smem_bytes=info["smem_bytes"],
-                             scratch_bytes=n_prog * slots * plane, scratch_traffic=2 * sum(tiles) * slots * plane)
+                             scratch_resident=n_prog * slots * plane, scratch_traffic=2 * sum(tiles) * slots * plane)
 
 
-def record(layer, name, seq, info, est, fa2, batch, fa2_l2) -> dict:
+# the 880M model's linear layers per token, fwd+bwd = 6 x parameters (non-embedding and
+# embedding/unembedding matmuls) and its attention layers by kind: 6 kq-conv, 18 mixing-only
+LINEAR_PARAMS = 679.5e6 + 197.0e6
+STEP_LAYERS = {"kq_conv": 6, "mixing": 18}
+TENSOR_PEAK_FLOPS = 989e12  # H100/H200 SXM dense bf16
+
+
+def step_ratio(layer_ms: dict, fa2_ms: float, tokens: int, mfu: float, n_layers: dict = None,
+               params: float = LINEAR_PARAMS, peak: float = TENSOR_PEAK_FLOPS) -> dict:
+    """The implied step-time ratio of the 880M MTA model to its baseline at ``tokens`` per
+    step: both run the linear layers' 6·params·tokens FLOPs at ``mfu`` of ``peak``; the
+    baseline's attention is 24 × FlashAttention-2 (``fa2_ms``, fwd+bwd of one layer), the MTA
+    model's is 6 kq-conv + 18 mixing layers (``layer_ms``, fwd+bwd of one layer each). ms."""
+    n_layers = n_layers or STEP_LAYERS
+    linear = 1e3 * 6 * params * tokens / (mfu * peak)
+    base = linear + sum(n_layers.values()) * fa2_ms
+    mta = linear + sum(n * layer_ms[k] for k, n in n_layers.items())
+    return {"linear_ms": linear, "baseline_ms": base, "mta_ms": mta, "ratio": mta / base}
+
+
+def record(layer, name, seq, info, est, fa2, batch, fa2_l2, fa2_pub) -> dict:
     tot = est["total"]
     tc = tot["mma_macs"] + tot["wgmma_macs"] + tot["tf32_macs"]
     return {"layer": layer, "pass": name, "T": seq, "num_warps": info["num_warps"], "num_stages": info["num_stages"],
@@ -210,7 +239,12 @@ def record(layer, name, seq, info, est, fa2, batch, fa2_l2) -> dict:
             "mma_macs": tc, "fma_macs": tot["fma_macs"], "global_loads": info["ptx"]["ld_global"] + info["ptx"]["cp_async"],
             "barriers": info["ptx"]["bar_sync"], "est_ms": round(est["est_ms"], 4), "fa2_est_ms": round(fa2, 4),
             "est_l2_ms": round(est["est_l2_ms"], 4), "fa2_est_l2_ms": round(fa2_l2, 4), "l2_ms": round(est["l2_ms"], 4),
-            "hbm_ms": round(est["hbm_ms"], 4),
+            "hbm_ms": round(est["hbm_ms"], 4), "fa2_published_ms": round(fa2_pub, 4),
+            "chain_l2_ms": round(est["chain_l2_ms"], 4), "io_bytes": est["io_bytes"],
+            "scratch_bytes": est["scratch_bytes"], "scratch_compulsory_bytes": est["scratch_compulsory_bytes"],
+            "scratch_l1_bytes": est["scratch_l1_bytes"], "scratch_l2_bytes": est["scratch_l2_bytes"],
+            "scratch_hbm_bytes": est["scratch_hbm_bytes"], "l1_free_bytes": est["l1_free_bytes"],
+            "l2_bytes": est["l2_bytes"], "hbm_bytes": est["hbm_bytes"],
             "tc_share": round(tc / max(1.0, tc + tot["fma_macs"]), 4), "batch": batch,
             "throughput_ms": round(est["throughput_ms"], 4), "chain_ms": round(est["chain_ms"], 4),
             "occupancy": est["occupancy"], "programs": est["programs"], "global_bytes": tot["global_bytes"],
@@ -245,11 +279,12 @@ def main() -> None:
         fa2 = roofline.fa2_passes(a.batch, a.heads, seq, a.head_dim, gpu)
         fa2_ms = roofline.fa2_est_ms(a.batch, a.heads, seq, a.head_dim, gpu)["total"]
         fa2_l2 = roofline.fa2_est_ms(a.batch, a.heads, seq, a.head_dim, gpu, key="est_l2_ms")["total"]
+        fa2_pub = roofline.fa2_published_ms(a.batch, a.heads, seq, a.head_dim)["total"]
         for name, (c, s) in fa2.items():
             est = roofline.estimate(c, s, gpu)
             info = {"num_warps": s.num_warps, "num_stages": None, "registers": s.registers, "spill_bytes": 0,
                     "smem_bytes": s.smem_bytes, "ptx": {"ld_global": 0, "cp_async": 0, "bar_sync": None}}
-            r = record("sdpa", name, seq, info, est, fa2_ms, a.batch, fa2_l2)
+            r = record("sdpa", name, seq, info, est, fa2_ms, a.batch, fa2_l2, fa2_pub)
             r.update(global_loads=None, modelled="FlashAttention-2 tile configuration, counted by hand")
             records.append(r)
         for layer in a.layers.split(","):
@@ -257,7 +292,7 @@ def main() -> None:
                 info = compiled_pass(layer, name, a.heads, a.head_dim, a.arch, a.cache)
                 c = roofline.Counts(levels=info["levels"], static=info["static"], by_line=info.get("by_line", {}))
                 est = roofline.estimate(c, schedule(layer, name, a.batch, a.heads, a.head_dim, seq, info, gpu.sms), gpu)
-                records.append(record(layer, name, seq, info, est, fa2_ms, a.batch, fa2_l2))
+                records.append(record(layer, name, seq, info, est, fa2_ms, a.batch, fa2_l2, fa2_pub))
                 if a.by_line and seq == seqs[0]:  # per key block: the same at every T
                     by_line.append((layer, name, roofline.line_cycles(c, gpu)[:a.by_line]))
     print("| layer | pass | T | warps/stages | regs | spill B | smem KB | TC share | ld.global | bar.sync "
@@ -270,16 +305,45 @@ def main() -> None:
               f"{r['est_l2_ms']:.3f} | {r['l2_ms']:.3f}/{r['hbm_ms']:.3f} |")
     serial = sorted({f"{r['layer']} {r['pass']}" for r in records if r.get("wgmma_serialized")})
     print(f"\nwgmma serialised by ptxas (C7514; not in the estimate): {', '.join(serial) or 'none'}")
-    print("\nPer layer (sum of its passes), ESTIMATES (est_ms; est_l2_ms: every global byte through the L2):")
+    print("\nWhere the global bytes go (GB over the pass, ESTIMATED split): I/O = every global byte that is not "
+          "scratch (through the L2); scratch = the IR's scratch bytes, of them compulsory (each slot written and "
+          "read once per tile) and that share's L1 / L2 / HBM split (free L1 per SM beside the shared memory)")
+    print("| layer | pass | T | I/O | scratch | compulsory | scratch L1 | scratch L2 | scratch HBM | free L1 KB "
+          "| chain (L2) ms |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for r in records:
+        if r["layer"] != "sdpa":
+            print(f"| {r['layer']} | {r['pass']} | {r['T']} | {r['io_bytes'] / 1e9:.2f} | {r['scratch_bytes'] / 1e9:.2f} | "
+                  f"{r['scratch_compulsory_bytes'] / 1e9:.2f} | {r['scratch_l1_bytes'] / 1e9:.2f} | "
+                  f"{r['scratch_l2_bytes'] / 1e9:.2f} | {r['scratch_hbm_bytes'] / 1e9:.2f} | "
+                  f"{r['l1_free_bytes'] / 1024:.0f} | {r['chain_l2_ms']:.3f} |")
+    print("\nPer layer (sum of its passes), ESTIMATES (est_ms: every global byte at the L1 rate; est_l2_ms: the "
+          "bytes where they go), against FlashAttention-2 by the same estimator (fa2_est_ms / fa2_est_l2_ms) and at "
+          "its published H100 rate (fa2_published_ms, FlashAttention-3 paper):")
+    layer_l2 = {}
     for seq in seqs:
         for layer in ["sdpa"] + a.layers.split(","):
             rs = [r for r in records if r["layer"] == layer and r["T"] == seq]
             if rs:
+                r0 = rs[0]
                 tot = sum(r["est_ms"] for r in rs)
                 tl2 = sum(r["est_l2_ms"] for r in rs)
-                print(f"  T={seq} {layer}: {tot:.3f} ms = {tot / rs[0]['fa2_est_ms']:.1f}x FlashAttention-2 "
-                      f"({rs[0]['fa2_est_ms']:.3f} ms); L2-bound {tl2:.3f} ms = {tl2 / rs[0]['fa2_est_l2_ms']:.1f}x "
-                      f"({rs[0]['fa2_est_l2_ms']:.3f} ms)")
+                layer_l2[seq, layer] = tl2
+                print(f"  T={seq} {layer}: est {tot:.3f} ms = {tot / r0['fa2_est_ms']:.2f}x FA2 est "
+                      f"({r0['fa2_est_ms']:.3f} ms), {tot / r0['fa2_published_ms']:.2f}x FA2 published "
+                      f"({r0['fa2_published_ms']:.3f} ms); est_l2 {tl2:.3f} ms = {tl2 / r0['fa2_est_l2_ms']:.2f}x FA2 "
+                      f"est_l2 ({r0['fa2_est_l2_ms']:.3f} ms), {tl2 / r0['fa2_published_ms']:.2f}x FA2 published")
+    print("\nThe 880M step (ESTIMATE): linear layers 6 x (679.5M + 197.0M) x batch x T FLOPs at an MFU of 989 TFLOP/s; "
+          "attention: MTA = 6 kq-conv + 18 mixing layers (est_l2_ms), baseline = 24 x FlashAttention-2:")
+    for seq in seqs:
+        if (seq, "kq_conv") not in layer_l2 or (seq, "mixing") not in layer_l2:
+            continue
+        rs = [r for r in records if r["T"] == seq]
+        for mfu in (0.4, 0.6):
+            for label, fa2 in (("FA2 est_l2", rs[0]["fa2_est_l2_ms"]), ("FA2 published", rs[0]["fa2_published_ms"])):
+                st = step_ratio({k: layer_l2[seq, k] for k in STEP_LAYERS}, fa2, a.batch * seq, mfu)
+                print(f"  T={seq} MFU {mfu:.0%}, baseline with {label}: linear {st['linear_ms']:.1f} ms, baseline "
+                      f"{st['baseline_ms']:.1f} ms, MTA {st['mta_ms']:.1f} ms: {st['ratio']:.2f}x")
     if by_line:
         src = (ROOT / "mta_repro" / "kernels" / "attention_triton.py").read_text().splitlines()
         print("\nWhere each pass spends its work per key block, by source line of mta_repro/kernels/attention_triton.py "

@@ -190,6 +190,120 @@ def test_estimate_arithmetic_on_a_hand_case():
     assert roofline.estimate(c, s, gpu)["est_ms"] == pytest.approx(1e3 * (1e-3 + 1e-6))
 
 
+def test_the_free_l1_is_what_the_shared_memory_carveout_leaves():
+    gpu = roofline.H200
+    # 129 KB + 1 KB reserved -> the 132 KB carveout; 256 - 132 = 124 KB of L1
+    assert roofline.l1_free_bytes(129 * 1024, 1, gpu) == (256 - 132) * 1024
+    # two programs of 48 KB: 2 x 49 KB = 98 KB -> 100 KB
+    assert roofline.l1_free_bytes(48 * 1024, 2, gpu) == (256 - 100) * 1024
+    assert roofline.l1_free_bytes(0, 1, gpu) == (256 - 8) * 1024  # the 1 KB reservation needs the 8 KB carveout
+    assert roofline.l1_free_bytes(228 * 1024, 1, gpu) == 28 * 1024  # + 1 KB: no carveout holds it; the largest
+
+
+def _scratch_case(per_program: float, n_prog: int = 4, smem: int = 100 * 1024, traffic: float = 1e6):
+    """A pass whose only work is its scratch: ``traffic`` compulsory bytes over ``n_prog``
+    programs of one tile each, ``per_program`` bytes resident in each, one program per SM."""
+    gpu = roofline.GPU(sms=4, clock_hz=1e9, lsu_bytes=100.0, l2_bytes_s=4 * 1e9 * 10.0, hbm_bytes_s=1e9,
+                       l2_bytes=1000.0 * 1024, launch_s=0.0)
+    c = roofline.Counts()
+    c.levels[2]["global_bytes"] = c.levels[2]["scratch_bytes"] = traffic / n_prog
+    s = roofline.Schedule([[1]] * n_prog, hbm_bytes=0.0, num_warps=4, registers=255, smem_bytes=smem,
+                          scratch_resident=n_prog * per_program, scratch_traffic=traffic)
+    return gpu, c, s
+
+
+def test_scratch_that_fits_in_l1_costs_the_l1_rate():
+    # 100 KB of shared memory (+1 KB) -> the 132 KB carveout: 124 KB of L1 holds 100 KB of scratch
+    gpu, c, s = _scratch_case(per_program=100 * 1024)
+    est = roofline.estimate(c, s, gpu)
+    assert est["l1_free_bytes"] == 124 * 1024
+    assert est["scratch_l1_bytes"] == pytest.approx(1e6) and est["scratch_l2_bytes"] == 0
+    assert est["scratch_hbm_bytes"] == 0
+    # 1e6 B over 4 SMs at 100 B/clk, 1 GHz: 2.5 ms through L1; nothing through the L2 or HBM
+    assert est["est_l2_ms"] == pytest.approx(1e3 * 1e6 / 4 / 100 / 1e9)
+    assert est["est_l2_ms"] == pytest.approx(est["est_ms"])
+
+
+def test_scratch_beyond_l1_costs_the_l2_rate_and_beyond_l2_the_hbm_rate():
+    # 496 KB resident per program, 124 KB of it in L1 (1/4); the L2 (1000 KB) holds all 4 x 496 KB
+    # for one half
+    gpu, c, s = _scratch_case(per_program=496 * 1024)
+    est = roofline.estimate(c, s, gpu)
+    f_l1, f_l2 = 124 / 496, 1000 / (4 * 496)
+    assert est["scratch_l1_bytes"] == pytest.approx(1e6 * f_l1)
+    assert est["scratch_l2_bytes"] == pytest.approx(1e6 * (1 - f_l1) * f_l2)
+    assert est["scratch_hbm_bytes"] == pytest.approx(1e6 * (1 - f_l1) * (1 - f_l2))
+    # L2: 10 B/clk/SM; the missing 3/4 pass it (HBM-bound bytes too): 0.75e6 / 4 / 10 cycles per SM
+    assert est["l2_ms"] == pytest.approx(1e3 * 0.75e6 / 4 / 10 / 1e9)
+    assert est["hbm_ms"] == pytest.approx(1e3 * 1e6 * 0.75 * (1 - f_l2) / 1e9)
+    assert est["est_l2_ms"] == pytest.approx(max(est["hbm_ms"], est["l2_ms"], 1e3 * 1e6 / 4 / 100 / 1e9))
+    # 10x the L2's capacity resident, L1 a rounding error: nearly every byte at the HBM rate
+    gpu, c, s = _scratch_case(per_program=10 * 1000 * 1024 / 4, smem=0)
+    est = roofline.estimate(c, s, gpu)
+    f_l1 = 248 / 2500
+    assert est["scratch_hbm_bytes"] == pytest.approx(1e6 * (1 - f_l1) * 0.9)
+    assert est["est_l2_ms"] == pytest.approx(1e3 * 1e6 * (1 - f_l1) * 0.9 / 1e9)  # 1 GB/s HBM binds
+
+
+def test_scratch_rereads_beyond_the_compulsory_traffic_stay_in_l1():
+    """The IR's scratch bytes beyond each slot's one store and one reload (a convolution's row
+    shifts of a plane just loaded) are L1 hits whatever the resident scratch."""
+    gpu, c, s = _scratch_case(per_program=496 * 1024)
+    c.levels[2]["global_bytes"] = c.levels[2]["scratch_bytes"] = 3 * 1e6 / 4  # 3x the compulsory bytes
+    est = roofline.estimate(c, s, gpu)
+    assert est["scratch_bytes"] == pytest.approx(3e6) and est["scratch_compulsory_bytes"] == pytest.approx(1e6)
+    assert est["scratch_l2_bytes"] + est["scratch_hbm_bytes"] == pytest.approx(0.75e6)
+    assert est["scratch_l1_bytes"] == pytest.approx(3e6 - 0.75e6)
+
+
+def test_io_bytes_go_through_the_l2_and_only_scratch_is_split():
+    """Global bytes that are not scratch (TMA copies of inputs, reductions) are charged at the
+    L2 rate; the counter tells scratch by the scratch's element type."""
+    gpu, c, s = _scratch_case(per_program=100 * 1024)  # scratch all in L1
+    c.levels[2]["global_bytes"] += 2e6 / 4  # 2 MB of I/O
+    est = roofline.estimate(c, s, gpu)
+    assert est["io_bytes"] == pytest.approx(2e6) and est["l2_bytes"] == pytest.approx(2e6)
+    assert est["l2_ms"] == pytest.approx(1e3 * 2e6 / 4 / 10 / 1e9)
+    assert est["est_l2_ms"] == pytest.approx(est["l2_ms"])  # 50 ms through the L2 against 7.5 through L1
+    counted = roofline.count_ttgir(TTGIR, scratch_elem="bf16")
+    assert counted.levels[1]["scratch_bytes"] == 16 * 32 * 2  # the bf16 pointer load is scratch
+    assert counted.levels[0]["scratch_bytes"] == 0 and counted.levels[2]["scratch_bytes"] == 0  # f32 ones are not
+    assert roofline.count_ttgir(TTGIR).levels[1]["scratch_bytes"] == 0  # no scratch type named: none
+
+
+def test_the_l2_rate_is_the_hopper_measurement():
+    gpu = roofline.H200
+    assert gpu.l2_bytes_s == 7.0e12  # the top of the measured 5.5-7 TB/s, not A100's 5120 B/clk per 108 SMs
+    assert gpu.l2_bytes_clk == pytest.approx(7.0e12 / (132 * 1.83e9))
+    assert gpu.constants()["l2_bytes_clk"] == pytest.approx(28.98, abs=0.01)
+
+
+def test_fa2_published_time_is_the_fa_papers_flops_at_the_published_rate():
+    # B=4, H=16, T=2048, d=96: forward 4 B H T^2 d / 2 = 5.154e10 FLOP; rates midway between
+    # hd64 and hd128: forward (262 + 298) / 2 = 280, backward (264 + 291) / 2 = 277.5 TFLOP/s
+    fwd = 4 * 4 * 16 * 2048**2 * 96 / 2
+    assert fwd == pytest.approx(5.1540e10, rel=1e-4)
+    ms = roofline.fa2_published_ms(4, 16, 2048, 96)
+    assert ms["forward"] == pytest.approx(1e3 * fwd / 280e12)
+    assert ms["backward"] == pytest.approx(1e3 * 2.5 * fwd / 277.5e12)
+    assert ms["total"] == pytest.approx(0.1841 + 0.4643, abs=2e-4)
+    assert roofline.fa2_published_tflops(64) == {"forward": 262.0, "backward": 264.0}
+    assert roofline.fa2_published_tflops(256) == {"forward": 298.0, "backward": 291.0}  # the nearer end
+    assert roofline.fa2_published_ms(4, 16, 4096, 96)["total"] == pytest.approx(4 * ms["total"])  # T^2
+
+
+def test_step_ratio_on_a_hand_computation():
+    ct = _compile_script()
+    # 40% of 989 TFLOP/s on 6 x 876.5M x 8192 = 4.3082e13 FLOP: 108.91 ms
+    st = ct.step_ratio({"kq_conv": 10.0, "mixing": 2.0}, 0.5, 8192, 0.4)
+    linear = 1e3 * 6 * 876.5e6 * 8192 / (0.4 * 989e12)
+    assert linear == pytest.approx(108.91, abs=0.01) and st["linear_ms"] == pytest.approx(linear)
+    assert st["baseline_ms"] == pytest.approx(linear + 24 * 0.5)
+    assert st["mta_ms"] == pytest.approx(linear + 6 * 10.0 + 18 * 2.0)
+    assert st["ratio"] == pytest.approx((108.91 + 96.0) / (108.91 + 12.0), abs=1e-3)
+    assert ct.step_ratio({"kq_conv": 1.0, "mixing": 1.0}, 1.0, 8192, 0.6)["ratio"] == pytest.approx(1.0)
+
+
 def test_persistent_programs_take_items_round_robin():
     assert roofline.persistent([1, 2, 3, 4, 5], 2) == [[1, 3, 5], [2, 4]]
 
@@ -249,7 +363,9 @@ def test_report_has_one_record_per_layer_pass_and_T(tmp_path, monkeypatch, capsy
     want = f"| {line} | {9e6 / rate['mma_macs']:.0f} | {1e6 / rate['fma_macs']:.0f} | 0 | 0 | `def _mta_kernel(` | 7 |"
     assert printed.count(want) == 2 * len(frames.PASSES), printed[-2000:]
     keys = {"layer", "pass", "T", "num_warps", "num_stages", "registers", "spill_bytes", "smem_bytes", "mma_macs",
-            "fma_macs", "global_loads", "barriers", "est_ms", "fa2_est_ms"}
+            "fma_macs", "global_loads", "barriers", "est_ms", "fa2_est_ms", "est_l2_ms", "fa2_est_l2_ms",
+            "fa2_published_ms", "io_bytes", "scratch_bytes", "scratch_l1_bytes", "scratch_l2_bytes",
+            "scratch_hbm_bytes"}
     mta = [r for r in recs if r["layer"] != "sdpa"]
     assert sorted((r["layer"], r["pass"], r["T"]) for r in mta) == sorted(
         (layer, p, T) for layer in ("kq_conv", "mixing") for p in frames.PASSES for T in (2048, 4096))
@@ -259,6 +375,14 @@ def test_report_has_one_record_per_layer_pass_and_T(tmp_path, monkeypatch, capsy
         assert (r["num_warps"], r["num_stages"]) == frames.launch_config(r["pass"], None, None)
         assert r["tc_share"] == pytest.approx(0.9)
         assert r["global_loads"] == 4 and r["barriers"] == 2
+    # the split accounts for every scratch byte; fa2_published_ms, the published rate's time
+    for r in mta:
+        assert r["scratch_l1_bytes"] + r["scratch_l2_bytes"] + r["scratch_hbm_bytes"] == pytest.approx(
+            r["scratch_bytes"])
+    for T in (2048, 4096):
+        assert {r["fa2_published_ms"] for r in recs if r["T"] == T} == {
+            round(roofline.fa2_published_ms(4, 16, T, 96)["total"], 4)}
+    assert "The 880M step" in printed and "baseline with FA2 published" in printed
     # fa2_est_ms: the same value on every record of a T, the sum of the sdpa records
     for T in (2048, 4096):
         fa2 = {r["fa2_est_ms"] for r in recs if r["T"] == T}

@@ -35,12 +35,26 @@ co-resident programs split it) plus its barrier latencies (not shared). est = ma
 is optimistic for every kernel alike): instruction issue other than the counted ops, memory
 latency other than barriers, bank conflicts, tail effects inside a wave.
 
-``est_l2_ms`` is the same bound with two memory terms more, for kernels that move most of
-their bytes through global memory (per-program scratch, accumulators): every global byte
-through the L2 at ``l2_bytes_clk`` per SM (no L1 hits), and the share of the scratch that the
-L2 cannot hold beside the pass's inputs (``Schedule.scratch_bytes``) through HBM. The truth
-on a GPU lies between the two figures; FlashAttention-2 barely moves, a scratch-bound kernel
-does not.
+``est_ms`` charges every global byte at the L1 rate (``lsu_bytes``): optimistic for any
+kernel whose bytes miss L1. ``est_l2_ms`` is the same bound with the global bytes charged where
+they go (issue #37; ``scratch_split``):
+
+- I/O bytes, every global byte that is not scratch (TMA copies of the inputs into shared
+  memory, TMA reductions, the partials), pass the L2 at ``l2_bytes_s`` (a Hopper measurement,
+  cited at ``GPU``): TMA copies and reductions do not go through L1;
+- scratch bytes (plain loads and stores of the scratch's element type, ``count_ttgir``'s
+  ``scratch_elem``): the compulsory part (``Schedule.scratch_traffic``: each slot stored and
+  reloaded once per tile) hits L1 in the share the SM's free L1 (256 KB less the shared-memory
+  carveout of its resident programs, ``l1_free_bytes``) holds of its resident scratch, the
+  rest passes the L2 and, in the share the L2 (50 MB) cannot hold of all programs' resident
+  scratch beside the pass's compulsory bytes, goes on to HBM; the IR's further scratch bytes
+  (re-reads of a plane just loaded) are L1 hits;
+- the L2 bytes bind in aggregate and on each program's chain (its SM's share of the L2
+  bandwidth), HBM the compulsory bytes plus the scratch the L2 cannot hold.
+
+Still optimistic: stores are written through to the L2 on Hopper (the model keeps those it
+places in L1 off the L2); a capacity fraction is an upper bound on hits; inputs always hit the
+L2 after their first read. FlashAttention-2 has no scratch and barely moves.
 """
 
 from __future__ import annotations
@@ -50,8 +64,8 @@ import math
 import re
 from dataclasses import dataclass, field
 
-RESOURCES = ("mma_macs", "wgmma_macs", "tf32_macs", "fma_macs", "alu", "sfu", "global_bytes", "shared_bytes",
-             "barriers_global", "barriers_shared")
+RESOURCES = ("mma_macs", "wgmma_macs", "tf32_macs", "fma_macs", "alu", "sfu", "global_bytes", "scratch_bytes",
+             "shared_bytes", "barriers_global", "barriers_shared")
 
 
 @dataclass(frozen=True)
@@ -68,10 +82,19 @@ class GPU:
     sfu: float = 16.0  # exp/clk/SM (3.9 T/s)
     lsu_bytes: float = 128.0  # B/clk/SM through L1/shared memory (global hits and shared alike)
     hbm_bytes_s: float = 4.8e12
-    # L2: A100's documented read bandwidth of 5120 B/clk over its 108 SMs, taken per SM for
-    # Hopper too (an optimistic assumption, so the bound stays a lower bound); 50 MB.
-    l2_bytes_clk: float = 5120 / 108
+    # L2 bandwidth: a Hopper measurement, not A100's documented 5120 B/clk over 108 SMs (the
+    # estimator's figure until issue #37: 47.4 B/clk/SM = 11.4 TB/s over 132 SMs). Measured H100
+    # L2 bandwidth is ~5.5-7 TB/s (Chips and Cheese, "Nvidia's H100: Funny L2, and Tons of
+    # Bandwidth", 2023; Luo et al., "Dissecting the NVIDIA Hopper Architecture through
+    # Microbenchmarking", arXiv 2402.13499; the range as docs/triton_kernel.md quotes it). The
+    # top of the range, so the bound stays a lower bound: 7.0 TB/s = 29.0 B/clk/SM at 1.83 GHz.
+    l2_bytes_s: float = 7.0e12
     l2_bytes: float = 50 * 2**20
+    # combined L1 / shared memory per SM, and the shared-memory carveouts sm_90 can configure
+    # (KB; the driver picks the smallest that holds the resident programs' shared memory): what
+    # is left is L1, where a program's scratch can stay between its store and its reload
+    l1_smem_bytes: int = 256 * 1024
+    smem_carveouts_kb: tuple = (0, 8, 16, 32, 64, 100, 132, 164, 196, 228)
     regs_per_sm: int = 65536
     smem_per_sm: int = 228 * 1024
     max_warps_per_sm: int = 64
@@ -79,8 +102,13 @@ class GPU:
     barrier_shared_cycles: float = 25.0
     launch_s: float = 5e-6
 
+    @property
+    def l2_bytes_clk(self) -> float:
+        """L2 bandwidth per SM and clock (``l2_bytes_s`` shared by all SMs)."""
+        return self.l2_bytes_s / (self.sms * self.clock_hz)
+
     def constants(self) -> dict:
-        return dict(self.__dict__)
+        return dict(self.__dict__, l2_bytes_clk=self.l2_bytes_clk)
 
 
 H200 = GPU()
@@ -155,7 +183,8 @@ def source_chains(ttgir: str, source: str) -> dict:
     return {alias: chain(alias) for alias in defs}
 
 
-def count_ttgir(ttgir: str, source: str = "attention_triton.py", _tile_loop_level: int = 2) -> Counts:
+def count_ttgir(ttgir: str, source: str = "attention_triton.py", scratch_elem: str | None = None,
+                _tile_loop_level: int = 2) -> Counts:
     """Loop-weighted resources of one compiled kernel (see the module docstring); the
     per-key-block ones also by source line of ``source`` (``Counts.by_line``)."""
     raw_lines = ttgir.splitlines()
@@ -248,8 +277,11 @@ def count_ttgir(ttgir: str, source: str = "attention_triton.py", _tile_loop_leve
                 c.add(level, "global_bytes", math.prod(int(x) for x in mem[-1][0].split("x")) * _BYTES.get(mem[-1][1], 2),
                       mult)
         elif re.search(r"(= tt\.load |^tt\.store |= ttg\.async_copy_global_to_local |= tt\.atomic_rmw )", t):
-            tt_ = _tensor(t.split(" : ")[-1]) or (1, _BYTES.get(re.findall(r"!tt\.ptr<(\w+)>", t)[-1], 4))
+            elem = re.findall(r"!tt\.ptr<(\w+)>", t)[-1]
+            tt_ = _tensor(t.split(" : ")[-1]) or (1, _BYTES.get(elem, 4))
             c.add(level, "global_bytes", tt_[0] * tt_[1] * (2 if "atomic" in t else 1), mult)
+            if scratch_elem is not None and elem == scratch_elem and "atomic" not in t:
+                c.add(level, "scratch_bytes", tt_[0] * tt_[1], mult)
         elif re.search(r"(= ttg\.local_load |^ttg\.local_store )", t):
             tt_ = _tensor(t.split("->")[-1] if "->" in t else t.split(" : ")[-1])
             if tt_:
@@ -281,7 +313,7 @@ def count_ttgir(ttgir: str, source: str = "attention_triton.py", _tile_loop_leve
             else:
                 stack.append(("other", None))
     if depth[0] == 1 and _tile_loop_level == 2:  # one runtime loop: the tiles (per key block)
-        return count_ttgir(ttgir, source, _tile_loop_level=1)
+        return count_ttgir(ttgir, source, scratch_elem, _tile_loop_level=1)
     return c
 
 
@@ -295,9 +327,11 @@ class Schedule:
     num_warps: int
     registers: int
     smem_bytes: int
-    # per-program scratch: bytes resident at once over all programs, and bytes written to it
-    # and read back once over the pass (what must leave the SM; window re-reads are L1 hits)
-    scratch_bytes: float = 0.0
+    # per-program scratch (global memory each program stores and reloads itself): bytes
+    # resident at once over all programs, and the compulsory traffic over the pass, each slot
+    # written and read back once per tile (``scratch_split``: what may have to leave the SM;
+    # the IR's further scratch bytes are window re-reads of a plane just loaded)
+    scratch_resident: float = 0.0
     scratch_traffic: float = 0.0
 
     @property
@@ -320,6 +354,42 @@ def occupancy(s: Schedule, gpu: GPU = H200) -> int:
     by_regs = gpu.regs_per_sm // regs if regs else 32
     by_smem = gpu.smem_per_sm // (s.smem_bytes + 1024)
     return max(1, min(by_regs, by_smem, gpu.max_warps_per_sm // s.num_warps, 32))
+
+
+def l1_free_bytes(smem_bytes: int, programs_per_sm: int, gpu: GPU = H200) -> int:
+    """L1 left on one SM beside the shared memory of its resident programs: the combined
+    L1/shared capacity less the smallest carveout that holds ``programs_per_sm`` x
+    (``smem_bytes`` + the 1 KB the driver reserves per program); the largest carveout's
+    if none does (such a pass cannot launch: the slow-tier test checks the shipped passes fit)."""
+    need = programs_per_sm * (smem_bytes + 1024)
+    fit = [kb * 1024 for kb in gpu.smem_carveouts_kb if kb * 1024 >= need] or [max(gpu.smem_carveouts_kb) * 1024]
+    return gpu.l1_smem_bytes - min(fit)
+
+
+def scratch_split(scratch_bytes: float, s: Schedule, programs_per_sm: int, gpu: GPU = H200) -> dict:
+    """Where a pass's per-program scratch bytes go (issue #37): ``scratch_bytes`` = the
+    global bytes of its loads and stores of scratch counted in the IR (``Counts``, resource
+    ``scratch_bytes``). Of these, the compulsory traffic ``s.scratch_traffic`` (each slot
+    written and read back once per tile, at most the IR's count) may leave the SM; the rest
+    are re-reads of a plane the program just loaded (a convolution's row shifts of one head's
+    plane: a reuse distance of ~16 KB) and stay in L1. The compulsory bytes hit L1 in the
+    share the SM's free L1 (``l1_free_bytes``) holds of its programs' resident scratch;
+    the rest go to the L2, where they hit in the share the L2 holds of all programs' resident
+    scratch beside the pass's compulsory HBM bytes, and go on to HBM otherwise. A capacity
+    fraction model: optimistic against an LRU cache swept cyclically (no hits at all), and
+    stores are charged as loads (Hopper's L1 writes global stores through to the L2: a store
+    that the model keeps in L1 still costs L2 bandwidth; not charged)."""
+    comp = min(scratch_bytes, s.scratch_traffic)
+    n = max(1, len(s.programs))
+    per_sm = programs_per_sm * s.scratch_resident / n
+    l1 = l1_free_bytes(s.smem_bytes, programs_per_sm, gpu)
+    f_l1 = 1.0 if per_sm <= 0 else min(1.0, l1 / per_sm)
+    f_l2 = 1.0 if s.scratch_resident <= 0 else min(1.0, gpu.l2_bytes / (s.scratch_resident + s.hbm_bytes))
+    miss = comp * (1.0 - f_l1)
+    return {"scratch_bytes": scratch_bytes, "scratch_compulsory_bytes": comp, "l1_free_bytes": l1,
+            "scratch_l1_fraction": f_l1, "scratch_l2_hit_fraction": f_l2,
+            "scratch_l1_bytes": scratch_bytes - miss, "scratch_l2_bytes": miss * f_l2,
+            "scratch_hbm_bytes": miss * (1.0 - f_l2)}
 
 
 def _rate(gpu: GPU) -> dict:
@@ -361,34 +431,53 @@ def program_resources(c: Counts, frames_of_items: list) -> dict:
     return out
 
 
+def _chain_cycles(per_prog: list, occ: int, share: int, gpu: GPU, busy) -> float:
+    """List schedule: programs start in launch order on the first free slot (SMs x
+    occupancy), each taking ``share`` x its ``busy(resources)`` cycles (co-resident programs
+    share their SM) plus its barrier latencies (not shared); the last to finish."""
+    slots = [0.0] * (gpu.sms * occ)
+    heapq.heapify(slots)
+    for r in per_prog:
+        start = heapq.heappop(slots)
+        heapq.heappush(slots, start + share * busy(r) + r["barriers_global"] * gpu.barrier_global_cycles
+                       + r["barriers_shared"] * gpu.barrier_shared_cycles)
+    return max(slots)
+
+
 def estimate(c: Counts, s: Schedule, gpu: GPU = H200) -> dict:
-    """est_ms of one pass and its parts (see the module docstring)."""
+    """est_ms and est_l2_ms of one pass and their parts (see the module docstring)."""
     per_prog = [program_resources(c, p) for p in s.programs]
     total = {k: sum(r[k] for r in per_prog) for k in RESOURCES}
     occ = occupancy(s, gpu)
     active = min(gpu.sms, len(s.programs))
     tp_cycles = _busy_cycles(total, gpu) / max(1, active)
     t_tp = max(tp_cycles / gpu.clock_hz, s.hbm_bytes / gpu.hbm_bytes_s)
-    # list schedule: programs start in launch order on the first free slot (SMs x
-    # occupancy); co-resident programs share their SM's throughput; barrier latency is not shared
     share = max(1, min(occ, -(-len(s.programs) // gpu.sms)))
-    slots = [0.0] * (gpu.sms * occ)
-    heapq.heapify(slots)
-    for r in per_prog:
-        start = heapq.heappop(slots)
-        heapq.heappush(slots, start + share * _busy_cycles(r, gpu) + r["barriers_global"] * gpu.barrier_global_cycles
-                       + r["barriers_shared"] * gpu.barrier_shared_cycles)
-    chain_cycles = max(slots)
-    t_chain = chain_cycles / gpu.clock_hz
-    # the memory-honest bound: every global byte through the L2 (no L1 hits), and the share
-    # of the scratch the L2 cannot hold (with the pass's inputs) through HBM
-    t_l2 = total["global_bytes"] / (gpu.l2_bytes_clk * max(1, active)) / gpu.clock_hz
-    spill = s.scratch_traffic * max(0.0, 1.0 - gpu.l2_bytes / max(1.0, s.scratch_bytes + s.hbm_bytes))
-    t_hbm = (s.hbm_bytes + spill) / gpu.hbm_bytes_s
+    t_chain = _chain_cycles(per_prog, occ, share, gpu, lambda r: _busy_cycles(r, gpu)) / gpu.clock_hz
+    # est_l2_ms, the memory-honest bound: the global bytes split by where they go. I/O (every
+    # global byte that is not scratch: TMA copies of the inputs into shared memory, TMA
+    # reductions, partials) through the L2; scratch by ``scratch_split``: L1 hits, L2 hits,
+    # and HBM (through the L2 too). The L2 bytes bind in aggregate and per program (its chain,
+    # at its SM's share of the L2 bandwidth); HBM carries the compulsory bytes and the scratch
+    # the L2 cannot hold.
+    split = scratch_split(total["scratch_bytes"], s, share, gpu)
+    miss = 0.0 if total["scratch_bytes"] <= 0 else (
+        (split["scratch_l2_bytes"] + split["scratch_hbm_bytes"]) / total["scratch_bytes"])
+
+    def l2_bytes(r):
+        return r["global_bytes"] - r["scratch_bytes"] + miss * r["scratch_bytes"]
+
+    io = total["global_bytes"] - total["scratch_bytes"]
+    t_l2 = l2_bytes(total) / (gpu.l2_bytes_clk * max(1, active)) / gpu.clock_hz
+    t_chain_l2 = _chain_cycles(per_prog, occ, share, gpu,
+                               lambda r: max(_busy_cycles(r, gpu), l2_bytes(r) / gpu.l2_bytes_clk)) / gpu.clock_hz
+    t_hbm = (s.hbm_bytes + split["scratch_hbm_bytes"]) / gpu.hbm_bytes_s
     return {"est_ms": 1e3 * (max(t_tp, t_chain) + gpu.launch_s), "throughput_ms": 1e3 * t_tp,
             "chain_ms": 1e3 * t_chain, "occupancy": occ, "programs": len(s.programs), "total": total,
-            "est_l2_ms": 1e3 * (max(t_tp, t_chain, t_l2, t_hbm) + gpu.launch_s), "l2_ms": 1e3 * t_l2,
-            "hbm_ms": 1e3 * t_hbm}
+            "est_l2_ms": 1e3 * (max(t_tp, t_chain, t_l2, t_chain_l2, t_hbm) + gpu.launch_s), "l2_ms": 1e3 * t_l2,
+            "chain_l2_ms": 1e3 * t_chain_l2, "hbm_ms": 1e3 * t_hbm, "io_bytes": io,
+            "l2_bytes": io + split["scratch_l2_bytes"] + split["scratch_hbm_bytes"],
+            "hbm_bytes": s.hbm_bytes + split["scratch_hbm_bytes"], **split}
 
 
 # --------------------------------------------------------------------------------------
@@ -443,4 +532,40 @@ def fa2_est_ms(batch: int, heads: int, seq: int, head_dim: int, gpu: GPU = H200,
     the memory-honest bound)."""
     ms = {name: estimate(c, s, gpu)[key] for name, (c, s) in fa2_passes(batch, heads, seq, head_dim, gpu).items()}
     ms["total"] = sum(ms.values())
+    return ms
+
+
+# FlashAttention-2's published speed on an H100 SXM (FlashAttention-3 paper, Shah et al.,
+# arXiv 2407.08608, its forward and backward charts, BF16, causal, seqlen 2K): TFLOP/s by head
+# dim, FLOPs counted the FlashAttention papers' way (``fa_flops``). Read from the charts, so
+# +-2%; the same rates are used at every T (at longer sequences the charts run a little faster).
+FA2_PUBLISHED_TFLOPS = {"forward": {64: 262.0, 128: 298.0}, "backward": {64: 264.0, 128: 291.0}}
+
+
+def fa_flops(batch: int, heads: int, seq: int, head_dim: int, causal: bool = True) -> dict:
+    """The FlashAttention papers' FLOP count: forward 4·B·H·T²·d (two T×T×d products),
+    halved when causal; backward 2.5× the forward (five products against two)."""
+    fwd = 4.0 * batch * heads * seq * seq * head_dim / (2 if causal else 1)
+    return {"forward": fwd, "backward": 2.5 * fwd}
+
+
+def fa2_published_tflops(head_dim: int) -> dict:
+    """FlashAttention-2's published H100 rates at ``head_dim``: the charts' head dims 64 and
+    128, linear in the head dim between them (96: the midpoint, fwd 280, bwd 277.5 TFLOP/s),
+    the nearer end outside them."""
+    out = {}
+    for p, by_d in FA2_PUBLISHED_TFLOPS.items():
+        lo, hi = min(by_d), max(by_d)
+        x = min(max(head_dim, lo), hi)
+        out[p] = by_d[lo] + (by_d[hi] - by_d[lo]) * (x - lo) / (hi - lo)
+    return out
+
+
+def fa2_published_ms(batch: int, heads: int, seq: int, head_dim: int) -> dict:
+    """{"forward", "backward", "total"}: FlashAttention-2 (causal, bf16) at its published
+    H100 SXM rate (``fa2_published_tflops``) in ms: an H100 figure taken for the H200, whose
+    SMs and clocks are the same (its faster HBM barely matters to a compute-bound kernel)."""
+    fl, rate = fa_flops(batch, heads, seq, head_dim), fa2_published_tflops(head_dim)
+    ms = {p: 1e3 * fl[p] / (rate[p] * 1e12) for p in fl}
+    ms["total"] = ms["forward"] + ms["backward"]
     return ms
