@@ -13,7 +13,7 @@ Counts multiply-adds as 2 FLOPs, and counts what each attention path computes
   of b rows plus its halo of w rows against the keys up to its last row (about T^2/2).
 Training = 3 x forward, plus one more forward of the explicit score path for "blocked",
 which recomputes each block in backward: the FLOPs it performs, not a nominal count.
-For "triton" (model/frames.py) every pass computes its stages on whole frames (owned
+For "triton" (kernels/frames.py) every pass computes its stages on whole frames (owned
 block plus halo) of the key blocks up to the diagonal; its four passes are counted stage
 by stage as the kernel computes them (the pre-softmax conv as a GEMM of c_q d-long
 products, the post conv and the adjoints as Toeplitz products, head mixing as a full

@@ -11,7 +11,7 @@ tf32 for fp32 inputs), none per convolution tap.
 Design
 ------
 *Tiles, all heads.* Head mixing couples every head of a (query, key) cell, so a program
-computes a tile (a frame of ``ER`` x ``EC`` cells, 128 x 64 or 128 x 128: ``model/frames.py``)
+computes a tile (a frame of ``ER`` x ``EC`` cells, 128 x 64 or 128 x 128: ``kernels/frames.py``)
 for all heads. The per-head products (the scores, dO V^T, A V, dS K, dS^T Q, A^T dO) are
 2-D ``tl.dot`` of 128-row tiles, one head after another (wgmma on sm_90, each of the two
 warpgroups owning 64 rows, so products, loads and stores share one layout). Their results
