@@ -2,8 +2,10 @@
 
 The fused kernel (``attention_triton.py``) recomputes the convolved scores C in each of its
 four passes (a factorised product of inner dimension c_q * d and its band correction). Here
-the statistics pass computes C once (the same factorised product) and writes it into a
-store; the forward and both backward kernels read it. The backward is split at a stored dC
+the statistics pass computes C once, as S0 = q k^T followed by the convolution as banded
+Toeplitz products (one q and one k tile per head and tile, not the fused kernel's c_q
+shifted query and convolved key tiles; a halo of c_q - 1 rows above and the key taps beside
+the owned block), and writes it into a store; the forward and both backward kernels read it. The backward is split at a stored dC
 (``stored_split.py`` has the decomposition in torch, checked in float64):
 
 - kernel A, ``backward_rowsum`` and ``backward_dc`` (the fused kernel's rowsum and backward
@@ -64,7 +66,7 @@ def _store_slab_ptrs(st_ptr, rowoff_ptr, b, ci, cj, hh, Tq, Tk, q_off, plane_sz,
 @triton.jit(do_not_specialize=["Tq", "Tk", "q_off", "seed", "plane_sz"])
 def _stored_kernel(
     qd, kd, vd, dod, khd, band_ptr, kv_ptr,
-    w1t_ptr, w2t_ptr, tf2d, ta2d, ta1d,
+    w1t_ptr, w2t_ptr, tf2d, ta2d, ta1d, tf1d,
     lse_ptr, dd_ptr, tiles_ptr, starts_ptr,
     pm_ptr, pl_ptr, pod, pd_ptr, dvd, pw1_ptr, pw2_ptr, pt2_ptr,
     scr_ptr, cst_ptr, dcs_ptr, rowoff_ptr, plane_sz,
@@ -91,8 +93,12 @@ def _stored_kernel(
     PLANE: tl.constexpr = ER * EC
     SLOT: tl.constexpr = HP * PLANE
     scr = scr_ptr + pid.to(tl.int64) * (NSLOT * SLOT)
+    R1: tl.constexpr = CK1 - 1 - PL1
     R2: tl.constexpr = CK2 - 1 - PL2
     RIGHT: tl.constexpr = EC - LEFT - BNO
+    if MODE == _STATS:
+        tl.static_assert((LEFT >= PL1) & (RIGHT >= R1) & (TOP >= CQ1 - 1),
+                         "the frame's margins must hold the pre kernel's taps")
     if HAS_K2 and (MODE == _FWD or MODE == _DC):
         tl.static_assert((LEFT >= PL2) & (RIGHT >= R2), "the frame's margins must hold the post kernel's taps")
     if HAS_K2 and (MODE == _ROWSUM or MODE == _DC):
@@ -115,16 +121,24 @@ def _stored_kernel(
         dw1 = tl.zeros([HP, HP], ACC)
         dw2 = tl.zeros([HP, HP], ACC)
 
-        # ---- H1: C per head (stats: computed and stored; the rest: read back) -> slot C
+        if MODE == _STATS:
+            # ---- H0: S0 = q k^T * scale per head on the frame, zero off the allowed cells (mask, then conv)
+            ok0 = _allowed(i[:, None], j[None, :], b, kv_ptr, Tq, Tk, q_off, HAS_KV)
+            for h in tl.range(0, H, num_stages=1):
+                bh = b.to(tl.int64) * H + h
+                s0 = _scores(qd, kd, band_ptr, bh, i, j, row0, col0, Tq, q_off, scale, 1, 0, ER, EC, GP, DPAD, MMA,
+                             ACC, PREC)
+                tl.store(scr + S_S0 * SLOT + h * PLANE + u[:, None] * EC + w[None, :],
+                         _to_scratch(tl.where(ok0, s0, 0.0), scr_ptr.dtype.element_ty, RNE))
+            tl.debug_barrier()
+        # ---- H1: C per head (stats: conv1(S0), banded Toeplitz products; the rest: read back) -> slot C
         for h in tl.range(0, H, num_stages=1):
             bh = b.to(tl.int64) * H + h
             pc = scr + S_C * SLOT + h * PLANE + u[:, None] * EC + w[None, :]
-            sp, sok = _store_frame_ptrs(cst_ptr, rowoff_ptr, bh, i, j, Tq, Tk, q_off, plane_sz)
-            if MODE == _STATS:
-                cst = _scores(qd, khd, band_ptr, bh, i, j, row0, col0, Tq, q_off, scale, CQ1, NB1, ER, EC, GP, DPAD,
-                              MMA, ACC, PREC)
-                tl.store(sp, _to_scratch(cst, cst_ptr.dtype.element_ty, RNE), mask=sok)
+            if MODE == _STATS:  # (stored from the slabs below, owned cells only)
+                cst = _conv(scr + S_S0 * SLOT + h * PLANE, tf1d, h * CQ1 * EC, CQ1, False, ER, EC, MMA, ACC, PREC)
             else:
+                sp, sok = _store_frame_ptrs(cst_ptr, rowoff_ptr, bh, i, j, Tq, Tk, q_off, plane_sz)
                 cst = tl.load(sp, mask=sok, other=0.0)
             tl.store(pc, _to_scratch(cst, scr_ptr.dtype.element_ty, RNE))
             if MODE == _ROWSUM or MODE == _DC:
@@ -143,7 +157,10 @@ def _stored_kernel(
             xc = _slab(scr + S_C * SLOT, cu, cw, hh, H, ER, EC, MMA)
             z = _mix(xc, w1t, HAS_W1, PREC, ACC)
             if MODE == _STATS:
-                zm = tl.where(ok[:, None], z, float("-inf"))
+                # C into its store, as the slot holds it (rounded to the store's dtype once)
+                sp, sok = _store_slab_ptrs(cst_ptr, rowoff_ptr, b, ci, cj, hh, Tq, Tk, q_off, plane_sz, H)
+                tl.store(sp, xc.to(cst_ptr.dtype.element_ty), mask=sok & own[:, None])
+                zm = tl.where(own[:, None], z, float("-inf"))  # the owned cells' statistics
                 z3 = tl.reshape(zm, (SR, EC, HP))
                 tmax = tl.max(z3, 1)
                 u_rows = r0 + tl.arange(0, SR)
@@ -335,10 +352,12 @@ def kernel_constexprs(pass_: str, f: frames.Frame, *, h: int, d: int, pre, post,
 
 
 def descriptor_specs(pass_: str, consts: dict) -> dict:
-    """{kernel argument: (input, block shape)} of a stored pass's descriptors."""
+    """{kernel argument: (input, block shape)} of a stored pass's descriptors: the fused
+    kernel's, and the pre kernel's forward Toeplitz table (stats computes C = conv1(S0))."""
     specs = at.descriptor_specs(consts)
     if pass_ == "backward_b":
         return {k: specs[k] for k in ("qd", "kd", "ta1d", "pdqd", "dkd")}
+    specs["tf1d"] = ("tf1", [consts["EC"], consts["EC"]])
     return {k: v for k, v in specs.items() if k not in ("pdqd", "dkd")}
 
 
@@ -379,9 +398,13 @@ def _launch(pass_: str, st: _Stored, bufs: dict, do: Optional[torch.Tensor] = No
                                has_w1=pb.w1t is not None, has_w2=pb.w2t is not None, has_kv=pb.kv is not None,
                                gpu=pb.gpu, dtype=pb.q.dtype)
     scratch = torch.empty(max(1, scratch_spec.shape[0]), dtype=scratch_spec.dtype, device=pb.dev)
+    tf1 = None
+    if pass_ == "stats":  # the pre kernel's forward Toeplitz table (the fused kernel has no use for it)
+        dt = pb.sdt if pb.gpu else pb.acc_t
+        tf1 = at._toeplitz(pb.k1.to(pb.acc_t), f.ec, pb.hp, False, pb.pl1).to(dt).reshape(-1, f.ec).contiguous()
     inputs = {"q": pb.qp, "k": pb.kp, "v": pb.vp, "do": None if do is None else pb.padded(do),
-              "khat": pb.khatp, "tf2": getattr(pb, "tf2", None), "ta2": getattr(pb, "ta2", None),
-              "ta1": getattr(pb, "ta1", None)}
+              "khat": None, "tf2": getattr(pb, "tf2", None), "ta2": getattr(pb, "ta2", None),
+              "ta1": getattr(pb, "ta1", None), "tf1": tf1}
     for name in at.ACCUMULATORS:
         inputs[name] = bufs[name].flatten(0, 1) if name in bufs else None
     descs = {name: at._descriptor(inputs[src], block, pb.acc_t if src in at.ACCUMULATORS else pb.qp.dtype, pb.dev)
@@ -406,7 +429,7 @@ def _launch(pass_: str, st: _Stored, bufs: dict, do: Optional[torch.Tensor] = No
         descs["qd"], descs["kd"], descs["vd"], descs["dod"], descs["khd"], pb.band if pb.band is not None else dm,
         pb.kv if pb.kv is not None else dm,
         pb.w1t if pb.w1t is not None else dm, pb.w2t if pb.w2t is not None else dm,
-        descs["tf2d"], descs["ta2d"], descs["ta1d"],
+        descs["tf2d"], descs["ta2d"], descs["ta1d"], descs["tf1d"],
         buf("lse"), buf("dd"), tile_rows, starts,
         buf("pm"), buf("pl"), descs["pod"], buf("pd"), descs["dvd"],
         buf("pw1"), buf("pw2"), buf("pt2"), scratch, st.cstore if st.cstore is not None else dm, dcs, st.rowoff, st.plane_sz,

@@ -20,10 +20,29 @@ from mta_repro.kernels import frames
 from mta_repro.kernels.conv_pad import pad_left
 from mta_repro.kernels.frames import Buffer, Frame, Halo
 
+def uses_stored(has_pre: bool, dropout_active: bool) -> bool:
+    """Whether ``model.attn_impl=triton`` runs a layer in the stored design: a kq-conv layer
+    (a pre-softmax kernel) without active dropout; ``MTA_TRITON_DESIGN=fused`` keeps the
+    fused kernel for every layer (comparisons), ``stored``/unset is the default."""
+    import os
+
+    from mta_repro.errors import UserError
+
+    want = os.environ.get("MTA_TRITON_DESIGN", "stored")
+    if want not in ("stored", "fused"):
+        raise UserError(f"MTA_TRITON_DESIGN={want!r}: expected stored or fused")
+    return want == "stored" and has_pre and not dropout_active
+
+
 PASSES = ("stats", "forward", "backward_rowsum", "backward_dc", "backward_b")
 # the fused kernel's pass whose code a stored pass runs (``_stored_kernel``'s MODE), or "b"
 BASE_PASS = {"stats": "stats", "forward": "forward", "backward_rowsum": "backward_rowsum",
              "backward_dc": "backward", "backward_b": "b"}
+
+
+# kernel B's frame (no all-heads scratch): 256 x 64, estimated 1.367 ms against 1.432 ms at
+# 128 x 64 (T = 2048, B = 4; 0 spills, 248 registers); 128 x 128 spilled 1,312 B (1.500 ms)
+FRAME_B = (256, 64)
 
 
 def halo(pass_: str, pre, post, pad_key: str) -> Halo:
@@ -32,7 +51,9 @@ def halo(pass_: str, pre, post, pad_key: str) -> Halo:
     cq2, ck2 = post or (1, 1)
     l1, l2 = pad_left(pad_key, ck1), pad_left(pad_key, ck2)
     r1, r2 = ck1 - 1 - l1, ck2 - 1 - l2
-    if pass_ in ("stats", "forward", "backward_rowsum"):
+    if pass_ == "stats":  # C = conv1(S0) on the owned block: S0 h1 rows above, l1 left, r1 right
+        return Halo(cq1 - 1, 0, l1, r1) if pre else Halo(0, 0, 0, 0)
+    if pass_ in ("forward", "backward_rowsum"):
         return frames.halo(pass_, pre, post, pad_key)
     if pass_ == "backward_dc":  # dC on the owned block: dP there (dR h2 below, r2/l2 beside); R there (P above)
         h2 = cq2 - 1
@@ -49,9 +70,11 @@ def frame(pass_: str, pre, post, pad_key: str) -> Frame:
     if override is not None:
         er, ec = override
         if er <= hl.top + hl.bot or ec <= hl.left + hl.right:
-            raise frames.UserError(f"MTA_TRITON_FRAME={er}x{ec} leaves no owned block for the stored {pass_}")
+            raise frames.UserError(
+                f"MTA_TRITON_FRAME={er}x{ec} leaves no owned block: the halo needs "
+                f"{hl.top + hl.bot + 1}x{hl.left + hl.right + 1} (stored design, {pass_})")
         return Frame(er, ec, hl.top, hl.left, er - hl.top - hl.bot, ec - hl.left - hl.right)
-    er, ec = frames.FRAME_ROWS, frames.FRAME_COLS_CONV
+    er, ec = FRAME_B if pass_ == "backward_b" else (frames.FRAME_ROWS, frames.FRAME_COLS_CONV)
     while 2 * (hl.top + hl.bot) > er:
         er *= 2
     while 2 * (hl.left + hl.right) > ec:
@@ -66,6 +89,10 @@ def scratch_slots(pass_: str, has_pre: bool, has_post: bool) -> dict:
     if pass_ == "backward_b":
         out = {f"S_{n}": -1 for n in frames.STAGES}
         out["NSLOT"] = 0
+        return out
+    if pass_ == "stats":  # S0, then C = conv1(S0)
+        out = {f"S_{n}": -1 for n in frames.STAGES}
+        out.update(S_C=0, S_S0=1, NSLOT=2)
         return out
     if pass_ != "backward_dc":
         return frames.scratch_slots(pass_, has_pre, has_post)
