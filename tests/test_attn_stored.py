@@ -77,3 +77,66 @@ def test_stored_kernels_in_float32(monkeypatch):
     h = 2
     q, k, v = qkv(1, h, 21, 21, 3, seed=3)
     assert_matches_torch(q.float(), k.float(), v.float(), params(h, (3, 3), (2, 3), group=2), rtol=1e-4, atol=1e-5)
+
+
+def test_triton_runs_the_stored_design_for_kq_conv_layers_without_dropout(monkeypatch):
+    """``model.attn_impl=triton``: kq-conv layers (a pre-softmax kernel) without training
+    dropout run attention_stored.py, the rest the fused kernel; MTA_TRITON_DESIGN=fused keeps
+    the fused kernel everywhere."""
+    from mta_repro.kernels import stored_frames
+
+    assert stored_frames.uses_stored(True, False)
+    assert not stored_frames.uses_stored(False, False) and not stored_frames.uses_stored(True, True)
+    monkeypatch.setenv("MTA_TRITON_DESIGN", "fused")
+    assert not stored_frames.uses_stored(True, False)
+    monkeypatch.setenv("MTA_TRITON_DESIGN", "nope")
+    with pytest.raises(Exception, match="MTA_TRITON_DESIGN"):
+        stored_frames.uses_stored(True, False)
+
+
+def test_memory_preflight_stand_in_saves_the_stored_c_plane():
+    """The memory pre-flight's stand-in for a triton kq-conv layer keeps what the stored kernels
+    keep for backward: q, k, v, the fp32 lse, the weights' fp32 copies and the packed causal C
+    plane (B x H x T(T+1)/2 in the inputs' dtype)."""
+    from mta_repro.estimate import memory
+
+    h, t, d = 4, 20, 8
+    p = params(h, (2, 3), (3, 3))
+    weights = {getattr(p, f).untyped_storage()._cdata for f in attention_ops._WEIGHT_FIELDS
+               if getattr(p, f) is not None}
+    q, k, v = (x.float().requires_grad_() for x in qkv(2, h, t, t, d))
+    real = memory._saved_bytes(
+        lambda: attention_ops.ATTN_IMPLS["triton"].fn(q, k, v, p, attention_ops.AttnMask()), weights)
+    qm, km, vm = (torch.zeros(2, h, t, d, device="meta", requires_grad=True) for _ in range(3))
+    stand_in = memory._saved_bytes(lambda: memory._triton_meta(qm, km, vm, p, attention_ops.AttnMask()), set())
+    weight_copies = 4 * (h * 2 * 3 + h * h + h * 3 * 3 + h * h)
+    c_plane = 2 * h * (t * (t + 1) // 2) * 4
+    assert real == stand_in == 3 * 2 * h * t * d * 4 + 2 * h * t * 4 + weight_copies + c_plane
+
+
+def test_every_stored_pass_launches_with_its_configuration(monkeypatch):
+    """The stored launcher runs stats, forward, backward_rowsum, backward_dc, backward_b in this
+    order with stored_frames.launch_config (what scripts/compile_triton.py compiles with); the
+    kernels replaced by recorders: this checks the launches, not the math."""
+    from mta_repro.kernels import attention_stored, stored_frames
+
+    seen = []
+
+    class Recorder:
+        def __init__(self, fixed=None):
+            self.fixed = fixed
+
+        def __getitem__(self, grid):
+            def launch(*args, **kw):
+                name = self.fixed or ("stats", "forward", "backward_rowsum", "backward_dc")[kw["MODE"]]
+                seen.append((name, kw["num_warps"], kw["num_stages"]))
+            return launch
+
+    monkeypatch.setattr(attention_stored, "_stored_kernel", Recorder())
+    monkeypatch.setattr(attention_stored, "_kernel_b", Recorder("backward_b"))
+    h = 2
+    q, k, v = (t.requires_grad_() for t in qkv(1, h, 5, 5, 3))
+    attention_ops.ATTN_IMPLS["triton"].fn(q, k, v, params(h, (2, 3), (2, 3)), attention_ops.AttnMask()).sum().backward()
+    assert [s[0] for s in seen] == list(stored_frames.PASSES)
+    for name, nw, ns in seen:
+        assert (nw, ns) == stored_frames.launch_config(name, (2, 3), (2, 3))

@@ -146,6 +146,7 @@ def test_float64_on_a_gpu_falls_back(monkeypatch):
 
 
 def test_overrides_are_checked(monkeypatch):
+    monkeypatch.setenv("MTA_TRITON_DESIGN", "fused")  # the fused kernel's frames (kq-conv layers: stored by default)
     h = 4
     q, k, v = qkv(1, h, 8, 8, 3)
     run = attention_ops.ATTN_IMPLS["triton"].fn
@@ -252,7 +253,9 @@ def test_shipped_and_ablation_options(h, pre, post):
     assert_matches_torch(q, k, v, params(h, pre, post))
 
 
-def test_saves_nothing_quadratic_for_backward():
+def test_saves_nothing_quadratic_for_backward(monkeypatch):
+    """The fused kernel (the stored design keeps its packed C plane: tests/test_attn_stored.py)."""
+    monkeypatch.setenv("MTA_TRITON_DESIGN", "fused")
     t, h, d = 48, 4, 3
     sizes = []
 
@@ -307,10 +310,13 @@ def test_debug_experiment_with_mta_trains_as_torch(tmp_path):
         assert losses["triton"][key] == pytest.approx(want, rel=2e-5), key
 
 
-def test_memory_preflight_stand_in_saves_what_the_kernel_saves():
+def test_memory_preflight_stand_in_saves_what_the_kernel_saves(monkeypatch):
     """mta_repro.estimate.memory measures triton layers on meta through a stand-in (Triton does not
-    run on meta): it must keep the bytes the real kernel keeps."""
+    run on meta): it must keep the bytes the real kernel keeps. (The fused kernel; the stored
+    design's kq-conv layers: tests/test_attn_stored.py.)"""
     from mta_repro.estimate import memory
+
+    monkeypatch.setenv("MTA_TRITON_DESIGN", "fused")
 
     h, t, d = 4, 20, 8
     p = params(h, (2, 3), (3, 3))
@@ -336,6 +342,7 @@ def test_the_workspace_the_preflight_counts_is_what_the_backward_launch_holds(mo
     from mta_repro.kernels import attention_triton, frames
 
     h, t, d, b = 4, 40, 16, 2
+    monkeypatch.setenv("MTA_TRITON_DESIGN", "fused")  # (kq-conv layers run attention_stored.py by default)
     monkeypatch.setenv("MTA_TRITON_PROGRAMS", "3")  # a GPU's multi-item programs
     monkeypatch.setenv("MTA_TRITON_FRAME", "16x16")
     p = params(h, pre, post, mix=mix)
@@ -432,6 +439,7 @@ def test_every_pass_launches_with_the_reported_configuration(monkeypatch):
     a recorder: this checks the launch, not the math)."""
     from mta_repro.kernels import attention_triton, frames
 
+    monkeypatch.setenv("MTA_TRITON_DESIGN", "fused")  # the stored design's: tests/test_attn_stored.py
     seen = []
 
     class Recorder:
