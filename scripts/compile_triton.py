@@ -218,7 +218,9 @@ def compiled_pass(layer: str, name: str, heads: int, head_dim: int, arch: int, c
         cache.mkdir(parents=True, exist_ok=True)
         path.write_bytes(gzip.compress(json.dumps(out).encode()))
     # the kernel's only bf16 pointer is its scratch (_BF16_ARGS): those loads/stores are scratch bytes
-    c = roofline.count_ttgir(out.pop("ttgir"), scratch_elem="bf16")
+    # by source line of the kernel's own file (the fused kernel's helpers under the lines that call them)
+    c = roofline.count_ttgir(out.pop("ttgir"), source="attention_stored.py" if stored else "attention_triton.py",
+                             scratch_elem="bf16")
     return dict(out, levels=c.levels, static=c.static, by_line=c.by_line)
 
 
@@ -406,11 +408,14 @@ def main() -> None:
                     print(f"  T={seq} {kq} MFU {mfu:.0%}, baseline with {label}: linear {st['linear_ms']:.1f} ms, "
                           f"baseline {st['baseline_ms']:.1f} ms, MTA {st['mta_ms']:.1f} ms: {st['ratio']:.2f}x")
     if by_line:
-        src = (ROOT / "mta_repro" / "kernels" / "attention_triton.py").read_text().splitlines()
+        srcs = {f: (ROOT / "mta_repro" / "kernels" / f).read_text().splitlines()
+                for f in ("attention_triton.py", "attention_stored.py")}
         print("\nWhere each pass spends its work per key block, by source line of mta_repro/kernels/attention_triton.py "
+              "(kq_conv_stored: attention_stored.py) "
               "(ESTIMATED SM cycles per program and key block: tensor cores / CUDA cores / L1+shared traffic of "
               "global and shared bytes; 'via' = the lines that called the helper):")
         for layer, name, rows in by_line:
+            src = srcs["attention_stored.py" if layer in STORED else "attention_triton.py"]
             print(f"\n{layer} {name}:")
             print("| line | tensor | alu | global | shared | source | via |")
             print("|---|---|---|---|---|---|---|")
