@@ -26,6 +26,7 @@ cells. Dropout is not supported (the registry keeps the fused kernel for it).
 
 from __future__ import annotations
 
+import os
 from typing import Optional
 
 import torch
@@ -348,6 +349,8 @@ def kernel_constexprs(pass_: str, f: frames.Frame, *, h: int, d: int, pre, post,
                 "HAS_KV", "MMA", "ACC", "PREC", "RNE", "GP")
         return {k: consts[k] for k in keep}
     consts.update(stored_frames.scratch_slots(pass_, pre is not None, post is not None))
+    if pass_ == "backward_dc" and gpu and not os.environ.get("MTA_TRITON_SLAB_ROWS"):
+        consts["SR"] = min(f.er, stored_frames.SLAB_ROWS_DC)
     return consts
 
 

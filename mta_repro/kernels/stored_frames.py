@@ -40,6 +40,10 @@ BASE_PASS = {"stats": "stats", "forward": "forward", "backward_rowsum": "backwar
              "backward_dc": "backward", "backward_b": "b"}
 
 
+# frame rows per head-mixing slab of backward_dc on a GPU (the other passes: the fused kernel's,
+# frames.SLAB_ROWS_GPU_CONV = 4): 2 rows spill 8 B where 4 spill 72 B (8: 120 B), the same estimate
+SLAB_ROWS_DC = 2
+
 # kernel B's frame (no all-heads scratch): 256 x 64, estimated 1.367 ms against 1.432 ms at
 # 128 x 64 (T = 2048, B = 4; 0 spills, 248 registers); 128 x 128 spilled 1,312 B (1.500 ms)
 FRAME_B = (256, 64)
