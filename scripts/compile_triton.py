@@ -52,8 +52,11 @@ from mta_repro.estimate import roofline
 
 # the 880M MTA options; "kq_conv_stored": the kq-conv layer in the stored-scores design
 # (attention_stored.py: C and dC through stores, the backward split into kernels A and B)
-LAYERS = {"kq_conv": ((6, 11), (6, 11)), "mixing": (None, None), "kq_conv_stored": ((6, 11), (6, 11))}
-STORED = ("kq_conv_stored",)
+# "mixing_stored": the mixing layer through the same stored kernels (an estimate for the decision
+# whether it wants the store; the launcher keeps the fused kernel for it)
+LAYERS = {"kq_conv": ((6, 11), (6, 11)), "mixing": (None, None), "kq_conv_stored": ((6, 11), (6, 11)),
+          "mixing_stored": (None, None)}
+STORED = ("kq_conv_stored", "mixing_stored")
 
 
 def layer_passes(layer: str) -> tuple:

@@ -122,7 +122,7 @@ def _stored_kernel(
         dw1 = tl.zeros([HP, HP], ACC)
         dw2 = tl.zeros([HP, HP], ACC)
 
-        if MODE == _STATS:
+        if MODE == _STATS and HAS_K1:
             # ---- H0: S0 = q k^T * scale per head on the frame, zero off the allowed cells (mask, then conv)
             ok0 = _allowed(i[:, None], j[None, :], b, kv_ptr, Tq, Tk, q_off, HAS_KV)
             for h in tl.range(0, H, num_stages=1):
@@ -137,7 +137,12 @@ def _stored_kernel(
             bh = b.to(tl.int64) * H + h
             pc = scr + S_C * SLOT + h * PLANE + u[:, None] * EC + w[None, :]
             if MODE == _STATS:  # (stored from the slabs below, owned cells only)
-                cst = _conv(scr + S_S0 * SLOT + h * PLANE, tf1d, h * CQ1 * EC, CQ1, False, ER, EC, MMA, ACC, PREC)
+                if HAS_K1:
+                    cst = _conv(scr + S_S0 * SLOT + h * PLANE, tf1d, h * CQ1 * EC, CQ1, False, ER, EC, MMA, ACC,
+                                PREC)
+                else:  # no pre-softmax kernel (compile_triton's "mixing_stored" estimate): C = S0
+                    cst = _scores(qd, kd, band_ptr, bh, i, j, row0, col0, Tq, q_off, scale, 1, 0, ER, EC, GP, DPAD,
+                                  MMA, ACC, PREC)
             else:
                 sp, sok = _store_frame_ptrs(cst_ptr, rowoff_ptr, bh, i, j, Tq, Tk, q_off, plane_sz)
                 cst = tl.load(sp, mask=sok, other=0.0)

@@ -78,7 +78,10 @@ def frame(pass_: str, pre, post, pad_key: str) -> Frame:
                 f"MTA_TRITON_FRAME={er}x{ec} leaves no owned block: the halo needs "
                 f"{hl.top + hl.bot + 1}x{hl.left + hl.right + 1} (stored design, {pass_})")
         return Frame(er, ec, hl.top, hl.left, er - hl.top - hl.bot, ec - hl.left - hl.right)
-    er, ec = FRAME_B if pass_ == "backward_b" else (frames.FRAME_ROWS, frames.FRAME_COLS_CONV)
+    if pre is None and post is None:  # (a mixing layer: compile_triton's "mixing_stored" estimate only)
+        er, ec = frames.FRAME_ROWS, frames.FRAME_COLS
+    else:
+        er, ec = FRAME_B if pass_ == "backward_b" else (frames.FRAME_ROWS, frames.FRAME_COLS_CONV)
     while 2 * (hl.top + hl.bot) > er:
         er *= 2
     while 2 * (hl.left + hl.right) > ec:
@@ -94,7 +97,7 @@ def scratch_slots(pass_: str, has_pre: bool, has_post: bool) -> dict:
         out = {f"S_{n}": -1 for n in frames.STAGES}
         out["NSLOT"] = 0
         return out
-    if pass_ == "stats":  # S0, then C = conv1(S0)
+    if pass_ == "stats" and has_pre:  # S0, then C = conv1(S0)
         out = {f"S_{n}": -1 for n in frames.STAGES}
         out.update(S_C=0, S_S0=1, NSLOT=2)
         return out
