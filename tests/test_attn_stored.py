@@ -140,3 +140,25 @@ def test_every_stored_pass_launches_with_its_configuration(monkeypatch):
     assert [s[0] for s in seen] == list(stored_frames.PASSES)
     for name, nw, ns in seen:
         assert (nw, ns) == stored_frames.launch_config(name, (2, 3), (2, 3))
+
+
+def test_no_unwritten_store_or_scratch_cell_is_read(monkeypatch):
+    """Every buffer the launcher allocates uninitialised (the C and dC stores, the scratch)
+    starts as NaN here: a read of a cell no pass wrote (e.g. a padded causal cell of C, which
+    the statistics pass must still write, since its readers mask by causality only) would
+    reach a gradient. Left padding inside a frame, several row and key blocks."""
+    real_empty = torch.empty
+
+    def nan_empty(*args, **kw):
+        t = real_empty(*args, **kw)
+        if t.is_floating_point():
+            t.fill_(float("nan"))
+        return t
+
+    monkeypatch.setattr(torch, "empty", nan_empty)
+    monkeypatch.setenv("MTA_TRITON_FRAME", "16x16")
+    h = 4
+    key_valid = torch.ones(2, 37, dtype=torch.bool)
+    key_valid[1, :19] = False
+    q, k, v = qkv(2, h, 37, 37, 3)
+    assert_matches_torch(q, k, v, params(h, (2, 3), (3, 3), group=2), attention_ops.AttnMask(0, key_valid))

@@ -164,8 +164,11 @@ def _stored_kernel(
             z = _mix(xc, w1t, HAS_W1, PREC, ACC)
             if MODE == _STATS:
                 # C into its store, as the slot holds it (rounded to the store's dtype once)
+                # every causal cell of the owned block, padding included (the passes that read C
+                # mask by the causal cells only: no cell they read is left unwritten)
+                own_blk = (cu >= TOP) & (cu < TOP + BMO) & (cw >= LEFT) & (cw < LEFT + BNO)
                 sp, sok = _store_slab_ptrs(cst_ptr, rowoff_ptr, b, ci, cj, hh, Tq, Tk, q_off, plane_sz, H)
-                tl.store(sp, xc.to(cst_ptr.dtype.element_ty), mask=sok & own[:, None])
+                tl.store(sp, xc.to(cst_ptr.dtype.element_ty), mask=sok & own_blk[:, None])
                 zm = tl.where(own[:, None], z, float("-inf"))  # the owned cells' statistics
                 z3 = tl.reshape(zm, (SR, EC, HP))
                 tmax = tl.max(z3, 1)
