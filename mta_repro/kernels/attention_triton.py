@@ -341,6 +341,17 @@ def _slab(plane_base, cu, cw, hh, H: tl.constexpr, ER: tl.constexpr, EC: tl.cons
 
 
 @triton.jit
+def _logits(scr_c, cu, cw, hh, w1t, H: tl.constexpr, ER: tl.constexpr, EC: tl.constexpr, HAS_W1: tl.constexpr,
+            MMA: tl.constexpr, PREC: tl.constexpr, ACC: tl.constexpr):
+    """The logits z of a slab: its (cells, HP) convolved scores C from the scratch slot (written
+    by ``_scores`` in the first phase) and their pre-softmax head mixing. Returns (C, z). The
+    one code path every pass computes z through: the statistics' row max and sum and the
+    later passes' exp(z - lse) see the same bits (tests/test_kernel_hazards.py)."""
+    xc = _slab(scr_c, cu, cw, hh, H, ER, EC, MMA)
+    return xc, _mix(xc, w1t, HAS_W1, PREC, ACC)
+
+
+@triton.jit
 def _slab_store(plane_base, cu, cw, hh, x, H: tl.constexpr, ER: tl.constexpr, EC: tl.constexpr, RNE: tl.constexpr):
     tl.store(plane_base + (hh[None, :] * ER + cu[:, None]) * EC + cw[:, None],
              _to_scratch(x, plane_base.dtype.element_ty, RNE), mask=(hh < H)[None, :])
@@ -509,8 +520,7 @@ def _mta_kernel(
         for r0 in tl.range(0, ER, SR, num_stages=1):
             cu, cw, ci, cj, ok, own, i_rows = _slab_cells(r0, row0, col0, b, kv_ptr, Tq, Tk, q_off, HAS_KV, ER, EC,
                                                           TOP, LEFT, BMO, BNO, SR)
-            xc = _slab(scr + S_C * SLOT, cu, cw, hh, H, ER, EC, MMA)
-            z = _mix(xc, w1t, HAS_W1, PREC, ACC)
+            xc, z = _logits(scr + S_C * SLOT, cu, cw, hh, w1t, H, ER, EC, HAS_W1, MMA, PREC, ACC)
             if MODE == _STATS:
                 zm = tl.where(ok[:, None], z, float("-inf"))
                 z3 = tl.reshape(zm, (SR, EC, HP))
@@ -774,7 +784,8 @@ class _Problem:
             return out
 
         self.w1t, self.w2t = padw(w1), padw(w2)
-        self.dummy = torch.zeros(1, dtype=self.acc_t, device=self.dev)
+        # the argument of every pointer a pass does not use: never read
+        self.dummy = _buffer("dummy", frames.Buffer((1,), self.acc_t, None), self.dev)
         # the descriptors' views: (planes, T, DPAD), features zero-padded to whole GP parts
         self.qp, self.kp, self.vp = self.padded(self.q), self.padded(self.k), self.padded(self.v)
         self.khatp = self.padded(self.khat.flatten(1, 2)) if k1 is not None else self.kp
@@ -876,11 +887,27 @@ ACCUMULATORS = ("po", "pdq", "dk", "dv")  # descriptor sources in the accumulato
 
 
 
+def _empty(name: str, shape: tuple, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Every buffer a launch allocates (``frames.pass_buffers``, the placeholders of the
+    arguments a pass does not use): uninitialised, as ``torch.empty``. The one allocator of the
+    launcher, so that a test can replace it (tests/test_kernel_hazards.py fills each buffer
+    with NaN) and prove that every buffer is written before it is read or filled by ``_buffer``."""
+    return torch.empty(shape, dtype=dtype, device=device)
+
+
+def _buffer(name: str, spec: frames.Buffer, device: torch.device) -> torch.Tensor:
+    """A buffer of ``spec`` from ``_empty``, filled with ``spec.fill`` unless that is None
+    (every cell written before it is read)."""
+    x = _empty(name, tuple(spec.shape), spec.dtype, device)
+    return x if spec.fill is None else x.fill_(spec.fill)
+
+
 def _descriptor(x: Optional[torch.Tensor], block: list, dtype: torch.dtype, device: torch.device):
-    """A host tensor descriptor of x ((planes, T, DPAD) or a 2-D table), or of a dummy of the
-    block's shape when this pass does not use it (its loads and stores are compiled out)."""
+    """A host tensor descriptor of x ((planes, T, DPAD) or a 2-D table), or of an
+    uninitialised placeholder of the block's shape when this pass does not use it (its loads
+    and stores are compiled out: never read)."""
     if x is None:
-        x = torch.zeros(block, dtype=dtype, device=device)
+        x = _empty("placeholder", tuple(block), dtype, device)
     return TensorDescriptor.from_tensor(x, block)
 
 
@@ -891,15 +918,15 @@ def _launch(mode: int, pb: _Problem, bufs: dict, do: Optional[torch.Tensor] = No
                                 dpad=pb.dpad, pre=pb.pre, post=pb.post, dtype=pb.q.dtype)
     scratch_spec = specs.pop("scratch")
     specs.pop("tiles")  # built below from the schedule
-    for name, (shape, dtype, fill) in specs.items():
-        bufs[name] = torch.full(shape, fill, dtype=dtype, device=pb.dev)
+    for name, spec in specs.items():
+        bufs[name] = _buffer(name, spec, pb.dev)
     if not sched.items:
         return f, sched
     consts = kernel_constexprs(mode, f, h=pb.h, d=pb.d, pre=pb.pre, post=pb.post, pad_key=pb.pad_key,
                                has_w1=pb.w1t is not None, has_w2=pb.w2t is not None, has_kv=pb.kv is not None,
                                drop=pb.p_drop > 0.0, gpu=pb.gpu, dtype=pb.q.dtype)
     # unwritten cells are never read (each phase writes whole planes before the next reads)
-    scratch = torch.empty(scratch_spec.shape, dtype=scratch_spec.dtype, device=pb.dev)
+    scratch = _buffer("scratch", scratch_spec, pb.dev)
     inputs = {"q": pb.qp, "k": pb.kp, "v": pb.vp, "do": None if do is None else pb.padded(do),
               "khat": pb.khatp, "tf2": getattr(pb, "tf2", None), "ta2": getattr(pb, "ta2", None),
               "ta1": getattr(pb, "ta1", None)}

@@ -301,7 +301,7 @@ def problem_buffers(*, b: int, h: int, hp: int, tq: int, tk: int, d: int, pre: O
     pass whose frames are ``ec`` wide, the (HP, HP) head-mixing matrices (``mix``: pre- and
     post-softmax mixing on) and the DPAD copies of q, k, v."""
     acc, dpad = acc_dtype(dtype), feature_parts(d)[1]
-    out = {"dummy": Buffer((1,), acc, 0.0)}  # the argument of every buffer a pass does not use
+    out = {"dummy": Buffer((1,), acc, None)}  # the argument of every pointer a pass does not use: never read
     if pre is not None:
         cq, ck = pre
         out["khat"] = Buffer((b, h, cq, tk, d), dtype, None)
