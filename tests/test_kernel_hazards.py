@@ -245,3 +245,74 @@ def test_every_pass_computes_the_same_logits_bit_for_bit(monkeypatch):
     zs = torch.tensor([rec["stats"][(0, 28, j, 0)] for j in range(5, 29)], dtype=torch.float64)
     assert zs.abs().max() > 0.1 and len(set(zs.tolist())) == len(zs)
 
+
+def _record_descriptor_coordinates(monkeypatch) -> list:
+    """Records every descriptor copy's coordinates (loads, stores, reductions) the interpreter
+    runs: [(kind, box shape, coordinates)]."""
+    from triton.runtime import interpreter
+
+    from mta_repro.kernels import attention_triton  # noqa: F401  (installs the interpreter's reduction)
+
+    seen = []
+    builder = interpreter.InterpreterBuilder
+
+    def wrap(kind, real, at):
+        def call(self, *args):
+            seen.append((kind, tuple(args[0].block_shape), tuple(int(x.data.reshape(-1)[0]) for x in args[at])))
+            return real(self, *args)
+        return call
+
+    for kind, at in (("load", 1), ("store", 2), ("reduce", 3)):
+        name = f"create_descriptor_{kind}"
+        real = getattr(builder, name)
+        if kind == "reduce":  # (self, kind, desc, value, indices)
+            def call(self, rkind, desc, value, indices, _real=real):
+                seen.append(("reduce", tuple(desc.block_shape), tuple(int(x.data.reshape(-1)[0]) for x in indices)))
+                return _real(self, rkind, desc, value, indices)
+            monkeypatch.setattr(builder, name, call)
+        else:
+            monkeypatch.setattr(builder, name, wrap(kind, real, at))
+    return seen
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_no_descriptor_copy_has_a_negative_coordinate(monkeypatch, dtype):
+    """Rows before the sequence (a frame's halo above row 0, the shifted query rows of the
+    pre-softmax conv) and keys before 0 (the halo left of key 0) are read from the zero
+    margin the launcher puts in front of every descriptor input (frames.margin), not from a
+    TMA copy's zero fill of negative coordinates, and dk/dv are reduced into a buffer with
+    the same margin: over forward and backward of a 6x11-kernel layer (the widest halos,
+    pad both) and a right-padded one, float64 (read-add-write accumulators) and float32 (TMA
+    reductions), every coordinate of every descriptor load, store and reduction is >= 0, and
+    the results are the reference's."""
+    from mta_repro.kernels import frames
+
+    monkeypatch.setenv("MTA_TRITON_FRAME", "32x32")
+    h = 2
+    for pre, post, pad_key in (((6, 11), (6, 11), "both"), ((3, 4), (2, 3), "right")):
+        p = params(h, pre, post, pad_key=pad_key)
+        q, k, v = qkv(1, h, 40, 40, 3)
+        mask = attention_ops.AttnMask()
+        if dtype == torch.float32:
+            q, k, v = q.float(), k.float(), v.float()
+            p = dataclasses.replace(p, **{f: getattr(p, f).float() for f in attention_ops._WEIGHT_FIELDS
+                                          if getattr(p, f) is not None})
+        want, want_g = grads_of("torch", q.double(), k.double(), v.double(), params(h, pre, post, pad_key=pad_key),
+                                mask)
+        seen = _record_descriptor_coordinates(monkeypatch)
+        got, got_g = grads_of("triton", q, k, v, p, mask)
+        monkeypatch.undo()
+        monkeypatch.setenv("MTA_TRITON_FRAME", "32x32")
+        kinds = {kind for kind, _, _ in seen}
+        assert kinds == ({"load"} if dtype == torch.float64 else {"load", "reduce"}) | (
+            {"store"} if dtype == torch.float64 else set()), kinds
+        neg = [s for s in seen if min(s[2]) < 0]
+        assert not neg, (len(neg), neg[:3])
+        # the margin is what the halos reach: the least row coordinate read is exactly 0
+        assert min(s[2][1] for s in seen if len(s[2]) == 3) == 0 < frames.margin(pre, post, pad_key)
+        tol = dict(rtol=1e-10, atol=1e-12) if dtype == torch.float64 else dict(rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(got.double(), want, **tol)
+        for name, g in want_g.items():
+            torch.testing.assert_close(got_g[name].double(), g, **dict(tol, atol=tol["atol"] * (1 + g.abs().max().item())),
+                                       msg=name)
+
