@@ -316,3 +316,37 @@ def test_no_descriptor_copy_has_a_negative_coordinate(monkeypatch, dtype):
             torch.testing.assert_close(got_g[name].double(), g, **dict(tol, atol=tol["atol"] * (1 + g.abs().max().item())),
                                        msg=name)
 
+
+def test_the_sm90_compile_fences_async_reads_and_pipelines_no_scratch_loop(tmp_path):
+    """Every pass of both 880M layer kinds compiled for sm_90 as the launcher launches it
+    (scripts/compile_triton.py; ``hazards`` from mta_repro/estimate/ir_hazards.py on its
+    TritonGPU IR): every wgmma operand and TMA store/reduction source in shared memory that
+    ordinary stores (or cp.async) wrote is fenced (ttng.fence_async_shared, in the PTX
+    fence.proxy.async) after the write and before the read: the pattern exists in every pass
+    (the mixing weights, the O/dq/dk/dv boxes) and none is unfenced; the loops that store
+    scratch say num_stages=1 and none is software-pipelined, while the pipeliner does
+    pipeline other loops (the input copies, the accumulating head loops)."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from mta_repro.kernels import frames
+
+    root = Path(__file__).resolve().parents[1]
+    out = tmp_path / "r.json"
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    p = subprocess.run([sys.executable, str(root / "scripts" / "compile_triton.py"), "--seqs", "2048", "--json", str(out),
+                        "--cache", str(tmp_path / "cache")], capture_output=True, text=True, env=env, timeout=1500)
+    assert p.returncode == 0, p.stderr[-3000:]
+    recs = [r for r in json.loads(out.read_text())["records"] if r["layer"] != "sdpa"]
+    assert sorted((r["layer"], r["pass"]) for r in recs) == sorted(
+        (layer, name) for layer in ("kq_conv", "mixing") for name in frames.PASSES)
+    for r in recs:
+        hz = r["hazards"]
+        what = (r["layer"], r["pass"], hz)
+        assert hz["unfenced_async_reads"] == 0 and hz["generic_async_reads"] > 0, what
+        assert r["ptx"]["fence_proxy_async"] >= hz["fences"] > 0, what
+        assert hz["scratch_loops"] >= 2 and hz["scratch_loops_num_stages"] == [1], what
+        assert hz["pipelined_scratch_loops"] == 0 and hz["pipelined_loops"] > 0, what
