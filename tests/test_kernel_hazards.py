@@ -317,6 +317,53 @@ def test_no_descriptor_copy_has_a_negative_coordinate(monkeypatch, dtype):
                                        msg=name)
 
 
+def test_only_dk_and_dv_take_adds_from_several_programs(monkeypatch):
+    """Determinism (docs/triton_kernel.md, "Hazards"): every box of O's and dq's per-item
+    partials is added into by one program only (its item's, in tile order, each loop ending in
+    a completion wait), so they, and torch's fixed-order sum of the slots, are deterministic on
+    a GPU; the weight gradients are per-program partials. dk and dv boxes take TMA reductions
+    from several programs (here 3 persistent programs over 2 x 3 row blocks): their fp32 add
+    order is the programs' timing, so they alone may differ in the last bits between runs."""
+    from triton.runtime import interpreter
+
+    from mta_repro.kernels import attention_triton as at
+
+    monkeypatch.setenv("MTA_TRITON_FRAME", "16x16")
+    monkeypatch.setenv("MTA_TRITON_PROGRAMS", "3")
+    bufs, adds = {}, []
+    real_empty = at._empty
+
+    def empty(name, shape, dtype, device):
+        x = real_empty(name, shape, dtype, device)
+        bufs.setdefault(name, []).append(x)
+        return x
+
+    real_reduce = interpreter.InterpreterBuilder.create_descriptor_reduce
+
+    def reduce(self, kind, desc, value, indices):
+        adds.append((int(desc.base.data.reshape(-1)[0]), tuple(int(x.data.reshape(-1)[0]) for x in indices),
+                     self.grid_idx[0]))
+        return real_reduce(self, kind, desc, value, indices)
+
+    monkeypatch.setattr(at, "_empty", empty)
+    monkeypatch.setattr(interpreter.InterpreterBuilder, "create_descriptor_reduce", reduce)
+    h = 4
+    p = params(h, (2, 3), (3, 3), group=2)
+    p = dataclasses.replace(p, **{f: getattr(p, f).float() for f in attention_ops._WEIGHT_FIELDS
+                                  if getattr(p, f) is not None})
+    q, k, v = (x.float() for x in qkv(2, h, 37, 37, 3))
+    grads_of("triton", q, k, v, p, attention_ops.AttnMask())
+    name_of = {x.data_ptr(): name for name in ("po", "pdq", "dk", "dv") for x in bufs.get(name, ())}
+    writers: dict = {}
+    for ptr, (plane, row, _), pid in adds:
+        writers.setdefault((name_of[ptr], plane, row), set()).add(pid)
+    assert {key[0] for key in writers} == {"po", "pdq", "dk", "dv"}
+    for key, pids in writers.items():
+        if key[0] in ("po", "pdq"):
+            assert len(pids) == 1, key
+    assert max(len(pids) for key, pids in writers.items() if key[0] in ("dk", "dv")) >= 2
+
+
 def test_the_sm90_compile_fences_async_reads_and_pipelines_no_scratch_loop(tmp_path):
     """Every pass of both 880M layer kinds compiled for sm_90 as the launcher launches it
     (scripts/compile_triton.py; ``hazards`` from mta_repro/estimate/ir_hazards.py on its
@@ -325,7 +372,8 @@ def test_the_sm90_compile_fences_async_reads_and_pipelines_no_scratch_loop(tmp_p
     fence.proxy.async) after the write and before the read: the pattern exists in every pass
     (the mixing weights, the O/dq/dk/dv boxes) and none is unfenced; the loops that store
     scratch say num_stages=1 and none is software-pipelined, while the pipeliner does
-    pipeline other loops (the input copies, the accumulating head loops)."""
+    pipeline other loops (the input copies, the accumulating head loops), whose scratch
+    prefetches before the loop come after the barrier that ends the phase writing it."""
     import json
     import os
     import subprocess
@@ -350,3 +398,4 @@ def test_the_sm90_compile_fences_async_reads_and_pipelines_no_scratch_loop(tmp_p
         assert r["ptx"]["fence_proxy_async"] >= hz["fences"] > 0, what
         assert hz["scratch_loops"] >= 2 and hz["scratch_loops_num_stages"] == [1], what
         assert hz["pipelined_scratch_loops"] == 0 and hz["pipelined_loops"] > 0, what
+        assert hz["early_prefetches"] == 0, what

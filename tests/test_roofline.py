@@ -543,3 +543,23 @@ def test_a_loop_that_stores_scratch_and_prefetches_across_its_back_edge_is_pipel
     assert own.pipelined_scratch_loops == [] and not own.loops[0].pipelined and own.loops[0].scratch
     other = _hz(body.replace("OUTSIDE", alloc).replace("INSIDE", "").replace("ELEM", "f32"))
     assert other.pipelined_scratch_loops == [] and other.loops[0].pipelined and not other.loops[0].scratch
+
+
+def test_a_pipelined_loops_scratch_prefetch_must_follow_the_phase_barrier():
+    """A loop pipelined by its num_stages reads scratch through a prologue cp.async issued
+    before it: after the barrier that follows the last scratch store it is fine, without one
+    it is an early prefetch (it could read what other threads have not yet stored)."""
+    body = textwrap.dedent("""\
+        tt.store %sp, %val : tensor<64x32x!tt.ptr<bf16>, #blocked> loc(#loc7)
+        BARRIER
+        %buf = ttg.local_alloc : () -> !ttg.memdesc<2x64x32xbf16, #shared, #smem, mutable> loc(#loc6)
+        %w0 = ttg.memdesc_index %buf[%c0_i32] : !ttg.memdesc<2x64x32xbf16, #shared, #smem, mutable> -> !ttg.memdesc<64x32xbf16, #shared, #smem, mutable> loc(#loc6)
+        %t0 = ttg.async_copy_global_to_local %ptrs, %w0 : tensor<64x32x!tt.ptr<bf16>, #blocked> -> <64x32xbf16, #shared, #smem, mutable> loc(#loc6)
+        scf.for %i = %c0_i32 to %n step %c1_i32  : i32 {
+          %w = ttg.memdesc_index %buf[%i] : !ttg.memdesc<2x64x32xbf16, #shared, #smem, mutable> -> !ttg.memdesc<64x32xbf16, #shared, #smem, mutable> loc(#loc6)
+          %t = ttg.async_copy_global_to_local %ptrs, %w : tensor<64x32x!tt.ptr<bf16>, #blocked> -> <64x32xbf16, #shared, #smem, mutable> loc(#loc6)
+        } {tt.num_stages = 2 : i32} loc(#loc8)
+        """)
+    bad = _hz(body.replace("BARRIER", ""))
+    assert bad.loops[0].pipelined and not bad.loops[0].scratch and bad.early_prefetches == [("#loc8", 9)]
+    assert _hz(body.replace("BARRIER", "ttg.barrier local loc(#loc7)")).early_prefetches == []

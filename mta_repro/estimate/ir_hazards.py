@@ -25,6 +25,16 @@ store scratch (plain stores through its bf16 scratch pointer, directly or in a n
 must not be pipelined: a prefetch of a later iteration's scratch could be issued before this
 iteration's stores and the barrier that orders them (loops that only read scratch written
 before them, behind a barrier, may be).
+
+*Early prefetches* (``early_prefetches``). A pipelined loop's prologue copies of scratch
+(``cp.async`` of its bf16 pointer, issued before the loop for its first iterations) must
+come after a barrier (``ttg.barrier``) that follows the last scratch store before the loop,
+so that they cannot read scratch this program's other threads have not yet written. (TMA
+copies read only the inputs: scratch has no descriptor.) Checked for the loops the source
+pipelines by name (``num_stages`` > 1: the phase-level head loops); the row-shift loops
+nested in a phase (pipelined by the launch's default) read planes of another stage than the
+phase stores, written in an earlier phase: that is the phase structure, which a textual check
+without addresses cannot see.
 """
 
 from __future__ import annotations
@@ -131,6 +141,7 @@ class Report:
     unfenced: list  # (line, op) of those not fenced (or not traceable)
     loops: list  # every Loop
     pipelined_scratch_loops: list  # (loc, num_stages) of scratch loops that are pipelined
+    early_prefetches: list = field(default_factory=list)  # (loc, line): prologue copies before the barrier
 
 
 def analyse(ttgir: str, scratch_elem: str = "bf16") -> Report:
@@ -203,7 +214,19 @@ def analyse(ttgir: str, scratch_elem: str = "bf16") -> Report:
                 if root is None or not (lp.start < root < lp.end):
                     lp.pipelined = True
     bad_loops = [(lp.loc, lp.num_stages) for lp in loops if lp.scratch and lp.pipelined]
-    return Report(n_async, n_generic, unfenced, loops, bad_loops)
+    # a pipelined loop's prologue (its first iterations' copies, issued before it) must come
+    # after a barrier that follows the last scratch store before the loop
+    early = []
+    for lp in loops:
+        if not lp.pipelined or not (lp.num_stages or 0) > 1:
+            continue
+        last = max((n for n in range(lp.start) if re.search(r"\btt\.store\b", lines[n]) and scratch_ptr in lines[n]),
+                   default=-1)
+        bars = [n for n in range(last, lp.start) if "ttg.barrier" in lines[n]]
+        early += [(lp.loc, n) for n in range(last + 1, lp.start)
+                  if "ttg.async_copy_global_to_local" in lines[n] and scratch_ptr in lines[n]
+                  and not any(b < n for b in bars)]
+    return Report(n_async, n_generic, unfenced, loops, bad_loops, early)
 
 
 def summary(ttgir: str, scratch_elem: str = "bf16") -> dict:
@@ -214,4 +237,5 @@ def summary(ttgir: str, scratch_elem: str = "bf16") -> dict:
             "unfenced_async_reads": len(r.unfenced), "fences": ttgir.count("ttng.fence_async_shared"),
             "scratch_loops": len(scratch), "scratch_loops_num_stages": sorted({lp.num_stages or 0 for lp in scratch}),
             "pipelined_loops": sum(lp.pipelined for lp in r.loops),
-            "pipelined_scratch_loops": len(r.pipelined_scratch_loops)}
+            "pipelined_scratch_loops": len(r.pipelined_scratch_loops),
+            "early_prefetches": len(r.early_prefetches)}

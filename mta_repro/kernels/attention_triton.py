@@ -81,7 +81,9 @@ its run in one loop over tiles (``Schedule.tiles``). Each item adds into its own
 and its reductions into O and dq run in a pipelined head loop that ends by waiting for them
 to complete, so each element's adds happen in tile order: deterministic. Weight gradients
 are per-program partials, added once per tile. Only dk and dv are accumulated across
-programs, so they alone are bitwise nondeterministic on a GPU. A float64 accumulator (the
+programs, so they alone are bitwise nondeterministic on a GPU (for a given program count: another
+count cuts the rows into other items, and O and dq then agree to rounding, not bitwise;
+tests/test_kernel_hazards.py checks who adds into what). A float64 accumulator (the
 interpreter's float64 checks) is read, added and written back instead: TMA reductions stop at
 32 bits, so float64 on a GPU runs ``blocked``.
 
