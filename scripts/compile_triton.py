@@ -29,7 +29,9 @@ not scratch, through the L2), scratch_bytes (the IR's scratch loads and stores),
 scratch_compulsory_bytes (one store and one reload per slot and tile), scratch_l1_bytes,
 scratch_l2_bytes, scratch_hbm_bytes (where they go; the three add up to scratch_bytes),
 l1_free_bytes (per SM beside the shared memory), l2_bytes and hbm_bytes (all that passes the
-L2 / HBM), plus tc_share, the estimate's parts and the PTX cross-check. Layer "sdpa" records
+L2 / HBM), plus tc_share, the estimate's parts, the PTX cross-check and ``hazards``
+(``mta_repro/estimate/ir_hazards.py``: async-proxy reads of shared memory and whether each
+is fenced, the loops that store scratch and whether any is software-pipelined). Layer "sdpa" records
 are FlashAttention-2's own passes under the same estimator. The report ends with each layer's
 totals against FlashAttention-2 both ways and the implied 880M step ratio (``step_ratio``).
 """
@@ -48,7 +50,7 @@ import time
 from pathlib import Path
 
 from mta_repro.kernels import frames
-from mta_repro.estimate import roofline
+from mta_repro.estimate import ir_hazards, roofline
 
 LAYERS = {"kq_conv": ((6, 11), (6, 11)), "mixing": (None, None)}  # the 880M MTA options
 ROOT = Path(__file__).resolve().parents[1]
@@ -146,12 +148,13 @@ def ptx_counts(ptx: str, num_warps: int) -> dict:
             "atomics": sum(s.startswith(("atom.", "red.")) for s in ins),
             "bar_sync": sum(s.startswith(("bar.sync", "barrier.sync")) for s in ins),
             "mma_sync": n_mma, "wgmma": n_wgmma, "tc_macs_per_program": mma_macs,
-            "fma_f32": sum(s.startswith("fma.rn.f32") for s in ins)}
+            "fma_f32": sum(s.startswith("fma.rn.f32") for s in ins),
+            "fence_proxy_async": sum(s.startswith("fence.proxy.async") for s in ins)}
 
 
 # what a cache entry holds besides the IR: a new field here starts new entries
 _CACHED_FIELDS = ("num_warps", "num_stages", "smem_bytes", "compile_s", "ptx", "registers", "spill_bytes",
-                  "wgmma_serialized")
+                  "wgmma_serialized", "ptx.fence_proxy_async")
 
 
 def compiled_pass(layer: str, name: str, heads: int, head_dim: int, arch: int, cache: Path) -> dict:
@@ -179,8 +182,10 @@ def compiled_pass(layer: str, name: str, heads: int, head_dim: int, arch: int, c
         cache.mkdir(parents=True, exist_ok=True)
         path.write_bytes(gzip.compress(json.dumps(out).encode()))
     # the kernel's only bf16 pointer is its scratch (_BF16_ARGS): those loads/stores are scratch bytes
-    c = roofline.count_ttgir(out.pop("ttgir"), scratch_elem="bf16")
-    return dict(out, levels=c.levels, static=c.static, by_line=c.by_line)
+    ttgir = out.pop("ttgir")
+    c = roofline.count_ttgir(ttgir, scratch_elem="bf16")
+    return dict(out, levels=c.levels, static=c.static, by_line=c.by_line,
+                hazards=ir_hazards.summary(ttgir, scratch_elem="bf16"))
 
 
 def schedule(layer: str, name: str, batch: int, heads: int, head_dim: int, seq: int, info: dict,
@@ -248,7 +253,7 @@ def record(layer, name, seq, info, est, fa2, batch, fa2_l2, fa2_pub) -> dict:
             "tc_share": round(tc / max(1.0, tc + tot["fma_macs"]), 4), "batch": batch,
             "throughput_ms": round(est["throughput_ms"], 4), "chain_ms": round(est["chain_ms"], 4),
             "occupancy": est["occupancy"], "programs": est["programs"], "global_bytes": tot["global_bytes"],
-            "ptx": info["ptx"], "compile_s": info.get("compile_s"), "estimate": True}
+            "ptx": info["ptx"], "hazards": info.get("hazards"), "compile_s": info.get("compile_s"), "estimate": True}
 
 
 def main() -> None:

@@ -31,6 +31,7 @@ MODULE_MARKERS = {
     "test_eval_data_parallel.py": ("distributed",),
     "test_attn_triton.py": ("triton",),
     "test_kq_conv_triton.py": ("triton",),
+    "test_kernel_hazards.py": ("triton",),
     "test_pipeline.py": ("pipeline",),
     "test_train_e2e.py": ("pipeline",),
     # lm-eval's task index (parsing ~15,000 YAMLs: 30 s and more before its cache exists)
