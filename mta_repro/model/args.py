@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from mta_repro.errors import UserError
-from mta_repro.kernels.types import KernelTuning, refuse_removed_env
+from mta_repro.kernels.types import KernelTuning
 
 PAD_KEY_CHOICES = ("left", "right", "both")
 INIT_CHOICES = ("identity", "const", "uniform", "diagonal", "normal")
@@ -266,7 +266,6 @@ def _positive(name: str, value) -> None:
 
 def validate(args: ModelArgs) -> None:
     """Raise ValueError naming the field and the rule for any invalid combination."""
-    refuse_removed_env()  # a tuning set the old way must not be ignored in silence
     for name in ("dim", "n_layers", "n_heads", "vocab_size", "multiple_of", "max_seqlen"):
         _positive(f"model.{name}", getattr(args, name))
     _positive("model.head_dim", args.head_dim)
