@@ -205,3 +205,19 @@ def test_the_memory_preflight_reads_the_models_tuning():
             k = layer.attention.kernels
             assert k.kq_backend == "conv2d" and k.tuning == model.args.kernels and k.sdpa is not None
     assert all(layer.attention.kernels.kq_backend is None for layer in model.layers)  # restored
+
+
+def test_the_flop_count_follows_the_models_frame():
+    """The triton path's FLOPs are what its frames compute (halo cells, causal skipping per
+    frame, Toeplitz products as wide as the frame): the default frame set explicitly counts
+    the same, another frame counts otherwise."""
+    from mta_repro.estimate import flops
+
+    args = dict(SMALL, n_heads=4, dim=64, attn_impl="triton",
+                mta=dict(use_mta=True, query_kernel_size=6, key_kernel_size=11, pre_sm_linear_head=True))
+
+    def count(**kernels):
+        return flops._triton_passes(ModelArgs(**args, kernels=kernels), 2048, "kq_conv")
+
+    assert count(triton_frame="128x64") == count()  # a kq-conv layer's default frame
+    assert count(triton_frame="64x32") != count()
