@@ -59,9 +59,10 @@ class KernelTuning:
     # The kernel of the ``blocked`` path's key-query convolutions
     # (``attention_ops.kq_conv_backend``): auto | c | triton | conv2d. ``auto``: the C
     # kernel (kq_conv_cpu) on CPU fp32/fp64, the Triton kernel (kq_conv_triton) on CUDA,
-    # ATen's F.conv2d elsewhere; ``c`` and ``triton`` ask for that kernel where it runs
-    # (``triton`` on CPU only under TRITON_INTERPRET=1), F.conv2d where it does not;
-    # ``conv2d`` always F.conv2d (the self-check's ``blocked+conv2d`` fallback).
+    # ATen's F.conv2d elsewhere; ``c`` is ``auto`` (the C kernel where it runs);
+    # ``triton`` asks for the Triton kernel on CPU too (under TRITON_INTERPRET=1; F.conv2d
+    # where triton cannot run); ``conv2d`` always F.conv2d (the self-check's
+    # ``blocked+conv2d`` fallback).
     kq_conv: str = "auto"
     # Run ``blocked``'s query block through torch.compile: null = on CUDA only (eager is
     # launch-bound there; on CPU the C kernel dominates and a compile costs tens of seconds),
