@@ -221,3 +221,24 @@ def test_the_flop_count_follows_the_models_frame():
 
     assert count(triton_frame="128x64") == count()  # a kq-conv layer's default frame
     assert count(triton_frame="64x32") != count()
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton not installed")
+def test_the_compiled_block_runs_the_tuned_tile_without_graph_breaks(spy):
+    """What CUDA runs by default: the query block compiled, the Triton convolution inside it.
+    The tuning travels through the compiled function as plain attributes: no graph break,
+    and the tile it names is the one the kernel gets (aot_eager; the interpreter)."""
+    import test_attn_impls as t
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    attention_ops._compiled_blocks.clear()
+    counters.clear()
+    tuning = KernelTuning(kq_conv="triton", kq_tile="16x16", compile_block=True, compile_block_backend="aot_eager")
+    p = dataclasses.replace(t.make_params(pre=(2, 3), post=None, block_size=8), tuning=tuning)
+    q, k, v = (x.requires_grad_() for x in t.qkv(b=1, tq=16, tk=16))
+    attention_ops.explicit_attention_blocked(q, k, v, p, attention_ops.AttnMask(), training=True).sum().backward()
+    assert dict(counters["graph_break"]) == {} and counters["stats"]["unique_graphs"] >= 1
+    assert spy and set(spy) == {("triton", (16, 16))}, spy
+    torch._dynamo.reset()
+    attention_ops._compiled_blocks.clear()

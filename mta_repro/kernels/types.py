@@ -95,11 +95,16 @@ class KernelTuning:
         if not isinstance(self.compile_block_backend, str) or not self.compile_block_backend:
             raise UserError(f"model.kernels.compile_block_backend: {self.compile_block_backend!r}: expected the "
                             "name of a torch.compile backend (inductor, aot_eager, ...)")
-        if _shape("model.kernels.kq_tile", self.kq_tile, "64x64") is None:
+        tile = _shape("model.kernels.kq_tile", self.kq_tile, "64x64")
+        if tile is None:
             raise UserError("model.kernels.kq_tile: expected ROWSxCOLS, e.g. 64x64")
-        _shape("model.kernels.triton_frame", self.triton_frame, "128x64")
+        frame = _shape("model.kernels.triton_frame", self.triton_frame, "128x64")
         _count("model.kernels.triton_programs", self.triton_programs, "positive")
         _count("model.kernels.triton_slab_rows", self.triton_slab_rows, "pow2")
+        # parsed once: the compiled query block reads them as plain attributes (no string
+        # parsing for Dynamo to trace)
+        object.__setattr__(self, "_tile", tile)
+        object.__setattr__(self, "_frame", frame)
         object.__setattr__(self, "_sealed", True)
 
     def __setattr__(self, name, value) -> None:
@@ -110,12 +115,12 @@ class KernelTuning:
     @property
     def kq_tile_shape(self) -> tuple[int, int]:
         """(rows, keys) of ``kq_tile``."""
-        return _shape("model.kernels.kq_tile", self.kq_tile, "64x64")
+        return self._tile
 
     @property
     def triton_frame_shape(self) -> Optional[tuple[int, int]]:
         """(rows, cols) of ``triton_frame``, None for the default."""
-        return _shape("model.kernels.triton_frame", self.triton_frame, "128x64")
+        return self._frame
 
 
 DEFAULT_TUNING = KernelTuning()
