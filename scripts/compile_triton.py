@@ -7,6 +7,7 @@ MACs, global loads, barriers, and a stated roofline ESTIMATE of each pass on one
     python scripts/compile_triton.py --json out.json          # + one record per (layer, pass, T)
     python scripts/compile_triton.py --layers kq_conv --passes forward --seqs 2048
     python scripts/compile_triton.py --layers kq_conv --passes backward --by-line 15   # where it goes, by line
+    python scripts/compile_triton.py --frame 128x128 --slab-rows 2   # a model.kernels tuning instead of the defaults
 
 Every pass is compiled with the launch configuration the launcher uses
 (``frames.launch_config``: the same num_warps/num_stages). Compiles are slow on a small
@@ -51,22 +52,25 @@ from pathlib import Path
 
 from mta_repro.kernels import frames
 from mta_repro.estimate import ir_hazards, roofline
+from mta_repro.kernels.types import DEFAULT_TUNING, KernelTuning
 
 LAYERS = {"kq_conv": ((6, 11), (6, 11)), "mixing": (None, None)}  # the 880M MTA options
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def kernel_constexprs(name: str, pre, post, heads: int, head_dim: int, pad_key: str = "both") -> dict:
+def kernel_constexprs(name: str, pre, post, heads: int, head_dim: int, pad_key: str = "both",
+                      tuning: KernelTuning = DEFAULT_TUNING) -> dict:
     """The constexprs ``attention_triton._launch`` passes on a GPU for bf16 inputs, the
-    pre/post-softmax mixings on (wpsm, head_kernel), no padding mask, no dropout."""
+    pre/post-softmax mixings on (wpsm, head_kernel), no padding mask, no dropout, under a
+    model's ``tuning`` (model.kernels: frame, slab rows)."""
     import torch
 
     from mta_repro.kernels import attention_triton as at
 
-    f = frames.frame(name, pre, post, pad_key)
+    f = frames.frame(name, pre, post, pad_key, tuning)
     return at.kernel_constexprs(frames.PASSES.index(name), f, h=heads, d=head_dim, pre=pre, post=post,
                                 pad_key=pad_key, has_w1=True, has_w2=True, has_kv=False, drop=False, gpu=True,
-                                dtype=torch.bfloat16)
+                                dtype=torch.bfloat16, tuning=tuning)
 
 
 # the kernel's tensor arguments in the launcher's dtypes for bf16 inputs (the rest fp32)
@@ -157,11 +161,13 @@ _CACHED_FIELDS = ("num_warps", "num_stages", "smem_bytes", "compile_s", "ptx", "
                   "wgmma_serialized", "ptx.fence_proxy_async")
 
 
-def compiled_pass(layer: str, name: str, heads: int, head_dim: int, arch: int, cache: Path) -> dict:
-    """Everything the report needs from one compile, cached."""
+def compiled_pass(layer: str, name: str, heads: int, head_dim: int, arch: int, cache: Path,
+                  tuning: KernelTuning = DEFAULT_TUNING) -> dict:
+    """Everything the report needs from one compile, cached (the key holds the constexprs,
+    so a tuning's frame or slab rows compile and cache apart)."""
     pre, post = LAYERS[layer]
     nw, ns = frames.launch_config(name, pre, post)
-    consts = kernel_constexprs(name, pre, post, heads, head_dim)
+    consts = kernel_constexprs(name, pre, post, heads, head_dim, tuning=tuning)
     import triton
 
     from mta_repro.kernels import attention_triton as at
@@ -189,12 +195,12 @@ def compiled_pass(layer: str, name: str, heads: int, head_dim: int, arch: int, c
 
 
 def schedule(layer: str, name: str, batch: int, heads: int, head_dim: int, seq: int, info: dict,
-             sms: int) -> roofline.Schedule:
+             sms: int, tuning: KernelTuning = DEFAULT_TUNING) -> roofline.Schedule:
     """The programs ``_launch`` starts on a GPU and the key blocks each walks (its items,
-    longest first, round-robin over the persistent grid)."""
+    longest first, round-robin over the persistent grid), under ``tuning``."""
     pre, post = LAYERS[layer]
-    f = frames.frame(name, pre, post, "both")
-    n_target = frames.PROGRAMS_PER_SM * sms
+    f = frames.frame(name, pre, post, "both", tuning)
+    n_target = tuning.triton_programs or frames.PROGRAMS_PER_SM * sms
     sched = frames.items(f, batch, seq, seq, 0, n_target)
     n_prog = len(sched.starts) - 1
     tiles = [it[3] - it[2] for it in sched.items]
@@ -274,7 +280,11 @@ def main() -> None:
                          "SM cycles per unit, from the same counts): where to look before optimising")
     ap.add_argument("--cache", type=Path, default=Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))
                     / "mta_repro" / "compile_triton")
+    ap.add_argument("--frame", metavar="ROWSxCOLS", help="model.kernels.triton_frame (default: frames.frame's)")
+    ap.add_argument("--slab-rows", type=int, metavar="N", help="model.kernels.triton_slab_rows (default: per pass)")
+    ap.add_argument("--programs", type=int, metavar="N", help="model.kernels.triton_programs (default: one per SM)")
     a = ap.parse_args()
+    tuning = KernelTuning(triton_frame=a.frame, triton_slab_rows=a.slab_rows, triton_programs=a.programs)
     gpu = roofline.H200
     print(f"ESTIMATES, not measurements: roofline of {gpu.name}, batch {a.batch}, {a.heads} heads of {a.head_dim}, "
           f"bf16 inputs, sm_{a.arch}. Constants: {json.dumps(gpu.constants())}")
@@ -294,9 +304,10 @@ def main() -> None:
             records.append(r)
         for layer in a.layers.split(","):
             for name in a.passes.split(","):
-                info = compiled_pass(layer, name, a.heads, a.head_dim, a.arch, a.cache)
+                info = compiled_pass(layer, name, a.heads, a.head_dim, a.arch, a.cache, tuning)
                 c = roofline.Counts(levels=info["levels"], static=info["static"], by_line=info.get("by_line", {}))
-                est = roofline.estimate(c, schedule(layer, name, a.batch, a.heads, a.head_dim, seq, info, gpu.sms), gpu)
+                est = roofline.estimate(c, schedule(layer, name, a.batch, a.heads, a.head_dim, seq, info, gpu.sms,
+                                                    tuning), gpu)
                 records.append(record(layer, name, seq, info, est, fa2_ms, a.batch, fa2_l2, fa2_pub))
                 if a.by_line and seq == seqs[0]:  # per key block: the same at every T
                     by_line.append((layer, name, roofline.line_cycles(c, gpu)[:a.by_line]))

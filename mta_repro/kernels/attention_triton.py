@@ -115,7 +115,6 @@ GPU has measured it yet); ``docs/triton_kernel.md`` has the figures.
 
 from __future__ import annotations
 
-import os
 from typing import Optional
 
 import torch
@@ -127,7 +126,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from mta_repro.errors import UserError
 from mta_repro.kernels import frames, triton_interp
-from mta_repro.kernels.types import AttnMask, ExplicitAttnParams, post_mix_matrix
+from mta_repro.kernels.types import DEFAULT_TUNING, AttnMask, ExplicitAttnParams, KernelTuning, post_mix_matrix
 
 
 _STATS, _FWD, _ROWSUM, _BWD = (tl.constexpr(i) for i in range(4))
@@ -761,7 +760,8 @@ def _types(dtype: torch.dtype, device: torch.device):
 class _Problem:
     """Everything a launch needs that does not change between the passes of one call."""
 
-    def __init__(self, q, k, v, kv, k1, w1, k2, w2, pad_key, q_off, p_drop, seed):
+    def __init__(self, q, k, v, kv, k1, w1, k2, w2, pad_key, q_off, p_drop, seed, tuning=DEFAULT_TUNING):
+        self.tuning = tuning  # the model's model.kernels: frames, programs, slab rows
         self.b, self.h, self.tq, self.d = q.shape
         self.tk = k.shape[2]
         self.dev = q.device
@@ -819,8 +819,8 @@ class _Problem:
         return x if x.data_ptr() % 16 == 0 else x.clone()
 
     def geometry(self, mode: int):
-        f = frames.frame(frames.PASSES[mode], self.pre, self.post, self.pad_key)
-        n_prog_target = programs(self.dev)
+        f = frames.frame(frames.PASSES[mode], self.pre, self.post, self.pad_key, self.tuning)
+        n_prog_target = programs(self.dev, self.tuning)
         sched = frames.items(f, self.b, self.tq, self.tk, self.q_off, n_prog_target)
         return f, sched, len(sched.starts) - 1
 
@@ -838,40 +838,37 @@ class _Problem:
             self.ta1 = table(self.k1, True, self.pl1)
 
 
-def programs(device: torch.device) -> int:
+def programs(device: torch.device, tuning: KernelTuning = DEFAULT_TUNING) -> int:
     """Persistent programs of a launch: ``frames.PROGRAMS_PER_SM`` per SM on a GPU; in the
     interpreter one per item (its programs run one after another anyway).
-    ``MTA_TRITON_PROGRAMS`` overrides (tests run a GPU's multi-tile items in the interpreter)."""
-    env = os.environ.get("MTA_TRITON_PROGRAMS")
-    if env:
-        if not env.isdigit() or int(env) < 1:
-            raise UserError(f"MTA_TRITON_PROGRAMS={env!r}: expected a positive integer")
-        return int(env)
+    ``model.kernels.triton_programs`` overrides (tests run a GPU's multi-tile items in the
+    interpreter)."""
+    if tuning.triton_programs is not None:
+        return tuning.triton_programs
     if device.type == "cpu":
         return 1 << 30
     return frames.PROGRAMS_PER_SM * torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def slab_rows(pass_: str, f: frames.Frame, gpu: bool, conv: bool) -> int:
+def slab_rows(pass_: str, f: frames.Frame, gpu: bool, conv: bool, tuning: KernelTuning = DEFAULT_TUNING) -> int:
     """Frame rows per mixing slab: ``frames.SLAB_ROWS_GPU`` (a layer with a convolution:
     ``SLAB_ROWS_GPU_CONV``) on a GPU, the whole frame in the interpreter (fewest interpreted
-    ops); ``MTA_TRITON_SLAB_ROWS`` overrides (tests run the GPU's slabs in the interpreter)."""
-    env = os.environ.get("MTA_TRITON_SLAB_ROWS")
-    if env:
-        try:
-            sr = int(env)
-        except ValueError:
-            sr = 0
-        if sr < 1 or sr & (sr - 1) or f.er % sr:
-            raise UserError(f"MTA_TRITON_SLAB_ROWS={env!r}: a power of two dividing the frame's {f.er} rows")
+    ops); ``model.kernels.triton_slab_rows`` overrides (tests run the GPU's slabs in the
+    interpreter)."""
+    sr = tuning.triton_slab_rows
+    if sr is not None:
+        if f.er % sr:  # a power of two already (KernelTuning); the frame is known only here
+            raise UserError(f"model.kernels.triton_slab_rows={sr}: a power of two dividing the frame's {f.er} rows")
         return sr
     return min(f.er, frames.SLAB_ROWS_GPU_CONV if conv else frames.SLAB_ROWS_GPU[pass_]) if gpu else f.er
 
 
 def kernel_constexprs(mode: int, f: frames.Frame, *, h: int, d: int, pre, post, pad_key: str, has_w1: bool,
-                      has_w2: bool, has_kv: bool, drop: bool, gpu: bool, dtype: torch.dtype) -> dict:
+                      has_w2: bool, has_kv: bool, drop: bool, gpu: bool, dtype: torch.dtype,
+                      tuning: KernelTuning = DEFAULT_TUNING) -> dict:
     """The constexprs of one pass's launch: the one source for ``_launch`` and
-    ``scripts/compile_triton.py`` (which compiles exactly what runs)."""
+    ``scripts/compile_triton.py`` (which compiles exactly what runs); ``tuning``: the
+    model's (slab rows)."""
     cq1, ck1 = pre or (1, 1)
     cq2, ck2 = post or (1, 1)
     pl1 = frames.pad_left(pad_key, ck1) if pre else 0
@@ -880,7 +877,7 @@ def kernel_constexprs(mode: int, f: frames.Frame, *, h: int, d: int, pre, post, 
     gp, dpad = frames.feature_parts(d)
     return dict(
         MODE=mode, H=h, HP=frames.padded_heads(h, gpu), DPAD=dpad,
-        ER=f.er, EC=f.ec, TOP=f.top, LEFT=f.left, BMO=f.bmo, BNO=f.bno, SR=slab_rows(frames.PASSES[mode], f, gpu, pre is not None or post is not None),
+        ER=f.er, EC=f.ec, TOP=f.top, LEFT=f.left, BMO=f.bmo, BNO=f.bno, SR=slab_rows(frames.PASSES[mode], f, gpu, pre is not None or post is not None, tuning),
         HAS_K1=pre is not None, CQ1=cq1, CK1=ck1, CKP1=frames.pow2(ck1), PL1=pl1, NB1=band_width(cq1, ck1, pl1) if pre else 0,
         HAS_W1=has_w1, HAS_K2=post is not None, CQ2=cq2, CK2=ck2, CKP2=frames.pow2(ck2), PL2=pl2, HAS_W2=has_w2,
         HAS_KV=has_kv, DROP=drop, MMA=mma, ACC=acc, PREC=prec, RNE=not gpu and sdt == torch.bfloat16,
@@ -943,7 +940,7 @@ def _launch(mode: int, pb: _Problem, bufs: dict, do: Optional[torch.Tensor] = No
         return f, sched
     consts = kernel_constexprs(mode, f, h=pb.h, d=pb.d, pre=pb.pre, post=pb.post, pad_key=pb.pad_key,
                                has_w1=pb.w1t is not None, has_w2=pb.w2t is not None, has_kv=pb.kv is not None,
-                               drop=pb.p_drop > 0.0, gpu=pb.gpu, dtype=pb.q.dtype)
+                               drop=pb.p_drop > 0.0, gpu=pb.gpu, dtype=pb.q.dtype, tuning=pb.tuning)
     # unwritten cells are never read (each phase writes whole planes before the next reads)
     scratch = _buffer("scratch", scratch_spec, pb.dev)
     inputs = {"q": pb.qp, "k": pb.kp, "v": pb.vp, "do": None if do is None else pb.padded(do),
@@ -979,7 +976,7 @@ def _launch(mode: int, pb: _Problem, bufs: dict, do: Optional[torch.Tensor] = No
         # reports each pass's needs without a GPU).
         raise RuntimeError(
             f"model.attn_impl=triton: its {frames.PASSES[mode]!r} pass does not fit this GPU ({e}); frame "
-            f"{f.er}x{f.ec}, {pb.h} heads of {pb.d}. Use model.attn_impl=blocked, or a smaller MTA_TRITON_FRAME"
+            f"{f.er}x{f.ec}, {pb.h} heads of {pb.d}. Use model.attn_impl=blocked, or a smaller model.kernels.triton_frame"
         ) from e
     return f, sched
 
@@ -1008,10 +1005,10 @@ def _merge_stats(x: torch.Tensor) -> torch.Tensor:
 
 class _MTATriton(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, k1, w1, k2, w2, key_valid, q_off, pad_key, p_drop):
+    def forward(ctx, q, k, v, k1, w1, k2, w2, key_valid, q_off, pad_key, p_drop, tuning):
         kv = None if key_valid is None else key_valid.to(torch.int8).contiguous()
         seed = int(torch.randint(0, 2**31 - 1, ())) if p_drop > 0.0 else 0
-        pb = _Problem(q, k, v, kv, k1, w1, k2, w2, pad_key, q_off, p_drop, seed)
+        pb = _Problem(q, k, v, kv, k1, w1, k2, w2, pad_key, q_off, p_drop, seed, tuning)
         bufs: dict = {}
         f, sched = _launch(_STATS.value, pb, bufs)
         ml = torch.stack((bufs["pm"], bufs["pl"]), 1)  # (slots, 2, HP, ER): each split's row max and sum
@@ -1020,15 +1017,15 @@ class _MTATriton(torch.autograd.Function):
         f, sched = _launch(_FWD.value, pb, fb)
         out = _per_row(fb["po"][..., :pb.d], f, sched, pb)
         ctx.save_for_backward(q, k, v, lse, kv, k1, w1, k2, w2)
-        ctx.args = (pad_key, q_off, p_drop, seed)
+        ctx.args = (pad_key, q_off, p_drop, seed, tuning)
         return out.to(q.dtype)
 
     @staticmethod
     def backward(ctx, do):
         q, k, v, lse, kv, k1, w1, k2, w2 = ctx.saved_tensors
-        pad_key, q_off, p_drop, seed = ctx.args
+        pad_key, q_off, p_drop, seed, tuning = ctx.args
         do = do.contiguous()
-        pb = _Problem(q, k, v, kv, k1, w1, k2, w2, pad_key, q_off, p_drop, seed)
+        pb = _Problem(q, k, v, kv, k1, w1, k2, w2, pad_key, q_off, p_drop, seed, tuning)
         bufs = {"lse": lse}
         f, sched = _launch(_ROWSUM.value, pb, bufs, do)
         dd = _per_row(bufs["pd"], f, sched, pb)[:, :pb.h].contiguous()
@@ -1044,7 +1041,7 @@ class _MTATriton(torch.autograd.Function):
         g2 = bufs["pw2"].sum(0)[:h, :h] if w2 is not None else None
         t1 = bufs["pt1"].sum(0)[:h] if k1 is not None else None
         t2 = bufs["pt2"].sum(0)[:h] if k2 is not None else None
-        return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), t1, g1, t2, g2, None, None, None, None)
+        return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), t1, g1, t2, g2, None, None, None, None, None)
 
 
 def explicit_attention_triton(
@@ -1068,6 +1065,6 @@ def explicit_attention_triton(
         cast(p.wpsm),
         cast(None if p.mta_kernel_after_sm is None else p.mta_kernel_after_sm[:, 0]),
         cast(w2),
-        mask.key_valid, mask.q_offset, p.pad_key, p.dropout if training else 0.0,
+        mask.key_valid, mask.q_offset, p.pad_key, p.dropout if training else 0.0, p.tuning,
     )
 

@@ -21,7 +21,6 @@ statistics; only dk and dv take atomics from several programs).
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass
 from typing import NamedTuple, Optional
 
@@ -29,6 +28,7 @@ import torch
 
 from mta_repro.errors import UserError
 from mta_repro.kernels.conv_pad import pad_left
+from mta_repro.kernels.types import DEFAULT_TUNING, KernelTuning
 
 # The kernel's passes, in the order they run (forward: 0, 1; backward: 2, 3).
 PASSES = ("stats", "forward", "backward_rowsum", "backward")
@@ -40,7 +40,7 @@ PROGRAMS_PER_SM = 1
 # two warpgroups owns 64 rows of a product (wgmma m64), so products, loads and stores share a
 # layout (64-row frames split N between them and convert layouts at almost every hand-off);
 # 128 key columns where no convolution runs (fewer accumulator adds per cell), 64 with one,
-# whose passes would spill at 128 (scripts/compile_triton.py with MTA_TRITON_FRAME; the
+# whose passes would spill at 128 (scripts/compile_triton.py --frame; the
 # figures are in docs/triton_kernel.md).
 FRAME_ROWS = 128
 FRAME_COLS = 128  # every pass of a layer without convolutions
@@ -139,29 +139,22 @@ def pow2(n: int) -> int:
     return 1 << max(0, int(n - 1).bit_length())
 
 
-def frame_override() -> Optional[tuple[int, int]]:
-    """``MTA_TRITON_FRAME=ROWSxCOLS``: the frame size instead of the default."""
-    spec = os.environ.get("MTA_TRITON_FRAME")
-    if not spec:
-        return None
-    try:
-        er, ec = (int(x) for x in spec.lower().split("x"))
-    except ValueError:
-        raise UserError(f"MTA_TRITON_FRAME={spec!r}: expected ROWSxCOLS, e.g. 64x64") from None
-    if er < 16 or ec < 16 or er != pow2(er) or ec != pow2(ec):
-        raise UserError(f"MTA_TRITON_FRAME={spec!r}: both sizes must be powers of two, at least 16")
-    return er, ec
+def frame_override(tuning: KernelTuning = DEFAULT_TUNING) -> Optional[tuple[int, int]]:
+    """``model.kernels.triton_frame`` (ROWSxCOLS): the frame size instead of the default."""
+    return tuning.triton_frame_shape
 
 
-def frame(pass_: str, pre: Optional[tuple[int, int]], post: Optional[tuple[int, int]], pad_key: str) -> Frame:
-    """The frame of one pass for kernels (c_q, c_k) ``pre``/``post`` softmax (None: off)."""
+def frame(pass_: str, pre: Optional[tuple[int, int]], post: Optional[tuple[int, int]], pad_key: str,
+          tuning: KernelTuning = DEFAULT_TUNING) -> Frame:
+    """The frame of one pass for kernels (c_q, c_k) ``pre``/``post`` softmax (None: off),
+    under the model's ``tuning``."""
     hl = halo(pass_, pre, post, pad_key)
-    override = frame_override()
+    override = frame_override(tuning)
     if override is not None:
         er, ec = override
         if er <= hl.top + hl.bot or ec <= hl.left + hl.right:
             raise UserError(
-                f"MTA_TRITON_FRAME={er}x{ec} leaves no owned block: the halo needs "
+                f"model.kernels.triton_frame={er}x{ec} leaves no owned block: the halo needs "
                 f"{hl.top + hl.bot + 1}x{hl.left + hl.right + 1} at least")
     else:
         er, ec = FRAME_ROWS, (FRAME_COLS if pre is None and post is None else FRAME_COLS_CONV)
@@ -331,13 +324,15 @@ def problem_buffers(*, b: int, h: int, hp: int, tq: int, tk: int, d: int, pre: O
 
 def backward_workspace_bytes(*, b: int, h: int, d: int, seq_len: int, pre: Optional[tuple[int, int]],
                              post: Optional[tuple[int, int]], mix: tuple[bool, bool], pad_key: str,
-                             dtype: torch.dtype, n_prog: int, gpu: bool = True) -> int:
+                             dtype: torch.dtype, n_prog: int, gpu: bool = True,
+                             tuning: KernelTuning = DEFAULT_TUNING) -> int:
     """Bytes the fused kernel holds beyond its inputs, outputs and saved tensors while its
     backward pass runs (its largest moment): the call's derived inputs, the descriptor's copy
     of dO, the rowsum pass's partials and their per-row reduction D (B, H, T) fp32, and the
-    backward pass's own buffers. ``n_prog``: persistent programs (``PROGRAMS_PER_SM`` x SMs on a GPU)."""
+    backward pass's own buffers. ``n_prog``: persistent programs (``PROGRAMS_PER_SM`` x SMs on
+    a GPU); ``tuning``: the model's (its frame)."""
     hp, dpad = padded_heads(h, gpu), feature_parts(d)[1]
-    ec = frame("backward", pre, post, pad_key).ec
+    ec = frame("backward", pre, post, pad_key, tuning).ec
     total = nbytes(problem_buffers(b=b, h=h, hp=hp, tq=seq_len, tk=seq_len, d=d, pre=pre, post=post, mix=mix,
                                    pad_key=pad_key, ec=ec, dtype=dtype, gpu=gpu))
     total += b * h * seq_len * acc_dtype(dtype).itemsize  # D
@@ -345,7 +340,7 @@ def backward_workspace_bytes(*, b: int, h: int, d: int, seq_len: int, pre: Optio
     if mg or dpad != d:
         total += b * h * (mg + seq_len) * dpad * dtype.itemsize  # dO's copy (``_Problem.padded``)
     for pass_ in ("backward_rowsum", "backward"):
-        f = frame(pass_, pre, post, pad_key)
+        f = frame(pass_, pre, post, pad_key, tuning)
         sched = items(f, b, seq_len, seq_len, 0, n_prog)
         bufs = pass_buffers(pass_, f, sched, len(sched.starts) - 1, b=b, h=h, hp=hp, tk=seq_len, dpad=dpad,
                             pre=pre, post=post, dtype=dtype, margin=mg)
