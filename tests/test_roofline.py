@@ -444,7 +444,15 @@ def test_the_shipped_kernel_compiles_for_an_h200_within_its_limits(tmp_path):
     registers <= 255), at least 90% of its multiply-adds run on tensor cores, and the mixing
     layer's passes (18 of the 880M model's 24 layers) and the kq-conv layer's forward passes
     spill nothing; ptxas serialises no pass's wgmma; the report carries both estimates, as
-    estimates."""
+    estimates. The hazards (issue #37 item 3, ``hazards`` from mta_repro/estimate/ir_hazards.py
+    on the TritonGPU IR; one compile serves both checks): every wgmma operand and TMA
+    store/reduction source in shared memory that ordinary stores (or cp.async) wrote is fenced
+    (ttng.fence_async_shared, in the PTX fence.proxy.async) after the write and before the
+    read: the pattern exists in every pass (the mixing weights, the O/dq/dk/dv boxes) and none
+    is unfenced; the loops that store scratch say num_stages=1 and none is software-pipelined,
+    while the pipeliner does pipeline other loops (the input copies, the accumulating head
+    loops), whose scratch prefetches before the loop come after the barrier that ends the
+    phase writing it."""
     out = tmp_path / "r.json"
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     p = subprocess.run([sys.executable, str(ROOT / "scripts" / "compile_triton.py"), "--seqs", "2048", "--json", str(out),
@@ -462,6 +470,13 @@ def test_the_shipped_kernel_compiles_for_an_h200_within_its_limits(tmp_path):
         if r["layer"] == "mixing" or r["pass"] != "backward":
             assert r["spill_bytes"] == 0, r
         assert r["wgmma_serialized"] is False, r  # ptxas would serialise every wgmma of the pass
+        hz = r["hazards"]
+        what = (r["layer"], r["pass"], hz)
+        assert hz["unfenced_async_reads"] == 0 and hz["generic_async_reads"] > 0, what
+        assert r["ptx"]["fence_proxy_async"] >= hz["fences"] > 0, what
+        assert hz["scratch_loops"] >= 2 and hz["scratch_loops_num_stages"] == [1], what
+        assert hz["pipelined_scratch_loops"] == 0 and hz["pipelined_loops"] > 0, what
+        assert hz["early_prefetches"] == 0, what
 
 
 # TritonGPU IR fragments in the compiler's syntax for the hazard checks (ir_hazards.py)
