@@ -906,8 +906,9 @@ ACCUMULATORS = ("po", "pdq", "dk", "dv")  # descriptor sources in the accumulato
 def _empty(name: str, shape: tuple, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """Every buffer a launch allocates (``frames.pass_buffers``, the placeholders of the
     arguments a pass does not use): uninitialised, as ``torch.empty``. The one allocator of the
-    launcher, so that a test can replace it (tests/test_kernel_hazards.py fills each buffer
-    with NaN) and prove that every buffer is written before it is read or filled by ``_buffer``."""
+    launcher, so that a test can replace it and prove that every buffer is written before it is
+    read or filled by ``_buffer``: tests/conftest.py fills each with NaN in every Triton test,
+    tests/test_kernel_hazards.py compares poisoned and clean runs bit for bit."""
     return torch.empty(shape, dtype=dtype, device=device)
 
 
