@@ -86,6 +86,9 @@ def to_train_config(cfg: Any) -> TrainConfig:
     """The typed config of a training run, converted once: the schema check, then every
     section into its dataclass (``__post_init__`` validates the values). Accepts a composed
     DictConfig, a plain mapping or a TrainConfig."""
+    from mta_repro.kernels.types import refuse_removed_env
+
+    refuse_removed_env()  # the trainer's start: before the self-check runs any kernel
     if isinstance(cfg, TrainConfig):
         return cfg
     from mta_repro.dataclass_config import to_dataclass

@@ -7,6 +7,7 @@ side by side: fwd+bwd time, peak memory and the bytes saved for backward.
     python scripts/bench_attention.py --block-sizes 64,128,256,512 --seqs 2048 --impls blocked
     python scripts/bench_attention.py --profile kq_conv:blocked:2048   # torch.profiler table
     python scripts/bench_attention.py --device cuda --dtype bfloat16 --check 512   # correctness first
+    python scripts/bench_attention.py --kernels kq_conv=conv2d,compile_block=false   # a model.kernels tuning
 
 Layers (the release's 830M options, 16 heads of 96, B = 1):
   kq_conv  6x11 key-query convolution before and after softmax, wpsm, head conv over 16
@@ -32,14 +33,15 @@ import subprocess
 import sys
 from pathlib import Path
 
-from benchlib import layer_params, median_seconds, peak_rss_gb, ratio, sync, write_rows
+from benchlib import kernel_tuning, layer_params, median_seconds, peak_rss_gb, ratio, sync, write_rows
 
 ROOT = Path(__file__).resolve().parents[1]
 H, D = 16, 96
 LAYERS = ("kq_conv", "mixing")
 
 
-def run_one(layer: str, impl: str, seq: int, device: str, dtype_name: str, reps: int, block_size: int) -> dict:
+def run_one(layer: str, impl: str, seq: int, device: str, dtype_name: str, reps: int, block_size: int,
+            tuning=None) -> dict:
     import torch
     import torch.nn.functional as F
 
@@ -55,7 +57,8 @@ def run_one(layer: str, impl: str, seq: int, device: str, dtype_name: str, reps:
             return F.scaled_dot_product_attention(q, k, v, is_causal=True)
     else:
         # the release's 6x11 kernels, the pre-softmax mixing exactly the identity
-        p = layer_params(layer, H, (6, 11), dtype, dev, block_size, requires_grad=True, mixing="identity")
+        p = layer_params(layer, H, (6, 11), dtype, dev, block_size, requires_grad=True, mixing="identity",
+                         tuning=tuning)
 
         def fwd():
             return attention_ops.ATTN_IMPLS[impl].fn(q, k, v, p, attention_ops.AttnMask(), True)
@@ -90,7 +93,7 @@ def run_one(layer: str, impl: str, seq: int, device: str, dtype_name: str, reps:
             "s_all": times, "peak_gb": peak, "saved_gb": saved / 2**30, "saved_inputs_gb": saved_inputs / 2**30}
 
 
-def profile(spec: str, device: str, dtype_name: str, block_size: int) -> None:
+def profile(spec: str, device: str, dtype_name: str, block_size: int, tuning=None) -> None:
     import torch
 
     from mta_repro.model import attention_ops
@@ -98,7 +101,8 @@ def profile(spec: str, device: str, dtype_name: str, block_size: int) -> None:
     layer, impl, seq = spec.split(":")
     dev, dtype = torch.device(device), getattr(torch, dtype_name)
     q, k, v = (torch.randn(1, H, int(seq), D).to(dev, dtype).requires_grad_() for _ in range(3))
-    p = layer_params(layer, H, (6, 11), dtype, dev, block_size, requires_grad=True, mixing="identity")
+    p = layer_params(layer, H, (6, 11), dtype, dev, block_size, requires_grad=True, mixing="identity",
+                     tuning=tuning)
     out = attention_ops.ATTN_IMPLS[impl].fn(q, k, v, p, attention_ops.AttnMask(), True)
     out.backward(torch.ones_like(out))
     acts = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if dev.type == "cuda" else [])
@@ -109,7 +113,7 @@ def profile(spec: str, device: str, dtype_name: str, block_size: int) -> None:
     print(prof.key_averages().table(sort_by=key, row_limit=20))
 
 
-def check(device: str, dtype_name: str, seq: int, impls: list[str]) -> bool:
+def check(device: str, dtype_name: str, seq: int, impls: list[str], tuning=None) -> bool:
     """Each implementation against the float64 reference on the device (the inputs of the
     benchmark at length ``seq``): max error of the output and of the q/k/v and parameter
     gradients, relative to the reference's largest entry, beside the ``torch`` path's own
@@ -129,14 +133,15 @@ def check(device: str, dtype_name: str, seq: int, impls: list[str]) -> bool:
         base = [torch.randn(1, H, seq, D, generator=g, dtype=torch.float64) for _ in range(3)]
         gy = torch.randn(1, H, seq, D, generator=g, dtype=torch.float64)
         torch.manual_seed(0)
-        p64 = layer_params(layer, H, (6, 11), torch.float64, dev, 128, requires_grad=True, mixing="identity")
+        p64 = layer_params(layer, H, (6, 11), torch.float64, dev, 128, requires_grad=True, mixing="identity",
+                           tuning=tuning)
         fields = [f for f in attention_ops._WEIGHT_FIELDS if getattr(p64, f) is not None]
 
         def run(impl, dt):
             q, k, v = (x.detach().to(dev, dt).requires_grad_() for x in base)
             ws = {f: getattr(p64, f).detach().to(torch.float32 if dt != torch.float64 else dt).requires_grad_()
                   for f in fields}
-            p = attention_ops.ExplicitAttnParams(**ws, pad_key="both")
+            p = attention_ops.ExplicitAttnParams(**ws, pad_key="both", tuning=p64.tuning)
             out = attention_ops.ATTN_IMPLS[impl].fn(q, k, v, p, attention_ops.AttnMask(), False)
             out.backward(gy.to(dev, dt))
             return out.double(), [t.grad.double() for t in (q, k, v, *ws.values())]
@@ -173,19 +178,22 @@ def main() -> None:
     ap.add_argument("--check", type=int, default=None, metavar="T",
                     help="correctness on the device instead of timing: every implementation "
                          "against the float64 reference at length T (exit 1 on a mismatch)")
+    ap.add_argument("--kernels", default="", metavar="FIELD=VALUE,...",
+                    help="the kernels' tuning (model.kernels fields, docs/environment.md), e.g. kq_conv=conv2d")
     ap.add_argument("--one", nargs=4, metavar=("LAYER", "IMPL", "T", "BLOCK"), help=argparse.SUPPRESS)
     a = ap.parse_args()
+    tuning = kernel_tuning(a.kernels.split(","))
     if a.profile:
-        profile(a.profile, a.device, a.dtype, int(a.block_sizes.split(",")[0]))
+        profile(a.profile, a.device, a.dtype, int(a.block_sizes.split(",")[0]), tuning)
         return
     if a.check:
         from mta_repro.model import attention_ops
 
         names = a.impls.split(",") if a.impls else [n for n in attention_ops.ATTN_IMPLS if n != "torch"]
-        sys.exit(0 if check(a.device, a.dtype, a.check, names) else 1)
+        sys.exit(0 if check(a.device, a.dtype, a.check, names, tuning) else 1)
     if a.one:
         layer, impl, seq, bs = a.one
-        print(json.dumps(run_one(layer, impl, int(seq), a.device, a.dtype, a.reps, int(bs))))
+        print(json.dumps(run_one(layer, impl, int(seq), a.device, a.dtype, a.reps, int(bs), tuning)))
         return
 
     from mta_repro.model import attention_ops
@@ -203,7 +211,7 @@ def main() -> None:
     rows = []
     for layer, impl, seq, bs in cases:
         cmd = [sys.executable, __file__, "--one", layer, impl, str(seq), str(bs or 128),
-               "--device", a.device, "--dtype", a.dtype]
+               "--device", a.device, "--dtype", a.dtype, "--kernels", a.kernels]
         p = subprocess.run([*cmd, "--reps", str(a.reps)], cwd=ROOT, capture_output=True, text=True)
         if p.returncode != 0:
             print(f"{layer}/{impl}/T={seq} failed:\n{p.stderr[-1500:]}", file=sys.stderr)

@@ -40,9 +40,13 @@ def main() -> None:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--sm90", action="store_true", help="compile report for sm_90 (no GPU needed), then exit")
+    ap.add_argument("--tile", default="64x64", metavar="RxC", help="the Triton kernel's tile (model.kernels.kq_tile)")
     a = ap.parse_args()
+    from mta_repro.kernels.types import KernelTuning
+
+    tile = KernelTuning(kq_tile=a.tile).kq_tile_shape
     if a.sm90:
-        return compile_report(a.cq, a.ck)
+        return compile_report(a.cq, a.ck, tile)
 
     from mta_repro.model import attention_ops
     from mta_repro.kernels import kq_conv_cpu
@@ -76,7 +80,7 @@ def main() -> None:
         from mta_repro.kernels import kq_conv_triton
 
         # As the blocked path calls it for its last block: rows end at the last key.
-        cases["triton"] = lambda: kq_conv_triton.kq_conv(x, w[:, 0], pl, T - x.shape[2])
+        cases["triton"] = lambda: kq_conv_triton.kq_conv(x, w[:, 0], pl, T - x.shape[2], *tile)
     if a.compile:
         comp = torch.compile(shifted)
         cases["compiled"] = lambda: comp(x, w)
@@ -111,8 +115,8 @@ def main() -> None:
         print(f"| {name} | {f:.3f} | {fb:.3f} | {fb / ref:.2f} |" if ref else f"| {name} | {f:.3f} | {fb:.3f} | n/a |")
 
 
-def compile_report(cq: int, ck: int) -> None:
-    """Both Triton kernels for sm_90 at the GPU tile size, bf16 inputs, 4 and 8 warps."""
+def compile_report(cq: int, ck: int, tile: tuple[int, int]) -> None:
+    """Both Triton kernels for sm_90 at ``tile`` (rows, keys), bf16 inputs, 4 and 8 warps."""
     import os
 
     os.environ.pop("TRITON_INTERPRET", None)
@@ -124,7 +128,7 @@ def compile_report(cq: int, ck: int) -> None:
 
     from mta_repro.kernels import kq_conv_triton as kt
 
-    br, bc = kt.tiles()
+    br, bc = tile
     common = dict(CQ=cq, CK=ck, BR=br, BC=bc, BCH=kt._pow2(bc + ck - 1), CAUSAL=True, ACC=tl.float32, PREC="tf32")
     kernels = {
         "corr (fwd, input grad)": (kt._corr_kernel, common, {"x_ptr": "*bf16", "w_ptr": "*fp32", "y_ptr": "*bf16"}),

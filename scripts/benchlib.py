@@ -5,13 +5,45 @@ where it is not installed, e.g. the lent GPU's image)."""
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 import time
-from typing import Callable, Optional
+from typing import Callable, Iterable, Optional
 
 import torch
 
+from mta_repro.errors import UserError
+from mta_repro.kernels.types import KernelTuning, refuse_removed_env
 from mta_repro.train.metrics import peak_rss_bytes, reset_peak_rss  # noqa: F401 - shared with the scripts
+
+# The benchmarks build kernel parameters without a model config: a tuning still set the old
+# way (MTA_KQ_CONV=..., now model.kernels) would be ignored in silence, so it stops them too.
+try:
+    refuse_removed_env()
+except UserError as e:
+    raise SystemExit(f"error: {e}") from None
+
+
+def kernel_tuning(overrides: Iterable[str] = (), base: Optional[KernelTuning] = None) -> KernelTuning:
+    """``base`` (None: the defaults) with ``FIELD=VALUE`` overrides of ``model.kernels``
+    (``kq_conv=conv2d``, ``model.kernels.triton_frame=128x64``), each value read as YAML as
+    on the command line; an empty string is no override. The scripts' ``--kernels``."""
+    import yaml
+
+    out = base or KernelTuning()
+    names = {f.name for f in dataclasses.fields(KernelTuning)}
+    for item in overrides:
+        if not item:
+            continue
+        key, sep, value = item.partition("=")
+        name = key.strip().removeprefix("model.kernels.")
+        if not sep or name not in names:
+            raise SystemExit(f"--kernels {item!r}: expected FIELD=VALUE with FIELD one of {sorted(names)}")
+        try:
+            out = dataclasses.replace(out, **{name: yaml.safe_load(value)})
+        except UserError as e:
+            raise SystemExit(f"--kernels: {e}") from None
+    return out
 
 
 def peak_rss_gb() -> float:
@@ -41,12 +73,13 @@ def median_seconds(fn: Callable[[], object], reps: int, device="cpu", warmup: in
 
 
 def layer_params(layer: str, heads: int, kernel, dtype, device, block_size: int, seed: int = 0,
-                 requires_grad: bool = False, mixing: Optional[str] = "noisy"):
+                 requires_grad: bool = False, mixing: Optional[str] = "noisy",
+                 tuning: Optional[KernelTuning] = None):
     """The MTA parameters of one attention layer: ``kq_conv`` (key-query convolutions
     before and after softmax, ``kernel`` = (c_q, c_k), and head mixing) or ``mixing``
     (head mixing only). Weights ~ 0.1 N(0, 1) from ``seed``; the pre-softmax head mixing
     is the identity plus such noise (``mixing="noisy"``, so that it mixes) or exactly the
-    identity (``"identity"``)."""
+    identity (``"identity"``). ``tuning``: the kernels' (None: the defaults)."""
     from mta_repro.model import attention_ops
 
     g = torch.Generator().manual_seed(seed)
@@ -66,6 +99,7 @@ def layer_params(layer: str, heads: int, kernel, dtype, device, block_size: int,
         head_kernel=param(1, heads, heads),
         pad_key="both",
         block_size=block_size,
+        tuning=tuning or KernelTuning(),
     )
 
 

@@ -7,6 +7,7 @@ MACs, global loads, barriers, and a stated roofline ESTIMATE of each pass on one
     python scripts/compile_triton.py --json out.json          # + one record per (layer, pass, T)
     python scripts/compile_triton.py --layers kq_conv --passes forward --seqs 2048
     python scripts/compile_triton.py --layers kq_conv --passes backward --by-line 15   # where it goes, by line
+    python scripts/compile_triton.py --frame 128x128 --slab-rows 2   # a model.kernels tuning instead of the defaults
 
 Every pass is compiled with the launch configuration the launcher uses
 (``frames.launch_config``: the same num_warps/num_stages). Compiles are slow on a small
@@ -29,7 +30,9 @@ not scratch, through the L2), scratch_bytes (the IR's scratch loads and stores),
 scratch_compulsory_bytes (one store and one reload per slot and tile), scratch_l1_bytes,
 scratch_l2_bytes, scratch_hbm_bytes (where they go; the three add up to scratch_bytes),
 l1_free_bytes (per SM beside the shared memory), l2_bytes and hbm_bytes (all that passes the
-L2 / HBM), plus tc_share, the estimate's parts and the PTX cross-check. Layer "sdpa" records
+L2 / HBM), plus tc_share, the estimate's parts, the PTX cross-check and ``hazards``
+(``mta_repro/estimate/ir_hazards.py``: async-proxy reads of shared memory and whether each
+is fenced, the loops that store scratch and whether any is software-pipelined). Layer "sdpa" records
 are FlashAttention-2's own passes under the same estimator. The report ends with each layer's
 totals against FlashAttention-2 both ways and the implied 880M step ratio (``step_ratio``).
 """
@@ -48,7 +51,8 @@ import time
 from pathlib import Path
 
 from mta_repro.kernels import frames, stored_frames
-from mta_repro.estimate import roofline
+from mta_repro.estimate import ir_hazards, roofline
+from mta_repro.kernels.types import DEFAULT_TUNING, KernelTuning
 
 # the 880M MTA options; "kq_conv_stored": the kq-conv layer in the stored-scores design
 # (attention_stored.py: C and dC through stores, the backward split into kernels A and B)
@@ -63,16 +67,18 @@ def layer_passes(layer: str) -> tuple:
     return stored_frames.PASSES if layer in STORED else frames.PASSES
 
 
-def layer_frame(layer: str, name: str, pre, post, pad_key: str = "both") -> frames.Frame:
-    return (stored_frames.frame if layer in STORED else frames.frame)(name, pre, post, pad_key)
+def layer_frame(layer: str, name: str, pre, post, pad_key: str = "both",
+                tuning: KernelTuning = DEFAULT_TUNING) -> frames.Frame:
+    return (stored_frames.frame if layer in STORED else frames.frame)(name, pre, post, pad_key, tuning)
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def kernel_constexprs(name: str, pre, post, heads: int, head_dim: int, pad_key: str = "both",
-                      stored: bool = False) -> dict:
+                      stored: bool = False, tuning: KernelTuning = DEFAULT_TUNING) -> dict:
     """The constexprs ``attention_triton._launch`` passes on a GPU for bf16 inputs, the
-    pre/post-softmax mixings on (wpsm, head_kernel), no padding mask, no dropout
-    (``stored``: ``attention_stored._launch``'s for the stored design's pass ``name``)."""
+    pre/post-softmax mixings on (wpsm, head_kernel), no padding mask, no dropout, under a
+    model's ``tuning`` (model.kernels: frame, slab rows); ``stored``: ``attention_stored._launch``'s
+    for the stored design's pass ``name``."""
     import torch
 
     from mta_repro.kernels import attention_triton as at
@@ -80,13 +86,14 @@ def kernel_constexprs(name: str, pre, post, heads: int, head_dim: int, pad_key: 
     if stored:
         from mta_repro.kernels import attention_stored as ast
 
-        f = stored_frames.frame(name, pre, post, pad_key)
+        f = stored_frames.frame(name, pre, post, pad_key, tuning)
         return ast.kernel_constexprs(name, f, h=heads, d=head_dim, pre=pre, post=post, pad_key=pad_key,
-                                     has_w1=True, has_w2=True, has_kv=False, gpu=True, dtype=torch.bfloat16)
-    f = frames.frame(name, pre, post, pad_key)
+                                     has_w1=True, has_w2=True, has_kv=False, gpu=True, dtype=torch.bfloat16,
+                                     tuning=tuning)
+    f = frames.frame(name, pre, post, pad_key, tuning)
     return at.kernel_constexprs(frames.PASSES.index(name), f, h=heads, d=head_dim, pre=pre, post=post,
                                 pad_key=pad_key, has_w1=True, has_w2=True, has_kv=False, drop=False, gpu=True,
-                                dtype=torch.bfloat16)
+                                dtype=torch.bfloat16, tuning=tuning)
 
 
 # the kernel's tensor arguments in the launcher's dtypes for bf16 inputs (the rest fp32)
@@ -189,20 +196,23 @@ def ptx_counts(ptx: str, num_warps: int) -> dict:
             "atomics": sum(s.startswith(("atom.", "red.")) for s in ins),
             "bar_sync": sum(s.startswith(("bar.sync", "barrier.sync")) for s in ins),
             "mma_sync": n_mma, "wgmma": n_wgmma, "tc_macs_per_program": mma_macs,
-            "fma_f32": sum(s.startswith("fma.rn.f32") for s in ins)}
+            "fma_f32": sum(s.startswith("fma.rn.f32") for s in ins),
+            "fence_proxy_async": sum(s.startswith("fence.proxy.async") for s in ins)}
 
 
 # what a cache entry holds besides the IR: a new field here starts new entries
 _CACHED_FIELDS = ("num_warps", "num_stages", "smem_bytes", "compile_s", "ptx", "registers", "spill_bytes",
-                  "wgmma_serialized")
+                  "wgmma_serialized", "ptx.fence_proxy_async")
 
 
-def compiled_pass(layer: str, name: str, heads: int, head_dim: int, arch: int, cache: Path) -> dict:
-    """Everything the report needs from one compile, cached."""
+def compiled_pass(layer: str, name: str, heads: int, head_dim: int, arch: int, cache: Path,
+                  tuning: KernelTuning = DEFAULT_TUNING) -> dict:
+    """Everything the report needs from one compile, cached (the key holds the constexprs,
+    so a tuning's frame or slab rows compile and cache apart)."""
     pre, post = LAYERS[layer]
     stored = layer in STORED
     nw, ns = (stored_frames if stored else frames).launch_config(name, pre, post)
-    consts = kernel_constexprs(name, pre, post, heads, head_dim, stored=stored)
+    consts = kernel_constexprs(name, pre, post, heads, head_dim, stored=stored, tuning=tuning)
     import triton
 
     # the kernel's own cache key (its source and the jit functions it calls), not the file:
@@ -222,18 +232,20 @@ def compiled_pass(layer: str, name: str, heads: int, head_dim: int, arch: int, c
         path.write_bytes(gzip.compress(json.dumps(out).encode()))
     # the kernel's only bf16 pointer is its scratch (_BF16_ARGS): those loads/stores are scratch bytes
     # by source line of the kernel's own file (the fused kernel's helpers under the lines that call them)
-    c = roofline.count_ttgir(out.pop("ttgir"), source="attention_stored.py" if stored else "attention_triton.py",
+    ttgir = out.pop("ttgir")
+    c = roofline.count_ttgir(ttgir, source="attention_stored.py" if stored else "attention_triton.py",
                              scratch_elem="bf16")
-    return dict(out, levels=c.levels, static=c.static, by_line=c.by_line)
+    return dict(out, levels=c.levels, static=c.static, by_line=c.by_line,
+                hazards=ir_hazards.summary(ttgir, scratch_elem="bf16"))
 
 
 def schedule(layer: str, name: str, batch: int, heads: int, head_dim: int, seq: int, info: dict,
-             sms: int) -> roofline.Schedule:
+             sms: int, tuning: KernelTuning = DEFAULT_TUNING) -> roofline.Schedule:
     """The programs ``_launch`` starts on a GPU and the key blocks each walks (its items,
-    longest first, round-robin over the persistent grid)."""
+    longest first, round-robin over the persistent grid), under ``tuning``."""
     pre, post = LAYERS[layer]
-    f = layer_frame(layer, name, pre, post)
-    n_target = frames.PROGRAMS_PER_SM * sms
+    f = layer_frame(layer, name, pre, post, tuning=tuning)
+    n_target = tuning.triton_programs or frames.PROGRAMS_PER_SM * sms
     sched = frames.items(f, batch, seq, seq, 0, n_target)
     n_prog = len(sched.starts) - 1
     tiles = [it[3] - it[2] for it in sched.items]
@@ -309,7 +321,7 @@ def record(layer, name, seq, info, est, fa2, batch, fa2_l2, fa2_pub) -> dict:
             "tc_share": round(tc / max(1.0, tc + tot["fma_macs"]), 4), "batch": batch,
             "throughput_ms": round(est["throughput_ms"], 4), "chain_ms": round(est["chain_ms"], 4),
             "occupancy": est["occupancy"], "programs": est["programs"], "global_bytes": tot["global_bytes"],
-            "ptx": info["ptx"], "compile_s": info.get("compile_s"), "estimate": True}
+            "ptx": info["ptx"], "hazards": info.get("hazards"), "compile_s": info.get("compile_s"), "estimate": True}
 
 
 def main() -> None:
@@ -331,7 +343,11 @@ def main() -> None:
                          "SM cycles per unit, from the same counts): where to look before optimising")
     ap.add_argument("--cache", type=Path, default=Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))
                     / "mta_repro" / "compile_triton")
+    ap.add_argument("--frame", metavar="ROWSxCOLS", help="model.kernels.triton_frame (default: frames.frame's)")
+    ap.add_argument("--slab-rows", type=int, metavar="N", help="model.kernels.triton_slab_rows (default: per pass)")
+    ap.add_argument("--programs", type=int, metavar="N", help="model.kernels.triton_programs (default: one per SM)")
     a = ap.parse_args()
+    tuning = KernelTuning(triton_frame=a.frame, triton_slab_rows=a.slab_rows, triton_programs=a.programs)
     gpu = roofline.H200
     print(f"ESTIMATES, not measurements: roofline of {gpu.name}, batch {a.batch}, {a.heads} heads of {a.head_dim}, "
           f"bf16 inputs, sm_{a.arch}. Constants: {json.dumps(gpu.constants())}")
@@ -353,9 +369,10 @@ def main() -> None:
             for name in (a.passes.split(",") if a.passes else layer_passes(layer)):
                 if name not in layer_passes(layer):
                     continue
-                info = compiled_pass(layer, name, a.heads, a.head_dim, a.arch, a.cache)
+                info = compiled_pass(layer, name, a.heads, a.head_dim, a.arch, a.cache, tuning)
                 c = roofline.Counts(levels=info["levels"], static=info["static"], by_line=info.get("by_line", {}))
-                est = roofline.estimate(c, schedule(layer, name, a.batch, a.heads, a.head_dim, seq, info, gpu.sms), gpu)
+                est = roofline.estimate(c, schedule(layer, name, a.batch, a.heads, a.head_dim, seq, info, gpu.sms,
+                                                    tuning), gpu)
                 records.append(record(layer, name, seq, info, est, fa2_ms, a.batch, fa2_l2, fa2_pub))
                 if a.by_line and seq == seqs[0]:  # per key block: the same at every T
                     by_line.append((layer, name, roofline.line_cycles(c, gpu)[:a.by_line]))

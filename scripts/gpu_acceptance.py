@@ -43,7 +43,6 @@ Exit status 1 when a parity row or the resume check fails.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import datetime as dt
 import json
 import os
@@ -64,7 +63,7 @@ except ImportError:
     sys.exit("gpu_acceptance.py: the mta_repro package is not importable; run it from the repository root "
              "as PYTHONPATH=. python scripts/gpu_acceptance.py (or pip install -e . first)")
 
-from benchlib import layer_params, sync  # noqa: E402 - after the check above
+from benchlib import kernel_tuning, layer_params, sync  # noqa: E402 - after the check above
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -95,48 +94,38 @@ def implementations(skip: set) -> list[str]:
     return [n for n in names if n not in skip]
 
 
-def call_impl(name: str, q, k, v, p, training: bool):
-    """Run implementation ``name``; None when it declines these tensors. Call it (and its
-    backward: ``blocked`` recomputes each block there) inside ``kq_backend(name)``."""
-    from mta_repro.model import attention_ops
+def call_impl(name: str, q, k, v, p, training: bool, knob: str = ""):
+    """Run implementation ``name`` under ``knob`` (``knob_tuning``); None when it declines
+    these tensors. ``blocked+conv2d`` is ``blocked`` under ``model.kernels.kq_conv=conv2d``,
+    as the trainer's self-check runs its fallback (``selfcheck.split_impl``); the tuning
+    travels in the params, so ``blocked``'s recomputing backward runs the same."""
+    import dataclasses
 
-    entry = attention_ops.ATTN_IMPLS[name.partition("+")[0]]
+    from mta_repro.model import attention_ops
+    from mta_repro.model.selfcheck import split_impl
+
+    base, conv = split_impl(name)
+    tuning = knob_tuning(knob, p.tuning)
+    p = dataclasses.replace(p, tuning=tuning if conv is None else dataclasses.replace(tuning, kq_conv=conv))
+    entry = attention_ops.ATTN_IMPLS[base]
     if entry.supports is not None and entry.supports(q, p, attention_ops.AttnMask()) is not None:
         return None
     return entry.fn(q, k, v, p, attention_ops.AttnMask(), training)
 
 
-def kq_backend(name: str):
-    """``blocked+conv2d``: MTA_KQ_CONV=conv2d while it runs, forward and backward alike (the
-    trainer's self-check runs its fallback the same way)."""
-    from mta_repro.model.selfcheck import kq_backend_env
-
-    return kq_backend_env(name)
-
-
-# The fused kernel's autotune space on a GPU (docs/triton_kernel.md, "Knobs"): the frame of
-# every pass and the head-mixing slab rows, each timed under its environment variable; the
-# pick reports the fastest as the environment to train with. The static estimate chose the
+# The fused kernel's autotune space on a GPU (docs/environment.md, the tuning table): the
+# frame of every pass and the head-mixing slab rows, each timed under its config override;
+# the pick adds the fastest to the override to train with. The static estimate chose the
 # defaults (the empty setting); only a GPU can tell. Opt-in (--sweep-triton): each setting is a
 # first compile of every pass, and the acceptance run itself should fit one 10-minute call.
-TRITON_KNOBS = ("", "MTA_TRITON_FRAME=128x64", "MTA_TRITON_FRAME=128x128", "MTA_TRITON_SLAB_ROWS=2")
+TRITON_KNOBS = ("", "model.kernels.triton_frame=128x64", "model.kernels.triton_frame=128x128",
+                "model.kernels.triton_slab_rows=2")
 
 
-@contextlib.contextmanager
-def knob_env(knob: str):
-    """Set one ``NAME=value`` knob (nothing for "") while a timing runs, forward and backward."""
-    name, _, value = knob.partition("=")
-    old = os.environ.get(name) if name else None
-    if name:
-        os.environ[name] = value
-    try:
-        yield
-    finally:
-        if name:
-            if old is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = old
+def knob_tuning(knob: str, base=None):
+    """``base`` (a KernelTuning; None: the defaults) with one ``model.kernels.FIELD=VALUE``
+    override applied (nothing for ""), the value read as YAML as the command line would."""
+    return kernel_tuning([knob], base)
 
 
 def parity(dev, s, impls, dtypes) -> list[dict]:
@@ -157,12 +146,11 @@ def parity(dev, s, impls, dtypes) -> list[dict]:
             ws = {f: getattr(p64, f).detach().to(torch.float64 if dtype == torch.float64 else torch.float32).clone().requires_grad_()
                   for f in fields}
             p = attention_ops.ExplicitAttnParams(**ws, pad_key="both", block_size=max(16, T // 4))
-            with kq_backend(impl):
-                out = attention_ops.explicit_attention_torch(q, k, v, p, attention_ops.AttnMask()) \
-                    if impl == "torch" else call_impl(impl, q, k, v, p, False)
-                if out is None:
-                    return None
-                out.backward(gy.to(dev, dtype))
+            out = attention_ops.explicit_attention_torch(q, k, v, p, attention_ops.AttnMask()) \
+                if impl == "torch" else call_impl(impl, q, k, v, p, False)
+            if out is None:
+                return None
+            out.backward(gy.to(dev, dtype))
             return out.double(), [t.grad.double() for t in (q, k, v, *ws.values())]
 
         want, want_g = run("torch", torch.float64)
@@ -225,12 +213,11 @@ def time_layer(dev, s, layer, impl, B, T, block, dtype, knob: str = "") -> dict:
         for f in ("mta_kernel", "wpsm", "mta_kernel_after_sm", "head_kernel"):
             if getattr(p, f) is not None:
                 getattr(p, f).requires_grad_()
-        fwd = lambda: call_impl(impl, q, k, v, p, True)  # noqa: E731
+        fwd = lambda: call_impl(impl, q, k, v, p, True, knob)  # noqa: E731
     row = {"layer": layer if impl != "sdpa" else "sdpa", "impl": impl, "B": B, "T": T,
            "block_size": block if impl.startswith("blocked") else None, "knob": knob}
     try:
-        with kq_backend(impl), knob_env(knob):
-            return _time(dev, s, fwd, row)
+        return _time(dev, s, fwd, row)
     except torch.OutOfMemoryError:
         return {**row, "status": "oom"}
 
@@ -309,10 +296,10 @@ def pick(parity_rows, layer_rows, dtype_name) -> dict:
         cost, (impl, bs, knob) = min(whole)
         base = impl.partition("+")[0]
         ov = [f"model.attn_impl={base}"] + ([f"model.attn_block_size={bs}"] if bs else [])
-        env = " ".join(x for x in ("MTA_KQ_CONV=conv2d" if impl.endswith("+conv2d") else "", knob) if x)
+        ov += (["model.kernels.kq_conv=conv2d"] if impl.endswith("+conv2d") else []) + ([knob] if knob else [])
         out.update(model={"impl": impl, "block_size": bs, "knob": knob, "attention_s_per_step_estimate": cost},
-                   override=" ".join(ov), env=env)
-        print(f"  pick: {env}{' '.join(ov)}", flush=True)
+                   override=" ".join(ov))
+        print(f"  pick: {' '.join(ov)}", flush=True)
     return out
 
 
@@ -523,7 +510,7 @@ def markdown(res: dict) -> str:
         L.append(f"| {r['layer']} | {r['impl']} | {r['block_size'] or r.get('knob') or '-'} | {r['B']} x {r['T']} | {s} | "
                  f"{r.get('x_sdpa', 1.0 if r['impl'] == 'sdpa' else float('nan')):.1f} | {pk} |")
     pk = res["pick"]
-    L += ["", "## Pick", "", f"Override for an 880M MTA model: `{pk.get('env', '')} {pk.get('override', '(none passed)')}`".replace("` ", "`"), ""]
+    L += ["", "## Pick", "", f"Override for an 880M MTA model: `{pk.get('override', '(none passed)')}`", ""]
     for layer, b in pk.get("per_layer", {}).items():
         L.append(f"- {layer}: {b['impl']} (block {b['block_size']}{', ' + b['knob'] if b.get('knob') else ''}), "
                  f"{b['s_total']:.4f} s summed over shapes")
@@ -626,7 +613,7 @@ def main(argv=None) -> int:
     for impl, to in res["fallbacks"].items():
         print(f"  parity FAIL: {impl}; the trainer's self-check (model.attn_selfcheck=warn) would fall back to "
               f"{to}: model.attn_impl={to.partition('+')[0]}"
-              + (f" with MTA_KQ_CONV={to.partition('+')[2]}" if "+" in to else ""), flush=True)
+              + (f" model.kernels.kq_conv={to.partition('+')[2]}" if "+" in to else ""), flush=True)
     done("parity")
     print("layers", flush=True)
     res["layers"] = (layers(dev, s, ["torch", *impls], torch.bfloat16, a.sweep_triton) if "layers" in sections

@@ -1,10 +1,12 @@
 """The attention math against plain loops over the paper's / release's formulas (float64)."""
 
+import dataclasses
 import math
 
 import pytest
 import torch
 
+from mta_repro.kernels.types import KernelTuning
 from mta_repro.model import ModelArgs
 from mta_repro.model import attention_ops
 from mta_repro.model.transformer import Attention
@@ -234,7 +236,7 @@ def test_block_size_default_is_per_device():
     assert ModelArgs().attn_block_size is None
 
 
-def test_compiled_block_no_graph_breaks_and_bounded_recompiles(monkeypatch):
+def test_compiled_block_no_graph_breaks_and_bounded_recompiles():
     """The query block under torch.compile (what CUDA runs by default): no graph break, the
     eager result, and a bounded number of graphs: with dynamic shapes a block at key
     offset 0 or 1 gets its own graph (Dynamo specialises 0 and 1), training and no-grad
@@ -243,11 +245,10 @@ def test_compiled_block_no_graph_breaks_and_bounded_recompiles(monkeypatch):
     import test_attn_impls as t
     from torch._dynamo.utils import counters
 
-    monkeypatch.setenv("MTA_COMPILE_BLOCK", "1")
-    monkeypatch.setenv("MTA_COMPILE_BLOCK_BACKEND", "aot_eager")
+    tuning = KernelTuning(compile_block=True, compile_block_backend="aot_eager")
     torch._dynamo.reset()
     counters.clear()
-    p = t.make_params(pre=(3, 3), post=(2, 3), block_size=4)
+    p = dataclasses.replace(t.make_params(pre=(3, 3), post=(2, 3), block_size=4), tuning=tuning)
 
     def run(T, grad):  # a training step (forward, recomputing backward) or an evaluation
         q, k, v = (x.requires_grad_(grad) for x in t.qkv(b=2, tq=T, tk=T))
@@ -264,9 +265,9 @@ def test_compiled_block_no_graph_breaks_and_bounded_recompiles(monkeypatch):
     assert graphs[0] <= 3 and graphs[1] <= graphs[0] + 2 and graphs[2] <= graphs[1] + 1 and graphs[3] == graphs[2]
 
     def grads(compiled):  # outputs and q/k/v gradients through the recomputed blocks
-        monkeypatch.setenv("MTA_COMPILE_BLOCK", "1" if compiled else "0")
         q, k, v = (x.requires_grad_() for x in t.qkv(b=2, tq=23, tk=23))
-        out = attention_ops.explicit_attention_blocked(q, k, v, p, attention_ops.AttnMask(), training=True)
+        pc = dataclasses.replace(p, tuning=dataclasses.replace(tuning, compile_block=compiled))
+        out = attention_ops.explicit_attention_blocked(q, k, v, pc, attention_ops.AttnMask(), training=True)
         out.backward(torch.ones_like(out))
         return [out, q.grad, k.grad, v.grad]
 

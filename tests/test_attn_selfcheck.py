@@ -59,9 +59,44 @@ def _args(*overrides):
 
 def test_the_chain_is_the_documented_one():
     assert [selfcheck.next_impl(n) for n in selfcheck.FALLBACK_CHAIN] == ["blocked", "blocked+conv2d", "torch", None]
-    with selfcheck.kq_backend_env("blocked+conv2d"):
-        assert attention_ops.kq_conv_backend(torch.zeros(1)) == "conv2d"
-    assert os.environ.get("MTA_KQ_CONV") is None or os.environ["MTA_KQ_CONV"] != "conv2d"
+    args = _args("model.kernels.kq_tile=32x32")
+    conv = selfcheck.applied(args, "blocked+conv2d")  # a config of its own, the rest of the tuning kept
+    assert conv.attn_impl == "blocked" and conv.kernels.kq_conv == "conv2d" and conv.kernels.kq_tile == "32x32"
+    assert attention_ops.kq_conv_backend(torch.zeros(1), conv.kernels) == "conv2d"
+    assert args.kernels.kq_conv == "auto" and selfcheck.applied(args, "torch").kernels == args.kernels
+    assert "MTA_KQ_CONV" not in os.environ  # nothing process-wide
+
+
+@pytest.fixture
+def wrong_c_kernel(monkeypatch):
+    """The CPU C kernel 1% off: ``blocked`` fails on the CPU, ``blocked+conv2d`` (F.conv2d) passes."""
+    from mta_repro.kernels import kq_conv_cpu
+
+    if not kq_conv_cpu.available(torch.zeros(1)):
+        pytest.skip("the C kernel did not build here")
+    right = kq_conv_cpu.kq_conv
+    monkeypatch.setattr(kq_conv_cpu, "kq_conv", lambda *a: right(*a) * 1.01)
+    yield
+    selfcheck._cache.clear()
+
+
+def test_a_wrong_c_kernel_falls_back_to_conv2d_as_a_config(wrong_c_kernel, tmp_path, capsys):
+    """blocked -> blocked+conv2d: the trainer builds its model with model.kernels.kq_conv=conv2d
+    (recorded in attn_selfcheck.json), no environment variable is set, and the losses are a
+    run's that asked for that config."""
+    from mta_repro.train.loop import train
+
+    run = tmp_path / "run"
+    train(compose([*COMMON, f"run_dir={run}", "model.attn_impl=blocked", "model.attn_selfcheck_cpu=true"]))
+    assert "model.attn_impl=blocked failed on cpu in float32" in capsys.readouterr().err
+    rec = json.loads((run / "attn_selfcheck.json").read_text())
+    assert rec[0]["requested"] == "blocked" and rec[0]["used"] == "blocked+conv2d"
+    assert "MTA_KQ_CONV" not in os.environ
+    rows = _metrics(run)
+    assert [r["attn_impl"] for r in rows] == ["blocked+conv2d"] * 2
+    ref = tmp_path / "ref"
+    train(compose([*COMMON, f"run_dir={ref}", "model.attn_impl=blocked", "model.kernels.kq_conv=conv2d"]))
+    assert [r["loss"] for r in rows] == [r["loss"] for r in _metrics(ref)]
 
 
 def test_a_wrong_and_a_nan_implementation_fall_back_with_one_line_each(wrong):

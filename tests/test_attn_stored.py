@@ -1,7 +1,7 @@
 """The stored-scores kq-conv kernels (``mta_repro/kernels/attention_stored.py``, issue #37
 item 1) against the float64 reference ("torch"): output and every gradient (q, k, v, both
 kernels, both mixings), in Triton's interpreter (tests/conftest.py sets TRITON_INTERPRET=1:
-semantics, not speed). Small frames (MTA_TRITON_FRAME) put several row and key blocks in
+semantics, not speed). Small frames (model.kernels.triton_frame) put several row and key blocks in
 every pass, so the stores' packed rows, the frames' halos and the dC window of kernel B
 cross tile edges."""
 
@@ -11,6 +11,7 @@ import importlib.util
 import pytest
 import torch
 
+from mta_repro.kernels.types import KernelTuning
 from mta_repro.model import attention_ops
 from tests.test_attn_triton import params, qkv
 
@@ -46,52 +47,51 @@ def assert_matches_torch(q, k, v, p, mask=attention_ops.AttnMask(), rtol=1e-10, 
 @pytest.mark.parametrize("pad_key", ["both", "left", "right"])
 @pytest.mark.parametrize("post,mix,wpsm", [((2, 3), "head_kernel", True), (None, "wposm", True),
                                            ((3, 3), None, False)])
-def test_stored_kernels_match_the_reference(monkeypatch, pad_key, post, mix, wpsm):
+def test_stored_kernels_match_the_reference(pad_key, post, mix, wpsm):
     """Every pad_key; post conv with head_kernel and wpsm / wposm without post conv / post conv
     without mixings: 16 x 16 frames over T = 19 (two row blocks, several key blocks)."""
-    monkeypatch.setenv("MTA_TRITON_FRAME", "16x16")
     h = 2
     q, k, v = qkv(1, h, 19, 19, 3)
-    assert_matches_torch(q, k, v, params(h, (2, 3), post, mix=mix, wpsm=wpsm, pad_key=pad_key, group=2))
+    assert_matches_torch(q, k, v, params(h, (2, 3), post, mix=mix, wpsm=wpsm, pad_key=pad_key, group=2,
+                                         tuning=KernelTuning(triton_frame="16x16")))
 
 
-def test_stored_kernels_with_padding_offset_and_two_programs(monkeypatch):
+def test_stored_kernels_with_padding_offset_and_two_programs():
     """Left padding whose edge falls inside a frame, cached keys (q_offset), 4-row mixing slabs
     and two persistent programs (items of several tiles, partials added across a row's key
     blocks), the 880M model's c_k = 11 is too wide for 16 x 16 frames: 6 x 5 kernels here."""
-    monkeypatch.setenv("MTA_TRITON_FRAME", "16x32")
-    monkeypatch.setenv("MTA_TRITON_SLAB_ROWS", "4")
-    monkeypatch.setenv("MTA_TRITON_PROGRAMS", "2")
+    tn = KernelTuning(triton_frame="16x32", triton_slab_rows=4, triton_programs=2)
     h = 4
     key_valid = torch.ones(2, 29, dtype=torch.bool)
     key_valid[1, :11] = False
     q, k, v = qkv(2, h, 13, 29, 3, seed=2)  # 13 new queries after 16 cached keys
-    assert_matches_torch(q, k, v, params(h, (6, 5), (3, 5), mix="wposm", pad_key="both"),
+    assert_matches_torch(q, k, v, params(h, (6, 5), (3, 5), mix="wposm", pad_key="both", tuning=tn),
                          attention_ops.AttnMask(16, key_valid))
 
 
-def test_stored_kernels_in_float32(monkeypatch):
+def test_stored_kernels_in_float32():
     """float32 inputs: C and dC stored in float32, the accumulators through the interpreter's
     descriptor reductions; float32 accuracy against the float64 reference."""
-    monkeypatch.setenv("MTA_TRITON_FRAME", "16x16")
     h = 2
     q, k, v = qkv(1, h, 21, 21, 3, seed=3)
-    assert_matches_torch(q.float(), k.float(), v.float(), params(h, (3, 3), (2, 3), group=2), rtol=1e-4, atol=1e-5)
+    assert_matches_torch(q.float(), k.float(), v.float(),
+                         params(h, (3, 3), (2, 3), group=2, tuning=KernelTuning(triton_frame="16x16")),
+                         rtol=1e-4, atol=1e-5)
 
 
-def test_triton_runs_the_stored_design_for_kq_conv_layers_without_dropout(monkeypatch):
+def test_triton_runs_the_stored_design_for_kq_conv_layers_without_dropout():
     """``model.attn_impl=triton``: kq-conv layers (a pre-softmax kernel) without training
-    dropout run attention_stored.py, the rest the fused kernel; MTA_TRITON_DESIGN=fused keeps
-    the fused kernel everywhere."""
+    dropout run attention_stored.py, the rest the fused kernel; model.kernels.triton_design=fused
+    keeps the fused kernel everywhere, and anything else is one line naming the field."""
     from mta_repro.kernels import stored_frames
 
     assert stored_frames.uses_stored(True, False)
     assert not stored_frames.uses_stored(False, False) and not stored_frames.uses_stored(True, True)
-    monkeypatch.setenv("MTA_TRITON_DESIGN", "fused")
-    assert not stored_frames.uses_stored(True, False)
-    monkeypatch.setenv("MTA_TRITON_DESIGN", "nope")
-    with pytest.raises(Exception, match="MTA_TRITON_DESIGN"):
-        stored_frames.uses_stored(True, False)
+    assert not stored_frames.uses_stored(True, False, KernelTuning(triton_design="fused"))
+    from mta_repro.errors import UserError
+
+    with pytest.raises(UserError, match=r"^model\.kernels\.triton_design: 'nope': expected stored or fused$"):
+        KernelTuning(triton_design="nope")
 
 
 def test_memory_preflight_stand_in_saves_the_stored_c_plane():
@@ -156,9 +156,9 @@ def test_no_unwritten_store_or_scratch_cell_is_read(monkeypatch):
         return t
 
     monkeypatch.setattr(torch, "empty", nan_empty)
-    monkeypatch.setenv("MTA_TRITON_FRAME", "16x16")
     h = 4
     key_valid = torch.ones(2, 37, dtype=torch.bool)
     key_valid[1, :19] = False
     q, k, v = qkv(2, h, 37, 37, 3)
-    assert_matches_torch(q, k, v, params(h, (2, 3), (3, 3), group=2), attention_ops.AttnMask(0, key_valid))
+    assert_matches_torch(q, k, v, params(h, (2, 3), (3, 3), group=2, tuning=KernelTuning(triton_frame="16x16")),
+                         attention_ops.AttnMask(0, key_valid))

@@ -12,12 +12,17 @@ import importlib.util
 import pytest
 import torch
 
+from mta_repro.kernels.types import KernelTuning
 from mta_repro.model import attention_ops
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton not installed")
 
+# the fused kernel for kq-conv layers too (they run attention_stored.py unless told)
+FUSED = KernelTuning(triton_design="fused")
 
-def params(h, pre, post, mix="head_kernel", wpsm=True, pad_key="both", seed=0, group=None):
+
+def params(h, pre, post, mix="head_kernel", wpsm=True, pad_key="both", seed=0, group=None,
+           tuning=KernelTuning()):
     g = torch.Generator().manual_seed(seed)
     rand = lambda *shape: torch.randn(*shape, generator=g, dtype=torch.float64)  # noqa: E731
     c_h = group or h
@@ -28,6 +33,7 @@ def params(h, pre, post, mix="head_kernel", wpsm=True, pad_key="both", seed=0, g
         head_kernel=rand(h // c_h, c_h, c_h) * c_h**-0.5 if mix == "head_kernel" else None,
         wposm=rand(h, h) * h**-0.5 if mix == "wposm" else None,
         pad_key=pad_key,
+        tuning=tuning,
     )
 
 
@@ -56,17 +62,14 @@ def qkv(b, h, tq, tk, d, seed=1):
 
 
 @pytest.mark.parametrize("gpu_schedule", [False, True])
-def test_many_frames_with_padding_and_offset(monkeypatch, gpu_schedule):
-    """Small frames (MTA_TRITON_FRAME) put several row blocks and key blocks in every pass,
-    with causal skipping, left padding across block edges and a cached-key offset. The
-    GPU schedule: 4-row mixing slabs and two persistent programs, so items hold several
-    tiles (partials accumulated across a row's key blocks) instead of one tile each."""
-    monkeypatch.setenv("MTA_TRITON_FRAME", "16x16")
-    if gpu_schedule:
-        monkeypatch.setenv("MTA_TRITON_SLAB_ROWS", "4")
-        monkeypatch.setenv("MTA_TRITON_PROGRAMS", "2")
+def test_many_frames_with_padding_and_offset(gpu_schedule):
+    """Small frames (model.kernels.triton_frame) put several row blocks and key blocks in
+    every pass, with causal skipping, left padding across block edges and a cached-key
+    offset. The GPU schedule: 4-row mixing slabs and two persistent programs, so items hold
+    several tiles (partials accumulated across a row's key blocks) instead of one tile each."""
+    tn = KernelTuning(triton_frame="16x16", **(dict(triton_slab_rows=4, triton_programs=2) if gpu_schedule else {}))
     h = 4
-    p = params(h, (2, 3), (3, 3), group=2)
+    p = params(h, (2, 3), (3, 3), group=2, tuning=tn)
     q, k, v = qkv(2, h, 37, 37, 3)
     key_valid = torch.ones(2, 37, dtype=torch.bool)
     key_valid[1, :19] = False  # the pad edge falls inside a frame
@@ -76,21 +79,19 @@ def test_many_frames_with_padding_and_offset(monkeypatch, gpu_schedule):
     assert_matches_torch(q, k, v, p)
     # post only, centred: the frames' margins are exactly the kernel's reach (the convolutions
     # used on the owned block read up to the frame's edge), over several key blocks
-    assert_matches_torch(q, k, v, params(h, None, (2, 3), pad_key="both"))
+    assert_matches_torch(q, k, v, params(h, None, (2, 3), pad_key="both", tuning=tn))
     q, _, _ = qkv(2, h, 17, 37, 3, seed=2)  # 17 new queries after 20 cached keys
-    assert_matches_torch(q, k, v, params(h, (3, 2), (2, 4), mix="wposm", pad_key="right"),
+    assert_matches_torch(q, k, v, params(h, (3, 2), (2, 4), mix="wposm", pad_key="right", tuning=tn),
                          attention_ops.AttnMask(20, key_valid))
 
 
-def test_float32_accumulates_through_descriptor_reductions(monkeypatch):
+def test_float32_accumulates_through_descriptor_reductions():
     """Below float64 the kernel adds O, dq, dk and dv by descriptor reductions (TMA on a GPU;
     here the interpreter's element-wise meaning of them): with several key blocks per row,
     frames whose keys start before 0 and end past Tk, padding and an offset, the float32
     result is the float64 reference's to float32 accuracy."""
-    monkeypatch.setenv("MTA_TRITON_FRAME", "16x16")
-    monkeypatch.setenv("MTA_TRITON_PROGRAMS", "2")
     h = 4
-    p = params(h, (2, 3), (3, 3), group=2)
+    p = params(h, (2, 3), (3, 3), group=2, tuning=KernelTuning(triton_frame="16x16", triton_programs=2))
     q, k, v = qkv(2, h, 17, 37, 3, seed=3)
     key_valid = torch.ones(2, 37, dtype=torch.bool)
     key_valid[1, :19] = False
@@ -145,26 +146,29 @@ def test_float64_on_a_gpu_falls_back(monkeypatch):
     assert attention_ops._triton_supports(fake, params(4, None, None), attention_ops.AttnMask()) is None
 
 
-def test_overrides_are_checked(monkeypatch):
-    monkeypatch.setenv("MTA_TRITON_DESIGN", "fused")  # the fused kernel's frames (kq-conv layers: stored by default)
+def test_overrides_are_checked():
+    """A tuning that cannot be right is refused where it is set (KernelTuning); one that
+    does not fit the layer, when the kernel learns the layer. One line each, naming the field.
+    (The fused kernel's frames: kq-conv layers run the stored design unless told.)"""
     h = 4
     q, k, v = qkv(1, h, 8, 8, 3)
     run = attention_ops.ATTN_IMPLS["triton"].fn
-    monkeypatch.setenv("MTA_TRITON_FRAME", "16x16")  # the backward halo of 6x11 convolutions needs 16x21
-    with pytest.raises(ValueError, match="MTA_TRITON_FRAME=16x16 leaves no owned block: the halo needs 16x21"):
-        run(q.requires_grad_(), k, v, params(h, (6, 11), (6, 11)), attention_ops.AttnMask()).sum().backward()
+    small = KernelTuning(triton_frame="16x16", triton_design="fused")  # the backward halo of 6x11 convolutions needs 16x21
+    with pytest.raises(ValueError, match=r"^model\.kernels\.triton_frame=16x16 leaves no owned block: the halo needs "
+                       r"16x21"):
+        run(q.requires_grad_(), k, v, params(h, (6, 11), (6, 11), tuning=small), attention_ops.AttnMask()).sum().backward()
     q = q.detach()
-    monkeypatch.setenv("MTA_TRITON_FRAME", "24x32")
-    with pytest.raises(ValueError, match="powers of two, at least 16"):
-        run(q, k, v, params(h, (2, 3), None), attention_ops.AttnMask())
-    monkeypatch.setenv("MTA_TRITON_FRAME", "16x16")
-    monkeypatch.setenv("MTA_TRITON_SLAB_ROWS", "3")
-    with pytest.raises(ValueError, match="MTA_TRITON_SLAB_ROWS='3': a power of two dividing the frame's 16 rows"):
-        run(q, k, v, params(h, (2, 3), None), attention_ops.AttnMask())
-    monkeypatch.delenv("MTA_TRITON_SLAB_ROWS")
-    monkeypatch.setenv("MTA_TRITON_PROGRAMS", "zero")
-    with pytest.raises(ValueError, match="MTA_TRITON_PROGRAMS='zero': expected a positive integer"):
-        run(q, k, v, params(h, (2, 3), None), attention_ops.AttnMask())
+    with pytest.raises(ValueError, match=r"^model\.kernels\.triton_frame: '24x32': both sizes must be powers of two, "
+                       r"at least 16"):
+        KernelTuning(triton_frame="24x32")
+    with pytest.raises(ValueError, match=r"^model\.kernels\.triton_slab_rows: 3: expected a power of two or null$"):
+        KernelTuning(triton_slab_rows=3)
+    too_many = KernelTuning(triton_frame="16x16", triton_slab_rows=32, triton_design="fused")
+    with pytest.raises(ValueError, match=r"^model\.kernels\.triton_slab_rows=32: a power of two dividing the "
+                       r"frame's 16 rows$"):
+        run(q, k, v, params(h, (2, 3), None, tuning=too_many), attention_ops.AttnMask())
+    with pytest.raises(ValueError, match=r"^model\.kernels\.triton_programs: 0: expected a positive integer or null$"):
+        KernelTuning(triton_programs=0)
 
 
 @pytest.mark.parametrize("pad_key, kernel, q_off", [("both", (6, 11), 0), ("left", (3, 5), 0), ("right", (2, 7), 3),
@@ -255,7 +259,6 @@ def test_shipped_and_ablation_options(h, pre, post):
 
 def test_saves_nothing_quadratic_for_backward(monkeypatch):
     """The fused kernel (the stored design keeps its packed C plane: tests/test_attn_stored.py)."""
-    monkeypatch.setenv("MTA_TRITON_DESIGN", "fused")
     t, h, d = 48, 4, 3
     sizes = []
 
@@ -265,7 +268,7 @@ def test_saves_nothing_quadratic_for_backward(monkeypatch):
 
     q, k, v = (x.requires_grad_() for x in qkv(1, h, t, t, d))
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x):
-        out = attention_ops.ATTN_IMPLS["triton"].fn(q, k, v, params(h, (2, 3), (3, 3)), attention_ops.AttnMask())
+        out = attention_ops.ATTN_IMPLS["triton"].fn(q, k, v, params(h, (2, 3), (3, 3), tuning=FUSED), attention_ops.AttnMask())
     out.sum().backward()
     assert sizes and max(sizes) <= h * t * d  # q, k, v, the (B, H, T) lse, the weights
 
@@ -274,7 +277,7 @@ def test_without_interpreter_on_cpu_falls_back_to_blocked(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     h = 4
     q, k, v = qkv(1, h, 9, 9, 3)
-    p = params(h, (2, 3), (3, 3))
+    p = params(h, (2, 3), (3, 3), tuning=FUSED)
     with pytest.warns(UserWarning, match="'triton' does not support CPU tensors unless TRITON_INTERPRET=1.*'blocked'"):
         out = attention_ops.explicit_attention("triton", q, k, v, p, attention_ops.AttnMask())
     torch.testing.assert_close(out, attention_ops.explicit_attention_torch(q, k, v, p, attention_ops.AttnMask()))
@@ -316,10 +319,9 @@ def test_memory_preflight_stand_in_saves_what_the_kernel_saves(monkeypatch):
     design's kq-conv layers: tests/test_attn_stored.py.)"""
     from mta_repro.estimate import memory
 
-    monkeypatch.setenv("MTA_TRITON_DESIGN", "fused")
 
     h, t, d = 4, 20, 8
-    p = params(h, (2, 3), (3, 3))
+    p = params(h, (2, 3), (3, 3), tuning=FUSED)
     weights = {getattr(p, f).untyped_storage()._cdata for f in attention_ops._WEIGHT_FIELDS
                if getattr(p, f) is not None}
     q, k, v = (x.float().requires_grad_() for x in qkv(2, h, t, t, d))
@@ -342,10 +344,9 @@ def test_the_workspace_the_preflight_counts_is_what_the_backward_launch_holds(mo
     from mta_repro.kernels import attention_triton, frames
 
     h, t, d, b = 4, 40, 16, 2
-    monkeypatch.setenv("MTA_TRITON_DESIGN", "fused")  # (kq-conv layers run attention_stored.py by default)
-    monkeypatch.setenv("MTA_TRITON_PROGRAMS", "3")  # a GPU's multi-item programs
-    monkeypatch.setenv("MTA_TRITON_FRAME", "16x16")
-    p = params(h, pre, post, mix=mix)
+    # a GPU's multi-item programs; the fused kernel (kq-conv layers run attention_stored.py unless told)
+    tn = KernelTuning(triton_programs=3, triton_frame="16x16", triton_design="fused")
+    p = params(h, pre, post, mix=mix, tuning=tn)
     q, k, v = (x.float().contiguous().requires_grad_() for x in qkv(b, h, t, t, d))
     seen, pending, placeholders = {}, [], set()
     real_descriptor, real_kernel = attention_triton._descriptor, attention_triton._mta_kernel
@@ -379,7 +380,7 @@ def test_the_workspace_the_preflight_counts_is_what_the_backward_launch_holds(mo
     held = sum(n for key, n in seen.items() if key not in callers and key not in placeholders)
     mix_on = (p.wpsm is not None, attention_triton.post_mix_matrix(p) is not None)
     want = frames.backward_workspace_bytes(b=b, h=h, d=d, seq_len=t, pre=pre, post=post, mix=mix_on,
-                                           pad_key=p.pad_key, dtype=torch.float32, n_prog=3, gpu=False)
+                                           pad_key=p.pad_key, dtype=torch.float32, n_prog=3, gpu=False, tuning=tn)
     assert len(lse) == 1 and held == want
 
 
@@ -439,7 +440,6 @@ def test_every_pass_launches_with_the_reported_configuration(monkeypatch):
     a recorder: this checks the launch, not the math)."""
     from mta_repro.kernels import attention_triton, frames
 
-    monkeypatch.setenv("MTA_TRITON_DESIGN", "fused")  # the stored design's: tests/test_attn_stored.py
     seen = []
 
     class Recorder:
@@ -450,7 +450,7 @@ def test_every_pass_launches_with_the_reported_configuration(monkeypatch):
 
     monkeypatch.setattr(attention_triton, "_mta_kernel", Recorder())
     h = 2
-    p = params(h, (2, 3), (2, 3))
+    p = params(h, (2, 3), (2, 3), tuning=FUSED)
     q, k, v = (t.requires_grad_() for t in qkv(1, h, 5, 5, 3))
     attention_ops.ATTN_IMPLS["triton"].fn(q, k, v, p, attention_ops.AttnMask(), False).sum().backward()
     assert [s[0] for s in seen] == list(frames.PASSES)

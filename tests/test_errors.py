@@ -69,7 +69,8 @@ def test_user_error_is_a_value_error():
 def test_config_validators_raise_user_error():
     from mta_repro.config import compose, to_train_config
 
-    for override in ("trainer.steps=0", "checkpoint.keep=0", "model.n_layers=0", "optim.lr=-1", "model.mta.mta_layers=abc"):
+    for override in ("trainer.steps=0", "checkpoint.keep=0", "model.n_layers=0", "optim.lr=-1", "model.mta.mta_layers=abc",
+                     "model.kernels.kq_conv=cudnn", "model.kernels.triton_slab_rows=3"):
         with pytest.raises(UserError):
             to_train_config(compose([override]))
 
@@ -159,6 +160,7 @@ def _train_cli(*args, extra_path=()):
     ("model.n_layer=2", "unknown config key(s) model.n_layer (did you mean model.n_layers?)"),
     ("experiment=debug_typo", "experiment=debug_typo: unknown experiment config; did you mean debug?"),
     ("trainer.steps=0", "trainer.steps: expected >= 1, got 0"),
+    ("model.kernels.kq_conv=cudnn", "model.kernels.kq_conv: 'cudnn': expected auto, c, triton or conv2d"),
 ])
 def test_train_cli_user_errors_are_one_line(tmp_path, override, expected):
     run_dir = tmp_path / "run"
@@ -167,6 +169,18 @@ def test_train_cli_user_errors_are_one_line(tmp_path, override, expected):
     lines = p.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(f"train: error: {expected}"), p.stderr[-3000:]
     assert not run_dir.exists()  # a refused start leaves nothing behind
+
+
+@pytest.mark.slow
+def test_train_cli_refuses_a_removed_tuning_variable_in_one_line(tmp_path, monkeypatch):
+    """MTA_KQ_CONV & co. are model.kernels fields now: one still set is not ignored in silence."""
+    monkeypatch.setenv("MTA_KQ_CONV", "conv2d")
+    run_dir = tmp_path / "run"
+    p = _train_cli("experiment=debug", f"run_dir={run_dir}")
+    assert p.returncode == 2, p.stderr[-3000:]
+    assert p.stderr.strip().splitlines() == [
+        "train: error: MTA_KQ_CONV is no longer read: set model.kernels.kq_conv=conv2d (docs/environment.md)"]
+    assert not run_dir.exists()
 
 
 @pytest.mark.slow

@@ -51,16 +51,17 @@ def _acceptance_module():
     return mod
 
 
-def test_the_pick_reports_the_fastest_triton_knob_as_the_environment(monkeypatch):
+def test_the_pick_reports_the_fastest_triton_knob_as_a_config_override():
     """On a GPU the fused kernel is timed under each setting of TRITON_KNOBS; the pick weighs
     the layers as the 880M model has them (6 kq-conv, 18 mixing) and returns the fastest
-    whole-model choice with its knob as the environment to train with."""
+    whole-model choice with its knob in the override to train with."""
     ga = _acceptance_module()
+    frame, slab = "model.kernels.triton_frame=128x128", "model.kernels.triton_slab_rows=2"
+    assert {frame, slab} < set(ga.TRITON_KNOBS)
     parity = [{"layer": layer, "impl": impl, "dtype": "bfloat16", "status": "ok"}
               for layer in ("kq_conv", "mixing") for impl in ("triton", "blocked")]
-    t = {("kq_conv", ""): 10.0, ("mixing", ""): 2.0, ("kq_conv", "MTA_TRITON_FRAME=128x128"): 8.0,
-         ("mixing", "MTA_TRITON_FRAME=128x128"): 2.5, ("kq_conv", "MTA_TRITON_SLAB_ROWS=2"): 9.0,
-         ("mixing", "MTA_TRITON_SLAB_ROWS=2"): 1.9}
+    t = {("kq_conv", ""): 10.0, ("mixing", ""): 2.0, ("kq_conv", frame): 8.0,
+         ("mixing", frame): 2.5, ("kq_conv", slab): 9.0, ("mixing", slab): 1.9}
     rows = [{"layer": layer, "impl": "triton", "B": 1, "T": 64, "block_size": None, "knob": knob, "status": "ok", "s": s}
             for (layer, knob), s in t.items()]
     rows += [{"layer": layer, "impl": "blocked", "B": 1, "T": 64, "block_size": 128, "knob": "", "status": "ok", "s": 99.0}
@@ -68,17 +69,33 @@ def test_the_pick_reports_the_fastest_triton_knob_as_the_environment(monkeypatch
     pick = ga.pick(parity, rows, "bfloat16")
     cost = {knob: 6 * t[("kq_conv", knob)] + 18 * t[("mixing", knob)] for knob in {k for _, k in t}}
     best = min(cost, key=cost.get)  # an independent argmin of the weighted sums
-    assert pick["model"]["impl"] == "triton" and pick["model"]["knob"] == best == "MTA_TRITON_SLAB_ROWS=2"
-    assert pick["env"] == best and pick["override"] == "model.attn_impl=triton"
-    assert pick["per_layer"]["kq_conv"]["knob"] == "MTA_TRITON_FRAME=128x128"  # per layer, its own fastest
-    monkeypatch.setenv("MTA_TRITON_FRAME", "64x64")
-    with ga.knob_env("MTA_TRITON_FRAME=128x128"):
-        assert os.environ["MTA_TRITON_FRAME"] == "128x128"
-    assert os.environ["MTA_TRITON_FRAME"] == "64x64"
-    monkeypatch.delenv("MTA_TRITON_SLAB_ROWS", raising=False)
-    with ga.knob_env("MTA_TRITON_SLAB_ROWS=2"):
-        assert os.environ["MTA_TRITON_SLAB_ROWS"] == "2"
-    assert "MTA_TRITON_SLAB_ROWS" not in os.environ
+    assert pick["model"]["impl"] == "triton" and pick["model"]["knob"] == best == slab
+    assert pick["override"] == f"model.attn_impl=triton {slab}" and "env" not in pick
+    assert pick["per_layer"]["kq_conv"]["knob"] == frame  # per layer, its own fastest
+    # The override composes as the trainer reads it, and the knob's tuning is the one timed.
+    from mta_repro.config import compose, to_train_config
+
+    kernels = to_train_config(compose(["attention=mta", *pick["override"].split()])).model.kernels
+    assert kernels == ga.knob_tuning(slab) and kernels.triton_slab_rows == 2
+    assert ga.knob_tuning(frame).triton_frame == "128x128" and ga.knob_tuning("") == type(kernels)()
+
+
+def test_blocked_conv2d_runs_conv2d_under_the_tuning(monkeypatch):
+    """``blocked+conv2d`` reaches F.conv2d through the params' tuning, forward and the
+    recomputing backward, with nothing set in the environment."""
+    import torch
+
+    from mta_repro.model import attention_ops
+
+    ga = _acceptance_module()
+    calls = []
+    real = attention_ops.kq_conv
+    monkeypatch.setattr(attention_ops, "kq_conv", lambda *a: calls.append(1) or real(*a))
+    p = ga.layer_params("kq_conv", 2, (2, 3), torch.float32, torch.device("cpu"), 8)
+    q, k, v = (torch.randn(1, 2, 16, 4, requires_grad=True) for _ in range(3))
+    ga.call_impl("blocked+conv2d", q, k, v, p, True).sum().backward()
+    assert len(calls) == 2 * 2 * 2  # pre and post conv, 2 blocks, forward + recompute
+    assert "MTA_KQ_CONV" not in os.environ
 
 
 def test_a_run_killed_mid_way_leaves_the_sections_it_finished(tmp_path):

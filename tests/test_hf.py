@@ -174,3 +174,32 @@ def test_hf_tokenizer_of_sentencepiece_and_tiktoken_files(tmp_path, name):
     hf = AutoTokenizer.from_pretrained(str(tmp_path / "hf"))
     for t in TEXTS:
         assert hf(t)["input_ids"] == ours.encode(t, add_bos=True, add_eos=False), t
+
+
+def test_the_kernels_tuning_stays_behind_and_configs_without_it_load(tmp_path):
+    """model.kernels says how this machine's kernels ran, not what the model is: the export
+    leaves it out (the loading side runs its defaults) and gives the same logits; a run
+    saved before the section existed (no kernels key) loads with the defaults."""
+    import json
+
+    from transformers import AutoModelForCausalLM
+
+    from mta_repro.kernels.types import KernelTuning
+
+    run_dir, _ = make_run(tmp_path / "run", attention="mta")
+    pt = run_dir / "export" / "consolidated.pt"
+    blob = torch.load(pt, weights_only=False)
+    blob["config"]["model"]["kernels"] = {"kq_conv": "conv2d", "kq_tile": "32x32"}
+    torch.save(blob, pt)
+    model, _ = load_model(pt, device="cpu")
+    assert model.args.kernels == KernelTuning(kq_conv="conv2d", kq_tile="32x32")
+    out = export_hf(pt, tmp_path / "hf")
+    assert "kernels" not in json.loads((out / "config.json").read_text())["mta_repro_args"]
+    hf = AutoModelForCausalLM.from_pretrained(str(out), trust_remote_code=True, torch_dtype=torch.float32).eval()
+    assert hf.model.args.kernels == type(hf.model.args.kernels)()  # the bundled defaults
+    with torch.no_grad():
+        torch.testing.assert_close(hf(TOKENS).logits, ours(model), rtol=1e-5, atol=1e-5)
+    del blob["config"]["model"]["kernels"]
+    torch.save(blob, pt)
+    old, _ = load_model(pt, device="cpu")
+    assert old.args.kernels == KernelTuning()

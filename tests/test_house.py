@@ -46,6 +46,21 @@ def test_every_environment_variable_the_package_reads_is_in_the_one_table():
     assert read and read <= table, sorted(read - table)
 
 
+def test_every_kernel_tuning_field_is_in_the_one_table_and_no_removed_variable():
+    """The same table lists each model.kernels field (KernelTuning) as a row, and none of the
+    environment variables those fields replaced (they are refused, not read)."""
+    import dataclasses
+    import re
+
+    from mta_repro.kernels.types import REMOVED_ENV, KernelTuning
+
+    text = (ROOT / "docs" / "environment.md").read_text()
+    rows = set(re.findall(r"^\| `model\.kernels\.(\w+)=", text, flags=re.M))
+    assert rows == {f.name for f in dataclasses.fields(KernelTuning)}
+    env_rows = set(re.findall(r"^\| `(MTA_[A-Z_]+)", text, flags=re.M))
+    assert not env_rows & set(REMOVED_ENV), sorted(env_rows & set(REMOVED_ENV))
+
+
 def _imports(path: Path) -> set[str]:
     """Every mta_repro module a file imports, wherever the import sits: at the top, inside a
     function (lazy) or under ``if TYPE_CHECKING`` (all are arrows of the import graph)."""

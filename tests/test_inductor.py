@@ -1,11 +1,12 @@
 """The compiled paths under the real Inductor backend (C++ codegen on the CPU), not only
-aot_eager: the blocked path's query block (``MTA_COMPILE_BLOCK=1``, what CUDA runs by
+aot_eager: the blocked path's query block (``model.kernels.compile_block=true``, what CUDA runs by
 default) and the trainer's ``distributed.compile=true`` (each block compiled, as
 torchtitan does): no graph breaks, the graphs Dynamo makes, the eager values. Inductor's
 codegen costs tens of seconds here: the slow tier."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -13,20 +14,20 @@ import torch
 from torch._dynamo.utils import counters
 
 from mta_repro.config import compose
+from mta_repro.kernels.types import KernelTuning
 from mta_repro.model import attention_ops
 
 
-def _block_run(monkeypatch, backend: str, compiled: bool = True):
+def _block_run(backend: str, compiled: bool = True):
     """A training step and an evaluation of the blocked path at T=23 (block 4: six blocks,
     the first at key offset 0), float64; (outputs and q/k/v gradients, graph count)."""
     import test_attn_impls as t
 
-    monkeypatch.setenv("MTA_COMPILE_BLOCK", "1" if compiled else "0")
-    monkeypatch.setenv("MTA_COMPILE_BLOCK_BACKEND", backend)
+    tuning = KernelTuning(compile_block=compiled, compile_block_backend=backend)
     torch._dynamo.reset()
     attention_ops._compiled_blocks.clear()
     counters.clear()
-    p = t.make_params(pre=(3, 3), post=(2, 3), block_size=4)
+    p = dataclasses.replace(t.make_params(pre=(3, 3), post=(2, 3), block_size=4), tuning=tuning)
     q, k, v = (x.requires_grad_() for x in t.qkv(b=2, tq=23, tk=23))
     out = attention_ops.explicit_attention_blocked(q, k, v, p, attention_ops.AttnMask(), training=True)
     out.backward(torch.ones_like(out))
@@ -36,9 +37,9 @@ def _block_run(monkeypatch, backend: str, compiled: bool = True):
     return values, counters["stats"]["unique_graphs"], dict(counters["graph_break"])
 
 
-def test_the_compiled_block_under_inductor_matches_eager_without_breaks(monkeypatch):
-    eager, _, _ = _block_run(monkeypatch, "inductor", compiled=False)
-    got, graphs, breaks = _block_run(monkeypatch, "inductor")
+def test_the_compiled_block_under_inductor_matches_eager_without_breaks():
+    eager, _, _ = _block_run("inductor", compiled=False)
+    got, graphs, breaks = _block_run("inductor")
     assert breaks == {}
     # Per mode (training, no-grad evaluation): the blocks at key offsets 0 and 1 (Dynamo
     # specialises 0 and 1) and one symbolic graph for all the others; aot_eager makes the
@@ -61,14 +62,14 @@ def _losses(run):
     return [json.loads(line)["loss"] for line in (run / "metrics.jsonl").read_text().splitlines()]
 
 
-@pytest.mark.usefixtures("monkeypatch")
-def test_distributed_compile_trains_under_inductor_like_eager(tmp_path, monkeypatch):
+def test_distributed_compile_trains_under_inductor_like_eager(tmp_path):
     from mta_repro.train.loop import train
 
-    monkeypatch.setenv("MTA_COMPILE_BLOCK", "0")  # the whole block compiled; its attention traced in place
     torch._dynamo.reset()
     counters.clear()
-    train(compose([*COMMON, f"run_dir={tmp_path / 'compiled'}", "distributed.compile=true"]))
+    # the whole block compiled; its attention traced in place
+    train(compose([*COMMON, f"run_dir={tmp_path / 'compiled'}", "distributed.compile=true",
+                   "model.kernels.compile_block=false"]))
     assert dict(counters["graph_break"]) == {}
     # One graph per block kind (the mixing layer and the kq-conv layer), each compiled once:
     # the second step reuses them.

@@ -443,8 +443,15 @@ def test_the_shipped_kernel_compiles_for_an_h200_within_its_limits(tmp_path):
     launcher's configuration): every pass fits one H200 program (shared memory <= 227 KB,
     registers <= 255), at least 90% of its multiply-adds run on tensor cores, and the mixing
     layer's passes (18 of the 880M model's 24 layers) and the kq-conv layer's forward passes
-    (both designs; the stored design's kernel B too) spill nothing; ptxas serialises no pass's wgmma; the report carries both estimates, as
-    estimates."""
+    (both designs; the stored design's kernel B too) spill nothing; ptxas serialises no pass's
+    wgmma; the report carries both estimates, as estimates. The hazards (issue #37 item 3,
+    ``hazards`` from mta_repro/estimate/ir_hazards.py on the TritonGPU IR; one compile serves
+    both checks), for both designs: every wgmma operand and TMA store/reduction source in shared
+    memory that ordinary stores (or cp.async) wrote is fenced (ttng.fence_async_shared, in the
+    PTX fence.proxy.async) after the write and before the read: none is unfenced; the loops
+    that store scratch say num_stages=1 and none is software-pipelined, while the pipeliner
+    does pipeline other loops (the input copies, the accumulating head loops), whose scratch
+    prefetches before the loop come after the barrier that ends the phase writing it."""
     out = tmp_path / "r.json"
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     from mta_repro.kernels import stored_frames
@@ -467,3 +474,111 @@ def test_the_shipped_kernel_compiles_for_an_h200_within_its_limits(tmp_path):
         if r["layer"] == "mixing" or r["pass"] not in ("backward", "backward_dc"):
             assert r["spill_bytes"] == 0, r
         assert r["wgmma_serialized"] is False, r  # ptxas would serialise every wgmma of the pass
+        hz = r["hazards"]
+        what = (r["layer"], r["pass"], hz)
+        assert hz["unfenced_async_reads"] == 0 and hz["generic_async_reads"] > 0, what
+        assert r["ptx"]["fence_proxy_async"] >= hz["fences"] > 0, what
+        assert hz["scratch_loops"] >= 2 and hz["scratch_loops_num_stages"] == [1], what
+        assert hz["pipelined_scratch_loops"] == 0 and hz["pipelined_loops"] > 0, what
+        assert hz["early_prefetches"] == 0, what
+
+
+# TritonGPU IR fragments in the compiler's syntax for the hazard checks (ir_hazards.py)
+_HZ_HEAD = textwrap.dedent("""\
+    module attributes {"ttg.num-warps" = 8 : i32} {
+      tt.func public @k(%p: !tt.ptr<bf16>) attributes {noinline = false} {
+        %b = ttg.local_alloc : () -> !ttg.memdesc<2x64x32xbf16, #shared, #smem, mutable> loc(#loc1)
+        %b0 = ttg.memdesc_index %b[%c0_i32] : !ttg.memdesc<2x64x32xbf16, #shared, #smem, mutable> -> !ttg.memdesc<64x32xbf16, #shared, #smem, mutable> loc(#loc1)
+        ttng.async_tma_copy_global_to_local %kd[%c0_i32, %c0_i32] %b0, %bar, %true : !tt.tensordesc<64x32xbf16, #shared>, !ttg.memdesc<1xi64, #shared5, #smem, mutable> -> !ttg.memdesc<64x32xbf16, #shared, #smem, mutable> loc(#loc1)
+    """)
+_HZ_TAIL = "    tt.return loc(#loc9)\n  } loc(#loc9)\n} loc(#loc9)\n"
+
+
+def _hz(body: str):
+    from mta_repro.estimate import ir_hazards
+
+    return ir_hazards.analyse(_HZ_HEAD + textwrap.indent(textwrap.dedent(body), "    ") + _HZ_TAIL)
+
+
+def test_a_register_tensor_stored_to_shared_memory_and_read_by_wgmma_needs_a_fence():
+    """ttg.local_alloc of a register tensor (st.shared: the generic proxy) read by a wgmma (the
+    async proxy) is unfenced without a ttng.fence_async_shared between them, fenced with one;
+    the TMA-written operand needs none."""
+    dot = ("%d = ttng.warp_group_dot %a, %b0, %c {inputPrecision = 0 : i32, isAsync = true} : "
+           "!ttg.memdesc<128x64xbf16, #shared1, #smem> * !ttg.memdesc<64x32xbf16, #shared, #smem, mutable> -> "
+           "tensor<128x32xf32, #mma> loc(#loc2)\n")
+    alloc = "%a = ttg.local_alloc %x : (tensor<128x64xbf16, #blocked>) -> !ttg.memdesc<128x64xbf16, #shared1, #smem> loc(#loc2)\n"
+    bad = _hz(alloc + dot)
+    assert bad.async_reads == 2 and bad.fenced_generic_reads == 0 and [n for n, _ in bad.unfenced] == [6]
+    good = _hz(alloc + "ttng.fence_async_shared {bCluster = false} loc(#loc2)\n" + dot)
+    assert good.async_reads == 2 and good.fenced_generic_reads == 1 and good.unfenced == []
+    # the fence must come after the write: one before it does not count
+    early = _hz("ttng.fence_async_shared {bCluster = false} loc(#loc2)\n" + alloc + dot)
+    assert len(early.unfenced) == 1
+
+
+def test_a_loop_carried_store_read_by_a_tma_reduction_in_the_next_iteration_needs_a_fence():
+    """A ttg.local_store after the TMA reduction that reads its buffer, in the same loop: the
+    next iteration reads what it wrote, so a fence is needed after the store (or before the
+    read) inside the loop; one after the loop does not help. Aliases of the buffer through
+    memdesc views are followed; a name MLIR reuses in a later region is not confused with it."""
+    loop = textwrap.dedent("""\
+        %s = ttg.local_alloc : () -> !ttg.memdesc<1x128x32xf32, #shared2, #smem, mutable> loc(#loc3)
+        scf.for %i = %c0_i32 to %n step %c1_i32  : i32 {
+          %v = ttg.memdesc_index %s[%c0_i32] : !ttg.memdesc<1x128x32xf32, #shared2, #smem, mutable> -> !ttg.memdesc<128x32xf32, #shared2, #smem, mutable> loc(#loc3)
+          ttng.async_tma_reduce add, %pod[%i, %c0_i32, %c0_i32] %s : !tt.tensordesc<1x128x32xf32, #shared2>, !ttg.memdesc<1x128x32xf32, #shared2, #smem, mutable> loc(#loc3)
+          ttg.local_store %y, %v : tensor<128x32xf32, #linear> -> !ttg.memdesc<128x32xf32, #shared2, #smem, mutable> loc(#loc3)
+          FENCE_IN
+        } {tt.num_stages = 1 : i32} loc(#loc4)
+        FENCE_OUT
+        scf.for %j = %c0_i32 to %n step %c1_i32  : i32 {
+          %v = arith.addf %y, %y : tensor<128x32xf32, #linear> loc(#loc5)
+        } loc(#loc5)
+        """)
+    fence = "ttng.fence_async_shared {bCluster = false} loc(#loc3)"
+    assert len(_hz(loop.replace("FENCE_IN", "").replace("FENCE_OUT", fence)).unfenced) == 1
+    ok = _hz(loop.replace("FENCE_IN", fence).replace("FENCE_OUT", ""))
+    assert ok.unfenced == [] and ok.fenced_generic_reads == 1 and ok.async_reads == 1
+
+
+def test_a_loop_that_stores_scratch_and_prefetches_across_its_back_edge_is_pipelined():
+    """A scratch-storing loop whose body issues a cp.async into a buffer allocated outside it
+    (a later iteration's prefetch) is a pipelined scratch loop; with the buffer allocated in
+    the loop (its own iteration's copy) it is not; a pipelined loop storing no scratch is
+    pipelined but not a hazard."""
+    body = textwrap.dedent("""\
+        OUTSIDE
+        scf.for %i = %c0_i32 to %n step %c1_i32  : i32 {
+          INSIDE
+          %w = ttg.memdesc_index %buf[%i] : !ttg.memdesc<2x64x32xbf16, #shared, #smem, mutable> -> !ttg.memdesc<64x32xbf16, #shared, #smem, mutable> loc(#loc6)
+          %t = ttg.async_copy_global_to_local %ptrs, %w : tensor<64x32x!tt.ptr<bf16>, #blocked> -> <64x32xbf16, #shared, #smem, mutable> loc(#loc6)
+          tt.store %sp, %val : tensor<64x32x!tt.ptr<ELEM>, #blocked> loc(#loc7)
+        } {tt.num_stages = 1 : i32} loc(#loc8)
+        """)
+    alloc = "%buf = ttg.local_alloc : () -> !ttg.memdesc<2x64x32xbf16, #shared, #smem, mutable> loc(#loc6)"
+    bad = _hz(body.replace("OUTSIDE", alloc).replace("INSIDE", "").replace("ELEM", "bf16"))
+    assert bad.pipelined_scratch_loops == [("#loc8", 1)]
+    own = _hz(body.replace("OUTSIDE", "").replace("INSIDE", alloc).replace("ELEM", "bf16"))
+    assert own.pipelined_scratch_loops == [] and not own.loops[0].pipelined and own.loops[0].scratch
+    other = _hz(body.replace("OUTSIDE", alloc).replace("INSIDE", "").replace("ELEM", "f32"))
+    assert other.pipelined_scratch_loops == [] and other.loops[0].pipelined and not other.loops[0].scratch
+
+
+def test_a_pipelined_loops_scratch_prefetch_must_follow_the_phase_barrier():
+    """A loop pipelined by its num_stages reads scratch through a prologue cp.async issued
+    before it: after the barrier that follows the last scratch store it is fine, without one
+    it is an early prefetch (it could read what other threads have not yet stored)."""
+    body = textwrap.dedent("""\
+        tt.store %sp, %val : tensor<64x32x!tt.ptr<bf16>, #blocked> loc(#loc7)
+        BARRIER
+        %buf = ttg.local_alloc : () -> !ttg.memdesc<2x64x32xbf16, #shared, #smem, mutable> loc(#loc6)
+        %w0 = ttg.memdesc_index %buf[%c0_i32] : !ttg.memdesc<2x64x32xbf16, #shared, #smem, mutable> -> !ttg.memdesc<64x32xbf16, #shared, #smem, mutable> loc(#loc6)
+        %t0 = ttg.async_copy_global_to_local %ptrs, %w0 : tensor<64x32x!tt.ptr<bf16>, #blocked> -> <64x32xbf16, #shared, #smem, mutable> loc(#loc6)
+        scf.for %i = %c0_i32 to %n step %c1_i32  : i32 {
+          %w = ttg.memdesc_index %buf[%i] : !ttg.memdesc<2x64x32xbf16, #shared, #smem, mutable> -> !ttg.memdesc<64x32xbf16, #shared, #smem, mutable> loc(#loc6)
+          %t = ttg.async_copy_global_to_local %ptrs, %w : tensor<64x32x!tt.ptr<bf16>, #blocked> -> <64x32xbf16, #shared, #smem, mutable> loc(#loc6)
+        } {tt.num_stages = 2 : i32} loc(#loc8)
+        """)
+    bad = _hz(body.replace("BARRIER", ""))
+    assert bad.loops[0].pipelined and not bad.loops[0].scratch and bad.early_prefetches == [("#loc8", 9)]
+    assert _hz(body.replace("BARRIER", "ttg.barrier local loc(#loc7)")).early_prefetches == []

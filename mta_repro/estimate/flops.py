@@ -61,7 +61,7 @@ def _triton_passes(args: ModelArgs, seq_len: int, kind: str) -> tuple[float, flo
     qk = 2 * hd  # also A V, dO V^T, dq, dk, dv: one d-long product per cell each
     mix1 = 2 * H if m.pre_sm_linear_head else 0
     mix2 = 2 * H if (m.head_kernel_size or m.post_sm_linear_head) else 0
-    f_bwd = frames.frame("backward", pre, post, m.pad_key)
+    f_bwd = frames.frame("backward", pre, post, m.pad_key, args.kernels)  # the model's frame (model.kernels)
     # the kernel's products per frame cell (attention_triton.py): the pre-softmax conv as
     # the GEMM of shifted queries and convolved keys (c_q d-long products), the post conv
     # and every adjoint as one (frame columns)-wide Toeplitz product per row shift
@@ -82,7 +82,7 @@ def _triton_passes(args: ModelArgs, seq_len: int, kind: str) -> tuple[float, flo
         + ((qk + 2 * conv1) if pre else 0) + 3 * qk,
     }
     cost = {
-        name: H * flops * frames.cells_visited(frames.frame(name, pre, post, m.pad_key), seq_len, seq_len) / seq_len
+        name: H * flops * frames.cells_visited(frames.frame(name, pre, post, m.pad_key, args.kernels), seq_len, seq_len) / seq_len
         for name, flops in per_cell.items()
     }
     return cost["stats"] + cost["forward"], cost["backward_rowsum"] + cost["backward"]

@@ -50,7 +50,6 @@ context and NCCL buffers take the rest).
 from __future__ import annotations
 
 import importlib.util
-import os
 import weakref
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
@@ -133,7 +132,7 @@ def _triton_meta(q, k, v, p, mask, training=False):
                None if p.mta_kernel_after_sm is None else p.mta_kernel_after_sm[:, 0], post_mix_matrix(p))
     from mta_repro.kernels import stored_frames
 
-    stored = stored_frames.uses_stored(p.mta_kernel is not None, p.dropout > 0.0 and training)
+    stored = stored_frames.uses_stored(p.mta_kernel is not None, p.dropout > 0.0 and training, p.tuning)
     return _TritonLike.apply(q, k, v, stored, mask.q_offset, *(w.to(acc).contiguous() for w in weights if w is not None))
 
 
@@ -141,22 +140,24 @@ def triton_backward_workspace(attn, batch_size: int, seq_len: int, sms: int = 13
     """Bytes the triton kernel holds while its backward pass runs for one layer (its largest
     moment): ``frames.backward_workspace_bytes``, the sum of what its launcher allocates
     (a persistent grid of PROGRAMS_PER_SM per SM, 132 SMs on an H100/H200; scratch in the
-    module's compute dtype)."""
+    module's compute dtype), under the module's tuning (``model.kernels``: frame, programs)."""
     from mta_repro.kernels import frames
     from mta_repro.kernels.types import post_mix_matrix
 
     p = attn.explicit_params()
+    n_prog = p.tuning.triton_programs or frames.PROGRAMS_PER_SM * sms
     pre = None if p.mta_kernel is None else tuple(p.mta_kernel.shape[2:])
     post = None if p.mta_kernel_after_sm is None else tuple(p.mta_kernel_after_sm.shape[2:])
     from mta_repro.kernels import stored_frames
 
     # the stored design (kq-conv layers): its dC plane and kernels A/B's buffers; its C plane
     # is a saved tensor of the stand-in (_TritonLike). (Training dropout: the fused kernel's.)
-    stored = stored_frames.uses_stored(pre is not None, p.dropout > 0.0)
-    return (stored_frames if stored else frames).backward_workspace_bytes(b=batch_size, h=attn.n_heads, d=attn.head_dim, seq_len=seq_len, pre=pre,
+    stored = stored_frames.uses_stored(pre is not None, p.dropout > 0.0, p.tuning)
+    design = stored_frames if stored else frames
+    return design.backward_workspace_bytes(b=batch_size, h=attn.n_heads, d=attn.head_dim, seq_len=seq_len, pre=pre,
                                            post=post, mix=(p.wpsm is not None, post_mix_matrix(p) is not None),
                                            pad_key=p.pad_key, dtype=attn.wq.weight.dtype,
-                                           n_prog=frames.PROGRAMS_PER_SM * sms)
+                                           n_prog=n_prog, tuning=p.tuning)
 
 
 def _saved_bytes(fn, exclude: set) -> int:
@@ -231,17 +232,19 @@ class _LiveBytes(TorchDispatchMode):
         return out
 
 
-def target_kq_backend(device: str, dtype: torch.dtype) -> str:
+def target_kq_backend(device: str, dtype: torch.dtype, tuning=None) -> str:
     """The key-query convolution kernel that ``attention_ops.kq_conv_backend`` picks on the
-    run's device (its fake implementation is what then runs on meta): on CPU that function
-    itself (the C kernel in fp32/fp64 where it compiles, ``MTA_KQ_CONV`` honoured); on CUDA
-    the Triton kernel where triton is installed, unless ``MTA_KQ_CONV=conv2d``."""
+    run's device under the model's ``tuning`` (``model.kernels``; its fake implementation is
+    what then runs on meta): on CPU that function itself (the C kernel in fp32/fp64 where it
+    compiles, ``kq_conv`` honoured); on CUDA the Triton kernel where triton is installed,
+    unless ``model.kernels.kq_conv=conv2d``."""
+    from mta_repro.kernels.types import DEFAULT_TUNING
     from mta_repro.model import attention_ops
 
+    tuning = tuning or DEFAULT_TUNING
     if device == "cpu":
-        return attention_ops.kq_conv_backend(torch.empty(0, dtype=dtype))
-    attention_ops.kq_conv_backend(torch.empty(0, device="meta"))  # a bad MTA_KQ_CONV is one line
-    if os.environ.get("MTA_KQ_CONV", "auto") == "conv2d" or importlib.util.find_spec("triton") is None:
+        return attention_ops.kq_conv_backend(torch.empty(0, dtype=dtype), tuning)
+    if tuning.kq_conv == "conv2d" or importlib.util.find_spec("triton") is None:
         return "conv2d"
     return "triton"
 
@@ -251,7 +254,8 @@ def _run_device_impls(model, live: _LiveBytes, device: str, dtype: torch.dtype, 
     """Hands ``model``'s attention modules stand-ins on meta for what runs on ``device``
     (``Attention.kernels``; nothing process-wide changes): flash-like SDPA, the triton
     stand-in (plus its backward workspace, as a spike when its output's gradient arrives;
-    bytes per attention module in ``workspace``), the device's key-query convolution kernel."""
+    bytes per attention module in ``workspace``), the device's key-query convolution kernel
+    under the model's tuning (``model.args.kernels``, kept on each module)."""
     from mta_repro.model import attention_ops
 
     current = {"bytes": 0}
@@ -263,15 +267,14 @@ def _run_device_impls(model, live: _LiveBytes, device: str, dtype: torch.dtype, 
             out.register_hook(lambda g: live.spike(n, "triton backward workspace"))
         return out
 
-    kernels = attention_ops.AttnKernels(
+    stand_ins = dict(
         sdpa=_sdpa_meta_cuda if device == "cuda" else _sdpa_meta,
-        impls={**attention_ops.ATTN_IMPLS, "triton": attention_ops.AttnImpl(triton)},
-        kq_backend=target_kq_backend(device, dtype))
+        impls={**attention_ops.ATTN_IMPLS, "triton": attention_ops.AttnImpl(triton)})
     modules = [layer.attention for layer in model.layers]
     before = [m.kernels for m in modules]
     hooks = [m.register_forward_pre_hook(lambda m, a, n=n: current.update(bytes=n)) for m, n in workspace.items()]
     for m in modules:
-        m.kernels = kernels
+        m.kernels = replace(m.kernels, **stand_ins, kq_backend=target_kq_backend(device, dtype, m.kernels.tuning))
     try:
         yield
     finally:

@@ -168,7 +168,7 @@ def _strip_package_imports(src: str) -> str:
 
 
 # The model's source files, in dependency order (paths under mta_repro/).
-BUNDLED = ("model/args.py", "kernels/conv_pad.py", "kernels/types.py", "model/attention_ops.py", "model/transformer.py")
+BUNDLED = ("kernels/conv_pad.py", "kernels/types.py", "model/args.py", "model/attention_ops.py", "model/transformer.py")
 
 
 def modeling_source() -> str:
@@ -185,6 +185,9 @@ def export_remote(model, out_dir: Path, bos_id=None, eos_id=None) -> Path:
     from safetensors.torch import save_file
 
     args = dataclasses.asdict(model.args)
+    # How this machine's kernels were tuned (model.kernels) is no property of the model: the
+    # loading side runs its defaults (the bundled reference path) whatever was set here.
+    args.pop("kernels", None)
     config = {
         "architectures": ["MTAReproForCausalLM"],
         "model_type": "mta_repro",

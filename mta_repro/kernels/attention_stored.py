@@ -26,7 +26,6 @@ cells. Dropout is not supported (the registry keeps the fused kernel for it).
 
 from __future__ import annotations
 
-import os
 from typing import Optional
 
 import torch
@@ -40,7 +39,7 @@ from mta_repro.kernels.attention_triton import (  # the fused kernel's helpers
     _accumulate, _add_taps, _allowed, _conv, _conv_and_weight_grad, _grad_pair, _mix, _plane_rows,
     _row_stat, _scores, _slab, _slab_cells, _slab_store, _tile, _to_scratch, _wgrad, _weights, _add_row_sums,
 )
-from mta_repro.kernels.types import ExplicitAttnParams, AttnMask, post_mix_matrix
+from mta_repro.kernels.types import DEFAULT_TUNING, AttnMask, ExplicitAttnParams, KernelTuning, post_mix_matrix
 
 _STATS, _FWD, _ROWSUM, _DC = (tl.constexpr(i) for i in range(4))
 
@@ -81,7 +80,7 @@ def _stored_kernel(
     PL2: tl.constexpr,
     HAS_W2: tl.constexpr, HAS_KV: tl.constexpr, DROP: tl.constexpr,
     MMA: tl.constexpr, ACC: tl.constexpr, PREC: tl.constexpr, RNE: tl.constexpr, GP: tl.constexpr,
-    NSLOT: tl.constexpr,
+    NSLOT: tl.constexpr, MARGIN: tl.constexpr,
     S_C: tl.constexpr, S_DA: tl.constexpr, S_S0: tl.constexpr, S_P: tl.constexpr, S_DR: tl.constexpr,
     S_DP: tl.constexpr, S_R: tl.constexpr, S_DC: tl.constexpr, S_A: tl.constexpr,
 ):
@@ -128,7 +127,7 @@ def _stored_kernel(
             for h in tl.range(0, H, num_stages=1):
                 bh = b.to(tl.int64) * H + h
                 s0 = _scores(qd, kd, band_ptr, bh, i, j, row0, col0, Tq, q_off, scale, 1, 0, ER, EC, GP, DPAD, MMA,
-                             ACC, PREC)
+                             ACC, PREC, MARGIN)
                 tl.store(scr + S_S0 * SLOT + h * PLANE + u[:, None] * EC + w[None, :],
                          _to_scratch(tl.where(ok0, s0, 0.0), scr_ptr.dtype.element_ty, RNE))
             tl.debug_barrier()
@@ -142,7 +141,7 @@ def _stored_kernel(
                                 PREC)
                 else:  # no pre-softmax kernel (compile_triton's "mixing_stored" estimate): C = S0
                     cst = _scores(qd, kd, band_ptr, bh, i, j, row0, col0, Tq, q_off, scale, 1, 0, ER, EC, GP, DPAD,
-                                  MMA, ACC, PREC)
+                                  MMA, ACC, PREC, MARGIN)
             else:
                 sp, sok = _store_frame_ptrs(cst_ptr, rowoff_ptr, bh, i, j, Tq, Tk, q_off, plane_sz)
                 cst = tl.load(sp, mask=sok, other=0.0)
@@ -150,7 +149,8 @@ def _stored_kernel(
             if MODE == _ROWSUM or MODE == _DC:
                 da = tl.zeros([ER, EC], ACC)
                 for e0 in tl.range(0, DPAD, GP):
-                    da = tl.dot(_tile(dod, bh, row0, e0, ER, GP, MMA), tl.trans(_tile(vd, bh, col0, e0, EC, GP, MMA)),
+                    da = tl.dot(_tile(dod, bh, row0, e0, ER, GP, MMA, MARGIN),
+                                tl.trans(_tile(vd, bh, col0, e0, EC, GP, MMA, MARGIN)),
                                 da, input_precision=PREC, out_dtype=ACC)
                 tl.store(scr + S_DA * SLOT + h * PLANE + u[:, None] * EC + w[None, :],
                          _to_scratch(da, scr_ptr.dtype.element_ty, RNE))
@@ -276,12 +276,14 @@ def _stored_kernel(
                 if MODE == _FWD:
                     a = tl.where(own_w[None, :], a, 0.0).to(MMA)
                     for e0 in tl.static_range(0, DPAD, GP):
-                        oa = tl.dot(a, _tile(vd, bh, col0, e0, EC, GP, MMA), input_precision=PREC, out_dtype=ACC)
+                        oa = tl.dot(a, _tile(vd, bh, col0, e0, EC, GP, MMA, MARGIN), input_precision=PREC,
+                                    out_dtype=ACC)
                         _accumulate(pod, (slot * H + h).to(tl.int32), 0, e0, oa, ER, GP, ACC)
                 else:
                     ac = tl.where(own2, a, 0.0).to(MMA)
                     for e0 in tl.static_range(0, DPAD, GP):
-                        _grad_pair(ac, dod, dod, pod, dvd, bh, row0, col0, 0, e0, GP, ER, EC, False, MMA, ACC, PREC)
+                        _grad_pair(ac, dod, dod, pod, dvd, bh, row0, col0, 0, e0, GP, ER, EC, False, MMA, ACC, PREC,
+                                   MARGIN)
 
 
 @triton.jit(do_not_specialize=["Tq", "Tk", "q_off", "plane_sz"])
@@ -291,7 +293,7 @@ def _kernel_b(
     H: tl.constexpr, HP: tl.constexpr, DPAD: tl.constexpr, ER: tl.constexpr, EC: tl.constexpr, TOP: tl.constexpr,
     LEFT: tl.constexpr, BMO: tl.constexpr, BNO: tl.constexpr, HAS_K1: tl.constexpr, CQ1: tl.constexpr,
     CK1: tl.constexpr, CKP1: tl.constexpr, PL1: tl.constexpr, HAS_KV: tl.constexpr, MMA: tl.constexpr,
-    ACC: tl.constexpr, PREC: tl.constexpr, RNE: tl.constexpr, GP: tl.constexpr,
+    ACC: tl.constexpr, PREC: tl.constexpr, RNE: tl.constexpr, GP: tl.constexpr, MARGIN: tl.constexpr,
 ):
     """Backward kernel B: dC (its store) -> dq, dk and the pre kernel's gradient, head by head
     on frames whose margins hold dS0's taps (dC below and beside the owned block). Per head:
@@ -329,7 +331,7 @@ def _kernel_b(
                 tl.debug_barrier()  # the previous head's readers of the plane are done
                 tl.store(plane + u[:, None] * EC + w[None, :], _to_scratch(dc, scr_ptr.dtype.element_ty, RNE))
                 s0 = _scores(qd, kd, kv_ptr, bh, i, j, row0, col0, Tq, q_off, scale, 1, 0, ER, EC, GP, DPAD, MMA, ACC,
-                             PREC)
+                             PREC, MARGIN)
                 gm = tl.where(own2, s0, 0.0).to(MMA)
                 tl.debug_barrier()
                 ds = _conv(plane, ta1d, h * CQ1 * EC, CQ1, True, ER, EC, MMA, ACC, PREC)
@@ -341,23 +343,26 @@ def _kernel_b(
             else:
                 ds = tl.where(own2, dc.to(ACC) * scale, 0.0).to(MMA)
             for e0 in tl.static_range(0, DPAD, GP):
-                _grad_pair(ds, kd, qd, pdqd, dkd, bh, row0, col0, slot * H + h, e0, GP, ER, EC, True, MMA, ACC, PREC)
+                _grad_pair(ds, kd, qd, pdqd, dkd, bh, row0, col0, slot * H + h, e0, GP, ER, EC, True, MMA, ACC, PREC,
+                           MARGIN)
 
 
 # ----------------------------------------------------------------------------- host side
 def kernel_constexprs(pass_: str, f: frames.Frame, *, h: int, d: int, pre, post, pad_key: str, has_w1: bool,
-                      has_w2: bool, has_kv: bool, gpu: bool, dtype: torch.dtype) -> dict:
-    """The constexprs of one stored pass's launch (the launcher's and compile_triton's)."""
+                      has_w2: bool, has_kv: bool, gpu: bool, dtype: torch.dtype,
+                      tuning: KernelTuning = DEFAULT_TUNING) -> dict:
+    """The constexprs of one stored pass's launch (the launcher's and compile_triton's), under
+    the model's ``tuning`` (model.kernels: slab rows)."""
     base = stored_frames.BASE_PASS[pass_]
     mode = frames.PASSES.index(base) if base != "b" else 3
     consts = at.kernel_constexprs(mode, f, h=h, d=d, pre=pre, post=post, pad_key=pad_key, has_w1=has_w1,
-                                  has_w2=has_w2, has_kv=has_kv, drop=False, gpu=gpu, dtype=dtype)
+                                  has_w2=has_w2, has_kv=has_kv, drop=False, gpu=gpu, dtype=dtype, tuning=tuning)
     if pass_ == "backward_b":
         keep = ("H", "HP", "DPAD", "ER", "EC", "TOP", "LEFT", "BMO", "BNO", "HAS_K1", "CQ1", "CK1", "CKP1", "PL1",
-                "HAS_KV", "MMA", "ACC", "PREC", "RNE", "GP")
+                "HAS_KV", "MMA", "ACC", "PREC", "RNE", "GP", "MARGIN")
         return {k: consts[k] for k in keep}
     consts.update(stored_frames.scratch_slots(pass_, pre is not None, post is not None))
-    if pass_ == "backward_dc" and gpu and not os.environ.get("MTA_TRITON_SLAB_ROWS"):
+    if pass_ == "backward_dc" and gpu and tuning.triton_slab_rows is None:
         consts["SR"] = min(f.er, stored_frames.SLAB_ROWS_DC)
     return consts
 
@@ -389,26 +394,26 @@ class _Stored:
 
 def _launch(pass_: str, st: _Stored, bufs: dict, do: Optional[torch.Tensor] = None):
     pb = st.pb
-    f = stored_frames.frame(pass_, pb.pre, pb.post, pb.pad_key)
-    sched = frames.items(f, pb.b, pb.tq, pb.tk, pb.q_off, at.programs(pb.dev))
+    f = stored_frames.frame(pass_, pb.pre, pb.post, pb.pad_key, pb.tuning)
+    sched = frames.items(f, pb.b, pb.tq, pb.tk, pb.q_off, at.programs(pb.dev, pb.tuning))
     n_prog = len(sched.starts) - 1
     pb.toeplitz(f.ec)
     specs = stored_frames.pass_buffers(pass_, f, sched, n_prog, b=pb.b, h=pb.h, hp=pb.hp, tk=pb.tk, dpad=pb.dpad,
-                                       pre=pb.pre, post=pb.post, dtype=pb.q.dtype)
+                                       pre=pb.pre, post=pb.post, dtype=pb.q.dtype, margin=pb.margin)
     scratch_spec = specs.pop("scratch")
     specs.pop("tiles")
-    for name, (shape, dtype, fill) in specs.items():
-        bufs[name] = torch.full(shape, fill, dtype=dtype, device=pb.dev)
+    for name, spec in specs.items():  # the fused kernel's allocator (tests poison it with NaN)
+        bufs[name] = at._buffer(name, spec, pb.dev)
     if pass_ in ("stats", "backward_dc"):  # every causal cell is written before it is read
         name = "cstore" if pass_ == "stats" else "dcstore"
         spec = stored_frames.stored_planes(b=pb.b, h=pb.h, tq=pb.tq, tk=pb.tk, q_off=pb.q_off, dtype=pb.sdt)[name]
-        setattr(st, name, torch.empty(spec.shape, dtype=spec.dtype, device=pb.dev))
+        setattr(st, name, at._buffer(name, spec, pb.dev))
     if not sched.items:
         return f, sched
     consts = kernel_constexprs(pass_, f, h=pb.h, d=pb.d, pre=pb.pre, post=pb.post, pad_key=pb.pad_key,
                                has_w1=pb.w1t is not None, has_w2=pb.w2t is not None, has_kv=pb.kv is not None,
-                               gpu=pb.gpu, dtype=pb.q.dtype)
-    scratch = torch.empty(max(1, scratch_spec.shape[0]), dtype=scratch_spec.dtype, device=pb.dev)
+                               gpu=pb.gpu, dtype=pb.q.dtype, tuning=pb.tuning)
+    scratch = at._empty("scratch", (max(1, scratch_spec.shape[0]),), scratch_spec.dtype, pb.dev)
     tf1 = None
     if pass_ == "stats":  # the pre kernel's forward Toeplitz table (the fused kernel has no use for it)
         dt = pb.sdt if pb.gpu else pb.acc_t
@@ -452,9 +457,9 @@ def _launch(pass_: str, st: _Stored, bufs: dict, do: Optional[torch.Tensor] = No
 
 class _MTAStored(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, k1, w1, k2, w2, key_valid, q_off, pad_key):
+    def forward(ctx, q, k, v, k1, w1, k2, w2, key_valid, q_off, pad_key, tuning):
         kv = None if key_valid is None else key_valid.to(torch.int8).contiguous()
-        pb = at._Problem(q, k, v, kv, k1, w1, k2, w2, pad_key, q_off, 0.0, 0)
+        pb = at._Problem(q, k, v, kv, k1, w1, k2, w2, pad_key, q_off, 0.0, 0, tuning)
         st = _Stored(pb)
         bufs: dict = {}
         f, sched = _launch("stats", st, bufs)
@@ -464,15 +469,15 @@ class _MTAStored(torch.autograd.Function):
         f, sched = _launch("forward", st, fb)
         out = at._per_row(fb["po"][..., :pb.d], f, sched, pb)
         ctx.save_for_backward(q, k, v, lse, kv, k1, w1, k2, w2, st.cstore)  # C: saved for backward
-        ctx.args = (pad_key, q_off)
+        ctx.args = (pad_key, q_off, tuning)
         return out.to(q.dtype)
 
     @staticmethod
     def backward(ctx, do):
         q, k, v, lse, kv, k1, w1, k2, w2, cstore = ctx.saved_tensors
-        pad_key, q_off = ctx.args
+        pad_key, q_off, tuning = ctx.args
         do = do.contiguous()
-        pb = at._Problem(q, k, v, kv, k1, w1, k2, w2, pad_key, q_off, 0.0, 0)
+        pb = at._Problem(q, k, v, kv, k1, w1, k2, w2, pad_key, q_off, 0.0, 0, tuning)
         st = _Stored(pb)
         st.cstore = cstore
         bufs = {"lse": lse}
@@ -482,7 +487,7 @@ class _MTAStored(torch.autograd.Function):
         bb: dict = {}
         f, sched = _launch("backward_b", st, bb)
         dq = at._per_row(bb["pdq"][..., :pb.d], f, sched, pb)
-        dk, dv = bb["dk"][..., :pb.d], bufs["dv"][..., :pb.d]
+        dk, dv = bb["dk"][..., pb.margin:, :pb.d], bufs["dv"][..., pb.margin:, :pb.d]  # after the zero margin
         if kv is not None:
             dq = dq * kv[:, q_off:q_off + pb.tq].to(dq.dtype)[:, None, :, None]
             dk = dk * kv.to(dk.dtype)[:, None, :, None]
@@ -491,7 +496,7 @@ class _MTAStored(torch.autograd.Function):
         g2 = bufs["pw2"].sum(0)[:h, :h] if w2 is not None else None
         t1 = bb["pt1"].sum(0)[:h].flip(-1) if k1 is not None else None
         t2 = bufs["pt2"].sum(0)[:h] if k2 is not None else None
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), t1, g1, t2, g2, None, None, None
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), t1, g1, t2, g2, None, None, None, None
 
 
 def explicit_attention_stored(q, k, v, p: ExplicitAttnParams, mask: AttnMask, training: bool = False):
@@ -509,4 +514,4 @@ def explicit_attention_stored(q, k, v, p: ExplicitAttnParams, mask: AttnMask, tr
     return _MTAStored.apply(
         q, k, v, cast(p.mta_kernel[:, 0]), cast(p.wpsm),
         cast(None if p.mta_kernel_after_sm is None else p.mta_kernel_after_sm[:, 0]), cast(post_mix_matrix(p)),
-        mask.key_valid, mask.q_offset, p.pad_key)
+        mask.key_valid, mask.q_offset, p.pad_key, p.tuning)

@@ -27,11 +27,16 @@ per-thread addresses or masks, whose registers spilled, and no layout change for
 
 *Inputs through tensor descriptors.* q, k, v, dO, the convolved keys and the Toeplitz
 tables are read through ``TensorDescriptor`` tiles of (rows, GP features) (TMA copies on
-sm_90, double-buffered by the pipeliner): rows outside the sequence (the shifted query rows
-start before it) are read as zero by the copy itself, so no offset tensors or bounds masks
-live in registers (hoisted out of every loop, they spilled). Scratch hand-offs stay plain
-stores and loads ordered by barriers: TMA reads of data written in the same kernel would
-need cross-proxy fences that only a GPU could verify. The head dimension runs in parts of
+sm_90, double-buffered by the pipeliner). Rows before the sequence (a frame's halo above
+row 0, the shifted query rows; keys left of 0) are read from ``frames.margin`` zero rows the
+launcher puts in front of each input's copy, the kernel adding the margin to every row
+coordinate (``_tile``), so no copy has a negative coordinate and none relies on TMA's zero
+fill for them (rows past the end are read as 0 by the copy's bounds); no offset tensors or
+bounds masks live in registers (hoisted out of every loop, they spilled). Scratch hand-offs
+stay plain stores and loads ordered by barriers (global memory, one proxy); only Triton's
+own shared-memory staging meets the async proxy (wgmma operands, TMA store/reduction
+sources), and Triton fences it (``fence.proxy.async``; checked on the sm_90 compile by
+tests/test_kernel_hazards.py). The head dimension runs in parts of
 GP = 32 features (96 = 3 x 32), so no tile is padded to a power of two.
 
 *Pre-softmax convolution as a GEMM.* Without the causal zeroing, conv(QK^T) factorises:
@@ -76,7 +81,9 @@ its run in one loop over tiles (``Schedule.tiles``). Each item adds into its own
 and its reductions into O and dq run in a pipelined head loop that ends by waiting for them
 to complete, so each element's adds happen in tile order: deterministic. Weight gradients
 are per-program partials, added once per tile. Only dk and dv are accumulated across
-programs, so they alone are bitwise nondeterministic on a GPU. A float64 accumulator (the
+programs, so they alone are bitwise nondeterministic on a GPU (for a given program count: another
+count cuts the rows into other items, and O and dq then agree to rounding, not bitwise;
+tests/test_kernel_hazards.py checks who adds into what). A float64 accumulator (the
 interpreter's float64 checks) is read, added and written back instead: TMA reductions stop at
 32 bits, so float64 on a GPU runs ``blocked``.
 
@@ -108,7 +115,6 @@ GPU has measured it yet); ``docs/triton_kernel.md`` has the figures.
 
 from __future__ import annotations
 
-import os
 from typing import Optional
 
 import torch
@@ -120,7 +126,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from mta_repro.errors import UserError
 from mta_repro.kernels import frames, triton_interp
-from mta_repro.kernels.types import AttnMask, ExplicitAttnParams, post_mix_matrix
+from mta_repro.kernels.types import DEFAULT_TUNING, AttnMask, ExplicitAttnParams, KernelTuning, post_mix_matrix
 
 
 _STATS, _FWD, _ROWSUM, _BWD = (tl.constexpr(i) for i in range(4))
@@ -167,28 +173,30 @@ def _allowed(i, j, b, kv_ptr, Tq, Tk, q_off, HAS_KV: tl.constexpr):
 
 
 @triton.jit
-def _tile(desc, plane, r0, e0, R: tl.constexpr, GP: tl.constexpr, MMA: tl.constexpr):
-    """(R, GP) rows [r0, r0 + R) x features [e0, e0 + GP) of plane ``plane`` of a (planes, T,
-    DPAD) input through its tensor descriptor: a TMA copy on sm_90, with rows outside [0, T)
-    (r0 may be negative) read as 0 by the copy itself, so no offset tensors or bounds masks
-    exist in registers (the compiler would hoist them: registers for the whole kernel)."""
-    return desc.load([plane.to(tl.int32), r0, e0]).reshape(R, GP).to(MMA)  # TMA coordinates are int32
+def _tile(desc, plane, r0, e0, R: tl.constexpr, GP: tl.constexpr, MMA: tl.constexpr, M0: tl.constexpr = 0):
+    """(R, GP) rows [r0, r0 + R) x features [e0, e0 + GP) of plane ``plane`` of a (planes, M0 +
+    T, DPAD) input through its tensor descriptor (a TMA copy on sm_90): row r lies at row M0 + r
+    of the plane, after M0 zero rows (``frames.margin``: the launcher's copy), so rows before
+    the sequence (r0 >= -M0) are read from that zero margin and every coordinate is >= 0; rows
+    past its end are read as 0 by the copy's bounds. No offset tensors or bounds masks exist in
+    registers (the compiler would hoist them: registers for the whole kernel)."""
+    return desc.load([plane.to(tl.int32), r0 + M0, e0]).reshape(R, GP).to(MMA)  # TMA coordinates are int32
 
 
 @triton.jit
 def _scores(qd, khd, band_ptr, bh, i, j, row0, col0, Tq, q_off, scale, CQ: tl.constexpr, NB: tl.constexpr,
             ER: tl.constexpr, EC: tl.constexpr, GP: tl.constexpr, DPAD: tl.constexpr, MMA: tl.constexpr,
-            ACC: tl.constexpr, PREC: tl.constexpr):
+            ACC: tl.constexpr, PREC: tl.constexpr, M0: tl.constexpr = 0):
     """(ER, EC) scores of frame rows i (from row0) and columns j (from col0) for one head (bh):
     sum_rho q[i - rho] . khat_rho[j] * scale (khd: the (B*H*CQ, Tk, DPAD) convolved keys; CQ = 1
     and the keys themselves: the plain scores), minus the band correction (NB > 0) on a tile
-    that touches the diagonal band. Runtime loops over the shifts and feature parts: one set of
+    that touches the diagonal band. M0: the inputs' zero margin (``_tile``). Runtime loops over the shifts and feature parts: one set of
     operand buffers, prefetched by the pipeliner (unrolled, every shift's would be resident)."""
     acc = tl.zeros([ER, EC], ACC)
     for rho in tl.range(0, CQ):
         for e0 in tl.range(0, DPAD, GP):
-            acc = tl.dot(_tile(qd, bh, row0 - rho, e0, ER, GP, MMA),
-                         tl.trans(_tile(khd, bh * CQ + rho, col0, e0, EC, GP, MMA)), acc, input_precision=PREC,
+            acc = tl.dot(_tile(qd, bh, row0 - rho, e0, ER, GP, MMA, M0),
+                         tl.trans(_tile(khd, bh * CQ + rho, col0, e0, EC, GP, MMA, M0)), acc, input_precision=PREC,
                          out_dtype=ACC)
     acc = acc * scale
     if NB > 0:
@@ -292,8 +300,9 @@ def _conv_and_weight_grad(plane, td, t0, g, part, OFF: tl.constexpr, CQ: tl.cons
 @triton.jit
 def _accumulate(desc, plane, r0, e0, x, R: tl.constexpr, GP: tl.constexpr, ACC: tl.constexpr):
     """desc[plane, r0 : r0 + R, e0 : e0 + GP] += x (R, GP): a bulk tensor reduction (a TMA
-    reduction on sm_90: no per-thread addresses, masks or layout change for it; rows outside
-    the descriptor, e.g. keys beyond Tk or before 0, are not written). Reductions are 32 bits
+    reduction on sm_90: no per-thread addresses, masks or layout change for it; rows past the
+    descriptor's end, e.g. keys beyond Tk, are not written; dk and dv take keys before 0 in
+    their zero margin, ``frames.margin``, so r0 >= 0). Reductions are 32 bits
     wide at most, so a float64 accumulator (the interpreter's float64 checks; on a GPU the
     registry runs ``blocked`` for float64, ``attention_ops._triton_supports``) is read, added
     and written back: exact there, where programs run one after another."""
@@ -305,16 +314,18 @@ def _accumulate(desc, plane, r0, e0, x, R: tl.constexpr, GP: tl.constexpr, ACC: 
 
 @triton.jit
 def _grad_pair(g, xd, yd, xod, yod, bh, row0, col0, xo_plane, E0, GP: tl.constexpr, ER: tl.constexpr,
-               EC: tl.constexpr, HAS_XO: tl.constexpr, MMA: tl.constexpr, ACC: tl.constexpr, PREC: tl.constexpr):
+               EC: tl.constexpr, HAS_XO: tl.constexpr, MMA: tl.constexpr, ACC: tl.constexpr, PREC: tl.constexpr,
+               M0: tl.constexpr = 0):
     """Features [E0, E0 + GP) (one feature part) of one head's products of a tile
     gradient g (ER x EC, zero outside the owned cells, so the rest adds 0): yo += g^T @ y[rows]
     into keys [col0, col0 + EC) of plane bh of yod, and (HAS_XO) xo += g @ x[cols] into plane
-    xo_plane of xod, its item's row partial. dS gives dk from q and dq from k, A gives dv from dO."""
+    xo_plane of xod, its item's row partial. dS gives dk from q and dq from k, A gives dv from dO.
+    M0: the zero margin in front of the inputs' rows and of yod's keys (``_tile``)."""
     if HAS_XO:
-        xo = tl.dot(g, _tile(xd, bh, col0, E0, EC, GP, MMA), input_precision=PREC, out_dtype=ACC)
+        xo = tl.dot(g, _tile(xd, bh, col0, E0, EC, GP, MMA, M0), input_precision=PREC, out_dtype=ACC)
         _accumulate(xod, xo_plane.to(tl.int32), 0, E0, xo, ER, GP, ACC)
-    yo = tl.dot(tl.trans(g), _tile(yd, bh, row0, E0, ER, GP, MMA), input_precision=PREC, out_dtype=ACC)
-    _accumulate(yod, bh.to(tl.int32), col0, E0, yo, EC, GP, ACC)
+    yo = tl.dot(tl.trans(g), _tile(yd, bh, row0, E0, ER, GP, MMA, M0), input_precision=PREC, out_dtype=ACC)
+    _accumulate(yod, bh.to(tl.int32), col0 + M0, E0, yo, EC, GP, ACC)
 
 
 @triton.jit
@@ -338,6 +349,17 @@ def _slab(plane_base, cu, cw, hh, H: tl.constexpr, ER: tl.constexpr, EC: tl.cons
     """(cells, HP) slab of a scratch slot: cells at frame rows cu, columns cw, all heads."""
     return tl.load(plane_base + (hh[None, :] * ER + cu[:, None]) * EC + cw[:, None], mask=(hh < H)[None, :],
                    other=0.0).to(MMA)
+
+
+@triton.jit
+def _logits(scr_c, cu, cw, hh, w1t, H: tl.constexpr, ER: tl.constexpr, EC: tl.constexpr, HAS_W1: tl.constexpr,
+            MMA: tl.constexpr, PREC: tl.constexpr, ACC: tl.constexpr):
+    """The logits z of a slab: its (cells, HP) convolved scores C from the scratch slot (written
+    by ``_scores`` in the first phase) and their pre-softmax head mixing. Returns (C, z). The
+    one code path every pass computes z through: the statistics' row max and sum and the
+    later passes' exp(z - lse) see the same bits (tests/test_kernel_hazards.py)."""
+    xc = _slab(scr_c, cu, cw, hh, H, ER, EC, MMA)
+    return xc, _mix(xc, w1t, HAS_W1, PREC, ACC)
 
 
 @triton.jit
@@ -433,7 +455,7 @@ def _mta_kernel(
     PL2: tl.constexpr,
     HAS_W2: tl.constexpr, HAS_KV: tl.constexpr, DROP: tl.constexpr,
     MMA: tl.constexpr, ACC: tl.constexpr, PREC: tl.constexpr, RNE: tl.constexpr, GP: tl.constexpr,
-    NSLOT: tl.constexpr,
+    NSLOT: tl.constexpr, MARGIN: tl.constexpr,
     S_C: tl.constexpr, S_DA: tl.constexpr, S_S0: tl.constexpr, S_P: tl.constexpr, S_DR: tl.constexpr,
     S_DP: tl.constexpr, S_R: tl.constexpr, S_DC: tl.constexpr, S_A: tl.constexpr,
 ):
@@ -487,19 +509,20 @@ def _mta_kernel(
             bh = b.to(tl.int64) * H + h
             pc = scr + S_C * SLOT + h * PLANE + u[:, None] * EC + w[None, :]
             cst = _scores(qd, khd, band_ptr, bh, i, j, row0, col0, Tq, q_off, scale, CQ1, NB1, ER, EC, GP, DPAD,
-                          MMA, ACC, PREC)
+                          MMA, ACC, PREC, MARGIN)
             tl.store(pc, _to_scratch(cst, scr_ptr.dtype.element_ty, RNE))
             if MODE == _ROWSUM or MODE == _BWD:
                 da = tl.zeros([ER, EC], ACC)
                 for e0 in tl.range(0, DPAD, GP):
-                    da = tl.dot(_tile(dod, bh, row0, e0, ER, GP, MMA), tl.trans(_tile(vd, bh, col0, e0, EC, GP, MMA)),
+                    da = tl.dot(_tile(dod, bh, row0, e0, ER, GP, MMA, MARGIN),
+                                tl.trans(_tile(vd, bh, col0, e0, EC, GP, MMA, MARGIN)),
                                 da, input_precision=PREC, out_dtype=ACC)
                 tl.store(scr + S_DA * SLOT + h * PLANE + u[:, None] * EC + w[None, :],
                          _to_scratch(da, scr_ptr.dtype.element_ty, RNE))
             if MODE == _BWD:
                 if HAS_K1:  # the raw masked scores, the pre-softmax kernel's input (its gradient)
                     s0 = _scores(qd, kd, band_ptr, bh, i, j, row0, col0, Tq, q_off, scale, 1, 0, ER, EC, GP, DPAD,
-                                 MMA, ACC, PREC)
+                                 MMA, ACC, PREC, MARGIN)
                     ok = _allowed(i[:, None], j[None, :], b, kv_ptr, Tq, Tk, q_off, HAS_KV)
                     tl.store(scr + S_S0 * SLOT + h * PLANE + u[:, None] * EC + w[None, :],
                              _to_scratch(tl.where(ok, s0, 0.0), scr_ptr.dtype.element_ty, RNE))
@@ -509,8 +532,7 @@ def _mta_kernel(
         for r0 in tl.range(0, ER, SR, num_stages=1):
             cu, cw, ci, cj, ok, own, i_rows = _slab_cells(r0, row0, col0, b, kv_ptr, Tq, Tk, q_off, HAS_KV, ER, EC,
                                                           TOP, LEFT, BMO, BNO, SR)
-            xc = _slab(scr + S_C * SLOT, cu, cw, hh, H, ER, EC, MMA)
-            z = _mix(xc, w1t, HAS_W1, PREC, ACC)
+            xc, z = _logits(scr + S_C * SLOT, cu, cw, hh, w1t, H, ER, EC, HAS_W1, MMA, PREC, ACC)
             if MODE == _STATS:
                 zm = tl.where(ok[:, None], z, float("-inf"))
                 z3 = tl.reshape(zm, (SR, EC, HP))
@@ -619,7 +641,8 @@ def _mta_kernel(
                     a = tl.load(scr + S_A * SLOT + h * PLANE + u[:, None] * EC + w[None, :]).to(MMA)
                     a = tl.where(own_w[None, :], a, 0.0).to(MMA)  # (rows it does not own: never read)
                     for e0 in tl.static_range(0, DPAD, GP):
-                        oa = tl.dot(a, _tile(vd, bh, col0, e0, EC, GP, MMA), input_precision=PREC, out_dtype=ACC)
+                        oa = tl.dot(a, _tile(vd, bh, col0, e0, EC, GP, MMA, MARGIN), input_precision=PREC,
+                                    out_dtype=ACC)
                         _accumulate(pod, (slot * H + h).to(tl.int32), 0, e0, oa, ER, GP, ACC)
             if MODE == _BWD:
                 # the backward's products, one kind per head loop, so that no two kinds' operands
@@ -647,14 +670,14 @@ def _mta_kernel(
                         ds = tl.where(own2, ds * scale, 0.0).to(MMA)
                     for e0 in tl.static_range(0, DPAD, GP):
                         _grad_pair(ds, kd, qd, pdqd, dkd, bh, row0, col0, slot * H + h, e0, GP, ER, EC, True,
-                                   MMA, ACC, PREC)
+                                   MMA, ACC, PREC, MARGIN)
                 for h in tl.range(0, H, num_stages=2):
                     bh = b.to(tl.int64) * H + h
                     ac = tl.where(own2, tl.load(scr + S_A * SLOT + h * PLANE + u[:, None] * EC + w[None, :]),
                                   0.0).to(MMA)
                     for e0 in tl.static_range(0, DPAD, GP):
                         _grad_pair(ac, dod, dod, pdqd, dvd, bh, row0, col0, 0, e0, GP, ER, EC, False,
-                                   MMA, ACC, PREC)
+                                   MMA, ACC, PREC, MARGIN)
                 if HAS_K1:
                     for h in tl.range(0, H, num_stages=1):
                         g = tl.where(own_u[:, None] & own_w[None, :],
@@ -737,7 +760,8 @@ def _types(dtype: torch.dtype, device: torch.device):
 class _Problem:
     """Everything a launch needs that does not change between the passes of one call."""
 
-    def __init__(self, q, k, v, kv, k1, w1, k2, w2, pad_key, q_off, p_drop, seed):
+    def __init__(self, q, k, v, kv, k1, w1, k2, w2, pad_key, q_off, p_drop, seed, tuning=DEFAULT_TUNING):
+        self.tuning = tuning  # the model's model.kernels: frames, programs, slab rows
         self.b, self.h, self.tq, self.d = q.shape
         self.tk = k.shape[2]
         self.dev = q.device
@@ -760,11 +784,11 @@ class _Problem:
         self.pl1 = frames.pad_left(pad_key, self.pre[1]) if self.pre else 0
         self.pl2 = frames.pad_left(pad_key, self.post[1]) if self.post else 0
         if k1 is not None:
-            self.khat = _khat(self.k, k1.to(self.acc_t), self.pl1)
+            khat = _khat(self.k, k1.to(self.acc_t), self.pl1)
             self.band = _band(self.q, self.k, k1.to(self.acc_t), self.pl1, q_off, self.scale)
             self.nb1 = self.band.shape[-1]
         else:
-            self.khat, self.band, self.nb1 = self.k, None, 0
+            khat, self.band, self.nb1 = None, None, 0
 
         def padw(x):
             if x is None:
@@ -774,23 +798,29 @@ class _Problem:
             return out
 
         self.w1t, self.w2t = padw(w1), padw(w2)
-        self.dummy = torch.zeros(1, dtype=self.acc_t, device=self.dev)
-        # the descriptors' views: (planes, T, DPAD), features zero-padded to whole GP parts
+        # the argument of every pointer a pass does not use: never read
+        self.dummy = _buffer("dummy", frames.Buffer((1,), self.acc_t, None), self.dev)
+        # the descriptors' copies: (planes, MARGIN + T, DPAD), zero rows in front and features
+        # zero-padded to whole GP parts
+        self.margin = frames.margin(self.pre, self.post, pad_key)
         self.qp, self.kp, self.vp = self.padded(self.q), self.padded(self.k), self.padded(self.v)
-        self.khatp = self.padded(self.khat.flatten(1, 2)) if k1 is not None else self.kp
+        self.khatp = self.padded(khat.flatten(1, 2)) if k1 is not None else self.kp
 
     def padded(self, x: torch.Tensor) -> torch.Tensor:
-        """(..., T, d) -> contiguous (planes, T, DPAD), 16-byte aligned (a copy only when d is
-        not a whole number of feature parts or the tensor is not aligned)."""
+        """(..., T, d) -> a contiguous (planes, MARGIN + T, DPAD) copy, 16-byte aligned: the
+        ``frames.margin`` zero rows in front (the rows before the sequence the kernel's
+        descriptor copies read, at coordinates >= 0) and the features zero-padded to whole
+        feature parts (the tensor itself, no copy, where neither pads and it is aligned: the
+        layers without convolutions have no margin)."""
         x = x.reshape(-1, x.shape[-2], x.shape[-1])
-        if self.dpad != self.d:
-            x = F.pad(x, (0, self.dpad - self.d))
+        if self.margin or self.dpad != self.d:
+            x = F.pad(x, (0, self.dpad - self.d, self.margin, 0))
         x = x.contiguous()
         return x if x.data_ptr() % 16 == 0 else x.clone()
 
     def geometry(self, mode: int):
-        f = frames.frame(frames.PASSES[mode], self.pre, self.post, self.pad_key)
-        n_prog_target = programs(self.dev)
+        f = frames.frame(frames.PASSES[mode], self.pre, self.post, self.pad_key, self.tuning)
+        n_prog_target = programs(self.dev, self.tuning)
         sched = frames.items(f, self.b, self.tq, self.tk, self.q_off, n_prog_target)
         return f, sched, len(sched.starts) - 1
 
@@ -808,40 +838,37 @@ class _Problem:
             self.ta1 = table(self.k1, True, self.pl1)
 
 
-def programs(device: torch.device) -> int:
+def programs(device: torch.device, tuning: KernelTuning = DEFAULT_TUNING) -> int:
     """Persistent programs of a launch: ``frames.PROGRAMS_PER_SM`` per SM on a GPU; in the
     interpreter one per item (its programs run one after another anyway).
-    ``MTA_TRITON_PROGRAMS`` overrides (tests run a GPU's multi-tile items in the interpreter)."""
-    env = os.environ.get("MTA_TRITON_PROGRAMS")
-    if env:
-        if not env.isdigit() or int(env) < 1:
-            raise UserError(f"MTA_TRITON_PROGRAMS={env!r}: expected a positive integer")
-        return int(env)
+    ``model.kernels.triton_programs`` overrides (tests run a GPU's multi-tile items in the
+    interpreter)."""
+    if tuning.triton_programs is not None:
+        return tuning.triton_programs
     if device.type == "cpu":
         return 1 << 30
     return frames.PROGRAMS_PER_SM * torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def slab_rows(pass_: str, f: frames.Frame, gpu: bool, conv: bool) -> int:
+def slab_rows(pass_: str, f: frames.Frame, gpu: bool, conv: bool, tuning: KernelTuning = DEFAULT_TUNING) -> int:
     """Frame rows per mixing slab: ``frames.SLAB_ROWS_GPU`` (a layer with a convolution:
     ``SLAB_ROWS_GPU_CONV``) on a GPU, the whole frame in the interpreter (fewest interpreted
-    ops); ``MTA_TRITON_SLAB_ROWS`` overrides (tests run the GPU's slabs in the interpreter)."""
-    env = os.environ.get("MTA_TRITON_SLAB_ROWS")
-    if env:
-        try:
-            sr = int(env)
-        except ValueError:
-            sr = 0
-        if sr < 1 or sr & (sr - 1) or f.er % sr:
-            raise UserError(f"MTA_TRITON_SLAB_ROWS={env!r}: a power of two dividing the frame's {f.er} rows")
+    ops); ``model.kernels.triton_slab_rows`` overrides (tests run the GPU's slabs in the
+    interpreter)."""
+    sr = tuning.triton_slab_rows
+    if sr is not None:
+        if f.er % sr:  # a power of two already (KernelTuning); the frame is known only here
+            raise UserError(f"model.kernels.triton_slab_rows={sr}: a power of two dividing the frame's {f.er} rows")
         return sr
     return min(f.er, frames.SLAB_ROWS_GPU_CONV if conv else frames.SLAB_ROWS_GPU[pass_]) if gpu else f.er
 
 
 def kernel_constexprs(mode: int, f: frames.Frame, *, h: int, d: int, pre, post, pad_key: str, has_w1: bool,
-                      has_w2: bool, has_kv: bool, drop: bool, gpu: bool, dtype: torch.dtype) -> dict:
+                      has_w2: bool, has_kv: bool, drop: bool, gpu: bool, dtype: torch.dtype,
+                      tuning: KernelTuning = DEFAULT_TUNING) -> dict:
     """The constexprs of one pass's launch: the one source for ``_launch`` and
-    ``scripts/compile_triton.py`` (which compiles exactly what runs)."""
+    ``scripts/compile_triton.py`` (which compiles exactly what runs); ``tuning``: the
+    model's (slab rows)."""
     cq1, ck1 = pre or (1, 1)
     cq2, ck2 = post or (1, 1)
     pl1 = frames.pad_left(pad_key, ck1) if pre else 0
@@ -850,11 +877,11 @@ def kernel_constexprs(mode: int, f: frames.Frame, *, h: int, d: int, pre, post, 
     gp, dpad = frames.feature_parts(d)
     return dict(
         MODE=mode, H=h, HP=frames.padded_heads(h, gpu), DPAD=dpad,
-        ER=f.er, EC=f.ec, TOP=f.top, LEFT=f.left, BMO=f.bmo, BNO=f.bno, SR=slab_rows(frames.PASSES[mode], f, gpu, pre is not None or post is not None),
+        ER=f.er, EC=f.ec, TOP=f.top, LEFT=f.left, BMO=f.bmo, BNO=f.bno, SR=slab_rows(frames.PASSES[mode], f, gpu, pre is not None or post is not None, tuning),
         HAS_K1=pre is not None, CQ1=cq1, CK1=ck1, CKP1=frames.pow2(ck1), PL1=pl1, NB1=band_width(cq1, ck1, pl1) if pre else 0,
         HAS_W1=has_w1, HAS_K2=post is not None, CQ2=cq2, CK2=ck2, CKP2=frames.pow2(ck2), PL2=pl2, HAS_W2=has_w2,
         HAS_KV=has_kv, DROP=drop, MMA=mma, ACC=acc, PREC=prec, RNE=not gpu and sdt == torch.bfloat16,
-        GP=gp,
+        GP=gp, MARGIN=frames.margin(pre, post, pad_key),
         **frames.scratch_slots(frames.PASSES[mode], pre is not None, post is not None),
     )
 
@@ -876,11 +903,28 @@ ACCUMULATORS = ("po", "pdq", "dk", "dv")  # descriptor sources in the accumulato
 
 
 
+def _empty(name: str, shape: tuple, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Every buffer a launch allocates (``frames.pass_buffers``, the placeholders of the
+    arguments a pass does not use): uninitialised, as ``torch.empty``. The one allocator of the
+    launcher, so that a test can replace it and prove that every buffer is written before it is
+    read or filled by ``_buffer``: tests/conftest.py fills each with NaN in every Triton test,
+    tests/test_kernel_hazards.py compares poisoned and clean runs bit for bit."""
+    return torch.empty(shape, dtype=dtype, device=device)
+
+
+def _buffer(name: str, spec: frames.Buffer, device: torch.device) -> torch.Tensor:
+    """A buffer of ``spec`` from ``_empty``, filled with ``spec.fill`` unless that is None
+    (every cell written before it is read)."""
+    x = _empty(name, tuple(spec.shape), spec.dtype, device)
+    return x if spec.fill is None else x.fill_(spec.fill)
+
+
 def _descriptor(x: Optional[torch.Tensor], block: list, dtype: torch.dtype, device: torch.device):
-    """A host tensor descriptor of x ((planes, T, DPAD) or a 2-D table), or of a dummy of the
-    block's shape when this pass does not use it (its loads and stores are compiled out)."""
+    """A host tensor descriptor of x ((planes, T, DPAD) or a 2-D table), or of an
+    uninitialised placeholder of the block's shape when this pass does not use it (its loads
+    and stores are compiled out: never read)."""
     if x is None:
-        x = torch.zeros(block, dtype=dtype, device=device)
+        x = _empty("placeholder", tuple(block), dtype, device)
     return TensorDescriptor.from_tensor(x, block)
 
 
@@ -888,18 +932,18 @@ def _launch(mode: int, pb: _Problem, bufs: dict, do: Optional[torch.Tensor] = No
     f, sched, n_prog = pb.geometry(mode)
     pb.toeplitz(f.ec)
     specs = frames.pass_buffers(frames.PASSES[mode], f, sched, n_prog, b=pb.b, h=pb.h, hp=pb.hp, tk=pb.tk,
-                                dpad=pb.dpad, pre=pb.pre, post=pb.post, dtype=pb.q.dtype)
+                                dpad=pb.dpad, pre=pb.pre, post=pb.post, dtype=pb.q.dtype, margin=pb.margin)
     scratch_spec = specs.pop("scratch")
     specs.pop("tiles")  # built below from the schedule
-    for name, (shape, dtype, fill) in specs.items():
-        bufs[name] = torch.full(shape, fill, dtype=dtype, device=pb.dev)
+    for name, spec in specs.items():
+        bufs[name] = _buffer(name, spec, pb.dev)
     if not sched.items:
         return f, sched
     consts = kernel_constexprs(mode, f, h=pb.h, d=pb.d, pre=pb.pre, post=pb.post, pad_key=pb.pad_key,
                                has_w1=pb.w1t is not None, has_w2=pb.w2t is not None, has_kv=pb.kv is not None,
-                               drop=pb.p_drop > 0.0, gpu=pb.gpu, dtype=pb.q.dtype)
+                               drop=pb.p_drop > 0.0, gpu=pb.gpu, dtype=pb.q.dtype, tuning=pb.tuning)
     # unwritten cells are never read (each phase writes whole planes before the next reads)
-    scratch = torch.empty(scratch_spec.shape, dtype=scratch_spec.dtype, device=pb.dev)
+    scratch = _buffer("scratch", scratch_spec, pb.dev)
     inputs = {"q": pb.qp, "k": pb.kp, "v": pb.vp, "do": None if do is None else pb.padded(do),
               "khat": pb.khatp, "tf2": getattr(pb, "tf2", None), "ta2": getattr(pb, "ta2", None),
               "ta1": getattr(pb, "ta1", None)}
@@ -933,7 +977,7 @@ def _launch(mode: int, pb: _Problem, bufs: dict, do: Optional[torch.Tensor] = No
         # reports each pass's needs without a GPU).
         raise RuntimeError(
             f"model.attn_impl=triton: its {frames.PASSES[mode]!r} pass does not fit this GPU ({e}); frame "
-            f"{f.er}x{f.ec}, {pb.h} heads of {pb.d}. Use model.attn_impl=blocked, or a smaller MTA_TRITON_FRAME"
+            f"{f.er}x{f.ec}, {pb.h} heads of {pb.d}. Use model.attn_impl=blocked, or a smaller model.kernels.triton_frame"
         ) from e
     return f, sched
 
@@ -962,10 +1006,10 @@ def _merge_stats(x: torch.Tensor) -> torch.Tensor:
 
 class _MTATriton(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, k1, w1, k2, w2, key_valid, q_off, pad_key, p_drop):
+    def forward(ctx, q, k, v, k1, w1, k2, w2, key_valid, q_off, pad_key, p_drop, tuning):
         kv = None if key_valid is None else key_valid.to(torch.int8).contiguous()
         seed = int(torch.randint(0, 2**31 - 1, ())) if p_drop > 0.0 else 0
-        pb = _Problem(q, k, v, kv, k1, w1, k2, w2, pad_key, q_off, p_drop, seed)
+        pb = _Problem(q, k, v, kv, k1, w1, k2, w2, pad_key, q_off, p_drop, seed, tuning)
         bufs: dict = {}
         f, sched = _launch(_STATS.value, pb, bufs)
         ml = torch.stack((bufs["pm"], bufs["pl"]), 1)  # (slots, 2, HP, ER): each split's row max and sum
@@ -974,22 +1018,22 @@ class _MTATriton(torch.autograd.Function):
         f, sched = _launch(_FWD.value, pb, fb)
         out = _per_row(fb["po"][..., :pb.d], f, sched, pb)
         ctx.save_for_backward(q, k, v, lse, kv, k1, w1, k2, w2)
-        ctx.args = (pad_key, q_off, p_drop, seed)
+        ctx.args = (pad_key, q_off, p_drop, seed, tuning)
         return out.to(q.dtype)
 
     @staticmethod
     def backward(ctx, do):
         q, k, v, lse, kv, k1, w1, k2, w2 = ctx.saved_tensors
-        pad_key, q_off, p_drop, seed = ctx.args
+        pad_key, q_off, p_drop, seed, tuning = ctx.args
         do = do.contiguous()
-        pb = _Problem(q, k, v, kv, k1, w1, k2, w2, pad_key, q_off, p_drop, seed)
+        pb = _Problem(q, k, v, kv, k1, w1, k2, w2, pad_key, q_off, p_drop, seed, tuning)
         bufs = {"lse": lse}
         f, sched = _launch(_ROWSUM.value, pb, bufs, do)
         dd = _per_row(bufs["pd"], f, sched, pb)[:, :pb.h].contiguous()
         bufs["dd"] = dd
         f, sched = _launch(_BWD.value, pb, bufs, do)
         dq = _per_row(bufs["pdq"][..., :pb.d], f, sched, pb)
-        dk, dv = bufs["dk"][..., :pb.d], bufs["dv"][..., :pb.d]
+        dk, dv = bufs["dk"][..., pb.margin:, :pb.d], bufs["dv"][..., pb.margin:, :pb.d]  # after the zero margin
         if kv is not None:
             dq = dq * kv[:, q_off:q_off + pb.tq].to(dq.dtype)[:, None, :, None]
             dk = dk * kv.to(dk.dtype)[:, None, :, None]
@@ -998,7 +1042,7 @@ class _MTATriton(torch.autograd.Function):
         g2 = bufs["pw2"].sum(0)[:h, :h] if w2 is not None else None
         t1 = bufs["pt1"].sum(0)[:h] if k1 is not None else None
         t2 = bufs["pt2"].sum(0)[:h] if k2 is not None else None
-        return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), t1, g1, t2, g2, None, None, None, None)
+        return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), t1, g1, t2, g2, None, None, None, None, None)
 
 
 def explicit_attention_triton(
@@ -1022,6 +1066,6 @@ def explicit_attention_triton(
         cast(p.wpsm),
         cast(None if p.mta_kernel_after_sm is None else p.mta_kernel_after_sm[:, 0]),
         cast(w2),
-        mask.key_valid, mask.q_offset, p.pad_key, p.dropout if training else 0.0,
+        mask.key_valid, mask.q_offset, p.pad_key, p.dropout if training else 0.0, p.tuning,
     )
 

@@ -21,7 +21,6 @@ statistics; only dk and dv take atomics from several programs).
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass
 from typing import NamedTuple, Optional
 
@@ -29,6 +28,7 @@ import torch
 
 from mta_repro.errors import UserError
 from mta_repro.kernels.conv_pad import pad_left
+from mta_repro.kernels.types import DEFAULT_TUNING, KernelTuning
 
 # The kernel's passes, in the order they run (forward: 0, 1; backward: 2, 3).
 PASSES = ("stats", "forward", "backward_rowsum", "backward")
@@ -40,7 +40,7 @@ PROGRAMS_PER_SM = 1
 # two warpgroups owns 64 rows of a product (wgmma m64), so products, loads and stores share a
 # layout (64-row frames split N between them and convert layouts at almost every hand-off);
 # 128 key columns where no convolution runs (fewer accumulator adds per cell), 64 with one,
-# whose passes would spill at 128 (scripts/compile_triton.py with MTA_TRITON_FRAME; the
+# whose passes would spill at 128 (scripts/compile_triton.py --frame; the
 # figures are in docs/triton_kernel.md).
 FRAME_ROWS = 128
 FRAME_COLS = 128  # every pass of a layer without convolutions
@@ -94,6 +94,17 @@ def halo(pass_: str, pre: Optional[tuple[int, int]], post: Optional[tuple[int, i
     raise ValueError(f"unknown pass {pass_!r}; expected one of {PASSES}")
 
 
+def margin(pre: Optional[tuple[int, int]], post: Optional[tuple[int, int]], pad_key: str) -> int:
+    """Rows before the sequence (and keys before 0) that any pass's descriptor copies reach:
+    a frame's first row lies TOP rows above its owned block and the factorised pre-softmax
+    conv reads c_q - 1 query rows above that; its first column LEFT keys left of its block.
+    The launcher puts this many zero rows in front of every descriptor input (and of dk, dv),
+    and the kernel adds it to every row coordinate, so no TMA coordinate is negative and rows
+    outside the sequence are zero because they are padding, not by the copy's zero fill."""
+    cq1 = pre[0] if pre else 1
+    return max(max(h.top + cq1 - 1, h.left) for h in (halo(p, pre, post, pad_key) for p in PASSES))
+
+
 @dataclass(frozen=True)
 class Frame:
     er: int  # frame rows
@@ -128,29 +139,22 @@ def pow2(n: int) -> int:
     return 1 << max(0, int(n - 1).bit_length())
 
 
-def frame_override() -> Optional[tuple[int, int]]:
-    """``MTA_TRITON_FRAME=ROWSxCOLS``: the frame size instead of the default."""
-    spec = os.environ.get("MTA_TRITON_FRAME")
-    if not spec:
-        return None
-    try:
-        er, ec = (int(x) for x in spec.lower().split("x"))
-    except ValueError:
-        raise UserError(f"MTA_TRITON_FRAME={spec!r}: expected ROWSxCOLS, e.g. 64x64") from None
-    if er < 16 or ec < 16 or er != pow2(er) or ec != pow2(ec):
-        raise UserError(f"MTA_TRITON_FRAME={spec!r}: both sizes must be powers of two, at least 16")
-    return er, ec
+def frame_override(tuning: KernelTuning = DEFAULT_TUNING) -> Optional[tuple[int, int]]:
+    """``model.kernels.triton_frame`` (ROWSxCOLS): the frame size instead of the default."""
+    return tuning.triton_frame_shape
 
 
-def frame(pass_: str, pre: Optional[tuple[int, int]], post: Optional[tuple[int, int]], pad_key: str) -> Frame:
-    """The frame of one pass for kernels (c_q, c_k) ``pre``/``post`` softmax (None: off)."""
+def frame(pass_: str, pre: Optional[tuple[int, int]], post: Optional[tuple[int, int]], pad_key: str,
+          tuning: KernelTuning = DEFAULT_TUNING) -> Frame:
+    """The frame of one pass for kernels (c_q, c_k) ``pre``/``post`` softmax (None: off),
+    under the model's ``tuning``."""
     hl = halo(pass_, pre, post, pad_key)
-    override = frame_override()
+    override = frame_override(tuning)
     if override is not None:
         er, ec = override
         if er <= hl.top + hl.bot or ec <= hl.left + hl.right:
             raise UserError(
-                f"MTA_TRITON_FRAME={er}x{ec} leaves no owned block: the halo needs "
+                f"model.kernels.triton_frame={er}x{ec} leaves no owned block: the halo needs "
                 f"{hl.top + hl.bot + 1}x{hl.left + hl.right + 1} at least")
     else:
         er, ec = FRAME_ROWS, (FRAME_COLS if pre is None and post is None else FRAME_COLS_CONV)
@@ -262,11 +266,12 @@ def acc_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 def pass_buffers(pass_: str, f: Frame, sched: Schedule, n_prog: int, *, b: int, h: int, hp: int, tk: int, dpad: int,
-                 pre: Optional[tuple[int, int]], post: Optional[tuple[int, int]], dtype: torch.dtype) -> dict:
+                 pre: Optional[tuple[int, int]], post: Optional[tuple[int, int]], dtype: torch.dtype,
+                 margin: int = 0) -> dict:
     """{name: Buffer} a pass's launch allocates: its per-item partials (slots = B x row
     blocks x key splits; DPAD features so their rows suit a tensor descriptor), the
-    backward's dk/dv and per-program weight-gradient partials, and the per-program scratch
-    slots of its stages (``scratch_slots``)."""
+    backward's dk/dv (keys after ``margin`` rows: ``margin``) and per-program weight-gradient
+    partials, and the per-program scratch slots of its stages (``scratch_slots``)."""
     acc, slots = acc_dtype(dtype), b * sched.n_rt * sched.s_max
     progs = max(1, n_prog)
     out = {
@@ -274,8 +279,8 @@ def pass_buffers(pass_: str, f: Frame, sched: Schedule, n_prog: int, *, b: int, 
         "forward": lambda: {"po": Buffer((slots, h, f.er, dpad), acc, 0.0)},
         "backward_rowsum": lambda: {"pd": Buffer((slots, hp, f.er), acc, 0.0)},
         "backward": lambda: {
-            "pdq": Buffer((slots, h, f.er, dpad), acc, 0.0), "dk": Buffer((b, h, tk, dpad), acc, 0.0),
-            "dv": Buffer((b, h, tk, dpad), acc, 0.0), "pw1": Buffer((progs, hp, hp), acc, 0.0),
+            "pdq": Buffer((slots, h, f.er, dpad), acc, 0.0), "dk": Buffer((b, h, margin + tk, dpad), acc, 0.0),
+            "dv": Buffer((b, h, margin + tk, dpad), acc, 0.0), "pw1": Buffer((progs, hp, hp), acc, 0.0),
             "pw2": Buffer((progs, hp, hp), acc, 0.0),
             **({"pt1": Buffer((progs, hp, *pre), acc, 0.0)} if pre else {}),
             **({"pt2": Buffer((progs, hp, *post), acc, 0.0)} if post else {})},
@@ -296,45 +301,49 @@ def problem_buffers(*, b: int, h: int, hp: int, tq: int, tk: int, d: int, pre: O
                     dtype: torch.dtype, gpu: bool = True) -> dict:
     """{name: Buffer} of what one call derives from its inputs and holds through its passes
     (``attention_triton._Problem``): the keys convolved with each pre-softmax kernel row
-    (B, H, c_q, T, d; a DPAD copy besides when d is not whole feature parts), the causal band
+    (B x H x c_q planes of ``margin`` + T rows of DPAD features, as its descriptor reads them), the causal band
     correction (B, H, Tq, NB), the convolutions' Toeplitz tables (HP x c_q x EC, EC) of a
     pass whose frames are ``ec`` wide, the (HP, HP) head-mixing matrices (``mix``: pre- and
-    post-softmax mixing on) and the DPAD copies of q, k, v."""
-    acc, dpad = acc_dtype(dtype), feature_parts(d)[1]
-    out = {"dummy": Buffer((1,), acc, 0.0)}  # the argument of every buffer a pass does not use
+    post-softmax mixing on) and the descriptors' copies of q, k, v (DPAD features, ``margin``
+    zero rows in front of each plane)."""
+    acc, dpad, mg = acc_dtype(dtype), feature_parts(d)[1], margin(pre, post, pad_key)
+    out = {"dummy": Buffer((1,), acc, None)}  # the argument of every pointer a pass does not use: never read
     if pre is not None:
         cq, ck = pre
-        out["khat"] = Buffer((b, h, cq, tk, d), dtype, None)
-        if dpad != d:
-            out["khat_padded"] = Buffer((b * h * cq, tk, dpad), dtype, None)
+        out["khat"] = Buffer((b * h * cq, mg + tk, dpad), dtype, None)
         out["band"] = Buffer((b, h, tq, cq - 1 + ck - 1 - pad_left(pad_key, ck)), acc, None)  # band_width
     out.update({name: Buffer((hp, hp), acc, None) for name, on in zip(("w1t", "w2t"), mix) if on})
     table_dtype = dtype if gpu else acc
     for name, k in (("ta1", pre), ("tf2", post), ("ta2", post)):
         if k is not None:
             out[name] = Buffer((hp * k[0] * ec, ec), table_dtype, None)
-    if dpad != d:
-        out["padded_qkv"] = Buffer((b * h, tq + 2 * tk, dpad), dtype, None)
+    if mg or dpad != d:  # (no copies without either)
+        out["padded_qkv"] = Buffer((b * h, 3 * mg + tq + 2 * tk, dpad), dtype, None)
     return out
 
 
 def backward_workspace_bytes(*, b: int, h: int, d: int, seq_len: int, pre: Optional[tuple[int, int]],
                              post: Optional[tuple[int, int]], mix: tuple[bool, bool], pad_key: str,
-                             dtype: torch.dtype, n_prog: int, gpu: bool = True) -> int:
+                             dtype: torch.dtype, n_prog: int, gpu: bool = True,
+                             tuning: KernelTuning = DEFAULT_TUNING) -> int:
     """Bytes the fused kernel holds beyond its inputs, outputs and saved tensors while its
-    backward pass runs (its largest moment): the call's derived inputs, the rowsum pass's
-    partials and their per-row reduction D (B, H, T) fp32, and the backward pass's own
-    buffers. ``n_prog``: persistent programs (``PROGRAMS_PER_SM`` x SMs on a GPU)."""
+    backward pass runs (its largest moment): the call's derived inputs, the descriptor's copy
+    of dO, the rowsum pass's partials and their per-row reduction D (B, H, T) fp32, and the
+    backward pass's own buffers. ``n_prog``: persistent programs (``PROGRAMS_PER_SM`` x SMs on
+    a GPU); ``tuning``: the model's (its frame)."""
     hp, dpad = padded_heads(h, gpu), feature_parts(d)[1]
-    ec = frame("backward", pre, post, pad_key).ec
+    ec = frame("backward", pre, post, pad_key, tuning).ec
     total = nbytes(problem_buffers(b=b, h=h, hp=hp, tq=seq_len, tk=seq_len, d=d, pre=pre, post=post, mix=mix,
                                    pad_key=pad_key, ec=ec, dtype=dtype, gpu=gpu))
     total += b * h * seq_len * acc_dtype(dtype).itemsize  # D
+    mg = margin(pre, post, pad_key)
+    if mg or dpad != d:
+        total += b * h * (mg + seq_len) * dpad * dtype.itemsize  # dO's copy (``_Problem.padded``)
     for pass_ in ("backward_rowsum", "backward"):
-        f = frame(pass_, pre, post, pad_key)
+        f = frame(pass_, pre, post, pad_key, tuning)
         sched = items(f, b, seq_len, seq_len, 0, n_prog)
         bufs = pass_buffers(pass_, f, sched, len(sched.starts) - 1, b=b, h=h, hp=hp, tk=seq_len, dpad=dpad,
-                            pre=pre, post=post, dtype=dtype)
+                            pre=pre, post=post, dtype=dtype, margin=mg)
         if pass_ == "backward_rowsum":  # freed when its launch returns; its partials stay
             del bufs["scratch"], bufs["tiles"]
         total += nbytes(bufs)

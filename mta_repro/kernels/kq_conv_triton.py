@@ -32,14 +32,12 @@ tensors, and on CPU tensors in Triton's interpreter (``TRITON_INTERPRET=1``, for
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
-from mta_repro.errors import UserError
 from mta_repro.kernels import triton_interp
+from mta_repro.kernels.types import DEFAULT_TUNING, KernelTuning
 
 triton_interp.install()  # Triton 3.6's interpreter with numpy >= 2.4 (mta_repro/kernels/triton_interp.py)
 
@@ -56,19 +54,16 @@ def _pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
-def tiles() -> tuple[int, int]:
-    """(rows, keys) per output tile. 64 x 64 on a GPU: the key window is then 128 wide for a
-    c_k <= 65 kernel, and one program holds a (64, 128) bf16 window, a (128, 64) Toeplitz
-    tile and a (64, 64) fp32 accumulator (scripts/bench_kq_conv.py --sm90 prints registers
-    and spills; 8 warps, no spills). ``MTA_KQ_TILE=RxC`` overrides (the tests use small tiles to cross many
-    tile borders at small shapes)."""
-    env = os.environ.get("MTA_KQ_TILE")
-    if env:
-        r, c = (int(v) for v in env.lower().split("x"))
-        if r < 16 or c < 16 or r != _pow2(r) or c != _pow2(c):
-            raise UserError(f"MTA_KQ_TILE={env!r}: expected RxC, powers of two >= 16 (e.g. 64x64)")
-        return r, c
-    return 64, 64
+def tiles(tuning: KernelTuning = DEFAULT_TUNING) -> tuple[int, int]:
+    """(rows, keys) per output tile: ``model.kernels.kq_tile``. 64 x 64 by default: the key
+    window is then 128 wide for a c_k <= 65 kernel, and one program holds a (64, 128) bf16
+    window, a (128, 64) Toeplitz tile and a (64, 64) fp32 accumulator
+    (scripts/bench_kq_conv.py --sm90 prints registers and spills; 8 warps, no spills). The
+    tests use small tiles to cross many tile borders at small shapes."""
+    return tuning.kq_tile_shape
+
+
+DEFAULT_TILE = tiles()
 
 
 def _types(dtype: torch.dtype):
@@ -162,16 +157,18 @@ def _causal(diag: int, K: int) -> tuple[bool, int]:
     return (diag < K - 1, diag) if diag < K - 1 else (False, 0)
 
 
-def corr(x: torch.Tensor, w: torch.Tensor, ro: int, pl: int, diag: int) -> torch.Tensor:
+def corr(x: torch.Tensor, w: torch.Tensor, ro: int, pl: int, diag: int,
+         tile: tuple[int, int] = DEFAULT_TILE) -> torch.Tensor:
     """y[i, j] = sum_{a, b} w[h, a, b] * x[i + a - ro, j + b - pl] per plane, 0 outside and
-    above the diagonal ``diag`` on both sides. x: (B, H, R, K); w: (H, c_q, c_k)."""
+    above the diagonal ``diag`` on both sides. x: (B, H, R, K); w: (H, c_q, c_k); ``tile``:
+    (rows, keys) per program (``tiles``)."""
     x = x.contiguous()
     B, H, R, K = x.shape
     cq, ck = w.shape[1], w.shape[2]
     y = torch.empty_like(x)
     if x.numel() == 0:
         return y
-    br, bc = tiles()
+    br, bc = tile
     bch = _pow2(bc + ck - 1)
     causal, dg = _causal(diag, K)
     acc, prec = _types(x.dtype)
@@ -182,12 +179,13 @@ def corr(x: torch.Tensor, w: torch.Tensor, ro: int, pl: int, diag: int) -> torch
     return y
 
 
-def wgrad(gy: torch.Tensor, x: torch.Tensor, cq: int, ck: int, ro: int, pl: int, diag: int) -> torch.Tensor:
+def wgrad(gy: torch.Tensor, x: torch.Tensor, cq: int, ck: int, ro: int, pl: int, diag: int,
+          tile: tuple[int, int] = DEFAULT_TILE) -> torch.Tensor:
     """gw[h, a, b] = sum over batch, rows i, keys j of gy[i, j] * x[i + a - ro, j + b - pl]
     (the masking of ``corr``), in fp32 (fp64 for fp64 inputs). Returns (H, c_q, c_k)."""
     gy, x = gy.contiguous(), x.contiguous()
     B, H, R, K = x.shape
-    br, bc = tiles()
+    br, bc = tile
     bch = _pow2(bc + ck - 1)
     causal, dg = _causal(diag, K)
     acc, prec = _types(x.dtype)
@@ -203,45 +201,48 @@ def wgrad(gy: torch.Tensor, x: torch.Tensor, cq: int, ck: int, ro: int, pl: int,
 
 
 @torch.library.custom_op("mta_repro::kq_conv_triton", mutates_args=())
-def kq_conv(x: torch.Tensor, w: torch.Tensor, pad_left: int, diag: int = NO_DIAG) -> torch.Tensor:
+def kq_conv(x: torch.Tensor, w: torch.Tensor, pad_left: int, diag: int = NO_DIAG,
+            tile_rows: int = DEFAULT_TILE[0], tile_keys: int = DEFAULT_TILE[1]) -> torch.Tensor:
     """x: (B, H, R, K); w: (H, c_q, c_k). ``attention_ops.kq_conv`` of x with its entries above
     the diagonal (key > row + diag) zeroed, zeroed there again on output (the contract of
-    ``kq_conv_cpu.kq_conv``)."""
-    return corr(x, w, w.shape[1] - 1, pad_left, diag)
+    ``kq_conv_cpu.kq_conv``). ``tile_rows`` x ``tile_keys``: the output tile
+    (``model.kernels.kq_tile``, passed per call so that two models tune independently)."""
+    return corr(x, w, w.shape[1] - 1, pad_left, diag, (tile_rows, tile_keys))
 
 
 @kq_conv.register_fake
-def _(x, w, pad_left, diag=NO_DIAG):
+def _(x, w, pad_left, diag=NO_DIAG, tile_rows=DEFAULT_TILE[0], tile_keys=DEFAULT_TILE[1]):
     return torch.empty_like(x)
 
 
 @torch.library.custom_op("mta_repro::kq_conv_triton_bwd", mutates_args=())
 def _kq_conv_bwd(gy: torch.Tensor, x: torch.Tensor, w: torch.Tensor, pad_left: int,
-                 diag: int) -> tuple[torch.Tensor, torch.Tensor]:
+                 diag: int, tile_rows: int, tile_keys: int) -> tuple[torch.Tensor, torch.Tensor]:
     cq, ck = w.shape[1], w.shape[2]
+    tile = (tile_rows, tile_keys)
     # Input gradient: gx[r, m] = sum w[a, b] gy[r - a + c_q-1, m - b + pad_left], the same
     # correlation with the flipped kernel, rows looking forward; masked entries of x get
     # no gradient and gy's masked entries (outputs forced to 0) are not read.
-    gx = corr(gy, w.flip(1, 2), 0, ck - 1 - pad_left, diag)
-    gw = wgrad(gy, x, cq, ck, cq - 1, pad_left, diag)
+    gx = corr(gy, w.flip(1, 2), 0, ck - 1 - pad_left, diag, tile)
+    gw = wgrad(gy, x, cq, ck, cq - 1, pad_left, diag, tile)
     return gx, gw.to(w.dtype)
 
 
 @_kq_conv_bwd.register_fake
-def _(gy, x, w, pad_left, diag):
+def _(gy, x, w, pad_left, diag, tile_rows, tile_keys):
     return torch.empty_like(x), torch.empty_like(w)
 
 
 def _setup(ctx, inputs, output):
-    x, w, pad_left, diag = inputs
+    x, w, pad_left, diag, tile_rows, tile_keys = inputs
     ctx.save_for_backward(x, w)
-    ctx.pad_left, ctx.diag = pad_left, diag
+    ctx.pad_left, ctx.diag, ctx.tile = pad_left, diag, (tile_rows, tile_keys)
 
 
 def _backward(ctx, gy):
     x, w = ctx.saved_tensors
-    gx, gw = _kq_conv_bwd(gy, x, w, ctx.pad_left, ctx.diag)
-    return gx, gw, None, None
+    gx, gw = _kq_conv_bwd(gy, x, w, ctx.pad_left, ctx.diag, *ctx.tile)
+    return gx, gw, None, None, None, None
 
 
 kq_conv.register_autograd(_backward, setup_context=_setup)

@@ -19,19 +19,13 @@ import torch
 from mta_repro.kernels import frames
 from mta_repro.kernels.conv_pad import pad_left
 from mta_repro.kernels.frames import Buffer, Frame, Halo
+from mta_repro.kernels.types import DEFAULT_TUNING, KernelTuning
 
-def uses_stored(has_pre: bool, dropout_active: bool) -> bool:
+def uses_stored(has_pre: bool, dropout_active: bool, tuning: KernelTuning = DEFAULT_TUNING) -> bool:
     """Whether ``model.attn_impl=triton`` runs a layer in the stored design: a kq-conv layer
-    (a pre-softmax kernel) without active dropout; ``MTA_TRITON_DESIGN=fused`` keeps the
-    fused kernel for every layer (comparisons), ``stored``/unset is the default."""
-    import os
-
-    from mta_repro.errors import UserError
-
-    want = os.environ.get("MTA_TRITON_DESIGN", "stored")
-    if want not in ("stored", "fused"):
-        raise UserError(f"MTA_TRITON_DESIGN={want!r}: expected stored or fused")
-    return want == "stored" and has_pre and not dropout_active
+    (a pre-softmax kernel) without active dropout, unless the model's
+    ``model.kernels.triton_design`` is ``fused`` (the fused kernel for every layer: comparisons)."""
+    return tuning.triton_design == "stored" and has_pre and not dropout_active
 
 
 PASSES = ("stats", "forward", "backward_rowsum", "backward_dc", "backward_b")
@@ -67,15 +61,16 @@ def halo(pass_: str, pre, post, pad_key: str) -> Halo:
     raise ValueError(f"unknown pass {pass_!r}; expected one of {PASSES}")
 
 
-def frame(pass_: str, pre, post, pad_key: str) -> Frame:
-    """The pass's frame (``MTA_TRITON_FRAME`` overrides): 128 x 64 (``frames.FRAME_COLS_CONV``) grown until at least half of it is owned."""
+def frame(pass_: str, pre, post, pad_key: str, tuning: KernelTuning = DEFAULT_TUNING) -> Frame:
+    """The pass's frame (``model.kernels.triton_frame`` overrides): 128 x 64
+    (``frames.FRAME_COLS_CONV``) grown until at least half of it is owned."""
     hl = halo(pass_, pre, post, pad_key)
-    override = frames.frame_override()  # MTA_TRITON_FRAME, as for the fused kernel
+    override = frames.frame_override(tuning)  # model.kernels.triton_frame, as for the fused kernel
     if override is not None:
         er, ec = override
         if er <= hl.top + hl.bot or ec <= hl.left + hl.right:
             raise frames.UserError(
-                f"MTA_TRITON_FRAME={er}x{ec} leaves no owned block: the halo needs "
+                f"model.kernels.triton_frame={er}x{ec} leaves no owned block: the halo needs "
                 f"{hl.top + hl.bot + 1}x{hl.left + hl.right + 1} (stored design, {pass_})")
         return Frame(er, ec, hl.top, hl.left, er - hl.top - hl.bot, ec - hl.left - hl.right)
     if pre is None and post is None:  # (a mixing layer: compile_triton's "mixing_stored" estimate only)
@@ -132,24 +127,25 @@ def stored_planes(*, b: int, h: int, tq: int, tk: int, q_off: int, dtype: torch.
 
 
 def pass_buffers(pass_: str, f: Frame, sched: frames.Schedule, n_prog: int, *, b: int, h: int, hp: int, tk: int,
-                 dpad: int, pre, post, dtype: torch.dtype) -> dict:
-    """{name: Buffer} a stored pass's launch allocates (besides the stored planes)."""
+                 dpad: int, pre, post, dtype: torch.dtype, margin: int = 0) -> dict:
+    """{name: Buffer} a stored pass's launch allocates (besides the stored planes); dk and dv
+    with ``margin`` zero rows in front of the keys, as the fused kernel's (``frames.margin``)."""
     acc, slots = frames.acc_dtype(dtype), b * sched.n_rt * sched.s_max
     progs = max(1, n_prog)
     n_tiles = sum(c1 - c0 for _, _, c0, c1, _ in sched.items)
     if pass_ == "backward_dc":
-        out = {"dv": Buffer((b, h, tk, dpad), acc, 0.0), "pw1": Buffer((progs, hp, hp), acc, 0.0),
+        out = {"dv": Buffer((b, h, margin + tk, dpad), acc, 0.0), "pw1": Buffer((progs, hp, hp), acc, 0.0),
                "pw2": Buffer((progs, hp, hp), acc, 0.0),
                **({"pt2": Buffer((progs, hp, *post), acc, 0.0)} if post else {})}
     elif pass_ == "backward_b":
-        out = {"pdq": Buffer((slots, h, f.er, dpad), acc, 0.0), "dk": Buffer((b, h, tk, dpad), acc, 0.0),
+        out = {"pdq": Buffer((slots, h, f.er, dpad), acc, 0.0), "dk": Buffer((b, h, margin + tk, dpad), acc, 0.0),
                **({"pt1": Buffer((progs, hp, *pre), acc, 0.0)} if pre else {})}
         out["tiles"] = Buffer((4 * n_tiles + n_prog + 1,), torch.int32, None)
         out["scratch"] = Buffer((n_prog * f.er * f.ec,), dtype, None)
         return out
     else:
         out = frames.pass_buffers(pass_, f, sched, n_prog, b=b, h=h, hp=hp, tk=tk, dpad=dpad, pre=pre, post=post,
-                                  dtype=dtype)
+                                  dtype=dtype, margin=margin)
         del out["tiles"], out["scratch"]
     nslot = scratch_slots(pass_, pre is not None, post is not None)["NSLOT"]
     out["tiles"] = Buffer((4 * n_tiles + n_prog + 1,), torch.int32, None)
@@ -158,24 +154,29 @@ def pass_buffers(pass_: str, f: Frame, sched: frames.Schedule, n_prog: int, *, b
 
 
 def backward_workspace_bytes(*, b: int, h: int, d: int, seq_len: int, pre, post, mix: tuple[bool, bool],
-                             pad_key: str, dtype: torch.dtype, n_prog: int, gpu: bool = True) -> int:
+                             pad_key: str, dtype: torch.dtype, n_prog: int, gpu: bool = True,
+                             tuning: KernelTuning = DEFAULT_TUNING) -> int:
     """Bytes the stored design holds beyond inputs, outputs and saved tensors at its largest
     moment (the backward_b launch): the derived inputs (``frames.problem_buffers``), D, both
     stored planes (C is saved from the forward: counted here, the pre-flight's stand-in keeps
     it as a saved tensor instead, see ``saved_plane_bytes``; dC), the backward_dc pass's
-    results (dv, weight partials) and the backward_b pass's buffers."""
+    results (dv, weight partials), the descriptor's copy of dO and the backward_b pass's
+    buffers, under the model's ``tuning`` (its frames)."""
     hp, dpad = frames.padded_heads(h, gpu), frames.feature_parts(d)[1]
-    ec = frame("backward_b", pre, post, pad_key).ec
+    ec = frame("backward_b", pre, post, pad_key, tuning).ec
     total = frames.nbytes(frames.problem_buffers(b=b, h=h, hp=hp, tq=seq_len, tk=seq_len, d=d, pre=pre, post=post,
                                                  mix=mix, pad_key=pad_key, ec=ec, dtype=dtype, gpu=gpu))
     total += b * h * seq_len * frames.acc_dtype(dtype).itemsize  # D
     total += frames.nbytes({"dcstore": stored_planes(b=b, h=h, tq=seq_len, tk=seq_len, q_off=0,
                                                      dtype=dtype)["dcstore"]})
+    mg = frames.margin(pre, post, pad_key)
+    if mg or dpad != d:
+        total += b * h * (mg + seq_len) * dpad * dtype.itemsize  # dO's copy (``_Problem.padded``)
     for pass_ in ("backward_dc", "backward_b"):
-        f = frame(pass_, pre, post, pad_key)
+        f = frame(pass_, pre, post, pad_key, tuning)
         sched = frames.items(f, b, seq_len, seq_len, 0, n_prog)
         bufs = pass_buffers(pass_, f, sched, len(sched.starts) - 1, b=b, h=h, hp=hp, tk=seq_len, dpad=dpad,
-                            pre=pre, post=post, dtype=dtype)
+                            pre=pre, post=post, dtype=dtype, margin=mg)
         if pass_ == "backward_dc":
             del bufs["scratch"], bufs["tiles"]
         total += frames.nbytes(bufs)

@@ -1,14 +1,158 @@
-"""The types the model and the kernels share: the mask's structure and a layer's score-path
-parameters. Both ``mta_repro.model.attention_ops`` (which picks an implementation) and the
-kernels in this package (which implement one) import them from here, so neither imports the
-other to know what it is handed."""
+"""The types the model and the kernels share: the mask's structure, a layer's score-path
+parameters and the kernels' tuning. Both ``mta_repro.model.attention_ops`` (which picks an
+implementation) and the kernels in this package (which implement one) import them from here,
+so neither imports the other to know what it is handed."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Optional
+import dataclasses
+import os
+from dataclasses import dataclass, field
+from typing import ClassVar, Optional
 
 import torch
+
+from mta_repro.errors import UserError
+
+KQ_CONV_CHOICES = ("auto", "c", "triton", "conv2d")
+
+
+def _pow2(n: int) -> bool:
+    return n >= 1 and n & (n - 1) == 0
+
+
+def _shape(where: str, spec: Optional[str], example: str) -> Optional[tuple[int, int]]:
+    """``"RxC"`` -> (R, C), powers of two >= 16 (None stays None)."""
+    if spec is None:
+        return None
+    try:
+        r, c = (int(v) for v in str(spec).lower().split("x"))
+    except ValueError:
+        raise UserError(f"{where}: {spec!r}: expected ROWSxCOLS, e.g. {example}") from None
+    if r < 16 or c < 16 or not _pow2(r) or not _pow2(c):
+        raise UserError(f"{where}: {spec!r}: both sizes must be powers of two, at least 16 (e.g. {example})")
+    return r, c
+
+
+def _count(where: str, value, what: str) -> None:
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1
+                              or (what == "pow2" and not _pow2(value))):
+        expected = "a power of two" if what == "pow2" else "a positive integer"
+        raise UserError(f"{where}: {value!r}: expected {expected} or null")
+
+
+@dataclass(unsafe_hash=True)
+class KernelTuning:
+    """How the attention kernels compute (config section ``model.kernels``), never what.
+
+    Every choice here gives the same numbers within float tolerance (another summation
+    order, another tile), so a run dir may continue under another tuning (``RUN_DIR =
+    "free"``) and a checkpoint does not depend on it. The defaults are what runs without a
+    setting. Carried to the kernels per model (``Attention.kernels`` ->
+    ``ExplicitAttnParams.tuning``), so two models in one process tune independently.
+    Immutable after construction (``dataclasses.replace`` for a variant): a plain
+    ``frozen=True`` would make OmegaConf's node read-only and refuse command-line overrides.
+    """
+
+    RUN_DIR: ClassVar[str] = "free"
+
+    # The kernel of the ``blocked`` path's key-query convolutions
+    # (``attention_ops.kq_conv_backend``): auto | c | triton | conv2d. ``auto``: the C
+    # kernel (kq_conv_cpu) on CPU fp32/fp64, the Triton kernel (kq_conv_triton) on CUDA,
+    # ATen's F.conv2d elsewhere; ``c`` is ``auto`` (the C kernel where it runs);
+    # ``triton`` asks for the Triton kernel on CPU too (under TRITON_INTERPRET=1; F.conv2d
+    # where triton cannot run); ``conv2d`` always F.conv2d (the self-check's
+    # ``blocked+conv2d`` fallback).
+    kq_conv: str = "auto"
+    # Run ``blocked``'s query block through torch.compile: null = on CUDA only (eager is
+    # launch-bound there; on CPU the C kernel dominates and a compile costs tens of seconds),
+    # true / false force it on / off.
+    compile_block: Optional[bool] = None
+    # The torch.compile backend of that block: inductor, or a debugging one (aot_eager).
+    compile_block_backend: str = "inductor"
+    # Output tile (rows x keys) of the Triton key-query convolution: ROWSxCOLS, powers of two
+    # >= 16. 64x64: a c_k <= 65 kernel's key window is then 128 wide and a program fits in
+    # registers at 8 warps (kq_conv_triton.tiles; tests use 16x16 to cross tile borders).
+    kq_tile: str = "64x64"
+    # Frame of every pass of the fused kernel (attn_impl=triton): ROWSxCOLS, powers of two
+    # >= 16, larger than the pass's halo; null = frames.frame's default (128x128 for a
+    # mixing layer's passes, 128x64 for a kq-conv layer's, doubled where a halo needs it).
+    triton_frame: Optional[str] = None
+    # Persistent programs of each fused-kernel launch: null = frames.PROGRAMS_PER_SM per SM
+    # on a GPU, one per item in the interpreter (tests set 2-3 to run a GPU's multi-item
+    # programs there).
+    triton_programs: Optional[int] = None
+    # Frame rows per head-mixing slab of the fused kernel: a power of two dividing the
+    # frame's rows; null = 4 on a GPU (1 in a mixing layer's backward), the whole frame in
+    # the interpreter.
+    triton_slab_rows: Optional[int] = None
+    # Which kernels run a kq-conv layer (a pre-softmax kernel) under attn_impl=triton:
+    # "stored" (attention_stored.py: the convolved scores C computed once and stored, the
+    # backward split at a stored dC; issue #37) or "fused" (attention_triton.py, every pass
+    # recomputing C). A layer with training dropout and every mixing layer run the fused
+    # kernel either way (docs/triton_kernel.md, "Where the kernel stands").
+    triton_design: str = "stored"
+
+    def __post_init__(self) -> None:
+        if self.kq_conv not in KQ_CONV_CHOICES:
+            raise UserError(f"model.kernels.kq_conv: {self.kq_conv!r}: expected auto, c, triton or conv2d")
+        if self.compile_block is not None and not isinstance(self.compile_block, bool):
+            raise UserError(f"model.kernels.compile_block: {self.compile_block!r}: expected true, false or null")
+        if not isinstance(self.compile_block_backend, str) or not self.compile_block_backend:
+            raise UserError(f"model.kernels.compile_block_backend: {self.compile_block_backend!r}: expected the "
+                            "name of a torch.compile backend (inductor, aot_eager, ...)")
+        tile = _shape("model.kernels.kq_tile", self.kq_tile, "64x64")
+        if tile is None:
+            raise UserError("model.kernels.kq_tile: expected ROWSxCOLS, e.g. 64x64")
+        frame = _shape("model.kernels.triton_frame", self.triton_frame, "128x64")
+        _count("model.kernels.triton_programs", self.triton_programs, "positive")
+        _count("model.kernels.triton_slab_rows", self.triton_slab_rows, "pow2")
+        if self.triton_design not in ("stored", "fused"):
+            raise UserError(f"model.kernels.triton_design: {self.triton_design!r}: expected stored or fused")
+        # parsed once: the compiled query block reads them as plain attributes (no string
+        # parsing for Dynamo to trace)
+        object.__setattr__(self, "_tile", tile)
+        object.__setattr__(self, "_frame", frame)
+        object.__setattr__(self, "_sealed", True)
+
+    def __setattr__(self, name, value) -> None:
+        if getattr(self, "_sealed", False):
+            raise dataclasses.FrozenInstanceError(f"cannot assign to field {name!r} (use dataclasses.replace)")
+        object.__setattr__(self, name, value)
+
+    @property
+    def kq_tile_shape(self) -> tuple[int, int]:
+        """(rows, keys) of ``kq_tile``."""
+        return self._tile
+
+    @property
+    def triton_frame_shape(self) -> Optional[tuple[int, int]]:
+        """(rows, cols) of ``triton_frame``, None for the default."""
+        return self._frame
+
+
+DEFAULT_TUNING = KernelTuning()
+
+# The environment variables these fields replaced, refused where a model is configured so
+# that a tuning set the old way cannot be ignored in silence.
+REMOVED_ENV = {
+    "MTA_KQ_CONV": "kq_conv", "MTA_COMPILE_BLOCK": "compile_block",
+    "MTA_COMPILE_BLOCK_BACKEND": "compile_block_backend", "MTA_KQ_TILE": "kq_tile",
+    "MTA_TRITON_FRAME": "triton_frame", "MTA_TRITON_PROGRAMS": "triton_programs",
+    "MTA_TRITON_SLAB_ROWS": "triton_slab_rows",
+}
+
+
+def refuse_removed_env(environ=None) -> None:
+    """One line naming the first removed variable that is set and the field replacing it."""
+    environ = os.environ if environ is None else environ
+    for var, name in REMOVED_ENV.items():
+        value = environ.get(var)
+        if value is not None:
+            if name == "compile_block":
+                value = {"1": "true", "0": "false", "auto": "null"}.get(value, value)
+            raise UserError(f"{var} is no longer read: set model.kernels.{name}={value} "
+                            "(docs/environment.md)")
 
 @dataclass(frozen=True)
 class AttnMask:
@@ -66,6 +210,8 @@ class ExplicitAttnParams:
     # ``blocked`` fixes it once per call, outside the (compiled, recomputed) block, so the
     # forward and its recomputation agree and Dynamo traces no environment look-ups.
     kq_backend: Optional[str] = None
+    # The model's tuning (``model.kernels``): tiles, frames, programs of the kernels.
+    tuning: KernelTuning = field(default_factory=lambda: DEFAULT_TUNING)
 
 
 def post_mix_matrix(p: ExplicitAttnParams) -> Optional[torch.Tensor]:

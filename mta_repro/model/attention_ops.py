@@ -19,7 +19,8 @@ Three implementations of the explicit path are registered (``model.attn_impl``):
   backward (``torch.utils.checkpoint``), so nothing of size T x T outlives its block.
   Key-query convolutions run through ``kq_conv_cpu`` (C loops) on CPU fp32/fp64,
   ``kq_conv_triton`` (Triton kernels) on CUDA and ``F.conv2d`` elsewhere
-  (``kq_conv_backend``); head mixing is one matmul over the head axis.
+  (``kq_conv_backend``; ``model.kernels.kq_conv`` forces one); head mixing is one matmul
+  over the head axis.
 - ``triton``: the whole path in fused Triton kernels, forward and backward
   (``attention_triton.py``); CUDA tensors, or CPU ones in Triton's interpreter
   (``TRITON_INTERPRET=1``); elsewhere it falls back to ``blocked``.
@@ -39,8 +40,7 @@ import torch.nn.functional as F
 import torch.utils.checkpoint
 
 from mta_repro.kernels.conv_pad import pad_left
-from mta_repro.kernels.types import AttnMask, ExplicitAttnParams
-from mta_repro.errors import UserError
+from mta_repro.kernels.types import DEFAULT_TUNING, AttnMask, ExplicitAttnParams, KernelTuning
 
 
 def kq_conv(scores: torch.Tensor, kernel: torch.Tensor, pad_key: str) -> torch.Tensor:
@@ -175,17 +175,15 @@ def explicit_attention_torch(
     return torch.matmul(probs, v)
 
 
-def kq_conv_backend(x: torch.Tensor) -> str:
+def kq_conv_backend(x: torch.Tensor, tuning: KernelTuning = DEFAULT_TUNING) -> str:
     """Which kernel runs the key-query convolutions of ``blocked`` for this tensor:
     ``c`` (kq_conv_cpu, CPU fp32/fp64), ``triton`` (kq_conv_triton: CUDA, or CPU tensors
     under TRITON_INTERPRET=1 when asked for) or ``conv2d`` (``F.conv2d``: every other
-    case). ``MTA_KQ_CONV=c|triton|conv2d`` forces one (benchmarks and tests; ``auto``, the
-    default, picks c on CPU and triton on CUDA). On CUDA ``F.conv2d`` of a bf16 16-group
-    depthwise kernel is ATen's native ``conv_depthwise2d``, not cuDNN, hence triton there
-    (docs/gpu.md has the estimate)."""
-    want = os.environ.get("MTA_KQ_CONV", "auto")
-    if want not in ("auto", "c", "triton", "conv2d"):
-        raise UserError(f"MTA_KQ_CONV={want!r}: expected auto, c, triton or conv2d")
+    case). ``tuning.kq_conv`` (``model.kernels.kq_conv``) = c|triton|conv2d forces one
+    (``auto``, the default, picks c on CPU and triton on CUDA). On CUDA ``F.conv2d`` of a
+    bf16 16-group depthwise kernel is ATen's native ``conv_depthwise2d``, not cuDNN, hence
+    triton there (docs/gpu.md has the estimate)."""
+    want = tuning.kq_conv
     if want in ("auto", "c"):
         from mta_repro.kernels import kq_conv_cpu
 
@@ -203,7 +201,7 @@ def kq_conv_backend(x: torch.Tensor) -> str:
 
 def masked_kq_conv(
     x: torch.Tensor, kernel: torch.Tensor, pad_key: str, allowed: torch.Tensor, mask: AttnMask,
-    backend: Optional[str] = None,
+    backend: Optional[str] = None, tuning: KernelTuning = DEFAULT_TUNING,
 ) -> torch.Tensor:
     """``kq_conv(x * allowed) * allowed``: both key-query convolutions in this form (before
     softmax the output mask changes nothing that survives the -inf mask; after softmax
@@ -211,17 +209,22 @@ def masked_kq_conv(
     kernels (CUDA) apply the causal part themselves (no mask passes, no work above the
     diagonal), so only padding (``key_valid``) costs multiplies; ``F.conv2d`` elsewhere,
     between two multiplies (``kq_conv_backend`` picks).
-    x: (B, H, Tq, Tk) rows at ``mask.q_offset``; allowed: ``mask.dense`` of that shape."""
-    backend = backend or kq_conv_backend(x)
+    x: (B, H, Tq, Tk) rows at ``mask.q_offset``; allowed: ``mask.dense`` of that shape.
+    ``tuning``: the model's (the Triton kernel's tile)."""
+    backend = backend or kq_conv_backend(x, tuning)
     if backend == "conv2d":
         return kq_conv(x * allowed, kernel, pad_key) * allowed
-    if backend == "c":
-        from mta_repro.kernels.kq_conv_cpu import kq_conv as op
-    else:
-        from mta_repro.kernels.kq_conv_triton import kq_conv as op
     if mask.key_valid is not None:
         x = x * allowed
-    y = op(x, kernel[:, 0], pad_left(pad_key, kernel.shape[-1]), mask.q_offset)
+    pl = pad_left(pad_key, kernel.shape[-1])
+    if backend == "c":
+        from mta_repro.kernels.kq_conv_cpu import kq_conv as op
+
+        y = op(x, kernel[:, 0], pl, mask.q_offset)
+    else:
+        from mta_repro.kernels.kq_conv_triton import kq_conv as op
+
+        y = op(x, kernel[:, 0], pl, mask.q_offset, *tuning.kq_tile_shape)
     return y if mask.key_valid is None else y * allowed
 
 
@@ -254,7 +257,7 @@ def _score_path_fast(q, k, v, p: ExplicitAttnParams, mask: AttnMask, training: b
     allowed = mask.dense(q.shape[2], k.shape[2], q.device)  # (1 or B, 1, rows, keys)
     scores = torch.matmul(q * q.shape[-1] ** -0.5, k.transpose(-2, -1))
     if p.mta_kernel is not None:
-        scores = masked_kq_conv(scores, p.mta_kernel, p.pad_key, allowed, mask, p.kq_backend)
+        scores = masked_kq_conv(scores, p.mta_kernel, p.pad_key, allowed, mask, p.kq_backend, p.tuning)
     if p.wpsm is not None:
         scores = head_mix_linear_fast(scores, p.wpsm)
     ct = torch.promote_types(scores.dtype, torch.float32)
@@ -267,7 +270,7 @@ def _score_path_fast(q, k, v, p: ExplicitAttnParams, mask: AttnMask, training: b
         probs = probs * allowed
     probs = probs.type_as(q)
     if p.mta_kernel_after_sm is not None:
-        probs = masked_kq_conv(probs, p.mta_kernel_after_sm, p.pad_key, allowed, mask, p.kq_backend)
+        probs = masked_kq_conv(probs, p.mta_kernel_after_sm, p.pad_key, allowed, mask, p.kq_backend, p.tuning)
     if p.head_kernel is not None:
         probs = head_conv_fast(probs, p.head_kernel)
     elif p.wposm is not None:
@@ -309,9 +312,9 @@ def explicit_attention_blocked(
     bs = resolve_block_size(p.block_size, q.device)
     # Dropout stays eager: the recomputation must draw the same mask, which the restored
     # RNG state guarantees for eager ops, not for a compiled graph's own RNG.
-    block_fn = _block_fn(q.device) if not (p.dropout > 0.0 and training) else _score_path_fast
+    block_fn = _block_fn(q.device, p.tuning) if not (p.dropout > 0.0 and training) else _score_path_fast
     if p.kq_backend is None and (p.mta_kernel is not None or p.mta_kernel_after_sm is not None):
-        p = replace(p, kq_backend=kq_conv_backend(q))
+        p = replace(p, kq_backend=kq_conv_backend(q, p.tuning))
     outs = []
     for r0 in range(0, tq, bs):
         r1 = min(r0 + bs, tq)
@@ -355,7 +358,7 @@ def resolve_block_size(block_size: Optional[int], device) -> int:
 _compiled_blocks: dict = {}
 
 
-def _block_fn(device: torch.device) -> Callable:
+def _block_fn(device: torch.device, tuning: KernelTuning = DEFAULT_TUNING) -> Callable:
     """``_score_path_fast``, under torch.compile where ``compile_block`` says so.
 
     Compiled with ``dynamic=True`` (shapes and the key offset symbolic: a block at offset 0
@@ -364,10 +367,11 @@ def _block_fn(device: torch.device) -> Callable:
     different set of parameters recompiles; tests/test_attention_ops.py counts them), Inductor fuses
     the masks, casts and softmax of a block and keeps the matmuls and the key-query
     convolution (a custom op) extern. Inside an already compiled region
-    (``distributed.compile=true``) the plain function is traced in place."""
-    if not compile_block(device) or torch.compiler.is_compiling():
+    (``distributed.compile=true``) the plain function is traced in place. One compiled
+    function per backend (``tuning.compile_block_backend``), shared by the models using it."""
+    if not compile_block(device, tuning) or torch.compiler.is_compiling():
         return _score_path_fast
-    backend = os.environ.get("MTA_COMPILE_BLOCK_BACKEND", "inductor")
+    backend = tuning.compile_block_backend
     if backend not in _compiled_blocks:
         # Two layer kinds x train/eval x first/other blocks x dtypes can pass Dynamo's
         # default of 8 graphs per function, after which it would silently run eager.
@@ -377,14 +381,13 @@ def _block_fn(device: torch.device) -> Callable:
     return _compiled_blocks[backend]
 
 
-def compile_block(device: torch.device) -> bool:
-    """Whether ``blocked`` runs its query block compiled: ``MTA_COMPILE_BLOCK=1|0``, default
-    on CUDA only (eager is launch-bound there; on CPU the C kernel dominates and a compile
-    costs tens of seconds)."""
-    env = os.environ.get("MTA_COMPILE_BLOCK", "auto")
-    if env not in ("auto", "0", "1"):
-        raise UserError(f"MTA_COMPILE_BLOCK={env!r}: expected auto, 0 or 1")
-    return env == "1" or (env == "auto" and device.type == "cuda")
+def compile_block(device: torch.device, tuning: KernelTuning = DEFAULT_TUNING) -> bool:
+    """Whether ``blocked`` runs its query block compiled: ``tuning.compile_block``
+    (``model.kernels.compile_block``) true/false, null (the default): on CUDA only (eager is
+    launch-bound there; on CPU the C kernel dominates and a compile costs tens of seconds)."""
+    if tuning.compile_block is not None:
+        return tuning.compile_block
+    return device.type == "cuda"
 
 
 @dataclass(frozen=True)
@@ -405,7 +408,7 @@ def _explicit_attention_triton(q, k, v, p, mask, training=False):
     # kernels are defined.
     from mta_repro.kernels import stored_frames
 
-    if stored_frames.uses_stored(p.mta_kernel is not None, p.dropout > 0.0 and training):
+    if stored_frames.uses_stored(p.mta_kernel is not None, p.dropout > 0.0 and training, p.tuning):
         # a kq-conv layer: C and dC through stores (attention_stored.py, issue #37)
         from mta_repro.kernels.attention_stored import explicit_attention_stored
 
@@ -473,7 +476,9 @@ class AttnKernels:
     """The functions one ``Attention`` module computes with (its ``kernels`` attribute).
 
     The defaults are what runs: torch's SDPA, the registry ``ATTN_IMPLS`` and the key-query
-    convolution backend chosen per call (``kq_conv_backend``). Whoever needs other ones
+    convolution backend chosen per call (``kq_conv_backend``), under the model's tuning
+    (``model.kernels``, handed to every kernel in ``ExplicitAttnParams.tuning``; two models
+    in one process tune independently). Whoever needs other ones
     for one model hands them to that model's modules: the memory pre-flight gives its meta
     model stand-ins that keep what the device's kernels keep (``mta_repro.estimate.memory``),
     so nothing process-wide is swapped and a model next to it is untouched."""
@@ -481,6 +486,7 @@ class AttnKernels:
     sdpa: Optional[Callable] = None  # F.scaled_dot_product_attention's signature; None: that function
     impls: Optional[Mapping[str, AttnImpl]] = None  # None: ATTN_IMPLS as it is at the call
     kq_backend: Optional[str] = None  # c | triton | conv2d; None: kq_conv_backend per call
+    tuning: KernelTuning = DEFAULT_TUNING  # the model's ``model.kernels``
 
 
 _warned: set = set()

@@ -17,7 +17,7 @@ A failing implementation is replaced by the next one in ``FALLBACK_CHAIN``::
     triton -> blocked -> blocked+conv2d -> torch
 
 (``blocked+conv2d``: ``blocked`` with ATen's ``F.conv2d`` for the key-query convolutions
-instead of the C/Triton kernel, ``MTA_KQ_CONV=conv2d``); an implementation registered
+instead of the C/Triton kernel, ``model.kernels.kq_conv=conv2d``); an implementation registered
 elsewhere (``attention_ops.register_attn_impl``) continues with its ``AttnImpl.fallback``.
 The trainer (``mta_repro.train.loop``) runs this once per process and configuration
 (``model.attn_selfcheck``; the result is cached) and records what ran.
@@ -25,12 +25,10 @@ The trainer (``mta_repro.train.loop``) runs this once per process and configurat
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import math
-import os
 from dataclasses import dataclass, field
-from typing import Iterator, Optional
+from typing import Optional
 
 import torch
 
@@ -66,22 +64,13 @@ def split_impl(name: str) -> tuple[str, Optional[str]]:
     return base, conv or None
 
 
-@contextlib.contextmanager
-def kq_backend_env(name: str) -> Iterator[None]:
-    """Run ``blocked+conv2d`` with ``MTA_KQ_CONV=conv2d`` (forward and backward); no-op
-    for every other name."""
-    conv = split_impl(name)[1]
-    old = os.environ.get("MTA_KQ_CONV")
-    if conv:
-        os.environ["MTA_KQ_CONV"] = conv
-    try:
-        yield
-    finally:
-        if conv:
-            if old is None:
-                os.environ.pop("MTA_KQ_CONV", None)
-            else:
-                os.environ["MTA_KQ_CONV"] = old
+def applied(args: ModelArgs, name: str) -> ModelArgs:
+    """``args`` running ``name``: ``blocked+conv2d`` is ``attn_impl=blocked`` with
+    ``model.kernels.kq_conv=conv2d`` (a config, not a process-wide setting: a model beside
+    it keeps its own); every other name is ``attn_impl`` alone."""
+    base, conv = split_impl(name)
+    kernels = args.kernels if conv is None else dataclasses.replace(args.kernels, kq_conv=conv)
+    return dataclasses.replace(args, attn_impl=base, kernels=kernels)
 
 
 @dataclass
@@ -160,24 +149,26 @@ def _layer_params(args: ModelArgs, layer_id: int, seed: int) -> attention_ops.Ex
 
 
 def _run(name: str, q64, k64, v64, p64, gy64, device, dtype):
-    """(output, gradients) of implementation ``name`` in ``dtype`` on ``device``, float64 copies."""
-    base, _ = split_impl(name)
+    """(output, gradients) of implementation ``name`` in ``dtype`` on ``device``, float64 copies
+    (``blocked+conv2d``: under a tuning with ``kq_conv=conv2d``, forward and backward)."""
+    base, conv = split_impl(name)
+    if conv is not None:
+        p64 = dataclasses.replace(p64, tuning=dataclasses.replace(p64.tuning, kq_conv=conv))
     wdtype = torch.float64 if dtype == torch.float64 else torch.float32
     q, k, v = (x.to(device, dtype).detach().clone().requires_grad_() for x in (q64, k64, v64))
     fields = [f for f in attention_ops._WEIGHT_FIELDS if getattr(p64, f) is not None]
     ws = {f: getattr(p64, f).to(device, wdtype).detach().clone().requires_grad_() for f in fields}
     p = dataclasses.replace(p64, **ws)
     mask = attention_ops.AttnMask()
-    with kq_backend_env(name):
-        entry = attention_ops.ATTN_IMPLS[base]
-        if entry.supports is not None:
-            why = entry.supports(q, p, mask)
-            if why is not None:
-                raise _Unsupported(why)
-        out = entry.fn(q, k, v, p, mask, True)
-        if out.shape != q.shape:
-            raise RuntimeError(f"output shape {tuple(out.shape)}, expected {tuple(q.shape)}")
-        out.backward(gy64.to(device, dtype))
+    entry = attention_ops.ATTN_IMPLS[base]
+    if entry.supports is not None:
+        why = entry.supports(q, p, mask)
+        if why is not None:
+            raise _Unsupported(why)
+    out = entry.fn(q, k, v, p, mask, True)
+    if out.shape != q.shape:
+        raise RuntimeError(f"output shape {tuple(out.shape)}, expected {tuple(q.shape)}")
+    out.backward(gy64.to(device, dtype))
     return out.detach().double().cpu(), [t.grad.double().cpu() if t.grad is not None else None
                                          for t in (q, k, v, *ws.values())]
 

@@ -202,8 +202,9 @@ class Attention(nn.Module):
         self.attn_impl = args.attn_impl
         self.attn_block_size = args.attn_block_size
         # What the score path runs on: the defaults, unless a caller hands this module others
-        # (the memory pre-flight's meta stand-ins; see attention_ops.AttnKernels).
-        self.kernels = attention_ops.AttnKernels()
+        # (the memory pre-flight's meta stand-ins; see attention_ops.AttnKernels), under the
+        # model's tuning (model.kernels).
+        self.kernels = attention_ops.AttnKernels(tuning=args.kernels)
         self.wq = nn.Linear(args.dim, H * d, bias=False)
         self.wk = nn.Linear(args.dim, H_kv * d, bias=False)
         self.wv = nn.Linear(args.dim, H_kv * d, bias=False)
@@ -254,6 +255,7 @@ class Attention(nn.Module):
             dropout=self.dropout,
             block_size=self.attn_block_size,
             kq_backend=self.kernels.kq_backend,
+            tuning=self.kernels.tuning,
         )
 
     def reset_parameters(self) -> None:

@@ -534,6 +534,8 @@ def _convert_model(m: dict, given: set[str], data: dict, tok_path: Optional[str]
         "mta": mta,
         # Lingua's RoPE has no frequency scaling (rope_theta only): the plain frequencies.
         "rope_scaling": dataclasses.asdict(ours.rope_scaling),
+        # ours alone: how the kernels compute (the defaults; free to change within a run dir)
+        "kernels": dataclasses.asdict(ours.kernels),
     }
     assert set(out) == {f.name for f in dataclasses.fields(ModelArgs)}, "ModelArgs gained a field: map it here"
     return out

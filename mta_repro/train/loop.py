@@ -23,7 +23,6 @@ import errno
 import importlib
 import json
 import math
-import os
 import signal
 import sys
 import time
@@ -538,10 +537,8 @@ def attn_selfcheck(model_args, info: DistInfo, param_dtype: str, run_dir: Path) 
         used = selfcheck.next_impl(used)
     if info.is_main:
         _record_selfcheck(run_dir, {**decision.as_dict(), "used": used, "world_size": info.world_size})
-    base, conv = selfcheck.split_impl(used)
-    if conv:  # blocked+conv2d: ATen's convolution for the key-query convolutions, this process
-        os.environ["MTA_KQ_CONV"] = conv
-    return dataclasses.replace(model_args, attn_impl=base), used
+    # blocked+conv2d: attn_impl=blocked with model.kernels.kq_conv=conv2d, for this model only
+    return selfcheck.applied(model_args, used), used
 
 
 def _record_selfcheck(run_dir: Path, entry: dict) -> None:

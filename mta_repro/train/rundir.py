@@ -13,7 +13,7 @@ Before a run writes anything into ``run_dir`` (rank 0, ``prepare_run_dir``):
 
    - ``FREE``: never compared (they change nothing a run's numbers depend on: where the
      run dir is, SLURM resources, the progress bar, prefetching, timeouts, the CPU
-     allocator's policy, this check's own switches);
+     allocator's policy, the kernels' tuning ``model.kernels``, this check's own switches);
    - ``SAFE``: may change with ``checkpoint.allow_config_change=true`` (``trainer.steps``
      and the other trainer knobs below, ``logging.*``, checkpoint cadence/keep/export,
      ``distributed.*`` performance settings, and the locations of the corpus, tokenizer
@@ -86,7 +86,7 @@ def _classified() -> tuple[tuple, tuple, tuple]:
 
 
 # FREE: never compared (where the run dir is, SLURM resources, the progress bar, prefetching,
-# timeouts, the CPU allocator's policy, this check's own switches; trainer.grad_accum is
+# timeouts, the CPU allocator's policy, model.kernels, this check's own switches; trainer.grad_accum is
 # compared as the global batch). SAFE: may change with checkpoint.allow_config_change.
 # PATHS: compared as resolved paths (relative vs absolute is no change).
 FREE, SAFE, PATHS = _classified()

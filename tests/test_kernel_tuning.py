@@ -1,0 +1,245 @@
+"""model.kernels (KernelTuning, mta_repro/kernels/types.py): the kernels' tuning as a config
+section, carried per model. What a setting asks for is what runs, two models in one process
+keep their own, the section composes from the command line, a bad value or a removed
+environment variable is one line naming the field, a run dir may continue under another
+tuning, and the memory pre-flight reads the tuning of the model it is given."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+
+import pytest
+import torch
+
+from mta_repro.config import compose, to_train_config
+from mta_repro.errors import UserError
+from mta_repro.kernels import kq_conv_cpu
+from mta_repro.kernels.types import REMOVED_ENV, KernelTuning
+from mta_repro.model import ModelArgs, attention_ops, build_model
+
+SMALL = dict(dim=32, n_layers=2, n_heads=2, vocab_size=50, mta=dict(use_mta=True, query_kernel_size=2,
+                                                                     key_kernel_size=3, mta_layers="1"))
+TOKENS = torch.randint(0, 50, (2, 12), generator=torch.Generator().manual_seed(0))
+
+
+def _model(**kernels):
+    torch.manual_seed(0)
+    return build_model(ModelArgs(**SMALL, kernels=kernels))
+
+
+@pytest.fixture
+def spy(monkeypatch):
+    """Which key-query convolution ran: 'conv2d' (attention_ops.kq_conv, F.conv2d), 'c'
+    (kq_conv_cpu.kq_conv) or 'triton' with its tile (kq_conv_triton.corr), in call order."""
+    calls = []
+    conv2d, c = attention_ops.kq_conv, kq_conv_cpu.kq_conv
+    monkeypatch.setattr(attention_ops, "kq_conv", lambda *a: calls.append("conv2d") or conv2d(*a))
+    monkeypatch.setattr(kq_conv_cpu, "kq_conv", lambda *a: calls.append("c") or c(*a))
+    if importlib.util.find_spec("triton") is not None:
+        from mta_repro.kernels import kq_conv_triton
+
+        corr = kq_conv_triton.corr
+        monkeypatch.setattr(kq_conv_triton, "corr", lambda *a: calls.append(("triton", a[-1])) or corr(*a))
+    return calls
+
+
+def _step(model):
+    model(TOKENS).sum().backward()
+
+
+def test_a_model_built_with_kq_conv_conv2d_runs_conv2d(spy):
+    model = _model(kq_conv="conv2d")
+    assert {layer.attention.explicit_params().tuning.kq_conv for layer in model.layers} == {"conv2d"}
+    _step(model)
+    # one kq-conv layer, one block (T=12 < 128), the pre-softmax conv: forward and recompute
+    assert spy == ["conv2d", "conv2d"]
+
+
+def test_two_models_in_one_process_keep_their_own_tuning(spy):
+    if not kq_conv_cpu.available(torch.zeros(1)):
+        pytest.skip("the C kernel did not build here: auto would be conv2d as well")
+    conv, auto = _model(kq_conv="conv2d"), _model()
+    for model, want in ((conv, "conv2d"), (auto, "c"), (conv, "conv2d"), (auto, "c")):
+        spy.clear()
+        _step(model)
+        assert spy == [want, want]
+    # and the same numbers within float tolerance (the section changes how, never what)
+    torch.testing.assert_close(conv(TOKENS), auto(TOKENS), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton not installed")
+def test_the_triton_tile_is_the_models_own(spy):
+    """Two models on the Triton convolution (the interpreter, conftest) with different
+    tiles: each call gets its model's tile, forward and backward."""
+    a, b = _model(kq_conv="triton", kq_tile="16x16"), _model(kq_conv="triton", kq_tile="32x16")
+    for model, tile in ((a, (16, 16)), (b, (32, 16)), (a, (16, 16))):
+        spy.clear()
+        _step(model)
+        assert spy and set(spy) == {("triton", tile)}, spy
+
+
+def test_the_default_tuning_is_todays_behaviour():
+    t = KernelTuning()
+    cpu = torch.zeros(1)
+    assert attention_ops.kq_conv_backend(cpu, t) == ("c" if kq_conv_cpu.available(cpu) else "conv2d")
+    assert attention_ops.compile_block(torch.device("cpu"), t) is False
+    assert attention_ops.compile_block(torch.device("cuda"), t) is True
+    assert t.compile_block_backend == "inductor" and t.kq_tile_shape == (64, 64)
+    assert t.triton_frame_shape is None and t.triton_programs is None and t.triton_slab_rows is None
+    assert ModelArgs().kernels == t
+
+
+def test_the_tuning_cannot_change_under_a_model():
+    t = KernelTuning(kq_conv="conv2d")
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        t.kq_conv = "c"
+    assert dataclasses.replace(t, kq_tile="32x32").kq_conv == "conv2d" and hash(t) == hash(KernelTuning(kq_conv="conv2d"))
+
+
+@pytest.mark.parametrize("overrides", [["model.kernels.kq_conv=conv2d"], ["++model.kernels.kq_conv=conv2d"]])
+def test_the_section_composes_from_the_command_line(overrides):
+    cfg = to_train_config(compose(["attention=mta", *overrides, "model.kernels.triton_frame=128x64",
+                                   "model.kernels.compile_block=false", "model.kernels.triton_programs=3"]))
+    assert cfg.model.kernels == KernelTuning(kq_conv="conv2d", triton_frame="128x64", compile_block=False,
+                                             triton_programs=3)
+    model = build_model(cfg.model, device="meta")
+    assert all(layer.attention.kernels.tuning == cfg.model.kernels for layer in model.layers)
+
+
+def test_plus_on_an_existing_field_is_hydras_own_refusal():
+    """``+key=`` adds a key; the schema already has this one, so Hydra says to drop the + (or
+    use ++), as for every field."""
+    with pytest.raises(Exception, match=r"Could not append to config\. An item is already at 'model\.kernels\.kq_conv'"):
+        compose(["+model.kernels.kq_conv=conv2d"])
+
+
+@pytest.mark.parametrize("override, message", [
+    ("kq_conv=cudnn", "model.kernels.kq_conv: 'cudnn': expected auto, c, triton or conv2d"),
+    ("kq_tile=48x64", "model.kernels.kq_tile: '48x64': both sizes must be powers of two, at least 16 (e.g. 64x64)"),
+    ("kq_tile=wide", "model.kernels.kq_tile: 'wide': expected ROWSxCOLS, e.g. 64x64"),
+    ("triton_frame=24x32", "model.kernels.triton_frame: '24x32': both sizes must be powers of two, at least 16"),
+    ("triton_programs=0", "model.kernels.triton_programs: 0: expected a positive integer or null"),
+    ("triton_slab_rows=3", "model.kernels.triton_slab_rows: 3: expected a power of two or null"),
+    ("compile_block_backend=''", "model.kernels.compile_block_backend: '': expected the name of a torch.compile"),
+    ("triton_design=fast", "model.kernels.triton_design: 'fast': expected stored or fused"),
+])
+def test_a_bad_value_is_one_line_naming_the_field(override, message):
+    with pytest.raises(UserError) as e:
+        to_train_config(compose([f"model.kernels.{override}"]))
+    assert str(e.value).startswith(message) and "\n" not in str(e.value)
+
+
+def test_an_unknown_field_names_the_nearest():
+    from mta_repro.cli import describe
+
+    with pytest.raises(Exception) as e:
+        compose(["model.kernels.kq_cnv=conv2d"])
+    assert describe(e.value).startswith("unknown config key(s) model.kernels.kq_cnv (did you mean "
+                                        "model.kernels.kq_conv?)")
+
+
+# Every removed variable, a value of it and the override the refusal names.
+REMOVED = [
+    ("MTA_KQ_CONV", "conv2d", "model.kernels.kq_conv=conv2d"),
+    ("MTA_COMPILE_BLOCK", "0", "model.kernels.compile_block=false"),
+    ("MTA_COMPILE_BLOCK_BACKEND", "aot_eager", "model.kernels.compile_block_backend=aot_eager"),
+    ("MTA_KQ_TILE", "16x16", "model.kernels.kq_tile=16x16"),
+    ("MTA_TRITON_FRAME", "128x64", "model.kernels.triton_frame=128x64"),
+    ("MTA_TRITON_PROGRAMS", "2", "model.kernels.triton_programs=2"),
+    ("MTA_TRITON_SLAB_ROWS", "2", "model.kernels.triton_slab_rows=2"),
+]
+
+
+def test_every_removed_variable_is_refused_below():
+    assert {var for var, _, _ in REMOVED} == set(REMOVED_ENV)
+
+
+@pytest.mark.parametrize("var, value, hint", REMOVED)
+def test_a_removed_environment_variable_is_refused(monkeypatch, var, value, hint):
+    """The old variables are no longer read: set, they stop the model's configuration with
+    the field to use instead, rather than being ignored."""
+    monkeypatch.setenv(var, value)
+    args = ModelArgs(**SMALL)  # a config is still a config (the schema builds one at import)
+    with pytest.raises(UserError) as e:
+        build_model(args, device="meta")
+    assert str(e.value) == f"{var} is no longer read: set {hint} (docs/environment.md)"
+    with pytest.raises(UserError, match=f"^{var} is no longer read"):
+        to_train_config(compose([]))  # the trainer's start, before its self-check
+
+
+def test_a_run_dir_may_continue_under_another_tuning():
+    """model.kernels is FREE: not compared, also against a config saved before it existed."""
+    from omegaconf import OmegaConf
+
+    from mta_repro.train.rundir import FREE, diff_configs
+
+    assert "model.kernels." in FREE
+    saved = OmegaConf.to_container(compose(["attention=mta"]), resolve=True)
+    del saved["model"]["kernels"]  # a run that started before the section existed
+    new = OmegaConf.to_container(compose(["attention=mta", "model.kernels.kq_conv=conv2d",
+                                          "model.kernels.triton_frame=128x64"]), resolve=True)
+    d = diff_configs(saved, new)
+    assert d.unsafe == {} and d.safe == {}
+    # a model field beside it is still compared (the section did not make model.* free)
+    new["model"]["dim"] += 1
+    assert set(diff_configs(saved, new).unsafe) == {"model.dim"}
+
+
+def test_the_memory_preflight_reads_the_models_tuning():
+    from mta_repro.estimate import memory
+
+    assert memory.target_kq_backend("cuda", torch.bfloat16, KernelTuning(kq_conv="conv2d")) == "conv2d"
+    if importlib.util.find_spec("triton") is not None:
+        assert memory.target_kq_backend("cuda", torch.bfloat16, KernelTuning()) == "triton"
+    # the fused kernel's workspace follows the model's frame and programs
+    args = dict(SMALL, attn_impl="triton")
+    ws = {}
+    for name, kernels in (("default", {}), ("frame", {"triton_frame": "64x64"}), ("programs", {"triton_programs": 1})):
+        model = build_model(ModelArgs(**args, kernels=kernels), device="meta")
+        ws[name] = memory.triton_backward_workspace(model.layers[1].attention, 2, 256)
+    assert ws["frame"] != ws["default"] and ws["programs"] < ws["default"]
+    # the meta stand-ins keep each module's tuning and take its backend from it
+    model = build_model(ModelArgs(**SMALL, kernels={"kq_conv": "conv2d", "kq_tile": "32x32"}), device="meta")
+    with memory._run_device_impls(model, memory._LiveBytes(), "cuda", torch.bfloat16, {}):
+        for layer in model.layers:
+            k = layer.attention.kernels
+            assert k.kq_backend == "conv2d" and k.tuning == model.args.kernels and k.sdpa is not None
+    assert all(layer.attention.kernels.kq_backend is None for layer in model.layers)  # restored
+
+
+def test_the_flop_count_follows_the_models_frame():
+    """The triton path's FLOPs are what its frames compute (halo cells, causal skipping per
+    frame, Toeplitz products as wide as the frame): the default frame set explicitly counts
+    the same, another frame counts otherwise."""
+    from mta_repro.estimate import flops
+
+    args = dict(SMALL, n_heads=4, dim=64, attn_impl="triton",
+                mta=dict(use_mta=True, query_kernel_size=6, key_kernel_size=11, pre_sm_linear_head=True))
+
+    def count(**kernels):
+        return flops._triton_passes(ModelArgs(**args, kernels=kernels), 2048, "kq_conv")
+
+    assert count(triton_frame="128x64") == count()  # a kq-conv layer's default frame
+    assert count(triton_frame="64x32") != count()
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton not installed")
+def test_the_compiled_block_runs_the_tuned_tile_without_graph_breaks(spy):
+    """What CUDA runs by default: the query block compiled, the Triton convolution inside it.
+    The tuning travels through the compiled function as plain attributes: no graph break,
+    and the tile it names is the one the kernel gets (aot_eager; the interpreter)."""
+    import test_attn_impls as t
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    attention_ops._compiled_blocks.clear()
+    counters.clear()
+    tuning = KernelTuning(kq_conv="triton", kq_tile="16x16", compile_block=True, compile_block_backend="aot_eager")
+    p = dataclasses.replace(t.make_params(pre=(2, 3), post=None, block_size=8), tuning=tuning)
+    q, k, v = (x.requires_grad_() for x in t.qkv(b=1, tq=16, tk=16))
+    attention_ops.explicit_attention_blocked(q, k, v, p, attention_ops.AttnMask(), training=True).sum().backward()
+    assert dict(counters["graph_break"]) == {} and counters["stats"]["unique_graphs"] >= 1
+    assert spy and set(spy) == {("triton", (16, 16))}, spy
+    torch._dynamo.reset()
+    attention_ops._compiled_blocks.clear()
