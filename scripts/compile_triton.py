@@ -331,8 +331,10 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--arch", type=int, default=90)
     ap.add_argument("--passes", default=None, help="comma-separated; default: every pass of each layer")
-    ap.add_argument("--layers", default="kq_conv,mixing",
-                    help=f"of {','.join(LAYERS)} (kq_conv_stored: the stored-scores design, attention_stored.py)")
+    # every layer kind by default, so that the documented command rewrites the whole report
+    ap.add_argument("--layers", default=",".join(LAYERS),
+                    help=f"of {','.join(LAYERS)} (kq_conv_stored: the stored-scores design, attention_stored.py, "
+                         "what kq-conv layers run; mixing_stored: the mixing layer through it, an estimate only)")
     ap.add_argument("--heads", type=int, default=16)
     ap.add_argument("--head-dim", type=int, default=96)
     ap.add_argument("--seqs", default="2048,4096")

@@ -354,7 +354,7 @@ def test_report_has_one_record_per_layer_pass_and_T(tmp_path, monkeypatch, capsy
     monkeypatch.setenv("TRITON_INTERPRET", os.environ.get("TRITON_INTERPRET", "0"))
     out = tmp_path / "r.json"
     monkeypatch.setattr(sys, "argv", ["compile_triton.py", "--json", str(out), "--cache", str(tmp_path),
-                                      "--by-line", "3"])
+                                      "--by-line", "3", "--layers", "kq_conv,mixing"])
     ct.main()
     printed = capsys.readouterr().out
     recs = json.loads(out.read_text())["records"]
