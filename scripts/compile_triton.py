@@ -50,23 +50,46 @@ import tempfile
 import time
 from pathlib import Path
 
-from mta_repro.kernels import frames
+from mta_repro.kernels import frames, stored_frames
 from mta_repro.estimate import ir_hazards, roofline
 from mta_repro.kernels.types import DEFAULT_TUNING, KernelTuning
 
-LAYERS = {"kq_conv": ((6, 11), (6, 11)), "mixing": (None, None)}  # the 880M MTA options
+# the 880M MTA options; "kq_conv_stored": the kq-conv layer in the stored-scores design
+# (attention_stored.py: C and dC through stores, the backward split into kernels A and B)
+# "mixing_stored": the mixing layer through the same stored kernels (an estimate for the decision
+# whether it wants the store; the launcher keeps the fused kernel for it)
+LAYERS = {"kq_conv": ((6, 11), (6, 11)), "mixing": (None, None), "kq_conv_stored": ((6, 11), (6, 11)),
+          "mixing_stored": (None, None)}
+STORED = ("kq_conv_stored", "mixing_stored")
+
+
+def layer_passes(layer: str) -> tuple:
+    return stored_frames.PASSES if layer in STORED else frames.PASSES
+
+
+def layer_frame(layer: str, name: str, pre, post, pad_key: str = "both",
+                tuning: KernelTuning = DEFAULT_TUNING) -> frames.Frame:
+    return (stored_frames.frame if layer in STORED else frames.frame)(name, pre, post, pad_key, tuning)
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def kernel_constexprs(name: str, pre, post, heads: int, head_dim: int, pad_key: str = "both",
-                      tuning: KernelTuning = DEFAULT_TUNING) -> dict:
+                      stored: bool = False, tuning: KernelTuning = DEFAULT_TUNING) -> dict:
     """The constexprs ``attention_triton._launch`` passes on a GPU for bf16 inputs, the
     pre/post-softmax mixings on (wpsm, head_kernel), no padding mask, no dropout, under a
-    model's ``tuning`` (model.kernels: frame, slab rows)."""
+    model's ``tuning`` (model.kernels: frame, slab rows); ``stored``: ``attention_stored._launch``'s
+    for the stored design's pass ``name``."""
     import torch
 
     from mta_repro.kernels import attention_triton as at
 
+    if stored:
+        from mta_repro.kernels import attention_stored as ast
+
+        f = stored_frames.frame(name, pre, post, pad_key, tuning)
+        return ast.kernel_constexprs(name, f, h=heads, d=head_dim, pre=pre, post=post, pad_key=pad_key,
+                                     has_w1=True, has_w2=True, has_kv=False, gpu=True, dtype=torch.bfloat16,
+                                     tuning=tuning)
     f = frames.frame(name, pre, post, pad_key, tuning)
     return at.kernel_constexprs(frames.PASSES.index(name), f, h=heads, d=head_dim, pre=pre, post=post,
                                 pad_key=pad_key, has_w1=True, has_w2=True, has_kv=False, drop=False, gpu=True,
@@ -75,21 +98,42 @@ def kernel_constexprs(name: str, pre, post, heads: int, head_dim: int, pad_key: 
 
 # the kernel's tensor arguments in the launcher's dtypes for bf16 inputs (the rest fp32)
 _BF16_ARGS = ("scr_ptr",)
-_INT_ARGS = {"kv_ptr": "*i8", "tiles_ptr": "*i32", "starts_ptr": "*i32"}
+_INT_ARGS = {"kv_ptr": "*i8", "tiles_ptr": "*i32", "starts_ptr": "*i32", "rowoff_ptr": "*i64",
+             # the stored design's C / dC stores (bf16 in the launcher): declared fp16, the same
+             # bytes, so the estimator counts them as I/O (through the L2), not as the scratch
+             # (the kernels' only bf16 pointer)
+             "cst_ptr": "*fp16", "dcs_ptr": "*fp16"}
 
 
-def _compile(consts: dict, arch: int, num_warps: int, num_stages: int):
+def _kernel(stored_pass: str = None):
+    """The jit function compiled: the fused kernel, or the stored design's for its pass."""
+    if stored_pass is None:
+        from mta_repro.kernels import attention_triton as at
+
+        return at._mta_kernel
+    from mta_repro.kernels import attention_stored as ast
+
+    return ast.kernel_of(stored_pass)
+
+
+def _compile(consts: dict, arch: int, num_warps: int, num_stages: int, stored_pass: str = None):
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
     from mta_repro.kernels import attention_triton as at
 
-    if not isinstance(at._mta_kernel, triton.runtime.JITFunction):
+    fn = _kernel(stored_pass)
+    if not isinstance(fn, triton.runtime.JITFunction):
         raise RuntimeError("compile_triton: the kernels were defined under TRITON_INTERPRET=1; compile in a "
                            "process without it (python scripts/compile_triton.py)")
-    names = at._mta_kernel.arg_names
-    descs = at.descriptor_specs(consts)
+    names = fn.arg_names
+    if stored_pass is None:
+        descs = at.descriptor_specs(consts)
+    else:
+        from mta_repro.kernels import attention_stored as ast
+
+        descs = ast.descriptor_specs(stored_pass, consts)
     sig = {}
     for n in names:
         if n in consts:
@@ -105,7 +149,7 @@ def _compile(consts: dict, arch: int, num_warps: int, num_stages: int):
             sig[n] = "i32"
     # the launcher's attributes: pointers 16-byte aligned, H and d as they are (specialised)
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in names if n.endswith("_ptr")}
-    src = ASTSource(fn=at._mta_kernel, signature=sig, constexprs={(names.index(k),): v for k, v in consts.items()},
+    src = ASTSource(fn=fn, signature=sig, constexprs={(names.index(k),): v for k, v in consts.items()},
                     attrs=attrs)
     return triton.compile(src, target=GPUTarget("cuda", arch, 32),
                           options={"num_warps": num_warps, "num_stages": num_stages})
@@ -166,30 +210,31 @@ def compiled_pass(layer: str, name: str, heads: int, head_dim: int, arch: int, c
     """Everything the report needs from one compile, cached (the key holds the constexprs,
     so a tuning's frame or slab rows compile and cache apart)."""
     pre, post = LAYERS[layer]
-    nw, ns = frames.launch_config(name, pre, post)
-    consts = kernel_constexprs(name, pre, post, heads, head_dim, tuning=tuning)
+    stored = layer in STORED
+    nw, ns = (stored_frames if stored else frames).launch_config(name, pre, post)
+    consts = kernel_constexprs(name, pre, post, heads, head_dim, stored=stored, tuning=tuning)
     import triton
-
-    from mta_repro.kernels import attention_triton as at
 
     # the kernel's own cache key (its source and the jit functions it calls), not the file:
     # a docstring edit keeps the cache; the IR is stored, so the counting can change freely
-    key = hashlib.sha256(json.dumps([at._mta_kernel.cache_key, {k: str(v) for k, v in consts.items()}, arch, nw, ns,
+    key = hashlib.sha256(json.dumps([_kernel(name if stored else None).cache_key, {k: str(v) for k, v in consts.items()}, arch, nw, ns,
                                      triton.__version__, _CACHED_FIELDS], sort_keys=True).encode())
     path = cache / f"{layer}-{name}-{key.hexdigest()[:16]}.json.gz"
     if path.exists():
         out = json.loads(gzip.decompress(path.read_bytes()))
     else:
         t0 = time.time()
-        k = _compile(consts, arch, nw, ns)
+        k = _compile(consts, arch, nw, ns, name if stored else None)
         out = {"num_warps": nw, "num_stages": ns, "smem_bytes": int(k.metadata.shared),
                "compile_s": round(time.time() - t0, 1), "ttgir": k.asm["ttgir"], "ptx": ptx_counts(k.asm["ptx"], nw),
                **ptxas(k.asm["ptx"], arch)}
         cache.mkdir(parents=True, exist_ok=True)
         path.write_bytes(gzip.compress(json.dumps(out).encode()))
     # the kernel's only bf16 pointer is its scratch (_BF16_ARGS): those loads/stores are scratch bytes
+    # by source line of the kernel's own file (the fused kernel's helpers under the lines that call them)
     ttgir = out.pop("ttgir")
-    c = roofline.count_ttgir(ttgir, scratch_elem="bf16")
+    c = roofline.count_ttgir(ttgir, source="attention_stored.py" if stored else "attention_triton.py",
+                             scratch_elem="bf16")
     return dict(out, levels=c.levels, static=c.static, by_line=c.by_line,
                 hazards=ir_hazards.summary(ttgir, scratch_elem="bf16"))
 
@@ -199,7 +244,7 @@ def schedule(layer: str, name: str, batch: int, heads: int, head_dim: int, seq: 
     """The programs ``_launch`` starts on a GPU and the key blocks each walks (its items,
     longest first, round-robin over the persistent grid), under ``tuning``."""
     pre, post = LAYERS[layer]
-    f = frames.frame(name, pre, post, "both", tuning)
+    f = layer_frame(layer, name, pre, post, tuning=tuning)
     n_target = tuning.triton_programs or frames.PROGRAMS_PER_SM * sms
     sched = frames.items(f, batch, seq, seq, 0, n_target)
     n_prog = len(sched.starts) - 1
@@ -213,9 +258,26 @@ def schedule(layer: str, name: str, batch: int, heads: int, head_dim: int, seq: 
     hbm = {"stats": (1 + cq) * io * 2 + 2 * part * 4 * 2,
            "forward": (2 + cq) * io * 2 + rows * 4 + part * head_dim * 4 * 2,
            "backward_rowsum": (3 + cq) * io * 2 + rows * 4 + part * 4 * 2,
-           "backward": (4 + cq) * io * 2 + 2 * rows * 4 + part * head_dim * 4 * 2 + 2 * io * 4 * 2}[name]
-    slots = frames.scratch_slots(name, pre is not None, post is not None)["NSLOT"]
+           "backward": (4 + cq) * io * 2 + 2 * rows * 4 + part * head_dim * 4 * 2 + 2 * io * 4 * 2}.get(name, 0)
+    slots = frames.scratch_slots(name, pre is not None, post is not None)["NSLOT"] if name in frames.PASSES else 0
     plane = frames.padded_heads(heads) * f.er * f.ec * 2  # one slot: all heads x the frame, bf16
+    if layer in STORED:
+        # the stored design: no pass but stats reads the convolved keys; the stored planes
+        # (C: written by stats, read by forward, rowsum, backward_dc; dC: written by
+        # backward_dc, read by backward_b) are compulsory HBM traffic (far above the L2)
+        st = batch * heads * stored_frames.store_plane(seq, seq, 0) * 2
+        hbm = {"stats": 2 * io * 2 + 2 * part * 4 * 2 + st,
+               "forward": io * 2 + rows * 4 + part * head_dim * 4 * 2 + st,
+               "backward_rowsum": 2 * io * 2 + rows * 4 + part * 4 * 2 + st,
+               "backward_dc": 2 * io * 2 + 2 * rows * 4 + io * 4 * 2 + 2 * st,
+               "backward_b": 2 * io * 2 + part * head_dim * 4 * 2 + io * 4 * 2 + st}[name]
+        slots = stored_frames.scratch_slots(name, pre is not None, post is not None)["NSLOT"]
+        if name == "backward_b":  # one plane per program, each head's dC window stored and reloaded
+            slots, plane = 1, f.er * f.ec * 2
+            return roofline.Schedule(sched.programs(), hbm_bytes=hbm, num_warps=info["num_warps"],
+                                     registers=info["registers"], smem_bytes=info["smem_bytes"],
+                                     scratch_resident=n_prog * plane,
+                                     scratch_traffic=2 * sum(tiles) * heads * plane)
     return roofline.Schedule(sched.programs(), hbm_bytes=hbm, num_warps=info["num_warps"],
                              registers=info["registers"], smem_bytes=info["smem_bytes"],
                              scratch_resident=n_prog * slots * plane, scratch_traffic=2 * sum(tiles) * slots * plane)
@@ -268,8 +330,11 @@ def main() -> None:
     os.environ.pop("TRITON_INTERPRET", None)
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--arch", type=int, default=90)
-    ap.add_argument("--passes", default=",".join(frames.PASSES))
-    ap.add_argument("--layers", default="kq_conv,mixing")
+    ap.add_argument("--passes", default=None, help="comma-separated; default: every pass of each layer")
+    # every layer kind by default, so that the documented command rewrites the whole report
+    ap.add_argument("--layers", default=",".join(LAYERS),
+                    help=f"of {','.join(LAYERS)} (kq_conv_stored: the stored-scores design, attention_stored.py, "
+                         "what kq-conv layers run; mixing_stored: the mixing layer through it, an estimate only)")
     ap.add_argument("--heads", type=int, default=16)
     ap.add_argument("--head-dim", type=int, default=96)
     ap.add_argument("--seqs", default="2048,4096")
@@ -303,7 +368,9 @@ def main() -> None:
             r.update(global_loads=None, modelled="FlashAttention-2 tile configuration, counted by hand")
             records.append(r)
         for layer in a.layers.split(","):
-            for name in a.passes.split(","):
+            for name in (a.passes.split(",") if a.passes else layer_passes(layer)):
+                if name not in layer_passes(layer):
+                    continue
                 info = compiled_pass(layer, name, a.heads, a.head_dim, a.arch, a.cache, tuning)
                 c = roofline.Counts(levels=info["levels"], static=info["static"], by_line=info.get("by_line", {}))
                 est = roofline.estimate(c, schedule(layer, name, a.batch, a.heads, a.head_dim, seq, info, gpu.sms,
@@ -352,20 +419,25 @@ def main() -> None:
     print("\nThe 880M step (ESTIMATE): linear layers 6 x (679.5M + 197.0M) x batch x T FLOPs at an MFU of 989 TFLOP/s; "
           "attention: MTA = 6 kq-conv + 18 mixing layers (est_l2_ms), baseline = 24 x FlashAttention-2:")
     for seq in seqs:
-        if (seq, "kq_conv") not in layer_l2 or (seq, "mixing") not in layer_l2:
-            continue
-        rs = [r for r in records if r["T"] == seq]
-        for mfu in (0.4, 0.6):
-            for label, fa2 in (("FA2 est_l2", rs[0]["fa2_est_l2_ms"]), ("FA2 published", rs[0]["fa2_published_ms"])):
-                st = step_ratio({k: layer_l2[seq, k] for k in STEP_LAYERS}, fa2, a.batch * seq, mfu)
-                print(f"  T={seq} MFU {mfu:.0%}, baseline with {label}: linear {st['linear_ms']:.1f} ms, baseline "
-                      f"{st['baseline_ms']:.1f} ms, MTA {st['mta_ms']:.1f} ms: {st['ratio']:.2f}x")
+        for kq in ("kq_conv", "kq_conv_stored"):  # the kq-conv layers in the fused / the stored design
+            if (seq, kq) not in layer_l2 or (seq, "mixing") not in layer_l2:
+                continue
+            rs = [r for r in records if r["T"] == seq]
+            for mfu in (0.4, 0.6):
+                for label, fa2 in (("FA2 est_l2", rs[0]["fa2_est_l2_ms"]), ("FA2 published", rs[0]["fa2_published_ms"])):
+                    st = step_ratio({"kq_conv": layer_l2[seq, kq], "mixing": layer_l2[seq, "mixing"]}, fa2,
+                                    a.batch * seq, mfu)
+                    print(f"  T={seq} {kq} MFU {mfu:.0%}, baseline with {label}: linear {st['linear_ms']:.1f} ms, "
+                          f"baseline {st['baseline_ms']:.1f} ms, MTA {st['mta_ms']:.1f} ms: {st['ratio']:.2f}x")
     if by_line:
-        src = (ROOT / "mta_repro" / "kernels" / "attention_triton.py").read_text().splitlines()
+        srcs = {f: (ROOT / "mta_repro" / "kernels" / f).read_text().splitlines()
+                for f in ("attention_triton.py", "attention_stored.py")}
         print("\nWhere each pass spends its work per key block, by source line of mta_repro/kernels/attention_triton.py "
+              "(kq_conv_stored: attention_stored.py) "
               "(ESTIMATED SM cycles per program and key block: tensor cores / CUDA cores / L1+shared traffic of "
               "global and shared bytes; 'via' = the lines that called the helper):")
         for layer, name, rows in by_line:
+            src = srcs["attention_stored.py" if layer in STORED else "attention_triton.py"]
             print(f"\n{layer} {name}:")
             print("| line | tensor | alu | global | shared | source | via |")
             print("|---|---|---|---|---|---|---|")

@@ -30,6 +30,7 @@ MODULE_MARKERS = {
     "distributed/test_train_reshard.py": ("distributed",),
     "test_eval_data_parallel.py": ("distributed",),
     "test_attn_triton.py": ("triton",),
+    "test_attn_stored.py": ("triton",),
     "test_kq_conv_triton.py": ("triton",),
     "test_kernel_hazards.py": ("triton",),
     "test_pipeline.py": ("pipeline",),

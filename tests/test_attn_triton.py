@@ -17,6 +17,9 @@ from mta_repro.model import attention_ops
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton not installed")
 
+# the fused kernel for kq-conv layers too (they run attention_stored.py unless told)
+FUSED = KernelTuning(triton_design="fused")
+
 
 def params(h, pre, post, mix="head_kernel", wpsm=True, pad_key="both", seed=0, group=None,
            tuning=KernelTuning()):
@@ -145,11 +148,12 @@ def test_float64_on_a_gpu_falls_back(monkeypatch):
 
 def test_overrides_are_checked():
     """A tuning that cannot be right is refused where it is set (KernelTuning); one that
-    does not fit the layer, when the kernel learns the layer. One line each, naming the field."""
+    does not fit the layer, when the kernel learns the layer. One line each, naming the field.
+    (The fused kernel's frames: kq-conv layers run the stored design unless told.)"""
     h = 4
     q, k, v = qkv(1, h, 8, 8, 3)
     run = attention_ops.ATTN_IMPLS["triton"].fn
-    small = KernelTuning(triton_frame="16x16")  # the backward halo of 6x11 convolutions needs 16x21
+    small = KernelTuning(triton_frame="16x16", triton_design="fused")  # the backward halo of 6x11 convolutions needs 16x21
     with pytest.raises(ValueError, match=r"^model\.kernels\.triton_frame=16x16 leaves no owned block: the halo needs "
                        r"16x21"):
         run(q.requires_grad_(), k, v, params(h, (6, 11), (6, 11), tuning=small), attention_ops.AttnMask()).sum().backward()
@@ -159,7 +163,7 @@ def test_overrides_are_checked():
         KernelTuning(triton_frame="24x32")
     with pytest.raises(ValueError, match=r"^model\.kernels\.triton_slab_rows: 3: expected a power of two or null$"):
         KernelTuning(triton_slab_rows=3)
-    too_many = KernelTuning(triton_frame="16x16", triton_slab_rows=32)
+    too_many = KernelTuning(triton_frame="16x16", triton_slab_rows=32, triton_design="fused")
     with pytest.raises(ValueError, match=r"^model\.kernels\.triton_slab_rows=32: a power of two dividing the "
                        r"frame's 16 rows$"):
         run(q, k, v, params(h, (2, 3), None, tuning=too_many), attention_ops.AttnMask())
@@ -253,7 +257,8 @@ def test_shipped_and_ablation_options(h, pre, post):
     assert_matches_torch(q, k, v, params(h, pre, post))
 
 
-def test_saves_nothing_quadratic_for_backward():
+def test_saves_nothing_quadratic_for_backward(monkeypatch):
+    """The fused kernel (the stored design keeps its packed C plane: tests/test_attn_stored.py)."""
     t, h, d = 48, 4, 3
     sizes = []
 
@@ -263,7 +268,7 @@ def test_saves_nothing_quadratic_for_backward():
 
     q, k, v = (x.requires_grad_() for x in qkv(1, h, t, t, d))
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x):
-        out = attention_ops.ATTN_IMPLS["triton"].fn(q, k, v, params(h, (2, 3), (3, 3)), attention_ops.AttnMask())
+        out = attention_ops.ATTN_IMPLS["triton"].fn(q, k, v, params(h, (2, 3), (3, 3), tuning=FUSED), attention_ops.AttnMask())
     out.sum().backward()
     assert sizes and max(sizes) <= h * t * d  # q, k, v, the (B, H, T) lse, the weights
 
@@ -272,7 +277,7 @@ def test_without_interpreter_on_cpu_falls_back_to_blocked(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     h = 4
     q, k, v = qkv(1, h, 9, 9, 3)
-    p = params(h, (2, 3), (3, 3))
+    p = params(h, (2, 3), (3, 3), tuning=FUSED)
     with pytest.warns(UserWarning, match="'triton' does not support CPU tensors unless TRITON_INTERPRET=1.*'blocked'"):
         out = attention_ops.explicit_attention("triton", q, k, v, p, attention_ops.AttnMask())
     torch.testing.assert_close(out, attention_ops.explicit_attention_torch(q, k, v, p, attention_ops.AttnMask()))
@@ -308,13 +313,15 @@ def test_debug_experiment_with_mta_trains_as_torch(tmp_path):
         assert losses["triton"][key] == pytest.approx(want, rel=2e-5), key
 
 
-def test_memory_preflight_stand_in_saves_what_the_kernel_saves():
+def test_memory_preflight_stand_in_saves_what_the_kernel_saves(monkeypatch):
     """mta_repro.estimate.memory measures triton layers on meta through a stand-in (Triton does not
-    run on meta): it must keep the bytes the real kernel keeps."""
+    run on meta): it must keep the bytes the real kernel keeps. (The fused kernel; the stored
+    design's kq-conv layers: tests/test_attn_stored.py.)"""
     from mta_repro.estimate import memory
 
+
     h, t, d = 4, 20, 8
-    p = params(h, (2, 3), (3, 3))
+    p = params(h, (2, 3), (3, 3), tuning=FUSED)
     weights = {getattr(p, f).untyped_storage()._cdata for f in attention_ops._WEIGHT_FIELDS
                if getattr(p, f) is not None}
     q, k, v = (x.float().requires_grad_() for x in qkv(2, h, t, t, d))
@@ -337,7 +344,8 @@ def test_the_workspace_the_preflight_counts_is_what_the_backward_launch_holds(mo
     from mta_repro.kernels import attention_triton, frames
 
     h, t, d, b = 4, 40, 16, 2
-    tn = KernelTuning(triton_programs=3, triton_frame="16x16")  # a GPU's multi-item programs
+    # a GPU's multi-item programs; the fused kernel (kq-conv layers run attention_stored.py unless told)
+    tn = KernelTuning(triton_programs=3, triton_frame="16x16", triton_design="fused")
     p = params(h, pre, post, mix=mix, tuning=tn)
     q, k, v = (x.float().contiguous().requires_grad_() for x in qkv(b, h, t, t, d))
     seen, pending, placeholders = {}, [], set()
@@ -442,7 +450,7 @@ def test_every_pass_launches_with_the_reported_configuration(monkeypatch):
 
     monkeypatch.setattr(attention_triton, "_mta_kernel", Recorder())
     h = 2
-    p = params(h, (2, 3), (2, 3))
+    p = params(h, (2, 3), (2, 3), tuning=FUSED)
     q, k, v = (t.requires_grad_() for t in qkv(1, h, 5, 5, 3))
     attention_ops.ATTN_IMPLS["triton"].fn(q, k, v, p, attention_ops.AttnMask(), False).sum().backward()
     assert [s[0] for s in seen] == list(frames.PASSES)

@@ -113,6 +113,9 @@ def test_hydra_unknown_key_is_described_with_the_nearest_field():
 INTERNAL_VALUE_ERRORS = {
     "mta_repro/estimate/flops.py": 1,
     "mta_repro/kernels/frames.py": 3,  # an unknown pass name (launch_config, halo, scratch_slots)
+    "mta_repro/kernels/stored_frames.py": 2,  # an unknown pass name (halo, launch_config)
+    # called by attn_impl=triton's dispatch only for what it supports (a kq-conv layer, no dropout)
+    "mta_repro/kernels/attention_stored.py": 2,
     "mta_repro/estimate/roofline.py": 1,  # the compiled IR has a shape its parser does not know
 }
 

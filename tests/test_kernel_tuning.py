@@ -122,6 +122,7 @@ def test_plus_on_an_existing_field_is_hydras_own_refusal():
     ("triton_programs=0", "model.kernels.triton_programs: 0: expected a positive integer or null"),
     ("triton_slab_rows=3", "model.kernels.triton_slab_rows: 3: expected a power of two or null"),
     ("compile_block_backend=''", "model.kernels.compile_block_backend: '': expected the name of a torch.compile"),
+    ("triton_design=fast", "model.kernels.triton_design: 'fast': expected stored or fused"),
 ])
 def test_a_bad_value_is_one_line_naming_the_field(override, message):
     with pytest.raises(UserError) as e:

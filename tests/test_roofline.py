@@ -354,7 +354,7 @@ def test_report_has_one_record_per_layer_pass_and_T(tmp_path, monkeypatch, capsy
     monkeypatch.setenv("TRITON_INTERPRET", os.environ.get("TRITON_INTERPRET", "0"))
     out = tmp_path / "r.json"
     monkeypatch.setattr(sys, "argv", ["compile_triton.py", "--json", str(out), "--cache", str(tmp_path),
-                                      "--by-line", "3"])
+                                      "--by-line", "3", "--layers", "kq_conv,mixing"])
     ct.main()
     printed = capsys.readouterr().out
     recs = json.loads(out.read_text())["records"]
@@ -443,31 +443,35 @@ def test_the_shipped_kernel_compiles_for_an_h200_within_its_limits(tmp_path):
     launcher's configuration): every pass fits one H200 program (shared memory <= 227 KB,
     registers <= 255), at least 90% of its multiply-adds run on tensor cores, and the mixing
     layer's passes (18 of the 880M model's 24 layers) and the kq-conv layer's forward passes
-    spill nothing; ptxas serialises no pass's wgmma; the report carries both estimates, as
-    estimates. The hazards (issue #37 item 3, ``hazards`` from mta_repro/estimate/ir_hazards.py
-    on the TritonGPU IR; one compile serves both checks): every wgmma operand and TMA
-    store/reduction source in shared memory that ordinary stores (or cp.async) wrote is fenced
-    (ttng.fence_async_shared, in the PTX fence.proxy.async) after the write and before the
-    read: the pattern exists in every pass (the mixing weights, the O/dq/dk/dv boxes) and none
-    is unfenced; the loops that store scratch say num_stages=1 and none is software-pipelined,
-    while the pipeliner does pipeline other loops (the input copies, the accumulating head
-    loops), whose scratch prefetches before the loop come after the barrier that ends the
-    phase writing it."""
+    (both designs; the stored design's kernel B too) spill nothing; ptxas serialises no pass's
+    wgmma; the report carries both estimates, as estimates. The hazards (issue #37 item 3,
+    ``hazards`` from mta_repro/estimate/ir_hazards.py on the TritonGPU IR; one compile serves
+    both checks), for both designs: every wgmma operand and TMA store/reduction source in shared
+    memory that ordinary stores (or cp.async) wrote is fenced (ttng.fence_async_shared, in the
+    PTX fence.proxy.async) after the write and before the read: none is unfenced; the loops
+    that store scratch say num_stages=1 and none is software-pipelined, while the pipeliner
+    does pipeline other loops (the input copies, the accumulating head loops), whose scratch
+    prefetches before the loop come after the barrier that ends the phase writing it."""
     out = tmp_path / "r.json"
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    from mta_repro.kernels import stored_frames
+
     p = subprocess.run([sys.executable, str(ROOT / "scripts" / "compile_triton.py"), "--seqs", "2048", "--json", str(out),
-                        "--cache", str(tmp_path / "cache")], capture_output=True, text=True, env=env, timeout=1500)
+                        "--layers", "kq_conv,mixing,kq_conv_stored", "--cache", str(tmp_path / "cache")],
+                       capture_output=True, text=True, env=env, timeout=1500)
     assert p.returncode == 0, p.stderr[-3000:]
     recs = [r for r in json.loads(out.read_text())["records"] if r["layer"] != "sdpa"]
     assert sorted((r["layer"], r["pass"]) for r in recs) == sorted(
-        (layer, name) for layer in ("kq_conv", "mixing") for name in frames.PASSES)
+        [(layer, name) for layer in ("kq_conv", "mixing") for name in frames.PASSES]
+        + [("kq_conv_stored", name) for name in stored_frames.PASSES])
     for r in recs:
-        pre_post = ((6, 11), (6, 11)) if r["layer"] == "kq_conv" else (None, None)
-        assert (r["num_warps"], r["num_stages"]) == frames.launch_config(r["pass"], *pre_post), r
+        pre_post = ((6, 11), (6, 11)) if r["layer"] != "mixing" else (None, None)
+        config = (stored_frames if r["layer"] == "kq_conv_stored" else frames).launch_config
+        assert (r["num_warps"], r["num_stages"]) == config(r["pass"], *pre_post), r
         assert r["smem_bytes"] <= 227 * 1024 and r["registers"] <= 255, r
         assert r["tc_share"] >= 0.9, r
         assert r["estimate"] is True and 0 < r["est_ms"] <= r["est_l2_ms"], r
-        if r["layer"] == "mixing" or r["pass"] != "backward":
+        if r["layer"] == "mixing" or r["pass"] not in ("backward", "backward_dc"):
             assert r["spill_bytes"] == 0, r
         assert r["wgmma_serialized"] is False, r  # ptxas would serialise every wgmma of the pass
         hz = r["hazards"]

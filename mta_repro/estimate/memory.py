@@ -104,15 +104,24 @@ class _TritonLike(torch.autograd.Function):
     a copy where they are in another, e.g. bf16 parameters). Triton does not run on meta."""
 
     @staticmethod
-    def forward(ctx, q, k, v, *weights):
+    def forward(ctx, q, k, v, stored, q_off, *weights):
         lse = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)
-        ctx.save_for_backward(q.contiguous(), k.contiguous(), v.contiguous(), lse, *weights)
+        extra = ()
+        if stored:  # the stored design keeps its C plane (the causal cells, q's dtype) for backward
+            from mta_repro.kernels import stored_frames
+
+            b, h, tq, _ = q.shape
+            spec = stored_frames.stored_planes(b=b, h=h, tq=tq, tk=k.shape[2], q_off=q_off,
+                                               dtype=q.dtype)["cstore"]
+            extra = (torch.empty(spec.shape, dtype=spec.dtype, device=q.device),)
+        ctx.save_for_backward(q.contiguous(), k.contiguous(), v.contiguous(), lse, *weights, *extra)
+        ctx.n_weights = len(weights)
         return torch.empty_like(q)
 
     @staticmethod
     def backward(ctx, g):
         q, k, v, *_ = ctx.saved_tensors
-        return (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)) + (None,) * (len(ctx.saved_tensors) - 4)
+        return (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), None, None) + (None,) * ctx.n_weights
 
 
 def _triton_meta(q, k, v, p, mask, training=False):
@@ -121,7 +130,10 @@ def _triton_meta(q, k, v, p, mask, training=False):
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
     weights = (None if p.mta_kernel is None else p.mta_kernel[:, 0], p.wpsm,
                None if p.mta_kernel_after_sm is None else p.mta_kernel_after_sm[:, 0], post_mix_matrix(p))
-    return _TritonLike.apply(q, k, v, *(w.to(acc).contiguous() for w in weights if w is not None))
+    from mta_repro.kernels import stored_frames
+
+    stored = stored_frames.uses_stored(p.mta_kernel is not None, p.dropout > 0.0 and training, p.tuning)
+    return _TritonLike.apply(q, k, v, stored, mask.q_offset, *(w.to(acc).contiguous() for w in weights if w is not None))
 
 
 def triton_backward_workspace(attn, batch_size: int, seq_len: int, sms: int = 132) -> int:
@@ -136,7 +148,13 @@ def triton_backward_workspace(attn, batch_size: int, seq_len: int, sms: int = 13
     n_prog = p.tuning.triton_programs or frames.PROGRAMS_PER_SM * sms
     pre = None if p.mta_kernel is None else tuple(p.mta_kernel.shape[2:])
     post = None if p.mta_kernel_after_sm is None else tuple(p.mta_kernel_after_sm.shape[2:])
-    return frames.backward_workspace_bytes(b=batch_size, h=attn.n_heads, d=attn.head_dim, seq_len=seq_len, pre=pre,
+    from mta_repro.kernels import stored_frames
+
+    # the stored design (kq-conv layers): its dC plane and kernels A/B's buffers; its C plane
+    # is a saved tensor of the stand-in (_TritonLike). (Training dropout: the fused kernel's.)
+    stored = stored_frames.uses_stored(pre is not None, p.dropout > 0.0, p.tuning)
+    design = stored_frames if stored else frames
+    return design.backward_workspace_bytes(b=batch_size, h=attn.n_heads, d=attn.head_dim, seq_len=seq_len, pre=pre,
                                            post=post, mix=(p.wpsm is not None, post_mix_matrix(p) is not None),
                                            pad_key=p.pad_key, dtype=attn.wq.weight.dtype,
                                            n_prog=n_prog, tuning=p.tuning)

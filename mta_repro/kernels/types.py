@@ -86,6 +86,12 @@ class KernelTuning:
     # frame's rows; null = 4 on a GPU (1 in a mixing layer's backward), the whole frame in
     # the interpreter.
     triton_slab_rows: Optional[int] = None
+    # Which kernels run a kq-conv layer (a pre-softmax kernel) under attn_impl=triton:
+    # "stored" (attention_stored.py: the convolved scores C computed once and stored, the
+    # backward split at a stored dC; issue #37) or "fused" (attention_triton.py, every pass
+    # recomputing C). A layer with training dropout and every mixing layer run the fused
+    # kernel either way (docs/triton_kernel.md, "Where the kernel stands").
+    triton_design: str = "stored"
 
     def __post_init__(self) -> None:
         if self.kq_conv not in KQ_CONV_CHOICES:
@@ -101,6 +107,8 @@ class KernelTuning:
         frame = _shape("model.kernels.triton_frame", self.triton_frame, "128x64")
         _count("model.kernels.triton_programs", self.triton_programs, "positive")
         _count("model.kernels.triton_slab_rows", self.triton_slab_rows, "pow2")
+        if self.triton_design not in ("stored", "fused"):
+            raise UserError(f"model.kernels.triton_design: {self.triton_design!r}: expected stored or fused")
         # parsed once: the compiled query block reads them as plain attributes (no string
         # parsing for Dynamo to trace)
         object.__setattr__(self, "_tile", tile)

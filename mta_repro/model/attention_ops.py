@@ -406,6 +406,13 @@ class AttnImpl:
 def _explicit_attention_triton(q, k, v, p, mask, training=False):
     # Imported on first use: triton is optional, and TRITON_INTERPRET is read when the
     # kernels are defined.
+    from mta_repro.kernels import stored_frames
+
+    if stored_frames.uses_stored(p.mta_kernel is not None, p.dropout > 0.0 and training, p.tuning):
+        # a kq-conv layer: C and dC through stores (attention_stored.py, issue #37)
+        from mta_repro.kernels.attention_stored import explicit_attention_stored
+
+        return explicit_attention_stored(q, k, v, p, mask, training)
     from mta_repro.kernels.attention_triton import explicit_attention_triton
 
     return explicit_attention_triton(q, k, v, p, mask, training)
@@ -432,7 +439,8 @@ ATTN_IMPLS: dict[str, AttnImpl] = {
     "blocked": AttnImpl(explicit_attention_blocked, doc="query blocks, causal skipping, recomputed"),
     "triton": AttnImpl(
         _explicit_attention_triton, _triton_supports, fallback="blocked",
-        doc="fused Triton kernels, forward and backward (attention_triton.py)",
+        doc="fused Triton kernels, forward and backward (attention_triton.py; kq-conv layers without "
+            "dropout: attention_stored.py)",
     ),
 }
 
