@@ -22,7 +22,7 @@ FUSED = KernelTuning(triton_design="fused")
 
 
 def params(h, pre, post, mix="head_kernel", wpsm=True, pad_key="both", seed=0, group=None,
-           tuning=KernelTuning()):
+           tuning=KernelTuning(), dropout=0.0):
     g = torch.Generator().manual_seed(seed)
     rand = lambda *shape: torch.randn(*shape, generator=g, dtype=torch.float64)  # noqa: E731
     c_h = group or h
@@ -32,7 +32,7 @@ def params(h, pre, post, mix="head_kernel", wpsm=True, pad_key="both", seed=0, g
         mta_kernel_after_sm=rand(h, 1, *post) * 0.5 if post else None,
         head_kernel=rand(h // c_h, c_h, c_h) * c_h**-0.5 if mix == "head_kernel" else None,
         wposm=rand(h, h) * h**-0.5 if mix == "wposm" else None,
-        pad_key=pad_key,
+        pad_key=pad_key, dropout=dropout,
         tuning=tuning,
     )
 

@@ -24,28 +24,9 @@ import torch
 
 from mta_repro.kernels.types import KernelTuning
 from mta_repro.model import attention_ops
+from tests.test_attn_triton import params, qkv
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton not installed")
-
-
-def params(h, pre, post, mix="head_kernel", wpsm=True, pad_key="both", seed=0, group=None, dropout=0.0,
-           tuning=KernelTuning()):
-    g = torch.Generator().manual_seed(seed)
-    rand = lambda *shape: torch.randn(*shape, generator=g, dtype=torch.float64)  # noqa: E731
-    c_h = group or h
-    return attention_ops.ExplicitAttnParams(
-        mta_kernel=rand(h, 1, *pre) if pre else None,
-        wpsm=rand(h, h) * h**-0.5 if wpsm else None,
-        mta_kernel_after_sm=rand(h, 1, *post) * 0.5 if post else None,
-        head_kernel=rand(h // c_h, c_h, c_h) * c_h**-0.5 if mix == "head_kernel" else None,
-        wposm=rand(h, h) * h**-0.5 if mix == "wposm" else None,
-        pad_key=pad_key, dropout=dropout, tuning=tuning,
-    )
-
-
-def qkv(b, h, tq, tk, d, seed=1):
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randn(b, h, t, d, generator=g, dtype=torch.float64) for t in (tq, tk, tk)]
 
 
 def grads_of(impl, q, k, v, p, mask, training=False, seed=None):

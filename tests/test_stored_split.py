@@ -12,20 +12,7 @@ import torch
 from mta_repro.kernels import stored_split
 from mta_repro.kernels.types import post_mix_matrix
 from mta_repro.model import attention_ops
-
-
-def params(h, pre, post, mix, wpsm, pad_key, group=None, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    rand = lambda *shape: torch.randn(*shape, generator=g, dtype=torch.float64)  # noqa: E731
-    c_h = group or h
-    return attention_ops.ExplicitAttnParams(
-        mta_kernel=rand(h, 1, *pre) if pre else None,
-        wpsm=rand(h, h) * h**-0.5 if wpsm else None,
-        mta_kernel_after_sm=rand(h, 1, *post) * 0.5 if post else None,
-        head_kernel=rand(h // c_h, c_h, c_h) * c_h**-0.5 if mix == "head_kernel" else None,
-        wposm=rand(h, h) * h**-0.5 if mix == "wposm" else None,
-        pad_key=pad_key,
-    )
+from tests.test_attn_triton import params
 
 
 def reference(q, k, v, p, mask, gy):
