@@ -36,9 +36,10 @@ def test_generate_command(tmp_path):
     assert generate_from(run_dir, [prompt], max_new_tokens=12, device="cpu") == [want]
     r = subprocess.run([sys.executable, "-m", "mta_repro.generate", str(run_dir / "export" / "consolidated.pt"),
                         "--prompt", prompt, "--prompt", "x", "--max-new-tokens", "12", "--device", "cpu"],
-                       capture_output=True, text=True, timeout=120, env=os.environ)
-    assert r.returncode == 0, r.stderr[-2000:]
-    assert r.stdout.startswith("=== prompt 0\n" + prompt + want + "\n=== prompt 1\nx")
+                       capture_output=True, timeout=120, env=os.environ)
+    assert r.returncode == 0, r.stderr.decode()[-2000:]
+    # bytes, not text=True: universal newlines would turn a generated '\r' into '\n'
+    assert r.stdout.decode("utf-8").startswith("=== prompt 0\n" + prompt + want + "\n=== prompt 1\nx")
     # sampling is reproducible from its seed
     a = generate_from(run_dir, [prompt], max_new_tokens=8, temperature=1.0, seed=3, device="cpu")
     assert a == generate_from(run_dir, [prompt], max_new_tokens=8, temperature=1.0, seed=3, device="cpu")
