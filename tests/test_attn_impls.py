@@ -75,7 +75,13 @@ def assert_same(impl, q, k, v, p, mask):
         torch.testing.assert_close(got_g[name], want_g[name], rtol=1e-9, atol=1e-11, msg=name)
 
 
-@pytest.mark.parametrize("impl", IMPLS)
+# block_size is read by "blocked" alone (its query blocks; 4 and 5 do not divide T=11): the
+# other implementations run each option once
+IMPL_BLOCK_SIZES = [pytest.param(impl.values[0], bs, marks=impl.marks, id=f"{bs}-{impl.values[0]}")
+                    for impl in IMPLS for bs in (1, 4, 5, 64) if impl.values[0] == "blocked" or bs == 4]
+
+
+@pytest.mark.parametrize("impl, block_size", IMPL_BLOCK_SIZES)
 @pytest.mark.parametrize(
     "pad_key, pre, post, mix, wpsm",
     [
@@ -88,7 +94,6 @@ def assert_same(impl, q, k, v, p, mask):
         ("left", (2, 3), (2, 2), None, False),  # both convs, no mixing
     ],
 )
-@pytest.mark.parametrize("block_size", [1, 4, 5, 64])  # 4 and 5 do not divide T=11
 def test_matches_reference(impl, pad_key, pre, post, mix, wpsm, block_size):
     p = make_params(pad_key, pre, post, mix, wpsm, block_size=block_size)
     assert_same(impl, *qkv(), p, attention_ops.AttnMask())
@@ -216,6 +221,30 @@ def test_cpu_kq_conv_kernel_matches_conv2d_and_gradcheck():
         kq_conv_cpu.kq_conv(x, w[:, 0], 5).double(), attention_ops.kq_conv(x.double(), w.double(), "both"),
         rtol=1e-5, atol=1e-4,
     )
+
+
+def test_cpu_kq_conv_kernel_gives_the_same_bits_on_any_number_of_threads():
+    """The C kernel's OpenMP loops split planes and rows between threads, each output written
+    by one thread in a fixed order: 1 and 3 threads (the test workers run with one, see
+    tests/conftest.py) give the same bits forward and backward, causal or not."""
+    if not kq_conv_cpu.available(torch.zeros(1, dtype=torch.float64)):
+        pytest.skip("no C compiler: the CPU kernel falls back to F.conv2d")
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(2, 3, 70, 150, generator=g, dtype=torch.float32)  # 70 rows > the C block of 64
+    w = torch.randn(3, 6, 11, generator=g)
+    gy = torch.randn(2, 3, 70, 150, generator=g)
+    threads = torch.get_num_threads()
+    results = []
+    try:
+        for n in (1, 3):
+            torch.set_num_threads(n)
+            xs, ws = x.clone().requires_grad_(), w.clone().requires_grad_()
+            outs = [kq_conv_cpu.kq_conv(xs, ws, 5, diag) for diag in (0, 2**62)]
+            results.append([o.detach() for o in outs] + list(torch.autograd.grad(outs, (xs, ws), [gy, gy])))
+    finally:
+        torch.set_num_threads(threads)
+    for a, b in zip(*results):
+        assert torch.equal(a, b)
 
 
 def test_unknown_impl_is_refused_with_the_registered_names():

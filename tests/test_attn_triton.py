@@ -70,9 +70,11 @@ def test_many_frames_with_padding_and_offset(gpu_schedule):
     tn = KernelTuning(triton_frame="16x16", **(dict(triton_slab_rows=4, triton_programs=2) if gpu_schedule else {}))
     h = 4
     p = params(h, (2, 3), (3, 3), group=2, tuning=tn)
-    q, k, v = qkv(2, h, 37, 37, 3)
-    key_valid = torch.ones(2, 37, dtype=torch.bool)
-    key_valid[1, :19] = False  # the pad edge falls inside a frame
+    # T = 25: two row blocks (three in the kq-conv backward's dC pass) of up to two key blocks
+    # in every pass, the last ones partial
+    q, k, v = qkv(2, h, 25, 25, 3)
+    key_valid = torch.ones(2, 25, dtype=torch.bool)
+    key_valid[1, :19] = False  # the padding covers the first key block, its edge falls inside the second
     assert_matches_torch(q, k, v, p, attention_ops.AttnMask(0, key_valid))
     if gpu_schedule:
         return  # (the interpreter runs 4-row slabs several times slower)
@@ -80,9 +82,9 @@ def test_many_frames_with_padding_and_offset(gpu_schedule):
     # post only, centred: the frames' margins are exactly the kernel's reach (the convolutions
     # used on the owned block read up to the frame's edge), over several key blocks
     assert_matches_torch(q, k, v, params(h, None, (2, 3), pad_key="both", tuning=tn))
-    q, _, _ = qkv(2, h, 17, 37, 3, seed=2)  # 17 new queries after 20 cached keys
+    q, _, _ = qkv(2, h, 17, 25, 3, seed=2)  # 17 new queries (two row blocks) after 8 cached keys
     assert_matches_torch(q, k, v, params(h, (3, 2), (2, 4), mix="wposm", pad_key="right", tuning=tn),
-                         attention_ops.AttnMask(20, key_valid))
+                         attention_ops.AttnMask(8, key_valid))
 
 
 def test_float32_accumulates_through_descriptor_reductions():
@@ -92,10 +94,10 @@ def test_float32_accumulates_through_descriptor_reductions():
     result is the float64 reference's to float32 accuracy."""
     h = 4
     p = params(h, (2, 3), (3, 3), group=2, tuning=KernelTuning(triton_frame="16x16", triton_programs=2))
-    q, k, v = qkv(2, h, 17, 37, 3, seed=3)
-    key_valid = torch.ones(2, 37, dtype=torch.bool)
+    q, k, v = qkv(2, h, 17, 25, 3, seed=3)  # two row blocks of two key blocks each, every pass
+    key_valid = torch.ones(2, 25, dtype=torch.bool)
     key_valid[1, :19] = False
-    mask = attention_ops.AttnMask(20, key_valid)
+    mask = attention_ops.AttnMask(8, key_valid)
     want, want_g = grads_of("torch", q, k, v, p, mask)
     p32 = dataclasses.replace(p, **{f: getattr(p, f).float() for f in attention_ops._WEIGHT_FIELDS
                                     if getattr(p, f) is not None})
@@ -286,8 +288,8 @@ def test_without_interpreter_on_cpu_falls_back_to_blocked(monkeypatch):
 @pytest.mark.slow
 def test_debug_experiment_with_mta_trains_as_torch(tmp_path):
     """The debug experiment with attention=mta (6x11 convolutions in layers 1 and 3, head
-    mixing everywhere): a few training steps and the validation through the Triton kernels
-    give the losses of the reference path, step for step."""
+    mixing everywhere): training steps (the second after an update) and the validation through
+    the Triton kernels give the losses of the reference path, step for step."""
     import json
 
     from mta_repro.config import compose
@@ -298,17 +300,24 @@ def test_debug_experiment_with_mta_trains_as_torch(tmp_path):
         run_dir = tmp_path / impl
         train(compose([
             "experiment=debug", "attention=mta", f"model.attn_impl={impl}", f"run_dir={run_dir}",
-            # validation: one window per domain (the interpreter's time grows with the batch:
-            # 4 windows a batch made validation most of this test's ~160 s)
-            "data.seq_len=16", "data.batch_size=1", "trainer.steps=3", "trainer.eval_max_batches=1",
-            "trainer.eval_batch_size=1",
-            "checkpoint.every=3", "checkpoint.export=false", "logging.every=1",
+            # validation: one window per domain, two domains (the interpreter's time grows with
+            # the windows: 4 windows a batch of 7 domains made validation most of this test's
+            # ~160 s; commoncrawl is where the training batches come from)
+            "data.seq_len=16", "data.batch_size=1", "trainer.eval_max_batches=1", "trainer.eval_batch_size=1",
+            *(f"data.sources.{d}=0" for d in ("arxiv", "book", "github", "stackexchange", "wikipedia")),
+            # two steps, no warmup (its first update has lr 0): step 2's loss is after one update
+            # of lr 1.5e-4, and validation after two
+            "trainer.steps=2", "optim.warmup=0", "optim.lr=1.5e-4",
+            "checkpoint.every=2", "checkpoint.export=false", "logging.every=1",
             "logging.wandb_mode=disabled", "logging.progress_bar=false",
         ]))
         rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+        assert rows[0]["step"] == 1 and rows[0]["lr"] > 0  # step 2 runs on updated weights
         losses[impl] = {(r["step"], key): r[key] for r in rows for key in r
                         if "loss" in key and isinstance(r[key], float)}
     assert set(losses["triton"]) == set(losses["torch"]) and any(key == "val_loss" for _, key in losses["torch"])
+    assert {step for step, key in losses["torch"] if key == "loss"} == {1, 2}
+    assert {key for _, key in losses["torch"]} >= {"val_loss/c4", "val_loss/commoncrawl"}
     for key, want in losses["torch"].items():
         assert losses["triton"][key] == pytest.approx(want, rel=2e-5), key
 
@@ -343,8 +352,9 @@ def test_the_workspace_the_preflight_counts_is_what_the_backward_launch_holds(mo
     and minus the placeholders of descriptors the pass compiles out."""
     from mta_repro.kernels import attention_triton, frames
 
-    h, t, d, b = 4, 40, 16, 2
-    # a GPU's multi-item programs; the fused kernel (kq-conv layers run attention_stored.py unless told)
+    h, t, d, b = 4, 24, 16, 2
+    # a GPU's multi-item programs (3 over the backward's 6 or 10 tiles); the fused kernel
+    # (kq-conv layers run attention_stored.py unless told)
     tn = KernelTuning(triton_programs=3, triton_frame="16x16", triton_design="fused")
     p = params(h, pre, post, mix=mix, tuning=tn)
     q, k, v = (x.float().contiguous().requires_grad_() for x in qkv(b, h, t, t, d))

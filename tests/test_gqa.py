@@ -81,12 +81,15 @@ def test_gqa_equals_mha_with_repeated_kv_weights(variant, impl):
     gqa, mha = pair(variant, impl)
     assert gqa.layers[0].attention.wk.weight.shape == (H_KV * D, H * D)
     x = torch.randint(0, V, (2, 21), generator=torch.Generator().manual_seed(1))
-    want = mha(x)
-    torch.testing.assert_close(gqa(x), want, rtol=1e-10, atol=1e-10)
-    # gradients flow into the shared K/V heads: the sum over the query heads they serve
+    # one forward per model, in training mode, for the outputs and the gradients (the eval-mode
+    # forward, without dropout the same computation, is the next test's full forward)
+    assert gqa.args.dropout == 0.0
     gqa.train(), mha.train()
-    gqa(x).square().mean().backward()
-    mha(x).square().mean().backward()
+    got, want = gqa(x), mha(x)
+    torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
+    # gradients flow into the shared K/V heads: the sum over the query heads they serve
+    got.square().mean().backward()
+    want.square().mean().backward()
     n_rep = H // H_KV
     for lg, lm in zip(gqa.layers, mha.layers):
         g_mha = lm.attention.wk.weight.grad.view(H, D, -1)
