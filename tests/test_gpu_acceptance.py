@@ -1,6 +1,7 @@
 """scripts/gpu_acceptance.py --quick --device cpu: the first-GPU command's code path at toy
 shapes, so it cannot rot before a GPU runs it (about a minute on 2 busy cores, most of
-it the three trainer processes of the memory/preempt and resume sections)."""
+it the four trainer processes of the memory/preempt and resume sections, mostly their
+start-up: imports, config, model; --quick trains 2-layer tiny models there)."""
 
 import json
 import os
