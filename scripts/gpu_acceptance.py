@@ -78,9 +78,8 @@ TINY2 = ["model=tiny", "model.n_layers=2", "model.kq_conv_layers='1'"]
 def shapes(quick: bool) -> dict:
     if quick:
         return dict(heads=4, head_dim=16, parity_t=24, layer_shapes=[(2, 64)], blocks=[16, 32], reps=1,
-                    step=TINY2, step_bt=(2, 64),
-                    step_reps=2, full=TINY2, full_bt=(2, 64), debug=TINY2, debug_bt=(2, 32),
-                    kernel=(3, 5))
+                    step=TINY2, step_bt=(2, 64), step_reps=2, full=TINY2, full_bt=(2, 64), debug=TINY2,
+                    debug_bt=(2, 32), kernel=(3, 5))
     return dict(heads=16, head_dim=96, parity_t=512, layer_shapes=[(4, 2048), (2, 4096)],
                 blocks=[128, 256, 512, 1024], reps=3,
                 step=["model=tiny", "model.dim=1536", "model.n_heads=16", "model.n_layers=4",

@@ -41,10 +41,11 @@ def _worker_threads() -> int | None:
 
 # Set before torch starts its thread pool (and inherited by the subprocesses the tests run);
 # an OMP_NUM_THREADS the caller set is left alone.
-if _worker_threads() is not None and "OMP_NUM_THREADS" not in os.environ:
-    os.environ["OMP_NUM_THREADS"] = str(_worker_threads())
+_THREADS = _worker_threads()
+if _THREADS is not None and "OMP_NUM_THREADS" not in os.environ:
+    os.environ["OMP_NUM_THREADS"] = str(_THREADS)
     if "torch" in sys.modules:  # imported by a plugin before this file: too late for the variable
-        sys.modules["torch"].set_num_threads(_worker_threads())
+        sys.modules["torch"].set_num_threads(_THREADS)
 
 # Whole modules (paths relative to tests/) -> markers besides `slow`.
 MODULE_MARKERS = {
