@@ -1,10 +1,8 @@
-"""mta-repro: reproduction framework for Multi-Token Attention (Golovneva et al., 2025)."""
+"""mta-repro: reproduction framework for Multi-Token Attention (Golovneva et al., 2025).
+
+Importing the package does nothing else: the configs' OmegaConf resolvers are registered
+where configs are composed (``mta_repro.config``), so that ``import mta_repro.mta`` (the
+op, for other codebases) pulls in neither Hydra nor OmegaConf.
+"""
 
 __version__ = "0.1.0"
-
-try:  # the configs' resolvers exist before any config is resolved (mta_repro/resolvers.py)
-    from mta_repro.resolvers import register_resolvers
-
-    register_resolvers()
-except ImportError:  # pragma: no cover - omegaconf is a dependency
-    pass

@@ -17,6 +17,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from mta_repro.data.args import DataArgs
 from mta_repro.model.args import ModelArgs
+from mta_repro.resolvers import register_resolvers
 from mta_repro.train.args import CheckpointArgs, DistributedArgs, LoggingArgs, SlurmArgs, TrainerArgs
 from mta_repro.train.optim import OptimArgs
 
@@ -42,9 +43,10 @@ class TrainConfig:
 
 
 def register_configs() -> None:
-    """Make the schema known to Hydra (idempotent). The configs' resolvers are registered
-    at ``import mta_repro`` (mta_repro/resolvers.py)."""
+    """Make the schema and the configs' resolvers (mta_repro/resolvers.py) known to Hydra
+    and OmegaConf (idempotent); run at import, before anything here composes a config."""
     ConfigStore.instance().store(name="train_schema", node=TrainConfig)
+    register_resolvers()
 
 
 register_configs()

@@ -1,7 +1,8 @@
-"""Every OmegaConf resolver the configs use, registered in one place (at ``import mta_repro``).
+"""Every OmegaConf resolver the configs use, registered in one place (at ``import mta_repro.config``).
 
 Resolvers must exist before any config is resolved, whichever entry point composed it, so
-``mta_repro/__init__.py`` calls ``register_resolvers()``. The names are the ones the YAML
+``mta_repro.config`` (imported by every entry point that composes or loads a config) calls
+``register_resolvers()``; ``import mta_repro`` alone registers nothing. The names are the ones the YAML
 files (and the configs ``mta_repro.release`` writes) already carry; each resolver's body
 lives next to the code it belongs to and is imported only when a config uses it.
 

@@ -134,7 +134,7 @@ def test_user_facing_raises_are_user_errors():
 def test_resolvers_are_registered_in_one_place():
     from omegaconf import OmegaConf
 
-    import mta_repro  # noqa: F401 - registers them
+    import mta_repro.config  # noqa: F401 - registers them
     from mta_repro.resolvers import RESOLVERS
 
     sites = [str(p.relative_to(ROOT)) for p in (ROOT / "mta_repro").rglob("*.py")
