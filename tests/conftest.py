@@ -98,6 +98,7 @@ SLOW_TESTS = {
     ("test_generate_cli.py", "test_generate_errors_and_help"),
     ("test_hf.py", "test_cli"),
     ("test_packaging.py", "test_model_data_train_import_without_the_extras"),
+    ("test_mta_op.py", "test_the_op_imports_without_hydra_omegaconf_transformers_lm_eval_or_wandb"),
     ("test_pipeline_configs.py", "test_plain_run_dir_in_a_sweep_is_refused_before_any_job"),
     ("test_release.py", "test_convert_cli_composes_and_trains_from_release_checkpoint"),
     ("test_table5_small.py", "test_two_points_end_to_end"),
