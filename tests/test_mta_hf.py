@@ -1,0 +1,259 @@
+"""apply_mta on tiny random transformers models (Llama, Qwen2, Mistral, Qwen3): unchanged
+outputs at insertion, generation with the model's own cache (equal to a full recompute, one
+token fed a step), save/load, training (plain PyTorch and the HF Trainer), and the same
+logits as this project's Hugging Face import followed by its Appendix I insertion."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")  # the .[hf] extra (make test installs it)
+
+from mta_repro.errors import UserError  # noqa: E402
+from mta_repro.mta import MultiTokenAttention, apply_mta, load_mta_pretrained  # noqa: E402
+
+F64 = torch.float64
+VOCAB, T = 96, 12
+# The release's options at toy size: both convolutions, both head mixings.
+MTA = dict(query_kernel_size=3, key_kernel_size=5, after_sm_query_kernel_size=2, after_sm_key_kernel_size=3,
+           pre_sm_linear_head=True, head_kernel_size=2)
+W = (3 - 1) + (2 - 1)  # queries an MTA layer keeps: (c_q - 1) + (c_q' - 1)
+
+
+def tiny(family: str = "llama", dtype=torch.float32, attn="sdpa", seed=0, **extra):
+    """A 3-layer, 64-wide random model of ``family`` (4 query heads, 2 K/V heads)."""
+    cls = {"llama": ("LlamaConfig", "LlamaForCausalLM"), "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
+           "mistral": ("MistralConfig", "MistralForCausalLM"), "qwen3": ("Qwen3Config", "Qwen3ForCausalLM")}[family]
+    kw = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
+              num_key_value_heads=2, max_position_embeddings=256, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    if family == "qwen3":
+        kw["head_dim"] = 16
+    config = getattr(transformers, cls[0])(**kw, **extra)
+    config._attn_implementation = attn
+    torch.manual_seed(seed)
+    return getattr(transformers, cls[1])(config).to(dtype).eval()
+
+
+def perturb(model, scale=0.2, seed=1):
+    """Move every MTA parameter off its identity init (so that MTA changes the outputs)."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if ".mta." in name:
+                p.add_(scale * torch.randn(p.shape, generator=g).to(p.dtype))
+    return model
+
+
+def batch(seed=2, pad=3):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, VOCAB, (2, T), generator=g)
+    mask = torch.ones(2, T, dtype=torch.long)
+    mask[0, :pad] = 0  # left padding, as generate() batches prompts
+    ids[0, :pad] = 0
+    return ids, mask
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "mistral", "qwen3"])
+def test_identity_insertion_leaves_the_outputs_unchanged(family, attn):
+    """A left-padded batch: the converted model's logits equal the original's at every real
+    position (to rounding: float64; float32 under eager attention, whose float64 masks give
+    NaN pad rows in transformers 5.25 itself); the layers not chosen keep their class."""
+    dtype = F64 if attn == "sdpa" else torch.float32
+    model = tiny(family, dtype, attn)
+    ids, mask = batch()
+    with torch.no_grad():
+        want = model(ids, attention_mask=mask).logits
+        apply_mta(model, layers=[0, 2], **MTA)
+        got = model(ids, attention_mask=mask).logits
+    layers = model.model.layers
+    assert [type(layer.self_attn).__name__.startswith("MTA") for layer in layers] == [True, False, True]
+    assert type(model).__name__ == f"MTA{type(model).__mro__[2].__name__}"
+    assert isinstance(layers[0].self_attn.mta, MultiTokenAttention) and layers[0].self_attn.mta.layer_id == 0
+    real = mask.bool()
+    tol = 1e-10 if dtype == F64 else 2e-5
+    torch.testing.assert_close(got[real], want[real], rtol=tol, atol=tol)
+
+
+def greedy_by_hand(model, ids, n):
+    """Greedy decoding by full recompute (no cache), one token at a time."""
+    with torch.no_grad():
+        for _ in range(n):
+            nxt = model(ids, use_cache=False).logits[:, -1:].argmax(-1)
+            ids = torch.cat([ids, nxt], dim=1)
+    return ids
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "mistral"])
+def test_generate_with_the_models_cache_equals_a_full_recompute(family):
+    """MTA moved off identity; greedy with the model's DynamicCache == without a cache ==
+    greedy by hand; a left-padded batch and beam search (the cache's rows reordered) too."""
+    model = perturb(apply_mta(tiny(family), layers=[0, 2], **MTA))
+    ids, mask = batch()
+    kw = dict(do_sample=False, pad_token_id=0)
+    with torch.no_grad():
+        cached = model.generate(ids[1:], max_new_tokens=12, min_new_tokens=12, use_cache=True, **kw)
+        full = model.generate(ids[1:], max_new_tokens=12, min_new_tokens=12, use_cache=False, **kw)
+        a = model.generate(ids, attention_mask=mask, max_new_tokens=8, min_new_tokens=8, use_cache=True, **kw)
+        b = model.generate(ids, attention_mask=mask, max_new_tokens=8, min_new_tokens=8, use_cache=False, **kw)
+        c = model.generate(ids[1:], max_new_tokens=6, num_beams=3, use_cache=True, **kw)
+        d = model.generate(ids[1:], max_new_tokens=6, num_beams=3, use_cache=False, **kw)
+    assert torch.equal(cached, full) and torch.equal(cached, greedy_by_hand(model, ids[1:], 12))
+    assert torch.equal(a, b) and torch.equal(c, d)
+    # MTA changed the model: the original's greedy continuation differs
+    plain = tiny(family)
+    with torch.no_grad():
+        assert not torch.equal(plain.generate(ids[1:], max_new_tokens=12, min_new_tokens=12, **kw), cached)
+
+
+def test_the_cache_feeds_one_token_a_step_and_keeps_w_queries():
+    """What makes cached generation O(T) per token, counted rather than timed: the prompt
+    once, then one token per step (32 new tokens: 12 + 31 tokens fed, against 880 by full
+    recompute); each MTA layer's cache keeps every key and only the last W queries."""
+    model = perturb(apply_mta(tiny(), layers=[0, 2], **MTA))
+    ids = batch()[0][1:]
+    n, fed = 32, {True: [], False: []}
+    with torch.no_grad():
+        for use_cache in (False, True):
+            hook = model.register_forward_pre_hook(
+                lambda mod, args, kwargs, uc=use_cache: fed[uc].append(kwargs["input_ids"].shape[1]), with_kwargs=True)
+            try:
+                out = model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0,
+                                     use_cache=use_cache, return_dict_in_generate=True)
+            finally:
+                hook.remove()
+            assert out.sequences.shape[1] == T + n
+    assert fed[True] == [T] + [1] * (n - 1) and sum(fed[True]) == 43
+    assert fed[False] == list(range(T, T + n)) and sum(fed[False]) == 880
+    cache = getattr(out, "cache", None) or out.past_key_values
+    for i, layer in enumerate(cache.layers):
+        assert layer.keys.shape[2] == T + n - 1
+        kept = getattr(layer, "mta_queries", None)
+        assert (kept.shape[2] if kept is not None else 0) == (W if i in (0, 2) else 0)
+
+
+def test_save_pretrained_and_from_pretrained_round_trip(tmp_path):
+    """save_pretrained writes modeling_mta.py, the auto_map and the options; from_pretrained
+    with trust_remote_code, and load_mta_pretrained without it, give the same logits; the
+    plain class loads the base model and names the MTA tensors it leaves out."""
+    model = perturb(apply_mta(tiny(), layers="0,2", conv_layers=[2], **MTA, group_norm=True, add_gating=True))
+    model.save_pretrained(tmp_path)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    assert cfg["auto_map"] == {"AutoModelForCausalLM": "modeling_mta.MTALlamaForCausalLM"}
+    assert cfg["mta_repro"]["layers"] == [0, 2] and cfg["mta_repro"]["conv_layers"] == [2]
+    assert (tmp_path / "modeling_mta.py").is_file()
+    ids, mask = batch()
+    with torch.no_grad():
+        want = model(ids, attention_mask=mask).logits
+        for loaded in (transformers.AutoModelForCausalLM.from_pretrained(tmp_path, trust_remote_code=True),
+                       load_mta_pretrained(tmp_path)):
+            assert type(loaded).__name__ == "MTALlamaForCausalLM"
+            assert loaded.model.layers[0].self_attn.mta.mta_kernel is None  # no convolution in layer 0
+            assert loaded.model.layers[2].self_attn.mta.mta_kernel is not None
+            torch.testing.assert_close(loaded.eval()(ids, attention_mask=mask).logits, want, rtol=0, atol=0)
+        plain = transformers.LlamaForCausalLM.from_pretrained(tmp_path)
+        assert not any(".mta." in k for k in plain.state_dict())
+
+
+def test_training_with_plain_pytorch_moves_the_mta_parameters_and_the_loss_falls():
+    model = apply_mta(tiny(), layers=[0, 1, 2], conv_layers=[1], **MTA).train()
+    ids = batch()[0][1:].repeat(4, 1)
+    start = {n: p.detach().clone() for n, p in model.named_parameters() if ".mta." in n}
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    losses = []
+    for _ in range(12):
+        loss = model(ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    assert losses[-1] < 0.7 * losses[0], losses
+    moved = [n for n, p in model.named_parameters() if ".mta." in n and not torch.equal(p, start[n])]
+    assert len(moved) == len(start) > 0
+
+
+def test_training_with_the_hf_trainer_lowers_the_loss(tmp_path):
+    from transformers import Trainer, TrainingArguments
+
+    model = apply_mta(tiny(), layers=[0, 2], **MTA)
+    ids = batch()[0][1:]
+    data = [{"input_ids": ids[0], "labels": ids[0]}] * 16
+
+    args = TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=4, max_steps=12,
+                             learning_rate=3e-3, logging_steps=1, save_strategy="no", report_to=[],
+                             use_cpu=True, disable_tqdm=True)
+    trainer = Trainer(model=model, args=args, train_dataset=data)
+    trainer.train()
+    losses = [r["loss"] for r in trainer.state.log_history if "loss" in r]
+    assert len(losses) == 12 and losses[-1] < 0.7 * losses[0], losses
+
+
+def test_same_logits_as_the_projects_hf_import_and_appendix_i_insertion(tmp_path):
+    """A tiny random Llama saved by transformers, (a) converted by apply_mta in place and (b)
+    imported by ``python -m mta_repro.hf import`` (``import_hf``) and converted by this
+    project's Appendix I insertion (``baseline_to_mta``) with the release's layer rule
+    (mixing in every layer, convolutions in layer 1): the same MTA weights in both give the
+    same logits (float64; transformers' RoPE tables are float32)."""
+    from mta_repro.eval.load import load_model
+    from mta_repro.hf import import_hf
+    from mta_repro.model import MTAArgs
+    from mta_repro.model.insertion import baseline_to_mta
+
+    hf = tiny("llama", F64)
+    hf.to(torch.float32).save_pretrained(tmp_path / "hf")
+    hf = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "hf", torch_dtype=F64).eval()
+    pt = import_hf(tmp_path / "hf", tmp_path / "base.pt", dtype="float32")
+    base, _ = load_model(pt, device="cpu", dtype="float64")
+    ours = baseline_to_mta(base.state_dict(), base.args,
+                           MTAArgs(use_mta=True, mta_layers="1", **MTA)).double().eval()
+    perturb(apply_mta(hf, layers=None, conv_layers=[1], **MTA))
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if ".mta." in name:
+                i, tail = int(name.split(".")[2]), name.split(".mta.")[1]
+                dict(ours.named_parameters())[f"layers.{i}.attention.{tail}"].copy_(p)
+    ids = batch()[0][1:]
+    with torch.no_grad():
+        got, want = hf(ids).logits, ours(ids)
+        before = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "hf", torch_dtype=F64).eval()(ids).logits
+    assert (want - before).abs().max() > 1e-2  # MTA changes the model ...
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)  # ... and both alike (4e-8 here: the RoPE tables)
+
+
+BAD = [
+    (lambda m: apply_mta(m, query_kernel_size=3, key_kernal_size=5), "unknown option 'key_kernal_size' (did you mean"),
+    (lambda m: apply_mta(m, layers=[3], **MTA), "layer 3 is out of range for a model of 3 layers"),
+    (lambda m: apply_mta(m, layers=[0], conv_layers=[1], **MTA), "conv_layers [1] are not among layers [0]"),
+    (lambda m: apply_mta(m, query_kernel_size=3, key_kernel_size=4), "key_kernel_size=4: pad_key 'both'"),
+    (lambda m: apply_mta(apply_mta(m, **MTA), **MTA), "already has MTA layers"),
+    (lambda m: apply_mta(m, layers=[0], conv_layers=[], query_kernel_size=3, key_kernel_size=5), "add nothing"),
+    (lambda m: apply_mta(transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2))),
+     "no LlamaAttention / Qwen2Attention"),
+]
+
+
+@pytest.mark.parametrize("call, words", BAD, ids=[w[:30] for _, w in BAD])
+def test_wrong_options_and_models_are_one_line_user_errors(call, words):
+    with pytest.raises(UserError) as e:
+        call(tiny())
+    assert words in str(e.value) and "\n" not in str(e.value)
+
+
+def test_a_mask_that_is_not_causal_plus_padding_and_a_foreign_cache_are_refused():
+    """A sliding window shorter than the sequence (Mistral's) is no mask MTA can read, a cache
+    filled without MTA's queries cannot continue, a static cache's padded keys are refused:
+    one line each."""
+    model = apply_mta(tiny("mistral", sliding_window=4), layers=[1], **MTA)
+    with pytest.raises(UserError, match="layer 1: the model's attention mask is not causal \\+ padding"):
+        model(batch()[0])
+    plain, ids = tiny(), batch()[0][1:]
+    with torch.no_grad():
+        cache = plain(ids, use_cache=True).cache
+        apply_mta(plain, layers=[0], **MTA)
+        with pytest.raises(UserError, match="cache holds 12 tokens but none of their queries"):
+            plain(ids[:, -1:], cache=cache, use_cache=True)
+        with pytest.raises(UserError, match="got a StaticLayer cache layer; MTA layers need the model's DynamicCache"):
+            plain.generate(ids, max_new_tokens=2, pad_token_id=0, cache_implementation="static")
