@@ -57,6 +57,8 @@ MODULE_MARKERS = {
     "test_attn_stored.py": ("triton",),
     "test_kq_conv_triton.py": ("triton",),
     "test_kernel_hazards.py": ("triton",),
+    # Liger-Kernel's Triton kernels, in the interpreter on CPU
+    "test_mta_liger.py": ("triton",),
     "test_pipeline.py": ("pipeline",),
     "test_train_e2e.py": ("pipeline",),
     # lm-eval's task index (parsing ~15,000 YAMLs: 30 s and more before its cache exists)
