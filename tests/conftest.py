@@ -118,6 +118,7 @@ SLOW_TESTS = {
     ("test_mta_hf.py", "test_the_cache_feeds_one_token_a_step_and_keeps_w_queries"),
     ("test_mta_hf.py", "test_training_with_plain_pytorch_moves_the_mta_parameters_and_the_loss_falls"),
     ("test_mta_hf.py", "test_training_with_the_hf_trainer_lowers_the_loss"),
+    ("test_mta_docs.py", "test_the_hugging_face_example_runs"),
     ("test_data_integrity.py", "test_trainer_logs_the_bad_records"),
     ("test_memory.py", "test_shipped_experiments_fit_an_h200"),
     ("test_memory_measured.py", "test_preflight_matches_a_measured_cpu_step_for_baseline_and_mta"),
