@@ -7,8 +7,8 @@ initialisation, so the model computes what it computed before until training mov
 new parameters (group norm and gating are not identities: they change it at once). The
 projections, RoPE, masks and KV cache remain the model's own: an MTA layer reads the
 rotated queries, the keys and values the model's ``DynamicCache`` returns, and keeps in
-that cache's layer the last c_q - 1 queries its convolutions read, so generating a token
-costs one score row per kept query (O(T)). The converted model's class becomes
+that cache's layer the (c_q - 1) + (c_q' - 1) last queries its convolutions read, so a new
+token costs one score row per kept query (O(T)). The converted model's class becomes
 ``MTA<Family>ForCausalLM`` (a subclass, ``modeling_mta.py``), so ``save_pretrained``
 writes that small file and the options (``config.mta_repro``) beside the weights and
 ``from_pretrained(dir, trust_remote_code=True)`` or ``load_mta_pretrained(dir)`` rebuilds
