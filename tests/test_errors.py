@@ -197,3 +197,33 @@ def test_train_cli_fault_in_a_loader_keeps_its_traceback(tmp_path):
                    extra_path=[tmp_path])
     assert p.returncode not in (0, 2)
     assert "Traceback" in p.stderr and "faulty_loader.py" in p.stderr and "invalid literal" in p.stderr
+
+
+@pytest.mark.slow
+def test_a_sequence_longer_than_the_model_is_refused_on_every_path(tmp_path):
+    """data.seq_len above model.max_seqlen: training, a finetune (its source named) and the
+    evaluation of a run whose config says it trained that long: one line, exit 2, nothing run."""
+    long = ("data.seq_len=8192 is longer than model.max_seqlen=4096, the longest sequence the model is meant for; "
+            "lower data.seq_len, or set model.max_seqlen=8192 for a model meant for 8192-token sequences")
+    p = _train_cli("experiment=debug", f"run_dir={tmp_path}/a", "data.seq_len=8192")
+    assert p.returncode == 2 and p.stderr.strip() == f"train: error: {long}", p.stderr[-3000:]
+    src = tmp_path / "src.pt"
+    src.write_bytes(b"")
+    p = _train_cli("experiment=long_context_880m_mta", f"checkpoint.init_from={src}", f"run_dir={tmp_path}/b",
+                   "data.seq_len=8192")
+    assert p.returncode == 2 and p.stderr.strip() == f"train: error: {long}", p.stderr[-3000:]
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+    sys.path.insert(0, str(Path(__file__).parent / "fixtures" / "eval"))
+    from eval_helpers import make_run
+
+    run_dir, model = make_run(tmp_path / "old", attention="baseline", seq_len=8192)  # saved before the check
+    assert model.args.max_seqlen == 4096
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    env.pop(TRACEBACK_ENV, None)
+    p = subprocess.run([sys.executable, "-m", "mta_repro.eval", str(run_dir), "tasks=[ppl]", "device=cpu"], cwd=ROOT,
+                       env=env, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 2, p.stderr[-3000:]
+    assert p.stderr.strip().splitlines()[-1] == (
+        f"eval: error: eval: ppl.seq_len=8192 for task 'ppl' is longer than model.max_seqlen=4096 of {run_dir}, the "
+        "longest sequence the model is meant for; set extrapolate=true to evaluate beyond it on purpose")
+    assert not (run_dir / "eval").exists()

@@ -69,12 +69,18 @@ def trained_context(run_cfg) -> Optional[int]:
     return trained_seq_len(run_cfg)
 
 
-def check_context(cfg: EvalConfig, lengths: dict, trained: Optional[int]) -> None:
-    """Refuse a length beyond the trained context unless ``extrapolate=true``."""
-    if cfg.extrapolate or trained is None:
+def check_context(cfg: EvalConfig, lengths: dict, trained: Optional[int], max_seqlen: Optional[int] = None) -> None:
+    """Refuse a length beyond the trained context, or beyond the model's ``max_seqlen``,
+    unless ``extrapolate=true``."""
+    if cfg.extrapolate:
         return
     for (task, field_name), length in lengths.items():
-        if length > trained:
+        if max_seqlen is not None and length > max_seqlen and (trained is None or trained >= length):
+            raise UserError(
+                f"eval: {field_name}={length} for task {task!r} is longer than model.max_seqlen={max_seqlen} of "
+                f"{cfg.run_dir}, the longest sequence the model is meant for; set extrapolate=true to evaluate "
+                "beyond it on purpose")
+        if trained is not None and length > trained:
             raise UserError(
                 f"eval: {field_name}={length} for task {task!r} is beyond the context {cfg.run_dir} was trained at "
                 f"(data.seq_len={trained} in its config); set extrapolate=true to evaluate beyond it on purpose "
@@ -123,7 +129,8 @@ def run(cfg: EvalConfig) -> dict:
     ctx = EvalContext(model=model, tokenizer=tok, run_cfg=run_cfg, data_args=to_data_args(run_cfg.data),
                       trained_seq_len=trained_context(run_cfg))
     lengths = {t.name: t.lengths(cfg, ctx) for t in tasks}
-    check_context(cfg, {(n, f): v for n, per in lengths.items() for f, v in per.items()}, ctx.trained_seq_len)
+    check_context(cfg, {(n, f): v for n, per in lengths.items() for f, v in per.items()}, ctx.trained_seq_len,
+                  getattr(getattr(model, "args", None), "max_seqlen", None))
 
     out_dir = Path(cfg.out_dir) if cfg.out_dir else default_out_dir(cfg.run_dir)
     source = getattr(model, "source", {})
