@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 from typing import Callable, Optional, Sequence
 
-from mta_repro.errors import UserError, show_tracebacks
+from mta_repro.errors import StopRequested, UserError, show_tracebacks
 
 
 def user_errors() -> tuple:
@@ -101,11 +101,17 @@ def describe(exc: BaseException) -> str:
 
 def run_cli(prog: str, fn: Callable[[], int]) -> int:
     """``fn()``'s exit code; a user error prints ``<prog>: error: <one line>`` and gives 2,
-    Ctrl-C outside the training loop (which saves first) ``<prog>: interrupted`` and 130."""
+    Ctrl-C outside the training loop (which saves first) ``<prog>: interrupted`` and 130, a
+    stop signal seen before there was anything to save (``StopRequested``) its one line and
+    128 + the signal's number."""
     try:
         return fn()
+    except StopRequested as e:
+        print(f"{prog}: {e}", file=sys.stderr)
+        return 128 + e.signum
     except user_errors() as e:
-        print(f"{prog}: error: {describe(e)}", file=sys.stderr)
+        for line in getattr(e, "lines", None) or [describe(e)]:  # several findings: one line each
+            print(f"{prog}: error: {line}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         if show_tracebacks():

@@ -146,7 +146,7 @@ SLOW_TESTS = {
 SHARED_FIXTURE_MODULES = {
     "test_eval_lm_eval.py", "test_eval_tasks.py", "test_pipeline.py", "test_pipeline_llama3.py", "test_slurm.py",
     "test_table5_small.py", "test_train_corrupt.py", "test_train_e2e.py", "test_train_rundir.py",
-    "test_train_validation.py",
+    "test_train_stop_phases.py", "test_train_validation.py",
 }
 
 # The order in which `make test` hands work to its pytest-xdist workers, longest first (it

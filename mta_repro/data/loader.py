@@ -6,7 +6,10 @@ BOS ... EOS, and the tokens are appended to a running sequence that is cut into
 ``seq_len + 1`` windows (no document masking; a document may span windows). Windows go
 through a shuffle buffer (``shuffle_buffer`` windows; each output is a uniformly drawn
 slot that is refilled with the next window) and ``batch_size`` of them form a batch:
-``input = window[:-1]``, ``target = window[1:]``.
+``input = window[:-1]``, ``target = window[1:]``. A batch first reads what it needs (the
+buffer's first fill: the warm-up), then cuts and draws without reading; ``ready`` does the
+reading ahead with a stop check between documents. A first batch that needs more tokens
+than the rank's share of the split holds is refused when the loader is built.
 
 A domain's stream repeats its share of the files in the same order once exhausted
 (epochs are counted in the state); the domain draws and the buffer differ each time.
@@ -26,19 +29,34 @@ import copy
 import logging
 import queue
 import threading
-from typing import Dict, List, Optional
+import time
+from typing import Callable, Dict, List, Optional
 
 import numpy as np
 import torch
 
 from mta_repro.data.args import DataArgs, active_sources, to_data_args
-from mta_repro.data.sources import BAD_KINDS, BadLedger, DocStream, check_domain, iter_docs, list_files, shard_files
+from mta_repro.data.sources import (
+    BAD_KINDS,
+    SET_NAMES,
+    BadLedger,
+    DocStream,
+    check_domain,
+    iter_docs,
+    list_files,
+    shard_files,
+    shard_texts,
+)
 from mta_repro.data.tokenizers import build_tokenizer
 from mta_repro.errors import UserError
 
 log = logging.getLogger(__name__)
 
 STATE_VERSION = 1
+
+
+class _WorkerStopped(Exception):
+    """The prefetch thread was asked to stop (``close``) while it read."""
 
 
 class TrainLoader:
@@ -74,6 +92,39 @@ class TrainLoader:
         self._queue: Optional[queue.Queue] = None
         self._stop = threading.Event()
         self._handed_state: Optional[dict] = None  # prefetch: the state after the last batch out
+        self._check_split_holds_a_window()
+
+    def _check_split_holds_a_window(self) -> None:
+        """Refuse, before any batch, a window (data.seq_len + 1 tokens) longer than this
+        rank's share of the training split: it would hold every document more than once,
+        and the loader would cycle the corpus to fill it. A first batch (the shuffle
+        buffer's fill and one batch) that the share cannot hold is told in one warning.
+        Counts only up to what the first batch needs: on a corpus that holds it, about
+        one batch of reading."""
+        n = self.args.seq_len + 1
+        k = self.args.shuffle_buffer if self.args.shuffle_buffer > 1 else 0
+        need = (k + self.args.batch_size) * n
+        total, seen = 0, set()
+        sets = {SET_NAMES[d] for d in self.domains} if self.args.layout == "slimpajama" else None
+        for d in self.domains:
+            shard = [f for f in self.streams[d].base_shard if f not in seen]
+            seen.update(shard)
+            for text in shard_texts(self.streams[d].root, shard, sets):
+                total += len(self.tokenizer.encode(text, add_bos=self.args.add_bos, add_eos=self.args.add_eos))
+                if total >= need:
+                    return
+        where = (f"the training split under {self.args.root_dir} holds {total:,} tokens for rank "
+                 f"{self.rank}/{self.world_size} (domains {', '.join(self.domains)})")
+        if total == 0:
+            return  # no usable document: the domain's stream says which, with its bad records
+        if total < n:
+            raise UserError(
+                f"data: one window of data.seq_len+1={n:,} tokens is longer than the corpus: {where}, so every "
+                "window would repeat each document. Lower data.seq_len, or point data.root_dir at a larger corpus")
+        log.warning("data: the first batch needs %s tokens (data.shuffle_buffer=%d + data.batch_size=%d windows of "
+                    "%d) but %s: it repeats documents, and the shuffle buffer's fill cycles the corpus about %d "
+                    "times; lower data.shuffle_buffer or data.seq_len", f"{need:,}", k, self.args.batch_size, n,
+                    where, -(-need // total))
 
     # ------------------------------------------------------------------ pipeline
     def _next_doc_tokens(self) -> tuple[List[int], int]:
@@ -84,12 +135,20 @@ class TrainLoader:
         self.n_docs[d] += 1
         return self.tokenizer.encode(text, add_bos=self.args.add_bos, add_eos=self.args.add_eos), i
 
-    def _next_window(self) -> tuple[np.ndarray, np.ndarray]:
+    def _read_doc(self, interrupt: Optional[Callable[[], None]]) -> None:
+        """One more document onto the packing remainder. ``interrupt()`` first: it may raise
+        to stop a long read-ahead, which leaves the loader between two documents (its state
+        as valid as after any batch)."""
+        if interrupt is not None:
+            interrupt()
+        ids, i = self._next_doc_tokens()
+        self.tokens.extend(ids)
+        self.doms.extend([i] * len(ids))
+
+    def _next_window(self, interrupt: Optional[Callable[[], None]] = None) -> tuple[np.ndarray, np.ndarray]:
         n = self.args.seq_len + 1
         while len(self.tokens) - self._pos < n:
-            ids, i = self._next_doc_tokens()
-            self.tokens.extend(ids)
-            self.doms.extend([i] * len(ids))
+            self._read_doc(interrupt)
         w = np.asarray(self.tokens[self._pos : self._pos + n], dtype=np.int32)
         dw = np.asarray(self.doms[self._pos : self._pos + n], dtype=np.int8)
         self._pos += n
@@ -112,7 +171,23 @@ class TrainLoader:
         self.buffer[i], self.buffer_doms[i] = self._next_window()
         return out
 
-    def _make_batch(self) -> Dict[str, torch.Tensor]:
+    def _read_ahead(self, n_windows: int, interrupt: Optional[Callable[[], None]]) -> None:
+        """Read what the next ``n_windows`` outputs need: the shuffle buffer's first fill (the
+        warm-up) and ``n_windows`` windows of tokens on the remainder. The outputs then cut
+        and draw without reading, so a stop (``interrupt`` raising) can only come between
+        two documents. Reading ahead changes no batch: windows are cut from the same token
+        stream, and the buffer's draws use their own generator."""
+        k = self.args.shuffle_buffer
+        while k > 1 and len(self.buffer) < k:
+            w, dw = self._next_window(interrupt)
+            self.buffer.append(w)
+            self.buffer_doms.append(dw)
+        need = n_windows * (self.args.seq_len + 1)
+        while len(self.tokens) - self._pos < need:
+            self._read_doc(interrupt)
+
+    def _make_batch(self, interrupt: Optional[Callable[[], None]] = None) -> Dict[str, torch.Tensor]:
+        self._read_ahead(self.args.batch_size, interrupt)
         pairs = [self._next_sequence() for _ in range(self.args.batch_size)]
         seqs = np.stack([w for w, _ in pairs])  # (B, T+1)
         for _, dw in pairs:  # the targets' domains
@@ -124,6 +199,23 @@ class TrainLoader:
     # ------------------------------------------------------------------ iteration
     def __iter__(self) -> "TrainLoader":
         return self
+
+    def ready(self, n_batches: int = 1, interrupt: Optional[Callable[[], None]] = None) -> None:
+        """Read ahead what the next ``n_batches`` batches need (the first call: the loader's
+        warm-up, the shuffle buffer's fill), calling ``interrupt()`` between documents; it
+        may raise (the trainer's stop check), leaving the loader as it was between two
+        batches. Those batches then come without reading. With ``prefetch``: wait until
+        the thread has them queued (up to ``prefetch``), calling ``interrupt()`` meanwhile."""
+        if self.args.prefetch <= 0:
+            self._read_ahead(n_batches * self.args.batch_size, interrupt)
+            return
+        if self._thread is None:
+            self._start()
+        want = min(n_batches, self.args.prefetch)
+        while self._queue.qsize() < want and self._thread.is_alive():
+            if interrupt is not None:
+                interrupt()
+            time.sleep(0.05)
 
     def __next__(self) -> Dict[str, torch.Tensor]:
         if self.args.prefetch <= 0:
@@ -145,16 +237,22 @@ class TrainLoader:
         self._thread = threading.Thread(target=self._worker, name=f"data-prefetch-r{self.rank}", daemon=True)
         self._thread.start()
 
+    def _worker_interrupt(self) -> None:
+        if self._stop.is_set():  # close(): stop the thread between two documents
+            raise _WorkerStopped
+
     def _worker(self) -> None:
         try:
             while not self._stop.is_set():
-                item = (self._make_batch(), self._state())
+                item = (self._make_batch(self._worker_interrupt), self._state())
                 while not self._stop.is_set():
                     try:
                         self._queue.put(item, timeout=0.1)
                         break
                     except queue.Full:
                         continue
+        except _WorkerStopped:
+            return
         except BaseException as e:  # handed to the consumer, raised there
             self._queue.put(e)
 

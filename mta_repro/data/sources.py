@@ -536,3 +536,32 @@ def iter_docs(args: DataArgs, domain: str, split: str = "validation") -> Iterato
             reader.close()
     if counts:
         log.warning("data: %s/%s: skipped bad records %s", domain, split, counts)
+
+
+def shard_texts(root: Path, shard: List[Tuple[str, int, int]], set_names: Optional[set]) -> Iterator[str]:
+    """The document texts of a rank's shard (``shard_files``) in file order, one pass:
+    records of ``set_names`` (the slimpajama layout; None: every record, the domains
+    layout). Bad records are skipped uncounted, and an unreadable file is left at its
+    damage (the streams count both when they read them)."""
+    for name, stride, sub in shard:
+        try:
+            reader = _LineReader(root / name, 0)
+        except OSError:
+            continue
+        try:
+            j = -1
+            while True:
+                try:
+                    line = reader.readline()
+                except Exception:  # noqa: BLE001 - a corrupt/truncated file: the rest is unreadable
+                    break
+                if not line:
+                    break
+                j += 1
+                if j % stride != sub or not line.strip():
+                    continue
+                rec = parse_line(line, set_names is not None, None)
+                if rec is not None and (set_names is None or rec[0] in set_names):
+                    yield rec[1]
+        finally:
+            reader.close()
