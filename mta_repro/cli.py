@@ -120,6 +120,21 @@ def run_cli(prog: str, fn: Callable[[], int]) -> int:
         return 130
 
 
+def check_split_lists(argv: Sequence[str]) -> None:
+    """An override whose list the shell split at its spaces (``key=[a, b]`` unquoted arrives
+    as ``key=[a,`` and ``b]``): one line with the fix, not Hydra's grammar error."""
+    for i, a in enumerate(argv):
+        if "=" not in a or a.startswith("-"):
+            continue
+        value = a.split("=", 1)[1]
+        if value.count("[") > value.count("]") or value.count("{") > value.count("}"):
+            rest = list(argv[i + 1:])
+            whole = " ".join([a] + rest[:next((j + 1 for j, r in enumerate(rest) if "]" in r or "}" in r), 0)])
+            key = a.split("=", 1)[0]
+            raise UserError(f"{key}: the shell split this list at its spaces ({whole!r} arrived as several "
+                            f"arguments); quote the override, e.g. \"{whole}\", or write it without spaces")
+
+
 def check_group_options(overrides: Sequence[str], groups: Sequence[str], config_dir: Path) -> None:
     """``group=option`` overrides name a YAML file of configs/<group>/ (checked before Hydra,
     whose own message for ``model=880`` is about ints)."""
@@ -139,6 +154,7 @@ def check_hydra_overrides(argv: Sequence[str], config_dir: Path, config_name: st
     Sweep values (``-m a=1,2``) are checked by their first value; ``hydra.*`` overrides
     and a command line that names another config are left to Hydra. ``check(cfg)``: a
     further check of the composed config (e.g. the schema's for ``+key=`` additions)."""
+    check_split_lists(argv)
     try:  # Hydra's own command-line parser (an internal module: if it moves, Hydra checks alone)
         from hydra._internal.utils import get_args_parser
         from hydra.core.override_parser.overrides_parser import OverridesParser

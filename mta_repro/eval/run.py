@@ -46,6 +46,9 @@ def parse_argv(argv: Sequence[str]) -> EvalConfig:
     """First argument without '=' is the run directory; the rest are Hydra overrides."""
     force = "--force" in argv
     argv = [a for a in argv if a != "--force"]
+    from mta_repro.cli import check_split_lists
+
+    check_split_lists(argv)  # before the split pieces are taken for run directories
     paths = [a for a in argv if "=" not in a]
     overrides = [a for a in argv if "=" in a] + (["force=true"] if force else [])
     if len(paths) > 1:

@@ -15,6 +15,7 @@ from string import Template
 from mta_repro.errors import UserError
 from mta_repro.pipeline.plan import REPO, Job, Plan, done, missing_sources
 from mta_repro.slurm import memory_lines, time_limit
+from mta_repro.train.args import SITE_FIELDS
 
 # Evaluation, Appendix I check and report jobs: one process on one node.
 JOB_TEMPLATE = Template("""#!/bin/bash
@@ -70,12 +71,12 @@ def job_script(job: Job, slurm: dict) -> str:
         kwargs = {"python": job.command[0]}
         if "check_paths" in inspect.signature(render).parameters:
             kwargs["check_paths"] = False  # the source run is made by an earlier job of this plan
-        script, _ = render(list(job.overrides), **kwargs)
+        script, _ = render(list(job.overrides) + site_overrides(slurm, job.overrides), **kwargs)
         return script
     report = job.kind == "report"
     cpu_only = report or job.kind == "import"
     gpus = int(slurm.get("gpus_per_node", 1)) if not cpu_only else 0
-    extra = "\n".join(f"#SBATCH --{k}={slurm[k]}" for k in ("partition", "account", "qos") if slurm.get(k))
+    extra = "\n".join(f"#SBATCH --{k}={slurm[k]}" for k in SITE_FIELDS if slurm.get(k))
     cpus = REPORT_CPUS if report else (IMPORT_CPUS if job.kind == "import" else int(slurm.get("cpus_per_task", 12)))
     name = f"{job.kind}_{job.label}".replace("/", "_") if not report else "mta_report"
     command = job.shell() if not report else _missing_report_inputs(job) + "\n" + job.shell()
@@ -93,6 +94,38 @@ def job_script(job: Job, slurm: dict) -> str:
         omp=max(1, cpus // 2),
         command=command,
     )
+
+
+def site_overrides(slurm: dict, given) -> list:
+    """``pipeline.slurm``'s partition, account, QoS and constraint for a training job (whose
+    own ``slurm`` section sets its size), unless its overrides set them: one place for
+    the site's names, every job of the plan."""
+    from mta_repro.train.jobcheck import quote_value
+
+    return [f"slurm.{k}={quote_value(slurm[k])}" for k in SITE_FIELDS
+            if slurm.get(k) and not any(str(o).lstrip("+").startswith(f"slurm.{k}=") for o in given)]
+
+
+def plan_problems(plan: Plan) -> list:
+    """What the jobs still to run would miss at their start (mta_repro/train/jobcheck.py),
+    each line once: a root the jobs cannot write, an import folder, and each training
+    job's data, tokenizer and sources (a run an earlier job makes counts as there)."""
+    from mta_repro.pipeline.plan import _Composer
+    from mta_repro.train.jobcheck import problems, writable_dir_problem
+
+    lines = [line for line in [writable_dir_problem(plan.root, "root")] if line]
+    lines += missing_sources(plan)
+    made = list(plan.train_dirs.values()) + [j.out_file for j in plan.jobs if j.kind == "import"]
+    todo = [j for j in plan.jobs if j.kind in ("train", "check") and not done(j)]
+    if todo:
+        with _Composer() as c:
+            for job in todo:
+                for line in problems(c.train(job.overrides), made_by_plan=made):
+                    if line.startswith("run_dir:"):  # under the root: said once, above
+                        continue
+                    if line not in lines:
+                        lines.append(line)
+    return lines
 
 
 def script_path(job: Job) -> Path:
@@ -220,7 +253,7 @@ def _submit(path: Path, dep_args) -> str:
         return train_slurm.sbatch(path, dep_args)
     out = subprocess.run(["sbatch", "--parsable", *dep_args, str(path)], capture_output=True, text=True)
     if out.returncode != 0:
-        raise RuntimeError(f"sbatch refused {path}: {(out.stderr or out.stdout).strip()}")
+        raise train_slurm.SubmitError(f"sbatch refused {path}: {(out.stderr or out.stdout).strip()}")
     return out.stdout.strip().split(";")[0]
 
 

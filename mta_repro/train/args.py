@@ -185,6 +185,10 @@ class DistributedArgs:
                 )
 
 
+# The SlurmArgs fields that name things of the site, rendered as `#SBATCH --<field>=<value>`.
+SITE_FIELDS = ("partition", "account", "qos", "constraint")
+
+
 @dataclass
 class SlurmArgs:
     """What ``python -m mta_repro.train.slurm`` renders into slurm/train.sbatch (and what
@@ -197,12 +201,20 @@ class SlurmArgs:
     # Ranks per node; null = one per GPU (gpus_per_node). Required when gpus_per_node=0.
     tasks_per_node: Optional[int] = None
     # CPUs per rank, passed to sbatch and to srun (srun no longer inherits it, SLURM >= 22.05).
-    cpus_per_task: int = 12
+    # 8 x 8 GPU ranks = 64: fits the smallest common 8-GPU node (64 cores); a GPU rank needs
+    # its main thread, the data prefetch thread, the async checkpoint writer and a few
+    # intra-op threads (OMP_NUM_THREADS = half of this). More where the nodes have them:
+    # `scontrol show node <node>` shows CPUTot.
+    cpus_per_task: int = 8
     # Wall-clock limit in minutes.
     time_min: int = 4320
+    # The site's names (sbatch --partition, --account, --qos, --constraint); null leaves
+    # the flag out (the cluster's defaults). `sinfo -s` lists partitions, `sacctmgr show
+    # assoc user=$USER` accounts and QoS, `sinfo -o "%N %f"` node features.
     partition: Optional[str] = None
     account: Optional[str] = None
     qos: Optional[str] = None
+    constraint: Optional[str] = None
     # Seconds before the time limit at which SLURM sends SIGUSR2 (requeue + checkpoint).
     signal_s: int = 120
     job_name: str = "mta"
