@@ -60,10 +60,34 @@ def unknown_keys_error(cls: type, bad: list[str], where: str = "") -> str:
         for step in parent.split(".") if parent else []:
             owner = _dataclass_of(typing.get_type_hints(owner).get(step)) or owner
         fields = [f.name for f in dataclasses.fields(owner)] if dataclasses.is_dataclass(owner) else []
-        close = difflib.get_close_matches(name, fields, n=1)
+        close = nearest_field(name, fields)
         prefix = full[: len(full) - len(name)]
-        parts.append(f"{full} (did you mean {prefix}{close[0]}?)" if close else full)
+        parts.append(f"{full} (did you mean {prefix}{close}?)" if close else full)
     return f"unknown config key(s) {', '.join(parts)}: no such field in the schema ({cls.__name__})"
+
+
+def nearest_field(name: str, fields: list[str]):
+    """The field a mistyped key most likely meant, or None. A field that abbreviates the
+    key, or that the key abbreviates, comes first (``learning_rate`` -> ``lr``, its words'
+    initials; ``wd`` -> ``weight_decay``; ``warm`` -> ``warmup`` and ``eval_every_steps``
+    -> ``eval_every``, prefixes), then the closest spelling (``setps`` -> ``steps``);
+    spelling distance alone takes ``lr_min_ratio`` for ``learning_rate``."""
+    words = [w for w in name.lower().split("_") if w]
+    initials = "".join(w[0] for w in words)
+    for f in fields:
+        if len(words) > 1 and f.replace("_", "") == initials:
+            return f
+    for f in fields:  # the key is the field's initials (``wd`` -> ``weight_decay``)
+        if len(name) > 1 and "_" in f and name == "".join(w[0] for w in f.split("_") if w):
+            return f
+    longer = [f for f in fields if len(name) >= 2 and f.startswith(name)]  # cut short: ``warm``
+    if longer:
+        return min(longer, key=len)
+    shorter = [f for f in fields if len(f) >= 2 and name.startswith(f)]  # spelled on: ``eval_every_steps``
+    if shorter:
+        return max(shorter, key=len)
+    close = difflib.get_close_matches(name, fields, n=1)
+    return close[0] if close else None
 
 
 def _is_dictconfig(x: Any) -> bool:

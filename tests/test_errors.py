@@ -108,6 +108,19 @@ def test_hydra_unknown_key_is_described_with_the_nearest_field():
                                  "no such field in the schema (TrainerArgs)")
 
 
+def test_a_mistyped_key_is_matched_to_the_field_it_abbreviates_or_spells_out():
+    from mta_repro.dataclass_config import nearest_field
+
+    optim = ["lr", "beta1", "beta2", "eps", "weight_decay", "clip", "warmup", "warmup_frac", "lr_min_ratio"]
+    assert nearest_field("learning_rate", optim) == "lr"  # its words' initials
+    assert nearest_field("wd", optim) == "weight_decay"
+    assert nearest_field("warm", optim) == "warmup"  # cut short
+    assert nearest_field("lr_min", optim) == "lr_min_ratio"
+    assert nearest_field("weight_decy", optim) == "weight_decay"  # spelling
+    assert nearest_field("eval_every_steps", ["steps", "eval_every", "eval_max_batches"]) == "eval_every"
+    assert nearest_field("zzz", optim) is None
+
+
 # ------------------------------------------------------------------ the package's raise sites
 # Internal argument checks (a caller's bug, never the user's input) stay ValueError.
 INTERNAL_VALUE_ERRORS = {
@@ -164,6 +177,8 @@ def _train_cli(*args, extra_path=()):
     ("experiment=debug_typo", "experiment=debug_typo: unknown experiment config; did you mean debug?"),
     ("trainer.steps=0", "trainer.steps: expected >= 1, got 0"),
     ("model.kernels.kq_conv=cudnn", "model.kernels.kq_conv: 'cudnn': expected auto, c, triton or conv2d"),
+    # a key the field abbreviates: not the nearest spelling (lr_min_ratio)
+    ("optim.learning_rate=1e-3", "unknown config key(s) optim.learning_rate (did you mean optim.lr?)"),
 ])
 def test_train_cli_user_errors_are_one_line(tmp_path, override, expected):
     run_dir = tmp_path / "run"

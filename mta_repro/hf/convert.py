@@ -155,7 +155,26 @@ def export_hf(path: Union[str, Path], out_dir: Union[str, Path]) -> Path:
             tok_cfg = {**tok_cfg, "path": "tokenizer.model"}
     if tok_cfg:
         (out_dir / TOKENIZER_NOTE).write_text(json.dumps(tok_cfg, indent=1) + "\n")
+    _record_source(model, cfg, path, out_dir)
     return out_dir
+
+
+# The sidecar of an exported folder: which run and step its weights are.
+EXPORT_RECORD = "mta_repro_export.json"
+
+
+def _record_source(model, cfg, path, out_dir: Path) -> None:
+    """Say, and record in ``<out_dir>/mta_repro_export.json``, which run and step were
+    exported (an unfinished run's latest checkpoint exports as well: the step tells)."""
+    src = getattr(model, "source", {}) or {}
+    steps = OmegaConf.select(cfg, "trainer.steps", default=None)
+    step = src.get("step")
+    record = {"run": str(Path(path).resolve()), "weights": src.get("path"), "step": step, "trainer_steps": steps}
+    (out_dir / EXPORT_RECORD).write_text(json.dumps(record, indent=1) + "\n")
+    of = f" of trainer.steps={steps}" + (" (an unfinished run)" if step is not None and step < steps else "") \
+        if isinstance(steps, int) else ""
+    print(f"[mta_repro.hf] exported step {step}{of} of {record['run']} ({src.get('path')}); recorded in "
+          f"{out_dir / EXPORT_RECORD}", file=sys.stderr)
 
 
 def _find(path: str) -> Optional[Path]:

@@ -135,8 +135,12 @@ class LoggingArgs:
     # many steps (and before a save and at the end), so a signal is honoured within this
     # many steps; one rank honours it at the next step (docs/errors_and_signals.md).
     every: int = 10
-    # tqdm progress bar on rank 0.
+    # tqdm progress bar on rank 0 (on a terminal; elsewhere a plain line per logged step).
+    # false: that line at most every quiet_s seconds.
     progress_bar: bool = field(default=True, metadata={"run_dir": "free"})
+    # Without a bar, a step line at least every this many seconds while steps run, so a
+    # job's log is never silent for long (and, with progress_bar=false, at most this often).
+    quiet_s: float = field(default=60.0, metadata={"run_dir": "free"})
     # wandb mode: "offline" (default; sync later with `wandb sync`), "online" (needs a
     # login) or "disabled". Nothing ever prompts for a login.
     wandb_mode: str = "offline"
@@ -147,6 +151,8 @@ class LoggingArgs:
     def __post_init__(self) -> None:
         if self.every < 1:
             raise UserError(f"logging.every: expected >= 1, got {self.every}")
+        if not self.quiet_s > 0:
+            raise UserError(f"logging.quiet_s: expected seconds > 0, got {self.quiet_s}")
         if self.wandb_mode not in WANDB_MODES:
             raise UserError(f"logging.wandb_mode: expected one of {WANDB_MODES}, got {self.wandb_mode!r}")
 
