@@ -480,20 +480,9 @@ def train_steps(args: TrainConfig, info: DistInfo, state: TrainState, parts: Loo
                     raise StopRequested(stopped_by, "before the first step")
                 return stopped_by
         if ready is not None:
-            # The loader reads what this step needs here, where a stop can still be honoured
-            # (the warm-up: the shuffle buffer's fill). On several ranks only before the
-            # first step: later, the ranks must agree on a stop, at the cadence above.
-            first = state.step == start
-            if first or info.world_size == 1:
-                where = "the data loader's warm-up" if first else "reading the training data"
-                try:
-                    ready(tr.grad_accum, lambda: p.preempt.check(where))
-                except StopRequested as e:
-                    if first:
-                        raise
-                    return e.signum
-            else:
-                ready(tr.grad_accum)
+            stopped_by = read_ahead(ready, tr.grad_accum, p.preempt, info, first=state.step == start)
+            if stopped_by is not None:
+                return stopped_by
         out = train_step(state.model, state.optimizer, state.scheduler, state.loader, tr, p.clip, info.device)
         state.advance(out.n_tokens * info.world_size)
         step = state.step
@@ -522,6 +511,26 @@ def train_steps(args: TrainConfig, info: DistInfo, state: TrainState, parts: Loo
         p.logger.advance()  # after the step's line, if it had one (the bar; a line when none came for a minute)
         p.saver.maybe_save(last=step == tr.steps)
         lock_heartbeat(Path(args.run_dir), info.is_main)
+    return None
+
+
+def read_ahead(ready: Callable, n_batches: int, preempt: PreemptionHandler, info: DistInfo, first: bool
+               ) -> Optional[int]:
+    """The loader reads what the next step needs here (``loader.ready``), where a stop can
+    still be honoured (the warm-up: the shuffle buffer's first fill): the signal that
+    stopped it, or None. Before the first step a stop raises (nothing to save). On several
+    ranks only the first step's reading is interruptible: later, the ranks must agree on a
+    stop, at the step loop's cadence."""
+    if not first and info.world_size > 1:
+        ready(n_batches)
+        return None
+    where = "the data loader's warm-up" if first else "reading the training data"
+    try:
+        ready(n_batches, lambda: preempt.check(where))
+    except StopRequested as e:
+        if first:
+            raise
+        return e.signum
     return None
 
 
