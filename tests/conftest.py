@@ -74,6 +74,12 @@ TEST_MARKERS = {
     ("test_train_signals.py", "test_two_ranks_agree_and_read_only_on_logging_steps"): ("distributed",),
     ("test_roofline.py", "test_a_real_sm90_compile_counts_its_tensor_core_dot"): ("triton",),
     ("test_roofline.py", "test_the_shipped_kernel_compiles_for_an_h200_within_its_limits"): ("triton",),
+    # the module's fixture runs a whole local pipeline in subprocesses (81.6 s of setup in the
+    # fast tier on -n 2: pytest -m "not slow" --durations=30 --durations-min=5)
+    ("test_pipeline_llama3.py", "test_plan_order_and_dependencies"): ("pipeline",),
+    ("test_pipeline_llama3.py", "test_import_check_finetune_report"): ("pipeline",),
+    ("test_pipeline_llama3.py", "test_rerun_skips_everything_and_a_changed_folder_reimports"): ("pipeline",),
+    ("test_pipeline_llama3.py", "test_slurm_chain_import_check_train"): ("pipeline",),
 }
 
 # Tests (module, test-function name) that are slow for their own sake: seconds or more
