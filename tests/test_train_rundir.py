@@ -243,7 +243,7 @@ def test_field_classes_come_from_the_schema():
     from mta_repro.train.rundir import FREE, PATHS, SAFE
 
     assert set(FREE) == {
-        "run_dir", "slurm.", "logging.progress_bar", "data.prefetch", "distributed.timeout_min",
+        "run_dir", "slurm.", "logging.progress_bar", "logging.quiet_s", "data.prefetch", "distributed.timeout_min",
         "checkpoint.allow_config_change", "checkpoint.resume", "checkpoint.on_corrupt", "checkpoint.async_save",
         "checkpoint.save_hook", "trainer.grad_accum", "trainer.cpu_mmap_threshold", "model.attn_selfcheck",
         "model.attn_selfcheck_cpu", "model.kernels."}
