@@ -134,6 +134,8 @@ SLOW_TESTS = {
     ("test_attn_selfcheck.py", "test_strict_refuses_naming_the_implementation"),
     ("test_attn_selfcheck.py", "test_the_trainer_runs_and_records_the_fallback"),
     ("test_attn_selfcheck.py", "test_strict_refuses_to_train_in_one_line_rc_2"),
+    # trainers and evaluations as subprocesses; reports and exports of a few tiny runs
+    ("test_provenance.py", "test_a_shard_replaced_between_run_and_resume_is_refused_then_accepted"),
     # Inductor's C++ codegen (tens of seconds a graph on 2 cores)
     ("test_inductor.py", "test_the_compiled_block_under_inductor_matches_eager_without_breaks"),
     ("test_inductor.py", "test_distributed_compile_trains_under_inductor_like_eager"),

@@ -4,15 +4,23 @@
   read); the listing's fingerprint is that of the names, sizes and mtimes;
 - a resume finds a data file whose text the run read changed (the open one, or one read to
   its end whose stat changed), says nothing of a file only touched, and warns of files
-  that vanished or appeared where it has not read yet, reading the files it started with.
+  that vanished or appeared where it has not read yet, reading the files it started with;
+- the weights' digest is a plain sha256 of their bytes; a tokenizer moved is no change,
+  one of other content is.
+
+Then the probes as users run them (slow tier, real processes): a shard replaced between
+a run and its resume.
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import pickle
 import shutil
+import struct
+import subprocess
 import sys
 from pathlib import Path
 
@@ -22,6 +30,7 @@ import zstandard
 
 from mta_repro.data import DataArgs, TokenizerArgs, build_train_loader
 from mta_repro.data.sources import ShortFileError, _LineReader, fingerprint, list_entries
+from mta_repro.train import provenance as pv
 
 from test_data import domains_corpus, write_jsonl
 
@@ -167,5 +176,109 @@ def test_an_unchanged_resume_finds_nothing_on_the_bundled_corpus():
     # the seven domain streams share one shard object: the state holds it once
     shards = {id(s["shard"]) for s in sd["streams"].values()}
     assert len(shards) == 1
+
+
+# ------------------------------------------------------------------ identities
+def test_the_weights_digest_is_a_sha256_of_names_dtypes_shapes_and_bytes():
+    b = torch.arange(6, dtype=torch.float32).reshape(2, 3)
+    a = torch.tensor([1, -2], dtype=torch.int64)
+    h = hashlib.sha256()
+    h.update(b"a\ttorch.int64\t(2,)\n" + struct.pack("<2q", 1, -2))
+    h.update(b"b\ttorch.float32\t(2, 3)\n" + struct.pack("<6f", 0, 1, 2, 3, 4, 5))
+    assert pv.state_digest({"b": b, "a": a}) == h.hexdigest()
+    assert pv.state_digest({"a": a, "b": b.t().contiguous().t()}) == h.hexdigest()  # layout, not storage
+    assert pv.state_digest({"a": a, "b": b + 1}) != h.hexdigest()
+
+
+def test_a_moved_tokenizer_is_the_same_one_of_other_content_is_not(tmp_path):
+    src = ROOT / "data" / "tokenizer" / "mini_sp8192.model"
+    moved = tmp_path / "moved.model"
+    shutil.copy(src, moved)
+    rec = pv.tokenizer_identity({"name": "sentencepiece", "path": str(src)})
+    assert rec["sha256"] == hashlib.sha256(src.read_bytes()).hexdigest()
+    assert pv.tokenizer_change(rec, pv.tokenizer_identity({"name": "sentencepiece", "path": str(moved)})) is None
+    other = _swapped_tokenizer(tmp_path / "other.model")
+    change = pv.tokenizer_change(rec, pv.tokenizer_identity({"name": "sentencepiece", "path": str(other)}))
+    assert change.startswith(f"data.tokenizer.path={other}: its content differs from the tokenizer recorded")
+    assert pv.tokenizer_change(rec, pv.tokenizer_identity({"name": "bytes", "path": None})).startswith(
+        "data.tokenizer.name is 'bytes'")
+
+
+def _swapped_tokenizer(out: Path) -> Path:
+    """The bundled 8192-piece model with two pieces swapped: as valid, another tokenizer."""
+    from sentencepiece import sentencepiece_model_pb2
+
+    m = sentencepiece_model_pb2.ModelProto()
+    m.ParseFromString((ROOT / "data" / "tokenizer" / "mini_sp8192.model").read_bytes())
+    a, b = m.pieces[300].piece, m.pieces[301].piece
+    m.pieces[300].piece, m.pieces[301].piece = b, a
+    out.write_bytes(m.SerializeToString())
+    return out
+
+
+# ------------------------------------------------------------------ as users run it
+TRAIN = ["model.dim=64", "model.n_layers=2", "model.n_heads=4", "model.multiple_of=32", "model.kq_conv_layers=1",
+         "data.seq_len=32", "data.batch_size=2", "data.shuffle_buffer=4", "trainer.device=cpu",
+         "trainer.eval_every=0", "logging.every=1", "logging.wandb_mode=disabled", "logging.progress_bar=false",
+         "optim.warmup=2"]
+
+
+def _env():
+    return dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+
+
+def _train(run_dir, *overrides, check=True):
+    p = subprocess.run([sys.executable, "-m", "mta_repro.train", f"run_dir={run_dir}", *TRAIN, *overrides], cwd=ROOT,
+                       env=_env(), capture_output=True, text=True, timeout=600)
+    if check and p.returncode != 0:
+        raise AssertionError(f"trainer failed ({p.returncode}):\n{p.stderr[-3000:]}")
+    return p
+
+
+def _eval(run_dir, *overrides):
+    return subprocess.run([sys.executable, "-m", "mta_repro.eval", str(run_dir), "tasks=[ppl]", "ppl.max_batches=1",
+                           "ppl.batch_size=1", "ppl.domains=[book]", "device=cpu", *overrides], cwd=ROOT,
+                          env=_env(), capture_output=True, text=True, timeout=600)
+
+
+def _one_line_error(p, prog):
+    lines = p.stderr.strip().splitlines()
+    assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr[-3000:]
+    assert lines[-1].startswith(f"{prog}: error: ")
+    return lines[-1]
+
+
+def test_a_shard_replaced_between_run_and_resume_is_refused_then_accepted(tmp_path):
+    corpus, run = tmp_path / "corpus", tmp_path / "run"
+    shutil.copytree(ROOT / "data" / "mini_slimpajama", corpus)
+    common = [f"data.root_dir={corpus}", "checkpoint.every=5", "trainer.steps=10"]
+    _train(run, *common, "trainer.steps=5")
+    ck5 = json.loads((run / "checkpoints" / f"{5:010d}" / "provenance.json").read_text())
+    assert ck5["step"] == 5 and ck5["tokens_seen"] == 5 * 2 * 32
+    assert ck5["inputs"]["data"]["train"]["files"] == 16
+    # the file every stream was reading at step 5, replaced by another shard
+    target = corpus / "train" / "chunk1" / "example_train_0.jsonl.zst"
+    shutil.copy(corpus / "train" / "chunk2" / "example_train_0.jsonl.zst", target)
+    p = _train(run, *common, "checkpoint.allow_config_change=true", check=False)
+    line = _one_line_error(p, "train")
+    assert f"{target}: the " in line and "bytes of text rank 0 read of it changed (sha256 " in line
+    assert "checkpoint.accept_changed_data=true" in line and "restore the file" in line
+    assert sorted(c.name for c in (run / "checkpoints").iterdir()) == [f"{5:010d}"]  # left as it was
+    assert len(json.loads((run / "provenance.json").read_text())["starts"]) == 1
+    # accepted: it trains on and the run's history says what was accepted, and where
+    _train(run, *common, "checkpoint.allow_config_change=true", "checkpoint.accept_changed_data=true")
+    rec = json.loads((run / "provenance.json").read_text())
+    assert [s["step"] for s in rec["starts"]] == [0, 5]
+    (acc,) = rec["accepted"]
+    assert acc["what"] == "data" and acc["step"] == 5 and str(target) in acc["change"]
+    assert acc["override"] == "checkpoint.accept_changed_data=true"
+    ck10 = json.loads((run / "checkpoints" / f"{10:010d}" / "provenance.json").read_text())
+    assert ck10["accepted"] == rec["accepted"] and ck10["step"] == 10
+    # the export carries it too, with the sha256 of its weights
+    from mta_repro.weights import load_pt
+
+    blob = load_pt(run / "export" / "consolidated.pt")
+    assert blob["provenance"]["weights_sha256"] == pv.state_digest(blob["model"])
+    assert blob["provenance"]["accepted"] == rec["accepted"]
 
 

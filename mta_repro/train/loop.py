@@ -52,6 +52,7 @@ from mta_repro.train.distributed import (
     parallelize,
 )
 from mta_repro.train.metrics import MetricLogger, Throughput, device_peak_flops, mfu, peak_mem_gb
+from mta_repro.train import provenance
 from mta_repro.train.optim import build_lr_scheduler, build_optimizer
 from mta_repro.train.rundir import (
     RunLock,
@@ -114,16 +115,22 @@ def _check_vocab(args: TrainConfig, vocab_size: int) -> None:
         )
 
 
-def stage_start_weights(ck: CheckpointArgs, model_args, is_main: bool = True) -> Optional[dict]:
+def stage_start_weights(ck: CheckpointArgs, model_args, is_main: bool = True,
+                        identity: Optional[dict] = None) -> Optional[dict]:
     """Full source weights for a stage start (``checkpoint.init_from``, read on rank 0 only),
     or None for the seeded init. mta_repro.pipeline.check calls it too, so that its
-    Appendix I check sees exactly what training starts from."""
+    Appendix I check sees exactly what training starts from. ``identity`` (a dict) gets
+    the source's path, step and the sha256 of its tensors (the run's record)."""
     if ck.init_from is None or not is_main:
         return None
     from mta_repro.train.checkpoint import load_init_weights
 
     # Ours (load_model_state) or a release/Lingua checkpoint, in our key layout.
     sd, step = load_init_weights(ck.init_from)
+    if identity is not None:
+        from mta_repro.train.provenance import state_digest
+
+        identity.update(path=str(ck.init_from), step=step, weights_sha256=state_digest(sd))
     if ck.init_mode == "model":
         print(f"[mta_repro.train] initialised from {ck.init_from} (step {step}): model weights only",
               file=sys.stderr)
@@ -379,10 +386,13 @@ def build_state(args: TrainConfig, info: DistInfo) -> tuple[TrainState, Checkpoi
                                 save_hook=load_factory(ck.save_hook, "checkpoint.save_hook") if ck.save_hook else None)
     manager.clean_stale()
     has_ckpt = ck.resume and manager.latest() is not None
+    # The tokenizer against the one the run (or init_from's run) recorded, before any work.
+    accepted = _agree(info, lambda: provenance.check_tokenizer(args, run_dir, manager.latest() if has_ckpt else None))
 
     model = build_model(model_args, device="meta")
     parallelize(model, info, args.distributed)
-    full = None if has_ckpt else stage_start_weights(ck, model_args, info.is_main)
+    init_identity: Optional[dict] = {} if ck.init_from is not None and not has_ckpt else None
+    full = None if has_ckpt else stage_start_weights(ck, model_args, info.is_main, identity=init_identity)
     materialize(model, info, full_state=full, model_args=model_args, init=not has_ckpt)
     optimizer = build_optimizer(model, args.optim)
     scheduler = build_lr_scheduler(optimizer, args.optim, args.trainer.steps)
@@ -398,6 +408,13 @@ def build_state(args: TrainConfig, info: DistInfo) -> tuple[TrainState, Checkpoi
         resumed_from = manager.resume(state, ck.on_corrupt)
         if info.is_main and resumed_from is not None:
             print(f"[mta_repro.train] resumed from {resumed_from} at step {state.step}", file=sys.stderr)
+    # What the loader found of the files read before (every rank), then the start's record.
+    accepted += provenance.check_data(loader, ck.accept_changed_data, run_dir, state.step, info.world_size,
+                                      info.is_main)
+    if info.is_main:
+        record = provenance.RunRecord(args, run_dir, loader, init_identity or None, resumed_from, accepted)
+        record.begin(state.step, info.world_size)
+        manager.provenance = record.checkpoint
     return state, manager, attn_used, resumed_from is not None
 
 

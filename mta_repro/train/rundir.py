@@ -524,7 +524,8 @@ def remove_failed_start(run_dir: Path) -> None:
     ckpts = run_dir / "checkpoints"
     if (metrics.is_file() and metrics.stat().st_size > 0) or (ckpts.is_dir() and any(ckpts.iterdir())):
         return
-    for name in ("config.yaml", "config.prev.yaml", "metrics.jsonl", "metrics.jsonl.tmp", "wandb_id.txt"):
+    for name in ("config.yaml", "config.prev.yaml", "metrics.jsonl", "metrics.jsonl.tmp", "wandb_id.txt",
+                 "provenance.json"):
         (run_dir / name).unlink(missing_ok=True)
     for name in ("checkpoints", "wandb"):
         shutil.rmtree(run_dir / name, ignore_errors=True)
