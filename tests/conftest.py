@@ -136,6 +136,7 @@ SLOW_TESTS = {
     ("test_attn_selfcheck.py", "test_strict_refuses_to_train_in_one_line_rc_2"),
     # trainers and evaluations as subprocesses; reports and exports of a few tiny runs
     ("test_provenance.py", "test_a_shard_replaced_between_run_and_resume_is_refused_then_accepted"),
+    ("test_provenance.py", "test_evals_beside_a_trainer_that_saves_and_prunes_every_step_succeed"),
     # Inductor's C++ codegen (tens of seconds a graph on 2 cores)
     ("test_inductor.py", "test_the_compiled_block_under_inductor_matches_eager_without_breaks"),
     ("test_inductor.py", "test_distributed_compile_trains_under_inductor_like_eager"),
@@ -161,6 +162,7 @@ SHARED_FIXTURE_MODULES = {
 LONGEST_FIRST = (
     "test_slurm.py",  # ~250 s: cluster jobs one after the other (~210 s), renderings
     "test_pipeline.py",  # the tiny pipeline (~90 s) and its reruns
+    ("test_provenance.py", "test_evals_beside_a_trainer_that_saves_and_prunes_every_step_succeed"),  # ~55 s
     ("test_memory_measured.py", "test_preflight_matches_a_measured_cpu_step_for_baseline_and_mta"),  # ~50 s
     ("test_device_image.py", "test_the_trainer_and_kernels_run_with_only_the_image_and_its_wheels"),  # ~50 s
     ("distributed/test_train_distributed.py", "test_two_ranks_match_one_rank_on_the_same_global_batch"),  # ~45 s

@@ -6,10 +6,11 @@
   its end whose stat changed), says nothing of a file only touched, and warns of files
   that vanished or appeared where it has not read yet, reading the files it started with;
 - the weights' digest is a plain sha256 of their bytes; a tokenizer moved is no change,
-  one of other content is.
+  one of other content is;
+- a checkpoint pruned while it is read is never "unreadable": the newest one is read.
 
 Then the probes as users run them (slow tier, real processes): a shard replaced between
-a run and its resume.
+a run and its resume and evaluations racing a trainer that saves and prunes every step.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import shutil
 import struct
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -216,6 +218,44 @@ def _swapped_tokenizer(out: Path) -> Path:
     return out
 
 
+def test_a_checkpoint_pruned_while_read_is_not_called_unreadable(tmp_path, monkeypatch, capsys):
+    """What a live trainer does between an eval's listing and its read, done in between
+    here: it saves step 8 and prunes step 7 (renamed away, then deleted)."""
+    from eval_helpers import make_run
+
+    from mta_repro.weights import find_weights, read
+    from mta_repro.weights.read import PrunedError, read_weights
+
+    run, _ = make_run(tmp_path / "r", attention="baseline", fmt="dcp")
+    ck7 = run / "checkpoints" / f"{7:010d}"
+    spare = tmp_path / "spare"
+    shutil.copytree(ck7, spare)
+    (cand,) = find_weights(run)
+    os.replace(ck7, ck7.with_name(".pruned-" + ck7.name))
+    with pytest.raises(PrunedError, match="was removed while it was read"):
+        read_weights(cand)
+    os.replace(ck7.with_name(".pruned-" + ck7.name), ck7)
+
+    real = read.find_weights
+    calls = []
+
+    def listing_then_prune(path):
+        found = real(path)
+        if not calls:  # the trainer saves 8 and prunes 7 right after this listing
+            shutil.copytree(spare, run / "checkpoints" / f"{8:010d}")
+            os.replace(ck7, ck7.with_name(".pruned-" + ck7.name))
+            shutil.rmtree(ck7.with_name(".pruned-" + ck7.name))
+        calls.append(path)
+        return found
+
+    monkeypatch.setattr(read, "find_weights", listing_then_prune)
+    with pytest.warns(read.FallbackWarning, match="was removed while it was read"):
+        w = read.load_weights(run, who="test")
+    assert w.source.path.name == f"{8:010d}" and len(calls) == 2
+    err = capsys.readouterr().err
+    assert "was removed while it was read (pruned by the run's trainer" in err and "unreadable" not in err
+
+
 # ------------------------------------------------------------------ as users run it
 TRAIN = ["model.dim=64", "model.n_layers=2", "model.n_heads=4", "model.multiple_of=32", "model.kq_conv_layers=1",
          "data.seq_len=32", "data.batch_size=2", "data.shuffle_buffer=4", "trainer.device=cpu",
@@ -282,3 +322,30 @@ def test_a_shard_replaced_between_run_and_resume_is_refused_then_accepted(tmp_pa
     assert blob["provenance"]["accepted"] == rec["accepted"]
 
 
+def test_evals_beside_a_trainer_that_saves_and_prunes_every_step_succeed(tmp_path):
+    run, log = tmp_path / "run", open(tmp_path / "trainer.log", "w")
+    trainer = subprocess.Popen([sys.executable, "-m", "mta_repro.train", f"run_dir={run}", *TRAIN, "trainer.steps=100000",
+                                "checkpoint.every=1", "checkpoint.keep=1", "checkpoint.export=false",
+                                "logging.every=50"], cwd=ROOT, env=_env(), stdout=log, stderr=log)
+    results = []
+    try:
+        deadline = time.time() + 300
+        while not list((run / "checkpoints").glob("0*")) and time.time() < deadline:
+            assert trainer.poll() is None, (tmp_path / "trainer.log").read_text()[-3000:]
+            time.sleep(0.5)
+        for i in range(4):
+            p = _eval(run, f"out_dir={tmp_path / f'eval{i}'}")
+            assert trainer.poll() is None  # still training (and pruning) all along
+            results.append((p, tmp_path / f"eval{i}" / "ppl.json"))
+    finally:
+        trainer.terminate()
+        trainer.wait(timeout=120)
+        log.close()
+    steps = []
+    for p, out in results:
+        assert p.returncode == 0, p.stderr[-3000:]
+        assert "unreadable" not in p.stderr
+        step = json.loads(out.read_text())["step"]
+        assert f"eval: {run}: step {step} (" in p.stderr  # it names the step it used
+        steps.append(step)
+    assert steps == sorted(steps) and steps[-1] > steps[0]  # the newest complete one each time

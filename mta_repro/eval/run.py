@@ -12,7 +12,8 @@ Each task writes ``<out_dir>/<task>.json`` (out_dir defaults to ``<run_dir>/eval
 length beyond the context the run was trained at (its data.seq_len; extrapolate=true
 allows it) and needle budgets are checked before any evaluation starts. A task whose
 JSON is newer than the weights and has the same settings is skipped (--force reruns it).
-The tasks: mta_repro/eval/tasks.py (EVAL_TASKS).
+A run a trainer is still writing is evaluated at its newest complete checkpoint (the step
+is logged). The tasks: mta_repro/eval/tasks.py (EVAL_TASKS).
 """
 
 from __future__ import annotations
@@ -127,6 +128,7 @@ def run(cfg: EvalConfig) -> dict:
 
     out_dir = Path(cfg.out_dir) if cfg.out_dir else default_out_dir(cfg.run_dir)
     source = getattr(model, "source", {})
+    log.info("eval: %s: step %s (%s)", cfg.run_dir, source.get("step"), source.get("path"))
     meta = {
         "run_dir": str(cfg.run_dir),
         "variant": attention_variant(run_cfg.model),

@@ -14,9 +14,9 @@ step, tokens seen: mta_repro/train/provenance.py) and a ``.complete`` marker.
 Saving writes into ``.tmp-<step>``, fsyncs every file and the folder, adds the marker
 (fsynced too), then renames the directory (atomic on POSIX) and fsyncs its parent, so
 neither a kill nor a power loss midway leaves a directory that looks complete with data
-still unwritten; stale temporaries are removed at the next start. A save that fails on a
-full disk removes its ``.tmp-<step>`` and stops the run with one line (``NoSpaceError``:
-the path, the bytes the checkpoint needs and those free).
+still unwritten; stale temporaries are removed at the next start; those beyond ``keep``
+are renamed ``.pruned-<step>``, then deleted (a reader never lists a half-deleted one). A
+full disk removes the save's ``.tmp-<step>`` and stops the run in one line (NoSpaceError).
 
 The scheduler and per-rank entries are run-state in plain types and tensors, stored as
 ``torch.save`` bytes and read back with ``weights_only=True`` (``mta_repro.weights.safe``):
@@ -152,7 +152,7 @@ class CheckpointManager:
         """Remove temporaries of saves that never finished (rank 0)."""
         if self.rank == 0 and self.root.is_dir():
             for p in self.root.iterdir():
-                if p.name.startswith(".tmp-"):
+                if p.name.startswith((".tmp-", ".pruned-")):
                     shutil.rmtree(p, ignore_errors=True)
         self._barrier()
 
@@ -186,7 +186,13 @@ class CheckpointManager:
             os.replace(tmp, final)
             fsync_path(self.root)
             for old in complete_checkpoints(self.root)[: -self.keep]:
-                shutil.rmtree(old, ignore_errors=True)
+                gone = old.with_name(f".pruned-{old.name}")  # out of every listing at once, then deleted
+                shutil.rmtree(gone, ignore_errors=True)  # left by a kill during an earlier prune
+                try:
+                    os.replace(old, gone)
+                except OSError:
+                    gone = old
+                shutil.rmtree(gone, ignore_errors=True)
 
     def _failed(self, exc: BaseException, step: int, tmp: Path, need: int) -> None:
         """A save that raised: remove its partial folder; a full disk becomes one line."""

@@ -1,5 +1,6 @@
 """Reading one candidate (``read_weights``) and the newest readable one of a path
-(``load_weights``)."""
+(``load_weights``). A checkpoint a running trainer prunes (``checkpoint.keep``) while it
+is being read is not damaged: ``load_weights`` reads the newest complete one instead."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from pathlib import Path
 from typing import Any, Optional, Union
 
 from mta_repro.weights.find import Candidate, find_weights
-from mta_repro.weights.layout import CHECKPOINT_CONFIG, COMPLETE
+from mta_repro.weights.layout import CHECKPOINT_CONFIG, COMPLETE, PROVENANCE
 from mta_repro.weights.lingua import release_state_dict_to_ours
 from mta_repro.weights.safe import CorruptFileError, UnsafeFileError, dcp_error_line, dcp_load, load_pt, \
     read_dcp_metadata
@@ -34,6 +35,9 @@ class Weights:
     step: Optional[int]
     config: Optional[dict]
     source: Candidate
+    # What the weights came from (mta_repro/train/provenance.py): a checkpoint's
+    # provenance.json, an export's "provenance" entry; None when they carry none.
+    record: Optional[dict] = None
 
 
 def read_dcp_model(path: Union[str, Path]) -> tuple[dict, Optional[int]]:
@@ -62,6 +66,8 @@ def read_weights(candidate: Candidate) -> Weights:
     is damaged; ``UnsafeFileError`` if it would need unpickling code (never loaded)."""
     c = candidate
     if c.problem:
+        if c.kind == "dcp" and not c.path.exists():
+            raise PrunedError(f"checkpoint {c.path} was removed while it was read")
         raise CorruptFileError(c.problem)
     if c.kind == "consolidated":
         blob = load_pt(c.path)
@@ -72,21 +78,44 @@ def read_weights(candidate: Candidate) -> Weights:
             raise CorruptFileError(f"{c.path}: its 'config' is a {type(config).__name__}, expected a mapping")
         step = blob.get("step")
         state, step = blob["model"], int(step) if step is not None else c.step
+        record = blob.get("provenance") if isinstance(blob.get("provenance"), dict) else None
     elif c.kind == "dcp":
+        # The config and record first: a folder pruned once its tensors are read stays whole.
+        config, record = _run_config(c.path), _record(c.path)
         try:
             state, step = read_dcp_model(c.path)
-        except (UnsafeFileError, CorruptFileError):
+        except UnsafeFileError:
+            if not c.path.exists():  # DCP's fallback to per-rank metadata once .metadata vanished
+                raise PrunedError(f"checkpoint {c.path} was removed while it was read") from None
             raise
         except BaseException as e:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
             if isinstance(e, (KeyboardInterrupt, SystemExit)):
                 raise
+            if not c.path.exists():
+                raise PrunedError(f"checkpoint {c.path} was removed while it was read") from None
+            if isinstance(e, CorruptFileError):
+                raise
             raise CorruptFileError(f"checkpoint {c.path} is unreadable ({dcp_error_line(e)})") from None
         step = step if step is not None else c.step
-        config = _run_config(c.path)
     else:
         raise TypeError(f"unknown weights kind {c.kind!r} (find_weights makes 'consolidated' or 'dcp')")
     state = {k: v.float() if v.is_floating_point() else v for k, v in release_state_dict_to_ours(state).items()}
-    return Weights(state, step, config, c)
+    return Weights(state, step, config, c, record)
+
+
+class PrunedError(CorruptFileError):
+    """A checkpoint folder removed while it was read (a running trainer keeps only its
+    newest ``checkpoint.keep``): not damage; the newest complete one is read instead."""
+
+
+def _record(ckpt: Path) -> Optional[dict]:
+    import json
+
+    try:
+        data = json.loads((ckpt / PROVENANCE).read_text())
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
 
 
 def _run_config(ckpt: Path) -> Optional[dict]:
@@ -119,15 +148,34 @@ def notice(msg: str, who: str = "mta_repro") -> None:
     warnings.warn(msg, FallbackWarning, stacklevel=3)
 
 
+# How often a read restarts on the newest checkpoint after the one it read was pruned.
+PRUNED_RETRIES = 20
+
+
 def load_weights(path: Union[str, Path], who: str = "mta_repro") -> Weights:
     """The newest readable weights of ``path`` (``find_weights``' order). A damaged newer
     candidate is named in one line and the next one is used; if none can be read, the
-    error names each. An unsafe file is refused, never skipped."""
+    error names each. An unsafe file is refused, never skipped. A checkpoint removed while
+    it was read (a live trainer pruning it) is no error: the newest complete one is read."""
+    for _ in range(PRUNED_RETRIES):
+        try:
+            return _load_newest(path, who)
+        except PrunedError as e:
+            notice(f"{e} (pruned by the run's trainer, checkpoint.keep); reading its newest complete checkpoint "
+                   "instead", who)
+    raise CorruptFileError(f"{path}: its checkpoints were pruned {PRUNED_RETRIES} times while they were read (a "
+                           "trainer saving every few steps with a small checkpoint.keep): evaluate it with a larger "
+                           "checkpoint.keep, or its export once it finished")
+
+
+def _load_newest(path: Union[str, Path], who: str) -> Weights:
     candidates = find_weights(path)
     errors = []
     for i, c in enumerate(candidates):
         try:
             w = read_weights(c)
+        except PrunedError:
+            raise
         except CorruptFileError as e:
             errors.append(str(e))
             if i + 1 < len(candidates):
