@@ -10,7 +10,8 @@
 - a checkpoint pruned while it is read is never "unreadable": the newest one is read.
 
 Then the probes as users run them (slow tier, real processes): a shard replaced between
-a run and its resume and evaluations racing a trainer that saves and prunes every step.
+a run and its resume, evaluations racing a trainer that saves and prunes every step, a
+tokenizer swapped under a run.
 """
 
 from __future__ import annotations
@@ -349,3 +350,33 @@ def test_evals_beside_a_trainer_that_saves_and_prunes_every_step_succeed(tmp_pat
         assert f"eval: {run}: step {step} (" in p.stderr  # it names the step it used
         steps.append(step)
     assert steps == sorted(steps) and steps[-1] > steps[0]  # the newest complete one each time
+def test_a_swapped_tokenizer_is_refused_by_resume_eval_and_a_stage_start(tmp_path):
+    tok = tmp_path / "tok.model"
+    shutil.copy(ROOT / "data" / "tokenizer" / "mini_sp8192.model", tok)
+    run = tmp_path / "run"
+    common = [f"data.tokenizer.path={tok}", "checkpoint.every=2"]
+    _train(run, *common, "trainer.steps=2")
+    good = _eval(run)
+    assert good.returncode == 0, good.stderr[-3000:]
+    rec = json.loads((run / "eval" / "ppl.json").read_text())["provenance"]
+    assert rec["tokenizer"]["sha256"] == hashlib.sha256(tok.read_bytes()).hexdigest()
+    assert rec["checkpoint"]["step"] == 2 and rec["checkpoint"]["tokens_seen"] == 2 * 2 * 32
+    assert rec["validation"]["files"] == 1 and rec["code"]["package"]
+    _swapped_tokenizer(tok)  # same file, same vocabulary size, other pieces
+    line = _one_line_error(_train(run, *common, "trainer.steps=4", "checkpoint.allow_config_change=true",
+                                  check=False), "train")
+    assert line.startswith(f"train: error: data.tokenizer.path={tok}: its content differs from the tokenizer ")
+    assert "checkpoint.accept_changed_tokenizer=true" in line
+    line = _one_line_error(_eval(run), "eval")
+    assert "its content differs" in line and "accept_changed_tokenizer=true" in line
+    stage = tmp_path / "stage"
+    line = _one_line_error(_train(stage, *common, "trainer.steps=2", f"checkpoint.init_from={run}", check=False),
+                           "train")
+    assert f"checkpoint.init_from={run} was trained with the recorded one" in line
+    assert not stage.exists()  # a refused start leaves no run dir
+    accepted = _eval(run, "accept_changed_tokenizer=true", "--force")
+    assert accepted.returncode == 0, accepted.stderr[-3000:]
+    (acc,) = json.loads((run / "eval" / "ppl.json").read_text())["provenance"]["accepted"]
+    assert acc["what"] == "tokenizer" and acc["override"] == "accept_changed_tokenizer=true"
+
+
