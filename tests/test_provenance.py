@@ -7,7 +7,9 @@
   that vanished or appeared where it has not read yet, reading the files it started with;
 - the weights' digest is a plain sha256 of their bytes; a tokenizer moved is no change,
   one of other content is;
-- a checkpoint pruned while it is read is never "unreadable": the newest one is read.
+- a checkpoint pruned while it is read is never "unreadable": the newest one is read;
+- the report marks rows of another tokenizer or an eval older than the run's newest
+  checkpoint.
 
 Then the probes as users run them (slow tier, real processes): a shard replaced between
 a run and its resume, evaluations racing a trainer that saves and prunes every step, a
@@ -255,6 +257,41 @@ def test_a_checkpoint_pruned_while_read_is_not_called_unreadable(tmp_path, monke
     assert w.source.path.name == f"{8:010d}" and len(calls) == 2
     err = capsys.readouterr().err
     assert "was removed while it was read (pruned by the run's trainer" in err and "unreadable" not in err
+
+
+# ------------------------------------------------------------------ report and pipeline
+def _eval_json(run: Path, step: int, tok_sha: str, task: str = "ppl") -> None:
+    prov = {"checkpoint": {"path": str(run / "export" / "consolidated.pt"), "step": step, "weights_sha256": "ab" * 32,
+                           "tokens_seen": step * 64},
+            "tokenizer": {"name": "bytes", "sha256": tok_sha},
+            "validation": {"files": 1, "bytes": 100, "sha256": "cd" * 32},
+            "code": {"package": "0.1.0", "commit": "f" * 40, "dirty": False}, "accepted": []}
+    res = {"domains": {"book": {"ppl": 20.0, "loss": 3.0, "tokens": 10}}, "average": 20.0, "seq_len": 256}
+    (run / "eval").mkdir(exist_ok=True)
+    (run / "eval" / f"{task}.json").write_text(json.dumps({"task": task, "variant": "baseline", "step": step,
+                                                            "provenance": prov, "results": res}))
+
+
+def test_the_report_marks_rows_of_another_tokenizer_or_an_older_checkpoint(tmp_path):
+    from eval_helpers import make_run
+
+    from mta_repro.report.__main__ import build_report
+
+    runs = [make_run(tmp_path / n, attention="baseline")[0] for n in ("a", "b", "c")]
+    _eval_json(runs[0], 7, "11" * 32)
+    _eval_json(runs[1], 7, "22" * 32)  # another tokenizer than the two rows beside it
+    _eval_json(runs[2], 7, "11" * 32)
+    (runs[2] / "checkpoints" / f"{9:010d}").mkdir(parents=True)  # the run went on after its eval
+    (runs[2] / "checkpoints" / f"{9:010d}" / ".complete").touch()
+    out = tmp_path / "rep"
+    md = build_report(runs, out, kernels=False).read_text()
+    assert "Provenance of the ppl rows" in md
+    assert "| a | step 7, weights abababababab | 448 | bytes 111111111111 |" in md
+    assert "| b (!) |" in md and "no: tokenizer 222222222222, most rows 111111111111" in md
+    assert "| c (!) |" in md and "no: evaluated at step 7; the run's newest checkpoint is step 9: re-evaluate" in md
+    table = json.loads((out / "results.json").read_text())["tables"]["ppl"]
+    assert [r["run"] for r in table["rows"]] == ["a", "b (!)", "c (!)"]
+    assert table["provenance"]["a"]["comparable"] == "yes"
 
 
 # ------------------------------------------------------------------ as users run it
