@@ -9,11 +9,13 @@
   one of other content is;
 - a checkpoint pruned while it is read is never "unreadable": the newest one is read;
 - the report marks rows of another tokenizer or an eval older than the run's newest
-  checkpoint.
+  checkpoint;
+- the pipeline's done check reads what it checks and names a torn file.
 
 Then the probes as users run them (slow tier, real processes): a shard replaced between
 a run and its resume, evaluations racing a trainer that saves and prunes every step, a
-tokenizer swapped under a run.
+tokenizer swapped under a run, the torn eval JSON of a finished pipeline:
+test_pipeline.py.
 """
 
 from __future__ import annotations
@@ -292,6 +294,23 @@ def test_the_report_marks_rows_of_another_tokenizer_or_an_older_checkpoint(tmp_p
     table = json.loads((out / "results.json").read_text())["tables"]["ppl"]
     assert [r["run"] for r in table["rows"]] == ["a", "b (!)", "c (!)"]
     assert table["provenance"]["a"]["comparable"] == "yes"
+
+
+def test_the_done_check_reads_the_json_and_names_a_torn_one(tmp_path):
+    from eval_helpers import make_run
+
+    from mta_repro.pipeline.plan import Job, done, torn
+
+    run, _ = make_run(tmp_path / "r", attention="baseline")  # an export of step 7
+    job = Job("eval:x", "eval", run, [], steps=7, eval_tasks=["ppl"], eval_out=run / "eval")
+    _eval_json(run, 7, "11" * 32)
+    assert done(job) and torn(job) == []
+    f = run / "eval" / "ppl.json"
+    f.write_bytes(f.read_bytes()[:-40])  # a write cut short: newer than the export, but torn
+    assert not done(job)
+    assert torn(job) == [f"{f} is there but not valid JSON (a write cut short?)"]
+    _eval_json(run, 5, "11" * 32)  # whole, but of an earlier checkpoint
+    assert not done(job) and torn(job) == []
 
 
 # ------------------------------------------------------------------ as users run it
