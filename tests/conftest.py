@@ -139,6 +139,7 @@ SLOW_TESTS = {
     ("test_provenance.py", "test_evals_beside_a_trainer_that_saves_and_prunes_every_step_succeed"),
     ("test_provenance.py", "test_a_swapped_tokenizer_is_refused_by_resume_eval_and_a_stage_start"),
     ("test_provenance.py", "test_the_report_marks_rows_of_another_tokenizer_or_an_older_checkpoint"),
+    ("test_provenance.py", "test_an_hf_export_records_what_its_weights_came_from"),
     # Inductor's C++ codegen (tens of seconds a graph on 2 cores)
     ("test_inductor.py", "test_the_compiled_block_under_inductor_matches_eager_without_breaks"),
     ("test_inductor.py", "test_distributed_compile_trains_under_inductor_like_eager"),

@@ -10,7 +10,8 @@
 - a checkpoint pruned while it is read is never "unreadable": the newest one is read;
 - the report marks rows of another tokenizer or an eval older than the run's newest
   checkpoint;
-- the pipeline's done check reads what it checks and names a torn file.
+- the pipeline's done check reads what it checks and names a torn file;
+- an HF export records what its weights came from.
 
 Then the probes as users run them (slow tier, real processes): a shard replaced between
 a run and its resume, evaluations racing a trainer that saves and prunes every step, a
@@ -311,6 +312,21 @@ def test_the_done_check_reads_the_json_and_names_a_torn_one(tmp_path):
     assert torn(job) == [f"{f} is there but not valid JSON (a write cut short?)"]
     _eval_json(run, 5, "11" * 32)  # whole, but of an earlier checkpoint
     assert not done(job) and torn(job) == []
+
+
+def test_an_hf_export_records_what_its_weights_came_from(tmp_path):
+    pytest.importorskip("transformers")
+    from eval_helpers import make_run
+
+    from mta_repro.hf import export_hf
+    from mta_repro.weights import load_pt
+
+    run, _ = make_run(tmp_path / "r", attention="baseline")
+    out = export_hf(run, tmp_path / "hf")
+    rec = json.loads((out / "provenance.json").read_text())
+    assert rec["weights"]["step"] == 7 and rec["weights"]["path"] == str(run / "export" / "consolidated.pt")
+    assert rec["weights"]["weights_sha256"] == pv.state_digest(load_pt(run / "export" / "consolidated.pt")["model"])
+    assert rec["tokenizer"] == {"name": "bytes", "path": None, "sha256": None} and rec["code"]["package"]
 
 
 # ------------------------------------------------------------------ as users run it

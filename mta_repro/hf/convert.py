@@ -106,13 +106,14 @@ def state_to_hf(sd: dict, args: ModelArgs) -> dict:
 
 def export_hf(path: Union[str, Path], out_dir: Union[str, Path]) -> Path:
     """Write a ``LlamaForCausalLM`` folder (config.json, model.safetensors, the
-    tokenizer file and our tokenizer settings) from a baseline run or .pt."""
+    tokenizer file and our tokenizer settings) from a baseline run or .pt, with a
+    provenance.json saying what the weights came from (mta_repro/train/provenance.py)."""
     from transformers import LlamaForCausalLM
 
     from mta_repro.config import trained_seq_len
     from mta_repro.eval.load import load_model, load_tokenizer
 
-    model, cfg = load_model(path, device="cpu", dtype="float32")
+    model, cfg = load_model(path, device="cpu", dtype="float32", identity=True)
     args = model.args
     try:
         tok = load_tokenizer(cfg)
@@ -155,6 +156,11 @@ def export_hf(path: Union[str, Path], out_dir: Union[str, Path]) -> Path:
             tok_cfg = {**tok_cfg, "path": "tokenizer.model"}
     if tok_cfg:
         (out_dir / TOKENIZER_NOTE).write_text(json.dumps(tok_cfg, indent=1) + "\n")
+    # What the folder's weights came from (step, sha256, tokens seen, tokenizer, data, code).
+    from mta_repro.train import provenance
+
+    provenance.write_record(out_dir / provenance.RECORD, provenance.weights_provenance(
+        model, OmegaConf.to_container(cfg.data.tokenizer, resolve=True) if "data" in cfg else None))
     return out_dir
 
 
