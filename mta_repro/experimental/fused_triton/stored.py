@@ -1,27 +1,25 @@
-"""Issue #37 item 1: the kq-conv layer with *stored scores*, in Triton kernels.
+"""The stored-scores kernels of ``model.attn_impl=triton``: a kq-conv layer (a pre-softmax
+key-query convolution) in five launches, with its convolved scores C and their gradient dC
+stored. (Every other layer runs ``fused.py``.)
 
-The fused kernel (``attention_triton.py``) recomputes the convolved scores C in each of its
-four passes (a factorised product of inner dimension c_q * d and its band correction). Here
-the statistics pass computes C once, as S0 = q k^T followed by the convolution as banded
-Toeplitz products (one q and one k tile per head and tile, not the fused kernel's c_q
-shifted query and convolved key tiles; a halo of c_q - 1 rows above and the key taps beside
-the owned block), and writes it into a store; the forward and both backward kernels read it. The backward is split at a stored dC
-(``stored_split.py`` has the decomposition in torch, checked in float64):
+The statistics pass computes C once, as S0 = q k^T followed by the convolution as banded
+Toeplitz products (a halo of c_q - 1 rows above and the key taps beside the owned block), and
+writes it into a store; the forward and both backward kernels read it. The backward is split
+at a stored dC:
 
 - kernel A, ``backward_rowsum`` and ``backward_dc`` (the fused kernel's rowsum and backward
   passes reading C; the second writes dC = W1^T dZ into its store instead of computing dS,
   dq, dk and the pre kernel's gradient): softmax backward, post-softmax convolution, both
-  head mixings, dv. Its frame carries only the post convolution's halo (128 x 64 owning
-  118 x 54 at 6 x 11, where the fused backward owns 113 x 44);
+  head mixings, dv. Its frame carries only the post convolution's halo;
 - kernel B, ``backward_b`` (``_kernel_b``): per head, dC's frame from the store, S0 = q k^T
   (one plain product), dS0 = conv1^T(dC) (banded Toeplitz products), dq and dk
   (FA-style products), the pre kernel's gradient (the transposed products' diagonals).
   No head mixing, so no all-heads scratch slots and no slabs: one plane per program.
 
-The stores are packed rows of the causal cells (``stored_frames.store_rows``), in the
-inputs' dtype (bf16 on a GPU: the release's bf16 path materialises C in bf16 too). Reads are
-masked by the allowed cells, so nothing outside them is ever read; writes by the causal
-cells. Dropout is not supported (the registry keeps the fused kernel for it).
+The stores are packed rows of the causal cells (``tiles.store_rows``), in the inputs' dtype
+(bf16 on a GPU: the release's bf16 path materialises C in bf16 too). Reads are masked by the
+allowed cells, so nothing outside them is ever read; writes by the causal cells. Dropout is
+not supported: a kq-conv layer with training dropout runs ``blocked`` (``impl.py``).
 """
 
 from __future__ import annotations
@@ -33,13 +31,12 @@ import torch
 import triton
 import triton.language as tl
 
-from mta_repro.kernels import attention_triton as at
-from mta_repro.kernels import frames, stored_frames
-from mta_repro.kernels.attention_triton import (  # the fused kernel's helpers
-    _accumulate, _add_taps, _allowed, _conv, _conv_and_weight_grad, _grad_pair, _mix, _plane_rows,
-    _row_stat, _scores, _slab, _slab_cells, _slab_store, _tile, _to_scratch, _wgrad, _weights, _add_row_sums,
+from mta_repro.experimental.fused_triton import launch, tiles
+from mta_repro.experimental.fused_triton.jit_helpers import (
+    accumulate, add_row_sums, add_taps, allowed_cells, conv_and_weight_grad, grad_pair, load_slab, load_tile, mix,
+    mix_weight_grad, mix_weights, plane_rows, qk_scores, row_stat, slab_cells, store_slab, to_scratch, toeplitz_conv,
 )
-from mta_repro.kernels.types import DEFAULT_TUNING, AttnMask, ExplicitAttnParams, KernelTuning, post_mix_matrix
+from mta_repro.kernels.types import AttnMask, ExplicitAttnParams, post_mix_matrix
 
 _STATS, _FWD, _ROWSUM, _DC = (tl.constexpr(i) for i in range(4))
 
@@ -65,8 +62,8 @@ def _store_slab_ptrs(st_ptr, rowoff_ptr, b, ci, cj, hh, Tq, Tk, q_off, plane_sz,
 
 @triton.jit(do_not_specialize=["Tq", "Tk", "q_off", "seed", "plane_sz"])
 def _stored_kernel(
-    qd, kd, vd, dod, khd, band_ptr, kv_ptr,
-    w1t_ptr, w2t_ptr, tf2d, ta2d, ta1d, tf1d,
+    qd, kd, vd, dod, kv_ptr,
+    w1t_ptr, w2t_ptr, tf2d, ta2d, tf1d,
     lse_ptr, dd_ptr, tiles_ptr, starts_ptr,
     pm_ptr, pl_ptr, pod, pd_ptr, dvd, pw1_ptr, pw2_ptr, pt2_ptr,
     scr_ptr, cst_ptr, dcs_ptr, rowoff_ptr, plane_sz,
@@ -74,8 +71,7 @@ def _stored_kernel(
     MODE: tl.constexpr, H: tl.constexpr, HP: tl.constexpr, DPAD: tl.constexpr,
     ER: tl.constexpr, EC: tl.constexpr, TOP: tl.constexpr, LEFT: tl.constexpr, BMO: tl.constexpr,
     BNO: tl.constexpr, SR: tl.constexpr,
-    HAS_K1: tl.constexpr, CQ1: tl.constexpr, CK1: tl.constexpr, CKP1: tl.constexpr, PL1: tl.constexpr,
-    NB1: tl.constexpr,
+    CQ1: tl.constexpr, CK1: tl.constexpr, CKP1: tl.constexpr, PL1: tl.constexpr,
     HAS_W1: tl.constexpr, HAS_K2: tl.constexpr, CQ2: tl.constexpr, CK2: tl.constexpr, CKP2: tl.constexpr,
     PL2: tl.constexpr,
     HAS_W2: tl.constexpr, HAS_KV: tl.constexpr, DROP: tl.constexpr,
@@ -84,8 +80,8 @@ def _stored_kernel(
     S_C: tl.constexpr, S_DA: tl.constexpr, S_S0: tl.constexpr, S_P: tl.constexpr, S_DR: tl.constexpr,
     S_DP: tl.constexpr, S_R: tl.constexpr, S_DC: tl.constexpr, S_A: tl.constexpr,
 ):
-    """The fused kernel's passes (``attention_triton._mta_kernel``) with C from / dC into the
-    stores: MODE 0 stats (C computed and stored), 1 forward, 2 rowsum, 3 backward_dc."""
+    """The passes of kernel A (the fused kernel's, ``fused._mta_kernel``, with C from / dC into
+    the stores): MODE 0 stats (C computed and stored), 1 forward, 2 rowsum, 3 backward_dc."""
     pid = tl.program_id(0)
     hh = tl.arange(0, HP)
     u = tl.arange(0, ER)
@@ -105,8 +101,8 @@ def _stored_kernel(
         tl.static_assert((LEFT >= R2) & (RIGHT >= PL2), "the frame's margins must hold the post adjoint's taps")
     own_u = (u >= TOP) & (u < TOP + BMO)
     own_w = (w >= LEFT) & (w < LEFT + BNO)
-    w1t, w1 = _weights(w1t_ptr, hh, H, HAS_W1, MMA)
-    w2t, w2 = _weights(w2t_ptr, hh, H, HAS_W2, MMA)
+    w1t, w1 = mix_weights(w1t_ptr, hh, H, HAS_W1, MMA)
+    w2t, w2 = mix_weights(w2t_ptr, hh, H, HAS_W2, MMA)
 
     for it in tl.range(tl.load(starts_ptr + pid), tl.load(starts_ptr + pid + 1), num_stages=1):
         b = tl.load(tiles_ptr + it * 4)
@@ -121,47 +117,42 @@ def _stored_kernel(
         dw1 = tl.zeros([HP, HP], ACC)
         dw2 = tl.zeros([HP, HP], ACC)
 
-        if MODE == _STATS and HAS_K1:
+        if MODE == _STATS:
             # ---- H0: S0 = q k^T * scale per head on the frame, zero off the allowed cells (mask, then conv)
-            ok0 = _allowed(i[:, None], j[None, :], b, kv_ptr, Tq, Tk, q_off, HAS_KV)
+            ok0 = allowed_cells(i[:, None], j[None, :], b, kv_ptr, Tq, Tk, q_off, HAS_KV)
             for h in tl.range(0, H, num_stages=1):
                 bh = b.to(tl.int64) * H + h
-                s0 = _scores(qd, kd, band_ptr, bh, i, j, row0, col0, Tq, q_off, scale, 1, 0, ER, EC, GP, DPAD, MMA,
-                             ACC, PREC, MARGIN)
+                s0 = qk_scores(qd, kd, bh, row0, col0, scale, ER, EC, GP, DPAD, MMA, ACC, PREC, MARGIN)
                 tl.store(scr + S_S0 * SLOT + h * PLANE + u[:, None] * EC + w[None, :],
-                         _to_scratch(tl.where(ok0, s0, 0.0), scr_ptr.dtype.element_ty, RNE))
+                         to_scratch(tl.where(ok0, s0, 0.0), scr_ptr.dtype.element_ty, RNE))
             tl.debug_barrier()
         # ---- H1: C per head (stats: conv1(S0), banded Toeplitz products; the rest: read back) -> slot C
         for h in tl.range(0, H, num_stages=1):
             bh = b.to(tl.int64) * H + h
             pc = scr + S_C * SLOT + h * PLANE + u[:, None] * EC + w[None, :]
             if MODE == _STATS:  # (stored from the slabs below, owned cells only)
-                if HAS_K1:
-                    cst = _conv(scr + S_S0 * SLOT + h * PLANE, tf1d, h * CQ1 * EC, CQ1, False, ER, EC, MMA, ACC,
-                                PREC)
-                else:  # no pre-softmax kernel (compile_triton's "mixing_stored" estimate): C = S0
-                    cst = _scores(qd, kd, band_ptr, bh, i, j, row0, col0, Tq, q_off, scale, 1, 0, ER, EC, GP, DPAD,
-                                  MMA, ACC, PREC, MARGIN)
+                cst = toeplitz_conv(scr + S_S0 * SLOT + h * PLANE, tf1d, h * CQ1 * EC, CQ1, False, ER, EC, MMA, ACC,
+                                    PREC)
             else:
                 sp, sok = _store_frame_ptrs(cst_ptr, rowoff_ptr, bh, i, j, Tq, Tk, q_off, plane_sz)
                 cst = tl.load(sp, mask=sok, other=0.0)
-            tl.store(pc, _to_scratch(cst, scr_ptr.dtype.element_ty, RNE))
+            tl.store(pc, to_scratch(cst, scr_ptr.dtype.element_ty, RNE))
             if MODE == _ROWSUM or MODE == _DC:
                 da = tl.zeros([ER, EC], ACC)
                 for e0 in tl.range(0, DPAD, GP):
-                    da = tl.dot(_tile(dod, bh, row0, e0, ER, GP, MMA, MARGIN),
-                                tl.trans(_tile(vd, bh, col0, e0, EC, GP, MMA, MARGIN)),
+                    da = tl.dot(load_tile(dod, bh, row0, e0, ER, GP, MMA, MARGIN),
+                                tl.trans(load_tile(vd, bh, col0, e0, EC, GP, MMA, MARGIN)),
                                 da, input_precision=PREC, out_dtype=ACC)
                 tl.store(scr + S_DA * SLOT + h * PLANE + u[:, None] * EC + w[None, :],
-                         _to_scratch(da, scr_ptr.dtype.element_ty, RNE))
+                         to_scratch(da, scr_ptr.dtype.element_ty, RNE))
         tl.debug_barrier()
 
         # ---- M1: slabs of all heads: mixing, softmax
         for r0 in tl.range(0, ER, SR, num_stages=1):
-            cu, cw, ci, cj, ok, own, i_rows = _slab_cells(r0, row0, col0, b, kv_ptr, Tq, Tk, q_off, HAS_KV, ER, EC,
-                                                          TOP, LEFT, BMO, BNO, SR)
-            xc = _slab(scr + S_C * SLOT, cu, cw, hh, H, ER, EC, MMA)
-            z = _mix(xc, w1t, HAS_W1, PREC, ACC)
+            cu, cw, ci, cj, ok, own, i_rows = slab_cells(r0, row0, col0, b, kv_ptr, Tq, Tk, q_off, HAS_KV, ER, EC,
+                                                         TOP, LEFT, BMO, BNO, SR)
+            xc = load_slab(scr + S_C * SLOT, cu, cw, hh, H, ER, EC, MMA)
+            z = mix(xc, w1t, HAS_W1, PREC, ACC)
             if MODE == _STATS:
                 # C into its store, as the slot holds it (rounded to the store's dtype once)
                 # every causal cell of the owned block, padding included (the passes that read C
@@ -183,81 +174,83 @@ def _stored_kernel(
                 tl.store((pm_ptr + slot * HP * ER) + sptr, m_new)
                 tl.store((pl_ptr + slot * HP * ER) + sptr, l_new)
             else:
-                lse = _row_stat(lse_ptr, b, i_rows, hh, Tq, H, SR, EC)
+                lse = row_stat(lse_ptr, b, i_rows, hh, Tq, H, SR, EC)
                 okh = ok[:, None] & (hh < H)[None, :]
                 p = tl.where(okh, tl.exp(tl.minimum(z - lse, 0.0)), 0.0)
                 if MODE == _FWD:
                     if HAS_K2:
-                        _slab_store(scr + S_P * SLOT, cu, cw, hh, p, H, ER, EC, RNE)
+                        store_slab(scr + S_P * SLOT, cu, cw, hh, p, H, ER, EC, RNE)
                     else:
-                        a = _mix(p.to(MMA), w2t, HAS_W2, PREC, ACC)
-                        _slab_store(scr + S_A * SLOT, cu, cw, hh, a, H, ER, EC, RNE)
+                        a = mix(p.to(MMA), w2t, HAS_W2, PREC, ACC)
+                        store_slab(scr + S_A * SLOT, cu, cw, hh, a, H, ER, EC, RNE)
                 else:
-                    da = _slab(scr + S_DA * SLOT, cu, cw, hh, H, ER, EC, ACC)
-                    dr = _mix(tl.where(okh, da, 0.0).to(MMA), w2, HAS_W2, PREC, ACC)
+                    da = load_slab(scr + S_DA * SLOT, cu, cw, hh, H, ER, EC, ACC)
+                    dr = mix(tl.where(okh, da, 0.0).to(MMA), w2, HAS_W2, PREC, ACC)
                     if HAS_K2:
-                        _slab_store(scr + S_P * SLOT, cu, cw, hh, p, H, ER, EC, RNE)
-                        _slab_store(scr + S_DR * SLOT, cu, cw, hh, dr, H, ER, EC, RNE)
+                        store_slab(scr + S_P * SLOT, cu, cw, hh, p, H, ER, EC, RNE)
+                        store_slab(scr + S_DR * SLOT, cu, cw, hh, dr, H, ER, EC, RNE)
                     elif MODE == _ROWSUM:
-                        _add_row_sums(pd_ptr, slot, hh, r0, p * dr, own, SR, EC, HP, ER)
+                        add_row_sums(pd_ptr, slot, hh, r0, p * dr, own, SR, EC, HP, ER)
                     else:
-                        dd = _row_stat(dd_ptr, b, i_rows, hh, Tq, H, SR, EC)
+                        dd = row_stat(dd_ptr, b, i_rows, hh, Tq, H, SR, EC)
                         dz = p * (dr - dd)
                         dp_, dok = _store_slab_ptrs(dcs_ptr, rowoff_ptr, b, ci, cj, hh, Tq, Tk, q_off, plane_sz, H)
-                        tl.store(dp_, _to_scratch(_mix(dz.to(MMA), w1, HAS_W1, PREC, ACC), dcs_ptr.dtype.element_ty,
-                                                  RNE), mask=dok & own[:, None])
-                        a = _mix(p.to(MMA), w2t, HAS_W2, PREC, ACC)
-                        _slab_store(scr + S_A * SLOT, cu, cw, hh, a, H, ER, EC, RNE)
-                        dw1 = _wgrad(dw1, dz, xc, own, HAS_W1, MMA, PREC, ACC)
-                        dw2 = _wgrad(dw2, da, p, own, HAS_W2, MMA, PREC, ACC)
+                        tl.store(dp_, to_scratch(mix(dz.to(MMA), w1, HAS_W1, PREC, ACC), dcs_ptr.dtype.element_ty,
+                                                 RNE), mask=dok & own[:, None])
+                        a = mix(p.to(MMA), w2t, HAS_W2, PREC, ACC)
+                        store_slab(scr + S_A * SLOT, cu, cw, hh, a, H, ER, EC, RNE)
+                        dw1 = mix_weight_grad(dw1, dz, xc, own, HAS_W1, MMA, PREC, ACC)
+                        dw2 = mix_weight_grad(dw2, da, p, own, HAS_W2, MMA, PREC, ACC)
 
         if HAS_K2 and MODE != _STATS:
             tl.debug_barrier()
             # ---- H2: the post-softmax convolution / its adjoint / its kernel's gradient, per head
             for h in tl.range(0, H, num_stages=1):
                 pp = u[:, None] * EC + w[None, :]
-                ok = _allowed(i[:, None], j[None, :], b, kv_ptr, Tq, Tk, q_off, HAS_KV)
+                ok = allowed_cells(i[:, None], j[None, :], b, kv_ptr, Tq, Tk, q_off, HAS_KV)
                 if MODE == _FWD:
-                    rr = _conv(scr + S_P * SLOT + h * PLANE, tf2d, h * CQ2 * EC, CQ2, False, ER, EC, MMA, ACC, PREC)
+                    rr = toeplitz_conv(scr + S_P * SLOT + h * PLANE, tf2d, h * CQ2 * EC, CQ2, False, ER, EC, MMA, ACC,
+                                       PREC)
                 if MODE == _DC:
                     g = tl.where(own_u[:, None] & own_w[None, :], tl.load(scr + S_DR * SLOT + h * PLANE + pp), 0.0)
-                    rr = _conv_and_weight_grad(scr + S_P * SLOT + h * PLANE, tf2d, h * CQ2 * EC, g,
-                                               pt2_ptr + (pid.to(tl.int64) * HP + h) * (CQ2 * CK2), PL2, CQ2, CK2,
-                                               CKP2, ER, EC, MMA, ACC, PREC)
+                    rr = conv_and_weight_grad(scr + S_P * SLOT + h * PLANE, tf2d, h * CQ2 * EC, g,
+                                              pt2_ptr + (pid.to(tl.int64) * HP + h) * (CQ2 * CK2), PL2, CQ2, CK2,
+                                              CKP2, ER, EC, MMA, ACC, PREC)
                 if MODE == _FWD or MODE == _DC:
                     tl.store(scr + S_R * SLOT + h * PLANE + pp,
-                             _to_scratch(tl.where(ok, rr, 0.0), scr_ptr.dtype.element_ty, RNE))
+                             to_scratch(tl.where(ok, rr, 0.0), scr_ptr.dtype.element_ty, RNE))
                 if MODE == _ROWSUM or MODE == _DC:
-                    dp = _conv(scr + S_DR * SLOT + h * PLANE, ta2d, h * CQ2 * EC, CQ2, True, ER, EC, MMA, ACC, PREC)
-                    tl.store(scr + S_DP * SLOT + h * PLANE + pp, _to_scratch(dp, scr_ptr.dtype.element_ty, RNE))
+                    dp = toeplitz_conv(scr + S_DR * SLOT + h * PLANE, ta2d, h * CQ2 * EC, CQ2, True, ER, EC, MMA, ACC,
+                                       PREC)
+                    tl.store(scr + S_DP * SLOT + h * PLANE + pp, to_scratch(dp, scr_ptr.dtype.element_ty, RNE))
             tl.debug_barrier()
             # ---- M2: slabs again: the post-softmax mixing / the softmax backward (dC stored)
             for r0 in tl.range(0, ER, SR, num_stages=1):
-                cu, cw, ci, cj, ok, own, i_rows = _slab_cells(r0, row0, col0, b, kv_ptr, Tq, Tk, q_off, HAS_KV, ER,
-                                                              EC, TOP, LEFT, BMO, BNO, SR)
+                cu, cw, ci, cj, ok, own, i_rows = slab_cells(r0, row0, col0, b, kv_ptr, Tq, Tk, q_off, HAS_KV, ER,
+                                                             EC, TOP, LEFT, BMO, BNO, SR)
                 if MODE == _FWD:
-                    rr = _slab(scr + S_R * SLOT, cu, cw, hh, H, ER, EC, MMA)
-                    a = _mix(rr, w2t, HAS_W2, PREC, ACC)
-                    _slab_store(scr + S_A * SLOT, cu, cw, hh, a, H, ER, EC, RNE)
+                    rr = load_slab(scr + S_R * SLOT, cu, cw, hh, H, ER, EC, MMA)
+                    a = mix(rr, w2t, HAS_W2, PREC, ACC)
+                    store_slab(scr + S_A * SLOT, cu, cw, hh, a, H, ER, EC, RNE)
                 elif MODE == _ROWSUM:
-                    p = _slab(scr + S_P * SLOT, cu, cw, hh, H, ER, EC, ACC)
-                    dp = _slab(scr + S_DP * SLOT, cu, cw, hh, H, ER, EC, ACC)
-                    _add_row_sums(pd_ptr, slot, hh, r0, p * dp, own, SR, EC, HP, ER)
+                    p = load_slab(scr + S_P * SLOT, cu, cw, hh, H, ER, EC, ACC)
+                    dp = load_slab(scr + S_DP * SLOT, cu, cw, hh, H, ER, EC, ACC)
+                    add_row_sums(pd_ptr, slot, hh, r0, p * dp, own, SR, EC, HP, ER)
                 else:
-                    p = _slab(scr + S_P * SLOT, cu, cw, hh, H, ER, EC, ACC)
-                    dp = _slab(scr + S_DP * SLOT, cu, cw, hh, H, ER, EC, ACC)
-                    dd = _row_stat(dd_ptr, b, i_rows, hh, Tq, H, SR, EC)
+                    p = load_slab(scr + S_P * SLOT, cu, cw, hh, H, ER, EC, ACC)
+                    dp = load_slab(scr + S_DP * SLOT, cu, cw, hh, H, ER, EC, ACC)
+                    dd = row_stat(dd_ptr, b, i_rows, hh, Tq, H, SR, EC)
                     dz = p * (dp - dd)
                     dp_, dok = _store_slab_ptrs(dcs_ptr, rowoff_ptr, b, ci, cj, hh, Tq, Tk, q_off, plane_sz, H)
-                    tl.store(dp_, _to_scratch(_mix(dz.to(MMA), w1, HAS_W1, PREC, ACC), dcs_ptr.dtype.element_ty, RNE),
+                    tl.store(dp_, to_scratch(mix(dz.to(MMA), w1, HAS_W1, PREC, ACC), dcs_ptr.dtype.element_ty, RNE),
                              mask=dok & own[:, None])
-                    rr = _slab(scr + S_R * SLOT, cu, cw, hh, H, ER, EC, MMA)
-                    a = _mix(rr, w2t, HAS_W2, PREC, ACC)
-                    _slab_store(scr + S_A * SLOT, cu, cw, hh, a, H, ER, EC, RNE)
-                    da = _slab(scr + S_DA * SLOT, cu, cw, hh, H, ER, EC, ACC)
-                    dw1 = _wgrad(dw1, dz, _slab(scr + S_C * SLOT, cu, cw, hh, H, ER, EC, MMA), own, HAS_W1, MMA,
-                                 PREC, ACC)
-                    dw2 = _wgrad(dw2, da, rr, own, HAS_W2, MMA, PREC, ACC)
+                    rr = load_slab(scr + S_R * SLOT, cu, cw, hh, H, ER, EC, MMA)
+                    a = mix(rr, w2t, HAS_W2, PREC, ACC)
+                    store_slab(scr + S_A * SLOT, cu, cw, hh, a, H, ER, EC, RNE)
+                    da = load_slab(scr + S_DA * SLOT, cu, cw, hh, H, ER, EC, ACC)
+                    dw1 = mix_weight_grad(dw1, dz, load_slab(scr + S_C * SLOT, cu, cw, hh, H, ER, EC, MMA), own,
+                                          HAS_W1, MMA, PREC, ACC)
+                    dw2 = mix_weight_grad(dw2, da, rr, own, HAS_W2, MMA, PREC, ACC)
 
         if MODE == _DC:
             wptr = pid.to(tl.int64) * (HP * HP) + hh[:, None] * HP + hh[None, :]
@@ -267,8 +260,8 @@ def _stored_kernel(
                 tl.store(pw2_ptr + wptr, tl.load(pw2_ptr + wptr) + dw2)
         if MODE == _FWD or MODE == _DC:
             tl.debug_barrier()
-            own2 = own_u[:, None] & own_w[None, :] & _allowed(i[:, None], j[None, :], b, kv_ptr, Tq, Tk, q_off,
-                                                              HAS_KV)
+            own2 = own_u[:, None] & own_w[None, :] & allowed_cells(i[:, None], j[None, :], b, kv_ptr, Tq, Tk, q_off,
+                                                                   HAS_KV)
             # ---- H3: per-head products of the owned block: O (forward), dv (backward_dc)
             for h in tl.range(0, H, num_stages=2):
                 bh = b.to(tl.int64) * H + h
@@ -276,14 +269,14 @@ def _stored_kernel(
                 if MODE == _FWD:
                     a = tl.where(own_w[None, :], a, 0.0).to(MMA)
                     for e0 in tl.static_range(0, DPAD, GP):
-                        oa = tl.dot(a, _tile(vd, bh, col0, e0, EC, GP, MMA, MARGIN), input_precision=PREC,
+                        oa = tl.dot(a, load_tile(vd, bh, col0, e0, EC, GP, MMA, MARGIN), input_precision=PREC,
                                     out_dtype=ACC)
-                        _accumulate(pod, (slot * H + h).to(tl.int32), 0, e0, oa, ER, GP, ACC)
+                        accumulate(pod, (slot * H + h).to(tl.int32), 0, e0, oa, ER, GP, ACC)
                 else:
                     ac = tl.where(own2, a, 0.0).to(MMA)
                     for e0 in tl.static_range(0, DPAD, GP):
-                        _grad_pair(ac, dod, dod, pod, dvd, bh, row0, col0, 0, e0, GP, ER, EC, False, MMA, ACC, PREC,
-                                   MARGIN)
+                        grad_pair(ac, dod, dod, pod, dvd, bh, row0, col0, 0, e0, GP, ER, EC, False, MMA, ACC, PREC,
+                                  MARGIN)
 
 
 @triton.jit(do_not_specialize=["Tq", "Tk", "q_off", "plane_sz"])
@@ -291,7 +284,7 @@ def _kernel_b(
     qd, kd, kv_ptr, ta1d, tiles_ptr, starts_ptr, pdqd, dkd, pt1_ptr, scr_ptr, dcs_ptr, rowoff_ptr, plane_sz,
     Tq, Tk, q_off, scale,
     H: tl.constexpr, HP: tl.constexpr, DPAD: tl.constexpr, ER: tl.constexpr, EC: tl.constexpr, TOP: tl.constexpr,
-    LEFT: tl.constexpr, BMO: tl.constexpr, BNO: tl.constexpr, HAS_K1: tl.constexpr, CQ1: tl.constexpr,
+    LEFT: tl.constexpr, BMO: tl.constexpr, BNO: tl.constexpr, CQ1: tl.constexpr,
     CK1: tl.constexpr, CKP1: tl.constexpr, PL1: tl.constexpr, HAS_KV: tl.constexpr, MMA: tl.constexpr,
     ACC: tl.constexpr, PREC: tl.constexpr, RNE: tl.constexpr, GP: tl.constexpr, MARGIN: tl.constexpr,
 ):
@@ -306,9 +299,8 @@ def _kernel_b(
     w = tl.arange(0, EC)
     R1: tl.constexpr = CK1 - 1 - PL1
     RIGHT: tl.constexpr = EC - LEFT - BNO
-    if HAS_K1:
-        tl.static_assert((LEFT >= R1) & (RIGHT >= PL1) & (ER - TOP - BMO >= CQ1 - 1),
-                         "the frame's margins must hold the pre adjoint's taps")
+    tl.static_assert((LEFT >= R1) & (RIGHT >= PL1) & (ER - TOP - BMO >= CQ1 - 1),
+                     "the frame's margins must hold the pre adjoint's taps")
     plane = scr_ptr + pid.to(tl.int64) * (ER * EC)
     own_u = (u >= TOP) & (u < TOP + BMO)
     own_w = (w >= LEFT) & (w < LEFT + BNO)
@@ -321,72 +313,66 @@ def _kernel_b(
         i = row0 + u
         col0 = c * BNO - LEFT
         j = col0 + w
-        ok = _allowed(i[:, None], j[None, :], b, kv_ptr, Tq, Tk, q_off, HAS_KV)
+        ok = allowed_cells(i[:, None], j[None, :], b, kv_ptr, Tq, Tk, q_off, HAS_KV)
         own2 = own_u[:, None] & own_w[None, :] & ok
         for h in tl.range(0, H, num_stages=1):
             bh = b.to(tl.int64) * H + h
             sp, sok = _store_frame_ptrs(dcs_ptr, rowoff_ptr, bh, i, j, Tq, Tk, q_off, plane_sz)
             dc = tl.load(sp, mask=sok & ok, other=0.0)
-            if HAS_K1:
-                tl.debug_barrier()  # the previous head's readers of the plane are done
-                tl.store(plane + u[:, None] * EC + w[None, :], _to_scratch(dc, scr_ptr.dtype.element_ty, RNE))
-                s0 = _scores(qd, kd, kv_ptr, bh, i, j, row0, col0, Tq, q_off, scale, 1, 0, ER, EC, GP, DPAD, MMA, ACC,
-                             PREC, MARGIN)
-                gm = tl.where(own2, s0, 0.0).to(MMA)
-                tl.debug_barrier()
-                ds = _conv(plane, ta1d, h * CQ1 * EC, CQ1, True, ER, EC, MMA, ACC, PREC)
-                ds = tl.where(own2, ds * scale, 0.0).to(MMA)
-                part = pt1_ptr + (pid.to(tl.int64) * HP + h) * (CQ1 * CK1)
-                for rho in tl.range(0, CQ1):
-                    _add_taps(_plane_rows(plane, rho, ER, EC, MMA), gm, part + (CQ1 - 1 - rho) * CK1, -R1, CK1, CKP1,
-                              EC, ACC, PREC)
-            else:
-                ds = tl.where(own2, dc.to(ACC) * scale, 0.0).to(MMA)
+            tl.debug_barrier()  # the previous head's readers of the plane are done
+            tl.store(plane + u[:, None] * EC + w[None, :], to_scratch(dc, scr_ptr.dtype.element_ty, RNE))
+            s0 = qk_scores(qd, kd, bh, row0, col0, scale, ER, EC, GP, DPAD, MMA, ACC, PREC, MARGIN)
+            gm = tl.where(own2, s0, 0.0).to(MMA)
+            tl.debug_barrier()
+            ds = toeplitz_conv(plane, ta1d, h * CQ1 * EC, CQ1, True, ER, EC, MMA, ACC, PREC)
+            ds = tl.where(own2, ds * scale, 0.0).to(MMA)
+            part = pt1_ptr + (pid.to(tl.int64) * HP + h) * (CQ1 * CK1)
+            for rho in tl.range(0, CQ1):
+                add_taps(plane_rows(plane, rho, ER, EC, MMA), gm, part + (CQ1 - 1 - rho) * CK1, -R1, CK1, CKP1, EC,
+                         ACC, PREC)
             for e0 in tl.static_range(0, DPAD, GP):
-                _grad_pair(ds, kd, qd, pdqd, dkd, bh, row0, col0, slot * H + h, e0, GP, ER, EC, True, MMA, ACC, PREC,
-                           MARGIN)
+                grad_pair(ds, kd, qd, pdqd, dkd, bh, row0, col0, slot * H + h, e0, GP, ER, EC, True, MMA, ACC, PREC,
+                          MARGIN)
 
 
 # ----------------------------------------------------------------------------- host side
-def kernel_constexprs(pass_: str, f: frames.Frame, *, h: int, d: int, pre, post, pad_key: str, has_w1: bool,
-                      has_w2: bool, has_kv: bool, gpu: bool, dtype: torch.dtype,
-                      tuning: KernelTuning = DEFAULT_TUNING) -> dict:
-    """The constexprs of one stored pass's launch (the launcher's and compile_triton's), under
-    the model's ``tuning`` (model.kernels: slab rows)."""
-    base = stored_frames.BASE_PASS[pass_]
-    mode = frames.PASSES.index(base) if base != "b" else 3
-    consts = at.kernel_constexprs(mode, f, h=h, d=d, pre=pre, post=post, pad_key=pad_key, has_w1=has_w1,
-                                  has_w2=has_w2, has_kv=has_kv, drop=False, gpu=gpu, dtype=dtype, tuning=tuning)
-    if pass_ == "backward_b":
-        keep = ("H", "HP", "DPAD", "ER", "EC", "TOP", "LEFT", "BMO", "BNO", "HAS_K1", "CQ1", "CK1", "CKP1", "PL1",
-                "HAS_KV", "MMA", "ACC", "PREC", "RNE", "GP", "MARGIN")
-        return {k: consts[k] for k in keep}
-    consts.update(stored_frames.scratch_slots(pass_, pre is not None, post is not None))
-    if pass_ == "backward_dc" and gpu and tuning.triton_slab_rows is None:
-        consts["SR"] = min(f.er, stored_frames.SLAB_ROWS_DC)
-    return consts
-
-
-def descriptor_specs(pass_: str, consts: dict) -> dict:
-    """{kernel argument: (input, block shape)} of a stored pass's descriptors: the fused
-    kernel's, and the pre kernel's forward Toeplitz table (stats computes C = conv1(S0))."""
-    specs = at.descriptor_specs(consts)
-    if pass_ == "backward_b":
-        return {k: specs[k] for k in ("qd", "kd", "ta1d", "pdqd", "dkd")}
-    specs["tf1d"] = ("tf1", [consts["EC"], consts["EC"]])
-    return {k: v for k, v in specs.items() if k not in ("pdqd", "dkd")}
+# kernel A's MODE per pass (the fused kernel's pass whose code it runs) and both kernels' constexprs
+_MODE = {"stats": 0, "forward": 1, "backward_rowsum": 2, "backward_dc": 3}
+_CONSTEXPRS_A = ("H", "HP", "DPAD", "ER", "EC", "TOP", "LEFT", "BMO", "BNO", "SR", "CQ1", "CK1", "CKP1", "PL1",
+                 "HAS_W1", "HAS_K2", "CQ2", "CK2", "CKP2", "PL2", "HAS_W2", "HAS_KV", "DROP", "MMA", "ACC", "PREC",
+                 "RNE", "GP", "NSLOT", "MARGIN", "S_C", "S_DA", "S_S0", "S_P", "S_DR", "S_DP", "S_R", "S_DC", "S_A")
+_CONSTEXPRS_B = ("H", "HP", "DPAD", "ER", "EC", "TOP", "LEFT", "BMO", "BNO", "CQ1", "CK1", "CKP1", "PL1", "HAS_KV",
+                 "MMA", "ACC", "PREC", "RNE", "GP", "MARGIN")
+_DESCRIPTORS_A = ("qd", "kd", "vd", "dod", "tf2d", "ta2d", "tf1d", "pod", "dvd")
+_DESCRIPTORS_B = ("qd", "kd", "ta1d", "pdqd", "dkd")
 
 
 def kernel_of(pass_: str):
+    """The jit function a pass launches (compile_report.py compiles it)."""
     return _kernel_b if pass_ == "backward_b" else _stored_kernel
 
 
-class _Stored:
-    """One call's stores and problem (``attention_triton._Problem``)."""
+def kernel_constexprs(pass_: str, f: tiles.Frame, **kw) -> dict:
+    """The constexprs of one stored pass's launch (``launch.constexprs``' arguments): the one
+    source for ``_launch`` and compile_report.py."""
+    consts = launch.constexprs(pass_, f, **kw)
+    if pass_ == "backward_b":
+        return {k: consts[k] for k in _CONSTEXPRS_B}
+    return {"MODE": _MODE[pass_], **{k: consts[k] for k in _CONSTEXPRS_A}}
 
-    def __init__(self, pb: at._Problem):
+
+def descriptor_specs(pass_: str, consts: dict) -> dict:
+    """{kernel argument: (input, block shape)} of a stored pass's descriptors (kernel A's also
+    reads the pre kernel's forward Toeplitz table: stats computes C = conv1(S0))."""
+    return launch.descriptor_specs(consts, _DESCRIPTORS_B if pass_ == "backward_b" else _DESCRIPTORS_A)
+
+
+class _Stored:
+    """One call's stores and problem (``launch.Problem``)."""
+
+    def __init__(self, pb: launch.Problem):
         self.pb = pb
-        rows = stored_frames.store_rows(pb.tq, pb.tk, pb.q_off)
+        rows = tiles.store_rows(pb.tq, pb.tk, pb.q_off)
         self.rowoff = torch.tensor(rows[:-1], dtype=torch.int64, device=pb.dev)
         self.plane_sz = rows[-1]
         self.cstore = self.dcstore = None  # allocated by the stats / backward_dc launches
@@ -394,64 +380,56 @@ class _Stored:
 
 def _launch(pass_: str, st: _Stored, bufs: dict, do: Optional[torch.Tensor] = None):
     pb = st.pb
-    f = stored_frames.frame(pass_, pb.pre, pb.post, pb.pad_key, pb.tuning)
-    sched = frames.items(f, pb.b, pb.tq, pb.tk, pb.q_off, at.programs(pb.dev, pb.tuning))
-    n_prog = len(sched.starts) - 1
+    f, sched, n_prog = pb.geometry(pass_)
     pb.toeplitz(f.ec)
-    specs = stored_frames.pass_buffers(pass_, f, sched, n_prog, b=pb.b, h=pb.h, hp=pb.hp, tk=pb.tk, dpad=pb.dpad,
-                                       pre=pb.pre, post=pb.post, dtype=pb.q.dtype, margin=pb.margin)
+    specs = tiles.pass_buffers(pass_, f, sched, n_prog, b=pb.b, h=pb.h, hp=pb.hp, tk=pb.tk, dpad=pb.dpad,
+                               pre=pb.pre, post=pb.post, dtype=pb.q.dtype, margin=pb.margin)
     scratch_spec = specs.pop("scratch")
     specs.pop("tiles")
-    for name, spec in specs.items():  # the fused kernel's allocator (tests poison it with NaN)
-        bufs[name] = at._buffer(name, spec, pb.dev)
+    for name, spec in specs.items():  # the one allocator (tests poison it with NaN)
+        bufs[name] = launch.buffer(name, spec, pb.dev)
     if pass_ in ("stats", "backward_dc"):  # every causal cell is written before it is read
         name = "cstore" if pass_ == "stats" else "dcstore"
-        spec = stored_frames.stored_planes(b=pb.b, h=pb.h, tq=pb.tq, tk=pb.tk, q_off=pb.q_off, dtype=pb.sdt)[name]
-        setattr(st, name, at._buffer(name, spec, pb.dev))
+        spec = tiles.stored_planes(b=pb.b, h=pb.h, tq=pb.tq, tk=pb.tk, q_off=pb.q_off, dtype=pb.sdt)[name]
+        setattr(st, name, launch.buffer(name, spec, pb.dev))
     if not sched.items:
         return f, sched
     consts = kernel_constexprs(pass_, f, h=pb.h, d=pb.d, pre=pb.pre, post=pb.post, pad_key=pb.pad_key,
                                has_w1=pb.w1t is not None, has_w2=pb.w2t is not None, has_kv=pb.kv is not None,
-                               gpu=pb.gpu, dtype=pb.q.dtype, tuning=pb.tuning)
-    scratch = at._empty("scratch", (max(1, scratch_spec.shape[0]),), scratch_spec.dtype, pb.dev)
-    tf1 = None
-    if pass_ == "stats":  # the pre kernel's forward Toeplitz table (the fused kernel has no use for it)
-        dt = pb.sdt if pb.gpu else pb.acc_t
-        tf1 = at._toeplitz(pb.k1.to(pb.acc_t), f.ec, pb.hp, False, pb.pl1).to(dt).reshape(-1, f.ec).contiguous()
+                               drop=False, gpu=pb.gpu, dtype=pb.q.dtype, tuning=pb.tuning)
+    scratch = launch.empty("scratch", (max(1, scratch_spec.shape[0]),), scratch_spec.dtype, pb.dev)
     inputs = {"q": pb.qp, "k": pb.kp, "v": pb.vp, "do": None if do is None else pb.padded(do),
-              "khat": None, "tf2": getattr(pb, "tf2", None), "ta2": getattr(pb, "ta2", None),
-              "ta1": getattr(pb, "ta1", None), "tf1": tf1}
-    for name in at.ACCUMULATORS:
-        inputs[name] = bufs[name].flatten(0, 1) if name in bufs else None
-    descs = {name: at._descriptor(inputs[src], block, pb.acc_t if src in at.ACCUMULATORS else pb.qp.dtype, pb.dev)
-             for name, (src, block) in descriptor_specs(pass_, consts).items()}
-    tiles, tile_starts = sched.tiles()
-    tile_rows = torch.tensor(tiles, dtype=torch.int32, device=pb.dev).flatten()
-    starts = torch.tensor(tile_starts, dtype=torch.int32, device=pb.dev)
+              "tf2": getattr(pb, "tf2", None), "ta2": getattr(pb, "ta2", None), "ta1": getattr(pb, "ta1", None),
+              # the pre kernel's forward table (stats computes C = conv1(S0); the backward has no use for it)
+              "tf1": pb.table(pb.k1, f.ec, False, pb.pl1) if pass_ == "stats" else None}
+    descs = launch.descriptors(descriptor_specs(pass_, consts), inputs, bufs, pb)
+    tile_rows, starts = launch.schedule_tensors(sched, pb.dev)
     dm = pb.dummy
 
     def buf(name):
         return bufs.get(name, dm)
 
-    num_warps, num_stages = stored_frames.launch_config(pass_, pb.pre, pb.post)
+    num_warps, num_stages = tiles.launch_config(pass_, pb.pre, pb.post)
     dcs = st.dcstore if st.dcstore is not None else dm
-    if pass_ == "backward_b":
-        _kernel_b[(n_prog,)](
-            descs["qd"], descs["kd"], pb.kv if pb.kv is not None else dm, descs["ta1d"], tile_rows, starts,
-            descs["pdqd"], descs["dkd"], buf("pt1"), scratch, dcs, st.rowoff, st.plane_sz,
-            pb.tq, pb.tk, pb.q_off, pb.scale, **consts, num_warps=num_warps, num_stages=num_stages)
-        return f, sched
-    _stored_kernel[(n_prog,)](
-        descs["qd"], descs["kd"], descs["vd"], descs["dod"], descs["khd"], pb.band if pb.band is not None else dm,
-        pb.kv if pb.kv is not None else dm,
-        pb.w1t if pb.w1t is not None else dm, pb.w2t if pb.w2t is not None else dm,
-        descs["tf2d"], descs["ta2d"], descs["ta1d"], descs["tf1d"],
-        buf("lse"), buf("dd"), tile_rows, starts,
-        buf("pm"), buf("pl"), descs["pod"], buf("pd"), descs["dvd"],
-        buf("pw1"), buf("pw2"), buf("pt2"), scratch, st.cstore if st.cstore is not None else dm, dcs, st.rowoff, st.plane_sz,
-        pb.tq, pb.tk, pb.q_off, pb.scale, 0.0, 0,
-        **consts, num_warps=num_warps, num_stages=num_stages,
-    )
+    try:
+        if pass_ == "backward_b":
+            _kernel_b[(n_prog,)](
+                descs["qd"], descs["kd"], pb.kv if pb.kv is not None else dm, descs["ta1d"], tile_rows, starts,
+                descs["pdqd"], descs["dkd"], buf("pt1"), scratch, dcs, st.rowoff, st.plane_sz,
+                pb.tq, pb.tk, pb.q_off, pb.scale, **consts, num_warps=num_warps, num_stages=num_stages)
+            return f, sched
+        _stored_kernel[(n_prog,)](
+            descs["qd"], descs["kd"], descs["vd"], descs["dod"], pb.kv if pb.kv is not None else dm,
+            pb.w1t if pb.w1t is not None else dm, pb.w2t if pb.w2t is not None else dm,
+            descs["tf2d"], descs["ta2d"], descs["tf1d"],
+            buf("lse"), buf("dd"), tile_rows, starts,
+            buf("pm"), buf("pl"), descs["pod"], buf("pd"), descs["dvd"],
+            buf("pw1"), buf("pw2"), buf("pt2"), scratch, st.cstore if st.cstore is not None else dm, dcs, st.rowoff,
+            st.plane_sz, pb.tq, pb.tk, pb.q_off, pb.scale, 0.0, 0,
+            **consts, num_warps=num_warps, num_stages=num_stages,
+        )
+    except triton.runtime.errors.OutOfResources as e:
+        raise launch.out_of_resources(e, pass_, f, pb) from e
     return f, sched
 
 
@@ -459,16 +437,14 @@ class _MTAStored(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, k1, w1, k2, w2, key_valid, q_off, pad_key, tuning):
         kv = None if key_valid is None else key_valid.to(torch.int8).contiguous()
-        pb = at._Problem(q, k, v, kv, k1, w1, k2, w2, pad_key, q_off, 0.0, 0, tuning)
+        pb = launch.Problem(q, k, v, kv, k1, w1, k2, w2, pad_key, q_off, 0.0, 0, tuning)
         st = _Stored(pb)
         bufs: dict = {}
         f, sched = _launch("stats", st, bufs)
-        ml = torch.stack((bufs["pm"], bufs["pl"]), 1)
-        lse = at._per_row(ml, f, sched, pb, at._merge_stats)[:, :pb.h].contiguous()
-        fb = {"lse": lse}
+        fb = {"lse": launch.lse(bufs, f, sched, pb)}
         f, sched = _launch("forward", st, fb)
-        out = at._per_row(fb["po"][..., :pb.d], f, sched, pb)
-        ctx.save_for_backward(q, k, v, lse, kv, k1, w1, k2, w2, st.cstore)  # C: saved for backward
+        out = launch.per_row(fb["po"][..., :pb.d], f, sched, pb)
+        ctx.save_for_backward(q, k, v, fb["lse"], kv, k1, w1, k2, w2, st.cstore)  # C: saved for backward
         ctx.args = (pad_key, q_off, tuning)
         return out.to(q.dtype)
 
@@ -477,16 +453,16 @@ class _MTAStored(torch.autograd.Function):
         q, k, v, lse, kv, k1, w1, k2, w2, cstore = ctx.saved_tensors
         pad_key, q_off, tuning = ctx.args
         do = do.contiguous()
-        pb = at._Problem(q, k, v, kv, k1, w1, k2, w2, pad_key, q_off, 0.0, 0, tuning)
+        pb = launch.Problem(q, k, v, kv, k1, w1, k2, w2, pad_key, q_off, 0.0, 0, tuning)
         st = _Stored(pb)
         st.cstore = cstore
         bufs = {"lse": lse}
         f, sched = _launch("backward_rowsum", st, bufs, do)
-        bufs["dd"] = at._per_row(bufs["pd"], f, sched, pb)[:, :pb.h].contiguous()
+        bufs["dd"] = launch.per_row(bufs["pd"], f, sched, pb)[:, :pb.h].contiguous()
         _launch("backward_dc", st, bufs, do)
         bb: dict = {}
         f, sched = _launch("backward_b", st, bb)
-        dq = at._per_row(bb["pdq"][..., :pb.d], f, sched, pb)
+        dq = launch.per_row(bb["pdq"][..., :pb.d], f, sched, pb)
         dk, dv = bb["dk"][..., pb.margin:, :pb.d], bufs["dv"][..., pb.margin:, :pb.d]  # after the zero margin
         if kv is not None:
             dq = dq * kv[:, q_off:q_off + pb.tq].to(dq.dtype)[:, None, :, None]
@@ -494,7 +470,7 @@ class _MTAStored(torch.autograd.Function):
         h = pb.h
         g1 = bufs["pw1"].sum(0)[:h, :h] if w1 is not None else None
         g2 = bufs["pw2"].sum(0)[:h, :h] if w2 is not None else None
-        t1 = bb["pt1"].sum(0)[:h].flip(-1) if k1 is not None else None
+        t1 = bb["pt1"].sum(0)[:h].flip(-1)
         t2 = bufs["pt2"].sum(0)[:h] if k2 is not None else None
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), t1, g1, t2, g2, None, None, None, None
 
@@ -503,9 +479,9 @@ def explicit_attention_stored(q, k, v, p: ExplicitAttnParams, mask: AttnMask, tr
     """``explicit_attention_torch`` for a kq-conv layer through the stored-scores kernels
     (no dropout: ``p.dropout`` must be 0 or ``training`` off)."""
     if p.mta_kernel is None:
-        raise ValueError("attention_stored: a kq-conv layer (a pre-softmax kernel) only")
+        raise ValueError("fused_triton.stored: a kq-conv layer (a pre-softmax kernel) only")
     if p.dropout > 0.0 and training:
-        raise ValueError("attention_stored: no dropout")
+        raise ValueError("fused_triton.stored: no dropout (the registry runs blocked for it)")
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
 
     def cast(t):
