@@ -505,9 +505,11 @@ class DocStream:
                 self._next_file()
                 continue
             j = self.line
+            # before this stream's position moves past line j: a ledger rebuilt now (a fresh
+            # one is) counts the lines before this stream's position as read by it
+            first = self.ledger.claim(name, j)  # no stream of this rank read line j yet
             self.line += 1
             self.offset += len(line)
-            first = self.ledger.claim(name, j)  # no stream of this rank read line j yet
             if j % stride != sub or not line.strip():
                 continue
             if not first and self._needle is not None and self._needle not in line:
