@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import stat
 import sys
 import tracemalloc
@@ -109,3 +110,49 @@ def test_the_record_limit_is_a_setting_and_resumes_past_the_record(tmp_path):
     for bad in (0, -1, "16M"):
         with pytest.raises(ValueError, match="data.max_record_bytes"):
             to_data_args({**kw, "tokenizer": {"name": "bytes", "path": None}, "max_record_bytes": bad})
+
+
+# ------------------------------------------------------------------ 9: a result file of the wrong shape
+def test_report_names_a_result_file_of_the_wrong_shape(tmp_path, capsys):
+    from mta_repro.report.__main__ import main as report_main
+
+    run_dir = tmp_path / "run"
+    (run_dir / "eval").mkdir(parents=True)
+    needle = run_dir / "eval" / "needle.json"
+    needle.write_text(json.dumps([{"accuracy": 1.0}]))
+    out = tmp_path / "report"
+    assert report_main([str(run_dir), "--out", str(out)]) == 2
+    _one_line(capsys.readouterr().err, f"{needle}: not an eval result", "expected an object, found a list")
+    needle.write_text(json.dumps({"task": "needle", "results": {"accuracy": {"2048": [0.5]}}}))
+    assert report_main([str(run_dir), "--out", str(out)]) == 2
+    _one_line(capsys.readouterr().err, str(needle), "(needle)",
+              "expected an object at results.accuracy.2048, found a list")
+    assert not out.exists()
+
+
+def test_read_json_names_the_file_and_the_first_fault(tmp_path):
+    from mta_repro.errors import UserError
+    from mta_repro.json_files import fault, read_json
+
+    f = tmp_path / "x.json"
+    f.write_text("[1, 2")
+    with pytest.raises(UserError, match=rf"{f}: not valid JSON \(line 1 column 6: .*\); expected a thing"):
+        read_json(f, dict, "a thing")
+    shape = {"a": {"*": float}, "b?": str}
+    assert fault({"a": {"x": 1, "y": 2.5}}, shape) is None
+    assert fault({"a": {"x": True}}, shape) == "expected a number at a.x, found a boolean"
+    assert fault({"a": {}, "b": 3}, shape) == "expected a string at b, found an integer"
+    assert fault({}, shape) == "expected key 'a'"
+    f.write_text('{"a": {"x": Infinity}}')
+    assert read_json(f, shape)["a"]["x"] == math.inf
+
+
+def test_eval_re_evaluates_over_a_result_file_of_the_wrong_shape(tmp_path):
+    """An earlier eval/<task>.json that is not an object is not "up to date"; it is replaced."""
+    from mta_repro.eval.run import _up_to_date
+
+    weights = tmp_path / "w.pt"
+    weights.write_bytes(b"x")
+    f = tmp_path / "ppl.json"
+    f.write_text("[]")
+    assert _up_to_date(f, weights, {}) is False
