@@ -15,6 +15,7 @@ import hashlib
 import json
 import math
 import stat
+import struct
 import sys
 import tracemalloc
 from pathlib import Path
@@ -23,7 +24,10 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent / "fixtures" / "eval"))
+from eval_helpers import make_run  # noqa: E402
 
+from mta_repro.cli import run_cli  # noqa: E402
+from mta_repro.weights import CorruptFileError, ModelMismatchError, UnsafeFileError, load_weights  # noqa: E402
 
 TRAIN = ["experiment=debug", "trainer.steps=1", "logging.wandb_mode=disabled", "logging.progress_bar=false"]
 
@@ -42,6 +46,245 @@ def _snapshot(folder: Path) -> dict:
         return {}
     return {str(p.relative_to(folder)): (hashlib.sha256(p.read_bytes()).hexdigest(), stat.S_IMODE(p.stat().st_mode))
             for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+# ------------------------------------------------------------------ a Llama folder, byte by byte
+HF_CONFIG = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "vocab_size": 64, "hidden_size": 32,
+             "intermediate_size": 48, "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 4,
+             "head_dim": 16, "max_position_embeddings": 64, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
+             "tie_word_embeddings": False, "hidden_act": "silu", "torch_dtype": "float32"}
+ST_NAMES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16"}
+
+
+def llama_tensors(dtype=torch.float32) -> dict:
+    """The tensors of HF_CONFIG's LlamaForCausalLM (q_proj [64, 32]: 4 heads x 16 over 32)."""
+    g = torch.Generator().manual_seed(0)
+    V, D, F, HD = 64, 32, 48, 64
+    shapes = {"model.embed_tokens.weight": (V, D), "model.norm.weight": (D,), "lm_head.weight": (V, D),
+              "model.layers.0.input_layernorm.weight": (D,), "model.layers.0.post_attention_layernorm.weight": (D,),
+              "model.layers.0.self_attn.q_proj.weight": (HD, D), "model.layers.0.self_attn.k_proj.weight": (HD, D),
+              "model.layers.0.self_attn.v_proj.weight": (HD, D), "model.layers.0.self_attn.o_proj.weight": (D, HD),
+              "model.layers.0.mlp.gate_proj.weight": (F, D), "model.layers.0.mlp.up_proj.weight": (F, D),
+              "model.layers.0.mlp.down_proj.weight": (D, F)}
+    return {n: (0.1 * torch.randn(s, generator=g)).to(dtype) for n, s in shapes.items()}
+
+
+def write_safetensors(path: Path, tensors: dict, labels: dict = (), shapes: dict = (), offsets: dict = (),
+                      header_len=None, tail: bytes = b"") -> Path:
+    """A safetensors file as the format describes it: 8-byte little-endian header length,
+    the JSON header, the tensors' bytes. ``labels``/``shapes``/``offsets`` override a
+    tensor's header entry (the bytes stay), ``header_len`` the stated length."""
+    header, blobs, at = {}, [], 0
+    for name, t in tensors.items():
+        data = t.contiguous().view(torch.uint8).numpy().tobytes() if t.numel() else b""
+        entry = {"dtype": dict(labels).get(name, ST_NAMES[t.dtype]), "shape": list(dict(shapes).get(name, t.shape)),
+                 "data_offsets": list(dict(offsets).get(name, (at, at + len(data))))}
+        header[name] = entry
+        blobs.append(data)
+        at += len(data)
+    raw = json.dumps(header).encode()
+    n = len(raw) if header_len is None else header_len
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(struct.pack("<Q", n) + raw + b"".join(blobs) + tail)
+    return path
+
+
+def llama_folder(root: Path, dtype=torch.float32, **kw) -> Path:
+    folder = root / "llama"
+    folder.mkdir(parents=True, exist_ok=True)
+    cfg = {**HF_CONFIG, "torch_dtype": str(dtype).replace("torch.", "")}
+    (folder / "config.json").write_text(json.dumps(cfg))
+    write_safetensors(folder / "model.safetensors", llama_tensors(dtype), **kw)
+    return folder
+
+
+def _hf(argv, capsys):
+    from mta_repro.hf.cli import main as hf_main
+
+    rc = hf_main(argv)
+    return rc, capsys.readouterr()
+
+
+def test_the_well_formed_folder_imports_and_the_library_reads_it(tmp_path, capsys):
+    """The control for the crafted files below: the same writer's well-formed file."""
+    pytest.importorskip("transformers")
+    from safetensors import safe_open
+
+    folder = llama_folder(tmp_path)
+    with safe_open(str(folder / "model.safetensors"), framework="pt") as f:
+        torch.testing.assert_close(f.get_tensor("model.norm.weight"), llama_tensors()["model.norm.weight"])
+    rc, out = _hf(["import", str(folder), str(tmp_path / "ours.pt")], capsys)
+    assert rc == 0, out.err[-2000:]
+    sd = load_weights(tmp_path / "ours.pt").state
+    torch.testing.assert_close(sd["tok_embeddings.weight"], llama_tensors()["model.embed_tokens.weight"])
+
+
+# ------------------------------------------------------------------ 1: relabelled dtypes
+@pytest.mark.parametrize("dtype,label,says", [
+    (torch.float32, "I32", "is I32, expected a float dtype"),  # same byte size, an integer tensor
+    (torch.float16, "BF16", "is bfloat16 but config.json's torch_dtype is float16"),  # same size, another float
+])
+def test_hf_import_refuses_a_relabelled_tensor(tmp_path, capsys, dtype, label, says):
+    pytest.importorskip("transformers")
+    folder = llama_folder(tmp_path, dtype, labels={"model.embed_tokens.weight": label})
+    out = tmp_path / "out" / "ours.pt"
+    rc, res = _hf(["import", str(folder), str(out)], capsys)
+    assert rc == 2
+    _one_line(res.err, "hf: error:", str(folder / "model.safetensors"), "'model.embed_tokens.weight'", says)
+    assert not out.parent.exists()
+
+
+def test_init_from_refuses_integer_weights_and_writes_no_run(tmp_path, capsys):
+    from mta_repro.config import compose
+    from mta_repro.train.loop import train
+
+    run_dir, _ = make_run(tmp_path / "src", attention="baseline")
+    blob = torch.load(run_dir / "export" / "consolidated.pt", weights_only=True)
+    emb = blob["model"]["tok_embeddings.weight"]
+    blob["model"]["tok_embeddings.weight"] = emb.view(torch.int32)  # the bytes relabelled, as a crafted header would
+    pt = tmp_path / "relabelled.pt"
+    torch.save(blob, pt)
+    target = tmp_path / "train"
+    cfg = compose(TRAIN + ["model.dim=64", "model.n_layers=2", "model.n_heads=4", "model.multiple_of=32",
+                           "model.vocab_size=258", "data.tokenizer.name=bytes", f"run_dir={target}",
+                           f"checkpoint.init_from={pt}"])
+    assert run_cli("train", lambda: train(cfg)) == 2
+    _one_line(capsys.readouterr().err, "train: error:", str(pt), "'tok_embeddings.weight' is int32, expected a float")
+    assert not target.exists()
+    with pytest.raises(CorruptFileError, match="int32"):
+        load_weights(pt)
+
+
+def test_init_from_refuses_weights_of_another_shape_naming_the_tensor(tmp_path):
+    """A checkpoint of another width: refused against the model it would go into."""
+    from mta_repro.train.checkpoint import load_init_weights
+    from mta_repro.model import ModelArgs
+
+    run_dir, _ = make_run(tmp_path / "src", attention="baseline")  # dim 64
+    want = ModelArgs(dim=32, n_layers=2, n_heads=4, vocab_size=258, multiple_of=32)
+    says = r"'tok_embeddings.weight' has shape \[258, 64\], expected \[258, 32\]"
+    with pytest.raises(ModelMismatchError, match=says):
+        load_init_weights(run_dir, expect=want)
+
+
+# ------------------------------------------------------------------ 2: crafted headers
+def _crafted_headers():
+    emb = "model.embed_tokens.weight"
+    return {
+        "length 2^62": ({"header_len": 2 ** 62}, "header length 4611686018427387904 bytes is over the format's limit"),
+        "length past the end": ({"header_len": 10 ** 6}, "header length 1000000 bytes runs past the end of the file"),
+        "F16 with F32 bytes": ({"labels": {emb: "F16"}}, "tensor 'model.embed_tokens.weight': F16 [64, 32] needs 4096 "
+                                                         "bytes, its data_offsets hold 8192"),
+        "offsets outside": ({"offsets": {emb: (0, 1 << 40)}}, "tensor 'model.embed_tokens.weight': bytes "
+                                                            "[0, 1099511627776) do not fit"),
+    }
+
+
+@pytest.mark.parametrize("case", list(_crafted_headers()))
+def test_crafted_safetensors_headers_are_one_line(tmp_path, capsys, case):
+    pytest.importorskip("transformers")
+    from safetensors import safe_open
+
+    kw, says = _crafted_headers()[case]
+    folder = llama_folder(tmp_path, **kw)
+    st = folder / "model.safetensors"
+    with pytest.raises(Exception):  # noqa: B017 - the control: the library itself refuses it, in its own way
+        with safe_open(str(st), framework="pt") as f:
+            [f.get_tensor(n) for n in f.keys()]
+    out = tmp_path / "ours.pt"
+    rc, res = _hf(["import", str(folder), str(out)], capsys)
+    assert rc == 2
+    line = _one_line(res.err, "hf: error:", f"{st}: not a valid safetensors file", says)
+    assert "SafetensorError" not in line
+    assert not out.exists()
+
+
+def test_the_header_reader_checks_overlaps_gaps_and_json(tmp_path):
+    from mta_repro.weights import read_header
+
+    t = {"a": torch.ones(4), "b": torch.ones(4)}
+    cases = {"overlap": ({"offsets": {"b": (8, 24)}}, "overlaps the previous tensor"),
+             "gap": ({"offsets": {"b": (20, 36)}, "tail": b"\0" * 4}, "leaves a gap after byte 16"),
+             "unknown dtype": ({"labels": {"a": "Q4"}}, "unknown dtype 'Q4'"),
+             "negative shape": ({"shapes": {"a": (-4,)}}, "is not a list of non-negative integers"),
+             "trailing bytes": ({"tail": b"\0" * 8}, "the tensors end at byte 32 of a 40-byte buffer")}
+    for name, (kw, says) in cases.items():
+        f = write_safetensors(tmp_path / f"{name}.safetensors", t, **kw)
+        with pytest.raises(CorruptFileError, match=f"{f}: not a valid safetensors file: .*{says}"):
+            read_header(f)
+    f = tmp_path / "not_json.safetensors"
+    f.write_bytes(struct.pack("<Q", 4) + b"{{{{")
+    with pytest.raises(CorruptFileError, match="the header is not JSON"):
+        read_header(f)
+    assert set(read_header(write_safetensors(tmp_path / "ok.safetensors", t))) == {"a", "b"}
+
+
+def test_a_shard_index_may_name_only_files_of_its_folder(tmp_path, capsys):
+    pytest.importorskip("transformers")
+    folder = llama_folder(tmp_path)
+    elsewhere = write_safetensors(tmp_path / "elsewhere.safetensors", llama_tensors())
+    (folder / "model.safetensors.index.json").write_text(json.dumps(
+        {"weight_map": {n: f"../{elsewhere.name}" for n in llama_tensors()}}))
+    rc, res = _hf(["import", str(folder), str(tmp_path / "ours.pt")], capsys)
+    assert rc == 2
+    _one_line(res.err, "model.safetensors.index.json names shard(s) outside", "../elsewhere.safetensors")
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"weight_map": ["model.safetensors"]}))
+    rc, res = _hf(["import", str(folder), str(tmp_path / "ours.pt")], capsys)
+    assert rc == 2
+    _one_line(res.err, "model.safetensors.index.json: not a shard index:",
+              "expected an object at weight_map, found a list")
+    assert not (tmp_path / "ours.pt").exists()
+
+
+# ------------------------------------------------------------------ 3: a reshaped tensor
+def test_a_reshaped_tensor_is_named_before_any_permutation(tmp_path, capsys):
+    pytest.importorskip("transformers")
+    q = "model.layers.0.self_attn.q_proj.weight"
+    folder = llama_folder(tmp_path, shapes={q: (32, 64)})  # [64, 32] stored as [32, 64]: same element count
+    rc, res = _hf(["import", str(folder), str(tmp_path / "ours.pt")], capsys)
+    assert rc == 2
+    _one_line(res.err, f"tensor '{q}' has shape [32, 64], expected [64, 32]", str(folder / "model.safetensors"))
+    assert not (tmp_path / "ours.pt").exists()
+
+
+def test_a_reshaped_tensor_in_a_pt_is_refused_against_its_own_config(tmp_path, capsys):
+    from mta_repro.eval.run import main as eval_main
+
+    run_dir, _ = make_run(tmp_path / "run", attention="baseline")
+    blob = torch.load(run_dir / "export" / "consolidated.pt", weights_only=True)
+    wq = blob["model"]["layers.0.attention.wq.weight"]
+    blob["model"]["layers.0.attention.wq.weight"] = wq.reshape(wq.shape[1] // 2, wq.shape[0] * 2)
+    pt = tmp_path / "reshaped.pt"
+    torch.save(blob, pt)
+    assert eval_main([str(pt), "tasks=[ppl]"]) == 2
+    _one_line(capsys.readouterr().err, "eval: error:", str(pt), "'layers.0.attention.wq.weight' has shape [32, 128], "
+              "expected [64, 64] (its config's model)")
+    assert not (tmp_path / "eval").exists()
+
+
+# ------------------------------------------------------------------ 4: interpolations in a stored config
+def test_a_stored_config_with_a_resolver_is_refused_by_eval(tmp_path, capsys, monkeypatch):
+    from mta_repro.eval.run import main as eval_main
+
+    run_dir, _ = make_run(tmp_path / "run", attention="baseline")
+    blob = torch.load(run_dir / "export" / "consolidated.pt", weights_only=True)
+    blob["config"]["data"]["tokenizer"] = {"name": "sentencepiece", "path": "${oc.env:SECRET_PATH}"}
+    pt = tmp_path / "interpolated.pt"
+    torch.save(blob, pt)
+    # a tokenizer that would work: resolving the variable would evaluate with this machine's file
+    monkeypatch.setenv("SECRET_PATH", str(Path(__file__).parents[1] / "data" / "tokenizer" / "mini_sp8192.model"))
+    assert eval_main([str(pt), "tasks=[ppl]"]) == 2
+    _one_line(capsys.readouterr().err, "eval: error:", str(pt), "data.tokenizer.path: '${oc.env:SECRET_PATH}'",
+              "never run")
+    assert not (tmp_path / "eval").exists()
+    with pytest.raises(UnsafeFileError):  # and not skipped for an older file either
+        load_weights(pt)
+    # a reference to another key of the same config is data, and reads
+    blob["config"]["data"]["tokenizer"] = {"name": "bytes", "path": None}
+    blob["config"]["model"]["norm_eps"] = "${model.norm_eps_copy}"
+    blob["config"]["model"]["norm_eps_copy"] = 1e-5
+    torch.save(blob, pt)
+    assert load_weights(pt).config["model"]["norm_eps"] == "${model.norm_eps_copy}"
 
 
 # ------------------------------------------------------------------ 5: an oversized record
@@ -156,3 +399,23 @@ def test_eval_re_evaluates_over_a_result_file_of_the_wrong_shape(tmp_path):
     f = tmp_path / "ppl.json"
     f.write_text("[]")
     assert _up_to_date(f, weights, {}) is False
+
+
+# ------------------------------------------------------------------ one step further: DCP checkpoints
+def test_a_dcp_checkpoint_with_integer_model_tensors_is_named(tmp_path):
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+
+    run_dir, ref = make_run(tmp_path / "run", attention="baseline", fmt="dcp")
+    sd = {k: v.view(torch.int32) if k == "tok_embeddings.weight" else v for k, v in ref.state_dict().items()}
+    ck = run_dir / "checkpoints" / "0000000009"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save({"model": sd, "step": 9}, checkpoint_id=str(ck))
+    (ck / ".complete").touch()
+    with pytest.raises(CorruptFileError, match=f"checkpoint {ck} is unreadable: tensor 'tok_embeddings.weight' is "
+                                               "int32, expected a float dtype"):
+        load_weights(ck)
+    with pytest.warns(UserWarning, match="falling back to .*0000000007"):
+        assert load_weights(run_dir).step == 7  # a run dir falls back to the previous checkpoint, with one line
