@@ -355,6 +355,32 @@ def test_the_record_limit_is_a_setting_and_resumes_past_the_record(tmp_path):
             to_data_args({**kw, "tokenizer": {"name": "bytes", "path": None}, "max_record_bytes": bad})
 
 
+# ------------------------------------------------------------------ 6: a diverged model's perplexity
+def test_a_huge_loss_is_perplexity_inf_in_the_result_and_the_report(tmp_path, capsys):
+    from mta_repro.eval.ppl import perplexity
+    from mta_repro.eval.run import main as eval_main
+    from mta_repro.report.__main__ import main as report_main
+
+    run_dir, _ = make_run(tmp_path / "run", attention="baseline")
+    export = run_dir / "export" / "consolidated.pt"
+    blob = torch.load(export, weights_only=True)
+    blob["model"]["norm.weight"] = blob["model"]["norm.weight"] * 1e6  # logits x 1e6: a diverged sweep point
+    torch.save(blob, export)
+    args = ["tasks=[ppl]", "ppl.seq_len=32", "ppl.max_batches=1", "ppl.domains=[book]"]
+    assert eval_main([str(run_dir), *args]) == 0, capsys.readouterr().err[-2000:]
+    res = json.loads((run_dir / "eval" / "ppl.json").read_text())["results"]
+    loss = res["domains"]["book"]["loss"]
+    assert math.isfinite(loss) and loss > math.log(sys.float_info.max)  # exp(loss) is past the largest float
+    assert res["domains"]["book"]["ppl"] == math.inf and res["average"] == math.inf
+    assert report_main([str(run_dir), "--out", str(tmp_path / "report"), "--no-kernels"]) == 0
+    md = (tmp_path / "report" / "report.md").read_text()
+    header = next(ln for ln in md.splitlines() if ln.startswith("| run | model | stage | trained | window |"))
+    row = md.splitlines()[md.splitlines().index(header) + 2]
+    cells = dict(zip([c.strip() for c in header.split("|")], [c.strip() for c in row.split("|")]))
+    assert cells["book"] == "inf" and cells["avg"] == "inf" and cells["Δ vs baseline"] == "—", row
+    assert perplexity(math.log(7.0)) == pytest.approx(7.0, rel=1e-12) and math.isnan(perplexity(math.nan))
+
+
 # ------------------------------------------------------------------ 9: a result file of the wrong shape
 def test_report_names_a_result_file_of_the_wrong_shape(tmp_path, capsys):
     from mta_repro.report.__main__ import main as report_main

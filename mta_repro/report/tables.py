@@ -319,7 +319,8 @@ def baseline_of(run: RunData, runs) -> Optional[RunData]:
 
 
 def _diff(a, b):
-    return None if a is None or b is None else a - b
+    d = None if a is None or b is None else a - b
+    return None if d != d else d  # inf - inf (two diverged runs): no difference to show
 
 
 def _paper_note(stages, runs=()) -> str:
