@@ -381,6 +381,45 @@ def test_a_huge_loss_is_perplexity_inf_in_the_result_and_the_report(tmp_path, ca
     assert perplexity(math.log(7.0)) == pytest.approx(7.0, rel=1e-12) and math.isnan(perplexity(math.nan))
 
 
+# ------------------------------------------------------------------ 7: a model too large for the machine
+def test_a_model_that_cannot_fit_is_refused_before_anything_is_allocated(tmp_path, capsys):
+    from mta_repro.config import compose
+    from mta_repro.train.loop import train
+
+    run_dir = tmp_path / "big"
+    cfg = compose(TRAIN + ["model.dim=65536", "model.n_heads=64", "trainer.device=cpu", f"run_dir={run_dir}"])
+    assert run_cli("train", lambda: train(cfg)) == 2
+    line = _one_line(capsys.readouterr().err, "train: error:", "model.dim=65536", "of memory available",
+                     "trainer.memory_check=false")
+    # the floor, computed here: fp32 parameters + AdamW moments (12 bytes each) and one fp32 copy of the logits
+    D, L, V, B, T = 65536, cfg.model.n_layers, cfg.model.vocab_size, cfg.data.batch_size, cfg.data.seq_len
+    from mta_repro.model import to_model_args
+
+    F = to_model_args(cfg.model).ffn_hidden_dim
+    params = V * D + L * (4 * D * D + 3 * D * F + 2 * D) + D  # tied embeddings, no biases
+    assert f"{params / 1e9:.2f}B parameters" in line
+    assert f"needs at least {(12 * params + 4 * B * T * V) / 1e9:.2f} GB" in line
+    assert not run_dir.exists()
+
+
+def test_the_pre_flight_runs_when_the_floor_is_near_the_capacity(tmp_path):
+    from mta_repro.config import compose, to_train_config
+    from mta_repro.estimate.memory import estimate_from_config
+    from mta_repro.train.memory_check import DoesNotFitError, check_fits
+
+    cfg = compose(["experiment=debug", "trainer.device=cpu", "data.batch_size=16"])
+    want = estimate_from_config(cfg).total  # the pre-flight's own command (python -m mta_repro.estimate --memory)
+    args = to_train_config(cfg)
+    cpu = torch.device("cpu")
+    with pytest.raises(DoesNotFitError, match=f"needs {want / 1e9:.2f} GB per rank by the memory pre-flight .*but "
+                                              "a 0.3 GB test machine"):
+        check_fits(args, 1, cpu, (0.3e9, "a 0.3 GB test machine"))
+    assert check_fits(args, 1, cpu, (want / 0.95, "room")).total == want  # fits (a warning line: over 90%)
+    assert check_fits(args, 1, cpu, (1e15, "plenty")) is None  # the floor is tiny: no model run needed
+    args.trainer.memory_check = False
+    assert check_fits(args, 1, cpu, (1.0, "one byte")) is None
+
+
 # ------------------------------------------------------------------ 9: a result file of the wrong shape
 def test_report_names_a_result_file_of_the_wrong_shape(tmp_path, capsys):
     from mta_repro.report.__main__ import main as report_main

@@ -193,6 +193,9 @@ def _train(args: TrainConfig, info: DistInfo, lock: RunLock) -> dict[str, Any]:
 
     def prepare():
         _check_vocab(args, to_model_args(args.model).vocab_size)
+        from mta_repro.train.memory_check import check_fits
+
+        check_fits(args, info.world_size, info.device)  # before the run dir is touched or anything allocated
         return prepare_run_dir(args, info, lock)
 
     at_step = _agree(info, prepare)
