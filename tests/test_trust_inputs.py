@@ -420,6 +420,20 @@ def test_the_pre_flight_runs_when_the_floor_is_near_the_capacity(tmp_path):
     assert check_fits(args, 1, cpu, (1.0, "one byte")) is None
 
 
+# ------------------------------------------------------------------ 8: non-finite settings
+@pytest.mark.parametrize("override,field", [("optim.lr=nan", "optim.lr"), ("optim.lr=inf", "optim.lr"),
+                                            ("optim.eps=-inf", "optim.eps"), ("model.norm_eps=nan", "model.norm_eps")])
+def test_non_finite_settings_are_one_line(tmp_path, capsys, override, field):
+    from mta_repro.config import compose
+    from mta_repro.train.loop import train
+
+    run_dir = tmp_path / "run"
+    cfg = compose(TRAIN + [override, f"run_dir={run_dir}"])
+    assert run_cli("train", lambda: train(cfg)) == 2
+    _one_line(capsys.readouterr().err, "train: error:", f"{field}: expected a", override.split("=")[1])
+    assert not run_dir.exists()
+
+
 # ------------------------------------------------------------------ 9: a result file of the wrong shape
 def test_report_names_a_result_file_of_the_wrong_shape(tmp_path, capsys):
     from mta_repro.report.__main__ import main as report_main
