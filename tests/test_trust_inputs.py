@@ -14,6 +14,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import os
 import stat
 import struct
 import sys
@@ -478,6 +479,45 @@ def test_eval_re_evaluates_over_a_result_file_of_the_wrong_shape(tmp_path):
     f = tmp_path / "ppl.json"
     f.write_text("[]")
     assert _up_to_date(f, weights, {}) is False
+
+
+# ------------------------------------------------------------------ 10, 11: the HF export's folder and modes
+def test_export_into_a_foreign_folder_needs_force_and_replaces_our_own(tmp_path, capsys):
+    pytest.importorskip("transformers")
+    run_dir, _ = make_run(tmp_path / "run", attention="baseline")
+    mta_dir, _ = make_run(tmp_path / "mta", attention="mta")
+    foreign = tmp_path / "someone"
+    foreign.mkdir()
+    (foreign / "config.json").write_text('{"theirs": true}')
+    (foreign / "notes.txt").write_text("keep me")
+    before = _snapshot(foreign)
+    rc, res = _hf(["export", str(run_dir), str(foreign)], capsys)
+    assert rc == 2
+    _one_line(res.err, "hf: error:", f"{foreign} is not empty", "is not an export of ours", "--force")
+    assert _snapshot(foreign) == before
+    rc, res = _hf(["export", str(run_dir), str(foreign), "--force"], capsys)
+    assert rc == 0, res.err[-2000:]
+    assert (foreign / "notes.txt").read_text() == "keep me" and "theirs" not in (foreign / "config.json").read_text()
+    # our own earlier export is replaced, without the files the new one does not write
+    ours = tmp_path / "hf"
+    assert _hf(["export", str(mta_dir), str(ours)], capsys)[0] == 0
+    assert (ours / "modeling_mta_repro.py").is_file()
+    assert _hf(["export", str(run_dir), str(ours)], capsys)[0] == 0
+    assert not (ours / "modeling_mta_repro.py").exists()
+    assert json.loads((ours / "config.json").read_text())["architectures"] == ["LlamaForCausalLM"]
+
+
+@pytest.mark.parametrize("attention", ["baseline", "mta"])
+def test_every_exported_file_has_the_umask_mode(tmp_path, capsys, attention):
+    pytest.importorskip("transformers")
+    run_dir, _ = make_run(tmp_path / "run", attention=attention)
+    old = os.umask(0o022)
+    try:
+        assert _hf(["export", str(run_dir), str(tmp_path / "hf")], capsys)[0] == 0
+    finally:
+        os.umask(old)
+    modes = {p.name: oct(stat.S_IMODE(p.stat().st_mode)) for p in (tmp_path / "hf").iterdir()}
+    assert "model.safetensors" in modes and set(modes.values()) == {"0o644"}, modes
 
 
 # ------------------------------------------------------------------ one step further: DCP checkpoints

@@ -104,14 +104,65 @@ def state_to_hf(sd: dict, args: ModelArgs) -> dict:
     return {k: v.contiguous() for k, v in out.items()}
 
 
-def export_hf(path: Union[str, Path], out_dir: Union[str, Path]) -> Path:
+# The files an export writes (a sharded save and the trust_remote_code folder included).
+EXPORT_FILES = ("config.json", "generation_config.json", "model.safetensors", "model.safetensors.index.json",
+                "model-*-of-*.safetensors", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                "tokenizer.model", TOKENIZER_NOTE, "modeling_mta_repro.py")
+
+
+def _is_export(folder: Path) -> bool:
+    """Whether ``folder`` holds an export of ours (our tokenizer note, or our model type)."""
+    if (folder / TOKENIZER_NOTE).is_file():
+        return True
+    try:
+        return json.loads((folder / "config.json").read_text()).get("model_type") == "mta_repro"
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+def _check_out_dir(out_dir: Path, force: bool) -> list:
+    """The files of an earlier export of ours in ``out_dir`` (replaced: removed before the
+    new one is written); refuse another non-empty folder unless ``force``."""
+    if not out_dir.exists():
+        return []
+    if not out_dir.is_dir():
+        raise UserError(f"hf export: {out_dir} is a file; expected a new or empty folder")
+    entries = sorted(p.name for p in out_dir.iterdir())
+    if not entries:
+        return []
+    if _is_export(out_dir):
+        return sorted({f for pattern in EXPORT_FILES for f in out_dir.glob(pattern) if f.is_file()})
+    if not force:
+        raise UserError(f"hf export: {out_dir} is not empty ({len(entries)} entries, e.g. {entries[:3]}) and is not an "
+                        "export of ours: choose a new or empty folder, or pass --force to write into it (files of "
+                        "the export's names are overwritten, others kept)")
+    return []
+
+
+def _readable_as_umask(paths) -> None:
+    """Give the written files the mode the umask gives new files (safetensors writes 0600,
+    the rest of the export 0644): colleagues on a shared cluster read all of it or none."""
+    import os
+    import stat
+
+    mask = os.umask(0)
+    os.umask(mask)
+    for p in paths:
+        if p.is_file() and not p.is_symlink():
+            os.chmod(p, stat.S_IMODE(0o666 & ~mask))
+
+
+def export_hf(path: Union[str, Path], out_dir: Union[str, Path], force: bool = False) -> Path:
     """Write a ``LlamaForCausalLM`` folder (config.json, model.safetensors, the
-    tokenizer file and our tokenizer settings) from a baseline run or .pt."""
+    tokenizer file and our tokenizer settings) from a baseline run or .pt. ``out_dir``
+    must be new, empty or an earlier export of ours (replaced); ``force`` writes into
+    another folder."""
     from transformers import LlamaForCausalLM
 
     from mta_repro.config import trained_seq_len
     from mta_repro.eval.load import load_model, load_tokenizer
 
+    earlier = _check_out_dir(Path(out_dir), force)  # before any work: a refusal changes nothing
     model, cfg = load_model(path, device="cpu", dtype="float32")
     args = model.args
     try:
@@ -120,6 +171,8 @@ def export_hf(path: Union[str, Path], out_dir: Union[str, Path]) -> Path:
     except (ValueError, OSError):
         tok, bos, eos = None, None, None
     out_dir = Path(out_dir)
+    for f in earlier:
+        f.unlink()
     out_dir.mkdir(parents=True, exist_ok=True)
     if args.diff_transformer or args.mta.use_mta:
         # MTA, talking heads, Differential: our own modeling file (trust_remote_code).
@@ -155,6 +208,7 @@ def export_hf(path: Union[str, Path], out_dir: Union[str, Path]) -> Path:
             tok_cfg = {**tok_cfg, "path": "tokenizer.model"}
     if tok_cfg:
         (out_dir / TOKENIZER_NOTE).write_text(json.dumps(tok_cfg, indent=1) + "\n")
+    _readable_as_umask(sorted({f for pattern in EXPORT_FILES for f in out_dir.glob(pattern)}))
     return out_dir
 
 
