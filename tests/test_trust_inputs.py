@@ -538,3 +538,29 @@ def test_a_dcp_checkpoint_with_integer_model_tensors_is_named(tmp_path):
         load_weights(ck)
     with pytest.warns(UserWarning, match="falling back to .*0000000007"):
         assert load_weights(run_dir).step == 7  # a run dir falls back to the previous checkpoint, with one line
+
+
+# ------------------------------------------------------------------ the commands, as typed
+def test_the_commands_as_a_user_runs_them(tmp_path):
+    """Separate processes, as typed: a model too large, a non-finite lr, a crafted header."""
+    import subprocess
+
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+
+    def run(*argv):
+        return subprocess.run([sys.executable, "-m", *argv], capture_output=True, text=True, timeout=300, env=env,
+                              cwd=root)
+
+    for extra, says in ((["model.dim=65536", "model.n_heads=64"], "model.dim=65536"),
+                        (["optim.lr=nan"], "optim.lr: expected a finite number, got nan")):
+        r = run("mta_repro.train", "experiment=debug", "trainer.device=cpu", f"run_dir={tmp_path / 'run'}", *extra)
+        assert r.returncode == 2, r.stderr[-3000:]
+        _one_line(r.stderr, "train: error:", says)
+        assert not (tmp_path / "run").exists()
+    pytest.importorskip("transformers")
+    folder = llama_folder(tmp_path, header_len=2 ** 62)
+    r = run("mta_repro.hf", "import", str(folder), str(tmp_path / "ours.pt"))
+    assert r.returncode == 2, r.stderr[-3000:]
+    _one_line(r.stderr, "hf: error:", str(folder / "model.safetensors"), "header length 4611686018427387904")
+    assert not (tmp_path / "ours.pt").exists()
