@@ -108,6 +108,8 @@ SLOW_TESTS = {
     ("test_train.py", "test_sbatch_dry_run"),
     ("test_conftest_groups.py", "test_a_shared_fixture_module_runs_on_one_xdist_worker"),
     ("test_train_rundir.py", "test_a_failed_start_leaves_no_run_dir"),
+    ("test_trust_inputs.py", "test_the_commands_as_a_user_runs_them"),
+    ("test_trust_inputs.py", "test_export_into_a_foreign_folder_needs_force_and_replaces_our_own"),
     ("test_train_validation.py", "test_progress_lines_without_a_tty"),
     # training runs, resumes, whole-config sweeps and end-to-end evaluations in-process
     ("test_eval_needle.py", "test_run_needle_end_to_end_on_tiny_model"),

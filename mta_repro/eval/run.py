@@ -88,9 +88,11 @@ def _up_to_date(path: Path, weights, record: dict) -> bool:
         return False
     if path.stat().st_mtime < Path(weights).stat().st_mtime:
         return False
+    from mta_repro.json_files import read_json
+
     try:
-        old = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError):
+        old = read_json(path, dict)
+    except (OSError, UserError):  # damaged, or not a result of ours: evaluate again
         return False
     keys = ("weights", "step", "dtype", "settings", "eval_lengths", "trained_seq_len")
     return all(old.get(k) == record.get(k) for k in keys)

@@ -39,7 +39,6 @@ the configured folder, the report when its ``results.json`` is newer than every 
 from __future__ import annotations
 
 import itertools
-import json
 import shlex
 import sys
 from dataclasses import dataclass, field
@@ -50,6 +49,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from mta_repro.config import CONFIG_DIR
 from mta_repro.errors import UserError
+from mta_repro.json_files import read_json
 
 REPO = CONFIG_DIR.parent
 VARIANTS = ("baseline", "diff", "talking_heads", "mta")
@@ -454,8 +454,8 @@ def done(job: Job) -> bool:
         if not f.is_file():
             return False
         try:
-            return bool(json.loads(f.read_text()).get("ok"))
-        except json.JSONDecodeError:
+            return bool(read_json(f, dict).get("ok"))
+        except UserError:  # damaged or not the check's record: run the check again
             return False
     if job.kind == "eval":
         export = _finished(job.run_dir, job.steps or 0)
@@ -469,8 +469,8 @@ def done(job: Job) -> bool:
         if not res.is_file():
             return False
         try:
-            runs = [r["path"] for r in json.loads(res.read_text())["runs"]]
-        except (json.JSONDecodeError, KeyError, TypeError):
+            runs = [r["path"] for r in read_json(res, {"runs": list})["runs"]]
+        except (UserError, KeyError, TypeError):
             return False
         if runs != [str(d) for d in job.runs]:
             return False

@@ -13,6 +13,7 @@ from pathlib import Path
 from string import Template
 
 from mta_repro.errors import UserError
+from mta_repro.json_files import read_json
 from mta_repro.pipeline.plan import REPO, Job, Plan, done, missing_sources
 from mta_repro.slurm import memory_lines, time_limit
 
@@ -164,7 +165,7 @@ def submit_slurm(plan: Plan, dry_run: bool = False, log=print) -> int:
     not submitted twice. --dry-run prints the scripts instead."""
     slurm = dict(plan.spec.get("slurm") or {})
     state_f = _state_file(plan)
-    previous = json.loads(state_f.read_text()) if state_f.is_file() else {}
+    previous = read_json(state_f, dict, "the pipeline's record of submitted jobs") if state_f.is_file() else {}
     alive = _alive(list(previous.values())) if not dry_run else set()
     if dry_run:
         for line in missing_sources(plan):
