@@ -246,8 +246,8 @@ def test_field_classes_come_from_the_schema():
         "run_dir", "slurm.", "logging.progress_bar", "data.prefetch", "distributed.timeout_min",
         "checkpoint.allow_config_change", "checkpoint.resume", "checkpoint.on_corrupt", "checkpoint.async_save",
         "checkpoint.save_hook", "checkpoint.accept_changed_data", "checkpoint.accept_changed_tokenizer",
-        "trainer.grad_accum", "trainer.cpu_mmap_threshold", "model.attn_selfcheck", "model.attn_selfcheck_cpu",
-        "model.kernels."}
+        "trainer.grad_accum", "trainer.cpu_mmap_threshold", "trainer.memory_check", "model.attn_selfcheck",
+        "model.attn_selfcheck_cpu", "model.kernels."}
     assert set(SAFE) == {
         "trainer.steps", "trainer.nonfinite", "trainer.device", "trainer.eval_every", "trainer.eval_max_batches",
         "trainer.eval_batch_size", "logging.", "checkpoint.every", "checkpoint.keep", "checkpoint.export",

@@ -23,6 +23,8 @@ those bytes: the reader hashes every byte it hands out, so the state can say wha
 read of each file (``mta_repro/data/loader.py`` records and checks it;
 docs/provenance.md). A stream keeps the shard it was started with (``shard`` in its
 state): files that appear later are not read by the run, files that vanish are skipped.
+A record longer than ``data.max_record_bytes`` is skipped, counted as bad (``oversize``),
+never held whole.
 """
 
 from __future__ import annotations
@@ -54,7 +56,14 @@ SET_NAMES = {
     "wikipedia": "RedPajamaWikipedia",
 }
 DOMAIN_OF_SET = {v: k for k, v in SET_NAMES.items()}
-BAD_KINDS = ("undecodable", "malformed_json", "missing_text", "missing_meta", "unknown_set", "empty", "corrupt_file")
+BAD_KINDS = ("undecodable", "malformed_json", "missing_text", "missing_meta", "unknown_set", "empty", "corrupt_file",
+             "oversize")
+# data.max_record_bytes' default (mta_repro/data/args.py says why this size).
+MAX_RECORD_BYTES = 16 << 20
+# Compressed bytes fed to the zstd decompressor at a time: a zstd block of one repeated byte
+# expands ~32,000x, so 512 bytes make at most ~16 MiB (measured: a 400 MB record of one
+# byte, 12 KB compressed, comes out in pieces of 16 MiB); as fast as 1 MiB feeds on text.
+_ZSTD_FEED = 512
 SUFFIXES = (".jsonl", ".jsonl.zst")
 
 
@@ -178,9 +187,11 @@ class _CheckedZstd(io.RawIOBase):
         self._zstd = zstandard
         self.raw, self.path = raw, path
         self._d = zstandard.ZstdDecompressor().decompressobj()
-        self._buf = bytearray()
+        self._out: list = []  # decompressed pieces not yet read, each held once (no copy into a buffer)
+        self._pos = 0  # read position in self._out[0]
         self._in_frame = False
         self._eof = False
+        self._pending = memoryview(b"")  # compressed bytes read and not yet fed
 
     def readable(self) -> bool:
         return True
@@ -188,9 +199,11 @@ class _CheckedZstd(io.RawIOBase):
     def _feed(self, data: bytes) -> None:
         while data:
             try:
-                self._buf += self._d.decompress(data)
+                out = self._d.decompress(data)
             except self._zstd.ZstdError as e:
                 raise CorruptFileError(f"{self.path}: not a valid zstd stream ({e})") from e
+            if out:
+                self._out.append(out)
             if self._d.eof:
                 data = self._d.unused_data
                 self._d = self._zstd.ZstdDecompressor().decompressobj()
@@ -200,22 +213,45 @@ class _CheckedZstd(io.RawIOBase):
                 data = b""
 
     def readinto(self, b) -> int:
-        while not self._buf and not self._eof:
-            chunk = self.raw.read(1 << 20)
-            if not chunk:
-                self._eof = True
-                if self._in_frame:
-                    raise CorruptFileError(f"{self.path}: truncated (the file ends inside a zstd frame)")
-                break
-            self._feed(chunk)
-        n = min(len(b), len(self._buf))
-        b[:n] = self._buf[:n]
-        del self._buf[:n]
+        while not self._out and not self._eof:
+            if not self._pending:
+                chunk = self.raw.read(1 << 20)
+                if not chunk:
+                    self._eof = True
+                    if self._in_frame:
+                        raise CorruptFileError(f"{self.path}: truncated (the file ends inside a zstd frame)")
+                    break
+                self._pending = memoryview(chunk)
+            self._feed(bytes(self._pending[:_ZSTD_FEED]))
+            self._pending = self._pending[_ZSTD_FEED:]
+        if not self._out:
+            return 0
+        piece = self._out[0]
+        n = min(len(b), len(piece) - self._pos)
+        b[:n] = memoryview(piece)[self._pos:self._pos + n]
+        self._pos += n
+        if self._pos == len(piece):
+            self._out.pop(0)
+            self._pos = 0
         return n
 
 
 class ShortFileError(EOFError):
     """A file that ends before the offset a stream saved in it (it changed since)."""
+
+
+class OversizeRecord(bytes):
+    """What ``_LineReader.readline`` gives for a line over the record limit: not its bytes
+    but a stand-in whose ``len()`` is the line's length in the file (so byte offsets stay
+    right) and which ``parse_line`` counts as a bad record ("oversize")."""
+
+    def __new__(cls, size: int) -> "OversizeRecord":
+        obj = super().__new__(cls, b"{}\n")
+        obj.size = size
+        return obj
+
+    def __len__(self) -> int:
+        return self.size
 
 
 class _LineReader:
@@ -224,9 +260,13 @@ class _LineReader:
     bytes (the skipped prefix included), ``size``/``mtime_ns`` the file's stat when opened.
 
     A file shorter than ``offset`` raises ShortFileError; a truncated or corrupt .zst raises
-    CorruptFileError (naming the file) when the reading gets to the damage."""
+    CorruptFileError (naming the file) when the reading gets to the damage. A line of more
+    than ``max_bytes`` (its newline aside) is read past in 1 MiB pieces (hashed, never held
+    whole) and returned as an ``OversizeRecord``; with the decompressor fed in small pieces,
+    a record holds at most about twice the limit plus 16 MiB, however well it compresses."""
 
-    def __init__(self, path: Path, offset: int) -> None:
+    def __init__(self, path: Path, offset: int, max_bytes: int = MAX_RECORD_BYTES) -> None:
+        self.max_bytes = int(max_bytes)
         self.raw = open(path, "rb")
         self.f = self.raw
         st = os.fstat(self.raw.fileno())
@@ -250,10 +290,20 @@ class _LineReader:
         self.pos = offset
 
     def readline(self) -> bytes:
-        line = self.f.readline()
+        line = self.f.readline(self.max_bytes + 1)
         self.hash.update(line)
         self.pos += len(line)
-        return line
+        if len(line) <= self.max_bytes or line.endswith(b"\n"):
+            return line
+        size = len(line)
+        del line
+        while True:  # the rest of the record, hashed, never held whole
+            part = self.f.readline(1 << 20)
+            self.hash.update(part)
+            self.pos += len(part)
+            size += len(part)
+            if not part or part.endswith(b"\n"):
+                return OversizeRecord(size)
 
     def digest(self) -> str:
         return self.hash.hexdigest()
@@ -313,6 +363,8 @@ def record_fields(rec, with_meta: bool, counts: Optional[Dict[str, int]]) -> Opt
 
 def parse_line(line: bytes, with_meta: bool, counts: Optional[Dict[str, int]]) -> Optional[Tuple[Optional[str], str]]:
     """(set name or None, text) of a JSON line, or None for a bad record (counted)."""
+    if isinstance(line, OversizeRecord):
+        return _bad(counts, "oversize")
     try:
         s = line.decode("utf-8")
     except UnicodeDecodeError:
@@ -442,6 +494,7 @@ class DocStream:
         self.base_shard = _as_shard(shard)
         self.shard = epoch_order(self.base_shard, self.seed, domain, 0)
         self.rank = rank
+        self.max_record_bytes = args.max_record_bytes
         self.set_name = SET_NAMES[domain] if args.layout == "slimpajama" else None
         self._needle = json.dumps(self.set_name).encode() if self.set_name else None
         self.where = f"domain {domain!r} on rank {rank}/{world_size}"
@@ -664,7 +717,7 @@ class DocStream:
                     self.line, self.offset = self.partial.pop(name)
             try:
                 if self._reader is None:
-                    self._reader = _LineReader(self.root / name, self.offset)
+                    self._reader = _LineReader(self.root / name, self.offset, self.max_record_bytes)
                 line = self._reader.readline()
             except FileNotFoundError:  # vanished since the run listed it: not a damaged file
                 self._skip_once(name, "vanished since the run started; it is skipped")
@@ -692,9 +745,11 @@ class DocStream:
                 self._next_file()
                 continue
             j = self.line
+            # before this stream's position moves past line j: a ledger rebuilt now (a fresh
+            # one is) counts the lines before this stream's position as read by it
+            first = self.ledger.claim(name, j)  # no stream of this rank read line j yet
             self.line += 1
             self.offset += len(line)
-            first = self.ledger.claim(name, j)  # no stream of this rank read line j yet
             if j % stride != sub or not line.strip():
                 continue
             if not first and self._needle is not None and self._needle not in line:
@@ -719,7 +774,7 @@ def iter_docs(args: DataArgs, domain: str, split: str = "validation") -> Iterato
     set_name = SET_NAMES[domain] if args.layout == "slimpajama" else None
     counts: Dict[str, int] = {}
     for name in list_files(args, domain, split):
-        reader = _LineReader(root / name, 0)
+        reader = _LineReader(root / name, 0, args.max_record_bytes)
         try:
             while line := reader.readline():
                 if line.strip():

@@ -96,12 +96,14 @@ def _up_to_date(path: Path, weights, record: dict) -> bool:
         return False
     if path.stat().st_mtime < Path(weights).stat().st_mtime:
         return False
+    from mta_repro.json_files import read_json
+
     try:
-        old = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError):
-        log.warning("eval: %s is not valid JSON (a write cut short): re-evaluating it", path)
+        old = read_json(path, dict)
+    except (OSError, UserError) as e:  # torn, or not a result of ours: evaluate again
+        log.warning("eval: %s; re-evaluating it", e)
         return False
-    if not isinstance(old, dict) or "results" not in old:
+    if "results" not in old:
         return False
     keys = ("weights", "step", "dtype", "settings", "eval_lengths", "trained_seq_len")
     return all(old.get(k) == record.get(k) for k in keys) and _inputs(old) == _inputs(record)

@@ -39,7 +39,6 @@ folder, the report when its valid ``results.json`` is newer than every evaluatio
 from __future__ import annotations
 
 import itertools
-import json
 import shlex
 import sys
 from dataclasses import dataclass, field
@@ -50,6 +49,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from mta_repro.config import CONFIG_DIR
 from mta_repro.errors import UserError
+from mta_repro.json_files import read_json
 
 REPO = CONFIG_DIR.parent
 VARIANTS = ("baseline", "diff", "talking_heads", "mta")
@@ -443,11 +443,12 @@ def missing_sources(plan: "Plan") -> list:
             for j in plan.jobs if j.kind == "import" and not done(j) and not (j.hf_dir / "config.json").is_file()]
 
 
-def _json(path: Path):
-    """The JSON value in ``path``; None when it is missing or not whole (``torn``)."""
+def _json(path: Path, shape=object):
+    """The JSON value in ``path``; None when it is missing, not whole (``torn``) or not of
+    ``shape`` (``mta_repro.json_files``)."""
     try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
+        return read_json(path, shape)
+    except (OSError, UserError):
         return None
 
 
@@ -480,8 +481,8 @@ def done(job: Job) -> bool:
         return _finished(job.run_dir, job.steps or 0) is not None
     if job.kind == "check":
         f = job.run_dir / "appendix_i_check.json"
-        data = _json(f)
-        return isinstance(data, dict) and bool(data.get("ok"))
+        data = _json(f, dict)  # damaged or not the check's record: run the check again
+        return data is not None and bool(data.get("ok"))
     if job.kind == "eval":
         export = _finished(job.run_dir, job.steps or 0)
         if export is None:

@@ -13,6 +13,7 @@ from pathlib import Path
 from string import Template
 
 from mta_repro.errors import UserError
+from mta_repro.json_files import read_json
 from mta_repro.pipeline.plan import REPO, Job, Plan, done, missing_sources, torn
 from mta_repro.train.durable import replace_atomically
 from mta_repro.slurm import memory_lines, time_limit
@@ -168,9 +169,9 @@ def submit_slurm(plan: Plan, dry_run: bool = False, log=print) -> int:
     slurm = dict(plan.spec.get("slurm") or {})
     state_f = _state_file(plan)
     try:
-        previous = json.loads(state_f.read_text()) if state_f.is_file() else {}
-    except ValueError:  # torn: its jobs cannot be told; squeue's own list decides nothing here
-        log(f"pipeline: {state_f} is not valid JSON (a write cut short?): submitting as if nothing were queued")
+        previous = read_json(state_f, dict, "the pipeline's record of submitted jobs") if state_f.is_file() else {}
+    except UserError as e:  # torn: its jobs cannot be told; squeue's own list decides nothing here
+        log(f"pipeline: {e}: submitting as if nothing were queued")
         previous = {}
     alive = _alive(list(previous.values())) if not dry_run else set()
     if dry_run:

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Optional
 
 from mta_repro.errors import UserError
+from mta_repro.json_files import fault, read_json
 from mta_repro.report import paper
 
 BENCH_ORDER = list(paper.BENCH_TASKS)
@@ -134,6 +135,23 @@ def _stage_from_pt(cfg: Optional[dict], pt: Path) -> str:
     return "long_context" if theta is not None and float(theta) >= 500_000 else "continued"
 
 
+# What the tables and plots read from each task's eval JSON (shapes: mta_repro.json_files).
+_NUM = (float, type(None))
+_RESULTS = {
+    "ppl": {"domains": {"*": {"ppl?": _NUM, "loss?": _NUM}}, "average": _NUM, "seq_len?": _NUM},
+    "needle": {"accuracy": {"*": {"*": {"mean": float}}}},
+    "babilong": {"accuracy": {"*": {"*": float}}, "mean": {"*": float}},
+    "benchmarks": {"summary": dict, "metrics?": (dict, type(None))},
+    "lambada": {"summary": {"average?": _NUM, "*": (dict, type(None))}},
+}
+
+
+def eval_shape(task: str) -> dict:
+    """The shape of ``eval/<task>.json`` that the report reads."""
+    return {"task?": str, "step?": (int, type(None)), "variant?": (str, type(None)),
+            "results?": (_RESULTS.get(task, dict), type(None))}
+
+
 def load_run(path, label: Optional[str] = None) -> RunData:
     path = Path(path)
     if not path.is_dir():
@@ -149,13 +167,17 @@ def load_run(path, label: Optional[str] = None) -> RunData:
         except Exception:  # noqa: BLE001 - e.g. an unset environment variable: keep it as written
             run.config = OmegaConf.to_container(raw, resolve=False)
     for f in sorted((path / "eval").glob("*.json")) if (path / "eval").is_dir() else []:
+        what = "an eval result of python -m mta_repro.eval"
         try:
-            data = json.loads(f.read_text())
-        except json.JSONDecodeError as e:
-            raise UserError(f"report: {f} is not valid JSON ({e}): a write cut short (a kill, a full disk); "
-                            f"rerun the evaluation that wrote it ({eval_command(path)}; it redoes that task), "
-                            "or delete the file") from None
-        run.evals[data.get("task", f.stem)] = data
+            data = read_json(f, eval_shape(""), what)
+        except UserError as e:
+            raise UserError(f"report: {e}; rerun the evaluation that wrote it ({eval_command(path)}; it redoes "
+                            "that task), or delete the file") from None
+        task = data.get("task", f.stem)
+        why = fault(data, eval_shape(task))
+        if why:
+            raise UserError(f"report: {f}: not {what} ({task}): {why}")
+        run.evals[task] = data
         run.variant = run.variant or data.get("variant")
     if run.variant is None and run.config and "model" in run.config:
         from mta_repro.config import attention_variant
@@ -327,7 +349,8 @@ def baseline_of(run: RunData, runs) -> Optional[RunData]:
 
 
 def _diff(a, b):
-    return None if a is None or b is None else a - b
+    d = None if a is None or b is None else a - b
+    return None if d != d else d  # inf - inf (two diverged runs): no difference to show
 
 
 def _paper_note(stages, runs=()) -> str:

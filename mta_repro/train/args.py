@@ -52,6 +52,12 @@ class TrainerArgs:
     # width; costs 1.1-1.9x the step time on CPU. null = glibc's default (fastest).
     # 131072 is glibc's initial value (mta_repro/cpu_malloc.py, docs/memory.md).
     cpu_mmap_threshold: Optional[int] = field(default=None, metadata={"run_dir": "free"})
+    # Before anything is allocated, refuse in one line a model, batch and world size whose
+    # memory on one rank is over the device's (GPU: free memory; CPU: the memory available,
+    # shared by the node's ranks): a floor (fp32 parameters and AdamW moments, one fp32 copy
+    # of the logits), then the memory pre-flight (mta_repro/estimate/memory.py) on a GPU or
+    # when the floor is over 5% of it (mta_repro/train/memory_check.py). false = start anyway.
+    memory_check: bool = field(default=True, metadata={"run_dir": "free"})
 
     def __post_init__(self) -> None:
         if self.eval_every < 0:

@@ -355,11 +355,12 @@ class CheckpointManager:
             )
 
 
-def load_model_state(path: Path) -> tuple[dict, Optional[int]]:
+def load_model_state(path: Path, expect=None) -> tuple[dict, Optional[int]]:
     """Full (unsharded) model state dict and its step from a run dir, a DCP checkpoint dir,
     a consolidated .pt, or a release/Lingua checkpoint (``mta_repro.weights.load_weights``:
-    the newest readable one, read in this process only, no collectives)."""
-    w = load_weights(path, who="mta_repro.train")
+    the newest readable one, read in this process only, no collectives). ``expect``: the
+    ModelArgs the weights must fit (keys, shapes, float dtypes), checked before any copy."""
+    w = load_weights(path, who="mta_repro.train", expect=expect)
     return w.state, w.step
 
 

@@ -17,7 +17,7 @@ from mta_repro.errors import UserError
 from mta_repro.train.checkpoint import save_file_atomic
 from mta_repro.train.provenance import EXPORT_KEY, read_record, state_digest
 from mta_repro.weights.layout import latest_checkpoint
-from mta_repro.weights import read_dcp_model
+from mta_repro.weights import Candidate, read_weights
 
 
 def export_consolidated(run_dir: Union[str, Path], checkpoint: Optional[Path] = None) -> Path:
@@ -30,9 +30,10 @@ def export_consolidated(run_dir: Union[str, Path], checkpoint: Optional[Path] = 
     if ckpt is None:
         raise UserError(f"{run_dir}/checkpoints: no complete checkpoint to export")
     cfg = OmegaConf.load(cfg_file)
-    # This process reads every shard itself, whatever the saving world size (fp32, CPU).
-    sd, step = read_dcp_model(ckpt)
-    sd = {k: (v.float() if v.is_floating_point() else v).contiguous() for k, v in sd.items()}
+    # This process reads every shard itself, whatever the saving world size (fp32, CPU),
+    # with the checks of any weights read (float tensors, the shapes of its config's model).
+    w = read_weights(Candidate("dcp", ckpt))
+    sd, step = {k: v.contiguous() for k, v in w.state.items()}, w.step
     out = run_dir / "export" / "consolidated.pt"
     out.parent.mkdir(parents=True, exist_ok=True)
     # What the weights came from (the checkpoint's record) and the sha256 of their tensors.

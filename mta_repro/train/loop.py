@@ -125,8 +125,13 @@ def stage_start_weights(ck: CheckpointArgs, model_args, is_main: bool = True,
         return None
     from mta_repro.train.checkpoint import load_init_weights
 
-    # Ours (load_model_state) or a release/Lingua checkpoint, in our key layout.
-    sd, step = load_init_weights(ck.init_from)
+    from mta_repro.model.args import MTAArgs
+
+    # baseline_to_mta (Appendix I): a baseline's weights go into this MTA model, new parts at identity.
+    base_args = dataclasses.replace(model_args, mta=MTAArgs(use_mta=False))
+    # Ours (load_model_state) or a release/Lingua checkpoint, in our key layout, checked
+    # against the model it goes into (keys, shapes, float dtypes) before anything is copied.
+    sd, step = load_init_weights(ck.init_from, expect=model_args if ck.init_mode == "model" else base_args)
     if identity is not None:
         from mta_repro.train.provenance import state_digest
 
@@ -135,11 +140,8 @@ def stage_start_weights(ck: CheckpointArgs, model_args, is_main: bool = True,
         print(f"[mta_repro.train] initialised from {ck.init_from} (step {step}): model weights only",
               file=sys.stderr)
         return sd
-    # Appendix I: a baseline's weights into this MTA model, new parts at identity.
-    from mta_repro.model.args import MTAArgs
     from mta_repro.model.insertion import baseline_to_mta
 
-    base_args = dataclasses.replace(model_args, mta=MTAArgs(use_mta=False))
     model = baseline_to_mta(sd, base_args, model_args.mta, device="cpu")
     print(f"[mta_repro.train] inserted MTA into the baseline from {ck.init_from} (step {step})", file=sys.stderr)
     return model.state_dict()
@@ -198,6 +200,9 @@ def _train(args: TrainConfig, info: DistInfo, lock: RunLock) -> dict[str, Any]:
 
     def prepare():
         _check_vocab(args, to_model_args(args.model).vocab_size)
+        from mta_repro.train.memory_check import check_fits
+
+        check_fits(args, info.world_size, info.device)  # before the run dir is touched or anything allocated
         return prepare_run_dir(args, info, lock)
 
     at_step = _agree(info, prepare)

@@ -86,8 +86,9 @@ def _classified() -> tuple[tuple, tuple, tuple]:
 
 
 # FREE: never compared (where the run dir is, SLURM resources, the progress bar, prefetching,
-# timeouts, the CPU allocator's policy, model.kernels, this check's own switches; trainer.grad_accum is
-# compared as the global batch). SAFE: may change with checkpoint.allow_config_change.
+# timeouts, the CPU allocator's policy, the memory pre-flight's switch, model.kernels, this
+# check's own switches; trainer.grad_accum is compared as the global batch). SAFE: may change
+# with checkpoint.allow_config_change.
 # PATHS: compared as resolved paths (relative vs absolute is no change).
 FREE, SAFE, PATHS = _classified()
 

@@ -56,6 +56,10 @@ def verify_checkpoint(path: Path) -> Optional[str]:
         raise  # refused, not damaged: no fallback to another file of the same origin
     except Exception as e:  # noqa: BLE001 - any failure to parse is damage
         return f"file .metadata cannot be read ({type(e).__name__}: {e})"
+    for key, m in (md.state_dict_metadata or {}).items():  # model weights are float (a relabelled file is not)
+        dtype = getattr(getattr(m, "properties", None), "dtype", None)
+        if key.startswith("model.") and dtype is not None and not dtype.is_floating_point:
+            return f"tensor {key[len('model.'):]!r} is {str(dtype).replace('torch.', '')}, expected a float dtype"
     need: dict[str, int] = {}
     for info in (md.storage_data or {}).values():
         end = int(info.offset) + int(info.length)

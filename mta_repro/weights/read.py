@@ -10,6 +10,7 @@ import warnings
 from pathlib import Path
 from typing import Any, Optional, Union
 
+from mta_repro.weights.check import check_against, check_float, check_plain_config, check_state, expected_shapes
 from mta_repro.weights.find import Candidate, find_weights
 from mta_repro.weights.layout import CHECKPOINT_CONFIG, COMPLETE, PROVENANCE
 from mta_repro.weights.lingua import release_state_dict_to_ours
@@ -99,7 +100,16 @@ def read_weights(candidate: Candidate) -> Weights:
         step = step if step is not None else c.step
     else:
         raise TypeError(f"unknown weights kind {c.kind!r} (find_weights makes 'consolidated' or 'dcp')")
-    state = {k: v.float() if v.is_floating_point() else v for k, v in release_state_dict_to_ours(state).items()}
+    check_plain_config(config, str(c.path))
+    state = release_state_dict_to_ours(state)
+    for k, v in state.items():
+        if not hasattr(v, "dtype"):
+            raise CorruptFileError(f"{c.path}: model entry {k!r} is a {type(v).__name__}, expected a tensor")
+        check_float(str(c.path), k, v.dtype)
+    args = _model_args_of(config)
+    if args is not None:  # the file's tensors against its own config, before any caller uses them
+        check_state(state, expected_shapes(args), str(c.path), bool(args.weight_tying))
+    state = {k: v.float() for k, v in state.items()}
     return Weights(state, step, config, c, record)
 
 
@@ -118,6 +128,20 @@ def _record(ckpt: Path) -> Optional[dict]:
     return data if isinstance(data, dict) else None
 
 
+def _model_args_of(config: Optional[dict]):
+    """The ModelArgs a saved run config describes, or None (no config, no model section, or
+    one this version cannot build: the caller's own build then says why)."""
+    if not isinstance(config, dict) or not isinstance(config.get("model"), dict):
+        return None
+    from mta_repro.errors import UserError
+    from mta_repro.model import to_model_args
+
+    try:
+        return to_model_args(config["model"])
+    except (UserError, TypeError):
+        return None
+
+
 def _run_config(ckpt: Path) -> Optional[dict]:
     """The resolved config a checkpoint of ours was trained with: its own config.yaml, or
     (a checkpoint saved before they carried one) its run's."""
@@ -128,7 +152,9 @@ def _run_config(ckpt: Path) -> Optional[dict]:
         return None
     from omegaconf import OmegaConf
 
-    return OmegaConf.to_container(OmegaConf.load(cfg_file))
+    config = OmegaConf.to_container(OmegaConf.load(cfg_file), resolve=False)
+    check_plain_config(config, str(cfg_file))
+    return config
 
 
 def read_config(candidate: Candidate) -> Optional[dict]:
@@ -138,7 +164,9 @@ def read_config(candidate: Candidate) -> Optional[dict]:
             raise CorruptFileError(candidate.problem)
         blob = load_pt(candidate.path)
         config = blob.get("config") if isinstance(blob, dict) else None
-        return config if isinstance(config, dict) else None
+        config = config if isinstance(config, dict) else None
+        check_plain_config(config, str(candidate.path))
+        return config
     return _run_config(candidate.path)
 
 
@@ -152,14 +180,17 @@ def notice(msg: str, who: str = "mta_repro") -> None:
 PRUNED_RETRIES = 20
 
 
-def load_weights(path: Union[str, Path], who: str = "mta_repro") -> Weights:
+def load_weights(path: Union[str, Path], who: str = "mta_repro", expect=None) -> Weights:
     """The newest readable weights of ``path`` (``find_weights``' order). A damaged newer
     candidate is named in one line and the next one is used; if none can be read, the
     error names each. An unsafe file is refused, never skipped. A checkpoint removed while
-    it was read (a live trainer pruning it) is no error: the newest complete one is read."""
+    it was read (a live trainer pruning it) is no error: the newest complete one is read.
+    ``expect``: the ModelArgs of the model the weights go into; weights of another shape are
+    refused in one line naming the tensor (``ModelMismatchError``), before the caller copies
+    anything."""
     for _ in range(PRUNED_RETRIES):
         try:
-            return _load_newest(path, who)
+            return _load_newest(path, who, expect)
         except PrunedError as e:
             notice(f"{e} (pruned by the run's trainer, checkpoint.keep); reading its newest complete checkpoint "
                    "instead", who)
@@ -168,7 +199,7 @@ def load_weights(path: Union[str, Path], who: str = "mta_repro") -> Weights:
                            "checkpoint.keep, or its export once it finished")
 
 
-def _load_newest(path: Union[str, Path], who: str) -> Weights:
+def _load_newest(path: Union[str, Path], who: str, expect=None) -> Weights:
     candidates = find_weights(path)
     errors = []
     for i, c in enumerate(candidates):
@@ -187,5 +218,7 @@ def _load_newest(path: Union[str, Path], who: str) -> Weights:
         if c.kind == "dcp" and stale and w.step is not None:
             notice(f"checkpoint {c.path} (step {w.step}) is newer than {stale[0].path} (step {stale[0].step}); "
                    "using the newer checkpoint (re-export with python -m mta_repro.train.export)", who)
+        if expect is not None:
+            check_against(w.state, expect, str(c.path))
         return w
     raise CorruptFileError(errors[0] if len(errors) == 1 else "; ".join(errors))
