@@ -114,7 +114,7 @@ def to_dataclass(cls: type[T], cfg: Any, where: str) -> T:
             raise UserError(unknown_keys_error(cls, bad, where))
         cfg = OmegaConf.to_object(cfg)  # a structured node comes back as the instance
         if isinstance(cfg, cls):
-            return cfg
+            return _no_nan(cfg, where)
     if not isinstance(cfg, Mapping):
         raise UserError(f"{where}: expected a mapping of {cls.__name__} fields, got {type(cfg).__name__}")
     known = {f.name for f in dataclasses.fields(cls)}
@@ -128,4 +128,31 @@ def to_dataclass(cls: type[T], cfg: Any, where: str) -> T:
         if dataclasses.is_dataclass(sub) and isinstance(value, Mapping):
             value = to_dataclass(sub, value, f"{where}.{name}")
         kwargs[name] = value
-    return cls(**kwargs)
+    return _no_nan(cls(**kwargs), where)
+
+
+def _nan_at(value: Any, path: str) -> str | None:
+    if isinstance(value, float) and value != value:
+        return path
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        items = ((f.name, getattr(value, f.name)) for f in dataclasses.fields(value))
+    elif isinstance(value, Mapping):
+        items = value.items()
+    elif isinstance(value, (list, tuple)):
+        items = enumerate(value)
+    else:
+        return None
+    for k, v in items:
+        found = _nan_at(v, f"{path}.{k}" if path else str(k))
+        if found:
+            return found
+    return None
+
+
+def _no_nan(obj: T, where: str) -> T:
+    """``obj``, unless a field anywhere in it is NaN: no setting means "not a number", and
+    NaN passes every range check (``nan < 0`` is false), so it is refused by name here."""
+    found = _nan_at(obj, where)
+    if found:
+        raise UserError(f"{found}: expected a number, got nan")
+    return obj

@@ -216,10 +216,10 @@ def test_export_says_and_records_its_step_and_the_head_is_the_output_embedding(t
 
     run_dir, _ = make_run(tmp_path / "run", attention="mta", fmt="dcp")
     out = export_hf(run_dir, tmp_path / "hf")
-    rec = json.loads((out / "mta_repro_export.json").read_text())
-    assert rec["run"] == str(run_dir.resolve()) and rec["step"] == 7
-    assert rec["weights"] == str(run_dir / "checkpoints" / f"{7:010d}")
-    assert f"[mta_repro.hf] exported step 7 of trainer.steps={rec['trainer_steps']}" in capsys.readouterr().err
+    rec = json.loads((out / "provenance.json").read_text())
+    assert rec["export"]["run"] == str(run_dir.resolve()) and rec["weights"]["step"] == 7
+    assert rec["weights"]["path"] == str(run_dir / "checkpoints" / f"{7:010d}")
+    assert f"[mta_repro.hf] exported step 7 of trainer.steps={rec['export']['trainer_steps']}" in capsys.readouterr().err
     hf = AutoModelForCausalLM.from_pretrained(str(out), trust_remote_code=True, torch_dtype=torch.float32).eval()
     head = hf.get_output_embeddings()
     assert head is not None and head.weight is hf.get_input_embeddings().weight

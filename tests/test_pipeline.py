@@ -135,6 +135,29 @@ def test_tiny_pipeline_rerun_does_nothing(tiny):
     assert after == before
 
 
+def test_a_torn_eval_json_of_a_finished_pipeline_is_redone(tiny):
+    """A kill or a full disk in the middle of writing an eval JSON: the rerun names the
+    torn file, evaluates that task again (the others are up to date) and makes the report."""
+    root, _ = tiny
+    f = root / "pretrain" / "mta" / "eval" / "ppl.json"
+    whole = json.loads(f.read_text())
+    f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
+    p = _pipeline("pipeline=tiny", f"root={root}", timeout=600)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    assert f"pipeline: eval:pretrain/mta: {f} is there but not valid JSON (a write cut short?): redoing the job" \
+        in p.stdout
+    assert "pipeline: eval:pretrain/baseline: done, skipped" in p.stdout
+    redone = json.loads(f.read_text())
+    assert redone["results"]["average"] == pytest.approx(whole["results"]["average"])  # the same weights
+    prov = redone["provenance"]
+    assert prov["checkpoint"]["weights_sha256"] == whole["provenance"]["checkpoint"]["weights_sha256"]
+    assert prov["checkpoint"]["step"] == 6 and prov["tokenizer"]["sha256"] and prov["validation"]["files"] == 1
+    log = (root / "pretrain" / "mta" / "pipeline_eval.log").read_text().split("$ ")[-1]
+    assert "eval: wrote" in log and log.count("is up to date") == 4  # needle, babilong, benchmarks, lambada
+    md = (root / "report" / "report.md").read_text()
+    assert "Provenance of the ppl rows" in md and "(!)" not in md
+
+
 def test_unfinished_run_is_resumed_not_restarted(tiny, tmp_path):
     """A stage killed midway: the rerun trains on from its checkpoint (the trainer's
     resume), and the stages after it run."""

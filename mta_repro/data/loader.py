@@ -20,6 +20,11 @@ file positions, both RNG states, the packing remainder, the buffer's windows, co
 would have produced next. With ``prefetch > 0`` a background thread makes batches ahead;
 each queued batch carries the state *after* it, so ``state_dict()`` is the state of the
 last batch handed out, whatever the thread has done since.
+
+The state also says what the run read (docs/provenance.md): each stream's shard (kept for
+the run's life) and the sha256 of the text read of its current file, and ``files`` (size,
+mtime, sha256 of each file read to its end). ``load_state_dict`` checks them (a stat, a
+rehash only on a changed stat) and leaves its findings in ``input_check``.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ from __future__ import annotations
 import bisect
 import copy
 import logging
+import os
 import queue
 import threading
 import time
@@ -40,12 +46,18 @@ from mta_repro.data.sources import (
     BAD_KINDS,
     SET_NAMES,
     BadLedger,
+    CorruptFileError,
     DocStream,
+    ShortFileError,
+    _natural_key,
     check_domain,
+    corpus_root,
+    fingerprint,
     iter_docs,
-    list_files,
+    list_entries,
     shard_files,
     shard_texts,
+    text_digest,
 )
 from mta_repro.data.tokenizers import build_tokenizer
 from mta_repro.errors import UserError
@@ -69,9 +81,33 @@ class TrainLoader:
             check_domain(self.args, d)
         self.domains: List[str] = list(weights)
         self.cum = np.cumsum([weights[d] for d in self.domains]).tolist()
+        # One listing per folder read (every domain's in the slimpajama layout: train/), and
+        # one shard object per listing, shared by the streams reading it.
+        self._listings: Dict[str, list] = {}
+        shards: Dict[str, tuple] = {}
+        for d in self.domains:
+            key = self._listing_key(d)
+            if key not in self._listings:
+                self._listings[key] = list_entries(self.args, d, "train")
+                shards[key] = tuple(shard_files([e[0] for e in self._listings[key]], rank, world_size))
+        self.streams: Dict[str, DocStream] = {
+            d: DocStream(self.args, d, rank, world_size, shard=shards[self._listing_key(d)]) for d in self.domains}
+        self.root = corpus_root(self.args)
+        # What the files look like now (name -> (size, mtime_ns)) and the listing's fingerprint.
+        self._listed = {name: (size, mtime) for e in self._listings.values() for name, size, mtime in e}
+        entries = [(n, sz, mt) for n, (sz, mt) in self._listed.items()]
+        # With mtimes (the record), and without (what a resume compares: a touched file is no change).
+        self.layout = {**fingerprint(entries), "sha256_names_sizes": fingerprint(entries, with_mtime=False)["sha256"]}
+        # Files read to their end on this rank: {name: (size, mtime_ns, bytes of text, sha256)}.
+        self.files: Dict[str, tuple] = {}
+        for s in self.streams.values():
+            s.files = self.files
+        # What the last load found (``load_state_dict``): {"refuse": [...], "warn": [...]},
+        # and the names of the files refused there (``accept_input_changes``).
+        self.input_check: Optional[dict] = None
+        self._changed: set = set()
         # Streams that read the same files (every domain in the slimpajama layout) share a
         # ledger, so a bad record or file is counted once, by whichever stream reads it first.
-        self.streams: Dict[str, DocStream] = {d: DocStream(self.args, d, rank, world_size) for d in self.domains}
         ledgers: Dict[tuple, BadLedger] = {}
         for s in self.streams.values():
             s.use_ledger(ledgers.setdefault(tuple(s.base_shard), s.ledger))
@@ -109,7 +145,7 @@ class TrainLoader:
         for d in self.domains:
             shard = [f for f in self.streams[d].base_shard if f not in seen]
             seen.update(shard)
-            for text in shard_texts(self.streams[d].root, shard, sets):
+            for text in shard_texts(self.streams[d].root, shard, sets, self.args.max_record_bytes):
                 total += len(self.tokenizer.encode(text, add_bos=self.args.add_bos, add_eos=self.args.add_eos))
                 if total >= need:
                     return
@@ -125,6 +161,9 @@ class TrainLoader:
                     "%d) but %s: it repeats documents, and the shuffle buffer's fill cycles the corpus about %d "
                     "times; lower data.shuffle_buffer or data.seq_len", f"{need:,}", k, self.args.batch_size, n,
                     where, -(-need // total))
+
+    def _listing_key(self, domain: str) -> str:
+        return "train" if self.args.layout == "slimpajama" else domain
 
     # ------------------------------------------------------------------ pipeline
     def _next_doc_tokens(self) -> tuple[List[int], int]:
@@ -312,6 +351,9 @@ class TrainLoader:
             "doms": torch.tensor(self.doms[self._pos :], dtype=torch.int8),
             "buffer_doms": torch.from_numpy(np.stack(self.buffer_doms)) if self.buffer_doms else torch.zeros(0, self.args.seq_len + 1, dtype=torch.int8),
             "n_tokens": {d: int(self.n_tokens[i]) for i, d in enumerate(self.domains)},
+            # What identifies the files read to their end, and the listing at this start.
+            "files": dict(self.files),
+            "layout": dict(self.layout),
         }
 
     def token_counts(self) -> Dict[str, int]:
@@ -341,6 +383,85 @@ class TrainLoader:
                 raise UserError(f"data loader state: data.{key} was {val!r}, the config now has {mine.get(key)!r}")
         self._join()
         self._load(sd)
+        self.input_check = self._check_inputs(sd.get("layout"))
+
+    # ------------------------------------------------------------------ inputs
+    def inputs(self) -> dict:
+        """What this loader reads, for the run's record: the corpus root, its layout and the
+        fingerprint of the training files' listing (names, sizes, mtimes; nothing is read)."""
+        return {"root": str(self.root), "layout": self.args.layout, "train": dict(self.layout)}
+
+    def check_inputs(self) -> dict:
+        """``input_check`` of the streams' current positions (set from outside, e.g. another
+        run's: mta_repro/pipeline/data.py)."""
+        self.input_check = self._check_inputs(None)
+        return self.input_check
+
+    def _check_inputs(self, saved_layout: Optional[dict]) -> dict:
+        """Compare what the loaded state says the run read with the files now: each
+        stream's current file reopened at its offset (its text hashed on the way), every
+        file read to its end checked by its stat and rehashed only if the stat changed, the
+        listing's fingerprint. {"refuse": lines of files whose text the run read changed,
+        "warn": lines of changes where the run has not read yet}."""
+        refuse: List[str] = []
+        warn: List[str] = []
+        self._changed = set()
+        seen: set = set()  # names already reported
+        for s in self.streams.values():
+            for found in [s.reopen(), *s.check_partial()]:
+                if found is not None:
+                    kind, name, line = found
+                    (refuse if kind == "changed" else warn).append(line)
+                    seen.add(name)
+                    if kind == "changed":
+                        self._changed.add(name)
+        for name, (size, mtime, nbytes, sha) in sorted(self.files.items()):
+            path = self.root / name
+            if name in seen:
+                continue
+            seen.add(name)
+            try:
+                st = os.stat(path)
+            except FileNotFoundError:
+                warn.append(f"{path} vanished after rank {self.rank} read it to its end: later epochs skip it")
+                continue
+            if (st.st_size, st.st_mtime_ns) == (size, mtime):
+                continue
+            try:
+                now, _, _ = text_digest(path, nbytes)
+                what = f"changed (sha256 {sha[:12]} then, {now[:12]} now; size {size:,} -> {st.st_size:,} bytes):"
+            except ShortFileError:
+                now, what = None, "is now shorter than"
+            except CorruptFileError as e:
+                now, what = None, f"cannot be read ({e}) up to"
+            if now == sha:  # touched or copied, same text: remember the new stat
+                self.files[name] = (st.st_size, st.st_mtime_ns, nbytes, sha)
+                continue
+            refuse.append(f"{path} {what} the {nbytes:,} bytes of text rank {self.rank} read of it")
+            self._changed.add(name)
+        # Files of this rank's share that vanished before it read them.
+        pinned = {f for s in self.streams.values() for f, _, _ in s.base_shard}
+        gone = sorted((f for f in pinned if f not in self._listed and f not in seen), key=_natural_key)
+        if gone:
+            warn.append(f"{len(gone)} file(s) of rank {self.rank}'s share vanished before it read them "
+                        f"({', '.join(gone[:3])}{', ...' if len(gone) > 3 else ''}): it reads its other "
+                        f"{len(pinned) - len(gone):,} files without them")
+        key = "sha256_names_sizes" if saved_layout and "sha256_names_sizes" in saved_layout else "sha256"
+        if saved_layout and saved_layout.get(key) != self.layout[key]:
+            old, new = saved_layout, self.layout
+            warn.append(f"the training files under {self.root} changed since this checkpoint was saved "
+                        f"({new['files']:,} files, {new['bytes']:,} bytes now; {old.get('files', 0):,} files, "
+                        f"{old.get('bytes', 0):,} bytes then): the run keeps reading the files it started with "
+                        "(files that appeared are not read; files that vanished are skipped; files it has not "
+                        "read yet are read as they are now)")
+        return {"refuse": refuse, "warn": warn}
+
+    def accept_input_changes(self) -> None:
+        """Go on after changes ``input_check`` refused (the run was told to accept them):
+        forget the records of the changed files (a later read records them anew); the
+        streams already read their current files as they are now."""
+        for name in self._changed & set(self.files):
+            del self.files[name]
 
     def load_other_world_state(self, states: List[dict]) -> None:
         """Continue the data of a checkpoint saved on another world size (``states``: the
@@ -364,8 +485,19 @@ class TrainLoader:
         self._join()
         old_world = len(states)
         derived = True
+        new_shards: Dict[tuple, tuple] = {}
         for d, stream in self.streams.items():
-            shards = [shard_files(list_files(self.args, d, "train"), r, old_world) for r in range(old_world)]
+            saved = [s["streams"][d].get("shard") for s in states]
+            if all(sh is not None for sh in saved):
+                # The files the run started with: the union of the old ranks' shards, dealt anew.
+                shards = [[tuple(e) for e in sh] for sh in saved]
+                names = tuple(sorted({e[0] for sh in shards for e in sh}, key=_natural_key))
+                if names not in new_shards:
+                    new_shards[names] = tuple(shard_files(list(names), self.rank, self.world_size))
+                stream.base_shard = new_shards[names]
+            else:  # a state saved before shards were: today's listing
+                names = [e[0] for e in self._listings[self._listing_key(d)]]
+                shards = [shard_files(names, r, old_world) for r in range(old_world)]
             derived = stream.derive_from([s["streams"][d] for s in states], shards) and derived
         if not derived:
             log.warning(
@@ -400,6 +532,12 @@ class TrainLoader:
                     self.n_tokens[i] += int(s.get("n_tokens", {}).get(d, 0))
         self.n_batches = 0
         self._handed_state = None
+        # The files any old rank read to its end that this rank will read again.
+        mine = {f for s in self.streams.values() for f, _, _ in s.base_shard}
+        self.files.clear()
+        for s in states:
+            self.files.update({k: tuple(v) for k, v in s.get("files", {}).items() if k in mine})
+        self.input_check = self._check_inputs(states[0].get("layout"))
 
     def _load(self, sd: dict) -> None:
         for d, s in self.streams.items():
@@ -420,6 +558,8 @@ class TrainLoader:
             self.n_tokens[i] = int(sd.get("n_tokens", {}).get(d, 0))
         self.n_docs = dict(sd["n_docs"])
         self.n_batches = int(sd["n_batches"])
+        self.files.clear()
+        self.files.update({k: tuple(v) for k, v in sd.get("files", {}).items()})
         self._handed_state = None
 
     # ------------------------------------------------------------------ reporting

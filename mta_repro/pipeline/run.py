@@ -13,7 +13,9 @@ from pathlib import Path
 from string import Template
 
 from mta_repro.errors import UserError
-from mta_repro.pipeline.plan import REPO, Job, Plan, done, missing_sources
+from mta_repro.json_files import read_json
+from mta_repro.pipeline.plan import REPO, Job, Plan, done, missing_sources, torn
+from mta_repro.train.durable import replace_atomically
 from mta_repro.slurm import memory_lines, time_limit
 from mta_repro.train.args import SITE_FIELDS
 
@@ -151,6 +153,8 @@ def run_local(plan: Plan, log=print) -> int:
         if done(job):
             log(f"pipeline: {job.id}: done, skipped")
             continue
+        for line in torn(job):
+            log(f"pipeline: {job.id}: {line}: redoing the job")
         job.run_dir.mkdir(parents=True, exist_ok=True)
         logf = job.run_dir / f"pipeline_{job.kind}.log"
         log(f"pipeline: {job.id}: running (log {logf})")
@@ -197,7 +201,11 @@ def submit_slurm(plan: Plan, dry_run: bool = False, log=print) -> int:
     not submitted twice. --dry-run prints the scripts instead."""
     slurm = dict(plan.spec.get("slurm") or {})
     state_f = _state_file(plan)
-    previous = json.loads(state_f.read_text()) if state_f.is_file() else {}
+    try:
+        previous = read_json(state_f, dict, "the pipeline's record of submitted jobs") if state_f.is_file() else {}
+    except UserError as e:  # torn: its jobs cannot be told; squeue's own list decides nothing here
+        log(f"pipeline: {e}: submitting as if nothing were queued")
+        previous = {}
     alive = _alive(list(previous.values())) if not dry_run else set()
     if dry_run:
         for line in missing_sources(plan):
@@ -216,6 +224,8 @@ def submit_slurm(plan: Plan, dry_run: bool = False, log=print) -> int:
             ids[job.id] = previous[job.id]
             log(f"pipeline: {job.id}: still queued as job {ids[job.id]}, not submitted again")
             continue
+        for line in torn(job):
+            log(f"pipeline: {job.id}: {line}: redoing the job")
         script = job_script(job, slurm)
         deps = [ids[d] for d in job.deps if d in ids]
         kind = "afterany" if job.kind == "report" else "afterok"  # the report: after all END
@@ -233,7 +243,7 @@ def submit_slurm(plan: Plan, dry_run: bool = False, log=print) -> int:
         log(f"pipeline: {job.id}: submitted as job {ids[job.id]}" + (f" ({dep_args[0]})" if dep_args else ""))
     if not dry_run:
         state_f.parent.mkdir(parents=True, exist_ok=True)
-        state_f.write_text(json.dumps({**previous, **ids}, indent=1))
+        replace_atomically(state_f, json.dumps({**previous, **ids}, indent=1).encode())
         log(f"pipeline: {submitted} job(s) submitted; rerun this command after they end (it skips what is done "
             f"and resubmits what is not); report: {plan.root / 'report' / 'report.md'}")
     return 0

@@ -52,6 +52,12 @@ class TrainerArgs:
     # width; costs 1.1-1.9x the step time on CPU. null = glibc's default (fastest).
     # 131072 is glibc's initial value (mta_repro/cpu_malloc.py, docs/memory.md).
     cpu_mmap_threshold: Optional[int] = field(default=None, metadata={"run_dir": "free"})
+    # Before anything is allocated, refuse in one line a model, batch and world size whose
+    # memory on one rank is over the device's (GPU: free memory; CPU: the memory available,
+    # shared by the node's ranks): a floor (fp32 parameters and AdamW moments, one fp32 copy
+    # of the logits), then the memory pre-flight (mta_repro/estimate/memory.py) on a GPU or
+    # when the floor is over 5% of it (mta_repro/train/memory_check.py). false = start anyway.
+    memory_check: bool = field(default=True, metadata={"run_dir": "free"})
 
     def __post_init__(self) -> None:
         if self.eval_every < 0:
@@ -111,6 +117,15 @@ class CheckpointArgs:
     # background write of `path` has begun). For tests that inject faults there (tests/
     # fixtures/faults.py) and for instrumentation; nothing a run's numbers depend on.
     save_hook: Optional[str] = field(default=None, metadata={"run_dir": "free"})
+    # A resume (or a start from init_from's data position) checks that the text the run
+    # already read of its data files is unchanged, and refuses one whose bytes changed,
+    # naming the file; true goes on with the files as they are now (docs/provenance.md).
+    # An accepted change is recorded in <run_dir>/provenance.json.
+    accept_changed_data: bool = field(default=False, metadata={"run_dir": "free"})
+    # A resume, and a stage start from checkpoint.init_from, refuse a tokenizer file whose
+    # content (sha256) differs from the one the run (or the source run) recorded; true
+    # goes on with this one, recorded likewise.
+    accept_changed_tokenizer: bool = field(default=False, metadata={"run_dir": "free"})
 
     def __post_init__(self) -> None:
         if self.on_corrupt not in ON_CORRUPT_CHOICES:

@@ -52,6 +52,7 @@ from mta_repro.train.distributed import (
     parallelize,
 )
 from mta_repro.train.metrics import MetricLogger, Throughput, device_peak_flops, mfu, peak_mem_gb
+from mta_repro.train import provenance
 from mta_repro.train.optim import build_lr_scheduler, build_optimizer
 from mta_repro.train.rundir import (
     RunLock,
@@ -114,25 +115,33 @@ def _check_vocab(args: TrainConfig, vocab_size: int) -> None:
         )
 
 
-def stage_start_weights(ck: CheckpointArgs, model_args, is_main: bool = True) -> Optional[dict]:
+def stage_start_weights(ck: CheckpointArgs, model_args, is_main: bool = True,
+                        identity: Optional[dict] = None) -> Optional[dict]:
     """Full source weights for a stage start (``checkpoint.init_from``, read on rank 0 only),
     or None for the seeded init. mta_repro.pipeline.check calls it too, so that its
-    Appendix I check sees exactly what training starts from."""
+    Appendix I check sees exactly what training starts from. ``identity`` (a dict) gets
+    the source's path, step and the sha256 of its tensors (the run's record)."""
     if ck.init_from is None or not is_main:
         return None
     from mta_repro.train.checkpoint import load_init_weights
 
-    # Ours (load_model_state) or a release/Lingua checkpoint, in our key layout.
-    sd, step = load_init_weights(ck.init_from)
+    from mta_repro.model.args import MTAArgs
+
+    # baseline_to_mta (Appendix I): a baseline's weights go into this MTA model, new parts at identity.
+    base_args = dataclasses.replace(model_args, mta=MTAArgs(use_mta=False))
+    # Ours (load_model_state) or a release/Lingua checkpoint, in our key layout, checked
+    # against the model it goes into (keys, shapes, float dtypes) before anything is copied.
+    sd, step = load_init_weights(ck.init_from, expect=model_args if ck.init_mode == "model" else base_args)
+    if identity is not None:
+        from mta_repro.train.provenance import state_digest
+
+        identity.update(path=str(ck.init_from), step=step, weights_sha256=state_digest(sd))
     if ck.init_mode == "model":
         print(f"[mta_repro.train] initialised from {ck.init_from} (step {step}): model weights only",
               file=sys.stderr)
         return sd
-    # Appendix I: a baseline's weights into this MTA model, new parts at identity.
-    from mta_repro.model.args import MTAArgs
     from mta_repro.model.insertion import baseline_to_mta
 
-    base_args = dataclasses.replace(model_args, mta=MTAArgs(use_mta=False))
     model = baseline_to_mta(sd, base_args, model_args.mta, device="cpu")
     print(f"[mta_repro.train] inserted MTA into the baseline from {ck.init_from} (step {step})", file=sys.stderr)
     return model.state_dict()
@@ -191,6 +200,9 @@ def _train(args: TrainConfig, info: DistInfo, lock: RunLock) -> dict[str, Any]:
 
     def prepare():
         _check_vocab(args, to_model_args(args.model).vocab_size)
+        from mta_repro.train.memory_check import check_fits
+
+        check_fits(args, info.world_size, info.device)  # before the run dir is touched or anything allocated
         return prepare_run_dir(args, info, lock)
 
     at_step = _agree(info, prepare)
@@ -394,10 +406,13 @@ def build_state(args: TrainConfig, info: DistInfo, preempt: Optional[PreemptionH
                                 save_hook=load_factory(ck.save_hook, "checkpoint.save_hook") if ck.save_hook else None)
     manager.clean_stale()
     has_ckpt = ck.resume and manager.latest() is not None
+    # The tokenizer against the one the run (or init_from's run) recorded, before any work.
+    accepted = _agree(info, lambda: provenance.check_tokenizer(args, run_dir, manager.latest() if has_ckpt else None))
 
     model = build_model(model_args, device="meta")
     parallelize(model, info, args.distributed)
-    full = None if has_ckpt else stage_start_weights(ck, model_args, info.is_main)
+    init_identity: Optional[dict] = {} if ck.init_from is not None and not has_ckpt else None
+    full = None if has_ckpt else stage_start_weights(ck, model_args, info.is_main, identity=init_identity)
     materialize(model, info, full_state=full, model_args=model_args, init=not has_ckpt)
     check("building the model")
     optimizer = build_optimizer(model, args.optim)
@@ -415,6 +430,13 @@ def build_state(args: TrainConfig, info: DistInfo, preempt: Optional[PreemptionH
         resumed_from = manager.resume(state, ck.on_corrupt)
         if info.is_main and resumed_from is not None:
             print(f"[mta_repro.train] resumed from {resumed_from} at step {state.step}", file=sys.stderr)
+    # What the loader found of the files read before (every rank), then the start's record.
+    accepted += provenance.check_data(loader, ck.accept_changed_data, run_dir, state.step, info.world_size,
+                                      info.is_main)
+    if info.is_main:
+        record = provenance.RunRecord(args, run_dir, loader, init_identity or None, resumed_from, accepted)
+        record.begin(state.step, info.world_size)
+        manager.provenance = record.checkpoint
     return state, manager, attn_used, resumed_from is not None
 
 

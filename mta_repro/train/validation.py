@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 
 from mta_repro.errors import StopRequested, UserError
-from mta_repro.eval.ppl import sequence_ce, windows
+from mta_repro.eval.ppl import perplexity, sequence_ce, windows
 
 
 class Validator:
@@ -144,9 +144,9 @@ class Validator:
             for i, n in enumerate(names):
                 loss = float(sums[i, 0] / sums[i, 1])
                 out[f"val_loss/{n}"] = loss
-                out[f"val_ppl/{n}"] = math.exp(loss)
+                out[f"val_ppl/{n}"] = perplexity(loss)  # inf for a diverged model, not an OverflowError
                 losses.append(loss)
-                ppls.append(math.exp(loss))
+                ppls.append(perplexity(loss))
             out["val_loss"] = sum(losses) / len(losses)
             out["val_ppl"] = sum(ppls) / len(ppls)
             out["val_tokens"] = int(sums[:, 1].sum())
