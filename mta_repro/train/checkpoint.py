@@ -195,8 +195,12 @@ class CheckpointManager:
                 shutil.rmtree(gone, ignore_errors=True)
 
     def _failed(self, exc: BaseException, step: int, tmp: Path, need: int) -> None:
-        """A save that raised: remove its partial folder; a full disk becomes one line."""
+        """A save that raised: remove its partial folder; a full disk becomes one line; a
+        second Ctrl-C that DCP caught and wrapped is a KeyboardInterrupt again (stop now)."""
         shutil.rmtree(tmp, ignore_errors=True)  # every rank: idempotent
+        failures = getattr(exc, "failures", None) or {}  # DCP's {rank: (exception, traceback)}
+        if any(isinstance(f[0] if isinstance(f, tuple) else f, KeyboardInterrupt) for f in failures.values()):
+            raise KeyboardInterrupt from None
         try:
             free = shutil.disk_usage(self.root).free
         except OSError:
