@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 from typing import Callable, Optional, Sequence
 
-from mta_repro.errors import UserError, show_tracebacks
+from mta_repro.errors import StopRequested, UserError, show_tracebacks
 
 
 def user_errors() -> tuple:
@@ -101,17 +101,38 @@ def describe(exc: BaseException) -> str:
 
 def run_cli(prog: str, fn: Callable[[], int]) -> int:
     """``fn()``'s exit code; a user error prints ``<prog>: error: <one line>`` and gives 2,
-    Ctrl-C outside the training loop (which saves first) ``<prog>: interrupted`` and 130."""
+    Ctrl-C outside the training loop (which saves first) ``<prog>: interrupted`` and 130, a
+    stop signal seen before there was anything to save (``StopRequested``) its one line and
+    128 + the signal's number."""
     try:
         return fn()
+    except StopRequested as e:
+        print(f"{prog}: {e}", file=sys.stderr)
+        return 128 + e.signum
     except user_errors() as e:
-        print(f"{prog}: error: {describe(e)}", file=sys.stderr)
+        for line in getattr(e, "lines", None) or [describe(e)]:  # several findings: one line each
+            print(f"{prog}: error: {line}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         if show_tracebacks():
             raise
         print(f"{prog}: interrupted", file=sys.stderr)
         return 130
+
+
+def check_split_lists(argv: Sequence[str]) -> None:
+    """An override whose list the shell split at its spaces (``key=[a, b]`` unquoted arrives
+    as ``key=[a,`` and ``b]``): one line with the fix, not Hydra's grammar error."""
+    for i, a in enumerate(argv):
+        if "=" not in a or a.startswith("-"):
+            continue
+        value = a.split("=", 1)[1]
+        if value.count("[") > value.count("]") or value.count("{") > value.count("}"):
+            rest = list(argv[i + 1:])
+            whole = " ".join([a] + rest[:next((j + 1 for j, r in enumerate(rest) if "]" in r or "}" in r), 0)])
+            key = a.split("=", 1)[0]
+            raise UserError(f"{key}: the shell split this list at its spaces ({whole!r} arrived as several "
+                            f"arguments); quote the override, e.g. \"{whole}\", or write it without spaces")
 
 
 def check_group_options(overrides: Sequence[str], groups: Sequence[str], config_dir: Path) -> None:
@@ -133,6 +154,7 @@ def check_hydra_overrides(argv: Sequence[str], config_dir: Path, config_name: st
     Sweep values (``-m a=1,2``) are checked by their first value; ``hydra.*`` overrides
     and a command line that names another config are left to Hydra. ``check(cfg)``: a
     further check of the composed config (e.g. the schema's for ``+key=`` additions)."""
+    check_split_lists(argv)
     try:  # Hydra's own command-line parser (an internal module: if it moves, Hydra checks alone)
         from hydra._internal.utils import get_args_parser
         from hydra.core.override_parser.overrides_parser import OverridesParser

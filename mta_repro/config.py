@@ -41,6 +41,21 @@ class TrainConfig:
     # Corpus, mixture, packing, tokenizer (mta_repro/data/args.py; configs/data/).
     data: DataArgs = field(default_factory=DataArgs)
 
+    def __post_init__(self) -> None:
+        check_seq_len(getattr(self.data, "seq_len", None), getattr(self.model, "max_seqlen", None))
+
+
+def check_seq_len(seq_len, max_seqlen, what: str = "data.seq_len") -> None:
+    """Training and finetuning sequences no longer than the model is meant for: a
+    ``data.seq_len`` above ``model.max_seqlen`` is a typo far more often than a plan (and
+    a 100,000-token window on a 4096-token model runs for minutes before its first step)."""
+    if isinstance(seq_len, int) and isinstance(max_seqlen, int) and seq_len > max_seqlen:
+        from mta_repro.errors import UserError
+
+        raise UserError(f"{what}={seq_len} is longer than model.max_seqlen={max_seqlen}, the longest sequence the "
+                        f"model is meant for; lower {what}, or set model.max_seqlen={seq_len} for a model meant for "
+                        f"{seq_len}-token sequences")
+
 
 def register_configs() -> None:
     """Make the schema and the configs' resolvers (mta_repro/resolvers.py) known to Hydra

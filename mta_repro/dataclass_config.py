@@ -60,10 +60,34 @@ def unknown_keys_error(cls: type, bad: list[str], where: str = "") -> str:
         for step in parent.split(".") if parent else []:
             owner = _dataclass_of(typing.get_type_hints(owner).get(step)) or owner
         fields = [f.name for f in dataclasses.fields(owner)] if dataclasses.is_dataclass(owner) else []
-        close = difflib.get_close_matches(name, fields, n=1)
+        close = nearest_field(name, fields)
         prefix = full[: len(full) - len(name)]
-        parts.append(f"{full} (did you mean {prefix}{close[0]}?)" if close else full)
+        parts.append(f"{full} (did you mean {prefix}{close}?)" if close else full)
     return f"unknown config key(s) {', '.join(parts)}: no such field in the schema ({cls.__name__})"
+
+
+def nearest_field(name: str, fields: list[str]):
+    """The field a mistyped key most likely meant, or None. A field that abbreviates the
+    key, or that the key abbreviates, comes first (``learning_rate`` -> ``lr``, its words'
+    initials; ``wd`` -> ``weight_decay``; ``warm`` -> ``warmup`` and ``eval_every_steps``
+    -> ``eval_every``, prefixes), then the closest spelling (``setps`` -> ``steps``);
+    spelling distance alone takes ``lr_min_ratio`` for ``learning_rate``."""
+    words = [w for w in name.lower().split("_") if w]
+    initials = "".join(w[0] for w in words)
+    for f in fields:
+        if len(words) > 1 and f.replace("_", "") == initials:
+            return f
+    for f in fields:  # the key is the field's initials (``wd`` -> ``weight_decay``)
+        if len(name) > 1 and "_" in f and name == "".join(w[0] for w in f.split("_") if w):
+            return f
+    longer = [f for f in fields if len(name) >= 2 and f.startswith(name)]  # cut short: ``warm``
+    if longer:
+        return min(longer, key=len)
+    shorter = [f for f in fields if len(f) >= 2 and name.startswith(f)]  # spelled on: ``eval_every_steps``
+    if shorter:
+        return max(shorter, key=len)
+    close = difflib.get_close_matches(name, fields, n=1)
+    return close[0] if close else None
 
 
 def _is_dictconfig(x: Any) -> bool:
@@ -90,7 +114,7 @@ def to_dataclass(cls: type[T], cfg: Any, where: str) -> T:
             raise UserError(unknown_keys_error(cls, bad, where))
         cfg = OmegaConf.to_object(cfg)  # a structured node comes back as the instance
         if isinstance(cfg, cls):
-            return cfg
+            return _no_nan(cfg, where)
     if not isinstance(cfg, Mapping):
         raise UserError(f"{where}: expected a mapping of {cls.__name__} fields, got {type(cfg).__name__}")
     known = {f.name for f in dataclasses.fields(cls)}
@@ -104,4 +128,31 @@ def to_dataclass(cls: type[T], cfg: Any, where: str) -> T:
         if dataclasses.is_dataclass(sub) and isinstance(value, Mapping):
             value = to_dataclass(sub, value, f"{where}.{name}")
         kwargs[name] = value
-    return cls(**kwargs)
+    return _no_nan(cls(**kwargs), where)
+
+
+def _nan_at(value: Any, path: str) -> str | None:
+    if isinstance(value, float) and value != value:
+        return path
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        items = ((f.name, getattr(value, f.name)) for f in dataclasses.fields(value))
+    elif isinstance(value, Mapping):
+        items = value.items()
+    elif isinstance(value, (list, tuple)):
+        items = enumerate(value)
+    else:
+        return None
+    for k, v in items:
+        found = _nan_at(v, f"{path}.{k}" if path else str(k))
+        if found:
+            return found
+    return None
+
+
+def _no_nan(obj: T, where: str) -> T:
+    """``obj``, unless a field anywhere in it is NaN: no setting means "not a number", and
+    NaN passes every range check (``nan < 0`` is false), so it is refused by name here."""
+    found = _nan_at(obj, where)
+    if found:
+        raise UserError(f"{found}: expected a number, got nan")
+    return obj

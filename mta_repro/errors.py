@@ -32,3 +32,15 @@ class NoSpaceError(UserError):
     """The disk filled up: the message names the path, the bytes needed and those free.
     Not the input's fault, but the user's to fix (free space, then rerun to resume), so it
     is reported as one line like a user error."""
+
+
+class StopRequested(BaseException):
+    """A stop signal (Ctrl-C, SIGTERM, SIGUSR1/2) seen by work that loops (data loading,
+    the loader's warm-up, validation) at its next check, where nothing is left to save.
+    The command-line tools print its message as one line and exit with 128 + the signal's
+    number, as a stop after a checkpoint does. A BaseException, like KeyboardInterrupt, so
+    that no ``except Exception`` on its way swallows it."""
+
+    def __init__(self, signum: int, message: str):
+        super().__init__(message)
+        self.signum = int(signum)

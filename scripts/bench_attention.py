@@ -61,7 +61,7 @@ def run_one(layer: str, impl: str, seq: int, device: str, dtype_name: str, reps:
                          tuning=tuning)
 
         def fwd():
-            return attention_ops.ATTN_IMPLS[impl].fn(q, k, v, p, attention_ops.AttnMask(), True)
+            return attention_ops.attn_impl(impl).fn(q, k, v, p, attention_ops.AttnMask(), True)
 
     # Bytes saved for backward, each storage once (views of q/k/v are not new memory).
     storages: dict[int, int] = {}
@@ -103,11 +103,11 @@ def profile(spec: str, device: str, dtype_name: str, block_size: int, tuning=Non
     q, k, v = (torch.randn(1, H, int(seq), D).to(dev, dtype).requires_grad_() for _ in range(3))
     p = layer_params(layer, H, (6, 11), dtype, dev, block_size, requires_grad=True, mixing="identity",
                      tuning=tuning)
-    out = attention_ops.ATTN_IMPLS[impl].fn(q, k, v, p, attention_ops.AttnMask(), True)
+    out = attention_ops.attn_impl(impl).fn(q, k, v, p, attention_ops.AttnMask(), True)
     out.backward(torch.ones_like(out))
     acts = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if dev.type == "cuda" else [])
     with torch.profiler.profile(activities=acts) as prof:
-        out = attention_ops.ATTN_IMPLS[impl].fn(q, k, v, p, attention_ops.AttnMask(), True)
+        out = attention_ops.attn_impl(impl).fn(q, k, v, p, attention_ops.AttnMask(), True)
         out.backward(torch.ones_like(out))
     key = "self_cuda_time_total" if dev.type == "cuda" else "self_cpu_time_total"
     print(prof.key_averages().table(sort_by=key, row_limit=20))
@@ -142,7 +142,7 @@ def check(device: str, dtype_name: str, seq: int, impls: list[str], tuning=None)
             ws = {f: getattr(p64, f).detach().to(torch.float32 if dt != torch.float64 else dt).requires_grad_()
                   for f in fields}
             p = attention_ops.ExplicitAttnParams(**ws, pad_key="both", tuning=p64.tuning)
-            out = attention_ops.ATTN_IMPLS[impl].fn(q, k, v, p, attention_ops.AttnMask(), False)
+            out = attention_ops.attn_impl(impl).fn(q, k, v, p, attention_ops.AttnMask(), False)
             out.backward(gy.to(dev, dt))
             return out.double(), [t.grad.double() for t in (q, k, v, *ws.values())]
 
@@ -189,7 +189,7 @@ def main() -> None:
     if a.check:
         from mta_repro.model import attention_ops
 
-        names = a.impls.split(",") if a.impls else [n for n in attention_ops.ATTN_IMPLS if n != "torch"]
+        names = a.impls.split(",") if a.impls else [n for n in attention_ops.attn_impl_names() if n != "torch"]
         sys.exit(0 if check(a.device, a.dtype, a.check, names, tuning) else 1)
     if a.one:
         layer, impl, seq, bs = a.one
@@ -200,7 +200,7 @@ def main() -> None:
 
     # triton runs on GPUs (on CPU only in its interpreter, far too slow to time)
     impls = a.impls.split(",") if a.impls else [
-        n for n in attention_ops.ATTN_IMPLS if n != "triton" or a.device.startswith("cuda")]
+        n for n in attention_ops.attn_impl_names() if n != "triton" or a.device.startswith("cuda")]
     cases = []
     for seq in map(int, a.seqs.split(",")):
         cases.append(("sdpa", "sdpa", seq, 0))

@@ -115,6 +115,30 @@ def main() -> None:
         print(f"| {name} | {f:.3f} | {fb:.3f} | {fb / ref:.2f} |" if ref else f"| {name} | {f:.3f} | {fb:.3f} | n/a |")
 
 
+def ptxas_report(ptx: str, arch: int) -> str:
+    """``ptxas -v``'s registers and spill bytes of a compiled kernel, as Triton's own cubin
+    build runs it (its ptxas, its flags)."""
+    import re
+    import subprocess
+    import tempfile
+    from pathlib import Path
+
+    from triton.backends.nvidia.compiler import get_ptxas
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "k.ptx"
+        path.write_text(ptx)
+        p = subprocess.run([str(get_ptxas(arch).path), "-lineinfo", "-v", "--regAllocOptLevel=2",
+                            f"--gpu-name=sm_{arch}a" if arch >= 90 else f"--gpu-name=sm_{arch}", str(path),
+                            "-o", str(Path(tmp) / "k.o")], capture_output=True, text=True)
+    text = p.stdout + p.stderr
+    regs = re.search(r"Used (\d+) registers", text)
+    spill = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", text)
+    if not (regs and spill):
+        return f"no register report: {text.strip()[-120:]}"
+    return f"{regs.group(1)} registers, {int(spill.group(1)) + int(spill.group(2))} B of spills"
+
+
 def compile_report(cq: int, ck: int, tile: tuple[int, int]) -> None:
     """Both Triton kernels for sm_90 at ``tile`` (rows, keys), bf16 inputs, 4 and 8 warps."""
     import os
@@ -122,7 +146,6 @@ def compile_report(cq: int, ck: int, tile: tuple[int, int]) -> None:
     os.environ.pop("TRITON_INTERPRET", None)
     import triton
     import triton.language as tl
-    from compile_triton import ptxas_report
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 

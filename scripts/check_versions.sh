@@ -8,7 +8,8 @@
 #                                       gpu_acceptance.py --quick --device cpu passes
 #   scripts/check_versions.sh kernels   the Triton kernels under the image's Triton 3.6.0:
 #                                       the interpreter tests (TRITON_INTERPRET=1) and the
-#                                       sm_90 compile report of scripts/compile_triton.py
+#                                       sm_90 compile report of the experimental fused
+#                                       kernels (mta_repro.experimental.fused_triton.compile_report)
 #   scripts/check_versions.sh           both
 #   scripts/check_versions.sh hf        the HF export under the oldest transformers the `hf`
 #                                       extra allows (TRANSFORMERS_VERSION, default 4.45.0):
@@ -73,11 +74,11 @@ image() {
 kernels() {
   say "kernels: interpreter tests under Triton $TRITON_VERSION${KERNEL_TESTS:+ (-k $KERNEL_TESTS)}"
   TRITON_INTERPRET=1 PYTHONPATH=$ROOT "$VENV/bin/python" -m pytest -q -p no:cacheprovider \
-    tests/test_kq_conv_triton.py tests/test_attn_triton.py ${KERNEL_TESTS:+-k "$KERNEL_TESTS"}
+    tests/test_kq_conv_triton.py tests/experimental/test_attn_triton.py ${KERNEL_TESTS:+-k "$KERNEL_TESTS"}
   if [[ ${COMPILE:-1} == 1 ]]; then
     say "kernels: sm_90 compile report under Triton $TRITON_VERSION"
     # shellcheck disable=SC2086
-    PYTHONPATH=$ROOT "$VENV/bin/python" scripts/compile_triton.py ${COMPILE_ARGS:---seqs 2048}
+    PYTHONPATH=$ROOT "$VENV/bin/python" -m mta_repro.experimental.fused_triton.compile_report ${COMPILE_ARGS:---seqs 2048}
   fi
   say "kernels: ok"
 }

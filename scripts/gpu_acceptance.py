@@ -3,7 +3,7 @@ fastest, what a step costs against the baseline, how much memory the full model 
 and whether a save, a kill, a resume and a preemption work (docs/gpu.md reads the output).
 
     python scripts/gpu_acceptance.py                        # one GPU, about 10 min on an H200
-    python scripts/gpu_acceptance.py --skip triton          # without the fused kernels' JIT
+    python scripts/gpu_acceptance.py --skip triton          # without the experimental fused kernels
     python scripts/gpu_acceptance.py --quick --device cpu   # the same code at toy shapes (CI)
 
 Sections (the JSON's top-level keys, in run order):
@@ -89,12 +89,13 @@ def shapes(quick: bool) -> dict:
 
 # ------------------------------------------------------------------ parity and layers
 def implementations(skip: set) -> list[str]:
-    """Registered names (but the reference) plus ``blocked+conv2d``: blocked with F.conv2d
-    for the key-query convolutions (ATen's native depthwise kernel on CUDA), to show what
-    the Triton convolution of the default route gains."""
+    """Every implementation ``model.attn_impl`` may name (but the reference; the experimental
+    ``triton`` too, loaded by name) plus ``blocked+conv2d``: blocked with F.conv2d for the
+    key-query convolutions (ATen's native depthwise kernel on CUDA), to show what the Triton
+    convolution of the default route gains."""
     from mta_repro.model import attention_ops
 
-    names = [n for n in attention_ops.ATTN_IMPLS if n != "torch"] + ["blocked+conv2d"]
+    names = [n for n in attention_ops.attn_impl_names() if n != "torch"] + ["blocked+conv2d"]
     return [n for n in names if n not in skip]
 
 
@@ -111,7 +112,7 @@ def call_impl(name: str, q, k, v, p, training: bool, knob: str = ""):
     base, conv = split_impl(name)
     tuning = knob_tuning(knob, p.tuning)
     p = dataclasses.replace(p, tuning=tuning if conv is None else dataclasses.replace(tuning, kq_conv=conv))
-    entry = attention_ops.ATTN_IMPLS[base]
+    entry = attention_ops.attn_impl(base)
     if entry.supports is not None and entry.supports(q, p, attention_ops.AttnMask()) is not None:
         return None
     return entry.fn(q, k, v, p, attention_ops.AttnMask(), training)

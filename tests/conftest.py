@@ -19,9 +19,10 @@ import warnings
 
 import pytest
 
-# The tests run the Triton kernels (model.attn_impl=triton) on CPU tensors, in Triton's
-# interpreter, GPU or not (on a GPU, scripts/bench_attention.py --device cuda runs them
-# compiled). The variable must be set before the kernels are defined (first use).
+# The tests run the Triton kernels (the key-query convolution, the experimental
+# model.attn_impl=triton) on CPU tensors, in Triton's interpreter, GPU or not (on a GPU,
+# scripts/bench_attention.py --device cuda runs them compiled). The variable must be set
+# before the kernels are defined (first use).
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
@@ -53,10 +54,11 @@ MODULE_MARKERS = {
     "distributed/test_train_distributed.py": ("distributed",),
     "distributed/test_train_reshard.py": ("distributed",),
     "test_eval_data_parallel.py": ("distributed",),
-    "test_attn_triton.py": ("triton",),
-    "test_attn_stored.py": ("triton",),
+    "experimental/test_attn_triton.py": ("triton",),
+    "experimental/test_attn_stored.py": ("triton",),
     "test_kq_conv_triton.py": ("triton",),
-    "test_kernel_hazards.py": ("triton",),
+    "experimental/test_kernel_hazards.py": ("triton",),
+    "experimental/test_triton_parity.py": ("triton",),
     # Liger-Kernel's Triton kernels, in the interpreter on CPU
     "test_mta_liger.py": ("triton",),
     "test_pipeline.py": ("pipeline",),
@@ -74,8 +76,14 @@ MODULE_MARKERS = {
 TEST_MARKERS = {
     ("test_data.py", "test_two_real_ranks_match_in_process_loaders"): ("distributed",),
     ("test_train_signals.py", "test_two_ranks_agree_and_read_only_on_logging_steps"): ("distributed",),
-    ("test_roofline.py", "test_a_real_sm90_compile_counts_its_tensor_core_dot"): ("triton",),
-    ("test_roofline.py", "test_the_shipped_kernel_compiles_for_an_h200_within_its_limits"): ("triton",),
+    ("experimental/test_roofline.py", "test_a_real_sm90_compile_counts_its_tensor_core_dot"): ("triton",),
+    ("experimental/test_roofline.py", "test_the_shipped_kernel_compiles_for_an_h200_within_its_limits"): ("triton",),
+    # the module's fixture runs a whole local pipeline in subprocesses (81.6 s of setup in the
+    # fast tier on -n 2: pytest -m "not slow" --durations=30 --durations-min=5)
+    ("test_pipeline_llama3.py", "test_plan_order_and_dependencies"): ("pipeline",),
+    ("test_pipeline_llama3.py", "test_import_check_finetune_report"): ("pipeline",),
+    ("test_pipeline_llama3.py", "test_rerun_skips_everything_and_a_changed_folder_reimports"): ("pipeline",),
+    ("test_pipeline_llama3.py", "test_slurm_chain_import_check_train"): ("pipeline",),
 }
 
 # Tests (module, test-function name) that are slow for their own sake: seconds or more
@@ -109,6 +117,8 @@ SLOW_TESTS = {
     ("test_train.py", "test_sbatch_dry_run"),
     ("test_conftest_groups.py", "test_a_shared_fixture_module_runs_on_one_xdist_worker"),
     ("test_train_rundir.py", "test_a_failed_start_leaves_no_run_dir"),
+    ("test_trust_inputs.py", "test_the_commands_as_a_user_runs_them"),
+    ("test_trust_inputs.py", "test_export_into_a_foreign_folder_needs_force_and_replaces_our_own"),
     ("test_train_validation.py", "test_progress_lines_without_a_tty"),
     # training runs, resumes, whole-config sweeps and end-to-end evaluations in-process
     ("test_eval_needle.py", "test_run_needle_end_to_end_on_tiny_model"),
@@ -140,6 +150,12 @@ SLOW_TESTS = {
     ("test_attn_selfcheck.py", "test_strict_refuses_naming_the_implementation"),
     ("test_attn_selfcheck.py", "test_the_trainer_runs_and_records_the_fallback"),
     ("test_attn_selfcheck.py", "test_strict_refuses_to_train_in_one_line_rc_2"),
+    # trainers and evaluations as subprocesses; reports and exports of a few tiny runs
+    ("test_provenance.py", "test_a_shard_replaced_between_run_and_resume_is_refused_then_accepted"),
+    ("test_provenance.py", "test_evals_beside_a_trainer_that_saves_and_prunes_every_step_succeed"),
+    ("test_provenance.py", "test_a_swapped_tokenizer_is_refused_by_resume_eval_and_a_stage_start"),
+    ("test_provenance.py", "test_the_report_marks_rows_of_another_tokenizer_or_an_older_checkpoint"),
+    ("test_provenance.py", "test_an_hf_export_records_what_its_weights_came_from"),
     # Inductor's C++ codegen (tens of seconds a graph on 2 cores)
     ("test_inductor.py", "test_the_compiled_block_under_inductor_matches_eager_without_breaks"),
     ("test_inductor.py", "test_distributed_compile_trains_under_inductor_like_eager"),
@@ -152,7 +168,7 @@ SLOW_TESTS = {
 SHARED_FIXTURE_MODULES = {
     "test_eval_lm_eval.py", "test_eval_tasks.py", "test_pipeline.py", "test_pipeline_llama3.py", "test_slurm.py",
     "test_table5_small.py", "test_train_corrupt.py", "test_train_e2e.py", "test_train_rundir.py",
-    "test_train_validation.py",
+    "test_train_stop_phases.py", "test_train_validation.py",
 }
 
 # The order in which `make test` hands work to its pytest-xdist workers, longest first (it
@@ -165,6 +181,7 @@ SHARED_FIXTURE_MODULES = {
 LONGEST_FIRST = (
     "test_slurm.py",  # ~250 s: cluster jobs one after the other (~210 s), renderings
     "test_pipeline.py",  # the tiny pipeline (~90 s) and its reruns
+    ("test_provenance.py", "test_evals_beside_a_trainer_that_saves_and_prunes_every_step_succeed"),  # ~55 s
     ("test_memory_measured.py", "test_preflight_matches_a_measured_cpu_step_for_baseline_and_mta"),  # ~50 s
     ("test_device_image.py", "test_the_trainer_and_kernels_run_with_only_the_image_and_its_wheels"),  # ~50 s
     ("distributed/test_train_distributed.py", "test_two_ranks_match_one_rank_on_the_same_global_batch"),  # ~45 s
@@ -243,31 +260,3 @@ def pytest_collection_modifyitems(config, items):
     if stale and not config.getoption("keyword") and not config.getoption("markexpr", ""):
         warnings.warn(pytest.PytestConfigWarning(
             f"tests/conftest.py names tests that do not exist (renamed?): {stale}"), stacklevel=1)
-
-
-# Modules that allocate the fused kernel's buffers themselves, clean and poisoned side by side.
-UNPOISONED_MODULES = {"test_kernel_hazards.py"}
-
-
-def _nan_empty(name, shape, dtype, device):
-    """``attention_triton._empty`` in every Triton test: each buffer a launch allocates starts
-    as NaN (-1 for integers), not as whatever memory held, so a buffer read before it is
-    written makes the result NaN and the test's comparison with the reference fails."""
-    import torch
-
-    return torch.full(shape, float("nan") if dtype.is_floating_point else -1, dtype=dtype, device=device)
-
-
-@pytest.fixture(autouse=True)
-def _nan_poisoned_kernel_buffers(request, monkeypatch):
-    """Issue #37 item 3: the Triton tests (marker ``triton``: the fused kernel against the
-    float64 reference and torch's gradients, for every shipped option) run with every launch
-    buffer NaN-poisoned, so "as exact as today" also says "nothing read before it is written"."""
-    if request.node.get_closest_marker("triton") is not None and _where(request.node) not in UNPOISONED_MODULES:
-        import importlib.util
-
-        if importlib.util.find_spec("triton") is not None:
-            from mta_repro.kernels import attention_triton
-
-            monkeypatch.setattr(attention_triton, "_empty", _nan_empty)
-    yield

@@ -1,8 +1,10 @@
-"""Every registered explicit-path implementation against the "torch" reference (float64).
+"""Every built-in explicit-path implementation against the "torch" reference (float64), and
+the registry that finds the others by name.
 
 The reference itself is checked against plain loops in test_attention_ops.py; here each other
 implementation must give the same outputs and the same gradients of q, k, v and every
-score-path parameter, for every option the configs use.
+score-path parameter, for every option the configs use. (The experimental "triton" runs
+these same tests in tests/experimental/test_triton_parity.py.)
 """
 
 import dataclasses
@@ -10,19 +12,13 @@ import dataclasses
 import pytest
 import torch
 
+from mta_repro.errors import UserError
 from mta_repro.model import MTAArgs, ModelArgs, build_model
 from mta_repro.model import attention_ops
 from mta_repro.kernels import kq_conv_cpu
 
-import importlib.util
-
-# Every implementation but the reference; "triton" runs in Triton's interpreter here
-# (tests/conftest.py sets TRITON_INTERPRET=1 without a GPU).
-IMPLS = [
-    pytest.param(name, marks=pytest.mark.skipif(
-        name == "triton" and importlib.util.find_spec("triton") is None, reason="triton not installed"))
-    for name in attention_ops.ATTN_IMPLS if name != "torch"
-]
+# The core's implementations but the reference.
+IMPLS = ["blocked"]
 H, D = 4, 3
 
 
@@ -60,7 +56,7 @@ def run(impl, q, k, v, p, mask, training=False, seed=None):
     ts, p = leaves(q, k, v, p)
     if seed is not None:
         torch.manual_seed(seed)
-    out = attention_ops.ATTN_IMPLS[impl].fn(ts["q"], ts["k"], ts["v"], p, mask, training)
+    out = attention_ops.attn_impl(impl).fn(ts["q"], ts["k"], ts["v"], p, mask, training)
     g = torch.Generator().manual_seed(7)
     (out * torch.randn(out.shape, generator=g, dtype=out.dtype)).sum().backward()
     return out.detach(), {n: t.grad for n, t in ts.items()}
@@ -77,23 +73,22 @@ def assert_same(impl, q, k, v, p, mask):
 
 # block_size is read by "blocked" alone (its query blocks; 4 and 5 do not divide T=11): the
 # other implementations run each option once
-IMPL_BLOCK_SIZES = [pytest.param(impl.values[0], bs, marks=impl.marks, id=f"{bs}-{impl.values[0]}")
-                    for impl in IMPLS for bs in (1, 4, 5, 64) if impl.values[0] == "blocked" or bs == 4]
+IMPL_BLOCK_SIZES = [pytest.param(impl, bs, id=f"{bs}-{impl}") for impl in IMPLS for bs in (1, 4, 5, 64)
+                    if impl == "blocked" or bs == 4]
+# (pad_key, pre, post, mix, wpsm): the options the configs use
+OPTIONS = [
+    ("both", (2, 3), (3, 3), "head_kernel", True),  # the paper's MTA layer, small
+    ("left", (3, 2), None, "wposm", False),  # pre only
+    ("right", None, (2, 4), None, True),  # post only
+    # post only, centred: a frame's margins can be exactly the kernel's reach
+    ("both", None, (3, 3), "head_kernel", True),
+    ("both", None, None, "head_kernel", True),  # talking heads (mixing-only layer)
+    ("left", (2, 3), (2, 2), None, False),  # both convs, no mixing
+]
 
 
 @pytest.mark.parametrize("impl, block_size", IMPL_BLOCK_SIZES)
-@pytest.mark.parametrize(
-    "pad_key, pre, post, mix, wpsm",
-    [
-        ("both", (2, 3), (3, 3), "head_kernel", True),  # the paper's MTA layer, small
-        ("left", (3, 2), None, "wposm", False),  # pre only
-        ("right", None, (2, 4), None, True),  # post only
-        # post only, centred: triton's frames have margins of exactly the kernel's reach
-        ("both", None, (3, 3), "head_kernel", True),
-        ("both", None, None, "head_kernel", True),  # talking heads (mixing-only layer)
-        ("left", (2, 3), (2, 2), None, False),  # both convs, no mixing
-    ],
-)
+@pytest.mark.parametrize("pad_key, pre, post, mix, wpsm", OPTIONS)
 def test_matches_reference(impl, pad_key, pre, post, mix, wpsm, block_size):
     p = make_params(pad_key, pre, post, mix, wpsm, block_size=block_size)
     assert_same(impl, *qkv(), p, attention_ops.AttnMask())
@@ -132,7 +127,7 @@ def test_gradcheck(impl):
 
     def f(*tensors):
         pp = dataclasses.replace(p, **{n: t for n, t in zip(names, tensors) if n not in "qkv"})
-        return attention_ops.ATTN_IMPLS[impl].fn(tensors[0], tensors[1], tensors[2], pp, attention_ops.AttnMask(), False)
+        return attention_ops.attn_impl(impl).fn(tensors[0], tensors[1], tensors[2], pp, attention_ops.AttnMask(), False)
 
     assert torch.autograd.gradcheck(f, tuple(ts.values()), fast_mode=True)
 
@@ -149,11 +144,11 @@ def test_dropout_gradients_follow_the_forward_masks(impl):
     def f(*tensors):
         torch.manual_seed(3)
         pp = dataclasses.replace(p, **{n: t for n, t in zip(names, tensors) if n not in "qkv"})
-        return attention_ops.ATTN_IMPLS[impl].fn(tensors[0], tensors[1], tensors[2], pp, attention_ops.AttnMask(), True)
+        return attention_ops.attn_impl(impl).fn(tensors[0], tensors[1], tensors[2], pp, attention_ops.AttnMask(), True)
 
     out = f(*ts.values())
     torch.testing.assert_close(out, f(*[t.detach() for t in ts.values()]), rtol=1e-12, atol=1e-14)
-    no_drop = attention_ops.ATTN_IMPLS[impl].fn(
+    no_drop = attention_ops.attn_impl(impl).fn(
         ts["q"], ts["k"], ts["v"], dataclasses.replace(p, dropout=0.0), attention_ops.AttnMask(), True
     )
     assert not torch.allclose(out, no_drop)  # dropout did act
@@ -175,7 +170,7 @@ def test_blocked_keeps_nothing_quadratic_for_backward():
 
         ts, pp = leaves(q, k, v, p)
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            attention_ops.ATTN_IMPLS[impl].fn(ts["q"], ts["k"], ts["v"], pp, attention_ops.AttnMask(), True)
+            attention_ops.attn_impl(impl).fn(ts["q"], ts["k"], ts["v"], pp, attention_ops.AttnMask(), True)
         return sizes
 
     assert max(saved("torch")) >= H * T * T
@@ -248,8 +243,51 @@ def test_cpu_kq_conv_kernel_gives_the_same_bits_on_any_number_of_threads():
 
 
 def test_unknown_impl_is_refused_with_the_registered_names():
-    with pytest.raises(ValueError, match=r"model.attn_impl.*'blocked'.*'torch'"):
+    with pytest.raises(UserError, match=r"^model.attn_impl: unknown implementation 'flash'; available: "
+                       r"\[.*'blocked'.*'torch'"):
         ModelArgs(attn_impl="flash")
+
+
+def test_a_declared_impl_is_loaded_by_name_on_first_use(monkeypatch):
+    """An implementation outside the core is declared by name (the entry-point group
+    ``mta_repro.attn_impls``: "name = module:attribute") and imported only when a config names
+    it; one that does not load, or is no AttnImpl, is one line naming model.attn_impl."""
+    import sys
+    import types
+
+    module = types.ModuleType("declared_impl_for_test")
+    module.IMPL = attention_ops.AttnImpl(attention_ops.explicit_attention_torch, doc="a declared copy")
+    module.NOT_AN_IMPL = len
+    monkeypatch.setitem(sys.modules, module.__name__, module)
+    declared = {"declared": f"{module.__name__}:IMPL", "missing": "no_such_module_anywhere:IMPL",
+                "wrong": f"{module.__name__}:NOT_AN_IMPL"}
+    monkeypatch.setattr(attention_ops, "declared_attn_impls", lambda: declared)
+    monkeypatch.setattr(attention_ops, "ATTN_IMPLS", dict(attention_ops.ATTN_IMPLS))
+    assert "declared" not in attention_ops.ATTN_IMPLS and "declared" in attention_ops.attn_impl_names()
+    assert ModelArgs(attn_impl="declared").attn_impl == "declared"
+    assert attention_ops.ATTN_IMPLS["declared"] is module.IMPL
+    q, k, v = qkv()
+    p = make_params()
+    torch.testing.assert_close(attention_ops.explicit_attention("declared", q, k, v, p, attention_ops.AttnMask()),
+                               attention_ops.explicit_attention_torch(q, k, v, p, attention_ops.AttnMask()))
+    with pytest.raises(UserError, match=r"^model.attn_impl='missing': its implementation no_such_module_anywhere:IMPL "
+                       r"\(entry point of mta_repro.attn_impls\) does not load: No module named"):
+        ModelArgs(attn_impl="missing")
+    with pytest.raises(UserError, match=r"^model.attn_impl='wrong': .*:NOT_AN_IMPL is a builtin_function_or_method, "
+                       r"not an AttnImpl$"):
+        ModelArgs(attn_impl="wrong")
+
+
+def test_this_package_declares_its_experimental_impl_without_importing_it():
+    """pyproject.toml declares "triton" (mta_repro/experimental/fused_triton) in the group, and
+    the source tree's declaration is found without installed metadata (PYTHONPATH=. runs)."""
+    from pathlib import Path
+
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+    project = tomllib.loads((Path(__file__).resolve().parents[1] / "pyproject.toml").read_text())["project"]
+    declared = project["entry-points"][attention_ops.ENTRY_POINTS]
+    assert declared == {"triton": "mta_repro.experimental.fused_triton.impl:IMPL"}
+    assert attention_ops.declared_attn_impls()["triton"] == declared["triton"]
 
 
 def test_unsupported_case_falls_back_to_reference():

@@ -6,9 +6,13 @@ on every worker that runs one of its tests: minutes for the tiny pipeline)."""
 import ast
 from pathlib import Path
 
-import conftest
-
 TESTS = Path(__file__).resolve().parent
+
+
+def _root_conftest(pytestconfig):
+    """tests/conftest.py as pytest loaded it (``import conftest`` may find another folder's)."""
+    return next(p for p in pytestconfig.pluginmanager.get_plugins()
+                if getattr(p, "__file__", None) == str(TESTS / "conftest.py"))
 
 
 def _shared_scope(decorator: ast.expr) -> bool:
@@ -18,14 +22,14 @@ def _shared_scope(decorator: ast.expr) -> bool:
                for k in decorator.keywords)
 
 
-def test_every_module_with_a_shared_fixture_is_one_group():
+def test_every_module_with_a_shared_fixture_is_one_group(pytestconfig):
     found = set()
     for path in sorted(TESTS.rglob("test_*.py")):
         tree = ast.parse(path.read_text())
         if any(_shared_scope(d) for node in ast.walk(tree) if isinstance(node, ast.FunctionDef)
                for d in node.decorator_list):
             found.add(path.relative_to(TESTS).as_posix())
-    assert found == conftest.SHARED_FIXTURE_MODULES
+    assert found == _root_conftest(pytestconfig).SHARED_FIXTURE_MODULES
 
 
 def test_a_shared_fixture_module_runs_on_one_xdist_worker():

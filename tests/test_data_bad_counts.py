@@ -109,6 +109,16 @@ def test_two_domain_streams_in_the_domains_layout(tmp_path):
     assert loader.state_dict()["streams"]["b"]["bad"] == want and not loader.streams["a"].bad
 
 
+def test_a_bad_record_on_the_shards_first_line_is_counted(tmp_path):
+    """The very first line a fresh loader reads (its ledger is built then) is counted too."""
+    write_jsonl(tmp_path / "train" / "chunk1" / "example_train_0.jsonl",
+                [b'{"text": "cut'] + _recs("f0", 30, ["c4"]))
+    (tmp_path / "validation" / "chunk1").mkdir(parents=True)
+    loader = build_train_loader(_args(tmp_path, sources={"c4": 1.0}), 0, 1)
+    next(loader)
+    assert _nonzero(loader.bad_records()) == {"malformed_json": 1}
+
+
 @pytest.mark.parametrize("old,new", [(1, 2), (2, 1)])
 def test_another_world_size_keeps_the_sum(tmp_path, old, new):
     """The summed counts of the old ranks are carried once (on the new rank 0), and the

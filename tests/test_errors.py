@@ -108,15 +108,30 @@ def test_hydra_unknown_key_is_described_with_the_nearest_field():
                                  "no such field in the schema (TrainerArgs)")
 
 
+def test_a_mistyped_key_is_matched_to_the_field_it_abbreviates_or_spells_out():
+    from mta_repro.dataclass_config import nearest_field
+
+    optim = ["lr", "beta1", "beta2", "eps", "weight_decay", "clip", "warmup", "warmup_frac", "lr_min_ratio"]
+    assert nearest_field("learning_rate", optim) == "lr"  # its words' initials
+    assert nearest_field("wd", optim) == "weight_decay"
+    assert nearest_field("warm", optim) == "warmup"  # cut short
+    assert nearest_field("lr_min", optim) == "lr_min_ratio"
+    assert nearest_field("weight_decy", optim) == "weight_decay"  # spelling
+    assert nearest_field("eval_every_steps", ["steps", "eval_every", "eval_max_batches"]) == "eval_every"
+    assert nearest_field("zzz", optim) is None
+
+
 # ------------------------------------------------------------------ the package's raise sites
 # Internal argument checks (a caller's bug, never the user's input) stay ValueError.
 INTERNAL_VALUE_ERRORS = {
     "mta_repro/estimate/flops.py": 1,
-    "mta_repro/kernels/frames.py": 3,  # an unknown pass name (launch_config, halo, scratch_slots)
-    "mta_repro/kernels/stored_frames.py": 2,  # an unknown pass name (halo, launch_config)
-    # called by attn_impl=triton's dispatch only for what it supports (a kq-conv layer, no dropout)
-    "mta_repro/kernels/attention_stored.py": 2,
-    "mta_repro/estimate/roofline.py": 1,  # the compiled IR has a shape its parser does not know
+    "mta_repro/experimental/fused_triton/tiles.py": 1,  # an unknown pass name of a layer's design
+    # called by attn_impl=triton's dispatch only for what it supports (stored: a kq-conv layer,
+    # no dropout; fused: any other layer)
+    "mta_repro/experimental/fused_triton/stored.py": 2,
+    "mta_repro/experimental/fused_triton/fused.py": 1,
+    # the compiled IR has a shape its parser does not know
+    "mta_repro/experimental/fused_triton/roofline.py": 1,
 }
 
 
@@ -164,6 +179,8 @@ def _train_cli(*args, extra_path=()):
     ("experiment=debug_typo", "experiment=debug_typo: unknown experiment config; did you mean debug?"),
     ("trainer.steps=0", "trainer.steps: expected >= 1, got 0"),
     ("model.kernels.kq_conv=cudnn", "model.kernels.kq_conv: 'cudnn': expected auto, c, triton or conv2d"),
+    # a key the field abbreviates: not the nearest spelling (lr_min_ratio)
+    ("optim.learning_rate=1e-3", "unknown config key(s) optim.learning_rate (did you mean optim.lr?)"),
 ])
 def test_train_cli_user_errors_are_one_line(tmp_path, override, expected):
     run_dir = tmp_path / "run"
@@ -197,3 +214,33 @@ def test_train_cli_fault_in_a_loader_keeps_its_traceback(tmp_path):
                    extra_path=[tmp_path])
     assert p.returncode not in (0, 2)
     assert "Traceback" in p.stderr and "faulty_loader.py" in p.stderr and "invalid literal" in p.stderr
+
+
+@pytest.mark.slow
+def test_a_sequence_longer_than_the_model_is_refused_on_every_path(tmp_path):
+    """data.seq_len above model.max_seqlen: training, a finetune (its source named) and the
+    evaluation of a run whose config says it trained that long: one line, exit 2, nothing run."""
+    long = ("data.seq_len=8192 is longer than model.max_seqlen=4096, the longest sequence the model is meant for; "
+            "lower data.seq_len, or set model.max_seqlen=8192 for a model meant for 8192-token sequences")
+    p = _train_cli("experiment=debug", f"run_dir={tmp_path}/a", "data.seq_len=8192")
+    assert p.returncode == 2 and p.stderr.strip() == f"train: error: {long}", p.stderr[-3000:]
+    src = tmp_path / "src.pt"
+    src.write_bytes(b"")
+    p = _train_cli("experiment=long_context_880m_mta", f"checkpoint.init_from={src}", f"run_dir={tmp_path}/b",
+                   "data.seq_len=8192")
+    assert p.returncode == 2 and p.stderr.strip() == f"train: error: {long}", p.stderr[-3000:]
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+    sys.path.insert(0, str(Path(__file__).parent / "fixtures" / "eval"))
+    from eval_helpers import make_run
+
+    run_dir, model = make_run(tmp_path / "old", attention="baseline", seq_len=8192)  # saved before the check
+    assert model.args.max_seqlen == 4096
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    env.pop(TRACEBACK_ENV, None)
+    p = subprocess.run([sys.executable, "-m", "mta_repro.eval", str(run_dir), "tasks=[ppl]", "device=cpu"], cwd=ROOT,
+                       env=env, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 2, p.stderr[-3000:]
+    assert p.stderr.strip().splitlines()[-1] == (
+        f"eval: error: eval: ppl.seq_len=8192 for task 'ppl' is longer than model.max_seqlen=4096 of {run_dir}, the "
+        "longest sequence the model is meant for; set extrapolate=true to evaluate beyond it on purpose")
+    assert not (run_dir / "eval").exists()

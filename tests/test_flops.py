@@ -44,28 +44,3 @@ def test_explicit_layers_count_their_transforms_and_the_recomputation():
     blocked = forward_flops_per_token(ARGS, T)
     assert blocked["recompute"] == blocked["attention"] < ref["attention"]
     assert train_flops_per_token(ARGS, T) == 3 * blocked["total"] + blocked["recompute"]
-
-
-@pytest.mark.parametrize("T", [40, 2048])
-def test_triton_counts_the_frames_its_passes_visit(T):
-    """cells_visited against a brute-force walk over (row block, key block) pairs that hold
-    an allowed owned cell."""
-    from mta_repro.kernels import frames
-
-    for name in frames.PASSES:
-        f = frames.frame(name, (6, 11), (6, 11), "both")
-        assert f.er * f.ec >= f.bmo * f.bno > 0 and f.er & (f.er - 1) == 0 and f.ec & (f.ec - 1) == 0
-        # only the convolutions' halos widen a frame: the stats pass (the pre-softmax conv is a GEMM) has none
-        assert (f.er * f.ec == f.bmo * f.bno) == (name == "stats")
-        brute = sum(
-            f.er * f.ec
-            for r0 in range(0, T, f.bmo)
-            for c0 in range(0, T, f.bno)
-            if c0 <= min(T, r0 + f.bmo) - 1  # the block's first key is at or before its last row
-        )
-        assert frames.cells_visited(f, T, T) == brute >= T * T / 2
-    a = dataclasses.replace(ARGS, attn_impl="triton")
-    # frames cost more than the causal half the blocked path visits (halo and padding cells)
-    assert forward_flops_per_token(a, T)["attention"] > forward_flops_per_token(ARGS, T)["attention"]
-    with pytest.raises(ValueError, match="frames"):
-        score_elements(a, T)

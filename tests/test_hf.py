@@ -203,3 +203,27 @@ def test_the_kernels_tuning_stays_behind_and_configs_without_it_load(tmp_path):
     torch.save(blob, pt)
     old, _ = load_model(pt, device="cpu")
     assert old.args.kernels == KernelTuning()
+
+
+def test_export_says_and_records_its_step_and_the_head_is_the_output_embedding(tmp_path, capsys):
+    """An export of a run's latest checkpoint (step 7 here, of a run configured for more) says
+    which step and run it is and records them beside the weights; the trust_remote_code
+    model's get_output_embeddings() is the head its logits come from (the token embedding,
+    tied): zeroing that weight zeroes every logit."""
+    import json
+
+    from transformers import AutoModelForCausalLM
+
+    run_dir, _ = make_run(tmp_path / "run", attention="mta", fmt="dcp")
+    out = export_hf(run_dir, tmp_path / "hf")
+    rec = json.loads((out / "provenance.json").read_text())
+    assert rec["export"]["run"] == str(run_dir.resolve()) and rec["weights"]["step"] == 7
+    assert rec["weights"]["path"] == str(run_dir / "checkpoints" / f"{7:010d}")
+    assert f"[mta_repro.hf] exported step 7 of trainer.steps={rec['export']['trainer_steps']}" in capsys.readouterr().err
+    hf = AutoModelForCausalLM.from_pretrained(str(out), trust_remote_code=True, torch_dtype=torch.float32).eval()
+    head = hf.get_output_embeddings()
+    assert head is not None and head.weight is hf.get_input_embeddings().weight
+    with torch.no_grad():
+        assert hf(TOKENS).logits.abs().max() > 0
+        head.weight.zero_()
+        assert hf(TOKENS).logits.abs().max() == 0

@@ -122,7 +122,6 @@ def test_plus_on_an_existing_field_is_hydras_own_refusal():
     ("triton_programs=0", "model.kernels.triton_programs: 0: expected a positive integer or null"),
     ("triton_slab_rows=3", "model.kernels.triton_slab_rows: 3: expected a power of two or null"),
     ("compile_block_backend=''", "model.kernels.compile_block_backend: '': expected the name of a torch.compile"),
-    ("triton_design=fast", "model.kernels.triton_design: 'fast': expected stored or fused"),
 ])
 def test_a_bad_value_is_one_line_naming_the_field(override, message):
     with pytest.raises(UserError) as e:
@@ -192,13 +191,6 @@ def test_the_memory_preflight_reads_the_models_tuning():
     assert memory.target_kq_backend("cuda", torch.bfloat16, KernelTuning(kq_conv="conv2d")) == "conv2d"
     if importlib.util.find_spec("triton") is not None:
         assert memory.target_kq_backend("cuda", torch.bfloat16, KernelTuning()) == "triton"
-    # the fused kernel's workspace follows the model's frame and programs
-    args = dict(SMALL, attn_impl="triton")
-    ws = {}
-    for name, kernels in (("default", {}), ("frame", {"triton_frame": "64x64"}), ("programs", {"triton_programs": 1})):
-        model = build_model(ModelArgs(**args, kernels=kernels), device="meta")
-        ws[name] = memory.triton_backward_workspace(model.layers[1].attention, 2, 256)
-    assert ws["frame"] != ws["default"] and ws["programs"] < ws["default"]
     # the meta stand-ins keep each module's tuning and take its backend from it
     model = build_model(ModelArgs(**SMALL, kernels={"kq_conv": "conv2d", "kq_tile": "32x32"}), device="meta")
     with memory._run_device_impls(model, memory._LiveBytes(), "cuda", torch.bfloat16, {}):
@@ -206,22 +198,6 @@ def test_the_memory_preflight_reads_the_models_tuning():
             k = layer.attention.kernels
             assert k.kq_backend == "conv2d" and k.tuning == model.args.kernels and k.sdpa is not None
     assert all(layer.attention.kernels.kq_backend is None for layer in model.layers)  # restored
-
-
-def test_the_flop_count_follows_the_models_frame():
-    """The triton path's FLOPs are what its frames compute (halo cells, causal skipping per
-    frame, Toeplitz products as wide as the frame): the default frame set explicitly counts
-    the same, another frame counts otherwise."""
-    from mta_repro.estimate import flops
-
-    args = dict(SMALL, n_heads=4, dim=64, attn_impl="triton",
-                mta=dict(use_mta=True, query_kernel_size=6, key_kernel_size=11, pre_sm_linear_head=True))
-
-    def count(**kernels):
-        return flops._triton_passes(ModelArgs(**args, kernels=kernels), 2048, "kq_conv")
-
-    assert count(triton_frame="128x64") == count()  # a kq-conv layer's default frame
-    assert count(triton_frame="64x32") != count()
 
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton not installed")

@@ -41,7 +41,11 @@ def test_appendix_i_llama3_pipeline_dry_run_prints_plan_and_every_sbatch(tmp_pat
     r = subprocess.run([sys.executable, "-m", "mta_repro.pipeline", "pipeline=appendix_i_llama3", "launcher=slurm",
                         f"root={tmp_path}", "--dry-run"], capture_output=True, text=True, timeout=600,
                        env={k: v for k, v in os.environ.items() if k != "LLAMA3_DIR"})
-    assert r.returncode == 0, r.stderr[-2000:]
+    # everything is printed, then what the jobs would miss at their start (here: the Llama
+    # folders, the corpus and the tokenizer): exit status 2, as a submission would refuse
+    assert r.returncode == 2, r.stderr[-2000:]
+    errors = [line for line in r.stderr.splitlines() if line.startswith("pipeline: error: ")]
+    assert errors and all("does not exist" in line for line in errors), r.stderr[-2000:]
     out = r.stdout + r.stderr
     # per model: import (CPU) -> Appendix I check of the insertion -> MTA + control -> 2 evals; 1 report
     assert "pipeline appendix_i_llama3: 19 jobs" in out
@@ -53,6 +57,8 @@ def test_appendix_i_llama3_pipeline_dry_run_prints_plan_and_every_sbatch(tmp_pat
         # the import reads the user's own folder (LLAMA3_DIR, default /checkpoints/llama3) into the run root
         assert f"-m mta_repro.hf import /checkpoints/llama3/{folder} {pt}\n" in out
         assert f"note: pipeline.imports.llama3_{m}: /checkpoints/llama3/{folder}/config.json does not exist" in out
+        assert (f"pipeline: error: pipeline.imports.llama3_{m}: /checkpoints/llama3/{folder}/config.json does not "
+                "exist") in errors[0] + "".join(errors)
         imp, chk = f"<import:llama3_{m}>", f"<check:llama3_{m}/mta>"
         assert f"# ---- import:llama3_{m}: sbatch  {pt.parent}/slurm/pipeline_import.sbatch" in out
         assert f"# ---- check:llama3_{m}/mta: sbatch --dependency=afterok:{imp} " in out

@@ -8,7 +8,10 @@
 - a Lingua ``params.json`` (json.dump writes ``1e-05``) through the Python API: every
   converted field has our schema's type, and the model runs forward;
 - ``sliding_window`` is accepted with a note, ``n_kv_heads`` converts to GQA with
-  unchanged state-dict keys, ``params --release-config`` counts FLOPs at data.seq_len.
+  unchanged state-dict keys, ``params --release-config`` counts FLOPs at data.seq_len;
+- the bf16 key-query convolution: which taps meet which scores and where the casts are
+  (the part of bf16 agreement that does not depend on the CPU): bit for bit the float64
+  sum rounded once, on inputs whose every partial sum is exact in fp32.
 """
 
 from __future__ import annotations
@@ -253,3 +256,54 @@ def test_params_release_config_counts_flops_at_its_seq_len(tmp_path, capsys):
     assert got["train_flops_per_token"] == train_flops_per_token(release_model_args(path), 512)
     params.main(["seq_len=128", "--release-config", str(path)])
     assert json.loads(capsys.readouterr().out)["seq_len"] == 128
+
+
+# ------------------------------------------------------------------ bf16 key-query convolution
+def conv_float64(scores, kernel, pad_key):
+    """The release's ``_mta_convolution`` written out as a float64 sum over the taps:
+    out[i, j] = sum_{a, b} K[a, b] S[i + a - (c_q - 1), j + b - left], S = 0 outside."""
+    b, h, t, u = scores.shape
+    c_q, c_k = kernel.shape[-2:]
+    left = {"both": (c_k - 1) // 2, "left": c_k - 1, "right": 0}[pad_key]
+    s, k = scores.double(), kernel.double()
+    out = torch.zeros(b, h, t, u, dtype=torch.float64)
+    for a in range(c_q):
+        for j in range(c_k):
+            di, dj = a - (c_q - 1), j - left  # the score row/column this tap reads, relative
+            src = s[:, :, max(0, di):t + min(0, di), max(0, dj):u + min(0, dj)]
+            out[:, :, max(0, -di):t - max(0, di), max(0, -dj):u - max(0, dj)] += k[:, 0, a, j, None, None] * src
+    return out
+
+
+@pytest.mark.parametrize("pad_key", ["both", "left", "right"])
+@pytest.mark.parametrize("c_q,c_k", [(6, 5), (6, 11), (4, 7), (2, 3)])
+def test_bf16_kq_conv_is_the_float64_sum_rounded_once(c_q, c_k, pad_key):
+    """The bf16 convolution both sides run: the kernel cast to bf16 first (a float32 kernel
+    whose extra bits the cast drops gives the same result), the products summed unrounded,
+    the sum rounded once to bf16. On scores and kernels with few mantissa bits every partial
+    sum is exact in fp32, so any summation order gives the same bits, and they must equal the
+    float64 sum rounded once; which order a CPU uses decides only the last bit of inexact sums
+    (scripts/bf16_conv_order.py measures it here), bounded below by one ulp for positive
+    inputs, which the second half checks."""
+    from mta_repro.model.attention_ops import kq_conv, masked_kq_conv
+    from mta_repro.kernels.types import AttnMask
+
+    g = torch.Generator().manual_seed(100 * c_q + c_k)
+    # multiples of 1/8 up to 2 and of 1/16 up to 1: products multiples of 2^-7 below 2, sums of at
+    # most 66 of them below 132, 15 bits: exact in fp32's 24, not in bf16's 8
+    s = (torch.randint(-16, 17, (2, 3, 40, 40), generator=g) / 8).to(torch.bfloat16)
+    k = (torch.randint(-16, 17, (3, 1, c_q, c_k), generator=g) / 16).to(torch.bfloat16)
+    want = conv_float64(s, k, pad_key).to(torch.bfloat16)
+    assert not torch.equal(conv_float64(s, k, pad_key), want.double())  # the rounding is real
+    assert torch.equal(kq_conv(s, k, pad_key), want)
+    k32 = k.float() * (1 + 2.0 ** -10)  # below half a bf16 ulp: the cast drops it
+    assert not torch.equal(k32, k.float()) and torch.equal(kq_conv(s, k32, pad_key), want)
+    allowed = torch.ones(40, 40, dtype=torch.bool).tril()
+    masked = masked_kq_conv(s, k, pad_key, allowed, AttnMask(), backend="conv2d")
+    assert torch.equal(masked, (conv_float64(s * allowed, k, pad_key) * allowed).to(torch.bfloat16))
+    # any inputs, positive (no cancellation): within one ulp of the rounded-once sum
+    s = torch.rand(2, 3, 40, 40, generator=g).to(torch.bfloat16)
+    k = torch.rand(3, 1, c_q, c_k, generator=g).to(torch.bfloat16)
+    exact = conv_float64(s, k, pad_key)
+    got = kq_conv(s, k, pad_key).double()
+    assert ((got - exact).abs() <= exact.abs() * 2.0 ** -7).all()

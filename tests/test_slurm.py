@@ -158,7 +158,7 @@ def test_cpu_profile_renders_tasks_and_no_gpu_request():
     # GPU partitions keep one task per GPU, the GPU request and the binding.
     gpu, _ = render(["experiment=pretrain_880m_mta"])
     assert "#SBATCH --gpus-per-node=8\n" in gpu and "#SBATCH --ntasks-per-node=8\n" in gpu
-    assert "--cpus-per-task=12 --cpu-bind=none " in [l for l in gpu.splitlines() if l.startswith("srun ")][0]
+    assert "--cpus-per-task=8 --cpu-bind=none " in [l for l in gpu.splitlines() if l.startswith("srun ")][0]
     with pytest.raises(ValueError, match="slurm.tasks_per_node"):
         render(["experiment=debug", "slurm.gpus_per_node=0"])
     with pytest.raises(ValueError, match="trainer.device=cuda but slurm.gpus_per_node=0"):
@@ -175,7 +175,7 @@ def test_launcher_config_follows_the_slurm_section():
         gpu = compose("train", ["hydra/launcher=slurm", "experiment=pretrain_880m_mta"], return_hydra_config=True)
     assert (cpu.hydra.launcher.tasks_per_node, cpu.hydra.launcher.gpus_per_node) == (2, None)
     assert (gpu.hydra.launcher.tasks_per_node, gpu.hydra.launcher.gpus_per_node, gpu.hydra.launcher.nodes) == (8, 8, 4)
-    assert "export SRUN_CPUS_PER_TASK=12" in gpu.hydra.launcher.setup
+    assert "export SRUN_CPUS_PER_TASK=8" in gpu.hydra.launcher.setup
     # Each job's config is resolved again by Hydra: a resolved setup line must hold no
     # interpolation (an escaped shell ${VAR:-x} becomes one), and the GPU settings are there.
     setup = list(gpu.hydra.launcher.setup)
@@ -196,9 +196,12 @@ def test_paths_made_absolute_and_init_from_checked(tmp_path):
               "trainer.device=cpu", "checkpoint.init_from=runs/pretrain_880m_mta", "--submit"],
              cwd=tmp_path, check=False)
     assert p.returncode == 2 and "Traceback" not in p.stderr
-    assert p.stderr.strip().splitlines() == [
-        f"mta_repro.train.slurm: error: checkpoint.init_from: {tmp_path}/runs/pretrain_880m_mta does not exist "
-        "(a run dir, a checkpoint dir or a .pt file; relative paths are taken from the submit directory)"]
+    lines = p.stderr.strip().splitlines()  # one line a missing path (the paper's corpus and tokenizer too)
+    assert all(line.startswith("mta_repro.train.slurm: error: ") for line in lines), lines
+    assert (f"mta_repro.train.slurm: error: checkpoint.init_from: {tmp_path}/runs/pretrain_880m_mta does not exist "
+            "(a run dir, a checkpoint dir or a .pt file; relative paths are taken from the submit directory; add "
+            "--no-check if it exists only on the compute nodes)") in lines
+    assert not (tmp_path / "runs" / "long_context_880m_mta").exists()  # nothing written, nothing queued
     # ... and a stage without its source says which field to give, in one line.
     p = _run(["-m", "mta_repro.train.slurm", "experiment=long_context_880m_mta", "--submit"], cwd=tmp_path,
              check=False)
@@ -216,9 +219,9 @@ def test_sweep_experiments_are_refused_with_the_launcher_to_use():
 def test_submit_without_sbatch_says_so(tmp_path):
     p = _run(["-m", "mta_repro.train.slurm", "experiment=debug", *CPU_PROFILE, f"run_dir={tmp_path}/r", "--submit"],
              env=_env(PATH=str(tmp_path)), check=False)
-    assert p.returncode == 1 and "Traceback" not in p.stderr
+    assert p.returncode == 2 and "Traceback" not in p.stderr
     lines = p.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("mta_repro.train.slurm: sbatch is not on PATH"), lines
+    assert len(lines) == 1 and lines[0].startswith("mta_repro.train.slurm: error: sbatch is not on PATH"), lines
     assert (tmp_path / "r" / "slurm" / "train.sbatch").is_file()  # named in the message, kept to inspect
 
 
@@ -267,7 +270,7 @@ def test_gpu_job_hygiene_in_the_rendered_script(tmp_path):
         "export TORCH_NCCL_TRACE_BUFFER_SIZE=${TORCH_NCCL_TRACE_BUFFER_SIZE:-2000}\n",
         "export TORCH_NCCL_DUMP_ON_TIMEOUT=",
         "/runs/pretrain_880m_mta/slurm/nccl_trace_${SLURM_JOB_ID}_rank_}",
-        "export OMP_NUM_THREADS=6\n",
+        "export OMP_NUM_THREADS=4\n",
     ):
         assert line in script, line
     assert "KillWait" in script  # the preemption order is explained where it is set
@@ -298,8 +301,8 @@ def test_time_limit_is_a_public_shared_helper():
 
 
 def test_eval_sbatch_mem_and_exclusive(tmp_path):
-    p = _run(["-m", "mta_repro.eval.slurm", "runs/x", "tasks=[ppl]", "--gpus", "0", "--mem", "32G", "--exclusive"],
-             cwd=tmp_path)
+    p = _run(["-m", "mta_repro.eval.slurm", "runs/x", "tasks=[ppl]", "--gpus", "0", "--mem", "32G", "--exclusive",
+              "--after", "7"], cwd=tmp_path)
     assert "#SBATCH --mem=32G\n#SBATCH --exclusive\n" in p.stdout
     assert "export PYTORCH_CUDA_ALLOC_CONF=" in p.stdout
 
@@ -412,10 +415,11 @@ def test_eval_job_runs_after_training_with_afterok(tmp_path):
 def test_refused_sbatch_shows_its_own_message_in_one_line(tmp_path):
     p = _run(["-m", "mta_repro.train.slurm", "experiment=debug", *CPU_PROFILE, f"run_dir={tmp_path}/r",
               "slurm.partition=no_such_partition", "--submit"], check=False)
-    assert p.returncode == 1 and "Traceback" not in p.stderr
+    assert p.returncode == 2 and "Traceback" not in p.stderr  # the fix is the submitter's: a user error's code
     lines = p.stderr.strip().splitlines()
     assert len(lines) == 1, lines
-    assert lines[0].startswith(f"mta_repro.train.slurm: sbatch refused {tmp_path}/r/slurm/train.sbatch (exit 1): ")
+    assert lines[0].startswith(f"mta_repro.train.slurm: error: sbatch refused {tmp_path}/r/slurm/train.sbatch "
+                               "(exit 1): ")
     # sbatch's own words, e.g. "Batch job submission failed: Invalid partition name specified".
     assert "Invalid partition name specified" in lines[0]
 
@@ -476,3 +480,161 @@ def test_pipeline_stages_run_in_order_on_the_scheduler(tmp_path):
     # a rerun submits nothing: every stage is done
     again = _run(args, timeout=120)
     assert "submitted as job" not in again.stdout and "0 job(s) submitted" in again.stdout, again.stdout
+
+
+# ------------------------------------------------------------------ what a job needs at its start
+PAPER_DOMAINS = ("arxiv", "book", "c4", "commoncrawl", "github", "stackexchange", "wikipedia")
+
+
+def _paper_corpus(root: Path, without=()) -> Path:
+    """The paper's data layout (``domains``) with one record a file, every domain but ``without``."""
+    for d in PAPER_DOMAINS:
+        if d in without:
+            continue
+        (root / d).mkdir(parents=True)
+        for name in (f"{d}.chunk.00.jsonl", f"{d}.val.jsonl"):
+            (root / d / name).write_text(json.dumps({"text": f"a {d} document"}) + "\n")
+    return root
+
+
+def _paper_env(tmp_path, **extra):
+    """SLIMPAJAMA_DIR / LLAMA3_TOKENIZER as a cluster user sets them (a Llama 3 tokenizer is
+    only looked for here: any file does)."""
+    tok = tmp_path / "tokenizer.model"
+    tok.write_text("ranks")
+    return _env(SLIMPAJAMA_DIR=str(_paper_corpus(tmp_path / "corpus")), LLAMA3_TOKENIZER=str(tok), **extra)
+
+
+def _errors(p, prog):
+    """The error lines of stderr (a dry-run also prints its command there, as a comment)."""
+    lines = [line for line in p.stderr.strip().splitlines() if not line.startswith("# ")]
+    assert lines and all(line.startswith(f"{prog}: error: ") for line in lines), p.stderr[-3000:]
+    return [line[len(f"{prog}: error: "):] for line in lines]
+
+
+def test_dry_run_names_each_missing_path_of_the_job_in_one_line(tmp_path):
+    """The 880M run on a machine without its corpus and tokenizer: the script, then one line
+    each (rc 2); --no-check renders it alone; a corpus missing one domain names that domain."""
+    env = {k: v for k, v in _env().items() if k not in ("SLIMPAJAMA_DIR", "LLAMA3_TOKENIZER")}
+    p = _run(["-m", "mta_repro.train.slurm", "experiment=pretrain_880m_mta", f"run_dir={tmp_path}/r", "--dry-run"],
+             env=env, check=False)
+    assert p.returncode == 2 and "#!/bin/bash" in p.stdout
+    assert sorted(_errors(p, "mta_repro.train.slurm")) == [
+        "data.root_dir: /datasets/slimpajama_domains ($SLIMPAJAMA_DIR is not set: its default) does not exist (the "
+        "corpus, layout domains; add --no-check if it exists only on the compute nodes)",
+        "data.tokenizer.path: /checkpoints/llama3/tokenizer.model ($LLAMA3_TOKENIZER is not set: its default) does "
+        "not exist (the tiktoken tokenizer file; add --no-check if it exists only on the compute nodes)"]
+    ok = _run(["-m", "mta_repro.train.slurm", "experiment=pretrain_880m_mta", f"run_dir={tmp_path}/r", "--dry-run",
+               "--no-check"], env=env)
+    assert ok.stdout == p.stdout and not (tmp_path / "r").exists()
+    # a corpus without one of the domains the config reads
+    corpus = _paper_corpus(tmp_path / "partial", without=("github",))
+    tok = tmp_path / "tok.model"
+    tok.write_text("ranks")
+    p = _run(["-m", "mta_repro.train.slurm", "experiment=pretrain_880m_mta", f"run_dir={tmp_path}/r", "--dry-run"],
+             env=dict(env, SLIMPAJAMA_DIR=str(corpus), LLAMA3_TOKENIZER=str(tok)), check=False)
+    assert p.returncode == 2
+    assert _errors(p, "mta_repro.train.slurm") == [
+        f"data.sources.github: no directory {corpus}/github (layout 'domains') (add --no-check if it exists only on "
+        "the compute nodes)"]
+
+
+def test_values_read_from_the_environment_are_written_into_the_job(tmp_path):
+    """SLIMPAJAMA_DIR / LLAMA3_TOKENIZER set at submission: the script's command carries their
+    values, so a job started without them (sbatch --export=NONE, another login shell) reads
+    the same corpus; the command composes, without the variables, to the submitter's config."""
+    env = _paper_env(tmp_path)
+    p = _run(["-m", "mta_repro.train.slurm", "experiment=pretrain_880m_mta", f"run_dir={tmp_path}/r", "--dry-run"],
+             env=env)
+    srun = [line for line in p.stdout.splitlines() if line.startswith("srun ")][0]
+    words = srun.split()
+    overrides = words[words.index("mta_repro.train") + 1:]
+    assert f"data.root_dir={tmp_path}/corpus" in overrides
+    assert f"data.tokenizer.path={tmp_path}/tokenizer.model" in overrides
+    probe = ("import sys; from mta_repro.config import compose; c = compose(sys.argv[1:]); "
+             "print(c.data.root_dir, c.data.tokenizer.path)")
+    bare = {k: v for k, v in env.items() if k not in ("SLIMPAJAMA_DIR", "LLAMA3_TOKENIZER")}
+    got = subprocess.run([sys.executable, "-c", probe, *overrides], cwd=ROOT, env=bare, capture_output=True,
+                         text=True, timeout=120)
+    assert got.stdout.split() == [f"{tmp_path}/corpus", f"{tmp_path}/tokenizer.model"], got.stderr[-2000:]
+
+
+def test_eval_and_pipeline_and_sweep_submissions_check_too(tmp_path):
+    """The other SLURM paths: an evaluation of a run that is not there (and no --after job to
+    make it); the paper's pipeline (--plan) and a Table 5 sweep through submitit without the
+    corpus: one line each, rc 2, and nothing written or queued (no sbatch is on PATH here)."""
+    env = {k: v for k, v in _env(PATH=f"{tmp_path}/bin:{os.environ['PATH']}").items()
+           if k not in ("SLIMPAJAMA_DIR", "LLAMA3_TOKENIZER")}
+    (tmp_path / "bin").mkdir()
+    calls = tmp_path / "sbatch_calls"
+    (tmp_path / "bin" / "sbatch").write_text(f"#!/bin/bash\necho \"$@\" >> {calls}\necho 1\n")
+    (tmp_path / "bin" / "sbatch").chmod(0o755)
+    p = _run(["-m", "mta_repro.eval.slurm", "runs/none", "tasks=[ppl]", "--submit"], cwd=tmp_path, env=env,
+             check=False)
+    assert p.returncode == 2 and _errors(p, "mta_repro.eval.slurm") == [
+        f"run_dir: {tmp_path}/runs/none does not exist (no training run there, and no --after job to make it; add "
+        "--no-check if it exists only on the compute nodes)"]
+    p = _run(["-m", "mta_repro.pipeline", "pipeline=paper_880m", f"root={tmp_path}/mta", "launcher=slurm", "--plan"],
+             env=env, check=False)
+    assert p.returncode == 2 and "pipeline paper_880m: 41 jobs" in p.stdout
+    lines = _errors(p, "pipeline")
+    assert len(lines) == 2 and lines[0].startswith("data.root_dir: /datasets/slimpajama_domains")
+    p = _run(["-m", "mta_repro.pipeline", "pipeline=paper_880m", f"root={tmp_path}/mta", "launcher=slurm"],
+             env=env, check=False)
+    assert p.returncode == 2 and _errors(p, "pipeline") == lines
+    p = _run(["-m", "mta_repro.train", "-m", "hydra/launcher=slurm", "experiment=ablation_kernels",
+              f"hydra.sweep.dir={tmp_path}/sweep"], env=env, check=False)
+    assert p.returncode == 2 and [line.split(":")[0] for line in _errors(p, "train")] == [
+        "data.root_dir", "data.tokenizer.path"]
+    assert not calls.exists() and not (tmp_path / "mta").exists() and not (tmp_path / "sweep").exists()
+
+
+def test_the_880m_job_fits_an_8_gpu_64_core_node():
+    """Every paper experiment's sbatch asks for at most 64 CPUs and 8 GPUs a node (8 ranks x
+    slurm.cpus_per_task), what the smallest common 8-GPU node has."""
+    from mta_repro.train.slurm import render
+
+    for exp in ("pretrain_880m_mta", "pretrain_1b_baseline", "long_context_880m_mta", "mta_insertion"):
+        ov = [f"experiment={exp}"] + (["checkpoint.init_from=/src"] if not exp.startswith("pretrain") else [])
+        script, _ = render(ov, check_paths=False)
+        sb = dict(re.findall(r"#SBATCH --([\w-]+)=(\S+)", script))
+        tasks, cpus, gpus = int(sb["ntasks-per-node"]), int(sb["cpus-per-task"]), int(sb["gpus-per-node"])
+        assert (tasks, gpus) == (8, 8) and tasks * cpus <= 64, (exp, tasks, cpus)
+        srun = [line for line in script.splitlines() if line.startswith("srun ")][0]
+        assert f"--cpus-per-task={cpus} " in srun  # srun asks for the same
+
+
+def test_site_fields_reach_every_job_of_the_pipeline(tmp_path):
+    """pipeline.slurm.partition/account/qos/constraint: one place, every job's script (the
+    training jobs' own size from their experiments); a list the shell split at its spaces is
+    the project's one line."""
+    from mta_repro.pipeline.__main__ import main
+
+    p = _run(["-m", "mta_repro.pipeline", "pipeline=tiny", f"root={tmp_path}", "launcher=slurm", "--dry-run",
+              "pipeline.slurm.partition=gpu", "pipeline.slurm.account=proj", "pipeline.slurm.qos=high",
+              "pipeline.slurm.constraint=h100"])
+    scripts = p.stdout.split("# ---- ")[1:]
+    assert scripts and len(scripts) == p.stdout.count("#!/bin/bash")
+    for s in scripts:
+        for line in ("#SBATCH --partition=gpu\n", "#SBATCH --account=proj\n", "#SBATCH --qos=high\n",
+                     "#SBATCH --constraint=h100\n"):
+            assert line in s, (line, s[:300])
+    assert main(["pipeline=tiny", "pipeline.variants=[baseline,", "mta]", "--plan"]) == 2
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("cluster")
+def test_a_job_without_its_tokenizer_is_refused_before_sbatch(tmp_path):
+    """On the scheduler: the job would fail at start (its tokenizer is not there), so nothing
+    is queued: rc 2, one line, no job of its name in squeue or sacct, no script written."""
+    name = f"no_tok_{os.getpid()}"
+    p = _run(["-m", "mta_repro.train.slurm", "experiment=debug", *CPU_PROFILE, f"run_dir={tmp_path}/r",
+              f"data.tokenizer.path={tmp_path}/missing.model", f"slurm.job_name={name}", "--submit"], check=False)
+    assert p.returncode == 2 and "Submitted batch job" not in p.stdout
+    assert _errors(p, "mta_repro.train.slurm") == [
+        f"data.tokenizer.path: {tmp_path}/missing.model does not exist (the sentencepiece tokenizer file; add "
+        "--no-check if it exists only on the compute nodes)"]
+    assert subprocess.run(["squeue", "-h", "-n", name], capture_output=True, text=True).stdout.strip() == ""
+    acct = subprocess.run(["sacct", "-n", "-X", "--name", name, "-S", "now-1hour"], capture_output=True, text=True)
+    assert acct.stdout.strip() == ""  # (the local cluster keeps no accounting: empty either way)
+    assert not (tmp_path / "r").exists()

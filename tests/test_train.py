@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -216,8 +217,10 @@ def test_ablation_sweeps_expand_to_valid_distinct_runs(name):
 # ------------------------------------------------------------------ SLURM dry-run
 def test_sbatch_dry_run(tmp_path):
     p = subprocess.run(
-        [sys.executable, "-m", "mta_repro.train.slurm", "experiment=pretrain_880m_mta", "--dry-run"],
+        # the corpus and tokenizer are on the cluster, not here
+        [sys.executable, "-m", "mta_repro.train.slurm", "experiment=pretrain_880m_mta", "--dry-run", "--no-check"],
         cwd=ROOT, capture_output=True, text=True, timeout=120,
+        env={k: v for k, v in os.environ.items() if k not in ("SLIMPAJAMA_DIR", "LLAMA3_TOKENIZER")},
     )
     assert p.returncode == 0, p.stderr
     script = tmp_path / "train.sbatch"
@@ -228,7 +231,9 @@ def test_sbatch_dry_run(tmp_path):
     assert "#SBATCH --signal=USR2@120" in s and "#SBATCH --requeue" in s
     srun = [l for l in s.splitlines() if l.startswith("srun ")]
     assert len(srun) == 1
-    assert "-m mta_repro.train experiment=pretrain_880m_mta run_dir=" in srun[0]
+    # the values read from $SLIMPAJAMA_DIR / $LLAMA3_TOKENIZER (their defaults here), written in
+    assert ("-m mta_repro.train experiment=pretrain_880m_mta data.root_dir=/datasets/slimpajama_domains "
+            "data.tokenizer.path=/checkpoints/llama3/tokenizer.model run_dir=") in srun[0]
     assert srun[0].rstrip().endswith("runs/pretrain_880m_mta")
     # Overrides reach the command and the resources.
     from mta_repro.train.slurm import render

@@ -105,7 +105,8 @@ def test_twenty_double_starts_never_delete_the_winners_files(tmp_path):
             assert [r["step"] for r in rows] == list(range(1, steps + 1)), (i, rows)
             assert (run / "config.yaml").is_file()
             assert (run / "checkpoints" / f"{steps:010d}" / ".complete").is_file()
-            assert sorted(p.name for p in run.iterdir()) == ["checkpoints", "config.yaml", "metrics.jsonl"]
+            assert sorted(p.name for p in run.iterdir()) == ["checkpoints", "config.yaml", "metrics.jsonl",
+                                                             "provenance.json"]
     finally:
         for w in workers:
             w.kill()

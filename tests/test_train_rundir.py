@@ -243,9 +243,10 @@ def test_field_classes_come_from_the_schema():
     from mta_repro.train.rundir import FREE, PATHS, SAFE
 
     assert set(FREE) == {
-        "run_dir", "slurm.", "logging.progress_bar", "data.prefetch", "distributed.timeout_min",
+        "run_dir", "slurm.", "logging.progress_bar", "logging.quiet_s", "data.prefetch", "distributed.timeout_min",
         "checkpoint.allow_config_change", "checkpoint.resume", "checkpoint.on_corrupt", "checkpoint.async_save",
-        "checkpoint.save_hook", "trainer.grad_accum", "trainer.cpu_mmap_threshold", "model.attn_selfcheck",
+        "checkpoint.save_hook", "checkpoint.accept_changed_data", "checkpoint.accept_changed_tokenizer",
+        "trainer.grad_accum", "trainer.cpu_mmap_threshold", "trainer.memory_check", "model.attn_selfcheck",
         "model.attn_selfcheck_cpu", "model.kernels."}
     assert set(SAFE) == {
         "trainer.steps", "trainer.nonfinite", "trainer.device", "trainer.eval_every", "trainer.eval_max_batches",

@@ -226,3 +226,20 @@ def test_two_ranks_agree_and_read_only_on_logging_steps(tmp_path):
         assert steps == [4, 8], events
         # The agreement on a signal is an all-reduce at steps 0 and 4 (before the step).
         assert [s for s, what in events if what == "all_reduce" and s in (0, 4)]
+
+
+def test_without_the_bar_a_step_line_comes_at_least_every_quiet_s(tmp_path):
+    """logging.progress_bar=false (a Table 5 command's, a job's log): no line per logged step,
+    but a step line whenever none came for logging.quiet_s seconds (default 60), so a long run
+    is never silent; here 1 s, over 12 steps of 0.1 s and more, logged only at the end."""
+    (tmp_path / "slow_loader.py").write_text(SLOW_LOADER)
+    run_dir = tmp_path / "run"
+    cmd = [sys.executable, "-m", "mta_repro.train", f"run_dir={run_dir}", *TINY, "trainer.steps=30",
+           "checkpoint.every=1000", "logging.every=100", "logging.quiet_s=1", "trainer.loader=slow_loader:build"]
+    p = subprocess.run(cmd, cwd=ROOT, env=_env(tmp_path), capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    lines = [line for line in p.stderr.splitlines() if line.startswith("[mta_repro.train] step ")]
+    beats = [int(re.match(r"\[mta_repro.train\] step (\d+)/30 \((\d+\.\d) s a step", line).group(1))
+             for line in lines if "s a step" in line]
+    assert len(beats) >= 2 and beats == sorted(set(beats)), lines  # 30 x >= 0.1 s = 3 s and more
+    assert lines[-1].startswith("[mta_repro.train] step 30/30 | loss ")  # the last step, logged, with its loss

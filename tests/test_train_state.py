@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 import torch
 
 from mta_repro.config import compose
@@ -89,3 +90,26 @@ def test_the_trainer_logs_tokens_seen_across_a_resume(tmp_path):
     train(compose([*common, "trainer.steps=4", "checkpoint.allow_config_change=true"]))
     rows = [json.loads(line) for line in Path(tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [(r["step"], r["tokens_seen"]) for r in rows] == [(s, s * 2 * 32) for s in (1, 2, 3, 4)]
+
+
+class _CtrlCWhilePickled:
+    """Raises KeyboardInterrupt when DCP's writer pickles it: where a second Ctrl-C lands
+    during a save (the handler raises between two bytecodes of torch.save)."""
+
+    def __reduce__(self):
+        raise KeyboardInterrupt
+
+
+def test_a_ctrl_c_inside_a_dcp_save_is_a_keyboard_interrupt_and_leaves_no_partial(tmp_path, monkeypatch):
+    # DCP catches every BaseException of its writers and raises a CheckpointException
+    # (not an Exception): unwrapped, the second Ctrl-C would end the run with a traceback, rc 1.
+    a = _state()
+    _update(a)
+    manager = CheckpointManager(tmp_path, keep=2, rank=0, world_size=1)
+    first = manager.save(a)
+    _update(a)
+    old_state_dict = TrainState.state_dict  # an entry DCP's writer pickles itself
+    monkeypatch.setattr(TrainState, "state_dict", lambda self: {**old_state_dict(self), "x": _CtrlCWhilePickled()})
+    with pytest.raises(KeyboardInterrupt):
+        manager.save(a)
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == [first.name]

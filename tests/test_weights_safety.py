@@ -9,7 +9,8 @@ refuses with one line naming the file (exit code 2 for a CLI); the marker never 
 The control shows the same file *does* create the marker when unpickled unsafely.
 
 Structure: ``torch.load``/``pickle.load``/``dcp.load``/DCP's metadata reader appear only in
-``mta_repro/weights/safe.py``; nothing under ``mta_repro/train`` or ``mta_repro/eval``
+``mta_repro/weights/safe.py``, safetensors' readers only in ``mta_repro/weights/safetensors_file.py``
+(after the header is checked); nothing under ``mta_repro/train`` or ``mta_repro/eval``
 imports the release converter (``mta_repro.release``).
 """
 
@@ -298,7 +299,8 @@ def test_eval_names_a_corrupt_checkpoint_and_its_fallback_in_one_line(tmp_path, 
 # ------------------------------------------------------------------ structure
 def _readers(f: Path) -> list:
     """Calls in ``f`` that turn file bytes into objects: ``torch.load``, ``pickle.load(s)``,
-    an ``Unpickler``, ``dcp.load``, DCP's reader or metadata, ``weights_only=False``."""
+    an ``Unpickler``, ``dcp.load``, DCP's reader or metadata, ``weights_only=False``,
+    safetensors' ``safe_open`` / ``load_file``."""
     out = []
     for node in ast.walk(ast.parse(f.read_text())):
         if not isinstance(node, ast.Call):
@@ -307,7 +309,7 @@ def _readers(f: Path) -> list:
         name = fn.attr if isinstance(fn, ast.Attribute) else getattr(fn, "id", "")
         owner = getattr(fn.value, "id", getattr(fn.value, "attr", "")) if isinstance(fn, ast.Attribute) else ""
         bad = ((name in ("load", "loads") and owner in ("torch", "pickle", "dcp", "checkpoint"))
-               or name in ("Unpickler", "FileSystemReader", "read_metadata")
+               or name in ("Unpickler", "FileSystemReader", "read_metadata", "safe_open", "load_file")
                or any(k.arg in ("weights_only", "allow_pickle") and isinstance(k.value, ast.Constant)
                       and k.value.value is (k.arg == "allow_pickle") for k in node.keywords))
         if bad:
@@ -316,10 +318,12 @@ def _readers(f: Path) -> list:
 
 
 def test_one_module_reads_files():
-    """A second torch.load (or pickle/DCP read) outside mta_repro/weights/safe.py fails here."""
-    offenders = [x for f in sorted(PKG.rglob("*.py")) if f != PKG / "weights" / "safe.py" for x in _readers(f)]
+    """A second torch.load (or pickle/DCP/safetensors read) outside mta_repro/weights' two
+    readers fails here."""
+    owners = (PKG / "weights" / "safe.py", PKG / "weights" / "safetensors_file.py")
+    offenders = [x for f in sorted(PKG.rglob("*.py")) if f not in owners for x in _readers(f)]
     assert not offenders, "read weights/run-state through mta_repro.weights:\n" + "\n".join(offenders)
-    assert _readers(PKG / "weights" / "safe.py")  # the scan does see them where they are
+    assert all(_readers(f) for f in owners)  # the scan does see them where they are
 
 
 def _imports(f: Path) -> set:

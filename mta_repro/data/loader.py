@@ -6,7 +6,10 @@ BOS ... EOS, and the tokens are appended to a running sequence that is cut into
 ``seq_len + 1`` windows (no document masking; a document may span windows). Windows go
 through a shuffle buffer (``shuffle_buffer`` windows; each output is a uniformly drawn
 slot that is refilled with the next window) and ``batch_size`` of them form a batch:
-``input = window[:-1]``, ``target = window[1:]``.
+``input = window[:-1]``, ``target = window[1:]``. A batch first reads what it needs (the
+buffer's first fill: the warm-up), then cuts and draws without reading; ``ready`` does the
+reading ahead with a stop check between documents. A first batch that needs more tokens
+than the rank's share of the split holds is refused when the loader is built.
 
 A domain's stream repeats its share of the files in the same order once exhausted
 (epochs are counted in the state); the domain draws and the buffer differ each time.
@@ -17,6 +20,11 @@ file positions, both RNG states, the packing remainder, the buffer's windows, co
 would have produced next. With ``prefetch > 0`` a background thread makes batches ahead;
 each queued batch carries the state *after* it, so ``state_dict()`` is the state of the
 last batch handed out, whatever the thread has done since.
+
+The state also says what the run read (docs/provenance.md): each stream's shard (kept for
+the run's life) and the sha256 of the text read of its current file, and ``files`` (size,
+mtime, sha256 of each file read to its end). ``load_state_dict`` checks them (a stat, a
+rehash only on a changed stat) and leaves its findings in ``input_check``.
 """
 
 from __future__ import annotations
@@ -24,21 +32,43 @@ from __future__ import annotations
 import bisect
 import copy
 import logging
+import os
 import queue
 import threading
-from typing import Dict, List, Optional
+import time
+from typing import Callable, Dict, List, Optional
 
 import numpy as np
 import torch
 
 from mta_repro.data.args import DataArgs, active_sources, to_data_args
-from mta_repro.data.sources import BAD_KINDS, BadLedger, DocStream, check_domain, iter_docs, list_files, shard_files
+from mta_repro.data.sources import (
+    BAD_KINDS,
+    SET_NAMES,
+    BadLedger,
+    CorruptFileError,
+    DocStream,
+    ShortFileError,
+    _natural_key,
+    check_domain,
+    corpus_root,
+    fingerprint,
+    iter_docs,
+    list_entries,
+    shard_files,
+    shard_texts,
+    text_digest,
+)
 from mta_repro.data.tokenizers import build_tokenizer
 from mta_repro.errors import UserError
 
 log = logging.getLogger(__name__)
 
 STATE_VERSION = 1
+
+
+class _WorkerStopped(Exception):
+    """The prefetch thread was asked to stop (``close``) while it read."""
 
 
 class TrainLoader:
@@ -51,9 +81,33 @@ class TrainLoader:
             check_domain(self.args, d)
         self.domains: List[str] = list(weights)
         self.cum = np.cumsum([weights[d] for d in self.domains]).tolist()
+        # One listing per folder read (every domain's in the slimpajama layout: train/), and
+        # one shard object per listing, shared by the streams reading it.
+        self._listings: Dict[str, list] = {}
+        shards: Dict[str, tuple] = {}
+        for d in self.domains:
+            key = self._listing_key(d)
+            if key not in self._listings:
+                self._listings[key] = list_entries(self.args, d, "train")
+                shards[key] = tuple(shard_files([e[0] for e in self._listings[key]], rank, world_size))
+        self.streams: Dict[str, DocStream] = {
+            d: DocStream(self.args, d, rank, world_size, shard=shards[self._listing_key(d)]) for d in self.domains}
+        self.root = corpus_root(self.args)
+        # What the files look like now (name -> (size, mtime_ns)) and the listing's fingerprint.
+        self._listed = {name: (size, mtime) for e in self._listings.values() for name, size, mtime in e}
+        entries = [(n, sz, mt) for n, (sz, mt) in self._listed.items()]
+        # With mtimes (the record), and without (what a resume compares: a touched file is no change).
+        self.layout = {**fingerprint(entries), "sha256_names_sizes": fingerprint(entries, with_mtime=False)["sha256"]}
+        # Files read to their end on this rank: {name: (size, mtime_ns, bytes of text, sha256)}.
+        self.files: Dict[str, tuple] = {}
+        for s in self.streams.values():
+            s.files = self.files
+        # What the last load found (``load_state_dict``): {"refuse": [...], "warn": [...]},
+        # and the names of the files refused there (``accept_input_changes``).
+        self.input_check: Optional[dict] = None
+        self._changed: set = set()
         # Streams that read the same files (every domain in the slimpajama layout) share a
         # ledger, so a bad record or file is counted once, by whichever stream reads it first.
-        self.streams: Dict[str, DocStream] = {d: DocStream(self.args, d, rank, world_size) for d in self.domains}
         ledgers: Dict[tuple, BadLedger] = {}
         for s in self.streams.values():
             s.use_ledger(ledgers.setdefault(tuple(s.base_shard), s.ledger))
@@ -74,6 +128,42 @@ class TrainLoader:
         self._queue: Optional[queue.Queue] = None
         self._stop = threading.Event()
         self._handed_state: Optional[dict] = None  # prefetch: the state after the last batch out
+        self._check_split_holds_a_window()
+
+    def _check_split_holds_a_window(self) -> None:
+        """Refuse, before any batch, a window (data.seq_len + 1 tokens) longer than this
+        rank's share of the training split: it would hold every document more than once,
+        and the loader would cycle the corpus to fill it. A first batch (the shuffle
+        buffer's fill and one batch) that the share cannot hold is told in one warning.
+        Counts only up to what the first batch needs: on a corpus that holds it, about
+        one batch of reading."""
+        n = self.args.seq_len + 1
+        k = self.args.shuffle_buffer if self.args.shuffle_buffer > 1 else 0
+        need = (k + self.args.batch_size) * n
+        total, seen = 0, set()
+        sets = {SET_NAMES[d] for d in self.domains} if self.args.layout == "slimpajama" else None
+        for d in self.domains:
+            shard = [f for f in self.streams[d].base_shard if f not in seen]
+            seen.update(shard)
+            for text in shard_texts(self.streams[d].root, shard, sets, self.args.max_record_bytes):
+                total += len(self.tokenizer.encode(text, add_bos=self.args.add_bos, add_eos=self.args.add_eos))
+                if total >= need:
+                    return
+        where = (f"the training split under {self.args.root_dir} holds {total:,} tokens for rank "
+                 f"{self.rank}/{self.world_size} (domains {', '.join(self.domains)})")
+        if total == 0:
+            return  # no usable document: the domain's stream says which, with its bad records
+        if total < n:
+            raise UserError(
+                f"data: one window of data.seq_len+1={n:,} tokens is longer than the corpus: {where}, so every "
+                "window would repeat each document. Lower data.seq_len, or point data.root_dir at a larger corpus")
+        log.warning("data: the first batch needs %s tokens (data.shuffle_buffer=%d + data.batch_size=%d windows of "
+                    "%d) but %s: it repeats documents, and the shuffle buffer's fill cycles the corpus about %d "
+                    "times; lower data.shuffle_buffer or data.seq_len", f"{need:,}", k, self.args.batch_size, n,
+                    where, -(-need // total))
+
+    def _listing_key(self, domain: str) -> str:
+        return "train" if self.args.layout == "slimpajama" else domain
 
     # ------------------------------------------------------------------ pipeline
     def _next_doc_tokens(self) -> tuple[List[int], int]:
@@ -84,12 +174,20 @@ class TrainLoader:
         self.n_docs[d] += 1
         return self.tokenizer.encode(text, add_bos=self.args.add_bos, add_eos=self.args.add_eos), i
 
-    def _next_window(self) -> tuple[np.ndarray, np.ndarray]:
+    def _read_doc(self, interrupt: Optional[Callable[[], None]]) -> None:
+        """One more document onto the packing remainder. ``interrupt()`` first: it may raise
+        to stop a long read-ahead, which leaves the loader between two documents (its state
+        as valid as after any batch)."""
+        if interrupt is not None:
+            interrupt()
+        ids, i = self._next_doc_tokens()
+        self.tokens.extend(ids)
+        self.doms.extend([i] * len(ids))
+
+    def _next_window(self, interrupt: Optional[Callable[[], None]] = None) -> tuple[np.ndarray, np.ndarray]:
         n = self.args.seq_len + 1
         while len(self.tokens) - self._pos < n:
-            ids, i = self._next_doc_tokens()
-            self.tokens.extend(ids)
-            self.doms.extend([i] * len(ids))
+            self._read_doc(interrupt)
         w = np.asarray(self.tokens[self._pos : self._pos + n], dtype=np.int32)
         dw = np.asarray(self.doms[self._pos : self._pos + n], dtype=np.int8)
         self._pos += n
@@ -112,7 +210,23 @@ class TrainLoader:
         self.buffer[i], self.buffer_doms[i] = self._next_window()
         return out
 
-    def _make_batch(self) -> Dict[str, torch.Tensor]:
+    def _read_ahead(self, n_windows: int, interrupt: Optional[Callable[[], None]]) -> None:
+        """Read what the next ``n_windows`` outputs need: the shuffle buffer's first fill (the
+        warm-up) and ``n_windows`` windows of tokens on the remainder. The outputs then cut
+        and draw without reading, so a stop (``interrupt`` raising) can only come between
+        two documents. Reading ahead changes no batch: windows are cut from the same token
+        stream, and the buffer's draws use their own generator."""
+        k = self.args.shuffle_buffer
+        while k > 1 and len(self.buffer) < k:
+            w, dw = self._next_window(interrupt)
+            self.buffer.append(w)
+            self.buffer_doms.append(dw)
+        need = n_windows * (self.args.seq_len + 1)
+        while len(self.tokens) - self._pos < need:
+            self._read_doc(interrupt)
+
+    def _make_batch(self, interrupt: Optional[Callable[[], None]] = None) -> Dict[str, torch.Tensor]:
+        self._read_ahead(self.args.batch_size, interrupt)
         pairs = [self._next_sequence() for _ in range(self.args.batch_size)]
         seqs = np.stack([w for w, _ in pairs])  # (B, T+1)
         for _, dw in pairs:  # the targets' domains
@@ -124,6 +238,23 @@ class TrainLoader:
     # ------------------------------------------------------------------ iteration
     def __iter__(self) -> "TrainLoader":
         return self
+
+    def ready(self, n_batches: int = 1, interrupt: Optional[Callable[[], None]] = None) -> None:
+        """Read ahead what the next ``n_batches`` batches need (the first call: the loader's
+        warm-up, the shuffle buffer's fill), calling ``interrupt()`` between documents; it
+        may raise (the trainer's stop check), leaving the loader as it was between two
+        batches. Those batches then come without reading. With ``prefetch``: wait until
+        the thread has them queued (up to ``prefetch``), calling ``interrupt()`` meanwhile."""
+        if self.args.prefetch <= 0:
+            self._read_ahead(n_batches * self.args.batch_size, interrupt)
+            return
+        if self._thread is None:
+            self._start()
+        want = min(n_batches, self.args.prefetch)
+        while self._queue.qsize() < want and self._thread.is_alive():
+            if interrupt is not None:
+                interrupt()
+            time.sleep(0.05)
 
     def __next__(self) -> Dict[str, torch.Tensor]:
         if self.args.prefetch <= 0:
@@ -145,16 +276,22 @@ class TrainLoader:
         self._thread = threading.Thread(target=self._worker, name=f"data-prefetch-r{self.rank}", daemon=True)
         self._thread.start()
 
+    def _worker_interrupt(self) -> None:
+        if self._stop.is_set():  # close(): stop the thread between two documents
+            raise _WorkerStopped
+
     def _worker(self) -> None:
         try:
             while not self._stop.is_set():
-                item = (self._make_batch(), self._state())
+                item = (self._make_batch(self._worker_interrupt), self._state())
                 while not self._stop.is_set():
                     try:
                         self._queue.put(item, timeout=0.1)
                         break
                     except queue.Full:
                         continue
+        except _WorkerStopped:
+            return
         except BaseException as e:  # handed to the consumer, raised there
             self._queue.put(e)
 
@@ -214,6 +351,9 @@ class TrainLoader:
             "doms": torch.tensor(self.doms[self._pos :], dtype=torch.int8),
             "buffer_doms": torch.from_numpy(np.stack(self.buffer_doms)) if self.buffer_doms else torch.zeros(0, self.args.seq_len + 1, dtype=torch.int8),
             "n_tokens": {d: int(self.n_tokens[i]) for i, d in enumerate(self.domains)},
+            # What identifies the files read to their end, and the listing at this start.
+            "files": dict(self.files),
+            "layout": dict(self.layout),
         }
 
     def token_counts(self) -> Dict[str, int]:
@@ -243,6 +383,85 @@ class TrainLoader:
                 raise UserError(f"data loader state: data.{key} was {val!r}, the config now has {mine.get(key)!r}")
         self._join()
         self._load(sd)
+        self.input_check = self._check_inputs(sd.get("layout"))
+
+    # ------------------------------------------------------------------ inputs
+    def inputs(self) -> dict:
+        """What this loader reads, for the run's record: the corpus root, its layout and the
+        fingerprint of the training files' listing (names, sizes, mtimes; nothing is read)."""
+        return {"root": str(self.root), "layout": self.args.layout, "train": dict(self.layout)}
+
+    def check_inputs(self) -> dict:
+        """``input_check`` of the streams' current positions (set from outside, e.g. another
+        run's: mta_repro/pipeline/data.py)."""
+        self.input_check = self._check_inputs(None)
+        return self.input_check
+
+    def _check_inputs(self, saved_layout: Optional[dict]) -> dict:
+        """Compare what the loaded state says the run read with the files now: each
+        stream's current file reopened at its offset (its text hashed on the way), every
+        file read to its end checked by its stat and rehashed only if the stat changed, the
+        listing's fingerprint. {"refuse": lines of files whose text the run read changed,
+        "warn": lines of changes where the run has not read yet}."""
+        refuse: List[str] = []
+        warn: List[str] = []
+        self._changed = set()
+        seen: set = set()  # names already reported
+        for s in self.streams.values():
+            for found in [s.reopen(), *s.check_partial()]:
+                if found is not None:
+                    kind, name, line = found
+                    (refuse if kind == "changed" else warn).append(line)
+                    seen.add(name)
+                    if kind == "changed":
+                        self._changed.add(name)
+        for name, (size, mtime, nbytes, sha) in sorted(self.files.items()):
+            path = self.root / name
+            if name in seen:
+                continue
+            seen.add(name)
+            try:
+                st = os.stat(path)
+            except FileNotFoundError:
+                warn.append(f"{path} vanished after rank {self.rank} read it to its end: later epochs skip it")
+                continue
+            if (st.st_size, st.st_mtime_ns) == (size, mtime):
+                continue
+            try:
+                now, _, _ = text_digest(path, nbytes)
+                what = f"changed (sha256 {sha[:12]} then, {now[:12]} now; size {size:,} -> {st.st_size:,} bytes):"
+            except ShortFileError:
+                now, what = None, "is now shorter than"
+            except CorruptFileError as e:
+                now, what = None, f"cannot be read ({e}) up to"
+            if now == sha:  # touched or copied, same text: remember the new stat
+                self.files[name] = (st.st_size, st.st_mtime_ns, nbytes, sha)
+                continue
+            refuse.append(f"{path} {what} the {nbytes:,} bytes of text rank {self.rank} read of it")
+            self._changed.add(name)
+        # Files of this rank's share that vanished before it read them.
+        pinned = {f for s in self.streams.values() for f, _, _ in s.base_shard}
+        gone = sorted((f for f in pinned if f not in self._listed and f not in seen), key=_natural_key)
+        if gone:
+            warn.append(f"{len(gone)} file(s) of rank {self.rank}'s share vanished before it read them "
+                        f"({', '.join(gone[:3])}{', ...' if len(gone) > 3 else ''}): it reads its other "
+                        f"{len(pinned) - len(gone):,} files without them")
+        key = "sha256_names_sizes" if saved_layout and "sha256_names_sizes" in saved_layout else "sha256"
+        if saved_layout and saved_layout.get(key) != self.layout[key]:
+            old, new = saved_layout, self.layout
+            warn.append(f"the training files under {self.root} changed since this checkpoint was saved "
+                        f"({new['files']:,} files, {new['bytes']:,} bytes now; {old.get('files', 0):,} files, "
+                        f"{old.get('bytes', 0):,} bytes then): the run keeps reading the files it started with "
+                        "(files that appeared are not read; files that vanished are skipped; files it has not "
+                        "read yet are read as they are now)")
+        return {"refuse": refuse, "warn": warn}
+
+    def accept_input_changes(self) -> None:
+        """Go on after changes ``input_check`` refused (the run was told to accept them):
+        forget the records of the changed files (a later read records them anew); the
+        streams already read their current files as they are now."""
+        for name in self._changed & set(self.files):
+            del self.files[name]
 
     def load_other_world_state(self, states: List[dict]) -> None:
         """Continue the data of a checkpoint saved on another world size (``states``: the
@@ -266,8 +485,19 @@ class TrainLoader:
         self._join()
         old_world = len(states)
         derived = True
+        new_shards: Dict[tuple, tuple] = {}
         for d, stream in self.streams.items():
-            shards = [shard_files(list_files(self.args, d, "train"), r, old_world) for r in range(old_world)]
+            saved = [s["streams"][d].get("shard") for s in states]
+            if all(sh is not None for sh in saved):
+                # The files the run started with: the union of the old ranks' shards, dealt anew.
+                shards = [[tuple(e) for e in sh] for sh in saved]
+                names = tuple(sorted({e[0] for sh in shards for e in sh}, key=_natural_key))
+                if names not in new_shards:
+                    new_shards[names] = tuple(shard_files(list(names), self.rank, self.world_size))
+                stream.base_shard = new_shards[names]
+            else:  # a state saved before shards were: today's listing
+                names = [e[0] for e in self._listings[self._listing_key(d)]]
+                shards = [shard_files(names, r, old_world) for r in range(old_world)]
             derived = stream.derive_from([s["streams"][d] for s in states], shards) and derived
         if not derived:
             log.warning(
@@ -302,6 +532,12 @@ class TrainLoader:
                     self.n_tokens[i] += int(s.get("n_tokens", {}).get(d, 0))
         self.n_batches = 0
         self._handed_state = None
+        # The files any old rank read to its end that this rank will read again.
+        mine = {f for s in self.streams.values() for f, _, _ in s.base_shard}
+        self.files.clear()
+        for s in states:
+            self.files.update({k: tuple(v) for k, v in s.get("files", {}).items() if k in mine})
+        self.input_check = self._check_inputs(states[0].get("layout"))
 
     def _load(self, sd: dict) -> None:
         for d, s in self.streams.items():
@@ -322,6 +558,8 @@ class TrainLoader:
             self.n_tokens[i] = int(sd.get("n_tokens", {}).get(d, 0))
         self.n_docs = dict(sd["n_docs"])
         self.n_batches = int(sd["n_batches"])
+        self.files.clear()
+        self.files.update({k: tuple(v) for k, v in sd.get("files", {}).items()})
         self._handed_state = None
 
     # ------------------------------------------------------------------ reporting

@@ -17,19 +17,28 @@ files than ranks, each file is cut into k = W / gcd(files, W) parts by line numb
 reads the same number of parts (balanced to a line per part).
 
 A stream's position is plain data: shard file index, line number and byte offset (in
-the decompressed stream) of the next line, epoch. Plain files are resumed with a seek,
-``.zst`` files by decompressing and skipping up to the offset.
+the decompressed stream) of the next line, epoch. A file is reopened at a saved offset by
+reading (``.zst``: decompressing) its text up to it, which also recomputes the sha256 of
+those bytes: the reader hashes every byte it hands out, so the state can say what the run
+read of each file (``mta_repro/data/loader.py`` records and checks it;
+docs/provenance.md). A stream keeps the shard it was started with (``shard`` in its
+state): files that appear later are not read by the run, files that vanish are skipped.
+A record longer than ``data.max_record_bytes`` is skipped, counted as bad (``oversize``),
+never held whole.
 """
 
 from __future__ import annotations
 
+import hashlib
 import io
 import json
 import logging
 import math
+import os
 import re
+import stat
 from pathlib import Path
-from typing import Dict, Iterator, List, Optional, Tuple
+from typing import Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
 
 from mta_repro.data.args import DataArgs, resolve_path
 from mta_repro.errors import UserError
@@ -47,16 +56,19 @@ SET_NAMES = {
     "wikipedia": "RedPajamaWikipedia",
 }
 DOMAIN_OF_SET = {v: k for k, v in SET_NAMES.items()}
-BAD_KINDS = ("undecodable", "malformed_json", "missing_text", "missing_meta", "unknown_set", "empty", "corrupt_file")
+BAD_KINDS = ("undecodable", "malformed_json", "missing_text", "missing_meta", "unknown_set", "empty", "corrupt_file",
+             "oversize")
+# data.max_record_bytes' default (mta_repro/data/args.py says why this size).
+MAX_RECORD_BYTES = 16 << 20
+# Compressed bytes fed to the zstd decompressor at a time: a zstd block of one repeated byte
+# expands ~32,000x, so 512 bytes make at most ~16 MiB (measured: a 400 MB record of one
+# byte, 12 KB compressed, comes out in pieces of 16 MiB); as fast as 1 MiB feeds on text.
+_ZSTD_FEED = 512
 SUFFIXES = (".jsonl", ".jsonl.zst")
 
 
 def _natural_key(p: str):
     return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", p)]
-
-
-def _is_jsonl(p: Path) -> bool:
-    return p.is_file() and p.name.endswith(SUFFIXES)
 
 
 def _is_val(p: Path) -> bool:
@@ -77,31 +89,72 @@ def check_domain(args: DataArgs, domain: str) -> None:
         )
 
 
-def list_files(args: DataArgs, domain: str, split: str = "train") -> List[str]:
-    """Files (relative to the root, natural order) holding ``domain``'s ``split`` records."""
+def _walk(base: Path, recursive: bool) -> Iterator[Tuple[str, os.stat_result]]:
+    """(path, stat) of the .jsonl[.zst] files under ``base``: one stat per file (the
+    directory entries say which are folders), so a listing of the release's ~59k files
+    costs what its stats cost."""
+    stack = [base]
+    while stack:
+        with os.scandir(stack.pop()) as it:
+            for e in it:
+                if e.is_dir(follow_symlinks=True):
+                    if recursive:
+                        stack.append(Path(e.path))
+                elif e.name.endswith(SUFFIXES):
+                    try:
+                        st = e.stat(follow_symlinks=True)
+                    except FileNotFoundError:  # removed while listing
+                        continue
+                    if stat.S_ISREG(st.st_mode):
+                        yield e.path, st
+
+
+def list_entries(args: DataArgs, domain: str, split: str = "train") -> List[Tuple[str, int, int]]:
+    """(file relative to the root, size, mtime in ns) of every file holding ``domain``'s
+    ``split`` records, in natural order of the names."""
     root = corpus_root(args)
     check_domain(args, domain)
     if args.layout == "slimpajama":
         base = root / split
         if not base.is_dir():
             raise UserError(f"data.root_dir={args.root_dir}: no {split}/ directory in {root}")
-        files = [p for p in base.rglob("*") if _is_jsonl(p)]
-        if not files:
+        found = list(_walk(base, recursive=True))
+        if not found:
             raise UserError(f"data.root_dir={args.root_dir}: no *.jsonl or *.jsonl.zst files under {base}")
     else:
         base = root / domain
         if not base.is_dir():
             raise UserError(f"data.sources.{domain}: no directory {base} (layout 'domains')")
-        files = [p for p in base.iterdir() if _is_jsonl(p)]
+        found = list(_walk(base, recursive=False))
+        names = [Path(p).name for p, _ in found]
         if split == "train":
-            chunked = [p for p in files if re.search(r"\.chunk\.\d+\.jsonl", p.name)]
-            files = chunked or [p for p in files if not _is_val(p)]
+            chunked = [f for f, n in zip(found, names) if re.search(r"\.chunk\.\d+\.jsonl", n)]
+            found = chunked or [f for f, n in zip(found, names) if not _is_val(Path(n))]
         else:
-            files = [p for p in files if _is_val(p)]
-        if not files:
+            found = [f for f, n in zip(found, names) if _is_val(Path(n))]
+        if not found:
             what = "*.chunk.NN.jsonl[.zst] or *.jsonl[.zst]" if split == "train" else "*.val.jsonl[.zst]"
             raise UserError(f"data.sources.{domain}: no {split} files ({what}) in {base}")
-    return sorted((str(p.relative_to(root)) for p in files), key=_natural_key)
+    out = [(os.path.relpath(p, root), st.st_size, st.st_mtime_ns) for p, st in found]
+    return sorted(out, key=lambda e: _natural_key(e[0]))
+
+
+def list_files(args: DataArgs, domain: str, split: str = "train") -> List[str]:
+    """Files (relative to the root, natural order) holding ``domain``'s ``split`` records."""
+    return [name for name, _, _ in list_entries(args, domain, split)]
+
+
+def fingerprint(entries: Iterable[Tuple[str, int, int]], with_mtime: bool = True) -> dict:
+    """A cheap identity of a set of files from their listing alone (no file is read):
+    {"files", "bytes", "sha256"} of the sorted (name, size[, mtime]) lines. With mtimes it
+    notices a file rewritten in place; without, two copies of a corpus compare equal."""
+    h = hashlib.sha256()
+    n = size = 0
+    for name, st_size, mtime in sorted(entries):
+        line = f"{name}\t{st_size}\t{mtime}\n" if with_mtime else f"{name}\t{st_size}\n"
+        h.update(line.encode())
+        n, size = n + 1, size + st_size
+    return {"files": n, "bytes": size, "sha256": h.hexdigest()}
 
 
 def shard_files(files: List[str], rank: int, world_size: int) -> List[Tuple[str, int, int]]:
@@ -134,9 +187,11 @@ class _CheckedZstd(io.RawIOBase):
         self._zstd = zstandard
         self.raw, self.path = raw, path
         self._d = zstandard.ZstdDecompressor().decompressobj()
-        self._buf = bytearray()
+        self._out: list = []  # decompressed pieces not yet read, each held once (no copy into a buffer)
+        self._pos = 0  # read position in self._out[0]
         self._in_frame = False
         self._eof = False
+        self._pending = memoryview(b"")  # compressed bytes read and not yet fed
 
     def readable(self) -> bool:
         return True
@@ -144,9 +199,11 @@ class _CheckedZstd(io.RawIOBase):
     def _feed(self, data: bytes) -> None:
         while data:
             try:
-                self._buf += self._d.decompress(data)
+                out = self._d.decompress(data)
             except self._zstd.ZstdError as e:
                 raise CorruptFileError(f"{self.path}: not a valid zstd stream ({e})") from e
+            if out:
+                self._out.append(out)
             if self._d.eof:
                 data = self._d.unused_data
                 self._d = self._zstd.ZstdDecompressor().decompressobj()
@@ -156,46 +213,114 @@ class _CheckedZstd(io.RawIOBase):
                 data = b""
 
     def readinto(self, b) -> int:
-        while not self._buf and not self._eof:
-            chunk = self.raw.read(1 << 20)
-            if not chunk:
-                self._eof = True
-                if self._in_frame:
-                    raise CorruptFileError(f"{self.path}: truncated (the file ends inside a zstd frame)")
-                break
-            self._feed(chunk)
-        n = min(len(b), len(self._buf))
-        b[:n] = self._buf[:n]
-        del self._buf[:n]
+        while not self._out and not self._eof:
+            if not self._pending:
+                chunk = self.raw.read(1 << 20)
+                if not chunk:
+                    self._eof = True
+                    if self._in_frame:
+                        raise CorruptFileError(f"{self.path}: truncated (the file ends inside a zstd frame)")
+                    break
+                self._pending = memoryview(chunk)
+            self._feed(bytes(self._pending[:_ZSTD_FEED]))
+            self._pending = self._pending[_ZSTD_FEED:]
+        if not self._out:
+            return 0
+        piece = self._out[0]
+        n = min(len(b), len(piece) - self._pos)
+        b[:n] = memoryview(piece)[self._pos:self._pos + n]
+        self._pos += n
+        if self._pos == len(piece):
+            self._out.pop(0)
+            self._pos = 0
         return n
 
 
+class ShortFileError(EOFError):
+    """A file that ends before the offset a stream saved in it (it changed since)."""
+
+
+class OversizeRecord(bytes):
+    """What ``_LineReader.readline`` gives for a line over the record limit: not its bytes
+    but a stand-in whose ``len()`` is the line's length in the file (so byte offsets stay
+    right) and which ``parse_line`` counts as a bad record ("oversize")."""
+
+    def __new__(cls, size: int) -> "OversizeRecord":
+        obj = super().__new__(cls, b"{}\n")
+        obj.size = size
+        return obj
+
+    def __len__(self) -> int:
+        return self.size
+
+
 class _LineReader:
-    """Lines of a .jsonl or .jsonl.zst file from a byte offset of the decompressed text.
+    """Lines of a .jsonl or .jsonl.zst file from a byte offset of the decompressed text,
+    hashing every byte of text it reads: ``digest()`` is the sha256 of the first ``pos``
+    bytes (the skipped prefix included), ``size``/``mtime_ns`` the file's stat when opened.
 
-    A truncated or corrupt .zst raises CorruptFileError (naming the file) when the
-    reading gets to the damage."""
+    A file shorter than ``offset`` raises ShortFileError; a truncated or corrupt .zst raises
+    CorruptFileError (naming the file) when the reading gets to the damage. A line of more
+    than ``max_bytes`` (its newline aside) is read past in 1 MiB pieces (hashed, never held
+    whole) and returned as an ``OversizeRecord``; with the decompressor fed in small pieces,
+    a record holds at most about twice the limit plus 16 MiB, however well it compresses."""
 
-    def __init__(self, path: Path, offset: int) -> None:
+    def __init__(self, path: Path, offset: int, max_bytes: int = MAX_RECORD_BYTES) -> None:
+        self.max_bytes = int(max_bytes)
         self.raw = open(path, "rb")
-        if path.name.endswith(".zst"):
-            self.f = io.BufferedReader(_CheckedZstd(self.raw, path), buffer_size=1 << 20)
+        self.f = self.raw
+        st = os.fstat(self.raw.fileno())
+        self.size, self.mtime_ns = st.st_size, st.st_mtime_ns
+        self.hash = hashlib.sha256()
+        self.pos = 0
+        try:
+            if path.name.endswith(".zst"):
+                self.f = io.BufferedReader(_CheckedZstd(self.raw, path), buffer_size=1 << 20)
             left = offset
-            while left > 0:  # no random access in a zstd frame: decompress and drop
-                got = len(self.f.read(min(left, 1 << 24)))
-                if got == 0:
-                    raise EOFError(f"{path}: shorter than the saved offset {offset}")
-                left -= got
-        else:
-            self.raw.seek(offset)
-            self.f = self.raw
+            # Read and drop (no random access in a zstd frame), hashing what the run read before.
+            while left > 0:
+                chunk = self.f.read(min(left, 1 << 24))
+                if not chunk:
+                    raise ShortFileError(f"{path}: shorter than the saved offset {offset}")
+                self.hash.update(chunk)
+                left -= len(chunk)
+        except BaseException:
+            self.close()
+            raise
+        self.pos = offset
 
     def readline(self) -> bytes:
-        return self.f.readline()
+        line = self.f.readline(self.max_bytes + 1)
+        self.hash.update(line)
+        self.pos += len(line)
+        if len(line) <= self.max_bytes or line.endswith(b"\n"):
+            return line
+        size = len(line)
+        del line
+        while True:  # the rest of the record, hashed, never held whole
+            part = self.f.readline(1 << 20)
+            self.hash.update(part)
+            self.pos += len(part)
+            size += len(part)
+            if not part or part.endswith(b"\n"):
+                return OversizeRecord(size)
+
+    def digest(self) -> str:
+        return self.hash.hexdigest()
 
     def close(self) -> None:
         self.f.close()
         self.raw.close()
+
+
+def text_digest(path: Path, nbytes: int) -> Tuple[str, int, int]:
+    """(sha256 of the first ``nbytes`` bytes of the file's text, size, mtime_ns); raises
+    FileNotFoundError, ShortFileError or CorruptFileError."""
+    r = _LineReader(path, nbytes)
+    try:
+        return r.digest(), r.size, r.mtime_ns
+    finally:
+        r.close()
 
 
 # Files reported unreadable in this process (warned once each, whatever stream meets them).
@@ -238,6 +363,8 @@ def record_fields(rec, with_meta: bool, counts: Optional[Dict[str, int]]) -> Opt
 
 def parse_line(line: bytes, with_meta: bool, counts: Optional[Dict[str, int]]) -> Optional[Tuple[Optional[str], str]]:
     """(set name or None, text) of a JSON line, or None for a bad record (counted)."""
+    if isinstance(line, OversizeRecord):
+        return _bad(counts, "oversize")
     try:
         s = line.decode("utf-8")
     except UnicodeDecodeError:
@@ -348,15 +475,26 @@ class DocStream:
     (and later epochs) skip the lines that cannot be theirs without parsing them. So the
     sum of the streams' ``bad`` counts every bad record met so far once, from the first
     batch on, whichever domain is drawn. Without one, the stream counts alone.
+
+    ``shard``: the rank's files as ``shard_files`` gives them (by default from today's
+    listing); a loaded state replaces it by the one the run started with. ``files``: the
+    files read to their end, {name: (size, mtime_ns, bytes of text, sha256)}, shared by the
+    streams of a loader (its state's ``files``).
     """
 
     def __init__(self, args: DataArgs, domain: str, rank: int, world_size: int,
-                 ledger: Optional[BadLedger] = None) -> None:
+                 ledger: Optional[BadLedger] = None, shard: Optional[Sequence[Tuple[str, int, int]]] = None) -> None:
         self.domain = domain
         self.root = corpus_root(args)
         self.seed = args.seed
-        self.base_shard = shard_files(list_files(args, domain, "train"), rank, world_size)
+        if shard is None:
+            shard = shard_files(list_files(args, domain, "train"), rank, world_size)
+        # A tuple (never changed in place): streams of one loader share it, and so does the
+        # pickle of their states.
+        self.base_shard = _as_shard(shard)
         self.shard = epoch_order(self.base_shard, self.seed, domain, 0)
+        self.rank = rank
+        self.max_record_bytes = args.max_record_bytes
         self.set_name = SET_NAMES[domain] if args.layout == "slimpajama" else None
         self._needle = json.dumps(self.set_name).encode() if self.set_name else None
         self.where = f"domain {domain!r} on rank {rank}/{world_size}"
@@ -368,6 +506,10 @@ class DocStream:
         # files other ranks already read, and files they read part of ({file: (line, offset)}).
         self.done: set = set()
         self.partial: Dict[str, Tuple[int, int]] = {}
+        # What a loaded state says the run read of files it reopens at an offset:
+        # {file: (offset, sha256 of the text before it, size, mtime_ns)}.
+        self.expect: Dict[str, Tuple[int, str, int, int]] = {}
+        self.files: Dict[str, Tuple[int, int, int, str]] = {}
         self.ledger = BadLedger()
         self.use_ledger(ledger if ledger is not None else self.ledger)
 
@@ -382,6 +524,19 @@ class DocStream:
         ledger.invalidate()
 
     # ------------------------------------------------------------------ state
+    def _open_record(self) -> Optional[dict]:
+        """What identifies the text read of the current file: its stat when opened and the
+        sha256 of its first ``offset`` bytes (None before the first line)."""
+        if self.offset == 0:
+            return None
+        r = self._reader
+        if r is not None and r.pos == self.offset:
+            return {"size": r.size, "mtime_ns": r.mtime_ns, "sha256": r.digest()}
+        exp = self.expect.get(self.shard[self.file][0])
+        if exp is not None and exp[0] == self.offset:  # loaded, not reopened yet
+            return {"size": exp[2], "mtime_ns": exp[3], "sha256": exp[1]}
+        return None
+
     def state_dict(self) -> dict:
         return {
             "file": self.shard[self.file][0],
@@ -393,9 +548,13 @@ class DocStream:
             "bad_files": sorted(self.bad_files),
             "done": sorted(self.done),
             "partial": {f: list(v) for f, v in self.partial.items()},
+            "shard": self.base_shard,
+            "open": self._open_record(),
         }
 
     def load_state_dict(self, sd: dict) -> None:
+        if sd.get("shard") is not None:  # the files the run started with (states since it is saved)
+            self.base_shard = _as_shard(sd["shard"])
         self.shard = epoch_order(self.base_shard, self.seed, self.domain, int(sd["epoch"]))
         names = [f for f, _, _ in self.shard]
         if sd["file"] not in names:
@@ -408,7 +567,58 @@ class DocStream:
         self.bad_files = set(sd.get("bad_files", ()))
         self.done = set(sd.get("done", ()))
         self.partial = {f: (int(v[0]), int(v[1])) for f, v in sd.get("partial", {}).items()}
+        self.expect = {}
+        op = sd.get("open")
+        if op and self.offset > 0:
+            self.expect[sd["file"]] = (self.offset, str(op["sha256"]), int(op["size"]), int(op["mtime_ns"]))
         self.ledger.invalidate()
+
+    def reopen(self) -> Optional[Tuple[str, str, str]]:
+        """Open the current file at the saved offset now (a resume reads its text up to
+        there anyway) and compare the sha256 of that text with the saved one. None when it
+        matches or there is nothing to compare, else ("changed" | "warn", file, one line)."""
+        if self.offset == 0:
+            return None
+        return self._check_prefix(self.shard[self.file][0], self.offset, keep=True)
+
+    def _check_prefix(self, name: str, offset: int, keep: bool) -> Optional[Tuple[str, str, str]]:
+        exp = self.expect.get(name)
+        path = self.root / name
+        read = f"the {offset:,} bytes of text rank {self.rank} read of it"
+        if keep:
+            self.close()
+        try:
+            reader = _LineReader(path, offset)
+        except FileNotFoundError:
+            return "warn", name, (f"{path} vanished after rank {self.rank} read {offset:,} bytes of its text: "
+                                  f"its rest is not read (domain {self.domain!r} goes on with its next file)")
+        except ShortFileError:
+            return "changed", name, f"{path} is now shorter than {read}"
+        except CorruptFileError as e:
+            return "changed", name, f"{path} cannot be read up to {read} ({e})"
+        if keep:
+            self._reader = reader
+        else:
+            reader.close()
+        if exp is None or exp[0] != offset:
+            return None
+        _, sha, size, mtime = exp
+        if reader.digest() != sha:
+            return "changed", name, (f"{path}: {read} changed (sha256 {sha[:12]} then, {reader.digest()[:12]} "
+                                     f"now; size {size:,} -> {reader.size:,} bytes)")
+        if reader.size != size:  # the same text up to the offset; what is left to read differs
+            return "warn", name, (f"{path} changed after {read} (size {size:,} -> {reader.size:,} bytes, same "
+                                  "text up to there): the run reads its new rest")
+        return None
+
+    def check_partial(self) -> List[Tuple[str, str, str]]:
+        """``reopen``'s check for the files other ranks read part of (``derive_from``)."""
+        out = []
+        for name, (_, offset) in sorted(self.partial.items()):
+            found = self._check_prefix(name, offset, keep=False) if name in self.expect else None
+            if found is not None:
+                out.append(found)
+        return out
 
     def derive_from(self, states: List[dict], shards: List[List[Tuple[str, int, int]]]) -> bool:
         """Continue where the streams of another world size stopped (``states[r]`` of the
@@ -419,7 +629,7 @@ class DocStream:
         if any(st != 1 for sh in [self.shard, *shards] for _, st, _ in sh):
             return False
         epoch = min(int(s["epoch"]) for s in states)
-        done, partial = set(), {}
+        done, partial, expect = set(), {}, {}
         for s, sh in zip(states, shards):
             names = [f for f, _, _ in epoch_order(sh, self.seed, self.domain, int(s["epoch"]))]
             if int(s["epoch"]) > epoch:
@@ -433,11 +643,14 @@ class DocStream:
             if int(s["line"]) > 0:
                 partial[s["file"]] = (int(s["line"]), int(s["offset"]))
                 done.discard(s["file"])
+                op = s.get("open")
+                if op:
+                    expect[s["file"]] = (int(s["offset"]), str(op["sha256"]), int(op["size"]), int(op["mtime_ns"]))
         self.close()
         self.file, self.line, self.offset, self.epoch = 0, 0, 0, epoch
         self.shard = epoch_order(self.base_shard, self.seed, self.domain, epoch)
         self.docs_in_epoch = 1 if (done or partial) else 0  # the epoch is not empty
-        self.done, self.partial = done, partial
+        self.done, self.partial, self.expect = done, partial, expect
         self.bad = {}
         for s in states:
             for k, v in s["bad"].items():
@@ -452,7 +665,7 @@ class DocStream:
         self.close()
         self.file, self.line, self.offset, self.epoch, self.docs_in_epoch = 0, 0, 0, 0, 0
         self.shard = epoch_order(self.base_shard, self.seed, self.domain, 0)
-        self.done, self.partial = set(), {}
+        self.done, self.partial, self.expect = set(), {}, {}
         self.ledger.invalidate()
 
     def close(self) -> None:
@@ -476,6 +689,23 @@ class DocStream:
             self.ledger.enter_epoch(self.epoch)
             log.info("data: %s starts epoch %d", self.where, self.epoch)
 
+    def _skip_once(self, name: str, why: str) -> None:
+        if ("skip", str(self.root / name)) not in _WARNED_FILES:
+            _WARNED_FILES.add(("skip", str(self.root / name)))
+            log.warning("data: %s %s", self.root / name, why)
+
+    def _read_whole(self, name: str) -> None:
+        """The reader got to the end of ``name``: record what identifies its whole text."""
+        r = self._reader
+        rec = (r.size, r.mtime_ns, r.pos, r.digest())
+        old = self.files.get(name)
+        if old is not None and old[2:] != rec[2:] and ("changed", str(self.root / name)) not in _WARNED_FILES:
+            _WARNED_FILES.add(("changed", str(self.root / name)))
+            log.warning("data: %s changed while the run was reading the corpus: its text now differs from what "
+                        "rank %d read of it before (sha256 %s then, %s now)", self.root / name, self.rank,
+                        old[3][:12], rec[3][:12])
+        self.files[name] = rec
+
     def next_doc(self) -> str:
         while True:
             name, stride, sub = self.shard[self.file]
@@ -487,8 +717,17 @@ class DocStream:
                     self.line, self.offset = self.partial.pop(name)
             try:
                 if self._reader is None:
-                    self._reader = _LineReader(self.root / name, self.offset)
+                    self._reader = _LineReader(self.root / name, self.offset, self.max_record_bytes)
                 line = self._reader.readline()
+            except FileNotFoundError:  # vanished since the run listed it: not a damaged file
+                self._skip_once(name, "vanished since the run started; it is skipped")
+                self._next_file()
+                continue
+            except ShortFileError:  # shorter than what was read of it (a change accepted on resume)
+                self._skip_once(name, f"is shorter than the {self.offset:,} bytes of text read of it before; "
+                                      "its rest is skipped")
+                self._next_file()
+                continue
             except Exception as e:  # noqa: BLE001 - a corrupt/truncated file: skip its rest
                 # counted once on this rank (the first stream to meet it) and, for a file cut
                 # into line-strided parts among ranks, only by the rank of part 0
@@ -502,12 +741,15 @@ class DocStream:
                 self._next_file()
                 continue
             if not line:
+                self._read_whole(name)
                 self._next_file()
                 continue
             j = self.line
+            # before this stream's position moves past line j: a ledger rebuilt now (a fresh
+            # one is) counts the lines before this stream's position as read by it
+            first = self.ledger.claim(name, j)  # no stream of this rank read line j yet
             self.line += 1
             self.offset += len(line)
-            first = self.ledger.claim(name, j)  # no stream of this rank read line j yet
             if j % stride != sub or not line.strip():
                 continue
             if not first and self._needle is not None and self._needle not in line:
@@ -518,6 +760,13 @@ class DocStream:
                 return text
 
 
+def _as_shard(shard) -> Tuple[Tuple[str, int, int], ...]:
+    """A shard as a tuple of (file, stride, offset) tuples (the same object if it is one)."""
+    if isinstance(shard, tuple) and all(isinstance(e, tuple) for e in shard):
+        return shard
+    return tuple((str(f), int(st), int(off)) for f, st, off in shard)
+
+
 def iter_docs(args: DataArgs, domain: str, split: str = "validation") -> Iterator[str]:
     """All documents of ``domain`` in ``split`` (one pass, one process); bad records are
     skipped, counted and the counts logged at the end."""
@@ -525,7 +774,7 @@ def iter_docs(args: DataArgs, domain: str, split: str = "validation") -> Iterato
     set_name = SET_NAMES[domain] if args.layout == "slimpajama" else None
     counts: Dict[str, int] = {}
     for name in list_files(args, domain, split):
-        reader = _LineReader(root / name, 0)
+        reader = _LineReader(root / name, 0, args.max_record_bytes)
         try:
             while line := reader.readline():
                 if line.strip():
@@ -536,3 +785,33 @@ def iter_docs(args: DataArgs, domain: str, split: str = "validation") -> Iterato
             reader.close()
     if counts:
         log.warning("data: %s/%s: skipped bad records %s", domain, split, counts)
+
+
+def shard_texts(root: Path, shard: List[Tuple[str, int, int]], set_names: Optional[set],
+                max_bytes: int = MAX_RECORD_BYTES) -> Iterator[str]:
+    """The document texts of a rank's shard (``shard_files``) in file order, one pass:
+    records of ``set_names`` (the slimpajama layout; None: every record, the domains
+    layout). Bad records are skipped uncounted, and an unreadable file is left at its
+    damage (the streams count both when they read them)."""
+    for name, stride, sub in shard:
+        try:
+            reader = _LineReader(root / name, 0, max_bytes)
+        except OSError:
+            continue
+        try:
+            j = -1
+            while True:
+                try:
+                    line = reader.readline()
+                except Exception:  # noqa: BLE001 - a corrupt/truncated file: the rest is unreadable
+                    break
+                if not line:
+                    break
+                j += 1
+                if j % stride != sub or not line.strip():
+                    continue
+                rec = parse_line(line, set_names is not None, None)
+                if rec is not None and (set_names is None or rec[0] in set_names):
+                    yield rec[1]
+        finally:
+            reader.close()

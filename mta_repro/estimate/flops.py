@@ -13,24 +13,23 @@ Counts multiply-adds as 2 FLOPs, and counts what each attention path computes
   of b rows plus its halo of w rows against the keys up to its last row (about T^2/2).
 Training = 3 x forward, plus one more forward of the explicit score path for "blocked",
 which recomputes each block in backward: the FLOPs it performs, not a nominal count.
-For "triton" (kernels/frames.py) every pass computes its stages on whole frames (owned
-block plus halo) of the key blocks up to the diagonal; its four passes are counted stage
-by stage as the kernel computes them (the pre-softmax conv as a GEMM of c_q d-long
-products, the post conv and the adjoints as Toeplitz products, head mixing as a full
-H x H product: the kernel expands ``head_kernel``), and training = their sum (reported as
-3 x its two forward passes + the rest).
+An implementation that counts its own (``AttnImpl.flops``: the experimental Triton kernels
+count the frames their passes visit) gives its forward and backward FLOPs, and training =
+their sum (reported as 3 x forward + the rest).
 """
 
 from __future__ import annotations
 
-from mta_repro.kernels import frames
+from dataclasses import replace
+
+from mta_repro.model import attention_ops
 from mta_repro.model.args import ModelArgs
 
 
 def score_elements(args: ModelArgs, seq_len: int) -> float:
     """(query, key) pairs per head that the explicit path computes for one sequence."""
-    if args.attn_impl == "triton":
-        raise ValueError("score_elements: the triton path visits frames (flops._triton_passes)")
+    if attention_ops.attn_impl(args.attn_impl).flops is not None:
+        raise ValueError(f"score_elements: {args.attn_impl!r} counts its own FLOPs (AttnImpl.flops)")
     if args.attn_impl != "blocked":
         return float(seq_len * seq_len)
     m = args.mta
@@ -40,52 +39,12 @@ def score_elements(args: ModelArgs, seq_len: int) -> float:
     if m.after_sm_query_kernel_size is not None:
         w += m.after_sm_query_kernel_size - 1
     total = 0
-    from mta_repro.model.attention_ops import DEFAULT_BLOCK_SIZE
-
-    bs = args.attn_block_size or DEFAULT_BLOCK_SIZE["cuda"]  # null: the CUDA default (MFU is a GPU figure)
+    # null: the CUDA default (MFU is a GPU figure)
+    bs = args.attn_block_size or attention_ops.DEFAULT_BLOCK_SIZE["cuda"]
     for r0 in range(0, seq_len, bs):
         r1 = min(r0 + bs, seq_len)
         total += (r1 - max(0, r0 - w)) * r1
     return float(total)
-
-
-def _triton_passes(args: ModelArgs, seq_len: int, kind: str) -> tuple[float, float]:
-    """(FLOPs per token of the triton kernel's two forward passes, of its two backward passes)."""
-    m, H, hd = args.mta, args.n_heads, args.resolved_head_dim
-    pre = post = None
-    if kind == "kq_conv":
-        if m.query_kernel_size is not None:
-            pre = (m.query_kernel_size, m.key_kernel_size)
-        if m.after_sm_query_kernel_size is not None:
-            post = (m.after_sm_query_kernel_size, m.after_sm_key_kernel_size)
-    qk = 2 * hd  # also A V, dO V^T, dq, dk, dv: one d-long product per cell each
-    mix1 = 2 * H if m.pre_sm_linear_head else 0
-    mix2 = 2 * H if (m.head_kernel_size or m.post_sm_linear_head) else 0
-    f_bwd = frames.frame("backward", pre, post, m.pad_key, args.kernels)  # the model's frame (model.kernels)
-    # the kernel's products per frame cell (attention_triton.py): the pre-softmax conv as
-    # the GEMM of shifted queries and convolved keys (c_q d-long products), the post conv
-    # and every adjoint as one (frame columns)-wide Toeplitz product per row shift
-    scores = qk * (pre[0] if pre else 1)
-
-    def toe(k):
-        return 2 * k[0] * f_bwd.ec if k else 0
-
-    conv1, conv2 = toe(pre), toe(post)
-    chain = scores + mix1
-    per_cell = {
-        "stats": chain,
-        "forward": chain + conv2 + mix2 + qk,
-        "backward_rowsum": chain + qk + mix2 + conv2,
-        # dA, dR, (dP, R and the post kernel's gradient), dZ -> dC, A, the mixings'
-        # gradients, (S, dS and the pre kernel's gradient), dq, dk, dv
-        "backward": chain + qk + mix2 + 3 * conv2 + mix1 + mix2 + mix1 + mix2
-        + ((qk + 2 * conv1) if pre else 0) + 3 * qk,
-    }
-    cost = {
-        name: H * flops * frames.cells_visited(frames.frame(name, pre, post, m.pad_key, args.kernels), seq_len, seq_len) / seq_len
-        for name, flops in per_cell.items()
-    }
-    return cost["stats"] + cost["forward"], cost["backward_rowsum"] + cost["backward"]
 
 
 def _per_layer(args: ModelArgs, seq_len: int, kind: str) -> tuple[float, float]:
@@ -94,8 +53,12 @@ def _per_layer(args: ModelArgs, seq_len: int, kind: str) -> tuple[float, float]:
     if kind in ("sdpa", "diff"):
         av = 2 * seq_len * H * hd * (2 if kind == "diff" else 1)
         return (2 * seq_len * H * hd + av) / 2, 0.0
-    if args.attn_impl == "triton":
-        fwd, bwd = _triton_passes(args, seq_len, kind)
+    own = attention_ops.attn_impl(args.attn_impl).flops
+    if own is not None:
+        counted = own(args, seq_len, kind)
+        if counted is None:  # its fallback runs this layer
+            return _per_layer(replace(args, attn_impl=attention_ops.attn_impl(args.attn_impl).fallback), seq_len, kind)
+        fwd, bwd = counted
         return fwd, bwd - 2 * fwd  # training = 3 x fwd + this = fwd + bwd
     m = args.mta
     per_elem = 4 * hd  # Q K^T and A V

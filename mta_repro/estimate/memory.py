@@ -12,11 +12,12 @@ so the running sum of live bytes is the step's memory over time, transients and 
 blocked path's query-block recomputation included. On meta the run's kernels are
 stand-ins that keep what the real ones keep: flash-like SDPA (q, k, v, output and the fp32
 log-sum-exp; on CUDA its backward also holds FlashAttention-2's fp32 dq accumulator and
-row sums), the triton stand-in (plus the kernel's own backward workspace,
-``frames.backward_workspace_bytes``, at the moment its backward starts), and the key-query
-convolution kernel the run's device picks (its fake implementation); the meta model's
-attention modules are handed them (``Attention.kernels``), nothing process-wide is
-swapped. The blocked path uses the run's device's query-block size. The parts:
+row sums), the stand-in an attention implementation registers for itself
+(``AttnImpl.meta_fn``, plus its own backward workspace, ``AttnImpl.workspace_bytes``, at
+the moment its backward starts), and the key-query convolution kernel the run's device
+picks (its fake implementation); the meta model's attention modules are handed them
+(``Attention.kernels``), nothing process-wide is swapped. The blocked path uses the run's
+device's query-block size. The parts:
 
 - parameters and AdamW moments: fp32, sharded over the world size (12 bytes per parameter
   / world), held through the whole step;
@@ -98,66 +99,18 @@ def _sdpa_meta_cuda(q, k, v, *args, **kwargs):
     return _FlashLikeSDPA.apply(q, k, v, True)
 
 
-class _TritonLike(torch.autograd.Function):
-    """What ``attn_impl=triton`` keeps for backward: contiguous q, k, v, the fp32
-    log-sum-exp per row and the weights as the kernel reads them (in its accumulator dtype:
-    a copy where they are in another, e.g. bf16 parameters). Triton does not run on meta."""
+def backward_workspace(attn, batch_size: int, seq_len: int) -> int:
+    """Bytes the implementation of attention module ``attn`` holds beyond its inputs, outputs
+    and saved tensors while one training step's backward runs through it (its
+    ``AttnImpl.workspace_bytes`` under the module's parameters and tuning, in the module's
+    compute dtype; 0 for one that declares none)."""
+    from mta_repro.model import attention_ops
 
-    @staticmethod
-    def forward(ctx, q, k, v, stored, q_off, *weights):
-        lse = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)
-        extra = ()
-        if stored:  # the stored design keeps its C plane (the causal cells, q's dtype) for backward
-            from mta_repro.kernels import stored_frames
-
-            b, h, tq, _ = q.shape
-            spec = stored_frames.stored_planes(b=b, h=h, tq=tq, tk=k.shape[2], q_off=q_off,
-                                               dtype=q.dtype)["cstore"]
-            extra = (torch.empty(spec.shape, dtype=spec.dtype, device=q.device),)
-        ctx.save_for_backward(q.contiguous(), k.contiguous(), v.contiguous(), lse, *weights, *extra)
-        ctx.n_weights = len(weights)
-        return torch.empty_like(q)
-
-    @staticmethod
-    def backward(ctx, g):
-        q, k, v, *_ = ctx.saved_tensors
-        return (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), None, None) + (None,) * ctx.n_weights
-
-
-def _triton_meta(q, k, v, p, mask, training=False):
-    from mta_repro.kernels.types import post_mix_matrix
-
-    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
-    weights = (None if p.mta_kernel is None else p.mta_kernel[:, 0], p.wpsm,
-               None if p.mta_kernel_after_sm is None else p.mta_kernel_after_sm[:, 0], post_mix_matrix(p))
-    from mta_repro.kernels import stored_frames
-
-    stored = stored_frames.uses_stored(p.mta_kernel is not None, p.dropout > 0.0 and training, p.tuning)
-    return _TritonLike.apply(q, k, v, stored, mask.q_offset, *(w.to(acc).contiguous() for w in weights if w is not None))
-
-
-def triton_backward_workspace(attn, batch_size: int, seq_len: int, sms: int = 132) -> int:
-    """Bytes the triton kernel holds while its backward pass runs for one layer (its largest
-    moment): ``frames.backward_workspace_bytes``, the sum of what its launcher allocates
-    (a persistent grid of PROGRAMS_PER_SM per SM, 132 SMs on an H100/H200; scratch in the
-    module's compute dtype), under the module's tuning (``model.kernels``: frame, programs)."""
-    from mta_repro.kernels import frames
-    from mta_repro.kernels.types import post_mix_matrix
-
-    p = attn.explicit_params()
-    n_prog = p.tuning.triton_programs or frames.PROGRAMS_PER_SM * sms
-    pre = None if p.mta_kernel is None else tuple(p.mta_kernel.shape[2:])
-    post = None if p.mta_kernel_after_sm is None else tuple(p.mta_kernel_after_sm.shape[2:])
-    from mta_repro.kernels import stored_frames
-
-    # the stored design (kq-conv layers): its dC plane and kernels A/B's buffers; its C plane
-    # is a saved tensor of the stand-in (_TritonLike). (Training dropout: the fused kernel's.)
-    stored = stored_frames.uses_stored(pre is not None, p.dropout > 0.0, p.tuning)
-    design = stored_frames if stored else frames
-    return design.backward_workspace_bytes(b=batch_size, h=attn.n_heads, d=attn.head_dim, seq_len=seq_len, pre=pre,
-                                           post=post, mix=(p.wpsm is not None, post_mix_matrix(p) is not None),
-                                           pad_key=p.pad_key, dtype=attn.wq.weight.dtype,
-                                           n_prog=n_prog, tuning=p.tuning)
+    entry = attention_ops.attn_impl(attn.attn_impl)
+    if entry.workspace_bytes is None:
+        return 0
+    return entry.workspace_bytes(attn.explicit_params(), batch_size, seq_len, attn.n_heads, attn.head_dim,
+                                 attn.wq.weight.dtype)
 
 
 def _saved_bytes(fn, exclude: set) -> int:
@@ -252,24 +205,29 @@ def target_kq_backend(device: str, dtype: torch.dtype, tuning=None) -> str:
 @contextmanager
 def _run_device_impls(model, live: _LiveBytes, device: str, dtype: torch.dtype, workspace: dict):
     """Hands ``model``'s attention modules stand-ins on meta for what runs on ``device``
-    (``Attention.kernels``; nothing process-wide changes): flash-like SDPA, the triton
-    stand-in (plus its backward workspace, as a spike when its output's gradient arrives;
-    bytes per attention module in ``workspace``), the device's key-query convolution kernel
-    under the model's tuning (``model.args.kernels``, kept on each module)."""
+    (``Attention.kernels``; nothing process-wide changes): flash-like SDPA, each registered
+    implementation's own stand-in (``AttnImpl.meta_fn``; plus its backward workspace, as a
+    spike when its output's gradient arrives; bytes per attention module in ``workspace``),
+    the device's key-query convolution kernel under the model's tuning
+    (``model.args.kernels``, kept on each module)."""
     from mta_repro.model import attention_ops
 
     current = {"bytes": 0}
 
-    def triton(q, k, v, p, mask, training=False):
-        out = _triton_meta(q, k, v, p, mask, training)
-        if out.requires_grad and current["bytes"]:
-            n = current["bytes"]
-            out.register_hook(lambda g: live.spike(n, "triton backward workspace"))
-        return out
+    def on_meta(name, entry):
+        def fn(q, k, v, p, mask, training=False):
+            out = entry.meta_fn(q, k, v, p, mask, training)
+            if out.requires_grad and current["bytes"]:
+                n = current["bytes"]
+                out.register_hook(lambda g: live.spike(n, f"{name} backward workspace"))
+            return out
+        return attention_ops.AttnImpl(fn, doc=entry.doc)
 
+    for m in model.layers:  # the implementations the model names, loaded (a declared one on first use)
+        attention_ops.attn_impl(m.attention.attn_impl)
     stand_ins = dict(
         sdpa=_sdpa_meta_cuda if device == "cuda" else _sdpa_meta,
-        impls={**attention_ops.ATTN_IMPLS, "triton": attention_ops.AttnImpl(triton)})
+        impls={name: on_meta(name, e) if e.meta_fn is not None else e for name, e in attention_ops.ATTN_IMPLS.items()})
     modules = [layer.attention for layer in model.layers]
     before = [m.kernels for m in modules]
     hooks = [m.register_forward_pre_hook(lambda m, a, n=n: current.update(bytes=n)) for m, n in workspace.items()]
@@ -398,9 +356,9 @@ def estimate(model_args, batch_size: int, seq_len: int, world_size: int, activat
     model = build_model(model_args, device="meta").to(dtype)
     n_params = sum(p.numel() for p in model.parameters())
     bpe = torch.finfo(dtype).bits // 8
-    workspace = {layer.attention: triton_backward_workspace(layer.attention, batch_size, seq_len)
-                 for layer in model.layers
-                 if layer.attention.kind in ("kq_conv", "mixing") and layer.attention.attn_impl == "triton"}
+    workspace = {layer.attention: backward_workspace(layer.attention, batch_size, seq_len)
+                 for layer in model.layers if layer.attention.kind in ("kq_conv", "mixing")}
+    workspace = {m: n for m, n in workspace.items() if n}
     step = _step_on_meta(model, batch_size, seq_len, world_size, device, dtype, activation_checkpointing,
                          grad_accum > 1, workspace)
     grads = 4 * n_params / world_size

@@ -94,6 +94,9 @@ class EvalConfig:
     # Re-evaluate tasks whose JSON is newer than the weights with the same settings
     # (otherwise skipped); ``--force`` on the command line.
     force: bool = False
+    # Evaluate although the run config's tokenizer file differs in content (sha256) from
+    # the one the weights recorded (refused otherwise); the JSON records the acceptance.
+    accept_changed_tokenizer: bool = False
     # Where the JSON results go; null = <run_dir>/eval (also for a run's
     # export/consolidated.pt; a loose .pt file: an eval/ folder next to it).
     out_dir: Optional[str] = None

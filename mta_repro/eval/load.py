@@ -52,6 +52,7 @@ def load_model(
     path: Union[str, Path],
     device: Union[str, torch.device] = "auto",
     dtype: Union[str, torch.dtype] = torch.float32,
+    identity: bool = False,
 ) -> tuple[torch.nn.Module, DictConfig]:
     """(model in eval mode on ``device``/``dtype``, resolved training config).
 
@@ -60,7 +61,9 @@ def load_model(
     as in training), a checkpoint folder or a consolidated ``.pt``. An unreadable newer one
     is named in one line on stderr with the one used instead; an explicit ``.pt`` that is
     broken, or a file that would unpickle code, is an error naming the file.
-    ``model.source`` = {"kind", "path", "step"} of the weights that were loaded.
+    ``model.source`` = {"kind", "path", "step", "record"} of the weights that were loaded
+    (``record``: what they came from, mta_repro/train/provenance.py); ``identity`` adds
+    "weights_sha256", the sha256 of their tensors as read (float32).
     """
     dtype = resolve_dtype(dtype)
     device = resolve_device(device)
@@ -79,8 +82,14 @@ def load_model(
         raise UserError(
             f"checkpoint: {src} does not match the config's model: missing {missing[:5]}, unexpected {unexpected[:5]}"
         )
+    digest = None
+    if identity:
+        from mta_repro.train.provenance import state_digest
+
+        digest = state_digest(w.state)
     model = model.to(device=device, dtype=dtype).eval()
-    model.source = {"kind": w.source.kind, "path": str(src), "step": None if w.step is None else int(w.step)}
+    model.source = {"kind": w.source.kind, "path": str(src), "step": None if w.step is None else int(w.step),
+                    "record": w.record, "weights_sha256": digest}
     return model, cfg
 
 
@@ -124,9 +133,9 @@ def check_vocab(tokenizer, model) -> None:
         )
 
 
-def load_for_eval(path, device="auto", dtype=torch.float32, tokenizer=None):
+def load_for_eval(path, device="auto", dtype=torch.float32, tokenizer=None, identity: bool = False):
     """(model, tokenizer, cfg), with the tokenizer/vocab check done before any work."""
-    model, cfg = load_model(path, device=device, dtype=dtype)
+    model, cfg = load_model(path, device=device, dtype=dtype, identity=identity)
     tok = tokenizer if tokenizer is not None else load_tokenizer(cfg)
     check_vocab(tok, model)
     return model, tok, cfg

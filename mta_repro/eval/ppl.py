@@ -6,8 +6,9 @@ the stream is cut into windows of ``seq_len + 1`` tokens that advance by ``seq_l
 exactly once, as the training loader packs). Windows go in batches of ``batch_size``
 (4), at most ``max_batches`` (256, i.e. 2,097,152 target tokens at seq_len 2048) per
 domain; a trailing partial window is dropped, a trailing partial batch is kept.
-ppl = exp(total cross-entropy / target tokens). The average row is the arithmetic
-mean of the per-domain perplexities.
+ppl = exp(total cross-entropy / target tokens), ``inf`` where that overflows a float (a mean
+loss above ~709.78 nats: a diverged model is a result, not a crash). The average row is
+the arithmetic mean of the per-domain perplexities.
 """
 
 from __future__ import annotations
@@ -87,7 +88,15 @@ def domain_perplexity(
     if n_tokens == 0:
         raise UserError(f"ppl: the documents hold fewer than seq_len+1={seq_len + 1} tokens")
     loss = total / n_tokens
-    return {"ppl": math.exp(loss), "loss": loss, "tokens": n_tokens, "batches": n_batches}
+    return {"ppl": perplexity(loss), "loss": loss, "tokens": n_tokens, "batches": n_batches}
+
+
+def perplexity(loss: float) -> float:
+    """exp(loss); ``inf`` past the largest float (exp overflows above ~709.78), NaN for NaN."""
+    try:
+        return math.exp(loss)
+    except OverflowError:
+        return math.inf
 
 
 def validation_perplexity(

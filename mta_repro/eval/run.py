@@ -6,13 +6,20 @@ Examples:
     python -m mta_repro.eval runs/x tasks=[needle] needle.context_lens=[4096] needle.samples=100
     torchrun --nproc_per_node 8 -m mta_repro.eval runs/x eval/preset=paper   # work split over GPUs
 
-Each task writes ``<out_dir>/<task>.json`` (out_dir defaults to ``<run_dir>/eval``):
+Each task writes ``<out_dir>/<task>.json`` (out_dir defaults to ``<run_dir>/eval``;
+written whole or not at all: a temporary file, fsync, rename):
 {"task", "run_dir", "step", "variant", "trained_seq_len", "eval_lengths", "settings",
-"results": ...}. Bad task names, a missing checkpoint, a tokenizer/vocab mismatch, a
-length beyond the context the run was trained at (its data.seq_len; extrapolate=true
-allows it) and needle budgets are checked before any evaluation starts. A task whose
-JSON is newer than the weights and has the same settings is skipped (--force reruns it).
-The tasks: mta_repro/eval/tasks.py (EVAL_TASKS).
+"provenance", "results": ...}; "provenance" says what the numbers came from: the weights
+(path, step, sha256 of their tensors, tokens seen), the run's recorded inputs, the
+tokenizer (sha256), the validation files' fingerprint, lm-eval's and this code's
+versions (docs/provenance.md). Bad task names, a missing checkpoint, a tokenizer/vocab
+mismatch, a tokenizer whose content differs from the one the weights recorded
+(accept_changed_tokenizer=true evaluates anyway, recorded in the JSON), a length beyond
+the context the run was trained at (its data.seq_len; extrapolate=true allows it) and
+needle budgets are checked before any evaluation starts. A task whose JSON is newer than
+the weights and has the same settings and inputs is skipped (--force reruns it). A run a
+trainer is still writing is evaluated at its newest complete checkpoint (the step is
+logged and recorded). The tasks: mta_repro/eval/tasks.py (EVAL_TASKS).
 """
 
 from __future__ import annotations
@@ -30,6 +37,7 @@ from omegaconf import OmegaConf
 from mta_repro.config import attention_variant
 from mta_repro.errors import UserError
 from mta_repro.eval.args import EvalConfig, register_eval_config
+from mta_repro.train.durable import replace_atomically
 
 log = logging.getLogger("mta_repro.eval")
 
@@ -46,6 +54,9 @@ def parse_argv(argv: Sequence[str]) -> EvalConfig:
     """First argument without '=' is the run directory; the rest are Hydra overrides."""
     force = "--force" in argv
     argv = [a for a in argv if a != "--force"]
+    from mta_repro.cli import check_split_lists
+
+    check_split_lists(argv)  # before the split pieces are taken for run directories
     paths = [a for a in argv if "=" not in a]
     overrides = [a for a in argv if "=" in a] + (["force=true"] if force else [])
     if len(paths) > 1:
@@ -69,12 +80,18 @@ def trained_context(run_cfg) -> Optional[int]:
     return trained_seq_len(run_cfg)
 
 
-def check_context(cfg: EvalConfig, lengths: dict, trained: Optional[int]) -> None:
-    """Refuse a length beyond the trained context unless ``extrapolate=true``."""
-    if cfg.extrapolate or trained is None:
+def check_context(cfg: EvalConfig, lengths: dict, trained: Optional[int], max_seqlen: Optional[int] = None) -> None:
+    """Refuse a length beyond the trained context, or beyond the model's ``max_seqlen``,
+    unless ``extrapolate=true``."""
+    if cfg.extrapolate:
         return
     for (task, field_name), length in lengths.items():
-        if length > trained:
+        if max_seqlen is not None and length > max_seqlen and (trained is None or trained >= length):
+            raise UserError(
+                f"eval: {field_name}={length} for task {task!r} is longer than model.max_seqlen={max_seqlen} of "
+                f"{cfg.run_dir}, the longest sequence the model is meant for; set extrapolate=true to evaluate "
+                "beyond it on purpose")
+        if trained is not None and length > trained:
             raise UserError(
                 f"eval: {field_name}={length} for task {task!r} is beyond the context {cfg.run_dir} was trained at "
                 f"(data.seq_len={trained} in its config); set extrapolate=true to evaluate beyond it on purpose "
@@ -88,12 +105,59 @@ def _up_to_date(path: Path, weights, record: dict) -> bool:
         return False
     if path.stat().st_mtime < Path(weights).stat().st_mtime:
         return False
+    from mta_repro.json_files import read_json
+
     try:
-        old = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError):
+        old = read_json(path, dict)
+    except (OSError, UserError) as e:  # torn, or not a result of ours: evaluate again
+        log.warning("eval: %s; re-evaluating it", e)
+        return False
+    if "results" not in old:
         return False
     keys = ("weights", "step", "dtype", "settings", "eval_lengths", "trained_seq_len")
-    return all(old.get(k) == record.get(k) for k in keys)
+    return all(old.get(k) == record.get(k) for k in keys) and _inputs(old) == _inputs(record)
+
+
+def _inputs(rec: dict) -> tuple:
+    """What a result depends on besides its settings: the weights' and the tokenizer's
+    content, the validation files (a result without a record counts as stale)."""
+    p = rec.get("provenance") or {}
+    return ((p.get("checkpoint") or {}).get("weights_sha256"), (p.get("tokenizer") or {}).get("sha256"),
+            (p.get("validation") or {}).get("sha256"))
+
+
+def provenance_of(cfg: EvalConfig, model, run_cfg) -> dict:
+    """The eval JSON's "provenance": the weights evaluated (path, step, sha256, tokens seen),
+    the inputs their run recorded, the tokenizer used, the validation files, versions.
+    Refuses a tokenizer whose content differs from the recorded one unless
+    ``accept_changed_tokenizer``."""
+    from mta_repro.train import provenance as pv
+
+    src = getattr(model, "source", {}) or {}
+    record = src.get("record") or {}
+    tok = pv.tokenizer_identity(run_cfg.data.tokenizer) if "data" in run_cfg else None
+    accepted = []
+    change = pv.tokenizer_change((record.get("inputs") or {}).get("tokenizer"), tok) if tok else None
+    if change:
+        what = f"the weights {src.get('path')} (step {src.get('step')})"
+        if not cfg.accept_changed_tokenizer:
+            raise pv.ProvenanceError(
+                f"{change}: {what} were trained with the recorded one, so these numbers would come from another "
+                "tokenizer. Restore the tokenizer file, or evaluate anyway with accept_changed_tokenizer=true "
+                "(recorded in the result's JSON)")
+        log.warning("eval: %s; accepted (accept_changed_tokenizer=true), recorded in the results", change)
+        accepted.append(pv.accepted("tokenizer", change, "accept_changed_tokenizer=true", src.get("step")))
+    return {
+        "checkpoint": {"path": src.get("path"), "kind": src.get("kind"), "step": src.get("step"),
+                       "weights_sha256": src.get("weights_sha256"), "tokens_seen": record.get("tokens_seen")},
+        "run": record.get("inputs"),
+        "run_accepted": record.get("accepted") or [],
+        "tokenizer": tok,
+        "validation": pv.validation_fingerprint(run_cfg.data) if "data" in run_cfg else None,
+        "lm_eval": pv.package_version("lm_eval"),
+        "code": pv.code_version(),
+        "accepted": accepted,
+    }
 
 
 def run(cfg: EvalConfig) -> dict:
@@ -117,16 +181,19 @@ def run(cfg: EvalConfig) -> dict:
 
     # Under torchrun every process takes its share of each task; rank 0 writes.
     rank, world = dist.init(cfg.device)
-    model, tok, run_cfg = load_for_eval(cfg.run_dir, device=cfg.device, dtype=cfg.dtype)
+    model, tok, run_cfg = load_for_eval(cfg.run_dir, device=cfg.device, dtype=cfg.dtype, identity=True)
+    prov = provenance_of(cfg, model, run_cfg)
     from mta_repro.data import to_data_args
 
     ctx = EvalContext(model=model, tokenizer=tok, run_cfg=run_cfg, data_args=to_data_args(run_cfg.data),
                       trained_seq_len=trained_context(run_cfg))
     lengths = {t.name: t.lengths(cfg, ctx) for t in tasks}
-    check_context(cfg, {(n, f): v for n, per in lengths.items() for f, v in per.items()}, ctx.trained_seq_len)
+    check_context(cfg, {(n, f): v for n, per in lengths.items() for f, v in per.items()}, ctx.trained_seq_len,
+                  getattr(getattr(model, "args", None), "max_seqlen", None))
 
     out_dir = Path(cfg.out_dir) if cfg.out_dir else default_out_dir(cfg.run_dir)
     source = getattr(model, "source", {})
+    log.info("eval: %s: step %s (%s)", cfg.run_dir, source.get("step"), source.get("path"))
     meta = {
         "run_dir": str(cfg.run_dir),
         "variant": attention_variant(run_cfg.model),
@@ -136,6 +203,7 @@ def run(cfg: EvalConfig) -> dict:
         # the context the run was trained at (data.seq_len of its config) and the token
         # lengths this task evaluated at (the largest, per setting); beyond = extrapolation
         "trained_seq_len": ctx.trained_seq_len,
+        "provenance": prov,
     }
     records = {t.name: {**meta, "eval_lengths": lengths[t.name], "settings": t.settings(cfg)} for t in tasks}
     todo = []
@@ -162,7 +230,8 @@ def run(cfg: EvalConfig) -> dict:
                "world_size": world, "seconds": round(time.time() - t0, 1), "results": res}
         out_dir.mkdir(parents=True, exist_ok=True)
         path = out_dir / f"{t.name}.json"
-        path.write_text(json.dumps(res, indent=1, default=str))
+        # Whole or absent: a kill or a full disk mid-write leaves the previous file.
+        replace_atomically(path, json.dumps(res, indent=1, default=str).encode())
         written[t.name] = str(path)
         log.info("eval: wrote %s", path)
     return written

@@ -5,13 +5,18 @@
     python -m mta_repro.eval.slurm runs/debug eval/preset=debug --gpus 0 --dry-run
 
 The job runs ``python -m mta_repro.eval <run_dir> <overrides>`` (the overrides are
-checked here, as ``mta_repro.eval`` parses them, so a typo fails before queueing).
+checked here, as ``mta_repro.eval`` parses them, so a typo fails before queueing), and
+so is what the job needs at its start: the run directory (unless ``--after`` names the job
+that makes it), the corpus and tokenizer of its config, a writable output directory; each
+missing one is a line, exit status 2, nothing queued (``--no-check``: paths that exist
+only on the compute nodes).
 ``--after JOBID`` (or ``A:B``) adds ``--dependency=afterok:JOBID``: the evaluation starts once the
 training job ends successfully (SLURM cancels it if training fails); the run's
 checkpoint need not exist yet then. Resources, as flags: ``--gpus N`` (default 1;
 0 = no GPU request), ``--cpus N`` (default 8), ``--time-min M`` (default 240),
-``--partition/--account/--qos`` (default: none), ``--job-name`` (default mta-eval).
-Logs go to ``<run_dir>/slurm/<jobid>.{out,err}``. Errors are one line on stderr.
+``--partition/--account/--qos/--constraint`` (default: none), ``--job-name`` (default
+mta-eval). Logs go to ``<run_dir>/slurm/<jobid>.{out,err}``. Errors, a refused sbatch
+included, are one line each on stderr, exit status 2.
 """
 
 from __future__ import annotations
@@ -25,7 +30,7 @@ from typing import Optional
 
 from mta_repro.errors import UserError
 from mta_repro.slurm import memory_lines, time_limit
-from mta_repro.train.slurm import SubmitError, sbatch
+from mta_repro.train.slurm import sbatch
 
 ROOT = Path(__file__).resolve().parents[2]
 TEMPLATE = ROOT / "slurm" / "eval.sbatch"
@@ -48,6 +53,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--partition")
     p.add_argument("--account")
     p.add_argument("--qos")
+    p.add_argument("--constraint", help="sbatch --constraint (node features, e.g. h100)")
+    p.add_argument("--no-check", action="store_true",
+                   help="do not check the run, data and tokenizer paths here (they exist only on the compute nodes)")
     p.add_argument("--job-name", default="mta-eval")
     return p
 
@@ -55,7 +63,7 @@ def _parser() -> argparse.ArgumentParser:
 def render(run_dir: str, overrides: list[str], *, gpus: int = 1, cpus: int = 8, time_min: int = 240,
            partition: Optional[str] = None, account: Optional[str] = None, qos: Optional[str] = None,
            job_name: str = "mta-eval", python: str = "python", mem: Optional[str] = None,
-           exclusive: bool = False) -> tuple[str, str]:
+           exclusive: bool = False, constraint: Optional[str] = None) -> tuple[str, str]:
     """(sbatch script, eval command). ValueError for bad resources or overrides."""
     for name, v, lo in (("--gpus", gpus, 0), ("--cpus", cpus, 1), ("--time-min", time_min, 1)):
         if v < lo:
@@ -78,7 +86,8 @@ def render(run_dir: str, overrides: list[str], *, gpus: int = 1, cpus: int = 8, 
               "(add device=cuda, or --gpus 0)", file=sys.stderr)
     command = " ".join([shlex.quote(python), "-m", "mta_repro.eval", shlex.quote(str(rd)),
                         *map(shlex.quote, overrides)])
-    extra = [f"#SBATCH --{k}={v}" for k, v in (("partition", partition), ("account", account), ("qos", qos)) if v]
+    site = (("partition", partition), ("account", account), ("qos", qos), ("constraint", constraint))
+    extra = [f"#SBATCH --{k}={v}" for k, v in site if v]
     script = Template(TEMPLATE.read_text()).substitute(
         job_name=job_name,
         gpu_sbatch=f"#SBATCH --gpus-per-node={gpus}\n" if gpus > 0 else "",
@@ -93,41 +102,63 @@ def render(run_dir: str, overrides: list[str], *, gpus: int = 1, cpus: int = 8, 
     return script, command
 
 
+def problems(run_dir: str, overrides: list[str], after: Optional[str]) -> list[str]:
+    """What the evaluation job would miss at its start, one line each (see the module)."""
+    from omegaconf import OmegaConf
+
+    from mta_repro.eval.run import compose_eval
+    from mta_repro.train.jobcheck import HINT, data_problems, writable_dir_problem
+
+    rd = Path(run_dir).expanduser().absolute()
+    cfg = compose_eval([f"run_dir={rd}", *overrides])
+    out = Path(cfg.out_dir).expanduser().absolute() if cfg.out_dir else rd / "eval"
+    lines = [line for line in [writable_dir_problem(out, "out_dir")] if line]
+    if not rd.exists():
+        if not after:
+            lines.insert(0, f"run_dir: {rd} does not exist (no training run there, and no --after job to make it; "
+                            f"{HINT})")
+        return lines
+    saved = rd / "config.yaml"
+    if saved.is_file():  # the corpus and tokenizer the evaluation reads (perplexity, needles, BabiLong)
+        run_cfg = OmegaConf.load(saved)
+        if "data" in run_cfg:
+            lines += data_problems(run_cfg.data, validates=True)
+    return lines
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     args = _parser().parse_args(sys.argv[1:] if argv is None else argv)
-    try:
+    from mta_repro.cli import run_cli
+    from mta_repro.train.jobcheck import raise_problems
+
+    def go() -> int:
         if args.after is not None and not all(j.replace("_", "").isdigit() for j in args.after.split(":")):
             raise UserError(f"--after: expected a SLURM job id (or ids joined by ':'), got {args.after!r}")
         script, command = render(
             args.run_dir, args.overrides, gpus=args.gpus, cpus=args.cpus, time_min=args.time_min,
             partition=args.partition, account=args.account, qos=args.qos, job_name=args.job_name,
-            python=sys.executable, mem=args.mem, exclusive=args.exclusive,
+            python=sys.executable, mem=args.mem, exclusive=args.exclusive, constraint=args.constraint,
         )
+        found = [] if args.no_check else problems(args.run_dir, args.overrides, args.after)
         dep = [f"--dependency=afterok:{args.after}", "--kill-on-invalid-dep=yes"] if args.after else []
         if not args.submit:
             if dep:
                 script = script.replace("#SBATCH --nodes=1", f"#SBATCH {dep[0]}\n#SBATCH --nodes=1", 1)
             print(script)
             print(f"# command: {command}", file=sys.stderr)
+            raise_problems(found)
             return 0
+        raise_problems(found)  # nothing queued
         rd = Path(args.run_dir).expanduser().absolute()
         (rd / "slurm").mkdir(parents=True, exist_ok=True)
         path = rd / "slurm" / "eval.sbatch"
         path.write_text(script)
         job = sbatch(path, dep)
-    except SubmitError as e:
-        print(f"{PROG}: {e}", file=sys.stderr)
-        return 1
-    except Exception as e:
-        from mta_repro.cli import describe, user_errors
+        print(f"Submitted batch job {job}")
+        print(f"{rd}/slurm/{job}.out, {job}.err (logs); {rd}/eval (results)", file=sys.stderr)
+        return 0
 
-        if not isinstance(e, user_errors()):
-            raise
-        print(f"{PROG}: error: {describe(e)}", file=sys.stderr)
-        return 2
-    print(f"Submitted batch job {job}")
-    print(f"{rd}/slurm/{job}.out, {job}.err (logs); {rd}/eval (results)", file=sys.stderr)
-    return 0
+    return run_cli(PROG, go)
 
 
 if __name__ == "__main__":

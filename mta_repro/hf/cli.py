@@ -16,7 +16,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     sub = ap.add_subparsers(dest="cmd", required=True)
     e = sub.add_parser("export", help="run or .pt -> LlamaForCausalLM folder (baseline) or trust_remote_code folder (MTA, talking heads, Diff)")
     e.add_argument("path", help="run directory or consolidated .pt")
-    e.add_argument("out_dir")
+    e.add_argument("out_dir", help="a new or empty folder, or an earlier export (replaced)")
+    e.add_argument("--force", action="store_true", help="write into a non-empty folder that is not an export")
     i = sub.add_parser("import", help="Llama checkpoint folder -> consolidated .pt of our baseline")
     i.add_argument("hf_dir")
     i.add_argument("out", help="output .pt (evaluate it, or train from it with checkpoint.init_from)")
@@ -32,7 +33,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             raise UserError("transformers is not installed: pip install -e '.[hf]'")
         from mta_repro.hf.convert import export_hf, import_hf
 
-        print(export_hf(args.path, args.out_dir) if args.cmd == "export" else import_hf(args.hf_dir, args.out, args.dtype))
+        print(export_hf(args.path, args.out_dir, args.force) if args.cmd == "export" else import_hf(args.hf_dir, args.out, args.dtype))
         return 0
 
     return run_cli("hf", go)

@@ -104,15 +104,67 @@ def state_to_hf(sd: dict, args: ModelArgs) -> dict:
     return {k: v.contiguous() for k, v in out.items()}
 
 
-def export_hf(path: Union[str, Path], out_dir: Union[str, Path]) -> Path:
+# The files an export writes (a sharded save and the trust_remote_code folder included).
+EXPORT_FILES = ("config.json", "generation_config.json", "model.safetensors", "model.safetensors.index.json",
+                "model-*-of-*.safetensors", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                "tokenizer.model", TOKENIZER_NOTE, "modeling_mta_repro.py", "provenance.json")
+
+
+def _is_export(folder: Path) -> bool:
+    """Whether ``folder`` holds an export of ours (our tokenizer note, or our model type)."""
+    if (folder / TOKENIZER_NOTE).is_file():
+        return True
+    try:
+        return json.loads((folder / "config.json").read_text()).get("model_type") == "mta_repro"
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+def _check_out_dir(out_dir: Path, force: bool) -> list:
+    """The files of an earlier export of ours in ``out_dir`` (replaced: removed before the
+    new one is written); refuse another non-empty folder unless ``force``."""
+    if not out_dir.exists():
+        return []
+    if not out_dir.is_dir():
+        raise UserError(f"hf export: {out_dir} is a file; expected a new or empty folder")
+    entries = sorted(p.name for p in out_dir.iterdir())
+    if not entries:
+        return []
+    if _is_export(out_dir):
+        return sorted({f for pattern in EXPORT_FILES for f in out_dir.glob(pattern) if f.is_file()})
+    if not force:
+        raise UserError(f"hf export: {out_dir} is not empty ({len(entries)} entries, e.g. {entries[:3]}) and is not an "
+                        "export of ours: choose a new or empty folder, or pass --force to write into it (files of "
+                        "the export's names are overwritten, others kept)")
+    return []
+
+
+def _readable_as_umask(paths) -> None:
+    """Give the written files the mode the umask gives new files (safetensors writes 0600,
+    the rest of the export 0644): colleagues on a shared cluster read all of it or none."""
+    import os
+    import stat
+
+    mask = os.umask(0)
+    os.umask(mask)
+    for p in paths:
+        if p.is_file() and not p.is_symlink():
+            os.chmod(p, stat.S_IMODE(0o666 & ~mask))
+
+
+def export_hf(path: Union[str, Path], out_dir: Union[str, Path], force: bool = False) -> Path:
     """Write a ``LlamaForCausalLM`` folder (config.json, model.safetensors, the
-    tokenizer file and our tokenizer settings) from a baseline run or .pt."""
+    tokenizer file and our tokenizer settings) from a baseline run or .pt, with a
+    provenance.json saying what the weights came from (mta_repro/train/provenance.py).
+    ``out_dir`` must be new, empty or an earlier export of ours (replaced); ``force``
+    writes into another folder."""
     from transformers import LlamaForCausalLM
 
     from mta_repro.config import trained_seq_len
     from mta_repro.eval.load import load_model, load_tokenizer
 
-    model, cfg = load_model(path, device="cpu", dtype="float32")
+    earlier = _check_out_dir(Path(out_dir), force)  # before any work: a refusal changes nothing
+    model, cfg = load_model(path, device="cpu", dtype="float32", identity=True)
     args = model.args
     try:
         tok = load_tokenizer(cfg)
@@ -120,6 +172,8 @@ def export_hf(path: Union[str, Path], out_dir: Union[str, Path]) -> Path:
     except (ValueError, OSError):
         tok, bos, eos = None, None, None
     out_dir = Path(out_dir)
+    for f in earlier:
+        f.unlink()
     out_dir.mkdir(parents=True, exist_ok=True)
     if args.diff_transformer or args.mta.use_mta:
         # MTA, talking heads, Differential: our own modeling file (trust_remote_code).
@@ -155,7 +209,28 @@ def export_hf(path: Union[str, Path], out_dir: Union[str, Path]) -> Path:
             tok_cfg = {**tok_cfg, "path": "tokenizer.model"}
     if tok_cfg:
         (out_dir / TOKENIZER_NOTE).write_text(json.dumps(tok_cfg, indent=1) + "\n")
+    _record_source(model, cfg, path, out_dir)
+    _readable_as_umask(sorted({f for pattern in EXPORT_FILES for f in out_dir.glob(pattern)}))
     return out_dir
+
+
+# The sidecar of an exported folder: which run and step its weights are.
+def _record_source(model, cfg, path, out_dir: Path) -> None:
+    """Say which run and step were exported (an unfinished run's latest checkpoint exports
+    as well: the step tells), and record it with what the weights came from (step, sha256,
+    tokens seen, tokenizer, data, code) in ``<out_dir>/provenance.json``."""
+    from mta_repro.train import provenance
+
+    tok_cfg = OmegaConf.to_container(cfg.data.tokenizer, resolve=True) if "data" in cfg else None
+    record = provenance.weights_provenance(model, tok_cfg)
+    steps = OmegaConf.select(cfg, "trainer.steps", default=None)
+    record["export"] = {"run": str(Path(path).resolve()), "trainer_steps": steps}
+    provenance.write_record(out_dir / provenance.RECORD, record)
+    step = record["weights"]["step"]
+    of = f" of trainer.steps={steps}" + (" (an unfinished run)" if step is not None and step < steps else "") \
+        if isinstance(steps, int) else ""
+    print(f"[mta_repro.hf] exported step {step}{of} of {record['export']['run']} ({record['weights']['path']}); "
+          f"recorded in {out_dir / provenance.RECORD}", file=sys.stderr)
 
 
 def _find(path: str) -> Optional[Path]:
@@ -174,13 +249,16 @@ INDEX = "model.safetensors.index.json"
 
 def weight_files(hf_dir: Path) -> list:
     """The folder's safetensors files: those its ``model.safetensors.index.json`` names
-    (sharded checkpoints, e.g. Llama 3.1 8B's four shards), else every ``*.safetensors``."""
+    (sharded checkpoints, e.g. Llama 3.1 8B's four shards), else every ``*.safetensors``.
+    An index may only name files of the folder itself."""
+    from mta_repro.json_files import read_json
+
     index = hf_dir / INDEX
     if index.is_file():
-        try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError, TypeError):
-            raise UserError(f"hf import: {index}: expected JSON with a 'weight_map' {{tensor: file}}") from None
+        weight_map = read_json(index, {"weight_map": {"*": str}}, "a shard index")["weight_map"]
+        outside = sorted(f for f in set(weight_map.values()) if Path(f).name != f or f in ("", ".", ".."))
+        if outside:
+            raise UserError(f"hf import: {index} names shard(s) outside {hf_dir}: {outside[:3]} (expected file names)")
         files = [hf_dir / f for f in sorted(set(weight_map.values()))]
         missing = [f.name for f in files if not f.is_file()]
         if missing:
@@ -269,21 +347,77 @@ _LAYER_KEYS = {
 }
 
 
-def _convert_tensor(name: str, w: torch.Tensor, c, args: ModelArgs) -> Optional[tuple]:
-    """One LlamaForCausalLM tensor -> (our key, tensor), or None for a tensor we do not
-    keep (a tied checkpoint's lm_head copy, old rotary inv_freq buffers)."""
+def _our_key(name: str, args: ModelArgs) -> Optional[str]:
+    """Our key for a LlamaForCausalLM tensor name, or None for a tensor we do not keep (a
+    tied checkpoint's lm_head copy, old rotary inv_freq buffers)."""
     if name == "model.embed_tokens.weight":
-        return "tok_embeddings.weight", w
+        return "tok_embeddings.weight"
     if name == "model.norm.weight":
-        return "norm.weight", w
+        return "norm.weight"
     if name == "lm_head.weight":
-        return None if args.weight_tying else ("output.weight", w)
+        return None if args.weight_tying else "output.weight"
     if name.endswith("rotary_emb.inv_freq"):
         return None
     parts = name.split(".")
     if len(parts) < 5 or parts[:2] != ["model", "layers"] or ".".join(parts[3:]) not in _LAYER_KEYS:
         raise UserError(f"hf import: unexpected tensor {name!r} (not a LlamaForCausalLM weight)")
-    i, tail = parts[2], ".".join(parts[3:])
+    return f"layers.{parts[2]}.{_LAYER_KEYS['.'.join(parts[3:])]}"
+
+
+def _hf_shape(name: str, our_shape: tuple, c, args: ModelArgs) -> tuple:
+    """The shape ``name`` has in a LlamaForCausalLM checkpoint of our model's ``our_shape``
+    (the same, but for key/value heads that a model without n_kv_heads repeats)."""
+    H, KV = c.num_attention_heads, c.num_key_value_heads or c.num_attention_heads
+    if name.endswith(("self_attn.k_proj.weight", "self_attn.v_proj.weight")) and KV != H and not _NATIVE_GQA:
+        return (our_shape[0] * KV // H, *our_shape[1:])
+    return our_shape
+
+
+def check_hf_tensors(tensors: dict, c, args: ModelArgs, torch_dtype: Optional[str] = None) -> None:
+    """Every LlamaForCausalLM tensor ({name: (dtype name, shape, where)}) before any is
+    read or permuted: a float dtype, all of one dtype and that of config.json's
+    ``torch_dtype`` when it states one, the shape our model needs; none missing."""
+    from mta_repro.weights import check_float, expected_shapes
+
+    want = expected_shapes(args)
+    seen: dict = {}
+    first: Optional[tuple] = None
+    for name, (dtype, shape, where) in tensors.items():
+        key = _our_key(name, args)
+        if key is None:
+            continue
+        check_float(where, name, dtype)
+        if first is None:
+            first = (dtype, name)
+        if torch_dtype is not None and dtype != torch_dtype:
+            raise UserError(f"hf import: {where}: tensor {name!r} is {dtype} but config.json's torch_dtype is "
+                            f"{torch_dtype}: a relabelled or mixed file (if the weights are right, correct "
+                            "config.json's torch_dtype)")
+        if dtype != first[0]:
+            raise UserError(f"hf import: {where}: tensor {name!r} is {dtype} but {first[1]!r} is {first[0]}: a "
+                            "relabelled or mixed file (a checkpoint stores its weights in one dtype)")
+        if key in seen:
+            raise UserError(f"hf import: tensor {name!r} appears twice ({seen[key]} and {where})")
+        seen[key] = where
+        if key not in want:
+            raise UserError(f"hf import: {where}: tensor {name!r} is not part of the model config.json describes "
+                            f"({args.n_layers} layers)")
+        expected = _hf_shape(name, want[key], c, args)
+        if tuple(shape) != expected:
+            raise UserError(f"hf import: {where}: tensor {name!r} has shape {list(shape)}, expected "
+                            f"{list(expected)} (from config.json)")
+    missing = sorted(k for k in set(want) - set(seen) if not (k == "output.weight" and args.weight_tying))
+    if missing:
+        raise UserError(f"hf import: the checkpoint lacks {len(missing)} tensor(s), e.g. {missing[:3]}")
+
+
+def _convert_tensor(name: str, w: torch.Tensor, c, args: ModelArgs) -> Optional[tuple]:
+    """One LlamaForCausalLM tensor (already checked: ``check_hf_tensors``) -> (our key,
+    tensor), or None for a tensor we do not keep."""
+    key = _our_key(name, args)
+    if key is None or not name.startswith("model.layers."):
+        return None if key is None else (key, w)
+    tail = ".".join(name.split(".")[3:])
     H, KV = c.num_attention_heads, c.num_key_value_heads or c.num_attention_heads
     d = args.resolved_head_dim
     back = torch.argsort(_halves_from_pairs(d))  # HF's half-split rows -> our interleaved pairs
@@ -295,68 +429,61 @@ def _convert_tensor(name: str, w: torch.Tensor, c, args: ModelArgs) -> Optional[
         w = _permute_heads(w, H, back)
     elif tail == "self_attn.k_proj.weight":
         w = _permute_heads(w, KV, back)
-    return f"layers.{i}.{_LAYER_KEYS[tail]}", w
+    return key, w
 
 
 def hf_to_state(hf_sd: dict, config) -> tuple:
     """LlamaForCausalLM weights (a dict) and config -> (our baseline state dict, ModelArgs)."""
     args = model_args_from_hf(config)
+    check_hf_tensors({n: (str(w.dtype).replace("torch.", ""), tuple(w.shape), "state dict")
+                      for n, w in hf_sd.items()}, config, args)
     sd = {}
     for name, w in hf_sd.items():
         got = _convert_tensor(name, w, config, args)
         if got is not None:
             sd[got[0]] = got[1].contiguous()
-    _check_state(sd, args)
     return sd, args
 
 
-def _check_state(sd: dict, args: ModelArgs) -> None:
-    """Every tensor of our model present with its shape (the model built on meta)."""
-    from mta_repro.model import build_model
+def read_hf_weights(hf_dir: Path, config, args: ModelArgs, dtype: Optional[torch.dtype] = None,
+                    torch_dtype: Optional[str] = None) -> dict:
+    """Our state dict from the folder's safetensors, one tensor at a time: every file's
+    header is checked first (``mta_repro.weights.SafetensorsFile``; the tensors' dtypes and
+    shapes: ``check_hf_tensors``), then each tensor is read from its (memory-mapped) shard,
+    converted and cast, and the shard is closed before the next is opened, so the host holds
+    the converted weights plus one shard's mapping (an 8B bf16 checkpoint: ~16 GB + one
+    ~5 GB shard), never two copies of the model."""
+    from mta_repro.weights import SAFETENSORS_FLOAT_DTYPES, SafetensorsFile
 
-    want = {k: tuple(v.shape) for k, v in build_model(args, device="meta").state_dict().items()}
-    if args.weight_tying:
-        want.pop("output.weight", None)
-    missing = sorted(set(want) - set(sd))
-    if missing:
-        raise UserError(f"hf import: the checkpoint lacks {len(missing)} tensor(s), e.g. {missing[:3]}")
-    bad = [(k, tuple(sd[k].shape), s) for k, s in want.items() if tuple(sd[k].shape) != s]
-    if bad:
-        raise UserError(f"hf import: tensor {bad[0][0]} has shape {bad[0][1]}, expected {bad[0][2]}")
-
-
-def read_hf_weights(hf_dir: Path, config, args: ModelArgs, dtype: Optional[torch.dtype] = None) -> dict:
-    """Our state dict from the folder's safetensors, one tensor at a time: each tensor is
-    read from its (memory-mapped) shard, converted and cast, and the shard is closed before
-    the next is opened, so the host holds the converted weights plus one shard's mapping
-    (an 8B bf16 checkpoint: ~16 GB + one ~5 GB shard), never two copies of the model."""
-    from safetensors import safe_open
-
+    files = [SafetensorsFile(f) for f in weight_files(hf_dir)]
+    check_hf_tensors({name: (SAFETENSORS_FLOAT_DTYPES.get(t.dtype, t.dtype), t.shape, str(f.path))
+                      for f in files for name, t in f.tensors.items()}, config, args, torch_dtype)
     sd: dict = {}
-    for f in weight_files(hf_dir):
-        with safe_open(str(f), framework="pt", device="cpu") as st:
-            for name in st.keys():
-                raw = st.get_tensor(name)
+    for f in files:
+        with f:
+            for name in f.tensors:
+                raw = f.tensor(name)
                 got = _convert_tensor(name, raw, config, args)
                 if got is None:
                     continue
                 key, w = got
-                if key in sd:
-                    raise UserError(f"hf import: tensor {name!r} appears in two files (second: {f.name})")
-                w = w.to(dtype) if dtype is not None and w.is_floating_point() else w
+                w = w.to(dtype) if dtype is not None else w
                 w = w.contiguous()
                 if w.untyped_storage().data_ptr() == raw.untyped_storage().data_ptr():
                     w = w.clone()  # own memory, so that the shard's mapping goes when it closes
                 sd[key] = w
                 del raw, w
-    _check_state(sd, args)
     return sd
 
 
 def _tokenizer_of(hf_dir: Path) -> Optional[dict]:
     note = hf_dir / TOKENIZER_NOTE
     if note.is_file():  # written by export_hf
-        tok_cfg = json.loads(note.read_text())
+        from mta_repro.json_files import read_json
+        from mta_repro.weights.check import check_plain_config
+
+        tok_cfg = read_json(note, {"*": (str, type(None), bool, int, float)}, "our tokenizer settings")
+        check_plain_config(tok_cfg, str(note))
         if tok_cfg.get("name") != "bytes" and tok_cfg.get("path") and (hf_dir / tok_cfg["path"]).is_file():
             tok_cfg["path"] = str((hf_dir / tok_cfg["path"]).resolve())
         return tok_cfg
@@ -382,12 +509,22 @@ def import_hf(hf_dir: Union[str, Path], out: Union[str, Path], dtype: str = "aut
     from mta_repro.eval.load import resolve_dtype
     from mta_repro.train.checkpoint import save_file_atomic
 
+    from mta_repro.json_files import read_json
+
     hf_dir = Path(hf_dir)
     if not (hf_dir / "config.json").is_file():
         raise UserError(f"hf import: {hf_dir}/config.json is missing (expected a Hugging Face model folder)")
-    config = AutoConfig.from_pretrained(str(hf_dir))
+    raw = read_json(hf_dir / "config.json", dict, "a model config")
+    try:
+        config = AutoConfig.from_pretrained(str(hf_dir))
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        raise UserError(f"hf import: {hf_dir / 'config.json'}: transformers cannot read it ({type(e).__name__}: "
+                        f"{' '.join(str(e).split())[:200]})") from None
     args = model_args_from_hf(config)
-    sd = read_hf_weights(hf_dir, config, args, None if dtype == "auto" else resolve_dtype(dtype))
+    stated = str(raw.get("torch_dtype") or raw.get("dtype")).replace("torch.", "")  # transformers 4 / 5
+    floats = ("float32", "bfloat16", "float16", "float64")
+    sd = read_hf_weights(hf_dir, config, args, None if dtype == "auto" else resolve_dtype(dtype),
+                         stated if stated in floats else None)
     cfg = compose([])
     for f in dataclasses.fields(args):
         if f.name != "mta":

@@ -115,6 +115,10 @@ class MTAReproForCausalLM(PreTrainedModel, GenerationMixin):
     def get_input_embeddings(self):
         return self.model.tok_embeddings
 
+    def get_output_embeddings(self):
+        # the head: the token embedding itself under weight tying (every release config)
+        return self.model.tok_embeddings if self.model.args.weight_tying else self.model.output
+
     def forward(self, input_ids=None, attention_mask=None, labels=None, cache=None, past_key_values=None,
                 use_cache=None, **kwargs):
         """input_ids (B, T): the tokens after the cached ones; attention_mask (B, pos + T),

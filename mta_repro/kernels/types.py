@@ -74,24 +74,19 @@ class KernelTuning:
     # >= 16. 64x64: a c_k <= 65 kernel's key window is then 128 wide and a program fits in
     # registers at 8 warps (kq_conv_triton.tiles; tests use 16x16 to cross tile borders).
     kq_tile: str = "64x64"
-    # Frame of every pass of the fused kernel (attn_impl=triton): ROWSxCOLS, powers of two
-    # >= 16, larger than the pass's halo; null = frames.frame's default (128x128 for a
-    # mixing layer's passes, 128x64 for a kq-conv layer's, doubled where a halo needs it).
+    # The next three tune the experimental attn_impl=triton kernels
+    # (mta_repro/experimental/fused_triton; geometry in its tiles.py).
+    # Frame of every pass: ROWSxCOLS, powers of two >= 16, larger than the pass's halo;
+    # null = tiles.frame's default (128x128 for a mixing layer's passes, 128x64 for a kq-conv
+    # layer's, 256x64 for its backward_b, doubled where a halo needs it).
     triton_frame: Optional[str] = None
-    # Persistent programs of each fused-kernel launch: null = frames.PROGRAMS_PER_SM per SM
-    # on a GPU, one per item in the interpreter (tests set 2-3 to run a GPU's multi-item
-    # programs there).
+    # Persistent programs of each launch: null = tiles.PROGRAMS_PER_SM per SM on a GPU, one
+    # per item in the interpreter (tests set 2-3 to run a GPU's multi-item programs there).
     triton_programs: Optional[int] = None
-    # Frame rows per head-mixing slab of the fused kernel: a power of two dividing the
-    # frame's rows; null = 4 on a GPU (1 in a mixing layer's backward), the whole frame in
-    # the interpreter.
+    # Frame rows per head-mixing slab: a power of two dividing the frame's rows; null = 4 on
+    # a GPU (1 in a mixing layer's backward, 2 in a kq-conv layer's backward_dc), the whole
+    # frame in the interpreter.
     triton_slab_rows: Optional[int] = None
-    # Which kernels run a kq-conv layer (a pre-softmax kernel) under attn_impl=triton:
-    # "stored" (attention_stored.py: the convolved scores C computed once and stored, the
-    # backward split at a stored dC; issue #37) or "fused" (attention_triton.py, every pass
-    # recomputing C). A layer with training dropout and every mixing layer run the fused
-    # kernel either way (docs/triton_kernel.md, "Where the kernel stands").
-    triton_design: str = "stored"
 
     def __post_init__(self) -> None:
         if self.kq_conv not in KQ_CONV_CHOICES:
@@ -107,8 +102,6 @@ class KernelTuning:
         frame = _shape("model.kernels.triton_frame", self.triton_frame, "128x64")
         _count("model.kernels.triton_programs", self.triton_programs, "positive")
         _count("model.kernels.triton_slab_rows", self.triton_slab_rows, "pow2")
-        if self.triton_design not in ("stored", "fused"):
-            raise UserError(f"model.kernels.triton_design: {self.triton_design!r}: expected stored or fused")
         # parsed once: the compiled query block reads them as plain attributes (no string
         # parsing for Dynamo to trace)
         object.__setattr__(self, "_tile", tile)

@@ -151,11 +151,12 @@ class ModelArgs:
     # Differential Transformer (Ye et al. 2024): n_heads/2 heads of value size
     # 2*head_dim, two softmaxes per head. Exclusive with mta.use_mta.
     diff_transformer: bool = False
-    # Implementation of the explicit attention path (MTA, talking heads); a key into
-    # ``mta_repro.model.attention_ops.ATTN_IMPLS``: "blocked" (query blocks recomputed in
-    # backward, causal skipping; the default), "triton" (fused kernels, CUDA or Triton's
-    # interpreter; falls back to blocked elsewhere) or "torch" (the reference: the whole
-    # (B, H, T, T) score matrix, kept for backward). Faster kernels plug in there.
+    # Implementation of the explicit attention path (MTA, talking heads); a name of
+    # ``mta_repro.model.attention_ops.attn_impl``: "blocked" (query blocks recomputed in
+    # backward, causal skipping; the default), "torch" (the reference: the whole
+    # (B, H, T, T) score matrix, kept for backward) or "triton" (EXPERIMENTAL fused Triton
+    # kernels, never run on a GPU: mta_repro/experimental/fused_triton/README.md; CUDA or
+    # Triton's interpreter, blocked elsewhere). Faster kernels plug in there.
     attn_impl: str = "blocked"
     # Query rows per block of attn_impl=blocked; null = per device
     # (attention_ops.DEFAULT_BLOCK_SIZE: 128 on CPU, fastest for kq-conv layers at T=2048
@@ -292,13 +293,9 @@ def validate(args: ModelArgs) -> None:
             f"model.dim={args.dim} is not divisible by model.n_heads={args.n_heads}; "
             "set model.head_dim explicitly"
         )
-    from mta_repro.model.attention_ops import ATTN_IMPLS
+    from mta_repro.model import attention_ops
 
-    if args.attn_impl not in ATTN_IMPLS:
-        raise UserError(
-            f"model.attn_impl: unknown implementation {args.attn_impl!r}; registered: "
-            f"{sorted(ATTN_IMPLS)}"
-        )
+    attention_ops.attn_impl(args.attn_impl)  # registered, or a declared one loaded; else one line
     _positive("model.attn_block_size", args.attn_block_size)
     if args.attn_selfcheck not in ("warn", "strict", "off"):
         raise UserError(f"model.attn_selfcheck: expected warn, strict or off, got {args.attn_selfcheck!r}")

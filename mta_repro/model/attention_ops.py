@@ -10,7 +10,7 @@ without touching the model.
 Shapes: B batch, H heads, Tq queries, Tk keys, d head_dim. Query row i sits at absolute
 position ``q_offset + i``; keys sit at 0..Tk-1 (a KV cache holds the earlier ones).
 
-Three implementations of the explicit path are registered (``model.attn_impl``):
+Two implementations of the explicit path are built in (``model.attn_impl``):
 - ``torch``: the reference, the release's computation on the whole (B, H, Tq, Tk) score
   matrix; every other implementation is tested against it.
 - ``blocked`` (default): queries in blocks of ``attn_block_size`` rows, each with the
@@ -21,24 +21,27 @@ Three implementations of the explicit path are registered (``model.attn_impl``):
   ``kq_conv_triton`` (Triton kernels) on CUDA and ``F.conv2d`` elsewhere
   (``kq_conv_backend``; ``model.kernels.kq_conv`` forces one); head mixing is one matmul
   over the head axis.
-- ``triton``: the whole path in fused Triton kernels, forward and backward
-  (``attention_triton.py``); CUDA tensors, or CPU ones in Triton's interpreter
-  (``TRITON_INTERPRET=1``); elsewhere it falls back to ``blocked``.
+Others plug in by name: ``register_attn_impl``, or an entry point of the group
+``mta_repro.attn_impls`` that ``attn_impl`` loads on first use (pyproject.toml declares the
+experimental fused Triton kernels as ``triton`` that way; this module never imports them).
 """
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 import math
 import os
 import warnings
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Callable, Mapping, Optional
 
 import torch
 import torch.nn.functional as F
 import torch.utils.checkpoint
 
+from mta_repro.errors import UserError
 from mta_repro.kernels.conv_pad import pad_left
 from mta_repro.kernels.types import DEFAULT_TUNING, AttnMask, ExplicitAttnParams, KernelTuning
 
@@ -392,61 +395,93 @@ def compile_block(device: torch.device, tuning: KernelTuning = DEFAULT_TUNING) -
 
 @dataclass(frozen=True)
 class AttnImpl:
-    """A registered explicit-path implementation and what it supports."""
+    """A registered explicit-path implementation, what it supports, and what the estimates
+    (``mta_repro.estimate``) ask of one whose kernels they can neither run on the meta device
+    nor count from outside (the last three fields; None: the generic rule)."""
 
     fn: Callable[..., torch.Tensor]
     # Returns None when (q, params, mask) are supported, else the reason (for the
-    # fallback's warning); None means everything is supported.
+    # fallback's warning); None means everything is supported. The params as the call uses
+    # them: their dropout is 0 outside training.
     supports: Optional[Callable[[torch.Tensor, ExplicitAttnParams, AttnMask], Optional[str]]] = None
     doc: str = ""
     # What runs instead where ``supports`` declines.
     fallback: str = "torch"
-
-
-def _explicit_attention_triton(q, k, v, p, mask, training=False):
-    # Imported on first use: triton is optional, and TRITON_INTERPRET is read when the
-    # kernels are defined.
-    from mta_repro.kernels import stored_frames
-
-    if stored_frames.uses_stored(p.mta_kernel is not None, p.dropout > 0.0 and training, p.tuning):
-        # a kq-conv layer: C and dC through stores (attention_stored.py, issue #37)
-        from mta_repro.kernels.attention_stored import explicit_attention_stored
-
-        return explicit_attention_stored(q, k, v, p, mask, training)
-    from mta_repro.kernels.attention_triton import explicit_attention_triton
-
-    return explicit_attention_triton(q, k, v, p, mask, training)
-
-
-def _triton_supports(q: torch.Tensor, p: ExplicitAttnParams, mask: AttnMask) -> Optional[str]:
-    if importlib.util.find_spec("triton") is None:
-        return "this environment: the triton package is not installed (pip install triton)"
-    if q.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
-        return "CPU tensors unless TRITON_INTERPRET=1 (Triton's interpreter: for tests, slow)"
-    if q.device.type not in ("cuda", "cpu"):
-        return f"{q.device.type} tensors"
-    if q.device.type == "cuda" and q.dtype == torch.float64:
-        # its accumulators are added by TMA reductions, which stop at 32-bit floats
-        return "float64 tensors on a GPU (float64 runs in the interpreter, for its checks)"
-    return None
+    # The memory pre-flight runs the model on meta: a stand-in with fn's signature that saves
+    # for backward what fn saves (None: fn itself runs on meta).
+    meta_fn: Optional[Callable[..., torch.Tensor]] = None
+    # (params, batch, seq_len, n_heads, head_dim, dtype) -> bytes fn holds beyond its inputs,
+    # outputs and saved tensors while one training layer's backward runs (None: none).
+    workspace_bytes: Optional[Callable[..., int]] = None
+    # (ModelArgs, seq_len, layer kind) -> (forward, backward) FLOPs per token of one layer, or
+    # None where ``fallback`` runs the layer (None: counted as the whole (B, H, T, T) matrix).
+    flops: Optional[Callable[..., Optional[tuple[float, float]]]] = None
 
 
 # Registry of explicit-path implementations (``model.attn_impl``). An implementation has
 # the signature of ``explicit_attention_torch`` and its semantics; the parity tests in
-# tests/test_attn_impls.py run every registered name against "torch".
+# tests/test_attn_impls.py run every built-in name against "torch".
 ATTN_IMPLS: dict[str, AttnImpl] = {
     "torch": AttnImpl(explicit_attention_torch, doc="reference: whole (B, H, Tq, Tk) matrix"),
     "blocked": AttnImpl(explicit_attention_blocked, doc="query blocks, causal skipping, recomputed"),
-    "triton": AttnImpl(
-        _explicit_attention_triton, _triton_supports, fallback="blocked",
-        doc="fused Triton kernels, forward and backward (attention_triton.py; kq-conv layers without "
-            "dropout: attention_stored.py)",
-    ),
 }
+
+# The entry-point group of implementations that are not built in: "name = module:attribute",
+# the attribute an ``AttnImpl``.
+ENTRY_POINTS = "mta_repro.attn_impls"
 
 
 def register_attn_impl(name: str, impl: AttnImpl) -> None:
     ATTN_IMPLS[name] = impl
+
+
+def declared_attn_impls() -> dict[str, str]:
+    """{name: "module:attribute"} of the implementations declared in the entry-point group
+    ``ENTRY_POINTS``: by the installed packages and, where this package runs from a source
+    tree (``PYTHONPATH=.``, its installed metadata absent or another tree's), by that tree's
+    pyproject.toml, which wins. Nothing is imported."""
+    from importlib.metadata import entry_points
+
+    out = {ep.name: ep.value for ep in entry_points(group=ENTRY_POINTS)}
+    tree = Path(__file__).resolve().parents[2] / "pyproject.toml"
+    try:
+        import tomllib
+    except ModuleNotFoundError:  # Python 3.10: the installed metadata only
+        return out
+    if tree.is_file():
+        project = tomllib.loads(tree.read_text()).get("project", {})
+        if project.get("name") == "mta-repro":
+            out.update(project.get("entry-points", {}).get(ENTRY_POINTS, {}))
+    return out
+
+
+def attn_impl_names() -> list[str]:
+    """Every implementation ``model.attn_impl`` may name: registered or declared."""
+    return sorted(set(ATTN_IMPLS) | set(declared_attn_impls()))
+
+
+def attn_impl(name: str) -> AttnImpl:
+    """The implementation registered as ``name``; a declared one (``declared_attn_impls``) is
+    imported and registered on first use. One line naming ``model.attn_impl`` where there is
+    none or it does not load."""
+    entry = ATTN_IMPLS.get(name)
+    if entry is not None:
+        return entry
+    target = declared_attn_impls().get(name)
+    if target is None:
+        raise UserError(f"model.attn_impl: unknown implementation {name!r}; available: {attn_impl_names()}")
+    module, _, attr = target.partition(":")
+    try:
+        entry = importlib.import_module(module)
+        for part in filter(None, attr.split(".")):
+            entry = getattr(entry, part)
+    except (ImportError, AttributeError) as e:
+        raise UserError(f"model.attn_impl={name!r}: its implementation {target} (entry point of {ENTRY_POINTS}) "
+                        f"does not load: {e}") from None
+    if not isinstance(entry, AttnImpl):
+        raise UserError(f"model.attn_impl={name!r}: {target} is a {type(entry).__name__}, not an AttnImpl")
+    register_attn_impl(name, entry)
+    return entry
 
 
 def explicit_attention(
@@ -462,12 +497,13 @@ def explicit_attention(
     """Dispatch to ``impls[impl]`` (default: the registry ``ATTN_IMPLS``), or to its
     fallback where it declares no support."""
     impls = ATTN_IMPLS if impls is None else impls
-    entry = impls[impl]
+    entry = impls[impl] if impl in impls else attn_impl(impl)
     if entry.supports is not None:
-        reason = entry.supports(q, p, mask)
+        # the layer as this call runs it: no dropout outside training
+        reason = entry.supports(q, p if training or not p.dropout else replace(p, dropout=0.0), mask)
         if reason is not None:
             _warn_fallback(impl, reason, entry.fallback)
-            entry = impls[entry.fallback]
+            entry = impls[entry.fallback] if entry.fallback in impls else attn_impl(entry.fallback)
     return entry.fn(q, k, v, p, mask, training)
 
 

@@ -54,7 +54,7 @@ def next_impl(name: str) -> Optional[str]:
         return None
     if name in FALLBACK_CHAIN:
         return FALLBACK_CHAIN[FALLBACK_CHAIN.index(name) + 1]
-    return attention_ops.ATTN_IMPLS[name].fallback
+    return attention_ops.attn_impl(name).fallback
 
 
 def split_impl(name: str) -> tuple[str, Optional[str]]:
@@ -160,7 +160,7 @@ def _run(name: str, q64, k64, v64, p64, gy64, device, dtype):
     ws = {f: getattr(p64, f).to(device, wdtype).detach().clone().requires_grad_() for f in fields}
     p = dataclasses.replace(p64, **ws)
     mask = attention_ops.AttnMask()
-    entry = attention_ops.ATTN_IMPLS[base]
+    entry = attention_ops.attn_impl(base)
     if entry.supports is not None:
         why = entry.supports(q, p, mask)
         if why is not None:

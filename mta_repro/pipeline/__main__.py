@@ -10,7 +10,12 @@ absolute paths, evaluation of each run, and a report over all of them in <root>/
 
 ``--plan`` prints the job table alone (one line a job, done or to do, its run directory
 and dependencies); ``--dry-run`` adds each job's command (and with launcher=slurm every
-sbatch script). ``paper_880m`` alone means ``pipeline=paper_880m``. Rerunning the
+sbatch script). With launcher=slurm, --plan, --dry-run and the submission check what the
+jobs need at their start (the data root and its domains, the tokenizer, sources, a
+writable root): each missing one is a line, exit status 2, nothing queued; ``--no-check``
+skips that for paths that exist only on the compute nodes. ``pipeline.slurm`` sets the
+resources of the evaluation, check and report jobs, and its partition, account, qos and
+constraint apply to every job (training jobs take their size from the experiment). ``paper_880m`` alone means ``pipeline=paper_880m``. Rerunning the
 same command skips the jobs that are done and resumes the others (training resumes from
 its checkpoints); with launcher=slurm it submits what is not done and not still queued,
 chained with --dependency=afterok. Overrides change the plan like any Hydra config:
@@ -59,30 +64,42 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if any(a in ("-h", "--help") for a in argv):
         print(__doc__)
         return 0
-    dry_run, plan_only = "--dry-run" in argv, "--plan" in argv
-    overrides = [a for a in argv if a not in ("--dry-run", "--plan")]
-    bad = [a for a in overrides if a.startswith("--")]
-    if bad:
-        print(f"error: unknown option {bad[0]} (options: --plan, --dry-run, --help; the rest are Hydra overrides)",
-              file=sys.stderr)
-        return 2
-    try:
-        overrides = [_bare_name(a) for a in overrides]
-        plan, cfg = build_plan(overrides)
+    from mta_repro.cli import check_split_lists, run_cli
+    from mta_repro.train.jobcheck import NO_CHECK, raise_problems
+
+    flags = ("--dry-run", "--plan", NO_CHECK)
+    dry_run, plan_only, check = "--dry-run" in argv, "--plan" in argv, NO_CHECK not in argv
+    overrides = [a for a in argv if a not in flags]
+
+    def go() -> int:
+        bad = [a for a in overrides if a.startswith("--")]
+        if bad:
+            raise UserError(f"unknown option {bad[0]} (options: --plan, --dry-run, {NO_CHECK}, --help; the rest are "
+                            "Hydra overrides)")
+        check_split_lists(overrides)
+        plan, cfg = build_plan([_bare_name(a) for a in overrides])
+        # SLURM jobs wait in the queue, then start elsewhere: what each needs is checked now
+        slurm = cfg.launcher == "slurm" and check
         if plan_only:
             print(plan.describe())
             print("(--dry-run adds each job's command, and with launcher=slurm its sbatch script)")
+        elif not slurm or dry_run:
+            from mta_repro.pipeline.run import main_run
+
+            rc = main_run(plan, cfg.launcher, dry_run)
+            if rc or not (slurm and dry_run):
+                return rc
+        if slurm:
+            from mta_repro.pipeline.run import plan_problems
+
+            raise_problems(plan_problems(plan))  # nothing queued
+        if plan_only or dry_run:
             return 0
         from mta_repro.pipeline.run import main_run
 
         return main_run(plan, cfg.launcher, dry_run)
-    except Exception as e:  # a bad config or override (or a refused sbatch): one line
-        from mta_repro.cli import describe, user_errors
 
-        if not isinstance(e, (*user_errors(), RuntimeError)):
-            raise
-        print(f"error: {describe(e)}", file=sys.stderr)
-        return 2
+    return run_cli("pipeline", go)
 
 
 if __name__ == "__main__":

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from mta_repro.errors import UserError
+from mta_repro.train.durable import replace_atomically
 
 DEFAULT_TOL = 1e-4
 RESULT_FILE = "appendix_i_check.json"
@@ -75,7 +76,7 @@ def check(overrides: Sequence[str], tol: float = DEFAULT_TOL, device: str = "aut
     res["ok"] = res["abs_diff"] <= tol
     out = Path(res["run_dir"])
     out.mkdir(parents=True, exist_ok=True)
-    (out / RESULT_FILE).write_text(json.dumps(res, indent=1))
+    replace_atomically(out / RESULT_FILE, json.dumps(res, indent=1).encode())  # whole or absent
     return res
 
 

@@ -9,8 +9,10 @@ tokens"), instead of re-reading the first ones with the same seed. Documents the
 had read but not yet trained on (its packing remainder and shuffle buffer, at most
 ``shuffle_buffer + 1`` windows per rank) are skipped, not repeated.
 
-Only the stream positions carry over: the finetune's own seq_len, batch size and seed
-apply, and its own checkpoints resume it exactly as usual. It needs the same number of
+Only the stream positions carry over (and the files the source started with): the
+finetune's own seq_len, batch size and seed apply, and its own checkpoints resume it
+exactly as usual. A file whose text the source read has changed since is refused like on
+a resume (``checkpoint.accept_changed_data``). It needs the same number of
 ranks as the source (file shards are per rank) and a source with DCP checkpoints (a
 consolidated .pt has no data position); otherwise it stops with an error naming the field.
 """
@@ -71,4 +73,7 @@ def build_continued_loader(data_args, rank: int = 0, world_size: int = 1):
     for domain, stream in loader.streams.items():
         if domain in streams:
             stream.load_state_dict(streams[domain])
+    # The text the source read of the files it was in: unchanged (the trainer decides on
+    # what this finds, as after a resume).
+    loader.check_inputs()
     return loader

@@ -28,18 +28,17 @@ Every run lives at ``<root>/<stage>/<variant>`` (sweeps: ``<root>/<stage>/<point
 point named by the experiment's own run_dir, i.e. by the swept values), given to the
 trainer as an absolute ``run_dir=``; hand-offs are absolute ``checkpoint.init_from=``.
 
-A job is done when its output is there: a training run when ``export/consolidated.pt``
-holds the configured last step (the trainer exports only after the last step; with
-``checkpoint.export=false``, the complete checkpoint of that step), an evaluation when
-every task's JSON is newer than that, the Appendix I check when its
-JSON says ok, an import when its ``.pt`` is there (written atomically) and was read from
-the configured folder, the report when its ``results.json`` is newer than every evaluation.
+A job is done when its output is there and reads whole: a run when its export (with
+``checkpoint.export=false``: its complete checkpoint) holds the last step, an evaluation
+when every task's JSON is valid, of that step and newer, the Appendix I check when its
+JSON says ok, an import when its ``.pt`` (written atomically) was read from the configured
+folder, the report when its valid ``results.json`` is newer than every evaluation.
+``torn(job)`` names an output there but unreadable: the job is redone.
 """
 
 from __future__ import annotations
 
 import itertools
-import json
 import shlex
 import sys
 from dataclasses import dataclass, field
@@ -50,6 +49,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from mta_repro.config import CONFIG_DIR
 from mta_repro.errors import UserError
+from mta_repro.json_files import read_json
 
 REPO = CONFIG_DIR.parent
 VARIANTS = ("baseline", "diff", "talking_heads", "mta")
@@ -443,6 +443,36 @@ def missing_sources(plan: "Plan") -> list:
             for j in plan.jobs if j.kind == "import" and not done(j) and not (j.hf_dir / "config.json").is_file()]
 
 
+def _json(path: Path, shape=object):
+    """The JSON value in ``path``; None when it is missing, not whole (``torn``) or not of
+    ``shape`` (``mta_repro.json_files``)."""
+    try:
+        return read_json(path, shape)
+    except (OSError, UserError):
+        return None
+
+
+def outputs(job: Job) -> list:
+    """The JSON files a job's done check reads."""
+    if job.kind == "check":
+        return [job.run_dir / "appendix_i_check.json"]
+    if job.kind == "eval":
+        return [job.eval_out / f"{t}.json" for t in job.eval_tasks]
+    if job.kind == "report":
+        return [job.run_dir / "results.json"]
+    return []
+
+
+def torn(job: Job) -> list:
+    """One line per output of ``job`` that is there but is not valid JSON (a write cut
+    short by a kill or a full disk, or a file damaged since): the job is redone."""
+    out = []
+    for f in outputs(job):
+        if f.is_file() and _json(f) is None:
+            out.append(f"{f} is there but not valid JSON (a write cut short?)")
+    return out
+
+
 def done(job: Job) -> bool:
     if job.kind == "import":
         src = imported_from(job.out_file)
@@ -451,26 +481,26 @@ def done(job: Job) -> bool:
         return _finished(job.run_dir, job.steps or 0) is not None
     if job.kind == "check":
         f = job.run_dir / "appendix_i_check.json"
-        if not f.is_file():
-            return False
-        try:
-            return bool(json.loads(f.read_text()).get("ok"))
-        except json.JSONDecodeError:
-            return False
+        data = _json(f, dict)  # damaged or not the check's record: run the check again
+        return data is not None and bool(data.get("ok"))
     if job.kind == "eval":
         export = _finished(job.run_dir, job.steps or 0)
         if export is None:
             return False
         t0 = export.stat().st_mtime
-        files = [job.eval_out / f"{t}.json" for t in job.eval_tasks]
-        return all(f.is_file() and f.stat().st_mtime >= t0 for f in files)
+        for f in [job.eval_out / f"{t}.json" for t in job.eval_tasks]:
+            data = _json(f)
+            if not (isinstance(data, dict) and isinstance(data.get("results"), dict) and f.stat().st_mtime >= t0):
+                return False
+            if isinstance(data.get("step"), int) and data["step"] < (job.steps or 0):  # an earlier checkpoint's
+                return False
+        return True
     if job.kind == "report":
         res = job.run_dir / "results.json"
-        if not res.is_file():
-            return False
+        data = _json(res)
         try:
-            runs = [r["path"] for r in json.loads(res.read_text())["runs"]]
-        except (json.JSONDecodeError, KeyError, TypeError):
+            runs = [r["path"] for r in data["runs"]]
+        except (KeyError, TypeError):
             return False
         if runs != [str(d) for d in job.runs]:
             return False

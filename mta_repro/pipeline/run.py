@@ -13,8 +13,11 @@ from pathlib import Path
 from string import Template
 
 from mta_repro.errors import UserError
-from mta_repro.pipeline.plan import REPO, Job, Plan, done, missing_sources
+from mta_repro.json_files import read_json
+from mta_repro.pipeline.plan import REPO, Job, Plan, done, missing_sources, torn
+from mta_repro.train.durable import replace_atomically
 from mta_repro.slurm import memory_lines, time_limit
+from mta_repro.train.args import SITE_FIELDS
 
 # Evaluation, Appendix I check and report jobs: one process on one node.
 JOB_TEMPLATE = Template("""#!/bin/bash
@@ -70,12 +73,12 @@ def job_script(job: Job, slurm: dict) -> str:
         kwargs = {"python": job.command[0]}
         if "check_paths" in inspect.signature(render).parameters:
             kwargs["check_paths"] = False  # the source run is made by an earlier job of this plan
-        script, _ = render(list(job.overrides), **kwargs)
+        script, _ = render(list(job.overrides) + site_overrides(slurm, job.overrides), **kwargs)
         return script
     report = job.kind == "report"
     cpu_only = report or job.kind == "import"
     gpus = int(slurm.get("gpus_per_node", 1)) if not cpu_only else 0
-    extra = "\n".join(f"#SBATCH --{k}={slurm[k]}" for k in ("partition", "account", "qos") if slurm.get(k))
+    extra = "\n".join(f"#SBATCH --{k}={slurm[k]}" for k in SITE_FIELDS if slurm.get(k))
     cpus = REPORT_CPUS if report else (IMPORT_CPUS if job.kind == "import" else int(slurm.get("cpus_per_task", 12)))
     name = f"{job.kind}_{job.label}".replace("/", "_") if not report else "mta_report"
     command = job.shell() if not report else _missing_report_inputs(job) + "\n" + job.shell()
@@ -93,6 +96,38 @@ def job_script(job: Job, slurm: dict) -> str:
         omp=max(1, cpus // 2),
         command=command,
     )
+
+
+def site_overrides(slurm: dict, given) -> list:
+    """``pipeline.slurm``'s partition, account, QoS and constraint for a training job (whose
+    own ``slurm`` section sets its size), unless its overrides set them: one place for
+    the site's names, every job of the plan."""
+    from mta_repro.train.jobcheck import quote_value
+
+    return [f"slurm.{k}={quote_value(slurm[k])}" for k in SITE_FIELDS
+            if slurm.get(k) and not any(str(o).lstrip("+").startswith(f"slurm.{k}=") for o in given)]
+
+
+def plan_problems(plan: Plan) -> list:
+    """What the jobs still to run would miss at their start (mta_repro/train/jobcheck.py),
+    each line once: a root the jobs cannot write, an import folder, and each training
+    job's data, tokenizer and sources (a run an earlier job makes counts as there)."""
+    from mta_repro.pipeline.plan import _Composer
+    from mta_repro.train.jobcheck import problems, writable_dir_problem
+
+    lines = [line for line in [writable_dir_problem(plan.root, "root")] if line]
+    lines += missing_sources(plan)
+    made = list(plan.train_dirs.values()) + [j.out_file for j in plan.jobs if j.kind == "import"]
+    todo = [j for j in plan.jobs if j.kind in ("train", "check") and not done(j)]
+    if todo:
+        with _Composer() as c:
+            for job in todo:
+                for line in problems(c.train(job.overrides), made_by_plan=made):
+                    if line.startswith("run_dir:"):  # under the root: said once, above
+                        continue
+                    if line not in lines:
+                        lines.append(line)
+    return lines
 
 
 def script_path(job: Job) -> Path:
@@ -118,6 +153,8 @@ def run_local(plan: Plan, log=print) -> int:
         if done(job):
             log(f"pipeline: {job.id}: done, skipped")
             continue
+        for line in torn(job):
+            log(f"pipeline: {job.id}: {line}: redoing the job")
         job.run_dir.mkdir(parents=True, exist_ok=True)
         logf = job.run_dir / f"pipeline_{job.kind}.log"
         log(f"pipeline: {job.id}: running (log {logf})")
@@ -164,7 +201,11 @@ def submit_slurm(plan: Plan, dry_run: bool = False, log=print) -> int:
     not submitted twice. --dry-run prints the scripts instead."""
     slurm = dict(plan.spec.get("slurm") or {})
     state_f = _state_file(plan)
-    previous = json.loads(state_f.read_text()) if state_f.is_file() else {}
+    try:
+        previous = read_json(state_f, dict, "the pipeline's record of submitted jobs") if state_f.is_file() else {}
+    except UserError as e:  # torn: its jobs cannot be told; squeue's own list decides nothing here
+        log(f"pipeline: {e}: submitting as if nothing were queued")
+        previous = {}
     alive = _alive(list(previous.values())) if not dry_run else set()
     if dry_run:
         for line in missing_sources(plan):
@@ -183,6 +224,8 @@ def submit_slurm(plan: Plan, dry_run: bool = False, log=print) -> int:
             ids[job.id] = previous[job.id]
             log(f"pipeline: {job.id}: still queued as job {ids[job.id]}, not submitted again")
             continue
+        for line in torn(job):
+            log(f"pipeline: {job.id}: {line}: redoing the job")
         script = job_script(job, slurm)
         deps = [ids[d] for d in job.deps if d in ids]
         kind = "afterany" if job.kind == "report" else "afterok"  # the report: after all END
@@ -200,7 +243,7 @@ def submit_slurm(plan: Plan, dry_run: bool = False, log=print) -> int:
         log(f"pipeline: {job.id}: submitted as job {ids[job.id]}" + (f" ({dep_args[0]})" if dep_args else ""))
     if not dry_run:
         state_f.parent.mkdir(parents=True, exist_ok=True)
-        state_f.write_text(json.dumps({**previous, **ids}, indent=1))
+        replace_atomically(state_f, json.dumps({**previous, **ids}, indent=1).encode())
         log(f"pipeline: {submitted} job(s) submitted; rerun this command after they end (it skips what is done "
             f"and resubmits what is not); report: {plan.root / 'report' / 'report.md'}")
     return 0
@@ -220,7 +263,7 @@ def _submit(path: Path, dep_args) -> str:
         return train_slurm.sbatch(path, dep_args)
     out = subprocess.run(["sbatch", "--parsable", *dep_args, str(path)], capture_output=True, text=True)
     if out.returncode != 0:
-        raise RuntimeError(f"sbatch refused {path}: {(out.stderr or out.stdout).strip()}")
+        raise train_slurm.SubmitError(f"sbatch refused {path}: {(out.stderr or out.stdout).strip()}")
     return out.stdout.strip().split(";")[0]
 
 

@@ -1,6 +1,7 @@
 """``python -m mta_repro.report <run_dir>... --out <dir> [--label DIR=NAME ...]``: tables and plots.
 
-Writes <out>/report.md (every table with its notes, links to the plots), <out>/<table>.csv
+Writes <out>/report.md (every table with its notes and provenance block, links to the
+plots), <out>/<table>.csv
 and <out>/<table>.tex for each table that has data, <out>/results.json (every run's stage,
 comparability and every table's rows as {header: value}), and PNGs: needle.png,
 babilong.png, loss_curves.png (training loss and any val* loss logged during training),
@@ -23,6 +24,7 @@ from mta_repro.errors import UserError
 from mta_repro.report import plots
 from mta_repro.report.paper import VARIANT_LABELS
 from mta_repro.report.tables import STAGE_LABELS, all_tables, comparability, eval_command, load_run
+from mta_repro.train.durable import replace_atomically
 
 
 def parse_labels(items) -> dict:
@@ -48,9 +50,9 @@ def build_report(run_dirs, out: Path, kernels: bool = True, labels: Optional[dic
             r.label = f"{r.path.parent.name}_{r.path.name}"
     out.mkdir(parents=True, exist_ok=True)
     tables = all_tables(runs)
-    for t in tables:
-        (out / f"{t.name}.csv").write_text(t.csv())
-        (out / f"{t.name}.tex").write_text(t.latex())
+    for t in tables:  # every file whole or absent (the pipeline reads results.json)
+        replace_atomically(out / f"{t.name}.csv", t.csv().encode())
+        replace_atomically(out / f"{t.name}.tex", t.latex().encode())
     pngs = [plots.needle_plot(runs, out), plots.babilong_plot(runs, out), plots.loss_plot(runs, out)]
     if kernels:
         for r in runs:
@@ -80,15 +82,16 @@ def build_report(run_dirs, out: Path, kernels: bool = True, labels: Optional[dic
     md += [t.markdown() for t in tables]
     md += [f"![{p.stem}]({p.name})\n" for p in pngs if p is not None]
     path = out / "report.md"
-    path.write_text("\n".join(md))
+    replace_atomically(path, "\n".join(md).encode())
     results = {
         "runs": [{"label": r.label, "path": str(r.path), "variant": r.variant, "stage": r.stage, "step": r.step,
+                  "newest_checkpoint_step": r.final_step,
                   "comparable": comparability(r) is None, "not_comparable_because": comparability(r),
                   "evaluated": sorted(r.evals)} for r in runs],
         "tables": {t.name: t.to_json() for t in tables},
         "plots": [p.name for p in pngs if p is not None],
     }
-    (out / "results.json").write_text(json.dumps(results, indent=1, default=str))
+    replace_atomically(out / "results.json", json.dumps(results, indent=1, default=str).encode())
     return path
 
 

@@ -4,6 +4,10 @@ Every row carries the paper's number where the paper has one for that run's vari
 *and stage* (pretraining, 4K long-context finetune, Appendix I insertion), the difference
 to the baseline run of the same stage and size, and whether the run is comparable with
 the paper's setting (model size, steps); the notes under each table say what was counted.
+Under each table a provenance block says what each row's numbers came from (checkpoint,
+tokens seen, tokenizer, data, code: the eval JSONs' "provenance"), and rows that are not
+comparable with the rows beside them (another tokenizer or validation set, an eval older
+than the run's newest checkpoint) are marked "(!)" (docs/provenance.md).
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from pathlib import Path
 from typing import Optional
 
 from mta_repro.errors import UserError
+from mta_repro.json_files import fault, read_json
 from mta_repro.report import paper
 
 BENCH_ORDER = list(paper.BENCH_TASKS)
@@ -37,6 +42,7 @@ class RunData:
     evals: dict = field(default_factory=dict)  # task -> parsed eval JSON
     metrics: list = field(default_factory=list)  # metrics.jsonl records
     stage: str = "pretrain"  # pretrain | long_context | insertion | continued
+    final_step: Optional[int] = None  # the step of the run's newest checkpoint or export
 
     @property
     def shape(self) -> Optional[tuple]:
@@ -129,6 +135,23 @@ def _stage_from_pt(cfg: Optional[dict], pt: Path) -> str:
     return "long_context" if theta is not None and float(theta) >= 500_000 else "continued"
 
 
+# What the tables and plots read from each task's eval JSON (shapes: mta_repro.json_files).
+_NUM = (float, type(None))
+_RESULTS = {
+    "ppl": {"domains": {"*": {"ppl?": _NUM, "loss?": _NUM}}, "average": _NUM, "seq_len?": _NUM},
+    "needle": {"accuracy": {"*": {"*": {"mean": float}}}},
+    "babilong": {"accuracy": {"*": {"*": float}}, "mean": {"*": float}},
+    "benchmarks": {"summary": dict, "metrics?": (dict, type(None))},
+    "lambada": {"summary": {"average?": _NUM, "*": (dict, type(None))}},
+}
+
+
+def eval_shape(task: str) -> dict:
+    """The shape of ``eval/<task>.json`` that the report reads."""
+    return {"task?": str, "step?": (int, type(None)), "variant?": (str, type(None)),
+            "results?": (_RESULTS.get(task, dict), type(None))}
+
+
 def load_run(path, label: Optional[str] = None) -> RunData:
     path = Path(path)
     if not path.is_dir():
@@ -144,17 +167,24 @@ def load_run(path, label: Optional[str] = None) -> RunData:
         except Exception:  # noqa: BLE001 - e.g. an unset environment variable: keep it as written
             run.config = OmegaConf.to_container(raw, resolve=False)
     for f in sorted((path / "eval").glob("*.json")) if (path / "eval").is_dir() else []:
+        what = "an eval result of python -m mta_repro.eval"
         try:
-            data = json.loads(f.read_text())
-        except json.JSONDecodeError as e:
-            raise UserError(f"report: {f} is not valid JSON ({e})") from None
-        run.evals[data.get("task", f.stem)] = data
+            data = read_json(f, eval_shape(""), what)
+        except UserError as e:
+            raise UserError(f"report: {e}; rerun the evaluation that wrote it ({eval_command(path)}; it redoes "
+                            "that task), or delete the file") from None
+        task = data.get("task", f.stem)
+        why = fault(data, eval_shape(task))
+        if why:
+            raise UserError(f"report: {f}: not {what} ({task}): {why}")
+        run.evals[task] = data
         run.variant = run.variant or data.get("variant")
     if run.variant is None and run.config and "model" in run.config:
         from mta_repro.config import attention_variant
 
         run.variant = attention_variant(run.config["model"])
     run.stage = run_stage(run.config)
+    run.final_step = final_step(path)
     m = path / "metrics.jsonl"
     if m.is_file():
         lines, skipped = m.read_bytes().split(b"\n"), []
@@ -178,6 +208,19 @@ def load_run(path, label: Optional[str] = None) -> RunData:
         raise UserError(f"report: {path} has no eval/*.json results and no metrics.jsonl; "
                          f"train it, then evaluate it: {eval_command(path)}")
     return run
+
+
+def final_step(path: Path) -> Optional[int]:
+    """The step of a run directory's newest complete checkpoint or export (None: neither)."""
+    from mta_repro.weights import EXPORT, complete_checkpoints, export_step
+
+    steps = [int(c.name) for c in complete_checkpoints(Path(path) / "checkpoints")]
+    if (Path(path) / EXPORT).is_file():
+        try:
+            steps.append(export_step(Path(path) / EXPORT))
+        except (UserError, OSError):
+            pass
+    return max(steps) if steps else None
 
 
 def eval_command(path) -> str:
@@ -236,6 +279,9 @@ class Table:
     headers: list
     rows: list  # lists of str | float | None
     notes: list = field(default_factory=list)
+    # What each row's numbers came from: {run label: {"checkpoint", ..., "comparable"}}
+    # (``add_provenance``), rendered as a block under the table.
+    provenance: dict = field(default_factory=dict)
 
     def cell(self, v, blank="—") -> str:
         if v is None:
@@ -250,6 +296,12 @@ class Table:
         out += ["| " + " | ".join(self.cell(v) for v in row) + " |" for row in self.rows]
         if self.notes:
             out += [""] + [f"- {n}" for n in self.notes]
+        if self.provenance:
+            cols = ["checkpoint", "tokens seen", "tokenizer", "data", "code", "comparable"]
+            out += ["", f"Provenance of the {self.name} rows (docs/provenance.md):", "",
+                    "| run | " + " | ".join(cols) + " |", "|---" * (len(cols) + 1) + "|"]
+            out += ["| " + " | ".join([label] + [str(p[c]) for c in cols]) + " |"
+                    for label, p in self.provenance.items()]
         return "\n".join(out) + "\n"
 
     def csv(self) -> str:
@@ -275,7 +327,8 @@ class Table:
 
     def to_json(self) -> dict:
         return {"title": self.title, "headers": self.headers,
-                "rows": [dict(zip(self.headers, row)) for row in self.rows], "notes": self.notes}
+                "rows": [dict(zip(self.headers, row)) for row in self.rows], "notes": self.notes,
+                "provenance": self.provenance}
 
 
 def _res(run: RunData, task: str):
@@ -296,7 +349,8 @@ def baseline_of(run: RunData, runs) -> Optional[RunData]:
 
 
 def _diff(a, b):
-    return None if a is None or b is None else a - b
+    d = None if a is None or b is None else a - b
+    return None if d != d else d  # inf - inf (two diverged runs): no difference to show
 
 
 def _paper_note(stages, runs=()) -> str:
@@ -609,6 +663,87 @@ def babilong_table(runs) -> Optional[Table]:
                  ["run", "model", "source", "task"] + lengths, rows, notes)
 
 
+# The eval JSON each table's rows come from; the lm-eval tables' data is lm-eval's own.
+TABLE_TASK = {"ppl": "ppl", "ablations": "ppl", "benchmarks": "benchmarks", "lambada": "lambada",
+              "needle": "needle", "babilong": "babilong"}
+LM_EVAL_TABLES = ("benchmarks", "lambada")
+MARK = " (!)"
+
+
+def _most_common(values: list):
+    """The value most rows share (the first row's among equals); None if none is known."""
+    known = [v for v in values if v is not None]
+    return max(known, key=lambda v: (known.count(v), -known.index(v))) if known else None
+
+
+def add_provenance(table: Table, runs) -> None:
+    """Fill ``table.provenance`` from its rows' eval JSONs and mark (``MARK`` after the run's
+    name) every row not comparable with the rows beside it: another tokenizer, another
+    validation set (lm-eval tables: another lm-eval version) than most rows, or an
+    evaluation older than the run's newest checkpoint."""
+    from mta_repro.train.provenance import short
+
+    task = TABLE_TASK.get(table.name)
+    by_label = {r.label: r for r in runs}
+    labels = list(dict.fromkeys(row[0] for row in table.rows if row and row[0] in by_label))
+    if task is None or not labels:
+        return
+    facts = {}
+    for label in labels:
+        e = by_label[label].evals.get(task) or {}
+        p = e.get("provenance") or {}
+        ck, tok, val, code = p.get("checkpoint") or {}, p.get("tokenizer") or {}, p.get("validation") or {}, \
+            p.get("code") or {}
+        data = (f"lm-eval {p.get('lm_eval') or '?'}" if table.name in LM_EVAL_TABLES else
+                (f"validation {val.get('files')} file(s), {val.get('bytes'):,} bytes, {short(val.get('sha256'))}"
+                 if val.get("sha256") else None))
+        facts[label] = {
+            "step": e.get("step"), "weights": ck.get("weights_sha256"), "tokens": ck.get("tokens_seen"),
+            "tok": (tok.get("name"), tok.get("sha256")) if tok else None, "data": data, "code": code,
+            "accepted": (p.get("run_accepted") or []) + (p.get("accepted") or []),
+        }
+    ref_tok = _most_common([f["tok"] for f in facts.values()])
+    ref_data = _most_common([f["data"] for f in facts.values()])
+    flagged = set()
+    for label, f in facts.items():
+        why = []
+        if f["tok"] is not None and f["tok"] != ref_tok:
+            why.append(f"tokenizer {short(f['tok'][1])}, most rows {short(ref_tok[1])}")
+        if f["data"] is not None and f["data"] != ref_data:
+            why.append(f"data {f['data']}, most rows {ref_data}")
+        newest = by_label[label].final_step
+        if isinstance(f["step"], int) and newest is not None and f["step"] < newest:
+            why.append(f"evaluated at step {f['step']:,}; the run's newest checkpoint is step {newest:,}: re-evaluate")
+        if why:
+            flagged.add(label)
+        step = "?" if f["step"] is None else f"{f['step']:,}"
+        commit = f["code"].get("commit")
+        table.provenance[label + (MARK if why else "")] = {
+            "checkpoint": f"step {step}" + (f", weights {short(f['weights'])}" if f["weights"] else ""),
+            "tokens seen": "—" if f["tokens"] is None else f"{f['tokens']:,}",
+            "tokenizer": "—" if f["tok"] is None else f"{f['tok'][0]} {short(f['tok'][1])}",
+            "data": f["data"] or "—",
+            "code": "—" if not f["code"] else (f"{f['code'].get('package')} {short(commit, 9) if commit else ''}"
+                                               f"{' (modified)' if f['code'].get('dirty') else ''}").strip(),
+            "comparable": ("no: " + "; ".join(why)) if why else ("yes" if f["tok"] is not None else
+                                                                 "unknown (no provenance recorded)"),
+            **({"accepted changes": "; ".join(f"{a.get('what')} at step {a.get('step')}: {a.get('change')}"
+                                              for a in f["accepted"])} if f["accepted"] else {}),
+        }
+    for row in table.rows:
+        if row and row[0] in flagged:
+            row[0] = row[0] + MARK
+    if flagged:
+        table.notes.append(f"{MARK.strip()}: not comparable with the rows beside it, or evaluated before its run's "
+                           "newest checkpoint; the provenance block under the table says why.")
+    if any("accepted changes" in p for p in table.provenance.values()):
+        table.notes.append("Some runs went on after an input changed (accepted with an override): see "
+                           "'accepted changes' in results.json and the run's provenance.json.")
+
+
 def all_tables(runs) -> list:
     makers = (ppl_table, benchmark_table, lambada_table, ablation_table, needle_table, babilong_table)
-    return [t for t in (m(runs) for m in makers) if t is not None]
+    tables = [t for t in (m(runs) for m in makers) if t is not None]
+    for t in tables:
+        add_provenance(t, runs)
+    return tables

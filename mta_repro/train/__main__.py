@@ -57,12 +57,26 @@ def main(cfg: DictConfig) -> None:
 def cli(argv: list[str]) -> int:
     """Check the overrides (one line for an unknown key or option), then run Hydra's main."""
     from mta_repro.cli import check_hydra_overrides, run_cli
-    from mta_repro.config import check_schema
+    from mta_repro.config import to_train_config
+    from mta_repro.train.jobcheck import NO_CHECK, problems, raise_problems, resolved_overrides
 
-    argv = hydra_argv(argv)
-    rc = run_cli(PROG, lambda: check_hydra_overrides(argv, CONFIG_DIR, "train", check_schema) or 0)
+    check_paths = NO_CHECK not in argv
+    argv = hydra_argv([a for a in argv if a != NO_CHECK])
+    # A sweep submitted through submitit: its jobs wait in the queue, then start elsewhere
+    slurm_sweep = any(a.lstrip("+") == "hydra/launcher=slurm" for a in argv)
+    resolved: list[str] = []
+
+    def check(cfg) -> None:
+        to_train_config(cfg)  # every field's check (schema, values, data.seq_len <= model.max_seqlen)
+        if slurm_sweep:
+            if check_paths:  # what the jobs need at their start, on the first point's config
+                raise_problems(problems(cfg))
+            resolved.extend(resolved_overrides(cfg, argv))  # values read from the environment, written in
+
+    rc = run_cli(PROG, lambda: check_hydra_overrides(argv, CONFIG_DIR, "train", check) or 0)
     if rc:
         return rc
+    argv = argv + resolved
     sys.argv[1:] = argv
     main()
     return 0

@@ -52,6 +52,12 @@ class TrainerArgs:
     # width; costs 1.1-1.9x the step time on CPU. null = glibc's default (fastest).
     # 131072 is glibc's initial value (mta_repro/cpu_malloc.py, docs/memory.md).
     cpu_mmap_threshold: Optional[int] = field(default=None, metadata={"run_dir": "free"})
+    # Before anything is allocated, refuse in one line a model, batch and world size whose
+    # memory on one rank is over the device's (GPU: free memory; CPU: the memory available,
+    # shared by the node's ranks): a floor (fp32 parameters and AdamW moments, one fp32 copy
+    # of the logits), then the memory pre-flight (mta_repro/estimate/memory.py) on a GPU or
+    # when the floor is over 5% of it (mta_repro/train/memory_check.py). false = start anyway.
+    memory_check: bool = field(default=True, metadata={"run_dir": "free"})
 
     def __post_init__(self) -> None:
         if self.eval_every < 0:
@@ -111,6 +117,15 @@ class CheckpointArgs:
     # background write of `path` has begun). For tests that inject faults there (tests/
     # fixtures/faults.py) and for instrumentation; nothing a run's numbers depend on.
     save_hook: Optional[str] = field(default=None, metadata={"run_dir": "free"})
+    # A resume (or a start from init_from's data position) checks that the text the run
+    # already read of its data files is unchanged, and refuses one whose bytes changed,
+    # naming the file; true goes on with the files as they are now (docs/provenance.md).
+    # An accepted change is recorded in <run_dir>/provenance.json.
+    accept_changed_data: bool = field(default=False, metadata={"run_dir": "free"})
+    # A resume, and a stage start from checkpoint.init_from, refuse a tokenizer file whose
+    # content (sha256) differs from the one the run (or the source run) recorded; true
+    # goes on with this one, recorded likewise.
+    accept_changed_tokenizer: bool = field(default=False, metadata={"run_dir": "free"})
 
     def __post_init__(self) -> None:
         if self.on_corrupt not in ON_CORRUPT_CHOICES:
@@ -135,8 +150,12 @@ class LoggingArgs:
     # many steps (and before a save and at the end), so a signal is honoured within this
     # many steps; one rank honours it at the next step (docs/errors_and_signals.md).
     every: int = 10
-    # tqdm progress bar on rank 0.
+    # tqdm progress bar on rank 0 (on a terminal; elsewhere a plain line per logged step).
+    # false: that line at most every quiet_s seconds.
     progress_bar: bool = field(default=True, metadata={"run_dir": "free"})
+    # Without a bar, a step line at least every this many seconds while steps run, so a
+    # job's log is never silent for long (and, with progress_bar=false, at most this often).
+    quiet_s: float = field(default=60.0, metadata={"run_dir": "free"})
     # wandb mode: "offline" (default; sync later with `wandb sync`), "online" (needs a
     # login) or "disabled". Nothing ever prompts for a login.
     wandb_mode: str = "offline"
@@ -147,6 +166,8 @@ class LoggingArgs:
     def __post_init__(self) -> None:
         if self.every < 1:
             raise UserError(f"logging.every: expected >= 1, got {self.every}")
+        if not self.quiet_s > 0:
+            raise UserError(f"logging.quiet_s: expected seconds > 0, got {self.quiet_s}")
         if self.wandb_mode not in WANDB_MODES:
             raise UserError(f"logging.wandb_mode: expected one of {WANDB_MODES}, got {self.wandb_mode!r}")
 
@@ -185,6 +206,10 @@ class DistributedArgs:
                 )
 
 
+# The SlurmArgs fields that name things of the site, rendered as `#SBATCH --<field>=<value>`.
+SITE_FIELDS = ("partition", "account", "qos", "constraint")
+
+
 @dataclass
 class SlurmArgs:
     """What ``python -m mta_repro.train.slurm`` renders into slurm/train.sbatch (and what
@@ -197,12 +222,20 @@ class SlurmArgs:
     # Ranks per node; null = one per GPU (gpus_per_node). Required when gpus_per_node=0.
     tasks_per_node: Optional[int] = None
     # CPUs per rank, passed to sbatch and to srun (srun no longer inherits it, SLURM >= 22.05).
-    cpus_per_task: int = 12
+    # 8 x 8 GPU ranks = 64: fits the smallest common 8-GPU node (64 cores); a GPU rank needs
+    # its main thread, the data prefetch thread, the async checkpoint writer and a few
+    # intra-op threads (OMP_NUM_THREADS = half of this). More where the nodes have them:
+    # `scontrol show node <node>` shows CPUTot.
+    cpus_per_task: int = 8
     # Wall-clock limit in minutes.
     time_min: int = 4320
+    # The site's names (sbatch --partition, --account, --qos, --constraint); null leaves
+    # the flag out (the cluster's defaults). `sinfo -s` lists partitions, `sacctmgr show
+    # assoc user=$USER` accounts and QoS, `sinfo -o "%N %f"` node features.
     partition: Optional[str] = None
     account: Optional[str] = None
     qos: Optional[str] = None
+    constraint: Optional[str] = None
     # Seconds before the time limit at which SLURM sends SIGUSR2 (requeue + checkpoint).
     signal_s: int = 120
     job_name: str = "mta"

@@ -9,13 +9,14 @@ Layout: ``<run_dir>/checkpoints/<step:010d>/`` holds the DCP files of a
      "rank{r}": {"rng": ..., "data": loader state, "tokens_seen": int} of rank r, for every rank}
 
 a ``config.yaml`` (the resolved run config it was trained with: a resume checks the
-command against it when the run's own config.yaml is gone) and a ``.complete`` marker.
+command against it when the run's own config.yaml is gone), a ``provenance.json`` (inputs,
+step, tokens seen: mta_repro/train/provenance.py) and a ``.complete`` marker.
 Saving writes into ``.tmp-<step>``, fsyncs every file and the folder, adds the marker
 (fsynced too), then renames the directory (atomic on POSIX) and fsyncs its parent, so
 neither a kill nor a power loss midway leaves a directory that looks complete with data
-still unwritten; stale temporaries are removed at the next start. A save that fails on a
-full disk removes its ``.tmp-<step>`` and stops the run with one line (``NoSpaceError``:
-the path, the bytes the checkpoint needs and those free).
+still unwritten; stale temporaries are removed at the next start; those beyond ``keep``
+are renamed ``.pruned-<step>``, then deleted (a reader never lists a half-deleted one). A
+full disk removes the save's ``.tmp-<step>`` and stops the run in one line (NoSpaceError).
 
 The scheduler and per-rank entries are run-state in plain types and tensors, stored as
 ``torch.save`` bytes and read back with ``weights_only=True`` (``mta_repro.weights.safe``):
@@ -27,6 +28,7 @@ Finding and reading weights (``init_from``, exports, release/Lingua checkpoints)
 from __future__ import annotations
 
 import errno
+import json
 import os
 import shutil
 import sys
@@ -41,6 +43,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from mta_repro.errors import NoSpaceError, UserError
 from mta_repro.train.durable import fsync_path, fsync_tree
+from mta_repro.train.provenance import RECORD as PROVENANCE
 from mta_repro.train.state import TrainState, rank_key
 from mta_repro.weights import load_weights
 from mta_repro.weights.layout import (
@@ -60,12 +63,14 @@ from mta_repro.weights.safe import (
 )
 
 def save_file_atomic(obj: Any, path: Path) -> Path:
-    """``torch.save`` to ``path`` through a temporary file and a rename, so a kill midway
-    leaves the previous file (or none), never a truncated one."""
+    """``torch.save`` to ``path`` through a temporary file, an fsync and a rename, so a kill
+    or a power loss midway leaves the previous file (or none), never a truncated one."""
     path = Path(path)
     tmp = path.with_name(path.name + ".tmp")
     torch.save(obj, tmp)
+    fsync_path(tmp)  # the bytes on disk before the rename publishes them (a power loss too)
     os.replace(tmp, path)
+    fsync_path(path.parent)
     return path
 
 
@@ -135,6 +140,9 @@ class CheckpointManager:
         self.config_text = config_text
         self._pending = None  # (future, step, tmp, final, bytes) of an async save in flight
         self._pg = None
+        # Rank 0: fn(step, tokens_seen) -> the record each checkpoint carries as provenance.json.
+        self.provenance: Optional[Callable[[int, Optional[int]], dict]] = None
+        self._record: Optional[bytes] = None  # the record of the save in flight
 
     def _barrier(self) -> None:
         if dist.is_initialized():
@@ -144,7 +152,7 @@ class CheckpointManager:
         """Remove temporaries of saves that never finished (rank 0)."""
         if self.rank == 0 and self.root.is_dir():
             for p in self.root.iterdir():
-                if p.name.startswith(".tmp-"):
+                if p.name.startswith((".tmp-", ".pruned-")):
                     shutil.rmtree(p, ignore_errors=True)
         self._barrier()
 
@@ -157,6 +165,8 @@ class CheckpointManager:
         writes the config beside them."""
         if self.rank == 0 and self.config_text is not None:
             (tmp / CHECKPOINT_CONFIG).write_text(self.config_text)
+        if self.rank == 0 and self._record is not None:
+            (tmp / PROVENANCE).write_bytes(self._record)
         fsync_tree(tmp)
 
     def _finalize(self, step: int, tmp: Path, final: Path) -> None:
@@ -176,11 +186,21 @@ class CheckpointManager:
             os.replace(tmp, final)
             fsync_path(self.root)
             for old in complete_checkpoints(self.root)[: -self.keep]:
-                shutil.rmtree(old, ignore_errors=True)
+                gone = old.with_name(f".pruned-{old.name}")  # out of every listing at once, then deleted
+                shutil.rmtree(gone, ignore_errors=True)  # left by a kill during an earlier prune
+                try:
+                    os.replace(old, gone)
+                except OSError:
+                    gone = old
+                shutil.rmtree(gone, ignore_errors=True)
 
     def _failed(self, exc: BaseException, step: int, tmp: Path, need: int) -> None:
-        """A save that raised: remove its partial folder; a full disk becomes one line."""
+        """A save that raised: remove its partial folder; a full disk becomes one line; a
+        second Ctrl-C that DCP caught and wrapped is a KeyboardInterrupt again (stop now)."""
         shutil.rmtree(tmp, ignore_errors=True)  # every rank: idempotent
+        failures = getattr(exc, "failures", None) or {}  # DCP's {rank: (exception, traceback)}
+        if any(isinstance(f[0] if isinstance(f, tuple) else f, KeyboardInterrupt) for f in failures.values()):
+            raise KeyboardInterrupt from None
         try:
             free = shutil.disk_usage(self.root).free
         except OSError:
@@ -208,6 +228,8 @@ class CheckpointManager:
         self._barrier()
         entries = state.state_dict()
         need = state_bytes(entries)
+        if self.provenance is not None:  # what the state is at this step (an async write ends later)
+            self._record = (json.dumps(self.provenance(step, state.tokens_seen), indent=1, default=str) + "\n").encode()
         if self.async_save:
             if self._pg is None and dist.is_initialized():
                 # The background thread coordinates over gloo (CPU), never over NCCL.
@@ -337,11 +359,12 @@ class CheckpointManager:
             )
 
 
-def load_model_state(path: Path) -> tuple[dict, Optional[int]]:
+def load_model_state(path: Path, expect=None) -> tuple[dict, Optional[int]]:
     """Full (unsharded) model state dict and its step from a run dir, a DCP checkpoint dir,
     a consolidated .pt, or a release/Lingua checkpoint (``mta_repro.weights.load_weights``:
-    the newest readable one, read in this process only, no collectives)."""
-    w = load_weights(path, who="mta_repro.train")
+    the newest readable one, read in this process only, no collectives). ``expect``: the
+    ModelArgs the weights must fit (keys, shapes, float dtypes), checked before any copy."""
+    w = load_weights(path, who="mta_repro.train", expect=expect)
     return w.state, w.step
 
 

@@ -1,8 +1,9 @@
 """Consolidated single-file export for evaluation.
 
 ``<run_dir>/export/consolidated.pt`` = ``{"model": full fp32 state dict (Lingua keys),
-"config": the resolved run config as a plain dict, "step": int}``, made from the latest
-complete DCP checkpoint in a single process (no process group needed).
+"config": the resolved run config as a plain dict, "step": int, "provenance": the
+checkpoint's record (mta_repro/train/provenance.py) with the sha256 of the weights}``,
+made from the latest complete DCP checkpoint in a single process (no process group needed).
 """
 
 from __future__ import annotations
@@ -14,8 +15,9 @@ from omegaconf import OmegaConf
 
 from mta_repro.errors import UserError
 from mta_repro.train.checkpoint import save_file_atomic
+from mta_repro.train.provenance import EXPORT_KEY, read_record, state_digest
 from mta_repro.weights.layout import latest_checkpoint
-from mta_repro.weights import read_dcp_model
+from mta_repro.weights import Candidate, read_weights
 
 
 def export_consolidated(run_dir: Union[str, Path], checkpoint: Optional[Path] = None) -> Path:
@@ -28,14 +30,18 @@ def export_consolidated(run_dir: Union[str, Path], checkpoint: Optional[Path] = 
     if ckpt is None:
         raise UserError(f"{run_dir}/checkpoints: no complete checkpoint to export")
     cfg = OmegaConf.load(cfg_file)
-    # This process reads every shard itself, whatever the saving world size (fp32, CPU).
-    sd, step = read_dcp_model(ckpt)
-    sd = {k: (v.float() if v.is_floating_point() else v).contiguous() for k, v in sd.items()}
+    # This process reads every shard itself, whatever the saving world size (fp32, CPU),
+    # with the checks of any weights read (float tensors, the shapes of its config's model).
+    w = read_weights(Candidate("dcp", ckpt))
+    sd, step = {k: v.contiguous() for k, v in w.state.items()}, w.step
     out = run_dir / "export" / "consolidated.pt"
     out.parent.mkdir(parents=True, exist_ok=True)
+    # What the weights came from (the checkpoint's record) and the sha256 of their tensors.
+    record = {**(read_record(ckpt) or {}), "checkpoint": str(ckpt), "weights_sha256": state_digest(sd)}
     # atomic: readers never see a half-written export
     return save_file_atomic(
-        {"model": sd, "config": OmegaConf.to_container(cfg, resolve=True), "step": int(step if step is not None else ckpt.name)}, out
+        {"model": sd, "config": OmegaConf.to_container(cfg, resolve=True), "step": int(step if step is not None else ckpt.name),
+         EXPORT_KEY: record}, out
     )
 
 

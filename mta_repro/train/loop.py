@@ -38,7 +38,7 @@ from omegaconf import DictConfig, OmegaConf
 from mta_repro.config import TrainConfig, to_train_config
 from mta_repro.cpu_malloc import fix_mmap_threshold
 from mta_repro.dataclass_config import to_dataclass
-from mta_repro.errors import NoSpaceError, UserError
+from mta_repro.errors import NoSpaceError, StopRequested, UserError
 from mta_repro.model import build_model, to_model_args
 from mta_repro.estimate.flops import train_flops_per_token
 from mta_repro.train.args import CheckpointArgs, TrainerArgs
@@ -52,6 +52,7 @@ from mta_repro.train.distributed import (
     parallelize,
 )
 from mta_repro.train.metrics import MetricLogger, Throughput, device_peak_flops, mfu, peak_mem_gb
+from mta_repro.train import provenance
 from mta_repro.train.optim import build_lr_scheduler, build_optimizer
 from mta_repro.train.rundir import (
     RunLock,
@@ -114,25 +115,33 @@ def _check_vocab(args: TrainConfig, vocab_size: int) -> None:
         )
 
 
-def stage_start_weights(ck: CheckpointArgs, model_args, is_main: bool = True) -> Optional[dict]:
+def stage_start_weights(ck: CheckpointArgs, model_args, is_main: bool = True,
+                        identity: Optional[dict] = None) -> Optional[dict]:
     """Full source weights for a stage start (``checkpoint.init_from``, read on rank 0 only),
     or None for the seeded init. mta_repro.pipeline.check calls it too, so that its
-    Appendix I check sees exactly what training starts from."""
+    Appendix I check sees exactly what training starts from. ``identity`` (a dict) gets
+    the source's path, step and the sha256 of its tensors (the run's record)."""
     if ck.init_from is None or not is_main:
         return None
     from mta_repro.train.checkpoint import load_init_weights
 
-    # Ours (load_model_state) or a release/Lingua checkpoint, in our key layout.
-    sd, step = load_init_weights(ck.init_from)
+    from mta_repro.model.args import MTAArgs
+
+    # baseline_to_mta (Appendix I): a baseline's weights go into this MTA model, new parts at identity.
+    base_args = dataclasses.replace(model_args, mta=MTAArgs(use_mta=False))
+    # Ours (load_model_state) or a release/Lingua checkpoint, in our key layout, checked
+    # against the model it goes into (keys, shapes, float dtypes) before anything is copied.
+    sd, step = load_init_weights(ck.init_from, expect=model_args if ck.init_mode == "model" else base_args)
+    if identity is not None:
+        from mta_repro.train.provenance import state_digest
+
+        identity.update(path=str(ck.init_from), step=step, weights_sha256=state_digest(sd))
     if ck.init_mode == "model":
         print(f"[mta_repro.train] initialised from {ck.init_from} (step {step}): model weights only",
               file=sys.stderr)
         return sd
-    # Appendix I: a baseline's weights into this MTA model, new parts at identity.
-    from mta_repro.model.args import MTAArgs
     from mta_repro.model.insertion import baseline_to_mta
 
-    base_args = dataclasses.replace(model_args, mta=MTAArgs(use_mta=False))
     model = baseline_to_mta(sd, base_args, model_args.mta, device="cpu")
     print(f"[mta_repro.train] inserted MTA into the baseline from {ck.init_from} (step {step})", file=sys.stderr)
     return model.state_dict()
@@ -191,6 +200,9 @@ def _train(args: TrainConfig, info: DistInfo, lock: RunLock) -> dict[str, Any]:
 
     def prepare():
         _check_vocab(args, to_model_args(args.model).vocab_size)
+        from mta_repro.train.memory_check import check_fits
+
+        check_fits(args, info.world_size, info.device)  # before the run dir is touched or anything allocated
         return prepare_run_dir(args, info, lock)
 
     at_step = _agree(info, prepare)
@@ -347,14 +359,25 @@ class Checkpointing:
 
 # ------------------------------------------------------------------ the run
 def run(args: TrainConfig, info: DistInfo) -> dict[str, Any]:
-    """Train from the newest complete checkpoint (or the start) to ``trainer.steps``."""
-    state, manager, attn_used, resumed = build_state(args, info)
-    parts = LoopParts.create(args, info, state, manager, attn_used, resumed)
+    """Train from the newest complete checkpoint (or the start) to ``trainer.steps``.
+
+    The stop signals are caught from the start: one that arrives while the model, the
+    data or the validation set are prepared, or during the loader's warm-up, stops the
+    run before its first step (nothing trained, so nothing saved: ``StopRequested``, exit
+    128 + the signal's number); later ones stop it at a step boundary, after a checkpoint."""
+    preempt = PreemptionHandler()
     try:
-        stopped_by = train_steps(args, info, state, parts)
-        finish(args, info, state, parts, stopped_by)
+        state, manager, attn_used, resumed = build_state(args, info, preempt)
+        parts = LoopParts.create(args, info, state, manager, attn_used, resumed, preempt)
+        try:
+            stopped_by = train_steps(args, info, state, parts)
+            finish(args, info, state, parts, stopped_by)
+        finally:
+            parts.close()
+    except StopRequested as e:
+        raise _stopped_before_training(e, Path(args.run_dir), info) from None
     finally:
-        parts.close()
+        preempt.restore()
     exported = None
     if stopped_by is None and args.checkpoint.export:
         if dist.is_initialized():
@@ -366,30 +389,39 @@ def run(args: TrainConfig, info: DistInfo) -> dict[str, Any]:
     return {"step": state.step, "loss": parts.values.loss_last, "stopped_by_signal": stopped_by, "export": exported}
 
 
-def build_state(args: TrainConfig, info: DistInfo) -> tuple[TrainState, CheckpointManager, Optional[str], bool]:
+def build_state(args: TrainConfig, info: DistInfo, preempt: Optional[PreemptionHandler] = None
+                ) -> tuple[TrainState, CheckpointManager, Optional[str], bool]:
     """The model (meta -> AC -> compile -> FSDP2 -> materialised with the init or the stage
     start's weights), optimizer, scheduler and loader as a TrainState, resumed from the
     newest readable checkpoint if there is one. Returns (state, manager, the attention
-    implementation the self-check let run, whether it resumed)."""
+    implementation the self-check let run, whether it resumed). A stop signal is checked
+    between these phases (``StopRequested``)."""
     ck, run_dir = args.checkpoint, Path(args.run_dir)
+    check = preempt.check if preempt is not None else (lambda where: None)
     model_args, attn_used = attn_selfcheck(to_model_args(args.model), info, args.distributed.param_dtype, run_dir)
+    check("the attention self-check")
     root_node = OmegaConf.structured(args)
     manager = CheckpointManager(run_dir, ck.keep, info.rank, info.world_size, async_save=ck.async_save,
                                 config_text=OmegaConf.to_yaml(root_node, resolve=True),
                                 save_hook=load_factory(ck.save_hook, "checkpoint.save_hook") if ck.save_hook else None)
     manager.clean_stale()
     has_ckpt = ck.resume and manager.latest() is not None
+    # The tokenizer against the one the run (or init_from's run) recorded, before any work.
+    accepted = _agree(info, lambda: provenance.check_tokenizer(args, run_dir, manager.latest() if has_ckpt else None))
 
     model = build_model(model_args, device="meta")
     parallelize(model, info, args.distributed)
-    full = None if has_ckpt else stage_start_weights(ck, model_args, info.is_main)
+    init_identity: Optional[dict] = {} if ck.init_from is not None and not has_ckpt else None
+    full = None if has_ckpt else stage_start_weights(ck, model_args, info.is_main, identity=init_identity)
     materialize(model, info, full_state=full, model_args=model_args, init=not has_ckpt)
+    check("building the model")
     optimizer = build_optimizer(model, args.optim)
     scheduler = build_lr_scheduler(optimizer, args.optim, args.trainer.steps)
     # The data contract (loader plugins, the validator) takes the data section as a config node,
     # a child of the whole config: plugins may read sibling sections through its parent (the
     # pipeline's continued loader reads checkpoint.init_from).
     loader = load_factory(args.trainer.loader)(root_node.data, info.rank, info.world_size)
+    check("opening the training data")
     state = TrainState(model, optimizer, scheduler, loader, rank=info.rank)
     resumed_from = None
     if has_ckpt:
@@ -398,6 +430,13 @@ def build_state(args: TrainConfig, info: DistInfo) -> tuple[TrainState, Checkpoi
         resumed_from = manager.resume(state, ck.on_corrupt)
         if info.is_main and resumed_from is not None:
             print(f"[mta_repro.train] resumed from {resumed_from} at step {state.step}", file=sys.stderr)
+    # What the loader found of the files read before (every rank), then the start's record.
+    accepted += provenance.check_data(loader, ck.accept_changed_data, run_dir, state.step, info.world_size,
+                                      info.is_main)
+    if info.is_main:
+        record = provenance.RunRecord(args, run_dir, loader, init_identity or None, resumed_from, accepted)
+        record.begin(state.step, info.world_size)
+        manager.provenance = record.checkpoint
     return state, manager, attn_used, resumed_from is not None
 
 
@@ -421,17 +460,20 @@ class LoopParts:
 
     @classmethod
     def create(cls, args: TrainConfig, info: DistInfo, state: TrainState, manager: CheckpointManager,
-               attn_used: Optional[str], resumed: bool) -> "LoopParts":
+               attn_used: Optional[str], resumed: bool, preempt: PreemptionHandler) -> "LoopParts":
         root_node = OmegaConf.structured(args)
         config = OmegaConf.to_container(root_node, resolve=True)
         seq_len = args.data.seq_len
+        # before the logger: a stop while the validation set is read leaves no metrics file open
+        validator = maybe_validator(OmegaConf.create({"data": root_node.data}), args.trainer, info, seq_len,
+                                    check=preempt.check)
         return cls(
             manager=manager,
             logger=MetricLogger(Path(args.run_dir), args.logging, config, info.is_main, args.trainer.steps,
                                 state.step),
-            validator=maybe_validator(OmegaConf.create({"data": root_node.data}), args.trainer, info, seq_len),
+            validator=validator,
             saver=Checkpointing(manager, args.checkpoint.every, state, last_saved=state.step if resumed else None),
-            preempt=PreemptionHandler(), meter=Throughput(info.device), values=StepValues(info),
+            preempt=preempt, meter=Throughput(info.device), values=StepValues(info),
             attn_used=attn_used, flops_tok=train_flops_per_token(to_model_args(args.model), seq_len),
             peak=device_peak_flops(info.device), clip=args.optim.clip if args.optim.clip > 0 else float("inf"),
             loader=state.loader,
@@ -448,10 +490,19 @@ def train_steps(args: TrainConfig, info: DistInfo, state: TrainState, parts: Loo
     """Updates until ``trainer.steps`` or an agreed stop signal (returned, else None):
     each logged, validated and checkpointed on its cadence."""
     tr, lg, p = args.trainer, args.logging, parts
+    start, agreed = state.step, None
+    ready = getattr(state.loader, "ready", None)
     while state.step < tr.steps:
-        # One rank reads its flag every step; several agree every logging.every steps.
-        if info.world_size == 1 or state.step % lg.every == 0:
-            stopped_by = p.preempt.agreed_signal(info.device)
+        # One rank reads its flag every step; several agree every logging.every steps (and
+        # at once after validation stopped for a signal: every rank stopped it alike).
+        if agreed is not None or info.world_size == 1 or state.step % lg.every == 0:
+            stopped_by = agreed or p.preempt.agreed_signal(info.device)
+            if stopped_by is not None:
+                if state.step == start:  # nothing trained by this process: nothing to save
+                    raise StopRequested(stopped_by, "before the first step")
+                return stopped_by
+        if ready is not None:
+            stopped_by = read_ahead(ready, tr.grad_accum, p.preempt, info, first=state.step == start)
             if stopped_by is not None:
                 return stopped_by
         out = train_step(state.model, state.optimizer, state.scheduler, state.loader, tr, p.clip, info.device)
@@ -459,7 +510,6 @@ def train_steps(args: TrainConfig, info: DistInfo, state: TrainState, parts: Loo
         step = state.step
         p.values.add(step, out.loss, out.grad_norm)
         p.meter.add(out.n_tokens * info.world_size)
-        p.logger.advance()
 
         validate = p.validator is not None and (step % tr.eval_every == 0 or step == tr.steps)
         log = step % lg.every == 0 or step == tr.steps or validate
@@ -474,11 +524,35 @@ def train_steps(args: TrainConfig, info: DistInfo, state: TrainState, parts: Loo
             if p.attn_used is not None:  # the implementation the self-check let run
                 record["attn_impl"] = p.attn_used
             if validate:
-                record.update(p.validator.run(state.model, info.device))
+                try:
+                    record.update(p.validator.run(state.model, info.device, p.preempt))
+                except StopRequested as e:  # every rank stopped validating at the same batch
+                    agreed = e.signum
                 p.meter.rate()  # validation time is not training throughput
             p.logger.log(record)
+        p.logger.advance()  # after the step's line, if it had one (the bar; a line when none came for a minute)
         p.saver.maybe_save(last=step == tr.steps)
         lock_heartbeat(Path(args.run_dir), info.is_main)
+    return None
+
+
+def read_ahead(ready: Callable, n_batches: int, preempt: PreemptionHandler, info: DistInfo, first: bool
+               ) -> Optional[int]:
+    """The loader reads what the next step needs here (``loader.ready``), where a stop can
+    still be honoured (the warm-up: the shuffle buffer's first fill): the signal that
+    stopped it, or None. Before the first step a stop raises (nothing to save). On several
+    ranks only the first step's reading is interruptible: later, the ranks must agree on a
+    stop, at the step loop's cadence."""
+    if not first and info.world_size > 1:
+        ready(n_batches)
+        return None
+    where = "the data loader's warm-up" if first else "reading the training data"
+    try:
+        ready(n_batches, lambda: preempt.check(where))
+    except StopRequested as e:
+        if first:
+            raise
+        return e.signum
     return None
 
 
@@ -554,6 +628,19 @@ def _record_selfcheck(run_dir: Path, entry: dict) -> None:
         history = []
     history.append({"time": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime()) + " UTC", **entry})
     replace_atomically(path, json.dumps(history, indent=1).encode())
+
+
+def _stopped_before_training(e: StopRequested, run_dir: Path, info: DistInfo) -> StopRequested:
+    """The one line of a stop before the first step (``e``: where it was seen), after the
+    requeue under SLURM: nothing was trained, so nothing was saved."""
+    from mta_repro.weights.layout import latest_checkpoint
+
+    requeued = requeue_if_slurm(e.signum, info.is_main)
+    latest = latest_checkpoint(run_dir) if run_dir.is_dir() else None
+    then = ("the job resumes by itself" if requeued else
+            f"rerun the same command to {'resume from ' + str(latest) if latest else 'start'}")
+    return StopRequested(e.signum, f"stopped by {signal.Signals(e.signum).name} during {e} (before the first "
+                                   f"step): nothing trained, nothing saved; {then}")
 
 
 def _print_stop(step: int, signum: int, requeued: bool, ckpt: Optional[Path]) -> None:

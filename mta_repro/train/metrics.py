@@ -215,8 +215,13 @@ class MetricLogger:
             self.file.flush()
         self.total = total
         # A tqdm bar only on a terminal; elsewhere (SLURM's .err files, pipes) one plain
-        # line per logged step, no carriage returns.
+        # line per logged step, no carriage returns. Without the bar (progress_bar=false)
+        # the same line at most every logging.quiet_s seconds, and at the last step. Either way, a step line at
+        # least every quiet_s seconds while steps run (a job's log is never silent for long).
         self.plain = logging_args.progress_bar and not _isatty(sys.stderr)
+        self.quiet_s = float(getattr(logging_args, "quiet_s", 60.0))
+        self.step, self.last_line = start, time.monotonic()
+        self._since = (start, self.last_line)  # (step, time) of the last line: the heartbeat's rate
         if logging_args.progress_bar and not self.plain:
             from tqdm import tqdm
 
@@ -257,12 +262,25 @@ class MetricLogger:
             self.wandb.log({k: v for k, v in metrics.items() if isinstance(v, (int, float))}, step=metrics["step"])
         if self.bar is not None:
             self.bar.set_postfix(loss=f"{metrics['loss']:.4f}", tok_s=f"{metrics['tokens_per_s_global']:.0f}")
-        elif self.plain:
-            print(format_line(metrics, self.total), file=sys.stderr, flush=True)
+        elif self.plain or metrics.get("step") == self.total or time.monotonic() - self.last_line >= self.quiet_s:
+            self._line(format_line(metrics, self.total))
+
+    def _line(self, text: str) -> None:
+        print(text, file=sys.stderr, flush=True)
+        self.last_line = time.monotonic()
+        self._since = (self.step, self.last_line)
 
     def advance(self, n: int = 1) -> None:
+        """A step done (rank 0: the bar, or a step line when none came for quiet_s seconds)."""
+        if not self.is_main:
+            return
+        self.step += n
         if self.bar is not None:
             self.bar.update(n)
+        elif time.monotonic() - self.last_line >= self.quiet_s:
+            steps, since = self.step - self._since[0], time.monotonic() - self._since[1]
+            self._line(f"[mta_repro.train] step {self.step}/{self.total} ({since / max(steps, 1):.1f} s a step; "
+                       "the loss at the next logged step)")
 
     def close(self) -> None:
         if not self.is_main:

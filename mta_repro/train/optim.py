@@ -55,6 +55,10 @@ class OptimArgs:
     def __post_init__(self) -> None:
         if self.scheduler not in SCHEDULERS:
             raise UserError(f"optim.scheduler: expected one of {SCHEDULERS}, got {self.scheduler!r}")
+        for name in ("lr", "eps", "weight_decay", "clip"):  # nan passes every comparison: check it first
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+                raise UserError(f"optim.{name}: expected a finite number, got {v!r}")
         if self.lr < 0:
             raise UserError(f"optim.lr: expected >= 0, got {self.lr}")
         if self.warmup < 0:

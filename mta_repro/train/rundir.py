@@ -86,8 +86,9 @@ def _classified() -> tuple[tuple, tuple, tuple]:
 
 
 # FREE: never compared (where the run dir is, SLURM resources, the progress bar, prefetching,
-# timeouts, the CPU allocator's policy, model.kernels, this check's own switches; trainer.grad_accum is
-# compared as the global batch). SAFE: may change with checkpoint.allow_config_change.
+# timeouts, the CPU allocator's policy, the memory pre-flight's switch, model.kernels, this
+# check's own switches; trainer.grad_accum is compared as the global batch). SAFE: may change
+# with checkpoint.allow_config_change.
 # PATHS: compared as resolved paths (relative vs absolute is no change).
 FREE, SAFE, PATHS = _classified()
 
@@ -524,7 +525,8 @@ def remove_failed_start(run_dir: Path) -> None:
     ckpts = run_dir / "checkpoints"
     if (metrics.is_file() and metrics.stat().st_size > 0) or (ckpts.is_dir() and any(ckpts.iterdir())):
         return
-    for name in ("config.yaml", "config.prev.yaml", "metrics.jsonl", "metrics.jsonl.tmp", "wandb_id.txt"):
+    for name in ("config.yaml", "config.prev.yaml", "metrics.jsonl", "metrics.jsonl.tmp", "wandb_id.txt",
+                 "provenance.json"):
         (run_dir / name).unlink(missing_ok=True)
     for name in ("checkpoints", "wandb"):
         shutil.rmtree(run_dir / name, ignore_errors=True)

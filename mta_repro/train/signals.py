@@ -9,6 +9,10 @@ signal is honoured within that many steps. Under SLURM, SIGUSR2
 SIGTERM does not, because ``scancel`` sends it too and a cancelled job must stay
 cancelled (SLURM requeues preempted jobs itself).
 
+The handler only sets the flag (and starts the requeue); the work that loops checks it:
+the step loop, the loader's warm-up (``check``: between documents), validation (between
+batches), so that every phase answers within seconds.
+
 Requeue first, then save: rank 0 runs ``scontrol requeue`` as soon as the signal arrives
 (in a thread, so the step in flight is not held up), so a save that overruns the warning
 time cannot lose the job: it comes back and resumes from the newest complete checkpoint.
@@ -29,6 +33,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from mta_repro.errors import StopRequested
 from mta_repro.train.distributed import launcher_rank
 
 HANDLED = (signal.SIGUSR1, signal.SIGUSR2, signal.SIGTERM, signal.SIGINT)
@@ -65,6 +70,12 @@ class PreemptionHandler:
               f"{again}", file=sys.stderr, flush=True)
         if signum in REQUEUE_ON:
             _start_early_requeue()
+
+    def check(self, where: str) -> None:
+        """Raise ``StopRequested`` (naming ``where``) if a stop signal has arrived: called
+        by work that loops, between two of its steps."""
+        if self.signum is not None:
+            raise StopRequested(self.signum, where)
 
     def agreed_signal(self, device: torch.device) -> Optional[int]:
         """The signal seen by any rank (collective on several ranks: call it at the same

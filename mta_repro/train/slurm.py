@@ -6,14 +6,20 @@
         slurm.tasks_per_node=2 slurm.cpus_per_task=1 slurm.cpu_bind=null --submit   # CPU nodes
 
 The overrides are composed exactly as ``python -m mta_repro.train`` would compose them
-(a typo fails here, not in the queue); nodes, GPUs, time etc. come from the config's
-``slurm`` section (``configs/experiment/pretrain_*`` set 4 nodes x 8 GPUs = the paper's
-32). The rendered command is ``python -m mta_repro.train <overrides> run_dir=<abs>``:
-``run_dir`` and ``checkpoint.init_from`` are made absolute against the submit directory
-(the job runs from the repository, possibly long after submission), and a missing
-``init_from`` is refused before anything is queued. Sweeps (experiments with
-``hydra.mode: MULTIRUN``) go through ``python -m mta_repro.train -m hydra/launcher=slurm``
-instead. Errors are one line on stderr, exit status 2 (bad input) or 1 (sbatch failed).
+(a typo fails here, not in the queue); nodes, GPUs, CPUs, time, partition, account, QoS
+and constraint come from the config's ``slurm`` section (mta_repro/train/args.py;
+``configs/experiment/pretrain_*`` set 4 nodes x 8 GPUs = the paper's 32). The rendered
+command is ``python -m mta_repro.train <overrides> run_dir=<abs>``: ``run_dir`` and
+``checkpoint.init_from`` are made absolute against the submit directory, the data and
+tokenizer paths too, and the values of fields read from environment variables are written
+in (the job runs from the repository, possibly days later, in an environment that may
+lack them). Both --dry-run and --submit check what the job needs at its start
+(mta_repro/train/jobcheck.py: the data root and its domains, the tokenizer, init_from, a
+writable run dir): each missing one is a line, exit status 2, nothing queued;
+``--no-check`` skips that for paths that exist only on the compute nodes. Sweeps
+(experiments with ``hydra.mode: MULTIRUN``) go through ``python -m mta_repro.train -m
+hydra/launcher=slurm`` instead. Errors, a refused sbatch included, are one line each on
+stderr, exit status 2.
 """
 
 from __future__ import annotations
@@ -30,15 +36,18 @@ from omegaconf import DictConfig, OmegaConf
 from mta_repro.config import CONFIG_DIR, compose
 from mta_repro.errors import UserError
 from mta_repro.slurm import memory_lines, time_limit
-from mta_repro.train.args import SlurmArgs
+from mta_repro.train.args import SITE_FIELDS, SlurmArgs
+from mta_repro.train.jobcheck import NO_CHECK, problems, raise_problems, resolved_overrides
 
 ROOT = Path(__file__).resolve().parents[2]
 TEMPLATE = ROOT / "slurm" / "train.sbatch"
 PROG = "mta_repro.train.slurm"
 
 
-class SubmitError(RuntimeError):
-    """sbatch is missing or refused the script (the message is one line)."""
+class SubmitError(UserError):
+    """sbatch is missing or refused the script (the message is one line, with sbatch's
+    own): exit status 2, like a user error, since the fix is the submitter's (a partition,
+    account or limit the cluster does not accept, a submit host)."""
 
 
 # Kept for callers of the old private name; use mta_repro.slurm.time_limit.
@@ -106,8 +115,10 @@ def render(overrides: list[str], python: str = "python", check_paths: bool = Tru
         )
     user = [o for o in overrides if not o.startswith(("run_dir=", "checkpoint.init_from=", "+checkpoint.init_from="))]
     paths = [f"run_dir={run_dir}"] + ([f"checkpoint.init_from={init_from}"] if init_from is not None else [])
-    command = " ".join([shlex.quote(python), "-m", "mta_repro.train", *map(shlex.quote, user + paths)])
-    extra = [f"#SBATCH --{k}={getattr(s, k)}" for k in ("partition", "account", "qos") if getattr(s, k)]
+    # what the job would read from its environment and working directory, as this config resolves it here
+    resolved = resolved_overrides(cfg, user)
+    command = " ".join([shlex.quote(python), "-m", "mta_repro.train", *map(shlex.quote, user + resolved + paths)])
+    extra = [f"#SBATCH --{k}={getattr(s, k)}" for k in SITE_FIELDS if getattr(s, k)]
     script = Template(TEMPLATE.read_text()).substitute(
         job_name=s.job_name,
         nodes=s.nodes,
@@ -154,36 +165,31 @@ def main(argv: Optional[list[str]] = None) -> int:
     if any(a in ("-h", "--help") for a in argv):
         print(__doc__)
         return 0
-    submit = "--submit" in argv
-    argv = [a for a in argv if a not in ("--submit", "--dry-run")]
-    try:
-        script, command = render(argv, python=sys.executable, check_paths=submit)
+    submit, check = "--submit" in argv, NO_CHECK not in argv
+    argv = [a for a in argv if a not in ("--submit", "--dry-run", NO_CHECK)]
+    from mta_repro.cli import check_split_lists, run_cli
+
+    def go() -> int:
+        check_split_lists(argv)
+        script, command = render(argv, python=sys.executable, check_paths=False)
+        cfg = compose(argv)
+        run_dir, _ = resolve_paths(cfg)
+        found = problems(cfg) if check else []
         if not submit:
-            _, init_from = resolve_paths(compose(argv))
-            if init_from is not None and not init_from.exists():
-                print(f"# warning: checkpoint.init_from {init_from} does not exist yet; --submit refuses it",
-                      file=sys.stderr)
             print(script)
             print(f"# command: {command}", file=sys.stderr)
+            raise_problems(found)  # after the script: the reader sees both
             return 0
-        run_dir, _ = resolve_paths(compose(argv))
+        raise_problems(found)  # nothing queued
         (run_dir / "slurm").mkdir(parents=True, exist_ok=True)
         path = run_dir / "slurm" / "train.sbatch"
         path.write_text(script)
         job = sbatch(path)
-    except SubmitError as e:
-        print(f"{PROG}: {e}", file=sys.stderr)
-        return 1
-    except Exception as e:  # a bad override or field: one line, not a traceback
-        from mta_repro.cli import describe, user_errors
+        print(f"Submitted batch job {job}")
+        print(f"{run_dir}/slurm/{job}.out, {job}.err (logs); {run_dir} (run dir)", file=sys.stderr)
+        return 0
 
-        if not isinstance(e, user_errors()):
-            raise
-        print(f"{PROG}: error: {describe(e)}", file=sys.stderr)
-        return 2
-    print(f"Submitted batch job {job}")
-    print(f"{run_dir}/slurm/{job}.out, {job}.err (logs); {run_dir} (run dir)", file=sys.stderr)
-    return 0
+    return run_cli(PROG, go)
 
 
 if __name__ == "__main__":

@@ -10,7 +10,8 @@ target tokens), and the average is the arithmetic mean of the per-domain ppl.
 Only the batches are dealt out across ranks (batch k to rank k % world_size; a rank with
 fewer batches runs a discarded forward so that FSDP's collectives line up) and the sums
 all-reduced, so N ranks give the single-process number up to summation order. The
-windows are tokenized once and kept (int32) for the whole run.
+windows are tokenized once and kept (int32) for the whole run. A stop signal ends a
+validation between two batches (and the reading of the set between two documents).
 
 A domain too small for one window (fewer than ``seq_len + 1`` validation tokens, e.g.
 the bundled corpus's arxiv at 4096) is skipped with one warning naming it; the averages
@@ -29,14 +30,14 @@ import math
 import sys
 import time
 import warnings
-from typing import Optional
+from typing import Callable, Optional
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
-from mta_repro.errors import UserError
-from mta_repro.eval.ppl import sequence_ce, windows
+from mta_repro.errors import StopRequested, UserError
+from mta_repro.eval.ppl import perplexity, sequence_ce, windows
 
 
 class Validator:
@@ -45,8 +46,17 @@ class Validator:
     naming it, and the others validate; ``skipped`` lists such domains. Only when no
     domain holds a window is it an error."""
 
-    def __init__(self, data_cfg, seq_len: int, batch_size: int, max_batches: int, rank: int, world_size: int):
+    def __init__(self, data_cfg, seq_len: int, batch_size: int, max_batches: int, rank: int, world_size: int,
+                 check: Optional[Callable[[str], None]] = None):
+        """``check(where)``: called between documents while the validation set is read (the
+        trainer's stop check, which raises to stop)."""
         from mta_repro import data as data_mod
+
+        def docs(name):
+            for doc in data_mod.iter_validation_docs(data_cfg, name):
+                if check is not None:
+                    check("reading the validation set")
+                yield doc
 
         self.rank, self.world_size, self.seq_len = rank, world_size, seq_len
         self._timed = False
@@ -56,7 +66,7 @@ class Validator:
         for name in data_mod.domains(data_cfg):
             rows, out = [], []
             try:
-                for w in windows(data_mod.iter_validation_docs(data_cfg, name), tokenizer, seq_len):
+                for w in windows(docs(name), tokenizer, seq_len):
                     rows.append(np.asarray(w, dtype=np.int32))
                     if len(rows) == batch_size:
                         out.append(np.stack(rows))
@@ -100,7 +110,11 @@ class Validator:
                 f"{len(self.batches)} domains ({tokens:,} tokens, about the compute of {steps:.1f} training steps)")
 
     @torch.no_grad()
-    def run(self, model, device: torch.device) -> dict[str, float]:
+    def run(self, model, device: torch.device, preempt=None) -> dict[str, float]:
+        """The metrics of one validation. ``preempt`` (the trainer's PreemptionHandler): a
+        stop signal is looked for before every batch (agreed over ranks, so that all stop at
+        the same batch and FSDP's collectives line up) and stops the validation with
+        ``StopRequested``."""
         was_training = model.training
         model.eval()
         t0 = time.monotonic()
@@ -110,6 +124,10 @@ class Validator:
                 n_rounds = math.ceil(len(batches) / self.world_size)
                 ce, tokens = 0.0, 0
                 for r in range(n_rounds):
+                    if preempt is not None:
+                        sig = preempt.agreed_signal(device) if self.world_size > 1 else preempt.signum
+                        if sig is not None:
+                            raise StopRequested(sig, "validation")
                     k = r * self.world_size + self.rank
                     b = batches[k] if k < len(batches) else batches[0]  # padding forward, discarded
                     t = torch.from_numpy(b.astype(np.int64)).to(device)
@@ -126,9 +144,9 @@ class Validator:
             for i, n in enumerate(names):
                 loss = float(sums[i, 0] / sums[i, 1])
                 out[f"val_loss/{n}"] = loss
-                out[f"val_ppl/{n}"] = math.exp(loss)
+                out[f"val_ppl/{n}"] = perplexity(loss)  # inf for a diverged model, not an OverflowError
                 losses.append(loss)
-                ppls.append(math.exp(loss))
+                ppls.append(perplexity(loss))
             out["val_loss"] = sum(losses) / len(losses)
             out["val_ppl"] = sum(ppls) / len(ppls)
             out["val_tokens"] = int(sums[:, 1].sum())
@@ -140,7 +158,8 @@ class Validator:
             model.train(was_training)
 
 
-def maybe_validator(cfg, tr, info, seq_len: Optional[int]) -> Optional[Validator]:
+def maybe_validator(cfg, tr, info, seq_len: Optional[int],
+                    check: Optional[Callable[[str], None]] = None) -> Optional[Validator]:
     """The run's Validator, or None (trainer.eval_every=0, or a loader without data config).
 
     Before training starts, the main process prints what one validation costs; a run
@@ -148,7 +167,7 @@ def maybe_validator(cfg, tr, info, seq_len: Optional[int]) -> Optional[Validator
     the overrides that make it smaller or skip it."""
     if tr.eval_every == 0 or "data" not in cfg or seq_len is None:
         return None
-    v = Validator(cfg.data, seq_len, tr.eval_batch_size, tr.eval_max_batches, info.rank, info.world_size)
+    v = Validator(cfg.data, seq_len, tr.eval_batch_size, tr.eval_max_batches, info.rank, info.world_size, check)
     if info.rank == 0:
         per_step = int(cfg.data.batch_size) * seq_len * info.world_size * tr.grad_accum
         when = (f"once, at the last step (trainer.steps={tr.steps} < trainer.eval_every={tr.eval_every})"

@@ -12,10 +12,14 @@ consolidated ``.pt``, or the official release's / Meta Lingua's ``consolidated/`
 ``consolidated.pth``, DCP step folder or dump dir.
 
 Every file is read without running code it may carry (``mta_repro.weights.safe``;
-docs/trust.md): ``torch.load(weights_only=True)``, DCP metadata through an allow-list. A
-file that needs more is refused with ``UnsafeFileError`` naming it, never loaded.
+docs/trust.md): ``torch.load(weights_only=True)``, DCP metadata through an allow-list,
+safetensors after their header is checked (``safetensors_file``). A file that needs more is
+refused with ``UnsafeFileError`` naming it, never loaded. What is read is checked before a
+model takes it (``check``): float tensors only, the model's keys and shapes (the file's own
+config, or ``load_weights(expect=)``), no interpolation in a stored config.
 """
 
+from mta_repro.weights.check import ModelMismatchError, check_against, check_float, expected_shapes
 from mta_repro.weights.find import Candidate, NoWeightsError, export_step, find_weights
 from mta_repro.weights.layout import (
     COMPLETE,
@@ -29,10 +33,13 @@ from mta_repro.weights.layout import (
 from mta_repro.weights.lingua import release_checkpoint_path, release_state_dict_to_ours
 from mta_repro.weights.read import FallbackWarning, Weights, load_weights, read_config, read_dcp_model, read_weights
 from mta_repro.weights.safe import CorruptFileError, UnsafeFileError, load_pt
+from mta_repro.weights.safetensors_file import FLOAT_DTYPES as SAFETENSORS_FLOAT_DTYPES
+from mta_repro.weights.safetensors_file import SafetensorsFile, TensorInfo, read_header
 
 __all__ = [
-    "COMPLETE", "EXPORT", "Candidate", "CorruptFileError", "FallbackWarning", "NoWeightsError", "UnsafeFileError",
-    "Weights", "complete_checkpoints", "export_step", "find_weights", "latest_checkpoint", "load_pt", "load_weights",
-    "read_config", "read_dcp_model", "read_weights", "release_checkpoint_path", "release_state_dict_to_ours",
-    "saved_world_size", "step_dir_name", "verify_checkpoint",
+    "COMPLETE", "EXPORT", "SAFETENSORS_FLOAT_DTYPES", "Candidate", "CorruptFileError", "FallbackWarning",
+    "ModelMismatchError", "NoWeightsError", "SafetensorsFile", "TensorInfo", "UnsafeFileError", "Weights",
+    "check_against", "check_float", "complete_checkpoints", "expected_shapes", "export_step", "find_weights",
+    "latest_checkpoint", "load_pt", "load_weights", "read_config", "read_dcp_model", "read_header", "read_weights",
+    "release_checkpoint_path", "release_state_dict_to_ours", "saved_world_size", "step_dir_name", "verify_checkpoint",
 ]

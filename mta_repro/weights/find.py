@@ -80,7 +80,13 @@ def find_weights(path: Union[str, Path]) -> list[Candidate]:
     if _is_lingua_step(path):
         return [_dcp(path)]
     root = path / "checkpoints" if (path / "checkpoints").is_dir() else path
-    ckpts = [_dcp(c) for c in complete_checkpoints(root)[::-1]]
+    # A folder gone by the time it is checked was pruned by a running trainer (which saved a
+    # newer one first): list again.
+    for _ in range(20):
+        ckpts = [_dcp(p) for p in complete_checkpoints(root)[::-1]]
+        if all(c.problem is None or c.path.exists() for c in ckpts):
+            break
+    ckpts = [c for c in ckpts if c.problem is None or c.path.exists()]
     export = path / EXPORT
     if export.is_file():
         try:

@@ -15,6 +15,9 @@ COMPLETE = ".complete"
 # resume checks the command against when the run's own config.yaml is gone.
 CHECKPOINT_CONFIG = "config.yaml"
 EXPORT = Path("export") / "consolidated.pt"
+# What a checkpoint's weights came from (inputs, step, tokens seen), beside its DCP files
+# (written by mta_repro.train.checkpoint, described in mta_repro/train/provenance.py).
+PROVENANCE = "provenance.json"
 # Step folders: ten digits, ours (step_dir_name) and Lingua's alike.
 _STEP_DIR = re.compile(r"^\d{10}$")
 
@@ -53,6 +56,10 @@ def verify_checkpoint(path: Path) -> Optional[str]:
         raise  # refused, not damaged: no fallback to another file of the same origin
     except Exception as e:  # noqa: BLE001 - any failure to parse is damage
         return f"file .metadata cannot be read ({type(e).__name__}: {e})"
+    for key, m in (md.state_dict_metadata or {}).items():  # model weights are float (a relabelled file is not)
+        dtype = getattr(getattr(m, "properties", None), "dtype", None)
+        if key.startswith("model.") and dtype is not None and not dtype.is_floating_point:
+            return f"tensor {key[len('model.'):]!r} is {str(dtype).replace('torch.', '')}, expected a float dtype"
     need: dict[str, int] = {}
     for info in (md.storage_data or {}).values():
         end = int(info.offset) + int(info.length)

@@ -1,5 +1,6 @@
 """Reading one candidate (``read_weights``) and the newest readable one of a path
-(``load_weights``)."""
+(``load_weights``). A checkpoint a running trainer prunes (``checkpoint.keep``) while it
+is being read is not damaged: ``load_weights`` reads the newest complete one instead."""
 
 from __future__ import annotations
 
@@ -9,8 +10,9 @@ import warnings
 from pathlib import Path
 from typing import Any, Optional, Union
 
+from mta_repro.weights.check import check_against, check_float, check_plain_config, check_state, expected_shapes
 from mta_repro.weights.find import Candidate, find_weights
-from mta_repro.weights.layout import CHECKPOINT_CONFIG, COMPLETE
+from mta_repro.weights.layout import CHECKPOINT_CONFIG, COMPLETE, PROVENANCE
 from mta_repro.weights.lingua import release_state_dict_to_ours
 from mta_repro.weights.safe import CorruptFileError, UnsafeFileError, dcp_error_line, dcp_load, load_pt, \
     read_dcp_metadata
@@ -34,6 +36,9 @@ class Weights:
     step: Optional[int]
     config: Optional[dict]
     source: Candidate
+    # What the weights came from (mta_repro/train/provenance.py): a checkpoint's
+    # provenance.json, an export's "provenance" entry; None when they carry none.
+    record: Optional[dict] = None
 
 
 def read_dcp_model(path: Union[str, Path]) -> tuple[dict, Optional[int]]:
@@ -62,6 +67,8 @@ def read_weights(candidate: Candidate) -> Weights:
     is damaged; ``UnsafeFileError`` if it would need unpickling code (never loaded)."""
     c = candidate
     if c.problem:
+        if c.kind == "dcp" and not c.path.exists():
+            raise PrunedError(f"checkpoint {c.path} was removed while it was read")
         raise CorruptFileError(c.problem)
     if c.kind == "consolidated":
         blob = load_pt(c.path)
@@ -72,21 +79,67 @@ def read_weights(candidate: Candidate) -> Weights:
             raise CorruptFileError(f"{c.path}: its 'config' is a {type(config).__name__}, expected a mapping")
         step = blob.get("step")
         state, step = blob["model"], int(step) if step is not None else c.step
+        record = blob.get("provenance") if isinstance(blob.get("provenance"), dict) else None
     elif c.kind == "dcp":
+        # The config and record first: a folder pruned once its tensors are read stays whole.
+        config, record = _run_config(c.path), _record(c.path)
         try:
             state, step = read_dcp_model(c.path)
-        except (UnsafeFileError, CorruptFileError):
+        except UnsafeFileError:
+            if not c.path.exists():  # DCP's fallback to per-rank metadata once .metadata vanished
+                raise PrunedError(f"checkpoint {c.path} was removed while it was read") from None
             raise
         except BaseException as e:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
             if isinstance(e, (KeyboardInterrupt, SystemExit)):
                 raise
+            if not c.path.exists():
+                raise PrunedError(f"checkpoint {c.path} was removed while it was read") from None
+            if isinstance(e, CorruptFileError):
+                raise
             raise CorruptFileError(f"checkpoint {c.path} is unreadable ({dcp_error_line(e)})") from None
         step = step if step is not None else c.step
-        config = _run_config(c.path)
     else:
         raise TypeError(f"unknown weights kind {c.kind!r} (find_weights makes 'consolidated' or 'dcp')")
-    state = {k: v.float() if v.is_floating_point() else v for k, v in release_state_dict_to_ours(state).items()}
-    return Weights(state, step, config, c)
+    check_plain_config(config, str(c.path))
+    state = release_state_dict_to_ours(state)
+    for k, v in state.items():
+        if not hasattr(v, "dtype"):
+            raise CorruptFileError(f"{c.path}: model entry {k!r} is a {type(v).__name__}, expected a tensor")
+        check_float(str(c.path), k, v.dtype)
+    args = _model_args_of(config)
+    if args is not None:  # the file's tensors against its own config, before any caller uses them
+        check_state(state, expected_shapes(args), str(c.path), bool(args.weight_tying))
+    state = {k: v.float() for k, v in state.items()}
+    return Weights(state, step, config, c, record)
+
+
+class PrunedError(CorruptFileError):
+    """A checkpoint folder removed while it was read (a running trainer keeps only its
+    newest ``checkpoint.keep``): not damage; the newest complete one is read instead."""
+
+
+def _record(ckpt: Path) -> Optional[dict]:
+    import json
+
+    try:
+        data = json.loads((ckpt / PROVENANCE).read_text())
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def _model_args_of(config: Optional[dict]):
+    """The ModelArgs a saved run config describes, or None (no config, no model section, or
+    one this version cannot build: the caller's own build then says why)."""
+    if not isinstance(config, dict) or not isinstance(config.get("model"), dict):
+        return None
+    from mta_repro.errors import UserError
+    from mta_repro.model import to_model_args
+
+    try:
+        return to_model_args(config["model"])
+    except (UserError, TypeError):
+        return None
 
 
 def _run_config(ckpt: Path) -> Optional[dict]:
@@ -99,7 +152,9 @@ def _run_config(ckpt: Path) -> Optional[dict]:
         return None
     from omegaconf import OmegaConf
 
-    return OmegaConf.to_container(OmegaConf.load(cfg_file))
+    config = OmegaConf.to_container(OmegaConf.load(cfg_file), resolve=False)
+    check_plain_config(config, str(cfg_file))
+    return config
 
 
 def read_config(candidate: Candidate) -> Optional[dict]:
@@ -109,7 +164,9 @@ def read_config(candidate: Candidate) -> Optional[dict]:
             raise CorruptFileError(candidate.problem)
         blob = load_pt(candidate.path)
         config = blob.get("config") if isinstance(blob, dict) else None
-        return config if isinstance(config, dict) else None
+        config = config if isinstance(config, dict) else None
+        check_plain_config(config, str(candidate.path))
+        return config
     return _run_config(candidate.path)
 
 
@@ -119,15 +176,37 @@ def notice(msg: str, who: str = "mta_repro") -> None:
     warnings.warn(msg, FallbackWarning, stacklevel=3)
 
 
-def load_weights(path: Union[str, Path], who: str = "mta_repro") -> Weights:
+# How often a read restarts on the newest checkpoint after the one it read was pruned.
+PRUNED_RETRIES = 20
+
+
+def load_weights(path: Union[str, Path], who: str = "mta_repro", expect=None) -> Weights:
     """The newest readable weights of ``path`` (``find_weights``' order). A damaged newer
     candidate is named in one line and the next one is used; if none can be read, the
-    error names each. An unsafe file is refused, never skipped."""
+    error names each. An unsafe file is refused, never skipped. A checkpoint removed while
+    it was read (a live trainer pruning it) is no error: the newest complete one is read.
+    ``expect``: the ModelArgs of the model the weights go into; weights of another shape are
+    refused in one line naming the tensor (``ModelMismatchError``), before the caller copies
+    anything."""
+    for _ in range(PRUNED_RETRIES):
+        try:
+            return _load_newest(path, who, expect)
+        except PrunedError as e:
+            notice(f"{e} (pruned by the run's trainer, checkpoint.keep); reading its newest complete checkpoint "
+                   "instead", who)
+    raise CorruptFileError(f"{path}: its checkpoints were pruned {PRUNED_RETRIES} times while they were read (a "
+                           "trainer saving every few steps with a small checkpoint.keep): evaluate it with a larger "
+                           "checkpoint.keep, or its export once it finished")
+
+
+def _load_newest(path: Union[str, Path], who: str, expect=None) -> Weights:
     candidates = find_weights(path)
     errors = []
     for i, c in enumerate(candidates):
         try:
             w = read_weights(c)
+        except PrunedError:
+            raise
         except CorruptFileError as e:
             errors.append(str(e))
             if i + 1 < len(candidates):
@@ -139,5 +218,7 @@ def load_weights(path: Union[str, Path], who: str = "mta_repro") -> Weights:
         if c.kind == "dcp" and stale and w.step is not None:
             notice(f"checkpoint {c.path} (step {w.step}) is newer than {stale[0].path} (step {stale[0].step}); "
                    "using the newer checkpoint (re-export with python -m mta_repro.train.export)", who)
+        if expect is not None:
+            check_against(w.state, expect, str(c.path))
         return w
     raise CorruptFileError(errors[0] if len(errors) == 1 else "; ".join(errors))

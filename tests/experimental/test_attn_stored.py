@@ -1,9 +1,9 @@
-"""The stored-scores kq-conv kernels (``mta_repro/kernels/attention_stored.py``, issue #37
-item 1) against the float64 reference ("torch"): output and every gradient (q, k, v, both
-kernels, both mixings), in Triton's interpreter (tests/conftest.py sets TRITON_INTERPRET=1:
-semantics, not speed). Small frames (model.kernels.triton_frame) put several row and key blocks in
-every pass, so the stores' packed rows, the frames' halos and the dC window of kernel B
-cross tile edges."""
+"""The stored-scores kernels of kq-conv layers (mta_repro/experimental/fused_triton/stored.py)
+against the float64 reference ("torch"): output and every gradient (q, k, v, both kernels,
+both mixings), in Triton's interpreter (tests/conftest.py sets TRITON_INTERPRET=1: semantics,
+not speed). Small frames (model.kernels.triton_frame) put several row and key blocks in every
+pass, so the stores' packed rows, the frames' halos and the dC window of kernel B cross tile
+edges."""
 
 import dataclasses
 import importlib.util
@@ -11,9 +11,10 @@ import importlib.util
 import pytest
 import torch
 
+from mta_repro.experimental.fused_triton import tiles
 from mta_repro.kernels.types import KernelTuning
 from mta_repro.model import attention_ops
-from tests.test_attn_triton import params, qkv
+from tests.experimental.test_attn_triton import params, qkv
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton not installed")
 
@@ -30,7 +31,7 @@ def grads(fn, q, k, v, p, mask):
 
 
 def assert_matches_torch(q, k, v, p, mask=attention_ops.AttnMask(), rtol=1e-10, atol=1e-12):
-    from mta_repro.kernels.attention_stored import explicit_attention_stored
+    from mta_repro.experimental.fused_triton.stored import explicit_attention_stored
 
     want, want_g = grads(attention_ops.explicit_attention_torch, q.double(), k.double(), v.double(), p, mask)
     if q.dtype != torch.float64:
@@ -79,19 +80,23 @@ def test_stored_kernels_in_float32():
                          rtol=1e-4, atol=1e-5)
 
 
-def test_triton_runs_the_stored_design_for_kq_conv_layers_without_dropout():
-    """``model.attn_impl=triton``: kq-conv layers (a pre-softmax kernel) without training
-    dropout run attention_stored.py, the rest the fused kernel; model.kernels.triton_design=fused
-    keeps the fused kernel everywhere, and anything else is one line naming the field."""
-    from mta_repro.kernels import stored_frames
+def test_triton_runs_the_stored_design_for_kq_conv_layers_and_the_fused_kernel_for_the_rest(monkeypatch):
+    """``model.attn_impl=triton`` has one design per layer kind: a kq-conv layer (a
+    pre-softmax kernel) runs the stored-scores kernels, every other layer (mixing only, or a
+    post-softmax convolution only) the fused kernel; the geometry follows the same rule."""
+    from mta_repro.experimental.fused_triton import fused, stored
 
-    assert stored_frames.uses_stored(True, False)
-    assert not stored_frames.uses_stored(False, False) and not stored_frames.uses_stored(True, True)
-    assert not stored_frames.uses_stored(True, False, KernelTuning(triton_design="fused"))
-    from mta_repro.errors import UserError
-
-    with pytest.raises(UserError, match=r"^model\.kernels\.triton_design: 'nope': expected stored or fused$"):
-        KernelTuning(triton_design="nope")
+    ran = []
+    monkeypatch.setattr(stored, "explicit_attention_stored", lambda *a: ran.append("stored"))
+    monkeypatch.setattr(fused, "explicit_attention_fused", lambda *a: ran.append("fused"))
+    q, k, v = qkv(1, 2, 5, 5, 3)
+    for pre, post in (((2, 3), (2, 3)), ((2, 3), None), (None, (2, 3)), (None, None)):
+        attention_ops.attn_impl("triton").fn(q, k, v, params(2, pre, post), attention_ops.AttnMask())
+    assert ran == ["stored", "stored", "fused", "fused"]
+    assert [tiles.design(pre) for pre in ((2, 3), None)] == ["stored", "fused"]
+    assert tiles.passes((2, 3)) == tiles.STORED_PASSES and tiles.passes(None) == tiles.FUSED_PASSES
+    with pytest.raises(ValueError, match="unknown pass 'backward' of the stored design"):
+        tiles.halo("backward", (2, 3), None, "both")
 
 
 def test_memory_preflight_stand_in_saves_the_stored_c_plane():
@@ -105,10 +110,10 @@ def test_memory_preflight_stand_in_saves_the_stored_c_plane():
     weights = {getattr(p, f).untyped_storage()._cdata for f in attention_ops._WEIGHT_FIELDS
                if getattr(p, f) is not None}
     q, k, v = (x.float().requires_grad_() for x in qkv(2, h, t, t, d))
-    real = memory._saved_bytes(
-        lambda: attention_ops.ATTN_IMPLS["triton"].fn(q, k, v, p, attention_ops.AttnMask()), weights)
+    entry = attention_ops.attn_impl("triton")
+    real = memory._saved_bytes(lambda: entry.fn(q, k, v, p, attention_ops.AttnMask()), weights)
     qm, km, vm = (torch.zeros(2, h, t, d, device="meta", requires_grad=True) for _ in range(3))
-    stand_in = memory._saved_bytes(lambda: memory._triton_meta(qm, km, vm, p, attention_ops.AttnMask()), set())
+    stand_in = memory._saved_bytes(lambda: entry.meta_fn(qm, km, vm, p, attention_ops.AttnMask()), set())
     weight_copies = 4 * (h * 2 * 3 + h * h + h * 3 * 3 + h * h)
     c_plane = 2 * h * (t * (t + 1) // 2) * 4
     assert real == stand_in == 3 * 2 * h * t * d * 4 + 2 * h * t * 4 + weight_copies + c_plane
@@ -116,9 +121,9 @@ def test_memory_preflight_stand_in_saves_the_stored_c_plane():
 
 def test_every_stored_pass_launches_with_its_configuration(monkeypatch):
     """The stored launcher runs stats, forward, backward_rowsum, backward_dc, backward_b in this
-    order with stored_frames.launch_config (what scripts/compile_triton.py compiles with); the
-    kernels replaced by recorders: this checks the launches, not the math."""
-    from mta_repro.kernels import attention_stored, stored_frames
+    order with tiles.launch_config (what compile_report.py compiles with); the kernels
+    replaced by recorders: this checks the launches, not the math."""
+    from mta_repro.experimental.fused_triton import stored
 
     seen = []
 
@@ -132,14 +137,14 @@ def test_every_stored_pass_launches_with_its_configuration(monkeypatch):
                 seen.append((name, kw["num_warps"], kw["num_stages"]))
             return launch
 
-    monkeypatch.setattr(attention_stored, "_stored_kernel", Recorder())
-    monkeypatch.setattr(attention_stored, "_kernel_b", Recorder("backward_b"))
+    monkeypatch.setattr(stored, "_stored_kernel", Recorder())
+    monkeypatch.setattr(stored, "_kernel_b", Recorder("backward_b"))
     h = 2
     q, k, v = (t.requires_grad_() for t in qkv(1, h, 5, 5, 3))
-    attention_ops.ATTN_IMPLS["triton"].fn(q, k, v, params(h, (2, 3), (2, 3)), attention_ops.AttnMask()).sum().backward()
-    assert [s[0] for s in seen] == list(stored_frames.PASSES)
+    attention_ops.attn_impl("triton").fn(q, k, v, params(h, (2, 3), (2, 3)), attention_ops.AttnMask()).sum().backward()
+    assert [s[0] for s in seen] == list(tiles.STORED_PASSES)
     for name, nw, ns in seen:
-        assert (nw, ns) == stored_frames.launch_config(name, (2, 3), (2, 3))
+        assert (nw, ns) == tiles.launch_config(name, (2, 3), (2, 3))
 
 
 def test_no_unwritten_store_or_scratch_cell_is_read(monkeypatch):

@@ -1,6 +1,6 @@
 """A stated roofline for one kernel pass on one GPU, from what the compiler emitted.
 
-Used by ``scripts/compile_triton.py`` to judge ``model.attn_impl=triton`` without a GPU,
+Used by ``compile_report.py`` to judge ``model.attn_impl=triton`` without a GPU,
 and applied the same way to FlashAttention-2 (what SDPA runs for bf16 causal attention on
 an H100/H200), so the two are compared by one model. Every figure it gives is an
 ESTIMATE: a lower bound from throughput and from the programs' serial chains, not a
@@ -24,7 +24,7 @@ store or reduction (``ttng.async_tma_*``) as its box read from shared memory and
 (a reduction: read and written) in global memory; barriers, split into those that order
 global scratch (a ``tt.store``/atomic within two ops: a round trip through L1/L2, as is
 waiting for a TMA store to complete) and plain shared-memory barriers (and waits for a TMA
-store's read of shared memory). ``compile_triton.py`` checks the dot counts against the PTX's
+store's read of shared memory). ``compile_report.py`` checks the dot counts against the PTX's
 ``mma``/``wgmma`` instructions.
 
 Time (``estimate``): with ``active`` = the SMs that get programs and the per-SM rates of
@@ -37,7 +37,7 @@ latency other than barriers, bank conflicts, tail effects inside a wave.
 
 ``est_ms`` charges every global byte at the L1 rate (``lsu_bytes``): optimistic for any
 kernel whose bytes miss L1. ``est_l2_ms`` is the same bound with the global bytes charged where
-they go (issue #37; ``scratch_split``):
+they go (``scratch_split``):
 
 - I/O bytes, every global byte that is not scratch (TMA copies of the inputs into shared
   memory, TMA reductions, the partials), pass the L2 at ``l2_bytes_s`` (a Hopper measurement,
@@ -83,10 +83,10 @@ class GPU:
     lsu_bytes: float = 128.0  # B/clk/SM through L1/shared memory (global hits and shared alike)
     hbm_bytes_s: float = 4.8e12
     # L2 bandwidth: a Hopper measurement, not A100's documented 5120 B/clk over 108 SMs (the
-    # estimator's figure until issue #37: 47.4 B/clk/SM = 11.4 TB/s over 132 SMs). Measured H100
+    # estimator's earlier figure: 47.4 B/clk/SM = 11.4 TB/s over 132 SMs). Measured H100
     # L2 bandwidth is ~5.5-7 TB/s (Chips and Cheese, "Nvidia's H100: Funny L2, and Tons of
     # Bandwidth", 2023; Luo et al., "Dissecting the NVIDIA Hopper Architecture through
-    # Microbenchmarking", arXiv 2402.13499; the range as docs/triton_kernel.md quotes it). The
+    # Microbenchmarking", arXiv 2402.13499; the range as design.md quotes it). The
     # top of the range, so the bound stays a lower bound: 7.0 TB/s = 29.0 B/clk/SM at 1.83 GHz.
     l2_bytes_s: float = 7.0e12
     l2_bytes: float = 50 * 2**20
@@ -183,7 +183,7 @@ def source_chains(ttgir: str, source: str) -> dict:
     return {alias: chain(alias) for alias in defs}
 
 
-def count_ttgir(ttgir: str, source: str = "attention_triton.py", scratch_elem: str | None = None,
+def count_ttgir(ttgir: str, source: str = "fused.py", scratch_elem: str | None = None,
                 _tile_loop_level: int = 2) -> Counts:
     """Loop-weighted resources of one compiled kernel (see the module docstring); the
     per-key-block ones also by source line of ``source`` (``Counts.by_line``)."""
@@ -367,7 +367,7 @@ def l1_free_bytes(smem_bytes: int, programs_per_sm: int, gpu: GPU = H200) -> int
 
 
 def scratch_split(scratch_bytes: float, s: Schedule, programs_per_sm: int, gpu: GPU = H200) -> dict:
-    """Where a pass's per-program scratch bytes go (issue #37): ``scratch_bytes`` = the
+    """Where a pass's per-program scratch bytes go: ``scratch_bytes`` = the
     global bytes of its loads and stores of scratch counted in the IR (``Counts``, resource
     ``scratch_bytes``). Of these, the compulsory traffic ``s.scratch_traffic`` (each slot
     written and read back once per tile, at most the IR's count) may leave the SM; the rest

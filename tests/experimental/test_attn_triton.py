@@ -1,6 +1,8 @@
-"""model.attn_impl=triton beyond the shared parity tests (test_attn_impls.py): many frames
-per row and per key axis, the shipped configs' and Table 5's options at the 880M head
-count, nothing quadratic saved, the fallback, and whole training runs equal to "torch".
+"""model.attn_impl=triton (mta_repro/experimental/fused_triton) beyond the shared parity
+tests (test_triton_parity.py): many frames per row and per key axis, the shipped configs'
+and Table 5's options at the 880M head count, nothing quadratic saved, the fallbacks, and
+whole training runs equal to "torch". Kq-conv layers run the stored-scores kernels
+(test_attn_stored.py has their own tests), every other layer the fused kernel.
 
 Without a GPU these run in Triton's interpreter (tests/conftest.py sets TRITON_INTERPRET=1),
 which proves the kernels' semantics, not their speed or that they compile for a GPU.
@@ -8,17 +10,18 @@ which proves the kernels' semantics, not their speed or that they compile for a 
 
 import dataclasses
 import importlib.util
+import warnings
 
 import pytest
 import torch
 
-from mta_repro.kernels.types import KernelTuning
+from mta_repro.experimental.fused_triton import impl as triton_impl
+from mta_repro.experimental.fused_triton import tiles
+from mta_repro.kernels.types import KernelTuning, post_mix_matrix
 from mta_repro.model import attention_ops
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton not installed")
-
-# the fused kernel for kq-conv layers too (they run attention_stored.py unless told)
-FUSED = KernelTuning(triton_design="fused")
+TRITON = attention_ops.attn_impl("triton")
 
 
 def params(h, pre, post, mix="head_kernel", wpsm=True, pad_key="both", seed=0, group=None,
@@ -42,7 +45,7 @@ def grads_of(impl, q, k, v, p, mask):
     ts.update({f: getattr(p, f) for f in attention_ops._WEIGHT_FIELDS if getattr(p, f) is not None})
     ts = {n: t.detach().clone().requires_grad_() for n, t in ts.items()}
     p = dataclasses.replace(p, **{n: t for n, t in ts.items() if n not in "qkv"})
-    out = attention_ops.ATTN_IMPLS[impl].fn(ts["q"], ts["k"], ts["v"], p, mask, False)
+    out = attention_ops.attn_impl(impl).fn(ts["q"], ts["k"], ts["v"], p, mask, False)
     gy = torch.randn(out.shape, generator=torch.Generator().manual_seed(7), dtype=torch.float64).to(out.dtype)
     (out * gy).sum().backward()
     return out.detach(), {n: t.grad for n, t in ts.items()}
@@ -109,15 +112,15 @@ def test_float32_accumulates_through_descriptor_reductions():
 
 
 def test_interpreter_descriptor_reduction_adds_the_box_inside_the_tensor():
-    """The interpreter (Triton 3.9) has no descriptor reductions; attention_triton gives it
-    their meaning: the box is added into the elements of the tensor it covers, and the
-    parts outside (a negative row offset, rows past the end) are dropped, as a TMA
-    reduction drops them."""
+    """The interpreter (Triton 3.9) has no descriptor reductions; jit_helpers gives it their
+    meaning: the box is added into the elements of the tensor it covers, and the parts
+    outside (a negative row offset, rows past the end) are dropped, as a TMA reduction drops
+    them."""
     import triton
     import triton.language as tl
     from triton.tools.tensor_descriptor import TensorDescriptor
 
-    from mta_repro.kernels import attention_triton  # noqa: F401  (installs the interpreter's reduction)
+    from mta_repro.experimental.fused_triton import jit_helpers  # noqa: F401  (installs the interpreter's reduction)
 
     @triton.jit
     def add_box(desc, r0, c0, x_ptr):
@@ -139,33 +142,56 @@ def test_interpreter_descriptor_reduction_adds_the_box_inside_the_tensor():
 
 
 def test_float64_on_a_gpu_falls_back(monkeypatch):
-    """The fused kernel's accumulators are 32-bit reductions: float64 on a GPU is declined
-    (the registry then runs ``blocked``), float64 in the interpreter is its exact check."""
+    """The kernels' accumulators are 32-bit reductions: float64 on a GPU is declined (the
+    registry then runs ``blocked``), float64 in the interpreter is their exact check."""
     fake = type("T", (), {"device": torch.device("cuda"), "dtype": torch.float64})()
-    reason = attention_ops._triton_supports(fake, params(4, None, None), attention_ops.AttnMask())
+    reason = triton_impl.supports(fake, params(4, None, None), attention_ops.AttnMask())
     assert reason is not None and "float64" in reason
     fake.dtype = torch.bfloat16
-    assert attention_ops._triton_supports(fake, params(4, None, None), attention_ops.AttnMask()) is None
+    assert triton_impl.supports(fake, params(4, None, None), attention_ops.AttnMask()) is None
+    assert TRITON.fallback == "blocked"
+
+
+def test_training_dropout_on_a_kq_conv_layer_runs_blocked(monkeypatch):
+    """The stored-scores kernels have no dropout: a kq-conv layer with training dropout falls
+    back to ``blocked`` through the registry's ``supports`` (one warning naming it), with
+    blocked's result under the same seed; in evaluation (dropout off) the kernels run it, and
+    a mixing layer keeps the fused kernel's own dropout in training."""
+    monkeypatch.setattr(attention_ops, "_warned", set())  # (each fallback warns once per process)
+    h = 4
+    q, k, v = qkv(1, h, 9, 9, 3)
+    p = params(h, (2, 3), (3, 3), dropout=0.3)
+    torch.manual_seed(5)
+    with pytest.warns(UserWarning, match="'triton' does not support training dropout on a kq-conv layer.*'blocked'"):
+        got = attention_ops.explicit_attention("triton", q, k, v, p, attention_ops.AttnMask(), training=True)
+    torch.manual_seed(5)
+    want = attention_ops.explicit_attention_blocked(q, k, v, p, attention_ops.AttnMask(), training=True)
+    assert torch.equal(got, want)
+    assert triton_impl.supports(q, dataclasses.replace(p, dropout=0.0), attention_ops.AttnMask()) is None
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        out = attention_ops.explicit_attention("triton", q, k, v, p, attention_ops.AttnMask(), training=False)
+    torch.testing.assert_close(out, attention_ops.explicit_attention_torch(q, k, v, p, attention_ops.AttnMask()))
+    assert triton_impl.supports(q, params(h, None, (3, 3), dropout=0.3), attention_ops.AttnMask()) is None
 
 
 def test_overrides_are_checked():
     """A tuning that cannot be right is refused where it is set (KernelTuning); one that
-    does not fit the layer, when the kernel learns the layer. One line each, naming the field.
-    (The fused kernel's frames: kq-conv layers run the stored design unless told.)"""
+    does not fit the layer, when the kernel learns the layer. One line each, naming the field."""
     h = 4
     q, k, v = qkv(1, h, 8, 8, 3)
-    run = attention_ops.ATTN_IMPLS["triton"].fn
-    small = KernelTuning(triton_frame="16x16", triton_design="fused")  # the backward halo of 6x11 convolutions needs 16x21
-    with pytest.raises(ValueError, match=r"^model\.kernels\.triton_frame=16x16 leaves no owned block: the halo needs "
-                       r"16x21"):
-        run(q.requires_grad_(), k, v, params(h, (6, 11), (6, 11), tuning=small), attention_ops.AttnMask()).sum().backward()
+    run = TRITON.fn
+    small = KernelTuning(triton_frame="16x16")  # the forward halo of a 6x21 post-softmax kernel needs 6x21
+    with pytest.raises(ValueError, match=r"^model\.kernels\.triton_frame=16x16 leaves no owned block: the forward "
+                       r"pass's halo needs 6x21 at least$"):
+        run(q.requires_grad_(), k, v, params(h, None, (6, 21), tuning=small), attention_ops.AttnMask()).sum().backward()
     q = q.detach()
     with pytest.raises(ValueError, match=r"^model\.kernels\.triton_frame: '24x32': both sizes must be powers of two, "
                        r"at least 16"):
         KernelTuning(triton_frame="24x32")
     with pytest.raises(ValueError, match=r"^model\.kernels\.triton_slab_rows: 3: expected a power of two or null$"):
         KernelTuning(triton_slab_rows=3)
-    too_many = KernelTuning(triton_frame="16x16", triton_slab_rows=32, triton_design="fused")
+    too_many = KernelTuning(triton_frame="16x16", triton_slab_rows=32)
     with pytest.raises(ValueError, match=r"^model\.kernels\.triton_slab_rows=32: a power of two dividing the "
                        r"frame's 16 rows$"):
         run(q, k, v, params(h, (2, 3), None, tuning=too_many), attention_ops.AttnMask())
@@ -173,59 +199,19 @@ def test_overrides_are_checked():
         KernelTuning(triton_programs=0)
 
 
-@pytest.mark.parametrize("pad_key, kernel, q_off", [("both", (6, 11), 0), ("left", (3, 5), 0), ("right", (2, 7), 3),
-                                                     ("both", (4, 9), 5)])
-def test_factorised_pre_softmax_conv_with_band_correction_is_the_masked_conv(pad_key, kernel, q_off):
-    """The identity the kernel computes the pre-softmax convolution with (float64): shifted
-    queries against convolved keys (``_khat``), minus the band table (``_band``) on the NB
-    diagonals next to the diagonal, equals conv(S with the future zeroed) on every allowed
-    cell; padding is zeroed in q and k first."""
-    from mta_repro.kernels import attention_triton as at
-
-    g = torch.Generator().manual_seed(3)
-    b, h, tq, d = 2, 3, 23, 5
-    tk = tq + q_off
-    q = torch.randn(b, h, tq, d, generator=g, dtype=torch.float64)
-    k = torch.randn(b, h, tk, d, generator=g, dtype=torch.float64)
-    theta = torch.randn(h, *kernel, generator=g, dtype=torch.float64)
-    key_valid = torch.ones(b, tk, dtype=torch.bool)
-    key_valid[1, :6] = False
-    mask = attention_ops.AttnMask(q_off, key_valid)
-    allowed = mask.dense(tq, tk, q.device)
-    scale = d ** -0.5
-    want = attention_ops.kq_conv((q @ k.transpose(-1, -2) * scale) * allowed, theta[:, None], pad_key)
-    vq, vk = key_valid[:, q_off:q_off + tq, None].double(), key_valid[:, :, None].double()
-    qm, km = q * vq[:, None], k * vk[:, None]
-    pl = attention_ops.pad_left(pad_key, kernel[1])
-    khat = at._khat(km, theta, pl)  # (B, H, c_q, Tk, d)
-    qs = torch.stack([torch.nn.functional.pad(qm, (0, 0, r, 0))[:, :, :tq] for r in range(kernel[0])], 2)
-    got = torch.einsum("bhrid,bhrjd->bhij", qs, khat) * scale
-    band = at._band(qm, km, theta, pl, q_off, scale)  # (B, H, Tq, NB)
-    t = torch.arange(tq)[:, None] + q_off - torch.arange(tk)[None, :]
-    inb = (t >= 0) & (t < band.shape[-1])
-    got = got - torch.where(inb, band.gather(3, t.clamp(0, band.shape[-1] - 1).expand(b, h, tq, tk)), 0.0)
-    assert band.shape[-1] == at.band_width(*kernel, pl)
-    torch.testing.assert_close(got * allowed, want * allowed, rtol=1e-12, atol=1e-12)
-    # without the correction the band is wrong (the table is not zero where it matters)
-    assert not torch.allclose((got + torch.where(inb, band.gather(3, t.clamp(0, band.shape[-1] - 1).expand(
-        b, h, tq, tk)), 0.0)) * allowed, want * allowed)
-
-
 def test_schedule_covers_every_tile_once_and_balances_the_programs():
-    """frames.items: every (batch, row block, key block) the causal mask needs, exactly once,
+    """tiles.items: every (batch, row block, key block) the causal mask needs, exactly once,
     with distinct partial slots; each program's items a contiguous run of the rows' tiles laid
     end to end, so no program carries more than one tile above another (the estimate's serial
     chain is the longest program), the grid is filled whenever there are tiles enough, and a
     row is cut into few items (the per-item partial slots the launcher allocates and reduces)."""
-    from mta_repro.kernels import frames
-
-    for pass_, b, tq, tk, q_off, n_prog in (("forward", 4, 2048, 2048, 0, 132), ("backward", 1, 2048, 2048, 0, 132),
-                                            ("forward", 2, 300, 700, 400, 7), ("backward", 4, 4096, 4096, 0, 132),
+    for pass_, b, tq, tk, q_off, n_prog in (("forward", 4, 2048, 2048, 0, 132), ("backward_dc", 1, 2048, 2048, 0, 132),
+                                            ("forward", 2, 300, 700, 400, 7), ("backward_b", 4, 4096, 4096, 0, 132),
                                             ("stats", 1, 100, 100, 0, 132), ("forward", 3, 1000, 1000, 0, 1)):
-        f = frames.frame(pass_, (6, 11), (6, 11), "both")
-        sched = frames.items(f, b, tq, tk, q_off, n_prog)
+        f = tiles.frame(pass_, (6, 11), (6, 11), "both")
+        sched = tiles.items(f, b, tq, tk, q_off, n_prog)
         seen = [(bb, t, c) for bb, t, c0, c1, _ in sched.items for c in range(c0, c1)]
-        per_row = [frames.key_blocks(f, t, tq, tk, q_off) for t in range(sched.n_rt)]
+        per_row = [tiles.key_blocks(f, t, tq, tk, q_off) for t in range(sched.n_rt)]
         want = [(bb, t, c) for bb in range(b) for t in range(sched.n_rt) for c in range(per_row[t])]
         assert sorted(seen) == sorted(want) and len(seen) == len(set(seen))
         assert len({it[4] for it in sched.items}) == len(sched.items)
@@ -260,7 +246,7 @@ def test_shipped_and_ablation_options(h, pre, post):
 
 
 def test_saves_nothing_quadratic_for_backward(monkeypatch):
-    """The fused kernel (the stored design keeps its packed C plane: tests/test_attn_stored.py)."""
+    """The fused kernel (the stored design keeps its packed C plane: test_attn_stored.py)."""
     t, h, d = 48, 4, 3
     sizes = []
 
@@ -270,7 +256,7 @@ def test_saves_nothing_quadratic_for_backward(monkeypatch):
 
     q, k, v = (x.requires_grad_() for x in qkv(1, h, t, t, d))
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x):
-        out = attention_ops.ATTN_IMPLS["triton"].fn(q, k, v, params(h, (2, 3), (3, 3), tuning=FUSED), attention_ops.AttnMask())
+        out = TRITON.fn(q, k, v, params(h, None, (3, 3)), attention_ops.AttnMask())
     out.sum().backward()
     assert sizes and max(sizes) <= h * t * d  # q, k, v, the (B, H, T) lse, the weights
 
@@ -279,7 +265,7 @@ def test_without_interpreter_on_cpu_falls_back_to_blocked(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     h = 4
     q, k, v = qkv(1, h, 9, 9, 3)
-    p = params(h, (2, 3), (3, 3), tuning=FUSED)
+    p = params(h, (2, 3), (3, 3))
     with pytest.warns(UserWarning, match="'triton' does not support CPU tensors unless TRITON_INTERPRET=1.*'blocked'"):
         out = attention_ops.explicit_attention("triton", q, k, v, p, attention_ops.AttnMask())
     torch.testing.assert_close(out, attention_ops.explicit_attention_torch(q, k, v, p, attention_ops.AttnMask()))
@@ -323,43 +309,43 @@ def test_debug_experiment_with_mta_trains_as_torch(tmp_path):
 
 
 def test_memory_preflight_stand_in_saves_what_the_kernel_saves(monkeypatch):
-    """mta_repro.estimate.memory measures triton layers on meta through a stand-in (Triton does not
-    run on meta): it must keep the bytes the real kernel keeps. (The fused kernel; the stored
-    design's kq-conv layers: tests/test_attn_stored.py.)"""
+    """mta_repro.estimate.memory measures triton layers on meta through the stand-in the
+    implementation registers (``AttnImpl.meta_fn``; Triton does not run on meta): it must keep
+    the bytes the real kernel keeps. (The fused kernel; the stored design's kq-conv layers:
+    test_attn_stored.py.)"""
     from mta_repro.estimate import memory
 
-
     h, t, d = 4, 20, 8
-    p = params(h, (2, 3), (3, 3), tuning=FUSED)
+    p = params(h, None, (3, 3))
     weights = {getattr(p, f).untyped_storage()._cdata for f in attention_ops._WEIGHT_FIELDS
                if getattr(p, f) is not None}
     q, k, v = (x.float().requires_grad_() for x in qkv(2, h, t, t, d))
-    real = memory._saved_bytes(
-        lambda: attention_ops.ATTN_IMPLS["triton"].fn(q, k, v, p, attention_ops.AttnMask()), weights)
+    real = memory._saved_bytes(lambda: TRITON.fn(q, k, v, p, attention_ops.AttnMask()), weights)
     qm, km, vm = (torch.zeros(2, h, t, d, device="meta", requires_grad=True) for _ in range(3))
-    stand_in = memory._saved_bytes(lambda: memory._triton_meta(qm, km, vm, p, attention_ops.AttnMask()), set())
+    stand_in = memory._saved_bytes(lambda: TRITON.meta_fn(qm, km, vm, p, attention_ops.AttnMask()), set())
     # q, k, v and the fp32 lse, plus the fp32 copies of the (here float64) weights the kernel reads;
     # head_kernel as the (H, H) block-diagonal matrix it multiplies with
-    weight_copies = 4 * (h * 2 * 3 + h * h + h * 3 * 3 + h * h)
+    weight_copies = 4 * (h * h + h * 3 * 3 + h * h)
     assert real == stand_in == 3 * 2 * h * t * d * 4 + 2 * h * t * 4 + weight_copies
 
 
-@pytest.mark.parametrize("pre, post, mix", [((2, 3), (3, 3), "head_kernel"), (None, None, "wposm")])
-def test_the_workspace_the_preflight_counts_is_what_the_backward_launch_holds(monkeypatch, pre, post, mix):
-    """frames.backward_workspace_bytes (what the memory pre-flight adds per layer) equals the
-    bytes of every tensor the backward pass's launch receives that the call itself made:
-    its arguments' storages, counted once, minus the caller's q, k, v, dO and the saved lse,
-    and minus the placeholders of descriptors the pass compiles out."""
-    from mta_repro.kernels import attention_triton, frames
+@pytest.mark.parametrize("post, mix", [((3, 3), "head_kernel"), (None, "wposm")])
+def test_the_workspace_the_preflight_counts_is_what_the_backward_launch_holds(monkeypatch, post, mix):
+    """tiles.backward_workspace_bytes (what the memory pre-flight adds per layer, through
+    ``AttnImpl.workspace_bytes``) equals the bytes of every tensor the fused kernel's backward
+    pass's launch receives that the call itself made: its arguments' storages, counted once,
+    minus the caller's q, k, v, dO and the saved lse, and minus the placeholders of
+    descriptors the pass compiles out."""
+    from mta_repro.experimental.fused_triton import fused, launch
 
+    pre = None
     h, t, d, b = 4, 24, 16, 2
-    # a GPU's multi-item programs (3 over the backward's 6 or 10 tiles); the fused kernel
-    # (kq-conv layers run attention_stored.py unless told)
-    tn = KernelTuning(triton_programs=3, triton_frame="16x16", triton_design="fused")
+    # a GPU's multi-item programs (3 over the backward's 6 or 10 tiles)
+    tn = KernelTuning(triton_programs=3, triton_frame="16x16")
     p = params(h, pre, post, mix=mix, tuning=tn)
     q, k, v = (x.float().contiguous().requires_grad_() for x in qkv(b, h, t, t, d))
     seen, pending, placeholders = {}, [], set()
-    real_descriptor, real_kernel = attention_triton._descriptor, attention_triton._mta_kernel
+    real_descriptor, real_kernel = launch.descriptor, fused._mta_kernel
 
     def descriptor(x, block, dtype, device):
         out = real_descriptor(x, block, dtype, device)
@@ -380,17 +366,17 @@ def test_the_workspace_the_preflight_counts_is_what_the_backward_launch_holds(mo
                 return real_kernel[grid](*args, **kw)
             return launch
 
-    monkeypatch.setattr(attention_triton, "_descriptor", descriptor)
-    monkeypatch.setattr(attention_triton, "_mta_kernel", Kernel())
-    out = attention_ops.ATTN_IMPLS["triton"].fn(q, k, v, p, attention_ops.AttnMask())
+    monkeypatch.setattr(launch, "descriptor", descriptor)
+    monkeypatch.setattr(fused, "_mta_kernel", Kernel())
+    out = TRITON.fn(q, k, v, p, attention_ops.AttnMask())
     grad = torch.ones_like(out)
     lse = [x for x in out.grad_fn.saved_tensors if x is not None and x.shape == (b, h, t)]
     callers = {x.untyped_storage()._cdata for x in (q, k, v, grad, *lse)}
     out.backward(grad)
     held = sum(n for key, n in seen.items() if key not in callers and key not in placeholders)
-    mix_on = (p.wpsm is not None, attention_triton.post_mix_matrix(p) is not None)
-    want = frames.backward_workspace_bytes(b=b, h=h, d=d, seq_len=t, pre=pre, post=post, mix=mix_on,
-                                           pad_key=p.pad_key, dtype=torch.float32, n_prog=3, gpu=False, tuning=tn)
+    mix_on = (p.wpsm is not None, post_mix_matrix(p) is not None)
+    want = tiles.backward_workspace_bytes(b=b, h=h, d=d, seq_len=t, pre=pre, post=post, mix=mix_on,
+                                          pad_key=p.pad_key, dtype=torch.float32, n_prog=3, gpu=False, tuning=tn)
     assert len(lse) == 1 and held == want
 
 
@@ -413,56 +399,25 @@ def test_bfloat16_is_as_accurate_as_the_reference_in_bfloat16():
         assert got <= 2 * ref + 1e-3, errors
 
 
-def test_model_imports_run_one_way():
-    """No import cycle among the modules of mta_repro/model and mta_repro/kernels at module
-    level (function-local imports and ``if TYPE_CHECKING:`` blocks excluded; tests/test_house.py
-    also forbids those from the kernels to the model): attention_ops reaches the fused
-    kernel only lazily, and the kernel and its geometry never import attention_ops."""
-    import ast
-    from pathlib import Path
-
-    pkg = Path(attention_ops.__file__).parents[1]
-    graph = {}
-    for f in [*(pkg / "model").glob("*.py"), *(pkg / "kernels").glob("*.py")]:
-        deps = set()
-        for node in ast.parse(f.read_text()).body:  # module level only
-            if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
-                continue
-            for n in ast.walk(node) if not isinstance(node, (ast.FunctionDef, ast.ClassDef)) else ():
-                if isinstance(n, ast.ImportFrom) and (n.module or "").startswith(("mta_repro.model", "mta_repro.kernels")):
-                    sub = n.module.split(".")[1]
-                    mod = n.module.split(".")[2] if n.module.count(".") >= 2 else None
-                    deps |= {mod} if mod else {a.name for a in n.names if (pkg / sub / f"{a.name}.py").exists()}
-        graph[f.stem] = deps - {f.stem}
-
-    def reaches(a, b, seen=()):
-        return any(d == b or (d not in seen and reaches(d, b, seen + (d,))) for d in graph.get(a, ()))
-
-    cycles = [m for m in graph if reaches(m, m)]
-    assert not cycles, {m: graph[m] for m in cycles}
-    assert "attention_ops" in graph and "attention_triton" in graph and "frames" in graph
-    assert "attention_ops" not in graph["attention_triton"] | graph["frames"]
-
-
 def test_every_pass_launches_with_the_reported_configuration(monkeypatch):
-    """The launcher takes num_warps/num_stages from frames.launch_config, the function
-    scripts/compile_triton.py compiles with, for every pass (the kernel itself replaced by
-    a recorder: this checks the launch, not the math)."""
-    from mta_repro.kernels import attention_triton, frames
+    """The fused kernel's launcher takes num_warps/num_stages from tiles.launch_config, the
+    function compile_report.py compiles with, for every pass (the kernel itself replaced by a
+    recorder: this checks the launch, not the math)."""
+    from mta_repro.experimental.fused_triton import fused
 
     seen = []
 
     class Recorder:
         def __getitem__(self, grid):
             def launch(*args, **kw):
-                seen.append((frames.PASSES[kw["MODE"]], kw["num_warps"], kw["num_stages"]))
+                seen.append((tiles.FUSED_PASSES[kw["MODE"]], kw["num_warps"], kw["num_stages"]))
             return launch
 
-    monkeypatch.setattr(attention_triton, "_mta_kernel", Recorder())
+    monkeypatch.setattr(fused, "_mta_kernel", Recorder())
     h = 2
-    p = params(h, (2, 3), (2, 3), tuning=FUSED)
+    p = params(h, None, (2, 3))
     q, k, v = (t.requires_grad_() for t in qkv(1, h, 5, 5, 3))
-    attention_ops.ATTN_IMPLS["triton"].fn(q, k, v, p, attention_ops.AttnMask(), False).sum().backward()
-    assert [s[0] for s in seen] == list(frames.PASSES)
+    TRITON.fn(q, k, v, p, attention_ops.AttnMask(), False).sum().backward()
+    assert [s[0] for s in seen] == list(tiles.FUSED_PASSES)
     for name, nw, ns in seen:
-        assert (nw, ns) == frames.launch_config(name, (2, 3), (2, 3))
+        assert (nw, ns) == tiles.launch_config(name, None, (2, 3))

@@ -1,19 +1,21 @@
-"""Compile the triton attention kernel for a GPU target without a GPU, and judge what the
+"""Compile the triton attention kernels for a GPU target without a GPU, and judge what the
 compiler emitted: registers and spills (ptxas -v), shared memory, tensor-core vs CUDA-core
 MACs, global loads, barriers, and a stated roofline ESTIMATE of each pass on one H200
-(``mta_repro/estimate/roofline.py``) next to FlashAttention-2's for the same layer shape.
+(``roofline.py``) next to FlashAttention-2's for the same layer shape.
 
-    python scripts/compile_triton.py                          # table, sm_90, 880M shapes
-    python scripts/compile_triton.py --json out.json          # + one record per (layer, pass, T)
-    python scripts/compile_triton.py --layers kq_conv --passes forward --seqs 2048
-    python scripts/compile_triton.py --layers kq_conv --passes backward --by-line 15   # where it goes, by line
-    python scripts/compile_triton.py --frame 128x128 --slab-rows 2   # a model.kernels tuning instead of the defaults
+    python -m mta_repro.experimental.fused_triton.compile_report                 # table, sm_90, 880M shapes
+    python -m mta_repro.experimental.fused_triton.compile_report --json out.json # + one record per (layer, pass, T)
+    ... compile_report --layers kq_conv --passes forward --seqs 2048
+    ... compile_report --layers kq_conv --passes backward_dc --by-line 15   # where it goes, by source line
+    ... compile_report --frame 128x128 --slab-rows 2   # a model.kernels tuning instead of the defaults
 
-Every pass is compiled with the launch configuration the launcher uses
-(``frames.launch_config``: the same num_warps/num_stages). Compiles are slow on a small
-CPU (minutes for the kq-conv backward): results are cached under ``--cache`` keyed on the
-kernel sources, the options and the Triton version. Lengths are not specialised, so one
-compile serves every T; T and the batch only change the schedule the estimate uses.
+The layers are the 880M model's two kinds: ``kq_conv`` (6x11 kernels before and after
+softmax: the stored-scores kernels, ``stored.py``) and ``mixing`` (the fused kernel,
+``fused.py``). Every pass is compiled with the launch configuration the launcher uses
+(``tiles.launch_config``: the same num_warps/num_stages). Compiles take seconds to minutes
+on a small CPU: results are cached under ``--cache`` keyed on the kernel sources, the
+options and the Triton version. Lengths are not specialised, so one compile serves every
+T; T and the batch only change the schedule the estimate uses.
 
 Record keys: layer, pass, T, num_warps, num_stages, registers, spill_bytes (stores +
 loads), wgmma_serialized (ptxas's C7514: it serialises the kernel's wgmma, because a
@@ -31,7 +33,7 @@ scratch_compulsory_bytes (one store and one reload per slot and tile), scratch_l
 scratch_l2_bytes, scratch_hbm_bytes (where they go; the three add up to scratch_bytes),
 l1_free_bytes (per SM beside the shared memory), l2_bytes and hbm_bytes (all that passes the
 L2 / HBM), plus tc_share, the estimate's parts, the PTX cross-check and ``hazards``
-(``mta_repro/estimate/ir_hazards.py``: async-proxy reads of shared memory and whether each
+(``ir_hazards.py``: async-proxy reads of shared memory and whether each
 is fenced, the loops that store scratch and whether any is software-pipelined). Layer "sdpa" records
 are FlashAttention-2's own passes under the same estimator. The report ends with each layer's
 totals against FlashAttention-2 both ways and the implied 880M step ratio (``step_ratio``).
@@ -50,50 +52,39 @@ import tempfile
 import time
 from pathlib import Path
 
-from mta_repro.kernels import frames, stored_frames
-from mta_repro.estimate import ir_hazards, roofline
+from mta_repro.experimental.fused_triton import ir_hazards, roofline, tiles
 from mta_repro.kernels.types import DEFAULT_TUNING, KernelTuning
 
-# the 880M MTA options; "kq_conv_stored": the kq-conv layer in the stored-scores design
-# (attention_stored.py: C and dC through stores, the backward split into kernels A and B)
-# "mixing_stored": the mixing layer through the same stored kernels (an estimate for the decision
-# whether it wants the store; the launcher keeps the fused kernel for it)
-LAYERS = {"kq_conv": ((6, 11), (6, 11)), "mixing": (None, None), "kq_conv_stored": ((6, 11), (6, 11)),
-          "mixing_stored": (None, None)}
-STORED = ("kq_conv_stored", "mixing_stored")
+# the 880M MTA layer kinds: (pre, post) key-query convolutions; the design follows (tiles.design)
+LAYERS = {"kq_conv": ((6, 11), (6, 11)), "mixing": (None, None)}
+HERE = Path(__file__).resolve().parent
 
 
 def layer_passes(layer: str) -> tuple:
-    return stored_frames.PASSES if layer in STORED else frames.PASSES
+    return tiles.passes(LAYERS[layer][0])
 
 
-def layer_frame(layer: str, name: str, pre, post, pad_key: str = "both",
-                tuning: KernelTuning = DEFAULT_TUNING) -> frames.Frame:
-    return (stored_frames.frame if layer in STORED else frames.frame)(name, pre, post, pad_key, tuning)
-ROOT = Path(__file__).resolve().parents[1]
+def _design(layer: str):
+    """The kernel module of the layer's design (imported here: it defines the kernels)."""
+    if tiles.design(LAYERS[layer][0]) == "stored":
+        from mta_repro.experimental.fused_triton import stored as design
+    else:
+        from mta_repro.experimental.fused_triton import fused as design
+    return design
 
 
-def kernel_constexprs(name: str, pre, post, heads: int, head_dim: int, pad_key: str = "both",
-                      stored: bool = False, tuning: KernelTuning = DEFAULT_TUNING) -> dict:
-    """The constexprs ``attention_triton._launch`` passes on a GPU for bf16 inputs, the
-    pre/post-softmax mixings on (wpsm, head_kernel), no padding mask, no dropout, under a
-    model's ``tuning`` (model.kernels: frame, slab rows); ``stored``: ``attention_stored._launch``'s
-    for the stored design's pass ``name``."""
+def kernel_constexprs(layer: str, name: str, heads: int, head_dim: int, pad_key: str = "both",
+                      tuning: KernelTuning = DEFAULT_TUNING) -> dict:
+    """The constexprs the launcher passes on a GPU to pass ``name`` of ``layer`` for bf16
+    inputs, the pre/post-softmax mixings on (wpsm, head_kernel), no padding mask, no dropout,
+    under a model's ``tuning`` (model.kernels: frame, slab rows)."""
     import torch
 
-    from mta_repro.kernels import attention_triton as at
-
-    if stored:
-        from mta_repro.kernels import attention_stored as ast
-
-        f = stored_frames.frame(name, pre, post, pad_key, tuning)
-        return ast.kernel_constexprs(name, f, h=heads, d=head_dim, pre=pre, post=post, pad_key=pad_key,
-                                     has_w1=True, has_w2=True, has_kv=False, gpu=True, dtype=torch.bfloat16,
-                                     tuning=tuning)
-    f = frames.frame(name, pre, post, pad_key, tuning)
-    return at.kernel_constexprs(frames.PASSES.index(name), f, h=heads, d=head_dim, pre=pre, post=post,
-                                pad_key=pad_key, has_w1=True, has_w2=True, has_kv=False, drop=False, gpu=True,
-                                dtype=torch.bfloat16, tuning=tuning)
+    pre, post = LAYERS[layer]
+    f = tiles.frame(name, pre, post, pad_key, tuning)
+    return _design(layer).kernel_constexprs(name, f, h=heads, d=head_dim, pre=pre, post=post, pad_key=pad_key,
+                                            has_w1=True, has_w2=True, has_kv=False, drop=False, gpu=True,
+                                            dtype=torch.bfloat16, tuning=tuning)
 
 
 # the kernel's tensor arguments in the launcher's dtypes for bf16 inputs (the rest fp32)
@@ -105,41 +96,26 @@ _INT_ARGS = {"kv_ptr": "*i8", "tiles_ptr": "*i32", "starts_ptr": "*i32", "rowoff
              "cst_ptr": "*fp16", "dcs_ptr": "*fp16"}
 
 
-def _kernel(stored_pass: str = None):
-    """The jit function compiled: the fused kernel, or the stored design's for its pass."""
-    if stored_pass is None:
-        from mta_repro.kernels import attention_triton as at
-
-        return at._mta_kernel
-    from mta_repro.kernels import attention_stored as ast
-
-    return ast.kernel_of(stored_pass)
-
-
-def _compile(consts: dict, arch: int, num_warps: int, num_stages: int, stored_pass: str = None):
+def _compile(layer: str, name: str, consts: dict, arch: int, num_warps: int, num_stages: int):
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from mta_repro.kernels import attention_triton as at
+    from mta_repro.experimental.fused_triton import launch
 
-    fn = _kernel(stored_pass)
+    design = _design(layer)
+    fn = design.kernel_of(name)
     if not isinstance(fn, triton.runtime.JITFunction):
-        raise RuntimeError("compile_triton: the kernels were defined under TRITON_INTERPRET=1; compile in a "
-                           "process without it (python scripts/compile_triton.py)")
+        raise RuntimeError("compile_report: the kernels were defined under TRITON_INTERPRET=1; compile in a "
+                           "process without it (python -m mta_repro.experimental.fused_triton.compile_report)")
     names = fn.arg_names
-    if stored_pass is None:
-        descs = at.descriptor_specs(consts)
-    else:
-        from mta_repro.kernels import attention_stored as ast
-
-        descs = ast.descriptor_specs(stored_pass, consts)
+    descs = design.descriptor_specs(name, consts)
     sig = {}
     for n in names:
         if n in consts:
             sig[n] = "constexpr"
         elif n in descs:  # bf16 inputs and tables, fp32 accumulators, through tensor descriptors (TMA on sm_90)
-            dt = "fp32" if descs[n][0] in at.ACCUMULATORS else "bf16"
+            dt = "fp32" if descs[n][0] in launch.ACCUMULATORS else "bf16"
             sig[n] = f"tensordesc<{dt}[{','.join(str(x) for x in descs[n][1])}]>"
         elif n.endswith("_ptr"):
             sig[n] = _INT_ARGS.get(n, "*bf16" if n in _BF16_ARGS else "*fp32")
@@ -210,31 +186,29 @@ def compiled_pass(layer: str, name: str, heads: int, head_dim: int, arch: int, c
     """Everything the report needs from one compile, cached (the key holds the constexprs,
     so a tuning's frame or slab rows compile and cache apart)."""
     pre, post = LAYERS[layer]
-    stored = layer in STORED
-    nw, ns = (stored_frames if stored else frames).launch_config(name, pre, post)
-    consts = kernel_constexprs(name, pre, post, heads, head_dim, stored=stored, tuning=tuning)
+    nw, ns = tiles.launch_config(name, pre, post)
+    consts = kernel_constexprs(layer, name, heads, head_dim, tuning=tuning)
     import triton
 
     # the kernel's own cache key (its source and the jit functions it calls), not the file:
     # a docstring edit keeps the cache; the IR is stored, so the counting can change freely
-    key = hashlib.sha256(json.dumps([_kernel(name if stored else None).cache_key, {k: str(v) for k, v in consts.items()}, arch, nw, ns,
-                                     triton.__version__, _CACHED_FIELDS], sort_keys=True).encode())
+    key = hashlib.sha256(json.dumps([_design(layer).kernel_of(name).cache_key, {k: str(v) for k, v in consts.items()},
+                                     arch, nw, ns, triton.__version__, _CACHED_FIELDS], sort_keys=True).encode())
     path = cache / f"{layer}-{name}-{key.hexdigest()[:16]}.json.gz"
     if path.exists():
         out = json.loads(gzip.decompress(path.read_bytes()))
     else:
         t0 = time.time()
-        k = _compile(consts, arch, nw, ns, name if stored else None)
+        k = _compile(layer, name, consts, arch, nw, ns)
         out = {"num_warps": nw, "num_stages": ns, "smem_bytes": int(k.metadata.shared),
                "compile_s": round(time.time() - t0, 1), "ttgir": k.asm["ttgir"], "ptx": ptx_counts(k.asm["ptx"], nw),
                **ptxas(k.asm["ptx"], arch)}
         cache.mkdir(parents=True, exist_ok=True)
         path.write_bytes(gzip.compress(json.dumps(out).encode()))
     # the kernel's only bf16 pointer is its scratch (_BF16_ARGS): those loads/stores are scratch bytes
-    # by source line of the kernel's own file (the fused kernel's helpers under the lines that call them)
+    # by source line of the kernel's own file (the shared helpers under the lines that call them)
     ttgir = out.pop("ttgir")
-    c = roofline.count_ttgir(ttgir, source="attention_stored.py" if stored else "attention_triton.py",
-                             scratch_elem="bf16")
+    c = roofline.count_ttgir(ttgir, source=source_file(layer), scratch_elem="bf16")
     return dict(out, levels=c.levels, static=c.static, by_line=c.by_line,
                 hazards=ir_hazards.summary(ttgir, scratch_elem="bf16"))
 
@@ -244,43 +218,47 @@ def schedule(layer: str, name: str, batch: int, heads: int, head_dim: int, seq: 
     """The programs ``_launch`` starts on a GPU and the key blocks each walks (its items,
     longest first, round-robin over the persistent grid), under ``tuning``."""
     pre, post = LAYERS[layer]
-    f = layer_frame(layer, name, pre, post, tuning=tuning)
-    n_target = tuning.triton_programs or frames.PROGRAMS_PER_SM * sms
-    sched = frames.items(f, batch, seq, seq, 0, n_target)
+    f = tiles.frame(name, pre, post, "both", tuning)
+    n_target = tuning.triton_programs or tiles.PROGRAMS_PER_SM * sms
+    sched = tiles.items(f, batch, seq, seq, 0, n_target)
     n_prog = len(sched.starts) - 1
-    tiles = [it[3] - it[2] for it in sched.items]
+    n_tiles = [it[3] - it[2] for it in sched.items]
     io = batch * heads * seq * head_dim  # elements of q (k, v, do, o alike)
     rows = batch * heads * seq
     n_slots = batch * sched.n_rt * sched.s_max
     part = n_slots * heads * f.er  # per-slot row partials (elements)
+    slots = tiles.scratch_slots(name, pre is not None, post is not None)["NSLOT"]
+    plane = tiles.padded_heads(heads) * f.er * f.ec * 2  # one slot: all heads x the frame, bf16
     # compulsory HBM traffic: the inputs once (bf16), the outputs and the zeroed partials (fp32)
-    cq = (pre or (1, 1))[0]
-    hbm = {"stats": (1 + cq) * io * 2 + 2 * part * 4 * 2,
-           "forward": (2 + cq) * io * 2 + rows * 4 + part * head_dim * 4 * 2,
-           "backward_rowsum": (3 + cq) * io * 2 + rows * 4 + part * 4 * 2,
-           "backward": (4 + cq) * io * 2 + 2 * rows * 4 + part * head_dim * 4 * 2 + 2 * io * 4 * 2}.get(name, 0)
-    slots = frames.scratch_slots(name, pre is not None, post is not None)["NSLOT"] if name in frames.PASSES else 0
-    plane = frames.padded_heads(heads) * f.er * f.ec * 2  # one slot: all heads x the frame, bf16
-    if layer in STORED:
-        # the stored design: no pass but stats reads the convolved keys; the stored planes
-        # (C: written by stats, read by forward, rowsum, backward_dc; dC: written by
-        # backward_dc, read by backward_b) are compulsory HBM traffic (far above the L2)
-        st = batch * heads * stored_frames.store_plane(seq, seq, 0) * 2
+    if pre is None:
+        hbm = {"stats": 2 * io * 2 + 2 * part * 4 * 2,
+               "forward": 3 * io * 2 + rows * 4 + part * head_dim * 4 * 2,
+               "backward_rowsum": 4 * io * 2 + rows * 4 + part * 4 * 2,
+               "backward": 5 * io * 2 + 2 * rows * 4 + part * head_dim * 4 * 2 + 2 * io * 4 * 2}[name]
+    else:
+        # the stored design: the stored planes (C: written by stats, read by forward, rowsum,
+        # backward_dc; dC: written by backward_dc, read by backward_b) are compulsory HBM
+        # traffic too (far above the L2)
+        st = batch * heads * tiles.store_plane(seq, seq, 0) * 2
         hbm = {"stats": 2 * io * 2 + 2 * part * 4 * 2 + st,
                "forward": io * 2 + rows * 4 + part * head_dim * 4 * 2 + st,
                "backward_rowsum": 2 * io * 2 + rows * 4 + part * 4 * 2 + st,
                "backward_dc": 2 * io * 2 + 2 * rows * 4 + io * 4 * 2 + 2 * st,
                "backward_b": 2 * io * 2 + part * head_dim * 4 * 2 + io * 4 * 2 + st}[name]
-        slots = stored_frames.scratch_slots(name, pre is not None, post is not None)["NSLOT"]
         if name == "backward_b":  # one plane per program, each head's dC window stored and reloaded
-            slots, plane = 1, f.er * f.ec * 2
+            plane = f.er * f.ec * 2
             return roofline.Schedule(sched.programs(), hbm_bytes=hbm, num_warps=info["num_warps"],
                                      registers=info["registers"], smem_bytes=info["smem_bytes"],
                                      scratch_resident=n_prog * plane,
-                                     scratch_traffic=2 * sum(tiles) * heads * plane)
+                                     scratch_traffic=2 * sum(n_tiles) * heads * plane)
     return roofline.Schedule(sched.programs(), hbm_bytes=hbm, num_warps=info["num_warps"],
                              registers=info["registers"], smem_bytes=info["smem_bytes"],
-                             scratch_resident=n_prog * slots * plane, scratch_traffic=2 * sum(tiles) * slots * plane)
+                             scratch_resident=n_prog * slots * plane, scratch_traffic=2 * sum(n_tiles) * slots * plane)
+
+
+def source_file(layer: str) -> str:
+    """The kernel source of the layer's design, the lines ``--by-line`` names."""
+    return "stored.py" if tiles.design(LAYERS[layer][0]) == "stored" else "fused.py"
 
 
 # the 880M model's linear layers per token, fwd+bwd = 6 x parameters (non-embedding and
@@ -325,7 +303,7 @@ def record(layer, name, seq, info, est, fa2, batch, fa2_l2, fa2_pub) -> dict:
 
 
 def main() -> None:
-    # a real compile, not the interpreter (set before attention_triton defines its kernels;
+    # a real compile, not the interpreter (set before jit_helpers defines the kernels;
     # only here, so importing this module as a library changes nothing of its process)
     os.environ.pop("TRITON_INTERPRET", None)
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -333,8 +311,8 @@ def main() -> None:
     ap.add_argument("--passes", default=None, help="comma-separated; default: every pass of each layer")
     # every layer kind by default, so that the documented command rewrites the whole report
     ap.add_argument("--layers", default=",".join(LAYERS),
-                    help=f"of {','.join(LAYERS)} (kq_conv_stored: the stored-scores design, attention_stored.py, "
-                         "what kq-conv layers run; mixing_stored: the mixing layer through it, an estimate only)")
+                    help=f"of {','.join(LAYERS)} (kq_conv: the stored-scores kernels, stored.py; mixing: the fused "
+                         "kernel, fused.py)")
     ap.add_argument("--heads", type=int, default=16)
     ap.add_argument("--head-dim", type=int, default=96)
     ap.add_argument("--seqs", default="2048,4096")
@@ -344,8 +322,8 @@ def main() -> None:
                     help="also print each pass's N source lines that spend the most per key block (ESTIMATED "
                          "SM cycles per unit, from the same counts): where to look before optimising")
     ap.add_argument("--cache", type=Path, default=Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))
-                    / "mta_repro" / "compile_triton")
-    ap.add_argument("--frame", metavar="ROWSxCOLS", help="model.kernels.triton_frame (default: frames.frame's)")
+                    / "mta_repro" / "fused_triton_compile")
+    ap.add_argument("--frame", metavar="ROWSxCOLS", help="model.kernels.triton_frame (default: tiles.frame's)")
     ap.add_argument("--slab-rows", type=int, metavar="N", help="model.kernels.triton_slab_rows (default: per pass)")
     ap.add_argument("--programs", type=int, metavar="N", help="model.kernels.triton_programs (default: one per SM)")
     a = ap.parse_args()
@@ -419,25 +397,23 @@ def main() -> None:
     print("\nThe 880M step (ESTIMATE): linear layers 6 x (679.5M + 197.0M) x batch x T FLOPs at an MFU of 989 TFLOP/s; "
           "attention: MTA = 6 kq-conv + 18 mixing layers (est_l2_ms), baseline = 24 x FlashAttention-2:")
     for seq in seqs:
-        for kq in ("kq_conv", "kq_conv_stored"):  # the kq-conv layers in the fused / the stored design
-            if (seq, kq) not in layer_l2 or (seq, "mixing") not in layer_l2:
-                continue
-            rs = [r for r in records if r["T"] == seq]
-            for mfu in (0.4, 0.6):
-                for label, fa2 in (("FA2 est_l2", rs[0]["fa2_est_l2_ms"]), ("FA2 published", rs[0]["fa2_published_ms"])):
-                    st = step_ratio({"kq_conv": layer_l2[seq, kq], "mixing": layer_l2[seq, "mixing"]}, fa2,
-                                    a.batch * seq, mfu)
-                    print(f"  T={seq} {kq} MFU {mfu:.0%}, baseline with {label}: linear {st['linear_ms']:.1f} ms, "
-                          f"baseline {st['baseline_ms']:.1f} ms, MTA {st['mta_ms']:.1f} ms: {st['ratio']:.2f}x")
+        if (seq, "kq_conv") not in layer_l2 or (seq, "mixing") not in layer_l2:
+            continue
+        rs = [r for r in records if r["T"] == seq]
+        for mfu in (0.4, 0.6):
+            for label, fa2 in (("FA2 est_l2", rs[0]["fa2_est_l2_ms"]), ("FA2 published", rs[0]["fa2_published_ms"])):
+                st = step_ratio({"kq_conv": layer_l2[seq, "kq_conv"], "mixing": layer_l2[seq, "mixing"]}, fa2,
+                                a.batch * seq, mfu)
+                print(f"  T={seq} MFU {mfu:.0%}, baseline with {label}: linear {st['linear_ms']:.1f} ms, "
+                      f"baseline {st['baseline_ms']:.1f} ms, MTA {st['mta_ms']:.1f} ms: {st['ratio']:.2f}x")
     if by_line:
-        srcs = {f: (ROOT / "mta_repro" / "kernels" / f).read_text().splitlines()
-                for f in ("attention_triton.py", "attention_stored.py")}
-        print("\nWhere each pass spends its work per key block, by source line of mta_repro/kernels/attention_triton.py "
-              "(kq_conv_stored: attention_stored.py) "
+        srcs = {f: (HERE / f).read_text().splitlines() for f in ("fused.py", "stored.py")}
+        print("\nWhere each pass spends its work per key block, by source line of its kernel (mta_repro/experimental/"
+              "fused_triton/: kq_conv stored.py, mixing fused.py) "
               "(ESTIMATED SM cycles per program and key block: tensor cores / CUDA cores / L1+shared traffic of "
               "global and shared bytes; 'via' = the lines that called the helper):")
         for layer, name, rows in by_line:
-            src = srcs["attention_stored.py" if layer in STORED else "attention_triton.py"]
+            src = srcs[source_file(layer)]
             print(f"\n{layer} {name}:")
             print("| line | tensor | alu | global | shared | source | via |")
             print("|---|---|---|---|---|---|---|")

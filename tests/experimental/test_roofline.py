@@ -1,5 +1,5 @@
-"""The roofline estimator that judges the triton kernel without a GPU
-(mta_repro/estimate/roofline.py, scripts/compile_triton.py): its IR counting, its arithmetic
+"""The roofline estimator that judges the triton kernels without a GPU
+(mta_repro/experimental/fused_triton/roofline.py, compile_report.py): its IR counting, its arithmetic
 on hand-computed cases, FlashAttention-2's closed-form work, the report's record schema,
 and (one small real compile for sm_90) that a tensor-core dot is counted as such."""
 
@@ -13,10 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from mta_repro.kernels import frames
-from mta_repro.estimate import roofline
+from mta_repro.experimental.fused_triton import roofline, tiles
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 # A hand-written TTGIR fragment in the compiler's syntax: a runtime loop over items, a
 # runtime loop over key blocks inside it, a constant loop of 4 inside that.
@@ -72,7 +71,7 @@ def test_ttgir_counts_are_loop_weighted_and_split_by_unit():
 
 
 def test_a_kernel_with_one_runtime_loop_counts_its_body_per_key_block():
-    """The fused kernel walks its program's tiles in one loop (frames.Schedule.tiles): that
+    """The kernels walk their program's tiles in one loop (tiles.Schedule.tiles): that
     loop's body is the per-key-block work (level 2, what the schedule multiplies by tiles and
     --by-line splits), nothing is per item; the two-loop form above keeps its levels."""
     one = "\n".join(line for line in TTGIR.splitlines() if "scf.for %j" not in line and "} loc(#loc15)" not in line)
@@ -87,13 +86,13 @@ def test_a_kernel_with_one_runtime_loop_counts_its_body_per_key_block():
 
 
 def test_per_key_block_work_is_attributed_to_its_source_lines():
-    """compile_triton.py --by-line: every per-key-block resource lands on the source line of
+    """compile_report.py --by-line: every per-key-block resource lands on the source line of
     the op that spends it (through a helper's call site: the helper's line, then its caller's;
     a named location: the line it names), and the lines add up to the level's total."""
     locs = textwrap.dedent("""\
-        #loc4 = loc("/src/mta_repro/kernels/attention_triton.py":153:10)
-        #loc20 = loc("/src/mta_repro/kernels/attention_triton.py":200:5)
-        #loc21 = loc("/src/mta_repro/kernels/attention_triton.py":500:9)
+        #loc4 = loc("/src/mta_repro/experimental/fused_triton/fused.py":153:10)
+        #loc20 = loc("/src/mta_repro/experimental/fused_triton/fused.py":200:5)
+        #loc21 = loc("/src/mta_repro/experimental/fused_triton/fused.py":500:9)
         #loc6 = loc(callsite(#loc20 at #loc21))
         #loc7 = loc("acc"(#loc4))
         #loc11 = loc("/elsewhere/other.py":7:1)
@@ -328,32 +327,29 @@ def test_fa2_work_is_the_causal_flash_count(T):
 
 
 def _compile_script():
-    sys.path.insert(0, str(ROOT / "scripts"))
-    try:
-        import compile_triton
-    finally:
-        sys.path.pop(0)
-    return compile_triton
+    from mta_repro.experimental.fused_triton import compile_report
+
+    return compile_report
 
 
 def test_report_has_one_record_per_layer_pass_and_T(tmp_path, monkeypatch, capsys):
     """The JSON schema, with the compile replaced by fixed counts (the real compiles take
     minutes on a small CPU)."""
     ct = _compile_script()
-    nw, ns = frames.launch_config("stats", None, None)
+    nw, ns = tiles.launch_config("stats", None, None)
     fake = {"num_warps": nw, "num_stages": ns, "smem_bytes": 1024, "registers": 128, "spill_bytes": 0,
             "levels": [dict.fromkeys(roofline.RESOURCES, 0.0) for _ in range(3)],
             "static": dict.fromkeys(roofline.RESOURCES, 0.0),
             "ptx": {"ld_global": 3, "cp_async": 1, "bar_sync": 2}}
     fake["levels"][2].update(mma_macs=9e6, fma_macs=1e6)
-    line = 1 + next(i for i, t in enumerate((ROOT / "mta_repro/kernels/attention_triton.py").read_text().splitlines())
-                    if t.startswith("def _mta_kernel("))
+    line = 1 + next(i for i, t in enumerate((ROOT / "mta_repro/experimental/fused_triton/fused.py").read_text()
+                                            .splitlines()) if t.startswith("def _mta_kernel("))
     fake["by_line"] = {(line, 7): dict(fake["levels"][2])}  # all of it on one line, called from line 7
     monkeypatch.setattr(ct, "compiled_pass", lambda *a, **k: fake)
     # main() clears TRITON_INTERPRET for its compiles: restored after this test for the rest of the run
     monkeypatch.setenv("TRITON_INTERPRET", os.environ.get("TRITON_INTERPRET", "0"))
     out = tmp_path / "r.json"
-    monkeypatch.setattr(sys, "argv", ["compile_triton.py", "--json", str(out), "--cache", str(tmp_path),
+    monkeypatch.setattr(sys, "argv", ["compile_report.py", "--json", str(out), "--cache", str(tmp_path),
                                       "--by-line", "3", "--layers", "kq_conv,mixing"])
     ct.main()
     printed = capsys.readouterr().out
@@ -361,18 +357,19 @@ def test_report_has_one_record_per_layer_pass_and_T(tmp_path, monkeypatch, capsy
     # --by-line: each pass's table names the line, its source and its caller, in cycles at the rates
     rate = roofline._rate(roofline.H200)
     want = f"| {line} | {9e6 / rate['mma_macs']:.0f} | {1e6 / rate['fma_macs']:.0f} | 0 | 0 | `def _mta_kernel(` | 7 |"
-    assert printed.count(want) == 2 * len(frames.PASSES), printed[-2000:]
+    assert printed.count(want) == len(tiles.FUSED_PASSES), printed[-2000:]  # the mixing layer's (fused.py)
     keys = {"layer", "pass", "T", "num_warps", "num_stages", "registers", "spill_bytes", "smem_bytes", "mma_macs",
             "fma_macs", "global_loads", "barriers", "est_ms", "fa2_est_ms", "est_l2_ms", "fa2_est_l2_ms",
             "fa2_published_ms", "io_bytes", "scratch_bytes", "scratch_l1_bytes", "scratch_l2_bytes",
             "scratch_hbm_bytes"}
     mta = [r for r in recs if r["layer"] != "sdpa"]
     assert sorted((r["layer"], r["pass"], r["T"]) for r in mta) == sorted(
-        (layer, p, T) for layer in ("kq_conv", "mixing") for p in frames.PASSES for T in (2048, 4096))
+        [("kq_conv", p, T) for p in tiles.STORED_PASSES for T in (2048, 4096)]
+        + [("mixing", p, T) for p in tiles.FUSED_PASSES for T in (2048, 4096)])
     for r in recs:
         assert keys <= set(r) and r["estimate"] is True
     for r in mta:
-        assert (r["num_warps"], r["num_stages"]) == frames.launch_config(r["pass"], None, None)
+        assert (r["num_warps"], r["num_stages"]) == tiles.launch_config(r["pass"], *ct.LAYERS[r["layer"]])
         assert r["tc_share"] == pytest.approx(0.9)
         assert r["global_loads"] == 4 and r["barriers"] == 2
     # the split accounts for every scratch byte; fa2_published_ms, the published rate's time
@@ -413,7 +410,7 @@ def test_a_real_sm90_compile_counts_its_tensor_core_dot(tmp_path):
     tensor-core MACs, none on CUDA cores, and the PTX holds mma/wgmma instructions."""
     (tmp_path / "tiny_kernel.py").write_text(KERNEL)
     # The child only compiles (triton alone: no torch to import there); the IR and the PTX
-    # are counted here, by the same functions scripts/compile_triton.py calls. A child, not
+    # are counted here, by the same functions compile_report.py calls. A child, not
     # this process: here triton was imported under TRITON_INTERPRET=1 (tests/conftest.py),
     # so its own library functions (tl.cdiv, ...) are the interpreter's and do not compile.
     code = textwrap.dedent(f"""\
@@ -442,14 +439,14 @@ def test_a_real_sm90_compile_counts_its_tensor_core_dot(tmp_path):
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton not installed")
 def test_the_shipped_kernel_compiles_for_an_h200_within_its_limits(tmp_path):
-    """scripts/compile_triton.py on the kernel as shipped (the 880M layer kinds, sm_90, the
+    """compile_report.py on the kernels as shipped (the 880M layer kinds, sm_90, the
     launcher's configuration): every pass fits one H200 program (shared memory <= 227 KB,
     registers <= 255), at least 90% of its multiply-adds run on tensor cores, and the mixing
-    layer's passes (18 of the 880M model's 24 layers) and the kq-conv layer's forward passes
-    (both designs; the stored design's kernel B too) spill nothing; ptxas serialises no pass's
-    wgmma; the report carries both estimates, as estimates. The hazards (issue #37 item 3,
-    ``hazards`` from mta_repro/estimate/ir_hazards.py on the TritonGPU IR; one compile serves
-    both checks), for both designs: every wgmma operand and TMA store/reduction source in shared
+    layer's passes (18 of the 880M model's 24 layers, the fused kernel) and the kq-conv
+    layer's (the stored-scores kernels) but backward_dc spill nothing; ptxas serialises no
+    pass's wgmma; the report carries both estimates, as estimates. The hazards (``hazards``
+    from ir_hazards.py on the TritonGPU IR; one compile serves both checks), for both
+    kernels: every wgmma operand and TMA store/reduction source in shared
     memory that ordinary stores (or cp.async) wrote is fenced (ttng.fence_async_shared, in the
     PTX fence.proxy.async) after the write and before the read: none is unfenced; the loops
     that store scratch say num_stages=1 and none is software-pipelined, while the pipeliner
@@ -457,24 +454,20 @@ def test_the_shipped_kernel_compiles_for_an_h200_within_its_limits(tmp_path):
     prefetches before the loop come after the barrier that ends the phase writing it."""
     out = tmp_path / "r.json"
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    from mta_repro.kernels import stored_frames
-
-    p = subprocess.run([sys.executable, str(ROOT / "scripts" / "compile_triton.py"), "--seqs", "2048", "--json", str(out),
-                        "--layers", "kq_conv,mixing,kq_conv_stored", "--cache", str(tmp_path / "cache")],
-                       capture_output=True, text=True, env=env, timeout=1500)
+    p = subprocess.run([sys.executable, "-m", "mta_repro.experimental.fused_triton.compile_report", "--seqs", "2048",
+                        "--json", str(out), "--layers", "kq_conv,mixing", "--cache", str(tmp_path / "cache")],
+                       cwd=ROOT, capture_output=True, text=True, env=env, timeout=1500)
     assert p.returncode == 0, p.stderr[-3000:]
     recs = [r for r in json.loads(out.read_text())["records"] if r["layer"] != "sdpa"]
     assert sorted((r["layer"], r["pass"]) for r in recs) == sorted(
-        [(layer, name) for layer in ("kq_conv", "mixing") for name in frames.PASSES]
-        + [("kq_conv_stored", name) for name in stored_frames.PASSES])
+        [("kq_conv", name) for name in tiles.STORED_PASSES] + [("mixing", name) for name in tiles.FUSED_PASSES])
     for r in recs:
-        pre_post = ((6, 11), (6, 11)) if r["layer"] != "mixing" else (None, None)
-        config = (stored_frames if r["layer"] == "kq_conv_stored" else frames).launch_config
-        assert (r["num_warps"], r["num_stages"]) == config(r["pass"], *pre_post), r
+        pre_post = ((6, 11), (6, 11)) if r["layer"] == "kq_conv" else (None, None)
+        assert (r["num_warps"], r["num_stages"]) == tiles.launch_config(r["pass"], *pre_post), r
         assert r["smem_bytes"] <= 227 * 1024 and r["registers"] <= 255, r
         assert r["tc_share"] >= 0.9, r
         assert r["estimate"] is True and 0 < r["est_ms"] <= r["est_l2_ms"], r
-        if r["layer"] == "mixing" or r["pass"] not in ("backward", "backward_dc"):
+        if r["layer"] == "mixing" or r["pass"] != "backward_dc":
             assert r["spill_bytes"] == 0, r
         assert r["wgmma_serialized"] is False, r  # ptxas would serialise every wgmma of the pass
         hz = r["hazards"]
@@ -498,7 +491,7 @@ _HZ_TAIL = "    tt.return loc(#loc9)\n  } loc(#loc9)\n} loc(#loc9)\n"
 
 
 def _hz(body: str):
-    from mta_repro.estimate import ir_hazards
+    from mta_repro.experimental.fused_triton import ir_hazards
 
     return ir_hazards.analyse(_HZ_HEAD + textwrap.indent(textwrap.dedent(body), "    ") + _HZ_TAIL)
 

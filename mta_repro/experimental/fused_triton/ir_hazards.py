@@ -1,6 +1,6 @@
 """Two hazards of a compiled Triton kernel that only a GPU would show, read from its TritonGPU
-IR (``kernel.asm["ttgir"]``, sm_90) without one: ``scripts/compile_triton.py`` records them
-per pass and ``tests/test_kernel_hazards.py`` asserts them (docs/triton_kernel.md, "Hazards").
+IR (``kernel.asm["ttgir"]``, sm_90) without one: ``compile_report.py`` records them per pass
+and tests/experimental/test_roofline.py asserts them (design.md, "Hazards").
 
 *Unfenced async-proxy reads* (``unfenced_async_reads``). Shared memory written through the
 generic proxy (a register tensor stored by ``ttg.local_alloc %x`` or ``ttg.local_store``,
@@ -230,7 +230,7 @@ def analyse(ttgir: str, scratch_elem: str = "bf16") -> Report:
 
 
 def summary(ttgir: str, scratch_elem: str = "bf16") -> dict:
-    """The per-pass record fields of ``scripts/compile_triton.py`` (key ``hazards``)."""
+    """The per-pass record fields of ``compile_report.py`` (key ``hazards``)."""
     r = analyse(ttgir, scratch_elem)
     scratch = [lp for lp in r.loops if lp.scratch]
     return {"async_reads": r.async_reads, "generic_async_reads": r.fenced_generic_reads + len(r.unfenced),

@@ -1,0 +1,123 @@
+"""Refuse, before anything is allocated, a model that cannot fit the device it would train on.
+
+A config such as ``model.dim=65536`` would otherwise fail at materialisation with a
+multi-gigabyte allocation traceback, or, without a memory limit, bring the OOM killer to
+the node. ``check_fits`` runs on rank 0 before the run directory is touched:
+
+1. a floor that needs no model run: the fp32 parameters and AdamW moments on this rank
+   (12 bytes per parameter / world size) plus one fp32 copy of the logits of a micro-batch;
+2. when the floor is over 5% of the capacity, or on a GPU (seconds against a GPU job), the
+   trainer's memory pre-flight (``mta_repro.estimate.memory.estimate``: one step on ``meta``).
+
+Refused when either is over the capacity: the GPU's free memory, or on the CPU the memory
+available to this process (``MemAvailable``, or a smaller cgroup limit) shared by the ranks
+of this node. Over 90% (the pre-flight's own rule for fitting) is one warning line.
+``trainer.memory_check=false`` skips it (e.g. for swap the estimate does not count).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from mta_repro.errors import UserError
+
+GB = 1e9
+FULL_ESTIMATE_FRACTION = 0.05  # below this share of the capacity the floor alone is enough
+
+
+class DoesNotFitError(UserError):
+    """The model, batch and world size need more memory than the device has."""
+
+
+def _meminfo_available() -> Optional[float]:
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return float(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def _cgroup_available() -> Optional[float]:
+    """The cgroup's memory limit minus its usage (v2, else v1), if there is a limit."""
+    for limit_f, usage_f in (("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
+                             ("/sys/fs/cgroup/memory/memory.limit_in_bytes",
+                              "/sys/fs/cgroup/memory/memory.usage_in_bytes")):
+        try:
+            limit = Path(limit_f).read_text().strip()
+            usage = float(Path(usage_f).read_text().strip())
+        except (OSError, ValueError):
+            continue
+        if limit == "max" or float(limit) >= 2 ** 60:
+            return None
+        return max(float(limit) - usage, 0.0)
+    return None
+
+
+def local_ranks() -> int:
+    for var in ("LOCAL_WORLD_SIZE", "SLURM_NTASKS_PER_NODE"):
+        try:
+            return max(1, int(os.environ[var].split("(")[0]))
+        except (KeyError, ValueError):
+            continue
+    return 1
+
+
+def capacity(device: torch.device) -> tuple[float, str]:
+    """(bytes one rank may use, what that is) on ``device``."""
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return float(free), f"{torch.cuda.get_device_name(device)} has {free / GB:.2f} GB free"
+    found = [v for v in (_meminfo_available(), _cgroup_available()) if v is not None]
+    if not found:
+        return float("inf"), "the CPU's memory is unknown"
+    n = local_ranks()
+    avail = min(found)
+    share = f" / {n} ranks on this node" if n > 1 else ""
+    return avail / n, f"this machine has {avail / GB:.2f} GB of memory available{share}"
+
+
+def check_fits(args, world_size: int, device: torch.device, cap: Optional[tuple] = None):
+    """Refuse (``DoesNotFitError``, one line) a training config whose memory on one rank is
+    over ``cap`` = (bytes, description), by default the device's (``capacity``). Returns the
+    pre-flight's estimate when it ran, else None."""
+    from mta_repro.model import build_model, to_model_args
+
+    if not args.trainer.memory_check:
+        return None
+    cap_bytes, cap_what = cap if cap is not None else capacity(device)
+    model_args = to_model_args(args.model)
+    n_params = sum(p.numel() for p in build_model(model_args, device="meta").parameters())
+    batch, seq = int(args.data.batch_size), int(args.data.seq_len)
+    floor = 12 * n_params / world_size + 4 * batch * seq * model_args.vocab_size
+    fix = ("lower model.dim / model.n_layers, data.batch_size or data.seq_len, train on more ranks, or set "
+           "trainer.memory_check=false to start anyway")
+    shape = (f"model.dim={model_args.dim}, model.n_layers={model_args.n_layers}: {n_params / 1e9:.2f}B parameters, "
+             f"micro-batch {batch} x {seq} tokens, world size {world_size}")
+    if floor > cap_bytes:
+        raise DoesNotFitError(
+            f"{shape}: needs at least {floor / GB:.2f} GB per rank (fp32 parameters, AdamW moments and one "
+            f"fp32 copy of the logits) but {cap_what}: {fix}")
+    if device.type != "cuda" and floor < FULL_ESTIMATE_FRACTION * cap_bytes:
+        return None
+    from mta_repro.estimate.memory import HEADROOM, estimate
+
+    on_gpu = device.type == "cuda"
+    est = estimate(model_args, batch, seq, world_size, bool(args.distributed.activation_checkpointing),
+                   getattr(torch, args.distributed.param_dtype) if on_gpu else torch.float32,
+                   "cuda" if on_gpu else "cpu", int(args.trainer.grad_accum),
+                   None if args.optim.fused is None else bool(args.optim.fused))
+    if est.total > cap_bytes:
+        raise DoesNotFitError(
+            f"{shape}: needs {est.total / GB:.2f} GB per rank by the memory pre-flight (python -m "
+            f"mta_repro.estimate ... --memory) but {cap_what}: {fix}")
+    if est.total > HEADROOM * cap_bytes:
+        print(f"[mta_repro.train] WARNING: the memory pre-flight estimates {est.total / GB:.2f} GB per rank, over "
+              f"{HEADROOM:.0%} of the capacity ({cap_what}): the run may run out of memory", file=sys.stderr)
+    return est

@@ -1,0 +1,324 @@
+"""What a run's numbers came from: its inputs recorded at every start, in every checkpoint,
+export, evaluation and Hugging Face export, and compared wherever a run goes on
+(docs/provenance.md).
+
+The inputs of a run: the tokenizer file's sha256, the training files' listing fingerprint
+(``mta_repro.data``: names, sizes, mtimes; the loader state adds what identifies each file
+read), the weights it started from (``checkpoint.init_from``: the sha256 of their tensors)
+and the code (package version, git commit). ``<run_dir>/provenance.json`` keeps every
+start and every change accepted; ``<checkpoint>/provenance.json`` the inputs, step and
+tokens seen of that checkpoint (``"provenance"`` in an export's ``consolidated.pt``).
+
+Checks: a resume or a stage start refuses a tokenizer whose sha256 differs from the one
+recorded, and a data file whose text the run already read changed (the loader finds it,
+``TrainLoader.input_check``); evaluation refuses a tokenizer that differs from the
+weights'. Each refusal is one line naming the file, what changed and the override that
+accepts it (``checkpoint.accept_changed_data``/``accept_changed_tokenizer``, eval's
+``accept_changed_tokenizer``); an accepted change is recorded.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Mapping, Optional
+
+from mta_repro.errors import UserError
+from mta_repro.weights.layout import PROVENANCE
+
+# In a run dir, a checkpoint folder (mta_repro.weights reads it with the weights), an HF export.
+RECORD = PROVENANCE
+EXPORT_KEY = "provenance"  # in an export's consolidated.pt
+FORMAT = 1
+ACCEPT_DATA = "checkpoint.accept_changed_data=true"
+ACCEPT_TOKENIZER = "checkpoint.accept_changed_tokenizer=true"
+
+
+class ProvenanceError(UserError):
+    """An input changed since the run (or the weights) recorded it: one line naming the
+    file, what changed and the override that accepts it."""
+
+
+# ------------------------------------------------------------------ identities
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 24):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def state_digest(state: Mapping[str, Any]) -> str:
+    """sha256 of a model state dict's tensors (names, dtypes, shapes and bytes, in name
+    order): the same weights give the same digest whether read from a DCP checkpoint or
+    from the export made of it."""
+    import torch
+
+    h = hashlib.sha256()
+    for key in sorted(state):
+        t = state[key]
+        if not isinstance(t, torch.Tensor):
+            continue
+        t = t.detach().cpu().contiguous()
+        h.update(f"{key}\t{t.dtype}\t{tuple(t.shape)}\n".encode())
+        h.update(t.view(-1).view(torch.uint8).numpy().data if t.numel() else b"")
+    return h.hexdigest()
+
+
+@functools.lru_cache(maxsize=1)
+def code_version() -> dict:
+    """{"package": mta_repro's version, "commit": the git commit of its checkout (None
+    outside one), "dirty": whether tracked files differ from it}."""
+    import mta_repro
+
+    out = {"package": mta_repro.__version__, "commit": None, "dirty": None}
+    repo = Path(mta_repro.__file__).resolve().parents[1]
+    if not (repo / ".git").exists():
+        return out
+    try:
+        head = subprocess.run(["git", "-C", str(repo), "rev-parse", "HEAD"], capture_output=True, text=True,
+                              timeout=30)
+        if head.returncode == 0:
+            out["commit"] = head.stdout.strip()
+            st = subprocess.run(["git", "-C", str(repo), "status", "--porcelain", "--untracked-files=no"],
+                                capture_output=True, text=True, timeout=30)
+            out["dirty"] = bool(st.stdout.strip()) if st.returncode == 0 else None
+    except (OSError, subprocess.SubprocessError):
+        pass
+    return out
+
+
+def package_version(name: str) -> Optional[str]:
+    from importlib import metadata
+
+    try:
+        return metadata.version(name)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def tokenizer_identity(tok) -> dict:
+    """{"name", "path", "sha256"} of a ``data.tokenizer`` config (dataclass, dict or
+    DictConfig): the resolved file and the sha256 of its bytes (None for ``bytes``, which
+    has no file, or a file that is not there)."""
+    from mta_repro.data.args import resolve_path
+
+    get = tok.get if isinstance(tok, Mapping) or hasattr(tok, "get") else lambda k, d=None: getattr(tok, k, d)
+    name, path = get("name", None), get("path", None)
+    if name == "bytes" or not path:
+        return {"name": name, "path": None, "sha256": None}
+    p = resolve_path(str(path))
+    return {"name": name, "path": str(p.resolve()) if p.exists() else str(path),
+            "sha256": sha256_file(p) if p.is_file() else None}
+
+
+def tokenizer_change(recorded: Optional[Mapping], now: Mapping) -> Optional[str]:
+    """What differs between a recorded tokenizer identity and today's (None: the same
+    content, or nothing recorded to compare with); a moved file is no change."""
+    if not recorded or not recorded.get("name"):
+        return None
+    if recorded.get("name") != now.get("name"):
+        return f"data.tokenizer.name is {now.get('name')!r}, recorded {recorded.get('name')!r}"
+    old, new = recorded.get("sha256"), now.get("sha256")
+    if old and new and old != new:
+        return (f"data.tokenizer.path={now.get('path')}: its content differs from the tokenizer recorded "
+                f"(sha256 {short(new)} now, {short(old)} recorded from {recorded.get('path')})")
+    return None
+
+
+def short(digest: Optional[str], n: int = 12) -> str:
+    return digest[:n] if digest else "?"
+
+
+def validation_fingerprint(data_args) -> Optional[dict]:
+    """{"root", "layout", "files", "bytes", "sha256"} of the validation files of a data
+    config's domains (names and sizes only: two copies of a corpus compare equal); None
+    when there are none."""
+    from mta_repro.data import to_data_args
+    from mta_repro.data.args import active_sources
+    from mta_repro.data.sources import corpus_root, fingerprint, list_entries
+
+    try:
+        args = to_data_args(data_args)
+        entries = {e for d in active_sources(args) for e in list_entries(args, d, "validation")}
+        return {"root": str(corpus_root(args)), "layout": args.layout, **fingerprint(entries, with_mtime=False)}
+    except (UserError, OSError):
+        return None
+
+
+# ------------------------------------------------------------------ records on disk
+def read_record(path: Path) -> Optional[dict]:
+    """The JSON record at ``path`` (a file, or a folder's provenance.json); None when
+    there is none or it cannot be read (it says nothing then)."""
+    path = Path(path)
+    f = path / RECORD if path.is_dir() else path
+    try:
+        data = json.loads(f.read_text())
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def weights_record(path: Path, kind: str) -> Optional[dict]:
+    """The record saved with a set of weights: a checkpoint folder's provenance.json, an
+    export's ``"provenance"`` entry (read as data, memory-mapped); None if there is none."""
+    if kind == "dcp":
+        return read_record(path)
+    from mta_repro.weights import load_pt
+
+    try:
+        blob = load_pt(path)
+    except (UserError, OSError):
+        return None
+    rec = blob.get(EXPORT_KEY) if isinstance(blob, dict) else None
+    return rec if isinstance(rec, dict) else None
+
+
+def source_record(path) -> Optional[dict]:
+    """The record of the newest readable weights ``path`` offers (``find_weights``' order)."""
+    from mta_repro.weights import find_weights
+
+    try:
+        found = find_weights(path)
+    except (UserError, OSError):
+        return None
+    for c in found:
+        if c.problem is None:
+            return weights_record(c.path, c.kind)
+    return None
+
+
+def _now() -> str:
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime()) + " UTC"
+
+
+def accepted(what: str, change: str, override: str, step: Optional[int]) -> dict:
+    """One entry of a run's ``accepted`` history."""
+    return {"time": _now(), "step": step, "what": what, "change": change, "override": override}
+
+
+def write_record(path: Path, obj: Any) -> None:
+    """``obj`` as JSON at ``path``, whole or not at all (``mta_repro.train.durable``)."""
+    from mta_repro.train.durable import replace_atomically
+
+    replace_atomically(path, (json.dumps(obj, indent=1, default=str) + "\n").encode())
+
+
+# ------------------------------------------------------------------ a training run
+def check_tokenizer(args, run_dir: Path, latest: Optional[Path]) -> list:
+    """Rank 0, before the model is built: the tokenizer against the one the newest
+    checkpoint recorded (a resume) or the one ``checkpoint.init_from``'s weights recorded
+    (a stage start). Raises ProvenanceError, or returns the accepted change ([] if none)."""
+    ck = args.checkpoint
+    now = tokenizer_identity(args.data.tokenizer)
+    if latest is not None:
+        rec, what, step = read_record(latest), f"the run in {run_dir} (checkpoint {latest.name})", int(latest.name)
+    elif ck.init_from:
+        rec, what, step = source_record(ck.init_from), f"checkpoint.init_from={ck.init_from}", 0
+    else:
+        return []
+    change = tokenizer_change((rec or {}).get("inputs", {}).get("tokenizer"), now)
+    if change is None:
+        return []
+    if not ck.accept_changed_tokenizer:
+        raise ProvenanceError(
+            f"{change}: {what} was trained with the recorded one, so its numbers would mix two tokenizers. Use "
+            f"the recorded tokenizer file, or accept this one with {ACCEPT_TOKENIZER} (recorded in "
+            f"{Path(run_dir) / RECORD})")
+    print(f"[mta_repro.train] WARNING: {change}; accepted ({ACCEPT_TOKENIZER}), recorded in "
+          f"{Path(run_dir) / RECORD}", file=sys.stderr, flush=True)
+    return [accepted("tokenizer", change, ACCEPT_TOKENIZER, step)]
+
+
+def check_data(loader, accept: bool, run_dir: Path, step: int, world_size: int, is_main: bool) -> list:
+    """Every rank, after the loader state was loaded: what each rank's loader found
+    (``input_check``), gathered; the warnings printed once (rank 0); a refusal raised on
+    every rank unless ``accept``. Returns the accepted changes (rank 0's list)."""
+    found = getattr(loader, "input_check", None) or {"refuse": [], "warn": []}
+    if world_size > 1:
+        import torch.distributed as dist
+
+        every: list = [None] * world_size
+        dist.all_gather_object(every, found)
+    else:
+        every = [found]
+    refuse = list(dict.fromkeys(line for f in every for line in f.get("refuse", ())))
+    warn = list(dict.fromkeys(line for f in every for line in f.get("warn", ())))
+    if is_main:
+        for line in warn:
+            print(f"[mta_repro.train] WARNING: data: {line}", file=sys.stderr, flush=True)
+    if not refuse:
+        return []
+    more = f" (and {len(refuse) - 1} more: {'; '.join(refuse[1:3])}{'; ...' if len(refuse) > 3 else ''})" \
+        if len(refuse) > 1 else ""
+    if not accept:
+        raise ProvenanceError(
+            f"data: {refuse[0]}{more}. The run's earlier steps trained on the old bytes: restore the file, or "
+            f"start a new run (another run_dir=), or go on with the files as they are now with {ACCEPT_DATA} "
+            f"(recorded in {Path(run_dir) / RECORD})")
+    if hasattr(loader, "accept_input_changes"):
+        loader.accept_input_changes()
+    if is_main:
+        print(f"[mta_repro.train] WARNING: data: {refuse[0]}{more}; accepted ({ACCEPT_DATA}), recorded in "
+              f"{Path(run_dir) / RECORD}", file=sys.stderr, flush=True)
+    return [accepted("data", line, ACCEPT_DATA, step) for line in refuse]
+
+
+class RunRecord:
+    """Rank 0's record of one start: the run's inputs, written to ``<run_dir>/provenance.json``
+    (``begin``) and into every checkpoint (``checkpoint``)."""
+
+    def __init__(self, args, run_dir: Path, loader, init_from: Optional[dict], resumed: Optional[Path],
+                 new_accepted: list):
+        self.run_dir = Path(run_dir)
+        self.resumed = resumed
+        prior = read_record(resumed) if resumed is not None else None
+        if init_from is None and prior is not None:  # resumed: the weights it started from are recorded
+            init_from = (prior.get("inputs") or {}).get("init_from")
+        run_file = read_record(self.run_dir / RECORD) or {}
+        history = run_file.get("accepted") or (prior or {}).get("accepted") or []
+        self.accepted = list(history) + list(new_accepted)
+        self.inputs = {
+            "tokenizer": tokenizer_identity(args.data.tokenizer),
+            "data": loader.inputs() if hasattr(loader, "inputs") else None,
+            "init_from": init_from,
+            "code": code_version(),
+        }
+
+    def begin(self, step: int, world_size: int) -> None:
+        """Append this start to ``<run_dir>/provenance.json`` (written atomically)."""
+        path = self.run_dir / RECORD
+        rec = read_record(path) or {}
+        starts = list(rec.get("starts") or [])
+        starts.append({"time": _now(), "step": step, "resumed_from": str(self.resumed) if self.resumed else None,
+                       "host": socket.gethostname(), "pid": os.getpid(), "world_size": world_size,
+                       "inputs": self.inputs})
+        write_record(path, {"format": FORMAT, "starts": starts, "accepted": self.accepted})
+
+    def checkpoint(self, step: int, tokens_seen: Optional[int]) -> dict:
+        """The record a checkpoint of ``step`` carries."""
+        return {"format": FORMAT, "time": _now(), "step": step, "tokens_seen": tokens_seen, "inputs": self.inputs,
+                "accepted": self.accepted}
+
+
+def weights_provenance(model, tok_cfg) -> dict:
+    """The record an export of weights loaded by ``mta_repro.eval.load.load_model(...,
+    identity=True)`` carries (an HF folder's provenance.json): the weights, the inputs
+    their run recorded, the tokenizer exported with them, the code."""
+    src = getattr(model, "source", {}) or {}
+    record = src.get("record") or {}
+    return {
+        "format": FORMAT, "time": _now(),
+        "weights": {"path": src.get("path"), "kind": src.get("kind"), "step": src.get("step"),
+                    "weights_sha256": src.get("weights_sha256"), "tokens_seen": record.get("tokens_seen")},
+        "run": record.get("inputs"), "run_accepted": record.get("accepted") or [],
+        "tokenizer": tokenizer_identity(tok_cfg) if tok_cfg else None,
+        "code": code_version(),
+    }
