@@ -1,4 +1,5 @@
-"""The one device choice of training, eval and generation: ``resolve_device``."""
+"""Where this process runs: its rank by the launcher's variables, and the one device choice of
+training, eval and generation (``resolve_device``)."""
 
 from __future__ import annotations
 
@@ -40,3 +41,24 @@ def resolve_device(
         if dev.index >= n:
             raise UserError(f"{what}: {str(device)!r} was asked for but this machine has {n} CUDA GPU(s)")
     return dev
+
+
+def launcher_env() -> Optional[tuple[int, int, int, bool]]:
+    """(rank, world_size, local_rank, slurm) from the launcher's variables, or None for a
+    process no launcher started. torchrun's RANK/WORLD_SIZE win (torchrun inside an
+    sbatch, one task per node) over srun's SLURM_PROCID/SLURM_NTASKS/SLURM_LOCALID (one
+    task per GPU). The one place the launcher rank is read (Hydra's rank-0-only output,
+    the requeue, the process group)."""
+    env = os.environ
+    if "RANK" in env and "WORLD_SIZE" in env:
+        rank = int(env["RANK"])
+        return rank, int(env["WORLD_SIZE"]), int(env.get("LOCAL_RANK", rank)), "SLURM_JOB_ID" in env
+    if "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
+        return int(env["SLURM_PROCID"]), int(env["SLURM_NTASKS"]), int(env.get("SLURM_LOCALID", 0)), True
+    return None
+
+
+def launcher_rank() -> int:
+    """This process's rank by the launcher's variables (0 without a launcher)."""
+    found = launcher_env()
+    return found[0] if found is not None else 0

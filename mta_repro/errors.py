@@ -28,6 +28,16 @@ def show_tracebacks() -> bool:
     return os.environ.get(TRACEBACK_ENV, "").strip().lower() not in ("", "0", "false", "no")
 
 
+class CorruptFileError(UserError):
+    """A file that cannot be read to its end or is damaged (a truncated download, a torn
+    write, a weights file that is not one): the message names it."""
+
+
+class UnsafeFileError(UserError):
+    """A file whose unpickling would build objects other than tensors and plain types (and
+    could run code): refused, never loaded. The message names the file and the object."""
+
+
 class NoSpaceError(UserError):
     """The disk filled up: the message names the path, the bytes needed and those free.
     Not the input's fault, but the user's to fix (free space, then rerun to resume), so it

@@ -1,10 +1,9 @@
-"""Every OmegaConf resolver the configs use, registered in one place (at ``import mta_repro.config``).
+"""Every OmegaConf resolver the configs use, registered in one place (at ``import mta_repro.train.config``).
 
 Resolvers must exist before any config is resolved, whichever entry point composed it, so
-``mta_repro.config`` (imported by every entry point that composes or loads a config) calls
+``mta_repro.train.config`` (imported by every entry point that composes or loads a config) calls
 ``register_resolvers()``; ``import mta_repro`` alone registers nothing. The names are the ones the YAML
-files (and the configs ``mta_repro.release`` writes) already carry; each resolver's body
-lives next to the code it belongs to and is imported only when a config uses it.
+files (and the configs ``mta_repro.release`` writes) already carry.
 
 =====================  ===========================================  =====================
 resolver               what it gives                                used by
@@ -22,25 +21,38 @@ from __future__ import annotations
 
 from typing import Any
 
+from mta_repro.errors import UserError
+
 
 def release_placeholder(field: str):
     """``${release_placeholder:data.root_dir}``: a value the official release's config left
     as a placeholder (``<path_to_dataset>``); reading it says which override to pass."""
-    from mta_repro.errors import UserError
-
     raise UserError(f"{field} is a placeholder in the official release's config: pass {field}=... on the command line")
 
 
-def _mta_layers_every(n_layers: Any, stride: Any) -> str:
-    from mta_repro.pipeline.sweep import mta_layers_every
-
-    return mta_layers_every(n_layers, stride)
+FIRST_CONV_LAYER = 2  # the release's choice: 2, 6, 10, ... (0-based)
 
 
-def _required(field: str, what: str = "a value") -> None:
-    from mta_repro.pipeline.sweep import required
+def mta_layers_every(n_layers: Any, stride: Any) -> str:
+    """Comma list of the layers ``FIRST_CONV_LAYER + i*stride`` below ``n_layers`` (stride 1: all)."""
+    n, k = int(n_layers), int(stride)
+    if k == 1:
+        return ",".join(str(i) for i in range(n))
+    if k < 1 or k >= n or FIRST_CONV_LAYER >= n:
+        hi = n - 1
+        raise UserError(
+            f"model.mta.mta_layers: every {k}th layer is not a valid choice for model.n_layers={n} "
+            f"(valid strides: 1..{hi}" + ("" if FIRST_CONV_LAYER < n else f"; a model of {n} layers has no layer "
+                                             f"{FIRST_CONV_LAYER}") + ")"
+        )
+    return ",".join(str(i) for i in range(FIRST_CONV_LAYER, n, k))
 
-    return required(field, what)
+
+def required(field: str, what: str = "a value") -> None:
+    """``${required:checkpoint.init_from,'the pretraining run'}``: a field the user (or the
+    pipeline) must set; reading it unset is an error naming the field. (A YAML ``???``
+    cannot override a group's default: OmegaConf merges skip missing values.)"""
+    raise UserError(f"{field}: required, give {what} ({field}=<absolute path>)")
 
 
 def _tasks_per_node(tasks: Any, gpus: Any) -> int:
@@ -54,15 +66,15 @@ def _gpus_or_null(gpus: Any):
 
 def _rank0_only(value: Any, other: Any = None) -> Any:
     # Rank-0-only Hydra output under submitit: the launcher's variables in each task.
-    from mta_repro.train.distributed import launcher_rank
+    from mta_repro.device import launcher_rank
 
     return value if launcher_rank() == 0 else other
 
 
 RESOLVERS = {
     "release_placeholder": release_placeholder,
-    "mta_layers_every": _mta_layers_every,
-    "required": _required,
+    "mta_layers_every": mta_layers_every,
+    "required": required,
     "mta_tasks_per_node": _tasks_per_node,
     "mta_gpus_or_null": _gpus_or_null,
     "mta_rank0_only": _rank0_only,

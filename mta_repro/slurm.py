@@ -1,9 +1,13 @@
 """Small SLURM helpers shared by the training, evaluation and pipeline job scripts
-(``mta_repro.train.slurm``, ``mta_repro.eval.slurm``, ``mta_repro.pipeline.run``)."""
+(``mta_repro.train.submit``, ``mta_repro.eval.submit``, ``mta_repro.pipeline.run``)."""
 
 from __future__ import annotations
 
-from typing import Optional
+import subprocess
+from pathlib import Path
+from typing import Optional, Sequence
+
+from mta_repro.errors import UserError
 
 
 def time_limit(minutes: int) -> str:
@@ -25,3 +29,29 @@ def memory_lines(mem: Optional[str], exclusive: bool) -> str:
     if exclusive:
         out += "#SBATCH --exclusive\n"
     return out
+
+
+class SubmitError(UserError):
+    """sbatch is missing or refused the script (the message is one line, with sbatch's
+    own): exit status 2, like a user error, since the fix is the submitter's (a partition,
+    account or limit the cluster does not accept, a submit host)."""
+
+
+def sbatch(script_path: Path, extra_args: Sequence[str] = ()) -> str:
+    """Submit with ``sbatch --parsable``; the job id. SubmitError (one line) when sbatch
+    is missing or refuses, quoting sbatch's own message."""
+    cmd = ["sbatch", "--parsable", *extra_args, str(script_path)]
+    try:
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    except FileNotFoundError:
+        raise SubmitError(
+            f"sbatch is not on PATH: --submit needs a SLURM submit host (the script is written to "
+            f"{script_path}; --dry-run prints it; scripts/slurm_local.sh starts a one-node cluster here)"
+        ) from None
+    except subprocess.TimeoutExpired:
+        raise SubmitError(f"sbatch {script_path} did not answer within 120 s (is slurmctld up?)") from None
+    if out.returncode != 0:
+        said = " | ".join(l.strip() for l in (out.stderr + out.stdout).splitlines() if l.strip())
+        raise SubmitError(f"sbatch refused {script_path} (exit {out.returncode}): {said or 'no message'}")
+    # --parsable prints "jobid" or "jobid;cluster".
+    return out.stdout.strip().split(";")[0]

@@ -5,7 +5,7 @@ For each tokenizer, one rank's loader (one process, no prefetch thread: the rate
 pipeline itself) reads the bundled corpus at the paper's per-GPU shape (4 x 2048) and the
 median tokens/s of ``--runs`` timed runs is printed. The "need" table gives, for the tiny
 and 880M models (baseline and MTA), the training tokens/s per GPU at ``--tflops``
-effective TFLOP/s (train FLOPs/token from mta_repro.estimate.flops), the paper's measured
+effective TFLOP/s (train FLOPs/token from mta_repro.model.flops), the paper's measured
 880M rates (Table 9, per GPU) and, with ``--measure-step``, a measured training step of
 the tiny model on ``--device``.
 
@@ -120,7 +120,7 @@ def measure_tiny_step(device: str, seq_len: int, batch_size: int, steps: int = 1
     """Tokens/s of a full training step (fwd + bwd + AdamW) of the tiny baseline model."""
     import torch
 
-    from mta_repro.config import compose, model_args_from
+    from mta_repro.train.config import compose, model_args_from
     from mta_repro.model import build_model
 
     margs = model_args_from(compose(["model=tiny"]))
@@ -165,8 +165,8 @@ def main() -> None:
     if a.mixture_only:
         return
 
-    from mta_repro.config import compose, model_args_from
-    from mta_repro.estimate.flops import train_flops_per_token
+    from mta_repro.train.config import compose, model_args_from
+    from mta_repro.model.flops import train_flops_per_token
 
     with tempfile.TemporaryDirectory() as td:
         tk_path = a.tiktoken_path or str(tekken_standin(Path(td)))

@@ -15,8 +15,8 @@ import time
 
 import torch
 
-from mta_repro.config import compose, model_args_from
-from mta_repro.eval.generate import generate
+from mta_repro.train.config import compose, model_args_from
+from mta_repro.model.generation import generate
 from mta_repro.eval.lm_eval_model import MTAReproLM
 from mta_repro.model import build_model
 

@@ -42,7 +42,7 @@ def main() -> None:
     ap.add_argument("--sm90", action="store_true", help="compile report for sm_90 (no GPU needed), then exit")
     ap.add_argument("--tile", default="64x64", metavar="RxC", help="the Triton kernel's tile (model.kernels.kq_tile)")
     a = ap.parse_args()
-    from mta_repro.kernels.types import KernelTuning
+    from mta_repro.kernels.tuning import KernelTuning
 
     tile = KernelTuning(kq_tile=a.tile).kq_tile_shape
     if a.sm90:
@@ -70,7 +70,7 @@ def main() -> None:
     qs = torch.randn(a.batch, H, n, cq * d, generator=g).to(dev, dt).requires_grad_()
     ks = torch.randn(a.batch, H, T, cq * d, generator=g).to(dev, dt).requires_grad_()
     cases = {
-        "conv2d": lambda: attention_ops.kq_conv(x, w, "both"),
+        "conv2d": lambda: attention_ops.kq_conv_dense(x, w, "both"),
         "shifted": lambda: shifted(x, w),
         "gemm_qk": lambda: torch.matmul(qs, ks.transpose(-1, -2)),
     }

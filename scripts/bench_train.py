@@ -74,7 +74,7 @@ def _hf_llama(args, device):
 def run_one(config: str, variant: str, device: str, warmup: int, steps: int, threads: int) -> dict:
     import torch
 
-    from mta_repro.config import compose, model_args_from
+    from mta_repro.train.config import compose, model_args_from
     from mta_repro.model import build_model
     from mta_repro.train.loop import cross_entropy
     from mta_repro.train.optim import OptimArgs, build_optimizer

@@ -13,15 +13,8 @@ from typing import Callable, Iterable, Optional
 import torch
 
 from mta_repro.errors import UserError
-from mta_repro.kernels.types import KernelTuning, refuse_removed_env
+from mta_repro.kernels.tuning import KernelTuning
 from mta_repro.train.metrics import peak_rss_bytes, reset_peak_rss  # noqa: F401 - shared with the scripts
-
-# The benchmarks build kernel parameters without a model config: a tuning still set the old
-# way (MTA_KQ_CONV=..., now model.kernels) would be ignored in silence, so it stops them too.
-try:
-    refuse_removed_env()
-except UserError as e:
-    raise SystemExit(f"error: {e}") from None
 
 
 def kernel_tuning(overrides: Iterable[str] = (), base: Optional[KernelTuning] = None) -> KernelTuning:

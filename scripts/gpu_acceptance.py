@@ -310,7 +310,7 @@ def pick(parity_rows, layer_rows, dtype_name) -> dict:
 
 # ---------------------------------------------------------------------------- step
 def step_bench(dev, s, variant, compiled, picked, dtype) -> dict:
-    from mta_repro.config import compose, model_args_from
+    from mta_repro.train.config import compose, model_args_from
     from mta_repro.model import build_model
     from mta_repro.train.optim import OptimArgs, build_optimizer
 
@@ -441,8 +441,8 @@ def signalled_run(run_dir, over, after_step: int, sig, kill_after_save: bool, ti
 
 
 def memory_and_preempt(dev, s, picked, out_dir) -> tuple[dict, dict]:
-    from mta_repro.config import compose
-    from mta_repro.estimate.memory import estimate_from_config
+    from mta_repro.train.config import compose
+    from mta_repro.train.memory import estimate_from_config
 
     B, T = s["full_bt"]
     over = [*TRAIN_COMMON, *s["full"], "attention=mta", f"trainer.device={dev.type}", f"data.batch_size={B}",
@@ -604,7 +604,7 @@ def main(argv=None) -> int:
     def done(section: str) -> None:
         """The JSON as it stands, written (atomically) the moment a section ends: a command
         killed at its time limit still leaves everything measured before."""
-        from mta_repro.train.durable import replace_atomically
+        from mta_repro.files import replace_atomically
 
         if section in sections:
             res["completed"].append(section)

@@ -10,7 +10,7 @@ clipping, optimizer step and ``zero_grad`` on random tokens, as ``train_step`` r
 (without FSDP). Two steps, because the pre-flight is for a training run's steady state:
 AdamW's moments exist from the first optimizer step on, so only later steps hold them
 during forward and backward. ``trainer.cpu_mmap_threshold=131072`` fixes glibc's mmap
-threshold first, as the trainer does with it (``mta_repro.cpu_malloc``); without it glibc's
+threshold first, as the trainer does with it (``mta_repro.train.cpu_malloc``); without it glibc's
 dynamic default keeps freed tensors resident and the figure varies between runs.
 
 Measured = the process's peak resident memory (``VmHWM``, its high-water mark reset just
@@ -18,7 +18,7 @@ before the model is built) minus its resident memory then: what the steps hold a
 a memory limit sees it). With ``--tensors``, also the peak of live tensor bytes in each
 phase of each step, from torch.profiler's allocation events (independent of the
 allocator; the profiler's own memory shows in the RSS figure then). Estimated =
-``mta_repro.estimate.memory.estimate`` for the same shapes at world size 1 on CPU, without the FSDP
+``mta_repro.train.memory.estimate_memory`` for the same shapes at world size 1 on CPU, without the FSDP
 gathered-parameter term (a single process without FSDP gathers nothing); ``--fsdp`` runs
 the trainer's FSDP2 wrapping on one gloo rank instead and keeps the term. Prints one JSON
 line.
@@ -67,9 +67,9 @@ def measure(overrides: list, steps: int = 2, tensors: bool = False, fsdp: bool =
 
     import torch
 
-    from mta_repro.config import compose, model_args_from
-    from mta_repro.cpu_malloc import fix_mmap_threshold
-    from mta_repro.estimate.memory import estimate
+    from mta_repro.train.config import compose, model_args_from
+    from mta_repro.train.cpu_malloc import fix_mmap_threshold
+    from mta_repro.train.memory import estimate_memory
     from mta_repro.model import build_model
     from mta_repro.train.loop import cross_entropy
 
@@ -78,12 +78,12 @@ def measure(overrides: list, steps: int = 2, tensors: bool = False, fsdp: bool =
     args = model_args_from(cfg)
     b, t = int(cfg.data.batch_size), int(cfg.data.seq_len)
     ac = bool(cfg.distributed.activation_checkpointing)
-    est = estimate(args, b, t, 1, ac, torch.float32, "cpu")
+    est = estimate_memory(args, b, t, 1, ac, torch.float32, "cpu")
     parts = {k: v for k, v in est.parts.items() if not k.startswith("gathered parameters")}
     torch.manual_seed(0)
     tokens = torch.randint(0, args.vocab_size, (b, t + 1))
     if fsdp:  # the trainer's own path: a one-rank gloo group, FSDP2 (and its AC wrapper)
-        from mta_repro.config import to_train_config
+        from mta_repro.train.config import to_train_config
         from mta_repro.train.distributed import init_distributed, materialize, parallelize
 
         targs = to_train_config(cfg)

@@ -24,7 +24,7 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
-from mta_repro.config import compose
+from mta_repro.train.config import compose
 from mta_repro.toy.find_block import generate_splits
 from mta_repro.toy.report import markdown_table, plot_curves, write_csv
 from mta_repro.toy.train import ToyConfig, to_toy_config, train_run

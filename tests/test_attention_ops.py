@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from mta_repro.kernels.types import KernelTuning
+from mta_repro.kernels.tuning import KernelTuning
 from mta_repro.model import ModelArgs
 from mta_repro.model import attention_ops
 from mta_repro.model.transformer import Attention
@@ -78,7 +78,7 @@ def test_kq_conv_equals_formula(pad_key):
     H, T, c_q, c_k = 2, 6, 3, 5 if pad_key == "both" else 4
     S = torch.randn(1, H, T, T, dtype=torch.float64)
     K = torch.randn(H, 1, c_q, c_k, dtype=torch.float64)
-    got = attention_ops.kq_conv(S, K, pad_key)[0]
+    got = attention_ops.kq_conv_dense(S, K, pad_key)[0]
     torch.testing.assert_close(got, loop_kq_conv(S[0], K[:, 0], pad_key), rtol=1e-12, atol=1e-12)
 
 
@@ -86,7 +86,7 @@ def test_kq_conv_equals_formula(pad_key):
 def test_identity_kernel_is_identity(pad_key):
     S = torch.randn(1, 3, 5, 5, dtype=torch.float64)
     K = attention_ops.identity_kq_kernel(3, 4, 5, pad_key).double()
-    torch.testing.assert_close(attention_ops.kq_conv(S, K, pad_key), S, rtol=0, atol=0)
+    torch.testing.assert_close(attention_ops.kq_conv_dense(S, K, pad_key), S, rtol=0, atol=0)
 
 
 @pytest.mark.parametrize(

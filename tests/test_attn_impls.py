@@ -185,13 +185,13 @@ def test_cpu_kq_conv_kernel_matches_conv2d_and_gradcheck():
         x = torch.randn(2, 3, 70, 9, generator=g, dtype=torch.float64)  # 70 > the C block of 64
         w = torch.randn(3, 1, 3, ck, generator=g, dtype=torch.float64)
         pl = attention_ops.pad_left(pad_key, ck)
-        torch.testing.assert_close(kq_conv_cpu.kq_conv(x, w[:, 0], pl), attention_ops.kq_conv(x, w, pad_key))
+        torch.testing.assert_close(kq_conv_cpu.kq_conv(x, w[:, 0], pl), attention_ops.kq_conv_dense(x, w, pad_key))
         xs, ws = x[:, :, :6].clone().requires_grad_(), w[:, 0].clone().requires_grad_()
         assert torch.autograd.gradcheck(lambda a, b: kq_conv_cpu.kq_conv(a, b, pl), (xs, ws), fast_mode=True)
         # causal: entries above the diagonal (key > row + diag) are zero going in and out
         for diag in (0, 2, -1):
             keep = torch.ones(70, 9, dtype=torch.bool).tril(diag)
-            want = attention_ops.kq_conv(x * keep, w, pad_key) * keep
+            want = attention_ops.kq_conv_dense(x * keep, w, pad_key) * keep
             torch.testing.assert_close(kq_conv_cpu.kq_conv(x, w[:, 0], pl, diag), want)
             assert torch.autograd.gradcheck(
                 lambda a, b: kq_conv_cpu.kq_conv(a, b, pl, diag), (xs, ws), fast_mode=True
@@ -202,7 +202,7 @@ def test_cpu_kq_conv_kernel_matches_conv2d_and_gradcheck():
         w = torch.randn(2, 1, 4, ck, generator=g, dtype=torch.float64, requires_grad=True)
         keep = torch.ones(40, 150, dtype=torch.bool).tril(diag + 110)  # keys up to row + 110 + diag
         gy = torch.randn(2, 2, 40, 150, generator=g, dtype=torch.float64)
-        want = attention_ops.kq_conv(x * keep, w, pad_key) * keep
+        want = attention_ops.kq_conv_dense(x * keep, w, pad_key) * keep
         got = kq_conv_cpu.kq_conv(x, w[:, 0], attention_ops.pad_left(pad_key, ck), diag + 110)
         torch.testing.assert_close(got, want)
         gw_want = torch.autograd.grad(want, (x, w), gy)
@@ -213,7 +213,7 @@ def test_cpu_kq_conv_kernel_matches_conv2d_and_gradcheck():
     x = torch.randn(1, 2, 80, 130, generator=g)
     w = torch.randn(2, 1, 6, 11, generator=g)
     torch.testing.assert_close(
-        kq_conv_cpu.kq_conv(x, w[:, 0], 5).double(), attention_ops.kq_conv(x.double(), w.double(), "both"),
+        kq_conv_cpu.kq_conv(x, w[:, 0], 5).double(), attention_ops.kq_conv_dense(x.double(), w.double(), "both"),
         rtol=1e-5, atol=1e-4,
     )
 

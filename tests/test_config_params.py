@@ -7,7 +7,7 @@ import sys
 import pytest
 from hydra.errors import ConfigCompositionException
 
-from mta_repro.config import compose, model_args_from
+from mta_repro.train.config import compose, model_args_from
 from mta_repro.model import ModelArgs, MTAArgs
 from mta_repro.estimate.params import count
 

@@ -1,4 +1,4 @@
-"""trainer.cpu_mmap_threshold (mta_repro/cpu_malloc.py): with glibc's dynamic threshold a
+"""trainer.cpu_mmap_threshold (mta_repro/train/cpu_malloc.py): with glibc's dynamic threshold a
 freed multi-MB block stays resident once a larger one has been freed before it; with the
 threshold fixed it goes back to the OS. Each case runs in a fresh interpreter (a
 threshold, once fixed, stays for the life of the process)."""
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from mta_repro import cpu_malloc
+from mta_repro.train import cpu_malloc
 from mta_repro.errors import UserError
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # raises glibc's dynamic threshold to 16 MiB).
 RETAINED = """
 import ctypes, resource, sys
-from mta_repro.cpu_malloc import fix_mmap_threshold
+from mta_repro.train.cpu_malloc import fix_mmap_threshold
 set_to = fix_mmap_threshold(int(sys.argv[1]) or None)
 libc = ctypes.CDLL("libc.so.6")
 libc.malloc.restype = ctypes.c_void_p
@@ -67,7 +67,7 @@ def test_bad_thresholds_are_one_line_errors(bad):
 
 
 def test_the_trainer_field_is_checked_when_the_config_is_read():
-    from mta_repro.config import compose, to_train_config
+    from mta_repro.train.config import compose, to_train_config
 
     assert to_train_config(compose(["trainer.cpu_mmap_threshold=131072"])).trainer.cpu_mmap_threshold == 131072
     with pytest.raises(UserError, match="trainer.cpu_mmap_threshold"):

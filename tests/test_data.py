@@ -323,7 +323,7 @@ def test_config_faults(tmp_path):
 
 
 def test_root_config_has_data_group():
-    from mta_repro.config import compose
+    from mta_repro.train.config import compose
 
     cfg = compose(["data.seq_len=8", "data.batch_size=3"])
     loader = build_train_loader(cfg.data, 0, 1)

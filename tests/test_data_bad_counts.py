@@ -147,7 +147,7 @@ def test_trainer_metrics_have_the_counts_from_the_first_step(tmp_path):
     """End to end: 6 training steps (stopped and resumed at step 3) on a corpus whose faults
     only the second domain's stream reaches; every line of metrics.jsonl has
     data_bad/<kind> equal to the faults injected."""
-    from mta_repro.config import compose
+    from mta_repro.train.config import compose
     from mta_repro.train.loop import train
 
     corpus = tmp_path / "corpus"

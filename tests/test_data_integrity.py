@@ -13,7 +13,8 @@ import pytest
 
 from mta_repro.data import DataArgs, TokenizerArgs, build_train_loader
 from mta_repro.data.args import REPO_ROOT
-from mta_repro.data.sources import CorruptFileError, DocStream, _LineReader
+from mta_repro.data.sources import DocStream, _LineReader
+from mta_repro.errors import CorruptFileError
 
 from test_data import domains_corpus, write_jsonl
 from test_data_prepare import prep, read_out, release_fixture
@@ -103,7 +104,7 @@ def test_loader_warns_once_per_file_and_counts(tmp_path, caplog):
 
 def test_trainer_logs_the_bad_records(tmp_path):
     """The counts reach metrics.jsonl (data_bad/<kind>), summed over ranks."""
-    from mta_repro.config import compose
+    from mta_repro.train.config import compose
     from mta_repro.train.loop import train
 
     corpus = tmp_path / "corpus"

@@ -95,7 +95,7 @@ def test_babilong_from_the_hub_offline_names_the_generated_source(tmp_path):
 def test_lm_eval_cli_offline_fails_in_one_line_and_its_fix_writes_the_task(tmp_path):
     run_dir, _ = make_run(tmp_path / "run", attention="mta")
     env = offline_env(tmp_path)
-    r = subprocess.run([sys.executable, "-m", "mta_repro.lm_eval", "--model_args", f"pretrained={run_dir},device=cpu",
+    r = subprocess.run([sys.executable, "-m", "mta_repro.eval.lm_eval_cli", "--model_args", f"pretrained={run_dir},device=cpu",
                         "--tasks", "arc_easy", "--limit", "2"], capture_output=True, text=True, env=env, timeout=600)
     assert r.returncode == 2, r.stderr[-3000:]
     assert "Traceback" not in r.stderr

@@ -1,4 +1,4 @@
-"""``python -m mta_repro.lm_eval``: lm-eval's own command line with the model registered,
+"""``python -m mta_repro.eval.lm_eval_cli``: lm-eval's own command line with the model registered,
 end to end in a subprocess on a local task YAML (offline)."""
 
 import json
@@ -16,13 +16,13 @@ from eval_helpers import make_run, make_tokenizer  # noqa: E402
 
 from mta_repro.eval.lm_eval_tasks import write_local_task  # noqa: E402
 from mta_repro.eval.load import load_model  # noqa: E402
-from mta_repro.lm_eval import build_argv  # noqa: E402
+from mta_repro.eval.lm_eval_cli import build_argv  # noqa: E402
 
 ENV = {**os.environ, "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
 
 
 def cli(*args, timeout=240):
-    return subprocess.run([sys.executable, "-m", "mta_repro.lm_eval", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "mta_repro.eval.lm_eval_cli", *args], capture_output=True, text=True,
                           env=ENV, timeout=timeout)
 
 
@@ -93,4 +93,4 @@ def test_console_script_declared():
     import tomllib
 
     meta = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())
-    assert meta["project"]["scripts"]["mta-lm-eval"] == "mta_repro.lm_eval:main"
+    assert meta["project"]["scripts"]["mta-lm-eval"] == "mta_repro.eval.lm_eval_cli:main"

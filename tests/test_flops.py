@@ -5,7 +5,7 @@ import dataclasses
 import pytest
 
 from mta_repro.model import MTAArgs, ModelArgs
-from mta_repro.estimate.flops import forward_flops_per_token, score_elements, train_flops_per_token
+from mta_repro.model.flops import forward_flops_per_token, score_elements, train_flops_per_token
 
 MTA = MTAArgs(use_mta=True, query_kernel_size=6, key_kernel_size=11, after_sm_query_kernel_size=6,
               after_sm_key_kernel_size=11, pre_sm_linear_head=True, head_kernel_size=16, mta_layers="1")

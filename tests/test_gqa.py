@@ -11,9 +11,9 @@ import dataclasses
 import pytest
 import torch
 
-from mta_repro.eval.generate import generate
+from mta_repro.model.generation import generate
 from mta_repro.model import KVCache, MTAArgs, ModelArgs, build_model
-from mta_repro.estimate.flops import forward_flops_per_token
+from mta_repro.model.flops import forward_flops_per_token
 
 V = 89
 H, H_KV, D = 8, 2, 8

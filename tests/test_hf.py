@@ -133,7 +133,7 @@ TEXTS = ["Hello world,  this is  a test.\nNew line 123 éà 日本語 🙂", " l
 @pytest.mark.parametrize("attention", ["baseline", "mta"])
 def test_exported_tokenizer_gives_trainings_ids(tmp_path, attention):
     """AutoTokenizer on the exported folder: tok(text) == BOS + text ids, as training and
-    mta_repro.generate feed the model (issue 23 item 6: it used to load without BOS)."""
+    mta_repro.eval.generate feed the model (issue 23 item 6: it used to load without BOS)."""
     from transformers import AutoTokenizer
 
     from mta_repro.eval.load import load_tokenizer
@@ -184,7 +184,7 @@ def test_the_kernels_tuning_stays_behind_and_configs_without_it_load(tmp_path):
 
     from transformers import AutoModelForCausalLM
 
-    from mta_repro.kernels.types import KernelTuning
+    from mta_repro.kernels.tuning import KernelTuning
 
     run_dir, _ = make_run(tmp_path / "run", attention="mta")
     pt = run_dir / "export" / "consolidated.pt"

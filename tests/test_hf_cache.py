@@ -17,7 +17,7 @@ FIX = Path(__file__).parent / "fixtures" / "eval"
 sys.path.insert(0, str(FIX))
 from eval_helpers import make_run  # noqa: E402
 
-from mta_repro.eval.generate import generate as our_generate  # noqa: E402
+from mta_repro.model.generation import generate as our_generate  # noqa: E402
 from mta_repro.eval.load import load_model  # noqa: E402
 from mta_repro.hf import export_hf  # noqa: E402
 

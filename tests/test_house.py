@@ -46,53 +46,16 @@ def test_every_environment_variable_the_package_reads_is_in_the_one_table():
     assert read and read <= table, sorted(read - table)
 
 
-def test_every_kernel_tuning_field_is_in_the_one_table_and_no_removed_variable():
-    """The same table lists each model.kernels field (KernelTuning) as a row, and none of the
-    environment variables those fields replaced (they are refused, not read)."""
+def test_every_kernel_tuning_field_is_in_the_one_table():
+    """The same table lists each model.kernels field (KernelTuning) as a row."""
     import dataclasses
     import re
 
-    from mta_repro.kernels.types import REMOVED_ENV, KernelTuning
+    from mta_repro.kernels.tuning import KernelTuning
 
     text = (ROOT / "docs" / "environment.md").read_text()
     rows = set(re.findall(r"^\| `model\.kernels\.(\w+)=", text, flags=re.M))
     assert rows == {f.name for f in dataclasses.fields(KernelTuning)}
-    env_rows = set(re.findall(r"^\| `(MTA_[A-Z_]+)", text, flags=re.M))
-    assert not env_rows & set(REMOVED_ENV), sorted(env_rows & set(REMOVED_ENV))
-
-
-def _imports(path: Path) -> set[str]:
-    """Every mta_repro module a file imports, wherever the import sits: at the top, inside a
-    function (lazy) or under ``if TYPE_CHECKING`` (all are arrows of the import graph)."""
-    out = set()
-    for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.Import):
-            out |= {a.name for a in node.names}
-        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            out |= {node.module} | {f"{node.module}.{a.name}" for a in node.names}
-    return {m for m in out if m.startswith("mta_repro")}
-
-
-def test_the_kernels_import_neither_the_model_nor_the_estimates():
-    """mta_repro.kernels is a leaf: the model picks a kernel and the estimates judge one, never
-    the reverse, so no arrow (lazy or TYPE_CHECKING ones included) runs back to them and no
-    model <-> kernel circle can form."""
-    bad = {f"{p.name} -> {m}" for p in sorted((ROOT / "mta_repro" / "kernels").glob("*.py"))
-           for m in _imports(p) if m.startswith(("mta_repro.model", "mta_repro.estimate", "mta_repro.train"))}
-    assert not bad, sorted(bad)
-    bad = {f"{p.name} -> {m}" for p in sorted((ROOT / "mta_repro" / "model").glob("*.py"))
-           for m in _imports(p) if m.startswith(("mta_repro.estimate", "mta_repro.train"))}
-    assert not bad, sorted(bad)
-
-
-def test_the_estimates_live_in_their_own_package():
-    """Memory, parameter and FLOP estimates sit in mta_repro/estimate, not at the package root
-    or inside the model (the roofline judge of compiled kernels is the experiment's own)."""
-    stray = [p for p in ("mta_repro/memory.py", "mta_repro/params.py", "mta_repro/model/flops.py",
-                         "mta_repro/model/roofline.py", "mta_repro/estimate/roofline.py") if (ROOT / p).exists()]
-    assert not stray, stray
-    assert {"memory.py", "params.py", "flops.py"} <= {p.name for p in (ROOT / "mta_repro" / "estimate").glob("*.py")}
-    assert (ROOT / "mta_repro" / "experimental" / "fused_triton" / "roofline.py").exists()
 
 
 def test_the_model_and_the_kernels_import_without_a_cycle():
@@ -119,7 +82,7 @@ def test_the_model_and_the_kernels_import_without_a_cycle():
 
     cycles = [m for m in graph if reaches(m, m)]
     assert not cycles, {m: graph[m] for m in cycles}
-    assert {"attention_ops", "transformer", "types", "kq_conv_cpu"} <= set(graph)
+    assert {"attention_ops", "transformer", "interface", "kq_conv_cpu"} <= set(graph)
 
 
 EXPERIMENTAL = "mta_repro.experimental"
@@ -164,3 +127,66 @@ def test_nothing_outside_the_experiments_imports_one():
     # the walk sees what it looks for: an experiment's own modules import one another
     seen = _every_import(ROOT / "mta_repro" / "experimental" / "fused_triton" / "impl.py")
     assert any(m.startswith(EXPERIMENTAL + ".") for m in seen), seen
+
+
+# The layers, bottom to top (docs/architecture.md draws the same order): a module imports only
+# modules of its own layer or of the layers below it. The leaves are imported by no core
+# module; each imports the core freely, and another leaf only as LEAF_DEPS says.
+LAYERS = [
+    ("foundation", {"mta_repro", "errors", "device", "files", "dataclass_config", "cli", "resolvers", "slurm"}),
+    ("kernels", {"kernels"}), ("model", {"model"}), ("weights", {"weights"}), ("data", {"data"}),
+    ("train", {"train"}), ("eval", {"eval"}), ("report", {"report"}), ("pipeline", {"pipeline"}),
+]
+LEAVES = {"hf", "release", "toy", "mta", "estimate", "experimental"}
+LEAF_DEPS = {"estimate": {"release"}}  # python -m mta_repro.estimate --release-config reads a release YAML
+
+
+def _part(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else "mta_repro"
+
+
+def _layer(part: str):
+    for i, (_, names) in enumerate(LAYERS):
+        if part in names:
+            return i
+    return None
+
+
+def test_every_import_of_the_package_points_down_the_layers():
+    """Walk every import of every module (top level, lazy, TYPE_CHECKING, relative, importlib
+    calls): none points up the layer order, no core module imports a leaf, and a leaf imports
+    another leaf only where LEAF_DEPS says. No allow-list of known cycles."""
+    pkg = ROOT / "mta_repro"
+    files = sorted(pkg.rglob("*.py"))
+    parts = {p.relative_to(pkg).parts[0].removesuffix(".py") for p in files}
+    parts.discard("__init__")
+    unknown = parts - {n for _, names in LAYERS for n in names} - LEAVES
+    assert not unknown, f"place these in LAYERS or LEAVES (and docs/architecture.md): {sorted(unknown)}"
+    bad = []
+    for f in files:
+        rel = f.relative_to(ROOT)
+        src = _part(".".join(rel.with_suffix("").parts).removesuffix(".__init__"))
+        for m in _every_import(f):
+            if not (m == "mta_repro" or m.startswith("mta_repro.")):
+                continue
+            dst = _part(m)
+            if dst == src or dst not in parts | {"mta_repro"}:
+                continue  # its own part, or a name imported from the root package (__version__)
+            if src in LEAVES:
+                if dst in LEAVES and dst not in LEAF_DEPS.get(src, ()):
+                    bad.append(f"{rel} -> {m} (a leaf imports another leaf)")
+            elif dst in LEAVES:
+                bad.append(f"{rel} -> {m} (a core layer imports a leaf)")
+            elif _layer(dst) > _layer(src):
+                bad.append(f"{rel} -> {m} ({LAYERS[_layer(src)][0]} imports {LAYERS[_layer(dst)][0]}, above it)")
+    assert not bad, "\n".join(bad)
+
+
+def test_the_layer_order_is_the_one_docs_architecture_draws():
+    import re
+
+    text = (ROOT / "docs" / "architecture.md").read_text()
+    drawn = re.search(r"<!-- layers -->(.*?)<!-- /layers -->", text, re.S).group(1)
+    rows = [line.split("|")[1:3] for line in drawn.strip().splitlines()[2:]]  # | layer | modules | ...
+    assert [(name.strip(), set(re.findall(r"`([\w.]+)`", mods))) for name, mods in rows] == LAYERS

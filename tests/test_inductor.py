@@ -13,8 +13,8 @@ import pytest
 import torch
 from torch._dynamo.utils import counters
 
-from mta_repro.config import compose
-from mta_repro.kernels.types import KernelTuning
+from mta_repro.train.config import compose
+from mta_repro.kernels.tuning import KernelTuning
 from mta_repro.model import attention_ops
 
 

@@ -1,4 +1,4 @@
-"""model.kernels (KernelTuning, mta_repro/kernels/types.py): the kernels' tuning as a config
+"""model.kernels (KernelTuning, mta_repro/kernels/interface.py): the kernels' tuning as a config
 section, carried per model. What a setting asks for is what runs, two models in one process
 keep their own, the section composes from the command line, a bad value or a removed
 environment variable is one line naming the field, a run dir may continue under another
@@ -12,10 +12,10 @@ import importlib.util
 import pytest
 import torch
 
-from mta_repro.config import compose, to_train_config
+from mta_repro.train.config import compose, to_train_config
 from mta_repro.errors import UserError
 from mta_repro.kernels import kq_conv_cpu
-from mta_repro.kernels.types import REMOVED_ENV, KernelTuning
+from mta_repro.kernels.tuning import KernelTuning
 from mta_repro.model import ModelArgs, attention_ops, build_model
 
 SMALL = dict(dim=32, n_layers=2, n_heads=2, vocab_size=50, mta=dict(use_mta=True, query_kernel_size=2,
@@ -30,11 +30,11 @@ def _model(**kernels):
 
 @pytest.fixture
 def spy(monkeypatch):
-    """Which key-query convolution ran: 'conv2d' (attention_ops.kq_conv, F.conv2d), 'c'
+    """Which key-query convolution ran: 'conv2d' (attention_ops.kq_conv_dense, F.conv2d), 'c'
     (kq_conv_cpu.kq_conv) or 'triton' with its tile (kq_conv_triton.corr), in call order."""
     calls = []
-    conv2d, c = attention_ops.kq_conv, kq_conv_cpu.kq_conv
-    monkeypatch.setattr(attention_ops, "kq_conv", lambda *a: calls.append("conv2d") or conv2d(*a))
+    conv2d, c = attention_ops.kq_conv_dense, kq_conv_cpu.kq_conv
+    monkeypatch.setattr(attention_ops, "kq_conv_dense", lambda *a: calls.append("conv2d") or conv2d(*a))
     monkeypatch.setattr(kq_conv_cpu, "kq_conv", lambda *a: calls.append("c") or c(*a))
     if importlib.util.find_spec("triton") is not None:
         from mta_repro.kernels import kq_conv_triton
@@ -138,35 +138,6 @@ def test_an_unknown_field_names_the_nearest():
                                         "model.kernels.kq_conv?)")
 
 
-# Every removed variable, a value of it and the override the refusal names.
-REMOVED = [
-    ("MTA_KQ_CONV", "conv2d", "model.kernels.kq_conv=conv2d"),
-    ("MTA_COMPILE_BLOCK", "0", "model.kernels.compile_block=false"),
-    ("MTA_COMPILE_BLOCK_BACKEND", "aot_eager", "model.kernels.compile_block_backend=aot_eager"),
-    ("MTA_KQ_TILE", "16x16", "model.kernels.kq_tile=16x16"),
-    ("MTA_TRITON_FRAME", "128x64", "model.kernels.triton_frame=128x64"),
-    ("MTA_TRITON_PROGRAMS", "2", "model.kernels.triton_programs=2"),
-    ("MTA_TRITON_SLAB_ROWS", "2", "model.kernels.triton_slab_rows=2"),
-]
-
-
-def test_every_removed_variable_is_refused_below():
-    assert {var for var, _, _ in REMOVED} == set(REMOVED_ENV)
-
-
-@pytest.mark.parametrize("var, value, hint", REMOVED)
-def test_a_removed_environment_variable_is_refused(monkeypatch, var, value, hint):
-    """The old variables are no longer read: set, they stop the model's configuration with
-    the field to use instead, rather than being ignored."""
-    monkeypatch.setenv(var, value)
-    args = ModelArgs(**SMALL)  # a config is still a config (the schema builds one at import)
-    with pytest.raises(UserError) as e:
-        build_model(args, device="meta")
-    assert str(e.value) == f"{var} is no longer read: set {hint} (docs/environment.md)"
-    with pytest.raises(UserError, match=f"^{var} is no longer read"):
-        to_train_config(compose([]))  # the trainer's start, before its self-check
-
-
 def test_a_run_dir_may_continue_under_another_tuning():
     """model.kernels is FREE: not compared, also against a config saved before it existed."""
     from omegaconf import OmegaConf
@@ -186,7 +157,7 @@ def test_a_run_dir_may_continue_under_another_tuning():
 
 
 def test_the_memory_preflight_reads_the_models_tuning():
-    from mta_repro.estimate import memory
+    from mta_repro.train import memory
 
     assert memory.target_kq_backend("cuda", torch.bfloat16, KernelTuning(kq_conv="conv2d")) == "conv2d"
     if importlib.util.find_spec("triton") is not None:

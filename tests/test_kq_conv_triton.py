@@ -11,7 +11,7 @@ import torch
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton not installed")
 
-from mta_repro.kernels.types import KernelTuning  # noqa: E402
+from mta_repro.kernels.tuning import KernelTuning  # noqa: E402
 from mta_repro.model import attention_ops  # noqa: E402
 
 
@@ -26,7 +26,7 @@ def reference(x, w, pad_key, diag):
     """F.conv2d of x masked above the diagonal, masked again: the kernel's contract."""
     r, k = x.shape[-2:]
     allowed = (torch.arange(k)[None, :] <= torch.arange(r)[:, None] + diag).to(x.dtype)
-    return attention_ops.kq_conv(x * allowed, w[:, None], pad_key) * allowed
+    return attention_ops.kq_conv_dense(x * allowed, w[:, None], pad_key) * allowed
 
 
 def check(shape, cq, ck, pad_key, diag, tile, dtype=torch.float64, tol=1e-12):

@@ -6,8 +6,8 @@ import torch
 from torch._C._profiler import _EventType
 from torch.profiler import ProfilerActivity, profile
 
-from mta_repro.config import compose
-from mta_repro.estimate.memory import CAPACITIES, estimate, estimate_from_config
+from mta_repro.train.config import compose
+from mta_repro.train.memory import CAPACITIES, estimate_memory, estimate_from_config
 from mta_repro.model import MTAArgs, ModelArgs, build_model
 
 
@@ -36,7 +36,7 @@ def real_saved_bytes(model, tokens):
 def test_meta_count_equals_a_real_run(mta, n_kv_heads):
     args = ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=n_kv_heads, vocab_size=101, mta=mta,
                      attn_block_size=16)
-    est = estimate(args, batch_size=2, seq_len=48, world_size=1, activation_checkpointing=False,
+    est = estimate_memory(args, batch_size=2, seq_len=48, world_size=1, activation_checkpointing=False,
                    dtype=torch.float32)
     tokens = torch.randint(0, 101, (2, 48), generator=torch.Generator().manual_seed(0))
     real = real_saved_bytes(build_model(args).float(), tokens)
@@ -45,8 +45,8 @@ def test_meta_count_equals_a_real_run(mta, n_kv_heads):
 
 def test_activation_checkpointing_keeps_block_inputs_only():
     args = ModelArgs(dim=64, n_layers=3, n_heads=4, vocab_size=101)
-    on = estimate(args, 2, 48, 1, True, torch.float32).details[SAVED]
-    off = estimate(args, 2, 48, 1, False, torch.float32).details[SAVED]
+    on = estimate_memory(args, 2, 48, 1, True, torch.float32).details[SAVED]
+    off = estimate_memory(args, 2, 48, 1, False, torch.float32).details[SAVED]
     assert on < off / 2
 
 
@@ -81,7 +81,7 @@ def real_step_peaks(args, batch_size, seq_len, activation_checkpointing) -> dict
     zero_grad, above the parameters and moments."""
     from torch.utils.checkpoint import checkpoint
 
-    from mta_repro.train.loop import cross_entropy
+    from mta_repro.model.loss import cross_entropy
 
     torch.manual_seed(0)
     model = build_model(args).float()
@@ -122,7 +122,7 @@ def test_step_peaks_equal_a_real_cpu_step(case):
     live CPU tensors. Within 1%: what meta does not see is the CPU RNG state (5 KB) that
     ``torch.utils.checkpoint`` keeps for each of the blocked path's query blocks."""
     args, b, t, ac = case
-    est = estimate(args, b, t, 1, ac, torch.float32, "cpu")
+    est = estimate_memory(args, b, t, 1, ac, torch.float32, "cpu")
     real = real_step_peaks(args, b, t, ac)
     assert est.details["forward/backward peak"] == pytest.approx(real["fb"], rel=0.01)
     assert est.details["forward/backward peak"] <= real["fb"]

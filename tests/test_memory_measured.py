@@ -25,7 +25,7 @@ from pathlib import Path
 
 import pytest
 
-from mta_repro import cpu_malloc
+from mta_repro.train import cpu_malloc
 
 ROOT = Path(__file__).resolve().parents[1]
 SHAPE = ["model=300m", "model.n_layers=2", "model.kq_conv_layers=1", "model.vocab_size=8192",

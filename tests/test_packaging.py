@@ -30,10 +30,10 @@ for pkg in ("mta_repro.model", "mta_repro.data", "mta_repro.train"):
     for m in pkgutil.walk_packages(mod.__path__, pkg + "."):
         if not m.name.endswith("__main__"):
             importlib.import_module(m.name)
-for name in ("mta_repro.config", "mta_repro.estimate.params", "mta_repro.estimate.memory", "mta_repro.cli", "mta_repro.generate",
+for name in ("mta_repro.train.config", "mta_repro.estimate.params", "mta_repro.train.memory", "mta_repro.cli", "mta_repro.eval.generate",
              "mta_repro.weights"):
     importlib.import_module(name)
-from mta_repro.config import compose, model_args_from
+from mta_repro.train.config import compose, model_args_from
 from mta_repro.model import build_model
 model = build_model(model_args_from(compose(["model=tiny", "attention=mta"])))
 logits = model(torch.zeros(1, 8, dtype=torch.long))
@@ -87,7 +87,7 @@ def test_hf_interop_needs_only_the_hf_extra():
     (lm-eval and the rest) is not imported on the way."""
     blocked = tuple(p for p in EXTRAS_ONLY if p not in ("transformers", "safetensors"))
     probe = (_PROBE.split("import torch\n")[0]
-             + "import mta_repro.hf.convert, mta_repro.hf.cli, mta_repro.eval.load, mta_repro.config\n"
+             + "import mta_repro.hf.convert, mta_repro.hf.cli, mta_repro.eval.load, mta_repro.train.config\n"
              + "print('loaded:', sorted({{m.split('.')[0] for m in sys.modules}} & set(BLOCKED)))\n")
     p = subprocess.run([sys.executable, "-c", probe.format(blocked=blocked)], cwd=ROOT,
                        capture_output=True, text=True, timeout=300)

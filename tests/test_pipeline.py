@@ -15,7 +15,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from mta_repro.config import compose
+from mta_repro.train.config import compose
 from mta_repro.pipeline.__main__ import build_plan, main
 from mta_repro.pipeline.plan import done
 

@@ -25,7 +25,7 @@ import pytest
 import torch
 
 from mta_repro.estimate import params
-from mta_repro.config import compose, model_args_from
+from mta_repro.train.config import compose, model_args_from
 from mta_repro.model import build_model
 from mta_repro.release import (
     LLAMA3_N_WORDS,
@@ -33,13 +33,12 @@ from mta_repro.release import (
     experiment_yaml,
     load_release_config,
     main as release_main,
-    release_checkpoint_path,
     release_model_args,
-    release_state_dict_to_ours,
 )
 from mta_repro.release import release_file_to_config as convert_file  # noqa: E402 - short names in these tests
 from mta_repro.release import release_to_config as convert  # noqa: E402
 from mta_repro.release.config import _merge_defaults  # noqa: E402 - the defaults merge itself
+from mta_repro.weights.lingua import release_checkpoint_path, release_state_dict_to_ours  # noqa: E402
 from mta_repro.train.checkpoint import load_init_weights  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -359,20 +358,3 @@ def test_convert_print_and_placeholder_init_checkpoint(capsys):
     conv = convert_file(FIX / "880m_mta.yaml", overrides=["checkpoint.init_ckpt_path=<path_to_ckpt>/0000010000"])
     with pytest.raises(ValueError, match="checkpoint.init_ckpt_path is a placeholder"):
         experiment_yaml(conv, "x")
-
-
-@pytest.mark.parametrize("old, module, new", [
-    ("convert", "mta_repro.release.config", "release_to_config"),
-    ("convert_file", "mta_repro.release.config", "release_file_to_config"),
-    ("load_init_weights", "mta_repro.train.checkpoint", "load_model_state"),
-])
-def test_renamed_functions_keep_their_old_names_with_a_warning(old, module, new):
-    import importlib
-
-    import mta_repro.release as release
-
-    with pytest.warns(FutureWarning, match=rf"mta_repro.release.{old} is renamed {module}.{new}"):
-        fn = getattr(release, old)
-    assert fn is getattr(importlib.import_module(module), new)
-    with pytest.raises(AttributeError):
-        release.no_such_name  # noqa: B018

@@ -27,10 +27,11 @@ import torch
 from torch import nn
 
 from mta_repro.estimate import params
-from mta_repro.config import TrainConfig
+from mta_repro.train.config import TrainConfig
 from mta_repro.model import MTAArgs, ModelArgs, build_model
-from mta_repro.estimate.flops import train_flops_per_token
-from mta_repro.release import load_release_config, release_model_args, release_state_dict_to_ours
+from mta_repro.model.flops import train_flops_per_token
+from mta_repro.release import load_release_config, release_model_args
+from mta_repro.weights.lingua import release_state_dict_to_ours
 from mta_repro.release import release_file_to_config as convert_file
 
 FIX = Path(__file__).resolve().parent / "fixtures" / "release"
@@ -285,8 +286,8 @@ def test_bf16_kq_conv_is_the_float64_sum_rounded_once(c_q, c_k, pad_key):
     float64 sum rounded once; which order a CPU uses decides only the last bit of inexact sums
     (scripts/bf16_conv_order.py measures it here), bounded below by one ulp for positive
     inputs, which the second half checks."""
-    from mta_repro.model.attention_ops import kq_conv, masked_kq_conv
-    from mta_repro.kernels.types import AttnMask
+    from mta_repro.model.attention_ops import kq_conv_dense as kq_conv, masked_kq_conv
+    from mta_repro.kernels.interface import AttnMask
 
     g = torch.Generator().manual_seed(100 * c_q + c_k)
     # multiples of 1/8 up to 2 and of 1/16 up to 1: products multiples of 2^-7 below 2, sums of at

@@ -101,7 +101,7 @@ def _wait_job(job, timeout=240):
 
 
 def _submit_train(run_dir, *extra):
-    p = _run(["-m", "mta_repro.train.slurm", *COMMON, *CPU_PROFILE, f"run_dir={run_dir}",
+    p = _run(["-m", "mta_repro.train.submit", *COMMON, *CPU_PROFILE, f"run_dir={run_dir}",
               "data.batch_size=2", *extra, "--submit"])
     m = re.search(r"Submitted batch job (\d+)", p.stdout)
     assert m, p.stdout + p.stderr
@@ -148,7 +148,7 @@ def _assert_matches(reference, run_dir):
 
 # ------------------------------------------------------------------ rendering (no cluster)
 def test_cpu_profile_renders_tasks_and_no_gpu_request():
-    from mta_repro.train.slurm import render
+    from mta_repro.train.submit import render
 
     script, _ = render(["experiment=debug", *CPU_PROFILE])
     assert "--gpus" not in script and "gres" not in script
@@ -168,7 +168,7 @@ def test_cpu_profile_renders_tasks_and_no_gpu_request():
 def test_launcher_config_follows_the_slurm_section():
     from hydra import compose, initialize_config_dir
 
-    from mta_repro.config import CONFIG_DIR
+    from mta_repro.train.config import CONFIG_DIR
 
     with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base=None):
         cpu = compose("train", ["hydra/launcher=slurm", *CPU_PROFILE], return_hydra_config=True)
@@ -185,50 +185,50 @@ def test_launcher_config_follows_the_slurm_section():
 
 def test_paths_made_absolute_and_init_from_checked(tmp_path):
     (tmp_path / "runs" / "base").mkdir(parents=True)
-    args = ["-m", "mta_repro.train.slurm", "experiment=debug", *CPU_PROFILE, "run_dir=runs/next"]
+    args = ["-m", "mta_repro.train.submit", "experiment=debug", *CPU_PROFILE, "run_dir=runs/next"]
     p = _run([*args, "checkpoint.init_from=runs/base", "--dry-run"], cwd=tmp_path)
     srun = [l for l in p.stdout.splitlines() if l.startswith("srun ")][0]
     assert f"run_dir={tmp_path}/runs/next" in srun and f"checkpoint.init_from={tmp_path}/runs/base" in srun
     assert "run_dir=runs/next" not in srun and "init_from=runs/base" not in srun
     assert f"#SBATCH --output={tmp_path}/runs/next/slurm/%j.out" in p.stdout
     # A source run given relative to the submit directory must exist there.
-    p = _run(["-m", "mta_repro.train.slurm", "experiment=long_context_880m_mta", *CPU_PROFILE,
+    p = _run(["-m", "mta_repro.train.submit", "experiment=long_context_880m_mta", *CPU_PROFILE,
               "trainer.device=cpu", "checkpoint.init_from=runs/pretrain_880m_mta", "--submit"],
              cwd=tmp_path, check=False)
     assert p.returncode == 2 and "Traceback" not in p.stderr
     lines = p.stderr.strip().splitlines()  # one line a missing path (the paper's corpus and tokenizer too)
-    assert all(line.startswith("mta_repro.train.slurm: error: ") for line in lines), lines
-    assert (f"mta_repro.train.slurm: error: checkpoint.init_from: {tmp_path}/runs/pretrain_880m_mta does not exist "
+    assert all(line.startswith("mta_repro.train.submit: error: ") for line in lines), lines
+    assert (f"mta_repro.train.submit: error: checkpoint.init_from: {tmp_path}/runs/pretrain_880m_mta does not exist "
             "(a run dir, a checkpoint dir or a .pt file; relative paths are taken from the submit directory; add "
             "--no-check if it exists only on the compute nodes)") in lines
     assert not (tmp_path / "runs" / "long_context_880m_mta").exists()  # nothing written, nothing queued
     # ... and a stage without its source says which field to give, in one line.
-    p = _run(["-m", "mta_repro.train.slurm", "experiment=long_context_880m_mta", "--submit"], cwd=tmp_path,
+    p = _run(["-m", "mta_repro.train.submit", "experiment=long_context_880m_mta", "--submit"], cwd=tmp_path,
              check=False)
     assert p.returncode == 2 and len(p.stderr.strip().splitlines()) == 1
-    assert p.stderr.startswith("mta_repro.train.slurm: error: checkpoint.init_from: required")
+    assert p.stderr.startswith("mta_repro.train.submit: error: checkpoint.init_from: required")
 
 
 def test_sweep_experiments_are_refused_with_the_launcher_to_use():
-    p = _run(["-m", "mta_repro.train.slurm", "experiment=ablation_kernels", "--dry-run"], check=False)
+    p = _run(["-m", "mta_repro.train.submit", "experiment=ablation_kernels", "--dry-run"], check=False)
     assert p.returncode == 2 and len(p.stderr.strip().splitlines()) == 1 and p.stdout == ""
     assert "hydra.mode: MULTIRUN" in p.stderr
     assert "python -m mta_repro.train -m hydra/launcher=slurm experiment=ablation_kernels" in p.stderr
 
 
 def test_submit_without_sbatch_says_so(tmp_path):
-    p = _run(["-m", "mta_repro.train.slurm", "experiment=debug", *CPU_PROFILE, f"run_dir={tmp_path}/r", "--submit"],
+    p = _run(["-m", "mta_repro.train.submit", "experiment=debug", *CPU_PROFILE, f"run_dir={tmp_path}/r", "--submit"],
              env=_env(PATH=str(tmp_path)), check=False)
     assert p.returncode == 2 and "Traceback" not in p.stderr
     lines = p.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("mta_repro.train.slurm: error: sbatch is not on PATH"), lines
+    assert len(lines) == 1 and lines[0].startswith("mta_repro.train.submit: error: sbatch is not on PATH"), lines
     assert (tmp_path / "r" / "slurm" / "train.sbatch").is_file()  # named in the message, kept to inspect
 
 
 def test_non_zero_ranks_leave_hydra_output_to_rank_0(monkeypatch):
     from hydra import compose, initialize_config_dir
 
-    from mta_repro.config import CONFIG_DIR
+    from mta_repro.train.config import CONFIG_DIR
     from mta_repro.train.__main__ import hydra_argv
 
     for var in ("RANK", "WORLD_SIZE", "SLURM_PROCID", "SLURM_NTASKS"):
@@ -248,18 +248,18 @@ def test_non_zero_ranks_leave_hydra_output_to_rank_0(monkeypatch):
 
 
 def test_eval_sbatch_renders_the_eval_command(tmp_path):
-    p = _run(["-m", "mta_repro.eval.slurm", "runs/x", "tasks=[ppl]", "--gpus", "0", "--after", "42:43"], cwd=tmp_path)
+    p = _run(["-m", "mta_repro.eval.submit", "runs/x", "tasks=[ppl]", "--gpus", "0", "--after", "42:43"], cwd=tmp_path)
     assert "#SBATCH --dependency=afterok:42:43\n" in p.stdout and "--gpus" not in p.stdout
     srun = [l for l in p.stdout.splitlines() if l.startswith("srun ")][0]
     assert srun.endswith(f"-m mta_repro.eval {tmp_path}/runs/x 'tasks=[ppl]'")
-    bad = _run(["-m", "mta_repro.eval.slurm", "runs/x", "tasks=[pl]"], cwd=tmp_path, check=False)
+    bad = _run(["-m", "mta_repro.eval.submit", "runs/x", "tasks=[pl]"], cwd=tmp_path, check=False)
     assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1 and "tasks: unknown ['pl']" in bad.stderr
 
 
 def test_gpu_job_hygiene_in_the_rendered_script(tmp_path):
     """The 880M training job: allocator, node-local compile caches, NCCL flight recorder,
     --mem and --exclusive from the experiment, each env setting overridable, valid bash."""
-    from mta_repro.train.slurm import render
+    from mta_repro.train.submit import render
 
     script, _ = render(["experiment=pretrain_880m_mta"])
     for line in (
@@ -294,14 +294,14 @@ def test_gpu_job_hygiene_in_the_rendered_script(tmp_path):
 
 def test_time_limit_is_a_public_shared_helper():
     from mta_repro import slurm
-    from mta_repro.eval import slurm as eval_slurm
+    from mta_repro.eval import submit as eval_slurm
 
     assert slurm.time_limit(2880) == "2-00:00:00" and slurm.time_limit(90) == "0-01:30:00"
     assert "_time" not in vars(eval_slurm)  # eval no longer reaches into train's private name
 
 
 def test_eval_sbatch_mem_and_exclusive(tmp_path):
-    p = _run(["-m", "mta_repro.eval.slurm", "runs/x", "tasks=[ppl]", "--gpus", "0", "--mem", "32G", "--exclusive",
+    p = _run(["-m", "mta_repro.eval.submit", "runs/x", "tasks=[ppl]", "--gpus", "0", "--mem", "32G", "--exclusive",
               "--after", "7"], cwd=tmp_path)
     assert "#SBATCH --mem=32G\n#SBATCH --exclusive\n" in p.stdout
     assert "export PYTORCH_CUDA_ALLOC_CONF=" in p.stdout
@@ -398,7 +398,7 @@ def test_eval_job_runs_after_training_with_afterok(tmp_path):
     run_dir = tmp_path / "ev"
     train = _submit_train(run_dir, "trainer.steps=2", "checkpoint.every=2", "slurm.tasks_per_node=1",
                           "checkpoint.export=true")
-    p = _run(["-m", "mta_repro.eval.slurm", str(run_dir), "tasks=[ppl]", "ppl.max_batches=2", "ppl.batch_size=1",
+    p = _run(["-m", "mta_repro.eval.submit", str(run_dir), "tasks=[ppl]", "ppl.max_batches=2", "ppl.batch_size=1",
               "--gpus", "0", "--cpus", "1", "--time-min", "10", "--after", train, "--submit"])
     ev = re.search(r"Submitted batch job (\d+)", p.stdout).group(1)
     assert _job_field(ev, "Dependency") in (f"afterok:{train}(unfulfilled)", "(null)")
@@ -413,12 +413,12 @@ def test_eval_job_runs_after_training_with_afterok(tmp_path):
 @pytest.mark.slow
 @pytest.mark.usefixtures("cluster")
 def test_refused_sbatch_shows_its_own_message_in_one_line(tmp_path):
-    p = _run(["-m", "mta_repro.train.slurm", "experiment=debug", *CPU_PROFILE, f"run_dir={tmp_path}/r",
+    p = _run(["-m", "mta_repro.train.submit", "experiment=debug", *CPU_PROFILE, f"run_dir={tmp_path}/r",
               "slurm.partition=no_such_partition", "--submit"], check=False)
     assert p.returncode == 2 and "Traceback" not in p.stderr  # the fix is the submitter's: a user error's code
     lines = p.stderr.strip().splitlines()
     assert len(lines) == 1, lines
-    assert lines[0].startswith(f"mta_repro.train.slurm: error: sbatch refused {tmp_path}/r/slurm/train.sbatch "
+    assert lines[0].startswith(f"mta_repro.train.submit: error: sbatch refused {tmp_path}/r/slurm/train.sbatch "
                                "(exit 1): ")
     # sbatch's own words, e.g. "Batch job submission failed: Invalid partition name specified".
     assert "Invalid partition name specified" in lines[0]
@@ -441,7 +441,7 @@ def test_rank0_only_resolver_for_sweep_jobs(monkeypatch):
     only rank 0 gets a .hydra/ directory."""
     from hydra import compose, initialize_config_dir
 
-    from mta_repro.config import CONFIG_DIR
+    from mta_repro.train.config import CONFIG_DIR
 
     seen = {}
     for rank in ("0", "1"):
@@ -516,25 +516,25 @@ def test_dry_run_names_each_missing_path_of_the_job_in_one_line(tmp_path):
     """The 880M run on a machine without its corpus and tokenizer: the script, then one line
     each (rc 2); --no-check renders it alone; a corpus missing one domain names that domain."""
     env = {k: v for k, v in _env().items() if k not in ("SLIMPAJAMA_DIR", "LLAMA3_TOKENIZER")}
-    p = _run(["-m", "mta_repro.train.slurm", "experiment=pretrain_880m_mta", f"run_dir={tmp_path}/r", "--dry-run"],
+    p = _run(["-m", "mta_repro.train.submit", "experiment=pretrain_880m_mta", f"run_dir={tmp_path}/r", "--dry-run"],
              env=env, check=False)
     assert p.returncode == 2 and "#!/bin/bash" in p.stdout
-    assert sorted(_errors(p, "mta_repro.train.slurm")) == [
+    assert sorted(_errors(p, "mta_repro.train.submit")) == [
         "data.root_dir: /datasets/slimpajama_domains ($SLIMPAJAMA_DIR is not set: its default) does not exist (the "
         "corpus, layout domains; add --no-check if it exists only on the compute nodes)",
         "data.tokenizer.path: /checkpoints/llama3/tokenizer.model ($LLAMA3_TOKENIZER is not set: its default) does "
         "not exist (the tiktoken tokenizer file; add --no-check if it exists only on the compute nodes)"]
-    ok = _run(["-m", "mta_repro.train.slurm", "experiment=pretrain_880m_mta", f"run_dir={tmp_path}/r", "--dry-run",
+    ok = _run(["-m", "mta_repro.train.submit", "experiment=pretrain_880m_mta", f"run_dir={tmp_path}/r", "--dry-run",
                "--no-check"], env=env)
     assert ok.stdout == p.stdout and not (tmp_path / "r").exists()
     # a corpus without one of the domains the config reads
     corpus = _paper_corpus(tmp_path / "partial", without=("github",))
     tok = tmp_path / "tok.model"
     tok.write_text("ranks")
-    p = _run(["-m", "mta_repro.train.slurm", "experiment=pretrain_880m_mta", f"run_dir={tmp_path}/r", "--dry-run"],
+    p = _run(["-m", "mta_repro.train.submit", "experiment=pretrain_880m_mta", f"run_dir={tmp_path}/r", "--dry-run"],
              env=dict(env, SLIMPAJAMA_DIR=str(corpus), LLAMA3_TOKENIZER=str(tok)), check=False)
     assert p.returncode == 2
-    assert _errors(p, "mta_repro.train.slurm") == [
+    assert _errors(p, "mta_repro.train.submit") == [
         f"data.sources.github: no directory {corpus}/github (layout 'domains') (add --no-check if it exists only on "
         "the compute nodes)"]
 
@@ -544,14 +544,14 @@ def test_values_read_from_the_environment_are_written_into_the_job(tmp_path):
     values, so a job started without them (sbatch --export=NONE, another login shell) reads
     the same corpus; the command composes, without the variables, to the submitter's config."""
     env = _paper_env(tmp_path)
-    p = _run(["-m", "mta_repro.train.slurm", "experiment=pretrain_880m_mta", f"run_dir={tmp_path}/r", "--dry-run"],
+    p = _run(["-m", "mta_repro.train.submit", "experiment=pretrain_880m_mta", f"run_dir={tmp_path}/r", "--dry-run"],
              env=env)
     srun = [line for line in p.stdout.splitlines() if line.startswith("srun ")][0]
     words = srun.split()
     overrides = words[words.index("mta_repro.train") + 1:]
     assert f"data.root_dir={tmp_path}/corpus" in overrides
     assert f"data.tokenizer.path={tmp_path}/tokenizer.model" in overrides
-    probe = ("import sys; from mta_repro.config import compose; c = compose(sys.argv[1:]); "
+    probe = ("import sys; from mta_repro.train.config import compose; c = compose(sys.argv[1:]); "
              "print(c.data.root_dir, c.data.tokenizer.path)")
     bare = {k: v for k, v in env.items() if k not in ("SLIMPAJAMA_DIR", "LLAMA3_TOKENIZER")}
     got = subprocess.run([sys.executable, "-c", probe, *overrides], cwd=ROOT, env=bare, capture_output=True,
@@ -569,9 +569,9 @@ def test_eval_and_pipeline_and_sweep_submissions_check_too(tmp_path):
     calls = tmp_path / "sbatch_calls"
     (tmp_path / "bin" / "sbatch").write_text(f"#!/bin/bash\necho \"$@\" >> {calls}\necho 1\n")
     (tmp_path / "bin" / "sbatch").chmod(0o755)
-    p = _run(["-m", "mta_repro.eval.slurm", "runs/none", "tasks=[ppl]", "--submit"], cwd=tmp_path, env=env,
+    p = _run(["-m", "mta_repro.eval.submit", "runs/none", "tasks=[ppl]", "--submit"], cwd=tmp_path, env=env,
              check=False)
-    assert p.returncode == 2 and _errors(p, "mta_repro.eval.slurm") == [
+    assert p.returncode == 2 and _errors(p, "mta_repro.eval.submit") == [
         f"run_dir: {tmp_path}/runs/none does not exist (no training run there, and no --after job to make it; add "
         "--no-check if it exists only on the compute nodes)"]
     p = _run(["-m", "mta_repro.pipeline", "pipeline=paper_880m", f"root={tmp_path}/mta", "launcher=slurm", "--plan"],
@@ -592,7 +592,7 @@ def test_eval_and_pipeline_and_sweep_submissions_check_too(tmp_path):
 def test_the_880m_job_fits_an_8_gpu_64_core_node():
     """Every paper experiment's sbatch asks for at most 64 CPUs and 8 GPUs a node (8 ranks x
     slurm.cpus_per_task), what the smallest common 8-GPU node has."""
-    from mta_repro.train.slurm import render
+    from mta_repro.train.submit import render
 
     for exp in ("pretrain_880m_mta", "pretrain_1b_baseline", "long_context_880m_mta", "mta_insertion"):
         ov = [f"experiment={exp}"] + (["checkpoint.init_from=/src"] if not exp.startswith("pretrain") else [])
@@ -628,10 +628,10 @@ def test_a_job_without_its_tokenizer_is_refused_before_sbatch(tmp_path):
     """On the scheduler: the job would fail at start (its tokenizer is not there), so nothing
     is queued: rc 2, one line, no job of its name in squeue or sacct, no script written."""
     name = f"no_tok_{os.getpid()}"
-    p = _run(["-m", "mta_repro.train.slurm", "experiment=debug", *CPU_PROFILE, f"run_dir={tmp_path}/r",
+    p = _run(["-m", "mta_repro.train.submit", "experiment=debug", *CPU_PROFILE, f"run_dir={tmp_path}/r",
               f"data.tokenizer.path={tmp_path}/missing.model", f"slurm.job_name={name}", "--submit"], check=False)
     assert p.returncode == 2 and "Submitted batch job" not in p.stdout
-    assert _errors(p, "mta_repro.train.slurm") == [
+    assert _errors(p, "mta_repro.train.submit") == [
         f"data.tokenizer.path: {tmp_path}/missing.model does not exist (the sentencepiece tokenizer file; add "
         "--no-check if it exists only on the compute nodes)"]
     assert subprocess.run(["squeue", "-h", "-n", name], capture_output=True, text=True).stdout.strip() == ""

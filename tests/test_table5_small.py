@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from mta_repro.config import compose, model_args_from
+from mta_repro.train.config import compose, model_args_from
 from mta_repro.pipeline.__main__ import build_plan
 from mta_repro.train.optim import OptimArgs, lr_factor, warmup_steps
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from mta_repro.config import compose
+from mta_repro.train.config import compose
 from mta_repro.toy.find_block import (
     IGNORE,
     CharTokenizer,

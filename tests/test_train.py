@@ -15,7 +15,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from mta_repro.config import compose, model_args_from
+from mta_repro.train.config import compose, model_args_from
 from mta_repro.train.args import CheckpointArgs, TrainerArgs
 from mta_repro.train.checkpoint import complete_checkpoints
 from mta_repro.train.distributed import dist_env, first_slurm_host
@@ -130,7 +130,7 @@ def test_mfu_formula_and_cpu_peak_unknown():
 
 
 def test_train_flops_count_the_variant():
-    from mta_repro.estimate.flops import train_flops_per_token
+    from mta_repro.model.flops import train_flops_per_token
 
     base = train_flops_per_token(model_args_from(compose(["model=880m"])), 2048)
     mta = train_flops_per_token(model_args_from(compose(["model=880m", "attention=mta", "model.attn_impl=torch"])), 2048)
@@ -218,7 +218,7 @@ def test_ablation_sweeps_expand_to_valid_distinct_runs(name):
 def test_sbatch_dry_run(tmp_path):
     p = subprocess.run(
         # the corpus and tokenizer are on the cluster, not here
-        [sys.executable, "-m", "mta_repro.train.slurm", "experiment=pretrain_880m_mta", "--dry-run", "--no-check"],
+        [sys.executable, "-m", "mta_repro.train.submit", "experiment=pretrain_880m_mta", "--dry-run", "--no-check"],
         cwd=ROOT, capture_output=True, text=True, timeout=120,
         env={k: v for k, v in os.environ.items() if k not in ("SLIMPAJAMA_DIR", "LLAMA3_TOKENIZER")},
     )
@@ -236,7 +236,7 @@ def test_sbatch_dry_run(tmp_path):
             "data.tokenizer.path=/checkpoints/llama3/tokenizer.model run_dir=") in srun[0]
     assert srun[0].rstrip().endswith("runs/pretrain_880m_mta")
     # Overrides reach the command and the resources.
-    from mta_repro.train.slurm import render
+    from mta_repro.train.submit import render
 
     script2, command2 = render(["experiment=pretrain_300m_mta", "slurm.nodes=2", "trainer.steps=10"])
     assert "#SBATCH --nodes=2\n" in script2 and "trainer.steps=10" in command2

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from mta_repro.config import compose
+from mta_repro.train.config import compose
 from mta_repro.train.checkpoint import CheckpointCorruptError, load_model_state, verify_checkpoint
 
 COMMON = [

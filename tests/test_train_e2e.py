@@ -23,7 +23,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from mta_repro.config import compose
+from mta_repro.train.config import compose
 
 pytestmark = pytest.mark.slow
 
@@ -192,7 +192,7 @@ def _first_batch(overrides):
 
 def _loss_of(state_dict, model_overrides, batch):
     """CE of given weights on a batch with a plain fp32 model (no FSDP, no trainer)."""
-    from mta_repro.config import model_args_from
+    from mta_repro.train.config import model_args_from
     from mta_repro.model import build_model
 
     model = build_model(model_args_from(compose(model_overrides)), device="cpu", init=False)

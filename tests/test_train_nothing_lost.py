@@ -26,7 +26,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from mta_repro.config import compose
+from mta_repro.train.config import compose
 from test_train_rundir import COMMON as RUNDIR_COMMON
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -51,7 +51,7 @@ def _cli(*args, timeout=300, **env):
 WORKER = textwrap.dedent('''
     import json, sys, time, traceback
     from pathlib import Path
-    from mta_repro.config import compose
+    from mta_repro.train.config import compose
     from mta_repro.train.loop import train
 
     common, root, name, trials = json.loads(sys.argv[1]), Path(sys.argv[2]), sys.argv[3], int(sys.argv[4])
@@ -148,7 +148,7 @@ def test_resume_without_config_yaml_is_checked_against_the_checkpoints_config(tm
 def test_checkpoint_is_fsynced_before_it_is_marked_complete(tmp_path):
     run = tmp_path / "run"
     log = tmp_path / "strace.log"
-    code = f"from mta_repro.config import compose; from mta_repro.train.loop import train; " \
+    code = f"from mta_repro.train.config import compose; from mta_repro.train.loop import train; " \
            f"train(compose({[*COMMON, f'run_dir={run}', 'trainer.steps=1']!r}))"
     p = subprocess.run(["strace", "-f", "-y", "--seccomp-bpf", "-e", "trace=fsync,fdatasync,rename,renameat,renameat2",
                         "-o", str(log), sys.executable, "-c", code], cwd=ROOT, env=_env(), capture_output=True,

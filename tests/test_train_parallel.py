@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mta_repro.config import compose, model_args_from
+from mta_repro.train.config import compose, model_args_from
 from mta_repro.model import build_model
 from mta_repro.train.args import DistributedArgs
 from mta_repro.train.distributed import destroy_distributed, init_distributed, materialize, mp_policy, parallelize

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
-from mta_repro.config import compose
+from mta_repro.train.config import compose
 from mta_repro.train.rundir import RunDirError, RunLock, diff_configs, write_config
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -154,7 +154,7 @@ def test_added_keys_are_refused_by_the_schema(tmp_path):
         train(compose([*COMMON, f"run_dir={run_dir}", "+foo=1"]))
     assert not run_dir.exists()
     # Free-form mappings stay open: a new domain weight is a key, not a typo.
-    from mta_repro.config import TrainConfig
+    from mta_repro.train.config import TrainConfig
     from mta_repro.dataclass_config import unknown_keys
 
     assert unknown_keys(TrainConfig, compose(["+data.sources.mydomain=0.1"]), "") == []

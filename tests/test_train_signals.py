@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from mta_repro.config import compose
+from mta_repro.train.config import compose
 
 pytestmark = pytest.mark.slow
 
@@ -199,7 +199,7 @@ import json, os, sys
 sys.path.insert(0, {tests!r})
 import pytest
 from test_train_signals import _count_syncs, TINY
-from mta_repro.config import compose
+from mta_repro.train.config import compose
 from mta_repro.train.loop import train
 
 mp = pytest.MonkeyPatch()

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from mta_repro.config import compose
+from mta_repro.train.config import compose
 from mta_repro.data import DataArgs, build_train_loader
 from mta_repro.model import build_model
 from mta_repro.model.args import ModelArgs

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from mta_repro.config import compose
+from mta_repro.train.config import compose
 
 COMMON = [
     "data.seq_len=32",
@@ -41,7 +41,7 @@ def run(tmp_path_factory):
 
 
 def test_validation_matches_the_eval_ppl_on_the_same_weights(run):
-    from mta_repro.config import model_args_from
+    from mta_repro.train.config import model_args_from
     from mta_repro.data import build_tokenizer, to_data_args
     from mta_repro.eval.ppl import validation_perplexity
     from mta_repro.model import build_model

@@ -28,7 +28,8 @@ sys.path.insert(0, str(Path(__file__).parent / "fixtures" / "eval"))
 from eval_helpers import make_run  # noqa: E402
 
 from mta_repro.cli import run_cli  # noqa: E402
-from mta_repro.weights import CorruptFileError, ModelMismatchError, UnsafeFileError, load_weights  # noqa: E402
+from mta_repro.weights import ModelMismatchError, load_weights  # noqa: E402
+from mta_repro.errors import CorruptFileError, UnsafeFileError  # noqa: E402
 
 TRAIN = ["experiment=debug", "trainer.steps=1", "logging.wandb_mode=disabled", "logging.progress_bar=false"]
 
@@ -136,7 +137,7 @@ def test_hf_import_refuses_a_relabelled_tensor(tmp_path, capsys, dtype, label, s
 
 
 def test_init_from_refuses_integer_weights_and_writes_no_run(tmp_path, capsys):
-    from mta_repro.config import compose
+    from mta_repro.train.config import compose
     from mta_repro.train.loop import train
 
     run_dir, _ = make_run(tmp_path / "src", attention="baseline")
@@ -358,7 +359,7 @@ def test_the_record_limit_is_a_setting_and_resumes_past_the_record(tmp_path):
 
 # ------------------------------------------------------------------ 6: a diverged model's perplexity
 def test_a_huge_loss_is_perplexity_inf_in_the_result_and_the_report(tmp_path, capsys):
-    from mta_repro.eval.ppl import perplexity
+    from mta_repro.model.loss import perplexity
     from mta_repro.eval.run import main as eval_main
     from mta_repro.report.__main__ import main as report_main
 
@@ -384,7 +385,7 @@ def test_a_huge_loss_is_perplexity_inf_in_the_result_and_the_report(tmp_path, ca
 
 # ------------------------------------------------------------------ 7: a model too large for the machine
 def test_a_model_that_cannot_fit_is_refused_before_anything_is_allocated(tmp_path, capsys):
-    from mta_repro.config import compose
+    from mta_repro.train.config import compose
     from mta_repro.train.loop import train
 
     run_dir = tmp_path / "big"
@@ -404,8 +405,8 @@ def test_a_model_that_cannot_fit_is_refused_before_anything_is_allocated(tmp_pat
 
 
 def test_the_pre_flight_runs_when_the_floor_is_near_the_capacity(tmp_path):
-    from mta_repro.config import compose, to_train_config
-    from mta_repro.estimate.memory import estimate_from_config
+    from mta_repro.train.config import compose, to_train_config
+    from mta_repro.train.memory import estimate_from_config
     from mta_repro.train.memory_check import DoesNotFitError, check_fits
 
     cfg = compose(["experiment=debug", "trainer.device=cpu", "data.batch_size=16"])
@@ -425,7 +426,7 @@ def test_the_pre_flight_runs_when_the_floor_is_near_the_capacity(tmp_path):
 @pytest.mark.parametrize("override,field", [("optim.lr=nan", "optim.lr"), ("optim.lr=inf", "optim.lr"),
                                             ("optim.eps=-inf", "optim.eps"), ("model.norm_eps=nan", "model.norm_eps")])
 def test_non_finite_settings_are_one_line(tmp_path, capsys, override, field):
-    from mta_repro.config import compose
+    from mta_repro.train.config import compose
     from mta_repro.train.loop import train
 
     run_dir = tmp_path / "run"
@@ -455,7 +456,7 @@ def test_report_names_a_result_file_of_the_wrong_shape(tmp_path, capsys):
 
 def test_read_json_names_the_file_and_the_first_fault(tmp_path):
     from mta_repro.errors import UserError
-    from mta_repro.json_files import fault, read_json
+    from mta_repro.files import fault, read_json
 
     f = tmp_path / "x.json"
     f.write_text("[1, 2")

@@ -33,7 +33,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent / "fixtures" / "eval"))
 from eval_helpers import make_run  # noqa: E402
 
-from mta_repro.weights import CorruptFileError, UnsafeFileError, find_weights, load_weights  # noqa: E402
+from mta_repro.weights import find_weights, load_weights  # noqa: E402
+
+from mta_repro.errors import CorruptFileError, UnsafeFileError  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 PKG = ROOT / "mta_repro"
@@ -109,7 +111,7 @@ def test_library_entry_points_refuse(evil, tmp_path):
 
 def test_init_from_in_training_refuses(evil, tmp_path):
     pt, _, marker = evil
-    from mta_repro.config import compose
+    from mta_repro.train.config import compose
     from mta_repro.train.loop import train
 
     cons = tmp_path / "ck" / "consolidated"
@@ -126,7 +128,7 @@ def test_init_from_in_training_refuses(evil, tmp_path):
 def test_clis_refuse_with_one_line_and_exit_2(evil, tmp_path, capsys):
     pt, run_dir, marker = evil
     from mta_repro.eval.run import main as eval_main
-    from mta_repro.generate import main as generate_main
+    from mta_repro.eval.generate import main as generate_main
     from mta_repro.hf.cli import main as hf_main
 
     for path in (pt, run_dir):

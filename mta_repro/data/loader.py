@@ -36,7 +36,7 @@ import os
 import queue
 import threading
 import time
-from typing import Callable, Dict, List, Optional
+from typing import Iterable, Iterator, Callable, Dict, List, Optional
 
 import numpy as np
 import torch
@@ -46,7 +46,6 @@ from mta_repro.data.sources import (
     BAD_KINDS,
     SET_NAMES,
     BadLedger,
-    CorruptFileError,
     DocStream,
     ShortFileError,
     _natural_key,
@@ -60,7 +59,7 @@ from mta_repro.data.sources import (
     text_digest,
 )
 from mta_repro.data.tokenizers import build_tokenizer
-from mta_repro.errors import UserError
+from mta_repro.errors import CorruptFileError, UserError
 
 log = logging.getLogger(__name__)
 
@@ -606,3 +605,13 @@ def iter_validation_docs(data_args, domain: str):
     args = to_data_args(data_args)
     check_domain(args, domain)
     return iter_docs(args, domain, "validation")
+
+
+def validation_windows(docs: Iterable[str], tokenizer, seq_len: int) -> Iterator[list]:
+    """Windows of seq_len+1 tokens from the BOS/EOS-delimited concatenation of docs."""
+    buf: list = []
+    for doc in docs:
+        buf.extend(tokenizer.encode(doc, add_bos=True, add_eos=True))
+        while len(buf) >= seq_len + 1:
+            yield buf[: seq_len + 1]
+            buf = buf[seq_len:]  # the last target is the next window's first input

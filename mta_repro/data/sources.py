@@ -41,7 +41,7 @@ from pathlib import Path
 from typing import Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
 
 from mta_repro.data.args import DataArgs, resolve_path
-from mta_repro.errors import UserError
+from mta_repro.errors import CorruptFileError, UserError
 
 log = logging.getLogger(__name__)
 
@@ -170,10 +170,6 @@ def shard_files(files: List[str], rank: int, world_size: int) -> List[Tuple[str,
     k = world_size // math.gcd(n, world_size)
     parts = [(f, k, j) for j in range(k) for f in files]
     return parts[rank::world_size]
-
-
-class CorruptFileError(UserError):
-    """An input file that cannot be read to its end (a truncated or damaged download)."""
 
 
 class _CheckedZstd(io.RawIOBase):

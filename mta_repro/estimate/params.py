@@ -19,10 +19,10 @@ import json
 import sys
 from pathlib import Path
 
-from mta_repro.config import compose, model_args_from
+from mta_repro.train.config import compose, model_args_from
 from mta_repro.errors import UserError
 from mta_repro.model import ModelArgs, build_model
-from mta_repro.estimate.flops import train_flops_per_token
+from mta_repro.model.flops import train_flops_per_token
 
 SIZES = ("tiny", "300m", "550m", "880m", "1b")
 VARIANTS = ("baseline", "diff", "talking_heads", "mta")
@@ -48,7 +48,7 @@ def memory_assumptions(cfg, world_size: int, overrides: list[str]) -> str:
     good as the seq_len, micro-batch and world size it assumed, and the defaults (the
     bundled data's seq_len 256, one CPU rank, fp32) are far from a paper run's."""
     on_gpu = str(cfg.trainer.get("device", "cpu")).startswith("cuda")
-    # the dtype rule of mta_repro.estimate.memory.estimate_from_config: param_dtype on GPU, fp32 on CPU
+    # the dtype rule of mta_repro.train.memory.estimate_from_config: param_dtype on GPU, fp32 on CPU
     dtype = str(cfg.distributed.param_dtype) if on_gpu else "float32"
     B, T, accum = int(cfg.data.batch_size), int(cfg.data.seq_len), int(cfg.trainer.get("grad_accum", 1))
     line = (
@@ -104,7 +104,7 @@ def main(argv: list[str]) -> None:
             )
         else:
             rest.append(a)
-    from mta_repro.config import CONFIG_DIR
+    from mta_repro.train.config import CONFIG_DIR
     from mta_repro.cli import check_group_options
 
     check_group_options(rest, ["model", "attention"], Path(CONFIG_DIR))
@@ -123,14 +123,14 @@ def main(argv: list[str]) -> None:
             print(f"| {size} | {variant} | {total:,} | {extra:+,} | {flops / 1e9:.3f} |")
         return
     if "--memory" in rest and "--experiments" in rest:
-        from mta_repro.estimate.memory import experiments_table
+        from mta_repro.train.memory import experiments_table
 
         names = sorted(p.stem for p in (CONFIG_DIR / "experiment").glob("[!_]*.yaml")
                        if p.stem.startswith(("pretrain_", "long_context_", "mta_insertion")))
         print(experiments_table(names))
         return
     if "--memory" in rest:
-        from mta_repro.estimate.memory import estimate_from_config
+        from mta_repro.train.memory import estimate_from_config
 
         overrides = [a for a in rest if not a.startswith("--")]
         cfg = compose(overrides)

@@ -325,7 +325,7 @@ def run_babilong(model, tokenizer, args, background: Optional[Iterable[str]] = N
 
     ``args``: the settings (``mta_repro.eval.args.BabiLongArgs``); ``background``: the
     documents the generated source hides its facts in."""
-    from mta_repro.eval.generate import generate_text
+    from mta_repro.model.generation import generate_text
 
     check_args(args)
     tasks, samples, source, dataset = list(args.tasks), args.samples, args.source, args.dataset

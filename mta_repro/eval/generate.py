@@ -1,167 +1,117 @@
-"""Batched generation with a KV cache, for every attention variant.
+"""Generate text from a trained run with the KV-cache generator.
 
-Prompts of different lengths are left-padded; ``key_valid`` marks the pads so no real
-token attends to them (RoPE is relative, so a shifted start changes nothing but
-rounding). The model's cache holds keys and values at the model's n_kv_heads heads
-(grouped-query attention repeats them per query head after the cache, as the release
-does), and also keeps the last W rotated queries of MTA layers,
-whose query-direction convolutions read earlier score rows, so cached decoding gives
-the logits of a full forward pass (tested in tests/test_eval_generate.py).
+    python -m mta_repro.eval.generate runs/880m_mta --prompt "The capital of France is"
+    python -m mta_repro.eval.generate runs/x/export/consolidated.pt --prompt "a" --prompt "b" \\
+        --max-new-tokens 64 --temperature 0.8 --top-p 0.95 --seed 0
+
+Loads the newest complete weights of a run directory (or a consolidated ``.pt``) and
+the run's tokenizer, encodes each prompt with BOS (as in training), and prints each
+continuation (greedy unless --temperature > 0), one block per prompt. Prompts are
+left-truncated to fit --max-length (default: the run's trained data.seq_len) together
+with the new tokens. Generation stops at EOS or at any --stop string.
+
+stderr names the weights loaded (the export or checkpoint, and its step) and the
+tokenizer. A continuation that is only whitespace (what a barely trained model emits) is
+summarised on stderr, e.g. ``64 x '\n'``, instead of printing blank lines; ``--raw``
+prints every continuation exactly as generated.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Callable, Optional, Sequence
-
-import torch
+import argparse
+import sys
+from typing import Optional, Sequence
 
 from mta_repro.errors import UserError
-from mta_repro.model import KVCache
 
 
-@dataclass
-class GenerationResult:
-    tokens: list  # per prompt: the new token ids (stop/eos token included if hit)
-    # per prompt: (n_new, vocab) logits that chose each new token (only if asked)
-    logits: Optional[list] = None
-    finished: list = field(default_factory=list)  # True when eos/stop ended the row
+def parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(
+        prog="python -m mta_repro.eval.generate", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("path", help="run directory or consolidated .pt file")
+    ap.add_argument("--prompt", action="append", required=True, help="prompt text (repeat for a batch)")
+    ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    ap.add_argument("--top-k", type=int, default=None)
+    ap.add_argument("--top-p", type=float, default=None)
+    ap.add_argument("--seed", type=int, default=0, help="sampling seed")
+    ap.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    ap.add_argument("--max-length", type=int, default=None, help="prompt + new tokens (default: trained seq_len)")
+    ap.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
+    ap.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16")
+    ap.add_argument("--no-bos", action="store_true", help="do not start prompts with BOS")
+    ap.add_argument("--raw", action="store_true", help="print whitespace-only continuations as they are")
+    return ap
 
 
-def sample_next(
-    logits: torch.Tensor,
-    temperature: float = 0.0,
-    top_k: Optional[int] = None,
-    top_p: Optional[float] = None,
-    generator: Optional[torch.Generator] = None,
-) -> torch.Tensor:
-    """logits (B, V) -> next ids (B,). temperature 0 = greedy (argmax)."""
-    if temperature <= 0.0:
-        return logits.argmax(dim=-1)
-    logits = logits.float() / temperature
-    if top_k is not None and top_k > 0:
-        kth = torch.topk(logits, min(top_k, logits.shape[-1]), dim=-1).values[:, -1:]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if top_p is not None and top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, descending=True, dim=-1)
-        probs = torch.softmax(sorted_logits, dim=-1)
-        # Drop a token when the mass before it already reaches top_p (keep >= 1 token).
-        drop = probs.cumsum(-1) - probs >= top_p
-        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-        logits = torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
-    probs = torch.softmax(logits, dim=-1)
-    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+def generate_from(path, prompts, max_new_tokens=64, temperature=0.0, top_k=None, top_p=None, seed=0,
+                  stop=(), max_length=None, device="auto", dtype="float32", add_bos=True, report=None) -> list:
+    """Continuations of ``prompts`` by the model at ``path`` (run dir or .pt). ``report``
+    (a callable) receives one line naming the weights and tokenizer loaded."""
+    import torch
+
+    from mta_repro.model.generation import generate_text
+    from mta_repro.train.config import trained_seq_len
+    from mta_repro.eval.load import load_for_eval
+
+    if max_new_tokens < 1:
+        raise UserError(f"--max-new-tokens: expected a positive count, got {max_new_tokens}")
+    if temperature < 0:
+        raise UserError(f"--temperature: expected >= 0, got {temperature}")
+    model, tok, cfg = load_for_eval(path, device=device, dtype=dtype)
+    max_length = max_length or trained_seq_len(cfg) or model.args.max_seqlen
+    if report is not None:
+        report(loaded_line(model, cfg, max_new_tokens, temperature))
+    gen = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
+    return generate_text(
+        model, tok, list(prompts), max_new_tokens, until=list(stop), max_length=max_length,
+        add_bos=add_bos, temperature=temperature, top_k=top_k, top_p=top_p, generator=gen,
+    )
 
 
-@torch.no_grad()
-def generate(
-    model: torch.nn.Module,
-    prompts: Sequence[Sequence[int]],
-    max_new_tokens: int,
-    *,
-    temperature: float = 0.0,
-    top_k: Optional[int] = None,
-    top_p: Optional[float] = None,
-    eos_id: Optional[int] = None,
-    stop_fn: Optional[Callable[[int, list], bool]] = None,
-    pad_id: int = 0,
-    generator: Optional[torch.Generator] = None,
-    return_logits: bool = False,
-) -> GenerationResult:
-    """Generate up to ``max_new_tokens`` after each prompt (lists of ids, non-empty).
-
-    stop_fn(row, new_ids) -> True ends that row (e.g. a stop string was produced).
-    Rows that ended keep being fed (their outputs are ignored) until all rows end.
-    """
-    if not prompts or any(len(p) == 0 for p in prompts):
-        raise UserError("generate: every prompt needs at least one token")
-    device = next(model.parameters()).device
-    bsz = len(prompts)
-    longest = max(len(p) for p in prompts)
-    tokens = torch.full((bsz, longest), pad_id, dtype=torch.long, device=device)
-    valid = torch.zeros((bsz, longest), dtype=torch.bool, device=device)
-    for i, p in enumerate(prompts):  # left padding: the last token of every row aligns
-        tokens[i, longest - len(p) :] = torch.as_tensor(list(p), dtype=torch.long)
-        valid[i, longest - len(p) :] = True
-    padded = not bool(valid.all())
-    cache = KVCache.empty(len(model.layers))
-    logits = model(tokens, cache=cache, key_valid=valid if padded else None)[:, -1]
-
-    out = [[] for _ in range(bsz)]
-    out_logits = [[] for _ in range(bsz)] if return_logits else None
-    done = [False] * bsz
-    for step in range(max_new_tokens):
-        nxt = sample_next(logits, temperature, top_k, top_p, generator)
-        for i in range(bsz):
-            if done[i]:
-                continue
-            tok = int(nxt[i])
-            out[i].append(tok)
-            if return_logits:
-                out_logits[i].append(logits[i].cpu())
-            if (eos_id is not None and tok == eos_id) or (stop_fn is not None and stop_fn(i, out[i])):
-                done[i] = True
-        if all(done) or step == max_new_tokens - 1:
-            break  # no forward pass for a token nobody will use
-        if padded:
-            valid = torch.cat([valid, torch.ones((bsz, 1), dtype=torch.bool, device=device)], dim=1)
-        logits = model(nxt[:, None], cache=cache, key_valid=valid if padded else None)[:, -1]
-    if return_logits:
-        out_logits = [torch.stack(x) if x else torch.empty(0) for x in out_logits]
-    return GenerationResult(tokens=out, logits=out_logits, finished=done)
+def loaded_line(model, cfg, max_new_tokens: int, temperature: float) -> str:
+    src = getattr(model, "source", {})
+    step = f" (step {src['step']})" if src.get("step") is not None else ""
+    t = cfg.get("data", {}).get("tokenizer", {})
+    name = t.get("name", "sentencepiece")
+    tok = name if name == "bytes" else f"{name} {t.get('path')}"  # bytes needs no file
+    how = "greedy" if temperature == 0 else f"sampling at temperature {temperature:g}"
+    return (f"generate: weights {src.get('path')}{step}, tokenizer {tok}; {how}, "
+            f"up to {max_new_tokens} new tokens")
 
 
-def _cut_at_stop(text: str, until: Sequence[str]) -> tuple[str, bool]:
-    cut = [text.find(s) for s in until if s and s in text]
-    if not cut:
-        return text, False
-    return text[: min(cut)], True
+def whitespace_summary(text: str) -> str:
+    """``64 x '\\n'`` for a run of one character, else the repr of a short text."""
+    if len(set(text)) == 1:
+        return f"{len(text)} x {text[0]!r}"
+    return repr(text) if len(text) <= 40 else f"{len(text)} whitespace characters ({text[:20]!r}...)"
 
 
-@torch.no_grad()
-def generate_text(
-    model: torch.nn.Module,
-    tokenizer,
-    prompts: Sequence[str],
-    max_new_tokens: int,
-    *,
-    until: Sequence[str] = (),
-    max_length: Optional[int] = None,
-    batch_size: int = 8,
-    add_bos: bool = True,
-    stop_at_eos: bool = True,
-    **sampling,
-) -> list[str]:
-    """Continuations of text prompts, cut before the first stop string in ``until``.
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    from mta_repro.cli import run_cli
 
-    max_length: longest context (prompt + new tokens); longer prompts keep their end.
-    Prompts are sorted by length so each batch pads little; results keep input order.
-    """
-    encoded = [tokenizer.encode(p, add_bos=add_bos, add_eos=False) for p in prompts]
-    if max_length is not None:
-        keep = max_length - max_new_tokens
-        if keep < 1:
-            raise UserError(f"generate: max_length={max_length} leaves no room for a prompt")
-        encoded = [e[-keep:] for e in encoded]
-    order = sorted(range(len(prompts)), key=lambda i: -len(encoded[i]))
-    results: list = [None] * len(prompts)
-    for start in range(0, len(order), batch_size):
-        idx = order[start : start + batch_size]
+    args = parser().parse_args(argv)
 
-        def stop_fn(row, new_ids, _until=tuple(until)):
-            return bool(_until) and _cut_at_stop(tokenizer.decode(new_ids), _until)[1]
-
-        res = generate(
-            model,
-            [encoded[i] for i in idx],
-            max_new_tokens,
-            eos_id=tokenizer.eos_id if stop_at_eos else None,
-            stop_fn=stop_fn if until else None,
-            **sampling,
+    def go() -> int:
+        outs = generate_from(
+            args.path, args.prompt, args.max_new_tokens, args.temperature, args.top_k, args.top_p, args.seed,
+            args.stop, args.max_length, args.device, args.dtype, not args.no_bos,
+            report=lambda line: print(line, file=sys.stderr),
         )
-        for row, i in enumerate(idx):
-            ids = res.tokens[row]
-            if stop_at_eos and ids and ids[-1] == tokenizer.eos_id:
-                ids = ids[:-1]
-            results[i] = _cut_at_stop(tokenizer.decode(ids), until)[0]
-    return results
+        for i, (prompt, out) in enumerate(zip(args.prompt, outs)):
+            if len(outs) > 1:
+                print(f"=== prompt {i}")
+            if out and not out.strip() and not args.raw:
+                print(prompt)
+                print(f"generate: prompt {i}: the continuation is whitespace only ({whitespace_summary(out)}); "
+                      "--raw prints it", file=sys.stderr)
+            else:
+                print(prompt + out)
+        return 0
+
+    return run_cli("generate", go)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

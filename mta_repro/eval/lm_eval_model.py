@@ -1,6 +1,6 @@
 """The lm-eval (EleutherAI lm-evaluation-harness 0.4.x) model class ``mta_repro``.
 
-``python -m mta_repro.lm_eval --model_args pretrained=<run_dir>,dtype=bfloat16 --tasks ...``
+``python -m mta_repro.eval.lm_eval_cli --model_args pretrained=<run_dir>,dtype=bfloat16 --tasks ...``
 (or the ``mta-lm-eval`` console script: lm-eval's own command line with this model
 registered; lm-eval 0.4.13 has no plugin hook, so the bare ``lm_eval`` command cannot
 see it), or ``simple_evaluate(model=MTAReproLM(model=..., tokenizer=...), ...)``.
@@ -24,11 +24,11 @@ from lm_eval.api.registry import register_model
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 from tqdm import tqdm
 
-from mta_repro.config import trained_seq_len
+from mta_repro.train.config import trained_seq_len
 from mta_repro.errors import UserError
 from mta_repro.eval.progress import Progress
 
-from mta_repro.eval.generate import generate_text
+from mta_repro.model.generation import generate_text
 
 
 def _init_distributed(device) -> tuple:

@@ -7,7 +7,7 @@ schema from local json/jsonl files: the offline tests run on these, and so can a
 with a local copy of a dataset:
 
     python -m mta_repro.eval.lm_eval_tasks lambada_openai test=lambada_test.jsonl --out tasks/
-    python -m mta_repro.lm_eval --model_args pretrained=RUN --include_path tasks/ --tasks lambada_openai_local
+    python -m mta_repro.eval.lm_eval_cli --model_args pretrained=RUN --include_path tasks/ --tasks lambada_openai_local
 """
 
 from __future__ import annotations
@@ -90,7 +90,7 @@ def check_task_names(names, manager) -> None:
         hints = [f"{n} -> {m[0]}" for n, m in near.items() if m]
         hint = f" (did you mean {', '.join(hints)}?)" if hints else ""
         raise UserError(f"eval.lm_eval.tasks: unknown lm-eval task(s) {unknown}{hint}; "
-                        "list them with: python -m mta_repro.lm_eval ls tasks")
+                        "list them with: python -m mta_repro.eval.lm_eval_cli ls tasks")
 
 
 def write_local_task(

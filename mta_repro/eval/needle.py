@@ -224,7 +224,7 @@ def run_needle(model, tokenizer, args, background: Optional[Iterable[str]] = Non
     ``args``: the settings (``mta_repro.eval.args.NeedleArgs``). The prompts come from
     ``generator`` when given (its budgets already checked, as ``eval``'s prepare step
     does), else from a haystack built here from the ``background`` documents."""
-    from mta_repro.eval.generate import generate
+    from mta_repro.model.generation import generate
 
     context_lens, needle_counts, depths = args.context_lens, args.needle_counts, args.depths
     samples, query, max_new_tokens = args.samples, args.query, args.max_new_tokens

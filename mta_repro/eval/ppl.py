@@ -13,35 +13,14 @@ the arithmetic mean of the per-domain perplexities.
 
 from __future__ import annotations
 
-import math
-from typing import Iterable, Iterator, Optional
+from typing import Iterable, Optional
 
 import torch
-import torch.nn.functional as F
 
+from mta_repro.data.loader import validation_windows as windows
 from mta_repro.errors import UserError
 from mta_repro.eval.progress import Progress
-
-
-def windows(docs: Iterable[str], tokenizer, seq_len: int) -> Iterator[list]:
-    """Windows of seq_len+1 tokens from the BOS/EOS-delimited concatenation of docs."""
-    buf: list = []
-    for doc in docs:
-        buf.extend(tokenizer.encode(doc, add_bos=True, add_eos=True))
-        while len(buf) >= seq_len + 1:
-            yield buf[: seq_len + 1]
-            buf = buf[seq_len:]  # the last target is the next window's first input
-
-
-@torch.no_grad()
-def sequence_ce(model, inputs: torch.Tensor, targets: torch.Tensor, chunk: int = 1024) -> torch.Tensor:
-    """Summed cross-entropy (fp32 or better) over all positions of (B, T) inputs."""
-    h = model(inputs, return_hidden=True)  # (B, T, dim)
-    total = torch.zeros((), dtype=torch.promote_types(h.dtype, torch.float32), device=h.device)
-    for s in range(0, h.shape[1], chunk):  # never materialise all (B, T, V) logits
-        logits = model.logits(h[:, s : s + chunk]).to(total.dtype)
-        total += F.cross_entropy(logits.flatten(0, 1), targets[:, s : s + chunk].flatten(), reduction="sum")
-    return total
+from mta_repro.model.loss import perplexity, sequence_ce
 
 
 @torch.no_grad()
@@ -89,14 +68,6 @@ def domain_perplexity(
         raise UserError(f"ppl: the documents hold fewer than seq_len+1={seq_len + 1} tokens")
     loss = total / n_tokens
     return {"ppl": perplexity(loss), "loss": loss, "tokens": n_tokens, "batches": n_batches}
-
-
-def perplexity(loss: float) -> float:
-    """exp(loss); ``inf`` past the largest float (exp overflows above ~709.78), NaN for NaN."""
-    try:
-        return math.exp(loss)
-    except OverflowError:
-        return math.inf
 
 
 def validation_perplexity(

@@ -34,16 +34,16 @@ from typing import Optional, Sequence
 
 from omegaconf import OmegaConf
 
-from mta_repro.config import attention_variant
+from mta_repro.train.config import attention_variant
 from mta_repro.errors import UserError
 from mta_repro.eval.args import EvalConfig, register_eval_config
-from mta_repro.train.durable import replace_atomically
+from mta_repro.files import replace_atomically
 
 log = logging.getLogger("mta_repro.eval")
 
 
 def compose_eval(overrides: Sequence[str] = ()) -> EvalConfig:
-    from mta_repro.config import compose
+    from mta_repro.train.config import compose
 
     register_eval_config()
     cfg = compose(list(overrides), config_name="eval")
@@ -63,7 +63,7 @@ def parse_argv(argv: Sequence[str]) -> EvalConfig:
         raise UserError(f"eval: expected one run directory, got {paths}")
     if paths:
         overrides = [f"run_dir={paths[0]}"] + overrides
-    from mta_repro.config import CONFIG_DIR
+    from mta_repro.train.config import CONFIG_DIR
     from mta_repro.cli import check_group_options
 
     # an optional group: Hydra would silently skip an unknown preset
@@ -75,7 +75,7 @@ def trained_context(run_cfg) -> Optional[int]:
     """The context the run was trained at: ``data.seq_len`` of its saved config (for a
     finetuned run, the finetune's: the config of the last training stage). Not the
     model's ``max_seqlen``, which bounds what the code accepts, not what was learned."""
-    from mta_repro.config import trained_seq_len
+    from mta_repro.train.config import trained_seq_len
 
     return trained_seq_len(run_cfg)
 
@@ -105,7 +105,7 @@ def _up_to_date(path: Path, weights, record: dict) -> bool:
         return False
     if path.stat().st_mtime < Path(weights).stat().st_mtime:
         return False
-    from mta_repro.json_files import read_json
+    from mta_repro.files import read_json
 
     try:
         old = read_json(path, dict)

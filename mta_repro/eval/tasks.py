@@ -215,9 +215,9 @@ class LambadaTask(_LMEvalTask):
 
 
 def headline(name: str, metrics: dict) -> str:
-    """The metric a task's summary uses: the paper's (``report.paper.headline_metric``),
+    """The metric a task's summary uses: the paper's (``eval.benchmarks.headline_metric``),
     or ``acc`` where lm-eval computed no normalised accuracy for the task."""
-    from mta_repro.report.paper import headline_metric
+    from mta_repro.eval.benchmarks import headline_metric
 
     metric = headline_metric(name)
     return metric if f"{metric},none" in metrics or "acc,none" not in metrics else "acc"

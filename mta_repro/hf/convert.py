@@ -160,7 +160,7 @@ def export_hf(path: Union[str, Path], out_dir: Union[str, Path], force: bool = F
     writes into another folder."""
     from transformers import LlamaForCausalLM
 
-    from mta_repro.config import trained_seq_len
+    from mta_repro.train.config import trained_seq_len
     from mta_repro.eval.load import load_model, load_tokenizer
 
     earlier = _check_out_dir(Path(out_dir), force)  # before any work: a refusal changes nothing
@@ -234,7 +234,7 @@ def _record_source(model, cfg, path, out_dir: Path) -> None:
 
 
 def _find(path: str) -> Optional[Path]:
-    from mta_repro.config import CONFIG_DIR
+    from mta_repro.train.config import CONFIG_DIR
 
     p = Path(path)
     for cand in (p, Path(CONFIG_DIR).parent / p):
@@ -251,7 +251,7 @@ def weight_files(hf_dir: Path) -> list:
     """The folder's safetensors files: those its ``model.safetensors.index.json`` names
     (sharded checkpoints, e.g. Llama 3.1 8B's four shards), else every ``*.safetensors``.
     An index may only name files of the folder itself."""
-    from mta_repro.json_files import read_json
+    from mta_repro.files import read_json
 
     index = hf_dir / INDEX
     if index.is_file():
@@ -479,7 +479,7 @@ def read_hf_weights(hf_dir: Path, config, args: ModelArgs, dtype: Optional[torch
 def _tokenizer_of(hf_dir: Path) -> Optional[dict]:
     note = hf_dir / TOKENIZER_NOTE
     if note.is_file():  # written by export_hf
-        from mta_repro.json_files import read_json
+        from mta_repro.files import read_json
         from mta_repro.weights.check import check_plain_config
 
         tok_cfg = read_json(note, {"*": (str, type(None), bool, int, float)}, "our tokenizer settings")
@@ -505,11 +505,11 @@ def import_hf(hf_dir: Union[str, Path], out: Union[str, Path], dtype: str = "aut
     dtype (bf16 for Meta's), else float32/bfloat16/float16."""
     from transformers import AutoConfig
 
-    from mta_repro.config import compose
+    from mta_repro.train.config import compose
     from mta_repro.eval.load import resolve_dtype
-    from mta_repro.train.checkpoint import save_file_atomic
+    from mta_repro.files import save_file_atomic
 
-    from mta_repro.json_files import read_json
+    from mta_repro.files import read_json
 
     hf_dir = Path(hf_dir)
     if not (hf_dir / "config.json").is_file():

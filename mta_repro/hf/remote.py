@@ -3,14 +3,14 @@
 
 The folder's ``modeling_mta_repro.py`` is self-contained: it is this project's own model
 code (``BUNDLED``: ``mta_repro/model/args.py``, ``attention_ops.py``, ``transformer.py``, and
-``mta_repro/kernels/conv_pad.py``, ``types.py``) bundled into one module at export time,
+``mta_repro/kernels/conv_pad.py``, ``tuning.py``, ``interface.py``) bundled into one module at export time,
 with the package imports rewritten to point inside it, plus a thin ``PreTrainedModel``
 wrapper. So the exported model computes exactly what ours does
 (the reference explicit path and ``F.conv2d``; no C kernel, no mta_repro install needed),
 and the file is never a second copy of the model to keep in sync by hand.
 ``generate()`` decodes with the model's own cache (``MTAReproCache``: keys, values and,
 for the key-query convolutions, the last c_q - 1 queries), the state ``python -m
-mta_repro.generate`` keeps, so each new token costs O(T) and the tokens equal a full
+mta_repro.eval.generate`` keeps, so each new token costs O(T) and the tokens equal a full
 recompute's.
 """
 
@@ -27,7 +27,7 @@ MODULE = "modeling_mta_repro"
 
 _HEADER = '''"""Self-contained modeling file written by mta-repro's `python -m mta_repro.hf export`
 (the project's mta_repro/model/{args,attention_ops,transformer}.py and
-mta_repro/kernels/{conv_pad,types}.py bundled into one module, plus a transformers wrapper). Load with
+mta_repro/kernels/{conv_pad,tuning,interface}.py bundled into one module, plus a transformers wrapper). Load with
 AutoModelForCausalLM.from_pretrained(<folder>, trust_remote_code=True)."""
 
 from __future__ import annotations
@@ -172,7 +172,7 @@ def _strip_package_imports(src: str) -> str:
 
 
 # The model's source files, in dependency order (paths under mta_repro/).
-BUNDLED = ("kernels/conv_pad.py", "kernels/types.py", "model/args.py", "model/attention_ops.py", "model/transformer.py")
+BUNDLED = ("kernels/conv_pad.py", "kernels/tuning.py", "kernels/interface.py", "model/args.py", "model/attention_ops.py", "model/transformer.py")
 
 
 def modeling_source() -> str:

@@ -1,7 +1,7 @@
 """The exported folder's Hugging Face tokenizer, tokenizing as training did.
 
 Training wraps every document as BOS + text ids + EOS (``data.add_bos``/``add_eos``), and
-``python -m mta_repro.generate`` prompts with BOS + text ids. The exported tokenizer
+``python -m mta_repro.eval.generate`` prompts with BOS + text ids. The exported tokenizer
 (tokenizer.json + tokenizer_config.json, a ``PreTrainedTokenizerFast``) gives the same
 ids for ``tok(text)``: the same text ids, BOS prepended (``add_bos_token``), no EOS.
 Built here from the training tokenizer's own file:
@@ -103,7 +103,7 @@ def _sentencepiece_tokenizer(path: str):
 def write_hf_tokenizer(tok_cfg: dict, tok, out_dir: Path, add_bos: bool = True) -> Optional[str]:
     """Write tokenizer.json + tokenizer_config.json into ``out_dir`` for our tokenizer
     ``tok`` (built from ``tok_cfg``, ``data.tokenizer``): ``tok(text)`` gives BOS + the
-    text's ids, as training and ``mta_repro.generate`` feed the model. Returns None, or
+    text's ids, as training and ``mta_repro.eval.generate`` feed the model. Returns None, or
     why no HF tokenizer was written (the tokenizer file is still copied next to it)."""
     from tokenizers import processors
     from transformers import PreTrainedTokenizerFast

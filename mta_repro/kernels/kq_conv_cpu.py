@@ -115,7 +115,7 @@ def _corr(x: torch.Tensor, w: torch.Tensor, ro: int, pl: int, diag: int) -> torc
 
 @torch.library.custom_op("mta_repro::kq_conv_cpu", mutates_args=(), device_types="cpu")
 def kq_conv(x: torch.Tensor, w: torch.Tensor, pad_left: int, diag: int = NO_DIAG) -> torch.Tensor:
-    """x: (B, H, R, K); w: (H, c_q, c_k). ``attention_ops.kq_conv`` of x with its entries above
+    """x: (B, H, R, K); w: (H, c_q, c_k). ``attention_ops.kq_conv_dense`` of x with its entries above
     the diagonal (key > row + diag) zeroed, zeroed there again on output: rows look back
     c_q-1, keys are padded ``pad_left`` before and c_k-1-pad_left after."""
     return _corr(x, w, w.shape[1] - 1, pad_left, diag)

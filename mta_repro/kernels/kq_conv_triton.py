@@ -37,7 +37,7 @@ import triton
 import triton.language as tl
 
 from mta_repro.kernels import triton_interp
-from mta_repro.kernels.types import DEFAULT_TUNING, KernelTuning
+from mta_repro.kernels.tuning import DEFAULT_TUNING, KernelTuning
 
 triton_interp.install()  # Triton 3.6's interpreter with numpy >= 2.4 (mta_repro/kernels/triton_interp.py)
 
@@ -203,7 +203,7 @@ def wgrad(gy: torch.Tensor, x: torch.Tensor, cq: int, ck: int, ro: int, pl: int,
 @torch.library.custom_op("mta_repro::kq_conv_triton", mutates_args=())
 def kq_conv(x: torch.Tensor, w: torch.Tensor, pad_left: int, diag: int = NO_DIAG,
             tile_rows: int = DEFAULT_TILE[0], tile_keys: int = DEFAULT_TILE[1]) -> torch.Tensor:
-    """x: (B, H, R, K); w: (H, c_q, c_k). ``attention_ops.kq_conv`` of x with its entries above
+    """x: (B, H, R, K); w: (H, c_q, c_k). ``attention_ops.kq_conv_dense`` of x with its entries above
     the diagonal (key > row + diag) zeroed, zeroed there again on output (the contract of
     ``kq_conv_cpu.kq_conv``). ``tile_rows`` x ``tile_keys``: the output tile
     (``model.kernels.kq_tile``, passed per call so that two models tune independently)."""

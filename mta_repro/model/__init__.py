@@ -7,7 +7,7 @@ from typing import Any, Union
 import torch
 
 from mta_repro.dataclass_config import to_dataclass
-from mta_repro.kernels.types import refuse_removed_env
+
 from mta_repro.model.args import MTAArgs, ModelArgs
 from mta_repro.model.transformer import KVCache, Transformer
 
@@ -29,10 +29,6 @@ def build_model(
     ``device="meta"`` returns the unmaterialised model (parameter counting, or a model
     that the trainer shards before materialising). ``init`` runs the seeded Lingua init.
     """
-    # A tuning still set the old way (MTA_KQ_CONV=..., now model.kernels) must not be ignored
-    # in silence; checked here, where a model is built, not in ModelArgs (whose default the
-    # config schema builds at import).
-    refuse_removed_env()
     args = to_model_args(model_cfg)
     with torch.device("meta"):
         model = Transformer(args)

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from mta_repro.errors import UserError
-from mta_repro.kernels.types import KernelTuning
+from mta_repro.kernels.tuning import KernelTuning
 
 PAD_KEY_CHOICES = ("left", "right", "both")
 INIT_CHOICES = ("identity", "const", "uniform", "diagonal", "normal")
@@ -176,7 +176,7 @@ class ModelArgs:
     # points ``mta.mta_layers`` here; changing it alone changes nothing.
     kq_conv_layers: Optional[str] = None
     mta: MTAArgs = field(default_factory=MTAArgs)
-    # How the attention kernels compute (kernels/types.py KernelTuning: the kq-conv backend,
+    # How the attention kernels compute (kernels/interface.py KernelTuning: the kq-conv backend,
     # compiling the query block, tiles, frames, programs; docs/environment.md has the table).
     # The same numbers within float tolerance under every setting, so free to change within
     # a run dir; a saved config without it loads with the defaults.

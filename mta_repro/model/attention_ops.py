@@ -43,10 +43,11 @@ import torch.utils.checkpoint
 
 from mta_repro.errors import UserError
 from mta_repro.kernels.conv_pad import pad_left
-from mta_repro.kernels.types import DEFAULT_TUNING, AttnMask, ExplicitAttnParams, KernelTuning
+from mta_repro.kernels.interface import AttnMask, ExplicitAttnParams
+from mta_repro.kernels.tuning import DEFAULT_TUNING, KernelTuning
 
 
-def kq_conv(scores: torch.Tensor, kernel: torch.Tensor, pad_key: str) -> torch.Tensor:
+def kq_conv_dense(scores: torch.Tensor, kernel: torch.Tensor, pad_key: str) -> torch.Tensor:
     """Depthwise key-query convolution (paper eq. 4/5, release ``_mta_convolution``).
 
     scores: (B, H, Tq, Tk), already zero where masked. kernel: (H, 1, c_q, c_k).
@@ -61,7 +62,7 @@ def kq_conv(scores: torch.Tensor, kernel: torch.Tensor, pad_key: str) -> torch.T
 
 
 def identity_kq_kernel(n_heads: int, c_q: int, c_k: int, pad_key: str) -> torch.Tensor:
-    """The kernel for which ``kq_conv`` is the identity: current row, offset-0 key."""
+    """The kernel for which ``kq_conv_dense`` is the identity: current row, offset-0 key."""
     kernel = torch.zeros(n_heads, 1, c_q, c_k)
     col = {"both": c_k // 2, "left": c_k - 1, "right": 0}[pad_key]
     kernel[:, :, -1, col] = 1.0
@@ -159,7 +160,7 @@ def explicit_attention_torch(
     scores = torch.matmul(q, k.transpose(-2, -1)) * q.shape[-1] ** -0.5
     if p.mta_kernel is not None:
         # Masked scores must be 0 so the convolution does not read the future.
-        scores = kq_conv(scores.masked_fill(masked, 0.0), p.mta_kernel, p.pad_key)
+        scores = kq_conv_dense(scores.masked_fill(masked, 0.0), p.mta_kernel, p.pad_key)
     if p.wpsm is not None:
         scores = head_mix_linear(scores, p.wpsm)
     scores = scores.masked_fill(masked, float("-inf"))
@@ -168,7 +169,7 @@ def explicit_attention_torch(
     probs = probs.masked_fill(masked, 0.0).type_as(q)
     if p.mta_kernel_after_sm is not None:
         # No renormalisation: rows need not sum to 1 (as in the release).
-        probs = kq_conv(probs, p.mta_kernel_after_sm, p.pad_key).masked_fill(masked, 0.0)
+        probs = kq_conv_dense(probs, p.mta_kernel_after_sm, p.pad_key).masked_fill(masked, 0.0)
     if p.head_kernel is not None:
         probs = head_conv(probs, p.head_kernel)
     elif p.wposm is not None:
@@ -206,7 +207,7 @@ def masked_kq_conv(
     x: torch.Tensor, kernel: torch.Tensor, pad_key: str, allowed: torch.Tensor, mask: AttnMask,
     backend: Optional[str] = None, tuning: KernelTuning = DEFAULT_TUNING,
 ) -> torch.Tensor:
-    """``kq_conv(x * allowed) * allowed``: both key-query convolutions in this form (before
+    """``kq_conv_dense(x * allowed) * allowed``: both key-query convolutions in this form (before
     softmax the output mask changes nothing that survives the -inf mask; after softmax
     the input is already zero where masked). The C kernel (CPU fp32/fp64) and the Triton
     kernels (CUDA) apply the causal part themselves (no mask passes, no work above the
@@ -216,7 +217,7 @@ def masked_kq_conv(
     ``tuning``: the model's (the Triton kernel's tile)."""
     backend = backend or kq_conv_backend(x, tuning)
     if backend == "conv2d":
-        return kq_conv(x * allowed, kernel, pad_key) * allowed
+        return kq_conv_dense(x * allowed, kernel, pad_key) * allowed
     if mask.key_valid is not None:
         x = x * allowed
     pl = pad_left(pad_key, kernel.shape[-1])
@@ -516,7 +517,7 @@ class AttnKernels:
     (``model.kernels``, handed to every kernel in ``ExplicitAttnParams.tuning``; two models
     in one process tune independently). Whoever needs other ones
     for one model hands them to that model's modules: the memory pre-flight gives its meta
-    model stand-ins that keep what the device's kernels keep (``mta_repro.estimate.memory``),
+    model stand-ins that keep what the device's kernels keep (``mta_repro.train.memory``),
     so nothing process-wide is swapped and a model next to it is untouched."""
 
     sdpa: Optional[Callable] = None  # F.scaled_dot_product_attention's signature; None: that function

@@ -18,7 +18,8 @@ import torch
 import torch.nn.functional as F
 
 from mta_repro.errors import UserError
-from mta_repro.kernels.types import DEFAULT_TUNING, AttnMask, ExplicitAttnParams, KernelTuning
+from mta_repro.kernels.interface import AttnMask, ExplicitAttnParams
+from mta_repro.kernels.tuning import DEFAULT_TUNING, KernelTuning
 from mta_repro.model import attention_ops
 from mta_repro.model.transformer import release_depth_scale, repeat_kv
 

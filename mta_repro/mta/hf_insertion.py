@@ -26,7 +26,8 @@ import torch
 from torch import nn
 
 from mta_repro.errors import UserError
-from mta_repro.kernels.types import AttnMask, KernelTuning
+from mta_repro.kernels.interface import AttnMask
+from mta_repro.kernels.tuning import KernelTuning
 from mta_repro.model.args import MTAArgs
 from mta_repro.mta.module import MultiTokenAttention, validated_args
 

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from mta_repro.errors import UserError
-from mta_repro.kernels.types import KernelTuning
+from mta_repro.kernels.tuning import KernelTuning
 from mta_repro.model.args import MTAArgs, ModelArgs
 from mta_repro.model.transformer import Attention, RMSNorm
 from mta_repro.mta.functional import SELFCHECK, multi_token_attention, query_history

@@ -35,7 +35,7 @@ LAUNCHERS = ("local", "slurm")
 def build_plan(overrides: Sequence[str]):
     from omegaconf import OmegaConf
 
-    from mta_repro.config import compose
+    from mta_repro.train.config import compose
     from mta_repro.pipeline.plan import Plan
 
     cfg = compose(list(overrides), config_name="run_pipeline")
@@ -50,7 +50,7 @@ def _bare_name(arg: str) -> str:
     if "=" in arg or arg.startswith("~"):  # key=value, or Hydra's ~key (delete)
         return arg
     from mta_repro.cli import unknown_option_line
-    from mta_repro.config import CONFIG_DIR
+    from mta_repro.train.config import CONFIG_DIR
 
     names = sorted(p.stem for p in (CONFIG_DIR / "pipeline").glob("*.yaml"))
     if arg in names:

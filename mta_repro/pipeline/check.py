@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from mta_repro.errors import UserError
-from mta_repro.train.durable import replace_atomically
+from mta_repro.files import replace_atomically
 
 DEFAULT_TOL = 1e-4
 RESULT_FILE = "appendix_i_check.json"
@@ -28,13 +28,14 @@ RESULT_FILE = "appendix_i_check.json"
 def first_batch_losses(overrides: Sequence[str], device: str = "auto") -> dict:
     import torch
 
-    from mta_repro.config import compose
+    from mta_repro.train.config import compose
     from mta_repro.dataclass_config import to_dataclass
     from mta_repro.eval.load import load_model
     from mta_repro.model import build_model, to_model_args
     from mta_repro.train.args import CheckpointArgs
     # the trainer's own stage start, so the check sees exactly what training starts from
-    from mta_repro.train.loop import cross_entropy, load_factory, stage_start_weights
+    from mta_repro.model.loss import cross_entropy
+    from mta_repro.train.loop import load_factory, stage_start_weights
 
     cfg = compose(list(overrides))
     ck = to_dataclass(CheckpointArgs, cfg.checkpoint, "checkpoint")

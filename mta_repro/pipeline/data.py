@@ -37,7 +37,8 @@ def source_of(data_args) -> Path:
 
 def source_stream_state(src: Path, rank: int, world_size: int) -> dict:
     """{domain: stream state} of rank ``rank`` at the source's latest complete checkpoint."""
-    from mta_repro.weights import COMPLETE, UnsafeFileError, latest_checkpoint
+    from mta_repro.weights import COMPLETE, latest_checkpoint
+    from mta_repro.errors import UnsafeFileError
     from mta_repro.weights.safe import decode_state, dcp_load
 
     if src.is_file():

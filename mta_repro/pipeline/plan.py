@@ -47,9 +47,9 @@ from typing import Optional
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
-from mta_repro.config import CONFIG_DIR
+from mta_repro.train.config import CONFIG_DIR
 from mta_repro.errors import UserError
-from mta_repro.json_files import read_json
+from mta_repro.files import read_json
 
 REPO = CONFIG_DIR.parent
 VARIANTS = ("baseline", "diff", "talking_heads", "mta")
@@ -109,14 +109,14 @@ def _experiment(stage: dict, variant: str, where: str) -> Optional[str]:
 
 
 class _Composer:
-    """Many compositions under one Hydra initialisation (``mta_repro.config.compose``
+    """Many compositions under one Hydra initialisation (``mta_repro.train.config.compose``
     initialises Hydra on every call, most of its cost); eval compositions are cached."""
 
     def __enter__(self):
         from hydra import initialize_config_dir
         from hydra.core.global_hydra import GlobalHydra
 
-        from mta_repro.config import register_configs
+        from mta_repro.train.config import register_configs
         from mta_repro.eval.args import register_eval_config
 
         register_configs()
@@ -425,7 +425,8 @@ def imported_from(pt: Path) -> Optional[str]:
     only (``mta_repro.weights.load_pt``) and memory-mapped: the weights are not read."""
     if not pt.is_file():
         return None
-    from mta_repro.weights import CorruptFileError, load_pt
+    from mta_repro.weights import load_pt
+    from mta_repro.errors import CorruptFileError
 
     try:  # a file that would unpickle code raises UnsafeFileError (one line), as for the runs
         blob = load_pt(pt)
@@ -445,7 +446,7 @@ def missing_sources(plan: "Plan") -> list:
 
 def _json(path: Path, shape=object):
     """The JSON value in ``path``; None when it is missing, not whole (``torn``) or not of
-    ``shape`` (``mta_repro.json_files``)."""
+    ``shape`` (``mta_repro.files``)."""
     try:
         return read_json(path, shape)
     except (OSError, UserError):

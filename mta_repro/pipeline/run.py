@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import inspect
 import json
 import os
 import shlex
@@ -13,11 +12,11 @@ from pathlib import Path
 from string import Template
 
 from mta_repro.errors import UserError
-from mta_repro.json_files import read_json
+from mta_repro.files import read_json
 from mta_repro.pipeline.plan import REPO, Job, Plan, done, missing_sources, torn
-from mta_repro.train.durable import replace_atomically
-from mta_repro.slurm import memory_lines, time_limit
-from mta_repro.train.args import SITE_FIELDS
+from mta_repro.files import replace_atomically
+from mta_repro.slurm import memory_lines, sbatch, time_limit
+from mta_repro.train.args import SITE_FIELDS, SlurmArgs
 
 # Evaluation, Appendix I check and report jobs: one process on one node.
 JOB_TEMPLATE = Template("""#!/bin/bash
@@ -65,21 +64,21 @@ def _missing_report_inputs(job: Job) -> str:
 
 
 def job_script(job: Job, slurm: dict) -> str:
-    """The sbatch script of a job: training through mta_repro.train.slurm's render (the
+    """The sbatch script of a job: training through mta_repro.train.submit's render (the
     multi-node template), the others through JOB_TEMPLATE."""
     if job.kind == "train":
-        from mta_repro.train.slurm import render
+        from mta_repro.train.submit import render
 
-        kwargs = {"python": job.command[0]}
-        if "check_paths" in inspect.signature(render).parameters:
-            kwargs["check_paths"] = False  # the source run is made by an earlier job of this plan
-        script, _ = render(list(job.overrides) + site_overrides(slurm, job.overrides), **kwargs)
+        # check_paths=False: the source run is made by an earlier job of this plan
+        script, _ = render(list(job.overrides) + site_overrides(slurm, job.overrides), python=job.command[0],
+                           check_paths=False)
         return script
     report = job.kind == "report"
     cpu_only = report or job.kind == "import"
     gpus = int(slurm.get("gpus_per_node", 1)) if not cpu_only else 0
     extra = "\n".join(f"#SBATCH --{k}={slurm[k]}" for k in SITE_FIELDS if slurm.get(k))
-    cpus = REPORT_CPUS if report else (IMPORT_CPUS if job.kind == "import" else int(slurm.get("cpus_per_task", 12)))
+    cpus = REPORT_CPUS if report else IMPORT_CPUS if job.kind == "import" else \
+        int(slurm.get("cpus_per_task", SlurmArgs.cpus_per_task))
     name = f"{job.kind}_{job.label}".replace("/", "_") if not report else "mta_report"
     command = job.shell() if not report else _missing_report_inputs(job) + "\n" + job.shell()
     return JOB_TEMPLATE.substitute(
@@ -257,14 +256,7 @@ def _require_sources(plan: Plan) -> None:
 
 
 def _submit(path: Path, dep_args) -> str:
-    from mta_repro.train import slurm as train_slurm
-
-    if hasattr(train_slurm, "sbatch") and "extra_args" in inspect.signature(train_slurm.sbatch).parameters:
-        return train_slurm.sbatch(path, dep_args)
-    out = subprocess.run(["sbatch", "--parsable", *dep_args, str(path)], capture_output=True, text=True)
-    if out.returncode != 0:
-        raise train_slurm.SubmitError(f"sbatch refused {path}: {(out.stderr or out.stdout).strip()}")
-    return out.stdout.strip().split(";")[0]
+    return sbatch(path, dep_args)
 
 
 def print_plan(plan: Plan, log=print) -> None:

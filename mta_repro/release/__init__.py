@@ -10,8 +10,7 @@
   experiment=<name> [data.root_dir=...]``.
 - Checkpoints are *not* here: reading the release's and Lingua's weights (state-dict keys,
   ``consolidated/`` folders, DCP step folders, dump dirs) is ``mta_repro.weights`` (the
-  trainer's ``checkpoint.init_from`` and eval read them there, without this converter);
-  the two names below are re-exported for convenience.
+  trainer's ``checkpoint.init_from`` and eval read them there, without this converter).
 """
 
 from mta_repro.release.config import (
@@ -28,30 +27,9 @@ from mta_repro.release.config import (
     release_to_config,
 )
 from mta_repro.release.cli import main
-from mta_repro.weights.lingua import release_checkpoint_path, release_state_dict_to_ours
 
 __all__ = [
     "BYTES_N_WORDS", "LLAMA3_N_WORDS", "RELEASE_DEFAULTS", "RELEASE_MTA_DEFAULTS", "Conversion", "default_name",
     "experiment_yaml", "load_release_config", "release_file_to_config", "release_model_args", "release_to_config",
-    "main", "release_checkpoint_path", "release_state_dict_to_ours",
+    "main",
 ]
-
-# Names this package had before 0.1.0's split (release.py -> release/, weights/): they still
-# work, with a FutureWarning naming the new one, until the next release removes them.
-_RENAMED = {
-    "convert": ("mta_repro.release.config", "release_to_config"),
-    "convert_file": ("mta_repro.release.config", "release_file_to_config"),
-    "load_init_weights": ("mta_repro.train.checkpoint", "load_model_state"),
-}
-
-
-def __getattr__(name):
-    if name not in _RENAMED:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    import importlib
-    import warnings
-
-    module, new = _RENAMED[name]
-    warnings.warn(f"mta_repro.release.{name} is renamed {module}.{new}; the old name goes in the next release",
-                  FutureWarning, stacklevel=2)
-    return getattr(importlib.import_module(module), new)

@@ -42,7 +42,7 @@ def main(argv: list[str]) -> int:
         if a.print:
             sys.stdout.write(text)
         else:
-            from mta_repro.config import CONFIG_DIR
+            from mta_repro.train.config import CONFIG_DIR
 
             root = Path(a.config_dir) if a.config_dir else CONFIG_DIR
             out_dir = root / "experiment"

@@ -218,7 +218,7 @@ def _schema_typed(config: dict) -> dict:
     from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
 
-    from mta_repro.config import TrainConfig
+    from mta_repro.train.config import TrainConfig
 
     try:
         typed = OmegaConf.to_container(

@@ -24,7 +24,7 @@ from mta_repro.errors import UserError
 from mta_repro.report import plots
 from mta_repro.report.paper import VARIANT_LABELS
 from mta_repro.report.tables import STAGE_LABELS, all_tables, comparability, eval_command, load_run
-from mta_repro.train.durable import replace_atomically
+from mta_repro.files import replace_atomically
 
 
 def parse_labels(items) -> dict:

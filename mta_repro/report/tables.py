@@ -20,13 +20,12 @@ from pathlib import Path
 from typing import Optional
 
 from mta_repro.errors import UserError
-from mta_repro.json_files import fault, read_json
+from mta_repro.files import fault, read_json
+from mta_repro.eval.benchmarks import BENCH_METRIC, BENCH_TASKS, LOCAL_SUFFIX, canonical_task
 from mta_repro.report import paper
 
-BENCH_ORDER = list(paper.BENCH_TASKS)
+BENCH_ORDER = list(BENCH_TASKS)
 # Old task names of this project -> lm-eval 0.4.x names.
-TASK_ALIASES = paper.TASK_ALIASES
-LOCAL_SUFFIX = paper.LOCAL_SUFFIX
 STAGE_LABELS = {"pretrain": "pretrain", "long_context": "4K finetune", "insertion": "MTA insertion",
                 "continued": "continued training"}
 # Stages compared with each other: Appendix I's MTA insertion against its control.
@@ -135,7 +134,7 @@ def _stage_from_pt(cfg: Optional[dict], pt: Path) -> str:
     return "long_context" if theta is not None and float(theta) >= 500_000 else "continued"
 
 
-# What the tables and plots read from each task's eval JSON (shapes: mta_repro.json_files).
+# What the tables and plots read from each task's eval JSON (shapes: mta_repro.files).
 _NUM = (float, type(None))
 _RESULTS = {
     "ppl": {"domains": {"*": {"ppl?": _NUM, "loss?": _NUM}}, "average": _NUM, "seq_len?": _NUM},
@@ -180,7 +179,7 @@ def load_run(path, label: Optional[str] = None) -> RunData:
         run.evals[task] = data
         run.variant = run.variant or data.get("variant")
     if run.variant is None and run.config and "model" in run.config:
-        from mta_repro.config import attention_variant
+        from mta_repro.train.config import attention_variant
 
         run.variant = attention_variant(run.config["model"])
     run.stage = run_stage(run.config)
@@ -431,7 +430,7 @@ def ppl_table(runs) -> Optional[Table]:
 
 def _canonical(name: str) -> tuple:
     """(paper task name, local copy?) for an lm-eval task name in a summary."""
-    return paper.canonical_task(name), name.endswith(LOCAL_SUFFIX)
+    return canonical_task(name), name.endswith(LOCAL_SUFFIX)
 
 
 def _bench_summary(run: RunData) -> tuple:
@@ -458,7 +457,7 @@ def benchmark_table(runs) -> Optional[Table]:
     sums = {r.label: _bench_summary(r) for r in have}
     present = {t for s, _, _ in sums.values() for t in s}
     cols = [t for t in BENCH_ORDER if t in present] + sorted(present - set(BENCH_ORDER))
-    metric = {t: next((m[t] for _, m, _ in sums.values() if t in m), paper.BENCH_METRIC.get(t, "acc")) for t in cols}
+    metric = {t: next((m[t] for _, m, _ in sums.values() if t in m), BENCH_METRIC.get(t, "acc")) for t in cols}
     rows, notes = [], []
     for r in have:
         s, _, local = sums[r.label]
@@ -471,9 +470,9 @@ def benchmark_table(runs) -> Optional[Table]:
             base_avg = sum(bs.values()) / len(bs) if bs else None
         p = paper.BENCH_AVG.get(r.variant) if r.stage == "pretrain" else None
         why = comparability(r) or ""
-        n_paper = sum(1 for c in paper.BENCH_TASKS if c in s)
-        if n_paper < len(paper.BENCH_TASKS):
-            why = (why + "; " if why else "") + f"avg over {n_paper} of the paper's {len(paper.BENCH_TASKS)} tasks"
+        n_paper = sum(1 for c in BENCH_TASKS if c in s)
+        if n_paper < len(BENCH_TASKS):
+            why = (why + "; " if why else "") + f"avg over {n_paper} of the paper's {len(BENCH_TASKS)} tasks"
         rows.append([r.label, _model(r), STAGE_LABELS.get(r.stage, r.stage)] + [s.get(c) for c in cols]
                     + [avg, _diff(avg, base_avg), p, _diff(p, paper.BENCH_AVG.get("baseline") if p else None),
                        f"no: {why}" if why else "yes"])
@@ -483,9 +482,9 @@ def benchmark_table(runs) -> Optional[Table]:
         limit = _res(r, "benchmarks").get("limit")
         if limit:
             notes.append(f"{r.label}: at most {limit} examples per task (lm_eval.limit), not a reported number")
-    mismatch = [c for c in cols if c in paper.BENCH_METRIC and metric[c] != paper.BENCH_METRIC[c]]
+    mismatch = [c for c in cols if c in BENCH_METRIC and metric[c] != BENCH_METRIC[c]]
     if mismatch:
-        notes.append("not the paper's metric for " + ", ".join(f"{c} ({metric[c]}, paper {paper.BENCH_METRIC[c]})"
+        notes.append("not the paper's metric for " + ", ".join(f"{c} ({metric[c]}, paper {BENCH_METRIC[c]})"
                                                                  for c in mismatch) + ": re-evaluate")
     notes.insert(0, "Metric per task (lm-eval), the one the paper's table reports: "
                  + ", ".join(f"{c} {metric[c]}" for c in cols)
@@ -568,7 +567,7 @@ def describe_mta(cfg: Optional[dict]) -> tuple:
     n_layers = m.get("n_layers")
     release_layers = None
     if isinstance(n_layers, int):
-        from mta_repro.pipeline.sweep import mta_layers_every
+        from mta_repro.resolvers import mta_layers_every
 
         try:
             release_layers = mta_layers_every(n_layers, 4)

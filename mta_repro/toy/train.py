@@ -36,7 +36,7 @@ from mta_repro.toy.find_block import (
     labels_from,
     wrong_per_target,
 )
-from mta_repro.train.checkpoint import save_file_atomic
+from mta_repro.files import save_file_atomic
 from mta_repro.train.optim import OptimArgs, build_lr_scheduler, build_optimizer
 
 VARIANTS = ("baseline", "mta")

@@ -20,8 +20,8 @@ import sys
 import hydra
 from omegaconf import DictConfig
 
-from mta_repro.config import CONFIG_DIR
-from mta_repro.train.distributed import launcher_rank
+from mta_repro.train.config import CONFIG_DIR
+from mta_repro.device import launcher_rank
 
 # Appended to the command line of ranks other than 0 (a single run, not a sweep).
 NON_ZERO_RANK_OVERRIDES = ("hydra.output_subdir=null", "hydra/job_logging=stdout")
@@ -57,7 +57,7 @@ def main(cfg: DictConfig) -> None:
 def cli(argv: list[str]) -> int:
     """Check the overrides (one line for an unknown key or option), then run Hydra's main."""
     from mta_repro.cli import check_hydra_overrides, run_cli
-    from mta_repro.config import to_train_config
+    from mta_repro.train.config import to_train_config
     from mta_repro.train.jobcheck import NO_CHECK, problems, raise_problems, resolved_overrides
 
     check_paths = NO_CHECK not in argv

@@ -1,7 +1,7 @@
 """Config sections of the trainer (root config fields ``trainer``, ``checkpoint``,
 ``logging``, ``distributed``, ``slurm``; ``optim`` lives in ``mta_repro.train.optim``).
 
-Each is a dataclass registered through ``mta_repro.config.TrainConfig``, so a typo in an
+Each is a dataclass registered through ``mta_repro.train.config.TrainConfig``, so a typo in an
 override (``trainer.stpes=10``) fails when Hydra composes the config.
 """
 
@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import ClassVar, Optional
 
-from mta_repro.cpu_malloc import check_threshold
+from mta_repro.train.cpu_malloc import check_threshold
 from mta_repro.errors import UserError
 
 NONFINITE_CHOICES = ("raise", "skip")
@@ -50,12 +50,12 @@ class TrainerArgs:
     # so that peak resident memory stays at what the tensors need (the memory pre-flight's
     # estimate) instead of glibc's dynamic heap, which keeps GBs of freed tensors at 300M
     # width; costs 1.1-1.9x the step time on CPU. null = glibc's default (fastest).
-    # 131072 is glibc's initial value (mta_repro/cpu_malloc.py, docs/memory.md).
+    # 131072 is glibc's initial value (mta_repro/train/cpu_malloc.py, docs/memory.md).
     cpu_mmap_threshold: Optional[int] = field(default=None, metadata={"run_dir": "free"})
     # Before anything is allocated, refuse in one line a model, batch and world size whose
     # memory on one rank is over the device's (GPU: free memory; CPU: the memory available,
     # shared by the node's ranks): a floor (fp32 parameters and AdamW moments, one fp32 copy
-    # of the logits), then the memory pre-flight (mta_repro/estimate/memory.py) on a GPU or
+    # of the logits), then the memory pre-flight (mta_repro/train/memory.py) on a GPU or
     # when the floor is over 5% of it (mta_repro/train/memory_check.py). false = start anyway.
     memory_check: bool = field(default=True, metadata={"run_dir": "free"})
 
@@ -212,7 +212,7 @@ SITE_FIELDS = ("partition", "account", "qos", "constraint")
 
 @dataclass
 class SlurmArgs:
-    """What ``python -m mta_repro.train.slurm`` renders into slurm/train.sbatch (and what
+    """What ``python -m mta_repro.train.submit`` renders into slurm/train.sbatch (and what
     configs/hydra/launcher/slurm.yaml gives each submitit sweep job)."""
 
     RUN_DIR: ClassVar[str] = "free"  # resources: nothing a run's numbers depend on

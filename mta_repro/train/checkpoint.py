@@ -42,7 +42,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
 from mta_repro.errors import NoSpaceError, UserError
-from mta_repro.train.durable import fsync_path, fsync_tree
+from mta_repro.files import fsync_path, fsync_tree
 from mta_repro.train.provenance import RECORD as PROVENANCE
 from mta_repro.train.state import TrainState, rank_key
 from mta_repro.weights import load_weights
@@ -61,18 +61,6 @@ from mta_repro.weights.safe import (
     dcp_load,
     decode_state,
 )
-
-def save_file_atomic(obj: Any, path: Path) -> Path:
-    """``torch.save`` to ``path`` through a temporary file, an fsync and a rename, so a kill
-    or a power loss midway leaves the previous file (or none), never a truncated one."""
-    path = Path(path)
-    tmp = path.with_name(path.name + ".tmp")
-    torch.save(obj, tmp)
-    fsync_path(tmp)  # the bytes on disk before the rename publishes them (a power loss too)
-    os.replace(tmp, path)
-    fsync_path(path.parent)
-    return path
-
 
 def state_bytes(obj: Any) -> int:
     """The bytes of the tensors and byte strings in a (nested) state dict: what a checkpoint

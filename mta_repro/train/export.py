@@ -14,7 +14,7 @@ from typing import Optional, Union
 from omegaconf import OmegaConf
 
 from mta_repro.errors import UserError
-from mta_repro.train.checkpoint import save_file_atomic
+from mta_repro.files import save_file_atomic
 from mta_repro.train.provenance import EXPORT_KEY, read_record, state_digest
 from mta_repro.weights.layout import latest_checkpoint
 from mta_repro.weights import Candidate, read_weights

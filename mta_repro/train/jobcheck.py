@@ -5,7 +5,7 @@ given, and a path that is not there ends it in its first seconds. ``problems(cfg
 those at submission, one line each: the data root and its layout (the training files of
 every domain the config reads, the validation files when it validates), the tokenizer
 file, ``checkpoint.init_from``, and a run directory the job can write. Every SLURM path
-runs it (``mta_repro.train.slurm``, ``mta_repro.eval.slurm``, ``mta_repro.pipeline
+runs it (``mta_repro.train.submit``, ``mta_repro.eval.submit``, ``mta_repro.pipeline
 launcher=slurm``, ``mta_repro.train -m hydra/launcher=slurm``) on ``--dry-run``, ``--plan``
 and the submission, and submits nothing when a line is found; ``--no-check`` skips the path
 checks, for paths that exist only on the compute nodes.
@@ -125,7 +125,7 @@ def problems(cfg: DictConfig, base: Optional[Path] = None, made_by_plan: Iterabl
     one line each. ``base``: the submit directory (relative run_dir and init_from);
     ``made_by_plan``: paths an earlier job makes (a pipeline's source runs). The config's
     own faults raise UserError (one line) first."""
-    from mta_repro.config import to_train_config
+    from mta_repro.train.config import to_train_config
 
     base = Path.cwd() if base is None else base
     args = to_train_config(cfg)

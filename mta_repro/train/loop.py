@@ -1,7 +1,7 @@
 """The training loop: ``train(cfg)`` on every rank (1 or N, same code).
 
 ``train`` converts the composed config once into the typed ``TrainConfig``
-(``mta_repro.config.to_train_config``) and ``run(args)`` works from that alone (Lingua's
+(``mta_repro.train.config.to_train_config``) and ``run(args)`` works from that alone (Lingua's
 ``train(args: TrainArgs)``).
 
 Per update (``train_step``): ``grad_accum`` micro-batches (cross entropy over all
@@ -32,22 +32,22 @@ from typing import Any, Callable, NamedTuple, Optional
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from omegaconf import DictConfig, OmegaConf
 
-from mta_repro.config import TrainConfig, to_train_config
-from mta_repro.cpu_malloc import fix_mmap_threshold
+from mta_repro.train.config import TrainConfig, to_train_config
+from mta_repro.train.cpu_malloc import fix_mmap_threshold
 from mta_repro.dataclass_config import to_dataclass
 from mta_repro.errors import NoSpaceError, StopRequested, UserError
 from mta_repro.model import build_model, to_model_args
-from mta_repro.estimate.flops import train_flops_per_token
+from mta_repro.model.flops import train_flops_per_token
+from mta_repro.device import launcher_rank
+from mta_repro.model.loss import cross_entropy
 from mta_repro.train.args import CheckpointArgs, TrainerArgs
 from mta_repro.train.checkpoint import CheckpointManager
 from mta_repro.train.distributed import (
     DistInfo,
     destroy_distributed,
     init_distributed,
-    launcher_rank,
     materialize,
     parallelize,
 )
@@ -88,14 +88,6 @@ def load_factory(spec: str, field: str = "trainer.loader") -> Callable:
         return getattr(importlib.import_module(module), name)
     except (ImportError, AttributeError) as e:
         raise UserError(f"{field}: cannot import {spec!r} ({e})") from e
-
-
-def cross_entropy(model, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Mean token cross entropy over all positions, computed in fp32.
-
-    inputs, targets: (B, T) -> scalar."""
-    logits = model(inputs)  # (B, T, V)
-    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(0, 1))
 
 
 def _check_vocab(args: TrainConfig, vocab_size: int) -> None:
@@ -159,7 +151,7 @@ def train(cfg: Any) -> dict[str, Any]:
         args = to_train_config(cfg)
         info = init_distributed(args.distributed, args.trainer.device)
         if info.device.type == "cpu":
-            # Before the model is built: trainer.cpu_mmap_threshold (mta_repro/cpu_malloc.py)
+            # Before the model is built: trainer.cpu_mmap_threshold (mta_repro/train/cpu_malloc.py)
             fix_mmap_threshold(args.trainer.cpu_mmap_threshold)
         try:
             return _train(args, info, lock)
@@ -617,7 +609,7 @@ def attn_selfcheck(model_args, info: DistInfo, param_dtype: str, run_dir: Path) 
 
 def _record_selfcheck(run_dir: Path, entry: dict) -> None:
     """Append one start's decision to ``<run_dir>/attn_selfcheck.json`` (a list, atomically)."""
-    from mta_repro.train.durable import replace_atomically
+    from mta_repro.files import replace_atomically
 
     path = Path(run_dir) / "attn_selfcheck.json"
     try:

@@ -7,7 +7,7 @@ the node. ``check_fits`` runs on rank 0 before the run directory is touched:
 1. a floor that needs no model run: the fp32 parameters and AdamW moments on this rank
    (12 bytes per parameter / world size) plus one fp32 copy of the logits of a micro-batch;
 2. when the floor is over 5% of the capacity, or on a GPU (seconds against a GPU job), the
-   trainer's memory pre-flight (``mta_repro.estimate.memory.estimate``: one step on ``meta``).
+   trainer's memory pre-flight (``mta_repro.train.memory.estimate_memory``: one step on ``meta``).
 
 Refused when either is over the capacity: the GPU's free memory, or on the CPU the memory
 available to this process (``MemAvailable``, or a smaller cgroup limit) shared by the ranks
@@ -106,10 +106,10 @@ def check_fits(args, world_size: int, device: torch.device, cap: Optional[tuple]
             f"fp32 copy of the logits) but {cap_what}: {fix}")
     if device.type != "cuda" and floor < FULL_ESTIMATE_FRACTION * cap_bytes:
         return None
-    from mta_repro.estimate.memory import HEADROOM, estimate
+    from mta_repro.train.memory import HEADROOM, estimate_memory
 
     on_gpu = device.type == "cuda"
-    est = estimate(model_args, batch, seq, world_size, bool(args.distributed.activation_checkpointing),
+    est = estimate_memory(model_args, batch, seq, world_size, bool(args.distributed.activation_checkpointing),
                    getattr(torch, args.distributed.param_dtype) if on_gpu else torch.float32,
                    "cuda" if on_gpu else "cpu", int(args.trainer.grad_accum),
                    None if args.optim.fused is None else bool(args.optim.fused))

@@ -1,7 +1,7 @@
 """metrics.jsonl, the progress bar, wandb and MFU.
 
 MFU = achieved FLOP/s / (peak FLOP/s of one device * world size), with the FLOPs per
-token of the variant that runs (``mta_repro.estimate.flops.train_flops_per_token``, spec
+token of the variant that runs (``mta_repro.model.flops.train_flops_per_token``, spec
 section 7) and the dense bf16 peak of the device that ran, looked up by its name; the
 peak is unknown on CPU (and on unlisted GPUs), and ``mfu`` is then null.
 """
@@ -19,7 +19,7 @@ from typing import Any, Optional
 
 import torch
 
-from mta_repro.train.durable import replace_atomically
+from mta_repro.files import replace_atomically
 
 # Dense (no sparsity) bf16 tensor-core peaks, FLOP/s, from the vendors' datasheets.
 # Longest matching name wins ("H100 PCIe" before "H100").

@@ -205,8 +205,8 @@ def accepted(what: str, change: str, override: str, step: Optional[int]) -> dict
 
 
 def write_record(path: Path, obj: Any) -> None:
-    """``obj`` as JSON at ``path``, whole or not at all (``mta_repro.train.durable``)."""
-    from mta_repro.train.durable import replace_atomically
+    """``obj`` as JSON at ``path``, whole or not at all (``mta_repro.files``)."""
+    from mta_repro.files import replace_atomically
 
     replace_atomically(path, (json.dumps(obj, indent=1, default=str) + "\n").encode())
 

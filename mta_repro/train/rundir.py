@@ -51,7 +51,7 @@ from typing import Any, Optional
 from omegaconf import DictConfig, OmegaConf
 
 from mta_repro.errors import UserError
-from mta_repro.train.durable import replace_atomically
+from mta_repro.files import replace_atomically
 
 LOCK = ".lock"
 
@@ -63,7 +63,7 @@ def _classified() -> tuple[tuple, tuple, tuple]:
     model/args.py, config.py)."""
     import dataclasses
 
-    from mta_repro.config import TrainConfig
+    from mta_repro.train.config import TrainConfig
 
     free, safe, paths = [], [], []
     out = {"free": free, "safe": safe}
@@ -128,7 +128,7 @@ def diff_configs(saved: dict, new: dict) -> ConfigDiff:
     """Differences between two resolved configs, classified. A key missing from the saved
     config (a field added to the schema since) counts as its schema default (a SAFE one
     is not compared)."""
-    from mta_repro.config import TrainConfig
+    from mta_repro.train.config import TrainConfig
 
     default = flatten(OmegaConf.to_container(OmegaConf.structured(TrainConfig), resolve=False))
     old, cur = flatten(saved), flatten(new)
@@ -158,7 +158,7 @@ def _fmt(diff: dict[str, tuple], limit: int = 6, saved: Optional[dict] = None, n
     configs, a change of attention variant is one item."""
     items = []
     if saved is not None and new is not None:
-        from mta_repro.config import attention_variant
+        from mta_repro.train.config import attention_variant
 
         a, b = attention_variant(saved.get("model") or {}), attention_variant(new.get("model") or {})
         if a != b:

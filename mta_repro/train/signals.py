@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 
 from mta_repro.errors import StopRequested
-from mta_repro.train.distributed import launcher_rank
+from mta_repro.device import launcher_rank
 
 HANDLED = (signal.SIGUSR1, signal.SIGUSR2, signal.SIGTERM, signal.SIGINT)
 REQUEUE_ON = (signal.SIGUSR1, signal.SIGUSR2)

@@ -1,10 +1,10 @@
 """Validation during training: per-domain loss / perplexity on the validation split.
 
 The protocol is ``mta_repro.eval``'s ppl (mta_repro/eval/ppl.py, the release's): each
-domain's validation documents, BOS/EOS-wrapped and concatenated, cut by ``ppl.windows``
+domain's validation documents, BOS/EOS-wrapped and concatenated, cut by ``data.loader.validation_windows``
 into windows of ``seq_len + 1`` tokens advancing by ``seq_len``; batches of
 ``batch_size`` windows, at most ``max_batches`` per domain, a trailing partial batch
-kept; the summed cross entropy of a batch is ``ppl.sequence_ce``; ppl = exp(total CE /
+kept; the summed cross entropy of a batch is ``model.loss.sequence_ce``; ppl = exp(total CE /
 target tokens), and the average is the arithmetic mean of the per-domain ppl.
 
 Only the batches are dealt out across ranks (batch k to rank k % world_size; a rank with
@@ -37,7 +37,8 @@ import torch
 import torch.distributed as dist
 
 from mta_repro.errors import StopRequested, UserError
-from mta_repro.eval.ppl import perplexity, sequence_ce, windows
+from mta_repro.data.loader import validation_windows as windows
+from mta_repro.model.loss import perplexity, sequence_ce
 
 
 class Validator:

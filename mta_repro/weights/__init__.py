@@ -32,13 +32,13 @@ from mta_repro.weights.layout import (
 )
 from mta_repro.weights.lingua import release_checkpoint_path, release_state_dict_to_ours
 from mta_repro.weights.read import FallbackWarning, Weights, load_weights, read_config, read_dcp_model, read_weights
-from mta_repro.weights.safe import CorruptFileError, UnsafeFileError, load_pt
+from mta_repro.weights.safe import load_pt
 from mta_repro.weights.safetensors_file import FLOAT_DTYPES as SAFETENSORS_FLOAT_DTYPES
 from mta_repro.weights.safetensors_file import SafetensorsFile, TensorInfo, read_header
 
 __all__ = [
-    "COMPLETE", "EXPORT", "SAFETENSORS_FLOAT_DTYPES", "Candidate", "CorruptFileError", "FallbackWarning",
-    "ModelMismatchError", "NoWeightsError", "SafetensorsFile", "TensorInfo", "UnsafeFileError", "Weights",
+    "COMPLETE", "EXPORT", "SAFETENSORS_FLOAT_DTYPES", "Candidate", "FallbackWarning",
+    "ModelMismatchError", "NoWeightsError", "SafetensorsFile", "TensorInfo", "Weights",
     "check_against", "check_float", "complete_checkpoints", "expected_shapes", "export_step", "find_weights",
     "latest_checkpoint", "load_pt", "load_weights", "read_config", "read_dcp_model", "read_header", "read_weights",
     "release_checkpoint_path", "release_state_dict_to_ours", "saved_world_size", "step_dir_name", "verify_checkpoint",

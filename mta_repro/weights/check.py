@@ -22,7 +22,7 @@ from typing import Any, Optional
 import torch
 
 from mta_repro.errors import UserError
-from mta_repro.weights.safe import CorruptFileError, UnsafeFileError
+from mta_repro.errors import CorruptFileError, UnsafeFileError
 
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 

@@ -9,7 +9,8 @@ from typing import Optional, Union
 
 from mta_repro.weights.layout import COMPLETE, EXPORT, complete_checkpoints, verify_checkpoint
 from mta_repro.weights.lingua import _is_lingua_step, release_checkpoint_path
-from mta_repro.weights.safe import CorruptFileError, UserError, load_pt
+from mta_repro.weights.safe import load_pt
+from mta_repro.errors import CorruptFileError, UserError
 
 
 class NoWeightsError(UserError, ValueError):

@@ -8,7 +8,9 @@ import re
 from pathlib import Path
 from typing import Optional
 
-from mta_repro.weights.safe import UnsafeFileError, read_dcp_metadata
+from mta_repro.weights.safe import read_dcp_metadata
+
+from mta_repro.errors import UnsafeFileError
 
 COMPLETE = ".complete"
 # The resolved run config a checkpoint was trained with, beside its DCP files: what a

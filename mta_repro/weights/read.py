@@ -14,8 +14,8 @@ from mta_repro.weights.check import check_against, check_float, check_plain_conf
 from mta_repro.weights.find import Candidate, find_weights
 from mta_repro.weights.layout import CHECKPOINT_CONFIG, COMPLETE, PROVENANCE
 from mta_repro.weights.lingua import release_state_dict_to_ours
-from mta_repro.weights.safe import CorruptFileError, UnsafeFileError, dcp_error_line, dcp_load, load_pt, \
-    read_dcp_metadata
+from mta_repro.errors import CorruptFileError, UnsafeFileError
+from mta_repro.weights.safe import dcp_error_line, dcp_load, load_pt, read_dcp_metadata
 
 
 class FallbackWarning(UserWarning):

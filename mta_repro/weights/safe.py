@@ -27,20 +27,11 @@ from typing import Any, Union
 
 import torch
 
-from mta_repro.errors import UserError
+from mta_repro.errors import CorruptFileError, UnsafeFileError
 
 _REFUSE_HINT = "refusing to unpickle it (only tensors and plain types are read from files)"
 
 
-
-
-class CorruptFileError(UserError, ValueError):
-    """A weights file that cannot be read (truncated, not a torch file): the message names it."""
-
-
-class UnsafeFileError(UserError, ValueError):
-    """A file whose unpickling would build objects other than tensors and plain types (and
-    could run code): refused, never loaded. The message names the file and the object."""
 
 
 def _unsafe_global(text: str) -> str:

@@ -17,7 +17,7 @@ import struct
 from pathlib import Path
 from typing import Union
 
-from mta_repro.weights.safe import CorruptFileError
+from mta_repro.errors import CorruptFileError
 
 # safetensors' own limit on the header (its MAX_HEADER_SIZE): a real header is kilobytes.
 MAX_HEADER_BYTES = 100_000_000

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from mta_repro.config import compose
+from mta_repro.train.config import compose
 
 pytestmark = pytest.mark.slow
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from mta_repro.experimental.fused_triton import tiles
-from mta_repro.kernels.types import KernelTuning
+from mta_repro.kernels.tuning import KernelTuning
 from mta_repro.model import attention_ops
 from tests.experimental.test_attn_triton import params, qkv
 
@@ -103,7 +103,7 @@ def test_memory_preflight_stand_in_saves_the_stored_c_plane():
     """The memory pre-flight's stand-in for a triton kq-conv layer keeps what the stored kernels
     keep for backward: q, k, v, the fp32 lse, the weights' fp32 copies and the packed causal C
     plane (B x H x T(T+1)/2 in the inputs' dtype)."""
-    from mta_repro.estimate import memory
+    from mta_repro.train import memory
 
     h, t, d = 4, 20, 8
     p = params(h, (2, 3), (3, 3))

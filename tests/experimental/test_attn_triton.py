@@ -17,7 +17,8 @@ import torch
 
 from mta_repro.experimental.fused_triton import impl as triton_impl
 from mta_repro.experimental.fused_triton import tiles
-from mta_repro.kernels.types import KernelTuning, post_mix_matrix
+from mta_repro.kernels.interface import post_mix_matrix
+from mta_repro.kernels.tuning import KernelTuning
 from mta_repro.model import attention_ops
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton not installed")
@@ -278,7 +279,7 @@ def test_debug_experiment_with_mta_trains_as_torch(tmp_path):
     the Triton kernels give the losses of the reference path, step for step."""
     import json
 
-    from mta_repro.config import compose
+    from mta_repro.train.config import compose
     from mta_repro.train.loop import train
 
     losses = {}
@@ -309,11 +310,11 @@ def test_debug_experiment_with_mta_trains_as_torch(tmp_path):
 
 
 def test_memory_preflight_stand_in_saves_what_the_kernel_saves(monkeypatch):
-    """mta_repro.estimate.memory measures triton layers on meta through the stand-in the
+    """mta_repro.train.memory measures triton layers on meta through the stand-in the
     implementation registers (``AttnImpl.meta_fn``; Triton does not run on meta): it must keep
     the bytes the real kernel keeps. (The fused kernel; the stored design's kq-conv layers:
     test_attn_stored.py.)"""
-    from mta_repro.estimate import memory
+    from mta_repro.train import memory
 
     h, t, d = 4, 20, 8
     p = params(h, None, (3, 3))

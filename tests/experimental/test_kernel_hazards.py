@@ -24,7 +24,7 @@ import pytest
 import torch
 
 from mta_repro.experimental.fused_triton import tiles
-from mta_repro.kernels.types import KernelTuning
+from mta_repro.kernels.tuning import KernelTuning
 from mta_repro.model import attention_ops
 from tests.experimental.test_attn_triton import params, qkv
 

@@ -71,7 +71,7 @@ def test_ttgir_counts_are_loop_weighted_and_split_by_unit():
 
 
 def test_a_kernel_with_one_runtime_loop_counts_its_body_per_key_block():
-    """The kernels walk their program's tiles in one loop (tiles.Schedule.tiles): that
+    """The kernels walk their program's tiles in one loop (tiles.TileSchedule.tiles): that
     loop's body is the per-key-block work (level 2, what the schedule multiplies by tiles and
     --by-line splits), nothing is per item; the two-loop form above keeps its levels."""
     one = "\n".join(line for line in TTGIR.splitlines() if "scf.for %j" not in line and "} loc(#loc15)" not in line)
@@ -174,9 +174,9 @@ def test_estimate_arithmetic_on_a_hand_case():
     c.levels[2]["barriers_global"] = 1.0  # 7 cycles each on the chain
     # 3 programs: frames (5), (1, 1), (2): program work in cycles
     programs = [[5], [1, 1], [2]]
-    s = roofline.Schedule(programs, hbm_bytes=0.0, num_warps=4, registers=128, smem_bytes=0)
+    s = roofline.PassProfile(programs, hbm_bytes=0.0, num_warps=4, registers=128, smem_bytes=0)
     assert roofline.occupancy(s, gpu) == 4  # 65536 / (128 x 128) registers
-    est = roofline.estimate(c, s, gpu)
+    est = roofline.estimate_pass(c, s, gpu)
     busy = [max(20 * 5, 10 * 1), max(20 * 2, 10 * 2), max(20 * 2, 10)]  # per program
     total = max(20 * 9, 10 * 4)  # mma 9 frames vs LSU 4 items
     assert est["throughput_ms"] == pytest.approx(1e3 * total / 2 / 1e9)
@@ -186,7 +186,7 @@ def test_estimate_arithmetic_on_a_hand_case():
     assert est["est_ms"] == pytest.approx(1e3 * (max(total / 2, chain) / 1e9 + 1e-6))
     # HBM-bound when the compulsory bytes dominate
     s.hbm_bytes = 1e6
-    assert roofline.estimate(c, s, gpu)["est_ms"] == pytest.approx(1e3 * (1e-3 + 1e-6))
+    assert roofline.estimate_pass(c, s, gpu)["est_ms"] == pytest.approx(1e3 * (1e-3 + 1e-6))
 
 
 def test_the_free_l1_is_what_the_shared_memory_carveout_leaves():
@@ -206,7 +206,7 @@ def _scratch_case(per_program: float, n_prog: int = 4, smem: int = 100 * 1024, t
                        l2_bytes=1000.0 * 1024, launch_s=0.0)
     c = roofline.Counts()
     c.levels[2]["global_bytes"] = c.levels[2]["scratch_bytes"] = traffic / n_prog
-    s = roofline.Schedule([[1]] * n_prog, hbm_bytes=0.0, num_warps=4, registers=255, smem_bytes=smem,
+    s = roofline.PassProfile([[1]] * n_prog, hbm_bytes=0.0, num_warps=4, registers=255, smem_bytes=smem,
                           scratch_resident=n_prog * per_program, scratch_traffic=traffic)
     return gpu, c, s
 
@@ -214,7 +214,7 @@ def _scratch_case(per_program: float, n_prog: int = 4, smem: int = 100 * 1024, t
 def test_scratch_that_fits_in_l1_costs_the_l1_rate():
     # 100 KB of shared memory (+1 KB) -> the 132 KB carveout: 124 KB of L1 holds 100 KB of scratch
     gpu, c, s = _scratch_case(per_program=100 * 1024)
-    est = roofline.estimate(c, s, gpu)
+    est = roofline.estimate_pass(c, s, gpu)
     assert est["l1_free_bytes"] == 124 * 1024
     assert est["scratch_l1_bytes"] == pytest.approx(1e6) and est["scratch_l2_bytes"] == 0
     assert est["scratch_hbm_bytes"] == 0
@@ -227,7 +227,7 @@ def test_scratch_beyond_l1_costs_the_l2_rate_and_beyond_l2_the_hbm_rate():
     # 496 KB resident per program, 124 KB of it in L1 (1/4); the L2 (1000 KB) holds all 4 x 496 KB
     # for one half
     gpu, c, s = _scratch_case(per_program=496 * 1024)
-    est = roofline.estimate(c, s, gpu)
+    est = roofline.estimate_pass(c, s, gpu)
     f_l1, f_l2 = 124 / 496, 1000 / (4 * 496)
     assert est["scratch_l1_bytes"] == pytest.approx(1e6 * f_l1)
     assert est["scratch_l2_bytes"] == pytest.approx(1e6 * (1 - f_l1) * f_l2)
@@ -238,7 +238,7 @@ def test_scratch_beyond_l1_costs_the_l2_rate_and_beyond_l2_the_hbm_rate():
     assert est["est_l2_ms"] == pytest.approx(max(est["hbm_ms"], est["l2_ms"], 1e3 * 1e6 / 4 / 100 / 1e9))
     # 10x the L2's capacity resident, L1 a rounding error: nearly every byte at the HBM rate
     gpu, c, s = _scratch_case(per_program=10 * 1000 * 1024 / 4, smem=0)
-    est = roofline.estimate(c, s, gpu)
+    est = roofline.estimate_pass(c, s, gpu)
     f_l1 = 248 / 2500
     assert est["scratch_hbm_bytes"] == pytest.approx(1e6 * (1 - f_l1) * 0.9)
     assert est["est_l2_ms"] == pytest.approx(1e3 * 1e6 * (1 - f_l1) * 0.9 / 1e9)  # 1 GB/s HBM binds
@@ -249,7 +249,7 @@ def test_scratch_rereads_beyond_the_compulsory_traffic_stay_in_l1():
     shifts of a plane just loaded) are L1 hits whatever the resident scratch."""
     gpu, c, s = _scratch_case(per_program=496 * 1024)
     c.levels[2]["global_bytes"] = c.levels[2]["scratch_bytes"] = 3 * 1e6 / 4  # 3x the compulsory bytes
-    est = roofline.estimate(c, s, gpu)
+    est = roofline.estimate_pass(c, s, gpu)
     assert est["scratch_bytes"] == pytest.approx(3e6) and est["scratch_compulsory_bytes"] == pytest.approx(1e6)
     assert est["scratch_l2_bytes"] + est["scratch_hbm_bytes"] == pytest.approx(0.75e6)
     assert est["scratch_l1_bytes"] == pytest.approx(3e6 - 0.75e6)
@@ -260,7 +260,7 @@ def test_io_bytes_go_through_the_l2_and_only_scratch_is_split():
     L2 rate; the counter tells scratch by the scratch's element type."""
     gpu, c, s = _scratch_case(per_program=100 * 1024)  # scratch all in L1
     c.levels[2]["global_bytes"] += 2e6 / 4  # 2 MB of I/O
-    est = roofline.estimate(c, s, gpu)
+    est = roofline.estimate_pass(c, s, gpu)
     assert est["io_bytes"] == pytest.approx(2e6) and est["l2_bytes"] == pytest.approx(2e6)
     assert est["l2_ms"] == pytest.approx(1e3 * 2e6 / 4 / 10 / 1e9)
     assert est["est_l2_ms"] == pytest.approx(est["l2_ms"])  # 50 ms through the L2 against 7.5 through L1
@@ -313,8 +313,8 @@ def test_fa2_work_is_the_causal_flash_count(T):
     2 products forward and 5 backward of d-long dot products."""
     B, H, d = 4, 16, 96
     p = roofline.fa2_passes(B, H, T, d)
-    fwd = roofline.estimate(*p["fa2_forward"])["total"]["mma_macs"]
-    bwd = roofline.estimate(*p["fa2_backward"])["total"]["mma_macs"]
+    fwd = roofline.estimate_pass(*p["fa2_forward"])["total"]["mma_macs"]
+    bwd = roofline.estimate_pass(*p["fa2_backward"])["total"]["mma_macs"]
     # forward: row block i of 128 sees keys [0, 128 (i+1)); backward: key block j of 128
     # sees rows [128 j, T)
     n = T // 128

@@ -9,7 +9,8 @@ import dataclasses
 import pytest
 import torch
 
-from mta_repro.estimate import flops, memory
+from mta_repro.model import flops
+from mta_repro.train import memory
 from mta_repro.experimental.fused_triton import tiles
 from mta_repro.model import MTAArgs, ModelArgs, attention_ops, build_model
 

@@ -53,7 +53,7 @@ import time
 from pathlib import Path
 
 from mta_repro.experimental.fused_triton import ir_hazards, roofline, tiles
-from mta_repro.kernels.types import DEFAULT_TUNING, KernelTuning
+from mta_repro.kernels.tuning import DEFAULT_TUNING, KernelTuning
 
 # the 880M MTA layer kinds: (pre, post) key-query convolutions; the design follows (tiles.design)
 LAYERS = {"kq_conv": ((6, 11), (6, 11)), "mixing": (None, None)}
@@ -214,7 +214,7 @@ def compiled_pass(layer: str, name: str, heads: int, head_dim: int, arch: int, c
 
 
 def schedule(layer: str, name: str, batch: int, heads: int, head_dim: int, seq: int, info: dict,
-             sms: int, tuning: KernelTuning = DEFAULT_TUNING) -> roofline.Schedule:
+             sms: int, tuning: KernelTuning = DEFAULT_TUNING) -> roofline.PassProfile:
     """The programs ``_launch`` starts on a GPU and the key blocks each walks (its items,
     longest first, round-robin over the persistent grid), under ``tuning``."""
     pre, post = LAYERS[layer]
@@ -247,11 +247,11 @@ def schedule(layer: str, name: str, batch: int, heads: int, head_dim: int, seq: 
                "backward_b": 2 * io * 2 + part * head_dim * 4 * 2 + io * 4 * 2 + st}[name]
         if name == "backward_b":  # one plane per program, each head's dC window stored and reloaded
             plane = f.er * f.ec * 2
-            return roofline.Schedule(sched.programs(), hbm_bytes=hbm, num_warps=info["num_warps"],
+            return roofline.PassProfile(sched.programs(), hbm_bytes=hbm, num_warps=info["num_warps"],
                                      registers=info["registers"], smem_bytes=info["smem_bytes"],
                                      scratch_resident=n_prog * plane,
                                      scratch_traffic=2 * sum(n_tiles) * heads * plane)
-    return roofline.Schedule(sched.programs(), hbm_bytes=hbm, num_warps=info["num_warps"],
+    return roofline.PassProfile(sched.programs(), hbm_bytes=hbm, num_warps=info["num_warps"],
                              registers=info["registers"], smem_bytes=info["smem_bytes"],
                              scratch_resident=n_prog * slots * plane, scratch_traffic=2 * sum(n_tiles) * slots * plane)
 
@@ -339,7 +339,7 @@ def main() -> None:
         fa2_l2 = roofline.fa2_est_ms(a.batch, a.heads, seq, a.head_dim, gpu, key="est_l2_ms")["total"]
         fa2_pub = roofline.fa2_published_ms(a.batch, a.heads, seq, a.head_dim)["total"]
         for name, (c, s) in fa2.items():
-            est = roofline.estimate(c, s, gpu)
+            est = roofline.estimate_pass(c, s, gpu)
             info = {"num_warps": s.num_warps, "num_stages": None, "registers": s.registers, "spill_bytes": 0,
                     "smem_bytes": s.smem_bytes, "ptx": {"ld_global": 0, "cp_async": 0, "bar_sync": None}}
             r = record("sdpa", name, seq, info, est, fa2_ms, a.batch, fa2_l2, fa2_pub)
@@ -351,7 +351,7 @@ def main() -> None:
                     continue
                 info = compiled_pass(layer, name, a.heads, a.head_dim, a.arch, a.cache, tuning)
                 c = roofline.Counts(levels=info["levels"], static=info["static"], by_line=info.get("by_line", {}))
-                est = roofline.estimate(c, schedule(layer, name, a.batch, a.heads, a.head_dim, seq, info, gpu.sms,
+                est = roofline.estimate_pass(c, schedule(layer, name, a.batch, a.heads, a.head_dim, seq, info, gpu.sms,
                                                     tuning), gpu)
                 records.append(record(layer, name, seq, info, est, fa2_ms, a.batch, fa2_l2, fa2_pub))
                 if a.by_line and seq == seqs[0]:  # per key block: the same at every T

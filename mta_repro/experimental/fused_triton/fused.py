@@ -47,7 +47,7 @@ from mta_repro.experimental.fused_triton.jit_helpers import (
     accumulate, add_row_sums, allowed_cells, conv_and_weight_grad, grad_pair, load_slab, load_tile, mix,
     mix_weight_grad, mix_weights, qk_scores, row_stat, slab_cells, store_slab, to_scratch, toeplitz_conv,
 )
-from mta_repro.kernels.types import AttnMask, ExplicitAttnParams, post_mix_matrix
+from mta_repro.kernels.interface import AttnMask, ExplicitAttnParams, post_mix_matrix
 
 _STATS, _FWD, _ROWSUM, _BWD = (tl.constexpr(i) for i in range(4))
 
@@ -127,7 +127,7 @@ def _mta_kernel(
     w1t, w1 = mix_weights(w1t_ptr, hh, H, HAS_W1, MMA)
     w2t, w2 = mix_weights(w2t_ptr, hh, H, HAS_W2, MMA)
 
-    # this program's tiles, one loop (tiles.Schedule.tiles: batch, row block, key block, its
+    # this program's tiles, one loop (tiles.TileSchedule.tiles: batch, row block, key block, its
     # item's partial slot): an item loop around a key-block loop kept its bounds and the item's
     # values live across the whole tile (the kq-conv backward spilled 196 B, then 124 B)
     for it in tl.range(tl.load(starts_ptr + pid), tl.load(starts_ptr + pid + 1), num_stages=1):

@@ -20,7 +20,7 @@ from typing import Optional
 import torch
 
 from mta_repro.experimental.fused_triton import tiles
-from mta_repro.kernels.types import AttnMask, ExplicitAttnParams, post_mix_matrix
+from mta_repro.kernels.interface import AttnMask, ExplicitAttnParams, post_mix_matrix
 from mta_repro.model.attention_ops import AttnImpl, explicit_attention_blocked
 
 # SMs of the GPU the pre-flight sizes the persistent grid for: an H100 / H200

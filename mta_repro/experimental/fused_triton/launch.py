@@ -19,7 +19,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from mta_repro.errors import UserError
 from mta_repro.experimental.fused_triton import tiles
 from mta_repro.kernels.conv_pad import pad_left
-from mta_repro.kernels.types import DEFAULT_TUNING, KernelTuning
+from mta_repro.kernels.tuning import DEFAULT_TUNING, KernelTuning
 
 
 def toeplitz(theta: torch.Tensor, ec: int, hp: int, adjoint: bool, off: int) -> torch.Tensor:
@@ -234,7 +234,7 @@ def descriptors(specs: dict, inputs: dict, bufs: dict, pb: Problem) -> dict:
             for name, (src, block) in specs.items()}
 
 
-def schedule_tensors(sched: tiles.Schedule, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+def schedule_tensors(sched: tiles.TileSchedule, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """(tiles, starts) of ``Schedule.tiles`` as the kernel walks them (int32)."""
     rows, starts = sched.tiles()
     return (torch.tensor(rows, dtype=torch.int32, device=device).flatten(),

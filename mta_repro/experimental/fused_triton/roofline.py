@@ -43,7 +43,7 @@ they go (``scratch_split``):
   memory, TMA reductions, the partials), pass the L2 at ``l2_bytes_s`` (a Hopper measurement,
   cited at ``GPU``): TMA copies and reductions do not go through L1;
 - scratch bytes (plain loads and stores of the scratch's element type, ``count_ttgir``'s
-  ``scratch_elem``): the compulsory part (``Schedule.scratch_traffic``: each slot stored and
+  ``scratch_elem``): the compulsory part (``PassProfile.scratch_traffic``: each slot stored and
   reloaded once per tile) hits L1 in the share the SM's free L1 (256 KB less the shared-memory
   carveout of its resident programs, ``l1_free_bytes``) holds of its resident scratch, the
   rest passes the L2 and, in the share the L2 (50 MB) cannot hold of all programs' resident
@@ -318,7 +318,7 @@ def count_ttgir(ttgir: str, source: str = "fused.py", scratch_elem: str | None =
 
 
 @dataclass
-class Schedule:
+class PassProfile:
     """How a pass's work is laid out: ``programs[p]`` = the key-block counts of the items
     program p walks, in order (an empty inner list: an item without a key-block loop)."""
 
@@ -348,7 +348,7 @@ def persistent(items_frames: list, n_prog: int) -> list:
     return [items_frames[p::n_prog] for p in range(n_prog)]
 
 
-def occupancy(s: Schedule, gpu: GPU = H200) -> int:
+def occupancy(s: PassProfile, gpu: GPU = H200) -> int:
     """Programs resident per SM: the register file, shared memory and warp slots."""
     regs = max(8, -(-s.registers // 8) * 8) * 32 * s.num_warps
     by_regs = gpu.regs_per_sm // regs if regs else 32
@@ -366,7 +366,7 @@ def l1_free_bytes(smem_bytes: int, programs_per_sm: int, gpu: GPU = H200) -> int
     return gpu.l1_smem_bytes - min(fit)
 
 
-def scratch_split(scratch_bytes: float, s: Schedule, programs_per_sm: int, gpu: GPU = H200) -> dict:
+def scratch_split(scratch_bytes: float, s: PassProfile, programs_per_sm: int, gpu: GPU = H200) -> dict:
     """Where a pass's per-program scratch bytes go: ``scratch_bytes`` = the
     global bytes of its loads and stores of scratch counted in the IR (``Counts``, resource
     ``scratch_bytes``). Of these, the compulsory traffic ``s.scratch_traffic`` (each slot
@@ -444,7 +444,7 @@ def _chain_cycles(per_prog: list, occ: int, share: int, gpu: GPU, busy) -> float
     return max(slots)
 
 
-def estimate(c: Counts, s: Schedule, gpu: GPU = H200) -> dict:
+def estimate_pass(c: Counts, s: PassProfile, gpu: GPU = H200) -> dict:
     """est_ms and est_l2_ms of one pass and their parts (see the module docstring)."""
     per_prog = [program_resources(c, p) for p in s.programs]
     total = {k: sum(r[k] for r in per_prog) for k in RESOURCES}
@@ -491,7 +491,7 @@ def _res(**kw) -> dict:
 
 
 def fa2_passes(batch: int, heads: int, seq: int, head_dim: int, gpu: GPU = H200) -> dict:
-    """{pass: (Counts, Schedule)} of FlashAttention-2 fwd+bwd for causal self-attention."""
+    """{pass: (Counts, PassProfile)} of FlashAttention-2 fwd+bwd for causal self-attention."""
     d = head_dim
     out = {}
     # forward: items (b, h, row block of 128), key blocks of 64 up to the diagonal
@@ -502,14 +502,14 @@ def fa2_passes(batch: int, heads: int, seq: int, head_dim: int, gpu: GPU = H200)
                          global_bytes=2 * bn * d * 2, shared_bytes=4 * 2 * bn * d * 2, barriers_shared=2)
     items = [-(-min(seq, (i + 1) * bm) // bn) for i in range(-(-seq // bm))] * (batch * heads)
     io = batch * heads * seq * d * 2
-    out["fa2_forward"] = (fwd, Schedule([[f] for f in items], hbm_bytes=4 * io, num_warps=4, registers=255,
+    out["fa2_forward"] = (fwd, PassProfile([[f] for f in items], hbm_bytes=4 * io, num_warps=4, registers=255,
                                         smem_bytes=(bm + 2 * bn) * d * 2))
     # backward: dO.O row sums (memory-bound), then items (b, h, key block of 128) walking
     # row blocks of 64 from the diagonal down, then dq fp32 -> bf16
     pre = Counts()
     pre.levels[1] = _res(global_bytes=2 * 128 * d * 2 + 128 * 4, fma_macs=128 * d)
     n128 = -(-seq // 128)
-    out["fa2_backward_dot_do_o"] = (pre, Schedule([[0]] * (batch * heads * n128), hbm_bytes=2 * io,
+    out["fa2_backward_dot_do_o"] = (pre, PassProfile([[0]] * (batch * heads * n128), hbm_bytes=2 * io,
                                                   num_warps=4, registers=64, smem_bytes=0))
     bm, bn = 64, 128
     bwd = Counts()
@@ -518,11 +518,11 @@ def fa2_passes(batch: int, heads: int, seq: int, head_dim: int, gpu: GPU = H200)
                          global_bytes=2 * bm * d * 2 + 2 * bm * 4 + 2 * bm * d * 4,
                          shared_bytes=5 * (bm + bn) * d * 2, barriers_shared=4)
     items = [-(-seq // bm) - (j * bn) // bm for j in range(-(-seq // bn))] * (batch * heads)
-    out["fa2_backward"] = (bwd, Schedule([[f] for f in items], hbm_bytes=6 * io + 2 * 2 * io, num_warps=8,
+    out["fa2_backward"] = (bwd, PassProfile([[f] for f in items], hbm_bytes=6 * io + 2 * 2 * io, num_warps=8,
                                          registers=255, smem_bytes=(2 * bn + 3 * bm) * d * 2))
     conv = Counts()
     conv.levels[1] = _res(global_bytes=128 * d * 6)
-    out["fa2_backward_convert_dq"] = (conv, Schedule([[0]] * (batch * heads * n128), hbm_bytes=3 * io,
+    out["fa2_backward_convert_dq"] = (conv, PassProfile([[0]] * (batch * heads * n128), hbm_bytes=3 * io,
                                                      num_warps=4, registers=32, smem_bytes=0))
     return out
 
@@ -530,7 +530,7 @@ def fa2_passes(batch: int, heads: int, seq: int, head_dim: int, gpu: GPU = H200)
 def fa2_est_ms(batch: int, heads: int, seq: int, head_dim: int, gpu: GPU = H200, key: str = "est_ms") -> dict:
     """{pass: est_ms} of FlashAttention-2 and their sum under ``"total"`` (``key="est_l2_ms"``:
     the memory-honest bound)."""
-    ms = {name: estimate(c, s, gpu)[key] for name, (c, s) in fa2_passes(batch, heads, seq, head_dim, gpu).items()}
+    ms = {name: estimate_pass(c, s, gpu)[key] for name, (c, s) in fa2_passes(batch, heads, seq, head_dim, gpu).items()}
     ms["total"] = sum(ms.values())
     return ms
 

@@ -36,7 +36,7 @@ from mta_repro.experimental.fused_triton.jit_helpers import (
     accumulate, add_row_sums, add_taps, allowed_cells, conv_and_weight_grad, grad_pair, load_slab, load_tile, mix,
     mix_weight_grad, mix_weights, plane_rows, qk_scores, row_stat, slab_cells, store_slab, to_scratch, toeplitz_conv,
 )
-from mta_repro.kernels.types import AttnMask, ExplicitAttnParams, post_mix_matrix
+from mta_repro.kernels.interface import AttnMask, ExplicitAttnParams, post_mix_matrix
 
 _STATS, _FWD, _ROWSUM, _DC = (tl.constexpr(i) for i in range(4))
 

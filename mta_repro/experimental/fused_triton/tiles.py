@@ -30,7 +30,7 @@ import torch
 
 from mta_repro.errors import UserError
 from mta_repro.kernels.conv_pad import pad_left
-from mta_repro.kernels.types import DEFAULT_TUNING, KernelTuning
+from mta_repro.kernels.tuning import DEFAULT_TUNING, KernelTuning
 
 Kernel = Optional[tuple[int, int]]  # a key-query convolution's (c_q, c_k), None: off
 
@@ -212,7 +212,7 @@ def key_blocks(f: Frame, t: int, tq: int, tk: int, q_offset: int = 0) -> int:
 
 
 @dataclass(frozen=True)
-class Schedule:
+class TileSchedule:
     items: list  # (b, t, kb_first, kb_last, slot), grouped by program: program p runs items[starts[p]:starts[p+1]]
     n_rt: int  # row blocks
     s_max: int  # key splits of the longest row block (slots per row block)
@@ -232,7 +232,7 @@ class Schedule:
         return rows, starts
 
 
-def items(f: Frame, batch: int, tq: int, tk: int, q_offset: int, n_prog: int) -> Schedule:
+def items(f: Frame, batch: int, tq: int, tk: int, q_offset: int, n_prog: int) -> TileSchedule:
     """Work items of a pass, balanced to the tile: the tiles of every (batch, row block), its
     key blocks in order, laid end to end in row order (N tiles in all) and cut into
     min(n_prog, N) contiguous runs of floor or ceil(N / programs) tiles, one run per program.
@@ -261,7 +261,7 @@ def items(f: Frame, batch: int, tq: int, tk: int, q_offset: int, n_prog: int) ->
     starts = [0]
     for lst in per_prog:
         starts.append(starts[-1] + len(lst))
-    return Schedule([(b, t, c0, c1, (b * n_rt + t) * s_max + s) for lst in per_prog for b, t, c0, c1, s in lst],
+    return TileSchedule([(b, t, c0, c1, (b * n_rt + t) * s_max + s) for lst in per_prog for b, t, c0, c1, s in lst],
                     n_rt, s_max, tuple(starts))
 
 
@@ -312,7 +312,7 @@ def stored_planes(*, b: int, h: int, tq: int, tk: int, q_off: int, dtype: torch.
     return {"cstore": Buffer((n,), dtype, None), "dcstore": Buffer((n,), dtype, None)}
 
 
-def pass_buffers(pass_: str, f: Frame, sched: Schedule, n_prog: int, *, b: int, h: int, hp: int, tk: int, dpad: int,
+def pass_buffers(pass_: str, f: Frame, sched: TileSchedule, n_prog: int, *, b: int, h: int, hp: int, tk: int, dpad: int,
                  pre: Kernel, post: Kernel, dtype: torch.dtype, margin: int = 0) -> dict:
     """{name: Buffer} a pass's launch allocates (the stored planes apart): its per-item
     partials (slots = B x row blocks x key splits; DPAD features so their rows suit a tensor
@@ -341,7 +341,7 @@ def pass_buffers(pass_: str, f: Frame, sched: Schedule, n_prog: int, *, b: int, 
                                **kernel_grad("pt1", pre)},
     }[pass_]()
     n_tiles = sum(c1 - c0 for _, _, c0, c1, _ in sched.items)
-    out["tiles"] = Buffer((4 * n_tiles + n_prog + 1,), torch.int32, None)  # Schedule.tiles(), as the kernel walks it
+    out["tiles"] = Buffer((4 * n_tiles + n_prog + 1,), torch.int32, None)  # TileSchedule.tiles(), as the kernel walks it
     if pass_ == "backward_b":
         out["scratch"] = Buffer((n_prog * f.er * f.ec,), dtype, None)
     else:

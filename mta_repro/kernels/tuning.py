@@ -1,16 +1,12 @@
-"""The types the model and the kernels share: the mask's structure, a layer's score-path
-parameters and the kernels' tuning. Both ``mta_repro.model.attention_ops`` (which picks an
-implementation) and the kernels in this package (which implement one) import them from here,
-so neither imports the other to know what it is handed."""
+"""The kernels' tuning (``model.kernels``): which key-query convolution backend runs and the
+tile and launch sizes of the Triton kernels. Every field is checked where it is set."""
 
 from __future__ import annotations
 
 import dataclasses
-import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import ClassVar, Optional
 
-import torch
 
 from mta_repro.errors import UserError
 
@@ -125,91 +121,3 @@ class KernelTuning:
 
 
 DEFAULT_TUNING = KernelTuning()
-
-# The environment variables these fields replaced, refused where a model is configured so
-# that a tuning set the old way cannot be ignored in silence.
-REMOVED_ENV = {
-    "MTA_KQ_CONV": "kq_conv", "MTA_COMPILE_BLOCK": "compile_block",
-    "MTA_COMPILE_BLOCK_BACKEND": "compile_block_backend", "MTA_KQ_TILE": "kq_tile",
-    "MTA_TRITON_FRAME": "triton_frame", "MTA_TRITON_PROGRAMS": "triton_programs",
-    "MTA_TRITON_SLAB_ROWS": "triton_slab_rows",
-}
-
-
-def refuse_removed_env(environ=None) -> None:
-    """One line naming the first removed variable that is set and the field replacing it."""
-    environ = os.environ if environ is None else environ
-    for var, name in REMOVED_ENV.items():
-        value = environ.get(var)
-        if value is not None:
-            if name == "compile_block":
-                value = {"1": "true", "0": "false", "auto": "null"}.get(value, value)
-            raise UserError(f"{var} is no longer read: set model.kernels.{name}={value} "
-                            "(docs/environment.md)")
-
-@dataclass(frozen=True)
-class AttnMask:
-    """The structure of the attention mask: causal from ``q_offset``, minus padding.
-
-    Implementations receive this instead of a dense (Tq, Tk) tensor, so a blocked or
-    fused kernel builds only the tiles it needs. key_valid: (B, Tk) bool, False at pad
-    positions of left-padded batches (None: no padding).
-    """
-
-    q_offset: int = 0
-    key_valid: Optional[torch.Tensor] = None
-
-    def dense(self, tq: int, tk: int, device: torch.device) -> torch.Tensor:
-        return allowed_mask(tq, tk, self.q_offset, device, self.key_valid)
-
-
-def allowed_mask(
-    tq: int,
-    tk: int,
-    q_offset: int,
-    device: torch.device,
-    key_valid: Optional[torch.Tensor] = None,
-) -> torch.Tensor:
-    """Which (query, key) pairs may interact: causal, minus padding.
-
-    Returns bool (1, 1, Tq, Tk), or (B, 1, Tq, Tk) when ``key_valid`` (B, Tk) marks real
-    (non-pad) positions. A pad query row is all False, so in the explicit path it
-    contributes exactly the zeros that the convolution's own padding would.
-    """
-    qpos = torch.arange(tq, device=device)[:, None] + q_offset
-    kpos = torch.arange(tk, device=device)[None, :]
-    mask = (kpos <= qpos)[None, None]
-    if key_valid is not None:
-        q_valid = key_valid[:, q_offset : q_offset + tq]
-        mask = mask & key_valid[:, None, None, :] & q_valid[:, None, :, None]
-    return mask
-
-
-@dataclass
-class ExplicitAttnParams:
-    """The score-path parameters of one layer (None = that part is off)."""
-
-    mta_kernel: Optional[torch.Tensor] = None  # (H, 1, c_q, c_k), before softmax
-    wpsm: Optional[torch.Tensor] = None  # (H, H), before softmax
-    mta_kernel_after_sm: Optional[torch.Tensor] = None  # (H, 1, c_q', c_k'), after softmax
-    head_kernel: Optional[torch.Tensor] = None  # (H/c_h, c_h, c_h), after softmax
-    wposm: Optional[torch.Tensor] = None  # (H, H), after softmax
-    pad_key: str = "both"
-    dropout: float = 0.0
-    # Query rows per block of the ``blocked`` implementation (``model.attn_block_size``);
-    # None: ``default_block_size`` of the tensors' device.
-    block_size: Optional[int] = None
-    # Kernel of the key-query convolutions (``kq_conv_backend``); None: chosen per call.
-    # ``blocked`` fixes it once per call, outside the (compiled, recomputed) block, so the
-    # forward and its recomputation agree and Dynamo traces no environment look-ups.
-    kq_backend: Optional[str] = None
-    # The model's tuning (``model.kernels``): tiles, frames, programs of the kernels.
-    tuning: KernelTuning = field(default_factory=lambda: DEFAULT_TUNING)
-
-
-def post_mix_matrix(p: ExplicitAttnParams) -> Optional[torch.Tensor]:
-    """The post-softmax head mixing as one (H_out, H_in) matrix: ``wposm`` itself, or the
-    block-diagonal matrix of the grouped ``head_kernel`` (out g*c_h+j <- in g*c_h+i)."""
-    if p.head_kernel is not None:
-        return torch.block_diag(*p.head_kernel.transpose(1, 2))
-    return p.wposm

@@ -1,11 +1,13 @@
-"""Reading a JSON file another program, run or person wrote, with its shape checked.
+"""Files other programs, kills and power losses can damage: writes that leave the old
+bytes or the new ones, never a part, and JSON reads that check what they got.
 
-``read_json(path, shape, what)`` returns the parsed file, or raises ``UserError`` in one
-line naming the file, where in it the first fault is and what was expected there (an eval
-result whose ``needle.json`` is a list, a shard index whose ``weight_map`` is not an
-object), instead of an ``AttributeError`` wherever the value is first used.
+Writes: a file replaced whole through a temporary file, an fsync and a rename; after a
+power loss only what was fsynced is there (the data of a file before the rename that
+publishes it, the folder after it: its entries are the folder's data).
 
-A shape is a type (``dict``, ``list``, ``str``, ``bool``, ``int``, ``float`` = any number,
+Reads: ``read_json(path, shape, what)`` returns the parsed file, or raises ``UserError`` in
+one line naming the file, where in it the first fault is and what was expected there. A
+shape is a type (``dict``, ``list``, ``str``, ``bool``, ``int``, ``float`` = any number,
 ``object`` = anything), a tuple of alternatives, or a dict spec: a JSON object whose listed
 keys must be there (a key ending in ``?`` may be absent) and whose other values all match
 the spec's ``"*"`` entry, if it has one. JSON's ``NaN`` and ``Infinity`` read as floats.
@@ -13,11 +15,76 @@ the spec's ``"*"`` entry, if it has one. JSON's ``NaN`` and ``Infinity`` read as
 
 from __future__ import annotations
 
+import errno
 import json
+import os
+import stat
 from pathlib import Path
 from typing import Any, Optional, Union
 
+import torch
+
 from mta_repro.errors import UserError
+
+
+def fsync_path(path: Path) -> None:
+    """fsync a file or a folder. A folder that cannot be opened or synced (some platforms
+    and filesystems) is skipped."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError as e:
+        if e.errno not in (errno.EINVAL, errno.EBADF, errno.ENOTSUP):  # a folder on some filesystems
+            raise
+    finally:
+        os.close(fd)
+
+
+def fsync_tree(folder: Path) -> None:
+    """fsync every file under ``folder``, then the folder."""
+    for p in sorted(Path(folder).rglob("*")):
+        if p.is_file():
+            fsync_path(p)
+    fsync_path(folder)
+
+
+def replace_atomically(path: Path, data: bytes) -> None:
+    """Write ``data`` to ``path`` through ``<path>.tmp`` (flushed, fsynced, its mode copied
+    from the old file), a rename and an fsync of the folder: a kill at any moment leaves
+    the old bytes or the new ones, never a part (a temp file an earlier kill left is
+    overwritten)."""
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        try:
+            os.chmod(tmp, stat.S_IMODE(path.stat().st_mode))
+        except OSError:
+            pass
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    fsync_path(path.parent)
+
+
+def save_file_atomic(obj: Any, path: Path) -> Path:
+    """``torch.save`` to ``path`` through a temporary file, an fsync and a rename, so a kill
+    or a power loss midway leaves the previous file (or none), never a truncated one."""
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    torch.save(obj, tmp)
+    fsync_path(tmp)  # the bytes on disk before the rename publishes them (a power loss too)
+    os.replace(tmp, path)
+    fsync_path(path.parent)
+    return path
+
 
 _NAMES = {dict: "an object", list: "a list", str: "a string", bool: "true/false", int: "an integer",
           float: "a number", type(None): "null", object: "anything"}

@@ -1,9 +1,9 @@
 """lm-eval's own command line with this project's model registered as ``mta_repro``.
 
-    python -m mta_repro.lm_eval --model_args pretrained=runs/880m_mta,dtype=bfloat16 \\
+    python -m mta_repro.eval.lm_eval_cli --model_args pretrained=runs/880m_mta,dtype=bfloat16 \\
         --tasks hellaswag,arc_easy --num_fewshot 0 --batch_size 16 --output_path out/
     mta-lm-eval ...                       # the same, as a console script
-    torchrun --nproc_per_node 8 -m mta_repro.lm_eval ...   # requests split over GPUs
+    torchrun --nproc_per_node 8 -m mta_repro.eval.lm_eval_cli ...   # requests split over GPUs
 
 Every flag of ``lm_eval run`` works (``--tasks``, ``--num_fewshot``, ``--batch_size``,
 ``--limit``, ``--include_path``, ``--output_path``, ``--log_samples``, ...), and the

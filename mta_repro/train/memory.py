@@ -42,7 +42,7 @@ whole estimate is within 3% of a measured step's peak resident memory at 300M wi
 glibc's mmap threshold fixed (tests/test_memory_measured.py, docs/memory.md). Not
 counted: gradient clipping (in place, scalars), kernels' internal per-thread scratch,
 and on CPU the memory glibc's heap keeps after tensors are freed
-(``trainer.cpu_mmap_threshold``, mta_repro/cpu_malloc.py).
+(``trainer.cpu_mmap_threshold``, mta_repro/train/cpu_malloc.py).
 
 It fits a capacity when the total is at most 90% of it (allocator fragmentation, the CUDA
 context and NCCL buffers take the rest).
@@ -191,7 +191,7 @@ def target_kq_backend(device: str, dtype: torch.dtype, tuning=None) -> str:
     what then runs on meta): on CPU that function itself (the C kernel in fp32/fp64 where it
     compiles, ``kq_conv`` honoured); on CUDA the Triton kernel where triton is installed,
     unless ``model.kernels.kq_conv=conv2d``."""
-    from mta_repro.kernels.types import DEFAULT_TUNING
+    from mta_repro.kernels.tuning import DEFAULT_TUNING
     from mta_repro.model import attention_ops
 
     tuning = tuning or DEFAULT_TUNING
@@ -282,7 +282,7 @@ def _step_on_meta(model, batch_size: int, seq_len: int, world_size: int, device:
         return t
 
     def loss():
-        # as mta_repro.train.loop.cross_entropy: logits in the compute dtype, the loss in fp32
+        # as mta_repro.model.loss.cross_entropy: logits in the compute dtype, the loss in fp32
         logits = model(tokens)
         return torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), tokens.flatten(0, 1))
 
@@ -345,7 +345,7 @@ class MemoryEstimate:
             + (f"\n\n{notes}" if notes else "")
 
 
-def estimate(model_args, batch_size: int, seq_len: int, world_size: int, activation_checkpointing: bool,
+def estimate_memory(model_args, batch_size: int, seq_len: int, world_size: int, activation_checkpointing: bool,
              dtype: torch.dtype = torch.bfloat16, device: str = "cuda", grad_accum: int = 1,
              fused_adamw=None) -> MemoryEstimate:
     """The peak of one steady-state training step per rank (module docstring)."""
@@ -396,14 +396,14 @@ def estimate(model_args, batch_size: int, seq_len: int, world_size: int, activat
 
 def estimate_from_config(cfg, world_size: int | None = None) -> MemoryEstimate:
     """From a composed training config (Hydra DictConfig)."""
-    from mta_repro.config import model_args_from
+    from mta_repro.train.config import model_args_from
 
     on_gpu = str(cfg.trainer.get("device", "cpu")).startswith("cuda")
     if world_size is None:
         world_size = int(cfg.slurm.nodes) * int(cfg.slurm.gpus_per_node) if on_gpu else 1
     dtype = getattr(torch, cfg.distributed.param_dtype) if on_gpu else torch.float32
     fused = cfg.get("optim", {}).get("fused", None)
-    return estimate(
+    return estimate_memory(
         model_args_from(cfg), int(cfg.data.batch_size), int(cfg.data.seq_len), world_size,
         bool(cfg.distributed.activation_checkpointing), dtype, "cuda" if on_gpu else "cpu",
         int(cfg.trainer.get("grad_accum", 1)), None if fused is None else bool(fused),
@@ -412,7 +412,7 @@ def estimate_from_config(cfg, world_size: int | None = None) -> MemoryEstimate:
 
 def experiments_table(names: list[str]) -> str:
     """A Markdown row per experiment: its per-GPU estimate and the verdicts."""
-    from mta_repro.config import compose
+    from mta_repro.train.config import compose
 
     lines = ["| experiment | world | act. ckpt | per-GPU estimate GB | 80 GB | H200 141 GB |", "|---|---:|---|---:|---|---|"]
     for name in names:

@@ -21,7 +21,7 @@ from mta_repro.resolvers import register_resolvers
 from mta_repro.train.args import CheckpointArgs, DistributedArgs, LoggingArgs, SlurmArgs, TrainerArgs
 from mta_repro.train.optim import OptimArgs
 
-CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs"
+CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs"
 
 
 @dataclass
@@ -103,9 +103,6 @@ def to_train_config(cfg: Any) -> TrainConfig:
     """The typed config of a training run, converted once: the schema check, then every
     section into its dataclass (``__post_init__`` validates the values). Accepts a composed
     DictConfig, a plain mapping or a TrainConfig."""
-    from mta_repro.kernels.types import refuse_removed_env
-
-    refuse_removed_env()  # the trainer's start: before the self-check runs any kernel
     if isinstance(cfg, TrainConfig):
         return cfg
     from mta_repro.dataclass_config import to_dataclass

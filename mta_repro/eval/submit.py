@@ -1,8 +1,8 @@
 """Render slurm/eval.sbatch for a run; print it (--dry-run, the default) or submit it.
 
-    python -m mta_repro.eval.slurm runs/pretrain_880m_mta eval/preset=paper device=cuda \\
+    python -m mta_repro.eval.submit runs/pretrain_880m_mta eval/preset=paper device=cuda \\
         dtype=bfloat16 --after 123456 --submit
-    python -m mta_repro.eval.slurm runs/debug eval/preset=debug --gpus 0 --dry-run
+    python -m mta_repro.eval.submit runs/debug eval/preset=debug --gpus 0 --dry-run
 
 The job runs ``python -m mta_repro.eval <run_dir> <overrides>`` (the overrides are
 checked here, as ``mta_repro.eval`` parses them, so a typo fails before queueing), and
@@ -29,12 +29,11 @@ from string import Template
 from typing import Optional
 
 from mta_repro.errors import UserError
-from mta_repro.slurm import memory_lines, time_limit
-from mta_repro.train.slurm import sbatch
+from mta_repro.slurm import memory_lines, sbatch, time_limit
 
 ROOT = Path(__file__).resolve().parents[2]
 TEMPLATE = ROOT / "slurm" / "eval.sbatch"
-PROG = "mta_repro.eval.slurm"
+PROG = "mta_repro.eval.submit"
 
 
 def _parser() -> argparse.ArgumentParser:

@@ -1,8 +1,8 @@
 """Render slurm/train.sbatch for an experiment; print it (--dry-run) or submit it.
 
-    python -m mta_repro.train.slurm experiment=pretrain_880m_mta --dry-run
-    python -m mta_repro.train.slurm experiment=pretrain_880m_mta slurm.nodes=2 --submit
-    python -m mta_repro.train.slurm experiment=debug slurm.gpus_per_node=0 \\
+    python -m mta_repro.train.submit experiment=pretrain_880m_mta --dry-run
+    python -m mta_repro.train.submit experiment=pretrain_880m_mta slurm.nodes=2 --submit
+    python -m mta_repro.train.submit experiment=debug slurm.gpus_per_node=0 \\
         slurm.tasks_per_node=2 slurm.cpus_per_task=1 slurm.cpu_bind=null --submit   # CPU nodes
 
 The overrides are composed exactly as ``python -m mta_repro.train`` would compose them
@@ -25,7 +25,6 @@ stderr, exit status 2.
 from __future__ import annotations
 
 import shlex
-import subprocess
 import sys
 from pathlib import Path
 from string import Template
@@ -33,21 +32,15 @@ from typing import Optional, Sequence
 
 from omegaconf import DictConfig, OmegaConf
 
-from mta_repro.config import CONFIG_DIR, compose
+from mta_repro.train.config import CONFIG_DIR, compose
 from mta_repro.errors import UserError
-from mta_repro.slurm import memory_lines, time_limit
+from mta_repro.slurm import memory_lines, sbatch, time_limit
 from mta_repro.train.args import SITE_FIELDS, SlurmArgs
 from mta_repro.train.jobcheck import NO_CHECK, problems, raise_problems, resolved_overrides
 
 ROOT = Path(__file__).resolve().parents[2]
 TEMPLATE = ROOT / "slurm" / "train.sbatch"
-PROG = "mta_repro.train.slurm"
-
-
-class SubmitError(UserError):
-    """sbatch is missing or refused the script (the message is one line, with sbatch's
-    own): exit status 2, like a user error, since the fix is the submitter's (a partition,
-    account or limit the cluster does not accept, a submit host)."""
+PROG = "mta_repro.train.submit"
 
 
 # Kept for callers of the old private name; use mta_repro.slurm.time_limit.
@@ -138,26 +131,6 @@ def render(overrides: list[str], python: str = "python", check_paths: bool = Tru
         command=command,
     )
     return script, command
-
-
-def sbatch(script_path: Path, extra_args: Sequence[str] = ()) -> str:
-    """Submit with ``sbatch --parsable``; the job id. SubmitError (one line) when sbatch
-    is missing or refuses, quoting sbatch's own message."""
-    cmd = ["sbatch", "--parsable", *extra_args, str(script_path)]
-    try:
-        out = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
-    except FileNotFoundError:
-        raise SubmitError(
-            f"sbatch is not on PATH: --submit needs a SLURM submit host (the script is written to "
-            f"{script_path}; --dry-run prints it; scripts/slurm_local.sh starts a one-node cluster here)"
-        ) from None
-    except subprocess.TimeoutExpired:
-        raise SubmitError(f"sbatch {script_path} did not answer within 120 s (is slurmctld up?)") from None
-    if out.returncode != 0:
-        said = " | ".join(l.strip() for l in (out.stderr + out.stdout).splitlines() if l.strip())
-        raise SubmitError(f"sbatch refused {script_path} (exit {out.returncode}): {said or 'no message'}")
-    # --parsable prints "jobid" or "jobid;cluster".
-    return out.stdout.strip().split(";")[0]
 
 
 def main(argv: Optional[list[str]] = None) -> int:
