@@ -10,7 +10,7 @@ one line naming the file, where in it the first fault is and what was expected t
 shape is a type (``dict``, ``list``, ``str``, ``bool``, ``int``, ``float`` = any number,
 ``object`` = anything), a tuple of alternatives, or a dict spec: a JSON object whose listed
 keys must be there (a key ending in ``?`` may be absent) and whose other values all match
-the spec's ``"*"`` entry, if it has one. JSON's ``NaN`` and ``Infinity`` read as floats.
+the shape's ``"*"`` entry, if it has one. JSON's ``NaN`` and ``Infinity`` read as floats.
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ measured for the blocked path, side by side (fwd+bwd, CPU fp32, median of --reps
 - c_kernel: mta_repro.kernels.kq_conv_cpu (C loops, the one the blocked path uses)
 - shifted:  sum over the c_q x c_k taps of shifted slices, eager
 - compiled: the same under torch.compile (inductor; --compile, minutes to compile)
-- gemm_qk:  the identity sum_a shift_a(Q) . conv1d_a(K)^T (PERF_NOTES.md): its GEMM alone
+- gemm_qk:  the identity sum_a shift_a(Q) . conv1d_a(K)^T (docs/models.md, the attention engine): its GEMM alone
             (Q K^T with a c_q x d inner dimension, fwd+bwd), a lower bound: the band
             correction near the diagonal and the key convolution come on top. Applies to
             the pre-softmax convolution only.

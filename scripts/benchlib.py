@@ -1,7 +1,7 @@
 """What the benchmark scripts share: timing, peak memory and the one-layer attention
 parameters. Imported as ``benchlib`` (a script's own folder is on its ``sys.path``); the
 package itself must be importable (``pip install -e .``, or ``PYTHONPATH=.`` on a machine
-where it is not installed, e.g. the lent GPU's image)."""
+where it is not installed, e.g. a GPU machine image without a package registry)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The lent GPU machine's image as a supported platform, checked on this CPU machine:
+# A GPU machine image without a package registry (Python 3.12, torch 2.11, Triton 3.6) as a supported platform, checked on this CPU machine:
 #
 #   scripts/check_versions.sh image     a venv with only the image's packages (torch CPU
 #                                       standing in for its 2.11+cu130) plus the wheels of

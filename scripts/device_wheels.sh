@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Wheels for the lent GPU machine's image, which has no package registry: the packages the
+# Wheels for a GPU machine image that has no package registry (docs/gpu.md): the packages the
 # trainer and scripts/gpu_acceptance.py import that the image lacks (read off such machines
 # in 2026-11: Python 3.12.3, torch 2.11.0+cu130, Triton 3.6.0, transformers, tiktoken,
 # sentencepiece, safetensors, PyYAML, numpy, tqdm, pytest; no Hydra, OmegaConf, ANTLR's

@@ -1,5 +1,5 @@
-"""Bad records and unreadable files are counted whichever domain stream meets them first
-(issue 40, item 7): in the slimpajama layout every domain stream reads every file, and the
+"""Bad records and unreadable files are counted whichever domain stream meets them first:
+in the slimpajama layout every domain stream reads every file, and the
 counts must not wait for one particular stream (the first domain, often a rarely drawn
 one) to get there. Each fault is counted once, from the first batch on, across a resume
 and a resume on another world size, and reaches metrics.jsonl as data_bad/<kind>."""

@@ -1,4 +1,4 @@
-"""The lent GPU machine's image as a supported platform (scripts/check_versions.sh), on
+"""A GPU machine image without a package registry as a supported platform (scripts/check_versions.sh), on
 this CPU: a venv with only the image's packages plus the wheels scripts/device_wheels.sh
 makes, installed with --no-index as on the device, trains through the command line; and
 the key-query convolution kernel's first interpreter test passes under the image's

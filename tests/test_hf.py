@@ -133,7 +133,7 @@ TEXTS = ["Hello world,  this is  a test.\nNew line 123 éà 日本語 🙂", " l
 @pytest.mark.parametrize("attention", ["baseline", "mta"])
 def test_exported_tokenizer_gives_trainings_ids(tmp_path, attention):
     """AutoTokenizer on the exported folder: tok(text) == BOS + text ids, as training and
-    mta_repro.eval.generate feed the model (issue 23 item 6: it used to load without BOS)."""
+    mta_repro.eval.generate feed the model (with BOS)."""
     from transformers import AutoTokenizer
 
     from mta_repro.eval.load import load_tokenizer

@@ -1,4 +1,4 @@
-"""Llama 3.x checkpoints as they are (issue 26): llama3 RoPE scaling, grouped-query
+"""Llama 3.x checkpoints as they are: llama3 RoPE scaling, grouped-query
 attention, tied and untied embeddings, sharded safetensors with an index, Appendix I
 insertion on the imported weights. Tiny random models built with transformers; no downloads."""
 

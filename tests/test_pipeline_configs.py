@@ -1,5 +1,5 @@
 """Sweeps that cannot merge, stage hand-offs that do not depend on the cwd, warmup that
-fits the run (issue 15)."""
+fits the run."""
 
 import subprocess
 import sys

@@ -1,4 +1,4 @@
-"""Appendix I on a Llama you downloaded, as one pipeline (issue 26): import -> first-batch
+"""Appendix I on a Llama you downloaded, as one pipeline: import -> first-batch
 check -> finetune MTA + control -> evaluate -> report, on a tiny random LlamaForCausalLM
 saved by transformers in a temporary folder (llama3 RoPE scaling, grouped-query attention);
 the local launcher end to end (CPU, about a minute), reruns that skip what is done."""

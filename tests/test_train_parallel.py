@@ -80,7 +80,7 @@ def test_activation_checkpointing_keeps_gradients_with_dropout(info, dropout):
 def test_the_forward_keeps_clear_of_the_fsdp_registered_output_head(info):
     """``logits`` is an FSDP forward method (eval calls it alone, in chunks). Called from
     inside the root's forward, its post-forward reshards the root's parameters before
-    backward: under torch 2.11 (the lent GPU image's) backward then read the final norm's
+    backward: under torch 2.11 backward then read the final norm's
     freed weight (a segfault on CPU). The forward uses the unregistered head; the
     registered one still gives the same logits, and the gradients equal an unsharded
     model's."""

@@ -263,7 +263,8 @@ def _plain(obj) -> bytes:
 
 
 def test_eval_names_a_corrupt_checkpoint_and_its_fallback_in_one_line(tmp_path, capsys):
-    """Issue: eval printed torch's zip error / DCP's flattened CheckpointException."""
+    """Eval names the damaged file in one line, not torch's zip error or DCP's flattened
+    CheckpointException."""
     run_dir, ref = make_run(tmp_path / "run", attention="baseline", fmt="dcp")
     import torch.distributed.checkpoint as dcp
 

@@ -193,7 +193,7 @@ def export_hf(path: Union[str, Path], out_dir: Union[str, Path], force: bool = F
     # and Llama-3 ranks files are what Meta's checkpoints ship as tokenizer.model).
     tok_cfg = OmegaConf.to_container(cfg.data.tokenizer, resolve=True) if "data" in cfg else None
     if tok_cfg and tok is not None:
-        # tokenizer.json: AutoTokenizer gives training's ids (BOS + text ids, issue 23 item 6)
+        # tokenizer.json: AutoTokenizer gives training's ids (BOS + text ids)
         src = _find(tok_cfg["path"]) if tok_cfg.get("path") and tok_cfg.get("name") != "bytes" else None
         from mta_repro.hf.tokenizer import write_hf_tokenizer
 

@@ -1,7 +1,7 @@
 """The key-query convolution on CPU through small C loops (``kq_conv.c``).
 
 ``F.conv2d``'s depthwise backward is the largest single cost of an MTA layer on CPU
-(PERF_NOTES.md: 4.0 of 8.2 s). The C file computes the forward, the input gradient and
+(4.0 of 8.2 s of an MTA training step in the profile of docs/models.md). The C file computes the forward, the input gradient and
 the weight gradient with loops that vectorise along the key axis; it is compiled with the
 system C compiler on first use (about a second) into ``$MTA_REPRO_KERNEL_CACHE`` (default
 ``~/.cache/mta_repro``), keyed by the source, the flags and the CPU, and called through

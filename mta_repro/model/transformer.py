@@ -450,7 +450,7 @@ class Transformer(nn.Module):
         h = self.norm(h)
         # Not through self.logits: under FSDP2 that is a registered forward method, and a
         # call to it nested in this forward reshards the root's parameters when it returns
-        # (torch 2.11, the lent GPU image's: backward then reads the final norm's freed
+        # (torch 2.11: backward then reads the final norm's freed
         # weight, a segfault on CPU; scripts/check_versions.sh with TORCH_VERSION=2.11.0).
         return h if return_hidden else self._head(h)
 

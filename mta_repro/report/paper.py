@@ -89,7 +89,7 @@ TABLE5 = {
     # ... with depth scaling (group norm times 1 - lambda_init)
     "pre+post-softmax conv, scalar gating, depth scaling": 10.92,
     # the release's curse_norm (block norms times 1 - lambda_init(layer), "layer-norm
-    # scaling", arXiv 2502.05795): the spec's "one layer-norm-scaling configuration 11.41"
+    # scaling", arXiv 2502.05795): the paper's one layer-norm-scaling configuration, 11.41
     "pre+post-softmax conv, scalar gating, layer-norm scaling": 11.41,
 }
 # Back-compatible name.
