@@ -166,7 +166,7 @@ def main() -> None:
         return
 
     from mta_repro.train.config import compose, model_args_from
-    from mta_repro.model.flops import train_flops_per_token
+    from mta_repro.model.flops import model_flops_per_token
 
     with tempfile.TemporaryDirectory() as td:
         tk_path = a.tiktoken_path or str(tekken_standin(Path(td)))
@@ -190,7 +190,7 @@ def main() -> None:
     need = {}
     for size, attn in (("tiny", "baseline"), ("880m", "baseline"), ("880m", "mta")):
         m = model_args_from(compose([f"model={size}", f"attention={attn}"]))
-        f = train_flops_per_token(m, a.seq_len)
+        f = model_flops_per_token(m, a.seq_len)
         est = a.tflops * 1e12 / f
         paper = PAPER_880M_TOKENS_PER_S.get(attn) / PAPER_GPUS if size == "880m" else None
         meas = None

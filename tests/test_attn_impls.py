@@ -342,6 +342,7 @@ def test_whole_model_losses_and_gradients_match(impl, variant):
         torch.testing.assert_close(grads[impl][n], g, rtol=1e-9, atol=1e-12, msg=n)
 
 
+@pytest.mark.slow
 def test_blocked_model_traces_under_torch_compile():
     """Dynamo + AOTAutograd trace the blocked path (checkpointed blocks, the C kernel as a
     custom op with its fake and backward): same loss and gradients as eager."""

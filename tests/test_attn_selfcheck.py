@@ -97,6 +97,7 @@ def test_a_wrong_c_kernel_falls_back_to_conv2d_as_a_config(wrong_c_kernel, tmp_p
     assert [r["loss"] for r in rows] == [r["loss"] for r in _metrics(ref)]
 
 
+@pytest.mark.slow
 def test_a_wrong_and_a_nan_implementation_fall_back_with_one_line_each(wrong):
     lines: list[str] = []
     d = selfcheck.decide(_args("model.attn_impl=wrong_nan"), torch.device("cpu"), torch.float32, log=lines.append)
@@ -116,6 +117,7 @@ def test_a_wrong_and_a_nan_implementation_fall_back_with_one_line_each(wrong):
         assert not by[("wrong_nan", kind)].ok
 
 
+@pytest.mark.slow
 def test_strict_refuses_naming_the_implementation(wrong):
     with pytest.raises(selfcheck.SelfCheckError, match=r"model.attn_impl=wrong_scale is wrong on cpu in float32 "
                        r"\(.*output error 1\.0e-02.*model.attn_selfcheck=strict refuses.*fall back to blocked"):
@@ -131,6 +133,7 @@ def _metrics(run_dir):
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
+@pytest.mark.slow
 def test_the_trainer_runs_and_records_the_fallback(wrong, tmp_path, capsys):
     from mta_repro.train.loop import train
 
@@ -149,6 +152,7 @@ def test_the_trainer_runs_and_records_the_fallback(wrong, tmp_path, capsys):
     assert not (ref / "attn_selfcheck.json").exists()  # CPU: no check unless forced
 
 
+@pytest.mark.slow
 def test_strict_refuses_to_train_in_one_line_rc_2(wrong, tmp_path):
     run = tmp_path / "run"
     code = ("import sys, wrong_impls; from mta_repro.train.__main__ import cli; "

@@ -53,6 +53,7 @@ def test_diff_and_talking_heads_counts():
     assert th - base == 24 * 2 * 16 * 16  # wpsm + one 16x16 head_kernel per layer
 
 
+@pytest.mark.slow
 def test_params_cli_prints_json():
     out = subprocess.run(
         [sys.executable, "-m", "mta_repro.estimate", "model=880m", "attention=mta"],

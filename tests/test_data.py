@@ -352,6 +352,7 @@ def _rank_worker(rank, world_size, init_file, out_file):
         dist.destroy_process_group()
 
 
+@pytest.mark.distributed
 @pytest.mark.slow
 def test_two_real_ranks_match_in_process_loaders(tmp_path):
     """2 spawned gloo processes (prefetch thread on) yield what each rank's loader built

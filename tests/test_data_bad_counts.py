@@ -143,6 +143,7 @@ def test_another_world_size_keeps_the_sum(tmp_path, old, new):
     assert after["corrupt_file"] == 1  # the truncated file is not counted twice
 
 
+@pytest.mark.slow
 def test_trainer_metrics_have_the_counts_from_the_first_step(tmp_path):
     """End to end: 6 training steps (stopped and resumed at step 3) on a corpus whose faults
     only the second domain's stream reaches; every line of metrics.jsonl has

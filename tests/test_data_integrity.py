@@ -46,6 +46,7 @@ def test_line_reader_raises_on_a_truncated_or_garbage_zst(tmp_path):
     assert [r.readline(), r.readline(), r.readline()] == [b'{"text": "a"}\n', b'{"text": "b"}\n', b""]
 
 
+@pytest.mark.slow
 def test_prepare_fails_with_the_list_then_skip_keeps_the_rest(tmp_path):
     raw = tmp_path / "raw"
     release_fixture(raw)
@@ -102,6 +103,7 @@ def test_loader_warns_once_per_file_and_counts(tmp_path, caplog):
     assert loader.state_dict()["streams"]["a"]["bad"] == {"corrupt_file": 1}
 
 
+@pytest.mark.slow
 def test_trainer_logs_the_bad_records(tmp_path):
     """The counts reach metrics.jsonl (data_bad/<kind>), summed over ranks."""
     from mta_repro.train.config import compose

@@ -9,6 +9,7 @@ venv from the package registry (minutes): the slow tier."""
 
 from __future__ import annotations
 
+import pytest
 import os
 import subprocess
 from pathlib import Path
@@ -16,6 +17,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.slow
 def test_the_trainer_and_kernels_run_with_only_the_image_and_its_wheels(tmp_path_factory):
     venv = tmp_path_factory.mktemp("image") / "venv"
     env = dict(os.environ, CHECK_VENV=str(venv), ACCEPTANCE="0", COMPILE="0",

@@ -24,6 +24,7 @@ def test_load_model_gives_the_saved_weights(tmp_path, fmt):
     assert cfg.model.dim == 64
 
 
+@pytest.mark.slow
 def test_errors_before_work(tmp_path):
     with pytest.raises(ValueError, match="does not exist"):
         load_model(tmp_path / "nope")
@@ -40,6 +41,7 @@ def test_errors_before_work(tmp_path):
         run(parse_argv([str(ok_dir), "tasks=[needle]", "needle.context_lens=[200]", "needle.needle_counts=[10]"]))
 
 
+@pytest.mark.slow
 def test_cli_writes_results(tmp_path, capsys):
     run_dir, _ = make_run(tmp_path / "run", seq_len=512)
     rc = main([str(run_dir), "tasks=[ppl,needle,babilong]", "ppl.seq_len=64", "ppl.max_batches=2",
@@ -58,6 +60,7 @@ def test_cli_writes_results(tmp_path, capsys):
     assert set(bab["results"]["accuracy"]["qa1"]) == {"0k"}
 
 
+@pytest.mark.slow
 def test_cli_lm_eval_tasks_on_local_data(tmp_path):
     from mta_repro.eval.lm_eval_tasks import write_local_task
 
@@ -78,6 +81,7 @@ def test_cli_lm_eval_tasks_on_local_data(tmp_path):
     assert lam["summary"]["lambada_openai_local"]["ppl"] == lam["tasks"]["lambada_openai_local"]["perplexity,none"]
 
 
+@pytest.mark.slow
 def test_export_cli_help_and_one_line_error(tmp_path):
     """python -m mta_repro.train.export: --help, and a bad run dir as one line (exit 2)."""
     import subprocess

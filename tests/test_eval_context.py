@@ -33,6 +33,7 @@ def test_lengths_beyond_the_trained_context_are_refused(tmp_path, override, fiel
     assert not (run_dir / "eval").exists()  # refused before any work
 
 
+@pytest.mark.slow
 def test_refusal_is_one_line_rc2_and_extrapolate_allows_it(tmp_path):
     run_dir, _ = make_run(tmp_path / "run", attention="baseline", seq_len=64)
     p = subprocess.run([sys.executable, "-m", "mta_repro.eval", str(run_dir), *PPL, "ppl.seq_len=128"],

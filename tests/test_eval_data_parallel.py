@@ -14,6 +14,8 @@ from eval_helpers import make_run  # noqa: E402
 
 from mta_repro.eval.lm_eval_tasks import write_local_task  # noqa: E402
 
+pytestmark = pytest.mark.distributed
+
 ENV = {**os.environ, "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
        "OMP_NUM_THREADS": "1"}
 

@@ -22,6 +22,8 @@ from lm_eval.api.registry import get_model  # noqa: E402
 from mta_repro.eval.lm_eval_model import MTAReproLM  # noqa: E402
 from mta_repro.eval.lm_eval_tasks import check_task_names, task_manager, write_local_task  # noqa: E402
 
+pytestmark = pytest.mark.lm_eval
+
 
 def independent_ll(model, tok, context, continuation):
     """Sum log p(continuation | BOS + context) from one full float64 forward pass."""

@@ -18,6 +18,8 @@ from mta_repro.eval.lm_eval_tasks import write_local_task  # noqa: E402
 from mta_repro.eval.load import load_model  # noqa: E402
 from mta_repro.eval.lm_eval_cli import build_argv  # noqa: E402
 
+pytestmark = pytest.mark.lm_eval
+
 ENV = {**os.environ, "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
 
 

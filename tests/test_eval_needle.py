@@ -97,6 +97,7 @@ def test_scoring_on_hand_made_answers():
     assert score_answer("only 1234567", ["1234567", "7654321"]) == 0.5
 
 
+@pytest.mark.slow
 def test_run_needle_end_to_end_on_tiny_model():
     tok = make_tokenizer()
     model = tiny_model("mta", vocab_size=tok.n_words)

@@ -9,6 +9,8 @@ import pytest
 from mta_repro.eval.lm_eval_tasks import LAMBADA, PAPER_FEW_SHOT, PAPER_ZERO_SHOT, check_task_names, task_manager
 from mta_repro.eval.run import compose_eval
 
+pytestmark = pytest.mark.lm_eval
+
 
 @pytest.fixture(scope="module")
 def manager():

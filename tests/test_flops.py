@@ -5,7 +5,7 @@ import dataclasses
 import pytest
 
 from mta_repro.model import MTAArgs, ModelArgs
-from mta_repro.model.flops import forward_flops_per_token, score_elements, train_flops_per_token
+from mta_repro.model.flops import forward_flops_per_token, hardware_flops_per_token, model_flops_per_token, score_elements
 
 MTA = MTAArgs(use_mta=True, query_kernel_size=6, key_kernel_size=11, after_sm_query_kernel_size=6,
               after_sm_key_kernel_size=11, pre_sm_linear_head=True, head_kernel_size=16, mta_layers="1")
@@ -18,7 +18,7 @@ def test_baseline_is_the_plain_formula():
     dense = L * 2 * (4 * d * d + 3 * d * ffn) + 2 * d * 8192
     attn = L * (2 * T * d + 2 * T * d) / 2  # Q K^T + A V over the causal half
     assert forward_flops_per_token(a, T)["total"] == dense + attn
-    assert train_flops_per_token(a, T) == 3 * (dense + attn)
+    assert hardware_flops_per_token(a, T) == model_flops_per_token(a, T) == 3 * (dense + attn)
 
 
 @pytest.mark.parametrize("block", [64, 256, 1000])
@@ -43,4 +43,4 @@ def test_explicit_layers_count_their_transforms_and_the_recomputation():
     assert ref["recompute"] == 0
     blocked = forward_flops_per_token(ARGS, T)
     assert blocked["recompute"] == blocked["attention"] < ref["attention"]
-    assert train_flops_per_token(ARGS, T) == 3 * blocked["total"] + blocked["recompute"]
+    assert hardware_flops_per_token(ARGS, T) == 3 * blocked["total"] + blocked["recompute"]

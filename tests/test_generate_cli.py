@@ -1,5 +1,6 @@
 """``python -m mta_repro.eval.generate``: text from a run through the KV-cache generator."""
 
+import pytest
 import os
 import subprocess
 import sys
@@ -24,6 +25,7 @@ def greedy_without_cache(model, ids, n):
     return out
 
 
+@pytest.mark.slow
 def test_generate_command(tmp_path):
     run_dir, _ = make_run(tmp_path / "run", attention="mta")
     tok = make_tokenizer()
@@ -45,6 +47,7 @@ def test_generate_command(tmp_path):
     assert a == generate_from(run_dir, [prompt], max_new_tokens=8, temperature=1.0, seed=3, device="cpu")
 
 
+@pytest.mark.slow
 def test_generate_errors_and_help(tmp_path):
     r = subprocess.run([sys.executable, "-m", "mta_repro.eval.generate", str(tmp_path / "nope"), "--prompt", "a"],
                        capture_output=True, text=True, timeout=120)

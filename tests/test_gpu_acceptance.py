@@ -3,6 +3,7 @@ shapes, so it cannot rot before a GPU runs it (about a minute on 2 busy cores, m
 it the four trainer processes of the memory/preempt and resume sections, mostly their
 start-up: imports, config, model; --quick trains 2-layer tiny models there)."""
 
+import pytest
 import json
 import os
 import subprocess
@@ -12,6 +13,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.slow
 def test_quick_cpu_run_writes_every_section(tmp_path):
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
     env.pop("TRITON_INTERPRET", None)  # the fused kernels are too slow in the interpreter: recorded as unsupported
@@ -98,6 +100,7 @@ def test_blocked_conv2d_runs_conv2d_under_the_tuning(monkeypatch):
     assert len(calls) == 2 * 2 * 2  # pre and post conv, 2 blocks, forward + recompute
 
 
+@pytest.mark.slow
 def test_a_run_killed_mid_way_leaves_the_sections_it_finished(tmp_path):
     """Each section's result is in the JSON the moment it ends: a device command killed at
     its time limit still returns what it measured."""

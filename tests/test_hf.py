@@ -115,6 +115,7 @@ def test_unsupported_rope_scaling_is_refused(tmp_path):
         import_hf(tmp_path / "yarn", tmp_path / "x.pt")
 
 
+@pytest.mark.slow
 def test_cli(tmp_path):
     r = subprocess.run([sys.executable, "-m", "mta_repro.hf", "import", str(tmp_path / "none"), str(tmp_path / "x.pt")],
                        capture_output=True, text=True, timeout=120)

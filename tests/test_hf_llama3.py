@@ -151,6 +151,7 @@ def test_insertion_into_imported_llama_keeps_logits_and_passes_the_first_batch_c
     assert res["ok"] and res["abs_diff"] <= 1e-4 and res["batch_shape"] == [2, 100], res
 
 
+@pytest.mark.slow
 def test_import_holds_one_copy_of_the_weights(tmp_path):
     """A ~135 MB bf16 checkpoint in 5 shards: the import's peak resident memory grows by
     less than 1.5x the checkpoint (a full read followed by a converted copy would be 2x)."""
@@ -212,6 +213,7 @@ def test_finetuned_llama_with_mta_exports_with_its_modeling_file(tmp_path):
         torch.testing.assert_close(hf(TOKENS).logits, want, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_import_names_a_missing_shard(tmp_path):
     _, folder = tiny_llama(tmp_path, tied=True)
     victim = sorted(folder.glob("model-*.safetensors"))[1]

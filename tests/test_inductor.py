@@ -37,6 +37,8 @@ def _block_run(backend: str, compiled: bool = True):
     return values, counters["stats"]["unique_graphs"], dict(counters["graph_break"])
 
 
+@pytest.mark.slow
+@pytest.mark.filterwarnings('ignore:`torch.jit.script_method` is deprecated')
 def test_the_compiled_block_under_inductor_matches_eager_without_breaks():
     eager, _, _ = _block_run("inductor", compiled=False)
     got, graphs, breaks = _block_run("inductor")
@@ -62,6 +64,8 @@ def _losses(run):
     return [json.loads(line)["loss"] for line in (run / "metrics.jsonl").read_text().splitlines()]
 
 
+@pytest.mark.slow
+@pytest.mark.filterwarnings('ignore:`torch.jit.script_method` is deprecated')
 def test_distributed_compile_trains_under_inductor_like_eager(tmp_path):
     from mta_repro.train.loop import train
 

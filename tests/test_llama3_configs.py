@@ -37,6 +37,7 @@ def test_insertion_experiments_fit_an_h200_with_fsdp(experiment):
     assert "micro-batch 4 x 2048 tokens per GPU, bfloat16" in est.table()  # the assumptions, stated
 
 
+@pytest.mark.slow
 def test_appendix_i_llama3_pipeline_dry_run_prints_plan_and_every_sbatch(tmp_path):
     r = subprocess.run([sys.executable, "-m", "mta_repro.pipeline", "pipeline=appendix_i_llama3", "launcher=slurm",
                         f"root={tmp_path}", "--dry-run"], capture_output=True, text=True, timeout=600,

@@ -8,6 +8,8 @@ import pytest
 
 from mta_repro.eval import lm_eval_tasks
 
+pytestmark = pytest.mark.lm_eval
+
 
 _MEMO = {}  # folder -> its index, shared by the tests of this module
 

@@ -135,6 +135,7 @@ SHIPPED = [f"pretrain_1b_{v}" for v in ("baseline", "diff", "talking_heads", "mt
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("experiment", SHIPPED)
 def test_shipped_experiments_fit_an_h200(experiment):
     est = estimate_from_config(compose([f"experiment={experiment}"]))

@@ -87,6 +87,7 @@ def greedy_by_hand(model, ids, n):
     return ids
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", ["llama", "qwen2", "mistral"])
 def test_generate_with_the_models_cache_equals_a_full_recompute(family):
     """MTA moved off identity; greedy with the model's DynamicCache == without a cache ==
@@ -175,6 +176,7 @@ def test_training_with_plain_pytorch_moves_the_mta_parameters_and_the_loss_falls
     assert len(moved) == len(start) > 0
 
 
+@pytest.mark.slow
 def test_training_with_the_hf_trainer_lowers_the_loss(tmp_path):
     from transformers import Trainer, TrainingArguments
 

@@ -18,6 +18,8 @@ from liger_kernel.transformers.multi_token_attention import LigerMultiTokenAtten
 
 from mta_repro.mta import multi_token_attention  # noqa: E402
 
+pytestmark = pytest.mark.triton
+
 H, T, D = 4, 16, 8
 
 

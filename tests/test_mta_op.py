@@ -332,6 +332,7 @@ print("loaded:", sorted({m.split(".")[0] for m in sys.modules} & set(heavy)))
 """
 
 
+@pytest.mark.slow
 def test_the_op_imports_without_hydra_omegaconf_transformers_lm_eval_or_wandb():
     """``import mta_repro.mta`` in a clean interpreter, a forward and backward: no Hydra, no
     OmegaConf (no resolver registration at ``import mta_repro``), no transformers, lm-eval,

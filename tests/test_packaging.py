@@ -1,6 +1,7 @@
 """Packaging: the model, data and trainer work without the eval/report/wandb/SLURM/HF
 extras, and the extras in pyproject.toml say which package needs what."""
 
+import pytest
 import re
 import subprocess
 import sys
@@ -56,6 +57,7 @@ print("loaded:", loaded)
 """
 
 
+@pytest.mark.slow
 def test_model_data_train_import_without_the_extras():
     p = subprocess.run([sys.executable, "-c", _PROBE.format(blocked=EXTRAS_ONLY)], cwd=ROOT,
                        capture_output=True, text=True, timeout=300)

@@ -19,6 +19,8 @@ from mta_repro.train.config import compose
 from mta_repro.pipeline.__main__ import build_plan, main
 from mta_repro.pipeline.plan import done
 
+pytestmark = pytest.mark.pipeline
+
 ROOT = Path(__file__).resolve().parents[1]
 
 

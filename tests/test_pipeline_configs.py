@@ -93,6 +93,7 @@ def test_conv_layer_sweep_derives_its_lists_for_other_sizes():
         model_args_from(cfg)
 
 
+@pytest.mark.slow
 def test_plain_run_dir_in_a_sweep_is_refused_before_any_job(tmp_path):
     assert plain_run_dir_overrides(["run_dir=/x", "a=1", "run_dir=/r/k_${model.dim}"]) == ["run_dir=/x"]
     p = subprocess.run(

@@ -92,6 +92,7 @@ def finished(tmp_path_factory):
     return plan, folder, d
 
 
+@pytest.mark.pipeline
 def test_plan_order_and_dependencies(finished):
     plan, folder, d = finished
     jobs = {j.id: j for j in plan.jobs}
@@ -106,6 +107,7 @@ def test_plan_order_and_dependencies(finished):
         assert f"checkpoint.init_from={pt}" in jobs[j].command
 
 
+@pytest.mark.pipeline
 def test_import_check_finetune_report(finished):
     plan, folder, d = finished
     runs = d / "runs"
@@ -133,6 +135,7 @@ def test_import_check_finetune_report(finished):
     assert "Appendix I finetuned 1.4B, Llama 3.2 1B, Llama 3.2 3B, Llama 3.1 8B" in rows["tiny_llama/mta"]["vs paper"]
 
 
+@pytest.mark.pipeline
 def test_rerun_skips_everything_and_a_changed_folder_reimports(finished, tmp_path):
     plan, folder, d = finished
     assert all(done(j) for j in plan.jobs)
@@ -166,6 +169,7 @@ def test_plan_errors_name_the_field(tmp_path):
         Plan(OmegaConf.create(spec), tmp_path / "runs")
 
 
+@pytest.mark.pipeline
 def test_slurm_chain_import_check_train(finished, tmp_path, monkeypatch):
     """launcher=slurm against a stand-in sbatch: the import first (CPU), the check after it,
     the MTA run after both, the control after the import; scripts are valid bash."""

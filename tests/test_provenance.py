@@ -275,6 +275,7 @@ def _eval_json(run: Path, step: int, tok_sha: str, task: str = "ppl") -> None:
                                                             "provenance": prov, "results": res}))
 
 
+@pytest.mark.slow
 def test_the_report_marks_rows_of_another_tokenizer_or_an_older_checkpoint(tmp_path):
     from eval_helpers import make_run
 
@@ -314,6 +315,7 @@ def test_the_done_check_reads_the_json_and_names_a_torn_one(tmp_path):
     assert not done(job) and torn(job) == []
 
 
+@pytest.mark.slow
 def test_an_hf_export_records_what_its_weights_came_from(tmp_path):
     pytest.importorskip("transformers")
     from eval_helpers import make_run
@@ -361,6 +363,7 @@ def _one_line_error(p, prog):
     return lines[-1]
 
 
+@pytest.mark.slow
 def test_a_shard_replaced_between_run_and_resume_is_refused_then_accepted(tmp_path):
     corpus, run = tmp_path / "corpus", tmp_path / "run"
     shutil.copytree(ROOT / "data" / "mini_slimpajama", corpus)
@@ -395,6 +398,7 @@ def test_a_shard_replaced_between_run_and_resume_is_refused_then_accepted(tmp_pa
     assert blob["provenance"]["accepted"] == rec["accepted"]
 
 
+@pytest.mark.slow
 def test_evals_beside_a_trainer_that_saves_and_prunes_every_step_succeed(tmp_path):
     run, log = tmp_path / "run", open(tmp_path / "trainer.log", "w")
     trainer = subprocess.Popen([sys.executable, "-m", "mta_repro.train", f"run_dir={run}", *TRAIN, "trainer.steps=100000",
@@ -422,6 +426,7 @@ def test_evals_beside_a_trainer_that_saves_and_prunes_every_step_succeed(tmp_pat
         assert f"eval: {run}: step {step} (" in p.stderr  # it names the step it used
         steps.append(step)
     assert steps == sorted(steps) and steps[-1] > steps[0]  # the newest complete one each time
+@pytest.mark.slow
 def test_a_swapped_tokenizer_is_refused_by_resume_eval_and_a_stage_start(tmp_path):
     tok = tmp_path / "tok.model"
     shutil.copy(ROOT / "data" / "tokenizer" / "mini_sp8192.model", tok)

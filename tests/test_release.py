@@ -209,6 +209,7 @@ def _release_files(tmp_path) -> dict:
     return out
 
 
+@pytest.mark.slow
 def test_every_release_config_matches_our_experiment(tmp_path, capsys):
     """Every YAML of projects/mta/configs: same JSON, same model field by field."""
     for (size, v), path in _release_files(tmp_path).items():
@@ -305,6 +306,7 @@ def test_lingua_dcp_step_folders_and_dump_dirs_load(tmp_path):
     assert step == 7 and all(torch.equal(sd[k], v) for k, v in sds[100].items())
 
 
+@pytest.mark.slow
 def test_convert_cli_composes_and_trains_from_release_checkpoint(tmp_path, capsys):
     cfg_root = tmp_path / "cfg"
     assert release_main(["convert", str(FIX / "tiny_mta.yaml"), "--config-dir", str(cfg_root)]) == 0

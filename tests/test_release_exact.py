@@ -29,7 +29,7 @@ from torch import nn
 from mta_repro.estimate import params
 from mta_repro.train.config import TrainConfig
 from mta_repro.model import MTAArgs, ModelArgs, build_model
-from mta_repro.model.flops import train_flops_per_token
+from mta_repro.model.flops import model_flops_per_token
 from mta_repro.release import load_release_config, release_model_args
 from mta_repro.weights.lingua import release_state_dict_to_ours
 from mta_repro.release import release_file_to_config as convert_file
@@ -254,7 +254,7 @@ def test_params_release_config_counts_flops_at_its_seq_len(tmp_path, capsys):
     params.main(["--release-config", str(path), "data.seq_len=512"])
     got = json.loads(capsys.readouterr().out)
     assert got["seq_len"] == 512
-    assert got["train_flops_per_token"] == train_flops_per_token(release_model_args(path), 512)
+    assert got["model_flops_per_token"] == model_flops_per_token(release_model_args(path), 512)
     params.main(["seq_len=128", "--release-config", str(path)])
     assert json.loads(capsys.readouterr().out)["seq_len"] == 128
 

@@ -201,6 +201,7 @@ def test_script_writes_results(tmp_path):
     assert (tmp_path / "errors.png").stat().st_size > 1000
 
 
+@pytest.mark.slow
 def test_killed_run_resumes_exactly(tmp_path, monkeypatch):
     """A run that crashes after its step-20 checkpoint and is started again ends with
     the same curve and the same weights as a run that never stopped (dropout on, so
@@ -240,6 +241,7 @@ def test_killed_run_resumes_exactly(tmp_path, monkeypatch):
         train_run(other, "mta", 5, verbose=False, ckpt_path=ckpt)
 
 
+@pytest.mark.slow
 def test_script_sigterm_stops_workers_and_rerun_resumes(tmp_path):
     """SIGTERM to scripts/toy_task.py ends its worker processes too (none left training
     as orphans), and running a finished command again takes its runs from the checkpoints."""

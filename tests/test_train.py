@@ -129,16 +129,36 @@ def test_mfu_formula_and_cpu_peak_unknown():
     assert mfu(1e4, 6e9, 1e14, 2) == pytest.approx(0.3)
 
 
-def test_train_flops_count_the_variant():
-    from mta_repro.model.flops import train_flops_per_token
+def test_hardware_flops_count_what_the_implementation_computes():
+    from mta_repro.model.flops import hardware_flops_per_token
 
-    base = train_flops_per_token(model_args_from(compose(["model=880m"])), 2048)
-    mta = train_flops_per_token(model_args_from(compose(["model=880m", "attention=mta", "model.attn_impl=torch"])), 2048)
+    base = hardware_flops_per_token(model_args_from(compose(["model=880m"])), 2048)
+    mta = hardware_flops_per_token(model_args_from(compose(["model=880m", "attention=mta", "model.attn_impl=torch"])),
+                                   2048)
     H, T, L, d = 16, 2048, 24, 96
     # the paper's MTA cost: convolutions and head mixing (train = 3x), plus what the reference path really computes:
     # Q K^T and A V over the whole T x T matrix, not the causal half SDPA visits.
     extra = 3 * (6 * 2 * 2 * H * T * 6 * 11 + L * 2 * 2 * H * T * H + L * 2 * T * H * d)
     assert mta - base == pytest.approx(extra, rel=1e-9)
+
+
+def test_model_flops_are_the_variants_on_the_causal_half_whatever_runs_it():
+    """MFU's FLOPs: the paper's cost model (convolutions in the 6 conv layers, two head
+    mixings in every layer, each on the causal half of the scores), 3x for training; the
+    same for the reference and the blocked path, which performs more (halo, recomputation)."""
+    from mta_repro.model.flops import hardware_flops_per_token, model_flops_per_token
+
+    base = model_flops_per_token(model_args_from(compose(["model=880m"])), 2048)
+    by_impl = {impl: model_args_from(compose(["model=880m", "attention=mta", f"model.attn_impl={impl}"]))
+               for impl in ("torch", "blocked")}
+    H, T, L = 16, 2048, 24
+    extra = 3 * (6 * 2 * 2 * H * (T / 2) * 6 * 11 + L * 2 * 2 * H * (T / 2) * H)
+    for args in by_impl.values():
+        assert model_flops_per_token(args, T) - base == pytest.approx(extra, rel=1e-9)
+        assert hardware_flops_per_token(args, T) > model_flops_per_token(args, T)
+    n_matmul = 24 * (4 * 1536 * 1536 + 3 * 1536 * 4096) + 1536 * 128256  # 880M: dense weights and the head
+    attn = 24 * 2 * 2 * H * 96 * (T / 2)  # Q K^T and A V on the causal half
+    assert base == pytest.approx(6 * n_matmul + 3 * attn, rel=1e-12)
 
 
 def test_truncate_after_drops_later_steps_and_torn_lines(tmp_path):
@@ -215,6 +235,7 @@ def test_ablation_sweeps_expand_to_valid_distinct_runs(name):
 
 
 # ------------------------------------------------------------------ SLURM dry-run
+@pytest.mark.slow
 def test_sbatch_dry_run(tmp_path):
     p = subprocess.run(
         # the corpus and tokenizer are on the cluster, not here

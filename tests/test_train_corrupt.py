@@ -56,6 +56,7 @@ def _truncate_latest(run: Path) -> Path:
     return f
 
 
+@pytest.mark.slow
 def test_truncated_distcp_is_named_and_refused_with_on_corrupt_raise(base, tmp_path):
     run = tmp_path / "run"
     shutil.copytree(base, run)
@@ -69,6 +70,7 @@ def test_truncated_distcp_is_named_and_refused_with_on_corrupt_raise(base, tmp_p
     assert len(msg.splitlines()) == 1
 
 
+@pytest.mark.slow
 def test_truncated_distcp_falls_back_to_the_previous_and_resumes_exactly(base, tmp_path, capsys):
     run = tmp_path / "run"
     shutil.copytree(base, run)

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 
 from mta_repro.train.config import compose
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.pipeline]
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS = 8

@@ -200,6 +200,7 @@ for cmd in sys.stdin:
 """
 
 
+@pytest.mark.slow
 def test_a_sigkill_during_the_rewrite_leaves_the_history_whole(tmp_path):
     """A 32 MB history truncated at half its steps, the rewriting process SIGKILLed at
     delays spread over one whole run, then at two moments of the temp file's write: each

@@ -78,6 +78,7 @@ def _wait(paths, timeout=120):
         time.sleep(0.01)
 
 
+@pytest.mark.slow
 def test_twenty_double_starts_never_delete_the_winners_files(tmp_path):
     trials, steps = 20, 2
     common = [*COMMON, f"trainer.steps={steps}", "checkpoint.every=2"]
@@ -122,6 +123,7 @@ def _train(run_dir, *overrides):
     return train(compose([*COMMON, f"run_dir={run_dir}", *overrides]))
 
 
+@pytest.mark.slow
 def test_resume_without_config_yaml_is_checked_against_the_checkpoints_config(tmp_path):
     from mta_repro.train.rundir import RunDirError
 
@@ -144,6 +146,7 @@ def test_resume_without_config_yaml_is_checked_against_the_checkpoints_config(tm
 
 
 # ------------------------------------------------------------------ fsync before .complete
+@pytest.mark.slow
 @pytest.mark.skipif(shutil.which("strace") is None and not os.environ.get("CI"), reason="needs strace")
 def test_checkpoint_is_fsynced_before_it_is_marked_complete(tmp_path):
     run = tmp_path / "run"
@@ -192,6 +195,7 @@ def small_disk(tmp_path):
     subprocess.run(["umount", "-l", str(mnt)], check=False)
 
 
+@pytest.mark.slow
 def test_a_full_disk_is_one_line_and_leaves_no_partial_checkpoint(small_disk):
     run = small_disk / "run"
     p = _cli(f"run_dir={run}", "trainer.steps=4")
@@ -206,6 +210,7 @@ def test_a_full_disk_is_one_line_and_leaves_no_partial_checkpoint(small_disk):
 
 
 # ------------------------------------------------------------------ one-line errors
+@pytest.mark.slow
 def test_an_unresolvable_env_var_is_one_line(tmp_path):
     # hydra.run.dir is ${run_dir}: Hydra resolves it before the job; a YAML's run_dir
     # interpolating an unset variable failed there with 155 lines.
@@ -215,6 +220,7 @@ def test_an_unresolvable_env_var_is_one_line(tmp_path):
         "train: error: run_dir: cannot resolve \"Environment variable 'MTA_REPRO_TEST_UNSET_VAR' not found\""]
 
 
+@pytest.mark.slow
 def test_a_non_finite_loss_is_one_line_naming_the_checkpoint(tmp_path):
     run = tmp_path / "run"
     p = _cli(f"run_dir={run}", "trainer.steps=4", "optim.lr=1e30", "optim.warmup=0")

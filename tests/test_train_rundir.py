@@ -160,6 +160,7 @@ def test_added_keys_are_refused_by_the_schema(tmp_path):
     assert unknown_keys(TrainConfig, compose(["+data.sources.mydomain=0.1"]), "") == []
 
 
+@pytest.mark.slow
 def test_a_failed_start_leaves_no_run_dir(tmp_path):
     """Through Hydra's CLI (it creates the run dir and its log before the trainer runs)."""
     run_dir = tmp_path / "failed"

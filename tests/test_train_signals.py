@@ -90,6 +90,7 @@ def _wait_for_steps(run_dir, n, proc, timeout=180):
     raise AssertionError("the run never reached step %d" % n)
 
 
+@pytest.mark.slow
 def test_ctrl_c_saves_at_the_interrupted_step_and_says_how_to_resume(tmp_path):
     run_dir = tmp_path / "run"
     proc = _start(tmp_path, run_dir, steps=60)
@@ -179,6 +180,7 @@ def _count_syncs(monkeypatch, events: list, state: dict) -> None:
     monkeypatch.setattr(loop, "train_step", counted_step)
 
 
+@pytest.mark.slow
 def test_no_host_sync_between_logging_steps(tmp_path, monkeypatch):
     from mta_repro.train.loop import train
 
@@ -212,6 +214,7 @@ json.dump(events, open(out, "w"))
 '''
 
 
+@pytest.mark.distributed
 def test_two_ranks_agree_and_read_only_on_logging_steps(tmp_path):
     driver = tmp_path / "driver.py"
     driver.write_text(TWO_RANK_DRIVER.format(tests=str(HERE)))

@@ -40,6 +40,7 @@ def run(tmp_path_factory):
     return run_dir
 
 
+@pytest.mark.slow
 def test_validation_matches_the_eval_ppl_on_the_same_weights(run):
     from mta_repro.train.config import model_args_from
     from mta_repro.data import build_tokenizer, to_data_args
@@ -95,6 +96,7 @@ def test_throughput_and_domain_tokens_are_logged(run):
     assert counts["commoncrawl"] > 0
 
 
+@pytest.mark.slow
 def test_progress_lines_without_a_tty(tmp_path):
     import os
     import subprocess

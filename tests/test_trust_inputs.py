@@ -483,6 +483,7 @@ def test_eval_re_evaluates_over_a_result_file_of_the_wrong_shape(tmp_path):
 
 
 # ------------------------------------------------------------------ 10, 11: the HF export's folder and modes
+@pytest.mark.slow
 def test_export_into_a_foreign_folder_needs_force_and_replaces_our_own(tmp_path, capsys):
     pytest.importorskip("transformers")
     run_dir, _ = make_run(tmp_path / "run", attention="baseline")
@@ -542,6 +543,7 @@ def test_a_dcp_checkpoint_with_integer_model_tensors_is_named(tmp_path):
 
 
 # ------------------------------------------------------------------ the commands, as typed
+@pytest.mark.slow
 def test_the_commands_as_a_user_runs_them(tmp_path):
     """Separate processes, as typed: a model too large, a non-finite lr, a crafted header."""
     import subprocess

@@ -262,6 +262,7 @@ def _plain(obj) -> bytes:
     return encode_state(obj)
 
 
+@pytest.mark.filterwarnings('ignore:.* is unreadable')
 def test_eval_names_a_corrupt_checkpoint_and_its_fallback_in_one_line(tmp_path, capsys):
     """Eval names the damaged file in one line, not torch's zip error or DCP's flattened
     CheckpointException."""
@@ -340,6 +341,7 @@ def _imports(f: Path) -> set:
     return out
 
 
+@pytest.mark.slow
 def test_train_eval_and_weights_do_not_import_the_release_converter():
     for sub in ("train", "eval", "weights"):
         for f in sorted((PKG / sub).rglob("*.py")):

@@ -22,7 +22,7 @@ from pathlib import Path
 from mta_repro.train.config import compose, model_args_from
 from mta_repro.errors import UserError
 from mta_repro.model import ModelArgs, build_model
-from mta_repro.model.flops import train_flops_per_token
+from mta_repro.model.flops import hardware_flops_per_token, model_flops_per_token
 
 SIZES = ("tiny", "300m", "550m", "880m", "1b")
 VARIANTS = ("baseline", "diff", "talking_heads", "mta")
@@ -38,7 +38,8 @@ def count(args: ModelArgs, seq_len: int = 2048) -> dict:
     return {
         "total": total,
         "non_embedding": total - embedding,
-        "train_flops_per_token": train_flops_per_token(args, seq_len),
+        "model_flops_per_token": model_flops_per_token(args, seq_len),
+        "hardware_flops_per_token": hardware_flops_per_token(args, seq_len),
         "seq_len": seq_len,
     }
 
@@ -116,7 +117,7 @@ def main(argv: list[str]) -> None:
                 args = model_args_from(compose([f"model={size}", f"attention={variant}"]))
                 c = count(args, seq_len)
                 base = base if base is not None else c["total"]
-                rows.append((size, variant, c["total"], c["total"] - base, c["train_flops_per_token"]))
+                rows.append((size, variant, c["total"], c["total"] - base, c["model_flops_per_token"]))
         print(f"| size | variant | params | vs baseline | train GFLOP/token @{seq_len} |")
         print("|---|---|---:|---:|---:|")
         for size, variant, total, extra, flops in rows:

@@ -1,4 +1,12 @@
-"""FLOPs per token of each variant (dense layers, attention, and MTA's convolutions and head mixing), for MFU and planning.
+"""FLOPs per token of each variant (dense layers, attention, and MTA's convolutions and head
+mixing), two ways.
+
+Model FLOPs (``model_flops_per_token``, what MFU divides): the work the variant defines,
+whatever runs it: 3 x forward, the forward being the dense matmuls plus, per layer, Q K^T,
+A V and MTA's score transforms on the causal half of the T x T scores (the paper's cost
+model). Hardware FLOPs (``hardware_flops_per_token``): what the chosen implementation
+performs, recomputation and visited masked cells included, so it rises when an
+implementation does more work; reported as ``hfu``, never as MFU.
 
 Counts multiply-adds as 2 FLOPs, and counts what each attention path computes
 (``ModelArgs.layer_kind``):
@@ -47,6 +55,24 @@ def score_elements(args: ModelArgs, seq_len: int) -> float:
     return float(total)
 
 
+def _score_flops_per_element(args: ModelArgs, kind: str) -> int:
+    """FLOPs of one (query, key) score element per head on the explicit path."""
+    H, m = args.n_heads, args.mta
+    per_elem = 4 * args.resolved_head_dim  # Q K^T and A V
+    if kind == "kq_conv":
+        for c_q, c_k in ((m.query_kernel_size, m.key_kernel_size),
+                         (m.after_sm_query_kernel_size, m.after_sm_key_kernel_size)):
+            if c_q is not None:
+                per_elem += 2 * c_q * c_k
+    if m.pre_sm_linear_head:
+        per_elem += 2 * H
+    if m.head_kernel_size:
+        per_elem += 2 * m.head_kernel_size
+    elif m.post_sm_linear_head:
+        per_elem += 2 * H
+    return per_elem
+
+
 def _per_layer(args: ModelArgs, seq_len: int, kind: str) -> tuple[float, float]:
     """(forward attention FLOPs per token, score-path FLOPs recomputed in backward)."""
     H, hd = args.n_heads, args.resolved_head_dim
@@ -60,20 +86,7 @@ def _per_layer(args: ModelArgs, seq_len: int, kind: str) -> tuple[float, float]:
             return _per_layer(replace(args, attn_impl=attention_ops.attn_impl(args.attn_impl).fallback), seq_len, kind)
         fwd, bwd = counted
         return fwd, bwd - 2 * fwd  # training = 3 x fwd + this = fwd + bwd
-    m = args.mta
-    per_elem = 4 * hd  # Q K^T and A V
-    if kind == "kq_conv":
-        for c_q, c_k in ((m.query_kernel_size, m.key_kernel_size),
-                         (m.after_sm_query_kernel_size, m.after_sm_key_kernel_size)):
-            if c_q is not None:
-                per_elem += 2 * c_q * c_k
-    if m.pre_sm_linear_head:
-        per_elem += 2 * H
-    if m.head_kernel_size:
-        per_elem += 2 * m.head_kernel_size
-    elif m.post_sm_linear_head:
-        per_elem += 2 * H
-    fwd = H * per_elem * score_elements(args, seq_len) / seq_len
+    fwd = H * _score_flops_per_element(args, kind) * score_elements(args, seq_len) / seq_len
     return fwd, (fwd if args.attn_impl == "blocked" else 0.0)
 
 
@@ -89,6 +102,24 @@ def forward_flops_per_token(args: ModelArgs, seq_len: int) -> dict[str, float]:
     return {"dense": float(dense), "attention": attn, "recompute": recompute, "total": float(dense + attn)}
 
 
-def train_flops_per_token(args: ModelArgs, seq_len: int) -> float:
+def hardware_flops_per_token(args: ModelArgs, seq_len: int) -> float:
+    """Training FLOPs per token that ``args.attn_impl`` performs (3 x forward + recomputation)."""
     f = forward_flops_per_token(args, seq_len)
     return 3.0 * f["total"] + f["recompute"]
+
+
+def model_flops_per_token(args: ModelArgs, seq_len: int) -> float:
+    """Training FLOPs per token the variant defines (3 x forward; explicit layers on the
+    causal half of the scores, as the fused sdpa path counts), the same for every
+    implementation: MFU's numerator."""
+    d, L = args.dim, args.n_layers
+    inner = args.n_heads * args.resolved_head_dim
+    kv_inner = args.resolved_n_kv_heads * args.resolved_head_dim
+    total = L * 2 * (2 * d * inner + 2 * d * kv_inner + 3 * d * args.ffn_hidden_dim) + 2 * d * args.vocab_size
+    for i in range(L):
+        kind = args.layer_kind(i)
+        if kind in ("sdpa", "diff"):
+            total += _per_layer(args, seq_len, kind)[0]
+        else:
+            total += args.n_heads * _score_flops_per_element(args, kind) * seq_len / 2
+    return 3.0 * float(total)

@@ -39,7 +39,7 @@ from mta_repro.train.cpu_malloc import fix_mmap_threshold
 from mta_repro.dataclass_config import to_dataclass
 from mta_repro.errors import NoSpaceError, StopRequested, UserError
 from mta_repro.model import build_model, to_model_args
-from mta_repro.model.flops import train_flops_per_token
+from mta_repro.model.flops import hardware_flops_per_token, model_flops_per_token
 from mta_repro.device import launcher_rank
 from mta_repro.model.loss import cross_entropy
 from mta_repro.train.args import CheckpointArgs, TrainerArgs
@@ -303,8 +303,9 @@ def check_finite(values: list[tuple[int, float, float]], latest: Optional[Path])
 
 
 def metrics_record(state: TrainState, values: StepValues, lr: float, info: DistInfo, meter: Throughput,
-                   flops_tok: float, peak: Optional[float]) -> dict[str, Any]:
-    """The metrics.jsonl line of a logged step (collective: data counts are summed over ranks)."""
+                   flops_tok: tuple[float, float], peak: Optional[float]) -> dict[str, Any]:
+    """The metrics.jsonl line of a logged step (collective: data counts are summed over ranks).
+    ``flops_tok``: (model, hardware) training FLOPs per token, for ``mfu`` and ``hfu``."""
     tps = meter.rate()
     loader = state.loader
     record = {
@@ -318,7 +319,8 @@ def metrics_record(state: TrainState, values: StepValues, lr: float, info: DistI
         "tokens_per_s_global": tps,
         "tokens_per_s_per_gpu": tps / info.world_size,
         "peak_mem_gb": peak_mem_gb(info.device),
-        "mfu": mfu(tps, flops_tok, peak, info.world_size),
+        "mfu": mfu(tps, flops_tok[0], peak, info.world_size),
+        "hfu": mfu(tps, flops_tok[1], peak, info.world_size),
         "tokens_seen": state.tokens_seen,
     }
     counts = _summed(loader, "token_counts", info)  # tokens trained on per domain
@@ -445,7 +447,7 @@ class LoopParts:
     meter: Throughput
     values: StepValues
     attn_used: Optional[str]
-    flops_tok: float
+    flops_tok: tuple[float, float]  # (model, hardware) training FLOPs per token
     peak: Optional[float]
     clip: float
     loader: Any
@@ -456,6 +458,7 @@ class LoopParts:
         root_node = OmegaConf.structured(args)
         config = OmegaConf.to_container(root_node, resolve=True)
         seq_len = args.data.seq_len
+        model_args = to_model_args(args.model)
         # before the logger: a stop while the validation set is read leaves no metrics file open
         validator = maybe_validator(OmegaConf.create({"data": root_node.data}), args.trainer, info, seq_len,
                                     check=preempt.check)
@@ -466,7 +469,8 @@ class LoopParts:
             validator=validator,
             saver=Checkpointing(manager, args.checkpoint.every, state, last_saved=state.step if resumed else None),
             preempt=preempt, meter=Throughput(info.device), values=StepValues(info),
-            attn_used=attn_used, flops_tok=train_flops_per_token(to_model_args(args.model), seq_len),
+            attn_used=attn_used, flops_tok=(model_flops_per_token(model_args, seq_len),
+                                            hardware_flops_per_token(model_args, seq_len)),
             peak=device_peak_flops(info.device), clip=args.optim.clip if args.optim.clip > 0 else float("inf"),
             loader=state.loader,
         )

@@ -1,9 +1,11 @@
 """metrics.jsonl, the progress bar, wandb and MFU.
 
-MFU = achieved FLOP/s / (peak FLOP/s of one device * world size), with the FLOPs per
-token of the variant that runs (``mta_repro.model.flops.train_flops_per_token``, spec
-section 7) and the dense bf16 peak of the device that ran, looked up by its name; the
-peak is unknown on CPU (and on unlisted GPUs), and ``mfu`` is then null.
+MFU = achieved FLOP/s / (peak FLOP/s of one device * world size), with the model FLOPs per
+token of the variant (``mta_repro.model.flops.model_flops_per_token``: the same whichever
+implementation runs it) and the dense bf16 peak of the device that ran, looked up by its
+name; ``hfu`` is the same ratio for the FLOPs the implementation performs
+(``hardware_flops_per_token``: recomputation included). The peak is unknown on CPU (and
+on unlisted GPUs), and both are then null.
 """
 
 from __future__ import annotations

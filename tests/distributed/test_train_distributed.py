@@ -25,7 +25,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 
 ROOT = Path(__file__).resolve().parents[2]
 HERE = Path(__file__).resolve().parent

@@ -21,7 +21,7 @@ from mta_repro.kernels.interface import post_mix_matrix
 from mta_repro.kernels.tuning import KernelTuning
 from mta_repro.model import attention_ops
 
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton not installed")
+pytestmark = [pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton not installed"), pytest.mark.triton]
 TRITON = attention_ops.attn_impl("triton")
 
 

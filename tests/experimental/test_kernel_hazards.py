@@ -28,7 +28,7 @@ from mta_repro.kernels.tuning import KernelTuning
 from mta_repro.model import attention_ops
 from tests.experimental.test_attn_triton import params, qkv
 
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton not installed")
+pytestmark = [pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton not installed"), pytest.mark.triton]
 
 
 def grads_of(impl, q, k, v, p, mask, training=False, seed=None):

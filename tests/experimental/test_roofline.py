@@ -404,6 +404,7 @@ KERNEL = textwrap.dedent("""\
     """)
 
 
+@pytest.mark.triton
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton not installed")
 def test_a_real_sm90_compile_counts_its_tensor_core_dot(tmp_path):
     """A 64x64x64 bf16 dot in a loop of 4, compiled for sm_90 (no GPU needed): 4 x 64^3
@@ -437,6 +438,7 @@ def test_a_real_sm90_compile_counts_its_tensor_core_dot(tmp_path):
     assert ptx["tc_macs_per_program"] >= 64**3  # one iteration's worth, statically
 
 
+@pytest.mark.triton
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton not installed")
 def test_the_shipped_kernel_compiles_for_an_h200_within_its_limits(tmp_path):
     """compile_report.py on the kernels as shipped (the 880M layer kinds, sm_90, the

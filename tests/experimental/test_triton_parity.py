@@ -11,7 +11,7 @@ import pytest
 import test_attn_impls as core
 import test_gqa as gqa
 
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton not installed")
+pytestmark = [pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton not installed"), pytest.mark.triton]
 
 
 @pytest.mark.parametrize("pad_key, pre, post, mix, wpsm", core.OPTIONS)
