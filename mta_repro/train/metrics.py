@@ -1,8 +1,8 @@
 """metrics.jsonl, the progress bar, wandb and MFU.
 
 MFU = achieved FLOP/s / (peak FLOP/s of one device * world size), with the FLOPs per
-token of the variant that runs (``mta_repro.model.flops.train_flops_per_token``, spec
-section 7) and the dense bf16 peak of the device that ran, looked up by its name; the
+token of the variant that runs (``mta_repro.model.flops.train_flops_per_token``) and the
+dense bf16 peak of the device that ran, looked up by its name; the
 peak is unknown on CPU (and on unlisted GPUs), and ``mfu`` is then null.
 """
 
