@@ -115,8 +115,8 @@ class CheckpointArgs:
     # "module:function" called as fn(event, step, path) at the two moments of a save that a
     # kill can tear: "written" (this rank's files of `step` are on disk in the temporary
     # folder `path`, not yet marked complete) and "async_writing" (an async save's
-    # background write of `path` has begun). For tests that inject faults there (tests/
-    # fixtures/faults.py) and for instrumentation; nothing a run's numbers depend on.
+    # background write of `path` has begun). For tests that inject faults there
+    # (tests/fixtures/faults/faults.py) and for instrumentation; nothing a run's numbers depend on.
     save_hook: Optional[str] = field(default=None, metadata={"run_dir": "free"})
     # A resume (or a start from init_from's data position) checks that the text the run
     # already read of its data files is unchanged, and refuses one whose bytes changed,
