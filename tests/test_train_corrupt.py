@@ -82,7 +82,7 @@ def test_truncated_distcp_falls_back_to_the_previous_and_resumes_exactly(base, t
     err = capsys.readouterr().err
     assert "falling back to" in err and "resumed from" in err and "at step 2" in err
     # Said once: the line on stderr; the warning is a FallbackWarning, which Python's
-    # warning display ignores by default (it used to print the same text a second time).
+    # warning display ignores by default (else the same text would print a second time).
     assert err.count("is unreadable") == 1
     import subprocess
     import sys

@@ -66,9 +66,8 @@ class DataArgs:
     tokenizer: TokenizerArgs = field(default_factory=TokenizerArgs)
     # Records (JSONL lines) longer than this many bytes are skipped and counted as bad
     # ("oversize", logged as data_bad/oversize): read past in pieces, never held or
-    # tokenized whole. 16 MiB is ~160x the largest record of the bundled corpus; tokenizing
-    # 16 MiB of text with the bundled sentencepiece model took 16 s and 0.66 GB, 64 MiB 66 s
-    # and 2.6 GB (2-core x86_64 CPU), so a 400 MB record would need ~16 GB.
+    # tokenized whole. 16 MiB is ~160x the largest record of the bundled corpus, and small
+    # enough to tokenize, which memory grows with (docs/trust.md has the measurements).
     max_record_bytes: int = 16 << 20
 
 

@@ -5,26 +5,20 @@ numpy Generator), the domain's stream gives its next document, the tokenizer wra
 BOS ... EOS, and the tokens are appended to a running sequence that is cut into
 ``seq_len + 1`` windows (no document masking; a document may span windows). Windows go
 through a shuffle buffer (``shuffle_buffer`` windows; each output is a uniformly drawn
-slot that is refilled with the next window) and ``batch_size`` of them form a batch:
-``input = window[:-1]``, ``target = window[1:]``. A batch first reads what it needs (the
-buffer's first fill: the warm-up), then cuts and draws without reading; ``ready`` does the
-reading ahead with a stop check between documents. A first batch that needs more tokens
-than the rank's share of the split holds is refused when the loader is built.
+slot refilled with the next window) and ``batch_size`` of them form a batch:
+``input = window[:-1]``, ``target = window[1:]``. ``ready`` reads ahead what the next batch
+needs, with a stop check between documents. A first batch that needs more tokens than the
+rank's share of the split holds is refused when the loader is built. A domain's stream
+repeats its files in the same order once exhausted (epochs are counted in the state).
 
-A domain's stream repeats its share of the files in the same order once exhausted
-(epochs are counted in the state); the domain draws and the buffer differ each time.
-
-Every piece of the iterator's state is plain data (``state_dict``): the domain streams'
-file positions, both RNG states, the packing remainder, the buffer's windows, counters.
-``load_state_dict`` on a fresh loader continues with exactly the batches the original
-would have produced next. With ``prefetch > 0`` a background thread makes batches ahead;
-each queued batch carries the state *after* it, so ``state_dict()`` is the state of the
-last batch handed out, whatever the thread has done since.
-
-The state also says what the run read (docs/provenance.md): each stream's shard (kept for
-the run's life) and the sha256 of the text read of its current file, and ``files`` (size,
-mtime, sha256 of each file read to its end). ``load_state_dict`` checks them (a stat, a
-rehash only on a changed stat) and leaves its findings in ``input_check``.
+Every piece of the iterator's state is plain data (``state_dict``): the streams' file
+positions, both RNG states, the packing remainder, the buffer's windows, counters, so
+``load_state_dict`` on a fresh loader continues with exactly the batches the original would
+have produced next. With ``prefetch > 0`` a background thread makes batches ahead; each
+queued batch carries the state *after* it, so ``state_dict()`` is the state of the last
+batch handed out. The state also says what the run read (each stream's shard, the sha256
+of the text read, the files read to their end); ``load_state_dict`` checks it and leaves
+its findings in ``input_check`` (docs/provenance.md).
 """
 
 from __future__ import annotations

@@ -3,28 +3,24 @@
 Two layouts (``data.layout``):
 
 - ``slimpajama``: the SlimPajama-627B release, ``<root>/<split>/chunkK/*.jsonl.zst``; every
-  file mixes all domains, told apart by ``meta.redpajama_set_name``. A domain's stream
-  reads every file of the rank's shard and keeps its own records (each domain stream
-  decompresses the shard once per pass: fine for the bundled corpus; for the full
-  release, ``scripts/prepare_slimpajama.py`` makes the cheaper per-domain layout).
+  file mixes all domains, told apart by ``meta.redpajama_set_name``, so a domain's stream
+  reads every file of the rank's shard and keeps its own records (fine for the bundled
+  corpus; for the full release ``scripts/prepare_slimpajama.py`` writes the cheaper
+  per-domain layout).
 - ``domains``: ``<root>/<domain>/*.jsonl[.zst]``, one directory per domain.
 
-Per-rank sharding (``shard_files``) reads every line of every file exactly once per
-epoch across the ranks, for any world size: with at least as many files as ranks, file
-i goes to rank i % world_size (ranks may get one file more than others); with fewer
-files than ranks, each file is cut into k = W / gcd(files, W) parts by line number
-(line j in part j % k) and the lcm(files, W) parts are dealt round-robin, so every rank
-reads the same number of parts (balanced to a line per part).
+``shard_files`` deals the files to the ranks so that every line of every file is read
+exactly once per epoch across the ranks, for any world size (whole files, or line-strided
+parts when there are fewer files than ranks; data/README.md).
 
-A stream's position is plain data: shard file index, line number and byte offset (in
-the decompressed stream) of the next line, epoch. A file is reopened at a saved offset by
-reading (``.zst``: decompressing) its text up to it, which also recomputes the sha256 of
-those bytes: the reader hashes every byte it hands out, so the state can say what the run
-read of each file (``mta_repro/data/loader.py`` records and checks it;
-docs/provenance.md). A stream keeps the shard it was started with (``shard`` in its
-state): files that appear later are not read by the run, files that vanish are skipped.
-A record longer than ``data.max_record_bytes`` is skipped, counted as bad (``oversize``),
-never held whole.
+A stream's position is plain data: shard file index, line number and byte offset (in the
+decompressed stream) of the next line, epoch. A file is reopened at a saved offset by
+reading its text up to it, which also recomputes the sha256 of those bytes: the reader
+hashes every byte it hands out, so the state can say what the run read of each file
+(``mta_repro/data/loader.py`` records and checks it; docs/provenance.md). A stream keeps
+the shard it was started with: files that appear later are not read by the run, files
+that vanish are skipped. A record longer than ``data.max_record_bytes`` is skipped and
+counted as bad (``oversize``), never held whole.
 """
 
 from __future__ import annotations

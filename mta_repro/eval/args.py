@@ -20,7 +20,7 @@ class PplArgs:
     # compared at, docs/evaluation.md). Each window scores seq_len tokens. Longer than
     # the trained context only with extrapolate=true.
     seq_len: Optional[int] = None
-    # Windows per batch (spec: 4) and batches per domain at most (spec: 256).
+    # Windows per batch and batches per domain at most: 4 and 256, as the release's eval.
     batch_size: int = 4
     max_batches: Optional[int] = 256
     # Domains to evaluate; null = every domain of the run's data config.

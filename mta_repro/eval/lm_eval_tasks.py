@@ -26,8 +26,8 @@ LAMBADA = ["lambada_standard", "lambada_openai"]
 def task_manager(include_path: Optional[str] = None):
     """lm-eval's TaskManager, with the index of lm-eval's own tasks read from a cache.
 
-    Building that index parses lm-eval's ~15,000 task YAMLs (4-7 s, ~50 s on a loaded machine) and every
-    evaluation process did it again; the index depends only on the installed lm-eval, so
+    Building that index parses lm-eval's ~15,000 task YAMLs (seconds, a minute on a loaded
+    machine) in every evaluation process; the index depends only on the installed lm-eval, so
     it is kept as JSON in ``$MTA_REPRO_CACHE`` (default ``~/.cache/mta_repro``), keyed by
     lm-eval's version, location and tasks-folder mtime. ``include_path`` folders are
     always indexed afresh (they are small and change). Any mismatch with lm-eval's

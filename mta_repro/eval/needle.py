@@ -1,30 +1,24 @@
 """Multi-needle needle-in-a-haystack (the paper's section 4; the template is the project's).
 
-Template (RULER-style needles, Kamradt-style insertion), all at the token level of the
-model's tokenizer so that every prompt is exactly ``context_len - max_new_tokens``
-tokens long (the answer is generated inside ``context_len``, as RULER counts it):
+RULER-style needles with Kamradt-style insertion, all at the token level of the model's
+tokenizer, so that every prompt is exactly ``context_len - max_new_tokens`` tokens long (the
+answer is generated inside ``context_len``, as RULER counts it):
 
     [BOS] PREAMBLE + haystack-with-needles + QUESTION
 
-- PREAMBLE = "Some special magic numbers are hidden within the following text. Make
-  sure to memorize it. I will quiz you about the numbers afterwards.\\n"
-- needle i = " One of the special magic numbers for {key_i} is: {value_i}." with a
-  distinct ``adjective-noun`` key and a distinct 7-digit value.
-- Insertion (Kamradt's multi-needle tester): needle 0 at ``depth`` % of the haystack,
-  needle i at depth + i * (100 - depth) / n_needles %; each position is moved back to
-  the previous sentence end of the background (sentences split by nltk's Punkt, as
-  BabiLong does, so "Dr." or "3.50" is no end), or to the haystack start if there is
-  none. Background = consecutive tokens of the corpus from a random sentence start.
-- QUESTION (query="one", default: one needle, chosen at random, is asked for, the
-  others are distractors) = "\\nWhat is the special magic number for {key} mentioned in
-  the provided text? The special magic number for {key} mentioned in the provided
-  text is"; query="all" asks for every number ("What are all the special magic numbers
-  mentioned in the provided text? The special magic numbers mentioned in the provided
-  text are").
-- Score (RULER string match): the fraction of the asked-for values that occur in the
+- needle i: ``NEEDLE`` with a distinct ``adjective-noun`` key and a distinct 7-digit value;
+- insertion (Kamradt's multi-needle tester): needle 0 at ``depth`` % of the haystack,
+  needle i at depth + i * (100 - depth) / n_needles %, each moved back to the previous
+  sentence end of the background (nltk's Punkt, as BabiLong splits, so "Dr." or "3.50" is
+  no end); the background is consecutive corpus tokens from a random sentence start;
+- question: ``query="one"`` (default) asks for one needle chosen at random, the others are
+  distractors; ``query="all"`` asks for every number;
+- score (RULER string match): the fraction of the asked-for values that occur in the
   greedy answer (``max_new_tokens`` tokens, cut at the first newline).
+
 Results: accuracy per (context length, needle count, depth), and per needle count
-averaged over depths (the paper's presentation).
+averaged over depths (the paper's presentation). The texts word for word: ``PREAMBLE``,
+``NEEDLE``, ``QUESTION_ONE`` and ``QUESTION_ALL`` below (and docs/evaluation.md).
 """
 
 from __future__ import annotations

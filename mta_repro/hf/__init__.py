@@ -9,16 +9,13 @@ folder with our own self-contained modeling file, loaded with
 ``AutoModelForCausalLM.from_pretrained(<dir>, trust_remote_code=True)``; both give our logits.
 Into a new, empty or earlier export folder only (``--force``: another), umask file modes.
 
-Import. A Llama checkpoint folder as downloaded (config.json, safetensors, sharded with
-``model.safetensors.index.json`` or not; see docs/llama3.md) becomes a consolidated
-``.pt`` of our baseline: grouped-query attention kept (``model.n_kv_heads``), tied or
-untied embeddings, RoPE with Llama 3.1/3.2's ``rope_scaling`` (rope_type "llama3"), the
-weights in the checkpoint's dtype, read one tensor at a time (an 8B import holds the
-converted weights plus one shard, not two copies). Train from it with
+Import. A Llama checkpoint folder as downloaded (sharded safetensors or not; docs/llama3.md)
+becomes a consolidated ``.pt`` of our baseline: grouped-query attention, tied or untied
+embeddings and Llama 3.1/3.2's ``rope_scaling`` (rope_type "llama3") kept, the weights in
+the checkpoint's dtype, read one tensor at a time. Train from it with
 ``checkpoint.init_from=<out.pt>`` (``checkpoint.init_mode=baseline_to_mta``: Appendix I).
-
-Layouts. Our interleaved RoPE pairs (2i, 2i+1) are HF's halves (i, i + d/2) after permuting
-the rows of each head of wq and wk (q.k is unchanged). RMSNorm, SwiGLU and scaling match.
+Our interleaved RoPE pairs (2i, 2i+1) are HF's halves (i, i + d/2) after permuting the rows
+of each head of wq and wk (q.k is unchanged).
 
 Refused in one line: rope_scaling types other than default and llama3, biases, activations
 other than SiLU, ``pytorch_model.bin``; before any tensor is read, a damaged safetensors

@@ -3,7 +3,7 @@
  *
  * Compiled on first use by mta_repro/kernels/kq_conv_cpu.py (cc -O3 -march=native
  * -fopenmp) and called through ctypes. Why not F.conv2d: its depthwise backward on CPU is
- * the largest single cost of an MTA layer (PERF_NOTES.md). Each output row stays in L1
+ * the largest single cost of an MTA layer (scripts/bench_kq_conv.py). Each output row stays in L1
  * while every tap adds a shifted input row to it; those loops vectorise along the keys.
  *
  * Layout (contiguous): P = B*H planes of R rows x K keys, plane p uses kernel head p % H.

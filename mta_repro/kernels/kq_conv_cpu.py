@@ -1,8 +1,9 @@
 """The key-query convolution on CPU through small C loops (``kq_conv.c``).
 
-``F.conv2d``'s depthwise backward is the largest single cost of an MTA layer on CPU
-(4.0 of 8.2 s of an MTA training step in the profile of docs/models.md). The C file computes the forward, the input gradient and
-the weight gradient with loops that vectorise along the key axis; it is compiled with the
+``F.conv2d``'s depthwise convolution, its backward above all, is the largest single cost of
+an MTA layer on CPU: 6.9x the C kernel's time for one query block's forward and backward
+(``scripts/bench_kq_conv.py``; docs/models.md). The C file computes the forward, the input
+gradient and the weight gradient with loops that vectorise along the key axis; it is compiled with the
 system C compiler on first use (about a second) into ``$MTA_REPRO_KERNEL_CACHE`` (default
 ``~/.cache/mta_repro``), keyed by the source, the flags and the CPU, and called through
 ctypes on contiguous float32/float64 tensors. The op is a ``torch.library.custom_op`` with

@@ -1,29 +1,21 @@
 """The key-query convolution of the ``blocked`` path as Triton kernels (the CUDA route).
 
-On CUDA, ``F.conv2d`` of a bf16 16-group depthwise kernel is not cuDNN (PyTorch sends only
-fp16 depthwise convs with >= 32 channels there): it runs ATen's native
-``conv_depthwise2d``, a generic tap loop whose weight gradient launches one block per
-(head, tap), each reducing over the whole batch x rows x keys. These kernels replace it
-with the same contract as the CPU C kernel (``kq_conv_cpu``):
+On CUDA, ``F.conv2d`` of a bf16 16-group depthwise kernel is not cuDNN but ATen's generic
+``conv_depthwise2d``, whose weight gradient launches one block per (head, tap), each
+reducing over the whole batch x rows x keys. These kernels replace it with the same
+contract as the CPU C kernel (``kq_conv_cpu``):
 
     y[i, j] = sum_{a < c_q, b < c_k} w[a, b] * x[i + a - ro, j + b - pl]   per (batch, head) plane,
 
 with x read as 0 outside the plane and above the diagonal (key j > row i + ``diag``) and y
 written as 0 there. Forward and input gradient are this correlation (the input gradient
-with the flipped kernel, rows looking forward); the weight gradient is its own kernel.
+with the flipped kernel); the weight gradient is its own kernel.
 
-How a tile is computed (why it is fast on a GPU): an output tile of BR rows x BC keys
-needs, for each of the c_q row shifts, one (BR, BCH) window of x (BCH >= BC + c_k - 1, the
-tile plus its key halo), loaded once per shift. The c_k key taps of that shift are then one
-product with a banded Toeplitz matrix T_a[m, c] = w[a, m - c] (0 <= m - c < c_k):
-``acc += X_a @ T_a``, a (BR, BCH) x (BCH, BC) ``tl.dot`` on tensor cores with fp32
-accumulation (bf16 operands; fp32 inputs use exact "ieee" products, fp64 inputs fp64).
-Tiles entirely above the diagonal are skipped (written as zeros), as the C kernel skips
-them on CPU. The weight gradient is the transposed product: per key tile, for each row
-shift a, M_a = sum over row tiles of X_a^T @ gy (BCH, BC), accumulated in registers over
-the program's whole column of tiles; its c_k diagonals (gw[a, b] = sum_c M_a[c + b, c])
-are summed once per program and written to a (planes, key tiles, c_q, c_k) buffer that is
-summed once more on the host side (no atomics, deterministic).
+Each of the c_q row shifts of an output tile loads one window of x (the tile plus its key
+halo) once, and its c_k key taps become one ``tl.dot`` with a banded Toeplitz matrix of the
+kernel (tensor cores, fp32 accumulation); tiles above the diagonal are skipped. The weight
+gradient is the transposed product, reduced per program and then on the host (no atomics,
+deterministic). docs/gpu.md (section 2) describes the tiles and their sm_90 compile.
 
 ``kq_conv`` is a ``torch.library.custom_op`` with a fake implementation and a registered
 backward, so it traces under ``torch.compile`` without a graph break. It runs on CUDA

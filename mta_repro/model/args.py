@@ -2,7 +2,7 @@
 
 Field names follow the official release (facebookresearch/RAM, projects/mta, built on
 Meta Lingua) so that a release YAML's ``model:`` section loads here unchanged.
-Cross-field rules are checked in ``__post_init__`` and raise ``ValueError`` naming the
+Cross-field rules are checked in ``__post_init__`` and raise ``UserError`` naming the
 field, so a bad combination fails when the config is turned into these objects
 (``OmegaConf.to_object`` or ``build_model``), before any work starts.
 """
@@ -159,10 +159,9 @@ class ModelArgs:
     # Triton's interpreter, blocked elsewhere). Faster kernels plug in there.
     attn_impl: str = "blocked"
     # Query rows per block of attn_impl=blocked; null = per device
-    # (attention_ops.DEFAULT_BLOCK_SIZE: 128 on CPU, fastest for kq-conv layers at T=2048
-    # and 4096 there, scripts/bench_attention.py --block-sizes; 512 on CUDA, an estimate
-    # that scripts/gpu_acceptance.py checks). The score path's working set is a few
-    # B x H x (block + halo) x T tensors.
+    # (attention_ops.DEFAULT_BLOCK_SIZE, which says why: 128 on CPU, measured in
+    # docs/models.md; 512 on CUDA, an estimate scripts/gpu_acceptance.py checks). The score
+    # path's working set is a few B x H x (block + halo) x T tensors.
     attn_block_size: Optional[int] = None
     # Before training on a non-CPU device, check attn_impl there, in the run's dtype, on each
     # explicit layer kind against the float64 reference (mta_repro/model/selfcheck.py):
@@ -176,8 +175,9 @@ class ModelArgs:
     # points ``mta.mta_layers`` here; changing it alone changes nothing.
     kq_conv_layers: Optional[str] = None
     mta: MTAArgs = field(default_factory=MTAArgs)
-    # How the attention kernels compute (kernels/interface.py KernelTuning: the kq-conv backend,
-    # compiling the query block, tiles, frames, programs; docs/environment.md has the table).
+    # How the attention kernels compute (mta_repro/kernels/tuning.py KernelTuning: the kq-conv
+    # backend, compiling the query block, the Triton kernels' tiles and launch sizes;
+    # docs/environment.md has the table).
     # The same numbers within float tolerance under every setting, so free to change within
     # a run dir; a saved config without it loads with the defaults.
     kernels: KernelTuning = field(default_factory=KernelTuning)

@@ -10,20 +10,16 @@ without touching the model.
 Shapes: B batch, H heads, Tq queries, Tk keys, d head_dim. Query row i sits at absolute
 position ``q_offset + i``; keys sit at 0..Tk-1 (a KV cache holds the earlier ones).
 
-Two implementations of the explicit path are built in (``model.attn_impl``):
-- ``torch``: the reference, the release's computation on the whole (B, H, Tq, Tk) score
-  matrix; every other implementation is tested against it.
-- ``blocked`` (default): queries in blocks of ``attn_block_size`` rows, each with the
-  ``query_history`` halo rows its convolutions read, each seeing only the keys up to its
-  own last row (causal skipping); with gradients on, each block is recomputed in
-  backward (``torch.utils.checkpoint``), so nothing of size T x T outlives its block.
-  Key-query convolutions run through ``kq_conv_cpu`` (C loops) on CPU fp32/fp64,
-  ``kq_conv_triton`` (Triton kernels) on CUDA and ``F.conv2d`` elsewhere
-  (``kq_conv_backend``; ``model.kernels.kq_conv`` forces one); head mixing is one matmul
-  over the head axis.
-Others plug in by name: ``register_attn_impl``, or an entry point of the group
-``mta_repro.attn_impls`` that ``attn_impl`` loads on first use (pyproject.toml declares the
-experimental fused Triton kernels as ``triton`` that way; this module never imports them).
+Two implementations of the explicit path are built in: ``torch``, the reference (the
+release's computation on the whole (B, H, Tq, Tk) score matrix; every other implementation
+is tested against it), and ``blocked`` (default): queries in blocks of ``attn_block_size``
+rows plus the halo rows their convolutions read, each seeing only the keys up to its own
+last row and recomputed in backward, so nothing of size T x T outlives its block. Its
+key-query convolutions run in C on CPU, in Triton on CUDA and through ``F.conv2d``
+elsewhere (``kq_conv_backend``). Others plug in by name: ``register_attn_impl``, or an
+entry point of the group ``mta_repro.attn_impls`` loaded on first use (how the experimental
+fused Triton kernels register as ``triton``; this module never imports them). The engine,
+its speed and memory: docs/models.md.
 """
 
 from __future__ import annotations

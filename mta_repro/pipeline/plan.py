@@ -1,28 +1,9 @@
 """The pipeline's plan: stages x variants (+ sweep points) -> jobs with absolute hand-offs.
 
-A pipeline config (``configs/pipeline/<name>.yaml``, the ``pipeline`` node) lists:
-
-* ``variants``: attention variants (``baseline``, ``diff``, ``talking_heads``, ``mta``);
-* ``train_overrides``: Hydra overrides every training stage gets (e.g. a CPU size);
-* ``stages``: in order, each ``{name, experiment, variants, init_from, overrides, sweep,
-  eval, check_first_loss, continue_data}``. ``experiment`` and ``overrides`` may use
-  ``{variant}``; ``experiment`` may also be a {variant: experiment} map, ``overrides`` a
-  {variant: [overrides]} map. ``init_from``
-  names the stage whose run hands its weights over (same variant), or ``stage/variant``.
-  ``sweep: true`` expands the experiment's Hydra sweep (``hydra.sweeper.params``) into one
-  run per point. ``eval``: overrides of ``python -m mta_repro.eval`` for this stage's runs
-  (null: not evaluated). ``check_first_loss``: Appendix I check before training.
-  ``continue_data``: read the training data from where the ``init_from`` run stopped
-  (``mta_repro.pipeline.data``), not from the start of the stream again;
-* ``lm_eval_local``: {task: {split: file}} lm-eval tasks over local files (written as
-  ``<task>_local`` YAMLs under ``<root>/lm_eval_tasks`` and put on ``lm_eval.include_path``);
-* ``imports``: {name: local Hugging Face Llama folder} (your own download, e.g. Meta's
-  Llama 3.2 1B; nothing is fetched from a hub): one ``import:<name>`` job per entry runs
-  ``python -m mta_repro.hf import <folder> <root>/imports/<name>/consolidated.pt`` (CPU);
-  a stage's ``init_from: import:<name>`` starts from that file (after the import job), and
-  its ``check_first_loss`` checks the insertion against it (docs/llama3.md).
-  ``check_first_loss`` may also be a list of variants (e.g. ``[mta]``: the control, which
-  starts from the source unchanged, needs no check).
+A pipeline config (``configs/pipeline/<name>.yaml``, the ``pipeline`` node; its fields are
+described at ``PIPELINE_KEYS`` below) names variants and stages; ``Plan`` turns them into
+one job per training run, evaluation, Appendix I check, Hugging Face import and report,
+each with the jobs it needs first, so that the local runner and SLURM run the same plan.
 
 Every run lives at ``<root>/<stage>/<variant>`` (sweeps: ``<root>/<stage>/<point>``, the
 point named by the experiment's own run_dir, i.e. by the swept values), given to the
@@ -53,6 +34,32 @@ from mta_repro.files import read_json
 
 REPO = CONFIG_DIR.parent
 VARIANTS = ("baseline", "diff", "talking_heads", "mta")
+# The fields of a pipeline config:
+# - variants: attention variants (baseline, diff, talking_heads, mta).
+# - train_overrides: Hydra overrides every training stage gets (e.g. a CPU size).
+# - stages: in order, each {name, experiment, variants, init_from, overrides, sweep, eval,
+#   check_first_loss, continue_data}. experiment and overrides may use {variant};
+#   experiment may also be a {variant: experiment} map, overrides a {variant: [overrides]}
+#   map. init_from names the stage whose run hands its weights over (same variant), or
+#   "stage/variant", or "import:<name>" (an imports entry). sweep: true expands the
+#   experiment's Hydra sweep (hydra.sweeper.params) into one run per point. eval: overrides
+#   of `python -m mta_repro.eval` for this stage's runs (null: not evaluated).
+#   check_first_loss: the Appendix I check before training (true, or a list of variants:
+#   e.g. [mta], as the control starts from the source unchanged). continue_data: read the
+#   training data from where the init_from run stopped (mta_repro.pipeline.data), not from
+#   the start of the stream again.
+# - lm_eval_local: {task: {split: file}}: lm-eval tasks over local files (written as
+#   <task>_local YAMLs under <root>/lm_eval_tasks and put on lm_eval.include_path).
+# - imports: {name: local Hugging Face Llama folder} (your own download, e.g. Meta's Llama
+#   3.2 1B; nothing is fetched from a hub): one import:<name> job per entry runs
+#   `python -m mta_repro.hf import <folder> <root>/imports/<name>/consolidated.pt` (CPU);
+#   a stage's init_from: import:<name> starts from that file, and its check_first_loss
+#   checks the insertion against it (docs/llama3.md).
+# - report (default true): write the report of every evaluated run to <root>/report.
+# - appendix_i_tol: the largest first-loss difference, in nats, the check accepts (1e-4).
+# - slurm: resources of the evaluation, check and report jobs (training jobs take
+#   their experiment's); its partition, account, qos and constraint go to every job.
+# - name: the pipeline's name.
 STAGE_KEYS = {"name", "experiment", "variants", "init_from", "overrides", "sweep", "eval", "check_first_loss",
               "continue_data"}
 PIPELINE_KEYS = {"name", "variants", "train_overrides", "stages", "lm_eval_local", "report", "appendix_i_tol",

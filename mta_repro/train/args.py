@@ -48,9 +48,10 @@ class TrainerArgs:
     eval_batch_size: int = field(default=4, metadata={"run_dir": "safe"})
     # CPU only: fix glibc's mmap threshold at this many bytes before the model is built,
     # so that peak resident memory stays at what the tensors need (the memory pre-flight's
-    # estimate) instead of glibc's dynamic heap, which keeps GBs of freed tensors at 300M
-    # width; costs 1.1-1.9x the step time on CPU. null = glibc's default (fastest).
-    # 131072 is glibc's initial value (mta_repro/train/cpu_malloc.py, docs/memory.md).
+    # estimate) instead of glibc's dynamic heap, which keeps freed tensors resident; it
+    # costs step time (every such tensor is a fresh mmap). null = glibc's default (fastest).
+    # 131072 is glibc's initial value (mta_repro/train/cpu_malloc.py; both effects measured
+    # in docs/memory.md).
     cpu_mmap_threshold: Optional[int] = field(default=None, metadata={"run_dir": "free"})
     # Before anything is allocated, refuse in one line a model, batch and world size whose
     # memory on one rank is over the device's (GPU: free memory; CPU: the memory available,
@@ -114,8 +115,8 @@ class CheckpointArgs:
     # "module:function" called as fn(event, step, path) at the two moments of a save that a
     # kill can tear: "written" (this rank's files of `step` are on disk in the temporary
     # folder `path`, not yet marked complete) and "async_writing" (an async save's
-    # background write of `path` has begun). For tests that inject faults there (tests/
-    # fixtures/faults.py) and for instrumentation; nothing a run's numbers depend on.
+    # background write of `path` has begun). For tests that inject faults there
+    # (tests/fixtures/faults/faults.py) and for instrumentation; nothing a run's numbers depend on.
     save_hook: Optional[str] = field(default=None, metadata={"run_dir": "free"})
     # A resume (or a start from init_from's data position) checks that the text the run
     # already read of its data files is unchanged, and refuses one whose bytes changed,

@@ -8,21 +8,18 @@ Layout: ``<run_dir>/checkpoints/<step:010d>/`` holds the DCP files of a
      "scheduler": LR-scheduler state, "step": int,
      "rank{r}": {"rng": ..., "data": loader state, "tokens_seen": int} of rank r, for every rank}
 
-a ``config.yaml`` (the resolved run config it was trained with: a resume checks the
-command against it when the run's own config.yaml is gone), a ``provenance.json`` (inputs,
-step, tokens seen: mta_repro/train/provenance.py) and a ``.complete`` marker.
-Saving writes into ``.tmp-<step>``, fsyncs every file and the folder, adds the marker
-(fsynced too), then renames the directory (atomic on POSIX) and fsyncs its parent, so
-neither a kill nor a power loss midway leaves a directory that looks complete with data
-still unwritten; stale temporaries are removed at the next start; those beyond ``keep``
-are renamed ``.pruned-<step>``, then deleted (a reader never lists a half-deleted one). A
-full disk removes the save's ``.tmp-<step>`` and stops the run in one line (NoSpaceError).
+a ``config.yaml`` (the resolved run config: a resume checks the command against it when
+the run's own config.yaml is gone), a ``provenance.json`` (mta_repro/train/provenance.py)
+and a ``.complete`` marker. A save writes into ``.tmp-<step>``, fsyncs every file and the
+folder, adds the marker, renames the directory and fsyncs its parent, so neither a kill nor
+a power loss leaves a directory that looks complete with data unwritten (stale temporaries
+go at the next start); checkpoints beyond ``keep`` are renamed ``.pruned-<step>``, then
+deleted; a full disk removes the save's temporary and stops the run in one line.
 
-The scheduler and per-rank entries are run-state in plain types and tensors, stored as
-``torch.save`` bytes and read back with ``weights_only=True`` (``mta_repro.weights.safe``):
-resuming never unpickles code, like every other read in the project (docs/trust.md).
-Finding and reading weights (``init_from``, exports, release/Lingua checkpoints) is
-``mta_repro.weights``'; the layout helpers below are re-exported from there.
+The scheduler and per-rank entries are plain types and tensors, read back with
+``weights_only=True`` (``mta_repro.weights.safe``): resuming never unpickles code
+(docs/trust.md). Finding and reading weights is ``mta_repro.weights``' (the layout helpers
+below come from there).
 """
 
 from __future__ import annotations

@@ -6,16 +6,15 @@ mostly stays resident. The threshold starts at 128 KiB but is dynamic: each free
 block raises it to that block's size, up to 32 MiB. A training step allocates and frees
 many tensors of a few MiB (MTA's blocked attention: several per query block and layer), so
 after the first few the threshold has risen past them, they come from the heap, and the
-resident set keeps what they leave behind: measured 2.9 GB above the step's tensors at 300M
-width and 4096 tokens, and varying by GBs between identical runs (docs/memory.md).
+resident set keeps what they leave behind: GBs above the step's tensors at 300M width,
+varying between identical runs (docs/memory.md measures it).
 
 ``fix_mmap_threshold`` sets the threshold to a fixed value with ``mallopt`` (which also
 turns the dynamic adjustment off): the peak resident memory of a CPU run is then what its
 tensors need, which is what ``python -m mta_repro.estimate --memory`` estimates. The price
 is speed: every such tensor is a fresh ``mmap`` whose pages the kernel zeroes on first
-touch: measured on 2 cores, 1.1x the step time of the 300M-width baseline, 1.7x of its MTA
-(whose query blocks allocate the most) and 1.8-1.9x of the tiny CPU demo (docs/memory.md).
-So the trainer leaves glibc's default alone unless asked:
+touch, most for MTA, whose query blocks allocate the most (docs/memory.md has the step
+times). So the trainer leaves glibc's default alone unless asked:
 ``trainer.cpu_mmap_threshold=131072`` (bytes; glibc's initial value) fixes it on CPU
 before the model is built. A threshold set through glibc's own ``MALLOC_MMAP_THRESHOLD_``
 or ``GLIBC_TUNABLES`` is left as it is; on a C library other than glibc (musl, macOS)

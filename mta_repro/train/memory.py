@@ -5,44 +5,17 @@
 
 The estimate is the peak of one steady-state training step (the second on: AdamW's
 moments exist) on one rank. Nothing about activations is guessed: the model runs one
-forward, loss and backward on the ``meta`` device (shapes only, no memory; seconds at
-880M) in the config's compute dtype, with the trainer's activation checkpointing, and a
-dispatch mode (``_LiveBytes``) records every storage an op creates and when it is freed,
-so the running sum of live bytes is the step's memory over time, transients and the
-blocked path's query-block recomputation included. On meta the run's kernels are
-stand-ins that keep what the real ones keep: flash-like SDPA (q, k, v, output and the fp32
-log-sum-exp; on CUDA its backward also holds FlashAttention-2's fp32 dq accumulator and
-row sums), the stand-in an attention implementation registers for itself
-(``AttnImpl.meta_fn``, plus its own backward workspace, ``AttnImpl.workspace_bytes``, at
-the moment its backward starts), and the key-query convolution kernel the run's device
-picks (its fake implementation); the meta model's attention modules are handed them
-(``Attention.kernels``), nothing process-wide is swapped. The blocked path uses the run's
-device's query-block size. The parts:
-
-- parameters and AdamW moments: fp32, sharded over the world size (12 bytes per parameter
-  / world), held through the whole step;
-- gathered parameters (FSDP2): the root (embeddings) plus two blocks (the current one and
-  the prefetched next) in the compute dtype, and one block's unsharded fp32 gradients
-  before reduce-scatter;
-- gradients held across micro-batches (``grad_accum`` > 1 only): FSDP2 keeps them
-  unsharded in fp32 between reductions, 4 bytes per parameter on every rank;
-- the step peak, the larger of
-  - forward/backward: the peak of the live bytes on meta, where each parameter's gradient
-    counts from the moment backward creates it as what the run keeps (fp32, sharded: 4
-    bytes / world);
-  - the optimizer step: all gradients (4 bytes per parameter / world) plus what AdamW
-    allocates on top, measured by running its step on meta shards (torch's default on
-    CUDA, the for-each kernels, holds whole lists of temporaries; on CPU the per-parameter
-    loop, two of one parameter's; ``optim.fused`` none).
-
-Against a real CPU fp32 step, the forward/backward and optimizer peaks equal the live
-tensor bytes that torch.profiler records, up to the CPU RNG state (5 KB) that
-``torch.utils.checkpoint`` keeps per recomputed query block (tests/test_memory.py); the
-whole estimate is within 3% of a measured step's peak resident memory at 300M width with
-glibc's mmap threshold fixed (tests/test_memory_measured.py, docs/memory.md). Not
-counted: gradient clipping (in place, scalars), kernels' internal per-thread scratch,
-and on CPU the memory glibc's heap keeps after tensors are freed
-(``trainer.cpu_mmap_threshold``, mta_repro/train/cpu_malloc.py).
+forward, loss and backward on the ``meta`` device (shapes only, no memory) in the config's
+compute dtype, with the trainer's activation checkpointing, while a dispatch mode
+(``_LiveBytes``) records every storage from its creation until it is freed; the peak of
+the running sum is the step's. On meta the run's kernels are stand-ins that keep what the
+real ones keep (flash-like SDPA, an implementation's own ``AttnImpl.meta_fn`` and
+``workspace_bytes``, the key-query convolution the device picks), handed to the meta
+model's attention modules (``Attention.kernels``): nothing process-wide is swapped.
+On top of that peak, or of AdamW's step where that is larger: the fp32 parameters and
+AdamW moments sharded over the world size, FSDP2's gathered parameters and the gradients
+held across micro-batches. Every term, what is not counted, and the estimate against
+measured steps: docs/memory.md.
 
 It fits a capacity when the total is at most 90% of it (allocator fragmentation, the CUDA
 context and NCCL buffers take the rest).

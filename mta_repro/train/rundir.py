@@ -1,34 +1,22 @@
-"""Run-directory safety: the config check, the lock, ``config.yaml`` and the cleanup of a
-failed start.
+"""Run-directory safety: the lock, the config check, ``config.yaml`` and the cleanup of a
+failed start, so that a second start, another config or a failed start never damages a run.
 
 Before a run writes anything into ``run_dir`` (rank 0, ``prepare_run_dir``):
 
-0. A lock ``<run_dir>/.lock`` (host, pid, SLURM job id, start time) is taken first, before
-   anything is decided or written: a live holder refuses and the refused start touches
-   nothing; a stale one (dead pid on this host, an earlier incarnation of this SLURM job,
-   a SLURM job that is no longer running) is taken over with a warning.
+0. A lock ``<run_dir>/.lock`` (host, pid, SLURM job id, start time) is taken first: a live
+   holder refuses and the refused start touches nothing; a stale one (dead pid on this
+   host, an earlier incarnation of this SLURM job, a SLURM job no longer running) is taken
+   over with a warning.
 1. If the run dir already holds a checkpoint, the new config is compared with the saved
    ``config.yaml`` (or, if that is gone, with the config the newest checkpoint carries).
-   Fields fall in three classes:
-
-   - ``FREE``: never compared (they change nothing a run's numbers depend on: where the
-     run dir is, SLURM resources, the progress bar, prefetching, timeouts, the CPU
-     allocator's policy, the kernels' tuning ``model.kernels``, this check's own switches);
-   - ``SAFE``: may change with ``checkpoint.allow_config_change=true`` (``trainer.steps``
-     and the other trainer knobs below, ``logging.*``, checkpoint cadence/keep/export,
-     ``distributed.*`` performance settings, and the locations of the corpus, tokenizer
-     and stage source: a moved copy is the same data);
-   - everything else (``model.*``, ``data.*``, ``optim.*``, ``seed``,
-     ``checkpoint.init_mode``, ``trainer.loader``) defines the run: it can
-     never change within a run dir. ``trainer.grad_accum`` is compared as the *global*
-     batch (``data.batch_size * world_size * grad_accum``), so a run may continue on
-     another world size with the grad_accum that keeps it (see ``global_batch_error``).
-
    Each field's class is declared with it (``metadata={"run_dir": ...}``, a section's
-   ``RUN_DIR``; ``_classified``). A refused difference raises ``RunDirError`` naming the keys
-   and the ways out.
-2. ``config.yaml`` is written atomically (temporary file + rename); a previous one that
-   differs is kept as ``config.prev.yaml``.
+   ``RUN_DIR``): ``FREE`` fields are never compared, ``SAFE`` ones may change with
+   ``checkpoint.allow_config_change=true``, every other one (model, data, optimiser, seed)
+   defines the run; ``trainer.grad_accum`` is compared as the global batch, so a run may
+   continue on another world size (``global_batch_error``). A refused difference raises
+   ``RunDirError`` naming the keys and the ways out.
+2. ``config.yaml`` is written atomically; a previous one that differs is kept as
+   ``config.prev.yaml``.
 
 While it trains, rank 0 touches the lock every step (``lock_heartbeat``: its mtime says
 when the holder was last alive). A start that took the lock on a fresh run dir and fails
@@ -60,7 +48,7 @@ def _classified() -> tuple[tuple, tuple, tuple]:
     "free" | "safe"}`` (``"path": True`` for a path compared resolved), a section's
     ``RUN_DIR`` class attribute (every key under it, ``"logging."``). The classes are
     declared beside the fields they describe (mta_repro/train/args.py, data/args.py,
-    model/args.py, config.py)."""
+    model/args.py, train/config.py)."""
     import dataclasses
 
     from mta_repro.train.config import TrainConfig
