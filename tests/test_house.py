@@ -19,6 +19,22 @@ def test_no_function_in_the_trainer_is_over_60_lines():
     assert not long, long
 
 
+def test_module_docstrings_outside_the_experiments_are_short():
+    """A module docstring says what and why in at most 25 lines; measurement history belongs
+    in docs/ (with the command that measured it) or in commit bodies."""
+    long = []
+    for p in sorted((ROOT / "mta_repro").rglob("*.py")):
+        if "experimental" in p.relative_to(ROOT).parts:
+            continue
+        tree = ast.parse(p.read_text())
+        first = tree.body[0] if tree.body else None
+        if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant) and isinstance(first.value.value, str):
+            n = first.end_lineno - first.lineno + 1
+            if n > 25:
+                long.append(f"{p.relative_to(ROOT)}: {n} lines")
+    assert not long, long
+
+
 def test_no_fault_injection_reads_the_environment_in_product_code():
     """Faults are installed by the tests (checkpoint.save_hook), never read from an
     environment variable in the save path."""

@@ -296,10 +296,8 @@ def test_gpu_job_hygiene_in_the_rendered_script(tmp_path):
 
 def test_time_limit_is_a_public_shared_helper():
     from mta_repro import slurm
-    from mta_repro.eval import submit as eval_slurm
 
     assert slurm.time_limit(2880) == "2-00:00:00" and slurm.time_limit(90) == "0-01:30:00"
-    assert "_time" not in vars(eval_slurm)  # eval no longer reaches into train's private name
 
 
 def test_eval_sbatch_mem_and_exclusive(tmp_path):

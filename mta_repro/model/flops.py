@@ -1,29 +1,18 @@
-"""FLOPs per token of each variant (dense layers, attention, and MTA's convolutions and head
-mixing), two ways.
+"""FLOPs per token of each variant (dense layers, attention, MTA's convolutions and head
+mixing), counting a multiply-add as 2 FLOPs, two ways.
 
 Model FLOPs (``model_flops_per_token``, what MFU divides): the work the variant defines,
-whatever runs it: 3 x forward, the forward being the dense matmuls plus, per layer, Q K^T,
-A V and MTA's score transforms on the causal half of the T x T scores (the paper's cost
-model). Hardware FLOPs (``hardware_flops_per_token``): what the chosen implementation
-performs, recomputation and visited masked cells included, so it rises when an
-implementation does more work; reported as ``hfu``, never as MFU.
+whatever runs it: 3 x forward, the forward being the dense matmuls (projections at
+n_kv_heads for wk/wv, SwiGLU, the head) plus, per layer, Q K^T, A V and MTA's score
+transforms (c_q x c_k taps per convolution, H per full head mixing, c_h per grouped one)
+on the causal half of the T x T scores: the paper's cost model.
 
-Counts multiply-adds as 2 FLOPs, and counts what each attention path computes
-(``ModelArgs.layer_kind``):
-- dense matmuls: 2 * (attention projections + SwiGLU) per layer plus the output head
-  (wk/wv at n_kv_heads heads under grouped-query attention; the attention itself runs on
-  all n_heads query heads, K/V repeated);
-- "sdpa"/"diff": Q K^T and A V at the causal half of the T x T matrix (fused kernels
-  skip the masked half; the Differential Transformer's two A V use values of size 2d);
-- "kq_conv"/"mixing" (explicit path): Q K^T, A V and the score transforms (c_q x c_k
-  taps per convolution, H per full head mixing, c_h per grouped head mixing) on the score
-  elements the implementation visits: T x T for "torch"; for "blocked", each query block
-  of b rows plus its halo of w rows against the keys up to its last row (about T^2/2).
-Training = 3 x forward, plus one more forward of the explicit score path for "blocked",
-which recomputes each block in backward: the FLOPs it performs, not a nominal count.
-An implementation that counts its own (``AttnImpl.flops``: the experimental Triton kernels
-count the frames their passes visit) gives its forward and backward FLOPs, and training =
-their sum (reported as 3 x forward + the rest).
+Hardware FLOPs (``hardware_flops_per_token``, reported as ``hfu``): what the chosen
+implementation performs, so it rises when an implementation does more work. Fused sdpa
+visits the causal half; the explicit path visits T x T ("torch") or, for "blocked", each
+query block of b rows plus its halo of w rows against the keys up to its last row, and
+recomputes each block's score path in backward (one more forward of it). An implementation
+that counts its own (``AttnImpl.flops``) gives its forward and backward FLOPs.
 """
 
 from __future__ import annotations

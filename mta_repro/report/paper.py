@@ -92,5 +92,3 @@ TABLE5 = {
     # scaling", arXiv 2502.05795): the paper's one layer-norm-scaling configuration, 11.41
     "pre+post-softmax conv, scalar gating, layer-norm scaling": 11.41,
 }
-# Back-compatible name.
-ABLATIONS = TABLE5

@@ -43,9 +43,6 @@ TEMPLATE = ROOT / "slurm" / "train.sbatch"
 PROG = "mta_repro.train.submit"
 
 
-# Kept for callers of the old private name; use mta_repro.slurm.time_limit.
-_time = time_limit
-
 
 def _refuse_multirun(overrides: Sequence[str]) -> None:
     """An experiment with ``hydra.mode: MULTIRUN`` is a sweep: one sbatch would train only
