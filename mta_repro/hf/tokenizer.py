@@ -71,7 +71,7 @@ def _sentencepiece_tokenizer(path: str):
 
     proto = pb.ModelProto()  # pyright: ignore[reportAttributeAccessIssue]  # protobuf builds it at import
     proto.ParseFromString(Path(path).read_bytes())
-    if proto.trainer_spec.model_type != pb.TrainerSpec.BPE:  # pyright: ignore[reportAttributeAccessIssue]
+    if proto.trainer_spec.model_type != pb.TrainerSpec.BPE:  # pyright: ignore[reportAttributeAccessIssue]  # as ModelProto
         raise UserError("only sentencepiece BPE models are exported as tokenizer.json")
     ns = proto.normalizer_spec
     if ns.remove_extra_whitespaces or ns.name not in ("identity", ""):
