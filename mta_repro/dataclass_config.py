@@ -6,11 +6,15 @@ import dataclasses
 import difflib
 import typing
 from collections.abc import Mapping
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeGuard, TypeVar
 
 from mta_repro.errors import UserError
 
-T = TypeVar("T")
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
+    from omegaconf import DictConfig
+
+T = TypeVar("T", bound="DataclassInstance")
 
 
 def _dataclass_of(hint) -> Any:
@@ -90,7 +94,7 @@ def nearest_field(name: str, fields: list[str]):
     return close[0] if close else None
 
 
-def _is_dictconfig(x: Any) -> bool:
+def _is_dictconfig(x: Any) -> TypeGuard[DictConfig]:
     from omegaconf import DictConfig
 
     return isinstance(x, DictConfig)
@@ -125,7 +129,7 @@ def to_dataclass(cls: type[T], cfg: Any, where: str) -> T:
     kwargs = {}
     for name, value in cfg.items():
         sub = hints.get(name)
-        if dataclasses.is_dataclass(sub) and isinstance(value, Mapping):
+        if isinstance(sub, type) and dataclasses.is_dataclass(sub) and isinstance(value, Mapping):
             value = to_dataclass(sub, value, f"{where}.{name}")
         kwargs[name] = value
     return _no_nan(cls(**kwargs), where)

@@ -136,6 +136,17 @@ def test_run_babilong_on_tiny_model():
         run_babilong(model, tok, BabiLongArgs(tasks=["qa1"], lengths=["3k"]), background=BACKGROUND)
 
 
+def test_generated_source_without_background_is_one_line():
+    """The generated stories need documents to hide their facts in: without them, one line
+    naming the argument, not a TypeError from iterating None."""
+    from mta_repro.errors import UserError
+
+    tok = make_tokenizer()
+    model = tiny_model("baseline", vocab_size=tok.n_words, n_layers=1)
+    with pytest.raises(UserError, match=r"^babilong: source=generated needs the background .*background=\.\.\."):
+        run_babilong(model, tok, BabiLongArgs(tasks=["qa1"], lengths=["0k"]))
+
+
 def test_prompt_too_long_for_the_length_is_a_clear_error():
     tok = make_tokenizer()
     gen = BabiGenerator(tok, BACKGROUND)

@@ -254,6 +254,19 @@ def test_report_errors_and_missing_eval(tmp_path, capsys):
     assert "--label expects DIR=NAME" in capsys.readouterr().err
 
 
+def test_a_config_yaml_that_is_no_mapping_is_read_as_no_config(tmp_path, capsys):
+    """A run whose config.yaml holds a YAML list (overwritten by hand) is reported as a run
+    without a config (no size, stage pretrain), not met with a traceback."""
+    run = tmp_path / "listed"
+    run.mkdir()
+    (run / "config.yaml").write_text("- model\n- data\n")
+    (run / "metrics.jsonl").write_text(json.dumps({"step": 1, "loss": 3.0}) + "\n")
+    loaded = load_run(run)
+    assert loaded.config is None and loaded.shape is None and loaded.stage == "pretrain"
+    assert main([str(run), "--out", str(tmp_path / "out")]) == 0
+    assert "| listed | " in (tmp_path / "out" / "report.md").read_text()
+
+
 def _fake_import(path: Path, model: str) -> Path:
     """What ``python -m mta_repro.hf import`` writes, without weights: {model, config, step, source}."""
     import torch

@@ -142,6 +142,19 @@ def test_resume_false_over_checkpoints_is_refused(run):
         _train(run, "checkpoint.resume=false")
 
 
+def test_a_saved_config_that_is_no_mapping_is_refused_in_one_line(run):
+    """A run's config.yaml that holds a YAML list (overwritten by hand) is named in one line,
+    not met with a traceback from the config comparison."""
+    (run / "config.yaml").write_text("- model\n- data\n")
+    before = _snapshot(run)
+    with pytest.raises(RunDirError) as e:
+        _train(run)
+    msg = str(e.value)
+    assert len(msg.splitlines()) == 1
+    assert msg.startswith(f"{run / 'config.yaml'}: cannot be read (a YAML list, not a mapping")
+    assert _snapshot(run) == before
+
+
 def test_added_keys_are_refused_by_the_schema(tmp_path):
     from mta_repro.train.loop import train
 

@@ -243,8 +243,10 @@ class TrainLoader:
             return
         if self._thread is None:
             self._start()
+        q, thread = self._queue, self._thread
+        assert q is not None and thread is not None
         want = min(n_batches, self.args.prefetch)
-        while self._queue.qsize() < want and self._thread.is_alive():
+        while q.qsize() < want and thread.is_alive():
             if interrupt is not None:
                 interrupt()
             time.sleep(0.05)
@@ -254,6 +256,7 @@ class TrainLoader:
             return self._make_batch()
         if self._thread is None:
             self._start()
+        assert self._queue is not None
         item = self._queue.get()
         if isinstance(item, BaseException):
             self._join()
@@ -274,36 +277,41 @@ class TrainLoader:
             raise _WorkerStopped
 
     def _worker(self) -> None:
+        q = self._queue
+        assert q is not None
         try:
             while not self._stop.is_set():
                 item = (self._make_batch(self._worker_interrupt), self._state())
                 while not self._stop.is_set():
                     try:
-                        self._queue.put(item, timeout=0.1)
+                        q.put(item, timeout=0.1)
                         break
                     except queue.Full:
                         continue
         except _WorkerStopped:
             return
         except BaseException as e:  # handed to the consumer, raised there
-            self._queue.put(e)
+            q.put(e)
 
     def _join(self) -> None:
-        if self._thread is None:
+        thread, q = self._thread, self._queue
+        if thread is None:
             return
+        assert q is not None
         self._stop.set()
-        while self._thread.is_alive():
+        while thread.is_alive():
             try:  # unblock a put
-                self._queue.get_nowait()
+                q.get_nowait()
             except queue.Empty:
                 pass
-            self._thread.join(timeout=0.05)
+            thread.join(timeout=0.05)
         self._thread, self._queue = None, None
 
     def close(self) -> None:
         """Stop the prefetch thread (if any) and close open files."""
         if self._thread is not None:
             state = self._handed_state
+            assert state is not None
             self._join()
             self._load(state)  # iterator back to the last batch handed out
         for s in self.streams.values():
@@ -359,6 +367,7 @@ class TrainLoader:
         """Picklable state: a loader given it by ``load_state_dict`` yields exactly the
         batches this one would yield next."""
         if self._thread is not None:
+            assert self._handed_state is not None
             return copy.deepcopy(self._handed_state)
         return self._state()
 

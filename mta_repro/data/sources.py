@@ -237,6 +237,8 @@ class OversizeRecord(bytes):
     but a stand-in whose ``len()`` is the line's length in the file (so byte offsets stay
     right) and which ``parse_line`` counts as a bad record ("oversize")."""
 
+    size: int
+
     def __new__(cls, size: int) -> "OversizeRecord":
         obj = super().__new__(cls, b"{}\n")
         obj.size = size
@@ -377,7 +379,8 @@ def parse_record(line: bytes, set_name: Optional[str], counts: Optional[Dict[str
     return r[1]
 
 
-def epoch_order(shard: List[Tuple[str, int, int]], seed: int, domain: str, epoch: int) -> List[Tuple[str, int, int]]:
+def epoch_order(shard: Sequence[Tuple[str, int, int]], seed: int, domain: str,
+                epoch: int) -> List[Tuple[str, int, int]]:
     """A rank's files in the order of ``epoch``: epoch 0 in the corpus's order (the
     release's chunks are already shuffled), every later epoch a fresh permutation drawn
     from (data seed, domain, epoch), so repeated passes do not see the files alike."""
@@ -689,6 +692,7 @@ class DocStream:
     def _read_whole(self, name: str) -> None:
         """The reader got to the end of ``name``: record what identifies its whole text."""
         r = self._reader
+        assert r is not None
         rec = (r.size, r.mtime_ns, r.pos, r.digest())
         old = self.files.get(name)
         if old is not None and old[2:] != rec[2:] and ("changed", str(self.root / name)) not in _WARNED_FILES:

@@ -88,7 +88,8 @@ def load_hf(task: str, length: str, dataset: str = "RMT-team/babilong", limit: O
     with hub_errors(what=f"babilong {task} at {length}",
                     fix="set babilong.source=generated (the stories made here, no download)"):
         ds = load_dataset(dataset, length, split=task)
-    rows = [{"input": r["input"], "question": r["question"], "target": r["target"]} for r in ds]
+    rows = [{"input": r["input"], "question": r["question"], "target": r["target"]}  # pyright: ignore[reportCallIssue, reportArgumentType]  # datasets types a row as a list too
+            for r in ds]
     return rows[:limit] if limit else rows
 
 
@@ -333,7 +334,12 @@ def run_babilong(model, tokenizer, args, background: Optional[Iterable[str]] = N
     max_new_tokens, batch_size, seed = args.max_new_tokens, args.batch_size, args.seed
     from mta_repro.eval import dist
 
-    gen = BabiGenerator(tokenizer, background) if source == "generated" else None
+    gen = None
+    if source == "generated":
+        if background is None:
+            raise UserError("babilong: source=generated needs the background documents its stories are hidden in "
+                            "(run_babilong(..., background=...))")
+        gen = BabiGenerator(tokenizer, background)
     rng = random.Random(seed)
     # Every process builds every record (same seed, same order); under torchrun each
     # answers every world_size-th batch of prompts and the verdicts are gathered.

@@ -20,7 +20,7 @@ import sys
 import threading
 import traceback
 from contextlib import contextmanager
-from typing import Optional, Sequence
+from typing import Iterator, Optional, Sequence
 from urllib.parse import urlparse
 
 from mta_repro.errors import UserError
@@ -85,7 +85,7 @@ def offline_if_unreachable(timeout: float = 2.0) -> bool:
     return True
 
 
-def _chain(exc: BaseException):
+def _chain(exc: Optional[BaseException]) -> Iterator[BaseException]:
     seen = set()
     while exc is not None and id(exc) not in seen:
         seen.add(id(exc))

@@ -28,6 +28,7 @@ from mta_repro.train.config import trained_seq_len
 from mta_repro.errors import UserError
 from mta_repro.eval.progress import Progress
 
+from mta_repro.model import Transformer
 from mta_repro.model.generation import generate_text
 
 
@@ -39,11 +40,10 @@ def _init_distributed(device) -> tuple:
     return init(device)
 
 
-@register_model("mta_repro")
 class MTAReproLM(TemplateLM):
     def __init__(
         self,
-        model: Optional[torch.nn.Module] = None,
+        model: Optional[Transformer] = None,
         tokenizer=None,
         pretrained: Optional[str] = None,
         device: Optional[str] = "auto",
@@ -277,3 +277,7 @@ class MTAReproLM(TemplateLM):
                 out[i] = text
                 self.cache_hook.add_partial("generate_until", (ctx, {"until": list(until)}), text)
         return out
+
+
+# Registered after the class, not by decorator: lm-eval types its decorator as returning an LM.
+register_model("mta_repro")(MTAReproLM)

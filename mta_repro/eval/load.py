@@ -16,7 +16,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from mta_repro.device import resolve_device
 from mta_repro.errors import UserError
-from mta_repro.model import build_model
+from mta_repro.model import Transformer, build_model
 from mta_repro.weights import find_weights, load_weights, read_config
 
 DTYPES = {
@@ -50,10 +50,10 @@ def load_config(path: Union[str, Path]) -> DictConfig:
 
 def load_model(
     path: Union[str, Path],
-    device: Union[str, torch.device] = "auto",
+    device: Union[str, torch.device, None] = "auto",
     dtype: Union[str, torch.dtype] = torch.float32,
     identity: bool = False,
-) -> tuple[torch.nn.Module, DictConfig]:
+) -> tuple[Transformer, DictConfig]:
     """(model in eval mode on ``device``/``dtype``, resolved training config).
 
     The weights are ``mta_repro.weights.load_weights(path)``'s: the newest readable ones of
@@ -88,8 +88,9 @@ def load_model(
 
         digest = state_digest(w.state)
     model = model.to(device=device, dtype=dtype).eval()
-    model.source = {"kind": w.source.kind, "path": str(src), "step": None if w.step is None else int(w.step),
-                    "record": w.record, "weights_sha256": digest}
+    source = {"kind": w.source.kind, "path": str(src), "step": None if w.step is None else int(w.step),
+              "record": w.record, "weights_sha256": digest}
+    model.source = source  # pyright: ignore[reportArgumentType]  # nn.Module takes any value; torch types it Tensor | Module
     return model, cfg
 
 
@@ -116,7 +117,8 @@ def load_tokenizer(cfg: Any):
     try:
         from mta_repro.data.args import TokenizerArgs
 
-        tok_args = TokenizerArgs(**OmegaConf.to_container(tok_cfg, resolve=True))
+        fields = OmegaConf.to_container(tok_cfg, resolve=True)
+        tok_args = TokenizerArgs(**{str(k): v for k, v in fields.items()}) if isinstance(fields, dict) else tok_cfg
     except (ImportError, TypeError):
         tok_args = tok_cfg
     return build_tokenizer(tok_args)
@@ -133,7 +135,9 @@ def check_vocab(tokenizer, model) -> None:
         )
 
 
-def load_for_eval(path, device="auto", dtype=torch.float32, tokenizer=None, identity: bool = False):
+def load_for_eval(path: Union[str, Path], device: Union[str, torch.device, None] = "auto",
+                  dtype: Union[str, torch.dtype] = torch.float32, tokenizer=None,
+                  identity: bool = False) -> tuple[Transformer, Any, DictConfig]:
     """(model, tokenizer, cfg), with the tokenizer/vocab check done before any work."""
     model, cfg = load_model(path, device=device, dtype=dtype, identity=identity)
     tok = tokenizer if tokenizer is not None else load_tokenizer(cfg)

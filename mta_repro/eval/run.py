@@ -47,7 +47,9 @@ def compose_eval(overrides: Sequence[str] = ()) -> EvalConfig:
 
     register_eval_config()
     cfg = compose(list(overrides), config_name="eval")
-    return OmegaConf.to_object(cfg)
+    out = OmegaConf.to_object(cfg)
+    assert isinstance(out, EvalConfig)  # configs/eval.yaml is built on the eval_schema node
+    return out
 
 
 def parse_argv(argv: Sequence[str]) -> EvalConfig:

@@ -37,7 +37,7 @@ PROG = "mta_repro.eval.submit"
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog=f"python -m {PROG}", description=__doc__.split("\n\n")[0], add_help=True)
+    p = argparse.ArgumentParser(prog=f"python -m {PROG}", description=(__doc__ or "").split("\n\n")[0], add_help=True)
     p.add_argument("run_dir", help="the training run directory (made absolute against the current directory)")
     p.add_argument("overrides", nargs="*", help="mta_repro.eval overrides, e.g. eval/preset=paper tasks=[ppl]")
     p.add_argument("--after", metavar="JOBID", help="start after this job succeeds (--dependency=afterok:JOBID)")

@@ -169,7 +169,7 @@ class _LMEvalTask(EvalTask):
         return {k: v for k, v in s.items() if k not in ("benchmarks", "lambada")} | {"tasks": self.task_names(cfg)}
 
     def run(self, cfg, ctx):
-        import lm_eval
+        from lm_eval.evaluator import simple_evaluate
 
         from mta_repro.eval.hub import hub_errors
         from mta_repro.eval.lm_eval_model import MTAReproLM
@@ -184,13 +184,13 @@ class _LMEvalTask(EvalTask):
         results: dict = {}
         for shots, group in groups.items():
             with hub_errors(group):
-                out = lm_eval.simple_evaluate(
+                out = simple_evaluate(
                     model=lm, tasks=group, num_fewshot=shots, task_manager=ctx.state["lm_manager"], limit=e.limit,
                     bootstrap_iters=0, log_samples=False,
                 )
             if out is None:  # ranks other than 0 under torchrun: rank 0 has the results
                 continue
-            for name, metrics in out["results"].items():
+            for name, metrics in out["results"].items():  # pyright: ignore[reportTypedDictNotRequiredAccess]  # always set
                 results[name] = {k: v for k, v in metrics.items() if isinstance(v, (int, float)) or k == "alias"}
         return {"tasks": results, "summary": summarize_lm_eval(results, names),
                 # the metric each summary number is (lambada: perplexity)

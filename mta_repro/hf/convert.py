@@ -7,7 +7,7 @@ import json
 import shutil
 import sys
 from pathlib import Path
-from typing import Optional, Union
+from typing import Any, Optional, Union
 
 import torch
 from omegaconf import OmegaConf, open_dict
@@ -52,7 +52,7 @@ def llama_config(args: ModelArgs, bos_id: Optional[int] = None, eos_id: Optional
                  max_position_embeddings: Optional[int] = None):
     from transformers import LlamaConfig
 
-    kw = dict(
+    kw: dict[str, Any] = dict(
         vocab_size=args.vocab_size,
         hidden_size=args.dim,
         intermediate_size=args.ffn_hidden_dim,
@@ -191,7 +191,8 @@ def export_hf(path: Union[str, Path], out_dir: Union[str, Path], force: bool = F
         hf.save_pretrained(out_dir, safe_serialization=True)
     # The tokenizer: its file as is, plus how to build it here (sentencepiece models
     # and Llama-3 ranks files are what Meta's checkpoints ship as tokenizer.model).
-    tok_cfg = OmegaConf.to_container(cfg.data.tokenizer, resolve=True) if "data" in cfg else None
+    tok_node = OmegaConf.to_container(cfg.data.tokenizer, resolve=True) if "data" in cfg else None
+    tok_cfg = tok_node if isinstance(tok_node, dict) else None
     if tok_cfg and tok is not None:
         # tokenizer.json: AutoTokenizer gives training's ids (BOS + text ids)
         src = _find(tok_cfg["path"]) if tok_cfg.get("path") and tok_cfg.get("name") != "bytes" else None

@@ -15,7 +15,7 @@ Built here from the training tokenizer's own file:
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 from mta_repro.errors import UserError
 
@@ -57,7 +57,8 @@ def _tiktoken_tokenizer(path: str):
     # (4.x silently drops an unknown keyword and then fails on None).
     params = inspect.signature(TikTokenConverter.__init__).parameters
     key = "extra_special_tokens" if "extra_special_tokens" in params else "additional_special_tokens"
-    return TikTokenConverter(vocab_file=path, pattern=LLAMA3_PATTERN, **{key: llama3_special_tokens()}).converted()
+    specials: dict[str, Any] = {key: llama3_special_tokens()}
+    return TikTokenConverter(vocab_file=path, pattern=LLAMA3_PATTERN, **specials).converted()
 
 
 def _sentencepiece_tokenizer(path: str):
@@ -68,9 +69,9 @@ def _sentencepiece_tokenizer(path: str):
     from sentencepiece import sentencepiece_model_pb2 as pb
     from tokenizers import Tokenizer, decoders, models, normalizers
 
-    proto = pb.ModelProto()
+    proto = pb.ModelProto()  # pyright: ignore[reportAttributeAccessIssue]  # protobuf builds it at import
     proto.ParseFromString(Path(path).read_bytes())
-    if proto.trainer_spec.model_type != pb.TrainerSpec.BPE:
+    if proto.trainer_spec.model_type != pb.TrainerSpec.BPE:  # pyright: ignore[reportAttributeAccessIssue]  # as ModelProto
         raise UserError("only sentencepiece BPE models are exported as tokenizer.json")
     ns = proto.normalizer_spec
     if ns.remove_extra_whitespaces or ns.name not in ("identity", ""):

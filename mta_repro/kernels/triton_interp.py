@@ -39,5 +39,5 @@ def install() -> None:
         scope.set_attr(tensor, "__index__", _index)  # restored with the rest after the run
         return out
 
-    patched._mta_repro_index = True
+    patched._mta_repro_index = True  # pyright: ignore[reportAttributeAccessIssue]  # marker on a function
     interpreter._patch_lang_tensor = patched

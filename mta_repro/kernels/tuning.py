@@ -100,8 +100,8 @@ class KernelTuning:
         _count("model.kernels.triton_slab_rows", self.triton_slab_rows, "pow2")
         # parsed once: the compiled query block reads them as plain attributes (no string
         # parsing for Dynamo to trace)
-        object.__setattr__(self, "_tile", tile)
-        object.__setattr__(self, "_frame", frame)
+        self._tile: tuple[int, int] = tile  # not yet sealed: __setattr__ lets it through
+        self._frame: Optional[tuple[int, int]] = frame
         object.__setattr__(self, "_sealed", True)
 
     def __setattr__(self, name, value) -> None:

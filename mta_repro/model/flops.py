@@ -52,6 +52,7 @@ def _score_flops_per_element(args: ModelArgs, kind: str) -> int:
         for c_q, c_k in ((m.query_kernel_size, m.key_kernel_size),
                          (m.after_sm_query_kernel_size, m.after_sm_key_kernel_size)):
             if c_q is not None:
+                assert c_k is not None
                 per_elem += 2 * c_q * c_k
     if m.pre_sm_linear_head:
         per_elem += 2 * H

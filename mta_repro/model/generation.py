@@ -17,7 +17,7 @@ from typing import Callable, Optional, Sequence
 import torch
 
 from mta_repro.errors import UserError
-from mta_repro.model import KVCache
+from mta_repro.model import KVCache, Transformer
 
 
 @dataclass
@@ -55,7 +55,7 @@ def sample_next(
 
 @torch.no_grad()
 def generate(
-    model: torch.nn.Module,
+    model: Transformer,
     prompts: Sequence[Sequence[int]],
     max_new_tokens: int,
     *,
@@ -88,7 +88,7 @@ def generate(
     logits = model(tokens, cache=cache, key_valid=valid if padded else None)[:, -1]
 
     out = [[] for _ in range(bsz)]
-    out_logits = [[] for _ in range(bsz)] if return_logits else None
+    chosen_logits: list[list[torch.Tensor]] = [[] for _ in range(bsz)]
     done = [False] * bsz
     for step in range(max_new_tokens):
         nxt = sample_next(logits, temperature, top_k, top_p, generator)
@@ -98,7 +98,7 @@ def generate(
             tok = int(nxt[i])
             out[i].append(tok)
             if return_logits:
-                out_logits[i].append(logits[i].cpu())
+                chosen_logits[i].append(logits[i].cpu())
             if (eos_id is not None and tok == eos_id) or (stop_fn is not None and stop_fn(i, out[i])):
                 done[i] = True
         if all(done) or step == max_new_tokens - 1:
@@ -106,8 +106,7 @@ def generate(
         if padded:
             valid = torch.cat([valid, torch.ones((bsz, 1), dtype=torch.bool, device=device)], dim=1)
         logits = model(nxt[:, None], cache=cache, key_valid=valid if padded else None)[:, -1]
-    if return_logits:
-        out_logits = [torch.stack(x) if x else torch.empty(0) for x in out_logits]
+    out_logits = [torch.stack(x) if x else torch.empty(0) for x in chosen_logits] if return_logits else None
     return GenerationResult(tokens=out, logits=out_logits, finished=done)
 
 
@@ -120,7 +119,7 @@ def _cut_at_stop(text: str, until: Sequence[str]) -> tuple[str, bool]:
 
 @torch.no_grad()
 def generate_text(
-    model: torch.nn.Module,
+    model: Transformer,
     tokenizer,
     prompts: Sequence[str],
     max_new_tokens: int,

@@ -89,6 +89,7 @@ class LayerCheck:
     def line(self) -> str:
         if self.reason is not None:
             return f"{self.layer} layer: {self.reason}"
+        assert self.torch_err is not None
         (t_out, t_grad) = self.torch_err
         return (f"{self.layer} layer: output error {self.out_err:.1e} (allowed {REL_FACTOR:g} x {t_out:.1e} + "
                 f"{ABS_SLACK:g}), gradient error {self.grad_err:.1e} (allowed {REL_FACTOR:g} x {t_grad:.1e} + "

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Optional, cast
 
 import torch
 import torch.nn.functional as F
@@ -184,6 +184,11 @@ class Attention(nn.Module):
     parameter is declared here (None when the layer has none), under Lingua's and the
     release's names, so state dicts move between them."""
 
+    lambda_q1: Optional[nn.Parameter]
+    lambda_k1: Optional[nn.Parameter]
+    lambda_q2: Optional[nn.Parameter]
+    lambda_k2: Optional[nn.Parameter]
+
     def __init__(self, args: ModelArgs, layer_id: int):
         super().__init__()
         m = args.mta
@@ -266,7 +271,9 @@ class Attention(nn.Module):
         self.reset_mta_parameters()
         if self.kind == "diff":
             for p in (self.lambda_q1, self.lambda_k1, self.lambda_q2, self.lambda_k2):
+                assert p is not None
                 nn.init.normal_(p, mean=0.0, std=0.1)
+            assert self.subln is not None
             self.subln.reset_parameters()
 
     def reset_mta_parameters(self) -> None:
@@ -362,9 +369,11 @@ class Attention(nn.Module):
     def _diff_lambda(self, dtype: torch.dtype) -> torch.Tensor:
         """lambda = exp(lq1 . lk1) - exp(lq2 . lk2) + lambda_init, in fp32 as in unilm."""
         ct = torch.promote_types(dtype, torch.float32)
+        q1, k1, q2, k2 = self.lambda_q1, self.lambda_k1, self.lambda_q2, self.lambda_k2
+        assert q1 is not None and k1 is not None and q2 is not None and k2 is not None
         lam = (
-            torch.exp(torch.sum(self.lambda_q1 * self.lambda_k1).to(ct))
-            - torch.exp(torch.sum(self.lambda_q2 * self.lambda_k2).to(ct))
+            torch.exp(torch.sum(q1 * k1).to(ct))
+            - torch.exp(torch.sum(q2 * k2).to(ct))
             + attention_ops.lambda_init_fn(self.layer_id)
         )
         return lam.to(dtype)
@@ -471,7 +480,7 @@ class Transformer(nn.Module):
         try:
             _trunc_normal_(self.tok_embeddings.weight, self.args.dim**-0.5)
             for layer in self.layers:
-                layer.reset_parameters()
+                cast(TransformerBlock, layer).reset_parameters()  # ModuleList's items are typed as Module
             self.norm.reset_parameters()
             if not self.args.weight_tying:
                 _trunc_normal_(self.output.weight, self.args.dim**-0.5)

@@ -15,8 +15,13 @@ transformers, lm-eval or wandb. It sits on top of ``mta_repro.model`` and nothin
 package imports it. docs/mta_op.md has the examples.
 """
 
+from typing import TYPE_CHECKING
+
 from mta_repro.mta.functional import multi_token_attention, query_history
 from mta_repro.mta.module import MultiTokenAttention
+
+if TYPE_CHECKING:  # imported on first use, by __getattr__ below
+    from mta_repro.mta.hf_insertion import apply_mta, load_mta_pretrained
 
 __all__ = ["MultiTokenAttention", "apply_mta", "load_mta_pretrained", "multi_token_attention", "query_history"]
 

@@ -127,8 +127,9 @@ def multi_token_attention(
     if all(w is None for w in weights.values()):
         out = attention_ops.sdpa(q, k, v, mask, dropout_p)  # plain attention: the fused kernel
     else:
-        params = ExplicitAttnParams(**weights, pad_key=pad_key, dropout=dropout_p, block_size=attn_block_size,
-                                    tuning=kernels or DEFAULT_TUNING)
+        params = ExplicitAttnParams(mta_kernel=mta_kernel, wpsm=wpsm, mta_kernel_after_sm=mta_kernel_after_sm,
+                                    head_kernel=head_kernel, wposm=wposm, pad_key=pad_key, dropout=dropout_p,
+                                    block_size=attn_block_size, tuning=kernels or DEFAULT_TUNING)
         attn_impl, params = _checked_impl(attn_impl, q, params, selfcheck)
         out = attention_ops.explicit_attention(attn_impl, q, k, v, params, mask, training=dropout_p > 0.0)
     if subln_weight is not None:

@@ -20,7 +20,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import sys
-from typing import Optional, Sequence, Union
+from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence, TypeVar, Union
 
 import torch
 from torch import nn
@@ -38,9 +38,19 @@ OPTIONS = tuple(f.name for f in dataclasses.fields(MTAArgs) if f.name not in ("u
 CONV_OPTIONS = ("query_kernel_size", "key_kernel_size", "after_sm_query_kernel_size", "after_sm_key_kernel_size")
 CONFIG_KEY = "mta_repro"  # config.json: {"layers": [...], "conv_layers": [...], "options": {...}}
 
+T = TypeVar("T")
+
+if TYPE_CHECKING:  # the classes the mixins below are mixed into
+    from transformers import PreTrainedModel
+    from transformers.cache_utils import DynamicLayer
+
+    _CacheLayer, _Model = DynamicLayer, PreTrainedModel
+else:
+    _CacheLayer = _Model = object
+
 
 def apply_mta(
-    model: nn.Module,
+    model: PreTrainedModel,
     layers: Union[None, str, Sequence[int]] = None,
     *,
     conv_layers: Union[None, str, Sequence[int]] = None,
@@ -49,7 +59,7 @@ def apply_mta(
     kernels: Optional[KernelTuning] = None,
     selfcheck: Optional[str] = None,
     **options,
-) -> nn.Module:
+) -> PreTrainedModel:
     """Convert ``model`` (a loaded ``transformers`` Llama, Qwen2, Mistral or Qwen3 model) in
     place and return it.
 
@@ -81,7 +91,8 @@ def apply_mta(
     config = model.config
     H = config.num_attention_heads
     validated_args(H, attns[0].head_dim, options, where)  # the whole set of options, checked once
-    runtime = dict(attn_impl=attn_impl, attn_block_size=attn_block_size, kernels=kernels, selfcheck=selfcheck)
+    runtime: dict[str, Any] = dict(attn_impl=attn_impl, attn_block_size=attn_block_size, kernels=kernels,
+                                   selfcheck=selfcheck)
     converted = []
     for i in chosen:
         attn = attns[i]
@@ -124,9 +135,9 @@ def load_mta_pretrained(path, **kwargs) -> nn.Module:
 
 
 # --------------------------------------------------------------------------- layers
-def _attention_layers(model: nn.Module) -> list:
-    attns = [m for m in model.modules() if type(m).__name__ in ATTENTION_CLASSES
-             or isinstance(m, _MTAAttention)]
+def _attention_layers(model: nn.Module) -> list[Any]:
+    attns: list[Any] = [m for m in model.modules() if type(m).__name__ in ATTENTION_CLASSES
+                        or isinstance(m, _MTAAttention)]
     if not attns:
         found = sorted({type(m).__name__ for m in model.modules() if type(m).__name__.endswith("Attention")})
         raise UserError(f"apply_mta: no {' / '.join(ATTENTION_CLASSES)} layer in this {type(model).__name__} "
@@ -153,7 +164,19 @@ class _MTAAttention:
     """Mixed into a converted layer's attention class: its forward with MTA in place of the
     attention function; everything else (projections, RoPE, cache) is the model's."""
 
-    _rope = None  # the family's apply_rotary_pos_emb, set per class
+    _rope: Optional[Callable[..., Any]] = None  # the family's apply_rotary_pos_emb, set per class
+
+    if TYPE_CHECKING:  # the attributes of the transformers attention class it is mixed into
+        head_dim: int
+        layer_idx: int
+        scaling: float
+        q_proj: nn.Linear
+        k_proj: nn.Linear
+        v_proj: nn.Linear
+        o_proj: nn.Linear
+        q_norm: nn.Module
+        k_norm: nn.Module
+        mta: MultiTokenAttention
 
     def forward(self, hidden_states, position_embeddings=None, attention_mask=None, cache=None, **kwargs):
         if cache is None:  # transformers before 5 called it past_key_value(s)
@@ -166,8 +189,10 @@ class _MTAAttention:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = q.transpose(1, 2), k.transpose(1, 2)
         v = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+        rope = type(self)._rope
+        assert position_embeddings is not None and rope is not None
         cos, sin = position_embeddings
-        q, k = type(self)._rope(q, k, cos, sin)
+        q, k = rope(q, k, cos, sin)
         new = q.shape[2]
         past = 0
         if cache is not None:
@@ -210,7 +235,7 @@ def _key_valid(mask, batch: int, new: int, tk: int, past: int, layer_idx: int) -
 
 
 # ----------------------------------------------------------------------------- cache
-class _QueryHistory:
+class _QueryHistory(_CacheLayer):
     """Mixed into the cache layer of an MTA layer: besides its keys and values, the last
     ``w`` rotated queries (``mta_queries``, (B, H, <= w, d)), kept through beam search's
     reordering and batch selection. Cropping drops the cropped tokens' queries; a cache
@@ -278,7 +303,7 @@ def _with_query_history(cache, layer_idx: int, q: torch.Tensor, past: int, w: in
         # the same state in a subclass that also keeps queries (in place of the cache's layer)
         cls = _subclass(type(layer), _QueryHistory)
         upgraded = cls.__new__(cls)
-        upgraded.__dict__.update(layer.__dict__)
+        vars(upgraded).update(vars(layer))
         layers[layer_idx] = layer = upgraded
     kept = layer.mta_queries
     need = min(w, past)
@@ -295,7 +320,7 @@ def _with_query_history(cache, layer_idx: int, q: torch.Tensor, past: int, w: in
 _classes: dict = {}
 
 
-def _subclass(base: type, mixin: type, **attrs) -> type:
+def _subclass(base: type, mixin: type[T], **attrs) -> type[T]:
     """``MTA<base>``: ``mixin`` before ``base``, made once per base class and kept in this
     module under its name (so that pickling finds it)."""
     key = (base, mixin)
@@ -312,7 +337,7 @@ def _attention_class(base: type) -> type:
     return _subclass(base, _MTAAttention, _rope=staticmethod(rope))
 
 
-class _MTAModel:
+class _MTAModel(_Model):
     """Mixed into a converted model's class: built from a config that carries
     ``mta_repro`` (``from_pretrained``), it converts itself; ``save_pretrained`` writes
     ``modeling_mta.py`` and the auto_map that name it."""
@@ -337,9 +362,10 @@ def mta_model_class(base: Union[type, str]) -> type:
         import transformers
 
         name = base.removeprefix("MTA")
-        base = getattr(transformers, name, None)
-        if base is None:
+        found = getattr(transformers, name, None)
+        if not isinstance(found, type):
             raise AttributeError(f"transformers has no model class {name!r}")
+        base = found
     if issubclass(base, _MTAModel):
         return base
     auto = next((a for suffix, a in AUTO_CLASSES.items() if base.__name__.endswith(suffix)), None)

@@ -49,6 +49,7 @@ def first_batch_losses(overrides: Sequence[str], device: str = "auto") -> dict:
         model_args = to_model_args(cfg.model)
         weights = stage_start_weights(ck, model_args)  # what the trainer starts from
         inserted = build_model(model_args, device="cpu", init=False)
+        assert weights is not None  # init_from is set
         inserted.load_state_dict(weights)
         inserted = inserted.to(dev).eval()
         source, _ = load_model(ck.init_from, device=dev, dtype=torch.float32)

@@ -28,7 +28,7 @@ from mta_repro.errors import UserError
 
 def source_of(data_args) -> Path:
     root = data_args._get_parent() if isinstance(data_args, DictConfig) else None
-    src = root.checkpoint.get("init_from") if root is not None and "checkpoint" in root else None
+    src = root.checkpoint.get("init_from") if isinstance(root, DictConfig) and "checkpoint" in root else None
     if not src:
         raise UserError("trainer.loader=mta_repro.pipeline.data:build_continued_loader: needs "
                          "checkpoint.init_from (the run whose data position to continue)")

@@ -104,10 +104,10 @@ def _fmt(s: str, variant: str, where: str) -> str:
         raise UserError(f"{where}: expected a string, got {s!r}") from None
 
 
-def _experiment(stage: dict, variant: str, where: str) -> Optional[str]:
+def _experiment(stage: dict, variant: str, where: str) -> str:
     exp = stage.get("experiment")
     if exp is None:
-        return None
+        raise UserError(f"{where}.experiment: required (a configs/experiment name, may use {{variant}})")
     if isinstance(exp, (dict, DictConfig)):
         if variant not in exp:
             raise UserError(f"{where}.experiment: no experiment for variant {variant!r} (has {sorted(exp)})")
@@ -448,7 +448,8 @@ def missing_sources(plan: "Plan") -> list:
     """One line per import job still to run whose folder is not a Hugging Face model folder."""
     return [f"pipeline.imports.{j.label}: {j.hf_dir}/config.json does not exist (expected your "
             "local download of the Hugging Face model folder, docs/llama3.md)"
-            for j in plan.jobs if j.kind == "import" and not done(j) and not (j.hf_dir / "config.json").is_file()]
+            for j in plan.jobs
+            if j.kind == "import" and j.hf_dir is not None and not done(j) and not (j.hf_dir / "config.json").is_file()]
 
 
 def _json(path: Path, shape=object):
@@ -465,6 +466,7 @@ def outputs(job: Job) -> list:
     if job.kind == "check":
         return [job.run_dir / "appendix_i_check.json"]
     if job.kind == "eval":
+        assert job.eval_out is not None
         return [job.eval_out / f"{t}.json" for t in job.eval_tasks]
     if job.kind == "report":
         return [job.run_dir / "results.json"]
@@ -483,6 +485,7 @@ def torn(job: Job) -> list:
 
 def done(job: Job) -> bool:
     if job.kind == "import":
+        assert job.out_file is not None
         src = imported_from(job.out_file)
         return src is not None and Path(src).expanduser().resolve() == job.hf_dir
     if job.kind == "train":
@@ -496,6 +499,7 @@ def done(job: Job) -> bool:
         if export is None:
             return False
         t0 = export.stat().st_mtime
+        assert job.eval_out is not None
         for f in [job.eval_out / f"{t}.json" for t in job.eval_tasks]:
             data = _json(f)
             if not (isinstance(data, dict) and isinstance(data.get("results"), dict) and f.stat().st_mtime >= t0):
@@ -506,6 +510,8 @@ def done(job: Job) -> bool:
     if job.kind == "report":
         res = job.run_dir / "results.json"
         data = _json(res)
+        if not isinstance(data, dict):
+            return False
         try:
             runs = [r["path"] for r in data["runs"]]
         except (KeyError, TypeError):

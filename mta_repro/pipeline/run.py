@@ -116,7 +116,7 @@ def plan_problems(plan: Plan) -> list:
 
     lines = [line for line in [writable_dir_problem(plan.root, "root")] if line]
     lines += missing_sources(plan)
-    made = list(plan.train_dirs.values()) + [j.out_file for j in plan.jobs if j.kind == "import"]
+    made = list(plan.train_dirs.values()) + [j.out_file for j in plan.jobs if j.kind == "import" and j.out_file]
     todo = [j for j in plan.jobs if j.kind in ("train", "check") and not done(j)]
     if todo:
         with _Composer() as c:

@@ -632,9 +632,10 @@ def _set(d: dict, dotted: str, value: Any) -> None:
 
 
 def _get(d: dict, dotted: str) -> Any:
+    node: Any = d
     for p in dotted.split("."):
-        d = d[p] if isinstance(d, dict) else None
-    return d
+        node = node[p] if isinstance(node, dict) else None
+    return node
 
 
 def release_model_args(path: str | Path, overrides: tuple[str, ...] | list[str] = ()) -> ModelArgs:

@@ -70,7 +70,8 @@ def build_report(run_dirs, out: Path, kernels: bool = True, labels: Optional[dic
     for r in runs:
         why = comparability(r)
         trained = (r.config or {}).get("data", {}).get("seq_len") if isinstance(r.config, dict) else None
-        md.append(f"| {r.label} | `{r.path}` | {VARIANT_LABELS.get(r.variant, r.variant)} | "
+        label = VARIANT_LABELS.get(r.variant, r.variant) if r.variant is not None else None
+        md.append(f"| {r.label} | `{r.path}` | {label} | "
                   f"{STAGE_LABELS.get(r.stage, r.stage)} | {'—' if r.step is None else r.step} | "
                   f"{'—' if trained is None else trained} | {'no: ' + why if why else 'yes'} |")
     md.append("")

@@ -11,11 +11,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from mta_repro.report.tables import RunData  # noqa: E402
-
-
-def _res(run, task):
-    return (run.evals.get(task) or {}).get("results")
+from mta_repro.report.tables import RunData, _res, _results  # noqa: E402
 
 
 def _ctx_label(label: str, ctx) -> str:
@@ -36,7 +32,7 @@ def needle_plot(runs, out: Path) -> Optional[Path]:
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
     all_counts, all_depths = set(), set()
     for r in have:
-        for ctx, per in sorted(_res(r, "needle")["accuracy"].items(), key=lambda kv: int(kv[0])):
+        for ctx, per in sorted(_results(r, "needle")["accuracy"].items(), key=lambda kv: int(kv[0])):
             counts = sorted(per, key=int)
             ax1.plot([int(n) for n in counts], [100 * per[n]["mean"] for n in counts], marker="o",
                      label=_ctx_label(r.label, ctx))
@@ -62,11 +58,11 @@ def babilong_plot(runs, out: Path) -> Optional[Path]:
     have = [r for r in runs if _res(r, "babilong")]
     if not have:
         return None
-    tasks = sorted({t for r in have for t in _res(r, "babilong")["accuracy"]}) + ["mean"]
+    tasks = sorted({t for r in have for t in _results(r, "babilong")["accuracy"]}) + ["mean"]
     fig, axes = plt.subplots(1, len(tasks), figsize=(3.2 * len(tasks), 3.4), sharey=True, squeeze=False)
     for ax, task in zip(axes[0], tasks):
         for r in have:
-            res = _res(r, "babilong")
+            res = _results(r, "babilong")
             vals = res["mean"] if task == "mean" else res["accuracy"].get(task, {})
             lengths = list(vals)
             ax.plot(range(len(lengths)), [100 * vals[x] for x in lengths], marker="o", label=r.label)
@@ -207,6 +203,7 @@ def kernel_plot(run: RunData, out: Path, kernels: Optional[dict] = None) -> list
         fig.suptitle(f"{run.label}: learned {suffix} key-query kernels\n"
                      f"(each {c_q}x{c_k}: rows = query offset -{c_q - 1}..0, columns = key offset)", fontsize=9)
         fig.subplots_adjust(top=1 - 0.9 / fig.get_figheight(), right=0.85, hspace=0.35, wspace=0.1)
+        assert im is not None  # ks holds a kernel of at least one head
         fig.colorbar(im, ax=axes, shrink=0.8, fraction=0.04)
         safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in run.label)
         paths.append(_save(fig, out / f"kernels_{safe}_{suffix}.png"))

@@ -17,7 +17,7 @@ import io
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 from mta_repro.errors import UserError
 from mta_repro.files import fault, read_json
@@ -60,7 +60,7 @@ class RunData:
         return max(steps) if steps else None
 
 
-def _cfg_get(cfg: Optional[dict], dotted: str, default=None):
+def _cfg_get(cfg: Any, dotted: str, default: Any = None) -> Any:
     node = cfg
     for k in dotted.split("."):
         if not isinstance(node, dict) or k not in node:
@@ -117,8 +117,8 @@ def _stage_from_pt(cfg: Optional[dict], pt: Path) -> str:
     data.seq_len is the default, not a trained context, so it is not compared. A .pt of our
     own run: as a run directory's config."""
     seq, theta = _cfg_get(cfg, "data.seq_len"), _cfg_get(cfg, "model.rope_theta")
-    head = _pt_header(pt)
-    s = (head or {}).get("config")
+    head = _pt_header(pt) or {}
+    s = head.get("config")
     if isinstance(s, dict):
         same_rope = (theta == _cfg_get(s, "model.rope_theta")
                      and _cfg_get(cfg, "model.rope_scaling") == _cfg_get(s, "model.rope_scaling"))
@@ -162,9 +162,10 @@ def load_run(path, label: Optional[str] = None) -> RunData:
 
         raw = OmegaConf.load(cfg_file)
         try:  # the trainer saves resolved configs; others may hold interpolations
-            run.config = OmegaConf.to_container(raw, resolve=True)
+            config = OmegaConf.to_container(raw, resolve=True)
         except Exception:  # noqa: BLE001 - e.g. an unset environment variable: keep it as written
-            run.config = OmegaConf.to_container(raw, resolve=False)
+            config = OmegaConf.to_container(raw, resolve=False)
+        run.config = config if isinstance(config, dict) else None
     for f in sorted((path / "eval").glob("*.json")) if (path / "eval").is_dir() else []:
         what = "an eval result of python -m mta_repro.eval"
         try:
@@ -234,8 +235,9 @@ def size_name(run: RunData) -> Optional[str]:
 def paper_setting(run: RunData) -> Optional[dict]:
     """What the paper's number for this run was measured on: the stage's setting; for
     Appendix I (the insertion and its control) the run's own model (1.4B or a Llama 3)."""
-    if run.stage in paper.APPENDIX_I_STAGES and size_name(run) in paper.APPENDIX_I:
-        return paper.appendix_i_setting(size_name(run), run.stage)
+    size = size_name(run)
+    if run.stage in paper.APPENDIX_I_STAGES and size is not None and size in paper.APPENDIX_I:
+        return paper.appendix_i_setting(size, run.stage)
     return paper.PAPER_SETTING.get(run.stage)
 
 
@@ -243,7 +245,8 @@ def paper_numbers(run: RunData) -> dict:
     """{variant: avg ppl} the paper has for this run's stage (Appendix I: its own model's
     pair; none for a model the appendix did not finetune)."""
     if run.stage in paper.APPENDIX_I_STAGES:
-        a = paper.APPENDIX_I.get(size_name(run))
+        size = size_name(run)
+        a = paper.APPENDIX_I.get(size) if size is not None else None
         if a is None:
             return {}
         return {"mta": a["mta"], "baseline": a["baseline"]} if run.stage == "insertion" else {"baseline": a["baseline"]}
@@ -330,12 +333,19 @@ class Table:
                 "provenance": self.provenance}
 
 
-def _res(run: RunData, task: str):
+def _res(run: RunData, task: str) -> Optional[dict]:
     return (run.evals.get(task) or {}).get("results")
 
 
-def _model(run: RunData) -> str:
-    return paper.VARIANT_LABELS.get(run.variant, run.variant)
+def _results(run: RunData, task: str) -> dict:
+    """``_res`` of a run known to have results for ``task`` (a table's rows)."""
+    res = _res(run, task)
+    assert res is not None
+    return res
+
+
+def _model(run: RunData) -> Optional[str]:
+    return paper.VARIANT_LABELS.get(run.variant, run.variant) if run.variant is not None else None
 
 
 def baseline_of(run: RunData, runs) -> Optional[RunData]:
@@ -376,7 +386,8 @@ def ppl_length(run: RunData) -> Optional[int]:
 def ppl_comparison(run: RunData) -> Optional[str]:
     """None when the run's perplexity is comparable with the paper's number for its stage
     (setting and window length), else why not."""
-    why = [comparability(run)] if comparability(run) else []
+    setting = comparability(run)
+    why = [setting] if setting else []
     want, got = paper.PPL_SEQ_LEN.get(run.stage), ppl_length(run)
     if want is not None and got != want:
         why.append(f"window {'?' if got is None else got} tokens, paper {want}")
@@ -399,20 +410,22 @@ def ppl_table(runs) -> Optional[Table]:
     have = [r for r in runs if _res(r, "ppl")]
     if not have:
         return None
-    domains = sorted({d for r in have for d in _res(r, "ppl")["domains"]})
+    domains = sorted({d for r in have for d in _results(r, "ppl")["domains"]})
     rows = []
     for r in have:
-        res = _res(r, "ppl")
+        res = _results(r, "ppl")
         base = baseline_of(r, have)
         numbers = paper_numbers(r)
         p = _paper_ppl(r, numbers)
         p_base = numbers.get("baseline") if p is not None else None
         avg = res["average"]
-        same_len = base is not None and ppl_length(base) == ppl_length(r)
+        base_avg = None
+        if base is not None and ppl_length(base) == ppl_length(r):
+            base_avg = _results(base, "ppl")["average"]
         why = ppl_comparison(r)
         rows.append([r.label, _model(r), STAGE_LABELS.get(r.stage, r.stage), _trained(r), ppl_length(r)]
                     + [res["domains"].get(d, {}).get("ppl") for d in domains]
-                    + [avg, _diff(avg, _res(base, "ppl")["average"]) if same_len else None,
+                    + [avg, _diff(avg, base_avg),
                        p, _diff(p, p_base), f"no: {why}" if why else "yes"])
     lens = ", ".join(f"{STAGE_LABELS[s]} {n}" for s, n in paper.PPL_SEQ_LEN.items() if s in {r.stage for r in have})
     notes = [_paper_note({r.stage for r in have}, have),
@@ -435,7 +448,7 @@ def _canonical(name: str) -> tuple:
 
 def _bench_summary(run: RunData) -> tuple:
     """({paper task: accuracy}, {paper task: metric used}, [local copies seen])."""
-    res = _res(run, "benchmarks")
+    res = _results(run, "benchmarks")
     out, metric, local = {}, {}, []
     for name, v in res["summary"].items():
         if name in ("average", "metrics") or not isinstance(v, (int, float)):
@@ -479,7 +492,7 @@ def benchmark_table(runs) -> Optional[Table]:
         if local:
             notes.append(f"{r.label}: {', '.join(sorted(local))} counted as "
                          f"{', '.join(_canonical(n)[0] for n in sorted(local))} (local copies of the task's data)")
-        limit = _res(r, "benchmarks").get("limit")
+        limit = _results(r, "benchmarks").get("limit")
         if limit:
             notes.append(f"{r.label}: at most {limit} examples per task (lm_eval.limit), not a reported number")
     mismatch = [c for c in cols if c in BENCH_METRIC and metric[c] != BENCH_METRIC[c]]
@@ -503,13 +516,13 @@ def lambada_table(runs) -> Optional[Table]:
     for r in have:
         s = {}
         local = []
-        for name, v in _res(r, "lambada")["summary"].items():
+        for name, v in _results(r, "lambada")["summary"].items():
             task, is_local = _canonical(name)
             s[task] = v
             if is_local:
                 local.append(name)
         p = paper.LAMBADA.get(r.variant, (None, None)) if r.stage == "pretrain" else (None, None)
-        rows.append([r.label, _model(r), STAGE_LABELS.get(r.stage, r.stage), _res(r, "lambada").get("max_length"),
+        rows.append([r.label, _model(r), STAGE_LABELS.get(r.stage, r.stage), _results(r, "lambada").get("max_length"),
                      (s.get("lambada_standard") or {}).get("ppl"), p[0],
                      (s.get("lambada_openai") or {}).get("ppl"), p[1],
                      comparability(r) and f"no: {comparability(r)}" or "yes"])
@@ -594,12 +607,14 @@ def ablation_table(runs) -> Optional[Table]:
     for r in have:
         desc, key = described[r.label]
         base = baseline_of(r, runs)
-        avg = _res(r, "ppl")["average"]
+        avg = _results(r, "ppl")["average"]
         p = paper.TABLE5.get(key) if key and ppl_length(r) == paper.PPL_SEQ_LEN["pretrain"] else None
-        same_len = base is not None and _res(base, "ppl") and ppl_length(base) == ppl_length(r)
+        base_avg = None
+        if base is not None and ppl_length(base) == ppl_length(r):
+            base_avg = (_res(base, "ppl") or {}).get("average")
         why = ppl_comparison(r)
         rows.append([r.label, _model(r), ppl_length(r), desc, avg,
-                     _diff(avg, _res(base, "ppl")["average"]) if same_len else None, p, key or "—",
+                     _diff(avg, base_avg), p, key or "—",
                      f"no: {why}" if why else "yes"])
     notes = ["paper (Table 5): the paper's 880M ablation (105B tokens, 2048-token windows) whose configuration "
              "this run matches (the release's MTA: 6x11 convolutions before and after softmax in every 4th layer "
@@ -617,10 +632,10 @@ def needle_table(runs) -> Optional[Table]:
     have = [r for r in runs if _res(r, "needle")]
     if not have:
         return None
-    counts = sorted({int(n) for r in have for c in _res(r, "needle")["accuracy"].values() for n in c})
+    counts = sorted({int(n) for r in have for c in _results(r, "needle")["accuracy"].values() for n in c})
     rows = []
     for r in have:
-        for ctx, per in sorted(_res(r, "needle")["accuracy"].items(), key=lambda kv: int(kv[0])):
+        for ctx, per in sorted(_results(r, "needle")["accuracy"].items(), key=lambda kv: int(kv[0])):
             rows.append([r.label, _model(r), STAGE_LABELS.get(r.stage, r.stage), _trained(r), int(ctx)] + [
                 100 * per[str(n)]["mean"] if str(n) in per else None for n in counts])
     return Table("needle", "Multi-needle NIAH accuracy % (averaged over depths)",
@@ -641,12 +656,12 @@ def babilong_table(runs) -> Optional[Table]:
         return None
     lengths = []
     for r in have:
-        for length in _res(r, "babilong")["mean"]:
+        for length in _results(r, "babilong")["mean"]:
             if length not in lengths:
                 lengths.append(length)
     rows = []
     for r in have:
-        res = _res(r, "babilong")
+        res = _results(r, "babilong")
         src = babilong_source(r)
         for task in sorted(res["accuracy"]):
             rows.append([r.label, _model(r), src, task] + [
@@ -706,7 +721,7 @@ def add_provenance(table: Table, runs) -> None:
     flagged = set()
     for label, f in facts.items():
         why = []
-        if f["tok"] is not None and f["tok"] != ref_tok:
+        if f["tok"] is not None and ref_tok is not None and f["tok"] != ref_tok:
             why.append(f"tokenizer {short(f['tok'][1])}, most rows {short(ref_tok[1])}")
         if f["data"] is not None and f["data"] != ref_data:
             why.append(f"data {f['data']}, most rows {ref_data}")

@@ -92,6 +92,7 @@ def to_toy_config(cfg: Any) -> ToyConfig:
     else:
         merged = OmegaConf.merge(OmegaConf.structured(ToyConfig), cfg)
         out = OmegaConf.to_object(merged)
+        assert isinstance(out, ToyConfig)  # merged onto the ToyConfig schema
     for v in out.variants:
         if v not in VARIANTS:
             raise UserError(f"toy config variants: expected items of {VARIANTS}, got {v!r}")

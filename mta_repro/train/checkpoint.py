@@ -30,12 +30,13 @@ import os
 import shutil
 import sys
 import warnings
+from concurrent.futures import Future
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Union, cast
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
+import torch.distributed.checkpoint.state_dict_saver as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
 from mta_repro.errors import NoSpaceError, UserError
@@ -123,8 +124,9 @@ class CheckpointManager:
         self.async_save = async_save
         # The resolved run config (YAML) each checkpoint carries as config.yaml (rank 0).
         self.config_text = config_text
-        self._pending = None  # (future, step, tmp, final, bytes) of an async save in flight
-        self._pg = None
+        # (future, step, tmp, final, bytes) of an async save in flight
+        self._pending: Optional[tuple[Future, int, Path, Path, int]] = None
+        self._pg: Optional[dist.ProcessGroup] = None
         # Rank 0: fn(step, tokens_seen) -> the record each checkpoint carries as provenance.json.
         self.provenance: Optional[Callable[[int, Optional[int]], dict]] = None
         self._record: Optional[bytes] = None  # the record of the save in flight
@@ -218,13 +220,15 @@ class CheckpointManager:
         if self.async_save:
             if self._pg is None and dist.is_initialized():
                 # The background thread coordinates over gloo (CPU), never over NCCL.
-                self._pg = dist.new_group(backend="gloo") if dist.get_backend() != "gloo" else dist.group.WORLD
+                pg = dist.new_group(backend="gloo") if dist.get_backend() != "gloo" else dist.group.WORLD
+                assert not isinstance(pg, int)  # new_group's marker for a rank outside it; all ranks are in
+                self._pg = pg
             try:
                 fut = dcp.async_save(entries, checkpoint_id=str(tmp), process_group=self._pg)
             except _SAVE_ERRORS as e:  # re-raised after _failed
                 self._failed(e, step, tmp, need)
                 raise
-            fut = getattr(fut, "upload_completion", fut)  # AsyncSaveResponse in newer torch
+            fut = cast(Future, getattr(fut, "upload_completion", fut))  # AsyncSaveResponse in newer torch
             self._pending = (fut, step, tmp, final, need)
             if self.save_hook is not None:
                 self.save_hook("async_writing", step, tmp)
@@ -313,7 +317,7 @@ class CheckpointManager:
                 "It must come from the same model config"
             ) from e
         state.load_state_dict(entries, f"checkpoint {path}")
-        if reshard:
+        if reshard and saved_world is not None:
             self._load_other_world(path, saved_world, state)
         return state.step
 
@@ -344,7 +348,7 @@ class CheckpointManager:
             )
 
 
-def load_model_state(path: Path, expect=None) -> tuple[dict, Optional[int]]:
+def load_model_state(path: Union[str, Path], expect=None) -> tuple[dict, Optional[int]]:
     """Full (unsharded) model state dict and its step from a run dir, a DCP checkpoint dir,
     a consolidated .pt, or a release/Lingua checkpoint (``mta_repro.weights.load_weights``:
     the newest readable one, read in this process only, no collectives). ``expect``: the

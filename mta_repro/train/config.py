@@ -109,7 +109,7 @@ def to_train_config(cfg: Any) -> TrainConfig:
 
     check_schema(cfg)
     if isinstance(cfg, DictConfig) and "hydra" in cfg:
-        cfg = OmegaConf.masked_copy(cfg, [k for k in cfg.keys() if k != "hydra"])
+        cfg = OmegaConf.masked_copy(cfg, [str(k) for k in cfg.keys() if k != "hydra"])
     return to_dataclass(TrainConfig, cfg, "")
 
 

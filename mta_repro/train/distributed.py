@@ -18,7 +18,7 @@ import os
 import re
 import socket
 from dataclasses import dataclass
-from typing import Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 import torch.distributed as dist
@@ -27,6 +27,9 @@ from torch import nn
 from mta_repro.device import launcher_env, resolve_device
 from mta_repro.errors import UserError
 from mta_repro.train.args import DistributedArgs
+
+if TYPE_CHECKING:
+    from mta_repro.model import Transformer
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
@@ -98,7 +101,7 @@ def init_distributed(args: DistributedArgs, device_pref: str = "auto") -> DistIn
         torch.backends.cudnn.allow_tf32 = args.allow_tf32
     if not dist.is_initialized():
         # One rank needs no rendezvous: an in-memory store (no port, no host lookup).
-        store = dist.HashStore() if world == 1 else None
+        store = dist.HashStore() if world == 1 else None  # pyright: ignore[reportPrivateImportUsage]  # torch re-exports it implicitly
         dist.init_process_group(
             backend=backend,
             rank=rank,
@@ -131,7 +134,7 @@ def mp_policy(args: DistributedArgs, device_type: str):
     )
 
 
-def parallelize(model: nn.Module, info: DistInfo, args: DistributedArgs) -> nn.Module:
+def parallelize(model: Transformer, info: DistInfo, args: DistributedArgs) -> Transformer:
     """Apply AC -> compile -> FSDP2 to a (meta-device) Transformer, in place."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
@@ -156,7 +159,7 @@ def parallelize(model: nn.Module, info: DistInfo, args: DistributedArgs) -> nn.M
     # 3. FSDP2: one all-gather unit per block, then the root (embeddings + final norm,
     #    and the tied output head that shares the embedding).
     mesh = init_device_mesh(info.device.type, (info.world_size,))
-    kwargs = {"mesh": mesh}
+    kwargs: dict[str, Any] = {"mesh": mesh}
     policy = mp_policy(args, info.device.type)
     if policy is not None:
         kwargs["mp_policy"] = policy

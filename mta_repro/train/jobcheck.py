@@ -78,7 +78,9 @@ def _env_note(node, key: str) -> str:
     owner = OmegaConf.select(node, parent) if parent else node
     if not isinstance(owner, DictConfig) or leaf not in owner:
         return ""
-    raw = owner._get_node(leaf)._value()
+    node = owner._get_node(leaf)
+    assert node is not None  # leaf in owner
+    raw = node._value()
     m = re.search(r"oc\.env:([A-Za-z_][A-Za-z0-9_]*)", raw) if isinstance(raw, str) else None
     if not m:
         return ""

@@ -32,6 +32,7 @@ from typing import Any, Callable, NamedTuple, Optional
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 from omegaconf import DictConfig, OmegaConf
 
 from mta_repro.train.config import TrainConfig, to_train_config
@@ -62,7 +63,7 @@ from mta_repro.train.rundir import (
 )
 from mta_repro.train.signals import PreemptionHandler, requeue_if_slurm
 from mta_repro.train.state import TrainState
-from mta_repro.train.validation import maybe_validator
+from mta_repro.train.validation import Validator, maybe_validator
 
 
 class NonFiniteLossError(UserError, FloatingPointError):
@@ -234,7 +235,7 @@ def train_step(model, optimizer, scheduler, loader, tr: TrainerArgs, clip: float
         loss_sum += loss.detach()
         n_tokens += inputs.numel()
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip, foreach=True)
-    if hasattr(grad_norm, "full_tensor"):
+    if isinstance(grad_norm, DTensor):
         grad_norm = grad_norm.full_tensor()
     lr = optimizer.param_groups[0]["lr"]
     finite = None
@@ -441,7 +442,7 @@ class LoopParts:
 
     manager: CheckpointManager
     logger: MetricLogger
-    validator: Any
+    validator: Optional[Validator]
     saver: Checkpointing
     preempt: PreemptionHandler
     meter: Throughput
@@ -457,6 +458,7 @@ class LoopParts:
                attn_used: Optional[str], resumed: bool, preempt: PreemptionHandler) -> "LoopParts":
         root_node = OmegaConf.structured(args)
         config = OmegaConf.to_container(root_node, resolve=True)
+        assert isinstance(config, dict)
         seq_len = args.data.seq_len
         model_args = to_model_args(args.model)
         # before the logger: a stop while the validation set is read leaves no metrics file open
@@ -482,7 +484,7 @@ class LoopParts:
             self.loader.close()
 
 
-def train_steps(args: TrainConfig, info: DistInfo, state: TrainState, parts: LoopParts) -> Optional[str]:
+def train_steps(args: TrainConfig, info: DistInfo, state: TrainState, parts: LoopParts) -> Optional[int]:
     """Updates until ``trainer.steps`` or an agreed stop signal (returned, else None):
     each logged, validated and checkpointed on its cadence."""
     tr, lg, p = args.trainer, args.logging, parts
@@ -520,6 +522,7 @@ def train_steps(args: TrainConfig, info: DistInfo, state: TrainState, parts: Loo
             if p.attn_used is not None:  # the implementation the self-check let run
                 record["attn_impl"] = p.attn_used
             if validate:
+                assert p.validator is not None
                 try:
                     record.update(p.validator.run(state.model, info.device, p.preempt))
                 except StopRequested as e:  # every rank stopped validating at the same batch
@@ -552,7 +555,7 @@ def read_ahead(ready: Callable, n_batches: int, preempt: PreemptionHandler, info
     return None
 
 
-def finish(args: TrainConfig, info: DistInfo, state: TrainState, parts: LoopParts, stopped_by: Optional[str]) -> None:
+def finish(args: TrainConfig, info: DistInfo, state: TrainState, parts: LoopParts, stopped_by: Optional[int]) -> None:
     """After the loop: a stop saves the state it reached (then requeues under SLURM); every
     async save in flight is finalised."""
     if stopped_by is not None:
@@ -604,7 +607,9 @@ def attn_selfcheck(model_args, info: DistInfo, param_dtype: str, run_dir: Path) 
         raise err
     used = model_args.attn_impl
     for _ in range(pos):
-        used = selfcheck.next_impl(used)
+        nxt = selfcheck.next_impl(used)
+        assert nxt is not None  # pos steps along the chain to an implementation some rank used
+        used = nxt
     if info.is_main:
         _record_selfcheck(run_dir, {**decision.as_dict(), "used": used, "world_size": info.world_size})
     # blocked+conv2d: attn_impl=blocked with model.kernels.kq_conv=conv2d, for this model only

@@ -27,6 +27,7 @@ import importlib.util
 import weakref
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
+from typing import cast
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -323,14 +324,15 @@ def estimate_memory(model_args, batch_size: int, seq_len: int, world_size: int, 
              fused_adamw=None) -> MemoryEstimate:
     """The peak of one steady-state training step per rank (module docstring)."""
     from mta_repro.model import attention_ops, build_model
+    from mta_repro.model.transformer import TransformerBlock
 
     if model_args.attn_block_size is None:  # the blocked path's rows per query block on the run's device
         model_args = replace(model_args, attn_block_size=attention_ops.default_block_size(device))
     model = build_model(model_args, device="meta").to(dtype)
     n_params = sum(p.numel() for p in model.parameters())
     bpe = torch.finfo(dtype).bits // 8
-    workspace = {layer.attention: backward_workspace(layer.attention, batch_size, seq_len)
-                 for layer in model.layers if layer.attention.kind in ("kq_conv", "mixing")}
+    attns = [cast(TransformerBlock, layer).attention for layer in model.layers]  # ModuleList's items are Modules
+    workspace = {a: backward_workspace(a, batch_size, seq_len) for a in attns if a.kind in ("kq_conv", "mixing")}
     workspace = {m: n for m, n in workspace.items() if n}
     step = _step_on_meta(model, batch_size, seq_len, world_size, device, dtype, activation_checkpointing,
                          grad_accum > 1, workspace)

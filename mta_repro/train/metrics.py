@@ -143,7 +143,7 @@ def truncate_after(path: Path, step: int) -> None:
             keep.append(raw)
             continue
         line_step, problem, parses = _line_problem(raw)
-        if problem is None:
+        if line_step is not None:
             if line_step <= step:
                 keep.append(raw)
             else:

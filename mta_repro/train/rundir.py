@@ -65,8 +65,9 @@ def _classified() -> tuple[tuple, tuple, tuple]:
                 paths.append(key)
             sub = f.default_factory if f.default_factory is not dataclasses.MISSING else None
             if sub is not None and dataclasses.is_dataclass(sub):
-                if getattr(sub, "RUN_DIR", None) in out:
-                    out[sub.RUN_DIR].append(key + ".")
+                run_dir = getattr(sub, "RUN_DIR", None)
+                if run_dir in out:
+                    out[run_dir].append(key + ".")
                 walk(sub, key + ".")
 
     walk(TrainConfig, "")
@@ -415,9 +416,13 @@ def load_saved_config(run_dir: Path, name: str = "config.yaml") -> Optional[dict
     if not path.is_file():
         return None
     try:
-        return OmegaConf.to_container(OmegaConf.load(path), resolve=False)
+        config = OmegaConf.to_container(OmegaConf.load(path), resolve=False)
     except Exception as e:  # noqa: BLE001 - a damaged file is a user-facing error
         raise RunDirError(f"{path}: cannot be read ({e}); use another run_dir=... or repair/delete it") from e
+    if not isinstance(config, dict):
+        raise RunDirError(f"{path}: cannot be read (a YAML {type(config).__name__}, not a mapping of config "
+                          "sections); use another run_dir=... or repair/delete it")
+    return config
 
 
 # ------------------------------------------------------------------ the whole start
@@ -456,6 +461,7 @@ def prepare_run_dir(args, info, lock: RunLock) -> Optional[int]:
                 "config.yaml, or add checkpoint.allow_config_change=true to take this command's config as the run's"
             )
     new = OmegaConf.to_container(OmegaConf.structured(args), resolve=True)
+    assert isinstance(new, dict)
     if found and saved is not None:
         # A different model or data first: that is never a matter of trainer.steps or of
         # allow_config_change, which the checks below would suggest.

@@ -11,6 +11,7 @@ from __future__ import annotations
 import sys
 from typing import Any
 
+from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
 
@@ -22,12 +23,6 @@ def plain_run_dir_overrides(overrides) -> list:
         if key.lstrip("+~") == "run_dir" and "${" not in val:
             out.append(str(o))
     return out
-
-
-try:
-    from hydra.experimental.callback import Callback
-except ImportError:  # pragma: no cover - hydra is a dependency
-    Callback = object
 
 
 def _refuse(msg: str) -> None:

@@ -94,8 +94,8 @@ def find_weights(path: Union[str, Path]) -> list[Candidate]:
             step = export_step(export)
         except CorruptFileError as e:  # named; older checkpoints may still do
             return [Candidate("consolidated", export, None, str(e))] + ckpts
-        newer = [c for c in ckpts if c.step > step]
-        older = [c for c in ckpts if c.step <= step]
+        newer = [c for c in ckpts if c.step is not None and c.step > step]
+        older = [c for c in ckpts if c.step is None or c.step <= step]
         return newer + [Candidate("consolidated", export, step)] + older
     if ckpts:
         return ckpts

@@ -153,6 +153,8 @@ def _run_config(ckpt: Path) -> Optional[dict]:
     from omegaconf import OmegaConf
 
     config = OmegaConf.to_container(OmegaConf.load(cfg_file), resolve=False)
+    if not isinstance(config, dict):
+        return None
     check_plain_config(config, str(cfg_file))
     return config
 

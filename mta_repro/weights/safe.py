@@ -19,6 +19,7 @@ A test (tests/test_weights_safety.py) fails if ``torch.load``, ``pickle.load(s)`
 from __future__ import annotations
 
 import io
+import os
 import pickle
 import re
 import warnings
@@ -150,7 +151,7 @@ class _MetadataUnpickler(pickle.Unpickler):
         raise UnsafeFileError("would unpickle a persistent object")
 
 
-def read_dcp_metadata(path: Union[str, Path]):
+def read_dcp_metadata(path: Union[str, os.PathLike]):
     """DCP's ``Metadata`` of a checkpoint folder, unpickled with an allow-list."""
     path = Path(path)
     if not _MetadataUnpickler.allowed:
@@ -170,7 +171,7 @@ def read_dcp_metadata(path: Union[str, Path]):
 
 
 def _reader_class():
-    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.filesystem import FileSystemReader
     from torch.distributed.checkpoint.metadata import StorageMeta
 
     class SafeReader(FileSystemReader):
@@ -189,7 +190,7 @@ def _reader_class():
 
 
 def _planner_class():
-    from torch.distributed.checkpoint import DefaultLoadPlanner
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
     class SafePlanner(DefaultLoadPlanner):
         """DCP's default load planner; non-tensor entries read with ``weights_only=True``."""
@@ -218,7 +219,7 @@ def dcp_load(state: dict, path: Union[str, Path], no_dist: bool = False, process
     """``torch.distributed.checkpoint.load`` of ``state`` (filled in place) from ``path``,
     with the metadata and non-tensor entries read safely. An ``UnsafeFileError`` inside
     DCP's collective machinery is raised as itself, naming the folder."""
-    import torch.distributed.checkpoint as dcp
+    import torch.distributed.checkpoint.state_dict_loader as dcp
     from torch.distributed.checkpoint.api import CheckpointException
 
     try:

@@ -134,7 +134,9 @@ class SafetensorsFile:
 
     def tensor(self, name: str):
         """The named tensor (its dtype and shape as the checked header says)."""
+        st = self._st
+        assert st is not None, "SafetensorsFile.tensor outside its with block"
         try:
-            return self._st.get_tensor(name)
+            return st.get_tensor(name)
         except Exception as e:  # noqa: BLE001
             raise _bad(self.path, f"tensor {name!r}: {type(e).__name__}: {str(e).splitlines()[0][:200]}") from None

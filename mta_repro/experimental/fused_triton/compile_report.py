@@ -268,7 +268,7 @@ STEP_LAYERS = {"kq_conv": 6, "mixing": 18}
 TENSOR_PEAK_FLOPS = 989e12  # H100/H200 SXM dense bf16
 
 
-def step_ratio(layer_ms: dict, fa2_ms: float, tokens: int, mfu: float, n_layers: dict = None,
+def step_ratio(layer_ms: dict, fa2_ms: float, tokens: int, mfu: float, n_layers: dict | None = None,
                params: float = LINEAR_PARAMS, peak: float = TENSOR_PEAK_FLOPS) -> dict:
     """The implied step-time ratio of the 880M MTA model to its baseline at ``tokens`` per
     step: both run the linear layers' 6·params·tokens FLOPs at ``mfu`` of ``peak``; the

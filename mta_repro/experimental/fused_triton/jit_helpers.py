@@ -6,6 +6,9 @@ need (descriptor reductions; ``mta_repro.kernels.triton_interp``)."""
 
 from __future__ import annotations
 
+# Triton's DSL is not typable: tl.range loops and constexpr arguments
+# pyright: reportGeneralTypeIssues=false, reportArgumentType=false
+
 import triton
 import triton.language as tl
 
@@ -29,7 +32,7 @@ def _install_interpreter_reduce() -> None:
     from triton.runtime import interpreter
 
     if not hasattr(interpreter.InterpreterBuilder, "create_descriptor_reduce"):
-        interpreter.InterpreterBuilder.create_descriptor_reduce = _interpreter_descriptor_reduce
+        interpreter.InterpreterBuilder.create_descriptor_reduce = _interpreter_descriptor_reduce  # pyright: ignore[reportAttributeAccessIssue]  # added to the interpreter
 
 
 if triton_interp.interpreting():  # read when the kernels are defined, as Triton does

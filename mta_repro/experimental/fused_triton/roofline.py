@@ -138,7 +138,7 @@ _BYTES = {"bf16": 2, "f16": 2, "f32": 4, "f64": 8, "i1": 1, "i8": 1, "i16": 2, "
 _TENSOR = re.compile(r"tensor<([0-9x]+)x(!tt\.ptr<(\w+)>|(\w+))")
 
 
-def _tensor(text: str):
+def _tensor(text: str) -> tuple[int, int] | None:
     """(elements, bytes per element) of the first tensor type in ``text``; None if scalar."""
     m = _TENSOR.search(text)
     if not m:
@@ -169,6 +169,7 @@ def source_chains(ttgir: str, source: str) -> dict:
             continue
         m = _LOC_CALL.match(raw) or _LOC_NAMED.match(raw)
         if m:
+            assert m.lastindex is not None  # both patterns have groups
             defs[m.group(1)] = ("call", m.group(2), m.group(m.lastindex))
 
     def chain(alias, depth=0):
@@ -241,6 +242,7 @@ def count_ttgir(ttgir: str, source: str = "fused.py", scratch_elem: str | None =
         if " tt.dot " in f" {t} " or "= tt.dot " in t:
             a = _tensor(t.split("*")[0])
             out = re.search(r"->\s*tensor<([0-9x]+)x\w+,\s*(#[\w.]+)", t)
+            assert a is not None and out is not None  # a dot's operand and result are tensors
             n = int(out.group(1).split("x")[-1])
             enc = out.group(2)
             res = encodings.get(enc, "fma_macs")
@@ -288,6 +290,7 @@ def count_ttgir(ttgir: str, source: str = "fused.py", scratch_elem: str | None =
                 c.add(level, "shared_bytes", tt_[0] * tt_[1], mult)
         elif re.search(r"= ttg\.local_alloc %\S+ : \(tensor<", t):
             tt_ = _tensor(t.split(" : ")[-1])  # a register tensor stored into a new shared buffer
+            assert tt_ is not None
             c.add(level, "shared_bytes", tt_[0] * tt_[1], mult)
         elif re.match(r"ttng\.async_tma_(reduce|copy_local_to_global) ", t):
             mem = re.findall(r"!ttg\.memdesc<([0-9x]+)x(\w+)", t)
@@ -308,7 +311,7 @@ def count_ttgir(ttgir: str, source: str = "fused.py", scratch_elem: str | None =
             m = re.match(r"(?:%\S+ = )?scf\.for %\S+ = (%[\w-]+) to (%[\w-]+) step (%[\w-]+)", t)
             if m:
                 lb, ub, st = (consts.get(g) for g in m.groups())
-                trips = None if None in (lb, ub, st) else max(0, -(-(ub - lb) // st))
+                trips = None if lb is None or ub is None or st is None else max(0, -(-(ub - lb) // st))
                 stack.append(("for", trips))
             else:
                 stack.append(("other", None))
@@ -407,7 +410,7 @@ def _busy_cycles(r: dict, gpu: GPU) -> float:
                (r["fma_macs"] + r["alu"]) / rate["fma_macs"], r["sfu"] / rate["sfu"], lsu / rate["lsu"])
 
 
-def line_cycles(c: Counts, gpu: GPU = None) -> list:
+def line_cycles(c: Counts, gpu: GPU | None = None) -> list:
     """The per-key-block work of ``c.by_line`` as SM cycles per unit, busiest line first:
     [(source chain, {"tensor", "alu", "sfu", "global", "shared"}: cycles)]. Where a pass's
     time goes, to profile a design before changing it (estimates, like everything here)."""

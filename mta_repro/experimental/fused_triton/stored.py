@@ -24,6 +24,9 @@ not supported: a kq-conv layer with training dropout runs ``blocked`` (``impl.py
 
 from __future__ import annotations
 
+# Triton's DSL is not typable: tl.range loops, constexpr arguments and kernel[grid](..., num_warps=...) launches
+# pyright: reportGeneralTypeIssues=false, reportArgumentType=false, reportCallIssue=false
+
 from typing import Optional
 
 import torch
@@ -398,6 +401,7 @@ def _launch(pass_: str, st: _Stored, bufs: dict, do: Optional[torch.Tensor] = No
                                has_w1=pb.w1t is not None, has_w2=pb.w2t is not None, has_kv=pb.kv is not None,
                                drop=False, gpu=pb.gpu, dtype=pb.q.dtype, tuning=pb.tuning)
     scratch = launch.empty("scratch", (max(1, scratch_spec.shape[0]),), scratch_spec.dtype, pb.dev)
+    assert pb.k1 is not None  # the stored design runs the kq-conv layers (a pre-softmax kernel)
     inputs = {"q": pb.qp, "k": pb.kp, "v": pb.vp, "do": None if do is None else pb.padded(do),
               "tf2": getattr(pb, "tf2", None), "ta2": getattr(pb, "ta2", None), "ta1": getattr(pb, "ta1", None),
               # the pre kernel's forward table (stats computes C = conv1(S0); the backward has no use for it)
