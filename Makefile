@@ -2,6 +2,7 @@
 #   make demo        install, then run the main job on the bundled default (CPU, ~3 min)
 #   make test        install, then ruff and the whole test suite (what .ci/run runs)
 #   make test-fast   install, then ruff and the unit-level tier (the edit loop, < 3 min)
+#   make check       format check, lint and types (what make test runs first)
 PY ?= python3
 # The CPU wheel; on a GPU cluster install your CUDA build of torch first and use
 # `make TORCH= demo` to leave it alone.
@@ -20,7 +21,7 @@ define pip_install
 	@echo "make: installed mta-repro[$(1)]"
 endef
 
-.PHONY: install demo test test-fast lint
+.PHONY: install demo test test-fast lint format check
 # Everything the tests touch: every extra (eval, report, wandb, slurm, hf) and the dev tools.
 install:
 	$(call pip_install,all$(comma)dev)
@@ -47,17 +48,29 @@ demo: $(STAMPS)/.make-installed-eval,report,wandb
 lint: $(STAMPS)/.make-installed-all,dev
 	$(PY) -m ruff check .
 
+# ruff format and the lint's own fixes, in place.
+format: $(STAMPS)/.make-installed-all,dev
+	$(PY) -m ruff format .
+	$(PY) -m ruff check --fix .
+
+# What CI gates on before the tests (and .pre-commit-config.yaml on each commit): the format,
+# the lint rules and pyright in basic mode over the package (rules in pyproject.toml).
+check: $(STAMPS)/.make-installed-all,dev
+	$(PY) -m ruff format --check .
+	$(PY) -m ruff check .
+	$(PY) -m pyright
+
 # The whole suite on TEST_WORKERS pytest-xdist processes (2: this project's 2-core CI
 # machine; most of the suite waits on subprocesses, the interpreter and the SLURM queue,
 # not on arithmetic); --dist loadgroup keeps the SLURM tests on one worker (tests/conftest.py),
 # and --no-loadscope-reorder hands the work out in the workers' collection order, which
-# tests/conftest.py (LONGEST_FIRST) sorts longest first.
+# tests/conftest.py sorts groups and the long tier first.
 # TEST_WORKERS=0 runs it in one process.
 TEST_WORKERS ?= 2
-test: lint
+test: check
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder --durations=15
 
-# Markers are assigned in tests/conftest.py; -m "not slow" leaves out the cluster,
+# Each test carries its tier marks; -m "not slow" leaves out the cluster,
 # multi-rank, pipeline, Triton-interpreter and long training tests.
 test-fast: lint
 	$(PY) -m pytest -q -m "not slow" --durations=10

@@ -13,8 +13,8 @@ from __future__ import annotations
 import difflib
 import re
 import sys
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Callable, Optional, Sequence
 
 from mta_repro.errors import StopRequested, UserError, show_tracebacks
 
@@ -29,7 +29,7 @@ def user_errors() -> tuple:
     return (UserError, HydraException, OmegaConfBaseException)
 
 
-def _unknown_key_line(exc: BaseException) -> Optional[str]:
+def _unknown_key_line(exc: BaseException) -> str | None:
     """Hydra's "Could not override 'trainer.step'. To append ... use +trainer.step=5" as
     our one line with the nearest field (the ``+`` form gets the same from the schema check)."""
     from hydra.errors import ConfigCompositionException
@@ -47,7 +47,7 @@ def _unknown_key_line(exc: BaseException) -> Optional[str]:
     return unknown_keys_error(owner, [full], parent)
 
 
-def _missing_option_line(exc: BaseException) -> Optional[str]:
+def _missing_option_line(exc: BaseException) -> str | None:
     """Hydra's ~40-line "Could not find 'experiment/debug_typo'" as one line."""
     from hydra.errors import MissingConfigException
 
@@ -128,11 +128,13 @@ def check_split_lists(argv: Sequence[str]) -> None:
             continue
         value = a.split("=", 1)[1]
         if value.count("[") > value.count("]") or value.count("{") > value.count("}"):
-            rest = list(argv[i + 1:])
-            whole = " ".join([a] + rest[:next((j + 1 for j, r in enumerate(rest) if "]" in r or "}" in r), 0)])
+            rest = list(argv[i + 1 :])
+            whole = " ".join([a] + rest[: next((j + 1 for j, r in enumerate(rest) if "]" in r or "}" in r), 0)])
             key = a.split("=", 1)[0]
-            raise UserError(f"{key}: the shell split this list at its spaces ({whole!r} arrived as several "
-                            f"arguments); quote the override, e.g. \"{whole}\", or write it without spaces")
+            raise UserError(
+                f"{key}: the shell split this list at its spaces ({whole!r} arrived as several "
+                f'arguments); quote the override, e.g. "{whole}", or write it without spaces'
+            )
 
 
 def check_group_options(overrides: Sequence[str], groups: Sequence[str], config_dir: Path) -> None:
@@ -147,8 +149,9 @@ def check_group_options(overrides: Sequence[str], groups: Sequence[str], config_
                 raise UserError(unknown_option_line(key, value, options))
 
 
-def check_hydra_overrides(argv: Sequence[str], config_dir: Path, config_name: str,
-                          check: Optional[Callable] = None) -> None:
+def check_hydra_overrides(
+    argv: Sequence[str], config_dir: Path, config_name: str, check: Callable | None = None
+) -> None:
     """Compose the config an ``@hydra.main`` command line asks for, before Hydra does, so
     that an unknown key or config option is one line (Hydra prints several and exits 1).
     Sweep values (``-m a=1,2``) are checked by their first value; ``hydra.*`` overrides

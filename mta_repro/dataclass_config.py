@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import types
 import typing
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, TypeGuard, TypeVar
@@ -21,7 +22,7 @@ def _dataclass_of(hint) -> Any:
     """The dataclass type behind a field's type hint (``X`` or ``Optional[X]``), or None."""
     if dataclasses.is_dataclass(hint):
         return hint
-    if typing.get_origin(hint) is typing.Union:
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):  # Optional[X] or X | None
         inner = [a for a in typing.get_args(hint) if a is not type(None)]
         if len(inner) == 1 and dataclasses.is_dataclass(inner[0]):
             return inner[0]
@@ -40,7 +41,7 @@ def unknown_keys(cls: type, cfg: Any, where: str) -> list[str]:
     hints = typing.get_type_hints(cls)
     known = {f.name for f in dataclasses.fields(cls)}
     out = []
-    for key in cfg.keys():
+    for key in cfg:
         path = f"{where}.{key}" if where else str(key)
         if key not in known:
             out.append(path)

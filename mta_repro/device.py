@@ -4,7 +4,6 @@ training, eval and generation (``resolve_device``)."""
 from __future__ import annotations
 
 import os
-from typing import Optional, Union
 
 import torch
 
@@ -12,11 +11,11 @@ from mta_repro.errors import UserError
 
 
 def resolve_device(
-    device: Union[str, torch.device, None] = "auto",
-    local_rank: Optional[int] = None,
+    device: str | torch.device | None = "auto",
+    local_rank: int | None = None,
     what: str = "eval device",
 ) -> torch.device:
-    """"auto" (or None) = this rank's GPU when there is one, else the CPU; "cuda" = this
+    """ "auto" (or None) = this rank's GPU when there is one, else the CPU; "cuda" = this
     rank's GPU; "cuda:N" = that GPU; "cpu". ``local_rank`` (default: the launcher's
     LOCAL_RANK, else 0) picks the GPU, modulo the GPUs visible. Asking for a GPU this
     machine does not have is a one-line UserError naming ``what`` (the config field), not
@@ -34,8 +33,7 @@ def resolve_device(
     if dev.type == "cuda":
         n = torch.cuda.device_count() if torch.cuda.is_available() else 0
         if n == 0:
-            raise UserError(f"{what}: {str(device)!r} was asked for but this machine has no CUDA GPU "
-                            "(use auto or cpu)")
+            raise UserError(f"{what}: {str(device)!r} was asked for but this machine has no CUDA GPU (use auto or cpu)")
         if dev.index is None:
             return torch.device("cuda", local_rank % n)
         if dev.index >= n:
@@ -43,7 +41,7 @@ def resolve_device(
     return dev
 
 
-def launcher_env() -> Optional[tuple[int, int, int, bool]]:
+def launcher_env() -> tuple[int, int, int, bool] | None:
     """(rank, world_size, local_rank, slurm) from the launcher's variables, or None for a
     process no launcher started. torchrun's RANK/WORLD_SIZE win (torchrun inside an
     sbatch, one task per node) over srun's SLURM_PROCID/SLURM_NTASKS/SLURM_LOCALID (one

@@ -15,12 +15,13 @@ the shape's ``"*"`` entry, if it has one. JSON's ``NaN`` and ``Infinity`` read a
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import os
 import stat
 from pathlib import Path
-from typing import Any, Optional, Union
+from typing import Any
 
 import torch
 
@@ -63,10 +64,8 @@ def replace_atomically(path: Path, data: bytes) -> None:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
-        try:
+        with contextlib.suppress(OSError):
             os.chmod(tmp, stat.S_IMODE(path.stat().st_mode))
-        except OSError:
-            pass
         os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)
@@ -86,8 +85,16 @@ def save_file_atomic(obj: Any, path: Path) -> Path:
     return path
 
 
-_NAMES = {dict: "an object", list: "a list", str: "a string", bool: "true/false", int: "an integer",
-          float: "a number", type(None): "null", object: "anything"}
+_NAMES = {
+    dict: "an object",
+    list: "a list",
+    str: "a string",
+    bool: "true/false",
+    int: "an integer",
+    float: "a number",
+    type(None): "null",
+    object: "anything",
+}
 
 
 def _name(shape: Any) -> str:
@@ -99,8 +106,15 @@ def _name(shape: Any) -> str:
 
 
 def _found(value: Any) -> str:
-    return {dict: "an object", list: "a list", str: "a string", bool: "a boolean", int: "an integer",
-            float: "a number", type(None): "null"}.get(type(value), type(value).__name__)
+    return {
+        dict: "an object",
+        list: "a list",
+        str: "a string",
+        bool: "a boolean",
+        int: "an integer",
+        float: "a number",
+        type(None): "null",
+    }.get(type(value), type(value).__name__)
 
 
 def _matches(value: Any, shape: Any) -> bool:
@@ -117,7 +131,7 @@ def _matches(value: Any, shape: Any) -> bool:
     return isinstance(value, shape)
 
 
-def fault(value: Any, shape: Any, where: str = "") -> Optional[str]:
+def fault(value: Any, shape: Any, where: str = "") -> str | None:
     """Where ``value`` first departs from ``shape`` and how, or None if it matches."""
     at = f" at {where}" if where else ""
     if isinstance(shape, tuple):
@@ -149,15 +163,16 @@ def fault(value: Any, shape: Any, where: str = "") -> Optional[str]:
     return None
 
 
-def read_json(path: Union[str, Path], shape: Any = object, what: str = "JSON") -> Any:
+def read_json(path: str | Path, shape: Any = object, what: str = "JSON") -> Any:
     """The content of ``path`` if it is JSON of ``shape`` (module docstring); else
     ``UserError`` naming the file, ``what`` it should be and the first fault."""
     path = Path(path)
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
     except (UnicodeDecodeError, ValueError, RecursionError) as e:
-        detail = f"line {e.lineno} column {e.colno}: {e.msg}" if isinstance(e, json.JSONDecodeError) else \
-            type(e).__name__
+        detail = (
+            f"line {e.lineno} column {e.colno}: {e.msg}" if isinstance(e, json.JSONDecodeError) else type(e).__name__
+        )
         raise UserError(f"{path}: not valid JSON ({detail}); expected {what}") from None
     why = fault(data, shape)
     if why:

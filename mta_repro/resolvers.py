@@ -38,12 +38,13 @@ def mta_layers_every(n_layers: Any, stride: Any) -> str:
     n, k = int(n_layers), int(stride)
     if k == 1:
         return ",".join(str(i) for i in range(n))
-    if k < 1 or k >= n or FIRST_CONV_LAYER >= n:
+    if k < 1 or k >= n or n <= FIRST_CONV_LAYER:
         hi = n - 1
         raise UserError(
             f"model.mta.mta_layers: every {k}th layer is not a valid choice for model.n_layers={n} "
-            f"(valid strides: 1..{hi}" + ("" if FIRST_CONV_LAYER < n else f"; a model of {n} layers has no layer "
-                                             f"{FIRST_CONV_LAYER}") + ")"
+            f"(valid strides: 1..{hi}"
+            + ("" if n > FIRST_CONV_LAYER else f"; a model of {n} layers has no layer {FIRST_CONV_LAYER}")
+            + ")"
         )
     return ",".join(str(i) for i in range(FIRST_CONV_LAYER, n, k))
 

@@ -4,8 +4,8 @@
 from __future__ import annotations
 
 import subprocess
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Optional, Sequence
 
 from mta_repro.errors import UserError
 
@@ -17,7 +17,7 @@ def time_limit(minutes: int) -> str:
     return f"{d}-{h:02d}:{m:02d}:00"
 
 
-def memory_lines(mem: Optional[str], exclusive: bool) -> str:
+def memory_lines(mem: str | None, exclusive: bool) -> str:
     """The ``#SBATCH --mem`` / ``--exclusive`` lines (each ending in a newline), or "".
 
     mem: sbatch's per-node memory (``"480G"``; ``"0"`` = all of the node's memory).

@@ -40,8 +40,9 @@ H, D = 16, 96
 LAYERS = ("kq_conv", "mixing")
 
 
-def run_one(layer: str, impl: str, seq: int, device: str, dtype_name: str, reps: int, block_size: int,
-            tuning=None) -> dict:
+def run_one(
+    layer: str, impl: str, seq: int, device: str, dtype_name: str, reps: int, block_size: int, tuning=None
+) -> dict:
     import torch
     import torch.nn.functional as F
 
@@ -53,12 +54,14 @@ def run_one(layer: str, impl: str, seq: int, device: str, dtype_name: str, reps:
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(1, H, seq, D, generator=g).to(dev, dtype).requires_grad_() for _ in range(3))
     if impl == "sdpa":
+
         def fwd():
             return F.scaled_dot_product_attention(q, k, v, is_causal=True)
     else:
         # the release's 6x11 kernels, the pre-softmax mixing exactly the identity
-        p = layer_params(layer, H, (6, 11), dtype, dev, block_size, requires_grad=True, mixing="identity",
-                         tuning=tuning)
+        p = layer_params(
+            layer, H, (6, 11), dtype, dev, block_size, requires_grad=True, mixing="identity", tuning=tuning
+        )
 
         def fwd():
             return attention_ops.attn_impl(impl).fn(q, k, v, p, attention_ops.AttnMask(), True)
@@ -89,8 +92,17 @@ def run_one(layer: str, impl: str, seq: int, device: str, dtype_name: str, reps:
 
     median, times = median_seconds(step, reps, dev, warmup=0)
     peak = torch.cuda.max_memory_allocated(dev) / 2**30 if dev.type == "cuda" else peak_rss_gb() - rss0
-    return {"layer": layer, "impl": impl, "seq": seq, "block_size": block_size, "s": median,
-            "s_all": times, "peak_gb": peak, "saved_gb": saved / 2**30, "saved_inputs_gb": saved_inputs / 2**30}
+    return {
+        "layer": layer,
+        "impl": impl,
+        "seq": seq,
+        "block_size": block_size,
+        "s": median,
+        "s_all": times,
+        "peak_gb": peak,
+        "saved_gb": saved / 2**30,
+        "saved_inputs_gb": saved_inputs / 2**30,
+    }
 
 
 def profile(spec: str, device: str, dtype_name: str, block_size: int, tuning=None) -> None:
@@ -101,11 +113,12 @@ def profile(spec: str, device: str, dtype_name: str, block_size: int, tuning=Non
     layer, impl, seq = spec.split(":")
     dev, dtype = torch.device(device), getattr(torch, dtype_name)
     q, k, v = (torch.randn(1, H, int(seq), D).to(dev, dtype).requires_grad_() for _ in range(3))
-    p = layer_params(layer, H, (6, 11), dtype, dev, block_size, requires_grad=True, mixing="identity",
-                     tuning=tuning)
+    p = layer_params(layer, H, (6, 11), dtype, dev, block_size, requires_grad=True, mixing="identity", tuning=tuning)
     out = attention_ops.attn_impl(impl).fn(q, k, v, p, attention_ops.AttnMask(), True)
     out.backward(torch.ones_like(out))
-    acts = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if dev.type == "cuda" else [])
+    acts = [torch.profiler.ProfilerActivity.CPU] + (
+        [torch.profiler.ProfilerActivity.CUDA] if dev.type == "cuda" else []
+    )
     with torch.profiler.profile(activities=acts) as prof:
         out = attention_ops.attn_impl(impl).fn(q, k, v, p, attention_ops.AttnMask(), True)
         out.backward(torch.ones_like(out))
@@ -133,14 +146,17 @@ def check(device: str, dtype_name: str, seq: int, impls: list[str], tuning=None)
         base = [torch.randn(1, H, seq, D, generator=g, dtype=torch.float64) for _ in range(3)]
         gy = torch.randn(1, H, seq, D, generator=g, dtype=torch.float64)
         torch.manual_seed(0)
-        p64 = layer_params(layer, H, (6, 11), torch.float64, dev, 128, requires_grad=True, mixing="identity",
-                           tuning=tuning)
+        p64 = layer_params(
+            layer, H, (6, 11), torch.float64, dev, 128, requires_grad=True, mixing="identity", tuning=tuning
+        )
         fields = [f for f in attention_ops._WEIGHT_FIELDS if getattr(p64, f) is not None]
 
         def run(impl, dt):
             q, k, v = (x.detach().to(dev, dt).requires_grad_() for x in base)
-            ws = {f: getattr(p64, f).detach().to(torch.float32 if dt != torch.float64 else dt).requires_grad_()
-                  for f in fields}
+            ws = {
+                f: getattr(p64, f).detach().to(torch.float32 if dt != torch.float64 else dt).requires_grad_()
+                for f in fields
+            }
             p = attention_ops.ExplicitAttnParams(**ws, pad_key="both", tuning=p64.tuning)
             out = attention_ops.attn_impl(impl).fn(q, k, v, p, attention_ops.AttnMask(), False)
             out.backward(gy.to(dev, dt))
@@ -159,8 +175,10 @@ def check(device: str, dtype_name: str, seq: int, impls: list[str], tuning=None)
             e = err(impl)
             good = all(within_tolerance(x, r) for x, r in zip(e, ref))  # the trainer's self-check rule
             ok &= good
-            print(f"| {layer} | {impl} | {e[0]:.2e} | {e[1]:.2e} | {'ok' if good else 'FAIL'} "
-                  f"(torch: {ref[0]:.2e}, {ref[1]:.2e}) |")
+            print(
+                f"| {layer} | {impl} | {e[0]:.2e} | {e[1]:.2e} | {'ok' if good else 'FAIL'} "
+                f"(torch: {ref[0]:.2e}, {ref[1]:.2e}) |"
+            )
     return ok
 
 
@@ -175,11 +193,20 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--json", default=None, help="also write the rows here")
     ap.add_argument("--profile", default=None, metavar="LAYER:IMPL:T")
-    ap.add_argument("--check", type=int, default=None, metavar="T",
-                    help="correctness on the device instead of timing: every implementation "
-                         "against the float64 reference at length T (exit 1 on a mismatch)")
-    ap.add_argument("--kernels", default="", metavar="FIELD=VALUE,...",
-                    help="the kernels' tuning (model.kernels fields, docs/environment.md), e.g. kq_conv=conv2d")
+    ap.add_argument(
+        "--check",
+        type=int,
+        default=None,
+        metavar="T",
+        help="correctness on the device instead of timing: every implementation "
+        "against the float64 reference at length T (exit 1 on a mismatch)",
+    )
+    ap.add_argument(
+        "--kernels",
+        default="",
+        metavar="FIELD=VALUE,...",
+        help="the kernels' tuning (model.kernels fields, docs/environment.md), e.g. kq_conv=conv2d",
+    )
     ap.add_argument("--one", nargs=4, metavar=("LAYER", "IMPL", "T", "BLOCK"), help=argparse.SUPPRESS)
     a = ap.parse_args()
     tuning = kernel_tuning(a.kernels.split(","))
@@ -199,19 +226,35 @@ def main() -> None:
     from mta_repro.model import attention_ops
 
     # triton runs on GPUs (on CPU only in its interpreter, far too slow to time)
-    impls = a.impls.split(",") if a.impls else [
-        n for n in attention_ops.attn_impl_names() if n != "triton" or a.device.startswith("cuda")]
+    impls = (
+        a.impls.split(",")
+        if a.impls
+        else [n for n in attention_ops.attn_impl_names() if n != "triton" or a.device.startswith("cuda")]
+    )
     cases = []
     for seq in map(int, a.seqs.split(",")):
         cases.append(("sdpa", "sdpa", seq, 0))
         for layer in a.layers.split(","):
             for impl in impls:
-                for bs in (map(int, a.block_sizes.split(",")) if impl == "blocked" else [0]):
+                for bs in map(int, a.block_sizes.split(",")) if impl == "blocked" else [0]:
                     cases.append((layer, impl, seq, bs))
     rows = []
     for layer, impl, seq, bs in cases:
-        cmd = [sys.executable, __file__, "--one", layer, impl, str(seq), str(bs or 128),
-               "--device", a.device, "--dtype", a.dtype, "--kernels", a.kernels]
+        cmd = [
+            sys.executable,
+            __file__,
+            "--one",
+            layer,
+            impl,
+            str(seq),
+            str(bs or 128),
+            "--device",
+            a.device,
+            "--dtype",
+            a.dtype,
+            "--kernels",
+            a.kernels,
+        ]
         p = subprocess.run([*cmd, "--reps", str(a.reps)], cwd=ROOT, capture_output=True, text=True)
         if p.returncode != 0:
             print(f"{layer}/{impl}/T={seq} failed:\n{p.stderr[-1500:]}", file=sys.stderr)
@@ -224,8 +267,12 @@ def main() -> None:
                 r["peak_gb"] = json.loads(m.stdout.strip().splitlines()[-1])["peak_gb"]
         r["block_size"] = bs
         rows.append(r)
-        print(f"  {layer:8s} {impl:8s} T={seq:5d} bs={bs:4d} {r['s']:8.3f} s  peak {r['peak_gb']:.2f} GB  "
-              f"saved {r['saved_gb']:.3f} GB", file=sys.stderr, flush=True)
+        print(
+            f"  {layer:8s} {impl:8s} T={seq:5d} bs={bs:4d} {r['s']:8.3f} s  peak {r['peak_gb']:.2f} GB  "
+            f"saved {r['saved_gb']:.3f} GB",
+            file=sys.stderr,
+            flush=True,
+        )
 
     sdpa = {r["seq"]: r for r in rows if r["impl"] == "sdpa"}
     mem = "peak GB" + (" (RSS)" if a.device == "cpu" else "")
@@ -234,8 +281,10 @@ def main() -> None:
     print("|" + "---|" * 9)
     for r in rows:
         b = sdpa.get(r["seq"])
-        print(f"| {r['layer']} | {r['impl']} | {r['block_size'] or '-'} | {r['seq']} | {r['s']:.3f} | "
-              f"{ratio(r, b, 's')} | {r['peak_gb']:.2f} | {ratio(r, b, 'peak_gb')} | {r['saved_gb']:.3f} |")
+        print(
+            f"| {r['layer']} | {r['impl']} | {r['block_size'] or '-'} | {r['seq']} | {r['s']:.3f} | "
+            f"{ratio(r, b, 's')} | {r['peak_gb']:.2f} | {ratio(r, b, 'peak_gb')} | {r['saved_gb']:.3f} |"
+        )
     write_rows(a.json, rows)
 
 

@@ -49,8 +49,10 @@ PAPER_GPUS = 32
 
 def tekken_standin(tmp: Path, n_ranks: int = 128_000) -> Path:
     """A tiktoken ranks file of Llama-3's size from mistral_common's Tekken vocabulary."""
-    subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "-q", "-d", str(tmp), "mistral_common==1.12.0"],
-                   check=True)
+    subprocess.run(
+        [sys.executable, "-m", "pip", "download", "--no-deps", "-q", "-d", str(tmp), "mistral_common==1.12.0"],
+        check=True,
+    )
     whl = next(tmp.glob("mistral_common-*.whl"))
     with zipfile.ZipFile(whl) as z:
         vocab = json.loads(z.read("mistral_common/data/tekken_240911.json"))["vocab"]
@@ -72,7 +74,12 @@ def bench_loader(tok: TokenizerArgs, seq_len: int, batch_size: int, runs: int, b
             next(loader)
         rates.append(batches * batch_size * seq_len / (time.perf_counter() - t0))
     loader.close()
-    return {"median": statistics.median(rates), "min": min(rates), "max": max(rates), "n_words": loader.tokenizer.n_words}
+    return {
+        "median": statistics.median(rates),
+        "min": min(rates),
+        "max": max(rates),
+        "n_words": loader.tokenizer.n_words,
+    }
 
 
 def mixture_share(seq_len: int, batch_size: int, batches: int) -> dict:
@@ -105,23 +112,27 @@ def mixture_share(seq_len: int, batch_size: int, batches: int) -> dict:
 
 def print_mixture(res: dict, seq_len: int, batch_size: int, batches: int) -> None:
     tot = res["_total"]
-    print(f"\nDomain shares of {tot['tokens']:,} trained tokens ({tot['docs']:,} documents; {batches} batches of "
-          f"{batch_size} x {seq_len}, one rank, bundled corpus + tokenizer, the paper's per-document weights)")
+    print(
+        f"\nDomain shares of {tot['tokens']:,} trained tokens ({tot['docs']:,} documents; {batches} batches of "
+        f"{batch_size} x {seq_len}, one rank, bundled corpus + tokenizer, the paper's per-document weights)"
+    )
     print("| domain | weight (per doc) | doc share | mean tokens/doc | token share | expected w*L/sum |")
     print("|---|---:|---:|---:|---:|---:|")
     for d, r in res.items():
         if d.startswith("_"):
             continue
-        print(f"| {d} | {r['weight']:.3f} | {r['doc_share']:.3f} | {r['mean_len']:,.0f} | {r['token_share']:.3f} | "
-              f"{r['expected']:.3f} |")
+        print(
+            f"| {d} | {r['weight']:.3f} | {r['doc_share']:.3f} | {r['mean_len']:,.0f} | {r['token_share']:.3f} | "
+            f"{r['expected']:.3f} |"
+        )
 
 
 def measure_tiny_step(device: str, seq_len: int, batch_size: int, steps: int = 10) -> float:
     """Tokens/s of a full training step (fwd + bwd + AdamW) of the tiny baseline model."""
     import torch
 
-    from mta_repro.train.config import compose, model_args_from
     from mta_repro.model import build_model
+    from mta_repro.train.config import compose, model_args_from
 
     margs = model_args_from(compose(["model=tiny"]))
     model = build_model(margs, device=device)
@@ -152,9 +163,13 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--batches", type=int, default=10, help="batches per timed run")
     ap.add_argument("--tiktoken-path", default=None, help="Meta's Llama-3 tokenizer.model (else a same-size stand-in)")
-    ap.add_argument("--tflops", type=float, default=400.0, help="effective TFLOP/s per GPU for the estimate (H200 bf16)")
+    ap.add_argument(
+        "--tflops", type=float, default=400.0, help="effective TFLOP/s per GPU for the estimate (H200 bf16)"
+    )
     ap.add_argument("--measure-step", action="store_true", help="also time a tiny-model training step")
-    ap.add_argument("--step-seq-len", type=int, default=None, help="sequence length of the measured step (default --seq-len)")
+    ap.add_argument(
+        "--step-seq-len", type=int, default=None, help="sequence length of the measured step (default --seq-len)"
+    )
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--mixture-batches", type=int, default=300, help="batches for the domain token-share table")
     ap.add_argument("--mixture-only", action="store_true", help="only the domain token-share table")
@@ -165,27 +180,33 @@ def main() -> None:
     if a.mixture_only:
         return
 
-    from mta_repro.train.config import compose, model_args_from
     from mta_repro.model.flops import model_flops_per_token
+    from mta_repro.train.config import compose, model_args_from
 
     with tempfile.TemporaryDirectory() as td:
         tk_path = a.tiktoken_path or str(tekken_standin(Path(td)))
         toks = {
             "bytes": TokenizerArgs("bytes", None),
-            "sentencepiece (bundled, 8192)": TokenizerArgs("sentencepiece", str(REPO_ROOT / "data/tokenizer/mini_sp8192.model")),
-            ("tiktoken (Llama-3)" if a.tiktoken_path else "tiktoken (128k stand-in)"): TokenizerArgs("tiktoken", tk_path),
+            "sentencepiece (bundled, 8192)": TokenizerArgs(
+                "sentencepiece", str(REPO_ROOT / "data/tokenizer/mini_sp8192.model")
+            ),
+            ("tiktoken (Llama-3)" if a.tiktoken_path else "tiktoken (128k stand-in)"): TokenizerArgs(
+                "tiktoken", tk_path
+            ),
         }
         res = {name: bench_loader(t, a.seq_len, a.batch_size, a.runs, a.batches) for name, t in toks.items()}
 
-    print(f"\nLoader throughput, one rank, batch {a.batch_size} x {a.seq_len}, bundled corpus, "
-          f"median of {a.runs} runs x {a.batches} batches")
+    print(
+        f"\nLoader throughput, one rank, batch {a.batch_size} x {a.seq_len}, bundled corpus, "
+        f"median of {a.runs} runs x {a.batches} batches"
+    )
     print("| tokenizer | ids | tokens/s (median) | min | max |")
     print("|---|---:|---:|---:|---:|")
     for name, r in res.items():
         print(f"| {name} | {r['n_words']} | {r['median']:,.0f} | {r['min']:,.0f} | {r['max']:,.0f} |")
 
     print(f"\nTokens/s one GPU's training step needs (seq {a.seq_len})")
-    print("| model | train GFLOP/token | at %.0f TFLOP/s | paper Table 9 per GPU | measured |" % a.tflops)
+    print(f"| model | train GFLOP/token | at {a.tflops:.0f} TFLOP/s | paper Table 9 per GPU | measured |")
     print("|---|---:|---:|---:|---:|")
     need = {}
     for size, attn in (("tiny", "baseline"), ("880m", "baseline"), ("880m", "mta")):
@@ -197,15 +218,19 @@ def main() -> None:
         if a.measure_step and size == "tiny":
             meas = measure_tiny_step(a.device, a.step_seq_len or a.seq_len, a.batch_size)
         need[(size, attn)] = max(x for x in (est, paper, meas) if x is not None)
-        print(f"| {size} {attn} | {f / 1e9:.3f} | {est:,.0f} | {'' if paper is None else f'{paper:,.0f}'} | "
-              f"{'' if meas is None else f'{meas:,.0f} ({a.device}, T={a.step_seq_len or a.seq_len})'} |")
+        print(
+            f"| {size} {attn} | {f / 1e9:.3f} | {est:,.0f} | {'' if paper is None else f'{paper:,.0f}'} | "
+            f"{'' if meas is None else f'{meas:,.0f} ({a.device}, T={a.step_seq_len or a.seq_len})'} |"
+        )
 
     slowest = min(r["median"] for r in res.values())
     print()
     for (size, attn), n in need.items():
         verdict = "yes" if slowest >= n else "NO"
-        print(f"{size} {attn}: needs up to {n:,.0f} tokens/s per GPU; slowest loader {slowest:,.0f} -> "
-              f"keeps a GPU fed: {verdict} ({slowest / n:.2f}x)")
+        print(
+            f"{size} {attn}: needs up to {n:,.0f} tokens/s per GPU; slowest loader {slowest:,.0f} -> "
+            f"keeps a GPU fed: {verdict} ({slowest / n:.2f}x)"
+        )
 
 
 if __name__ == "__main__":

@@ -15,10 +15,10 @@ import time
 
 import torch
 
-from mta_repro.train.config import compose, model_args_from
-from mta_repro.model.generation import generate
 from mta_repro.eval.lm_eval_model import MTAReproLM
 from mta_repro.model import build_model
+from mta_repro.model.generation import generate
+from mta_repro.train.config import compose, model_args_from
 
 VARIANTS = ("baseline", "diff", "talking_heads", "mta")
 
@@ -71,22 +71,38 @@ def main() -> None:
         for _ in range(args.questions):
             ctx = torch.randint(3, margs.vocab_size, (args.seq_len,), generator=g).tolist()
             mc += [(ctx, [3 + c]) for c in range(args.choices)]
-        lm_sep = MTAReproLM(model=model, tokenizer=_Tok(margs.vocab_size), batch_size=args.batch,
-                            share_prefixes=False)
+        lm_sep = MTAReproLM(model=model, tokenizer=_Tok(margs.vocab_size), batch_size=args.batch, share_prefixes=False)
         t_mc = median_time(lambda: lm._score(mc), args.repeats)
         t_mc_sep = median_time(lambda: lm_sep._score(mc), args.repeats)
-        prompts = [torch.randint(3, margs.vocab_size, (args.prompt_len - 7 * i,), generator=g).tolist()
-                   for i in range(args.gen_batch)]  # different lengths: left padding on
+        prompts = [
+            torch.randint(3, margs.vocab_size, (args.prompt_len - 7 * i,), generator=g).tolist()
+            for i in range(args.gen_batch)
+        ]  # different lengths: left padding on
         with torch.no_grad():
             t_gen = median_time(lambda: generate(model, prompts, args.new_tokens), args.repeats)
-        rows.append((variant, args.batch * args.seq_len / t_ll, args.gen_batch * args.new_tokens / t_gen,
-                     args.new_tokens / t_gen, args.questions / t_mc, args.questions / t_mc_sep))
+        rows.append(
+            (
+                variant,
+                args.batch * args.seq_len / t_ll,
+                args.gen_batch * args.new_tokens / t_gen,
+                args.new_tokens / t_gen,
+                args.questions / t_mc,
+                args.questions / t_mc_sep,
+            )
+        )
     print(f"\nmodel={args.model} device={args.device} dtype={args.dtype} threads={torch.get_num_threads()}")
-    print(f"loglikelihood: {args.batch} x {args.seq_len} tokens; generation: {args.gen_batch} prompts "
-          f"~{args.prompt_len} tokens, {args.new_tokens} new tokens (KV cache)\n")
-    print(f"multiple choice: {args.questions} questions x {args.choices} one-token choices, "
-          f"{args.seq_len}-token contexts\n")
-    print("| variant | loglikelihood tok/s | generation tok/s | decode steps/s | MC q/s shared | MC q/s one pass per choice |")
+    print(
+        f"loglikelihood: {args.batch} x {args.seq_len} tokens; generation: {args.gen_batch} prompts "
+        f"~{args.prompt_len} tokens, {args.new_tokens} new tokens (KV cache)\n"
+    )
+    print(
+        f"multiple choice: {args.questions} questions x {args.choices} one-token choices, "
+        f"{args.seq_len}-token contexts\n"
+    )
+    print(
+        "| variant | loglikelihood tok/s | generation tok/s | decode steps/s | MC q/s shared "
+        "| MC q/s one pass per choice |"
+    )
     print("|---|---:|---:|---:|---:|---:|")
     for v, ll, gen, steps, mcs, mcsep in rows:
         print(f"| {v} | {ll:,.0f} | {gen:,.1f} | {steps:,.1f} | {mcs:,.1f} | {mcsep:,.1f} |")

@@ -48,8 +48,8 @@ def main() -> None:
     if a.sm90:
         return compile_report(a.cq, a.ck, tile)
 
-    from mta_repro.model import attention_ops
     from mta_repro.kernels import kq_conv_cpu
+    from mta_repro.model import attention_ops
 
     H, n, T, cq, ck, d = a.heads, a.rows, a.keys, a.cq, a.ck, a.head_dim
     pl = (ck - 1) // 2
@@ -107,8 +107,10 @@ def main() -> None:
             torch.cuda.synchronize()
     base = "c_kernel" if dev.type == "cpu" else "conv2d"
     ref = dict((r[0], r[2]) for r in rows).get(base)
-    print(f"\nkey-query convolution, one block: B={a.batch}, {H} heads x {n} rows x {T} keys, {cq}x{ck}, "
-          f"{a.device} {a.dtype}, {torch.get_num_threads()} threads, median of {a.reps}\n")
+    print(
+        f"\nkey-query convolution, one block: B={a.batch}, {H} heads x {n} rows x {T} keys, {cq}x{ck}, "
+        f"{a.device} {a.dtype}, {torch.get_num_threads()} threads, median of {a.reps}\n"
+    )
     print(f"| design | fwd s | fwd+bwd s | x {base} |")
     print("|---|---|---|---|")
     for name, f, fb in rows:
@@ -128,9 +130,20 @@ def ptxas_report(ptx: str, arch: int) -> str:
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "k.ptx"
         path.write_text(ptx)
-        p = subprocess.run([str(get_ptxas(arch).path), "-lineinfo", "-v", "--regAllocOptLevel=2",
-                            f"--gpu-name=sm_{arch}a" if arch >= 90 else f"--gpu-name=sm_{arch}", str(path),
-                            "-o", str(Path(tmp) / "k.o")], capture_output=True, text=True)
+        p = subprocess.run(
+            [
+                str(get_ptxas(arch).path),
+                "-lineinfo",
+                "-v",
+                "--regAllocOptLevel=2",
+                f"--gpu-name=sm_{arch}a" if arch >= 90 else f"--gpu-name=sm_{arch}",
+                str(path),
+                "-o",
+                str(Path(tmp) / "k.o"),
+            ],
+            capture_output=True,
+            text=True,
+        )
     text = p.stdout + p.stderr
     regs = re.search(r"Used (\d+) registers", text)
     spill = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", text)
@@ -155,8 +168,11 @@ def compile_report(cq: int, ck: int, tile: tuple[int, int]) -> None:
     common = dict(CQ=cq, CK=ck, BR=br, BC=bc, BCH=kt._pow2(bc + ck - 1), CAUSAL=True, ACC=tl.float32, PREC="tf32")
     kernels = {
         "corr (fwd, input grad)": (kt._corr_kernel, common, {"x_ptr": "*bf16", "w_ptr": "*fp32", "y_ptr": "*bf16"}),
-        "wgrad (kernel grad)": (kt._wgrad_kernel, dict(common, CKP=kt._pow2(ck)),
-                                {"gy_ptr": "*bf16", "x_ptr": "*bf16", "part_ptr": "*fp32"}),
+        "wgrad (kernel grad)": (
+            kt._wgrad_kernel,
+            dict(common, CKP=kt._pow2(ck)),
+            {"gy_ptr": "*bf16", "x_ptr": "*bf16", "part_ptr": "*fp32"},
+        ),
     }
     print(f"Triton key-query convolution, {cq}x{ck}, tile {br}x{bc} (key window {common['BCH']}), bf16, sm_90\n")
     print("| kernel | warps | compile s | shared KB | wgmma | ptxas |")
@@ -169,8 +185,11 @@ def compile_report(cq: int, ck: int, tile: tuple[int, int]) -> None:
             t0 = time.time()
             k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": nw})
             ptx = k.asm["ptx"]
-            print(f"| {name} | {nw} | {time.time() - t0:.1f} | {k.metadata.shared / 1024:.0f} | "
-                  f"{ptx.count('wgmma.mma_async')} | {ptxas_report(ptx, 90)} |", flush=True)
+            print(
+                f"| {name} | {nw} | {time.time() - t0:.1f} | {k.metadata.shared / 1024:.0f} | "
+                f"{ptx.count('wgmma.mma_async')} | {ptxas_report(ptx, 90)} |",
+                flush=True,
+            )
 
 
 if __name__ == "__main__":

@@ -60,8 +60,12 @@ def mta_weights(dev, dtype, seed: int = 0) -> dict:
             t = t + eye
         return t.to(dev, dtype).requires_grad_()
 
-    return {"mta_kernel": w(H, 1, 6, 11), "wpsm": w(H, H, eye=torch.eye(H)),
-            "mta_kernel_after_sm": w(H, 1, 6, 11), "head_kernel": w(1, H, H, eye=torch.eye(H))}
+    return {
+        "mta_kernel": w(H, 1, 6, 11),
+        "wpsm": w(H, H, eye=torch.eye(H)),
+        "mta_kernel_after_sm": w(H, 1, 6, 11),
+        "head_kernel": w(1, H, H, eye=torch.eye(H)),
+    }
 
 
 def load_release(src: Path, device: str) -> types.ModuleType:
@@ -80,8 +84,14 @@ def load_release(src: Path, device: str) -> types.ModuleType:
     lt.FeedForward = lt.InitStdFactor = lt.RotaryEmbedding = object
     xo = types.ModuleType("xformers.ops")
     xo.AttentionBias, xo.fmha = object, None
-    sys.modules.update({"lingua": types.ModuleType("lingua"), "lingua.transformer": lt,
-                        "xformers": types.ModuleType("xformers"), "xformers.ops": xo})
+    sys.modules.update(
+        {
+            "lingua": types.ModuleType("lingua"),
+            "lingua.transformer": lt,
+            "xformers": types.ModuleType("xformers"),
+            "xformers.ops": xo,
+        }
+    )
     text = src.read_text()
     if not device.startswith("cuda"):
         text = text.replace('device="cuda"', f'device="{device}"').replace(".cuda()", "")
@@ -109,12 +119,20 @@ def build(case: str, seq: int, dev, dtype, release_src=None):
     if case in ("op", "op_torch"):
         w = mta_weights(dev, dtype)
         impl = "blocked" if case == "op" else "torch"
-        return (lambda: flat(multi_token_attention(heads(q), heads(k), heads(v), **w, attn_impl=impl))), \
-            [q, k, v, *w.values()]
+        return (lambda: flat(multi_token_attention(heads(q), heads(k), heads(v), **w, attn_impl=impl))), [
+            q,
+            k,
+            v,
+            *w.values(),
+        ]
     if case == "op_post":
         kernel = (0.1 * torch.randn(H, 1, 5, 11, generator=g)).to(dev, dtype).requires_grad_()
-        return (lambda: flat(multi_token_attention(heads(q), heads(k), heads(v), mta_kernel_after_sm=kernel))), \
-            [q, k, v, kernel]
+        return (lambda: flat(multi_token_attention(heads(q), heads(k), heads(v), mta_kernel_after_sm=kernel))), [
+            q,
+            k,
+            v,
+            kernel,
+        ]
     if case == "liger":
         from liger_kernel.transformers.multi_token_attention import LigerMultiTokenAttention
 
@@ -123,6 +141,7 @@ def build(case: str, seq: int, dev, dtype, release_src=None):
         def fwd():
             s = heads(q) @ heads(k).transpose(-1, -2) * D**-0.5
             return flat(layer(s) @ heads(v))
+
         return fwd, [q, k, v, layer.weight]
     if case == "release":
         return build_release(release_src, seq, dev, dtype, q, k, v)
@@ -136,11 +155,28 @@ def build_release(src, seq, dev, dtype, q, k, v):
     if src is None:
         raise SystemExit("the release case needs --release PATH/TO/projects/mta/mta_transformer.py")
     mod = load_release(Path(src), str(dev))
-    mta = mod.MTATransformerArgs(use_mta=True, query_kernel_size=6, key_kernel_size=11, after_sm_query_kernel_size=6,
-                                 after_sm_key_kernel_size=11, pad_key="both", pre_sm_linear_head=True,
-                                 head_kernel_size=H)
-    layer = mod.Attention(dim=H * D, head_dim=D, n_heads=H, n_kv_heads=H, rope_theta=1e4, cache_attention_maps=False,
-                          max_seq_len=seq, mta=mta, dropout=0.0, layer_id=2).to(dev, dtype)
+    mta = mod.MTATransformerArgs(
+        use_mta=True,
+        query_kernel_size=6,
+        key_kernel_size=11,
+        after_sm_query_kernel_size=6,
+        after_sm_key_kernel_size=11,
+        pad_key="both",
+        pre_sm_linear_head=True,
+        head_kernel_size=H,
+    )
+    layer = mod.Attention(
+        dim=H * D,
+        head_dim=D,
+        n_heads=H,
+        n_kv_heads=H,
+        rope_theta=1e4,
+        cache_attention_maps=False,
+        max_seq_len=seq,
+        mta=mta,
+        dropout=0.0,
+        layer_id=2,
+    ).to(dev, dtype)
     w = mta_weights(dev, dtype)
     with torch.no_grad():
         layer.mta_kernel.copy_(w["mta_kernel"])
@@ -224,8 +260,12 @@ def main() -> None:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--reps", type=int, default=3)
-    ap.add_argument("--release", default=None, metavar="MTA_TRANSFORMER_PY",
-                    help="the release's projects/mta/mta_transformer.py (facebookresearch/RAM), run beside the op")
+    ap.add_argument(
+        "--release",
+        default=None,
+        metavar="MTA_TRANSFORMER_PY",
+        help="the release's projects/mta/mta_transformer.py (facebookresearch/RAM), run beside the op",
+    )
     ap.add_argument("--liger", action="store_true", help="run Liger-Kernel's LigerMultiTokenAttention too")
     ap.add_argument("--json", default=None, help="also write the rows here")
     ap.add_argument("--one", nargs=2, metavar=("CASE", "T"), help=argparse.SUPPRESS)
@@ -239,8 +279,10 @@ def main() -> None:
     if not a.liger:
         skipped["liger"] = "not asked for (--liger)"
     elif not a.device.startswith("cuda") and os.environ.get("TRITON_INTERPRET") != "1":
-        skipped["liger"] = ("its Triton kernels need CUDA; on CPU only Triton's interpreter runs them "
-                            "(TRITON_INTERPRET=1), an emulator: its time is the interpreter's")
+        skipped["liger"] = (
+            "its Triton kernels need CUDA; on CPU only Triton's interpreter runs them "
+            "(TRITON_INTERPRET=1), an emulator: its time is the interpreter's"
+        )
     else:
         import importlib.util
 
@@ -264,8 +306,12 @@ def main() -> None:
                 if m.returncode == 0:
                     r["peak_gb"] = json.loads(m.stdout.strip().splitlines()[-1])["peak_gb"]
             rows.append(r)
-            print(f"  {case:8s} T={seq:5d} {r['s']:8.3f} s  peak {r['peak_gb']:.2f} GB  saved {r['saved_mb']:.1f} MB"
-                  + ("  (forward only: backward fails)" if r["fwd_only"] else ""), file=sys.stderr, flush=True)
+            print(
+                f"  {case:8s} T={seq:5d} {r['s']:8.3f} s  peak {r['peak_gb']:.2f} GB  saved {r['saved_mb']:.1f} MB"
+                + ("  (forward only: backward fails)" if r["fwd_only"] else ""),
+                file=sys.stderr,
+                flush=True,
+            )
     report(rows, a, skipped)
     write_rows(a.json, rows)
 
@@ -274,10 +320,14 @@ def report(rows: list, a, skipped: dict) -> None:
     sdpa = {r["seq"]: r for r in rows if r["case"] == "sdpa"}
     gpu = a.device.startswith("cuda")
     mem = "peak GB" + ("" if gpu else " (RSS)")
-    print(f"\nOne layer's core, fwd+bwd, B={B}, {H} heads of {D}, {a.device} {a.dtype}, median of {a.reps} "
-          "after 1 warm-up\n")
-    print(f"| case | T | CPU fwd+bwd s | x SDPA | CPU fwd s | x SDPA | CPU {mem} | saved MB | GPU fwd+bwd s | "
-          "GPU peak GB |")
+    print(
+        f"\nOne layer's core, fwd+bwd, B={B}, {H} heads of {D}, {a.device} {a.dtype}, median of {a.reps} "
+        "after 1 warm-up\n"
+    )
+    print(
+        f"| case | T | CPU fwd+bwd s | x SDPA | CPU fwd s | x SDPA | CPU {mem} | saved MB | GPU fwd+bwd s | "
+        "GPU peak GB |"
+    )
     print("|" + "---|" * 10)
     nym = "not yet measured"
     for r in rows:

@@ -47,8 +47,10 @@ from mta_repro.data.sources import SET_NAMES, SUFFIXES, fingerprint, list_entrie
 def build_tree(root: Path, n_files: int, chunks: int = 10) -> None:
     """``n_files`` files under train/chunk1..chunks (and one validation file), each a zstd
     frame of one record per domain."""
-    recs = b"".join(json.dumps({"text": f"a document of {d} " * 20, "meta": {"redpajama_set_name": s}}).encode()
-                    + b"\n" for d, s in SET_NAMES.items())
+    recs = b"".join(
+        json.dumps({"text": f"a document of {d} " * 20, "meta": {"redpajama_set_name": s}}).encode() + b"\n"
+        for d, s in SET_NAMES.items()
+    )
     blob = zstandard.ZstdCompressor().compress(recs)
     done = root / ".complete"
     if done.is_file() and done.read_text() == str(n_files):
@@ -96,17 +98,30 @@ def main() -> None:
         t0 = time.perf_counter()
         build_tree(root, args.files)
         print(f"tree: {args.files:,} files under {root} ({time.perf_counter() - t0:.0f} s to build or check)")
-        data = DataArgs(root_dir=str(root), seq_len=64, batch_size=1, shuffle_buffer=0,
-                        tokenizer=TokenizerArgs(name="bytes", path=None))
+        data = DataArgs(
+            root_dir=str(root),
+            seq_len=64,
+            batch_size=1,
+            shuffle_buffer=0,
+            tokenizer=TokenizerArgs(name="bytes", path=None),
+        )
         rows = []
         n_domains = len(SET_NAMES)
-        rows.append((f"listing, before ({n_domains} walks: one per domain stream)",
-                     median_s(lambda: [old_listing(root) for _ in range(n_domains)], args.runs)))
+        rows.append(
+            (
+                f"listing, before ({n_domains} walks: one per domain stream)",
+                median_s(lambda: [old_listing(root) for _ in range(n_domains)], args.runs),
+            )
+        )
         rows.append(("listing, now (one walk per loader)", median_s(lambda: list_entries(data, "arxiv"), args.runs)))
         entries = list_entries(data, "arxiv")
         rows.append(("fingerprint of the listing", median_s(lambda: fingerprint(entries), args.runs)))
-        rows.append((f"start: build_train_loader, rank 0 of {args.world}",
-                     median_s(lambda: build_train_loader(data, 0, args.world), args.runs)))
+        rows.append(
+            (
+                f"start: build_train_loader, rank 0 of {args.world}",
+                median_s(lambda: build_train_loader(data, 0, args.world), args.runs),
+            )
+        )
 
         loader = build_train_loader(data, 0, args.world)
         next(loader)  # the streams are inside their first file
@@ -124,8 +139,12 @@ def main() -> None:
             assert not fresh.input_check["refuse"], fresh.input_check
             return time.perf_counter() - t
 
-        rows.append((f"resume, unchanged: load_state_dict ({len(share):,} files read)",
-                     statistics.median(resume() for _ in range(args.runs))))
+        rows.append(
+            (
+                f"resume, unchanged: load_state_dict ({len(share):,} files read)",
+                statistics.median(resume() for _ in range(args.runs)),
+            )
+        )
 
         def touch():
             for name in share:
@@ -136,8 +155,12 @@ def main() -> None:
             touch()
             return resume()
 
-        rows.append(("resume, every stat changed: each file read rehashed",
-                     statistics.median(resume_touched() for _ in range(args.runs))))
+        rows.append(
+            (
+                "resume, every stat changed: each file read rehashed",
+                statistics.median(resume_touched() for _ in range(args.runs)),
+            )
+        )
         rows.append(("state: _state() (a prefetch thread, after every batch)", median_s(loader._state, args.runs * 20)))
         print()
         print(f"| what ({args.files:,} files, rank 0 of {args.world}) | median s |")

@@ -43,14 +43,24 @@ VARIANTS = ("baseline", "diff", "talking_heads", "mta")
 CONFIGS = {
     "tiny": {"overrides": ["model=tiny"], "seq": 256, "batch": 4},
     "mid": {
-        "overrides": ["model=tiny", "model.dim=1024", "model.n_heads=16", "model.n_layers=2",
-                      "model.kq_conv_layers='1'"],
+        "overrides": [
+            "model=tiny",
+            "model.dim=1024",
+            "model.n_heads=16",
+            "model.n_layers=2",
+            "model.kq_conv_layers='1'",
+        ],
         "seq": 2048,
         "batch": 1,
     },
     "w880": {
-        "overrides": ["model=tiny", "model.dim=1536", "model.n_heads=16", "model.n_layers=4",
-                      "model.kq_conv_layers='2'"],
+        "overrides": [
+            "model=tiny",
+            "model.dim=1536",
+            "model.n_heads=16",
+            "model.n_layers=4",
+            "model.kq_conv_layers='2'",
+        ],
         "seq": 2048,
         "batch": 1,
     },
@@ -62,11 +72,18 @@ def _hf_llama(args, device):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     cfg = LlamaConfig(
-        vocab_size=args.vocab_size, hidden_size=args.dim, intermediate_size=args.ffn_hidden_dim,
-        num_hidden_layers=args.n_layers, num_attention_heads=args.n_heads,
-        num_key_value_heads=args.n_heads, head_dim=args.resolved_head_dim,
-        rms_norm_eps=args.norm_eps, rope_theta=args.rope_theta, tie_word_embeddings=True,
-        attn_implementation="sdpa", max_position_embeddings=args.max_seqlen,
+        vocab_size=args.vocab_size,
+        hidden_size=args.dim,
+        intermediate_size=args.ffn_hidden_dim,
+        num_hidden_layers=args.n_layers,
+        num_attention_heads=args.n_heads,
+        num_key_value_heads=args.n_heads,
+        head_dim=args.resolved_head_dim,
+        rms_norm_eps=args.norm_eps,
+        rope_theta=args.rope_theta,
+        tie_word_embeddings=True,
+        attn_implementation="sdpa",
+        max_position_embeddings=args.max_seqlen,
     )
     return LlamaForCausalLM(cfg).to(device)
 
@@ -74,8 +91,8 @@ def _hf_llama(args, device):
 def run_one(config: str, variant: str, device: str, warmup: int, steps: int, threads: int) -> dict:
     import torch
 
-    from mta_repro.train.config import compose, model_args_from
     from mta_repro.model import build_model
+    from mta_repro.train.config import compose, model_args_from
     from mta_repro.train.loop import cross_entropy
     from mta_repro.train.optim import OptimArgs, build_optimizer
 
@@ -95,6 +112,7 @@ def run_one(config: str, variant: str, device: str, warmup: int, steps: int, thr
     amp = torch.autocast("cuda", dtype=torch.bfloat16) if dev.type == "cuda" else torch.autocast("cpu", enabled=False)
     if dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats(dev)
+
     def loss_fn():
         if hf:
             logits = model(input_ids=x).logits
@@ -131,9 +149,17 @@ def run_one(config: str, variant: str, device: str, warmup: int, steps: int, thr
     step = statistics.median(times)
     peak = torch.cuda.max_memory_allocated(dev) / 2**30 if dev.type == "cuda" else peak_rss_gb() - rss0
     saved = sum(n for ptr, n in storages.items() if ptr not in params) / 2**30
-    return {"config": config, "variant": variant, "params": n_params, "step_s": step, "steps_s": times,
-            "tokens_per_s": spec["batch"] * spec["seq"] / step, "peak_mem_gb": peak, "saved_gb": saved,
-            "device": device}
+    return {
+        "config": config,
+        "variant": variant,
+        "params": n_params,
+        "step_s": step,
+        "steps_s": times,
+        "tokens_per_s": spec["batch"] * spec["seq"] / step,
+        "peak_mem_gb": peak,
+        "saved_gb": saved,
+        "device": device,
+    }
 
 
 def main() -> None:
@@ -146,8 +172,12 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = default)")
     ap.add_argument("--json", default=None, help="also write the rows here")
     ap.add_argument("--one", nargs=2, metavar=("CONFIG", "VARIANT"), help=argparse.SUPPRESS)
-    ap.add_argument("--profile", nargs=2, metavar=("CONFIG", "VARIANT"),
-                    help="print torch.profiler's table of one training step instead")
+    ap.add_argument(
+        "--profile",
+        nargs=2,
+        metavar=("CONFIG", "VARIANT"),
+        help="print torch.profiler's table of one training step instead",
+    )
     a = ap.parse_args()
     if a.profile:
         import torch
@@ -163,8 +193,21 @@ def main() -> None:
     rows = []
     for config in a.configs.split(","):
         for variant in a.variants.split(","):
-            cmd = [sys.executable, __file__, "--one", config, variant, "--device", a.device,
-                   "--warmup", str(a.warmup), "--steps", str(a.steps), "--threads", str(a.threads)]
+            cmd = [
+                sys.executable,
+                __file__,
+                "--one",
+                config,
+                variant,
+                "--device",
+                a.device,
+                "--warmup",
+                str(a.warmup),
+                "--steps",
+                str(a.steps),
+                "--threads",
+                str(a.threads),
+            ]
             p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
             if p.returncode != 0:
                 print(f"{config}/{variant} failed:\n{p.stderr[-2000:]}", file=sys.stderr)
@@ -177,21 +220,30 @@ def main() -> None:
                 if m.returncode == 0:
                     rows[-1]["peak_mem_gb"] = json.loads(m.stdout.strip().splitlines()[-1])["peak_mem_gb"]
             r = rows[-1]
-            print(f"  {config:5s} {variant:14s} {r['tokens_per_s']:10.1f} tok/s  {r['peak_mem_gb']:.2f} GB",
-                  file=sys.stderr, flush=True)
+            print(
+                f"  {config:5s} {variant:14s} {r['tokens_per_s']:10.1f} tok/s  {r['peak_mem_gb']:.2f} GB",
+                file=sys.stderr,
+                flush=True,
+            )
 
     base = {r["config"]: r for r in rows if r["variant"] == "baseline"}
     mem_name = "peak mem GB" + (" (RSS)" if a.device == "cpu" else "")
-    header = (f"| config | variant | params | tokens/s | step ms | {mem_name} | saved GB | step time vs baseline "
-              "| mem vs baseline | saved vs baseline |")
-    print(f"\nTraining step (fwd + CE + bwd + clip + AdamW), {a.device}, median of {a.steps} after {a.warmup} warm-up\n")
+    header = (
+        f"| config | variant | params | tokens/s | step ms | {mem_name} | saved GB | step time vs baseline "
+        "| mem vs baseline | saved vs baseline |"
+    )
+    print(
+        f"\nTraining step (fwd + CE + bwd + clip + AdamW), {a.device}, median of {a.steps} after {a.warmup} warm-up\n"
+    )
     print(header)
     print("|" + "---|" * 10)
     for r in rows:
         b = base.get(r["config"])
-        print(f"| {r['config']} | {r['variant']} | {r['params'] / 1e6:.2f}M | {r['tokens_per_s']:.0f} | "
-              f"{r['step_s'] * 1e3:.0f} | {r['peak_mem_gb']:.2f} | {r['saved_gb']:.2f} | {ratio(r, b, 'step_s', 'x')} | "
-              f"{ratio(r, b, 'peak_mem_gb', 'x')} | {ratio(r, b, 'saved_gb', 'x')} |")
+        print(
+            f"| {r['config']} | {r['variant']} | {r['params'] / 1e6:.2f}M | {r['tokens_per_s']:.0f} | "
+            f"{r['step_s'] * 1e3:.0f} | {r['peak_mem_gb']:.2f} | {r['saved_gb']:.2f} | {ratio(r, b, 'step_s', 'x')} | "
+            f"{ratio(r, b, 'peak_mem_gb', 'x')} | {ratio(r, b, 'saved_gb', 'x')} |"
+        )
     write_rows(a.json, rows)
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import dataclasses
 import statistics
 import time
-from typing import Callable, Iterable, Optional
+from collections.abc import Callable, Iterable
 
 import torch
 
@@ -17,7 +17,7 @@ from mta_repro.kernels.tuning import KernelTuning
 from mta_repro.train.metrics import peak_rss_bytes, reset_peak_rss  # noqa: F401 - shared with the scripts
 
 
-def kernel_tuning(overrides: Iterable[str] = (), base: Optional[KernelTuning] = None) -> KernelTuning:
+def kernel_tuning(overrides: Iterable[str] = (), base: KernelTuning | None = None) -> KernelTuning:
     """``base`` (None: the defaults) with ``FIELD=VALUE`` overrides of ``model.kernels``
     (``kq_conv=conv2d``, ``model.kernels.triton_frame=128x64``), each value read as YAML as
     on the command line; an empty string is no override. The scripts' ``--kernels``."""
@@ -65,9 +65,18 @@ def median_seconds(fn: Callable[[], object], reps: int, device="cpu", warmup: in
     return statistics.median(times), times
 
 
-def layer_params(layer: str, heads: int, kernel, dtype, device, block_size: int, seed: int = 0,
-                 requires_grad: bool = False, mixing: Optional[str] = "noisy",
-                 tuning: Optional[KernelTuning] = None):
+def layer_params(
+    layer: str,
+    heads: int,
+    kernel,
+    dtype,
+    device,
+    block_size: int,
+    seed: int = 0,
+    requires_grad: bool = False,
+    mixing: str | None = "noisy",
+    tuning: KernelTuning | None = None,
+):
     """The MTA parameters of one attention layer: ``kq_conv`` (key-query convolutions
     before and after softmax, ``kernel`` = (c_q, c_k), and head mixing) or ``mixing``
     (head mixing only). Weights ~ 0.1 N(0, 1) from ``seed``; the pre-softmax head mixing
@@ -96,14 +105,14 @@ def layer_params(layer: str, heads: int, kernel, dtype, device, block_size: int,
     )
 
 
-def ratio(row: dict, base: Optional[dict], key: str, suffix: str = "") -> str:
+def ratio(row: dict, base: dict | None, key: str, suffix: str = "") -> str:
     """``row[key] / base[key]`` for a table column, "n/a" without a positive base."""
     if not base or not base.get(key):
         return "n/a"
     return f"{row[key] / base[key]:.2f}{suffix}"
 
 
-def write_rows(path: Optional[str], rows: list) -> None:
+def write_rows(path: str | None, rows: list) -> None:
     """The table's rows as JSON, when ``--json PATH`` asked for them."""
     if path:
         import json

@@ -37,7 +37,7 @@ def conv(scores: torch.Tensor, kernel: torch.Tensor, pad_key: str) -> torch.Tens
 def ulps(a: torch.Tensor, b: torch.Tensor) -> int:
     """The largest distance between two bf16 tensors in units in the last place of b."""
     diff = (a.float() - b.float()).abs()
-    spacing = torch.where(b == 0, torch.tensor(2.0 ** -133), b.float().abs() * 2.0 ** -7)
+    spacing = torch.where(b == 0, torch.tensor(2.0**-133), b.float().abs() * 2.0**-7)
     return int((diff / spacing).ceil().max().item())
 
 
@@ -48,8 +48,13 @@ def cpu_name() -> str:
         return platform.processor() or platform.machine()
     name = next((ln.split(":", 1)[1].strip() for ln in text.splitlines() if ln.startswith("model name")), "?")
     flags = next((ln.split(":", 1)[1].split() for ln in text.splitlines() if ln.startswith("flags")), [])
-    isa = "AVX-512 BF16" if "avx512_bf16" in flags else "AVX-512" if "avx512f" in flags else (
-        "AVX2" if "avx2" in flags else "no AVX2")
+    isa = (
+        "AVX-512 BF16"
+        if "avx512_bf16" in flags
+        else "AVX-512"
+        if "avx512f" in flags
+        else ("AVX2" if "avx2" in flags else "no AVX2")
+    )
     return f"{name} ({isa})"
 
 
@@ -70,8 +75,10 @@ def main() -> None:
             got = conv(s, k, pad)
             r32 = conv(s.float(), k.float(), pad).to(torch.bfloat16)
             r64 = conv(s.double(), k.double(), pad).to(torch.bfloat16)
-            print(f"| {c_q}x{c_k} | {pad} | {(got != r32).float().mean().item():.2e} | "
-                  f"{(got != r64).float().mean().item():.2e} | {max(ulps(got, r32), ulps(got, r64))} |")
+            print(
+                f"| {c_q}x{c_k} | {pad} | {(got != r32).float().mean().item():.2e} | "
+                f"{(got != r64).float().mean().item():.2e} | {max(ulps(got, r32), ulps(got, r64))} |"
+            )
 
 
 if __name__ == "__main__":

@@ -60,8 +60,10 @@ import torch.nn.functional as F
 try:
     import mta_repro  # noqa: F401 - the package the acceptance runs, checked before anything starts
 except ImportError:
-    sys.exit("gpu_acceptance.py: the mta_repro package is not importable; run it from the repository root "
-             "as PYTHONPATH=. python scripts/gpu_acceptance.py (or pip install -e . first)")
+    sys.exit(
+        "gpu_acceptance.py: the mta_repro package is not importable; run it from the repository root "
+        "as PYTHONPATH=. python scripts/gpu_acceptance.py (or pip install -e . first)"
+    )
 
 from benchlib import kernel_tuning, layer_params, sync  # noqa: E402 - after the check above
 
@@ -77,14 +79,38 @@ TINY2 = ["model=tiny", "model.n_layers=2", "model.kq_conv_layers='1'"]
 
 def shapes(quick: bool) -> dict:
     if quick:
-        return dict(heads=4, head_dim=16, parity_t=24, layer_shapes=[(2, 64)], blocks=[16, 32], reps=1,
-                    step=TINY2, step_bt=(2, 64), step_reps=2, full=TINY2, full_bt=(2, 64), debug=TINY2,
-                    debug_bt=(2, 32), kernel=(3, 5))
-    return dict(heads=16, head_dim=96, parity_t=512, layer_shapes=[(4, 2048), (2, 4096)],
-                blocks=[128, 256, 512, 1024], reps=3,
-                step=["model=tiny", "model.dim=1536", "model.n_heads=16", "model.n_layers=4",
-                      "model.kq_conv_layers='2'"], step_bt=(4, 2048), step_reps=5,
-                full=["model=880m"], full_bt=(4, 2048), debug=["model=tiny"], debug_bt=(4, 256), kernel=(6, 11))
+        return dict(
+            heads=4,
+            head_dim=16,
+            parity_t=24,
+            layer_shapes=[(2, 64)],
+            blocks=[16, 32],
+            reps=1,
+            step=TINY2,
+            step_bt=(2, 64),
+            step_reps=2,
+            full=TINY2,
+            full_bt=(2, 64),
+            debug=TINY2,
+            debug_bt=(2, 32),
+            kernel=(3, 5),
+        )
+    return dict(
+        heads=16,
+        head_dim=96,
+        parity_t=512,
+        layer_shapes=[(4, 2048), (2, 4096)],
+        blocks=[128, 256, 512, 1024],
+        reps=3,
+        step=["model=tiny", "model.dim=1536", "model.n_heads=16", "model.n_layers=4", "model.kq_conv_layers='2'"],
+        step_bt=(4, 2048),
+        step_reps=5,
+        full=["model=880m"],
+        full_bt=(4, 2048),
+        debug=["model=tiny"],
+        debug_bt=(4, 256),
+        kernel=(6, 11),
+    )
 
 
 # ------------------------------------------------------------------ parity and layers
@@ -123,8 +149,12 @@ def call_impl(name: str, q, k, v, p, training: bool, knob: str = ""):
 # the pick adds the fastest to the override to train with. The static estimate chose the
 # defaults (the empty setting); only a GPU can tell. Opt-in (--sweep-triton): each setting is a
 # first compile of every pass, and the acceptance run itself should fit one 10-minute call.
-TRITON_KNOBS = ("", "model.kernels.triton_frame=128x64", "model.kernels.triton_frame=128x128",
-                "model.kernels.triton_slab_rows=2")
+TRITON_KNOBS = (
+    "",
+    "model.kernels.triton_frame=128x64",
+    "model.kernels.triton_frame=128x128",
+    "model.kernels.triton_slab_rows=2",
+)
 
 
 def knob_tuning(knob: str, base=None):
@@ -148,11 +178,20 @@ def parity(dev, s, impls, dtypes) -> list[dict]:
 
         def run(impl, dtype):
             q, k, v = (x.detach().to(dev, dtype).clone().requires_grad_() for x in base)
-            ws = {f: getattr(p64, f).detach().to(torch.float64 if dtype == torch.float64 else torch.float32).clone().requires_grad_()
-                  for f in fields}
+            ws = {
+                f: getattr(p64, f)
+                .detach()
+                .to(torch.float64 if dtype == torch.float64 else torch.float32)
+                .clone()
+                .requires_grad_()
+                for f in fields
+            }
             p = attention_ops.ExplicitAttnParams(**ws, pad_key="both", block_size=max(16, T // 4))
-            out = attention_ops.explicit_attention_torch(q, k, v, p, attention_ops.AttnMask()) \
-                if impl == "torch" else call_impl(impl, q, k, v, p, False)
+            out = (
+                attention_ops.explicit_attention_torch(q, k, v, p, attention_ops.AttnMask())
+                if impl == "torch"
+                else call_impl(impl, q, k, v, p, False)
+            )
             if out is None:
                 return None
             out.backward(gy.to(dev, dtype))
@@ -166,24 +205,27 @@ def parity(dev, s, impls, dtypes) -> list[dict]:
                 return None
             out, grads = r
             scale = lambda t: t.abs().max().clamp_min(1e-30)  # noqa: E731
-            return (((out - want).abs().max() / scale(want)).item(),
-                    max(((a - b).abs().max() / scale(b)).item() for a, b in zip(grads, want_g)))
+            return (
+                ((out - want).abs().max() / scale(want)).item(),
+                max(((a - b).abs().max() / scale(b)).item() for a, b in zip(grads, want_g)),
+            )
 
         for dtype in dtypes:
             ref = err("torch", dtype)
             for impl in impls:
                 e = err(impl, dtype)
-                row = {"layer": layer, "impl": impl, "dtype": str(dtype).split(".")[-1], "T": T,
-                       "torch_err": list(ref)}
+                row = {"layer": layer, "impl": impl, "dtype": str(dtype).split(".")[-1], "T": T, "torch_err": list(ref)}
                 if e is None:
                     row.update(status="unsupported")
                 else:
                     good = all(within_tolerance(x, r) for x, r in zip(e, ref))
                     row.update(out_err=e[0], grad_err=e[1], status="ok" if good else "FAIL")
                 rows.append(row)
-                print(f"  parity {layer:8s} {impl:15s} {row['dtype']:9s} {row['status']}"
-                      + (f" out {e[0]:.1e} grad {e[1]:.1e} (torch {ref[0]:.1e} {ref[1]:.1e})" if e else ""),
-                      flush=True)
+                print(
+                    f"  parity {layer:8s} {impl:15s} {row['dtype']:9s} {row['status']}"
+                    + (f" out {e[0]:.1e} grad {e[1]:.1e} (torch {ref[0]:.1e} {ref[1]:.1e})" if e else ""),
+                    flush=True,
+                )
     return rows
 
 
@@ -219,8 +261,14 @@ def time_layer(dev, s, layer, impl, B, T, block, dtype, knob: str = "") -> dict:
             if getattr(p, f) is not None:
                 getattr(p, f).requires_grad_()
         fwd = lambda: call_impl(impl, q, k, v, p, True, knob)  # noqa: E731
-    row = {"layer": layer if impl != "sdpa" else "sdpa", "impl": impl, "B": B, "T": T,
-           "block_size": block if impl.startswith("blocked") else None, "knob": knob}
+    row = {
+        "layer": layer if impl != "sdpa" else "sdpa",
+        "impl": impl,
+        "B": B,
+        "T": T,
+        "block_size": block if impl.startswith("blocked") else None,
+        "knob": knob,
+    }
     try:
         return _time(dev, s, fwd, row)
     except torch.OutOfMemoryError:
@@ -265,9 +313,11 @@ def layers(dev, s, impls, dtype, sweep_triton: bool = False) -> list[dict]:
                     if r["status"] == "ok" and base.get("s"):
                         r["x_sdpa"] = r["s"] / base["s"]
                     rows.append(r)
-                    print(f"  layer {layer:8s} {impl:15s} B={B} T={T} block={bs} {knob} {r['status']} "
-                          + (f"{r['s']:.4f} s ({r.get('x_sdpa', 0):.1f}x SDPA)" if r["status"] == "ok" else ""),
-                          flush=True)
+                    print(
+                        f"  layer {layer:8s} {impl:15s} B={B} T={T} block={bs} {knob} {r['status']} "
+                        + (f"{r['s']:.4f} s ({r.get('x_sdpa', 0):.1f}x SDPA)" if r["status"] == "ok" else ""),
+                        flush=True,
+                    )
         if dev.type == "cuda":
             torch.cuda.empty_cache()
     return rows
@@ -302,16 +352,18 @@ def pick(parity_rows, layer_rows, dtype_name) -> dict:
         base = impl.partition("+")[0]
         ov = [f"model.attn_impl={base}"] + ([f"model.attn_block_size={bs}"] if bs else [])
         ov += (["model.kernels.kq_conv=conv2d"] if impl.endswith("+conv2d") else []) + ([knob] if knob else [])
-        out.update(model={"impl": impl, "block_size": bs, "knob": knob, "attention_s_per_step_estimate": cost},
-                   override=" ".join(ov))
+        out.update(
+            model={"impl": impl, "block_size": bs, "knob": knob, "attention_s_per_step_estimate": cost},
+            override=" ".join(ov),
+        )
         print(f"  pick: {' '.join(ov)}", flush=True)
     return out
 
 
 # ---------------------------------------------------------------------------- step
 def step_bench(dev, s, variant, compiled, picked, dtype) -> dict:
-    from mta_repro.train.config import compose, model_args_from
     from mta_repro.model import build_model
+    from mta_repro.train.config import compose, model_args_from
     from mta_repro.train.optim import OptimArgs, build_optimizer
 
     over = [*s["step"], f"attention={variant}", f"trainer.device={dev.type}"]
@@ -347,17 +399,31 @@ def step_bench(dev, s, variant, compiled, picked, dtype) -> dict:
         else:
             times.append(time.perf_counter() - t0)
     st = statistics.median(times)
-    row = {"variant": variant, "compile": compiled, "B": B, "T": T, "layers": args.n_layers,
-           "attn_impl": args.attn_impl, "attn_block_size": args.attn_block_size, "first_step_s": first,
-           "step_s": st, "tokens_per_s": B * T / st, "loss": loss.item()}
+    row = {
+        "variant": variant,
+        "compile": compiled,
+        "B": B,
+        "T": T,
+        "layers": args.n_layers,
+        "attn_impl": args.attn_impl,
+        "attn_block_size": args.attn_block_size,
+        "first_step_s": first,
+        "step_s": st,
+        "tokens_per_s": B * T / st,
+        "loss": loss.item(),
+    }
     if dev.type == "cuda":
-        row.update(peak_alloc_gb=torch.cuda.max_memory_allocated(dev) / 2**30,
-                   peak_reserved_gb=torch.cuda.max_memory_reserved(dev) / 2**30)
+        row.update(
+            peak_alloc_gb=torch.cuda.max_memory_allocated(dev) / 2**30,
+            peak_reserved_gb=torch.cuda.max_memory_reserved(dev) / 2**30,
+        )
     del model, opt
     if dev.type == "cuda":
         torch.cuda.empty_cache()
-    print(f"  step {variant:8s} compile={compiled!s:5s} {row['tokens_per_s']:.0f} tok/s "
-          f"(first step {first:.1f} s)", flush=True)
+    print(
+        f"  step {variant:8s} compile={compiled!s:5s} {row['tokens_per_s']:.0f} tok/s (first step {first:.1f} s)",
+        flush=True,
+    )
     return row
 
 
@@ -367,9 +433,10 @@ def step_section(dev, s, picked, compile_modes, dtype) -> dict:
     for c in compile_modes:
         b = next(r for r in rows if r["variant"] == "baseline" and r["compile"] == c)
         m = next(r for r in rows if r["variant"] == "mta" and r["compile"] == c)
-        ratios[f"compile={c}"] = {"time_x": b["tokens_per_s"] / m["tokens_per_s"],
-                                  "memory_x": (m.get("peak_reserved_gb") or 0) / b["peak_reserved_gb"]
-                                  if b.get("peak_reserved_gb") else None}
+        ratios[f"compile={c}"] = {
+            "time_x": b["tokens_per_s"] / m["tokens_per_s"],
+            "memory_x": (m.get("peak_reserved_gb") or 0) / b["peak_reserved_gb"] if b.get("peak_reserved_gb") else None,
+        }
     return {"rows": rows, "mta_over_baseline": ratios}
 
 
@@ -378,8 +445,16 @@ def trainer_cmd(run_dir, over):
     return [sys.executable, "-m", "mta_repro.train", f"run_dir={run_dir}", *over]
 
 
-TRAIN_COMMON = ["data=mini", "logging.every=1", "logging.wandb_mode=disabled", "logging.progress_bar=false",
-                "trainer.eval_every=0", "checkpoint.export=false", "optim.warmup=2", "optim.lr=1e-3"]
+TRAIN_COMMON = [
+    "data=mini",
+    "logging.every=1",
+    "logging.wandb_mode=disabled",
+    "logging.progress_bar=false",
+    "trainer.eval_every=0",
+    "checkpoint.export=false",
+    "optim.warmup=2",
+    "optim.lr=1e-3",
+]
 
 
 def _env():
@@ -403,8 +478,9 @@ def signalled_run(run_dir, over, after_step: int, sig, kill_after_save: bool, ti
     """Start the trainer; once ``after_step`` steps are logged, send ``sig``; time until the
     stopped step's checkpoint is complete; with ``kill_after_save``, SIGKILL right then (as
     SLURM does after KillWait), else let it exit."""
-    proc = subprocess.Popen(trainer_cmd(run_dir, over), cwd=ROOT, env=_env(), stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(
+        trainer_cmd(run_dir, over), cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
     ckpts = Path(run_dir) / "checkpoints"
     t_sig = latency = None
     deadline = time.time() + timeout
@@ -436,8 +512,14 @@ def signalled_run(run_dir, over, after_step: int, sig, kill_after_save: bool, ti
         log.seek(0)
         tail = log.read()[-3000:]
     done = sorted(c.name for c in ckpts.iterdir() if (c / ".complete").exists()) if ckpts.is_dir() else []
-    return {"signal_after_step": after_step, "latency_s": latency, "returncode": proc.returncode,
-            "complete_checkpoints": done, "rows": _rows(run_dir), "log_tail": tail}
+    return {
+        "signal_after_step": after_step,
+        "latency_s": latency,
+        "returncode": proc.returncode,
+        "complete_checkpoints": done,
+        "rows": _rows(run_dir),
+        "log_tail": tail,
+    }
 
 
 def memory_and_preempt(dev, s, picked, out_dir) -> tuple[dict, dict]:
@@ -445,8 +527,16 @@ def memory_and_preempt(dev, s, picked, out_dir) -> tuple[dict, dict]:
     from mta_repro.train.memory import estimate_from_config
 
     B, T = s["full_bt"]
-    over = [*TRAIN_COMMON, *s["full"], "attention=mta", f"trainer.device={dev.type}", f"data.batch_size={B}",
-            f"data.seq_len={T}", "trainer.steps=8", "checkpoint.every=1000"]
+    over = [
+        *TRAIN_COMMON,
+        *s["full"],
+        "attention=mta",
+        f"trainer.device={dev.type}",
+        f"data.batch_size={B}",
+        f"data.seq_len={T}",
+        "trainer.steps=8",
+        "checkpoint.every=1000",
+    ]
     if picked.get("override"):
         over += picked["override"].split()
     est = estimate_from_config(compose(over), world_size=1)
@@ -455,16 +545,28 @@ def memory_and_preempt(dev, s, picked, out_dir) -> tuple[dict, dict]:
     rows = [v for k, v in sorted(r["rows"].items())]
     alloc = max((x["peak_mem_gb"] for x in rows), default=None)
     reserved = max((x.get("peak_mem_reserved_gb") or 0 for x in rows), default=None) if dev.type == "cuda" else None
-    memory = {"model": " ".join(s["full"]) + " attention=mta", "B": B, "T": T, "steps_logged": len(rows),
-              "peak_alloc_gb": alloc, "peak_reserved_gb": reserved, "estimate_gb": est.total / 2**30,
-              # the pre-flight is the peak of a steady-state step's tensors: compare with allocated
-              "estimate_over_alloc": est.total / 2**30 / alloc if alloc else None,
-              "estimate_note": "python -m mta_repro.estimate ... --memory --world-size 1 (CPU: peak RSS is measured)",
-              "tokens_per_s": [x["tokens_per_s_global"] for x in rows]}
-    preempt = {"signal": "SIGUSR2", "after_step": 3, "signal_to_complete_s": r["latency_s"],
-               "returncode": r["returncode"], "checkpoints": r["complete_checkpoints"],
-               # stopped by the signal after its checkpoint: 128 + SIGUSR2, the unfinished run's status
-               "ok": r["latency_s"] is not None and r["returncode"] == 128 + signal.SIGUSR2}
+    memory = {
+        "model": " ".join(s["full"]) + " attention=mta",
+        "B": B,
+        "T": T,
+        "steps_logged": len(rows),
+        "peak_alloc_gb": alloc,
+        "peak_reserved_gb": reserved,
+        "estimate_gb": est.total / 2**30,
+        # the pre-flight is the peak of a steady-state step's tensors: compare with allocated
+        "estimate_over_alloc": est.total / 2**30 / alloc if alloc else None,
+        "estimate_note": "python -m mta_repro.estimate ... --memory --world-size 1 (CPU: peak RSS is measured)",
+        "tokens_per_s": [x["tokens_per_s_global"] for x in rows],
+    }
+    preempt = {
+        "signal": "SIGUSR2",
+        "after_step": 3,
+        "signal_to_complete_s": r["latency_s"],
+        "returncode": r["returncode"],
+        "checkpoints": r["complete_checkpoints"],
+        # stopped by the signal after its checkpoint: 128 + SIGUSR2, the unfinished run's status
+        "ok": r["latency_s"] is not None and r["returncode"] == 128 + signal.SIGUSR2,
+    }
     if not preempt["ok"]:
         preempt["log_tail"] = r["log_tail"]
     return memory, preempt
@@ -473,8 +575,17 @@ def memory_and_preempt(dev, s, picked, out_dir) -> tuple[dict, dict]:
 def resume_check(dev, s, out_dir) -> dict:
     B, T = s["debug_bt"]
     steps = 8
-    over = [*TRAIN_COMMON, *s["debug"], "attention=mta", f"trainer.device={dev.type}", f"data.batch_size={B}",
-            f"data.seq_len={T}", f"trainer.steps={steps}", "checkpoint.every=2", "checkpoint.keep=2"]
+    over = [
+        *TRAIN_COMMON,
+        *s["debug"],
+        "attention=mta",
+        f"trainer.device={dev.type}",
+        f"data.batch_size={B}",
+        f"data.seq_len={T}",
+        f"trainer.steps={steps}",
+        "checkpoint.every=2",
+        "checkpoint.keep=2",
+    ]
     ref_dir, run_dir = Path(out_dir) / "resume_ref", Path(out_dir) / "resume_run"
     p = subprocess.run(trainer_cmd(ref_dir, over), cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=900)
     if p.returncode != 0:
@@ -490,9 +601,14 @@ def resume_check(dev, s, out_dir) -> dict:
     compared = {k: (got[k]["loss"], ref[k]["loss"]) for k in range(resumed_at + 1, steps + 1) if k in got and k in ref}
     worst = max((abs(a - b) / abs(b) for a, b in compared.values()), default=None)
     ok = p.returncode == 0 and len(compared) == steps - resumed_at and worst is not None and worst <= tol
-    out = {"killed_after_checkpoint": resumed_at, "steps_compared": sorted(compared),
-           "losses": {k: {"resumed": a, "uninterrupted": b} for k, (a, b) in compared.items()},
-           "max_rel_diff": worst, "tolerance": tol, "ok": ok}
+    out = {
+        "killed_after_checkpoint": resumed_at,
+        "steps_compared": sorted(compared),
+        "losses": {k: {"resumed": a, "uninterrupted": b} for k, (a, b) in compared.items()},
+        "max_rel_diff": worst,
+        "tolerance": tol,
+        "ok": ok,
+    }
     if not ok:
         out["log_tail"] = p.stderr[-3000:]
     return out
@@ -500,61 +616,108 @@ def resume_check(dev, s, out_dir) -> dict:
 
 # -------------------------------------------------------------------------- report
 def markdown(res: dict) -> str:
-    L = [f"# GPU acceptance: {res['device']['name']}", "",
-         f"{res['date']}, torch {res['device']['torch']}, {'quick (toy shapes)' if res['quick'] else 'full'}", ""]
-    L += ["## Parity (relative max error vs float64)", "", "| layer | impl | dtype | output | gradients | torch's own | status |",
-          "|---|---|---|---|---|---|---|"]
+    L = [
+        f"# GPU acceptance: {res['device']['name']}",
+        "",
+        f"{res['date']}, torch {res['device']['torch']}, {'quick (toy shapes)' if res['quick'] else 'full'}",
+        "",
+    ]
+    L += [
+        "## Parity (relative max error vs float64)",
+        "",
+        "| layer | impl | dtype | output | gradients | torch's own | status |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for r in res["parity"]:
-        L.append(f"| {r['layer']} | {r['impl']} | {r['dtype']} | {r.get('out_err', float('nan')):.1e} | "
-                 f"{r.get('grad_err', float('nan')):.1e} | {r['torch_err'][0]:.1e} / {r['torch_err'][1]:.1e} | {r['status']} |")
-    L += ["", "## One layer, fwd+bwd", "", "| layer | impl | block / knob | B x T | s | x SDPA | peak alloc GB |",
-          "|---|---|---|---|---|---|---|"]
+        L.append(
+            f"| {r['layer']} | {r['impl']} | {r['dtype']} | {r.get('out_err', float('nan')):.1e} | "
+            f"{r.get('grad_err', float('nan')):.1e} | {r['torch_err'][0]:.1e} / {r['torch_err'][1]:.1e} | "
+            f"{r['status']} |"
+        )
+    L += [
+        "",
+        "## One layer, fwd+bwd",
+        "",
+        "| layer | impl | block / knob | B x T | s | x SDPA | peak alloc GB |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for r in res["layers"]:
         s = f"{r['s']:.4f}" if r.get("s") is not None else r["status"]
         pk = f"{r['peak_alloc_gb']:.2f}" if r.get("peak_alloc_gb") is not None else "-"
-        L.append(f"| {r['layer']} | {r['impl']} | {r['block_size'] or r.get('knob') or '-'} | {r['B']} x {r['T']} | {s} | "
-                 f"{r.get('x_sdpa', 1.0 if r['impl'] == 'sdpa' else float('nan')):.1f} | {pk} |")
+        L.append(
+            f"| {r['layer']} | {r['impl']} | {r['block_size'] or r.get('knob') or '-'} | {r['B']} x {r['T']} | {s} | "
+            f"{r.get('x_sdpa', 1.0 if r['impl'] == 'sdpa' else float('nan')):.1f} | {pk} |"
+        )
     pk = res["pick"]
     L += ["", "## Pick", "", f"Override for an 880M MTA model: `{pk.get('override', '(none passed)')}`", ""]
     for layer, b in pk.get("per_layer", {}).items():
-        L.append(f"- {layer}: {b['impl']} (block {b['block_size']}{', ' + b['knob'] if b.get('knob') else ''}), "
-                 f"{b['s_total']:.4f} s summed over shapes")
-    L += ["", "## Step (tokens/s)", "", "| variant | compile | layers | B x T | impl | tok/s | first step s | peak reserved GB |",
-          "|---|---|---|---|---|---|---|---|"]
+        L.append(
+            f"- {layer}: {b['impl']} (block {b['block_size']}{', ' + b['knob'] if b.get('knob') else ''}), "
+            f"{b['s_total']:.4f} s summed over shapes"
+        )
+    L += [
+        "",
+        "## Step (tokens/s)",
+        "",
+        "| variant | compile | layers | B x T | impl | tok/s | first step s | peak reserved GB |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for r in res["step"]["rows"]:
         pr = f"{r['peak_reserved_gb']:.2f}" if r.get("peak_reserved_gb") is not None else "-"
-        L.append(f"| {r['variant']} | {r['compile']} | {r['layers']} | {r['B']} x {r['T']} | {r['attn_impl']}/{r['attn_block_size']} | "
-                 f"{r['tokens_per_s']:.0f} | {r['first_step_s']:.1f} | {pr} |")
+        L.append(
+            f"| {r['variant']} | {r['compile']} | {r['layers']} | {r['B']} x {r['T']} | "
+            f"{r['attn_impl']}/{r['attn_block_size']} | "
+            f"{r['tokens_per_s']:.0f} | {r['first_step_s']:.1f} | {pr} |"
+        )
     m = res["memory"]
     fmt = lambda x: f"{x:.2f}" if isinstance(x, (int, float)) else "-"  # noqa: E731
-    L += ["", "## Memory (full model, trainer, world 1)", "",
-          f"{m['model']}, B={m['B']} x T={m['T']}: peak allocated {fmt(m['peak_alloc_gb'])} GB, reserved "
-          f"{fmt(m['peak_reserved_gb'])} GB; estimate {fmt(m['estimate_gb'])} GB, "
-          f"{fmt(m.get('estimate_over_alloc'))}x allocated ({m['estimate_note']})."]
+    L += [
+        "",
+        "## Memory (full model, trainer, world 1)",
+        "",
+        f"{m['model']}, B={m['B']} x T={m['T']}: peak allocated {fmt(m['peak_alloc_gb'])} GB, reserved "
+        f"{fmt(m['peak_reserved_gb'])} GB; estimate {fmt(m['estimate_gb'])} GB, "
+        f"{fmt(m.get('estimate_over_alloc'))}x allocated ({m['estimate_note']}).",
+    ]
     p = res["preempt"]
-    L += ["", "## Preemption", "", f"SIGUSR2 after step {p['after_step']} -> checkpoint complete in "
-          f"{fmt(p['signal_to_complete_s'])} s ({'ok' if p['ok'] else 'FAILED'}); compare with the cluster's KillWait."]
+    L += [
+        "",
+        "## Preemption",
+        "",
+        f"SIGUSR2 after step {p['after_step']} -> checkpoint complete in "
+        f"{fmt(p['signal_to_complete_s'])} s ({'ok' if p['ok'] else 'FAILED'}); compare with the cluster's KillWait.",
+    ]
     r = res["resume"]
-    L += ["", "## Save, kill, resume", "", f"Killed after checkpoint {r.get('killed_after_checkpoint')}; steps "
-          f"{r.get('steps_compared')} max relative loss difference {fmt(r.get('max_rel_diff'))} (tolerance "
-          f"{r.get('tolerance')}): {'ok' if r['ok'] else 'FAILED'}."]
+    L += [
+        "",
+        "## Save, kill, resume",
+        "",
+        f"Killed after checkpoint {r.get('killed_after_checkpoint')}; steps "
+        f"{r.get('steps_compared')} max relative loss difference {fmt(r.get('max_rel_diff'))} (tolerance "
+        f"{r.get('tolerance')}): {'ok' if r['ok'] else 'FAILED'}.",
+    ]
     # Table 9 of the paper: tokens/s and memory, Transformer vs MTA, and MTA's ratio.
     rows = res["step"]["rows"]
     comp = max((r["compile"] for r in rows), default=False)
     pick_rows = {r["variant"]: r for r in rows if r["compile"] == comp}
     b, mt = pick_rows.get("baseline"), pick_rows.get("mta")
-    L += ["", "## Table 9", "",
-          f"Training cost, Transformer vs MTA ({b['layers'] if b else '?'}-layer "
-          f"{'toy (--quick)' if res['quick'] else '880M-width'} model, B={b['B'] if b else '?'} x "
-          f"T={b['T'] if b else '?'}, one {res['device']['name']}, compile={comp}; the paper's Table 9 is the full "
-          "model on 32 H200s).", "",
-          "| Model | Tokens/s | Memory (GB) |", "|---|---|---|"]
+    L += [
+        "",
+        "## Table 9",
+        "",
+        f"Training cost, Transformer vs MTA ({b['layers'] if b else '?'}-layer "
+        f"{'toy (--quick)' if res['quick'] else '880M-width'} model, B={b['B'] if b else '?'} x "
+        f"T={b['T'] if b else '?'}, one {res['device']['name']}, compile={comp}; the paper's Table 9 is the full "
+        "model on 32 H200s).",
+        "",
+        "| Model | Tokens/s | Memory (GB) |",
+        "|---|---|---|",
+    ]
     for name, r in (("Transformer", b), ("MTA", mt)):
         if r:
             L.append(f"| {name} | {r['tokens_per_s']:.0f} | {fmt(r.get('peak_reserved_gb'))} |")
     if b and mt:
-        mem = (f"{mt['peak_reserved_gb'] / b['peak_reserved_gb']:.2f}x"
-               if b.get("peak_reserved_gb") else "-")
+        mem = f"{mt['peak_reserved_gb'] / b['peak_reserved_gb']:.2f}x" if b.get("peak_reserved_gb") else "-"
         L.append(f"| MTA / Transformer | {b['tokens_per_s'] / mt['tokens_per_s']:.2f}x slower | {mem} |")
         if not b.get("peak_reserved_gb"):
             L += ["", "(Memory: CUDA reserved peak; not measured on CPU.)"]
@@ -567,13 +730,23 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true", help="toy shapes (CI); the same code path")
     ap.add_argument("--out", default="results/gpu")
     ap.add_argument("--skip", default="", help="comma list of implementations to leave out (e.g. triton)")
-    ap.add_argument("--sweep-triton", action="store_true",
-                    help="also time the fused kernel under each setting of TRITON_KNOBS (CUDA; ~20 more layer "
-                         "timings, each a first compile: several minutes)")
-    ap.add_argument("--compile", default=None, choices=["off", "on", "both"],
-                    help="step section: torch.compile off, on or both (default: both; --quick: off)")
-    ap.add_argument("--sections", default="parity,layers,step,memory,resume",
-                    help="comma list to run (memory includes preempt); the rest are recorded as skipped")
+    ap.add_argument(
+        "--sweep-triton",
+        action="store_true",
+        help="also time the fused kernel under each setting of TRITON_KNOBS (CUDA; ~20 more layer "
+        "timings, each a first compile: several minutes)",
+    )
+    ap.add_argument(
+        "--compile",
+        default=None,
+        choices=["off", "on", "both"],
+        help="step section: torch.compile off, on or both (default: both; --quick: off)",
+    )
+    ap.add_argument(
+        "--sections",
+        default="parity,layers,step,memory,resume",
+        help="comma list to run (memory includes preempt); the rest are recorded as skipped",
+    )
     a = ap.parse_args(argv)
     dev = torch.device(a.device)
     if dev.type == "cuda" and not torch.cuda.is_available():
@@ -589,9 +762,18 @@ def main(argv=None) -> int:
     out_dir.mkdir(parents=True, exist_ok=True)
     stem = f"{name.replace(' ', '_')}_{date}"
     work = out_dir / f"{stem}_runs"
-    res = {"device": {"name": name, "type": dev.type, "torch": torch.__version__,
-                      "cuda": torch.version.cuda, "kq_conv_backend": None},
-           "date": date, "quick": a.quick, "shapes": {k: v for k, v in s.items()}}
+    res = {
+        "device": {
+            "name": name,
+            "type": dev.type,
+            "torch": torch.__version__,
+            "cuda": torch.version.cuda,
+            "kq_conv_backend": None,
+        },
+        "date": date,
+        "quick": a.quick,
+        "shapes": {k: v for k, v in s.items()},
+    }
     from mta_repro.model import attention_ops
 
     probe = torch.zeros(1, device=dev, dtype=torch.bfloat16 if dev.type == "cuda" else torch.float32)
@@ -616,18 +798,23 @@ def main(argv=None) -> int:
     res["parity"] = parity(dev, s, impls, dtypes) if "parity" in sections else []
     res["fallbacks"] = fallbacks(res["parity"], impls, "bfloat16" if dev.type == "cuda" else "float32")
     for impl, to in res["fallbacks"].items():
-        print(f"  parity FAIL: {impl}; the trainer's self-check (model.attn_selfcheck=warn) would fall back to "
-              f"{to}: model.attn_impl={to.partition('+')[0]}"
-              + (f" model.kernels.kq_conv={to.partition('+')[2]}" if "+" in to else ""), flush=True)
+        print(
+            f"  parity FAIL: {impl}; the trainer's self-check (model.attn_selfcheck=warn) would fall back to "
+            f"{to}: model.attn_impl={to.partition('+')[0]}"
+            + (f" model.kernels.kq_conv={to.partition('+')[2]}" if "+" in to else ""),
+            flush=True,
+        )
     done("parity")
     print("layers", flush=True)
-    res["layers"] = (layers(dev, s, ["torch", *impls], torch.bfloat16, a.sweep_triton) if "layers" in sections
-                     else [])
+    res["layers"] = layers(dev, s, ["torch", *impls], torch.bfloat16, a.sweep_triton) if "layers" in sections else []
     res["pick"] = pick(res["parity"], res["layers"], "bfloat16")
     done("layers")
     print("step", flush=True)
-    res["step"] = step_section(dev, s, res["pick"], compile_modes, torch.bfloat16) if "step" in sections else \
-        {"rows": [], "mta_over_baseline": {}}
+    res["step"] = (
+        step_section(dev, s, res["pick"], compile_modes, torch.bfloat16)
+        if "step" in sections
+        else {"rows": [], "mta_over_baseline": {}}
+    )
     done("step")
     print("memory + preempt", flush=True)
     if "memory" in sections:

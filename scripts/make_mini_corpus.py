@@ -134,7 +134,9 @@ def clean_wikitext(text: str) -> str:
     text = _strip_nested(text, "{{", "}}")
     text = _strip_nested(text, "{|", "|}")
     # [[File:...]] may hold nested links: drop the whole bracket span.
-    text = re.sub(r"\[\[(?:File|Image|Category|[a-z]{2,3}(?:-[a-z]+)?):[^\[\]]*(?:\[\[[^\]]*\]\][^\[\]]*)*\]\]", "", text)
+    text = re.sub(
+        r"\[\[(?:File|Image|Category|[a-z]{2,3}(?:-[a-z]+)?):[^\[\]]*(?:\[\[[^\]]*\]\][^\[\]]*)*\]\]", "", text
+    )
     text = re.sub(r"\[\[([^|\]]*\|)?([^\]]*)\]\]", r"\2", text)
     text = re.sub(r"\[https?://\S+ ([^\]]*)\]", r"\1", text)
     text = re.sub(r"\[https?://\S+\]", "", text)
@@ -155,11 +157,16 @@ def wikipedia_docs(wheel: Path) -> list[str]:
             ns = el.find("{*}ns")
             title = el.find("{*}title")
             body = el.find("{*}revision/{*}text")
-            if ns is not None and ns.text == "0" and body is not None and body.text:
-                if not body.text.lstrip().upper().startswith("#REDIRECT"):
-                    text = clean_wikitext(body.text)
-                    if len(text) > 500:
-                        docs.append(f"{title.text}\n\n{text}")
+            if (
+                ns is not None
+                and ns.text == "0"
+                and body is not None
+                and body.text
+                and not body.text.lstrip().upper().startswith("#REDIRECT")
+            ):
+                text = clean_wikitext(body.text)
+                if len(text) > 500:
+                    docs.append(f"{title.text}\n\n{text}")
             el.clear()
     return docs
 
@@ -198,13 +205,65 @@ def arxiv_docs() -> list[str]:
 
 
 STDLIB_QA_MODULES = [
-    "os", "os.path", "shutil", "json", "re", "itertools", "functools", "collections", "pathlib",
-    "subprocess", "datetime", "random", "statistics", "math", "string", "textwrap", "csv",
-    "argparse", "logging", "threading", "queue", "heapq", "bisect", "typing", "dataclasses",
-    "enum", "contextlib", "io", "tempfile", "glob", "fnmatch", "pickle", "copy", "struct",
-    "hashlib", "base64", "zipfile", "tarfile", "gzip", "urllib.parse", "http.client", "socket",
-    "select", "asyncio", "unittest", "doctest", "inspect", "ast", "tokenize", "dis", "time",
-    "calendar", "decimal", "fractions", "operator", "weakref", "abc", "sqlite3", "email",
+    "os",
+    "os.path",
+    "shutil",
+    "json",
+    "re",
+    "itertools",
+    "functools",
+    "collections",
+    "pathlib",
+    "subprocess",
+    "datetime",
+    "random",
+    "statistics",
+    "math",
+    "string",
+    "textwrap",
+    "csv",
+    "argparse",
+    "logging",
+    "threading",
+    "queue",
+    "heapq",
+    "bisect",
+    "typing",
+    "dataclasses",
+    "enum",
+    "contextlib",
+    "io",
+    "tempfile",
+    "glob",
+    "fnmatch",
+    "pickle",
+    "copy",
+    "struct",
+    "hashlib",
+    "base64",
+    "zipfile",
+    "tarfile",
+    "gzip",
+    "urllib.parse",
+    "http.client",
+    "socket",
+    "select",
+    "asyncio",
+    "unittest",
+    "doctest",
+    "inspect",
+    "ast",
+    "tokenize",
+    "dis",
+    "time",
+    "calendar",
+    "decimal",
+    "fractions",
+    "operator",
+    "weakref",
+    "abc",
+    "sqlite3",
+    "email",
 ]
 
 

@@ -67,11 +67,11 @@ def measure(overrides: list, steps: int = 2, tensors: bool = False, fsdp: bool =
 
     import torch
 
+    from mta_repro.model import build_model
     from mta_repro.train.config import compose, model_args_from
     from mta_repro.train.cpu_malloc import fix_mmap_threshold
-    from mta_repro.train.memory import estimate_memory
-    from mta_repro.model import build_model
     from mta_repro.train.loop import cross_entropy
+    from mta_repro.train.memory import estimate_memory
 
     cfg = compose(list(overrides))
     threshold = fix_mmap_threshold(cfg.trainer.cpu_mmap_threshold)
@@ -125,10 +125,18 @@ def measure(overrides: list, steps: int = 2, tensors: bool = False, fsdp: bool =
             del loss
             seconds.append(time.perf_counter() - t0)
     peak = peak_rss_bytes()
-    out = {"overrides": list(overrides), "steps": steps, "fsdp": fsdp, "mmap_threshold": threshold,
-           "measured_bytes": peak - base, "estimated_bytes": sum(parts.values()), "parts": parts,
-           "details": est.details, "step_seconds": seconds,
-           "peak_since_reset": reset}  # False: VmHWM could not be reset, the peak is the process's life
+    out = {
+        "overrides": list(overrides),
+        "steps": steps,
+        "fsdp": fsdp,
+        "mmap_threshold": threshold,
+        "measured_bytes": peak - base,
+        "estimated_bytes": sum(parts.values()),
+        "parts": parts,
+        "details": est.details,
+        "step_seconds": seconds,
+        "peak_since_reset": reset,
+    }  # False: VmHWM could not be reset, the peak is the process's life
     if prof is not None:
         out["tensor_peak_bytes"] = _phase_peaks(prof)
     return out
@@ -138,7 +146,10 @@ if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--steps", type=int, default=2, help="training steps (default 2: the second is steady state)")
     ap.add_argument("--tensors", action="store_true", help="also the live-tensor peak per phase (torch.profiler)")
-    ap.add_argument("--fsdp", action="store_true",
-                    help="the trainer's FSDP2 path on one gloo rank; the estimate then keeps its gathered-parameter term")
+    ap.add_argument(
+        "--fsdp",
+        action="store_true",
+        help="the trainer's FSDP2 path on one gloo rank; the estimate then keeps its gathered-parameter term",
+    )
     ns, overrides = ap.parse_known_args()
     print(json.dumps(measure(overrides, ns.steps, ns.tensors, ns.fsdp)))

@@ -36,9 +36,9 @@ import argparse
 import json
 import os
 import sys
+from collections.abc import Iterator
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from pathlib import Path
-from typing import Dict, Iterator, List, Optional, Tuple
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -54,17 +54,21 @@ from mta_repro.data.sources import (  # noqa: E402
 STATE_DIR = ".prepare"
 
 
-def input_files(src: Path, split: str) -> List[Path]:
+def input_files(src: Path, split: str) -> list[Path]:
     """The release's or the parquet subset's files of ``split`` ("train"/"validation")."""
-    files = [p for p in (src / split).rglob("*") if p.is_file() and p.name.endswith((".jsonl", ".jsonl.zst"))] if (src / split).is_dir() else []
+    files = (
+        [p for p in (src / split).rglob("*") if p.is_file() and p.name.endswith((".jsonl", ".jsonl.zst"))]
+        if (src / split).is_dir()
+        else []
+    )
     if not files:  # SlimPajama-6B: data/<split>-00000-of-000NN*.parquet
         files = [p for p in src.rglob(f"{split}-*.parquet")]
     return sorted(files, key=lambda p: _natural_key(str(p)))
 
 
 def iter_records(
-    path: Path, stride: int, offset: int, counts: Dict[str, int], bad_files: Optional[List[dict]] = None
-) -> Iterator[Tuple[str, str]]:
+    path: Path, stride: int, offset: int, counts: dict[str, int], bad_files: list[dict] | None = None
+) -> Iterator[tuple[str, str]]:
     """(domain, text) of the good records j of ``path`` with j % stride == offset.
 
     A file that cannot be read to its end is appended to ``bad_files`` (name, error,
@@ -80,7 +84,9 @@ def iter_records(
         bad_files.append({"file": str(path), "error": f"{type(e).__name__}: {msg}", "records_read": seen[0]})
 
 
-def _iter_records(path: Path, stride: int, offset: int, counts: Dict[str, int], seen: list) -> Iterator[Tuple[str, str]]:
+def _iter_records(
+    path: Path, stride: int, offset: int, counts: dict[str, int], seen: list
+) -> Iterator[tuple[str, str]]:
     if path.suffix == ".parquet":
         import pyarrow.parquet as pq
 
@@ -114,13 +120,13 @@ class _Writers:
     def __init__(self, out: Path, name_of) -> None:
         self.out, self.name_of, self.files = out, name_of, {}
 
-    def write(self, domain: str, text: Optional[str]) -> None:
+    def write(self, domain: str, text: str | None) -> None:
         if domain not in self.files:
             import zstandard
 
             final = self.out / domain / self.name_of(domain)
             final.parent.mkdir(parents=True, exist_ok=True)
-            raw = open(str(final) + ".tmp", "wb")
+            raw = open(str(final) + ".tmp", "wb")  # noqa: SIM115 - one per domain, closed by close()
             self.files[domain] = (final, raw, zstandard.ZstdCompressor(level=3).stream_writer(raw))
         if text is None:
             return
@@ -128,16 +134,16 @@ class _Writers:
         self.files[domain][2].write((json.dumps(rec, ensure_ascii=False) + "\n").encode("utf-8"))
 
     def discard(self) -> None:
-        for final, raw, w in self.files.values():
+        for final, _raw, w in self.files.values():
             w.close()
             Path(str(final) + ".tmp").unlink(missing_ok=True)
         self.files = {}
 
-    def commit(self) -> List[str]:
+    def commit(self) -> list[str]:
         for d in _SET_OF:  # every domain gets its file, possibly empty: a fixed layout
             if d not in self.files:
                 self.write(d, None)
-        for final, raw, w in self.files.values():
+        for final, _raw, w in self.files.values():
             w.flush()
             w.close()  # also closes raw
             os.replace(str(final) + ".tmp", final)
@@ -157,7 +163,7 @@ def _clean_tmp(out: Path, suffix: str) -> None:
 
 
 def make_unit(
-    src: str, out: str, unit: str, parts: List[Tuple[str, int, int]], max_docs: Optional[int], bad_files: str = "fail"
+    src: str, out: str, unit: str, parts: list[tuple[str, int, int]], max_docs: int | None, bad_files: str = "fail"
 ) -> dict:
     """Write one output unit ("chunk.NN" or "val") from its input parts; returns stats.
 
@@ -167,9 +173,9 @@ def make_unit(
     suffix = f".{unit}.jsonl.zst"
     _clean_tmp(out_p, suffix)  # half-written by an earlier, interrupted run: not trusted
     writers = _Writers(out_p, lambda d: f"{d}{suffix}")
-    counts: Dict[str, int] = {}
-    docs: Dict[str, int] = {}
-    bad: List[dict] = []
+    counts: dict[str, int] = {}
+    docs: dict[str, int] = {}
+    bad: list[dict] = []
     for name, stride, offset in parts:
         for domain, text in iter_records(Path(src) / name, stride, offset, counts, bad):
             if max_docs is not None and docs.get(domain, 0) >= max_docs:
@@ -189,8 +195,15 @@ def make_unit(
     return stats
 
 
-def prepare(src, out, chunks: int, workers: int = 1, max_val_docs: Optional[int] = None, progress: bool = True,
-            bad_files: str = "fail") -> dict:
+def prepare(
+    src,
+    out,
+    chunks: int,
+    workers: int = 1,
+    max_val_docs: int | None = None,
+    progress: bool = True,
+    bad_files: str = "fail",
+) -> dict:
     """Make (or finish) ``out`` from ``src``; returns {"done": [...], "skipped": [...],
     "bad_records": {...}, "bad_files": [...]}. Raises ValueError listing the truncated or
     corrupt inputs if there are any and ``bad_files="fail"`` (after all other units)."""
@@ -207,8 +220,13 @@ def prepare(src, out, chunks: int, workers: int = 1, max_val_docs: Optional[int]
     val = input_files(src, "validation")
     (out / STATE_DIR).mkdir(parents=True, exist_ok=True)
     cfg_path = out / STATE_DIR / "config.json"
-    cfg = {"src": str(src.resolve()), "chunks": chunks, "max_val_docs": max_val_docs,
-           "train_files": len(train), "validation_files": len(val)}
+    cfg = {
+        "src": str(src.resolve()),
+        "chunks": chunks,
+        "max_val_docs": max_val_docs,
+        "train_files": len(train),
+        "validation_files": len(val),
+    }
     if cfg_path.exists():
         old = json.loads(cfg_path.read_text())
         if old != cfg:
@@ -240,16 +258,17 @@ def prepare(src, out, chunks: int, workers: int = 1, max_val_docs: Optional[int]
     bar.close()
     failed = [s for s in done if s.get("failed")]
     if failed:
-        files = sorted({f"{b['file']} ({b['error']}, after {b['records_read']} records)" for s in failed
-                        for b in s["bad_files"]})
+        files = sorted(
+            {f"{b['file']} ({b['error']}, after {b['records_read']} records)" for s in failed for b in s["bad_files"]}
+        )
         raise ValueError(
             f"{len(files)} input file(s) are truncated or corrupt: " + "; ".join(files) + ". Their output "
             f"chunks ({', '.join(sorted(s['unit'] for s in failed))}) were not written; the others are done. "
             "Re-download these files and rerun, or rerun with --bad-files skip to keep the records read "
             "before the damage"
         )
-    bad: Dict[str, int] = {}
-    bad_list: List[dict] = []
+    bad: dict[str, int] = {}
+    bad_list: list[dict] = []
     for u, _, _ in units:
         marker = json.loads(_marker(out, u).read_text())
         for k, v in marker["bad_records"].items():
@@ -265,8 +284,12 @@ def main() -> None:
     ap.add_argument("--chunks", type=int, default=32, help="train chunks per domain (>= the GPUs is best)")
     ap.add_argument("--workers", type=int, default=1, help="processes; each writes one chunk at a time")
     ap.add_argument("--max-val-docs", type=int, default=None, help="cap on validation documents per domain")
-    ap.add_argument("--bad-files", choices=("fail", "skip"), default="fail",
-                    help="a truncated/corrupt input file: fail with the list (default) or keep what was readable")
+    ap.add_argument(
+        "--bad-files",
+        choices=("fail", "skip"),
+        default="fail",
+        help="a truncated/corrupt input file: fail with the list (default) or keep what was readable",
+    )
     a = ap.parse_args()
     try:
         res = prepare(a.src, a.out, a.chunks, a.workers, a.max_val_docs, bad_files=a.bad_files)

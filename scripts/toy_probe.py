@@ -15,8 +15,8 @@ import argparse
 import sys
 from pathlib import Path
 
-from mta_repro.train.config import compose
 from mta_repro.toy.train import VARIANTS, to_toy_config, train_run
+from mta_repro.train.config import compose
 
 
 def main(argv=None) -> dict:

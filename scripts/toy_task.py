@@ -24,10 +24,10 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
-from mta_repro.train.config import compose
 from mta_repro.toy.find_block import generate_splits
 from mta_repro.toy.report import markdown_table, plot_curves, write_csv
 from mta_repro.toy.train import ToyConfig, to_toy_config, train_run
+from mta_repro.train.config import compose
 
 _DATA = None  # the generated splits, shared with the worker processes
 
@@ -62,12 +62,18 @@ def main(argv=None) -> list[dict]:
 
     t0 = time.time()
     data = generate_splits(cfg.data)
-    print(f"data: {len(data[0])} train / {len(data[1])} held-out sequences of "
-          f"{cfg.data.seq_len} tokens ({time.time() - t0:.1f}s)", flush=True)
+    print(
+        f"data: {len(data[0])} train / {len(data[1])} held-out sequences of "
+        f"{cfg.data.seq_len} tokens ({time.time() - t0:.1f}s)",
+        flush=True,
+    )
 
     # MTA runs are slower (materialised scores); start them first so the pool balances.
-    jobs = [(cfg, v, s, str(out / "runs" / f"{v}_seed{s}.jsonl"), str(out / "ckpt" / f"{v}_seed{s}.pt"))
-            for v in sorted(cfg.variants, key=lambda v: v != "mta") for s in cfg.seeds]
+    jobs = [
+        (cfg, v, s, str(out / "runs" / f"{v}_seed{s}.jsonl"), str(out / "ckpt" / f"{v}_seed{s}.pt"))
+        for v in sorted(cfg.variants, key=lambda v: v != "mta")
+        for s in cfg.seeds
+    ]
     if cfg.train.workers > 1:
         ctx = mp.get_context("spawn")
         previous = signal.signal(signal.SIGTERM, _exit_on_sigterm)
@@ -84,8 +90,7 @@ def main(argv=None) -> list[dict]:
 
     write_csv(results, out / "results.csv")
     d = cfg.data
-    title = (f"Toy task ({a.config}): N={d.block_length}, K={d.n_blocks} blocks, "
-             f"L={d.query_length}, target={d.target}")
+    title = f"Toy task ({a.config}): N={d.block_length}, K={d.n_blocks} blocks, L={d.query_length}, target={d.target}"
     notes = [
         f"Held-out set: {d.n_test} sequences; training set: {d.n_train} sequences of "
         f"{d.seq_len} tokens; {cfg.train.steps} steps of batch {cfg.train.batch_size}; "
@@ -94,7 +99,8 @@ def main(argv=None) -> list[dict]:
         "Sequence error: % of held-out samples with any wrong target token (greedy argmax "
         "under teacher forcing, as the release's eval_ppl); token error: % of wrong "
         "target tokens.",
-        "Produced by: python scripts/toy_task.py --config " + a.config
+        "Produced by: python scripts/toy_task.py --config "
+        + a.config
         + (" " + " ".join(a.overrides) if a.overrides else ""),
         f"Wall time: {(time.time() - t0) / 60:.1f} min; per run: "
         + ", ".join(f"{r['model']}/{r['seed']} {r['train_seconds'] / 60:.1f} min" for r in results),
@@ -102,8 +108,11 @@ def main(argv=None) -> list[dict]:
     (out / "results.md").write_text(markdown_table(results, title, notes))
     plot_curves(results, out / "errors.png", title)
     with open(out / "summary.json", "w") as f:
-        json.dump([{k: r[k] for k in ("model", "seed", "seq_error", "token_error", "train_seconds")}
-                   for r in results], f, indent=1)
+        json.dump(
+            [{k: r[k] for k in ("model", "seed", "seq_error", "token_error", "train_seconds")} for r in results],
+            f,
+            indent=1,
+        )
     print((out / "results.md").read_text(), flush=True)
     return results
 

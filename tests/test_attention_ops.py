@@ -7,8 +7,7 @@ import pytest
 import torch
 
 from mta_repro.kernels.tuning import KernelTuning
-from mta_repro.model import ModelArgs
-from mta_repro.model import attention_ops
+from mta_repro.model import ModelArgs, attention_ops
 from mta_repro.model.transformer import Attention
 
 torch.manual_seed(0)
@@ -64,9 +63,7 @@ def loop_mta_attention(q, k, v, Kpre, Wpsm, Kpost, head_kernel, Wposm, pad_key):
         A = loop_kq_conv(A, Kpost, pad_key) * allowed
     if head_kernel is not None:
         G, c, _ = head_kernel.shape
-        A = torch.stack(
-            [sum(A[(o // c) * c + i] * head_kernel[o // c, i, o % c] for i in range(c)) for o in range(H)]
-        )
+        A = torch.stack([sum(A[(o // c) * c + i] * head_kernel[o // c, i, o % c] for i in range(c)) for o in range(H)])
     elif Wposm is not None:
         A = torch.stack([sum(Wposm[g, h] * A[h] for h in range(H)) for g in range(H)])
     return torch.einsum("hij,hjd->hid", A, v)
@@ -113,8 +110,15 @@ def test_explicit_attention_equals_formula(pad_key, pre, post, mix):
     )
     got = attention_ops.explicit_attention_torch(q, k, v, params, attention_ops.AttnMask())[0]
     want = loop_mta_attention(
-        q[0], k[0], v[0], None if Kpre is None else Kpre[:, 0], Wpsm,
-        None if Kpost is None else Kpost[:, 0], hk, Wposm, pad_key,
+        q[0],
+        k[0],
+        v[0],
+        None if Kpre is None else Kpre[:, 0],
+        Wpsm,
+        None if Kpost is None else Kpost[:, 0],
+        hk,
+        Wposm,
+        pad_key,
     )
     torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
 
@@ -187,7 +191,10 @@ def test_group_norm_and_gate_formula():
     from mta_repro.model import MTAArgs
 
     args = ModelArgs(
-        dim=16, n_layers=3, n_heads=2, vocab_size=11,
+        dim=16,
+        n_layers=3,
+        n_heads=2,
+        vocab_size=11,
         mta=MTAArgs(use_mta=True, pre_sm_linear_head=True, group_norm=True, layer_norm_rescale=True, add_gating=True),
     )
     attn = Attention(args, layer_id=2).double()

@@ -13,17 +13,17 @@ import pytest
 import torch
 
 from mta_repro.errors import UserError
-from mta_repro.model import MTAArgs, ModelArgs, build_model
-from mta_repro.model import attention_ops
 from mta_repro.kernels import kq_conv_cpu
+from mta_repro.model import ModelArgs, MTAArgs, attention_ops, build_model
 
 # The core's implementations but the reference.
 IMPLS = ["blocked"]
 H, D = 4, 3
 
 
-def make_params(pad_key="both", pre=(2, 3), post=(3, 3), mix="head_kernel", wpsm=True, dropout=0.0,
-                block_size=4, seed=0):
+def make_params(
+    pad_key="both", pre=(2, 3), post=(3, 3), mix="head_kernel", wpsm=True, dropout=0.0, block_size=4, seed=0
+):
     g = torch.Generator().manual_seed(seed)
     rand = lambda *shape: torch.randn(*shape, generator=g, dtype=torch.float64)  # noqa: E731
     return attention_ops.ExplicitAttnParams(
@@ -73,8 +73,9 @@ def assert_same(impl, q, k, v, p, mask):
 
 # block_size is read by "blocked" alone (its query blocks; 4 and 5 do not divide T=11): the
 # other implementations run each option once
-IMPL_BLOCK_SIZES = [pytest.param(impl, bs, id=f"{bs}-{impl}") for impl in IMPLS for bs in (1, 4, 5, 64)
-                    if impl == "blocked" or bs == 4]
+IMPL_BLOCK_SIZES = [
+    pytest.param(impl, bs, id=f"{bs}-{impl}") for impl in IMPLS for bs in (1, 4, 5, 64) if impl == "blocked" or bs == 4
+]
 # (pad_key, pre, post, mix, wpsm): the options the configs use
 OPTIONS = [
     ("both", (2, 3), (3, 3), "head_kernel", True),  # the paper's MTA layer, small
@@ -193,9 +194,7 @@ def test_cpu_kq_conv_kernel_matches_conv2d_and_gradcheck():
             keep = torch.ones(70, 9, dtype=torch.bool).tril(diag)
             want = attention_ops.kq_conv_dense(x * keep, w, pad_key) * keep
             torch.testing.assert_close(kq_conv_cpu.kq_conv(x, w[:, 0], pl, diag), want)
-            assert torch.autograd.gradcheck(
-                lambda a, b: kq_conv_cpu.kq_conv(a, b, pl, diag), (xs, ws), fast_mode=True
-            )
+            assert torch.autograd.gradcheck(lambda a, b: kq_conv_cpu.kq_conv(a, b, pl, diag), (xs, ws), fast_mode=True)
     # wide rows: the register-blocked interior of the C loop, beside the diagonal band
     for diag, pad_key, ck in ((0, "both", 11), (37, "left", 6), (-3, "right", 5), (10**6, "both", 3)):
         x = torch.randn(2, 2, 40, 150, generator=g, dtype=torch.float64, requires_grad=True)
@@ -213,8 +212,10 @@ def test_cpu_kq_conv_kernel_matches_conv2d_and_gradcheck():
     x = torch.randn(1, 2, 80, 130, generator=g)
     w = torch.randn(2, 1, 6, 11, generator=g)
     torch.testing.assert_close(
-        kq_conv_cpu.kq_conv(x, w[:, 0], 5).double(), attention_ops.kq_conv_dense(x.double(), w.double(), "both"),
-        rtol=1e-5, atol=1e-4,
+        kq_conv_cpu.kq_conv(x, w[:, 0], 5).double(),
+        attention_ops.kq_conv_dense(x.double(), w.double(), "both"),
+        rtol=1e-5,
+        atol=1e-4,
     )
 
 
@@ -243,8 +244,11 @@ def test_cpu_kq_conv_kernel_gives_the_same_bits_on_any_number_of_threads():
 
 
 def test_unknown_impl_is_refused_with_the_registered_names():
-    with pytest.raises(UserError, match=r"^model.attn_impl: unknown implementation 'flash'; available: "
-                       r"\[.*'blocked'.*'torch'"):
+    with pytest.raises(
+        UserError,
+        match=r"^model.attn_impl: unknown implementation 'flash'; available: "
+        r"\[.*'blocked'.*'torch'",
+    ):
         ModelArgs(attn_impl="flash")
 
 
@@ -259,8 +263,11 @@ def test_a_declared_impl_is_loaded_by_name_on_first_use(monkeypatch):
     module.IMPL = attention_ops.AttnImpl(attention_ops.explicit_attention_torch, doc="a declared copy")
     module.NOT_AN_IMPL = len
     monkeypatch.setitem(sys.modules, module.__name__, module)
-    declared = {"declared": f"{module.__name__}:IMPL", "missing": "no_such_module_anywhere:IMPL",
-                "wrong": f"{module.__name__}:NOT_AN_IMPL"}
+    declared = {
+        "declared": f"{module.__name__}:IMPL",
+        "missing": "no_such_module_anywhere:IMPL",
+        "wrong": f"{module.__name__}:NOT_AN_IMPL",
+    }
     monkeypatch.setattr(attention_ops, "declared_attn_impls", lambda: declared)
     monkeypatch.setattr(attention_ops, "ATTN_IMPLS", dict(attention_ops.ATTN_IMPLS))
     assert "declared" not in attention_ops.ATTN_IMPLS and "declared" in attention_ops.attn_impl_names()
@@ -268,13 +275,21 @@ def test_a_declared_impl_is_loaded_by_name_on_first_use(monkeypatch):
     assert attention_ops.ATTN_IMPLS["declared"] is module.IMPL
     q, k, v = qkv()
     p = make_params()
-    torch.testing.assert_close(attention_ops.explicit_attention("declared", q, k, v, p, attention_ops.AttnMask()),
-                               attention_ops.explicit_attention_torch(q, k, v, p, attention_ops.AttnMask()))
-    with pytest.raises(UserError, match=r"^model.attn_impl='missing': its implementation no_such_module_anywhere:IMPL "
-                       r"\(entry point of mta_repro.attn_impls\) does not load: No module named"):
+    torch.testing.assert_close(
+        attention_ops.explicit_attention("declared", q, k, v, p, attention_ops.AttnMask()),
+        attention_ops.explicit_attention_torch(q, k, v, p, attention_ops.AttnMask()),
+    )
+    with pytest.raises(
+        UserError,
+        match=r"^model.attn_impl='missing': its implementation no_such_module_anywhere:IMPL "
+        r"\(entry point of mta_repro.attn_impls\) does not load: No module named",
+    ):
         ModelArgs(attn_impl="missing")
-    with pytest.raises(UserError, match=r"^model.attn_impl='wrong': .*:NOT_AN_IMPL is a builtin_function_or_method, "
-                       r"not an AttnImpl$"):
+    with pytest.raises(
+        UserError,
+        match=r"^model.attn_impl='wrong': .*:NOT_AN_IMPL is a builtin_function_or_method, "
+        r"not an AttnImpl$",
+    ):
         ModelArgs(attn_impl="wrong")
 
 
@@ -310,9 +325,17 @@ def test_unsupported_case_falls_back_to_reference():
 
 MODEL_VARIANTS = {
     "mta": MTAArgs(
-        use_mta=True, query_kernel_size=3, key_kernel_size=5, after_sm_query_kernel_size=2,
-        after_sm_key_kernel_size=3, pre_sm_linear_head=True, head_kernel_size=2, mta_layers="0,2",
-        group_norm=True, add_gating=True, init_method="normal",
+        use_mta=True,
+        query_kernel_size=3,
+        key_kernel_size=5,
+        after_sm_query_kernel_size=2,
+        after_sm_key_kernel_size=3,
+        pre_sm_linear_head=True,
+        head_kernel_size=2,
+        mta_layers="0,2",
+        group_norm=True,
+        add_gating=True,
+        init_method="normal",
     ),
     "talking_heads": MTAArgs(use_mta=True, pre_sm_linear_head=True, head_kernel_size=4),
 }
@@ -324,14 +347,14 @@ def test_whole_model_losses_and_gradients_match(impl, variant):
     losses, grads = {}, {}
     x = torch.randint(0, 97, (2, 21), generator=torch.Generator().manual_seed(0))
     for name in ("torch", impl):
-        args = ModelArgs(dim=32, n_layers=3, n_heads=4, vocab_size=97, mta=MODEL_VARIANTS[variant],
-                         attn_impl=name, attn_block_size=6)
+        args = ModelArgs(
+            dim=32, n_layers=3, n_heads=4, vocab_size=97, mta=MODEL_VARIANTS[variant], attn_impl=name, attn_block_size=6
+        )
         model = build_model(args).double()
         with torch.no_grad():  # random (not identity) talking-heads weights
             for n, prm in model.named_parameters():
                 if "wpsm" in n or "head_kernel" in n:
-                    prm.add_(0.3 * torch.randn(prm.shape, generator=torch.Generator().manual_seed(1),
-                                               dtype=prm.dtype))
+                    prm.add_(0.3 * torch.randn(prm.shape, generator=torch.Generator().manual_seed(1), dtype=prm.dtype))
         logits = model(x[:, :-1])
         loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), x[:, 1:].flatten())
         loss.backward()

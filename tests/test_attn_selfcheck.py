@@ -15,13 +15,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from mta_repro.train.config import compose
 from mta_repro.model import attention_ops, selfcheck, to_model_args
+from mta_repro.train.config import compose
 
 ROOT = Path(__file__).resolve().parents[1]
 MTA = ["attention=mta", "model=tiny"]
 
-WRONG = textwrap.dedent('''
+WRONG = textwrap.dedent("""
     import torch
     from mta_repro.model import attention_ops
 
@@ -34,7 +34,7 @@ WRONG = textwrap.dedent('''
 
     attention_ops.register_attn_impl("wrong_scale", attention_ops.AttnImpl(scaled, fallback="blocked"))
     attention_ops.register_attn_impl("wrong_nan", attention_ops.AttnImpl(nan, fallback="wrong_scale"))
-''')
+""")
 
 
 @pytest.fixture
@@ -119,14 +119,28 @@ def test_a_wrong_and_a_nan_implementation_fall_back_with_one_line_each(wrong):
 
 @pytest.mark.slow
 def test_strict_refuses_naming_the_implementation(wrong):
-    with pytest.raises(selfcheck.SelfCheckError, match=r"model.attn_impl=wrong_scale is wrong on cpu in float32 "
-                       r"\(.*output error 1\.0e-02.*model.attn_selfcheck=strict refuses.*fall back to blocked"):
+    with pytest.raises(
+        selfcheck.SelfCheckError,
+        match=r"model.attn_impl=wrong_scale is wrong on cpu in float32 "
+        r"\(.*output error 1\.0e-02.*model.attn_selfcheck=strict refuses.*fall back to blocked",
+    ):
         selfcheck.decide(_args("model.attn_impl=wrong_scale"), torch.device("cpu"), torch.float32, strict=True)
 
 
-COMMON = ["data.seq_len=32", "data.batch_size=2", "data.shuffle_buffer=4", "trainer.steps=2", "trainer.device=cpu",
-          "trainer.eval_every=0", "checkpoint.every=2", "checkpoint.export=false", "logging.every=1",
-          "logging.wandb_mode=disabled", "logging.progress_bar=false", *MTA]
+COMMON = [
+    "data.seq_len=32",
+    "data.batch_size=2",
+    "data.shuffle_buffer=4",
+    "trainer.steps=2",
+    "trainer.device=cpu",
+    "trainer.eval_every=0",
+    "checkpoint.every=2",
+    "checkpoint.export=false",
+    "logging.every=1",
+    "logging.wandb_mode=disabled",
+    "logging.progress_bar=false",
+    *MTA,
+]
 
 
 def _metrics(run_dir):
@@ -155,8 +169,14 @@ def test_the_trainer_runs_and_records_the_fallback(wrong, tmp_path, capsys):
 @pytest.mark.slow
 def test_strict_refuses_to_train_in_one_line_rc_2(wrong, tmp_path):
     run = tmp_path / "run"
-    code = ("import sys, wrong_impls; from mta_repro.train.__main__ import cli; "
-            f"sys.exit(cli({[*COMMON, f'run_dir={run}', 'model.attn_impl=wrong_scale', 'model.attn_selfcheck_cpu=true', 'model.attn_selfcheck=strict']!r}))")
+    argv = [
+        *COMMON,
+        f"run_dir={run}",
+        "model.attn_impl=wrong_scale",
+        "model.attn_selfcheck_cpu=true",
+        "model.attn_selfcheck=strict",
+    ]
+    code = f"import sys, wrong_impls; from mta_repro.train.__main__ import cli; sys.exit(cli({argv!r}))"
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), str(wrong)]), OMP_NUM_THREADS="1")
     env.pop("MTA_REPRO_TRACEBACK", None)
     p = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)

@@ -7,9 +7,9 @@ import sys
 import pytest
 from hydra.errors import ConfigCompositionException
 
-from mta_repro.train.config import compose, model_args_from
-from mta_repro.model import ModelArgs, MTAArgs
 from mta_repro.estimate.params import count
+from mta_repro.model import ModelArgs, MTAArgs
+from mta_repro.train.config import compose, model_args_from
 
 # (dim, layers, heads, head_kernel, parameters, MTA's extra): the 880M count is the paper's
 # Table 8, the others were counted from the release's configs.
@@ -58,7 +58,9 @@ def test_diff_and_talking_heads_counts():
 def test_params_cli_prints_json():
     out = subprocess.run(
         [sys.executable, "-m", "mta_repro.estimate", "model=880m", "attention=mta"],
-        capture_output=True, text=True, check=True,
+        capture_output=True,
+        text=True,
+        check=True,
     )
     got = json.loads(out.stdout)
     assert got["total"] == 876_583_320 and got["non_embedding"] == 876_583_320 - 128_256 * 1536
@@ -67,7 +69,12 @@ def test_params_cli_prints_json():
 def test_release_values_compose():
     a = model_args_from(compose(["model=880m", "attention=mta"]))
     m = a.mta
-    assert (m.query_kernel_size, m.key_kernel_size, m.after_sm_query_kernel_size, m.after_sm_key_kernel_size) == (6, 11, 6, 11)
+    assert (m.query_kernel_size, m.key_kernel_size, m.after_sm_query_kernel_size, m.after_sm_key_kernel_size) == (
+        6,
+        11,
+        6,
+        11,
+    )
     assert m.mta_layers == "2,6,10,14,18,22" and m.head_kernel_size == 16 and m.pad_key == "both"
     assert m.pre_sm_linear_head and m.group_norm and m.add_gating and m.gate_1d and not m.layer_norm_rescale
     assert model_args_from(compose(["model=550m", "attention=mta"])).mta.head_kernel_size == 10

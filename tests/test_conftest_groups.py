@@ -3,24 +3,30 @@ a module-, package- or session-scoped fixture are grouped on one pytest-xdist wo
 tests/conftest.py's rule (a module's fixture is otherwise built again on every worker that
 runs one of its tests: minutes for the tiny pipeline)."""
 
-import pytest
 import ast
 from pathlib import Path
+
+import pytest
 
 TESTS = Path(__file__).resolve().parent
 
 
 def _root_conftest(pytestconfig):
     """tests/conftest.py as pytest loaded it (``import conftest`` may find another folder's)."""
-    return next(p for p in pytestconfig.pluginmanager.get_plugins()
-                if getattr(p, "__file__", None) == str(TESTS / "conftest.py"))
+    return next(
+        p
+        for p in pytestconfig.pluginmanager.get_plugins()
+        if getattr(p, "__file__", None) == str(TESTS / "conftest.py")
+    )
 
 
 def _shared_scope(decorator: ast.expr) -> bool:
     if not (isinstance(decorator, ast.Call) and "fixture" in ast.unparse(decorator.func)):
         return False
-    return any(k.arg == "scope" and isinstance(k.value, ast.Constant) and k.value.value in ("module", "package", "session")
-               for k in decorator.keywords)
+    return any(
+        k.arg == "scope" and isinstance(k.value, ast.Constant) and k.value.value in ("module", "package", "session")
+        for k in decorator.keywords
+    )
 
 
 def test_every_module_with_a_shared_fixture_is_one_group(pytestconfig, request):
@@ -30,8 +36,12 @@ def test_every_module_with_a_shared_fixture_is_one_group(pytestconfig, request):
     found = set()
     for path in sorted(TESTS.rglob("test_*.py")):
         tree = ast.parse(path.read_text())
-        if any(_shared_scope(d) for node in ast.walk(tree) if isinstance(node, ast.FunctionDef)
-               for d in node.decorator_list):
+        if any(
+            _shared_scope(d)
+            for node in ast.walk(tree)
+            if isinstance(node, ast.FunctionDef)
+            for d in node.decorator_list
+        ):
             found.add(path.relative_to(TESTS).as_posix())
     assert found & collected <= _root_conftest(pytestconfig).GROUPED
     assert len(found) >= 8  # the walk sees the modules it looks for
@@ -47,9 +57,27 @@ def test_a_shared_fixture_module_runs_on_one_xdist_worker():
     import subprocess
     import sys
 
-    p = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-n", "2", "--dist", "loadgroup",
-                        "-v", str(TESTS / "test_train_rundir.py"), "-k", "stale_locks or live_holder or write_config_is_atomic"],
-                       cwd=TESTS.parent, capture_output=True, text=True, timeout=300)
+    p = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-p",
+            "no:cacheprovider",
+            "-n",
+            "2",
+            "--dist",
+            "loadgroup",
+            "-v",
+            str(TESTS / "test_train_rundir.py"),
+            "-k",
+            "stale_locks or live_holder or write_config_is_atomic",
+        ],
+        cwd=TESTS.parent,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
     ran = re.findall(r"\[(gw\d+)\] .*PASSED (\S+)", p.stdout)
     assert len(ran) == 3, p.stdout[-2000:]

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from mta_repro.train import cpu_malloc
 from mta_repro.errors import UserError
+from mta_repro.train import cpu_malloc
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -40,8 +40,14 @@ def _retained(threshold: int) -> tuple:
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     for var in ("MALLOC_MMAP_THRESHOLD_", "GLIBC_TUNABLES"):
         env.pop(var, None)
-    out = subprocess.run([sys.executable, "-c", RETAINED, str(threshold)], capture_output=True, text=True,
-                         env=env, timeout=60, check=True).stdout.split()
+    out = subprocess.run(
+        [sys.executable, "-c", RETAINED, str(threshold)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=60,
+        check=True,
+    ).stdout.split()
     return None if out[0] == "None" else int(out[0]), int(out[1])
 
 

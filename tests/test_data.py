@@ -80,7 +80,9 @@ def stream_of(batches):
 
 # ----------------------------------------------------------------------------- resume
 def _same(a, b):
-    return len(a) == len(b) and all(torch.equal(x["input"], y["input"]) and torch.equal(x["target"], y["target"]) for x, y in zip(a, b))
+    return len(a) == len(b) and all(
+        torch.equal(x["input"], y["input"]) and torch.equal(x["target"], y["target"]) for x, y in zip(a, b)
+    )
 
 
 @pytest.mark.parametrize("world_size", [1, 2])
@@ -131,8 +133,15 @@ def test_ranks_differ_and_state_checks():
 def test_resume_across_epochs_and_zst(tmp_path):
     """Resume also when a stream wrapped around to its next epoch; .zst offsets."""
     domains_corpus(tmp_path, {"a": (2, 5), "b": (1, 7)}, zst=True)
-    args = DataArgs(root_dir=str(tmp_path), layout="domains", sources={"a": 1, "b": 1}, seq_len=16,
-                    batch_size=3, shuffle_buffer=5, tokenizer=BYTES)
+    args = DataArgs(
+        root_dir=str(tmp_path),
+        layout="domains",
+        sources={"a": 1, "b": 1},
+        seq_len=16,
+        batch_size=3,
+        shuffle_buffer=5,
+        tokenizer=BYTES,
+    )
     ref = build_train_loader(args, 0, 1)
     for _ in range(40):
         next(ref)
@@ -148,8 +157,15 @@ def test_resume_across_epochs_and_zst(tmp_path):
 def test_domain_proportions_match_weights(tmp_path):
     weights = {"a": 0.6, "b": 0.3, "c": 0.1}
     domains_corpus(tmp_path, {d: (1, 50) for d in weights})
-    args = DataArgs(root_dir=str(tmp_path), layout="domains", sources=dict(weights), seq_len=64,
-                    batch_size=8, shuffle_buffer=0, tokenizer=BYTES)
+    args = DataArgs(
+        root_dir=str(tmp_path),
+        layout="domains",
+        sources=dict(weights),
+        seq_len=64,
+        batch_size=8,
+        shuffle_buffer=0,
+        tokenizer=BYTES,
+    )
     loader = build_train_loader(args, 0, 1)
     docs = docs_in(stream_of([next(loader) for _ in range(60)]))
     n = len(docs)
@@ -168,8 +184,15 @@ def test_domain_proportions_match_weights(tmp_path):
 
 def test_zero_weight_domain_is_never_read(tmp_path):
     domains_corpus(tmp_path, {"a": (1, 5), "b": (1, 5)})
-    args = DataArgs(root_dir=str(tmp_path), layout="domains", sources={"a": 1.0, "b": 0.0}, seq_len=32,
-                    batch_size=2, shuffle_buffer=0, tokenizer=BYTES)
+    args = DataArgs(
+        root_dir=str(tmp_path),
+        layout="domains",
+        sources={"a": 1.0, "b": 0.0},
+        seq_len=32,
+        batch_size=2,
+        shuffle_buffer=0,
+        tokenizer=BYTES,
+    )
     docs = docs_in(stream_of([next(build_train_loader(args, 0, 1)) for _ in range(10)]))
     assert docs and all(d.startswith("<a|") for d in docs)
     assert domains(args) == ["a"]
@@ -193,8 +216,15 @@ def test_every_chunk_read_for_any_world_size(tmp_path, world_size):
     """4 chunk files of one domain: ranks together read every document exactly once per
     epoch, whether the world size divides 4 (1, 2, 4), does not (3) or exceeds it (6)."""
     all_docs = domains_corpus(tmp_path, {"a": (4, 9)})
-    args = DataArgs(root_dir=str(tmp_path), layout="domains", sources={"a": 1.0}, seq_len=16,
-                    batch_size=1, shuffle_buffer=0, tokenizer=BYTES)
+    args = DataArgs(
+        root_dir=str(tmp_path),
+        layout="domains",
+        sources={"a": 1.0},
+        seq_len=16,
+        batch_size=1,
+        shuffle_buffer=0,
+        tokenizer=BYTES,
+    )
     shares = [_first_epoch_docs(args, r, world_size) for r in range(world_size)]
     flat = [d for s in shares for d in s]
     assert len(flat) == len(set(flat)) == len(all_docs)
@@ -208,8 +238,15 @@ def test_every_chunk_read_for_any_world_size(tmp_path, world_size):
 @pytest.mark.parametrize("world_size", [1, 2, 5])
 def test_release_layout_coverage_and_domain_filter(tmp_path, world_size):
     all_docs = release_corpus(tmp_path, n_chunks=3, per_file=12)
-    args = DataArgs(root_dir=str(tmp_path), layout="slimpajama", sources={"arxiv": 1, "c4": 0, "wikipedia": 0},
-                    seq_len=16, batch_size=1, shuffle_buffer=0, tokenizer=BYTES)
+    args = DataArgs(
+        root_dir=str(tmp_path),
+        layout="slimpajama",
+        sources={"arxiv": 1, "c4": 0, "wikipedia": 0},
+        seq_len=16,
+        batch_size=1,
+        shuffle_buffer=0,
+        tokenizer=BYTES,
+    )
     flat = [d for r in range(world_size) for d in _first_epoch_docs(args, r, world_size)]
     arxiv = {d for d in all_docs if d.startswith("<arxiv|")}
     assert len(flat) == len(set(flat)) and set(flat) == arxiv
@@ -247,8 +284,15 @@ def test_bad_records_skipped_counted_logged(tmp_path, caplog):
         good[3],
     ]
     write_jsonl(tmp_path / "a" / "a.chunk.00.jsonl", lines)
-    args = DataArgs(root_dir=str(tmp_path), layout="domains", sources={"a": 1}, seq_len=16, batch_size=1,
-                    shuffle_buffer=0, tokenizer=BYTES)
+    args = DataArgs(
+        root_dir=str(tmp_path),
+        layout="domains",
+        sources={"a": 1},
+        seq_len=16,
+        batch_size=1,
+        shuffle_buffer=0,
+        tokenizer=BYTES,
+    )
     loader = build_train_loader(args, 0, 1)
     with caplog.at_level(logging.WARNING, logger="mta_repro.data"):
         # 2 windows of 17 tokens = 34 tokens: the good documents are 11 tokens each,
@@ -275,8 +319,14 @@ def test_bad_records_release_layout_counted_once(tmp_path):
         {"text": "<arxiv|1>", "meta": {"redpajama_set_name": "RedPajamaArXiv"}},
     ]
     write_jsonl(tmp_path / "train" / "chunk1" / "example_train_0.jsonl", recs)
-    args = DataArgs(root_dir=str(tmp_path), sources={"arxiv": 1, "c4": 1}, seq_len=16, batch_size=1,
-                    shuffle_buffer=0, tokenizer=BYTES)
+    args = DataArgs(
+        root_dir=str(tmp_path),
+        sources={"arxiv": 1, "c4": 1},
+        seq_len=16,
+        batch_size=1,
+        shuffle_buffer=0,
+        tokenizer=BYTES,
+    )
     loader = build_train_loader(args, 0, 1)
     docs = docs_in(stream_of([next(loader) for _ in range(4)]))
     assert set(docs) <= {"<arxiv|0>", "<arxiv|1>", "<c4|0>"} and len(docs) > 2
@@ -290,8 +340,9 @@ def test_bad_records_release_layout_counted_once(tmp_path):
 
 def test_domain_without_usable_documents_raises(tmp_path):
     write_jsonl(tmp_path / "a" / "a.chunk.00.jsonl", [b"{bad", {"text": ""}])
-    args = DataArgs(root_dir=str(tmp_path), layout="domains", sources={"a": 1}, seq_len=16, batch_size=1,
-                    tokenizer=BYTES)
+    args = DataArgs(
+        root_dir=str(tmp_path), layout="domains", sources={"a": 1}, seq_len=16, batch_size=1, tokenizer=BYTES
+    )
     with pytest.raises(ValueError, match="no usable documents for domain 'a'"):
         next(build_train_loader(args, 0, 1))
 
@@ -310,8 +361,10 @@ def test_config_faults(tmp_path):
         (dict(sources={"a": 1}, root_dir=str(tmp_path / "nope")), r"data.root_dir=.*nope: no such directory"),
         (dict(sources={"a": 1}, layout="parquet"), r"data.layout='parquet'"),
         (dict(sources={"a": 1}, seq_len=0), r"data.seq_len=0"),
-        (dict(sources={"a": 1}, tokenizer=TokenizerArgs("sentencepiece", str(tmp_path / "t.model"))),
-         r"data.tokenizer.path=.*t.model: no such file"),
+        (
+            dict(sources={"a": 1}, tokenizer=TokenizerArgs("sentencepiece", str(tmp_path / "t.model"))),
+            r"data.tokenizer.path=.*t.model: no such file",
+        ),
     ]
     for over, msg in cases:
         with pytest.raises(ValueError, match=msg):
@@ -331,8 +384,17 @@ def test_root_config_has_data_group():
     assert b["input"].shape == (3, 8)
     cfg = compose(["data=slimpajama"])
     assert cfg.data.seq_len == 2048 and cfg.data.tokenizer.name == "tiktoken"
-    assert dict(cfg.data.sources) == pytest.approx({"commoncrawl": 0.726, "c4": 0.081, "github": 0.049, "book": 0.021,
-                                                     "arxiv": 0.023, "wikipedia": 0.05, "stackexchange": 0.05})
+    assert dict(cfg.data.sources) == pytest.approx(
+        {
+            "commoncrawl": 0.726,
+            "c4": 0.081,
+            "github": 0.049,
+            "book": 0.021,
+            "arxiv": 0.023,
+            "wikipedia": 0.05,
+            "stackexchange": 0.05,
+        }
+    )
 
 
 # ----------------------------------------------------------------------------- real ranks
@@ -376,9 +438,12 @@ def test_a_window_longer_than_the_split_is_refused_before_any_batch(tmp_path, ca
     docs = domains_corpus(tmp_path, {"a": (2, 5)})
     held = sum(len(d.encode()) + 2 for d in docs)  # bytes, BOS and EOS: 90
     base = dict(root_dir=str(tmp_path), layout="domains", sources={"a": 1}, batch_size=1, tokenizer=BYTES)
-    with pytest.raises(ValueError, match=rf"one window of data.seq_len\+1={held + 1} tokens is longer than the "
-                                         rf"corpus: the training split under .* holds {held} tokens for rank 0/1 "
-                                         r"\(domains a\)"):
+    with pytest.raises(
+        ValueError,
+        match=rf"one window of data.seq_len\+1={held + 1} tokens is longer than the "
+        rf"corpus: the training split under .* holds {held} tokens for rank 0/1 "
+        r"\(domains a\)",
+    ):
         build_train_loader(DataArgs(seq_len=held, shuffle_buffer=0, **base), 0, 1)
     fits = build_train_loader(DataArgs(seq_len=held - 1, shuffle_buffer=0, **base), 0, 1)
     assert next(fits)["input"].shape == (1, held - 1)
@@ -389,4 +454,5 @@ def test_a_window_longer_than_the_split_is_refused_before_any_batch(tmp_path, ca
         f"data: the first batch needs {need} tokens (data.shuffle_buffer=8 + data.batch_size=1 windows of 33) but "
         f"the training split under {tmp_path} holds {held} tokens for rank 0/1 (domains a): it repeats documents, "
         f"and the shuffle buffer's fill cycles the corpus about {math.ceil(need / held)} times; lower "
-        "data.shuffle_buffer or data.seq_len"]
+        "data.shuffle_buffer or data.seq_len"
+    ]

@@ -9,11 +9,10 @@ from __future__ import annotations
 import json
 
 import pytest
+from test_data import write_jsonl
 
 from mta_repro.data import DataArgs, TokenizerArgs, build_train_loader
 from mta_repro.data.sources import SET_NAMES
-
-from test_data import write_jsonl
 
 BYTES = TokenizerArgs(name="bytes", path=None)
 # The faults injected by release_with_faults (per copy of the corpus, i.e. per rank shard
@@ -22,8 +21,10 @@ INJECTED = {"malformed_json": 2, "missing_meta": 1, "unknown_set": 1, "undecodab
 
 
 def _recs(tag, n, doms):
-    return [{"text": f"<{doms[i % len(doms)]}|{tag}|{i}>", "meta": {"redpajama_set_name": SET_NAMES[doms[i % len(doms)]]}}
-            for i in range(n)]
+    return [
+        {"text": f"<{doms[i % len(doms)]}|{tag}|{i}>", "meta": {"redpajama_set_name": SET_NAMES[doms[i % len(doms)]]}}
+        for i in range(n)
+    ]
 
 
 def release_with_faults(root, big=400):
@@ -35,20 +36,33 @@ def release_with_faults(root, big=400):
     train = root / "train" / "chunk1"
     write_jsonl(train / "example_train_0.jsonl", _recs("f0", 12, ["arxiv", "arxiv", "arxiv", "c4"]))
     lines = _recs("f1", 6, ["arxiv", "c4"])
-    lines[1:1] = [b'{"text": "cut', {"text": "no meta"}, {"text": "odd", "meta": {"redpajama_set_name": "RedPajamaX"}},
-                  b"[1, 2]", b'{"text": "\xff\xfe"}']
+    lines[1:1] = [
+        b'{"text": "cut',
+        {"text": "no meta"},
+        {"text": "odd", "meta": {"redpajama_set_name": "RedPajamaX"}},
+        b"[1, 2]",
+        b'{"text": "\xff\xfe"}',
+    ]
     write_jsonl(train / "example_train_1.jsonl", lines)
     bad = train / "example_train_2.jsonl.zst"
     write_jsonl(bad, _recs("f2", 50, ["arxiv", "c4"]), zst=True)
     bad.write_bytes(bad.read_bytes()[: bad.stat().st_size // 2])
     write_jsonl(train / "example_train_3.jsonl", _recs("f3", big, ["arxiv", "c4"]))
-    write_jsonl(root / "validation" / "chunk1" / "example_holdout_0.jsonl",
-                [{"text": f"<{d}|val>", "meta": {"redpajama_set_name": SET_NAMES[d]}} for d in ("arxiv", "c4")])
+    write_jsonl(
+        root / "validation" / "chunk1" / "example_holdout_0.jsonl",
+        [{"text": f"<{d}|val>", "meta": {"redpajama_set_name": SET_NAMES[d]}} for d in ("arxiv", "c4")],
+    )
 
 
 def _args(root, **kw):
-    kw = {"sources": {"arxiv": 0.001, "c4": 1.0}, "seq_len": 32, "batch_size": 2, "shuffle_buffer": 4,
-          "tokenizer": BYTES, **kw}
+    kw = {
+        "sources": {"arxiv": 0.001, "c4": 1.0},
+        "seq_len": 32,
+        "batch_size": 2,
+        "shuffle_buffer": 4,
+        "tokenizer": BYTES,
+        **kw,
+    }
     return DataArgs(root_dir=str(root), **kw)
 
 
@@ -100,8 +114,15 @@ def test_two_domain_streams_in_the_domains_layout(tmp_path):
     bad = tmp_path / "b" / "b.chunk.02.jsonl.zst"
     write_jsonl(bad, [{"text": f"<b|z|{i}>"} for i in range(50)], zst=True)
     bad.write_bytes(bad.read_bytes()[:20])
-    args = DataArgs(root_dir=str(tmp_path), layout="domains", sources={"a": 0.01, "b": 1.0}, seq_len=32,
-                    batch_size=2, shuffle_buffer=4, tokenizer=BYTES)
+    args = DataArgs(
+        root_dir=str(tmp_path),
+        layout="domains",
+        sources={"a": 0.01, "b": 1.0},
+        seq_len=32,
+        batch_size=2,
+        shuffle_buffer=4,
+        tokenizer=BYTES,
+    )
     loader = build_train_loader(args, 0, 1)
     next(loader)
     want = {"malformed_json": 1, "empty": 1, "missing_text": 1, "corrupt_file": 1}
@@ -111,8 +132,7 @@ def test_two_domain_streams_in_the_domains_layout(tmp_path):
 
 def test_a_bad_record_on_the_shards_first_line_is_counted(tmp_path):
     """The very first line a fresh loader reads (its ledger is built then) is counted too."""
-    write_jsonl(tmp_path / "train" / "chunk1" / "example_train_0.jsonl",
-                [b'{"text": "cut'] + _recs("f0", 30, ["c4"]))
+    write_jsonl(tmp_path / "train" / "chunk1" / "example_train_0.jsonl", [b'{"text": "cut'] + _recs("f0", 30, ["c4"]))
     (tmp_path / "validation" / "chunk1").mkdir(parents=True)
     loader = build_train_loader(_args(tmp_path, sources={"c4": 1.0}), 0, 1)
     next(loader)
@@ -154,11 +174,27 @@ def test_trainer_metrics_have_the_counts_from_the_first_step(tmp_path):
     corpus = tmp_path / "corpus"
     release_with_faults(corpus)
     run = tmp_path / "run"
-    common = [f"run_dir={run}", f"data.root_dir={corpus}", "data.layout=slimpajama", "data.tokenizer.name=bytes",
-              "data.tokenizer.path=null", "data.seq_len=32", "data.batch_size=2", "data.shuffle_buffer=4",
-              "model.vocab_size=258", "model.dim=64", "model.n_layers=1", "model.n_heads=2",
-              "trainer.device=cpu", "trainer.eval_every=0", "checkpoint.every=3", "checkpoint.export=false",
-              "logging.every=1", "logging.wandb_mode=disabled", "logging.progress_bar=false"]
+    common = [
+        f"run_dir={run}",
+        f"data.root_dir={corpus}",
+        "data.layout=slimpajama",
+        "data.tokenizer.name=bytes",
+        "data.tokenizer.path=null",
+        "data.seq_len=32",
+        "data.batch_size=2",
+        "data.shuffle_buffer=4",
+        "model.vocab_size=258",
+        "model.dim=64",
+        "model.n_layers=1",
+        "model.n_heads=2",
+        "trainer.device=cpu",
+        "trainer.eval_every=0",
+        "checkpoint.every=3",
+        "checkpoint.export=false",
+        "logging.every=1",
+        "logging.wandb_mode=disabled",
+        "logging.progress_bar=false",
+    ]
     for extra in (["trainer.steps=3"], ["trainer.steps=6", "checkpoint.allow_config_change=true"]):
         cfg = compose([*common, *extra])
         cfg.data.sources = {"arxiv": 0.001, "c4": 1.0}
@@ -167,4 +203,4 @@ def test_trainer_metrics_have_the_counts_from_the_first_step(tmp_path):
     train_records = [r for r in records if "loss" in r]
     assert [r["step"] for r in train_records] == [1, 2, 3, 4, 5, 6]
     for r in train_records:
-        assert {k[len("data_bad/"):]: v for k, v in r.items() if k.startswith("data_bad/")} == INJECTED, r
+        assert {k[len("data_bad/") :]: v for k, v in r.items() if k.startswith("data_bad/")} == INJECTED, r

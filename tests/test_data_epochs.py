@@ -3,10 +3,10 @@ resume inside such an epoch continues exactly."""
 
 from __future__ import annotations
 
+from test_data import domains_corpus
+
 from mta_repro.data import DataArgs, TokenizerArgs
 from mta_repro.data.sources import DocStream
-
-from test_data import domains_corpus
 
 
 def _args(root):

@@ -10,14 +10,13 @@ import subprocess
 import sys
 
 import pytest
+from test_data import domains_corpus, write_jsonl
+from test_data_prepare import prep, read_out, release_fixture
 
 from mta_repro.data import DataArgs, TokenizerArgs, build_train_loader
 from mta_repro.data.args import REPO_ROOT
 from mta_repro.data.sources import DocStream, _LineReader
 from mta_repro.errors import CorruptFileError
-
-from test_data import domains_corpus, write_jsonl
-from test_data_prepare import prep, read_out, release_fixture
 
 
 def _truncate(path, frac=0.5):
@@ -41,7 +40,10 @@ def test_line_reader_raises_on_a_truncated_or_garbage_zst(tmp_path):
     import zstandard
 
     m = tmp_path / "m.jsonl.zst"
-    m.write_bytes(zstandard.ZstdCompressor().compress(b'{"text": "a"}\n') + zstandard.ZstdCompressor().compress(b'{"text": "b"}\n'))
+    m.write_bytes(
+        zstandard.ZstdCompressor().compress(b'{"text": "a"}\n')
+        + zstandard.ZstdCompressor().compress(b'{"text": "b"}\n')
+    )
     r = _LineReader(m, 0)
     assert [r.readline(), r.readline(), r.readline()] == [b'{"text": "a"}\n', b'{"text": "b"}\n', b""]
 
@@ -62,8 +64,21 @@ def test_prepare_fails_with_the_list_then_skip_keeps_the_rest(tmp_path):
     assert len(failed_units) == 1  # the other chunks are done, that one was not written
     assert not list(out.glob(f"*/*.{failed_units[0]}.jsonl.zst*"))
     # The CLI: one line naming the file, exit status 1.
-    p = subprocess.run([sys.executable, str(REPO_ROOT / "scripts/prepare_slimpajama.py"), "--src", str(raw),
-                        "--out", str(out), "--chunks", "3"], capture_output=True, text=True, timeout=300)
+    p = subprocess.run(
+        [
+            sys.executable,
+            str(REPO_ROOT / "scripts/prepare_slimpajama.py"),
+            "--src",
+            str(raw),
+            "--out",
+            str(out),
+            "--chunks",
+            "3",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert p.returncode == 1 and "example_train_1.jsonl.zst" in p.stderr and "Traceback" not in p.stderr
 
     res = prep.prepare(raw, out, chunks=3, progress=False, bad_files="skip")
@@ -79,8 +94,9 @@ def test_loader_warns_once_per_file_and_counts(tmp_path, caplog):
     all_docs = domains_corpus(tmp_path, {"a": (3, 40)}, zst=True)
     bad = tmp_path / "a" / "a.chunk.01.jsonl.zst"
     _truncate(bad, 0.3)
-    args = DataArgs(root_dir=str(tmp_path), layout="domains", sources={"a": 1.0},
-                    tokenizer=TokenizerArgs("bytes", None))
+    args = DataArgs(
+        root_dir=str(tmp_path), layout="domains", sources={"a": 1.0}, tokenizer=TokenizerArgs("bytes", None)
+    )
     s = DocStream(args, "a", 0, 1)
     with caplog.at_level(logging.WARNING, logger="mta_repro.data.sources"):
         docs = [s.next_doc() for _ in range(3 * 80)]  # several epochs
@@ -114,11 +130,26 @@ def test_trainer_logs_the_bad_records(tmp_path):
     _truncate(corpus / "a" / "a.chunk.01.jsonl.zst", 0.3)
     write_jsonl(corpus / "b" / "b.chunk.02.jsonl", [b"{broken", {"text": "fine"}])
     run = tmp_path / "run"
-    cfg = compose([f"run_dir={run}", f"data.root_dir={corpus}", "data.layout=domains", "data.tokenizer.name=bytes",
-                   "data.tokenizer.path=null", "model.vocab_size=258", "data.seq_len=32", "data.batch_size=2",
-                   "trainer.steps=20", "trainer.device=cpu", "trainer.eval_every=0", "checkpoint.every=100",
-                   "checkpoint.export=false", "logging.every=20", "logging.wandb_mode=disabled",
-                   "logging.progress_bar=false"])
+    cfg = compose(
+        [
+            f"run_dir={run}",
+            f"data.root_dir={corpus}",
+            "data.layout=domains",
+            "data.tokenizer.name=bytes",
+            "data.tokenizer.path=null",
+            "model.vocab_size=258",
+            "data.seq_len=32",
+            "data.batch_size=2",
+            "trainer.steps=20",
+            "trainer.device=cpu",
+            "trainer.eval_every=0",
+            "checkpoint.every=100",
+            "checkpoint.export=false",
+            "logging.every=20",
+            "logging.wandb_mode=disabled",
+            "logging.progress_bar=false",
+        ]
+    )
     cfg.data.sources = {"a": 1.0, "b": 1.0}
     train(cfg)
     last = json.loads((run / "metrics.jsonl").read_text().splitlines()[-1])

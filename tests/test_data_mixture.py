@@ -15,9 +15,17 @@ def test_token_counts_exact_and_share_follows_document_length(tmp_path):
     for d, n in (("short", 8), ("long", 98)):  # + BOS/EOS = 10 and 100 tokens (bytes tokenizer)
         (tmp_path / d).mkdir()
         (tmp_path / d / f"{d}.chunk.00.jsonl").write_text(
-            "".join(json.dumps({"text": chr(97 + i % 26) * n}) + "\n" for i in range(50)))
-    args = DataArgs(root_dir=str(tmp_path), layout="domains", sources={"short": 0.5, "long": 0.5}, seq_len=63,
-                    batch_size=4, shuffle_buffer=0, tokenizer=TokenizerArgs("bytes", None))
+            "".join(json.dumps({"text": chr(97 + i % 26) * n}) + "\n" for i in range(50))
+        )
+    args = DataArgs(
+        root_dir=str(tmp_path),
+        layout="domains",
+        sources={"short": 0.5, "long": 0.5},
+        seq_len=63,
+        batch_size=4,
+        shuffle_buffer=0,
+        tokenizer=TokenizerArgs("bytes", None),
+    )
     loader = build_train_loader(args, 0, 1)
     batches = [next(loader) for _ in range(300)]
     counts = loader.token_counts()

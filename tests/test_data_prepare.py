@@ -52,7 +52,9 @@ def read_out(out):
     res = {}
     for p in sorted(out.glob("*/*.jsonl.zst")):
         raw = zstandard.ZstdDecompressor().stream_reader(p.open("rb")).read().decode()
-        res[str(p.relative_to(out))] = [(json.loads(l)["meta"]["redpajama_set_name"], json.loads(l)["text"]) for l in raw.splitlines()]
+        res[str(p.relative_to(out))] = [
+            (json.loads(l)["meta"]["redpajama_set_name"], json.loads(l)["text"]) for l in raw.splitlines()
+        ]
     return res
 
 
@@ -76,8 +78,15 @@ def test_prepare_release_layout_and_loader(tmp_path):
     assert res["bad_records"] == {"malformed_json": 6, "missing_meta": 6, "missing_text": 6}
     check_output(tmp_path / "out", train, val, 4)
     # the loader reads the result in the domains layout
-    args = DataArgs(root_dir=str(tmp_path / "out"), layout="domains", sources={d: 1.0 for d in DOMS}, seq_len=16,
-                    batch_size=2, shuffle_buffer=0, tokenizer=TokenizerArgs(name="bytes", path=None))
+    args = DataArgs(
+        root_dir=str(tmp_path / "out"),
+        layout="domains",
+        sources={d: 1.0 for d in DOMS},
+        seq_len=16,
+        batch_size=2,
+        shuffle_buffer=0,
+        tokenizer=TokenizerArgs(name="bytes", path=None),
+    )
     assert next(build_train_loader(args, 1, 3))["input"].shape == (2, 16)
     # more chunks than input files (6): files are split by line, nothing lost
     prep.prepare(tmp_path / "raw", tmp_path / "out8", chunks=8, progress=False)
@@ -130,7 +139,10 @@ def test_prepare_parquet_subset(tmp_path):
 
     (tmp_path / "raw" / "data").mkdir(parents=True)
     for split, n in (("train", 12), ("validation", 4)):
-        rows = [{"text": f"{DOMS[i % 4]} {split} {i}", "meta": {"redpajama_set_name": SET_NAMES[DOMS[i % 4]]}} for i in range(n)]
+        rows = [
+            {"text": f"{DOMS[i % 4]} {split} {i}", "meta": {"redpajama_set_name": SET_NAMES[DOMS[i % 4]]}}
+            for i in range(n)
+        ]
         pq.write_table(pa.Table.from_pylist(rows), tmp_path / "raw" / "data" / f"{split}-00000-of-00001.parquet")
     res = prep.prepare(tmp_path / "raw", tmp_path / "out", chunks=2, progress=False)
     assert res["bad_records"] == {}

@@ -4,18 +4,25 @@ stopped (every document of the epoch read once), in the stream and in the loader
 from __future__ import annotations
 
 import pytest
+from test_data import docs_in, domains_corpus, stream_of
 
 from mta_repro.data import DataArgs, TokenizerArgs, build_train_loader
 from mta_repro.data.sources import DocStream, list_files, shard_files
-
-from test_data import docs_in, domains_corpus, stream_of
 
 BYTES = TokenizerArgs(name="bytes", path=None)
 
 
 def _args(root, **kw):
-    return DataArgs(root_dir=str(root), layout="domains", sources={"a": 1.0, "b": 1.0}, seq_len=16, batch_size=2,
-                    shuffle_buffer=0, tokenizer=BYTES, **kw)
+    return DataArgs(
+        root_dir=str(root),
+        layout="domains",
+        sources={"a": 1.0, "b": 1.0},
+        seq_len=16,
+        batch_size=2,
+        shuffle_buffer=0,
+        tokenizer=BYTES,
+        **kw,
+    )
 
 
 def _read_epoch(stream: DocStream, epoch: int) -> list[str]:

@@ -9,10 +9,11 @@ venv from the package registry (minutes): the slow tier."""
 
 from __future__ import annotations
 
-import pytest
 import os
 import subprocess
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -20,11 +21,17 @@ ROOT = Path(__file__).resolve().parents[1]
 @pytest.mark.slow
 def test_the_trainer_and_kernels_run_with_only_the_image_and_its_wheels(tmp_path_factory):
     venv = tmp_path_factory.mktemp("image") / "venv"
-    env = dict(os.environ, CHECK_VENV=str(venv), ACCEPTANCE="0", COMPILE="0",
-               KERNEL_TESTS="test_matches_conv2d_float64 and 0-both")
+    env = dict(
+        os.environ,
+        CHECK_VENV=str(venv),
+        ACCEPTANCE="0",
+        COMPILE="0",
+        KERNEL_TESTS="test_matches_conv2d_float64 and 0-both",
+    )
     env.pop("PYTHONPATH", None)
-    p = subprocess.run(["bash", "scripts/check_versions.sh"], cwd=ROOT, env=env, capture_output=True, text=True,
-                       timeout=1500)
+    p = subprocess.run(
+        ["bash", "scripts/check_versions.sh"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=1500
+    )
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     assert "torch 2.13.0+cpu, triton 3.6.0" in p.stderr
     assert "image: ok" in p.stderr and "kernels: ok" in p.stderr

@@ -9,11 +9,15 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-DOCS = [ROOT / "README.md", ROOT / "CONTRIBUTING.md", *sorted((ROOT / "docs").glob("*.md")),
-        *sorted((ROOT / "mta_repro" / "experimental").rglob("*.md"))]
+DOCS = [
+    ROOT / "README.md",
+    ROOT / "CONTRIBUTING.md",
+    *sorted((ROOT / "docs").glob("*.md")),
+    *sorted((ROOT / "mta_repro" / "experimental").rglob("*.md")),
+]
 TOP = ("mta_repro", "tests", "scripts", "configs", "docs", "slurm", "data")
 # A repository path starts at a top folder, not inside another path (``<run_dir>/data/``).
-PATH = re.compile(r"(?<![\w/.~<>{}$-])((?:%s)/[\w./*-]*)" % "|".join(TOP))
+PATH = re.compile(r"(?<![\w/.~<>{{}}$-])((?:{})/[\w./*-]*)".format("|".join(TOP)))
 LINK = re.compile(r"\]\(([^)\s]+)\)")
 MODULE = re.compile(r"(?<![\w-])-m\s+(mta_repro(?:\.\w+)*)(?![\w.]*<)")  # not python -m mta_repro.<module>
 
@@ -53,7 +57,9 @@ def test_the_check_sees_paths_links_and_modules():
     """The patterns find what a page writes, and a wrong name fails."""
     readme = (ROOT / "README.md").read_text()
     assert len(PATH.findall(readme)) > 10 and len(LINK.findall(readme)) > 10 and len(MODULE.findall(readme)) > 10
-    text = ("See `mta_repro/train/nope.py` and [a page](nope.md); run `python -m mta_repro.eval.nope` or\n"
-            "`torchrun -m mta_repro.train`, with `configs/pipeline/<name>.yaml`, `<run_dir>/data/x` and\n"
-            "`python -m mta_repro.<module>`.")
+    text = (
+        "See `mta_repro/train/nope.py` and [a page](nope.md); run `python -m mta_repro.eval.nope` or\n"
+        "`torchrun -m mta_repro.train`, with `configs/pipeline/<name>.yaml`, `<run_dir>/data/x` and\n"
+        "`python -m mta_repro.<module>`."
+    )
     assert missing(text, ROOT / "docs") == ["mta_repro/train/nope.py", "nope.md", "python -m mta_repro.eval.nope"]

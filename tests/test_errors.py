@@ -46,7 +46,7 @@ def test_bug_shaped_value_error_keeps_its_traceback(monkeypatch):
     with pytest.raises(ValueError, match="invalid literal"):
         run_cli("train", bug)
     with pytest.raises(FileNotFoundError):
-        run_cli("train", lambda: open("/nonexistent/mta_repro_internal.json"))
+        run_cli("train", lambda: open("/nonexistent/mta_repro_internal.json"))  # noqa: SIM115 - it raises
 
 
 def test_traceback_switch_shows_user_errors_too(monkeypatch):
@@ -69,8 +69,15 @@ def test_user_error_is_a_value_error():
 def test_config_validators_raise_user_error():
     from mta_repro.train.config import compose, to_train_config
 
-    for override in ("trainer.steps=0", "checkpoint.keep=0", "model.n_layers=0", "optim.lr=-1", "model.mta.mta_layers=abc",
-                     "model.kernels.kq_conv=cudnn", "model.kernels.triton_slab_rows=3"):
+    for override in (
+        "trainer.steps=0",
+        "checkpoint.keep=0",
+        "model.n_layers=0",
+        "optim.lr=-1",
+        "model.mta.mta_layers=abc",
+        "model.kernels.kq_conv=cudnn",
+        "model.kernels.triton_slab_rows=3",
+    ):
         with pytest.raises(UserError):
             to_train_config(compose([override]))
 
@@ -104,8 +111,9 @@ def test_hydra_unknown_key_is_described_with_the_nearest_field():
 
     with pytest.raises(Exception) as e:
         compose(["trainer.step=5"])
-    assert describe(e.value) == ("unknown config key(s) trainer.step (did you mean trainer.steps?): "
-                                 "no such field in the schema (TrainerArgs)")
+    assert describe(e.value) == (
+        "unknown config key(s) trainer.step (did you mean trainer.steps?): no such field in the schema (TrainerArgs)"
+    )
 
 
 def test_a_mistyped_key_is_matched_to_the_field_it_abbreviates_or_spells_out():
@@ -152,8 +160,11 @@ def test_resolvers_are_registered_in_one_place():
     import mta_repro.train.config  # noqa: F401 - registers them
     from mta_repro.resolvers import RESOLVERS
 
-    sites = [str(p.relative_to(ROOT)) for p in (ROOT / "mta_repro").rglob("*.py")
-             if "register_new_resolver(" in p.read_text()]
+    sites = [
+        str(p.relative_to(ROOT))
+        for p in (ROOT / "mta_repro").rglob("*.py")
+        if "register_new_resolver(" in p.read_text()
+    ]
     assert sites == ["mta_repro/resolvers.py"]
     used = set()
     for p in list((ROOT / "configs").rglob("*.yaml")) + [ROOT / "mta_repro" / "release" / "config.py"]:
@@ -167,21 +178,25 @@ def test_resolvers_are_registered_in_one_place():
 def _train_cli(*args, extra_path=()):
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([str(ROOT), *map(str, extra_path)]))
     env.pop(TRACEBACK_ENV, None)
-    return subprocess.run([sys.executable, "-m", "mta_repro.train", *args], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-m", "mta_repro.train", *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300
+    )
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("override, expected", [
-    ("trainer.step=5", "unknown config key(s) trainer.step (did you mean trainer.steps?)"),
-    ("+trainer.step=5", "unknown config key(s) trainer.step (did you mean trainer.steps?)"),
-    ("model.n_layer=2", "unknown config key(s) model.n_layer (did you mean model.n_layers?)"),
-    ("experiment=debug_typo", "experiment=debug_typo: unknown experiment config; did you mean debug?"),
-    ("trainer.steps=0", "trainer.steps: expected >= 1, got 0"),
-    ("model.kernels.kq_conv=cudnn", "model.kernels.kq_conv: 'cudnn': expected auto, c, triton or conv2d"),
-    # a key the field abbreviates: not the nearest spelling (lr_min_ratio)
-    ("optim.learning_rate=1e-3", "unknown config key(s) optim.learning_rate (did you mean optim.lr?)"),
-])
+@pytest.mark.parametrize(
+    "override, expected",
+    [
+        ("trainer.step=5", "unknown config key(s) trainer.step (did you mean trainer.steps?)"),
+        ("+trainer.step=5", "unknown config key(s) trainer.step (did you mean trainer.steps?)"),
+        ("model.n_layer=2", "unknown config key(s) model.n_layer (did you mean model.n_layers?)"),
+        ("experiment=debug_typo", "experiment=debug_typo: unknown experiment config; did you mean debug?"),
+        ("trainer.steps=0", "trainer.steps: expected >= 1, got 0"),
+        ("model.kernels.kq_conv=cudnn", "model.kernels.kq_conv: 'cudnn': expected auto, c, triton or conv2d"),
+        # a key the field abbreviates: not the nearest spelling (lr_min_ratio)
+        ("optim.learning_rate=1e-3", "unknown config key(s) optim.learning_rate (did you mean optim.lr?)"),
+    ],
+)
 def test_train_cli_user_errors_are_one_line(tmp_path, override, expected):
     run_dir = tmp_path / "run"
     p = _train_cli("experiment=debug", f"run_dir={run_dir}", override)
@@ -197,9 +212,15 @@ def test_train_cli_fault_in_a_loader_keeps_its_traceback(tmp_path):
         "def build(data_args, rank, world_size):\n"
         "    return iter([]) if int('x') else None  # a bug: ValueError from int()\n"
     )
-    p = _train_cli("experiment=debug", f"run_dir={tmp_path / 'run'}", "trainer.loader=faulty_loader:build",
-                   "trainer.device=cpu", "logging.wandb_mode=disabled", "logging.progress_bar=false",
-                   extra_path=[tmp_path])
+    p = _train_cli(
+        "experiment=debug",
+        f"run_dir={tmp_path / 'run'}",
+        "trainer.loader=faulty_loader:build",
+        "trainer.device=cpu",
+        "logging.wandb_mode=disabled",
+        "logging.progress_bar=false",
+        extra_path=[tmp_path],
+    )
     assert p.returncode not in (0, 2)
     assert "Traceback" in p.stderr and "faulty_loader.py" in p.stderr and "invalid literal" in p.stderr
 
@@ -208,14 +229,17 @@ def test_train_cli_fault_in_a_loader_keeps_its_traceback(tmp_path):
 def test_a_sequence_longer_than_the_model_is_refused_on_every_path(tmp_path):
     """data.seq_len above model.max_seqlen: training, a finetune (its source named) and the
     evaluation of a run whose config says it trained that long: one line, exit 2, nothing run."""
-    long = ("data.seq_len=8192 is longer than model.max_seqlen=4096, the longest sequence the model is meant for; "
-            "lower data.seq_len, or set model.max_seqlen=8192 for a model meant for 8192-token sequences")
+    long = (
+        "data.seq_len=8192 is longer than model.max_seqlen=4096, the longest sequence the model is meant for; "
+        "lower data.seq_len, or set model.max_seqlen=8192 for a model meant for 8192-token sequences"
+    )
     p = _train_cli("experiment=debug", f"run_dir={tmp_path}/a", "data.seq_len=8192")
     assert p.returncode == 2 and p.stderr.strip() == f"train: error: {long}", p.stderr[-3000:]
     src = tmp_path / "src.pt"
     src.write_bytes(b"")
-    p = _train_cli("experiment=long_context_880m_mta", f"checkpoint.init_from={src}", f"run_dir={tmp_path}/b",
-                   "data.seq_len=8192")
+    p = _train_cli(
+        "experiment=long_context_880m_mta", f"checkpoint.init_from={src}", f"run_dir={tmp_path}/b", "data.seq_len=8192"
+    )
     assert p.returncode == 2 and p.stderr.strip() == f"train: error: {long}", p.stderr[-3000:]
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
     sys.path.insert(0, str(Path(__file__).parent / "fixtures" / "eval"))
@@ -225,10 +249,17 @@ def test_a_sequence_longer_than_the_model_is_refused_on_every_path(tmp_path):
     assert model.args.max_seqlen == 4096
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
     env.pop(TRACEBACK_ENV, None)
-    p = subprocess.run([sys.executable, "-m", "mta_repro.eval", str(run_dir), "tasks=[ppl]", "device=cpu"], cwd=ROOT,
-                       env=env, capture_output=True, text=True, timeout=300)
+    p = subprocess.run(
+        [sys.executable, "-m", "mta_repro.eval", str(run_dir), "tasks=[ppl]", "device=cpu"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert p.returncode == 2, p.stderr[-3000:]
     assert p.stderr.strip().splitlines()[-1] == (
         f"eval: error: eval: ppl.seq_len=8192 for task 'ppl' is longer than model.max_seqlen=4096 of {run_dir}, the "
-        "longest sequence the model is meant for; set extrapolate=true to evaluate beyond it on purpose")
+        "longest sequence the model is meant for; set extrapolate=true to evaluate beyond it on purpose"
+    )
     assert not (run_dir / "eval").exists()

@@ -13,7 +13,11 @@ sys.path.insert(0, str(Path(__file__).parent / "fixtures" / "eval"))
 from eval_helpers import make_tokenizer, tiny_model  # noqa: E402
 
 from mta_repro.eval.babilong import (  # noqa: E402
-    TASKS, BabiGenerator, compare_answers, format_prompt, run_babilong,
+    TASKS,
+    BabiGenerator,
+    compare_answers,
+    format_prompt,
+    run_babilong,
 )
 from mta_repro.eval.babilong_prompts import PROMPTS, TASK_LABELS  # noqa: E402
 
@@ -126,12 +130,18 @@ def test_generator_answers_and_lengths(task):
 def test_run_babilong_on_tiny_model():
     tok = make_tokenizer()
     model = tiny_model("baseline", vocab_size=tok.n_words, n_layers=1)
-    out = run_babilong(model, tok, BabiLongArgs(tasks=["qa1", "qa4"], lengths=["0k", "1600"], samples=2,
-                                                max_new_tokens=3, batch_size=2), background=BACKGROUND)
+    out = run_babilong(
+        model,
+        tok,
+        BabiLongArgs(tasks=["qa1", "qa4"], lengths=["0k", "1600"], samples=2, max_new_tokens=3, batch_size=2),
+        background=BACKGROUND,
+    )
     assert set(out["accuracy"]) == {"qa1", "qa4"} and set(out["mean"]) == {"0k", "1600"}
     assert out["source"] == "generated" == out["settings"]["source"]
     for length in ("0k", "1600"):
-        assert out["mean"][length] == pytest.approx((out["accuracy"]["qa1"][length] + out["accuracy"]["qa4"][length]) / 2)
+        assert out["mean"][length] == pytest.approx(
+            (out["accuracy"]["qa1"][length] + out["accuracy"]["qa4"][length]) / 2
+        )
     with pytest.raises(ValueError, match="unknown length"):
         run_babilong(model, tok, BabiLongArgs(tasks=["qa1"], lengths=["3k"]), background=BACKGROUND)
 

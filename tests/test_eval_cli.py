@@ -13,6 +13,7 @@ from eval_helpers import make_run  # noqa: E402
 from mta_repro.eval.load import load_model  # noqa: E402
 from mta_repro.eval.run import main, parse_argv, run  # noqa: E402
 
+
 @pytest.mark.parametrize("fmt", ["consolidated", "dcp"])
 def test_load_model_gives_the_saved_weights(tmp_path, fmt):
     run_dir, ref = make_run(tmp_path / "run", fmt=fmt)
@@ -44,10 +45,24 @@ def test_errors_before_work(tmp_path):
 @pytest.mark.slow
 def test_cli_writes_results(tmp_path, capsys):
     run_dir, _ = make_run(tmp_path / "run", seq_len=512)
-    rc = main([str(run_dir), "tasks=[ppl,needle,babilong]", "ppl.seq_len=64", "ppl.max_batches=2",
-               "ppl.domains=[book,github]", "needle.context_lens=[512]", "needle.needle_counts=[2]",
-               "needle.depths=[0,100]", "needle.samples=1", "needle.max_new_tokens=2",
-               "babilong.tasks=[qa1]", "babilong.lengths=[0k]", "babilong.samples=1", "babilong.max_new_tokens=2"])
+    rc = main(
+        [
+            str(run_dir),
+            "tasks=[ppl,needle,babilong]",
+            "ppl.seq_len=64",
+            "ppl.max_batches=2",
+            "ppl.domains=[book,github]",
+            "needle.context_lens=[512]",
+            "needle.needle_counts=[2]",
+            "needle.depths=[0,100]",
+            "needle.samples=1",
+            "needle.max_new_tokens=2",
+            "babilong.tasks=[qa1]",
+            "babilong.lengths=[0k]",
+            "babilong.samples=1",
+            "babilong.max_new_tokens=2",
+        ]
+    )
     assert rc == 0
     ppl = json.loads((run_dir / "eval" / "ppl.json").read_text())
     assert ppl["variant"] == "mta" and ppl["step"] == 7
@@ -69,8 +84,17 @@ def test_cli_lm_eval_tasks_on_local_data(tmp_path):
     write_local_task("arc_easy", {"test": fix / "arc_easy_test.jsonl"}, tasks_dir)
     write_local_task("lambada_openai", {"test": fix / "lambada_test.jsonl"}, tasks_dir)
     run_dir, _ = make_run(tmp_path / "run", attention="talking_heads")
-    written = run(parse_argv([str(run_dir), "tasks=[benchmarks,lambada]", "lm_eval.benchmarks=[arc_easy_local]",
-                              "lm_eval.lambada=[lambada_openai_local]", f"lm_eval.include_path={tasks_dir}"]))
+    written = run(
+        parse_argv(
+            [
+                str(run_dir),
+                "tasks=[benchmarks,lambada]",
+                "lm_eval.benchmarks=[arc_easy_local]",
+                "lm_eval.lambada=[lambada_openai_local]",
+                f"lm_eval.include_path={tasks_dir}",
+            ]
+        )
+    )
     bench = json.loads(Path(written["benchmarks"]).read_text())["results"]
     # ARC-easy's headline metric is the length-normalised accuracy (the paper's), named
     acc = bench["tasks"]["arc_easy_local"]["acc_norm,none"]
@@ -89,6 +113,7 @@ def test_export_cli_help_and_one_line_error(tmp_path):
 
     p = subprocess.run([sys.executable, "-m", "mta_repro.train.export", "--help"], capture_output=True, text=True)
     assert p.returncode == 0 and p.stdout.startswith("usage: python -m mta_repro.train.export")
-    p = subprocess.run([sys.executable, "-m", "mta_repro.train.export", str(tmp_path / "nope")],
-                       capture_output=True, text=True)
+    p = subprocess.run(
+        [sys.executable, "-m", "mta_repro.train.export", str(tmp_path / "nope")], capture_output=True, text=True
+    )
     assert p.returncode == 2 and len(p.stderr.strip().splitlines()) == 1 and "config.yaml" in p.stderr

@@ -18,17 +18,23 @@ ROOT = Path(__file__).resolve().parents[1]
 PPL = ["tasks=[ppl]", "ppl.max_batches=1", "ppl.batch_size=1", "ppl.domains=[book]"]
 
 
-@pytest.mark.parametrize("override, field", [
-    ("ppl.seq_len=512", "ppl.seq_len=512"),
-    ("needle.context_lens=[128,512]", "needle.context_lens=512"),
-    ("babilong.lengths=[0k,1k]", "babilong.lengths=1024"),
-    ("lm_eval.max_length=300", "lm_eval.max_length=300"),
-])
+@pytest.mark.parametrize(
+    "override, field",
+    [
+        ("ppl.seq_len=512", "ppl.seq_len=512"),
+        ("needle.context_lens=[128,512]", "needle.context_lens=512"),
+        ("babilong.lengths=[0k,1k]", "babilong.lengths=1024"),
+        ("lm_eval.max_length=300", "lm_eval.max_length=300"),
+    ],
+)
 def test_lengths_beyond_the_trained_context_are_refused(tmp_path, override, field):
     run_dir, _ = make_run(tmp_path / "run", attention="baseline", seq_len=256)
     task = override.split(".")[0].replace("lm_eval", "benchmarks")
-    with pytest.raises(ValueError, match=rf"{field} for task '{task}' is beyond the context .* "
-                                         r"\(data.seq_len=256 in its config\); set extrapolate=true"):
+    with pytest.raises(
+        ValueError,
+        match=rf"{field} for task '{task}' is beyond the context .* "
+        r"\(data.seq_len=256 in its config\); set extrapolate=true",
+    ):
         run(parse_argv([str(run_dir), f"tasks=[{task}]", override]))
     assert not (run_dir / "eval").exists()  # refused before any work
 
@@ -36,8 +42,13 @@ def test_lengths_beyond_the_trained_context_are_refused(tmp_path, override, fiel
 @pytest.mark.slow
 def test_refusal_is_one_line_rc2_and_extrapolate_allows_it(tmp_path):
     run_dir, _ = make_run(tmp_path / "run", attention="baseline", seq_len=64)
-    p = subprocess.run([sys.executable, "-m", "mta_repro.eval", str(run_dir), *PPL, "ppl.seq_len=128"],
-                       cwd=ROOT, capture_output=True, text=True, timeout=300)
+    p = subprocess.run(
+        [sys.executable, "-m", "mta_repro.eval", str(run_dir), *PPL, "ppl.seq_len=128"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert p.returncode == 2, p.stderr[-2000:]
     lines = [line for line in p.stderr.splitlines() if line.strip() and "Warning" not in line]
     assert len([line for line in lines if "beyond the context" in line]) == 1 and "Traceback" not in p.stderr

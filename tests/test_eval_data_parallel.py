@@ -16,8 +16,13 @@ from mta_repro.eval.lm_eval_tasks import write_local_task  # noqa: E402
 
 pytestmark = pytest.mark.distributed
 
-ENV = {**os.environ, "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
-       "OMP_NUM_THREADS": "1"}
+ENV = {
+    **os.environ,
+    "HF_DATASETS_OFFLINE": "1",
+    "HF_HUB_OFFLINE": "1",
+    "TOKENIZERS_PARALLELISM": "false",
+    "OMP_NUM_THREADS": "1",
+}
 
 
 def numbers(obj, path=""):
@@ -35,19 +40,56 @@ def test_two_ranks_equal_one_process(tmp_path):
     run_dir, _ = make_run(tmp_path / "run", attention="mta", seq_len=512)
     tasks = tmp_path / "tasks"
     write_local_task("arc_easy", {"test": FIX / "lm_eval" / "arc_easy_test.jsonl"}, tasks)
-    args = [str(run_dir), "tasks=[ppl,needle,babilong,benchmarks]", "device=cpu",
-            "ppl.seq_len=32", "ppl.max_batches=5", "ppl.batch_size=2", "ppl.domains=[book,github]",
-            "needle.context_lens=[512]", "needle.needle_counts=[2]", "needle.depths=[0,50]", "needle.samples=3",
-            "needle.batch_size=2", "needle.max_new_tokens=3", "needle.max_background_chars=50000",
-            "babilong.tasks=[qa1,qa4]", "babilong.lengths=[0k]", "babilong.samples=3", "babilong.batch_size=2",
-            "babilong.max_new_tokens=3", "lm_eval.benchmarks=[arc_easy_local]", f"lm_eval.include_path={tasks}",
-            "lm_eval.batch_size=2"]
-    one = subprocess.run([sys.executable, "-m", "mta_repro.eval", *args, f"out_dir={tmp_path / 'one'}"],
-                         capture_output=True, text=True, env=ENV, timeout=600)
+    args = [
+        str(run_dir),
+        "tasks=[ppl,needle,babilong,benchmarks]",
+        "device=cpu",
+        "ppl.seq_len=32",
+        "ppl.max_batches=5",
+        "ppl.batch_size=2",
+        "ppl.domains=[book,github]",
+        "needle.context_lens=[512]",
+        "needle.needle_counts=[2]",
+        "needle.depths=[0,50]",
+        "needle.samples=3",
+        "needle.batch_size=2",
+        "needle.max_new_tokens=3",
+        "needle.max_background_chars=50000",
+        "babilong.tasks=[qa1,qa4]",
+        "babilong.lengths=[0k]",
+        "babilong.samples=3",
+        "babilong.batch_size=2",
+        "babilong.max_new_tokens=3",
+        "lm_eval.benchmarks=[arc_easy_local]",
+        f"lm_eval.include_path={tasks}",
+        "lm_eval.batch_size=2",
+    ]
+    one = subprocess.run(
+        [sys.executable, "-m", "mta_repro.eval", *args, f"out_dir={tmp_path / 'one'}"],
+        capture_output=True,
+        text=True,
+        env=ENV,
+        timeout=600,
+    )
     assert one.returncode == 0, one.stderr[-3000:]
-    two = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                          "-m", "mta_repro.eval", *args, f"out_dir={tmp_path / 'two'}"],
-                         capture_output=True, text=True, env=ENV, timeout=600)
+    two = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node",
+            "2",
+            "-m",
+            "mta_repro.eval",
+            *args,
+            f"out_dir={tmp_path / 'two'}",
+        ],
+        capture_output=True,
+        text=True,
+        env=ENV,
+        timeout=600,
+    )
     assert two.returncode == 0, two.stderr[-3000:]
     for task in ("ppl", "needle", "babilong", "benchmarks"):
         a = json.loads((tmp_path / "one" / f"{task}.json").read_text())

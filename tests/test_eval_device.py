@@ -9,8 +9,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent / "fixtures" / "eval"))
 from eval_helpers import make_run  # noqa: E402
 
-from mta_repro.eval.lm_eval_model import MTAReproLM  # noqa: E402
 from mta_repro.device import resolve_device  # noqa: E402
+from mta_repro.eval.lm_eval_model import MTAReproLM  # noqa: E402
 from mta_repro.eval.load import load_model  # noqa: E402
 
 
@@ -48,7 +48,10 @@ def test_long_contexts_are_left_truncated_like_hf():
     tok = make_tokenizer()
     model = tiny_model("mta", vocab_size=tok.n_words, seed=1, dtype=torch.float64)
     lm = MTAReproLM(model=model, tokenizer=tok, max_length=16)
-    ctx, cont = tok.encode("a long context that does not fit", add_bos=True, add_eos=False), tok.encode(" end", add_bos=False, add_eos=False)
+    ctx, cont = (
+        tok.encode("a long context that does not fit", add_bos=True, add_eos=False),
+        tok.encode(" end", add_bos=False, add_eos=False),
+    )
     [(ll, _)] = lm._score([(ctx, cont)])
     # lm-eval's HF rule: inp = (ctx + cont)[-(max_length + 1):][:-1]
     whole = (ctx + cont)[-17:]

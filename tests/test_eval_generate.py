@@ -9,8 +9,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent / "fixtures" / "eval"))
 from eval_helpers import VARIANTS, make_tokenizer, tiny_model  # noqa: E402
 
-from mta_repro.model.generation import generate, generate_text, sample_next  # noqa: E402
 from mta_repro.model import KVCache  # noqa: E402
+from mta_repro.model.generation import generate, generate_text, sample_next  # noqa: E402
 
 
 @pytest.mark.parametrize("variant", VARIANTS)

@@ -13,9 +13,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 FIX = Path(__file__).parent / "fixtures" / "eval"
 sys.path.insert(0, str(FIX))
-from eval_helpers import make_tokenizer, tiny_model  # noqa: E402
-
 import lm_eval  # noqa: E402
+from eval_helpers import make_tokenizer, tiny_model  # noqa: E402
 from lm_eval.api.instance import Instance  # noqa: E402
 from lm_eval.api.registry import get_model  # noqa: E402
 
@@ -63,8 +62,12 @@ def test_registered_under_mta_repro():
 def test_simple_evaluate_multiple_choice_and_loglikelihood(setup):
     lm = MTAReproLM(model=setup.model, tokenizer=setup.tok, batch_size=3)
     out = lm_eval.simple_evaluate(
-        model=lm, tasks=["arc_easy_local", "lambada_openai_local"], task_manager=setup.manager,
-        bootstrap_iters=0, log_samples=True, num_fewshot=0,
+        model=lm,
+        tasks=["arc_easy_local", "lambada_openai_local"],
+        task_manager=setup.manager,
+        bootstrap_iters=0,
+        log_samples=True,
+        num_fewshot=0,
     )
     ref_model = tiny_model("mta", vocab_size=setup.tok.n_words, seed=3, dtype=torch.float64)
     # ARC: the official prompt "Question: ...\nAnswer:" + " choice"; acc from the lls.
@@ -89,8 +92,11 @@ def test_simple_evaluate_multiple_choice_and_loglikelihood(setup):
 def test_rolling_returns_plain_floats_and_generation_stops(setup):
     lm = MTAReproLM(model=setup.model, tokenizer=setup.tok, batch_size=2, max_length=64)
     out = lm_eval.simple_evaluate(
-        model=lm, tasks=["rolling_local", "qa_local"], task_manager=setup.manager,
-        bootstrap_iters=0, log_samples=True,
+        model=lm,
+        tasks=["rolling_local", "qa_local"],
+        task_manager=setup.manager,
+        bootstrap_iters=0,
+        log_samples=True,
     )
     res = out["results"]["rolling_local"]
     assert res["word_perplexity,none"] > 1.0 and math.isfinite(res["bits_per_byte,none"])

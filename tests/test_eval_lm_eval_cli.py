@@ -14,9 +14,9 @@ FIX = Path(__file__).parent / "fixtures" / "eval"
 sys.path.insert(0, str(FIX))
 from eval_helpers import make_run, make_tokenizer  # noqa: E402
 
+from mta_repro.eval.lm_eval_cli import build_argv  # noqa: E402
 from mta_repro.eval.lm_eval_tasks import write_local_task  # noqa: E402
 from mta_repro.eval.load import load_model  # noqa: E402
-from mta_repro.eval.lm_eval_cli import build_argv  # noqa: E402
 
 pytestmark = pytest.mark.lm_eval
 
@@ -24,8 +24,13 @@ ENV = {**os.environ, "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1", "TOKENIZ
 
 
 def cli(*args, timeout=240):
-    return subprocess.run([sys.executable, "-m", "mta_repro.eval.lm_eval_cli", *args], capture_output=True, text=True,
-                          env=ENV, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "mta_repro.eval.lm_eval_cli", *args],
+        capture_output=True,
+        text=True,
+        env=ENV,
+        timeout=timeout,
+    )
 
 
 def ll_ref(model, tok, context, continuation):
@@ -47,9 +52,23 @@ def test_cli_runs_lm_eval_with_its_flags(tmp_path):
     tasks = tmp_path / "tasks"
     write_local_task("arc_easy", {"test": FIX / "lm_eval" / "arc_easy_test.jsonl"}, tasks)
     out = tmp_path / "out"
-    r = cli("--model_args", f"pretrained={run_dir},dtype=float64", "--tasks", "arc_easy_local",
-            "--include_path", str(tasks), "--num_fewshot", "0", "--batch_size", "3", "--limit", "3",
-            "--output_path", str(out), "--log_samples")
+    r = cli(
+        "--model_args",
+        f"pretrained={run_dir},dtype=float64",
+        "--tasks",
+        "arc_easy_local",
+        "--include_path",
+        str(tasks),
+        "--num_fewshot",
+        "0",
+        "--batch_size",
+        "3",
+        "--limit",
+        "3",
+        "--output_path",
+        str(out),
+        "--log_samples",
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     [res_file] = list(out.rglob("results_*.json"))
     [samples_file] = list(out.rglob("samples_arc_easy_local_*.jsonl"))
@@ -75,8 +94,16 @@ def test_cli_runs_lm_eval_with_its_flags(tmp_path):
 def test_cli_help_and_errors(tmp_path):
     r = cli("--help", timeout=120)
     assert r.returncode == 0
-    for flag in ("--tasks", "--num_fewshot", "--batch_size", "--limit", "--include_path", "--output_path",
-                 "--log_samples", "--model_args"):
+    for flag in (
+        "--tasks",
+        "--num_fewshot",
+        "--batch_size",
+        "--limit",
+        "--include_path",
+        "--output_path",
+        "--log_samples",
+        "--model_args",
+    ):
         assert flag in r.stdout, flag
     assert "mta_repro" in r.stdout
     r = cli("--model_args", f"pretrained={tmp_path / 'nope'}", "--tasks", "arc_easy", timeout=120)

@@ -98,14 +98,21 @@ def test_results_of_an_export_go_to_the_run(tmp_path):
     res = json.loads((run_dir / "eval" / "ppl.json").read_text())
     assert res["step"] == 7 and res["weights"] == str(pt)
     out = tmp_path / "elsewhere"
-    assert main([str(pt), "tasks=[ppl]", "ppl.seq_len=32", "ppl.max_batches=1", "ppl.domains=[book]",
-                 f"out_dir={out}"]) == 0
+    assert (
+        main([str(pt), "tasks=[ppl]", "ppl.seq_len=32", "ppl.max_batches=1", "ppl.domains=[book]", f"out_dir={out}"])
+        == 0
+    )
     assert (out / "ppl.json").is_file()
 
 
 def cli(*args):
-    return subprocess.run([sys.executable, "-m", *args], capture_output=True, text=True, timeout=180,
-                          env={**os.environ, "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"})
+    return subprocess.run(
+        [sys.executable, "-m", *args],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        env={**os.environ, "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"},
+    )
 
 
 def one_line_error(r, *expected):

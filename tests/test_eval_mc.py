@@ -14,7 +14,7 @@ from mta_repro.eval.lm_eval_model import MTAReproLM  # noqa: E402
 
 
 def ref_ll(model, ctx, cont, max_length):
-    whole = (ctx + cont)[-(max_length + 1):]
+    whole = (ctx + cont)[-(max_length + 1) :]
     with torch.no_grad():
         logp = torch.log_softmax(model(torch.tensor([whole[:-1]]))[0].double(), -1)
     n = len(cont)

@@ -12,7 +12,14 @@ sys.path.insert(0, str(Path(__file__).parent / "fixtures" / "eval"))
 from eval_helpers import make_tokenizer, tiny_model  # noqa: E402
 
 from mta_repro.eval.needle import (  # noqa: E402
-    NEEDLE, PREAMBLE, QUESTION_ONE, Haystack, NeedleGenerator, run_needle, score_answer, sentence_splitter,
+    NEEDLE,
+    PREAMBLE,
+    QUESTION_ONE,
+    Haystack,
+    NeedleGenerator,
+    run_needle,
+    score_answer,
+    sentence_splitter,
 )
 
 BACKGROUND = [
@@ -86,8 +93,12 @@ def test_budget_too_small_is_a_clear_error():
     with pytest.raises(ValueError, match="cannot hold 10 needles"):
         gen.check_budget(256, 10)
     with pytest.raises(ValueError, match="cannot hold 10 needles"):
-        run_needle(tiny_model("baseline", vocab_size=tok.n_words), tok,
-                   NeedleArgs(context_lens=[256], needle_counts=[10]), BACKGROUND)
+        run_needle(
+            tiny_model("baseline", vocab_size=tok.n_words),
+            tok,
+            NeedleArgs(context_lens=[256], needle_counts=[10]),
+            BACKGROUND,
+        )
 
 
 def test_scoring_on_hand_made_answers():
@@ -101,8 +112,14 @@ def test_scoring_on_hand_made_answers():
 def test_run_needle_end_to_end_on_tiny_model():
     tok = make_tokenizer()
     model = tiny_model("mta", vocab_size=tok.n_words)
-    out = run_needle(model, tok, NeedleArgs(context_lens=[640], needle_counts=[2, 3], depths=[0, 100],
-                                            samples=2, max_new_tokens=4, batch_size=2), BACKGROUND)
+    out = run_needle(
+        model,
+        tok,
+        NeedleArgs(
+            context_lens=[640], needle_counts=[2, 3], depths=[0, 100], samples=2, max_new_tokens=4, batch_size=2
+        ),
+        BACKGROUND,
+    )
     acc = out["accuracy"]["640"]
     assert set(acc) == {"2", "3"}
     for row in acc.values():
@@ -113,8 +130,10 @@ def test_run_needle_end_to_end_on_tiny_model():
 
 def test_needles_never_split_abbreviations_or_decimals():
     tok = make_tokenizer()
-    doc = ("Dr. Smith paid 3.50 dollars for e.g. bread at St. Mary's market. Then he left! "
-           "Mr. Brown stayed until 4.15 p.m. and sang? ") * 60
+    doc = (
+        "Dr. Smith paid 3.50 dollars for e.g. bread at St. Mary's market. Then he left! "
+        "Mr. Brown stayed until 4.15 p.m. and sang? "
+    ) * 60
     hay = Haystack(tok, [doc])
     text = tok.decode(hay.ids)
     # the only sentence ends are after "market.", "left!" and "sang?"
@@ -128,7 +147,9 @@ def test_needles_never_split_abbreviations_or_decimals():
             assert not before.endswith(("Dr.", "St.", "Mr.", "3.", "4.", "e.g.")), before[-20:]
     assert text.count("Dr. Smith paid 3.50") == 60
     assert sentence_splitter().tokenize("Dr. Smith paid 3.50 dollars. Then he left.") == [
-        "Dr. Smith paid 3.50 dollars.", "Then he left."]
+        "Dr. Smith paid 3.50 dollars.",
+        "Then he left.",
+    ]
 
 
 def test_answer_fits_inside_the_context():

@@ -4,11 +4,24 @@ import dataclasses
 
 import pytest
 
-from mta_repro.model import MTAArgs, ModelArgs
-from mta_repro.model.flops import forward_flops_per_token, hardware_flops_per_token, model_flops_per_token, score_elements
+from mta_repro.model import ModelArgs, MTAArgs
+from mta_repro.model.flops import (
+    forward_flops_per_token,
+    hardware_flops_per_token,
+    model_flops_per_token,
+    score_elements,
+)
 
-MTA = MTAArgs(use_mta=True, query_kernel_size=6, key_kernel_size=11, after_sm_query_kernel_size=6,
-              after_sm_key_kernel_size=11, pre_sm_linear_head=True, head_kernel_size=16, mta_layers="1")
+MTA = MTAArgs(
+    use_mta=True,
+    query_kernel_size=6,
+    key_kernel_size=11,
+    after_sm_query_kernel_size=6,
+    after_sm_key_kernel_size=11,
+    pre_sm_linear_head=True,
+    head_kernel_size=16,
+    mta_layers="1",
+)
 ARGS = ModelArgs(dim=1536, n_layers=2, n_heads=16, vocab_size=8192, mta=MTA)
 
 

@@ -1,18 +1,18 @@
 """``python -m mta_repro.eval.generate``: text from a run through the KV-cache generator."""
 
-import pytest
 import os
 import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent / "fixtures" / "eval"))
 from eval_helpers import make_run, make_tokenizer  # noqa: E402
 
-from mta_repro.eval.load import load_model  # noqa: E402
 from mta_repro.eval.generate import generate_from  # noqa: E402
+from mta_repro.eval.load import load_model  # noqa: E402
 
 
 def greedy_without_cache(model, ids, n):
@@ -36,9 +36,25 @@ def test_generate_command(tmp_path):
         ids = ids[: ids.index(tok.eos_id)]
     want = tok.decode(ids)
     assert generate_from(run_dir, [prompt], max_new_tokens=12, device="cpu") == [want]
-    r = subprocess.run([sys.executable, "-m", "mta_repro.eval.generate", str(run_dir / "export" / "consolidated.pt"),
-                        "--prompt", prompt, "--prompt", "x", "--max-new-tokens", "12", "--device", "cpu"],
-                       capture_output=True, timeout=120, env=os.environ)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "mta_repro.eval.generate",
+            str(run_dir / "export" / "consolidated.pt"),
+            "--prompt",
+            prompt,
+            "--prompt",
+            "x",
+            "--max-new-tokens",
+            "12",
+            "--device",
+            "cpu",
+        ],
+        capture_output=True,
+        timeout=120,
+        env=os.environ,
+    )
     assert r.returncode == 0, r.stderr.decode()[-2000:]
     # bytes, not text=True: universal newlines would turn a generated '\r' into '\n'
     assert r.stdout.decode("utf-8").startswith("=== prompt 0\n" + prompt + want + "\n=== prompt 1\nx")
@@ -49,12 +65,17 @@ def test_generate_command(tmp_path):
 
 @pytest.mark.slow
 def test_generate_errors_and_help(tmp_path):
-    r = subprocess.run([sys.executable, "-m", "mta_repro.eval.generate", str(tmp_path / "nope"), "--prompt", "a"],
-                       capture_output=True, text=True, timeout=120)
+    r = subprocess.run(
+        [sys.executable, "-m", "mta_repro.eval.generate", str(tmp_path / "nope"), "--prompt", "a"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode == 2 and r.stderr.strip().startswith("generate: error: checkpoint:")
     assert len(r.stderr.strip().splitlines()) == 1
-    r = subprocess.run([sys.executable, "-m", "mta_repro.eval.generate", "--help"], capture_output=True, text=True,
-                       timeout=120)
+    r = subprocess.run(
+        [sys.executable, "-m", "mta_repro.eval.generate", "--help"], capture_output=True, text=True, timeout=120
+    )
     assert r.returncode == 0 and "--max-new-tokens" in r.stdout and "KV-cache" in r.stdout
 
 
@@ -79,8 +100,22 @@ def test_whitespace_continuations_are_summarised_and_the_weights_named(tmp_path)
     torch.save(ck, pt)
 
     def cli(*extra):
-        return subprocess.run([sys.executable, "-m", "mta_repro.eval.generate", str(run_dir), "--prompt", "The cat",
-                               "--device", "cpu", *extra], capture_output=True, text=True, timeout=120)
+        return subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "mta_repro.eval.generate",
+                str(run_dir),
+                "--prompt",
+                "The cat",
+                "--device",
+                "cpu",
+                *extra,
+            ],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
 
     r = cli()
     assert r.returncode == 0, r.stderr[-2000:]

@@ -3,12 +3,13 @@ shapes, so it cannot rot before a GPU runs it (about a minute on 2 busy cores, m
 it the four trainer processes of the memory/preempt and resume sections, mostly their
 start-up: imports, config, model; --quick trains 2-layer tiny models there)."""
 
-import pytest
 import json
 import os
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -17,8 +18,14 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_quick_cpu_run_writes_every_section(tmp_path):
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
     env.pop("TRITON_INTERPRET", None)  # the fused kernels are too slow in the interpreter: recorded as unsupported
-    p = subprocess.run([sys.executable, "scripts/gpu_acceptance.py", "--quick", "--device", "cpu", "--out", str(tmp_path)],
-                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    p = subprocess.run(
+        [sys.executable, "scripts/gpu_acceptance.py", "--quick", "--device", "cpu", "--out", str(tmp_path)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     (js,) = tmp_path.glob("cpu_*.json")
     (md,) = tmp_path.glob("cpu_*.md")
@@ -61,14 +68,27 @@ def test_the_pick_reports_the_fastest_triton_knob_as_a_config_override():
     ga = _acceptance_module()
     frame, slab = "model.kernels.triton_frame=128x128", "model.kernels.triton_slab_rows=2"
     assert {frame, slab} < set(ga.TRITON_KNOBS)
-    parity = [{"layer": layer, "impl": impl, "dtype": "bfloat16", "status": "ok"}
-              for layer in ("kq_conv", "mixing") for impl in ("triton", "blocked")]
-    t = {("kq_conv", ""): 10.0, ("mixing", ""): 2.0, ("kq_conv", frame): 8.0,
-         ("mixing", frame): 2.5, ("kq_conv", slab): 9.0, ("mixing", slab): 1.9}
-    rows = [{"layer": layer, "impl": "triton", "B": 1, "T": 64, "block_size": None, "knob": knob, "status": "ok", "s": s}
-            for (layer, knob), s in t.items()]
-    rows += [{"layer": layer, "impl": "blocked", "B": 1, "T": 64, "block_size": 128, "knob": "", "status": "ok", "s": 99.0}
-             for layer in ("kq_conv", "mixing")]
+    parity = [
+        {"layer": layer, "impl": impl, "dtype": "bfloat16", "status": "ok"}
+        for layer in ("kq_conv", "mixing")
+        for impl in ("triton", "blocked")
+    ]
+    t = {
+        ("kq_conv", ""): 10.0,
+        ("mixing", ""): 2.0,
+        ("kq_conv", frame): 8.0,
+        ("mixing", frame): 2.5,
+        ("kq_conv", slab): 9.0,
+        ("mixing", slab): 1.9,
+    }
+    rows = [
+        {"layer": layer, "impl": "triton", "B": 1, "T": 64, "block_size": None, "knob": knob, "status": "ok", "s": s}
+        for (layer, knob), s in t.items()
+    ]
+    rows += [
+        {"layer": layer, "impl": "blocked", "B": 1, "T": 64, "block_size": 128, "knob": "", "status": "ok", "s": 99.0}
+        for layer in ("kq_conv", "mixing")
+    ]
     pick = ga.pick(parity, rows, "bfloat16")
     cost = {knob: 6 * t[("kq_conv", knob)] + 18 * t[("mixing", knob)] for knob in {k for _, k in t}}
     best = min(cost, key=cost.get)  # an independent argmin of the weighted sums
@@ -109,9 +129,24 @@ def test_a_run_killed_mid_way_leaves_the_sections_it_finished(tmp_path):
 
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
     env.pop("TRITON_INTERPRET", None)
-    p = subprocess.Popen([sys.executable, "scripts/gpu_acceptance.py", "--quick", "--device", "cpu", "--out",
-                          str(tmp_path), "--compile", "off"], cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                         stderr=subprocess.STDOUT, text=True)
+    p = subprocess.Popen(
+        [
+            sys.executable,
+            "scripts/gpu_acceptance.py",
+            "--quick",
+            "--device",
+            "cpu",
+            "--out",
+            str(tmp_path),
+            "--compile",
+            "off",
+        ],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     deadline = time.time() + 300
     res = None
     while time.time() < deadline and p.poll() is None:
@@ -134,10 +169,17 @@ def test_a_parity_fail_names_the_fallback_the_trainer_takes():
     ok = lambda impl, layer="kq_conv": {"layer": layer, "impl": impl, "dtype": "bfloat16", "status": "ok"}  # noqa: E731
     fail = lambda impl: {"layer": "kq_conv", "impl": impl, "dtype": "bfloat16", "status": "FAIL"}  # noqa: E731
     impls = ["blocked", "triton", "blocked+conv2d"]
-    assert ga.fallbacks([fail("triton"), ok("blocked"), ok("blocked+conv2d")], impls, "bfloat16") == {"triton": "blocked"}
+    assert ga.fallbacks([fail("triton"), ok("blocked"), ok("blocked+conv2d")], impls, "bfloat16") == {
+        "triton": "blocked"
+    }
     # blocked fails too: the chain goes on to blocked+conv2d, and past it to torch
-    assert ga.fallbacks([fail("triton"), fail("blocked"), ok("blocked+conv2d")], impls, "bfloat16") == \
-        {"triton": "blocked+conv2d", "blocked": "blocked+conv2d"}
-    assert ga.fallbacks([fail("triton"), fail("blocked"), fail("blocked+conv2d")], impls, "bfloat16") == \
-        {"triton": "torch", "blocked": "torch", "blocked+conv2d": "torch"}
+    assert ga.fallbacks([fail("triton"), fail("blocked"), ok("blocked+conv2d")], impls, "bfloat16") == {
+        "triton": "blocked+conv2d",
+        "blocked": "blocked+conv2d",
+    }
+    assert ga.fallbacks([fail("triton"), fail("blocked"), fail("blocked+conv2d")], impls, "bfloat16") == {
+        "triton": "torch",
+        "blocked": "torch",
+        "blocked+conv2d": "torch",
+    }
     assert ga.fallbacks([ok("triton"), ok("blocked")], impls, "bfloat16") == {}

@@ -11,23 +11,32 @@ import dataclasses
 import pytest
 import torch
 
-from mta_repro.model.generation import generate
-from mta_repro.model import KVCache, MTAArgs, ModelArgs, build_model
+from mta_repro.model import KVCache, ModelArgs, MTAArgs, build_model
 from mta_repro.model.flops import forward_flops_per_token
+from mta_repro.model.generation import generate
 
 V = 89
 H, H_KV, D = 8, 2, 8
 BASE = ModelArgs(dim=H * D, n_layers=2, n_heads=H, n_kv_heads=H_KV, vocab_size=V, attn_block_size=8)
 MTA = MTAArgs(
-    use_mta=True, query_kernel_size=2, key_kernel_size=3, after_sm_query_kernel_size=2,
-    after_sm_key_kernel_size=3, pre_sm_linear_head=True, head_kernel_size=2, mta_layers="1",
-    group_norm=True, add_gating=True,
+    use_mta=True,
+    query_kernel_size=2,
+    key_kernel_size=3,
+    after_sm_query_kernel_size=2,
+    after_sm_key_kernel_size=3,
+    pre_sm_linear_head=True,
+    head_kernel_size=2,
+    mta_layers="1",
+    group_norm=True,
+    add_gating=True,
 )
 # (variant, attn_impl): sdpa (baseline), diff, and the explicit path in every built-in
 # implementation (tests/experimental/test_triton_parity.py runs the experimental "triton").
-CASES = [("baseline", "blocked"), ("diff", "blocked")] + [
-    ("mta", impl) for impl in ("torch", "blocked")
-] + [("talking_heads", "blocked")]
+CASES = (
+    [("baseline", "blocked"), ("diff", "blocked")]
+    + [("mta", impl) for impl in ("torch", "blocked")]
+    + [("talking_heads", "blocked")]
+)
 
 
 def args_for(variant: str, impl: str = "blocked", n_kv_heads=H_KV) -> ModelArgs:
@@ -91,7 +100,7 @@ def test_gqa_equals_mha_with_repeated_kv_weights(variant, impl):
     n_rep = H // H_KV
     for lg, lm in zip(gqa.layers, mha.layers):
         g_mha = lm.attention.wk.weight.grad.view(H, D, -1)
-        g_sum = torch.stack([g_mha[k * n_rep:(k + 1) * n_rep].sum(0) for k in range(H_KV)]).reshape(H_KV * D, -1)
+        g_sum = torch.stack([g_mha[k * n_rep : (k + 1) * n_rep].sum(0) for k in range(H_KV)]).reshape(H_KV * D, -1)
         torch.testing.assert_close(lg.attention.wk.weight.grad, g_sum, rtol=1e-9, atol=1e-11)
 
 
@@ -133,11 +142,14 @@ def test_parameter_and_flop_counts():
     assert fm["attention"] == fg["attention"]
 
 
-@pytest.mark.parametrize("kw,field", [
-    (dict(n_kv_heads=3), "model.n_kv_heads=3 must divide"),
-    (dict(n_kv_heads=0), "model.n_kv_heads"),
-    (dict(n_kv_heads=1, diff_transformer=True), "model.n_kv_heads=1: the Differential"),
-])
+@pytest.mark.parametrize(
+    "kw,field",
+    [
+        (dict(n_kv_heads=3), "model.n_kv_heads=3 must divide"),
+        (dict(n_kv_heads=0), "model.n_kv_heads"),
+        (dict(n_kv_heads=1, diff_transformer=True), "model.n_kv_heads=1: the Differential"),
+    ],
+)
 def test_bad_kv_heads_name_the_field(kw, field):
     with pytest.raises(ValueError, match=field):
         dataclasses.replace(BASE, **kw)

@@ -78,8 +78,17 @@ def test_other_variants_export_with_their_own_modeling_file(tmp_path, attention)
 @pytest.mark.parametrize("tied", [True, False])
 def test_import_random_llama_with_gqa(tmp_path, tied):
     torch.manual_seed(0)
-    kw = dict(vocab_size=259, hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4,
-              num_key_value_heads=2, max_position_embeddings=128, rms_norm_eps=1e-5, tie_word_embeddings=tied)
+    kw = dict(
+        vocab_size=259,
+        hidden_size=64,
+        intermediate_size=160,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=tied,
+    )
     if "rope_parameters" in LlamaConfig().to_dict():
         kw["rope_parameters"] = {"rope_type": "default", "rope_theta": 500000.0}
     else:
@@ -97,9 +106,20 @@ def test_import_random_llama_with_gqa(tmp_path, tied):
     assert model.args.ffn_hidden_dim == 160
     torch.testing.assert_close(ours(model), want, rtol=1e-5, atol=1e-5)
     # Appendix I on imported weights: the identity-initialised MTA model computes the same
-    mta = baseline_to_mta(model.state_dict(), model.args, MTAArgs(
-        use_mta=True, query_kernel_size=2, key_kernel_size=3, after_sm_query_kernel_size=2,
-        after_sm_key_kernel_size=3, pre_sm_linear_head=True, head_kernel_size=2, mta_layers="0"))
+    mta = baseline_to_mta(
+        model.state_dict(),
+        model.args,
+        MTAArgs(
+            use_mta=True,
+            query_kernel_size=2,
+            key_kernel_size=3,
+            after_sm_query_kernel_size=2,
+            after_sm_key_kernel_size=3,
+            pre_sm_linear_head=True,
+            head_kernel_size=2,
+            mta_layers="0",
+        ),
+    )
     torch.testing.assert_close(ours(mta.eval()), want, rtol=1e-5, atol=1e-5)
 
 
@@ -117,8 +137,12 @@ def test_unsupported_rope_scaling_is_refused(tmp_path):
 
 @pytest.mark.slow
 def test_cli(tmp_path):
-    r = subprocess.run([sys.executable, "-m", "mta_repro.hf", "import", str(tmp_path / "none"), str(tmp_path / "x.pt")],
-                       capture_output=True, text=True, timeout=120)
+    r = subprocess.run(
+        [sys.executable, "-m", "mta_repro.hf", "import", str(tmp_path / "none"), str(tmp_path / "x.pt")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode == 2 and r.stderr.strip().startswith("hf: error: hf import:") and "config.json" in r.stderr
     r = subprocess.run([sys.executable, "-m", "mta_repro.hf", "--help"], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0 and "export" in r.stdout and "import" in r.stdout
@@ -127,8 +151,13 @@ def test_cli(tmp_path):
     assert "exporting MTA" not in r.stdout and "Not supported (clear errors): exporting" not in r.stdout
 
 
-TEXTS = ["Hello world,  this is  a test.\nNew line 123 éà 日本語 🙂", " leading space", "x", "  two\n\n lines\t tab",
-         "the thing in the 1234 theater"]
+TEXTS = [
+    "Hello world,  this is  a test.\nNew line 123 éà 日本語 🙂",
+    " leading space",
+    "x",
+    "  two\n\n lines\t tab",
+    "the thing in the 1234 theater",
+]
 
 
 @pytest.mark.parametrize("attention", ["baseline", "mta"])
@@ -163,8 +192,19 @@ def test_hf_tokenizer_of_sentencepiece_and_tiktoken_files(tmp_path, name):
     from mta_repro.hf.tokenizer import write_hf_tokenizer
 
     if name == "tiktoken":
-        pieces = [bytes([b]) for b in range(256)] + [b"th", b"he", b"the", b" t", b" the", b"in", b"ing", b"  ",
-                                                     b"\n\n", b"12", b"123"]
+        pieces = [bytes([b]) for b in range(256)] + [
+            b"th",
+            b"he",
+            b"the",
+            b" t",
+            b" the",
+            b"in",
+            b"ing",
+            b"  ",
+            b"\n\n",
+            b"12",
+            b"123",
+        ]
         path = tmp_path / "ranks.model"
         path.write_text("".join(f"{base64.b64encode(p).decode()} {i}\n" for i, p in enumerate(pieces)))
     else:
@@ -220,7 +260,9 @@ def test_export_says_and_records_its_step_and_the_head_is_the_output_embedding(t
     rec = json.loads((out / "provenance.json").read_text())
     assert rec["export"]["run"] == str(run_dir.resolve()) and rec["weights"]["step"] == 7
     assert rec["weights"]["path"] == str(run_dir / "checkpoints" / f"{7:010d}")
-    assert f"[mta_repro.hf] exported step 7 of trainer.steps={rec['export']['trainer_steps']}" in capsys.readouterr().err
+    assert (
+        f"[mta_repro.hf] exported step 7 of trainer.steps={rec['export']['trainer_steps']}" in capsys.readouterr().err
+    )
     hf = AutoModelForCausalLM.from_pretrained(str(out), trust_remote_code=True, torch_dtype=torch.float32).eval()
     head = hf.get_output_embeddings()
     assert head is not None and head.weight is hf.get_input_embeddings().weight

@@ -17,9 +17,9 @@ FIX = Path(__file__).parent / "fixtures" / "eval"
 sys.path.insert(0, str(FIX))
 from eval_helpers import make_run  # noqa: E402
 
-from mta_repro.model.generation import generate as our_generate  # noqa: E402
 from mta_repro.eval.load import load_model  # noqa: E402
 from mta_repro.hf import export_hf  # noqa: E402
+from mta_repro.model.generation import generate as our_generate  # noqa: E402
 
 PROMPT = torch.tensor([[1, 72, 101, 108, 108, 111, 44, 32, 119, 111]])
 
@@ -46,7 +46,7 @@ def test_generate_with_cache_equals_full_recompute_and_ours(tmp_path, attention)
             want = torch.cat([want, model(want)[:, -1:].argmax(-1)], dim=1)
     assert torch.equal(cached, full) and torch.equal(cached, want)
     ours = our_generate(model, [PROMPT[0].tolist()], max_new_tokens=24, eos_id=None)
-    assert ours.tokens[0] == cached[0, PROMPT.shape[1]:].tolist()
+    assert ours.tokens[0] == cached[0, PROMPT.shape[1] :].tolist()
     # left-padded batch and beam search reorder the cache's rows
     batch = torch.tensor([[0, 0, 0, 1, 72, 101, 108, 108, 111, 44], PROMPT[0].tolist()])
     mask = (batch != 0).long()
@@ -68,10 +68,12 @@ def test_cache_feeds_one_token_a_step_where_a_recompute_feeds_the_whole_prefix(t
     with torch.no_grad():
         for use_cache in (True, False):
             hook = hf.register_forward_pre_hook(
-                lambda mod, args, kwargs, uc=use_cache: fed[uc].append(kwargs["input_ids"].shape[1]), with_kwargs=True)
+                lambda mod, args, kwargs, uc=use_cache: fed[uc].append(kwargs["input_ids"].shape[1]), with_kwargs=True
+            )
             try:
-                out = hf.generate(PROMPT, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0,
-                                  use_cache=use_cache)
+                out = hf.generate(
+                    PROMPT, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0, use_cache=use_cache
+                )
             finally:
                 hook.remove()
             assert out.shape[1] == PROMPT.shape[1] + n
@@ -106,18 +108,44 @@ def test_lm_eval_hf_model_on_export_matches_ours(tmp_path):
     tasks = tmp_path / "tasks"
     write_local_task("arc_easy", {"test": FIX / "lm_eval" / "arc_easy_test.jsonl"}, tasks)
     env = {**os.environ, "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
-    r = subprocess.run([sys.executable, "-m", "lm_eval", "run", "--model", "hf", "--model_args",
-                        f"pretrained={out},trust_remote_code=True,dtype=float32,add_bos_token=True",
-                        "--tasks", "arc_easy_local", "--include_path", str(tasks), "--limit", "3",
-                        "--batch_size", "3", "--device", "cpu", "--output_path", str(tmp_path / "out"),
-                        "--log_samples"], capture_output=True, text=True, env=env, timeout=300)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "lm_eval",
+            "run",
+            "--model",
+            "hf",
+            "--model_args",
+            f"pretrained={out},trust_remote_code=True,dtype=float32,add_bos_token=True",
+            "--tasks",
+            "arc_easy_local",
+            "--include_path",
+            str(tasks),
+            "--limit",
+            "3",
+            "--batch_size",
+            "3",
+            "--device",
+            "cpu",
+            "--output_path",
+            str(tmp_path / "out"),
+            "--log_samples",
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     [samples_file] = list((tmp_path / "out").rglob("samples_arc_easy_local_*.jsonl"))
     samples = [json.loads(line) for line in samples_file.read_text().splitlines()]
     lm = MTAReproLM(pretrained=str(run_dir), dtype="float32", device="cpu")
     n = 0
     for s in samples:
-        reqs = [Instance("loglikelihood", {}, (a["arg_0"], a["arg_1"]), i) for i, a in enumerate(s["arguments"].values())]
+        reqs = [
+            Instance("loglikelihood", {}, (a["arg_0"], a["arg_1"]), i) for i, a in enumerate(s["arguments"].values())
+        ]
         ours = [ll for ll, _ in lm.loglikelihood(reqs)]
         got = [float(x[0][0]) for x in s["resps"]]
         assert got == pytest.approx(ours, rel=1e-5, abs=1e-5)

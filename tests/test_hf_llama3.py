@@ -22,8 +22,13 @@ from mta_repro.model.transformer import rope_inv_freq  # noqa: E402
 
 # original_max_position_embeddings 64 with head_dim 16 and theta 5e5 puts the frequencies
 # in all three bands of the llama3 rule (wavelengths 6.3 < 16, 32 in [16, 64], >= 166 > 64).
-SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-           "original_max_position_embeddings": 64}
+SCALING = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 64,
+}
 THETA = 500000.0
 T = 100  # > original_max_position_embeddings
 
@@ -44,11 +49,18 @@ def reference_llama3_freqs(head_dim, theta, factor, low, high, old_len):
     return out
 
 
-@pytest.mark.parametrize("head_dim,factor,old_len", [(128, 8.0, 8192), (64, 32.0, 8192), (128, 32.0, 8192),
-                                                     (16, 8.0, 64)])
+@pytest.mark.parametrize(
+    "head_dim,factor,old_len", [(128, 8.0, 8192), (64, 32.0, 8192), (128, 32.0, 8192), (16, 8.0, 64)]
+)
 def test_llama3_frequencies_equal_the_published_rule_in_float64(head_dim, factor, old_len):
     """Llama 3.1 8B (d 128, factor 8), 3.2 1B (d 64) and 3B (d 128, factor 32), the tiny test model."""
-    s = RopeScalingArgs(rope_type="llama3", factor=factor, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=old_len)
+    s = RopeScalingArgs(
+        rope_type="llama3",
+        factor=factor,
+        low_freq_factor=1.0,
+        high_freq_factor=4.0,
+        original_max_position_embeddings=old_len,
+    )
     got = rope_inv_freq(head_dim, THETA, s, dtype=torch.float64)
     want = torch.tensor(reference_llama3_freqs(head_dim, THETA, factor, 1.0, 4.0, old_len), dtype=torch.float64)
     torch.testing.assert_close(got, want, rtol=1e-14, atol=0)
@@ -66,9 +78,20 @@ def test_rope_scaling_config_errors_name_the_field():
 
 def tiny_llama(tmp_path, tied: bool, shard: bool = True):
     torch.manual_seed(0)
-    kw = dict(vocab_size=258, hidden_size=64, intermediate_size=176, num_hidden_layers=2, num_attention_heads=4,
-              num_key_value_heads=2, head_dim=16, max_position_embeddings=256, rms_norm_eps=1e-5,
-              tie_word_embeddings=tied, bos_token_id=256, eos_token_id=257)
+    kw = dict(
+        vocab_size=258,
+        hidden_size=64,
+        intermediate_size=176,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=256,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=tied,
+        bos_token_id=256,
+        eos_token_id=257,
+    )
     if "rope_parameters" in LlamaConfig().to_dict():
         kw["rope_parameters"] = {**SCALING, "rope_theta": THETA}
     else:
@@ -134,19 +157,47 @@ def test_insertion_into_imported_llama_keeps_logits_and_passes_the_first_batch_c
     with torch.no_grad():
         want = model(TOKENS)
     # the release's MTA options on query heads: kq conv, pre-softmax head mixing, head conv
-    mta = baseline_to_mta(model.state_dict(), model.args, MTAArgs(
-        use_mta=True, query_kernel_size=6, key_kernel_size=11, after_sm_query_kernel_size=6,
-        after_sm_key_kernel_size=11, pre_sm_linear_head=True, head_kernel_size=2, mta_layers="1"))
+    mta = baseline_to_mta(
+        model.state_dict(),
+        model.args,
+        MTAArgs(
+            use_mta=True,
+            query_kernel_size=6,
+            key_kernel_size=11,
+            after_sm_query_kernel_size=6,
+            after_sm_key_kernel_size=11,
+            pre_sm_linear_head=True,
+            head_kernel_size=2,
+            mta_layers="1",
+        ),
+    )
     with torch.no_grad():
         torch.testing.assert_close(mta.eval()(TOKENS), want, rtol=1e-5, atol=1e-5)
     # the pipeline's Appendix I check on the imported model (first batch of the training loader)
-    ov = ["attention=mta", "model.mta.group_norm=false", "model.mta.add_gating=false", "model.kq_conv_layers=1",
-          "model.dim=64", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2", "model.head_dim=16",
-          "model.vocab_size=258", "model.multiple_of=16", "model.ffn_dim_multiplier=1.0", "model.rope_theta=500000",
-          "model.rope_scaling={rope_type: llama3, factor: 8.0, low_freq_factor: 1.0, high_freq_factor: 4.0, "
-          "original_max_position_embeddings: 64}",
-          "model.weight_tying=true", "data.tokenizer.name=bytes", "data.seq_len=100", "data.batch_size=2",
-          f"checkpoint.init_from={pt}", "checkpoint.init_mode=baseline_to_mta", f"run_dir={tmp_path / 'ins'}"]
+    ov = [
+        "attention=mta",
+        "model.mta.group_norm=false",
+        "model.mta.add_gating=false",
+        "model.kq_conv_layers=1",
+        "model.dim=64",
+        "model.n_layers=2",
+        "model.n_heads=4",
+        "model.n_kv_heads=2",
+        "model.head_dim=16",
+        "model.vocab_size=258",
+        "model.multiple_of=16",
+        "model.ffn_dim_multiplier=1.0",
+        "model.rope_theta=500000",
+        "model.rope_scaling={rope_type: llama3, factor: 8.0, low_freq_factor: 1.0, high_freq_factor: 4.0, "
+        "original_max_position_embeddings: 64}",
+        "model.weight_tying=true",
+        "data.tokenizer.name=bytes",
+        "data.seq_len=100",
+        "data.batch_size=2",
+        f"checkpoint.init_from={pt}",
+        "checkpoint.init_mode=baseline_to_mta",
+        f"run_dir={tmp_path / 'ins'}",
+    ]
     res = check(ov, tol=1e-4, device="cpu")
     assert res["ok"] and res["abs_diff"] <= 1e-4 and res["batch_shape"] == [2, 100], res
 
@@ -157,8 +208,15 @@ def test_import_holds_one_copy_of_the_weights(tmp_path):
     less than 1.5x the checkpoint (a full read followed by a converted copy would be 2x)."""
     sizes = {}
     for name, hidden, layers in (("warm", 64, 1), ("big", 1024, 8)):
-        cfg = LlamaConfig(vocab_size=258, hidden_size=hidden, intermediate_size=hidden * 2, num_hidden_layers=layers,
-                          num_attention_heads=8, num_key_value_heads=2, tie_word_embeddings=False)
+        cfg = LlamaConfig(
+            vocab_size=258,
+            hidden_size=hidden,
+            intermediate_size=hidden * 2,
+            num_hidden_layers=layers,
+            num_attention_heads=8,
+            num_key_value_heads=2,
+            tie_word_embeddings=False,
+        )
         m = LlamaForCausalLM(cfg).to(torch.bfloat16)
         m.save_pretrained(tmp_path / name, max_shard_size="30MB")
         sizes[name] = sum(p.numel() * 2 for p in m.parameters())
@@ -195,8 +253,14 @@ def test_finetuned_llama_with_mta_exports_with_its_modeling_file(tmp_path):
     _, folder = tiny_llama(tmp_path, tied=False, shard=False)
     pt = import_hf(folder, tmp_path / "ours.pt")
     model, _ = load_model(pt, device="cpu")
-    mta_args = MTAArgs(use_mta=True, query_kernel_size=2, key_kernel_size=3, pre_sm_linear_head=True,
-                       head_kernel_size=2, mta_layers="0")
+    mta_args = MTAArgs(
+        use_mta=True,
+        query_kernel_size=2,
+        key_kernel_size=3,
+        pre_sm_linear_head=True,
+        head_kernel_size=2,
+        mta_layers="0",
+    )
     mta = baseline_to_mta(model.state_dict(), model.args, mta_args).eval()
     with torch.no_grad():  # move the new parts off identity, as finetuning would
         mta.layers[0].attention.mta_kernel.add_(0.05 * torch.randn_like(mta.layers[0].attention.mta_kernel))
@@ -218,6 +282,10 @@ def test_import_names_a_missing_shard(tmp_path):
     _, folder = tiny_llama(tmp_path, tied=True)
     victim = sorted(folder.glob("model-*.safetensors"))[1]
     victim.unlink()
-    r = subprocess.run([sys.executable, "-m", "mta_repro.hf", "import", str(folder), str(tmp_path / "x.pt")],
-                       capture_output=True, text=True, timeout=300)
+    r = subprocess.run(
+        [sys.executable, "-m", "mta_repro.hf", "import", str(folder), str(tmp_path / "x.pt")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert r.returncode == 2 and victim.name in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr

@@ -87,7 +87,8 @@ def test_the_model_and_the_kernels_import_without_a_cycle():
                 continue
             for n in ast.walk(node) if not isinstance(node, (ast.FunctionDef, ast.ClassDef)) else ():
                 if isinstance(n, ast.ImportFrom) and (n.module or "").startswith(
-                        ("mta_repro.model", "mta_repro.kernels")):
+                    ("mta_repro.model", "mta_repro.kernels")
+                ):
                     sub = n.module.split(".")[1]
                     mod = n.module.split(".")[2] if n.module.count(".") >= 2 else None
                     deps |= {mod} if mod else {a.name for a in n.names if (pkg / sub / f"{a.name}.py").exists()}
@@ -137,8 +138,12 @@ def test_nothing_outside_the_experiments_imports_one():
     files += sorted((ROOT / "scripts").glob("*.py"))
     files += [p for p in sorted((ROOT / "tests").rglob("*.py")) if "experimental" not in p.relative_to(ROOT).parts]
     assert len(files) > 150
-    bad = {f"{p.relative_to(ROOT)} -> {m}" for p in files for m in _every_import(p)
-           if m == EXPERIMENTAL or m.startswith(EXPERIMENTAL + ".")}
+    bad = {
+        f"{p.relative_to(ROOT)} -> {m}"
+        for p in files
+        for m in _every_import(p)
+        if m == EXPERIMENTAL or m.startswith(EXPERIMENTAL + ".")
+    }
     assert not bad, sorted(bad)
     # the walk sees what it looks for: an experiment's own modules import one another
     seen = _every_import(ROOT / "mta_repro" / "experimental" / "fused_triton" / "impl.py")
@@ -150,8 +155,14 @@ def test_nothing_outside_the_experiments_imports_one():
 # module; each imports the core freely, and another leaf only as LEAF_DEPS says.
 LAYERS = [
     ("foundation", {"mta_repro", "errors", "device", "files", "dataclass_config", "cli", "resolvers", "slurm"}),
-    ("kernels", {"kernels"}), ("model", {"model"}), ("weights", {"weights"}), ("data", {"data"}),
-    ("train", {"train"}), ("eval", {"eval"}), ("report", {"report"}), ("pipeline", {"pipeline"}),
+    ("kernels", {"kernels"}),
+    ("model", {"model"}),
+    ("weights", {"weights"}),
+    ("data", {"data"}),
+    ("train", {"train"}),
+    ("eval", {"eval"}),
+    ("report", {"report"}),
+    ("pipeline", {"pipeline"}),
 ]
 LEAVES = {"hf", "release", "toy", "mta", "estimate", "experimental"}
 LEAF_DEPS = {"estimate": {"release"}}  # python -m mta_repro.estimate --release-config reads a release YAML

@@ -13,9 +13,9 @@ import pytest
 import torch
 from torch._dynamo.utils import counters
 
-from mta_repro.train.config import compose
 from mta_repro.kernels.tuning import KernelTuning
 from mta_repro.model import attention_ops
+from mta_repro.train.config import compose
 
 
 def _block_run(backend: str, compiled: bool = True):
@@ -38,7 +38,7 @@ def _block_run(backend: str, compiled: bool = True):
 
 
 @pytest.mark.slow
-@pytest.mark.filterwarnings('ignore:`torch.jit.script_method` is deprecated')
+@pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated")
 def test_the_compiled_block_under_inductor_matches_eager_without_breaks():
     eager, _, _ = _block_run("inductor", compiled=False)
     got, graphs, breaks = _block_run("inductor")
@@ -53,11 +53,26 @@ def test_the_compiled_block_under_inductor_matches_eager_without_breaks():
     attention_ops._compiled_blocks.clear()
 
 
-COMMON = ["data.seq_len=16", "data.batch_size=2", "data.shuffle_buffer=4", "trainer.steps=2", "trainer.device=cpu",
-          "trainer.eval_every=0", "checkpoint.every=2", "checkpoint.export=false", "logging.every=1",
-          "logging.wandb_mode=disabled", "logging.progress_bar=false", "attention=mta", "model=tiny",
-          "model.n_layers=2", "model.dim=32", "model.n_heads=4", "model.mta.mta_layers='1'",
-          "distributed.param_dtype=float32"]
+COMMON = [
+    "data.seq_len=16",
+    "data.batch_size=2",
+    "data.shuffle_buffer=4",
+    "trainer.steps=2",
+    "trainer.device=cpu",
+    "trainer.eval_every=0",
+    "checkpoint.every=2",
+    "checkpoint.export=false",
+    "logging.every=1",
+    "logging.wandb_mode=disabled",
+    "logging.progress_bar=false",
+    "attention=mta",
+    "model=tiny",
+    "model.n_layers=2",
+    "model.dim=32",
+    "model.n_heads=4",
+    "model.mta.mta_layers='1'",
+    "distributed.param_dtype=float32",
+]
 
 
 def _losses(run):
@@ -65,15 +80,23 @@ def _losses(run):
 
 
 @pytest.mark.slow
-@pytest.mark.filterwarnings('ignore:`torch.jit.script_method` is deprecated')
+@pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated")
 def test_distributed_compile_trains_under_inductor_like_eager(tmp_path):
     from mta_repro.train.loop import train
 
     torch._dynamo.reset()
     counters.clear()
     # the whole block compiled; its attention traced in place
-    train(compose([*COMMON, f"run_dir={tmp_path / 'compiled'}", "distributed.compile=true",
-                   "model.kernels.compile_block=false"]))
+    train(
+        compose(
+            [
+                *COMMON,
+                f"run_dir={tmp_path / 'compiled'}",
+                "distributed.compile=true",
+                "model.kernels.compile_block=false",
+            ]
+        )
+    )
     assert dict(counters["graph_break"]) == {}
     # One graph per block kind (the mixing layer and the kq-conv layer), each compiled once:
     # the second step reuses them.

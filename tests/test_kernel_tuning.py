@@ -12,14 +12,19 @@ import importlib.util
 import pytest
 import torch
 
-from mta_repro.train.config import compose, to_train_config
 from mta_repro.errors import UserError
 from mta_repro.kernels import kq_conv_cpu
 from mta_repro.kernels.tuning import KernelTuning
 from mta_repro.model import ModelArgs, attention_ops, build_model
+from mta_repro.train.config import compose, to_train_config
 
-SMALL = dict(dim=32, n_layers=2, n_heads=2, vocab_size=50, mta=dict(use_mta=True, query_kernel_size=2,
-                                                                     key_kernel_size=3, mta_layers="1"))
+SMALL = dict(
+    dim=32,
+    n_layers=2,
+    n_heads=2,
+    vocab_size=50,
+    mta=dict(use_mta=True, query_kernel_size=2, key_kernel_size=3, mta_layers="1"),
+)
 TOKENS = torch.randint(0, 50, (2, 12), generator=torch.Generator().manual_seed(0))
 
 
@@ -94,15 +99,27 @@ def test_the_tuning_cannot_change_under_a_model():
     t = KernelTuning(kq_conv="conv2d")
     with pytest.raises(dataclasses.FrozenInstanceError):
         t.kq_conv = "c"
-    assert dataclasses.replace(t, kq_tile="32x32").kq_conv == "conv2d" and hash(t) == hash(KernelTuning(kq_conv="conv2d"))
+    assert dataclasses.replace(t, kq_tile="32x32").kq_conv == "conv2d" and hash(t) == hash(
+        KernelTuning(kq_conv="conv2d")
+    )
 
 
 @pytest.mark.parametrize("overrides", [["model.kernels.kq_conv=conv2d"], ["++model.kernels.kq_conv=conv2d"]])
 def test_the_section_composes_from_the_command_line(overrides):
-    cfg = to_train_config(compose(["attention=mta", *overrides, "model.kernels.triton_frame=128x64",
-                                   "model.kernels.compile_block=false", "model.kernels.triton_programs=3"]))
-    assert cfg.model.kernels == KernelTuning(kq_conv="conv2d", triton_frame="128x64", compile_block=False,
-                                             triton_programs=3)
+    cfg = to_train_config(
+        compose(
+            [
+                "attention=mta",
+                *overrides,
+                "model.kernels.triton_frame=128x64",
+                "model.kernels.compile_block=false",
+                "model.kernels.triton_programs=3",
+            ]
+        )
+    )
+    assert cfg.model.kernels == KernelTuning(
+        kq_conv="conv2d", triton_frame="128x64", compile_block=False, triton_programs=3
+    )
     model = build_model(cfg.model, device="meta")
     assert all(layer.attention.kernels.tuning == cfg.model.kernels for layer in model.layers)
 
@@ -110,19 +127,24 @@ def test_the_section_composes_from_the_command_line(overrides):
 def test_plus_on_an_existing_field_is_hydras_own_refusal():
     """``+key=`` adds a key; the schema already has this one, so Hydra says to drop the + (or
     use ++), as for every field."""
-    with pytest.raises(Exception, match=r"Could not append to config\. An item is already at 'model\.kernels\.kq_conv'"):
+    with pytest.raises(
+        Exception, match=r"Could not append to config\. An item is already at 'model\.kernels\.kq_conv'"
+    ):
         compose(["+model.kernels.kq_conv=conv2d"])
 
 
-@pytest.mark.parametrize("override, message", [
-    ("kq_conv=cudnn", "model.kernels.kq_conv: 'cudnn': expected auto, c, triton or conv2d"),
-    ("kq_tile=48x64", "model.kernels.kq_tile: '48x64': both sizes must be powers of two, at least 16 (e.g. 64x64)"),
-    ("kq_tile=wide", "model.kernels.kq_tile: 'wide': expected ROWSxCOLS, e.g. 64x64"),
-    ("triton_frame=24x32", "model.kernels.triton_frame: '24x32': both sizes must be powers of two, at least 16"),
-    ("triton_programs=0", "model.kernels.triton_programs: 0: expected a positive integer or null"),
-    ("triton_slab_rows=3", "model.kernels.triton_slab_rows: 3: expected a power of two or null"),
-    ("compile_block_backend=''", "model.kernels.compile_block_backend: '': expected the name of a torch.compile"),
-])
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("kq_conv=cudnn", "model.kernels.kq_conv: 'cudnn': expected auto, c, triton or conv2d"),
+        ("kq_tile=48x64", "model.kernels.kq_tile: '48x64': both sizes must be powers of two, at least 16 (e.g. 64x64)"),
+        ("kq_tile=wide", "model.kernels.kq_tile: 'wide': expected ROWSxCOLS, e.g. 64x64"),
+        ("triton_frame=24x32", "model.kernels.triton_frame: '24x32': both sizes must be powers of two, at least 16"),
+        ("triton_programs=0", "model.kernels.triton_programs: 0: expected a positive integer or null"),
+        ("triton_slab_rows=3", "model.kernels.triton_slab_rows: 3: expected a power of two or null"),
+        ("compile_block_backend=''", "model.kernels.compile_block_backend: '': expected the name of a torch.compile"),
+    ],
+)
 def test_a_bad_value_is_one_line_naming_the_field(override, message):
     with pytest.raises(UserError) as e:
         to_train_config(compose([f"model.kernels.{override}"]))
@@ -134,8 +156,9 @@ def test_an_unknown_field_names_the_nearest():
 
     with pytest.raises(Exception) as e:
         compose(["model.kernels.kq_cnv=conv2d"])
-    assert describe(e.value).startswith("unknown config key(s) model.kernels.kq_cnv (did you mean "
-                                        "model.kernels.kq_conv?)")
+    assert describe(e.value).startswith(
+        "unknown config key(s) model.kernels.kq_cnv (did you mean model.kernels.kq_conv?)"
+    )
 
 
 def test_a_run_dir_may_continue_under_another_tuning():
@@ -147,8 +170,9 @@ def test_a_run_dir_may_continue_under_another_tuning():
     assert "model.kernels." in FREE
     saved = OmegaConf.to_container(compose(["attention=mta"]), resolve=True)
     del saved["model"]["kernels"]  # a run that started before the section existed
-    new = OmegaConf.to_container(compose(["attention=mta", "model.kernels.kq_conv=conv2d",
-                                          "model.kernels.triton_frame=128x64"]), resolve=True)
+    new = OmegaConf.to_container(
+        compose(["attention=mta", "model.kernels.kq_conv=conv2d", "model.kernels.triton_frame=128x64"]), resolve=True
+    )
     d = diff_configs(saved, new)
     assert d.unsafe == {} and d.safe == {}
     # a model field beside it is still compared (the section did not make model.* free)

@@ -9,7 +9,10 @@ import importlib.util
 import pytest
 import torch
 
-pytestmark = [pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton not installed"), pytest.mark.triton]
+pytestmark = [
+    pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton not installed"),
+    pytest.mark.triton,
+]
 
 from mta_repro.kernels.tuning import KernelTuning  # noqa: E402
 from mta_repro.model import attention_ops  # noqa: E402

@@ -6,8 +6,8 @@ import sys
 
 import pytest
 
-from mta_repro.train.config import compose, model_args_from
 from mta_repro.estimate.params import count
+from mta_repro.train.config import compose, model_args_from
 
 # Meta's published parameter counts (model cards / safetensors metadata).
 META_PARAMS = {"llama3_2_1b": 1_235_814_400, "llama3_2_3b": 3_212_749_824, "llama3_1_8b": 8_030_261_248}
@@ -39,9 +39,21 @@ def test_insertion_experiments_fit_an_h200_with_fsdp(experiment):
 
 @pytest.mark.slow
 def test_appendix_i_llama3_pipeline_dry_run_prints_plan_and_every_sbatch(tmp_path):
-    r = subprocess.run([sys.executable, "-m", "mta_repro.pipeline", "pipeline=appendix_i_llama3", "launcher=slurm",
-                        f"root={tmp_path}", "--dry-run"], capture_output=True, text=True, timeout=600,
-                       env={k: v for k, v in os.environ.items() if k != "LLAMA3_DIR"})
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "mta_repro.pipeline",
+            "pipeline=appendix_i_llama3",
+            "launcher=slurm",
+            f"root={tmp_path}",
+            "--dry-run",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={k: v for k, v in os.environ.items() if k != "LLAMA3_DIR"},
+    )
     # everything is printed, then what the jobs would miss at their start (here: the Llama
     # folders, the corpus and the tokenizer): exit status 2, as a submission would refuse
     assert r.returncode == 2, r.stderr[-2000:]
@@ -58,8 +70,9 @@ def test_appendix_i_llama3_pipeline_dry_run_prints_plan_and_every_sbatch(tmp_pat
         # the import reads the user's own folder (LLAMA3_DIR, default /checkpoints/llama3) into the run root
         assert f"-m mta_repro.hf import /checkpoints/llama3/{folder} {pt}\n" in out
         assert f"note: pipeline.imports.llama3_{m}: /checkpoints/llama3/{folder}/config.json does not exist" in out
-        assert (f"pipeline: error: pipeline.imports.llama3_{m}: /checkpoints/llama3/{folder}/config.json does not "
-                "exist") in errors[0] + "".join(errors)
+        assert (
+            f"pipeline: error: pipeline.imports.llama3_{m}: /checkpoints/llama3/{folder}/config.json does not exist"
+        ) in errors[0] + "".join(errors)
         imp, chk = f"<import:llama3_{m}>", f"<check:llama3_{m}/mta>"
         assert f"# ---- import:llama3_{m}: sbatch  {pt.parent}/slurm/pipeline_import.sbatch" in out
         assert f"# ---- check:llama3_{m}/mta: sbatch --dependency=afterok:{imp} " in out
@@ -67,8 +80,10 @@ def test_appendix_i_llama3_pipeline_dry_run_prints_plan_and_every_sbatch(tmp_pat
         assert f"# ---- train:llama3_{m}/baseline: sbatch --dependency=afterok:{imp} " in out
         assert f"# ---- eval:llama3_{m}/mta: sbatch --dependency=afterok:<train:llama3_{m}/mta> " in out
         for v in ("mta", "baseline"):  # every run starts from the imported file, not $LLAMA3_IMPORTS
-            assert f"experiment=mta_insertion_llama3_{m}{'' if v == 'mta' else '_control'} checkpoint.init_from={pt} " \
-                   f"run_dir={tmp_path / f'llama3_{m}' / v}" in out
+            assert (
+                f"experiment=mta_insertion_llama3_{m}{'' if v == 'mta' else '_control'} checkpoint.init_from={pt} "
+                f"run_dir={tmp_path / f'llama3_{m}' / v}" in out
+            )
         assert f"-m mta_repro.pipeline.check experiment=mta_insertion_llama3_{m} checkpoint.init_from={pt} " in out
     # the import job: CPU only; the check: one GPU
     imp_script = out.split("# ---- import:llama3_1_8b:")[1].split("# ----")[0]

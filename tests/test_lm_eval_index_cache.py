@@ -52,7 +52,7 @@ def test_cached_index_equals_lm_evals_own(tmp_path, monkeypatch, one_build_per_r
     parsed_before = list(one_build_per_root)
     second = lm_eval_tasks.task_manager(str(tasks))  # reads it
     # the second manager indexed only the include folder, not lm-eval's tasks again
-    assert one_build_per_root[len(parsed_before):] == [tasks]
+    assert one_build_per_root[len(parsed_before) :] == [tasks]
     assert root in parsed_before
 
     for m in (first, second):

@@ -6,10 +6,9 @@ import torch
 from torch._C._profiler import _EventType
 from torch.profiler import ProfilerActivity, profile
 
+from mta_repro.model import ModelArgs, MTAArgs, build_model
 from mta_repro.train.config import compose
-from mta_repro.train.memory import CAPACITIES, estimate_memory, estimate_from_config
-from mta_repro.model import MTAArgs, ModelArgs, build_model
-
+from mta_repro.train.memory import CAPACITIES, estimate_from_config, estimate_memory
 
 SAVED = "saved activations at the end of forward"
 
@@ -31,13 +30,18 @@ def real_saved_bytes(model, tokens):
 
 
 @pytest.mark.parametrize("n_kv_heads", [None, 2])  # 2: grouped-query attention
-@pytest.mark.parametrize("mta", [MTAArgs(), MTAArgs(use_mta=True, query_kernel_size=2, key_kernel_size=3,
-                                                     pre_sm_linear_head=True, head_kernel_size=2)])
+@pytest.mark.parametrize(
+    "mta",
+    [
+        MTAArgs(),
+        MTAArgs(use_mta=True, query_kernel_size=2, key_kernel_size=3, pre_sm_linear_head=True, head_kernel_size=2),
+    ],
+)
 def test_meta_count_equals_a_real_run(mta, n_kv_heads):
-    args = ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=n_kv_heads, vocab_size=101, mta=mta,
-                     attn_block_size=16)
-    est = estimate_memory(args, batch_size=2, seq_len=48, world_size=1, activation_checkpointing=False,
-                   dtype=torch.float32)
+    args = ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=n_kv_heads, vocab_size=101, mta=mta, attn_block_size=16)
+    est = estimate_memory(
+        args, batch_size=2, seq_len=48, world_size=1, activation_checkpointing=False, dtype=torch.float32
+    )
     tokens = torch.randint(0, 101, (2, 48), generator=torch.Generator().manual_seed(0))
     real = real_saved_bytes(build_model(args).float(), tokens)
     assert est.details[SAVED] == pytest.approx(real, rel=0.02)
@@ -108,15 +112,23 @@ def real_step_peaks(args, batch_size, seq_len, activation_checkpointing) -> dict
 MTA_FULL = MTAArgs(use_mta=True, query_kernel_size=2, key_kernel_size=3, pre_sm_linear_head=True, head_kernel_size=2)
 
 
-@pytest.mark.parametrize("case", [
-    # baseline: the peak is the loss's backward (logits gradient)
-    (ModelArgs(dim=64, n_layers=2, n_heads=4, vocab_size=101), 2, 96, False),
-    # MTA with 8 heads at 512 tokens: the peak is inside a query block's recomputation
-    (ModelArgs(dim=64, n_layers=2, n_heads=8, vocab_size=64, mta=MTA_FULL, attn_block_size=128), 1, 512, False),
-    # grouped-query MTA under activation checkpointing (each block recomputed in backward)
-    (ModelArgs(dim=64, n_layers=3, n_heads=4, n_kv_heads=2, vocab_size=101, mta=MTA_FULL, attn_block_size=32),
-     2, 96, True),
-], ids=["baseline", "mta-attention-peak", "mta-gqa-checkpointed"])
+@pytest.mark.parametrize(
+    "case",
+    [
+        # baseline: the peak is the loss's backward (logits gradient)
+        (ModelArgs(dim=64, n_layers=2, n_heads=4, vocab_size=101), 2, 96, False),
+        # MTA with 8 heads at 512 tokens: the peak is inside a query block's recomputation
+        (ModelArgs(dim=64, n_layers=2, n_heads=8, vocab_size=64, mta=MTA_FULL, attn_block_size=128), 1, 512, False),
+        # grouped-query MTA under activation checkpointing (each block recomputed in backward)
+        (
+            ModelArgs(dim=64, n_layers=3, n_heads=4, n_kv_heads=2, vocab_size=101, mta=MTA_FULL, attn_block_size=32),
+            2,
+            96,
+            True,
+        ),
+    ],
+    ids=["baseline", "mta-attention-peak", "mta-gqa-checkpointed"],
+)
 def test_step_peaks_equal_a_real_cpu_step(case):
     """The meta simulation's peaks (forward/backward, optimizer step) against a real step's
     live CPU tensors. Within 1%: what meta does not see is the CPU RNG state (5 KB) that

@@ -28,21 +28,37 @@ import pytest
 from mta_repro.train import cpu_malloc
 
 ROOT = Path(__file__).resolve().parents[1]
-SHAPE = ["model=300m", "model.n_layers=2", "model.kq_conv_layers=1", "model.vocab_size=8192",
-         "data.seq_len=2048", "data.batch_size=1", "trainer.cpu_mmap_threshold=131072"]
+SHAPE = [
+    "model=300m",
+    "model.n_layers=2",
+    "model.kq_conv_layers=1",
+    "model.vocab_size=8192",
+    "data.seq_len=2048",
+    "data.batch_size=1",
+    "trainer.cpu_mmap_threshold=131072",
+]
 TOLERANCE = 0.10
 EXTRA_TOLERANCE = 0.25
 # the script imports this checkout's package (it runs from scripts/, not the root). One
 # intra-op thread: with two, the threads' concurrent scratch made the peak depend on their
 # interleaving, and under the parallel suite's load MTA's measured extra came out at -5 MB
 # and 29 MB (~70 MB alone)
-ENV = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p),
-       "OMP_NUM_THREADS": "1"}
+ENV = {
+    **os.environ,
+    "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p),
+    "OMP_NUM_THREADS": "1",
+}
 
 
 def _measure(attention: str) -> dict:
-    p = subprocess.run([sys.executable, str(ROOT / "scripts" / "measure_memory.py"), *SHAPE, f"attention={attention}"],
-                       cwd=ROOT, capture_output=True, text=True, timeout=900, env=ENV)
+    p = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "measure_memory.py"), *SHAPE, f"attention={attention}"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=900,
+        env=ENV,
+    )
     assert p.returncode == 0, p.stderr[-3000:]
     return json.loads(p.stdout.strip().splitlines()[-1])
 
@@ -83,8 +99,9 @@ def test_the_measured_peak_is_the_measured_process_own_not_its_launcher():
     held = bytearray(512 * 2**20)
     for i in range(0, len(held), 4096):
         held[i] = 1
-    p = subprocess.run([sys.executable, "-c", CHILD, str(ROOT / "scripts")], capture_output=True, text=True,
-                       timeout=120)
+    p = subprocess.run(
+        [sys.executable, "-c", CHILD, str(ROOT / "scripts")], capture_output=True, text=True, timeout=120
+    )
     assert p.returncode == 0, p.stderr[-2000:]
     r = json.loads(p.stdout.strip().splitlines()[-1])
     assert r["reset"]

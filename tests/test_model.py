@@ -5,28 +5,41 @@ import dataclasses
 import pytest
 import torch
 
-from mta_repro.model import MTAArgs, ModelArgs, build_model
+from mta_repro.model import ModelArgs, MTAArgs, build_model
 from mta_repro.model.insertion import baseline_to_mta
 
 V = 97
 BASE = ModelArgs(dim=32, n_layers=3, n_heads=4, vocab_size=V)
 FULL_MTA = MTAArgs(
-    use_mta=True, query_kernel_size=3, key_kernel_size=5, after_sm_query_kernel_size=2,
-    after_sm_key_kernel_size=3, pre_sm_linear_head=True, head_kernel_size=2, mta_layers="0,2",
-    group_norm=True, layer_norm_rescale=True, add_gating=True, gate_1d=False,
+    use_mta=True,
+    query_kernel_size=3,
+    key_kernel_size=5,
+    after_sm_query_kernel_size=2,
+    after_sm_key_kernel_size=3,
+    pre_sm_linear_head=True,
+    head_kernel_size=2,
+    mta_layers="0,2",
+    group_norm=True,
+    layer_norm_rescale=True,
+    add_gating=True,
+    gate_1d=False,
 )
 VARIANTS = {
     "baseline": BASE,
     "diff": dataclasses.replace(BASE, diff_transformer=True),
-    "talking_heads": dataclasses.replace(
-        BASE, mta=MTAArgs(use_mta=True, pre_sm_linear_head=True, head_kernel_size=4)
-    ),
+    "talking_heads": dataclasses.replace(BASE, mta=MTAArgs(use_mta=True, pre_sm_linear_head=True, head_kernel_size=4)),
     "mta": dataclasses.replace(BASE, mta=FULL_MTA),
     "mta_left_wposm": dataclasses.replace(
         BASE,
         mta=MTAArgs(
-            use_mta=True, query_kernel_size=2, key_kernel_size=4, after_sm_query_kernel_size=3,
-            after_sm_key_kernel_size=2, pad_key="left", post_sm_linear_head=True, add_gating=True,
+            use_mta=True,
+            query_kernel_size=2,
+            key_kernel_size=4,
+            after_sm_query_kernel_size=3,
+            after_sm_key_kernel_size=2,
+            pad_key="left",
+            post_sm_linear_head=True,
+            add_gating=True,
         ),
     ),
     "mta_right_pre_only": dataclasses.replace(
@@ -121,12 +134,24 @@ def test_every_variant_runs_in_every_dtype(variant, dtype):
 def test_state_dict_uses_lingua_and_release_names():
     keys = set(build_model(VARIANTS["mta"], device="meta").state_dict())
     for k in (
-        "tok_embeddings.weight", "norm.weight", "layers.0.attention.wq.weight", "layers.0.attention.wk.weight",
-        "layers.0.attention.wv.weight", "layers.0.attention.wo.weight", "layers.0.attention_norm.weight",
-        "layers.0.feed_forward.w1.weight", "layers.0.feed_forward.w2.weight", "layers.0.feed_forward.w3.weight",
-        "layers.0.ffn_norm.weight", "layers.0.attention.mta_kernel", "layers.0.attention.mta_kernel_after_sm",
-        "layers.0.attention.wpsm.weight", "layers.0.attention.head_kernel", "layers.0.attention.subln.weight",
-        "layers.0.attention.gate.weight", "layers.0.attention.gate.bias",
+        "tok_embeddings.weight",
+        "norm.weight",
+        "layers.0.attention.wq.weight",
+        "layers.0.attention.wk.weight",
+        "layers.0.attention.wv.weight",
+        "layers.0.attention.wo.weight",
+        "layers.0.attention_norm.weight",
+        "layers.0.feed_forward.w1.weight",
+        "layers.0.feed_forward.w2.weight",
+        "layers.0.feed_forward.w3.weight",
+        "layers.0.ffn_norm.weight",
+        "layers.0.attention.mta_kernel",
+        "layers.0.attention.mta_kernel_after_sm",
+        "layers.0.attention.wpsm.weight",
+        "layers.0.attention.head_kernel",
+        "layers.0.attention.subln.weight",
+        "layers.0.attention.gate.weight",
+        "layers.0.attention.gate.bias",
     ):
         assert k in keys, k
     assert "output.weight" not in keys  # tied to tok_embeddings

@@ -18,17 +18,37 @@ from mta_repro.mta import MultiTokenAttention, apply_mta, load_mta_pretrained  #
 F64 = torch.float64
 VOCAB, T = 96, 12
 # The release's options at toy size: both convolutions, both head mixings.
-MTA = dict(query_kernel_size=3, key_kernel_size=5, after_sm_query_kernel_size=2, after_sm_key_kernel_size=3,
-           pre_sm_linear_head=True, head_kernel_size=2)
+MTA = dict(
+    query_kernel_size=3,
+    key_kernel_size=5,
+    after_sm_query_kernel_size=2,
+    after_sm_key_kernel_size=3,
+    pre_sm_linear_head=True,
+    head_kernel_size=2,
+)
 W = (3 - 1) + (2 - 1)  # queries an MTA layer keeps: (c_q - 1) + (c_q' - 1)
 
 
 def tiny(family: str = "llama", dtype=torch.float32, attn="sdpa", seed=0, **extra):
     """A 3-layer, 64-wide random model of ``family`` (4 query heads, 2 K/V heads)."""
-    cls = {"llama": ("LlamaConfig", "LlamaForCausalLM"), "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
-           "mistral": ("MistralConfig", "MistralForCausalLM"), "qwen3": ("Qwen3Config", "Qwen3ForCausalLM")}[family]
-    kw = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
-              num_key_value_heads=2, max_position_embeddings=256, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    cls = {
+        "llama": ("LlamaConfig", "LlamaForCausalLM"),
+        "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
+        "mistral": ("MistralConfig", "MistralForCausalLM"),
+        "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
+    }[family]
+    kw = dict(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
     if family == "qwen3":
         kw["head_dim"] = 16
     config = getattr(transformers, cls[0])(**kw, **extra)
@@ -120,10 +140,18 @@ def test_the_cache_feeds_one_token_a_step_and_keeps_w_queries():
     with torch.no_grad():
         for use_cache in (False, True):
             hook = model.register_forward_pre_hook(
-                lambda mod, args, kwargs, uc=use_cache: fed[uc].append(kwargs["input_ids"].shape[1]), with_kwargs=True)
+                lambda mod, args, kwargs, uc=use_cache: fed[uc].append(kwargs["input_ids"].shape[1]), with_kwargs=True
+            )
             try:
-                out = model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0,
-                                     use_cache=use_cache, return_dict_in_generate=True)
+                out = model.generate(
+                    ids,
+                    max_new_tokens=n,
+                    min_new_tokens=n,
+                    do_sample=False,
+                    pad_token_id=0,
+                    use_cache=use_cache,
+                    return_dict_in_generate=True,
+                )
             finally:
                 hook.remove()
             assert out.sequences.shape[1] == T + n
@@ -149,8 +177,10 @@ def test_save_pretrained_and_from_pretrained_round_trip(tmp_path):
     ids, mask = batch()
     with torch.no_grad():
         want = model(ids, attention_mask=mask).logits
-        for loaded in (transformers.AutoModelForCausalLM.from_pretrained(tmp_path, trust_remote_code=True),
-                       load_mta_pretrained(tmp_path)):
+        for loaded in (
+            transformers.AutoModelForCausalLM.from_pretrained(tmp_path, trust_remote_code=True),
+            load_mta_pretrained(tmp_path),
+        ):
             assert type(loaded).__name__ == "MTALlamaForCausalLM"
             assert loaded.model.layers[0].self_attn.mta.mta_kernel is None  # no convolution in layer 0
             assert loaded.model.layers[2].self_attn.mta.mta_kernel is not None
@@ -184,9 +214,17 @@ def test_training_with_the_hf_trainer_lowers_the_loss(tmp_path):
     ids = batch()[0][1:]
     data = [{"input_ids": ids[0], "labels": ids[0]}] * 16
 
-    args = TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=4, max_steps=12,
-                             learning_rate=3e-3, logging_steps=1, save_strategy="no", report_to=[],
-                             use_cpu=True, disable_tqdm=True)
+    args = TrainingArguments(
+        output_dir=str(tmp_path),
+        per_device_train_batch_size=4,
+        max_steps=12,
+        learning_rate=3e-3,
+        logging_steps=1,
+        save_strategy="no",
+        report_to=[],
+        use_cpu=True,
+        disable_tqdm=True,
+    )
     trainer = Trainer(model=model, args=args, train_dataset=data)
     trainer.train()
     losses = [r["loss"] for r in trainer.state.log_history if "loss" in r]
@@ -209,8 +247,7 @@ def test_same_logits_as_the_projects_hf_import_and_appendix_i_insertion(tmp_path
     hf = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "hf", torch_dtype=F64).eval()
     pt = import_hf(tmp_path / "hf", tmp_path / "base.pt", dtype="float32")
     base, _ = load_model(pt, device="cpu", dtype="float64")
-    ours = baseline_to_mta(base.state_dict(), base.args,
-                           MTAArgs(use_mta=True, mta_layers="1", **MTA)).double().eval()
+    ours = baseline_to_mta(base.state_dict(), base.args, MTAArgs(use_mta=True, mta_layers="1", **MTA)).double().eval()
     perturb(apply_mta(hf, layers=None, conv_layers=[1], **MTA))
     with torch.no_grad():
         for name, p in hf.named_parameters():
@@ -232,8 +269,10 @@ BAD = [
     (lambda m: apply_mta(m, query_kernel_size=3, key_kernel_size=4), "key_kernel_size=4: pad_key 'both'"),
     (lambda m: apply_mta(apply_mta(m, **MTA), **MTA), "already has MTA layers"),
     (lambda m: apply_mta(m, layers=[0], conv_layers=[], query_kernel_size=3, key_kernel_size=5), "add nothing"),
-    (lambda m: apply_mta(transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2))),
-     "no LlamaAttention / Qwen2Attention"),
+    (
+        lambda m: apply_mta(transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2))),
+        "no LlamaAttention / Qwen2Attention",
+    ),
 ]
 
 

@@ -32,13 +32,21 @@ OPTIONS = {
     "pre_left": dict(query_kernel_size=2, key_kernel_size=4, pad_key="left"),
     "pre_right": dict(query_kernel_size=3, key_kernel_size=2, pad_key="right"),
     "post": dict(after_sm_query_kernel_size=3, after_sm_key_kernel_size=3),
-    "release_880m": dict(query_kernel_size=3, key_kernel_size=5, after_sm_query_kernel_size=2,
-                         after_sm_key_kernel_size=3, pre_sm_linear_head=True, head_kernel_size=2,
-                         group_norm=True, add_gating=True),
+    "release_880m": dict(
+        query_kernel_size=3,
+        key_kernel_size=5,
+        after_sm_query_kernel_size=2,
+        after_sm_key_kernel_size=3,
+        pre_sm_linear_head=True,
+        head_kernel_size=2,
+        group_norm=True,
+        add_gating=True,
+    ),
     "talking_heads": dict(pre_sm_linear_head=True, post_sm_linear_head=True),
     "full_head_conv": dict(head_kernel_size=4),
-    "norm_rescale_gate_2d": dict(query_kernel_size=2, key_kernel_size=3, group_norm=True, layer_norm_rescale=True,
-                                 add_gating=True, gate_1d=False),
+    "norm_rescale_gate_2d": dict(
+        query_kernel_size=2, key_kernel_size=3, group_norm=True, layer_norm_rescale=True, add_gating=True, gate_1d=False
+    ),
 }
 
 
@@ -65,9 +73,14 @@ def reference(q, k, v, mod: MultiTokenAttention, key_valid=None, q_offset=0):
     n_rep = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(n_rep, 1), v.repeat_interleave(n_rep, 1)
     w = lambda lin: None if lin is None else lin.weight  # noqa: E731
-    p = attention_ops.ExplicitAttnParams(mta_kernel=mod.mta_kernel, wpsm=w(mod.wpsm),
-                                         mta_kernel_after_sm=mod.mta_kernel_after_sm, head_kernel=mod.head_kernel,
-                                         wposm=w(mod.wposm), pad_key=mod.pad_key)
+    p = attention_ops.ExplicitAttnParams(
+        mta_kernel=mod.mta_kernel,
+        wpsm=w(mod.wpsm),
+        mta_kernel_after_sm=mod.mta_kernel_after_sm,
+        head_kernel=mod.head_kernel,
+        wposm=w(mod.wposm),
+        pad_key=mod.pad_key,
+    )
     out = attention_ops.explicit_attention_torch(q, k, v, p, attention_ops.AttnMask(q_offset, key_valid))
     if mod.subln is not None:
         out = out / torch.sqrt(out.pow(2).mean(-1, keepdim=True) + 1e-5) * mod.subln.weight
@@ -86,8 +99,9 @@ def _grads(out, gy, tensors):
 @pytest.mark.parametrize("name", list(OPTIONS))
 def test_outputs_and_gradients_equal_the_float64_reference(name, attn_impl):
     """float64, GQA (2 K/V heads for 4 query heads), blocks of 4 rows crossing the halo."""
-    mod = _randomised(MultiTokenAttention(H, D, layer_id=3, attn_impl=attn_impl, attn_block_size=4, dtype=F64,
-                                          **OPTIONS[name]))
+    mod = _randomised(
+        MultiTokenAttention(H, D, layer_id=3, attn_impl=attn_impl, attn_block_size=4, dtype=F64, **OPTIONS[name])
+    )
     q, k, v = _qkv(h_kv=2)
     gy = torch.randn(B, H, T, D, dtype=F64)
     params = list(mod.parameters())
@@ -133,13 +147,21 @@ def test_cached_decoding_with_the_query_history_equals_the_full_pass(name):
     each new row equals the full pass's row (what the Hugging Face insertion keeps)."""
     mod = _randomised(MultiTokenAttention(H, D, dtype=F64, **OPTIONS[name]))
     w = mod.query_history
-    assert w == query_history(mod.mta_kernel, mod.mta_kernel_after_sm) == (
-        (OPTIONS[name].get("query_kernel_size") or 1) - 1 + (OPTIONS[name].get("after_sm_query_kernel_size") or 1) - 1)
+    assert (
+        w
+        == query_history(mod.mta_kernel, mod.mta_kernel_after_sm)
+        == (
+            (OPTIONS[name].get("query_kernel_size") or 1)
+            - 1
+            + (OPTIONS[name].get("after_sm_query_kernel_size") or 1)
+            - 1
+        )
+    )
     q, k, v = (x.detach() for x in _qkv())
     full = mod(q, k, v)
     with torch.no_grad():
         for t in range(1, T + 1):
-            rows = mod(q[:, :, max(0, t - 1 - w):t], k[:, :, :t], v[:, :, :t])
+            rows = mod(q[:, :, max(0, t - 1 - w) : t], k[:, :, :t], v[:, :, :t])
             torch.testing.assert_close(rows[:, :, -1], full[:, :, t - 1], rtol=1e-12, atol=1e-12)
 
 
@@ -161,8 +183,11 @@ def test_the_module_in_a_model_equals_this_projects_attention_layer(name):
     attn.reset_parameters()
     _randomised(attn)
     m = args.mta
-    opts = {f.name: getattr(m, f.name) for f in dataclasses.fields(MTAArgs)
-            if f.name not in ("use_mta", "mta_layers", "curse_norm")}
+    opts = {
+        f.name: getattr(m, f.name)
+        for f in dataclasses.fields(MTAArgs)
+        if f.name not in ("use_mta", "mta_layers", "curse_norm")
+    }
     mod = MultiTokenAttention(H, D, layer_id=5, attn_block_size=4, dtype=F64, **opts)
     mta_names = set(mod.state_dict())
     assert mta_names == {k for k in attn.state_dict() if k.split(".")[0] not in ("wq", "wk", "wv", "wo")}
@@ -222,13 +247,17 @@ BAD_CALLS = [
     (lambda q, k, v: multi_token_attention(q, k[:, :3], v[:, :3]), "must divide q's 4"),
     (lambda q, k, v: multi_token_attention(q, k.double(), v), "one floating dtype"),
     (lambda q, k, v: multi_token_attention(q, k[:, :, :5], v[:, :, :5]), "11 queries but 5 keys"),
-    (lambda q, k, v: multi_token_attention(q, k, v, mta_kernel=torch.zeros(3, 1, 2, 3)),
-     "mta_kernel: expected shape (4, 1"),
+    (
+        lambda q, k, v: multi_token_attention(q, k, v, mta_kernel=torch.zeros(3, 1, 2, 3)),
+        "mta_kernel: expected shape (4, 1",
+    ),
     (lambda q, k, v: multi_token_attention(q, k, v, mta_kernel=torch.zeros(4, 1, 2, 4)), "must be odd"),
     (lambda q, k, v: multi_token_attention(q, k, v, wpsm=torch.zeros(4, 3)), "wpsm: expected shape (4, 4)"),
     (lambda q, k, v: multi_token_attention(q, k, v, head_kernel=torch.zeros(2, 3, 3)), "head_kernel: expected"),
-    (lambda q, k, v: multi_token_attention(q, k, v, head_kernel=torch.zeros(2, 2, 2), wposm=torch.zeros(4, 4)),
-     "two forms of post-softmax"),
+    (
+        lambda q, k, v: multi_token_attention(q, k, v, head_kernel=torch.zeros(2, 2, 2), wposm=torch.zeros(4, 4)),
+        "two forms of post-softmax",
+    ),
     (lambda q, k, v: multi_token_attention(q, k, v, pad_key="centre"), "pad_key='centre'"),
     (lambda q, k, v: multi_token_attention(q, k, v, layer_norm_rescale=True), "needs subln_weight"),
     (lambda q, k, v: multi_token_attention(q, k, v, gate_weight=torch.zeros(2, 8)), "gate_weight: expected shape"),
@@ -243,8 +272,10 @@ BAD_CALLS = [
     (lambda q, k, v: MultiTokenAttention(4, 8, layer_norm_rescale=True), "needs group_norm"),
     (lambda q, k, v: MultiTokenAttention(4, 8, attn_impl="fast"), "attn_impl"),
     (lambda q, k, v: MultiTokenAttention(4, 0), "head_dim=0"),
-    (lambda q, k, v: MultiTokenAttention(4, 8, query_kernel_size=2, key_kernel_size=3)(q[:, :2], k[:, :2], v[:, :2]),
-     "mta_kernel: expected shape (2, 1"),
+    (
+        lambda q, k, v: MultiTokenAttention(4, 8, query_kernel_size=2, key_kernel_size=3)(q[:, :2], k[:, :2], v[:, :2]),
+        "mta_kernel: expected shape (2, 1",
+    ),
 ]
 
 
@@ -259,8 +290,11 @@ def test_a_wrong_shape_or_option_is_a_one_line_user_error(call, words):
 
 
 WRONG_IMPL = attention_ops.AttnImpl(
-    lambda q, k, v, p, mask, training=False: attention_ops.explicit_attention_blocked(q, k, v, p, mask, training)
-    * 1.01, fallback="blocked")
+    lambda q, k, v, p, mask, training=False: (
+        attention_ops.explicit_attention_blocked(q, k, v, p, mask, training) * 1.01
+    ),
+    fallback="blocked",
+)
 
 
 @pytest.fixture
@@ -280,8 +314,11 @@ def test_selfcheck_falls_back_from_a_wrong_implementation_once(wrong_impl):
     q, k, v = (x.detach() for x in _qkv(dtype=torch.float32))
     want = reference(*(x.double() for x in (q, k, v)), mod.double()).float()
     mod.float()
-    with pytest.warns(UserWarning, match=r"model.attn_impl=wrong_scale failed on cpu in float32.*falling back "
-                                         r"to blocked"):
+    with pytest.warns(
+        UserWarning,
+        match=r"model.attn_impl=wrong_scale failed on cpu in float32.*falling back "
+        r"to blocked",
+    ):
         out = mod(q, k, v)
     assert (out - want).abs().max() < 1e-5
     import warnings
@@ -311,12 +348,19 @@ def test_nothing_in_the_package_imports_the_op_and_it_imports_only_the_core():
         return out
 
     pkg = ROOT / "mta_repro"
-    users = [str(p.relative_to(pkg)) for p in pkg.rglob("*.py") if p.parent.name != "mta"
-             and any(m.startswith("mta_repro.mta") for m in imports(p))]
+    users = [
+        str(p.relative_to(pkg))
+        for p in pkg.rglob("*.py")
+        if p.parent.name != "mta" and any(m.startswith("mta_repro.mta") for m in imports(p))
+    ]
     assert not users, users
     allowed = ("mta_repro.errors", "mta_repro.kernels", "mta_repro.model", "mta_repro.mta")
-    out = {f"{p.name} -> {m}" for p in (pkg / "mta").glob("*.py") for m in imports(p)
-           if m.startswith("mta_repro") and not m.startswith(allowed)}
+    out = {
+        f"{p.name} -> {m}"
+        for p in (pkg / "mta").glob("*.py")
+        for m in imports(p)
+        if m.startswith("mta_repro") and not m.startswith(allowed)
+    }
     assert not out, out
 
 

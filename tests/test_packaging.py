@@ -1,16 +1,26 @@
 """Packaging: the model, data and trainer work without the eval/report/wandb/SLURM/HF
 extras, and the extras in pyproject.toml say which package needs what."""
 
-import pytest
 import re
 import subprocess
 import sys
-import tomllib
 from pathlib import Path
 
+import pytest
+import tomllib
+
 ROOT = Path(__file__).resolve().parents[1]
-EXTRAS_ONLY = ("lm_eval", "datasets", "wandb", "matplotlib", "nltk", "submitit", "hydra_plugins",
-               "transformers", "safetensors")
+EXTRAS_ONLY = (
+    "lm_eval",
+    "datasets",
+    "wandb",
+    "matplotlib",
+    "nltk",
+    "submitit",
+    "hydra_plugins",
+    "transformers",
+    "safetensors",
+)
 
 # Runs in a fresh interpreter: importing any of EXTRAS_ONLY fails there, as on a machine
 # where only `pip install mta-repro` (no extras) was run.
@@ -31,8 +41,8 @@ for pkg in ("mta_repro.model", "mta_repro.data", "mta_repro.train"):
     for m in pkgutil.walk_packages(mod.__path__, pkg + "."):
         if not m.name.endswith("__main__"):
             importlib.import_module(m.name)
-for name in ("mta_repro.train.config", "mta_repro.estimate.params", "mta_repro.train.memory", "mta_repro.cli", "mta_repro.eval.generate",
-             "mta_repro.weights"):
+for name in ("mta_repro.train.config", "mta_repro.estimate.params", "mta_repro.train.memory", "mta_repro.cli",
+             "mta_repro.eval.generate", "mta_repro.weights"):
     importlib.import_module(name)
 from mta_repro.train.config import compose, model_args_from
 from mta_repro.model import build_model
@@ -59,8 +69,13 @@ print("loaded:", loaded)
 
 @pytest.mark.slow
 def test_model_data_train_import_without_the_extras():
-    p = subprocess.run([sys.executable, "-c", _PROBE.format(blocked=EXTRAS_ONLY)], cwd=ROOT,
-                       capture_output=True, text=True, timeout=300)
+    p = subprocess.run(
+        [sys.executable, "-c", _PROBE.format(blocked=EXTRAS_ONLY)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert p.returncode == 0, p.stderr[-3000:]
     assert "loaded: []" in p.stdout
     assert "wandb is not installed: logging to metrics.jsonl only" in p.stderr
@@ -74,8 +89,16 @@ def test_eval_stack_is_in_extras_not_core():
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     core = _names(project["dependencies"])
     extras = project["optional-dependencies"]
-    for pkg in ("lm-eval", "datasets", "wandb", "matplotlib", "nltk", "hydra-submitit-launcher",
-                "transformers", "safetensors"):
+    for pkg in (
+        "lm-eval",
+        "datasets",
+        "wandb",
+        "matplotlib",
+        "nltk",
+        "hydra-submitit-launcher",
+        "transformers",
+        "safetensors",
+    ):
         assert pkg not in core, pkg
         assert any(pkg in _names(reqs) for reqs in extras.values()), pkg
     assert {"eval", "report", "wandb", "slurm", "hf", "all", "dev"} <= set(extras)
@@ -88,10 +111,13 @@ def test_hf_interop_needs_only_the_hf_extra():
     """`python -m mta_repro.hf export|import` with `pip install mta-repro[hf]`: the eval stack
     (lm-eval and the rest) is not imported on the way."""
     blocked = tuple(p for p in EXTRAS_ONLY if p not in ("transformers", "safetensors"))
-    probe = (_PROBE.split("import torch\n")[0]
-             + "import mta_repro.hf.convert, mta_repro.hf.cli, mta_repro.eval.load, mta_repro.train.config\n"
-             + "print('loaded:', sorted({{m.split('.')[0] for m in sys.modules}} & set(BLOCKED)))\n")
-    p = subprocess.run([sys.executable, "-c", probe.format(blocked=blocked)], cwd=ROOT,
-                       capture_output=True, text=True, timeout=300)
+    probe = (
+        _PROBE.split("import torch\n")[0]
+        + "import mta_repro.hf.convert, mta_repro.hf.cli, mta_repro.eval.load, mta_repro.train.config\n"
+        + "print('loaded:', sorted({{m.split('.')[0] for m in sys.modules}} & set(BLOCKED)))\n"
+    )
+    p = subprocess.run(
+        [sys.executable, "-c", probe.format(blocked=blocked)], cwd=ROOT, capture_output=True, text=True, timeout=300
+    )
     assert p.returncode == 0, p.stderr[-3000:]
     assert "loaded: []" in p.stdout

@@ -15,9 +15,9 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from mta_repro.train.config import compose
 from mta_repro.pipeline.__main__ import build_plan, main
 from mta_repro.pipeline.plan import done
+from mta_repro.train.config import compose
 
 pytestmark = pytest.mark.pipeline
 
@@ -25,8 +25,14 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def _pipeline(*args, cwd=None, env=None, timeout=600):
-    return subprocess.run([sys.executable, "-m", "mta_repro.pipeline", *args], cwd=cwd or ROOT,
-                          capture_output=True, text=True, timeout=timeout, env=env)
+    return subprocess.run(
+        [sys.executable, "-m", "mta_repro.pipeline", *args],
+        cwd=cwd or ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -80,8 +86,13 @@ def test_tiny_pipeline_tables(tiny):
     root, _ = tiny
     rep = root / "report"
     rows = {r["run"]: r for r in csv.DictReader(io.StringIO((rep / "ppl.csv").read_text()))}
-    assert set(rows) == {"pretrain/baseline", "pretrain/mta", "long_context/baseline", "long_context/mta",
-                         "insertion/mta"}
+    assert set(rows) == {
+        "pretrain/baseline",
+        "pretrain/mta",
+        "long_context/baseline",
+        "long_context/mta",
+        "insertion/mta",
+    }
     # each stage measured at the context it was trained at; the paper's numbers are at 2048 /
     # 4096-token windows, so none is set beside these, and the row says why
     assert rows["long_context/mta"]["stage"] == "4K finetune" and rows["long_context/mta"]["window"] == "2752"
@@ -94,7 +105,9 @@ def test_tiny_pipeline_tables(tiny):
     val = [json.loads(x) for x in (root / "long_context" / "mta" / "metrics.jsonl").read_text().splitlines()]
     last = [m for m in val if "val_ppl" in m][-1]
     assert "val_ppl/arxiv" not in last and "val_ppl/book" in last and last["step"] == 1
-    assert "skipped domain(s) 'arxiv' (2,703 tokens)" in (root / "long_context" / "mta" / "pipeline_train.log").read_text()
+    assert (
+        "skipped domain(s) 'arxiv' (2,703 tokens)" in (root / "long_context" / "mta" / "pipeline_train.log").read_text()
+    )
     d = float(rows["pretrain/mta"]["avg"]) - float(rows["pretrain/baseline"]["avg"])
     assert float(rows["pretrain/mta"]["Δ vs baseline"]) == pytest.approx(d, abs=1e-3)
     bench = list(csv.DictReader(io.StringIO((rep / "benchmarks.csv").read_text())))
@@ -146,8 +159,10 @@ def test_a_torn_eval_json_of_a_finished_pipeline_is_redone(tiny):
     f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
     p = _pipeline("pipeline=tiny", f"root={root}", timeout=600)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
-    assert f"pipeline: eval:pretrain/mta: {f} is there but not valid JSON (a write cut short?): redoing the job" \
+    assert (
+        f"pipeline: eval:pretrain/mta: {f} is there but not valid JSON (a write cut short?): redoing the job"
         in p.stdout
+    )
     assert "pipeline: eval:pretrain/baseline: done, skipped" in p.stdout
     redone = json.loads(f.read_text())
     assert redone["results"]["average"] == pytest.approx(whole["results"]["average"])  # the same weights
@@ -216,16 +231,21 @@ def test_slurm_submission_chains_stages(tmp_path, monkeypatch, capsys):
     assert jid("long_context/mta", "train")[1] == [f"--dependency=afterok:{jid('pretrain/mta', 'train')[0]}"]
     chk = jid("insertion/mta", "check")
     assert chk[1] == [f"--dependency=afterok:{jid('pretrain/baseline', 'train')[0]}"]
-    assert jid("insertion/mta", "train")[1] == [
-        f"--dependency=afterok:{jid('pretrain/baseline', 'train')[0]}:{chk[0]}"]
+    assert jid("insertion/mta", "train")[1] == [f"--dependency=afterok:{jid('pretrain/baseline', 'train')[0]}:{chk[0]}"]
     assert jid("pretrain/mta", "eval")[1] == [f"--dependency=afterok:{jid('pretrain/mta', 'train')[0]}"]
     report = by_script[str(root / "report" / "slurm" / "pipeline_report.sbatch")]
     assert len(report[1][0].split(":")) == 1 + 11  # after every other job
     script = (root / "long_context" / "mta" / "slurm" / "pipeline_train.sbatch").read_text()
-    assert f"checkpoint.init_from={root / 'pretrain' / 'mta'}" in script and f"run_dir={root / 'long_context' / 'mta'}" in script
+    assert (
+        f"checkpoint.init_from={root / 'pretrain' / 'mta'}" in script
+        and f"run_dir={root / 'long_context' / 'mta'}" in script
+    )
     ev = (root / "pretrain" / "mta" / "slurm" / "pipeline_eval.sbatch").read_text()
     assert f"-m mta_repro.eval {root / 'pretrain' / 'mta'}" in ev and "#SBATCH" in ev
-    assert subprocess.run(["bash", "-n", str(root / "pretrain" / "mta" / "slurm" / "pipeline_eval.sbatch")]).returncode == 0
+    assert (
+        subprocess.run(["bash", "-n", str(root / "pretrain" / "mta" / "slurm" / "pipeline_eval.sbatch")]).returncode
+        == 0
+    )
     # rerun while everything is still queued: nothing is submitted twice (in this process:
     # the command line ran above; this is the state file and squeue read back)
     alive = " ".join(c[0] for c in calls)
@@ -246,8 +266,13 @@ def test_paper_plan_dry_run(capsys):
         assert f"train:pretrain/{v}" in out and f"train:long_context/{v}" in out
         assert f"checkpoint.init_from=/scratch/mta/pretrain/{v}" in out
     # every Table 5 sweep point is its own run, named by the swept values
-    for point in ("kernel_4x7", "kernel_6x11", "gating_False_rescale_True", "conv_layers_2-10-18",
-                  "conv_layers_2-6-10-14-18-22"):
+    for point in (
+        "kernel_4x7",
+        "kernel_6x11",
+        "gating_False_rescale_True",
+        "conv_layers_2-10-18",
+        "conv_layers_2-6-10-14-18-22",
+    ):
         assert "/scratch/mta/ablation_" in out and f"{point} " in out, point
     assert "model.mta.mta_layers='\"'\"'2,10,18'\"'\"'" in out
     assert "--dependency=afterok:<train:pretrain/mta>" in out
@@ -280,7 +305,8 @@ def test_plan_only_view_is_one_line_a_job(capsys):
 def test_plan_errors_are_one_line():
     p = _pipeline("pipeline=tiny", "root=/tmp/x", "launcher=cloud", timeout=120)
     assert p.returncode == 2 and p.stderr.strip() == (
-        "pipeline: error: launcher: expected one of ('local', 'slurm'), got 'cloud'")
+        "pipeline: error: launcher: expected one of ('local', 'slurm'), got 'cloud'"
+    )
     assert main(["pipeline=tiny", "pipeline.variants=[mtaa]", "--dry-run"]) == 2
     assert main(["pipeline=tiny", "--bogus"]) == 2
     with pytest.raises(ValueError, match=r"pipeline.stages\[1\].init_from: 'nope' is not an earlier stage"):

@@ -10,10 +10,10 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from mta_repro.train.config import compose, model_args_from
 from mta_repro.resolvers import mta_layers_every
-from mta_repro.train.sweep import plain_run_dir_overrides
+from mta_repro.train.config import compose, model_args_from
 from mta_repro.train.optim import OptimArgs, build_lr_scheduler, lr_factor, warmup_steps
+from mta_repro.train.sweep import plain_run_dir_overrides
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -73,8 +73,9 @@ def test_conv_layer_lists_follow_the_depth():
 
 
 def _sweep_points(name, extra=()):
-    from hydra.core.override_parser.overrides_parser import OverridesParser
     import itertools
+
+    from hydra.core.override_parser.overrides_parser import OverridesParser
 
     raw = OmegaConf.load(ROOT / "configs" / "experiment" / f"{name}.yaml")
     parsed = OverridesParser.create().parse_overrides([f"{k}={v}" for k, v in raw.hydra.sweeper.params.items()])
@@ -97,9 +98,19 @@ def test_conv_layer_sweep_derives_its_lists_for_other_sizes():
 def test_plain_run_dir_in_a_sweep_is_refused_before_any_job(tmp_path):
     assert plain_run_dir_overrides(["run_dir=/x", "a=1", "run_dir=/r/k_${model.dim}"]) == ["run_dir=/x"]
     p = subprocess.run(
-        [sys.executable, "-m", "mta_repro.train", "experiment=ablation_kernels", f"run_dir={tmp_path / 'one'}",
-         "model=tiny", "trainer.steps=1"],
-        cwd=tmp_path, capture_output=True, text=True, timeout=120,
+        [
+            sys.executable,
+            "-m",
+            "mta_repro.train",
+            "experiment=ablation_kernels",
+            f"run_dir={tmp_path / 'one'}",
+            "model=tiny",
+            "trainer.steps=1",
+        ],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert p.returncode == 2
     assert "a fixed run_dir would put every point in one directory" in p.stderr

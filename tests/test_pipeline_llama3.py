@@ -23,26 +23,61 @@ ROOT = Path(__file__).resolve().parents[1]
 
 # The tiny Llama's shape as training overrides (tests/test_hf_llama3.py builds the same
 # model): the runs start from its imported weights, so the model fields must be its own.
-TINY_LLAMA = ["model.dim=64", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2", "model.head_dim=16",
-              "model.vocab_size=258", "model.multiple_of=16", "model.ffn_dim_multiplier=1.0",
-              "model.rope_theta=500000",
-              "model.rope_scaling={rope_type: llama3, factor: 8.0, low_freq_factor: 1.0, high_freq_factor: 4.0, "
-              "original_max_position_embeddings: 64}",
-              "model.weight_tying=true", "model.norm_order=hf", "model.kq_conv_layers=1", "data.tokenizer.name=bytes",
-              "data.seq_len=64", "data.batch_size=2", "data.shuffle_buffer=4", "trainer.device=cpu",
-              "trainer.steps=2", "optim.warmup=1", "checkpoint.every=2", "logging.every=1",
-              "trainer.eval_max_batches=1", "logging.progress_bar=false", "logging.wandb_mode=disabled"]
+TINY_LLAMA = [
+    "model.dim=64",
+    "model.n_layers=2",
+    "model.n_heads=4",
+    "model.n_kv_heads=2",
+    "model.head_dim=16",
+    "model.vocab_size=258",
+    "model.multiple_of=16",
+    "model.ffn_dim_multiplier=1.0",
+    "model.rope_theta=500000",
+    "model.rope_scaling={rope_type: llama3, factor: 8.0, low_freq_factor: 1.0, high_freq_factor: 4.0, "
+    "original_max_position_embeddings: 64}",
+    "model.weight_tying=true",
+    "model.norm_order=hf",
+    "model.kq_conv_layers=1",
+    "data.tokenizer.name=bytes",
+    "data.seq_len=64",
+    "data.batch_size=2",
+    "data.shuffle_buffer=4",
+    "trainer.device=cpu",
+    "trainer.steps=2",
+    "optim.warmup=1",
+    "checkpoint.every=2",
+    "logging.every=1",
+    "trainer.eval_max_batches=1",
+    "logging.progress_bar=false",
+    "logging.wandb_mode=disabled",
+]
 
 
 def _tiny_llama(folder: Path) -> Path:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-               "original_max_position_embeddings": 64}
-    kw = dict(vocab_size=258, hidden_size=64, intermediate_size=176, num_hidden_layers=2, num_attention_heads=4,
-              num_key_value_heads=2, head_dim=16, max_position_embeddings=256, rms_norm_eps=1e-5,
-              tie_word_embeddings=True, bos_token_id=256, eos_token_id=257)
+    scaling = {
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 64,
+    }
+    kw = dict(
+        vocab_size=258,
+        hidden_size=64,
+        intermediate_size=176,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=256,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=True,
+        bos_token_id=256,
+        eos_token_id=257,
+    )
     if "rope_parameters" in LlamaConfig().to_dict():
         kw["rope_parameters"] = {**scaling, "rope_theta": 500000.0}
     else:
@@ -59,14 +94,28 @@ def _spec(folder) -> dict:
     """configs/pipeline/appendix_i_llama3.yaml's shape for one tiny model (its experiments set
     init_mode per variant; here the stage's per-variant overrides do)."""
     common = ["model.mta.group_norm=false", "model.mta.add_gating=false"]
-    return {"name": "appendix_i_tiny_llama", "variants": ["mta", "baseline"], "train_overrides": TINY_LLAMA,
-            "imports": {"tiny_llama": str(folder)},
-            "stages": [{"name": "tiny_llama", "experiment": "debug", "init_from": "import:tiny_llama",
-                        "check_first_loss": ["mta"],
-                        "overrides": {"mta": ["attention=mta", *common, "checkpoint.init_mode=baseline_to_mta"],
-                                      "baseline": ["attention=baseline", "checkpoint.init_mode=model"]},
-                        "eval": ["tasks=[ppl]", "ppl.max_batches=1", "ppl.batch_size=1", "ppl.domains=[book]"]}],
-            "appendix_i_tol": 1e-4, "report": True, "slurm": {"gpus_per_node": 0}}
+    return {
+        "name": "appendix_i_tiny_llama",
+        "variants": ["mta", "baseline"],
+        "train_overrides": TINY_LLAMA,
+        "imports": {"tiny_llama": str(folder)},
+        "stages": [
+            {
+                "name": "tiny_llama",
+                "experiment": "debug",
+                "init_from": "import:tiny_llama",
+                "check_first_loss": ["mta"],
+                "overrides": {
+                    "mta": ["attention=mta", *common, "checkpoint.init_mode=baseline_to_mta"],
+                    "baseline": ["attention=baseline", "checkpoint.init_mode=model"],
+                },
+                "eval": ["tasks=[ppl]", "ppl.max_batches=1", "ppl.batch_size=1", "ppl.domains=[book]"],
+            }
+        ],
+        "appendix_i_tol": 1e-4,
+        "report": True,
+        "slurm": {"gpus_per_node": 0},
+    }
 
 
 def _run(plan):
@@ -96,8 +145,15 @@ def finished(tmp_path_factory):
 def test_plan_order_and_dependencies(finished):
     plan, folder, d = finished
     jobs = {j.id: j for j in plan.jobs}
-    assert list(jobs) == ["import:tiny_llama", "check:tiny_llama/mta", "train:tiny_llama/mta",
-                          "train:tiny_llama/baseline", "eval:tiny_llama/mta", "eval:tiny_llama/baseline", "report"]
+    assert list(jobs) == [
+        "import:tiny_llama",
+        "check:tiny_llama/mta",
+        "train:tiny_llama/mta",
+        "train:tiny_llama/baseline",
+        "eval:tiny_llama/mta",
+        "eval:tiny_llama/baseline",
+        "report",
+    ]
     pt = d / "runs" / "imports" / "tiny_llama" / "consolidated.pt"
     assert jobs["import:tiny_llama"].command[-4:] == ["mta_repro.hf", "import", str(folder), str(pt)]
     assert jobs["check:tiny_llama/mta"].deps == ["import:tiny_llama"]
@@ -156,8 +212,11 @@ def test_rerun_skips_everything_and_a_changed_folder_reimports(finished, tmp_pat
 def test_plan_errors_name_the_field(tmp_path):
     spec = _spec(tmp_path)
     spec["stages"][0]["init_from"] = "import:nope"
-    with pytest.raises(UserError, match=r"pipeline.stages\[0\].init_from: 'import:nope': no such entry in "
-                                        r"pipeline.imports \(has \['tiny_llama'\]\)"):
+    with pytest.raises(
+        UserError,
+        match=r"pipeline.stages\[0\].init_from: 'import:nope': no such entry in "
+        r"pipeline.imports \(has \['tiny_llama'\]\)",
+    ):
         Plan(OmegaConf.create(spec), tmp_path / "runs")
     spec = _spec(tmp_path)
     spec["stages"][0]["continue_data"] = True
@@ -183,16 +242,20 @@ def test_slurm_chain_import_check_train(finished, tmp_path, monkeypatch):
     log.touch()
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
-    for name, body in (("sbatch", f'n=$(( $(wc -l < {log}) + 100 ))\necho "$n $*" >> {log}\necho "$n"\n'),
-                       ("squeue", "exit 0\n")):
+    for name, body in (
+        ("sbatch", f'n=$(( $(wc -l < {log}) + 100 ))\necho "$n $*" >> {log}\necho "$n"\n'),
+        ("squeue", "exit 0\n"),
+    ):
         (bin_dir / name).write_text("#!/bin/bash\n" + body)
         (bin_dir / name).chmod((bin_dir / name).stat().st_mode | stat.S_IEXEC)
     monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
     root = tmp_path / "runs"
     plan = Plan(OmegaConf.create(_spec(folder)), root)
     assert submit_slurm(plan, log=lambda *_: None) == 0
-    calls = {c.split()[-1]: (c.split()[0], [a for a in c.split()[1:-1] if a.startswith("--dependency")])
-             for c in log.read_text().splitlines()}
+    calls = {
+        c.split()[-1]: (c.split()[0], [a for a in c.split()[1:-1] if a.startswith("--dependency")])
+        for c in log.read_text().splitlines()
+    }
     job = lambda rel, kind: calls[str(root / rel / "slurm" / f"pipeline_{kind}.sbatch")]  # noqa: E731
     imp, chk = job("imports/tiny_llama", "import"), job("tiny_llama/mta", "check")
     assert imp[1] == [] and chk[1] == [f"--dependency=afterok:{imp[0]}"]

@@ -35,12 +35,11 @@ from pathlib import Path
 import pytest
 import torch
 import zstandard
+from test_data import domains_corpus, write_jsonl
 
 from mta_repro.data import DataArgs, TokenizerArgs, build_train_loader
 from mta_repro.data.sources import ShortFileError, _LineReader, fingerprint, list_entries
 from mta_repro.train import provenance as pv
-
-from test_data import domains_corpus, write_jsonl
 
 ROOT = Path(__file__).resolve().parents[1]
 BYTES = TokenizerArgs(name="bytes", path=None)
@@ -48,8 +47,16 @@ sys.path.insert(0, str(Path(__file__).parent / "fixtures" / "eval"))
 
 
 def _args(root, **kw):
-    return DataArgs(root_dir=str(root), layout="domains", sources={"a": 1.0}, seq_len=16, batch_size=2,
-                    shuffle_buffer=2, tokenizer=BYTES, **kw)
+    return DataArgs(
+        root_dir=str(root),
+        layout="domains",
+        sources={"a": 1.0},
+        seq_len=16,
+        batch_size=2,
+        shuffle_buffer=2,
+        tokenizer=BYTES,
+        **kw,
+    )
 
 
 def _state_in(loader, file_index: int, min_done: int = 0) -> dict:
@@ -58,7 +65,11 @@ def _state_in(loader, file_index: int, min_done: int = 0) -> dict:
     for _ in range(2000):
         sd = loader.state_dict()
         s = sd["streams"]["a"]
-        if s["file"].endswith(f".chunk.{file_index:02d}.jsonl.zst") and s["offset"] > 0 and len(sd["files"]) >= min_done:
+        if (
+            s["file"].endswith(f".chunk.{file_index:02d}.jsonl.zst")
+            and s["offset"] > 0
+            and len(sd["files"]) >= min_done
+        ):
             return pickle.loads(pickle.dumps(sd))
         next(loader)
     raise AssertionError("the stream never got there")
@@ -95,8 +106,11 @@ def test_the_listing_fingerprint_is_names_sizes_and_mtimes(tmp_path):
     assert [e[0] for e in entries] == [f"a/{f.name}" for f in files]
     lines = "".join(f"a/{f.name}\t{f.stat().st_size}\t{f.stat().st_mtime_ns}\n" for f in files)
     fp = fingerprint(entries)
-    assert fp == {"files": 3, "bytes": sum(f.stat().st_size for f in files),
-                  "sha256": hashlib.sha256(lines.encode()).hexdigest()}
+    assert fp == {
+        "files": 3,
+        "bytes": sum(f.stat().st_size for f in files),
+        "sha256": hashlib.sha256(lines.encode()).hexdigest(),
+    }
     # without mtimes a copy of the corpus is the same; with them, a rewrite in place is noticed
     shutil.copytree(tmp_path / "c", tmp_path / "d", copy_function=shutil.copyfile)  # new mtimes
     copy = list_entries(_args(tmp_path / "d"), "a", "train")
@@ -123,8 +137,7 @@ def test_a_resume_refuses_changed_text_and_not_a_touched_file(tmp_path):
     assert fresh.input_check == {"refuse": [], "warn": []}
     got = [next(fresh) for _ in range(6)]
     assert all(torch.equal(a["input"], b["input"]) for a, b in zip(got, expected))
-    assert fresh.state_dict()["files"]["a/a.chunk.00.jsonl.zst"][:2] == (first.stat().st_size,
-                                                                         first.stat().st_mtime_ns)
+    assert fresh.state_dict()["files"]["a/a.chunk.00.jsonl.zst"][:2] == (first.stat().st_size, first.stat().st_mtime_ns)
 
     # the open file replaced by another: the text read of it differs
     keep = open_.read_bytes()
@@ -159,8 +172,10 @@ def test_files_that_vanish_or_appear_are_named_and_the_run_keeps_its_files(tmp_p
     check = fresh.input_check
     assert check["refuse"] == []
     vanished, layout = check["warn"]
-    assert vanished == ("1 file(s) of rank 0's share vanished before it read them (a/a.chunk.02.jsonl.zst): it "
-                        "reads its other 2 files without them")
+    assert vanished == (
+        "1 file(s) of rank 0's share vanished before it read them (a/a.chunk.02.jsonl.zst): it "
+        "reads its other 2 files without them"
+    )
     assert "files that appeared are not read" in layout and "(3 files," in layout
     docs = [fresh.streams["a"].next_doc() for _ in range(150)]
     assert {d.split("|")[1] for d in docs} == {"0", "1"}  # epochs over its own files, less the vanished one
@@ -209,7 +224,8 @@ def test_a_moved_tokenizer_is_the_same_one_of_other_content_is_not(tmp_path):
     change = pv.tokenizer_change(rec, pv.tokenizer_identity({"name": "sentencepiece", "path": str(other)}))
     assert change.startswith(f"data.tokenizer.path={other}: its content differs from the tokenizer recorded")
     assert pv.tokenizer_change(rec, pv.tokenizer_identity({"name": "bytes", "path": None})).startswith(
-        "data.tokenizer.name is 'bytes'")
+        "data.tokenizer.name is 'bytes'"
+    )
 
 
 def _swapped_tokenizer(out: Path) -> Path:
@@ -264,15 +280,23 @@ def test_a_checkpoint_pruned_while_read_is_not_called_unreadable(tmp_path, monke
 
 # ------------------------------------------------------------------ report and pipeline
 def _eval_json(run: Path, step: int, tok_sha: str, task: str = "ppl") -> None:
-    prov = {"checkpoint": {"path": str(run / "export" / "consolidated.pt"), "step": step, "weights_sha256": "ab" * 32,
-                           "tokens_seen": step * 64},
-            "tokenizer": {"name": "bytes", "sha256": tok_sha},
-            "validation": {"files": 1, "bytes": 100, "sha256": "cd" * 32},
-            "code": {"package": "0.1.0", "commit": "f" * 40, "dirty": False}, "accepted": []}
+    prov = {
+        "checkpoint": {
+            "path": str(run / "export" / "consolidated.pt"),
+            "step": step,
+            "weights_sha256": "ab" * 32,
+            "tokens_seen": step * 64,
+        },
+        "tokenizer": {"name": "bytes", "sha256": tok_sha},
+        "validation": {"files": 1, "bytes": 100, "sha256": "cd" * 32},
+        "code": {"package": "0.1.0", "commit": "f" * 40, "dirty": False},
+        "accepted": [],
+    }
     res = {"domains": {"book": {"ppl": 20.0, "loss": 3.0, "tokens": 10}}, "average": 20.0, "seq_len": 256}
     (run / "eval").mkdir(exist_ok=True)
-    (run / "eval" / f"{task}.json").write_text(json.dumps({"task": task, "variant": "baseline", "step": step,
-                                                            "provenance": prov, "results": res}))
+    (run / "eval" / f"{task}.json").write_text(
+        json.dumps({"task": task, "variant": "baseline", "step": step, "provenance": prov, "results": res})
+    )
 
 
 @pytest.mark.slow
@@ -332,10 +356,22 @@ def test_an_hf_export_records_what_its_weights_came_from(tmp_path):
 
 
 # ------------------------------------------------------------------ as users run it
-TRAIN = ["model.dim=64", "model.n_layers=2", "model.n_heads=4", "model.multiple_of=32", "model.kq_conv_layers=1",
-         "data.seq_len=32", "data.batch_size=2", "data.shuffle_buffer=4", "trainer.device=cpu",
-         "trainer.eval_every=0", "logging.every=1", "logging.wandb_mode=disabled", "logging.progress_bar=false",
-         "optim.warmup=2"]
+TRAIN = [
+    "model.dim=64",
+    "model.n_layers=2",
+    "model.n_heads=4",
+    "model.multiple_of=32",
+    "model.kq_conv_layers=1",
+    "data.seq_len=32",
+    "data.batch_size=2",
+    "data.shuffle_buffer=4",
+    "trainer.device=cpu",
+    "trainer.eval_every=0",
+    "logging.every=1",
+    "logging.wandb_mode=disabled",
+    "logging.progress_bar=false",
+    "optim.warmup=2",
+]
 
 
 def _env():
@@ -343,17 +379,39 @@ def _env():
 
 
 def _train(run_dir, *overrides, check=True):
-    p = subprocess.run([sys.executable, "-m", "mta_repro.train", f"run_dir={run_dir}", *TRAIN, *overrides], cwd=ROOT,
-                       env=_env(), capture_output=True, text=True, timeout=600)
+    p = subprocess.run(
+        [sys.executable, "-m", "mta_repro.train", f"run_dir={run_dir}", *TRAIN, *overrides],
+        cwd=ROOT,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     if check and p.returncode != 0:
         raise AssertionError(f"trainer failed ({p.returncode}):\n{p.stderr[-3000:]}")
     return p
 
 
 def _eval(run_dir, *overrides):
-    return subprocess.run([sys.executable, "-m", "mta_repro.eval", str(run_dir), "tasks=[ppl]", "ppl.max_batches=1",
-                           "ppl.batch_size=1", "ppl.domains=[book]", "device=cpu", *overrides], cwd=ROOT,
-                          env=_env(), capture_output=True, text=True, timeout=600)
+    return subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "mta_repro.eval",
+            str(run_dir),
+            "tasks=[ppl]",
+            "ppl.max_batches=1",
+            "ppl.batch_size=1",
+            "ppl.domains=[book]",
+            "device=cpu",
+            *overrides,
+        ],
+        cwd=ROOT,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
 
 
 def _one_line_error(p, prog):
@@ -400,10 +458,25 @@ def test_a_shard_replaced_between_run_and_resume_is_refused_then_accepted(tmp_pa
 
 @pytest.mark.slow
 def test_evals_beside_a_trainer_that_saves_and_prunes_every_step_succeed(tmp_path):
-    run, log = tmp_path / "run", open(tmp_path / "trainer.log", "w")
-    trainer = subprocess.Popen([sys.executable, "-m", "mta_repro.train", f"run_dir={run}", *TRAIN, "trainer.steps=100000",
-                                "checkpoint.every=1", "checkpoint.keep=1", "checkpoint.export=false",
-                                "logging.every=50"], cwd=ROOT, env=_env(), stdout=log, stderr=log)
+    run, log = tmp_path / "run", open(tmp_path / "trainer.log", "w")  # noqa: SIM115 - the trainer's, closed at the end
+    trainer = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "mta_repro.train",
+            f"run_dir={run}",
+            *TRAIN,
+            "trainer.steps=100000",
+            "checkpoint.every=1",
+            "checkpoint.keep=1",
+            "checkpoint.export=false",
+            "logging.every=50",
+        ],
+        cwd=ROOT,
+        env=_env(),
+        stdout=log,
+        stderr=log,
+    )
     results = []
     try:
         deadline = time.time() + 300
@@ -426,6 +499,8 @@ def test_evals_beside_a_trainer_that_saves_and_prunes_every_step_succeed(tmp_pat
         assert f"eval: {run}: step {step} (" in p.stderr  # it names the step it used
         steps.append(step)
     assert steps == sorted(steps) and steps[-1] > steps[0]  # the newest complete one each time
+
+
 @pytest.mark.slow
 def test_a_swapped_tokenizer_is_refused_by_resume_eval_and_a_stage_start(tmp_path):
     tok = tmp_path / "tok.model"
@@ -440,20 +515,20 @@ def test_a_swapped_tokenizer_is_refused_by_resume_eval_and_a_stage_start(tmp_pat
     assert rec["checkpoint"]["step"] == 2 and rec["checkpoint"]["tokens_seen"] == 2 * 2 * 32
     assert rec["validation"]["files"] == 1 and rec["code"]["package"]
     _swapped_tokenizer(tok)  # same file, same vocabulary size, other pieces
-    line = _one_line_error(_train(run, *common, "trainer.steps=4", "checkpoint.allow_config_change=true",
-                                  check=False), "train")
+    line = _one_line_error(
+        _train(run, *common, "trainer.steps=4", "checkpoint.allow_config_change=true", check=False), "train"
+    )
     assert line.startswith(f"train: error: data.tokenizer.path={tok}: its content differs from the tokenizer ")
     assert "checkpoint.accept_changed_tokenizer=true" in line
     line = _one_line_error(_eval(run), "eval")
     assert "its content differs" in line and "accept_changed_tokenizer=true" in line
     stage = tmp_path / "stage"
-    line = _one_line_error(_train(stage, *common, "trainer.steps=2", f"checkpoint.init_from={run}", check=False),
-                           "train")
+    line = _one_line_error(
+        _train(stage, *common, "trainer.steps=2", f"checkpoint.init_from={run}", check=False), "train"
+    )
     assert f"checkpoint.init_from={run} was trained with the recorded one" in line
     assert not stage.exists()  # a refused start leaves no run dir
     accepted = _eval(run, "accept_changed_tokenizer=true", "--force")
     assert accepted.returncode == 0, accepted.stderr[-3000:]
     (acc,) = json.loads((run / "eval" / "ppl.json").read_text())["provenance"]["accepted"]
     assert acc["what"] == "tokenizer" and acc["override"] == "accept_changed_tokenizer=true"
-
-

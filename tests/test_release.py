@@ -25,21 +25,23 @@ import pytest
 import torch
 
 from mta_repro.estimate import params
-from mta_repro.train.config import compose, model_args_from
 from mta_repro.model import build_model
 from mta_repro.release import (
     LLAMA3_N_WORDS,
     RELEASE_DEFAULTS,
     experiment_yaml,
     load_release_config,
-    main as release_main,
     release_model_args,
+)
+from mta_repro.release import (
+    main as release_main,
 )
 from mta_repro.release import release_file_to_config as convert_file  # noqa: E402 - short names in these tests
 from mta_repro.release import release_to_config as convert  # noqa: E402
 from mta_repro.release.config import _merge_defaults  # noqa: E402 - the defaults merge itself
-from mta_repro.weights.lingua import release_checkpoint_path, release_state_dict_to_ours  # noqa: E402
 from mta_repro.train.checkpoint import load_init_weights  # noqa: E402
+from mta_repro.train.config import compose, model_args_from
+from mta_repro.weights.lingua import release_checkpoint_path, release_state_dict_to_ours  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 FIX = ROOT / "tests" / "fixtures" / "release"
@@ -82,7 +84,13 @@ def test_absent_fields_take_the_release_defaults():
     assert a.mta.after_sm_query_kernel_size is None and a.mta.head_kernel_size is None
     assert [a.layer_kind(i) for i in range(a.n_layers)] == ["kq_conv"] * 3
     # BaseTransformerArgs / LMTransformerArgs.
-    assert (a.rope_theta, a.norm_eps, a.weight_tying, a.ffn_dim_multiplier, a.multiple_of) == (10000.0, 1e-5, False, 1.0, 256)
+    assert (a.rope_theta, a.norm_eps, a.weight_tying, a.ffn_dim_multiplier, a.multiple_of) == (
+        10000.0,
+        1e-5,
+        False,
+        1.0,
+        256,
+    )
     assert a.max_seqlen == 2048  # the release sets it to data.seq_len (DataArgs default 2048)
     assert a.vocab_size == 258  # vocab from Lingua's default "bytes" tokenizer
     assert a.seed == 42 and a.dropout == 0.0
@@ -94,8 +102,16 @@ def test_absent_fields_take_the_release_defaults():
     # Lingua's OptimArgs / trainer / checkpoint defaults.
     c = conv.config
     assert c["optim"] == {
-        "lr": 3e-4, "beta1": 0.9, "beta2": 0.95, "eps": 1e-8, "weight_decay": 0.1,
-        "exclude_norms_and_1d": False, "clip": 1.0, "warmup": 2000, "scheduler": "cosine", "lr_min_ratio": 0.1,
+        "lr": 3e-4,
+        "beta1": 0.9,
+        "beta2": 0.95,
+        "eps": 1e-8,
+        "weight_decay": 0.1,
+        "exclude_norms_and_1d": False,
+        "clip": 1.0,
+        "warmup": 2000,
+        "scheduler": "cosine",
+        "lr_min_ratio": 0.1,
     }
     assert c["trainer"]["steps"] == 1000 and c["trainer"]["grad_accum"] == 1
     assert c["checkpoint"]["every"] == 1000 and c["checkpoint"]["keep"] == 1_000_000  # keep 0 = all
@@ -110,10 +126,21 @@ def test_talking_heads_pair_and_baseline_leftovers():
     assert {a.layer_kind(i) for i in range(a.n_layers)} == {"mixing"}
     # use_mta false: kernel sizes/mixing are ignored as in the release, group norm kept.
     conv = convert(
-        {"model": {"dim": 64, "n_heads": 4, "n_layers": 2,
-                   "mta": {"use_mta": False, "query_kernel_size": 3, "key_kernel_size": 3,
-                           "pre_sm_linear_head": True, "group_norm": True}},
-         "data": {"sources": {"c4": 1}}}
+        {
+            "model": {
+                "dim": 64,
+                "n_heads": 4,
+                "n_layers": 2,
+                "mta": {
+                    "use_mta": False,
+                    "query_kernel_size": 3,
+                    "key_kernel_size": 3,
+                    "pre_sm_linear_head": True,
+                    "group_norm": True,
+                },
+            },
+            "data": {"sources": {"c4": 1}},
+        }
     )
     a = conv.model_args()
     assert a.mta.query_kernel_size is None and not a.mta.pre_sm_linear_head and a.mta.group_norm
@@ -140,7 +167,9 @@ def test_talking_heads_pair_and_baseline_leftovers():
     ],
 )
 def test_unsupported_fields_are_refused_by_name(override, field):
-    raw = load_release_config(FIX / "tiny_mta.yaml", [override] + (["optim.scheduler=cosine"] if "cosine" in override else []))
+    raw = load_release_config(
+        FIX / "tiny_mta.yaml", [override] + (["optim.scheduler=cosine"] if "cosine" in override else [])
+    )
     with pytest.raises(ValueError, match=rf"release field {field.replace('.', '[.]')}\b"):
         convert(raw)
 
@@ -202,7 +231,9 @@ def _release_files(tmp_path) -> dict:
         for v in VARIANTS:
             text = subprocess.run(
                 ["git", "-C", str(RELEASE_MIRROR), "show", f"HEAD:projects/mta/configs/{size}_{v}.yaml"],
-                capture_output=True, text=True, check=True,
+                capture_output=True,
+                text=True,
+                check=True,
             ).stdout
             (tmp_path / f"{size}_{v}.yaml").write_text(text)
             out[size, v] = tmp_path / f"{size}_{v}.yaml"
@@ -222,7 +253,30 @@ def test_every_release_config_matches_our_experiment(tmp_path, capsys):
 # ------------------------------------------------------------------ convert, compose, train
 def _domains_corpus(root: Path, domains=("c4", "github"), docs=40):
     rng = random.Random(0)
-    words = "the of and to in is was for on that with as by at from his an were are which this be".split()
+    words = [
+        "the",
+        "of",
+        "and",
+        "to",
+        "in",
+        "is",
+        "was",
+        "for",
+        "on",
+        "that",
+        "with",
+        "as",
+        "by",
+        "at",
+        "from",
+        "his",
+        "an",
+        "were",
+        "are",
+        "which",
+        "this",
+        "be",
+    ]
     for d in domains:
         (root / d).mkdir(parents=True, exist_ok=True)
         with open(root / d / "data.chunk.00.jsonl", "w") as f:
@@ -236,7 +290,7 @@ def _release_layout(sd: dict) -> dict:
     out = {}
     for k, v in sd.items():
         if k.startswith("layers.0."):
-            k = "layers.0._checkpoint_wrapped_module." + k[len("layers.0."):]
+            k = "layers.0._checkpoint_wrapped_module." + k[len("layers.0.") :]
         out["_orig_mod." + k if k.startswith("norm") else k] = v.clone()
     out["output.tied_module.weight"] = sd["tok_embeddings.weight"].clone()
     return out
@@ -291,8 +345,11 @@ def test_lingua_dcp_step_folders_and_dump_dirs_load(tmp_path):
     for step, seed in ((100, 1), (200, 2)):
         sds[step] = build_model(dataclasses.replace(args, seed=seed)).state_dict()
         d = tmp_path / "dump" / "checkpoints" / f"{step:010d}"
-        dcp.save({"model": _release_layout(sds[step]), "optim": {"state": {}, "param_groups": []}},
-                 checkpoint_id=str(d), no_dist=True)
+        dcp.save(
+            {"model": _release_layout(sds[step]), "optim": {"state": {}, "param_groups": []}},
+            checkpoint_id=str(d),
+            no_dist=True,
+        )
         (d / "params.json").write_text(json.dumps(raw))
         (d / "train_state_00000.json").write_text(json.dumps({"step": step, "acc_step": 0}))
     for src, step in ((tmp_path / "dump" / "checkpoints" / f"{100:010d}", 100), (tmp_path / "dump", 200)):
@@ -336,9 +393,18 @@ def test_convert_cli_composes_and_trains_from_release_checkpoint(tmp_path, capsy
     cons = _save_release_checkpoint(tmp_path / "rel" / "0000000100", _release_layout(src.state_dict()), {})
     corpus = tmp_path / "corpus"
     _domains_corpus(corpus)
-    out = train(compose(base + run + [
-        f"run_dir={tmp_path / 'r1'}", f"data.root_dir={corpus}", f"checkpoint.init_from={cons}", "optim.lr=0",
-    ]))
+    out = train(
+        compose(
+            base
+            + run
+            + [
+                f"run_dir={tmp_path / 'r1'}",
+                f"data.root_dir={corpus}",
+                f"checkpoint.init_from={cons}",
+                "optim.lr=0",
+            ]
+        )
+    )
     assert out["step"] == 2 and torch.isfinite(torch.tensor(out["loss"]))
     exported = torch.load(out["export"], weights_only=False)["model"]
     for k, v in src.state_dict().items():

@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import types
 import typing
 from pathlib import Path
 
@@ -27,12 +28,12 @@ import torch
 from torch import nn
 
 from mta_repro.estimate import params
-from mta_repro.train.config import TrainConfig
-from mta_repro.model import MTAArgs, ModelArgs, build_model
+from mta_repro.model import ModelArgs, MTAArgs, build_model
 from mta_repro.model.flops import model_flops_per_token
 from mta_repro.release import load_release_config, release_model_args
-from mta_repro.weights.lingua import release_state_dict_to_ours
 from mta_repro.release import release_file_to_config as convert_file
+from mta_repro.train.config import TrainConfig
+from mta_repro.weights.lingua import release_state_dict_to_ours
 
 FIX = Path(__file__).resolve().parent / "fixtures" / "release"
 EPS = 1e-5
@@ -60,11 +61,14 @@ def bf16_model(norm_order: str, dim: int = 256):
     return model.to(torch.bfloat16)
 
 
-@pytest.mark.parametrize("order,block,final", [
-    ("release", release_norm, lingua_norm),
-    ("lingua", lingua_norm, lingua_norm),
-    ("hf", release_norm, release_norm),
-])
+@pytest.mark.parametrize(
+    "order,block,final",
+    [
+        ("release", release_norm, lingua_norm),
+        ("lingua", lingua_norm, lingua_norm),
+        ("hf", release_norm, release_norm),
+    ],
+)
 def test_bf16_norms_equal_their_formula_bit_for_bit(order, block, final):
     model = bf16_model(order)
     x = (3 * torch.randn(4, 33, 256, generator=torch.Generator().manual_seed(1))).to(torch.bfloat16)
@@ -110,8 +114,12 @@ def test_norm_order_changes_nothing_in_fp32():
 
 # ------------------------------------------------------------------ Lingua's init options
 def lingua_factor(kind: str, depth: int, n_layers: int, dim: int) -> float:
-    return {"disabled": 1.0, "global_depth": math.sqrt(2 * (n_layers + 1)),
-            "current_depth": math.sqrt(2 * (depth + 1)), "dim_ratio": dim / 4096}[kind]
+    return {
+        "disabled": 1.0,
+        "global_depth": math.sqrt(2 * (n_layers + 1)),
+        "current_depth": math.sqrt(2 * (depth + 1)),
+        "dim_ratio": dim / 4096,
+    }[kind]
 
 
 def lingua_draws(args: ModelArgs, hidden: int) -> dict:
@@ -147,9 +155,17 @@ def lingua_draws(args: ModelArgs, hidden: int) -> dict:
 @pytest.mark.parametrize("factor", ["disabled", "global_depth", "current_depth", "dim_ratio"])
 @pytest.mark.parametrize("base_std", [None, 0.02])
 def test_lingua_init_options_match_their_definitions(factor, base_std):
-    args = ModelArgs(dim=64, n_layers=3, n_heads=4, n_kv_heads=2, vocab_size=50, multiple_of=32,
-                     init_std_factor=factor, init_base_std=base_std,
-                     mta=MTAArgs(use_mta=True, query_kernel_size=1, key_kernel_size=1, add_gating=True))
+    args = ModelArgs(
+        dim=64,
+        n_layers=3,
+        n_heads=4,
+        n_kv_heads=2,
+        vocab_size=50,
+        multiple_of=32,
+        init_std_factor=factor,
+        init_base_std=base_std,
+        mta=MTAArgs(use_mta=True, query_kernel_size=1, key_kernel_size=1, add_gating=True),
+    )
     sd = build_model(args).state_dict()
     want = lingua_draws(args, hidden=args.ffn_hidden_dim)
     for name, w in want.items():
@@ -172,9 +188,9 @@ def test_global_depth_shrinks_output_projections_by_its_factor():
 
 # ------------------------------------------------------------------ converter: schema types
 def _hint_types(hint) -> tuple:
-    if typing.get_origin(hint) is typing.Union:
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
         return tuple(t for a in typing.get_args(hint) for t in _hint_types(a))
-    if typing.get_origin(hint) in (dict, typing.Dict):
+    if typing.get_origin(hint) is dict:
         return (dict,)
     return (type(None),) if hint is type(None) else (typing.get_origin(hint) or hint,)
 
@@ -194,13 +210,33 @@ def _assert_schema_types(value, cls, where=""):
 def _lingua_params_json(path: Path, **model) -> Path:
     """A params.json as Lingua's checkpointing writes it (json.dump: 1e-05, 1e-08)."""
     cfg = {
-        "name": "tiny", "dump_dir": "/tmp/tiny", "seed": 42, "steps": 10,
+        "name": "tiny",
+        "dump_dir": "/tmp/tiny",
+        "seed": 42,
+        "steps": 10,
         "optim": {"lr": 0.0003, "epsilon": 1e-08, "weight_decay": 0.1, "warmup": 2, "lr_min_ratio": 1e-06},
-        "model": {"dim": 64, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "norm_eps": 1e-05, "rope_theta": 100000.0,
-                  "vocab_size": 120, "init_base_std": 2e-02, "init_std_factor": "current_depth",
-                  "sliding_window": 512, "multiple_of": 64,
-                  "mta": {"use_mta": True, "query_kernel_size": 2, "key_kernel_size": 3, "pre_sm_linear_head": True,
-                          "head_kernel_size": 2, "mta_layers": "1"}, **model},
+        "model": {
+            "dim": 64,
+            "n_layers": 2,
+            "n_heads": 4,
+            "n_kv_heads": 2,
+            "norm_eps": 1e-05,
+            "rope_theta": 100000.0,
+            "vocab_size": 120,
+            "init_base_std": 2e-02,
+            "init_std_factor": "current_depth",
+            "sliding_window": 512,
+            "multiple_of": 64,
+            "mta": {
+                "use_mta": True,
+                "query_kernel_size": 2,
+                "key_kernel_size": 3,
+                "pre_sm_linear_head": True,
+                "head_kernel_size": 2,
+                "mta_layers": "1",
+            },
+            **model,
+        },
         "data": {"root_dir": "/data", "sources": {"c4": 1.0}, "seq_len": 64, "tokenizer": {"name": "bytes"}},
     }
     text = json.dumps(cfg)
@@ -271,8 +307,8 @@ def conv_float64(scores, kernel, pad_key):
     for a in range(c_q):
         for j in range(c_k):
             di, dj = a - (c_q - 1), j - left  # the score row/column this tap reads, relative
-            src = s[:, :, max(0, di):t + min(0, di), max(0, dj):u + min(0, dj)]
-            out[:, :, max(0, -di):t - max(0, di), max(0, -dj):u - max(0, dj)] += k[:, 0, a, j, None, None] * src
+            src = s[:, :, max(0, di) : t + min(0, di), max(0, dj) : u + min(0, dj)]
+            out[:, :, max(0, -di) : t - max(0, di), max(0, -dj) : u - max(0, dj)] += k[:, 0, a, j, None, None] * src
     return out
 
 
@@ -286,8 +322,9 @@ def test_bf16_kq_conv_is_the_float64_sum_rounded_once(c_q, c_k, pad_key):
     float64 sum rounded once; which order a CPU uses decides only the last bit of inexact sums
     (scripts/bf16_conv_order.py measures it here), bounded below by one ulp for positive
     inputs, which the second half checks."""
-    from mta_repro.model.attention_ops import kq_conv_dense as kq_conv, masked_kq_conv
     from mta_repro.kernels.interface import AttnMask
+    from mta_repro.model.attention_ops import kq_conv_dense as kq_conv
+    from mta_repro.model.attention_ops import masked_kq_conv
 
     g = torch.Generator().manual_seed(100 * c_q + c_k)
     # multiples of 1/8 up to 2 and of 1/16 up to 1: products multiples of 2^-7 below 2, sums of at
@@ -297,7 +334,7 @@ def test_bf16_kq_conv_is_the_float64_sum_rounded_once(c_q, c_k, pad_key):
     want = conv_float64(s, k, pad_key).to(torch.bfloat16)
     assert not torch.equal(conv_float64(s, k, pad_key), want.double())  # the rounding is real
     assert torch.equal(kq_conv(s, k, pad_key), want)
-    k32 = k.float() * (1 + 2.0 ** -10)  # below half a bf16 ulp: the cast drops it
+    k32 = k.float() * (1 + 2.0**-10)  # below half a bf16 ulp: the cast drops it
     assert not torch.equal(k32, k.float()) and torch.equal(kq_conv(s, k32, pad_key), want)
     allowed = torch.ones(40, 40, dtype=torch.bool).tril()
     masked = masked_kq_conv(s, k, pad_key, allowed, AttnMask(), backend="conv2d")
@@ -307,4 +344,4 @@ def test_bf16_kq_conv_is_the_float64_sum_rounded_once(c_q, c_k, pad_key):
     k = torch.rand(3, 1, c_q, c_k, generator=g).to(torch.bfloat16)
     exact = conv_float64(s, k, pad_key)
     got = kq_conv(s, k, pad_key).double()
-    assert ((got - exact).abs() <= exact.abs() * 2.0 ** -7).all()
+    assert ((got - exact).abs() <= exact.abs() * 2.0**-7).all()

@@ -14,39 +14,65 @@ from omegaconf import OmegaConf
 sys.path.insert(0, str(Path(__file__).parent / "fixtures" / "eval"))
 from eval_helpers import make_run  # noqa: E402
 
-from mta_repro.train.config import compose  # noqa: E402
 from mta_repro.report.__main__ import build_report, main  # noqa: E402
 from mta_repro.report.plots import loss_series  # noqa: E402
 from mta_repro.report.tables import describe_mta, load_run  # noqa: E402
+from mta_repro.train.config import compose  # noqa: E402
 
 
-def write_evals(run_dir: Path, variant: str, ppl_scale: float, step: int = 7, bench_names=None,
-                babilong_source="generated", window=2048, metrics=None):
+def write_evals(
+    run_dir: Path,
+    variant: str,
+    ppl_scale: float,
+    step: int = 7,
+    bench_names=None,
+    babilong_source="generated",
+    window=2048,
+    metrics=None,
+):
     ev = run_dir / "eval"
     ev.mkdir(parents=True, exist_ok=True)
     doms = {"book": 20.0 * ppl_scale, "github": 8.0 * ppl_scale}
-    ppl = {"domains": {d: {"ppl": p, "loss": math.log(p), "tokens": 100} for d, p in doms.items()},
-           "average": sum(doms.values()) / 2, "seq_len": window}
+    ppl = {
+        "domains": {d: {"ppl": p, "loss": math.log(p), "tokens": 100} for d, p in doms.items()},
+        "average": sum(doms.values()) / 2,
+        "seq_len": window,
+    }
     common = {"variant": variant, "step": step}
     (ev / "ppl.json").write_text(json.dumps({"task": "ppl", **common, "results": ppl}))
-    needle = {"accuracy": {"2048": {"2": {"by_depth": {"0": 1.0, "50": 0.5, "100": 0.0}, "mean": 0.5},
-                                    "4": {"by_depth": {"0": 0.5, "50": 0.25, "100": 0.0}, "mean": 0.25}}}}
+    needle = {
+        "accuracy": {
+            "2048": {
+                "2": {"by_depth": {"0": 1.0, "50": 0.5, "100": 0.0}, "mean": 0.5},
+                "4": {"by_depth": {"0": 0.5, "50": 0.25, "100": 0.0}, "mean": 0.25},
+            }
+        }
+    }
     (ev / "needle.json").write_text(json.dumps({"task": "needle", **common, "results": needle}))
-    bab = {"accuracy": {"qa1": {"0k": 0.5, "1k": 0.25}, "qa2": {"0k": 0.75, "1k": 0.5}},
-           "mean": {"0k": 0.625, "1k": 0.375}, "settings": {"source": babilong_source}}
+    bab = {
+        "accuracy": {"qa1": {"0k": 0.5, "1k": 0.25}, "qa2": {"0k": 0.75, "1k": 0.5}},
+        "mean": {"0k": 0.625, "1k": 0.375},
+        "settings": {"source": babilong_source},
+    }
     (ev / "babilong.json").write_text(json.dumps({"task": "babilong", **common, "results": bab}))
     names = bench_names or {"piqa": 60.0 * ppl_scale, "hellaswag": 30.0, "mmlu": 25.0}
-    bench = {"tasks": {n: ({"acc,none": 0.1, "acc_norm,none": v / 100} if n.startswith("hellaswag") else
-                           {"acc,none": v / 100}) for n, v in names.items()},
-             "summary": {**names, "average": sum(names.values()) / len(names)},
-             **({"metrics": metrics} if metrics else {})}
+    bench = {
+        "tasks": {
+            n: ({"acc,none": 0.1, "acc_norm,none": v / 100} if n.startswith("hellaswag") else {"acc,none": v / 100})
+            for n, v in names.items()
+        },
+        "summary": {**names, "average": sum(names.values()) / len(names)},
+        **({"metrics": metrics} if metrics else {}),
+    }
     (ev / "benchmarks.json").write_text(json.dumps({"task": "benchmarks", **common, "results": bench}))
-    lam = {"tasks": {}, "summary": {"lambada_standard": {"ppl": 50.0, "acc": 10.0},
-                                    "lambada_openai": {"ppl": 30.0, "acc": 12.0}}}
+    lam = {
+        "tasks": {},
+        "summary": {"lambada_standard": {"ppl": 50.0, "acc": 10.0}, "lambada_openai": {"ppl": 30.0, "acc": 12.0}},
+    }
     (ev / "lambada.json").write_text(json.dumps({"task": "lambada", **common, "results": lam}))
     with open(run_dir / "metrics.jsonl", "w") as f:
         for s in range(1, 21):
-            f.write(json.dumps({"step": s, "loss": 6.0 * ppl_scale / s ** 0.3, "lr": 1e-3}) + "\n")
+            f.write(json.dumps({"step": s, "loss": 6.0 * ppl_scale / s**0.3, "lr": 1e-3}) + "\n")
 
 
 def _csv(path):
@@ -65,8 +91,20 @@ def test_report_tables_and_plots(tmp_path):
     md = (out / "report.md").read_text()
     # per-domain ppl, the difference to the baseline of the same stage, the paper's pretraining average
     head, ppl = _csv(out / "ppl.csv")
-    assert head == ["run", "model", "stage", "trained", "window", "book", "github", "avg", "Δ vs baseline",
-                    "paper avg", "paper Δ", "vs paper"]
+    assert head == [
+        "run",
+        "model",
+        "stage",
+        "trained",
+        "window",
+        "book",
+        "github",
+        "avg",
+        "Δ vs baseline",
+        "paper avg",
+        "paper Δ",
+        "vs paper",
+    ]
     m, b = ppl["MTA tiny"], ppl["base_run"]
     assert float(m["book"]) == pytest.approx(20.0) and float(m["avg"]) == pytest.approx(14.0)
     assert float(m["Δ vs baseline"]) == pytest.approx(14.0 - 15.4) and float(b["Δ vs baseline"]) == 0.0
@@ -83,8 +121,11 @@ def test_report_tables_and_plots(tmp_path):
     assert float(bench["MTA tiny"]["paper avg"]) == 44.9
     assert float(bench["MTA tiny"]["Δ vs baseline"]) == pytest.approx((60 + 30 + 25) / 3 - (66 + 30 + 25) / 3)
     assert "avg over 3 of the paper's 9 tasks" in bench["MTA tiny"]["vs paper"]
-    assert "Metric per task (lm-eval), the one the paper's table reports: piqa acc_norm, hellaswag acc_norm, " \
-           "mmlu acc" in md and "not the paper's metric" not in md
+    assert (
+        "Metric per task (lm-eval), the one the paper's table reports: piqa acc_norm, hellaswag acc_norm, mmlu acc"
+        in md
+        and "not the paper's metric" not in md
+    )
     # one MTA configuration, not the release's: no ablation table (the ppl table has every run)
     assert not (out / "ablations.csv").exists()
     for name in ("ppl", "benchmarks", "lambada", "needle", "babilong"):
@@ -105,8 +146,13 @@ def test_report_tables_and_plots(tmp_path):
     row = next(r for r in res["tables"]["ppl"]["rows"] if r["run"] == "MTA tiny")
     assert row["avg"] == pytest.approx(14.0) and row["paper avg"] == 10.91
     assert set(res["tables"]) == {"ppl", "benchmarks", "lambada", "needle", "babilong"}
-    for png in ("needle.png", "babilong.png", "loss_curves.png", "kernels_MTA_tiny_pre-softmax.png",
-                "kernels_MTA_tiny_post-softmax.png"):
+    for png in (
+        "needle.png",
+        "babilong.png",
+        "loss_curves.png",
+        "kernels_MTA_tiny_pre-softmax.png",
+        "kernels_MTA_tiny_post-softmax.png",
+    ):
         data = (out / png).read_bytes()
         assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000, png
     assert not (out / "kernels_base_run_pre-softmax.png").exists()
@@ -118,8 +164,9 @@ def _fake_run(path: Path, overrides, variant, avg, step=400_000, init_from=None,
     OmegaConf.save(OmegaConf.to_container(cfg, resolve=True), path / "config.yaml")
     (path / "eval").mkdir()
     ppl = {"domains": {"book": {"ppl": avg, "loss": math.log(avg), "tokens": 1}}, "average": avg, "seq_len": window}
-    (path / "eval" / "ppl.json").write_text(json.dumps({"task": "ppl", "variant": variant, "step": step,
-                                                       "results": ppl}))
+    (path / "eval" / "ppl.json").write_text(
+        json.dumps({"task": "ppl", "variant": variant, "step": step, "results": ppl})
+    )
     return path
 
 
@@ -131,8 +178,16 @@ def test_table5_number_only_on_matching_rows(tmp_path):
         "curse_norm": (base + ["model.mta.curse_norm=true"], 11.41),
         "rescale_nogate": (base + ["model.mta.layer_norm_rescale=true", "model.mta.add_gating=false"], None),
         "nogate": (base + ["model.mta.add_gating=false"], None),
-        "kernel_4x7": (base + ["model.mta.query_kernel_size=4", "model.mta.key_kernel_size=7",
-                               "model.mta.after_sm_query_kernel_size=4", "model.mta.after_sm_key_kernel_size=7"], None),
+        "kernel_4x7": (
+            base
+            + [
+                "model.mta.query_kernel_size=4",
+                "model.mta.key_kernel_size=7",
+                "model.mta.after_sm_query_kernel_size=4",
+                "model.mta.after_sm_key_kernel_size=7",
+            ],
+            None,
+        ),
         "every8": (base + ["model.mta.mta_layers='2,10,18'"], None),
     }
     dirs = [_fake_run(tmp_path / n, o, "mta", 11.0) for n, (o, _) in runs.items()]
@@ -152,9 +207,20 @@ def test_paper_columns_follow_the_stage(tmp_path):
     lc = ["model=880m", "model.rope_theta=500000", "data.seq_len=4096"]
     lc_b = _fake_run(tmp_path / "lc_b", lc + ["attention=baseline"], "baseline", 11.1, 40_054, pre_b, window=4096)
     lc_m = _fake_run(tmp_path / "lc_m", lc + ["attention=mta"], "mta", 10.7, 40_054, pre_m, window=4096)
-    ins = _fake_run(tmp_path / "ins", ["model=1b", "attention=mta", "model.mta.group_norm=false",
-                                       "model.mta.add_gating=false", "checkpoint.init_mode=baseline_to_mta"],
-                    "mta", 10.6, 100, pre_b)
+    ins = _fake_run(
+        tmp_path / "ins",
+        [
+            "model=1b",
+            "attention=mta",
+            "model.mta.group_norm=false",
+            "model.mta.add_gating=false",
+            "checkpoint.init_mode=baseline_to_mta",
+        ],
+        "mta",
+        10.6,
+        100,
+        pre_b,
+    )
     ctl = _fake_run(tmp_path / "ctl", ["model=1b", "attention=baseline"], "baseline", 10.7, 40_054, pre_b)
     out = tmp_path / "rep"
     build_report([pre_b, pre_m, lc_b, lc_m, ins, ctl], out, kernels=False)
@@ -202,8 +268,9 @@ def test_local_task_copies_and_old_names(tmp_path):
     d, _ = make_run(tmp_path / "r", attention="baseline")
     write_evals(d, "baseline", 1.0, bench_names={"arc_easy_local": 40.0, "siqa": 35.0, "hellaswag_local": 30.0})
     lam = {"tasks": {}, "summary": {"lambada_standard_local": {"ppl": 50.0, "acc": 10.0}}}
-    (d / "eval" / "lambada.json").write_text(json.dumps({"task": "lambada", "variant": "baseline", "step": 7,
-                                                         "results": lam}))
+    (d / "eval" / "lambada.json").write_text(
+        json.dumps({"task": "lambada", "variant": "baseline", "step": 7, "results": lam})
+    )
     out = tmp_path / "rep"
     build_report([d], out, kernels=False)
     head, bench = _csv(out / "benchmarks.csv")
@@ -223,12 +290,12 @@ def test_babilong_source_and_loss_series(tmp_path):
     write_evals(d, "baseline", 1.0, babilong_source="hf")
     with open(d / "metrics.jsonl", "a") as f:
         f.write(json.dumps({"step": 10, "val_loss": 5.5}) + "\n")
-        f.write(json.dumps({"step": 20, "val_loss": 5.0, "val_ppl": math.e ** 5, "val_loss/book": 4.0}) + "\n")
+        f.write(json.dumps({"step": 20, "val_loss": 5.0, "val_ppl": math.e**5, "val_loss/book": 4.0}) + "\n")
     run = load_run(d)
     s = loss_series(run)
     # one validation line per run (the mean over domains); ln(ppl) only without val_loss
     assert s["val_loss"] == [(10, 5.5), (20, 5.0)] and set(s) == {"train", "val_loss"}
-    run.metrics = [m for m in run.metrics if "val_loss" not in m] + [{"step": 30, "val_ppl": math.e ** 4}]
+    run.metrics = [m for m in run.metrics if "val_loss" not in m] + [{"step": 30, "val_ppl": math.e**4}]
     assert loss_series(run)["val_ppl (ln)"] == [(30, pytest.approx(4.0))]
     assert len(s["train"]) == 20
     out = tmp_path / "rep"
@@ -281,22 +348,46 @@ def test_appendix_i_rows_compare_with_their_own_models_pair(tmp_path):
     """Appendix I of the paper: each insertion and control row beside its own model's
     average perplexity (MTA vs control): 1.4B 10.61 / 10.69, Llama 3.2 1B 10.46 / 10.53,
     3.2 3B 8.89 / 8.93, 3.1 8B 8.48 / 8.53 (values written out here, not read from the code)."""
-    want = {"1b": (10.61, 10.69), "llama3_2_1b": (10.46, 10.53), "llama3_2_3b": (8.89, 8.93),
-            "llama3_1_8b": (8.48, 8.53)}
+    want = {
+        "1b": (10.61, 10.69),
+        "llama3_2_1b": (10.46, 10.53),
+        "llama3_2_3b": (8.89, 8.93),
+        "llama3_1_8b": (8.48, 8.53),
+    }
     # the paper's budgets: its own 1.4B 10.5B tokens, each public Llama 5.3B (262,144 tokens a step)
     steps = {"1b": 40_054, "llama3_2_1b": 20_218, "llama3_2_3b": 20_218, "llama3_1_8b": 20_218}
     pre_b = _fake_run(tmp_path / "pre_b", ["data.seq_len=2048", "model=1b", "attention=baseline"], "baseline", 11.3)
     dirs = []
     for m, (p_mta, p_ctl) in want.items():
         src = pre_b if m == "1b" else _fake_import(tmp_path / "imports" / f"{m}.pt", m)
-        ins = ["data.seq_len=2048", f"model={m}", "attention=mta", "model.mta.group_norm=false",
-               "model.mta.add_gating=false", "checkpoint.init_mode=baseline_to_mta"]
+        ins = [
+            "data.seq_len=2048",
+            f"model={m}",
+            "attention=mta",
+            "model.mta.group_norm=false",
+            "model.mta.add_gating=false",
+            "checkpoint.init_mode=baseline_to_mta",
+        ]
         dirs.append(_fake_run(tmp_path / f"{m}_mta", ins, "mta", p_mta - 0.01, steps[m], src))
-        dirs.append(_fake_run(tmp_path / f"{m}_ctl", ["data.seq_len=2048", f"model={m}", "attention=baseline"],
-                              "baseline", p_ctl + 0.02, steps[m], src))
+        dirs.append(
+            _fake_run(
+                tmp_path / f"{m}_ctl",
+                ["data.seq_len=2048", f"model={m}", "attention=baseline"],
+                "baseline",
+                p_ctl + 0.02,
+                steps[m],
+                src,
+            )
+        )
     # a control whose imported .pt is not on this machine: Llama 3's RoPE scaling says it is one
-    gone = _fake_run(tmp_path / "gone_ctl", ["data.seq_len=2048", "model=llama3_2_3b", "attention=baseline"],
-                     "baseline", 9.0, 20_218, tmp_path / "elsewhere" / "llama3_2_3b.pt")
+    gone = _fake_run(
+        tmp_path / "gone_ctl",
+        ["data.seq_len=2048", "model=llama3_2_3b", "attention=baseline"],
+        "baseline",
+        9.0,
+        20_218,
+        tmp_path / "elsewhere" / "llama3_2_3b.pt",
+    )
     out = tmp_path / "rep"
     build_report([pre_b, *dirs, gone], out, kernels=False)
     _, ppl = _csv(out / "ppl.csv")
@@ -310,16 +401,29 @@ def test_appendix_i_rows_compare_with_their_own_models_pair(tmp_path):
         assert r_mta["vs paper"] == "yes" and r_ctl["vs paper"] == "yes", m
     assert ppl["gone_ctl"]["stage"] == "continued training" and float(ppl["gone_ctl"]["paper avg"]) == 8.93
     md = (out / "report.md").read_text()
-    for what in ("MTA insertion: the paper's Llama 3.2 1B + 5.3B tokens (Appendix I)",
-                 "MTA insertion: the paper's Llama 3.1 8B + 5.3B tokens (Appendix I)",
-                 "continued training: the paper's Llama 3.2 3B trained on for 5.3B tokens (Appendix I control)",
-                 "MTA insertion: the paper's 1.4B + 10.5B tokens (Appendix I)"):
+    for what in (
+        "MTA insertion: the paper's Llama 3.2 1B + 5.3B tokens (Appendix I)",
+        "MTA insertion: the paper's Llama 3.1 8B + 5.3B tokens (Appendix I)",
+        "continued training: the paper's Llama 3.2 3B trained on for 5.3B tokens (Appendix I control)",
+        "MTA insertion: the paper's 1.4B + 10.5B tokens (Appendix I)",
+    ):
         assert what in md, what
     # fewer steps than the appendix's budget for that model: not comparable, and why
-    short = _fake_run(tmp_path / "short", ["data.seq_len=2048", "model=llama3_1_8b", "attention=mta",
-                                           "model.mta.group_norm=false", "model.mta.add_gating=false",
-                                           "checkpoint.init_mode=baseline_to_mta"], "mta", 8.6, 100,
-                      tmp_path / "imports" / "llama3_1_8b.pt")
+    short = _fake_run(
+        tmp_path / "short",
+        [
+            "data.seq_len=2048",
+            "model=llama3_1_8b",
+            "attention=mta",
+            "model.mta.group_norm=false",
+            "model.mta.add_gating=false",
+            "checkpoint.init_mode=baseline_to_mta",
+        ],
+        "mta",
+        8.6,
+        100,
+        tmp_path / "imports" / "llama3_1_8b.pt",
+    )
     build_report([short], tmp_path / "rep2", kernels=False)
     _, ppl = _csv(tmp_path / "rep2" / "ppl.csv")
     assert float(ppl["short"]["paper avg"]) == 8.48

@@ -45,8 +45,14 @@ COMMON = [
     # (1,012 forward batches) were 40-80 s of every job and of the reference
     "trainer.eval_max_batches=1",
 ]
-CPU_PROFILE = ["slurm.gpus_per_node=0", "slurm.tasks_per_node=2", "slurm.cpus_per_task=1", "slurm.cpu_bind=null",
-               "slurm.time_min=10", "slurm.signal_s=30"]
+CPU_PROFILE = [
+    "slurm.gpus_per_node=0",
+    "slurm.tasks_per_node=2",
+    "slurm.cpus_per_task=1",
+    "slurm.cpu_bind=null",
+    "slurm.time_min=10",
+    "slurm.signal_s=30",
+]
 
 
 # ------------------------------------------------------------------ helpers
@@ -72,8 +78,15 @@ def _env(**extra):
 
 
 def _run(args, check=True, **kw):
-    p = subprocess.run([sys.executable, *args], cwd=kw.pop("cwd", ROOT), env=kw.pop("env", _env()),
-                       capture_output=True, text=True, timeout=kw.pop("timeout", 300), **kw)
+    p = subprocess.run(
+        [sys.executable, *args],
+        cwd=kw.pop("cwd", ROOT),
+        env=kw.pop("env", _env()),
+        capture_output=True,
+        text=True,
+        timeout=kw.pop("timeout", 300),
+        **kw,
+    )
     if check:
         assert p.returncode == 0, p.stderr[-4000:]
     return p
@@ -103,8 +116,18 @@ def _wait_job(job, timeout=240):
 
 
 def _submit_train(run_dir, *extra):
-    p = _run(["-m", "mta_repro.train.submit", *COMMON, *CPU_PROFILE, f"run_dir={run_dir}",
-              "data.batch_size=2", *extra, "--submit"])
+    p = _run(
+        [
+            "-m",
+            "mta_repro.train.submit",
+            *COMMON,
+            *CPU_PROFILE,
+            f"run_dir={run_dir}",
+            "data.batch_size=2",
+            *extra,
+            "--submit",
+        ]
+    )
     m = re.search(r"Submitted batch job (\d+)", p.stdout)
     assert m, p.stdout + p.stderr
     return m.group(1)
@@ -134,8 +157,16 @@ def cluster():
 def reference(tmp_path_factory):
     """One plain process on the global batch of 4 (2 ranks x 1 in the SLURM jobs)."""
     run_dir = tmp_path_factory.mktemp("slurm_ref") / "one"
-    _run(["-m", "mta_repro.train", *COMMON, f"run_dir={run_dir}", "trainer.loader=batch_source:build",
-          "data.batch_size=4"])
+    _run(
+        [
+            "-m",
+            "mta_repro.train",
+            *COMMON,
+            f"run_dir={run_dir}",
+            "trainer.loader=batch_source:build",
+            "data.batch_size=4",
+        ]
+    )
     return _losses(run_dir)
 
 
@@ -194,19 +225,32 @@ def test_paths_made_absolute_and_init_from_checked(tmp_path):
     assert "run_dir=runs/next" not in srun and "init_from=runs/base" not in srun
     assert f"#SBATCH --output={tmp_path}/runs/next/slurm/%j.out" in p.stdout
     # A source run given relative to the submit directory must exist there.
-    p = _run(["-m", "mta_repro.train.submit", "experiment=long_context_880m_mta", *CPU_PROFILE,
-              "trainer.device=cpu", "checkpoint.init_from=runs/pretrain_880m_mta", "--submit"],
-             cwd=tmp_path, check=False)
+    p = _run(
+        [
+            "-m",
+            "mta_repro.train.submit",
+            "experiment=long_context_880m_mta",
+            *CPU_PROFILE,
+            "trainer.device=cpu",
+            "checkpoint.init_from=runs/pretrain_880m_mta",
+            "--submit",
+        ],
+        cwd=tmp_path,
+        check=False,
+    )
     assert p.returncode == 2 and "Traceback" not in p.stderr
     lines = p.stderr.strip().splitlines()  # one line a missing path (the paper's corpus and tokenizer too)
     assert all(line.startswith("mta_repro.train.submit: error: ") for line in lines), lines
-    assert (f"mta_repro.train.submit: error: checkpoint.init_from: {tmp_path}/runs/pretrain_880m_mta does not exist "
-            "(a run dir, a checkpoint dir or a .pt file; relative paths are taken from the submit directory; add "
-            "--no-check if it exists only on the compute nodes)") in lines
+    assert (
+        f"mta_repro.train.submit: error: checkpoint.init_from: {tmp_path}/runs/pretrain_880m_mta does not exist "
+        "(a run dir, a checkpoint dir or a .pt file; relative paths are taken from the submit directory; add "
+        "--no-check if it exists only on the compute nodes)"
+    ) in lines
     assert not (tmp_path / "runs" / "long_context_880m_mta").exists()  # nothing written, nothing queued
     # ... and a stage without its source says which field to give, in one line.
-    p = _run(["-m", "mta_repro.train.submit", "experiment=long_context_880m_mta", "--submit"], cwd=tmp_path,
-             check=False)
+    p = _run(
+        ["-m", "mta_repro.train.submit", "experiment=long_context_880m_mta", "--submit"], cwd=tmp_path, check=False
+    )
     assert p.returncode == 2 and len(p.stderr.strip().splitlines()) == 1
     assert p.stderr.startswith("mta_repro.train.submit: error: checkpoint.init_from: required")
 
@@ -219,8 +263,11 @@ def test_sweep_experiments_are_refused_with_the_launcher_to_use():
 
 
 def test_submit_without_sbatch_says_so(tmp_path):
-    p = _run(["-m", "mta_repro.train.submit", "experiment=debug", *CPU_PROFILE, f"run_dir={tmp_path}/r", "--submit"],
-             env=_env(PATH=str(tmp_path)), check=False)
+    p = _run(
+        ["-m", "mta_repro.train.submit", "experiment=debug", *CPU_PROFILE, f"run_dir={tmp_path}/r", "--submit"],
+        env=_env(PATH=str(tmp_path)),
+        check=False,
+    )
     assert p.returncode == 2 and "Traceback" not in p.stderr
     lines = p.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("mta_repro.train.submit: error: sbatch is not on PATH"), lines
@@ -230,8 +277,8 @@ def test_submit_without_sbatch_says_so(tmp_path):
 def test_non_zero_ranks_leave_hydra_output_to_rank_0(monkeypatch):
     from hydra import compose, initialize_config_dir
 
-    from mta_repro.train.config import CONFIG_DIR
     from mta_repro.train.__main__ import hydra_argv
+    from mta_repro.train.config import CONFIG_DIR
 
     for var in ("RANK", "WORLD_SIZE", "SLURM_PROCID", "SLURM_NTASKS"):
         monkeypatch.delenv(var, raising=False)
@@ -265,7 +312,8 @@ def test_gpu_job_hygiene_in_the_rendered_script(tmp_path):
 
     script, _ = render(["experiment=pretrain_880m_mta"])
     for line in (
-        "#SBATCH --mem=0\n", "#SBATCH --exclusive\n",
+        "#SBATCH --mem=0\n",
+        "#SBATCH --exclusive\n",
         "export PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}\n",
         "export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-${SLURM_TMPDIR:-/tmp}/",
         "export TORCHINDUCTOR_CACHE_DIR=${TORCHINDUCTOR_CACHE_DIR:-${SLURM_TMPDIR:-/tmp}/",
@@ -289,7 +337,9 @@ def test_gpu_job_hygiene_in_the_rendered_script(tmp_path):
     mem, _ = render(["experiment=debug", *CPU_PROFILE, "slurm.mem=64G"])
     assert "#SBATCH --mem=64G\n" in mem
     env = {"PATH": os.environ["PATH"], "PYTORCH_CUDA_ALLOC_CONF": "mine", "SLURM_JOB_ID": "7"}
-    exports = "\n".join(l for l in lines if l.startswith("export ")) + "\necho $PYTORCH_CUDA_ALLOC_CONF $TRITON_CACHE_DIR"
+    exports = (
+        "\n".join(l for l in lines if l.startswith("export ")) + "\necho $PYTORCH_CUDA_ALLOC_CONF $TRITON_CACHE_DIR"
+    )
     out = subprocess.run(["bash", "-c", exports], capture_output=True, text=True, env=env).stdout.split()
     assert out[0] == "mine" and out[1].startswith("/tmp/mta_repro_")
 
@@ -301,8 +351,22 @@ def test_time_limit_is_a_public_shared_helper():
 
 
 def test_eval_sbatch_mem_and_exclusive(tmp_path):
-    p = _run(["-m", "mta_repro.eval.submit", "runs/x", "tasks=[ppl]", "--gpus", "0", "--mem", "32G", "--exclusive",
-              "--after", "7"], cwd=tmp_path)
+    p = _run(
+        [
+            "-m",
+            "mta_repro.eval.submit",
+            "runs/x",
+            "tasks=[ppl]",
+            "--gpus",
+            "0",
+            "--mem",
+            "32G",
+            "--exclusive",
+            "--after",
+            "7",
+        ],
+        cwd=tmp_path,
+    )
     assert "#SBATCH --mem=32G\n#SBATCH --exclusive\n" in p.stdout
     assert "export PYTORCH_CUDA_ALLOC_CONF=" in p.stdout
 
@@ -310,9 +374,23 @@ def test_eval_sbatch_mem_and_exclusive(tmp_path):
 def test_pipeline_report_job_runs_after_all_end_and_is_small(tmp_path):
     """afterany (not afterok): a failed evaluation must not leave the report pending
     forever; it names what is missing; 2 CPUs for an hour, not a GPU job's day."""
-    p = subprocess.run([sys.executable, "-m", "mta_repro.pipeline", "pipeline=tiny", f"root={tmp_path}",
-                        "launcher=slurm", "pipeline.lm_eval_local=null", "--dry-run"],
-                       cwd=ROOT, capture_output=True, text=True, timeout=300, env=_env())
+    p = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "mta_repro.pipeline",
+            "pipeline=tiny",
+            f"root={tmp_path}",
+            "launcher=slurm",
+            "pipeline.lm_eval_local=null",
+            "--dry-run",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=_env(),
+    )
     assert p.returncode == 0, p.stderr[-2000:]
     head, report = p.stdout.split("# ---- report: sbatch ", 1)
     assert report.startswith("--dependency=afterany:")
@@ -370,15 +448,38 @@ def test_usr2_requeues_then_resumes_exactly(reference, tmp_path):
 def test_table5_sweep_through_submitit(tmp_path):
     # Two points of the kernel-size sweep, tiny model; one SLURM job and run dir per point
     # (the experiment's run_dir interpolates the swept fields; here under tmp_path).
-    p = _run(["-m", "mta_repro.train", "-m", "hydra/launcher=slurm", "experiment=ablation_kernels",
-              "model=tiny", "data=mini", "data.seq_len=32", "data.batch_size=1", "trainer.steps=2",
-              "trainer.device=cpu", "trainer.eval_max_batches=1", "distributed.compile=false",
-              "distributed.param_dtype=float32",
-              "checkpoint.every=2", "checkpoint.export=false", "logging.every=1", "logging.wandb_mode=disabled",
-              "logging.progress_bar=false", "slurm.nodes=1", "slurm.gpus_per_node=0", "slurm.tasks_per_node=1",
-              "slurm.cpus_per_task=1", "slurm.time_min=10",
-              f"run_dir={tmp_path}/kernel_${{model.mta.query_kernel_size}}x${{model.mta.key_kernel_size}}",
-              f"hydra.sweep.dir={tmp_path}/.sweep", "model.mta.key_kernel_size=7"], timeout=400)
+    p = _run(
+        [
+            "-m",
+            "mta_repro.train",
+            "-m",
+            "hydra/launcher=slurm",
+            "experiment=ablation_kernels",
+            "model=tiny",
+            "data=mini",
+            "data.seq_len=32",
+            "data.batch_size=1",
+            "trainer.steps=2",
+            "trainer.device=cpu",
+            "trainer.eval_max_batches=1",
+            "distributed.compile=false",
+            "distributed.param_dtype=float32",
+            "checkpoint.every=2",
+            "checkpoint.export=false",
+            "logging.every=1",
+            "logging.wandb_mode=disabled",
+            "logging.progress_bar=false",
+            "slurm.nodes=1",
+            "slurm.gpus_per_node=0",
+            "slurm.tasks_per_node=1",
+            "slurm.cpus_per_task=1",
+            "slurm.time_min=10",
+            f"run_dir={tmp_path}/kernel_${{model.mta.query_kernel_size}}x${{model.mta.key_kernel_size}}",
+            f"hydra.sweep.dir={tmp_path}/.sweep",
+            "model.mta.key_kernel_size=7",
+        ],
+        timeout=400,
+    )
     runs = sorted(d.name for d in tmp_path.iterdir() if not d.name.startswith("."))
     assert runs == ["kernel_4x7", "kernel_6x7"], (runs, p.stderr[-3000:])
     jobs = set()
@@ -396,10 +497,28 @@ def test_table5_sweep_through_submitit(tmp_path):
 @pytest.mark.usefixtures("cluster")
 def test_eval_job_runs_after_training_with_afterok(tmp_path):
     run_dir = tmp_path / "ev"
-    train = _submit_train(run_dir, "trainer.steps=2", "checkpoint.every=2", "slurm.tasks_per_node=1",
-                          "checkpoint.export=true")
-    p = _run(["-m", "mta_repro.eval.submit", str(run_dir), "tasks=[ppl]", "ppl.max_batches=2", "ppl.batch_size=1",
-              "--gpus", "0", "--cpus", "1", "--time-min", "10", "--after", train, "--submit"])
+    train = _submit_train(
+        run_dir, "trainer.steps=2", "checkpoint.every=2", "slurm.tasks_per_node=1", "checkpoint.export=true"
+    )
+    p = _run(
+        [
+            "-m",
+            "mta_repro.eval.submit",
+            str(run_dir),
+            "tasks=[ppl]",
+            "ppl.max_batches=2",
+            "ppl.batch_size=1",
+            "--gpus",
+            "0",
+            "--cpus",
+            "1",
+            "--time-min",
+            "10",
+            "--after",
+            train,
+            "--submit",
+        ]
+    )
     ev = re.search(r"Submitted batch job (\d+)", p.stdout).group(1)
     assert _job_field(ev, "Dependency") in (f"afterok:{train}(unfulfilled)", "(null)")
     assert _wait_job(train) == "COMPLETED"
@@ -413,13 +532,24 @@ def test_eval_job_runs_after_training_with_afterok(tmp_path):
 @pytest.mark.slow
 @pytest.mark.usefixtures("cluster")
 def test_refused_sbatch_shows_its_own_message_in_one_line(tmp_path):
-    p = _run(["-m", "mta_repro.train.submit", "experiment=debug", *CPU_PROFILE, f"run_dir={tmp_path}/r",
-              "slurm.partition=no_such_partition", "--submit"], check=False)
+    p = _run(
+        [
+            "-m",
+            "mta_repro.train.submit",
+            "experiment=debug",
+            *CPU_PROFILE,
+            f"run_dir={tmp_path}/r",
+            "slurm.partition=no_such_partition",
+            "--submit",
+        ],
+        check=False,
+    )
     assert p.returncode == 2 and "Traceback" not in p.stderr  # the fix is the submitter's: a user error's code
     lines = p.stderr.strip().splitlines()
     assert len(lines) == 1, lines
-    assert lines[0].startswith(f"mta_repro.train.submit: error: sbatch refused {tmp_path}/r/slurm/train.sbatch "
-                               "(exit 1): ")
+    assert lines[0].startswith(
+        f"mta_repro.train.submit: error: sbatch refused {tmp_path}/r/slurm/train.sbatch (exit 1): "
+    )
     # sbatch's own words, e.g. "Batch job submission failed: Invalid partition name specified".
     assert "Invalid partition name specified" in lines[0]
 
@@ -448,8 +578,11 @@ def test_rank0_only_resolver_for_sweep_jobs(monkeypatch):
         monkeypatch.setenv("SLURM_PROCID", rank)
         monkeypatch.setenv("SLURM_NTASKS", "2")
         with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base=None):
-            cfg = compose("train", ["hydra/launcher=slurm", "hydra.output_subdir=${mta_rank0_only:.hydra}"],
-                          return_hydra_config=True)
+            cfg = compose(
+                "train",
+                ["hydra/launcher=slurm", "hydra.output_subdir=${mta_rank0_only:.hydra}"],
+                return_hydra_config=True,
+            )
         seen[rank] = cfg.hydra.output_subdir
     assert seen == {"0": ".hydra", "1": None}
 
@@ -459,12 +592,22 @@ def test_pipeline_stages_run_in_order_on_the_scheduler(tmp_path):
     """python -m mta_repro.pipeline launcher=slurm on the real scheduler: pretrain -> its
     eval and the next stage (afterok) -> the report, each job after what it depends on."""
     root = tmp_path / "runs"
-    stages = ("pipeline.stages=[{name:pretrain,experiment:debug,overrides:['attention={variant}'],"
-              "eval:['tasks=[ppl]','ppl.max_batches=1','ppl.domains=[book]']},"
-              "{name:long_context,experiment:debug,init_from:pretrain,"
-              "overrides:['attention={variant}','trainer.steps=3','trainer.eval_every=0']}]")
-    args = ["-m", "mta_repro.pipeline", "pipeline=tiny", f"root={root}", "launcher=slurm",
-            "pipeline.variants=[baseline]", "pipeline.lm_eval_local=null", stages]
+    stages = (
+        "pipeline.stages=[{name:pretrain,experiment:debug,overrides:['attention={variant}'],"
+        "eval:['tasks=[ppl]','ppl.max_batches=1','ppl.domains=[book]']},"
+        "{name:long_context,experiment:debug,init_from:pretrain,"
+        "overrides:['attention={variant}','trainer.steps=3','trainer.eval_every=0']}]"
+    )
+    args = [
+        "-m",
+        "mta_repro.pipeline",
+        "pipeline=tiny",
+        f"root={root}",
+        "launcher=slurm",
+        "pipeline.variants=[baseline]",
+        "pipeline.lm_eval_local=null",
+        stages,
+    ]
     p = _run(args, timeout=120)
     jobs = re.findall(r"submitted as job (\d+)", p.stdout)
     assert len(jobs) == 4, p.stdout  # train, eval, train (next stage), report
@@ -509,34 +652,51 @@ def _errors(p, prog):
     """The error lines of stderr (a dry-run also prints its command there, as a comment)."""
     lines = [line for line in p.stderr.strip().splitlines() if not line.startswith("# ")]
     assert lines and all(line.startswith(f"{prog}: error: ") for line in lines), p.stderr[-3000:]
-    return [line[len(f"{prog}: error: "):] for line in lines]
+    return [line[len(f"{prog}: error: ") :] for line in lines]
 
 
 def test_dry_run_names_each_missing_path_of_the_job_in_one_line(tmp_path):
     """The 880M run on a machine without its corpus and tokenizer: the script, then one line
     each (rc 2); --no-check renders it alone; a corpus missing one domain names that domain."""
     env = {k: v for k, v in _env().items() if k not in ("SLIMPAJAMA_DIR", "LLAMA3_TOKENIZER")}
-    p = _run(["-m", "mta_repro.train.submit", "experiment=pretrain_880m_mta", f"run_dir={tmp_path}/r", "--dry-run"],
-             env=env, check=False)
+    p = _run(
+        ["-m", "mta_repro.train.submit", "experiment=pretrain_880m_mta", f"run_dir={tmp_path}/r", "--dry-run"],
+        env=env,
+        check=False,
+    )
     assert p.returncode == 2 and "#!/bin/bash" in p.stdout
     assert sorted(_errors(p, "mta_repro.train.submit")) == [
         "data.root_dir: /datasets/slimpajama_domains ($SLIMPAJAMA_DIR is not set: its default) does not exist (the "
         "corpus, layout domains; add --no-check if it exists only on the compute nodes)",
         "data.tokenizer.path: /checkpoints/llama3/tokenizer.model ($LLAMA3_TOKENIZER is not set: its default) does "
-        "not exist (the tiktoken tokenizer file; add --no-check if it exists only on the compute nodes)"]
-    ok = _run(["-m", "mta_repro.train.submit", "experiment=pretrain_880m_mta", f"run_dir={tmp_path}/r", "--dry-run",
-               "--no-check"], env=env)
+        "not exist (the tiktoken tokenizer file; add --no-check if it exists only on the compute nodes)",
+    ]
+    ok = _run(
+        [
+            "-m",
+            "mta_repro.train.submit",
+            "experiment=pretrain_880m_mta",
+            f"run_dir={tmp_path}/r",
+            "--dry-run",
+            "--no-check",
+        ],
+        env=env,
+    )
     assert ok.stdout == p.stdout and not (tmp_path / "r").exists()
     # a corpus without one of the domains the config reads
     corpus = _paper_corpus(tmp_path / "partial", without=("github",))
     tok = tmp_path / "tok.model"
     tok.write_text("ranks")
-    p = _run(["-m", "mta_repro.train.submit", "experiment=pretrain_880m_mta", f"run_dir={tmp_path}/r", "--dry-run"],
-             env=dict(env, SLIMPAJAMA_DIR=str(corpus), LLAMA3_TOKENIZER=str(tok)), check=False)
+    p = _run(
+        ["-m", "mta_repro.train.submit", "experiment=pretrain_880m_mta", f"run_dir={tmp_path}/r", "--dry-run"],
+        env=dict(env, SLIMPAJAMA_DIR=str(corpus), LLAMA3_TOKENIZER=str(tok)),
+        check=False,
+    )
     assert p.returncode == 2
     assert _errors(p, "mta_repro.train.submit") == [
         f"data.sources.github: no directory {corpus}/github (layout 'domains') (add --no-check if it exists only on "
-        "the compute nodes)"]
+        "the compute nodes)"
+    ]
 
 
 def test_values_read_from_the_environment_are_written_into_the_job(tmp_path):
@@ -544,18 +704,22 @@ def test_values_read_from_the_environment_are_written_into_the_job(tmp_path):
     values, so a job started without them (sbatch --export=NONE, another login shell) reads
     the same corpus; the command composes, without the variables, to the submitter's config."""
     env = _paper_env(tmp_path)
-    p = _run(["-m", "mta_repro.train.submit", "experiment=pretrain_880m_mta", f"run_dir={tmp_path}/r", "--dry-run"],
-             env=env)
+    p = _run(
+        ["-m", "mta_repro.train.submit", "experiment=pretrain_880m_mta", f"run_dir={tmp_path}/r", "--dry-run"], env=env
+    )
     srun = [line for line in p.stdout.splitlines() if line.startswith("srun ")][0]
     words = srun.split()
-    overrides = words[words.index("mta_repro.train") + 1:]
+    overrides = words[words.index("mta_repro.train") + 1 :]
     assert f"data.root_dir={tmp_path}/corpus" in overrides
     assert f"data.tokenizer.path={tmp_path}/tokenizer.model" in overrides
-    probe = ("import sys; from mta_repro.train.config import compose; c = compose(sys.argv[1:]); "
-             "print(c.data.root_dir, c.data.tokenizer.path)")
+    probe = (
+        "import sys; from mta_repro.train.config import compose; c = compose(sys.argv[1:]); "
+        "print(c.data.root_dir, c.data.tokenizer.path)"
+    )
     bare = {k: v for k, v in env.items() if k not in ("SLIMPAJAMA_DIR", "LLAMA3_TOKENIZER")}
-    got = subprocess.run([sys.executable, "-c", probe, *overrides], cwd=ROOT, env=bare, capture_output=True,
-                         text=True, timeout=120)
+    got = subprocess.run(
+        [sys.executable, "-c", probe, *overrides], cwd=ROOT, env=bare, capture_output=True, text=True, timeout=120
+    )
     assert got.stdout.split() == [f"{tmp_path}/corpus", f"{tmp_path}/tokenizer.model"], got.stderr[-2000:]
 
 
@@ -563,29 +727,52 @@ def test_eval_and_pipeline_and_sweep_submissions_check_too(tmp_path):
     """The other SLURM paths: an evaluation of a run that is not there (and no --after job to
     make it); the paper's pipeline (--plan) and a Table 5 sweep through submitit without the
     corpus: one line each, rc 2, and nothing written or queued (no sbatch is on PATH here)."""
-    env = {k: v for k, v in _env(PATH=f"{tmp_path}/bin:{os.environ['PATH']}").items()
-           if k not in ("SLIMPAJAMA_DIR", "LLAMA3_TOKENIZER")}
+    env = {
+        k: v
+        for k, v in _env(PATH=f"{tmp_path}/bin:{os.environ['PATH']}").items()
+        if k not in ("SLIMPAJAMA_DIR", "LLAMA3_TOKENIZER")
+    }
     (tmp_path / "bin").mkdir()
     calls = tmp_path / "sbatch_calls"
-    (tmp_path / "bin" / "sbatch").write_text(f"#!/bin/bash\necho \"$@\" >> {calls}\necho 1\n")
+    (tmp_path / "bin" / "sbatch").write_text(f'#!/bin/bash\necho "$@" >> {calls}\necho 1\n')
     (tmp_path / "bin" / "sbatch").chmod(0o755)
-    p = _run(["-m", "mta_repro.eval.submit", "runs/none", "tasks=[ppl]", "--submit"], cwd=tmp_path, env=env,
-             check=False)
+    p = _run(
+        ["-m", "mta_repro.eval.submit", "runs/none", "tasks=[ppl]", "--submit"], cwd=tmp_path, env=env, check=False
+    )
     assert p.returncode == 2 and _errors(p, "mta_repro.eval.submit") == [
         f"run_dir: {tmp_path}/runs/none does not exist (no training run there, and no --after job to make it; add "
-        "--no-check if it exists only on the compute nodes)"]
-    p = _run(["-m", "mta_repro.pipeline", "pipeline=paper_880m", f"root={tmp_path}/mta", "launcher=slurm", "--plan"],
-             env=env, check=False)
+        "--no-check if it exists only on the compute nodes)"
+    ]
+    p = _run(
+        ["-m", "mta_repro.pipeline", "pipeline=paper_880m", f"root={tmp_path}/mta", "launcher=slurm", "--plan"],
+        env=env,
+        check=False,
+    )
     assert p.returncode == 2 and "pipeline paper_880m: 41 jobs" in p.stdout
     lines = _errors(p, "pipeline")
     assert len(lines) == 2 and lines[0].startswith("data.root_dir: /datasets/slimpajama_domains")
-    p = _run(["-m", "mta_repro.pipeline", "pipeline=paper_880m", f"root={tmp_path}/mta", "launcher=slurm"],
-             env=env, check=False)
+    p = _run(
+        ["-m", "mta_repro.pipeline", "pipeline=paper_880m", f"root={tmp_path}/mta", "launcher=slurm"],
+        env=env,
+        check=False,
+    )
     assert p.returncode == 2 and _errors(p, "pipeline") == lines
-    p = _run(["-m", "mta_repro.train", "-m", "hydra/launcher=slurm", "experiment=ablation_kernels",
-              f"hydra.sweep.dir={tmp_path}/sweep"], env=env, check=False)
+    p = _run(
+        [
+            "-m",
+            "mta_repro.train",
+            "-m",
+            "hydra/launcher=slurm",
+            "experiment=ablation_kernels",
+            f"hydra.sweep.dir={tmp_path}/sweep",
+        ],
+        env=env,
+        check=False,
+    )
     assert p.returncode == 2 and [line.split(":")[0] for line in _errors(p, "train")] == [
-        "data.root_dir", "data.tokenizer.path"]
+        "data.root_dir",
+        "data.tokenizer.path",
+    ]
     assert not calls.exists() and not (tmp_path / "mta").exists() and not (tmp_path / "sweep").exists()
 
 
@@ -610,14 +797,29 @@ def test_site_fields_reach_every_job_of_the_pipeline(tmp_path):
     the project's one line."""
     from mta_repro.pipeline.__main__ import main
 
-    p = _run(["-m", "mta_repro.pipeline", "pipeline=tiny", f"root={tmp_path}", "launcher=slurm", "--dry-run",
-              "pipeline.slurm.partition=gpu", "pipeline.slurm.account=proj", "pipeline.slurm.qos=high",
-              "pipeline.slurm.constraint=h100"])
+    p = _run(
+        [
+            "-m",
+            "mta_repro.pipeline",
+            "pipeline=tiny",
+            f"root={tmp_path}",
+            "launcher=slurm",
+            "--dry-run",
+            "pipeline.slurm.partition=gpu",
+            "pipeline.slurm.account=proj",
+            "pipeline.slurm.qos=high",
+            "pipeline.slurm.constraint=h100",
+        ]
+    )
     scripts = p.stdout.split("# ---- ")[1:]
     assert scripts and len(scripts) == p.stdout.count("#!/bin/bash")
     for s in scripts:
-        for line in ("#SBATCH --partition=gpu\n", "#SBATCH --account=proj\n", "#SBATCH --qos=high\n",
-                     "#SBATCH --constraint=h100\n"):
+        for line in (
+            "#SBATCH --partition=gpu\n",
+            "#SBATCH --account=proj\n",
+            "#SBATCH --qos=high\n",
+            "#SBATCH --constraint=h100\n",
+        ):
             assert line in s, (line, s[:300])
     assert main(["pipeline=tiny", "pipeline.variants=[baseline,", "mta]", "--plan"]) == 2
 
@@ -628,12 +830,24 @@ def test_a_job_without_its_tokenizer_is_refused_before_sbatch(tmp_path):
     """On the scheduler: the job would fail at start (its tokenizer is not there), so nothing
     is queued: rc 2, one line, no job of its name in squeue or sacct, no script written."""
     name = f"no_tok_{os.getpid()}"
-    p = _run(["-m", "mta_repro.train.submit", "experiment=debug", *CPU_PROFILE, f"run_dir={tmp_path}/r",
-              f"data.tokenizer.path={tmp_path}/missing.model", f"slurm.job_name={name}", "--submit"], check=False)
+    p = _run(
+        [
+            "-m",
+            "mta_repro.train.submit",
+            "experiment=debug",
+            *CPU_PROFILE,
+            f"run_dir={tmp_path}/r",
+            f"data.tokenizer.path={tmp_path}/missing.model",
+            f"slurm.job_name={name}",
+            "--submit",
+        ],
+        check=False,
+    )
     assert p.returncode == 2 and "Submitted batch job" not in p.stdout
     assert _errors(p, "mta_repro.train.submit") == [
         f"data.tokenizer.path: {tmp_path}/missing.model does not exist (the sentencepiece tokenizer file; add "
-        "--no-check if it exists only on the compute nodes)"]
+        "--no-check if it exists only on the compute nodes)"
+    ]
     assert subprocess.run(["squeue", "-h", "-n", name], capture_output=True, text=True).stdout.strip() == ""
     acct = subprocess.run(["sacct", "-n", "-X", "--name", name, "-S", "now-1hour"], capture_output=True, text=True)
     assert acct.stdout.strip() == ""  # (the local cluster keeps no accounting: empty either way)

@@ -10,14 +10,18 @@ from pathlib import Path
 
 import pytest
 
-from mta_repro.train.config import compose, model_args_from
 from mta_repro.pipeline.__main__ import build_plan
+from mta_repro.train.config import compose, model_args_from
 from mta_repro.train.optim import OptimArgs, lr_factor, warmup_steps
 
 ROOT = Path(__file__).resolve().parents[1]
 POINTS = {  # stage -> the points Table 5 sweeps (configs/experiment/ablation_*.yaml), named by run dir
-    "ablation_gating_norm": {"gating_True_rescale_False", "gating_True_rescale_True",
-                             "gating_False_rescale_False", "gating_False_rescale_True"},
+    "ablation_gating_norm": {
+        "gating_True_rescale_False",
+        "gating_True_rescale_True",
+        "gating_False_rescale_False",
+        "gating_False_rescale_True",
+    },
     "ablation_kernels": {"kernel_4x7", "kernel_4x11", "kernel_6x7", "kernel_6x11"},
     # 10 layers: every 4th from layer 2, every 8th from layer 2, all
     "ablation_conv_layers": {"conv_layers_2-6", "conv_layers_2", "conv_layers_0-1-2-3-4-5-6-7-8-9"},
@@ -63,8 +67,18 @@ def test_every_point_trains_past_warmup_with_its_swept_values(plan):
         assert lr_factor(steps // 3, optim, steps) > 0.5
         assert cfg.trainer.device == "cpu" and cfg.data.seq_len <= 128
         m = model_args_from(cfg).mta
-        seen.add((m.add_gating, m.layer_norm_rescale, m.query_kernel_size, m.key_kernel_size,
-                  m.after_sm_query_kernel_size, m.after_sm_key_kernel_size, m.mta_layers, m.curse_norm))
+        seen.add(
+            (
+                m.add_gating,
+                m.layer_norm_rescale,
+                m.query_kernel_size,
+                m.key_kernel_size,
+                m.after_sm_query_kernel_size,
+                m.after_sm_key_kernel_size,
+                m.mta_layers,
+                m.curse_norm,
+            )
+        )
         stage, point = j.label.split("/")
         if stage == "ablation_kernels":
             q, k = point.split("_")[1].split("x")
@@ -98,9 +112,21 @@ def test_two_points_end_to_end(plan, tmp_path):
         assert p.returncode == 0, p.stderr[-3000:]
         avgs.append(json.loads((run_dir / "eval" / "ppl.json").read_text())["results"]["average"])
     out = tmp_path / "report"
-    p = subprocess.run([sys.executable, "-m", "mta_repro.report", str(tmp_path / "kernel_4x7"),
-                        str(tmp_path / "kernel_4x11"), "--out", str(out)], cwd=ROOT,
-                       capture_output=True, text=True, timeout=600)
+    p = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "mta_repro.report",
+            str(tmp_path / "kernel_4x7"),
+            str(tmp_path / "kernel_4x11"),
+            "--out",
+            str(out),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert p.returncode == 0, p.stderr[-3000:]
     tables = json.loads((out / "results.json").read_text())["tables"]
     ablations = tables["ablations"] if isinstance(tables, dict) else next(t for t in tables if t["name"] == "ablations")

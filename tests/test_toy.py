@@ -11,7 +11,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from mta_repro.train.config import compose
 from mta_repro.toy.find_block import (
     IGNORE,
     CharTokenizer,
@@ -22,6 +21,7 @@ from mta_repro.toy.find_block import (
     wrong_per_target,
 )
 from mta_repro.toy.train import model_args_for, to_toy_config, train_run
+from mta_repro.train.config import compose
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -40,8 +40,17 @@ def _parse(row: torch.Tensor) -> tuple[list[str], str, str]:
 
 @pytest.mark.parametrize("target,alphabet", [("all", 26), ("first", 26), ("last", 26), ("all", 7)])
 def test_generator_invariants(target, alphabet):
-    args = FindBlockArgs(block_length=4, n_blocks=7, query_length=2, target=target,
-                         alphabet_size=alphabet, n_train=400, n_test=60, seed=3, pad_len=45)
+    args = FindBlockArgs(
+        block_length=4,
+        n_blocks=7,
+        query_length=2,
+        target=target,
+        alphabet_size=alphabet,
+        n_train=400,
+        n_test=60,
+        seed=3,
+        pad_len=45,
+    )
     train, test = generate_splits(args)
     assert len(train) == 400 and len(test) == 60
     assert train.tokens.shape == (400, 45) and test.tokens.shape == (60, 45)
@@ -150,11 +159,23 @@ def test_configs_compose():
 
 def _tiny_cfg(tmp_path, **train):
     ov = [
-        "data.block_length=3", "data.n_blocks=4", "data.alphabet_size=6", "mta.key_kernel_size=5",
-        "data.n_train=256", "data.n_test=32", "model.dim=64", "model.n_layers=2",
-        "model.multiple_of=32", "train.batch_size=16", "train.eval_every=10",
-        "train.eval_batch_size=32", "optim.lr=3e-3", "optim.warmup=0", "train.workers=1",
-        f"out_dir={tmp_path}", "seeds=[5]",
+        "data.block_length=3",
+        "data.n_blocks=4",
+        "data.alphabet_size=6",
+        "mta.key_kernel_size=5",
+        "data.n_train=256",
+        "data.n_test=32",
+        "model.dim=64",
+        "model.n_layers=2",
+        "model.multiple_of=32",
+        "train.batch_size=16",
+        "train.eval_every=10",
+        "train.eval_batch_size=32",
+        "optim.lr=3e-3",
+        "optim.warmup=0",
+        "train.workers=1",
+        f"out_dir={tmp_path}",
+        "seeds=[5]",
     ] + [f"train.{k}={v}" for k, v in train.items()]
     return ov
 
@@ -194,7 +215,11 @@ def test_script_writes_results(tmp_path):
         rows = list(csv.DictReader(f))
     assert list(rows[0]) == ["model", "seed", "seq_error", "token_error"]
     assert sorted((r["model"], r["seed"]) for r in rows) == [
-        ("baseline", "1"), ("baseline", "2"), ("mta", "1"), ("mta", "2")]
+        ("baseline", "1"),
+        ("baseline", "2"),
+        ("mta", "1"),
+        ("mta", "2"),
+    ]
     assert all(0.0 <= float(r["seq_error"]) <= 100.0 for r in rows)
     md = (tmp_path / "results.md").read_text()
     assert "| baseline | 1 |" in md and "**mta** | **mean**" in md
@@ -256,8 +281,7 @@ def test_script_sigterm_stops_workers_and_rerun_resumes(tmp_path):
 
     # Runs far longer than the test: orphaned workers would still be training at the end.
     long_dir = tmp_path / "long"
-    proc = subprocess.Popen(cmd(long_dir, 10**6), cwd=REPO, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(cmd(long_dir, 10**6), cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.time() + 120
     while not list((long_dir / "ckpt").glob("*.pt")):  # a run has checkpointed: mid-training
         assert proc.poll() is None and time.time() < deadline, "no checkpoint written"

@@ -15,9 +15,9 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from mta_repro.train.config import compose, model_args_from
 from mta_repro.train.args import CheckpointArgs, TrainerArgs
 from mta_repro.train.checkpoint import complete_checkpoints
+from mta_repro.train.config import compose, model_args_from
 from mta_repro.train.distributed import dist_env, first_slurm_host
 from mta_repro.train.loop import _section
 from mta_repro.train.metrics import device_peak_flops, mfu, truncate_after
@@ -84,9 +84,26 @@ def test_exclude_norms_and_1d_from_weight_decay():
     nd = {names[id(p)] for p in no_decay["params"]}
     assert "norm.weight" in nd and "layers.0.attention_norm.weight" in nd
     assert "layers.0.attention.gate.bias" in nd and "layers.0.attention.subln.weight" in nd
-    assert all(names[id(p)].endswith(("wq.weight", "w1.weight", "w2.weight", "w3.weight", "wk.weight",
-               "wv.weight", "wo.weight", "tok_embeddings.weight", "mta_kernel", "mta_kernel_after_sm",
-               "wpsm.weight", "head_kernel", "gate.weight")) for p in decay["params"])
+    assert all(
+        names[id(p)].endswith(
+            (
+                "wq.weight",
+                "w1.weight",
+                "w2.weight",
+                "w3.weight",
+                "wk.weight",
+                "wv.weight",
+                "wo.weight",
+                "tok_embeddings.weight",
+                "mta_kernel",
+                "mta_kernel_after_sm",
+                "wpsm.weight",
+                "head_kernel",
+                "gate.weight",
+            )
+        )
+        for p in decay["params"]
+    )
     # Default (the paper): one group, everything decayed.
     assert len(build_optimizer(model, OptimArgs()).param_groups) == 1
 
@@ -103,8 +120,15 @@ def test_dist_env_from_slurm_and_torchrun(monkeypatch):
 
     # dist_env writes MASTER_ADDR/PORT into os.environ: work on a copy so nothing leaks
     # into later tests' subprocesses.
-    monkeypatch.setattr(os, "environ", {k: v for k, v in os.environ.items()
-                                        if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")})
+    monkeypatch.setattr(
+        os,
+        "environ",
+        {
+            k: v
+            for k, v in os.environ.items()
+            if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+        },
+    )
     monkeypatch.setenv("SLURM_PROCID", "11")
     monkeypatch.setenv("SLURM_NTASKS", "32")
     monkeypatch.setenv("SLURM_LOCALID", "3")
@@ -133,8 +157,9 @@ def test_hardware_flops_count_what_the_implementation_computes():
     from mta_repro.model.flops import hardware_flops_per_token
 
     base = hardware_flops_per_token(model_args_from(compose(["model=880m"])), 2048)
-    mta = hardware_flops_per_token(model_args_from(compose(["model=880m", "attention=mta", "model.attn_impl=torch"])),
-                                   2048)
+    mta = hardware_flops_per_token(
+        model_args_from(compose(["model=880m", "attention=mta", "model.attn_impl=torch"])), 2048
+    )
     H, T, L, d = 16, 2048, 24, 96
     # the paper's MTA cost: convolutions and head mixing (train = 3x), plus what the reference path really computes:
     # Q K^T and A V over the whole T x T matrix, not the causal half SDPA visits.
@@ -149,8 +174,10 @@ def test_model_flops_are_the_variants_on_the_causal_half_whatever_runs_it():
     from mta_repro.model.flops import hardware_flops_per_token, model_flops_per_token
 
     base = model_flops_per_token(model_args_from(compose(["model=880m"])), 2048)
-    by_impl = {impl: model_args_from(compose(["model=880m", "attention=mta", f"model.attn_impl={impl}"]))
-               for impl in ("torch", "blocked")}
+    by_impl = {
+        impl: model_args_from(compose(["model=880m", "attention=mta", f"model.attn_impl={impl}"]))
+        for impl in ("torch", "blocked")
+    }
     H, T, L = 16, 2048, 24
     extra = 3 * (6 * 2 * 2 * H * (T / 2) * 6 * 11 + L * 2 * 2 * H * (T / 2) * H)
     for args in by_impl.values():
@@ -171,7 +198,12 @@ def test_truncate_after_drops_later_steps_and_torn_lines(tmp_path):
 # ------------------------------------------------------------------ checkpoints
 def test_only_complete_checkpoints_count(tmp_path):
     root = tmp_path / "checkpoints"
-    for name, complete in (("0000000004", True), ("0000000008", False), (".tmp-0000000012", True), ("0000000002", True)):
+    for name, complete in (
+        ("0000000004", True),
+        ("0000000008", False),
+        (".tmp-0000000012", True),
+        ("0000000002", True),
+    ):
         (root / name).mkdir(parents=True)
         if complete:
             (root / name / ".complete").write_text("x")
@@ -199,7 +231,15 @@ def test_pretrain_experiments(size, variant):
     assert cfg.data.batch_size * cfg.data.seq_len * 32 * cfg.trainer.steps == pytest.approx(105e9, rel=0.01)
     o = cfg.optim
     assert (o.lr, o.beta1, o.beta2, o.eps, o.weight_decay, o.warmup, o.scheduler, o.clip) == (
-        1.5e-4, 0.9, 0.98, 1e-8, 0.05, 375, "linear", 1.0)
+        1.5e-4,
+        0.9,
+        0.98,
+        1e-8,
+        0.05,
+        375,
+        "linear",
+        1.0,
+    )
     assert args.mta.use_mta == (variant in ("mta", "talking_heads"))
     assert args.diff_transformer == (variant == "diff")
 
@@ -240,7 +280,10 @@ def test_sbatch_dry_run(tmp_path):
     p = subprocess.run(
         # the corpus and tokenizer are on the cluster, not here
         [sys.executable, "-m", "mta_repro.train.submit", "experiment=pretrain_880m_mta", "--dry-run", "--no-check"],
-        cwd=ROOT, capture_output=True, text=True, timeout=120,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
         env={k: v for k, v in os.environ.items() if k not in ("SLIMPAJAMA_DIR", "LLAMA3_TOKENIZER")},
     )
     assert p.returncode == 0, p.stderr
@@ -253,8 +296,10 @@ def test_sbatch_dry_run(tmp_path):
     srun = [l for l in s.splitlines() if l.startswith("srun ")]
     assert len(srun) == 1
     # the values read from $SLIMPAJAMA_DIR / $LLAMA3_TOKENIZER (their defaults here), written in
-    assert ("-m mta_repro.train experiment=pretrain_880m_mta data.root_dir=/datasets/slimpajama_domains "
-            "data.tokenizer.path=/checkpoints/llama3/tokenizer.model run_dir=") in srun[0]
+    assert (
+        "-m mta_repro.train experiment=pretrain_880m_mta data.root_dir=/datasets/slimpajama_domains "
+        "data.tokenizer.path=/checkpoints/llama3/tokenizer.model run_dir="
+    ) in srun[0]
     assert srun[0].rstrip().endswith("runs/pretrain_880m_mta")
     # Overrides reach the command and the resources.
     from mta_repro.train.submit import render

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from mta_repro.train.config import compose
 from mta_repro.train.checkpoint import CheckpointCorruptError, load_model_state, verify_checkpoint
+from mta_repro.train.config import compose
 
 COMMON = [
     "data.seq_len=32",
@@ -87,8 +87,12 @@ def test_truncated_distcp_falls_back_to_the_previous_and_resumes_exactly(base, t
     import subprocess
     import sys
 
-    shown = subprocess.run([sys.executable, "-c", "from mta_repro.weights.read import notice; notice('x is bad')"],
-                           capture_output=True, text=True, timeout=60).stderr
+    shown = subprocess.run(
+        [sys.executable, "-c", "from mta_repro.weights.read import notice; notice('x is bad')"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    ).stderr
     assert shown == "[mta_repro] WARNING: x is bad\n"  # a fresh process shows the notice once
     ckpts = run / "checkpoints"
     assert (ckpts / "corrupt-0000000003").is_dir()  # kept for inspection, no longer counted

@@ -94,7 +94,17 @@ def test_uninterrupted_run_layout(reference):
     m = _metrics(reference)
     assert sorted(m) == list(range(1, STEPS + 1))
     for row in m.values():
-        for key in ("step", "loss", "loss_last", "lr", "grad_norm", "tokens_per_s_global", "tokens_per_s_per_gpu", "peak_mem_gb", "mfu"):
+        for key in (
+            "step",
+            "loss",
+            "loss_last",
+            "lr",
+            "grad_norm",
+            "tokens_per_s_global",
+            "tokens_per_s_per_gpu",
+            "peak_mem_gb",
+            "mfu",
+        ):
             assert key in row
         assert row["mfu"] is None  # CPU: unknown peak
     # Warmup from 0 then linear decay to 0 (lr logged is the one the update used).
@@ -113,7 +123,9 @@ def test_uninterrupted_run_layout(reference):
 @pytest.mark.parametrize("sig", [signal.SIGUSR2, signal.SIGTERM])
 def test_signal_then_resume_matches_uninterrupted(reference, tmp_path, sig):
     run_dir = tmp_path / "run"
-    proc = subprocess.Popen(_cmd(run_dir), cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        _cmd(run_dir), cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
     metrics = run_dir / "metrics.jsonl"
     deadline = time.time() + 240
     while time.time() < deadline and proc.poll() is None:
@@ -192,8 +204,8 @@ def _first_batch(overrides):
 
 def _loss_of(state_dict, model_overrides, batch):
     """CE of given weights on a batch with a plain fp32 model (no FSDP, no trainer)."""
-    from mta_repro.train.config import model_args_from
     from mta_repro.model import build_model
+    from mta_repro.train.config import model_args_from
 
     model = build_model(model_args_from(compose(model_overrides)), device="cpu", init=False)
     model.load_state_dict(state_dict)
@@ -219,7 +231,9 @@ def test_mta_insertion_first_loss_equals_baseline(reference, tmp_path):
     src = torch.load(reference / "export" / "consolidated.pt", weights_only=False)["model"]
     mta = ["attention=mta", "model.mta.group_norm=false", "model.mta.add_gating=false"]
     run_dir = tmp_path / "ins"
-    _train_here(run_dir, f"checkpoint.init_from={reference}", "checkpoint.init_mode=baseline_to_mta", "trainer.steps=2", *mta)
+    _train_here(
+        run_dir, f"checkpoint.init_from={reference}", "checkpoint.init_mode=baseline_to_mta", "trainer.steps=2", *mta
+    )
     got = _metrics(run_dir)
     baseline_loss = _loss_of(src, [], _first_batch([]))
     assert got[1]["loss"] == pytest.approx(baseline_loss, rel=1e-5, abs=1e-5)
@@ -236,12 +250,17 @@ def test_nonfinite_loss_stops_with_clear_error_or_skips(reference, tmp_path):
     run_dir = tmp_path / "nan"
     from mta_repro.train.loop import NonFiniteLossError
 
-    with pytest.raises(NonFiniteLossError, match=r"non-finite loss nan .* at step 1; the last good checkpoint is none.*trainer.nonfinite=skip"):
+    with pytest.raises(
+        NonFiniteLossError,
+        match=r"non-finite loss nan .* at step 1; the last good checkpoint is none.*trainer.nonfinite=skip",
+    ):
         _train_here(run_dir, f"checkpoint.init_from={bad}", "trainer.steps=2")
     assert not (run_dir / "checkpoints").exists() or not any((run_dir / "checkpoints").iterdir())
 
     run_dir = tmp_path / "skip"
-    _train_here(run_dir, f"checkpoint.init_from={bad}", "trainer.steps=2", "trainer.nonfinite=skip", "checkpoint.export=false")
+    _train_here(
+        run_dir, f"checkpoint.init_from={bad}", "trainer.steps=2", "trainer.nonfinite=skip", "checkpoint.export=false"
+    )
     rows = _metrics(run_dir)
     assert rows[1]["skipped"] and rows[2]["skipped"] and math.isnan(rows[2]["loss"])
 

@@ -65,7 +65,9 @@ def test_json_lines_that_are_no_records_are_kept(tmp_path, capsys):
     assert "list, not an object" in err[0] and 'no integer "step"' in err[0]
 
 
-@pytest.mark.parametrize("torn", [b'{"step": 4, "lo', b'{"step": 4, "loss": 2.9', b"\x00\x00\x00\x00", b'{"step": 4, "x": "\xe2\x82'])
+@pytest.mark.parametrize(
+    "torn", [b'{"step": 4, "lo', b'{"step": 4, "loss": 2.9', b"\x00\x00\x00\x00", b'{"step": 4, "x": "\xe2\x82']
+)
 def test_a_torn_final_line_is_dropped_and_named(tmp_path, capsys, torn):
     p = tmp_path / "metrics.jsonl"
     lines = [_rec(1), _rec(2), _rec(3)]
@@ -81,9 +83,18 @@ def test_later_steps_go_and_earlier_ones_stay_byte_for_byte(tmp_path, capsys):
     blank line), it is written back unchanged; a step after the resume step goes wherever
     it is in the file."""
     p = tmp_path / "metrics.jsonl"
-    lines = [b'{"step":1,"loss":2.5}', b'  {"loss": 2.4, "step": 2}  ', b'{"step": 3, "note": "caf\\u00e9"}',
-             '{"step": 4, "note": "na\u00efve \u2713"}'.encode(), b'{"step": 5}\r', b"", b'{"step": 6}', b'{"step": 7}',
-             b'{"step": 2, "val_loss": 2.0}', b'{"step": 8, "loss": 1e400}']
+    lines = [
+        b'{"step":1,"loss":2.5}',
+        b'  {"loss": 2.4, "step": 2}  ',
+        b'{"step": 3, "note": "caf\\u00e9"}',
+        '{"step": 4, "note": "na\u00efve \u2713"}'.encode(),
+        b'{"step": 5}\r',
+        b"",
+        b'{"step": 6}',
+        b'{"step": 7}',
+        b'{"step": 2, "val_loss": 2.0}',
+        b'{"step": 8, "loss": 1e400}',
+    ]
     _write(p, lines)
     truncate_after(p, 5)
     keep = [line for line in lines if not line.strip() or json.loads(line)["step"] <= 5]
@@ -214,8 +225,15 @@ def test_a_sigkill_during_the_rewrite_leaves_the_history_whole(tmp_path):
     expected = b"\n".join(lines[: n // 2]) + b"\n"
     env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     with open(tmp_path / "server.err", "w+") as err:
-        proc = subprocess.Popen([sys.executable, "-c", SERVER, str(p), str(n // 2)], cwd=ROOT, env=env, text=True,
-                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err)
+        proc = subprocess.Popen(
+            [sys.executable, "-c", SERVER, str(p), str(n // 2)],
+            cwd=ROOT,
+            env=env,
+            text=True,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=err,
+        )
 
         def ask(cmd: str) -> dict:
             proc.stdin.write(cmd + "\n")
@@ -238,8 +256,10 @@ def test_a_sigkill_during_the_rewrite_leaves_the_history_whole(tmp_path):
                 r = ask(cmd)
                 assert r["rc"] in (0, None), (cmd, r)
                 data = p.read_bytes()
-                assert data == original or data == expected, (
-                    f"{cmd}: {len(data)} bytes, neither the original ({len(original)}) nor the truncated ({len(expected)})")
+                assert data in (original, expected), (
+                    f"{cmd}: {len(data)} bytes, neither the original ({len(original)}) "
+                    f"nor the truncated ({len(expected)})"
+                )
                 outcomes.append((cmd, "old" if data == original else "new", r["killed"], tmp.exists()))
             # the size kills land between the temp file's creation and the rename: they leave it behind
             assert any(killed and left for _, _, killed, left in outcomes), (t, outcomes)

@@ -25,9 +25,9 @@ from pathlib import Path
 
 import pytest
 import yaml
+from test_train_rundir import COMMON as RUNDIR_COMMON
 
 from mta_repro.train.config import compose
-from test_train_rundir import COMMON as RUNDIR_COMMON
 
 ROOT = Path(__file__).resolve().parents[1]
 # The tiny run of tests/test_train_rundir.py, its length left to each test.
@@ -41,14 +41,20 @@ def _env(**extra):
 
 
 def _cli(*args, timeout=300, **env):
-    return subprocess.run([sys.executable, "-m", "mta_repro.train", *COMMON, *args], cwd=ROOT, env=_env(**env),
-                          capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "mta_repro.train", *COMMON, *args],
+        cwd=ROOT,
+        env=_env(**env),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 # ------------------------------------------------------------------ double starts
 # Each worker is its own process (imports once, then trains on trial i's run dir as soon
 # as go-<i> appears); the two workers race for every fresh run dir.
-WORKER = textwrap.dedent('''
+WORKER = textwrap.dedent("""
     import json, sys, time, traceback
     from pathlib import Path
     from mta_repro.train.config import compose
@@ -68,7 +74,7 @@ WORKER = textwrap.dedent('''
         tmp = root / f".res-{i}-{name}.json"
         tmp.write_text(json.dumps(res))
         tmp.rename(root / f"res-{i}-{name}.json")
-''')
+""")
 
 
 def _wait(paths, timeout=120):
@@ -83,9 +89,17 @@ def test_twenty_double_starts_never_delete_the_winners_files(tmp_path):
     trials, steps = 20, 2
     common = [*COMMON, f"trainer.steps={steps}", "checkpoint.every=2"]
     (tmp_path / "worker.py").write_text(WORKER)
-    workers = [subprocess.Popen([sys.executable, str(tmp_path / "worker.py"), json.dumps(common), str(tmp_path), n,
-                                 str(trials)], cwd=ROOT, env=_env(), stdout=subprocess.DEVNULL,
-                                stderr=subprocess.PIPE, text=True) for n in ("a", "b")]
+    workers = [
+        subprocess.Popen(
+            [sys.executable, str(tmp_path / "worker.py"), json.dumps(common), str(tmp_path), n, str(trials)],
+            cwd=ROOT,
+            env=_env(),
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for n in ("a", "b")
+    ]
     try:
         _wait([tmp_path / "ready-a", tmp_path / "ready-b"], timeout=180)
         refused = 0
@@ -106,8 +120,12 @@ def test_twenty_double_starts_never_delete_the_winners_files(tmp_path):
             assert [r["step"] for r in rows] == list(range(1, steps + 1)), (i, rows)
             assert (run / "config.yaml").is_file()
             assert (run / "checkpoints" / f"{steps:010d}" / ".complete").is_file()
-            assert sorted(p.name for p in run.iterdir()) == ["checkpoints", "config.yaml", "metrics.jsonl",
-                                                             "provenance.json"]
+            assert sorted(p.name for p in run.iterdir()) == [
+                "checkpoints",
+                "config.yaml",
+                "metrics.jsonl",
+                "provenance.json",
+            ]
     finally:
         for w in workers:
             w.kill()
@@ -151,11 +169,30 @@ def test_resume_without_config_yaml_is_checked_against_the_checkpoints_config(tm
 def test_checkpoint_is_fsynced_before_it_is_marked_complete(tmp_path):
     run = tmp_path / "run"
     log = tmp_path / "strace.log"
-    code = f"from mta_repro.train.config import compose; from mta_repro.train.loop import train; " \
-           f"train(compose({[*COMMON, f'run_dir={run}', 'trainer.steps=1']!r}))"
-    p = subprocess.run(["strace", "-f", "-y", "--seccomp-bpf", "-e", "trace=fsync,fdatasync,rename,renameat,renameat2",
-                        "-o", str(log), sys.executable, "-c", code], cwd=ROOT, env=_env(), capture_output=True,
-                       text=True, timeout=300)
+    code = (
+        f"from mta_repro.train.config import compose; from mta_repro.train.loop import train; "
+        f"train(compose({[*COMMON, f'run_dir={run}', 'trainer.steps=1']!r}))"
+    )
+    p = subprocess.run(
+        [
+            "strace",
+            "-f",
+            "-y",
+            "--seccomp-bpf",
+            "-e",
+            "trace=fsync,fdatasync,rename,renameat,renameat2",
+            "-o",
+            str(log),
+            sys.executable,
+            "-c",
+            code,
+        ],
+        cwd=ROOT,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert p.returncode == 0, p.stderr[-3000:]
     lines = log.read_text().splitlines()
     tmp = run / "checkpoints" / ".tmp-0000000001"
@@ -176,8 +213,9 @@ def test_checkpoint_is_fsynced_before_it_is_marked_complete(tmp_path):
         assert first(rf"fsync\(\d+<{re.escape(str(tmp / f.name))}>") < marker, f.name  # data before the marker
     assert marker < published and folder < published
     # The rename itself is made durable: the checkpoints folder is fsynced after it.
-    assert any(re.search(rf"fsync\(\d+<{re.escape(str(run / 'checkpoints'))}>\)", line)
-               for line in lines[published + 1:])
+    assert any(
+        re.search(rf"fsync\(\d+<{re.escape(str(run / 'checkpoints'))}>\)", line) for line in lines[published + 1 :]
+    )
 
 
 # ------------------------------------------------------------------ full disk
@@ -217,7 +255,8 @@ def test_an_unresolvable_env_var_is_one_line(tmp_path):
     p = _cli("run_dir=${oc.env:MTA_REPRO_TEST_UNSET_VAR}/run", "trainer.steps=1", timeout=120)
     assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr[-3000:]
     assert p.stderr.strip().splitlines() == [
-        "train: error: run_dir: cannot resolve \"Environment variable 'MTA_REPRO_TEST_UNSET_VAR' not found\""]
+        "train: error: run_dir: cannot resolve \"Environment variable 'MTA_REPRO_TEST_UNSET_VAR' not found\""
+    ]
 
 
 @pytest.mark.slow
@@ -226,6 +265,7 @@ def test_a_non_finite_loss_is_one_line_naming_the_checkpoint(tmp_path):
     p = _cli(f"run_dir={run}", "trainer.steps=4", "optim.lr=1e30", "optim.warmup=0")
     assert p.returncode == 2 and "Traceback" not in p.stderr and "HYDRA_FULL_ERROR" not in p.stderr, p.stderr[-3000:]
     last = p.stderr.strip().splitlines()[-1]
-    assert re.match(r"train: error: non-finite loss \S+ \(grad norm \S+\) at step \d; the last good checkpoint is ",
-                    last), p.stderr[-3000:]
+    assert re.match(
+        r"train: error: non-finite loss \S+ \(grad norm \S+\) at step \d; the last good checkpoint is ", last
+    ), p.stderr[-3000:]
     assert str(run / "checkpoints") in last

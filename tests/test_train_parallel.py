@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mta_repro.train.config import compose, model_args_from
 from mta_repro.model import build_model
 from mta_repro.train.args import DistributedArgs
+from mta_repro.train.config import compose, model_args_from
 from mta_repro.train.distributed import destroy_distributed, init_distributed, materialize, mp_policy, parallelize
 
 
@@ -66,7 +66,9 @@ def _grads(info, ac: bool, dropout: float):
     torch.manual_seed(123)
     x = torch.randint(0, args.vocab_size, (2, 32))
     model(x).float().logsumexp(-1).mean().backward()
-    return {n.replace("._checkpoint_wrapped_module", ""): p.grad.full_tensor().clone() for n, p in model.named_parameters()}
+    return {
+        n.replace("._checkpoint_wrapped_module", ""): p.grad.full_tensor().clone() for n, p in model.named_parameters()
+    }
 
 
 @pytest.mark.parametrize("dropout", [0.0, 0.3])

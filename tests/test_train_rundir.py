@@ -44,8 +44,7 @@ def _train(run_dir, *overrides):
 
 
 def _snapshot(run_dir: Path) -> dict:
-    return {str(p.relative_to(run_dir)): (p.read_bytes() if p.is_file() else None)
-            for p in sorted(run_dir.rglob("*"))}
+    return {str(p.relative_to(run_dir)): (p.read_bytes() if p.is_file() else None) for p in sorted(run_dir.rglob("*"))}
 
 
 @pytest.fixture(scope="module")
@@ -63,12 +62,15 @@ def run(base, tmp_path):
     return dst
 
 
-@pytest.mark.parametrize("override,key", [
-    ("attention=mta", "attention: baseline -> mta"),  # the option, not the dozen fields it sets
-    ("optim.lr=1e-2", "optim.lr"),
-    ("data.sources.book=0.5", "data.sources.book"),
-    ("seed=7", "seed"),
-])
+@pytest.mark.parametrize(
+    "override,key",
+    [
+        ("attention=mta", "attention: baseline -> mta"),  # the option, not the dozen fields it sets
+        ("optim.lr=1e-2", "optim.lr"),
+        ("data.sources.book=0.5", "data.sources.book"),
+        ("seed=7", "seed"),
+    ],
+)
 def test_a_config_changing_model_data_or_optimiser_is_refused_before_writing(run, override, key):
     before = _snapshot(run)
     with pytest.raises(RunDirError) as e:
@@ -167,8 +169,8 @@ def test_added_keys_are_refused_by_the_schema(tmp_path):
         train(compose([*COMMON, f"run_dir={run_dir}", "+foo=1"]))
     assert not run_dir.exists()
     # Free-form mappings stay open: a new domain weight is a key, not a typo.
-    from mta_repro.train.config import TrainConfig
     from mta_repro.dataclass_config import unknown_keys
+    from mta_repro.train.config import TrainConfig
 
     assert unknown_keys(TrainConfig, compose(["+data.sources.mydomain=0.1"]), "") == []
 
@@ -179,8 +181,11 @@ def test_a_failed_start_leaves_no_run_dir(tmp_path):
     run_dir = tmp_path / "failed"
     p = subprocess.run(
         [sys.executable, "-m", "mta_repro.train", f"run_dir={run_dir}", *COMMON, "model.vocab_size=100"],
-        cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1"),
-        capture_output=True, text=True, timeout=300,
+        cwd=ROOT,
+        env=dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1"),
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert p.returncode != 0 and "model.vocab_size=100" in p.stderr
     assert not run_dir.exists(), sorted(run_dir.rglob("*"))
@@ -257,15 +262,42 @@ def test_field_classes_come_from_the_schema():
     from mta_repro.train.rundir import FREE, PATHS, SAFE
 
     assert set(FREE) == {
-        "run_dir", "slurm.", "logging.progress_bar", "logging.quiet_s", "data.prefetch", "distributed.timeout_min",
-        "checkpoint.allow_config_change", "checkpoint.resume", "checkpoint.on_corrupt", "checkpoint.async_save",
-        "checkpoint.save_hook", "checkpoint.accept_changed_data", "checkpoint.accept_changed_tokenizer",
-        "trainer.grad_accum", "trainer.cpu_mmap_threshold", "trainer.memory_check", "model.attn_selfcheck",
-        "model.attn_selfcheck_cpu", "model.kernels."}
+        "run_dir",
+        "slurm.",
+        "logging.progress_bar",
+        "logging.quiet_s",
+        "data.prefetch",
+        "distributed.timeout_min",
+        "checkpoint.allow_config_change",
+        "checkpoint.resume",
+        "checkpoint.on_corrupt",
+        "checkpoint.async_save",
+        "checkpoint.save_hook",
+        "checkpoint.accept_changed_data",
+        "checkpoint.accept_changed_tokenizer",
+        "trainer.grad_accum",
+        "trainer.cpu_mmap_threshold",
+        "trainer.memory_check",
+        "model.attn_selfcheck",
+        "model.attn_selfcheck_cpu",
+        "model.kernels.",
+    }
     assert set(SAFE) == {
-        "trainer.steps", "trainer.nonfinite", "trainer.device", "trainer.eval_every", "trainer.eval_max_batches",
-        "trainer.eval_batch_size", "logging.", "checkpoint.every", "checkpoint.keep", "checkpoint.export",
-        "distributed.", "checkpoint.init_from", "data.root_dir", "data.tokenizer.path"}
+        "trainer.steps",
+        "trainer.nonfinite",
+        "trainer.device",
+        "trainer.eval_every",
+        "trainer.eval_max_batches",
+        "trainer.eval_batch_size",
+        "logging.",
+        "checkpoint.every",
+        "checkpoint.keep",
+        "checkpoint.export",
+        "distributed.",
+        "checkpoint.init_from",
+        "data.root_dir",
+        "data.tokenizer.path",
+    }
     assert set(PATHS) == {"checkpoint.init_from", "data.root_dir", "data.tokenizer.path"}
     from mta_repro.train.rundir import flatten
 

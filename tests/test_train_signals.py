@@ -72,10 +72,20 @@ def _env(tmp_path):
 
 def _start(tmp_path, run_dir, steps):
     (tmp_path / "slow_loader.py").write_text(SLOW_LOADER)
-    cmd = [sys.executable, "-m", "mta_repro.train", f"run_dir={run_dir}", *TINY, f"trainer.steps={steps}",
-           "checkpoint.every=1000", "logging.every=1", "trainer.loader=slow_loader:build"]
-    return subprocess.Popen(cmd, cwd=ROOT, env=_env(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True)
+    cmd = [
+        sys.executable,
+        "-m",
+        "mta_repro.train",
+        f"run_dir={run_dir}",
+        *TINY,
+        f"trainer.steps={steps}",
+        "checkpoint.every=1000",
+        "logging.every=1",
+        "trainer.loader=slow_loader:build",
+    ]
+    return subprocess.Popen(
+        cmd, cwd=ROOT, env=_env(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
 
 
 def _wait_for_steps(run_dir, n, proc, timeout=180):
@@ -87,7 +97,7 @@ def _wait_for_steps(run_dir, n, proc, timeout=180):
         assert proc.poll() is None, proc.communicate()[1][-3000:]
         time.sleep(0.02)
     proc.kill()
-    raise AssertionError("the run never reached step %d" % n)
+    raise AssertionError(f"the run never reached step {n}")
 
 
 @pytest.mark.slow
@@ -99,8 +109,11 @@ def test_ctrl_c_saves_at_the_interrupted_step_and_says_how_to_resume(tmp_path):
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 130, err[-3000:]
     assert "Traceback" not in err and "KeyboardInterrupt" not in err
-    m = re.search(r"stopped at step (\d+) after a signal \(SIGINT\): checkpoint (\S+); "
-                  r"rerun the same command to resume", err)
+    m = re.search(
+        r"stopped at step (\d+) after a signal \(SIGINT\): checkpoint (\S+); "
+        r"rerun the same command to resume",
+        err,
+    )
     assert m, err[-3000:]
     step = int(m.group(1))
     assert 3 <= step < 60
@@ -131,8 +144,11 @@ def test_a_stop_by_signal_is_an_unfinished_run_exit(tmp_path, sig, code):
     proc.send_signal(sig)
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == code, err[-3000:]
-    m = re.search(rf"stopped at step (\d+) after a signal \({sig.name}\): checkpoint (\S+); "
-                  r"rerun the same command to resume", err)
+    m = re.search(
+        rf"stopped at step (\d+) after a signal \({sig.name}\): checkpoint (\S+); "
+        r"rerun the same command to resume",
+        err,
+    )
     assert m and "Traceback" not in err, err[-3000:]
     assert (Path(m.group(2)) / ".complete").is_file()
 
@@ -187,8 +203,9 @@ def test_no_host_sync_between_logging_steps(tmp_path, monkeypatch):
     events: list = []
     state = {"step": 0}
     _count_syncs(monkeypatch, events, state)
-    out = train(compose([*TINY, f"run_dir={tmp_path / 'run'}", "trainer.steps=8", "logging.every=4",
-                         "checkpoint.every=8"]))
+    out = train(
+        compose([*TINY, f"run_dir={tmp_path / 'run'}", "trainer.steps=8", "logging.every=4", "checkpoint.every=8"])
+    )
     assert out["step"] == 8 and out["loss"] == out["loss"]  # finite
     steps_with_reads = sorted({s for s, _ in events if s > 0})
     assert steps_with_reads == [4, 8], events
@@ -196,7 +213,7 @@ def test_no_host_sync_between_logging_steps(tmp_path, monkeypatch):
     assert [r["step"] for r in rows] == [4, 8]
 
 
-TWO_RANK_DRIVER = '''
+TWO_RANK_DRIVER = """
 import json, os, sys
 sys.path.insert(0, {tests!r})
 import pytest
@@ -211,7 +228,7 @@ train(compose([*TINY, "run_dir=" + sys.argv[1], "trainer.steps=8", "logging.ever
                "trainer.loader=batch_source:build"]))
 out = os.path.join(sys.argv[1], "syncs_rank%s.json" % os.environ["RANK"])
 json.dump(events, open(out, "w"))
-'''
+"""
 
 
 @pytest.mark.distributed
@@ -219,8 +236,15 @@ def test_two_ranks_agree_and_read_only_on_logging_steps(tmp_path):
     driver = tmp_path / "driver.py"
     driver.write_text(TWO_RANK_DRIVER.format(tests=str(HERE)))
     run_dir = tmp_path / "run"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(driver),
-           str(run_dir)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node=2",
+        str(driver),
+        str(run_dir),
+    ]
     p = subprocess.run(cmd, cwd=ROOT, env=_env(tmp_path), capture_output=True, text=True, timeout=400)
     assert p.returncode == 0, p.stderr[-4000:]
     for rank in (0, 1):
@@ -237,12 +261,25 @@ def test_without_the_bar_a_step_line_comes_at_least_every_quiet_s(tmp_path):
     is never silent; here 1 s, over 12 steps of 0.1 s and more, logged only at the end."""
     (tmp_path / "slow_loader.py").write_text(SLOW_LOADER)
     run_dir = tmp_path / "run"
-    cmd = [sys.executable, "-m", "mta_repro.train", f"run_dir={run_dir}", *TINY, "trainer.steps=30",
-           "checkpoint.every=1000", "logging.every=100", "logging.quiet_s=1", "trainer.loader=slow_loader:build"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "mta_repro.train",
+        f"run_dir={run_dir}",
+        *TINY,
+        "trainer.steps=30",
+        "checkpoint.every=1000",
+        "logging.every=100",
+        "logging.quiet_s=1",
+        "trainer.loader=slow_loader:build",
+    ]
     p = subprocess.run(cmd, cwd=ROOT, env=_env(tmp_path), capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr[-3000:]
     lines = [line for line in p.stderr.splitlines() if line.startswith("[mta_repro.train] step ")]
-    beats = [int(re.match(r"\[mta_repro.train\] step (\d+)/30 \((\d+\.\d) s a step", line).group(1))
-             for line in lines if "s a step" in line]
+    beats = [
+        int(re.match(r"\[mta_repro.train\] step (\d+)/30 \((\d+\.\d) s a step", line).group(1))
+        for line in lines
+        if "s a step" in line
+    ]
     assert len(beats) >= 2 and beats == sorted(set(beats)), lines  # 30 x >= 0.1 s = 3 s and more
     assert lines[-1].startswith("[mta_repro.train] step 30/30 | loss ")  # the last step, logged, with its loss

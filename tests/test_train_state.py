@@ -11,11 +11,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from mta_repro.train.config import compose
 from mta_repro.data import DataArgs, build_train_loader
 from mta_repro.model import build_model
 from mta_repro.model.args import ModelArgs
 from mta_repro.train.checkpoint import CheckpointManager
+from mta_repro.train.config import compose
 from mta_repro.train.optim import OptimArgs, build_lr_scheduler, build_optimizer
 from mta_repro.train.state import TrainState
 
@@ -68,8 +68,11 @@ def test_a_checkpoint_without_the_token_count_resumes_with_it_derived(tmp_path, 
     for _ in range(2):
         _update(a)
     old_rank_state = TrainState.rank_state
-    monkeypatch.setattr(TrainState, "rank_state",  # what a checkpoint of an earlier version holds
-                        lambda self: {k: v for k, v in old_rank_state(self).items() if k != "tokens_seen"})
+    monkeypatch.setattr(
+        TrainState,
+        "rank_state",  # what a checkpoint of an earlier version holds
+        lambda self: {k: v for k, v in old_rank_state(self).items() if k != "tokens_seen"},
+    )
     manager = CheckpointManager(tmp_path, keep=2, rank=0, world_size=1)
     manager.save(a)
     monkeypatch.undo()
@@ -83,9 +86,19 @@ def test_a_checkpoint_without_the_token_count_resumes_with_it_derived(tmp_path, 
 def test_the_trainer_logs_tokens_seen_across_a_resume(tmp_path):
     from mta_repro.train.loop import train
 
-    common = ["data.seq_len=32", "data.batch_size=2", "data.shuffle_buffer=4", "trainer.device=cpu",
-              "trainer.eval_every=0", "checkpoint.every=1", "checkpoint.export=false", "logging.every=1",
-              "logging.wandb_mode=disabled", "logging.progress_bar=false", f"run_dir={tmp_path / 'run'}"]
+    common = [
+        "data.seq_len=32",
+        "data.batch_size=2",
+        "data.shuffle_buffer=4",
+        "trainer.device=cpu",
+        "trainer.eval_every=0",
+        "checkpoint.every=1",
+        "checkpoint.export=false",
+        "logging.every=1",
+        "logging.wandb_mode=disabled",
+        "logging.progress_bar=false",
+        f"run_dir={tmp_path / 'run'}",
+    ]
     train(compose([*common, "trainer.steps=2"]))
     train(compose([*common, "trainer.steps=4", "checkpoint.allow_config_change=true"]))
     rows = [json.loads(line) for line in Path(tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]

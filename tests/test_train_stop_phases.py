@@ -31,8 +31,15 @@ pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[1]
 BOUND_S = 45  # from the signal to the exit; the work it interrupts takes minutes
 SIGNALS = [signal.SIGINT, signal.SIGTERM, signal.SIGUSR2]
-TINY = ["trainer.device=cpu", "checkpoint.export=false", "logging.wandb_mode=disabled", "logging.progress_bar=false",
-        "optim.lr=3e-3", "optim.warmup=1", "data.batch_size=2"]
+TINY = [
+    "trainer.device=cpu",
+    "checkpoint.export=false",
+    "logging.wandb_mode=disabled",
+    "logging.progress_bar=false",
+    "optim.lr=3e-3",
+    "optim.warmup=1",
+    "data.batch_size=2",
+]
 
 SLOW_TOKENIZER = '''
 import os
@@ -103,11 +110,26 @@ def _start_warm_up(tmp_path, delay):
     (tmp_path / "slow_tokenizer.py").write_text(SLOW_TOKENIZER)
     run_dir, marker = tmp_path / "run", tmp_path / "warming_up"
     # 1000 windows of 129 tokens to fill: ~80 documents of the bundled corpus, minutes at `delay`
-    cmd = [sys.executable, "-m", "mta_repro.train", f"run_dir={run_dir}", *TINY, "data.seq_len=128",
-           "data.shuffle_buffer=1000", "trainer.steps=5", "trainer.eval_every=0",
-           "trainer.loader=slow_tokenizer:build"]
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=_env(tmp_path, SLOW_DOC_S=str(delay), WARMUP_MARKER=str(marker)),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    cmd = [
+        sys.executable,
+        "-m",
+        "mta_repro.train",
+        f"run_dir={run_dir}",
+        *TINY,
+        "data.seq_len=128",
+        "data.shuffle_buffer=1000",
+        "trainer.steps=5",
+        "trainer.eval_every=0",
+        "trainer.loader=slow_tokenizer:build",
+    ]
+    proc = subprocess.Popen(
+        cmd,
+        cwd=ROOT,
+        env=_env(tmp_path, SLOW_DOC_S=str(delay), WARMUP_MARKER=str(marker)),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     _wait_for(marker.exists, proc, "the loader's warm-up")
     return proc, run_dir
 
@@ -119,8 +141,11 @@ def test_a_signal_during_the_loader_warm_up_stops_before_the_first_step(tmp_path
     assert proc.returncode == 128 + sig, err[-3000:]
     assert took < BOUND_S, (took, err[-3000:])
     assert "Traceback" not in err, err[-3000:]
-    assert re.search(rf"train: stopped by {sig.name} during the data loader's warm-up \(before the first step\): "
-                     r"nothing trained, nothing saved; rerun the same command to start", err), err[-3000:]
+    assert re.search(
+        rf"train: stopped by {sig.name} during the data loader's warm-up \(before the first step\): "
+        r"nothing trained, nothing saved; rerun the same command to start",
+        err,
+    ), err[-3000:]
     assert not run_dir.exists()  # a fresh run that trained nothing leaves no run directory
 
 
@@ -136,25 +161,36 @@ def test_a_second_ctrl_c_stops_at_once_inside_a_long_document(tmp_path):
 def _validation_run(tmp_path):
     """Training that validates at step 2 over the whole validation split in 16-token windows,
     one window a batch (~11,000 forward passes: minutes); metrics every step."""
-    return ["data.seq_len=16", "data.shuffle_buffer=4", "trainer.steps=4", "trainer.eval_every=2",
-            "trainer.eval_batch_size=1", "trainer.eval_max_batches=100000", "logging.every=1",
-            "checkpoint.every=100"]
+    return [
+        "data.seq_len=16",
+        "data.shuffle_buffer=4",
+        "trainer.steps=4",
+        "trainer.eval_every=2",
+        "trainer.eval_batch_size=1",
+        "trainer.eval_max_batches=100000",
+        "logging.every=1",
+        "checkpoint.every=100",
+    ]
 
 
 @pytest.mark.parametrize("sig", SIGNALS, ids=lambda s: s.name)
 def test_a_signal_during_a_long_validation_stops_at_the_step_boundary(tmp_path, sig):
     run_dir = tmp_path / "run"
     cmd = [sys.executable, "-m", "mta_repro.train", f"run_dir={run_dir}", *TINY, *_validation_run(tmp_path)]
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=_env(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True)
+    proc = subprocess.Popen(
+        cmd, cwd=ROOT, env=_env(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
     metrics = run_dir / "metrics.jsonl"
     _wait_for(lambda: metrics.is_file() and metrics.read_text().count("\n") >= 1, proc, "step 1")
     time.sleep(5)  # step 2 takes a fraction of a second; its validation minutes
     took, err = _stop(proc, sig)
     assert proc.returncode == 128 + sig, err[-3000:]
     assert took < BOUND_S, (took, err[-3000:])
-    m = re.search(rf"stopped at step 2 after a signal \({sig.name}\): checkpoint (\S+); rerun the same command "
-                  "to resume", err)
+    m = re.search(
+        rf"stopped at step 2 after a signal \({sig.name}\): checkpoint (\S+); rerun the same command "
+        "to resume",
+        err,
+    )
     assert m and "Traceback" not in err, err[-3000:]
     assert (Path(m.group(1)) / ".complete").is_file()
     rows = [json.loads(line) for line in metrics.read_text().splitlines()]
@@ -166,19 +202,45 @@ def test_a_signal_during_a_long_validation_stops_at_the_step_boundary(tmp_path, 
 def trained(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("stop_eval")
     run_dir = tmp / "run"
-    subprocess.run([sys.executable, "-m", "mta_repro.train", f"run_dir={run_dir}", *TINY, "data.seq_len=16",
-                    "data.shuffle_buffer=4", "trainer.steps=2", "trainer.eval_every=0", "checkpoint.export=true"],
-                   cwd=ROOT, env=_env(tmp), check=True, capture_output=True, timeout=300)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "mta_repro.train",
+            f"run_dir={run_dir}",
+            *TINY,
+            "data.seq_len=16",
+            "data.shuffle_buffer=4",
+            "trainer.steps=2",
+            "trainer.eval_every=0",
+            "checkpoint.export=true",
+        ],
+        cwd=ROOT,
+        env=_env(tmp),
+        check=True,
+        capture_output=True,
+        timeout=300,
+    )
     return run_dir
 
 
 @pytest.mark.parametrize("sig", SIGNALS, ids=lambda s: s.name)
 def test_a_signal_during_a_long_evaluation_stops_it(trained, tmp_path, sig):
     out = tmp_path / "eval"
-    cmd = [sys.executable, "-m", "mta_repro.eval", str(trained), "tasks=[ppl]", "ppl.batch_size=1",
-           "ppl.max_batches=100000", f"out_dir={out}", "device=cpu"]
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=_env(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True)
+    cmd = [
+        sys.executable,
+        "-m",
+        "mta_repro.eval",
+        str(trained),
+        "tasks=[ppl]",
+        "ppl.batch_size=1",
+        "ppl.max_batches=100000",
+        f"out_dir={out}",
+        "device=cpu",
+    ]
+    proc = subprocess.Popen(
+        cmd, cwd=ROOT, env=_env(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
     buf = []
 
     def started():  # "eval: ppl on <run>" is logged when the task starts

@@ -35,17 +35,28 @@ def run(tmp_path_factory):
     from mta_repro.train.loop import train
 
     run_dir = tmp_path_factory.mktemp("val") / "run"
-    train(compose([*COMMON, f"run_dir={run_dir}", "trainer.steps=5", "logging.every=2", "trainer.eval_every=2",
-                   "trainer.eval_max_batches=3", "trainer.eval_batch_size=2"]))
+    train(
+        compose(
+            [
+                *COMMON,
+                f"run_dir={run_dir}",
+                "trainer.steps=5",
+                "logging.every=2",
+                "trainer.eval_every=2",
+                "trainer.eval_max_batches=3",
+                "trainer.eval_batch_size=2",
+            ]
+        )
+    )
     return run_dir
 
 
 @pytest.mark.slow
 def test_validation_matches_the_eval_ppl_on_the_same_weights(run):
-    from mta_repro.train.config import model_args_from
     from mta_repro.data import build_tokenizer, to_data_args
     from mta_repro.eval.ppl import validation_perplexity
     from mta_repro.model import build_model
+    from mta_repro.train.config import model_args_from
 
     rows = {r["step"]: r for r in _rows(run)}
     # eval_every=2 and the last step; logging.every=2 and the last step.
@@ -78,8 +89,18 @@ def test_logged_loss_is_the_interval_mean(run):
     from mta_repro.train.loop import train
 
     with tempfile.TemporaryDirectory() as d:
-        train(compose([*COMMON, f"run_dir={d}/r", "trainer.steps=5", "logging.every=1", "trainer.eval_every=0",
-                       "checkpoint.export=false"]))
+        train(
+            compose(
+                [
+                    *COMMON,
+                    f"run_dir={d}/r",
+                    "trainer.steps=5",
+                    "logging.every=1",
+                    "trainer.eval_every=0",
+                    "checkpoint.export=false",
+                ]
+            )
+        )
         per_step = {r["step"]: r["loss"] for r in _rows(f"{d}/r")}
     assert rows[2]["loss"] == pytest.approx((per_step[1] + per_step[2]) / 2, abs=1e-6)
     assert rows[4]["loss"] == pytest.approx((per_step[3] + per_step[4]) / 2, abs=1e-6)
@@ -104,10 +125,23 @@ def test_progress_lines_without_a_tty(tmp_path):
 
     root = Path(__file__).resolve().parents[1]
     p = subprocess.run(
-        [sys.executable, "-m", "mta_repro.train", f"run_dir={tmp_path / 'r'}", *COMMON, "trainer.steps=2",
-         "logging.every=1", "logging.progress_bar=true", "trainer.eval_every=0", "checkpoint.export=false"],
-        cwd=root, env=dict(os.environ, PYTHONPATH=str(root), OMP_NUM_THREADS="1"),
-        capture_output=True, text=True, timeout=300,
+        [
+            sys.executable,
+            "-m",
+            "mta_repro.train",
+            f"run_dir={tmp_path / 'r'}",
+            *COMMON,
+            "trainer.steps=2",
+            "logging.every=1",
+            "logging.progress_bar=true",
+            "trainer.eval_every=0",
+            "checkpoint.export=false",
+        ],
+        cwd=root,
+        env=dict(os.environ, PYTHONPATH=str(root), OMP_NUM_THREADS="1"),
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert p.returncode == 0, p.stderr[-3000:]
     assert "\r" not in p.stderr
@@ -121,8 +155,10 @@ def _token_counts(cfg):
     from mta_repro import data as data_mod
 
     tok = data_mod.build_tokenizer(data_mod.to_data_args(cfg.data).tokenizer)
-    return {d: sum(len(tok.encode(doc, add_bos=True, add_eos=True))
-                   for doc in data_mod.iter_validation_docs(cfg.data, d)) for d in data_mod.domains(cfg.data)}
+    return {
+        d: sum(len(tok.encode(doc, add_bos=True, add_eos=True)) for doc in data_mod.iter_validation_docs(cfg.data, d))
+        for d in data_mod.domains(cfg.data)
+    }
 
 
 def test_a_domain_too_small_for_one_window_is_skipped_with_one_warning(recwarn):
@@ -160,8 +196,9 @@ def test_validation_states_its_cost_and_a_short_run_is_told(capsys):
     n_windows = sum(b.shape[0] for bs in v.batches.values() for b in bs)
     assert n_windows == len(v.batches) * 3 * 2  # every domain fills 3 batches of 2 at 64 tokens
     tokens = n_windows * 64
-    assert (f"validation once, at the last step (trainer.steps=2 < trainer.eval_every=50): {n_windows} windows of "
-            f"64 tokens") in err
+    assert (
+        f"validation once, at the last step (trainer.steps=2 < trainer.eval_every=50): {n_windows} windows of 64 tokens"
+    ) in err
     assert f"({tokens:,} tokens, about the compute of {tokens / (3 * 2 * 64):.1f} training steps)" in err
     assert "trainer.eval_every=0 skips it" in err and len(err.strip().splitlines()) == 1
     long = TrainerArgs(steps=200, eval_every=50, eval_max_batches=3, eval_batch_size=2)

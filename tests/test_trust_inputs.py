@@ -28,8 +28,8 @@ sys.path.insert(0, str(Path(__file__).parent / "fixtures" / "eval"))
 from eval_helpers import make_run  # noqa: E402
 
 from mta_repro.cli import run_cli  # noqa: E402
-from mta_repro.weights import ModelMismatchError, load_weights  # noqa: E402
 from mta_repro.errors import CorruptFileError, UnsafeFileError  # noqa: E402
+from mta_repro.weights import ModelMismatchError, load_weights  # noqa: E402
 
 TRAIN = ["experiment=debug", "trainer.steps=1", "logging.wandb_mode=disabled", "logging.progress_bar=false"]
 
@@ -46,15 +46,31 @@ def _snapshot(folder: Path) -> dict:
     """Every file under ``folder``: its bytes' hash and its mode (what "unchanged" means)."""
     if not folder.exists():
         return {}
-    return {str(p.relative_to(folder)): (hashlib.sha256(p.read_bytes()).hexdigest(), stat.S_IMODE(p.stat().st_mode))
-            for p in sorted(folder.rglob("*")) if p.is_file()}
+    return {
+        str(p.relative_to(folder)): (hashlib.sha256(p.read_bytes()).hexdigest(), stat.S_IMODE(p.stat().st_mode))
+        for p in sorted(folder.rglob("*"))
+        if p.is_file()
+    }
 
 
 # ------------------------------------------------------------------ a Llama folder, byte by byte
-HF_CONFIG = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "vocab_size": 64, "hidden_size": 32,
-             "intermediate_size": 48, "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 4,
-             "head_dim": 16, "max_position_embeddings": 64, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
-             "tie_word_embeddings": False, "hidden_act": "silu", "torch_dtype": "float32"}
+HF_CONFIG = {
+    "model_type": "llama",
+    "architectures": ["LlamaForCausalLM"],
+    "vocab_size": 64,
+    "hidden_size": 32,
+    "intermediate_size": 48,
+    "num_hidden_layers": 1,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 4,
+    "head_dim": 16,
+    "max_position_embeddings": 64,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 10000.0,
+    "tie_word_embeddings": False,
+    "hidden_act": "silu",
+    "torch_dtype": "float32",
+}
 ST_NAMES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16"}
 
 
@@ -62,25 +78,43 @@ def llama_tensors(dtype=torch.float32) -> dict:
     """The tensors of HF_CONFIG's LlamaForCausalLM (q_proj [64, 32]: 4 heads x 16 over 32)."""
     g = torch.Generator().manual_seed(0)
     V, D, F, HD = 64, 32, 48, 64
-    shapes = {"model.embed_tokens.weight": (V, D), "model.norm.weight": (D,), "lm_head.weight": (V, D),
-              "model.layers.0.input_layernorm.weight": (D,), "model.layers.0.post_attention_layernorm.weight": (D,),
-              "model.layers.0.self_attn.q_proj.weight": (HD, D), "model.layers.0.self_attn.k_proj.weight": (HD, D),
-              "model.layers.0.self_attn.v_proj.weight": (HD, D), "model.layers.0.self_attn.o_proj.weight": (D, HD),
-              "model.layers.0.mlp.gate_proj.weight": (F, D), "model.layers.0.mlp.up_proj.weight": (F, D),
-              "model.layers.0.mlp.down_proj.weight": (D, F)}
+    shapes = {
+        "model.embed_tokens.weight": (V, D),
+        "model.norm.weight": (D,),
+        "lm_head.weight": (V, D),
+        "model.layers.0.input_layernorm.weight": (D,),
+        "model.layers.0.post_attention_layernorm.weight": (D,),
+        "model.layers.0.self_attn.q_proj.weight": (HD, D),
+        "model.layers.0.self_attn.k_proj.weight": (HD, D),
+        "model.layers.0.self_attn.v_proj.weight": (HD, D),
+        "model.layers.0.self_attn.o_proj.weight": (D, HD),
+        "model.layers.0.mlp.gate_proj.weight": (F, D),
+        "model.layers.0.mlp.up_proj.weight": (F, D),
+        "model.layers.0.mlp.down_proj.weight": (D, F),
+    }
     return {n: (0.1 * torch.randn(s, generator=g)).to(dtype) for n, s in shapes.items()}
 
 
-def write_safetensors(path: Path, tensors: dict, labels: dict = (), shapes: dict = (), offsets: dict = (),
-                      header_len=None, tail: bytes = b"") -> Path:
+def write_safetensors(
+    path: Path,
+    tensors: dict,
+    labels: dict = (),
+    shapes: dict = (),
+    offsets: dict = (),
+    header_len=None,
+    tail: bytes = b"",
+) -> Path:
     """A safetensors file as the format describes it: 8-byte little-endian header length,
     the JSON header, the tensors' bytes. ``labels``/``shapes``/``offsets`` override a
     tensor's header entry (the bytes stay), ``header_len`` the stated length."""
     header, blobs, at = {}, [], 0
     for name, t in tensors.items():
         data = t.contiguous().view(torch.uint8).numpy().tobytes() if t.numel() else b""
-        entry = {"dtype": dict(labels).get(name, ST_NAMES[t.dtype]), "shape": list(dict(shapes).get(name, t.shape)),
-                 "data_offsets": list(dict(offsets).get(name, (at, at + len(data))))}
+        entry = {
+            "dtype": dict(labels).get(name, ST_NAMES[t.dtype]),
+            "shape": list(dict(shapes).get(name, t.shape)),
+            "data_offsets": list(dict(offsets).get(name, (at, at + len(data)))),
+        }
         header[name] = entry
         blobs.append(data)
         at += len(data)
@@ -122,10 +156,13 @@ def test_the_well_formed_folder_imports_and_the_library_reads_it(tmp_path, capsy
 
 
 # ------------------------------------------------------------------ 1: relabelled dtypes
-@pytest.mark.parametrize("dtype,label,says", [
-    (torch.float32, "I32", "is I32, expected a float dtype"),  # same byte size, an integer tensor
-    (torch.float16, "BF16", "is bfloat16 but config.json's torch_dtype is float16"),  # same size, another float
-])
+@pytest.mark.parametrize(
+    "dtype,label,says",
+    [
+        (torch.float32, "I32", "is I32, expected a float dtype"),  # same byte size, an integer tensor
+        (torch.float16, "BF16", "is bfloat16 but config.json's torch_dtype is float16"),  # same size, another float
+    ],
+)
 def test_hf_import_refuses_a_relabelled_tensor(tmp_path, capsys, dtype, label, says):
     pytest.importorskip("transformers")
     folder = llama_folder(tmp_path, dtype, labels={"model.embed_tokens.weight": label})
@@ -147,9 +184,19 @@ def test_init_from_refuses_integer_weights_and_writes_no_run(tmp_path, capsys):
     pt = tmp_path / "relabelled.pt"
     torch.save(blob, pt)
     target = tmp_path / "train"
-    cfg = compose(TRAIN + ["model.dim=64", "model.n_layers=2", "model.n_heads=4", "model.multiple_of=32",
-                           "model.vocab_size=258", "data.tokenizer.name=bytes", f"run_dir={target}",
-                           f"checkpoint.init_from={pt}"])
+    cfg = compose(
+        TRAIN
+        + [
+            "model.dim=64",
+            "model.n_layers=2",
+            "model.n_heads=4",
+            "model.multiple_of=32",
+            "model.vocab_size=258",
+            "data.tokenizer.name=bytes",
+            f"run_dir={target}",
+            f"checkpoint.init_from={pt}",
+        ]
+    )
     assert run_cli("train", lambda: train(cfg)) == 2
     _one_line(capsys.readouterr().err, "train: error:", str(pt), "'tok_embeddings.weight' is int32, expected a float")
     assert not target.exists()
@@ -159,8 +206,8 @@ def test_init_from_refuses_integer_weights_and_writes_no_run(tmp_path, capsys):
 
 def test_init_from_refuses_weights_of_another_shape_naming_the_tensor(tmp_path):
     """A checkpoint of another width: refused against the model it would go into."""
-    from mta_repro.train.checkpoint import load_init_weights
     from mta_repro.model import ModelArgs
+    from mta_repro.train.checkpoint import load_init_weights
 
     run_dir, _ = make_run(tmp_path / "src", attention="baseline")  # dim 64
     want = ModelArgs(dim=32, n_layers=2, n_heads=4, vocab_size=258, multiple_of=32)
@@ -173,12 +220,16 @@ def test_init_from_refuses_weights_of_another_shape_naming_the_tensor(tmp_path):
 def _crafted_headers():
     emb = "model.embed_tokens.weight"
     return {
-        "length 2^62": ({"header_len": 2 ** 62}, "header length 4611686018427387904 bytes is over the format's limit"),
-        "length past the end": ({"header_len": 10 ** 6}, "header length 1000000 bytes runs past the end of the file"),
-        "F16 with F32 bytes": ({"labels": {emb: "F16"}}, "tensor 'model.embed_tokens.weight': F16 [64, 32] needs 4096 "
-                                                         "bytes, its data_offsets hold 8192"),
-        "offsets outside": ({"offsets": {emb: (0, 1 << 40)}}, "tensor 'model.embed_tokens.weight': bytes "
-                                                            "[0, 1099511627776) do not fit"),
+        "length 2^62": ({"header_len": 2**62}, "header length 4611686018427387904 bytes is over the format's limit"),
+        "length past the end": ({"header_len": 10**6}, "header length 1000000 bytes runs past the end of the file"),
+        "F16 with F32 bytes": (
+            {"labels": {emb: "F16"}},
+            "tensor 'model.embed_tokens.weight': F16 [64, 32] needs 4096 bytes, its data_offsets hold 8192",
+        ),
+        "offsets outside": (
+            {"offsets": {emb: (0, 1 << 40)}},
+            "tensor 'model.embed_tokens.weight': bytes [0, 1099511627776) do not fit",
+        ),
     }
 
 
@@ -190,9 +241,8 @@ def test_crafted_safetensors_headers_are_one_line(tmp_path, capsys, case):
     kw, says = _crafted_headers()[case]
     folder = llama_folder(tmp_path, **kw)
     st = folder / "model.safetensors"
-    with pytest.raises(Exception):  # noqa: B017 - the control: the library itself refuses it, in its own way
-        with safe_open(str(st), framework="pt") as f:
-            [f.get_tensor(n) for n in f.keys()]
+    with pytest.raises(Exception), safe_open(str(st), framework="pt") as f:  # noqa: B017 - the library refuses it
+        [f.get_tensor(n) for n in f]
     out = tmp_path / "ours.pt"
     rc, res = _hf(["import", str(folder), str(out)], capsys)
     assert rc == 2
@@ -205,11 +255,13 @@ def test_the_header_reader_checks_overlaps_gaps_and_json(tmp_path):
     from mta_repro.weights import read_header
 
     t = {"a": torch.ones(4), "b": torch.ones(4)}
-    cases = {"overlap": ({"offsets": {"b": (8, 24)}}, "overlaps the previous tensor"),
-             "gap": ({"offsets": {"b": (20, 36)}, "tail": b"\0" * 4}, "leaves a gap after byte 16"),
-             "unknown dtype": ({"labels": {"a": "Q4"}}, "unknown dtype 'Q4'"),
-             "negative shape": ({"shapes": {"a": (-4,)}}, "is not a list of non-negative integers"),
-             "trailing bytes": ({"tail": b"\0" * 8}, "the tensors end at byte 32 of a 40-byte buffer")}
+    cases = {
+        "overlap": ({"offsets": {"b": (8, 24)}}, "overlaps the previous tensor"),
+        "gap": ({"offsets": {"b": (20, 36)}, "tail": b"\0" * 4}, "leaves a gap after byte 16"),
+        "unknown dtype": ({"labels": {"a": "Q4"}}, "unknown dtype 'Q4'"),
+        "negative shape": ({"shapes": {"a": (-4,)}}, "is not a list of non-negative integers"),
+        "trailing bytes": ({"tail": b"\0" * 8}, "the tensors end at byte 32 of a 40-byte buffer"),
+    }
     for name, (kw, says) in cases.items():
         f = write_safetensors(tmp_path / f"{name}.safetensors", t, **kw)
         with pytest.raises(CorruptFileError, match=f"{f}: not a valid safetensors file: .*{says}"):
@@ -225,16 +277,18 @@ def test_a_shard_index_may_name_only_files_of_its_folder(tmp_path, capsys):
     pytest.importorskip("transformers")
     folder = llama_folder(tmp_path)
     elsewhere = write_safetensors(tmp_path / "elsewhere.safetensors", llama_tensors())
-    (folder / "model.safetensors.index.json").write_text(json.dumps(
-        {"weight_map": {n: f"../{elsewhere.name}" for n in llama_tensors()}}))
+    (folder / "model.safetensors.index.json").write_text(
+        json.dumps({"weight_map": {n: f"../{elsewhere.name}" for n in llama_tensors()}})
+    )
     rc, res = _hf(["import", str(folder), str(tmp_path / "ours.pt")], capsys)
     assert rc == 2
     _one_line(res.err, "model.safetensors.index.json names shard(s) outside", "../elsewhere.safetensors")
     (folder / "model.safetensors.index.json").write_text(json.dumps({"weight_map": ["model.safetensors"]}))
     rc, res = _hf(["import", str(folder), str(tmp_path / "ours.pt")], capsys)
     assert rc == 2
-    _one_line(res.err, "model.safetensors.index.json: not a shard index:",
-              "expected an object at weight_map, found a list")
+    _one_line(
+        res.err, "model.safetensors.index.json: not a shard index:", "expected an object at weight_map, found a list"
+    )
     assert not (tmp_path / "ours.pt").exists()
 
 
@@ -259,8 +313,12 @@ def test_a_reshaped_tensor_in_a_pt_is_refused_against_its_own_config(tmp_path, c
     pt = tmp_path / "reshaped.pt"
     torch.save(blob, pt)
     assert eval_main([str(pt), "tasks=[ppl]"]) == 2
-    _one_line(capsys.readouterr().err, "eval: error:", str(pt), "'layers.0.attention.wq.weight' has shape [32, 128], "
-              "expected [64, 64] (its config's model)")
+    _one_line(
+        capsys.readouterr().err,
+        "eval: error:",
+        str(pt),
+        "'layers.0.attention.wq.weight' has shape [32, 128], expected [64, 64] (its config's model)",
+    )
     assert not (tmp_path / "eval").exists()
 
 
@@ -276,8 +334,9 @@ def test_a_stored_config_with_a_resolver_is_refused_by_eval(tmp_path, capsys, mo
     # a tokenizer that would work: resolving the variable would evaluate with this machine's file
     monkeypatch.setenv("SECRET_PATH", str(Path(__file__).parents[1] / "data" / "tokenizer" / "mini_sp8192.model"))
     assert eval_main([str(pt), "tasks=[ppl]"]) == 2
-    _one_line(capsys.readouterr().err, "eval: error:", str(pt), "data.tokenizer.path: '${oc.env:SECRET_PATH}'",
-              "never run")
+    _one_line(
+        capsys.readouterr().err, "eval: error:", str(pt), "data.tokenizer.path: '${oc.env:SECRET_PATH}'", "never run"
+    )
     assert not (tmp_path / "eval").exists()
     with pytest.raises(UnsafeFileError):  # and not skipped for an older file either
         load_weights(pt)
@@ -301,8 +360,10 @@ def _bomb(path: Path, n_bytes: int, after: int = 3) -> Path:
             w.write(b"a" * min(left, 1 << 20))
         w.write(b'", "meta": {"redpajama_set_name": "RedPajamaC4"}}\n')
         for i in range(after):
-            w.write(json.dumps({"text": f"small record {i} " * 40, "meta": {"redpajama_set_name": "RedPajamaC4"}})
-                    .encode() + b"\n")
+            w.write(
+                json.dumps({"text": f"small record {i} " * 40, "meta": {"redpajama_set_name": "RedPajamaC4"}}).encode()
+                + b"\n"
+            )
     return path
 
 
@@ -314,8 +375,14 @@ def test_a_400_mb_record_is_skipped_counted_and_never_held(tmp_path):
     bomb = _bomb(root / "train" / "chunk1" / "example_train_0.jsonl.zst", 400_000_000)
     assert bomb.stat().st_size < 100_000  # ~12 KB on disk
     (root / "validation" / "chunk1").mkdir(parents=True)
-    args = DataArgs(root_dir=str(root), sources={"c4": 1.0}, seq_len=32, batch_size=2, shuffle_buffer=0,
-                    tokenizer=TokenizerArgs(name="bytes", path=None))
+    args = DataArgs(
+        root_dir=str(root),
+        sources={"c4": 1.0},
+        seq_len=32,
+        batch_size=2,
+        shuffle_buffer=0,
+        tokenizer=TokenizerArgs(name="bytes", path=None),
+    )
     assert args.max_record_bytes == MAX_RECORD_BYTES == 16 << 20
     loader = build_train_loader(args)
     tracemalloc.start()
@@ -337,8 +404,14 @@ def test_the_record_limit_is_a_setting_and_resumes_past_the_record(tmp_path):
     root = tmp_path / "corpus"
     _bomb(root / "train" / "chunk1" / "example_train_0.jsonl.zst", 5000, after=50)
     (root / "validation" / "chunk1").mkdir(parents=True)
-    kw = dict(root_dir=str(root), sources={"c4": 1.0}, seq_len=32, batch_size=2, shuffle_buffer=0,
-              tokenizer=TokenizerArgs(name="bytes", path=None))
+    kw = dict(
+        root_dir=str(root),
+        sources={"c4": 1.0},
+        seq_len=32,
+        batch_size=2,
+        shuffle_buffer=0,
+        tokenizer=TokenizerArgs(name="bytes", path=None),
+    )
     loader = build_train_loader(DataArgs(**kw))
     next(iter(loader))
     assert loader.bad_records()["oversize"] == 0  # 5 KB: under the default
@@ -359,8 +432,8 @@ def test_the_record_limit_is_a_setting_and_resumes_past_the_record(tmp_path):
 
 # ------------------------------------------------------------------ 6: a diverged model's perplexity
 def test_a_huge_loss_is_perplexity_inf_in_the_result_and_the_report(tmp_path, capsys):
-    from mta_repro.model.loss import perplexity
     from mta_repro.eval.run import main as eval_main
+    from mta_repro.model.loss import perplexity
     from mta_repro.report.__main__ import main as report_main
 
     run_dir, _ = make_run(tmp_path / "run", attention="baseline")
@@ -391,8 +464,9 @@ def test_a_model_that_cannot_fit_is_refused_before_anything_is_allocated(tmp_pat
     run_dir = tmp_path / "big"
     cfg = compose(TRAIN + ["model.dim=65536", "model.n_heads=64", "trainer.device=cpu", f"run_dir={run_dir}"])
     assert run_cli("train", lambda: train(cfg)) == 2
-    line = _one_line(capsys.readouterr().err, "train: error:", "model.dim=65536", "of memory available",
-                     "trainer.memory_check=false")
+    line = _one_line(
+        capsys.readouterr().err, "train: error:", "model.dim=65536", "of memory available", "trainer.memory_check=false"
+    )
     # the floor, computed here: fp32 parameters + AdamW moments (12 bytes each) and one fp32 copy of the logits
     D, L, V, B, T = 65536, cfg.model.n_layers, cfg.model.vocab_size, cfg.data.batch_size, cfg.data.seq_len
     from mta_repro.model import to_model_args
@@ -413,8 +487,10 @@ def test_the_pre_flight_runs_when_the_floor_is_near_the_capacity(tmp_path):
     want = estimate_from_config(cfg).total  # the pre-flight's own command (python -m mta_repro.estimate --memory)
     args = to_train_config(cfg)
     cpu = torch.device("cpu")
-    with pytest.raises(DoesNotFitError, match=f"needs {want / 1e9:.2f} GB per rank by the memory pre-flight .*but "
-                                              "a 0.3 GB test machine"):
+    with pytest.raises(
+        DoesNotFitError,
+        match=f"needs {want / 1e9:.2f} GB per rank by the memory pre-flight .*but a 0.3 GB test machine",
+    ):
         check_fits(args, 1, cpu, (0.3e9, "a 0.3 GB test machine"))
     assert check_fits(args, 1, cpu, (want / 0.95, "room")).total == want  # fits (a warning line: over 90%)
     assert check_fits(args, 1, cpu, (1e15, "plenty")) is None  # the floor is tiny: no model run needed
@@ -423,8 +499,15 @@ def test_the_pre_flight_runs_when_the_floor_is_near_the_capacity(tmp_path):
 
 
 # ------------------------------------------------------------------ 8: non-finite settings
-@pytest.mark.parametrize("override,field", [("optim.lr=nan", "optim.lr"), ("optim.lr=inf", "optim.lr"),
-                                            ("optim.eps=-inf", "optim.eps"), ("model.norm_eps=nan", "model.norm_eps")])
+@pytest.mark.parametrize(
+    "override,field",
+    [
+        ("optim.lr=nan", "optim.lr"),
+        ("optim.lr=inf", "optim.lr"),
+        ("optim.eps=-inf", "optim.eps"),
+        ("model.norm_eps=nan", "model.norm_eps"),
+    ],
+)
 def test_non_finite_settings_are_one_line(tmp_path, capsys, override, field):
     from mta_repro.train.config import compose
     from mta_repro.train.loop import train
@@ -449,8 +532,9 @@ def test_report_names_a_result_file_of_the_wrong_shape(tmp_path, capsys):
     _one_line(capsys.readouterr().err, f"{needle}: not an eval result", "expected an object, found a list")
     needle.write_text(json.dumps({"task": "needle", "results": {"accuracy": {"2048": [0.5]}}}))
     assert report_main([str(run_dir), "--out", str(out)]) == 2
-    _one_line(capsys.readouterr().err, str(needle), "(needle)",
-              "expected an object at results.accuracy.2048, found a list")
+    _one_line(
+        capsys.readouterr().err, str(needle), "(needle)", "expected an object at results.accuracy.2048, found a list"
+    )
     assert not out.exists()
 
 
@@ -535,8 +619,10 @@ def test_a_dcp_checkpoint_with_integer_model_tensors_is_named(tmp_path):
         warnings.simplefilter("ignore")
         dcp.save({"model": sd, "step": 9}, checkpoint_id=str(ck))
     (ck / ".complete").touch()
-    with pytest.raises(CorruptFileError, match=f"checkpoint {ck} is unreadable: tensor 'tok_embeddings.weight' is "
-                                               "int32, expected a float dtype"):
+    with pytest.raises(
+        CorruptFileError,
+        match=f"checkpoint {ck} is unreadable: tensor 'tok_embeddings.weight' is int32, expected a float dtype",
+    ):
         load_weights(ck)
     with pytest.warns(UserWarning, match="falling back to .*0000000007"):
         assert load_weights(run_dir).step == 7  # a run dir falls back to the previous checkpoint, with one line
@@ -552,17 +638,20 @@ def test_the_commands_as_a_user_runs_them(tmp_path):
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
 
     def run(*argv):
-        return subprocess.run([sys.executable, "-m", *argv], capture_output=True, text=True, timeout=300, env=env,
-                              cwd=root)
+        return subprocess.run(
+            [sys.executable, "-m", *argv], capture_output=True, text=True, timeout=300, env=env, cwd=root
+        )
 
-    for extra, says in ((["model.dim=65536", "model.n_heads=64"], "model.dim=65536"),
-                        (["optim.lr=nan"], "optim.lr: expected a finite number, got nan")):
+    for extra, says in (
+        (["model.dim=65536", "model.n_heads=64"], "model.dim=65536"),
+        (["optim.lr=nan"], "optim.lr: expected a finite number, got nan"),
+    ):
         r = run("mta_repro.train", "experiment=debug", "trainer.device=cpu", f"run_dir={tmp_path / 'run'}", *extra)
         assert r.returncode == 2, r.stderr[-3000:]
         _one_line(r.stderr, "train: error:", says)
         assert not (tmp_path / "run").exists()
     pytest.importorskip("transformers")
-    folder = llama_folder(tmp_path, header_len=2 ** 62)
+    folder = llama_folder(tmp_path, header_len=2**62)
     r = run("mta_repro.hf", "import", str(folder), str(tmp_path / "ours.pt"))
     assert r.returncode == 2, r.stderr[-3000:]
     _one_line(r.stderr, "hf: error:", str(folder / "model.safetensors"), "header length 4611686018427387904")

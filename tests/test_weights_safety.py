@@ -33,9 +33,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent / "fixtures" / "eval"))
 from eval_helpers import make_run  # noqa: E402
 
-from mta_repro.weights import find_weights, load_weights  # noqa: E402
-
 from mta_repro.errors import CorruptFileError, UnsafeFileError  # noqa: E402
+from mta_repro.weights import find_weights, load_weights  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 PKG = ROOT / "mta_repro"
@@ -91,8 +90,11 @@ def test_control_the_crafted_file_runs_code_when_unpickled_unsafely(tmp_path):
 def test_library_entry_points_refuse(evil, tmp_path):
     pt, run_dir, marker = evil
     for path in (pt, run_dir):
-        with pytest.raises(UnsafeFileError, match=rf"{re.escape(str(pt if path == pt else run_dir / 'export'))}.*"
-                                                  r"not a plain weights file.*io.open.*refusing to unpickle"):
+        with pytest.raises(
+            UnsafeFileError,
+            match=rf"{re.escape(str(pt if path == pt else run_dir / 'export'))}.*"
+            r"not a plain weights file.*io.open.*refusing to unpickle",
+        ):
             load_weights(path)
     from mta_repro.train.checkpoint import load_init_weights
 
@@ -118,17 +120,27 @@ def test_init_from_in_training_refuses(evil, tmp_path):
     cons.mkdir(parents=True)
     shutil.copyfile(pt, cons / "consolidated.pth")
     for src in (pt, cons):
-        cfg = compose(["model=tiny", "attention=baseline", "trainer.steps=1", "trainer.device=cpu",
-                       "logging.wandb_mode=disabled", "logging.progress_bar=false", "data.seq_len=32",
-                       f"run_dir={tmp_path / 'train'}", f"checkpoint.init_from={src}"])
+        cfg = compose(
+            [
+                "model=tiny",
+                "attention=baseline",
+                "trainer.steps=1",
+                "trainer.device=cpu",
+                "logging.wandb_mode=disabled",
+                "logging.progress_bar=false",
+                "data.seq_len=32",
+                f"run_dir={tmp_path / 'train'}",
+                f"checkpoint.init_from={src}",
+            ]
+        )
         with pytest.raises(UnsafeFileError, match="refusing to unpickle"):
             train(cfg)
 
 
 def test_clis_refuse_with_one_line_and_exit_2(evil, tmp_path, capsys):
     pt, run_dir, marker = evil
-    from mta_repro.eval.run import main as eval_main
     from mta_repro.eval.generate import main as generate_main
+    from mta_repro.eval.run import main as eval_main
     from mta_repro.hf.cli import main as hf_main
 
     for path in (pt, run_dir):
@@ -146,20 +158,46 @@ def test_eval_pipeline_and_train_processes_refuse(evil, tmp_path):
     the trainer's init_from)."""
     pt, run_dir, marker = evil
     env = {**os.environ, "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"}
-    r = subprocess.run([sys.executable, "-m", "mta_repro.eval", str(pt), "tasks=[ppl]"],
-                       capture_output=True, text=True, timeout=300, env=env)
+    r = subprocess.run(
+        [sys.executable, "-m", "mta_repro.eval", str(pt), "tasks=[ppl]"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
     assert r.returncode == 2
     _one_line(r.stderr, str(pt), "refusing to unpickle")
     root = tmp_path / "runs"
     _crafted(root / "pretrain" / "baseline" / "export" / "consolidated.pt", marker)
-    r = subprocess.run([sys.executable, "-m", "mta_repro.pipeline", "pipeline=tiny", f"root={root}", "--dry-run"],
-                       capture_output=True, text=True, timeout=300, env=env, cwd=ROOT)
+    r = subprocess.run(
+        [sys.executable, "-m", "mta_repro.pipeline", "pipeline=tiny", f"root={root}", "--dry-run"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+        cwd=ROOT,
+    )
     assert r.returncode == 2, r.stdout[-2000:] + r.stderr[-2000:]
     _one_line(r.stderr, "pretrain/baseline/export/consolidated.pt", "refusing to unpickle")
-    r = subprocess.run([sys.executable, "-m", "mta_repro.train", "model=tiny", "attention=baseline",
-                        "trainer.steps=1", "trainer.device=cpu", "logging.wandb_mode=disabled",
-                        f"run_dir={tmp_path / 'train'}", f"checkpoint.init_from={pt}"],
-                       capture_output=True, text=True, timeout=300, env=env, cwd=ROOT)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "mta_repro.train",
+            "model=tiny",
+            "attention=baseline",
+            "trainer.steps=1",
+            "trainer.device=cpu",
+            "logging.wandb_mode=disabled",
+            f"run_dir={tmp_path / 'train'}",
+            f"checkpoint.init_from={pt}",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+        cwd=ROOT,
+    )
     assert r.returncode == 2, r.stdout[-2000:] + r.stderr[-2000:]
     _one_line(r.stderr, "train: error:", str(pt), "refusing to unpickle")
     assert not (tmp_path / "train").exists()  # a refused start leaves no run dir
@@ -244,8 +282,13 @@ def test_resume_refuses_pickled_run_state_and_round_trips_the_plain_one(tmp_path
         evil = tmp_path / "evil" / entry / "0000000001"
         blob = io.BytesIO()
         torch.save(_Touch(marker), blob)
-        state = {"model": model_sd, "optim": optim_sd, "scheduler": blob.getvalue(), "step": 1,
-                 "rank0": pickle.dumps(_Touch(marker))}  # a raw pickle, as older versions wrote run-state
+        state = {
+            "model": model_sd,
+            "optim": optim_sd,
+            "scheduler": blob.getvalue(),
+            "step": 1,
+            "rank0": pickle.dumps(_Touch(marker)),
+        }  # a raw pickle, as older versions wrote run-state
         if entry == "rank0":  # a good scheduler entry, so the per-rank one is what is refused
             state["scheduler"] = _plain(sched.state_dict())
         with warnings.catch_warnings():
@@ -262,7 +305,7 @@ def _plain(obj) -> bytes:
     return encode_state(obj)
 
 
-@pytest.mark.filterwarnings('ignore:.* is unreadable')
+@pytest.mark.filterwarnings("ignore:.* is unreadable")
 def test_eval_names_a_corrupt_checkpoint_and_its_fallback_in_one_line(tmp_path, capsys):
     """Eval names the damaged file in one line, not torch's zip error or DCP's flattened
     CheckpointException."""
@@ -312,10 +355,16 @@ def _readers(f: Path) -> list:
         fn = node.func
         name = fn.attr if isinstance(fn, ast.Attribute) else getattr(fn, "id", "")
         owner = getattr(fn.value, "id", getattr(fn.value, "attr", "")) if isinstance(fn, ast.Attribute) else ""
-        bad = ((name in ("load", "loads") and owner in ("torch", "pickle", "dcp", "checkpoint"))
-               or name in ("Unpickler", "FileSystemReader", "read_metadata", "safe_open", "load_file")
-               or any(k.arg in ("weights_only", "allow_pickle") and isinstance(k.value, ast.Constant)
-                      and k.value.value is (k.arg == "allow_pickle") for k in node.keywords))
+        bad = (
+            (name in ("load", "loads") and owner in ("torch", "pickle", "dcp", "checkpoint"))
+            or name in ("Unpickler", "FileSystemReader", "read_metadata", "safe_open", "load_file")
+            or any(
+                k.arg in ("weights_only", "allow_pickle")
+                and isinstance(k.value, ast.Constant)
+                and k.value.value is (k.arg == "allow_pickle")
+                for k in node.keywords
+            )
+        )
         if bad:
             out.append(f"{f.relative_to(ROOT)}:{node.lineno}: {ast.unparse(node)[:120]}")
     return out
@@ -347,7 +396,9 @@ def test_train_eval_and_weights_do_not_import_the_release_converter():
         for f in sorted((PKG / sub).rglob("*.py")):
             bad = sorted(m for m in _imports(f) if m == "mta_repro.release" or m.startswith("mta_repro.release."))
             assert not bad, f"{f.relative_to(ROOT)} imports {bad}"
-    code = ("import sys, mta_repro.train.loop, mta_repro.train.export, mta_repro.eval.run, mta_repro.weights;"
-            "print(sorted(m for m in sys.modules if m.startswith('mta_repro.release')))")
+    code = (
+        "import sys, mta_repro.train.loop, mta_repro.train.export, mta_repro.eval.run, mta_repro.weights;"
+        "print(sorted(m for m in sys.modules if m.startswith('mta_repro.release')))"
+    )
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0 and r.stdout.strip() == "[]", r.stdout + r.stderr[-2000:]

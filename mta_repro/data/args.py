@@ -5,7 +5,6 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Dict, Optional
 
 from mta_repro.dataclass_config import to_dataclass
 from mta_repro.errors import UserError
@@ -34,7 +33,7 @@ class TokenizerArgs:
     name: str = "sentencepiece"
     # Path of the tokenizer file; relative paths are tried from the working directory,
     # then from the repository root. Ignored by "bytes".
-    path: Optional[str] = field(default="data/tokenizer/mini_sp8192.model", metadata={"run_dir": "safe", "path": True})
+    path: str | None = field(default="data/tokenizer/mini_sp8192.model", metadata={"run_dir": "safe", "path": True})
 
 
 @dataclass
@@ -49,7 +48,7 @@ class DataArgs:
     layout: str = "slimpajama"
     # Probability weights of the domains, per *document* (normalised; 0 leaves a domain
     # out). Every domain named must exist; there is no implicit default weight.
-    sources: Dict[str, float] = field(default_factory=lambda: dict(PAPER_WEIGHTS))
+    sources: dict[str, float] = field(default_factory=lambda: dict(PAPER_WEIGHTS))
     # Tokens per training sequence; windows of seq_len + 1 tokens give input and target.
     seq_len: int = 256
     # Sequences per batch on each rank.
@@ -100,8 +99,11 @@ def validate(args: DataArgs) -> None:
         v = getattr(args, key)
         if not isinstance(v, int) or v < 1:
             raise UserError(f"data.{key}={v!r}: expected a positive integer")
-    if isinstance(args.max_record_bytes, bool) or not isinstance(args.max_record_bytes, int) \
-            or args.max_record_bytes < 1:
+    if (
+        isinstance(args.max_record_bytes, bool)
+        or not isinstance(args.max_record_bytes, int)
+        or args.max_record_bytes < 1
+    ):
         raise UserError(f"data.max_record_bytes={args.max_record_bytes!r}: expected a positive integer (bytes)")
     for key in ("shuffle_buffer", "prefetch"):
         v = getattr(args, key)
@@ -118,7 +120,7 @@ def validate(args: DataArgs) -> None:
         raise UserError(f"data.sources: all weights are zero ({dict(args.sources)})")
 
 
-def active_sources(args: DataArgs) -> Dict[str, float]:
+def active_sources(args: DataArgs) -> dict[str, float]:
     """The domains with positive weight, sorted by name, weights normalised to sum 1."""
     total = float(sum(args.sources.values()))
     return {k: float(args.sources[k]) / total for k in sorted(args.sources) if args.sources[k] > 0}

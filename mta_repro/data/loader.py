@@ -24,13 +24,14 @@ its findings in ``input_check`` (docs/provenance.md).
 from __future__ import annotations
 
 import bisect
+import contextlib
 import copy
 import logging
 import os
 import queue
 import threading
 import time
-from typing import Iterable, Iterator, Callable, Dict, List, Optional
+from collections.abc import Callable, Iterable, Iterator
 
 import numpy as np
 import torch
@@ -72,19 +73,20 @@ class TrainLoader:
         weights = active_sources(self.args)
         for d in self.args.sources:
             check_domain(self.args, d)
-        self.domains: List[str] = list(weights)
+        self.domains: list[str] = list(weights)
         self.cum = np.cumsum([weights[d] for d in self.domains]).tolist()
         # One listing per folder read (every domain's in the slimpajama layout: train/), and
         # one shard object per listing, shared by the streams reading it.
-        self._listings: Dict[str, list] = {}
-        shards: Dict[str, tuple] = {}
+        self._listings: dict[str, list] = {}
+        shards: dict[str, tuple] = {}
         for d in self.domains:
             key = self._listing_key(d)
             if key not in self._listings:
                 self._listings[key] = list_entries(self.args, d, "train")
                 shards[key] = tuple(shard_files([e[0] for e in self._listings[key]], rank, world_size))
-        self.streams: Dict[str, DocStream] = {
-            d: DocStream(self.args, d, rank, world_size, shard=shards[self._listing_key(d)]) for d in self.domains}
+        self.streams: dict[str, DocStream] = {
+            d: DocStream(self.args, d, rank, world_size, shard=shards[self._listing_key(d)]) for d in self.domains
+        }
         self.root = corpus_root(self.args)
         # What the files look like now (name -> (size, mtime_ns)) and the listing's fingerprint.
         self._listed = {name: (size, mtime) for e in self._listings.values() for name, size, mtime in e}
@@ -92,35 +94,35 @@ class TrainLoader:
         # With mtimes (the record), and without (what a resume compares: a touched file is no change).
         self.layout = {**fingerprint(entries), "sha256_names_sizes": fingerprint(entries, with_mtime=False)["sha256"]}
         # Files read to their end on this rank: {name: (size, mtime_ns, bytes of text, sha256)}.
-        self.files: Dict[str, tuple] = {}
+        self.files: dict[str, tuple] = {}
         for s in self.streams.values():
             s.files = self.files
         # What the last load found (``load_state_dict``): {"refuse": [...], "warn": [...]},
         # and the names of the files refused there (``accept_input_changes``).
-        self.input_check: Optional[dict] = None
+        self.input_check: dict | None = None
         self._changed: set = set()
         # Streams that read the same files (every domain in the slimpajama layout) share a
         # ledger, so a bad record or file is counted once, by whichever stream reads it first.
-        ledgers: Dict[tuple, BadLedger] = {}
+        ledgers: dict[tuple, BadLedger] = {}
         for s in self.streams.values():
             s.use_ledger(ledgers.setdefault(tuple(s.base_shard), s.ledger))
         # Two independent generators so the document sequence does not depend on the
         # buffer size. Seeds combine the data seed with the rank.
         self.doc_rng = np.random.Generator(np.random.PCG64([self.args.seed, rank, 0]))
         self.buf_rng = np.random.Generator(np.random.PCG64([self.args.seed, rank, 1]))
-        self.tokens: List[int] = []  # packing remainder: tokens[_pos:] are not yet in a window
-        self.doms: List[int] = []  # the domain index of every token in self.tokens
+        self.tokens: list[int] = []  # packing remainder: tokens[_pos:] are not yet in a window
+        self.doms: list[int] = []  # the domain index of every token in self.tokens
         self._pos = 0
-        self.buffer: List[np.ndarray] = []  # shuffle buffer of (seq_len + 1,) int32 windows
-        self.buffer_doms: List[np.ndarray] = []  # their tokens' domain indices (int8)
+        self.buffer: list[np.ndarray] = []  # shuffle buffer of (seq_len + 1,) int32 windows
+        self.buffer_doms: list[np.ndarray] = []  # their tokens' domain indices (int8)
         self.n_docs = {d: 0 for d in self.domains}
         # Target tokens handed out per domain (index len(domains): unknown, from an old state).
         self.n_tokens = np.zeros(len(self.domains) + 1, dtype=np.int64)
         self.n_batches = 0
-        self._thread: Optional[threading.Thread] = None
-        self._queue: Optional[queue.Queue] = None
+        self._thread: threading.Thread | None = None
+        self._queue: queue.Queue | None = None
         self._stop = threading.Event()
-        self._handed_state: Optional[dict] = None  # prefetch: the state after the last batch out
+        self._handed_state: dict | None = None  # prefetch: the state after the last batch out
         self._check_split_holds_a_window()
 
     def _check_split_holds_a_window(self) -> None:
@@ -142,24 +144,34 @@ class TrainLoader:
                 total += len(self.tokenizer.encode(text, add_bos=self.args.add_bos, add_eos=self.args.add_eos))
                 if total >= need:
                     return
-        where = (f"the training split under {self.args.root_dir} holds {total:,} tokens for rank "
-                 f"{self.rank}/{self.world_size} (domains {', '.join(self.domains)})")
+        where = (
+            f"the training split under {self.args.root_dir} holds {total:,} tokens for rank "
+            f"{self.rank}/{self.world_size} (domains {', '.join(self.domains)})"
+        )
         if total == 0:
             return  # no usable document: the domain's stream says which, with its bad records
         if total < n:
             raise UserError(
                 f"data: one window of data.seq_len+1={n:,} tokens is longer than the corpus: {where}, so every "
-                "window would repeat each document. Lower data.seq_len, or point data.root_dir at a larger corpus")
-        log.warning("data: the first batch needs %s tokens (data.shuffle_buffer=%d + data.batch_size=%d windows of "
-                    "%d) but %s: it repeats documents, and the shuffle buffer's fill cycles the corpus about %d "
-                    "times; lower data.shuffle_buffer or data.seq_len", f"{need:,}", k, self.args.batch_size, n,
-                    where, -(-need // total))
+                "window would repeat each document. Lower data.seq_len, or point data.root_dir at a larger corpus"
+            )
+        log.warning(
+            "data: the first batch needs %s tokens (data.shuffle_buffer=%d + data.batch_size=%d windows of "
+            "%d) but %s: it repeats documents, and the shuffle buffer's fill cycles the corpus about %d "
+            "times; lower data.shuffle_buffer or data.seq_len",
+            f"{need:,}",
+            k,
+            self.args.batch_size,
+            n,
+            where,
+            -(-need // total),
+        )
 
     def _listing_key(self, domain: str) -> str:
         return "train" if self.args.layout == "slimpajama" else domain
 
     # ------------------------------------------------------------------ pipeline
-    def _next_doc_tokens(self) -> tuple[List[int], int]:
+    def _next_doc_tokens(self) -> tuple[list[int], int]:
         u = self.doc_rng.random()
         i = min(bisect.bisect_right(self.cum, u * self.cum[-1]), len(self.domains) - 1)
         d = self.domains[i]
@@ -167,7 +179,7 @@ class TrainLoader:
         self.n_docs[d] += 1
         return self.tokenizer.encode(text, add_bos=self.args.add_bos, add_eos=self.args.add_eos), i
 
-    def _read_doc(self, interrupt: Optional[Callable[[], None]]) -> None:
+    def _read_doc(self, interrupt: Callable[[], None] | None) -> None:
         """One more document onto the packing remainder. ``interrupt()`` first: it may raise
         to stop a long read-ahead, which leaves the loader between two documents (its state
         as valid as after any batch)."""
@@ -177,7 +189,7 @@ class TrainLoader:
         self.tokens.extend(ids)
         self.doms.extend([i] * len(ids))
 
-    def _next_window(self, interrupt: Optional[Callable[[], None]] = None) -> tuple[np.ndarray, np.ndarray]:
+    def _next_window(self, interrupt: Callable[[], None] | None = None) -> tuple[np.ndarray, np.ndarray]:
         n = self.args.seq_len + 1
         while len(self.tokens) - self._pos < n:
             self._read_doc(interrupt)
@@ -203,7 +215,7 @@ class TrainLoader:
         self.buffer[i], self.buffer_doms[i] = self._next_window()
         return out
 
-    def _read_ahead(self, n_windows: int, interrupt: Optional[Callable[[], None]]) -> None:
+    def _read_ahead(self, n_windows: int, interrupt: Callable[[], None] | None) -> None:
         """Read what the next ``n_windows`` outputs need: the shuffle buffer's first fill (the
         warm-up) and ``n_windows`` windows of tokens on the remainder. The outputs then cut
         and draw without reading, so a stop (``interrupt`` raising) can only come between
@@ -218,7 +230,7 @@ class TrainLoader:
         while len(self.tokens) - self._pos < need:
             self._read_doc(interrupt)
 
-    def _make_batch(self, interrupt: Optional[Callable[[], None]] = None) -> Dict[str, torch.Tensor]:
+    def _make_batch(self, interrupt: Callable[[], None] | None = None) -> dict[str, torch.Tensor]:
         self._read_ahead(self.args.batch_size, interrupt)
         pairs = [self._next_sequence() for _ in range(self.args.batch_size)]
         seqs = np.stack([w for w, _ in pairs])  # (B, T+1)
@@ -229,10 +241,10 @@ class TrainLoader:
         return {"input": t[:, :-1].contiguous(), "target": t[:, 1:].contiguous()}
 
     # ------------------------------------------------------------------ iteration
-    def __iter__(self) -> "TrainLoader":
+    def __iter__(self) -> TrainLoader:
         return self
 
-    def ready(self, n_batches: int = 1, interrupt: Optional[Callable[[], None]] = None) -> None:
+    def ready(self, n_batches: int = 1, interrupt: Callable[[], None] | None = None) -> None:
         """Read ahead what the next ``n_batches`` batches need (the first call: the loader's
         warm-up, the shuffle buffer's fill), calling ``interrupt()`` between documents; it
         may raise (the trainer's stop check), leaving the loader as it was between two
@@ -251,7 +263,7 @@ class TrainLoader:
                 interrupt()
             time.sleep(0.05)
 
-    def __next__(self) -> Dict[str, torch.Tensor]:
+    def __next__(self) -> dict[str, torch.Tensor]:
         if self.args.prefetch <= 0:
             return self._make_batch()
         if self._thread is None:
@@ -300,10 +312,8 @@ class TrainLoader:
         assert q is not None
         self._stop.set()
         while thread.is_alive():
-            try:  # unblock a put
+            with contextlib.suppress(queue.Empty):  # unblock a put
                 q.get_nowait()
-            except queue.Empty:
-                pass
             thread.join(timeout=0.05)
         self._thread, self._queue = None, None
 
@@ -344,20 +354,24 @@ class TrainLoader:
             "buf_rng": copy.deepcopy(self.buf_rng.bit_generator.state),
             "tokens": self.tokens[self._pos :],
             # (n, seq_len + 1) int32; a tensor keeps the pickle small.
-            "buffer": torch.from_numpy(np.stack(self.buffer)) if self.buffer else torch.zeros(0, self.args.seq_len + 1, dtype=torch.int32),
+            "buffer": torch.from_numpy(np.stack(self.buffer))
+            if self.buffer
+            else torch.zeros(0, self.args.seq_len + 1, dtype=torch.int32),
             "n_docs": dict(self.n_docs),
             "n_batches": self.n_batches,
             # Domain of every token of the remainder / buffer, and the target tokens handed
             # out per domain (token_counts).
             "doms": torch.tensor(self.doms[self._pos :], dtype=torch.int8),
-            "buffer_doms": torch.from_numpy(np.stack(self.buffer_doms)) if self.buffer_doms else torch.zeros(0, self.args.seq_len + 1, dtype=torch.int8),
+            "buffer_doms": torch.from_numpy(np.stack(self.buffer_doms))
+            if self.buffer_doms
+            else torch.zeros(0, self.args.seq_len + 1, dtype=torch.int8),
             "n_tokens": {d: int(self.n_tokens[i]) for i, d in enumerate(self.domains)},
             # What identifies the files read to their end, and the listing at this start.
             "files": dict(self.files),
             "layout": dict(self.layout),
         }
 
-    def token_counts(self) -> Dict[str, int]:
+    def token_counts(self) -> dict[str, int]:
         """Target tokens handed out so far per domain (what was trained on), this rank."""
         if self._thread is not None and self._handed_state is not None:
             return dict(self._handed_state["n_tokens"])
@@ -399,14 +413,14 @@ class TrainLoader:
         self.input_check = self._check_inputs(None)
         return self.input_check
 
-    def _check_inputs(self, saved_layout: Optional[dict]) -> dict:
+    def _check_inputs(self, saved_layout: dict | None) -> dict:
         """Compare what the loaded state says the run read with the files now: each
         stream's current file reopened at its offset (its text hashed on the way), every
         file read to its end checked by its stat and rehashed only if the stat changed, the
         listing's fingerprint. {"refuse": lines of files whose text the run read changed,
         "warn": lines of changes where the run has not read yet}."""
-        refuse: List[str] = []
-        warn: List[str] = []
+        refuse: list[str] = []
+        warn: list[str] = []
         self._changed = set()
         seen: set = set()  # names already reported
         for s in self.streams.values():
@@ -445,17 +459,21 @@ class TrainLoader:
         pinned = {f for s in self.streams.values() for f, _, _ in s.base_shard}
         gone = sorted((f for f in pinned if f not in self._listed and f not in seen), key=_natural_key)
         if gone:
-            warn.append(f"{len(gone)} file(s) of rank {self.rank}'s share vanished before it read them "
-                        f"({', '.join(gone[:3])}{', ...' if len(gone) > 3 else ''}): it reads its other "
-                        f"{len(pinned) - len(gone):,} files without them")
+            warn.append(
+                f"{len(gone)} file(s) of rank {self.rank}'s share vanished before it read them "
+                f"({', '.join(gone[:3])}{', ...' if len(gone) > 3 else ''}): it reads its other "
+                f"{len(pinned) - len(gone):,} files without them"
+            )
         key = "sha256_names_sizes" if saved_layout and "sha256_names_sizes" in saved_layout else "sha256"
         if saved_layout and saved_layout.get(key) != self.layout[key]:
             old, new = saved_layout, self.layout
-            warn.append(f"the training files under {self.root} changed since this checkpoint was saved "
-                        f"({new['files']:,} files, {new['bytes']:,} bytes now; {old.get('files', 0):,} files, "
-                        f"{old.get('bytes', 0):,} bytes then): the run keeps reading the files it started with "
-                        "(files that appeared are not read; files that vanished are skipped; files it has not "
-                        "read yet are read as they are now)")
+            warn.append(
+                f"the training files under {self.root} changed since this checkpoint was saved "
+                f"({new['files']:,} files, {new['bytes']:,} bytes now; {old.get('files', 0):,} files, "
+                f"{old.get('bytes', 0):,} bytes then): the run keeps reading the files it started with "
+                "(files that appeared are not read; files that vanished are skipped; files it has not "
+                "read yet are read as they are now)"
+            )
         return {"refuse": refuse, "warn": warn}
 
     def accept_input_changes(self) -> None:
@@ -465,7 +483,7 @@ class TrainLoader:
         for name in self._changed & set(self.files):
             del self.files[name]
 
-    def load_other_world_state(self, states: List[dict]) -> None:
+    def load_other_world_state(self, states: list[dict]) -> None:
         """Continue the data of a checkpoint saved on another world size (``states``: the
         loader state of every old rank, in rank order).
 
@@ -487,7 +505,7 @@ class TrainLoader:
         self._join()
         old_world = len(states)
         derived = True
-        new_shards: Dict[tuple, tuple] = {}
+        new_shards: dict[tuple, tuple] = {}
         for d, stream in self.streams.items():
             saved = [s["streams"][d].get("shard") for s in states]
             if all(sh is not None for sh in saved):
@@ -504,7 +522,9 @@ class TrainLoader:
         if not derived:
             log.warning(
                 "data: cannot map the data positions of %d ranks onto %d (fewer files than ranks); "
-                "the data order restarts from the beginning (documents will repeat)", old_world, self.world_size,
+                "the data order restarts from the beginning (documents will repeat)",
+                old_world,
+                self.world_size,
             )
             for stream in self.streams.values():
                 stream.restart()
@@ -565,7 +585,7 @@ class TrainLoader:
         self._handed_state = None
 
     # ------------------------------------------------------------------ reporting
-    def bad_records(self) -> Dict[str, int]:
+    def bad_records(self) -> dict[str, int]:
         """Bad records skipped so far on this rank, by kind (persisted in the state): every
         kind of ``BAD_KINDS``, 0 included, so every rank has the same names. Counted by the
         domain stream that read the record first (see ``DocStream``), up to the last batch
@@ -587,10 +607,8 @@ class TrainLoader:
         }
 
     def __del__(self) -> None:
-        try:
+        with contextlib.suppress(Exception):
             self._stop.set()
-        except Exception:
-            pass
 
 
 def build_train_loader(data_args, rank: int = 0, world_size: int = 1) -> TrainLoader:
@@ -598,7 +616,7 @@ def build_train_loader(data_args, rank: int = 0, world_size: int = 1) -> TrainLo
     return TrainLoader(data_args, rank, world_size)
 
 
-def domains(data_args) -> List[str]:
+def domains(data_args) -> list[str]:
     """The domains with positive weight (sorted)."""
     return list(active_sources(to_data_args(data_args)))
 

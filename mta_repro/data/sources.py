@@ -33,8 +33,8 @@ import math
 import os
 import re
 import stat
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
-from typing import Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
 
 from mta_repro.data.args import DataArgs, resolve_path
 from mta_repro.errors import CorruptFileError, UserError
@@ -52,8 +52,16 @@ SET_NAMES = {
     "wikipedia": "RedPajamaWikipedia",
 }
 DOMAIN_OF_SET = {v: k for k, v in SET_NAMES.items()}
-BAD_KINDS = ("undecodable", "malformed_json", "missing_text", "missing_meta", "unknown_set", "empty", "corrupt_file",
-             "oversize")
+BAD_KINDS = (
+    "undecodable",
+    "malformed_json",
+    "missing_text",
+    "missing_meta",
+    "unknown_set",
+    "empty",
+    "corrupt_file",
+    "oversize",
+)
 # data.max_record_bytes' default (mta_repro/data/args.py says why this size).
 MAX_RECORD_BYTES = 16 << 20
 # Compressed bytes fed to the zstd decompressor at a time: a zstd block of one repeated byte
@@ -85,7 +93,7 @@ def check_domain(args: DataArgs, domain: str) -> None:
         )
 
 
-def _walk(base: Path, recursive: bool) -> Iterator[Tuple[str, os.stat_result]]:
+def _walk(base: Path, recursive: bool) -> Iterator[tuple[str, os.stat_result]]:
     """(path, stat) of the .jsonl[.zst] files under ``base``: one stat per file (the
     directory entries say which are folders), so a listing of the release's ~59k files
     costs what its stats cost."""
@@ -105,7 +113,7 @@ def _walk(base: Path, recursive: bool) -> Iterator[Tuple[str, os.stat_result]]:
                         yield e.path, st
 
 
-def list_entries(args: DataArgs, domain: str, split: str = "train") -> List[Tuple[str, int, int]]:
+def list_entries(args: DataArgs, domain: str, split: str = "train") -> list[tuple[str, int, int]]:
     """(file relative to the root, size, mtime in ns) of every file holding ``domain``'s
     ``split`` records, in natural order of the names."""
     root = corpus_root(args)
@@ -135,12 +143,12 @@ def list_entries(args: DataArgs, domain: str, split: str = "train") -> List[Tupl
     return sorted(out, key=lambda e: _natural_key(e[0]))
 
 
-def list_files(args: DataArgs, domain: str, split: str = "train") -> List[str]:
+def list_files(args: DataArgs, domain: str, split: str = "train") -> list[str]:
     """Files (relative to the root, natural order) holding ``domain``'s ``split`` records."""
     return [name for name, _, _ in list_entries(args, domain, split)]
 
 
-def fingerprint(entries: Iterable[Tuple[str, int, int]], with_mtime: bool = True) -> dict:
+def fingerprint(entries: Iterable[tuple[str, int, int]], with_mtime: bool = True) -> dict:
     """A cheap identity of a set of files from their listing alone (no file is read):
     {"files", "bytes", "sha256"} of the sorted (name, size[, mtime]) lines. With mtimes it
     notices a file rewritten in place; without, two copies of a corpus compare equal."""
@@ -153,7 +161,7 @@ def fingerprint(entries: Iterable[Tuple[str, int, int]], with_mtime: bool = True
     return {"files": n, "bytes": size, "sha256": h.hexdigest()}
 
 
-def shard_files(files: List[str], rank: int, world_size: int) -> List[Tuple[str, int, int]]:
+def shard_files(files: list[str], rank: int, world_size: int) -> list[tuple[str, int, int]]:
     """Rank's share as (file, stride, offset): it reads the lines j with j % stride == offset."""
     if not 0 <= rank < world_size:
         raise UserError(f"rank {rank} outside world size {world_size}")
@@ -220,7 +228,7 @@ class _CheckedZstd(io.RawIOBase):
             return 0
         piece = self._out[0]
         n = min(len(b), len(piece) - self._pos)
-        b[:n] = memoryview(piece)[self._pos:self._pos + n]
+        b[:n] = memoryview(piece)[self._pos : self._pos + n]
         self._pos += n
         if self._pos == len(piece):
             self._out.pop(0)
@@ -239,7 +247,7 @@ class OversizeRecord(bytes):
 
     size: int
 
-    def __new__(cls, size: int) -> "OversizeRecord":
+    def __new__(cls, size: int) -> OversizeRecord:
         obj = super().__new__(cls, b"{}\n")
         obj.size = size
         return obj
@@ -261,7 +269,7 @@ class _LineReader:
 
     def __init__(self, path: Path, offset: int, max_bytes: int = MAX_RECORD_BYTES) -> None:
         self.max_bytes = int(max_bytes)
-        self.raw = open(path, "rb")
+        self.raw = open(path, "rb")  # noqa: SIM115 - held by the reader, closed by close()
         self.f = self.raw
         st = os.fstat(self.raw.fileno())
         self.size, self.mtime_ns = st.st_size, st.st_mtime_ns
@@ -307,7 +315,7 @@ class _LineReader:
         self.raw.close()
 
 
-def text_digest(path: Path, nbytes: int) -> Tuple[str, int, int]:
+def text_digest(path: Path, nbytes: int) -> tuple[str, int, int]:
     """(sha256 of the first ``nbytes`` bytes of the file's text, size, mtime_ns); raises
     FileNotFoundError, ShortFileError or CorruptFileError."""
     r = _LineReader(path, nbytes)
@@ -321,7 +329,7 @@ def text_digest(path: Path, nbytes: int) -> Tuple[str, int, int]:
 _WARNED_FILES: set = set()
 
 
-def _bad(counts: Optional[Dict[str, int]], kind: str) -> None:
+def _bad(counts: dict[str, int] | None, kind: str) -> None:
     if counts is not None:
         counts[kind] = counts.get(kind, 0) + 1
         n = counts[kind]
@@ -330,7 +338,7 @@ def _bad(counts: Optional[Dict[str, int]], kind: str) -> None:
     return None
 
 
-def record_fields(rec, with_meta: bool, counts: Optional[Dict[str, int]]) -> Optional[Tuple[Optional[str], str]]:
+def record_fields(rec, with_meta: bool, counts: dict[str, int] | None) -> tuple[str | None, str] | None:
     """(set name or None, text) of a parsed record, or None for a bad one (counted)."""
     if not isinstance(rec, dict):
         return _bad(counts, "malformed_json")
@@ -355,7 +363,7 @@ def record_fields(rec, with_meta: bool, counts: Optional[Dict[str, int]]) -> Opt
     return name, text
 
 
-def parse_line(line: bytes, with_meta: bool, counts: Optional[Dict[str, int]]) -> Optional[Tuple[Optional[str], str]]:
+def parse_line(line: bytes, with_meta: bool, counts: dict[str, int] | None) -> tuple[str | None, str] | None:
     """(set name or None, text) of a JSON line, or None for a bad record (counted)."""
     if isinstance(line, OversizeRecord):
         return _bad(counts, "oversize")
@@ -370,7 +378,7 @@ def parse_line(line: bytes, with_meta: bool, counts: Optional[Dict[str, int]]) -
     return record_fields(rec, with_meta, counts)
 
 
-def parse_record(line: bytes, set_name: Optional[str], counts: Optional[Dict[str, int]]) -> Optional[str]:
+def parse_record(line: bytes, set_name: str | None, counts: dict[str, int] | None) -> str | None:
     """The document text of a JSON line, or None (a bad record, counted if ``counts``, or
     a record of another domain when ``set_name`` is given)."""
     r = parse_line(line, set_name is not None, counts)
@@ -379,8 +387,9 @@ def parse_record(line: bytes, set_name: Optional[str], counts: Optional[Dict[str
     return r[1]
 
 
-def epoch_order(shard: Sequence[Tuple[str, int, int]], seed: int, domain: str,
-                epoch: int) -> List[Tuple[str, int, int]]:
+def epoch_order(
+    shard: Sequence[tuple[str, int, int]], seed: int, domain: str, epoch: int
+) -> list[tuple[str, int, int]]:
     """A rank's files in the order of ``epoch``: epoch 0 in the corpus's order (the
     release's chunks are already shuffled), every later epoch a fresh permutation drawn
     from (data seed, domain, epoch), so repeated passes do not see the files alike."""
@@ -408,9 +417,9 @@ class BadLedger:
     """
 
     def __init__(self) -> None:
-        self.streams: List["DocStream"] = []
+        self.streams: list[DocStream] = []
         self.files: set = set()
-        self.checked: Dict[str, float] = {}
+        self.checked: dict[str, float] = {}
         self.passed = False
         self._stale = False
 
@@ -477,8 +486,15 @@ class DocStream:
     streams of a loader (its state's ``files``).
     """
 
-    def __init__(self, args: DataArgs, domain: str, rank: int, world_size: int,
-                 ledger: Optional[BadLedger] = None, shard: Optional[Sequence[Tuple[str, int, int]]] = None) -> None:
+    def __init__(
+        self,
+        args: DataArgs,
+        domain: str,
+        rank: int,
+        world_size: int,
+        ledger: BadLedger | None = None,
+        shard: Sequence[tuple[str, int, int]] | None = None,
+    ) -> None:
         self.domain = domain
         self.root = corpus_root(args)
         self.seed = args.seed
@@ -494,17 +510,17 @@ class DocStream:
         self._needle = json.dumps(self.set_name).encode() if self.set_name else None
         self.where = f"domain {domain!r} on rank {rank}/{world_size}"
         self.file, self.line, self.offset, self.epoch, self.docs_in_epoch = 0, 0, 0, 0, 0
-        self.bad: Dict[str, int] = {}
+        self.bad: dict[str, int] = {}
         self.bad_files: set = set()  # files found unreadable (counted once each, by one stream)
-        self._reader: Optional[_LineReader] = None
+        self._reader: _LineReader | None = None
         # Set by ``derive_from`` (a resume on another world size), for this epoch only:
         # files other ranks already read, and files they read part of ({file: (line, offset)}).
         self.done: set = set()
-        self.partial: Dict[str, Tuple[int, int]] = {}
+        self.partial: dict[str, tuple[int, int]] = {}
         # What a loaded state says the run read of files it reopens at an offset:
         # {file: (offset, sha256 of the text before it, size, mtime_ns)}.
-        self.expect: Dict[str, Tuple[int, str, int, int]] = {}
-        self.files: Dict[str, Tuple[int, int, int, str]] = {}
+        self.expect: dict[str, tuple[int, str, int, int]] = {}
+        self.files: dict[str, tuple[int, int, int, str]] = {}
         self.ledger = BadLedger()
         self.use_ledger(ledger if ledger is not None else self.ledger)
 
@@ -519,7 +535,7 @@ class DocStream:
         ledger.invalidate()
 
     # ------------------------------------------------------------------ state
-    def _open_record(self) -> Optional[dict]:
+    def _open_record(self) -> dict | None:
         """What identifies the text read of the current file: its stat when opened and the
         sha256 of its first ``offset`` bytes (None before the first line)."""
         if self.offset == 0:
@@ -568,7 +584,7 @@ class DocStream:
             self.expect[sd["file"]] = (self.offset, str(op["sha256"]), int(op["size"]), int(op["mtime_ns"]))
         self.ledger.invalidate()
 
-    def reopen(self) -> Optional[Tuple[str, str, str]]:
+    def reopen(self) -> tuple[str, str, str] | None:
         """Open the current file at the saved offset now (a resume reads its text up to
         there anyway) and compare the sha256 of that text with the saved one. None when it
         matches or there is nothing to compare, else ("changed" | "warn", file, one line)."""
@@ -576,7 +592,7 @@ class DocStream:
             return None
         return self._check_prefix(self.shard[self.file][0], self.offset, keep=True)
 
-    def _check_prefix(self, name: str, offset: int, keep: bool) -> Optional[Tuple[str, str, str]]:
+    def _check_prefix(self, name: str, offset: int, keep: bool) -> tuple[str, str, str] | None:
         exp = self.expect.get(name)
         path = self.root / name
         read = f"the {offset:,} bytes of text rank {self.rank} read of it"
@@ -585,8 +601,14 @@ class DocStream:
         try:
             reader = _LineReader(path, offset)
         except FileNotFoundError:
-            return "warn", name, (f"{path} vanished after rank {self.rank} read {offset:,} bytes of its text: "
-                                  f"its rest is not read (domain {self.domain!r} goes on with its next file)")
+            return (
+                "warn",
+                name,
+                (
+                    f"{path} vanished after rank {self.rank} read {offset:,} bytes of its text: "
+                    f"its rest is not read (domain {self.domain!r} goes on with its next file)"
+                ),
+            )
         except ShortFileError:
             return "changed", name, f"{path} is now shorter than {read}"
         except CorruptFileError as e:
@@ -599,14 +621,26 @@ class DocStream:
             return None
         _, sha, size, mtime = exp
         if reader.digest() != sha:
-            return "changed", name, (f"{path}: {read} changed (sha256 {sha[:12]} then, {reader.digest()[:12]} "
-                                     f"now; size {size:,} -> {reader.size:,} bytes)")
+            return (
+                "changed",
+                name,
+                (
+                    f"{path}: {read} changed (sha256 {sha[:12]} then, {reader.digest()[:12]} "
+                    f"now; size {size:,} -> {reader.size:,} bytes)"
+                ),
+            )
         if reader.size != size:  # the same text up to the offset; what is left to read differs
-            return "warn", name, (f"{path} changed after {read} (size {size:,} -> {reader.size:,} bytes, same "
-                                  "text up to there): the run reads its new rest")
+            return (
+                "warn",
+                name,
+                (
+                    f"{path} changed after {read} (size {size:,} -> {reader.size:,} bytes, same "
+                    "text up to there): the run reads its new rest"
+                ),
+            )
         return None
 
-    def check_partial(self) -> List[Tuple[str, str, str]]:
+    def check_partial(self) -> list[tuple[str, str, str]]:
         """``reopen``'s check for the files other ranks read part of (``derive_from``)."""
         out = []
         for name, (_, offset) in sorted(self.partial.items()):
@@ -615,7 +649,7 @@ class DocStream:
                 out.append(found)
         return out
 
-    def derive_from(self, states: List[dict], shards: List[List[Tuple[str, int, int]]]) -> bool:
+    def derive_from(self, states: list[dict], shards: list[list[tuple[str, int, int]]]) -> bool:
         """Continue where the streams of another world size stopped (``states[r]`` of the
         old rank r, whose shard was ``shards[r]``): in the epoch they share, skip every file
         they read and start the files they read part of where they stopped. Only whole-file
@@ -697,9 +731,14 @@ class DocStream:
         old = self.files.get(name)
         if old is not None and old[2:] != rec[2:] and ("changed", str(self.root / name)) not in _WARNED_FILES:
             _WARNED_FILES.add(("changed", str(self.root / name)))
-            log.warning("data: %s changed while the run was reading the corpus: its text now differs from what "
-                        "rank %d read of it before (sha256 %s then, %s now)", self.root / name, self.rank,
-                        old[3][:12], rec[3][:12])
+            log.warning(
+                "data: %s changed while the run was reading the corpus: its text now differs from what "
+                "rank %d read of it before (sha256 %s then, %s now)",
+                self.root / name,
+                self.rank,
+                old[3][:12],
+                rec[3][:12],
+            )
         self.files[name] = rec
 
     def next_doc(self) -> str:
@@ -720,8 +759,9 @@ class DocStream:
                 self._next_file()
                 continue
             except ShortFileError:  # shorter than what was read of it (a change accepted on resume)
-                self._skip_once(name, f"is shorter than the {self.offset:,} bytes of text read of it before; "
-                                      "its rest is skipped")
+                self._skip_once(
+                    name, f"is shorter than the {self.offset:,} bytes of text read of it before; its rest is skipped"
+                )
                 self._next_file()
                 continue
             except Exception as e:  # noqa: BLE001 - a corrupt/truncated file: skip its rest
@@ -732,8 +772,13 @@ class DocStream:
                 self.bad_files.add(name)
                 if str(self.root / name) not in _WARNED_FILES:
                     _WARNED_FILES.add(str(self.root / name))
-                    log.warning("data: %s is truncated or corrupt (unreadable after line %d: %s); its remaining "
-                                "records are skipped (counted as bad 'corrupt_file')", self.root / name, self.line, e)
+                    log.warning(
+                        "data: %s is truncated or corrupt (unreadable after line %d: %s); its remaining "
+                        "records are skipped (counted as bad 'corrupt_file')",
+                        self.root / name,
+                        self.line,
+                        e,
+                    )
                 self._next_file()
                 continue
             if not line:
@@ -756,7 +801,7 @@ class DocStream:
                 return text
 
 
-def _as_shard(shard) -> Tuple[Tuple[str, int, int], ...]:
+def _as_shard(shard) -> tuple[tuple[str, int, int], ...]:
     """A shard as a tuple of (file, stride, offset) tuples (the same object if it is one)."""
     if isinstance(shard, tuple) and all(isinstance(e, tuple) for e in shard):
         return shard
@@ -768,7 +813,7 @@ def iter_docs(args: DataArgs, domain: str, split: str = "validation") -> Iterato
     skipped, counted and the counts logged at the end."""
     root = corpus_root(args)
     set_name = SET_NAMES[domain] if args.layout == "slimpajama" else None
-    counts: Dict[str, int] = {}
+    counts: dict[str, int] = {}
     for name in list_files(args, domain, split):
         reader = _LineReader(root / name, 0, args.max_record_bytes)
         try:
@@ -783,8 +828,9 @@ def iter_docs(args: DataArgs, domain: str, split: str = "validation") -> Iterato
         log.warning("data: %s/%s: skipped bad records %s", domain, split, counts)
 
 
-def shard_texts(root: Path, shard: List[Tuple[str, int, int]], set_names: Optional[set],
-                max_bytes: int = MAX_RECORD_BYTES) -> Iterator[str]:
+def shard_texts(
+    root: Path, shard: list[tuple[str, int, int]], set_names: set | None, max_bytes: int = MAX_RECORD_BYTES
+) -> Iterator[str]:
     """The document texts of a rank's shard (``shard_files``) in file order, one pass:
     records of ``set_names`` (the slimpajama layout; None: every record, the domains
     layout). Bad records are skipped uncounted, and an unreadable file is left at its

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import List, Protocol
+from typing import Protocol
 
 from mta_repro.data.args import TOKENIZERS, TokenizerArgs, resolve_path
 from mta_repro.errors import UserError
@@ -25,12 +25,12 @@ class Tokenizer(Protocol):
     bos_id: int
     eos_id: int
 
-    def encode(self, text: str, add_bos: bool = True, add_eos: bool = True) -> List[int]: ...
+    def encode(self, text: str, add_bos: bool = True, add_eos: bool = True) -> list[int]: ...
 
-    def decode(self, ids: List[int]) -> str: ...
+    def decode(self, ids: list[int]) -> str: ...
 
 
-def _wrap(ids: List[int], bos: int, eos: int, add_bos: bool, add_eos: bool) -> List[int]:
+def _wrap(ids: list[int], bos: int, eos: int, add_bos: bool, add_eos: bool) -> list[int]:
     if add_bos:
         ids.insert(0, bos)
     if add_eos:
@@ -44,10 +44,10 @@ class ByteTokenizer:
     def __init__(self) -> None:
         self.bos_id, self.eos_id, self.n_words = 256, 257, 258
 
-    def encode(self, text: str, add_bos: bool = True, add_eos: bool = True) -> List[int]:
+    def encode(self, text: str, add_bos: bool = True, add_eos: bool = True) -> list[int]:
         return _wrap(list(text.encode("utf-8")), self.bos_id, self.eos_id, add_bos, add_eos)
 
-    def decode(self, ids: List[int]) -> str:
+    def decode(self, ids: list[int]) -> str:
         return bytes(i for i in ids if 0 <= i < 256).decode("utf-8", errors="replace")
 
 
@@ -64,10 +64,10 @@ class SentencePieceTokenizer:
         if self.bos_id < 0 or self.eos_id < 0:
             raise UserError(f"data.tokenizer.path={path}: the sentencepiece model has no BOS/EOS pieces")
 
-    def encode(self, text: str, add_bos: bool = True, add_eos: bool = True) -> List[int]:
+    def encode(self, text: str, add_bos: bool = True, add_eos: bool = True) -> list[int]:
         return _wrap(self.sp.encode(text), self.bos_id, self.eos_id, add_bos, add_eos)
 
-    def decode(self, ids: List[int]) -> str:
+    def decode(self, ids: list[int]) -> str:
         return self.sp.decode(list(ids))
 
 
@@ -79,7 +79,7 @@ LLAMA3_PATTERN = (
 N_SPECIAL = 256
 
 
-def llama3_special_tokens() -> List[str]:
+def llama3_special_tokens() -> list[str]:
     """Llama 3's 256 special tokens in id order (ids n_ranks + 0 .. n_ranks + 255)."""
     named = [
         "<|begin_of_text|>",
@@ -109,7 +109,9 @@ class TikTokenTokenizer:
         try:
             ranks = load_tiktoken_bpe(str(path))
         except Exception as e:
-            raise UserError(f"data.tokenizer.path={path}: not a tiktoken BPE ranks file ({type(e).__name__}: {e})") from None
+            raise UserError(
+                f"data.tokenizer.path={path}: not a tiktoken BPE ranks file ({type(e).__name__}: {e})"
+            ) from None
         if not ranks or sorted(ranks.values()) != list(range(len(ranks))):
             raise UserError(f"data.tokenizer.path={path}: ranks must be 0..n-1 without gaps")
         missing = [b for b in range(256) if bytes([b]) not in ranks]
@@ -125,7 +127,7 @@ class TikTokenTokenizer:
         self.eos_id = specials["<|end_of_text|>"]
         self._n_ranks = n
 
-    _RUN = re.compile(r"\s{%d}|\S{%d}" % (MAX_RUN, MAX_RUN))
+    _RUN = re.compile(rf"\s{{{MAX_RUN}}}|\S{{{MAX_RUN}}}")
 
     def _pieces(self, text: str):
         for i in range(0, len(text), self.MAX_CHARS):
@@ -136,14 +138,14 @@ class TikTokenTokenizer:
                 prev = m.end()
             yield chunk[prev:]
 
-    def encode(self, text: str, add_bos: bool = True, add_eos: bool = True) -> List[int]:
+    def encode(self, text: str, add_bos: bool = True, add_eos: bool = True) -> list[int]:
         if len(text) <= self.MAX_RUN:  # fast path: no run can be too long
             ids = self.model.encode_ordinary(text)
         else:
             ids = [t for p in self._pieces(text) for t in self.model.encode_ordinary(p)]
         return _wrap(ids, self.bos_id, self.eos_id, add_bos, add_eos)
 
-    def decode(self, ids: List[int]) -> str:
+    def decode(self, ids: list[int]) -> str:
         return self.model.decode([i for i in ids if i < self._n_ranks])
 
 

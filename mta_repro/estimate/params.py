@@ -19,10 +19,10 @@ import json
 import sys
 from pathlib import Path
 
-from mta_repro.train.config import compose, model_args_from
 from mta_repro.errors import UserError
 from mta_repro.model import ModelArgs, build_model
 from mta_repro.model.flops import hardware_flops_per_token, model_flops_per_token
+from mta_repro.train.config import compose, model_args_from
 
 SIZES = ("tiny", "300m", "550m", "880m", "1b")
 VARIANTS = ("baseline", "diff", "talking_heads", "mta")
@@ -76,7 +76,7 @@ def main(argv: list[str]) -> None:
         if i + 1 >= len(argv):
             raise UserError("--release-config needs the path of a release YAML")
         # [key=value ...] after the path: release field names
-        conv = release_file_to_config(argv[i + 1], overrides=argv[i + 2:])
+        conv = release_file_to_config(argv[i + 1], overrides=argv[i + 2 :])
         seq = [a for a in argv[:i] if a.startswith("seq_len=")]
         try:  # FLOPs at the config's data.seq_len unless seq_len= says otherwise
             seq_len = int(seq[0].split("=", 1)[1]) if seq else int(conv.config["data"]["seq_len"])
@@ -105,8 +105,8 @@ def main(argv: list[str]) -> None:
             )
         else:
             rest.append(a)
-    from mta_repro.train.config import CONFIG_DIR
     from mta_repro.cli import check_group_options
+    from mta_repro.train.config import CONFIG_DIR
 
     check_group_options(rest, ["model", "attention"], Path(CONFIG_DIR))
     if "--table" in rest:
@@ -126,8 +126,11 @@ def main(argv: list[str]) -> None:
     if "--memory" in rest and "--experiments" in rest:
         from mta_repro.train.memory import experiments_table
 
-        names = sorted(p.stem for p in (CONFIG_DIR / "experiment").glob("[!_]*.yaml")
-                       if p.stem.startswith(("pretrain_", "long_context_", "mta_insertion")))
+        names = sorted(
+            p.stem
+            for p in (CONFIG_DIR / "experiment").glob("[!_]*.yaml")
+            if p.stem.startswith(("pretrain_", "long_context_", "mta_insertion"))
+        )
         print(experiments_table(names))
         return
     if "--memory" in rest:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional
 
 from mta_repro.eval.lm_eval_tasks import LAMBADA, PAPER_FEW_SHOT, PAPER_ZERO_SHOT
 from mta_repro.eval.tasks import EVAL_TASKS
@@ -19,21 +18,21 @@ class PplArgs:
     # after pretraining, 4096 after the 4K finetune, the length the paper's numbers are
     # compared at, docs/evaluation.md). Each window scores seq_len tokens. Longer than
     # the trained context only with extrapolate=true.
-    seq_len: Optional[int] = None
+    seq_len: int | None = None
     # Windows per batch and batches per domain at most: 4 and 256, as the release's eval.
     batch_size: int = 4
-    max_batches: Optional[int] = 256
+    max_batches: int | None = 256
     # Domains to evaluate; null = every domain of the run's data config.
-    domains: Optional[List[str]] = None
+    domains: list[str] | None = None
 
 
 @dataclass
 class NeedleArgs:
     # Prompt lengths in tokens of the model's tokenizer (2K pretrained, 4K finetuned);
     # at most the trained context unless extrapolate=true.
-    context_lens: List[int] = field(default_factory=lambda: [2048])
-    needle_counts: List[int] = field(default_factory=lambda: [2, 4, 6, 8, 10])
-    depths: List[float] = field(default_factory=lambda: [0, 25, 50, 75, 100])
+    context_lens: list[int] = field(default_factory=lambda: [2048])
+    needle_counts: list[int] = field(default_factory=lambda: [2, 4, 6, 8, 10])
+    depths: list[float] = field(default_factory=lambda: [0, 25, 50, 75, 100])
     # Samples per (context, needle count, depth) setting (paper: 500).
     samples: int = 500
     # "one": ask for one needle's number (others are distractors); "all": every number.
@@ -43,16 +42,16 @@ class NeedleArgs:
     seed: int = 0
     # Background text: this domain of the run's data config, these splits, in order.
     background_domain: str = "book"
-    background_splits: List[str] = field(default_factory=lambda: ["validation", "train"])
+    background_splits: list[str] = field(default_factory=lambda: ["validation", "train"])
     max_background_chars: int = 2_000_000
 
 
 @dataclass
 class BabiLongArgs:
-    tasks: List[str] = field(default_factory=lambda: ["qa1", "qa2", "qa3", "qa4", "qa5"])
+    tasks: list[str] = field(default_factory=lambda: ["qa1", "qa2", "qa3", "qa4", "qa5"])
     # "0k".."16k" (or ints, in tokens of the model's tokenizer); at most the trained
     # context unless extrapolate=true ("0k" = the facts alone).
-    lengths: List[str] = field(default_factory=lambda: ["0k", "1k", "2k", "4k"])
+    lengths: list[str] = field(default_factory=lambda: ["0k", "1k", "2k", "4k"])
     samples: int = 100
     # "generated": offline bAbI-style samples in the background corpus; "hf": the
     # RMT-team/babilong data from the HF hub or its local cache.
@@ -62,24 +61,24 @@ class BabiLongArgs:
     batch_size: int = 8
     seed: int = 0
     background_domain: str = "book"
-    background_splits: List[str] = field(default_factory=lambda: ["validation", "train"])
+    background_splits: list[str] = field(default_factory=lambda: ["validation", "train"])
 
 
 @dataclass
 class LMEvalArgs:
     # The paper's benchmarks (zero-shot unless listed in num_fewshot) and LAMBADA.
-    benchmarks: List[str] = field(default_factory=lambda: PAPER_ZERO_SHOT + list(PAPER_FEW_SHOT))
-    lambada: List[str] = field(default_factory=lambda: list(LAMBADA))
-    num_fewshot: Dict[str, int] = field(default_factory=lambda: dict(PAPER_FEW_SHOT))
+    benchmarks: list[str] = field(default_factory=lambda: PAPER_ZERO_SHOT + list(PAPER_FEW_SHOT))
+    lambada: list[str] = field(default_factory=lambda: list(LAMBADA))
+    num_fewshot: dict[str, int] = field(default_factory=lambda: dict(PAPER_FEW_SHOT))
     batch_size: int = 8
     # Longest context in tokens; null = the run's trained data.seq_len (not the model's
     # max_seqlen: a 2048-token model is not scored at unseen positions). Longer inputs
     # are left-truncated, as lm-eval's HF model does.
-    max_length: Optional[int] = None
+    max_length: int | None = None
     # Examples per task (null = all), for quick looks; never for reported numbers.
-    limit: Optional[int] = None
+    limit: int | None = None
     # A directory of extra task YAMLs (e.g. written by lm_eval_tasks.write_local_task).
-    include_path: Optional[str] = None
+    include_path: str | None = None
 
 
 @dataclass
@@ -87,7 +86,7 @@ class EvalConfig:
     # Run directory (or consolidated .pt file) to evaluate; the first CLI argument.
     run_dir: str = "runs/debug"
     # Which evaluations to run, any of TASK_NAMES.
-    tasks: List[str] = field(default_factory=lambda: ["ppl", "needle", "babilong"])
+    tasks: list[str] = field(default_factory=lambda: ["ppl", "needle", "babilong"])
     # Allow lengths beyond the context the run was trained at (data.seq_len of its
     # config), for length-extrapolation studies; otherwise such a length is refused.
     extrapolate: bool = False
@@ -99,7 +98,7 @@ class EvalConfig:
     accept_changed_tokenizer: bool = False
     # Where the JSON results go; null = <run_dir>/eval (also for a run's
     # export/consolidated.pt; a loose .pt file: an eval/ folder next to it).
-    out_dir: Optional[str] = None
+    out_dir: str | None = None
     # "auto": the GPU (of this process's LOCAL_RANK under torchrun) when there is one,
     # else the CPU; "cpu", "cuda", "cuda:N" force one (a missing GPU is a clear error).
     device: str = "auto"

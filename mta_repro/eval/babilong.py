@@ -18,12 +18,12 @@
 from __future__ import annotations
 
 import random
-from typing import Iterable, Optional
+from collections.abc import Iterable
 
 import torch
 
 from mta_repro.errors import UserError
-from mta_repro.eval.babilong_prompts import PROMPTS, TASK_LABELS, TEMPLATE, LOCATIONS
+from mta_repro.eval.babilong_prompts import LOCATIONS, PROMPTS, TASK_LABELS, TEMPLATE
 
 TASKS = ("qa1", "qa2", "qa3", "qa4", "qa5")
 LENGTHS = {"0k": 0, "1k": 1024, "2k": 2048, "4k": 4096, "8k": 8192, "16k": 16384}
@@ -71,13 +71,16 @@ def format_prompt(task: str, context: str, question: str) -> str:
     check_task(task)
     p = PROMPTS[task]
     return TEMPLATE.format(
-        instruction=p["instruction"], examples=p["examples"], post_prompt=p["post_prompt"],
-        context=context, question=question,
+        instruction=p["instruction"],
+        examples=p["examples"],
+        post_prompt=p["post_prompt"],
+        context=context,
+        question=question,
     ).strip()
 
 
 # ---------------------------------------------------------------------- HF loader
-def load_hf(task: str, length: str, dataset: str = "RMT-team/babilong", limit: Optional[int] = None) -> list:
+def load_hf(task: str, length: str, dataset: str = "RMT-team/babilong", limit: int | None = None) -> list:
     """Records of the HF BabiLong data (hub or cache); never used in the tests."""
     check_task(task)
     from datasets import load_dataset
@@ -85,11 +88,14 @@ def load_hf(task: str, length: str, dataset: str = "RMT-team/babilong", limit: O
     from mta_repro.eval.hub import hub_errors, offline_if_unreachable
 
     offline_if_unreachable()
-    with hub_errors(what=f"babilong {task} at {length}",
-                    fix="set babilong.source=generated (the stories made here, no download)"):
+    with hub_errors(
+        what=f"babilong {task} at {length}", fix="set babilong.source=generated (the stories made here, no download)"
+    ):
         ds = load_dataset(dataset, length, split=task)
-    rows = [{"input": r["input"], "question": r["question"], "target": r["target"]}  # pyright: ignore[reportCallIssue, reportArgumentType]  # datasets types a row as a list too
-            for r in ds]
+    rows = [
+        {"input": r["input"], "question": r["question"], "target": r["target"]}  # pyright: ignore[reportCallIssue, reportArgumentType]  # datasets types a row as a list too
+        for r in ds
+    ]
     return rows[:limit] if limit else rows
 
 
@@ -321,7 +327,7 @@ def check_args(args) -> None:
 
 
 @torch.no_grad()
-def run_babilong(model, tokenizer, args, background: Optional[Iterable[str]] = None) -> dict:
+def run_babilong(model, tokenizer, args, background: Iterable[str] | None = None) -> dict:
     """Accuracy per task and length: {"accuracy": {task: {length: acc}}, "mean": {length: acc}}.
 
     ``args``: the settings (``mta_repro.eval.args.BabiLongArgs``); ``background``: the
@@ -337,8 +343,10 @@ def run_babilong(model, tokenizer, args, background: Optional[Iterable[str]] = N
     gen = None
     if source == "generated":
         if background is None:
-            raise UserError("babilong: source=generated needs the background documents its stories are hidden in "
-                            "(run_babilong(..., background=...))")
+            raise UserError(
+                "babilong: source=generated needs the background documents its stories are hidden in "
+                "(run_babilong(..., background=...))"
+            )
         gen = BabiGenerator(tokenizer, background)
     rng = random.Random(seed)
     # Every process builds every record (same seed, same order); under torchrun each
@@ -376,6 +384,11 @@ def run_babilong(model, tokenizer, args, background: Optional[Iterable[str]] = N
         # (lengths in the model's tokens); "hf": the benchmark's own data (`dataset`).
         # Only "hf" results are comparable with published BabiLong numbers.
         "source": source,
-        "settings": {"source": source, "samples": samples, "seed": seed, "max_new_tokens": max_new_tokens,
-                     **({"dataset": dataset} if source == "hf" else {})},
+        "settings": {
+            "source": source,
+            "samples": samples,
+            "seed": seed,
+            "max_new_tokens": max_new_tokens,
+            **({"dataset": dataset} if source == "hf" else {}),
+        },
     }

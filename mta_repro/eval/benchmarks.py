@@ -8,10 +8,20 @@ from __future__ import annotations
 # length (PIQA, HellaSwag, ARC-easy/challenge, OpenBookQA) are reported with the
 # length-normalised accuracy, as in the Llama papers' and Meta Lingua's evaluations;
 # BoolQ, SIQA, WinoGrande and MMLU with plain accuracy (lm-eval computes no other).
-BENCH_TASKS = ["boolq", "piqa", "social_iqa", "hellaswag", "winogrande", "arc_easy", "arc_challenge",
-               "openbookqa", "mmlu"]
+BENCH_TASKS = [
+    "boolq",
+    "piqa",
+    "social_iqa",
+    "hellaswag",
+    "winogrande",
+    "arc_easy",
+    "arc_challenge",
+    "openbookqa",
+    "mmlu",
+]
 BENCH_METRIC = {t: "acc" for t in BENCH_TASKS} | {
-    t: "acc_norm" for t in ("piqa", "hellaswag", "arc_easy", "arc_challenge", "openbookqa")}
+    t: "acc_norm" for t in ("piqa", "hellaswag", "arc_easy", "arc_challenge", "openbookqa")
+}
 # lm-eval's names of the same tasks elsewhere (old project names, local copies)
 TASK_ALIASES = {"siqa": "social_iqa"}
 LOCAL_SUFFIX = "_local"

@@ -20,14 +20,16 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import Optional, Sequence
+from collections.abc import Sequence
 
 from mta_repro.errors import UserError
 
 
 def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
-        prog="python -m mta_repro.eval.generate", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog="python -m mta_repro.eval.generate",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     ap.add_argument("path", help="run directory or consolidated .pt file")
     ap.add_argument("--prompt", action="append", required=True, help="prompt text (repeat for a batch)")
@@ -45,15 +47,28 @@ def parser() -> argparse.ArgumentParser:
     return ap
 
 
-def generate_from(path, prompts, max_new_tokens=64, temperature=0.0, top_k=None, top_p=None, seed=0,
-                  stop=(), max_length=None, device="auto", dtype="float32", add_bos=True, report=None) -> list:
+def generate_from(
+    path,
+    prompts,
+    max_new_tokens=64,
+    temperature=0.0,
+    top_k=None,
+    top_p=None,
+    seed=0,
+    stop=(),
+    max_length=None,
+    device="auto",
+    dtype="float32",
+    add_bos=True,
+    report=None,
+) -> list:
     """Continuations of ``prompts`` by the model at ``path`` (run dir or .pt). ``report``
     (a callable) receives one line naming the weights and tokenizer loaded."""
     import torch
 
+    from mta_repro.eval.load import load_for_eval
     from mta_repro.model.generation import generate_text
     from mta_repro.train.config import trained_seq_len
-    from mta_repro.eval.load import load_for_eval
 
     if max_new_tokens < 1:
         raise UserError(f"--max-new-tokens: expected a positive count, got {max_new_tokens}")
@@ -65,8 +80,17 @@ def generate_from(path, prompts, max_new_tokens=64, temperature=0.0, top_k=None,
         report(loaded_line(model, cfg, max_new_tokens, temperature))
     gen = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
     return generate_text(
-        model, tok, list(prompts), max_new_tokens, until=list(stop), max_length=max_length,
-        add_bos=add_bos, temperature=temperature, top_k=top_k, top_p=top_p, generator=gen,
+        model,
+        tok,
+        list(prompts),
+        max_new_tokens,
+        until=list(stop),
+        max_length=max_length,
+        add_bos=add_bos,
+        temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
+        generator=gen,
     )
 
 
@@ -77,8 +101,7 @@ def loaded_line(model, cfg, max_new_tokens: int, temperature: float) -> str:
     name = t.get("name", "sentencepiece")
     tok = name if name == "bytes" else f"{name} {t.get('path')}"  # bytes needs no file
     how = "greedy" if temperature == 0 else f"sampling at temperature {temperature:g}"
-    return (f"generate: weights {src.get('path')}{step}, tokenizer {tok}; {how}, "
-            f"up to {max_new_tokens} new tokens")
+    return f"generate: weights {src.get('path')}{step}, tokenizer {tok}; {how}, up to {max_new_tokens} new tokens"
 
 
 def whitespace_summary(text: str) -> str:
@@ -88,15 +111,25 @@ def whitespace_summary(text: str) -> str:
     return repr(text) if len(text) <= 40 else f"{len(text)} whitespace characters ({text[:20]!r}...)"
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     from mta_repro.cli import run_cli
 
     args = parser().parse_args(argv)
 
     def go() -> int:
         outs = generate_from(
-            args.path, args.prompt, args.max_new_tokens, args.temperature, args.top_k, args.top_p, args.seed,
-            args.stop, args.max_length, args.device, args.dtype, not args.no_bos,
+            args.path,
+            args.prompt,
+            args.max_new_tokens,
+            args.temperature,
+            args.top_k,
+            args.top_p,
+            args.seed,
+            args.stop,
+            args.max_length,
+            args.device,
+            args.dtype,
+            not args.no_bos,
             report=lambda line: print(line, file=sys.stderr),
         )
         for i, (prompt, out) in enumerate(zip(args.prompt, outs)):
@@ -104,8 +137,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 print(f"=== prompt {i}")
             if out and not out.strip() and not args.raw:
                 print(prompt)
-                print(f"generate: prompt {i}: the continuation is whitespace only ({whitespace_summary(out)}); "
-                      "--raw prints it", file=sys.stderr)
+                print(
+                    f"generate: prompt {i}: the continuation is whitespace only ({whitespace_summary(out)}); "
+                    "--raw prints it",
+                    file=sys.stderr,
+                )
             else:
                 print(prompt + out)
         return 0

@@ -19,8 +19,8 @@ import re
 import sys
 import threading
 import traceback
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from typing import Iterator, Optional, Sequence
 from urllib.parse import urlparse
 
 from mta_repro.errors import UserError
@@ -30,8 +30,7 @@ _PROXY_VARS = ("HTTPS_PROXY", "https_proxy", "HTTP_PROXY", "http_proxy", "ALL_PR
 # Exception classes (by name, anywhere in the MRO) that mean "the hub was not reached":
 # builtins' ConnectionError (what datasets raises), requests' ConnectionError, httpx's
 # ConnectError/ConnectTimeout, huggingface_hub's offline and cache-miss errors.
-_HUB_FAILURES = ("ConnectionError", "ConnectError", "ConnectTimeout", "OfflineModeIsEnabled",
-                 "LocalEntryNotFoundError")
+_HUB_FAILURES = ("ConnectionError", "ConnectError", "ConnectTimeout", "OfflineModeIsEnabled", "LocalEntryNotFoundError")
 
 
 def hub_host() -> tuple:
@@ -77,15 +76,18 @@ def offline_if_unreachable(timeout: float = 2.0) -> bool:
     for v in _OFFLINE_VARS:
         os.environ[v] = "1"
     # Libraries read these at import; patch the ones already imported.
-    for mod, attr in (("huggingface_hub.constants", "HF_HUB_OFFLINE"), ("datasets.config", "HF_HUB_OFFLINE"),
-                      ("datasets.config", "HF_DATASETS_OFFLINE")):
+    for mod, attr in (
+        ("huggingface_hub.constants", "HF_HUB_OFFLINE"),
+        ("datasets.config", "HF_HUB_OFFLINE"),
+        ("datasets.config", "HF_DATASETS_OFFLINE"),
+    ):
         m = sys.modules.get(mod)
         if m is not None and hasattr(m, attr):
             setattr(m, attr, True)
     return True
 
 
-def _chain(exc: Optional[BaseException]) -> Iterator[BaseException]:
+def _chain(exc: BaseException | None) -> Iterator[BaseException]:
     seen = set()
     while exc is not None and id(exc) not in seen:
         seen.add(id(exc))
@@ -109,7 +111,7 @@ def is_hub_failure(exc: BaseException) -> bool:
     return False
 
 
-def _failed_task(exc: BaseException) -> Optional[str]:
+def _failed_task(exc: BaseException) -> str | None:
     """The lm-eval task being built when the failure happened (a ``self.config.task`` in its
     traceback), if any."""
     for e in _chain(exc):
@@ -120,8 +122,9 @@ def _failed_task(exc: BaseException) -> Optional[str]:
     return None
 
 
-def describe(exc: BaseException, tasks: Sequence[str] = (), what: Optional[str] = None,
-             fix: Optional[str] = None) -> Optional[str]:
+def describe(
+    exc: BaseException, tasks: Sequence[str] = (), what: str | None = None, fix: str | None = None
+) -> str | None:
     """The one-line message for a hub failure, or None if ``exc`` is something else.
 
     what/fix: who failed and the remedy; by default the lm-eval task (found in the
@@ -136,16 +139,25 @@ def describe(exc: BaseException, tasks: Sequence[str] = (), what: Optional[str] 
         what = f"lm-eval task {task!r}" if task else f"lm-eval tasks {list(tasks)}" if tasks else "evaluation"
     if fix is None:
         example = task or (tasks[0] if tasks else "TASK")
-        fix = (f"use a local copy: python -m mta_repro.eval.lm_eval_tasks {example} test=FILE.jsonl --out DIR, "
-               f"then --include_path DIR --tasks {example}_local")
-    offline = (f"{hub_host()[0]} cannot be reached" if _switched_offline else
-               "HF_HUB_OFFLINE is set" if os.environ.get("HF_HUB_OFFLINE") else "the hub was not reached")
-    return (f"{what}: {dataset} is not in the local HF cache and {offline} ({type(exc).__name__}). "
-            f"Run once where the hub is reachable (the cache then works offline), or {fix}")
+        fix = (
+            f"use a local copy: python -m mta_repro.eval.lm_eval_tasks {example} test=FILE.jsonl --out DIR, "
+            f"then --include_path DIR --tasks {example}_local"
+        )
+    offline = (
+        f"{hub_host()[0]} cannot be reached"
+        if _switched_offline
+        else "HF_HUB_OFFLINE is set"
+        if os.environ.get("HF_HUB_OFFLINE")
+        else "the hub was not reached"
+    )
+    return (
+        f"{what}: {dataset} is not in the local HF cache and {offline} ({type(exc).__name__}). "
+        f"Run once where the hub is reachable (the cache then works offline), or {fix}"
+    )
 
 
 @contextmanager
-def hub_errors(tasks: Sequence[str] = (), what: Optional[str] = None, fix: Optional[str] = None):
+def hub_errors(tasks: Sequence[str] = (), what: str | None = None, fix: str | None = None):
     """Re-raise a hub failure inside the block as a one-line UserError (see ``describe``)."""
     try:
         yield

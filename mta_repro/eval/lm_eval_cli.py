@@ -25,7 +25,7 @@ task YAML over a local copy (``--include_path DIR --tasks TASK_local``).
 from __future__ import annotations
 
 import sys
-from typing import Optional, Sequence
+from collections.abc import Sequence
 
 _SUBCOMMANDS = ("run", "ls", "validate")
 
@@ -58,7 +58,7 @@ def requested_tasks(argv) -> list:
     return [t for t in out if t]
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help") or argv == ["run"]:
         print(__doc__)
@@ -69,8 +69,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     if argv[0] == "run":
         offline_if_unreachable()  # before the HF libraries read their offline flags
-    import mta_repro.eval.lm_eval_model  # noqa: F401  registers "mta_repro" with lm-eval
     from lm_eval.__main__ import cli_evaluate
+
+    import mta_repro.eval.lm_eval_model  # noqa: F401  registers "mta_repro" with lm-eval
 
     sys.argv = ["mta-lm-eval"] + argv
     try:

@@ -15,8 +15,6 @@ context+continuation[:-1], left-truncated to ``max_length``; batches are right-p
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 import torch.nn.functional as F
 from lm_eval.api.model import TemplateLM
@@ -24,12 +22,11 @@ from lm_eval.api.registry import register_model
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 from tqdm import tqdm
 
-from mta_repro.train.config import trained_seq_len
 from mta_repro.errors import UserError
 from mta_repro.eval.progress import Progress
-
 from mta_repro.model import Transformer
 from mta_repro.model.generation import generate_text
+from mta_repro.train.config import trained_seq_len
 
 
 def _init_distributed(device) -> tuple:
@@ -43,16 +40,16 @@ def _init_distributed(device) -> tuple:
 class MTAReproLM(TemplateLM):
     def __init__(
         self,
-        model: Optional[Transformer] = None,
+        model: Transformer | None = None,
         tokenizer=None,
-        pretrained: Optional[str] = None,
-        device: Optional[str] = "auto",
+        pretrained: str | None = None,
+        device: str | None = "auto",
         dtype: str = "float32",
         batch_size: int = 8,
-        max_length: Optional[int] = None,
+        max_length: int | None = None,
         max_gen_toks: int = 256,
         add_bos: bool = True,
-        max_batch_size: Optional[int] = None,  # lm-eval passes it; batches are fixed here
+        max_batch_size: int | None = None,  # lm-eval passes it; batches are fixed here
         share_prefixes: bool = True,
         **unused,
     ):
@@ -151,7 +148,7 @@ class MTAReproLM(TemplateLM):
     def tokenizer_name(self) -> str:
         return type(self.tokenizer).__name__
 
-    def tok_encode(self, string: str, add_special_tokens: Optional[bool] = None, **kwargs) -> list:
+    def tok_encode(self, string: str, add_special_tokens: bool | None = None, **kwargs) -> list:
         bos = self.add_bos if add_special_tokens is None else add_special_tokens
         return self.tokenizer.encode(string, add_bos=bos, add_eos=False)
 
@@ -243,8 +240,10 @@ class MTAReproLM(TemplateLM):
             windows = [
                 make_disjoint_window(w)
                 for w in get_rolling_token_windows(
-                    token_list=ids, prefix_token=self.prefix_token_id,
-                    max_seq_len=self.max_length, context_len=1,
+                    token_list=ids,
+                    prefix_token=self.prefix_token_id,
+                    max_seq_len=self.max_length,
+                    context_len=1,
                 )
             ]
             total = float(sum(ll for ll, _ in self._score(windows)))
@@ -269,9 +268,16 @@ class MTAReproLM(TemplateLM):
             groups.setdefault(key, []).append((i, context))
         for (until, max_new, temperature, top_p), items in groups.items():
             texts = generate_text(
-                self.model, self.tokenizer, [c for _, c in items], max_new,
-                until=until, max_length=self.max_length, batch_size=self.batch_size,
-                add_bos=self.add_bos, temperature=temperature, top_p=top_p,
+                self.model,
+                self.tokenizer,
+                [c for _, c in items],
+                max_new,
+                until=until,
+                max_length=self.max_length,
+                batch_size=self.batch_size,
+                add_bos=self.add_bos,
+                temperature=temperature,
+                top_p=top_p,
             )
             for (i, ctx), text in zip(items, texts):
                 out[i] = text

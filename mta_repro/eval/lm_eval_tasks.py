@@ -13,7 +13,6 @@ with a local copy of a dataset:
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Optional
 
 from mta_repro.errors import UserError
 
@@ -23,7 +22,7 @@ PAPER_FEW_SHOT = {"mmlu": 5}
 LAMBADA = ["lambada_standard", "lambada_openai"]
 
 
-def task_manager(include_path: Optional[str] = None):
+def task_manager(include_path: str | None = None):
     """lm-eval's TaskManager, with the index of lm-eval's own tasks read from a cache.
 
     Building that index parses lm-eval's ~15,000 task YAMLs (seconds, a minute on a loaded
@@ -55,12 +54,16 @@ def _cached_task_manager(TaskManager, include_path):
     path = cache_dir / f"lm_eval_index_{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
     try:
         rows = json.loads(path.read_text())
-        defaults = {k: Entry(n, Kind[kind], None if y is None else Path(y), cfg, set(tags))
-                    for k, (n, kind, y, cfg, tags) in rows.items()}
+        defaults = {
+            k: Entry(n, Kind[kind], None if y is None else Path(y), cfg, set(tags))
+            for k, (n, kind, y, cfg, tags) in rows.items()
+        }
     except (OSError, ValueError, KeyError, TypeError):  # absent or unreadable: rebuild it
         defaults = TaskIndex.build([root])
-        rows = {k: [e.name, e.kind.name, None if e.yaml_path is None else str(e.yaml_path), e.cfg, sorted(e.tags)]
-                for k, e in defaults.items()}
+        rows = {
+            k: [e.name, e.kind.name, None if e.yaml_path is None else str(e.yaml_path), e.cfg, sorted(e.tags)]
+            for k, e in defaults.items()
+        }
         try:
             cache_dir.mkdir(parents=True, exist_ok=True)
             tmp = path.with_suffix(f".tmp{os.getpid()}")
@@ -89,15 +92,17 @@ def check_task_names(names, manager) -> None:
         near = {n: difflib.get_close_matches(n, sorted(known), n=1, cutoff=0.75) for n in unknown}
         hints = [f"{n} -> {m[0]}" for n, m in near.items() if m]
         hint = f" (did you mean {', '.join(hints)}?)" if hints else ""
-        raise UserError(f"eval.lm_eval.tasks: unknown lm-eval task(s) {unknown}{hint}; "
-                        "list them with: python -m mta_repro.eval.lm_eval_cli ls tasks")
+        raise UserError(
+            f"eval.lm_eval.tasks: unknown lm-eval task(s) {unknown}{hint}; "
+            "list them with: python -m mta_repro.eval.lm_eval_cli ls tasks"
+        )
 
 
 def write_local_task(
     task: str,
     data_files: dict,
     out_dir,
-    new_name: Optional[str] = None,
+    new_name: str | None = None,
     manager=None,
 ) -> Path:
     """Write ``<out_dir>/<new_name>.yaml``: lm-eval's ``task`` over local json files.
@@ -137,8 +142,10 @@ def main(argv=None) -> int:
     """``TASK SPLIT=FILE [SPLIT=FILE ...] [--out DIR] [--name NAME]``: write the task YAML."""
     import argparse
 
-    p = argparse.ArgumentParser(prog="python -m mta_repro.eval.lm_eval_tasks",
-                                description="Write an lm-eval task YAML that reads TASK's rows from local json/jsonl files.")
+    p = argparse.ArgumentParser(
+        prog="python -m mta_repro.eval.lm_eval_tasks",
+        description="Write an lm-eval task YAML that reads TASK's rows from local json/jsonl files.",
+    )
     p.add_argument("task", help="an lm-eval task name (its prompt format is included)")
     p.add_argument("files", nargs="+", metavar="SPLIT=FILE", help="e.g. test=lambada_test.jsonl")
     p.add_argument("--out", default="lm_eval_tasks", help="folder for the YAML (default: lm_eval_tasks)")

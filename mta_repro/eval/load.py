@@ -9,7 +9,7 @@ and reading them is ``mta_repro.weights``'.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Union
+from typing import Any
 
 import torch
 from omegaconf import DictConfig, OmegaConf
@@ -30,7 +30,7 @@ DTYPES = {
 }
 
 
-def resolve_dtype(dtype: Union[str, torch.dtype]) -> torch.dtype:
+def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
     if isinstance(dtype, torch.dtype):
         return dtype
     if dtype not in DTYPES:
@@ -38,20 +38,22 @@ def resolve_dtype(dtype: Union[str, torch.dtype]) -> torch.dtype:
     return DTYPES[dtype]
 
 
-def load_config(path: Union[str, Path]) -> DictConfig:
+def load_config(path: str | Path) -> DictConfig:
     """The resolved training config of a run directory or consolidated file (no weights)."""
     cand = find_weights(path)[0]
     cfg = read_config(cand)
     if cfg is None:
-        raise UserError(f"checkpoint: {cand.path} carries no run config (a consolidated export or a run's "
-                         "checkpoint has one; a Lingua/release checkpoint is converted with mta_repro.release)")
+        raise UserError(
+            f"checkpoint: {cand.path} carries no run config (a consolidated export or a run's "
+            "checkpoint has one; a Lingua/release checkpoint is converted with mta_repro.release)"
+        )
     return OmegaConf.create(cfg)
 
 
 def load_model(
-    path: Union[str, Path],
-    device: Union[str, torch.device, None] = "auto",
-    dtype: Union[str, torch.dtype] = torch.float32,
+    path: str | Path,
+    device: str | torch.device | None = "auto",
+    dtype: str | torch.dtype = torch.float32,
     identity: bool = False,
 ) -> tuple[Transformer, DictConfig]:
     """(model in eval mode on ``device``/``dtype``, resolved training config).
@@ -70,8 +72,10 @@ def load_model(
     w = load_weights(path, who="mta_repro.eval")
     src = w.source.path
     if w.config is None:
-        raise UserError(f"checkpoint: {src} carries no run config (a consolidated export or a run's checkpoint "
-                         "has one; a Lingua/release checkpoint is converted with python -m mta_repro.release)")
+        raise UserError(
+            f"checkpoint: {src} carries no run config (a consolidated export or a run's checkpoint "
+            "has one; a Lingua/release checkpoint is converted with python -m mta_repro.release)"
+        )
     cfg = OmegaConf.create(w.config)
     if "model" not in cfg:
         raise UserError(f"checkpoint: the config of {src} has no 'model' section")
@@ -88,13 +92,18 @@ def load_model(
 
         digest = state_digest(w.state)
     model = model.to(device=device, dtype=dtype).eval()
-    source = {"kind": w.source.kind, "path": str(src), "step": None if w.step is None else int(w.step),
-              "record": w.record, "weights_sha256": digest}
+    source = {
+        "kind": w.source.kind,
+        "path": str(src),
+        "step": None if w.step is None else int(w.step),
+        "record": w.record,
+        "weights_sha256": digest,
+    }
     model.source = source  # pyright: ignore[reportArgumentType]  # nn.Module takes any value; torch types it Tensor | Module
     return model, cfg
 
 
-def default_out_dir(path: Union[str, Path]) -> Path:
+def default_out_dir(path: str | Path) -> Path:
     """Where results of evaluating ``path`` go: ``<run_dir>/eval`` for a run directory
     and for a run's ``export/consolidated.pt`` (where ``report`` looks), else an
     ``eval/`` folder next to a loose ``.pt`` file."""
@@ -135,9 +144,13 @@ def check_vocab(tokenizer, model) -> None:
         )
 
 
-def load_for_eval(path: Union[str, Path], device: Union[str, torch.device, None] = "auto",
-                  dtype: Union[str, torch.dtype] = torch.float32, tokenizer=None,
-                  identity: bool = False) -> tuple[Transformer, Any, DictConfig]:
+def load_for_eval(
+    path: str | Path,
+    device: str | torch.device | None = "auto",
+    dtype: str | torch.dtype = torch.float32,
+    tokenizer=None,
+    identity: bool = False,
+) -> tuple[Transformer, Any, DictConfig]:
     """(model, tokenizer, cfg), with the tokenizer/vocab check done before any work."""
     model, cfg = load_model(path, device=device, dtype=dtype, identity=identity)
     tok = tokenizer if tokenizer is not None else load_tokenizer(cfg)

@@ -25,8 +25,8 @@ from __future__ import annotations
 
 import bisect
 import random
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Iterable, Optional, Sequence
 
 import torch
 
@@ -45,14 +45,62 @@ QUESTION_ALL = (
     "\nWhat are all the special magic numbers mentioned in the provided text? "
     "The special magic numbers mentioned in the provided text are"
 )
-_ADJ = (
-    "amber brave calm dusty eager fancy gentle hollow icy jolly keen lively misty noble "
-    "odd proud quiet rapid silent tidy urban vivid witty young zesty bold crisp"
-).split()
-_NOUN = (
-    "apple bridge candle dragon engine falcon garden harbor island jacket kettle ladder "
-    "meadow needle orchard pepper quartz river saddle tiger umbrella valley window yacht zebra"
-).split()
+_ADJ = [
+    "amber",
+    "brave",
+    "calm",
+    "dusty",
+    "eager",
+    "fancy",
+    "gentle",
+    "hollow",
+    "icy",
+    "jolly",
+    "keen",
+    "lively",
+    "misty",
+    "noble",
+    "odd",
+    "proud",
+    "quiet",
+    "rapid",
+    "silent",
+    "tidy",
+    "urban",
+    "vivid",
+    "witty",
+    "young",
+    "zesty",
+    "bold",
+    "crisp",
+]
+_NOUN = [
+    "apple",
+    "bridge",
+    "candle",
+    "dragon",
+    "engine",
+    "falcon",
+    "garden",
+    "harbor",
+    "island",
+    "jacket",
+    "kettle",
+    "ladder",
+    "meadow",
+    "needle",
+    "orchard",
+    "pepper",
+    "quartz",
+    "river",
+    "saddle",
+    "tiger",
+    "umbrella",
+    "valley",
+    "window",
+    "yacht",
+    "zebra",
+]
 
 
 @dataclass
@@ -75,10 +123,49 @@ def score_answer(answer: str, references: Sequence[str]) -> float:
 
 # Common English abbreviations that end in "." without ending a sentence; nltk's
 # *untrained* Punkt (which needs no downloaded data) otherwise splits after "Dr.".
-ABBREVIATIONS = (
-    "dr mr mrs ms prof st jr sr vs etc e.g i.e no fig gen col capt lt sgt rev hon mt ft "
-    "a.m p.m jan feb mar apr jun jul aug sep sept oct nov dec inc ltd co corp"
-).split()
+ABBREVIATIONS = [
+    "dr",
+    "mr",
+    "mrs",
+    "ms",
+    "prof",
+    "st",
+    "jr",
+    "sr",
+    "vs",
+    "etc",
+    "e.g",
+    "i.e",
+    "no",
+    "fig",
+    "gen",
+    "col",
+    "capt",
+    "lt",
+    "sgt",
+    "rev",
+    "hon",
+    "mt",
+    "ft",
+    "a.m",
+    "p.m",
+    "jan",
+    "feb",
+    "mar",
+    "apr",
+    "jun",
+    "jul",
+    "aug",
+    "sep",
+    "sept",
+    "oct",
+    "nov",
+    "dec",
+    "inc",
+    "ltd",
+    "co",
+    "corp",
+]
 
 
 def sentence_splitter():
@@ -165,7 +252,12 @@ class NeedleGenerator:
                 self.check_budget(int(c), int(k), answer_tokens)
 
     def sample(
-        self, context_len: int, n_needles: int, depth: float, rng: random.Random, answer_tokens: int = 0,
+        self,
+        context_len: int,
+        n_needles: int,
+        depth: float,
+        rng: random.Random,
+        answer_tokens: int = 0,
     ) -> NeedleSample:
         """A prompt of ``context_len - answer_tokens`` tokens, so that the prompt and the
         generated answer fit in ``context_len`` (RULER counts the answer in the limit)."""
@@ -211,8 +303,9 @@ class NeedleGenerator:
 
 
 @torch.no_grad()
-def run_needle(model, tokenizer, args, background: Optional[Iterable[str]] = None,
-               generator: Optional[NeedleGenerator] = None) -> dict:
+def run_needle(
+    model, tokenizer, args, background: Iterable[str] | None = None, generator: NeedleGenerator | None = None
+) -> dict:
     """Accuracy per (context length, needle count, depth); nested dict, JSON-ready.
 
     ``args``: the settings (``mta_repro.eval.args.NeedleArgs``). The prompts come from

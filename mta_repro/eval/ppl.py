@@ -13,7 +13,7 @@ the arithmetic mean of the per-domain perplexities.
 
 from __future__ import annotations
 
-from typing import Iterable, Optional
+from collections.abc import Iterable
 
 import torch
 
@@ -30,7 +30,7 @@ def domain_perplexity(
     docs: Iterable[str],
     seq_len: int = 2048,
     batch_size: int = 4,
-    max_batches: Optional[int] = 256,
+    max_batches: int | None = 256,
     desc: str = "ppl",
 ) -> dict:
     """{"ppl", "loss" (mean CE, nats), "tokens", "batches"} for one domain's docs."""
@@ -71,8 +71,13 @@ def domain_perplexity(
 
 
 def validation_perplexity(
-    model, tokenizer, data_args, domains: Optional[list] = None, seq_len: Optional[int] = None,
-    batch_size: int = 4, max_batches: Optional[int] = 256,
+    model,
+    tokenizer,
+    data_args,
+    domains: list | None = None,
+    seq_len: int | None = None,
+    batch_size: int = 4,
+    max_batches: int | None = 256,
 ) -> dict:
     """{"domains": {name: {...}}, "average": mean ppl, "seq_len": ...} over the data's domains."""
     from mta_repro import data as data_mod
@@ -86,7 +91,12 @@ def validation_perplexity(
     per = {}
     for name in names:
         per[name] = domain_perplexity(
-            model, tokenizer, data_mod.iter_validation_docs(data_args, name), seq_len, batch_size, max_batches,
+            model,
+            tokenizer,
+            data_mod.iter_validation_docs(data_args, name),
+            seq_len,
+            batch_size,
+            max_batches,
             desc=f"ppl/{name}",
         )
     return {

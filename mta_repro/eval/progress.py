@@ -6,12 +6,11 @@ from __future__ import annotations
 
 import sys
 import time
-from typing import Optional, TextIO
+from typing import TextIO
 
 
 class Progress:
-    def __init__(self, desc: str, total: Optional[int] = None, every_s: float = 30.0,
-                 stream: Optional[TextIO] = None):
+    def __init__(self, desc: str, total: int | None = None, every_s: float = 30.0, stream: TextIO | None = None):
         from mta_repro.eval import dist
 
         self.desc, self.total, self.every_s = desc, total, every_s

@@ -29,15 +29,15 @@ import logging
 import os
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Optional, Sequence
 
 from omegaconf import OmegaConf
 
-from mta_repro.train.config import attention_variant
 from mta_repro.errors import UserError
 from mta_repro.eval.args import EvalConfig, register_eval_config
 from mta_repro.files import replace_atomically
+from mta_repro.train.config import attention_variant
 
 log = logging.getLogger("mta_repro.eval")
 
@@ -65,15 +65,15 @@ def parse_argv(argv: Sequence[str]) -> EvalConfig:
         raise UserError(f"eval: expected one run directory, got {paths}")
     if paths:
         overrides = [f"run_dir={paths[0]}"] + overrides
-    from mta_repro.train.config import CONFIG_DIR
     from mta_repro.cli import check_group_options
+    from mta_repro.train.config import CONFIG_DIR
 
     # an optional group: Hydra would silently skip an unknown preset
     check_group_options(overrides, ["eval/preset"], Path(CONFIG_DIR))
     return compose_eval(overrides)
 
 
-def trained_context(run_cfg) -> Optional[int]:
+def trained_context(run_cfg) -> int | None:
     """The context the run was trained at: ``data.seq_len`` of its saved config (for a
     finetuned run, the finetune's: the config of the last training stage). Not the
     model's ``max_seqlen``, which bounds what the code accepts, not what was learned."""
@@ -82,7 +82,7 @@ def trained_context(run_cfg) -> Optional[int]:
     return trained_seq_len(run_cfg)
 
 
-def check_context(cfg: EvalConfig, lengths: dict, trained: Optional[int], max_seqlen: Optional[int] = None) -> None:
+def check_context(cfg: EvalConfig, lengths: dict, trained: int | None, max_seqlen: int | None = None) -> None:
     """Refuse a length beyond the trained context, or beyond the model's ``max_seqlen``,
     unless ``extrapolate=true``."""
     if cfg.extrapolate:
@@ -92,7 +92,8 @@ def check_context(cfg: EvalConfig, lengths: dict, trained: Optional[int], max_se
             raise UserError(
                 f"eval: {field_name}={length} for task {task!r} is longer than model.max_seqlen={max_seqlen} of "
                 f"{cfg.run_dir}, the longest sequence the model is meant for; set extrapolate=true to evaluate "
-                "beyond it on purpose")
+                "beyond it on purpose"
+            )
         if trained is not None and length > trained:
             raise UserError(
                 f"eval: {field_name}={length} for task {task!r} is beyond the context {cfg.run_dir} was trained at "
@@ -124,8 +125,11 @@ def _inputs(rec: dict) -> tuple:
     """What a result depends on besides its settings: the weights' and the tokenizer's
     content, the validation files (a result without a record counts as stale)."""
     p = rec.get("provenance") or {}
-    return ((p.get("checkpoint") or {}).get("weights_sha256"), (p.get("tokenizer") or {}).get("sha256"),
-            (p.get("validation") or {}).get("sha256"))
+    return (
+        (p.get("checkpoint") or {}).get("weights_sha256"),
+        (p.get("tokenizer") or {}).get("sha256"),
+        (p.get("validation") or {}).get("sha256"),
+    )
 
 
 def provenance_of(cfg: EvalConfig, model, run_cfg) -> dict:
@@ -146,12 +150,18 @@ def provenance_of(cfg: EvalConfig, model, run_cfg) -> dict:
             raise pv.ProvenanceError(
                 f"{change}: {what} were trained with the recorded one, so these numbers would come from another "
                 "tokenizer. Restore the tokenizer file, or evaluate anyway with accept_changed_tokenizer=true "
-                "(recorded in the result's JSON)")
+                "(recorded in the result's JSON)"
+            )
         log.warning("eval: %s; accepted (accept_changed_tokenizer=true), recorded in the results", change)
         accepted.append(pv.accepted("tokenizer", change, "accept_changed_tokenizer=true", src.get("step")))
     return {
-        "checkpoint": {"path": src.get("path"), "kind": src.get("kind"), "step": src.get("step"),
-                       "weights_sha256": src.get("weights_sha256"), "tokens_seen": record.get("tokens_seen")},
+        "checkpoint": {
+            "path": src.get("path"),
+            "kind": src.get("kind"),
+            "step": src.get("step"),
+            "weights_sha256": src.get("weights_sha256"),
+            "tokens_seen": record.get("tokens_seen"),
+        },
         "run": record.get("inputs"),
         "run_accepted": record.get("accepted") or [],
         "tokenizer": tok,
@@ -187,11 +197,20 @@ def run(cfg: EvalConfig) -> dict:
     prov = provenance_of(cfg, model, run_cfg)
     from mta_repro.data import to_data_args
 
-    ctx = EvalContext(model=model, tokenizer=tok, run_cfg=run_cfg, data_args=to_data_args(run_cfg.data),
-                      trained_seq_len=trained_context(run_cfg))
+    ctx = EvalContext(
+        model=model,
+        tokenizer=tok,
+        run_cfg=run_cfg,
+        data_args=to_data_args(run_cfg.data),
+        trained_seq_len=trained_context(run_cfg),
+    )
     lengths = {t.name: t.lengths(cfg, ctx) for t in tasks}
-    check_context(cfg, {(n, f): v for n, per in lengths.items() for f, v in per.items()}, ctx.trained_seq_len,
-                  getattr(getattr(model, "args", None), "max_seqlen", None))
+    check_context(
+        cfg,
+        {(n, f): v for n, per in lengths.items() for f, v in per.items()},
+        ctx.trained_seq_len,
+        getattr(getattr(model, "args", None), "max_seqlen", None),
+    )
 
     out_dir = Path(cfg.out_dir) if cfg.out_dir else default_out_dir(cfg.run_dir)
     source = getattr(model, "source", {})
@@ -212,8 +231,11 @@ def run(cfg: EvalConfig) -> dict:
     for t in tasks:
         path = out_dir / f"{t.name}.json"
         if not cfg.force and _up_to_date(path, meta["weights"], records[t.name]):
-            log.info("eval: %s is up to date (newer than %s, same settings): skipped; --force re-evaluates",
-                     path, meta["weights"])
+            log.info(
+                "eval: %s is up to date (newer than %s, same settings): skipped; --force re-evaluates",
+                path,
+                meta["weights"],
+            )
             continue
         todo.append(t)
     for t in todo:  # budgets and names fail here, before any evaluation
@@ -227,9 +249,14 @@ def run(cfg: EvalConfig) -> dict:
         if rank != 0:
             continue
         rec = records[t.name]
-        res = {"task": t.name, **rec, "extrapolated": any(v > (ctx.trained_seq_len or v)
-                                                          for v in rec["eval_lengths"].values()),
-               "world_size": world, "seconds": round(time.time() - t0, 1), "results": res}
+        res = {
+            "task": t.name,
+            **rec,
+            "extrapolated": any(v > (ctx.trained_seq_len or v) for v in rec["eval_lengths"].values()),
+            "world_size": world,
+            "seconds": round(time.time() - t0, 1),
+            "results": res,
+        }
         out_dir.mkdir(parents=True, exist_ok=True)
         path = out_dir / f"{t.name}.json"
         # Whole or absent: a kill or a full disk mid-write leaves the previous file.
@@ -239,7 +266,7 @@ def run(cfg: EvalConfig) -> dict:
     return written
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     from mta_repro.cli import run_cli
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")

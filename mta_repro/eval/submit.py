@@ -26,7 +26,6 @@ import shlex
 import sys
 from pathlib import Path
 from string import Template
-from typing import Optional
 
 from mta_repro.errors import UserError
 from mta_repro.slurm import memory_lines, sbatch, time_limit
@@ -53,16 +52,31 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--account")
     p.add_argument("--qos")
     p.add_argument("--constraint", help="sbatch --constraint (node features, e.g. h100)")
-    p.add_argument("--no-check", action="store_true",
-                   help="do not check the run, data and tokenizer paths here (they exist only on the compute nodes)")
+    p.add_argument(
+        "--no-check",
+        action="store_true",
+        help="do not check the run, data and tokenizer paths here (they exist only on the compute nodes)",
+    )
     p.add_argument("--job-name", default="mta-eval")
     return p
 
 
-def render(run_dir: str, overrides: list[str], *, gpus: int = 1, cpus: int = 8, time_min: int = 240,
-           partition: Optional[str] = None, account: Optional[str] = None, qos: Optional[str] = None,
-           job_name: str = "mta-eval", python: str = "python", mem: Optional[str] = None,
-           exclusive: bool = False, constraint: Optional[str] = None) -> tuple[str, str]:
+def render(
+    run_dir: str,
+    overrides: list[str],
+    *,
+    gpus: int = 1,
+    cpus: int = 8,
+    time_min: int = 240,
+    partition: str | None = None,
+    account: str | None = None,
+    qos: str | None = None,
+    job_name: str = "mta-eval",
+    python: str = "python",
+    mem: str | None = None,
+    exclusive: bool = False,
+    constraint: str | None = None,
+) -> tuple[str, str]:
     """(sbatch script, eval command). ValueError for bad resources or overrides."""
     for name, v, lo in (("--gpus", gpus, 0), ("--cpus", cpus, 1), ("--time-min", time_min, 1)):
         if v < lo:
@@ -81,10 +95,14 @@ def render(run_dir: str, overrides: list[str], *, gpus: int = 1, cpus: int = 8, 
     if unknown:
         raise UserError(f"tasks: unknown {unknown}; expected some of {list(TASK_NAMES)}")
     if gpus > 0 and str(cfg.device) == "cpu":
-        print(f"# warning: the job requests {gpus} GPU(s) but the evaluation runs on device=cpu "
-              "(add device=cuda, or --gpus 0)", file=sys.stderr)
-    command = " ".join([shlex.quote(python), "-m", "mta_repro.eval", shlex.quote(str(rd)),
-                        *map(shlex.quote, overrides)])
+        print(
+            f"# warning: the job requests {gpus} GPU(s) but the evaluation runs on device=cpu "
+            "(add device=cuda, or --gpus 0)",
+            file=sys.stderr,
+        )
+    command = " ".join(
+        [shlex.quote(python), "-m", "mta_repro.eval", shlex.quote(str(rd)), *map(shlex.quote, overrides)]
+    )
     site = (("partition", partition), ("account", account), ("qos", qos), ("constraint", constraint))
     extra = [f"#SBATCH --{k}={v}" for k, v in site if v]
     script = Template(TEMPLATE.read_text()).substitute(
@@ -101,7 +119,7 @@ def render(run_dir: str, overrides: list[str], *, gpus: int = 1, cpus: int = 8, 
     return script, command
 
 
-def problems(run_dir: str, overrides: list[str], after: Optional[str]) -> list[str]:
+def problems(run_dir: str, overrides: list[str], after: str | None) -> list[str]:
     """What the evaluation job would miss at its start, one line each (see the module)."""
     from omegaconf import OmegaConf
 
@@ -114,8 +132,9 @@ def problems(run_dir: str, overrides: list[str], after: Optional[str]) -> list[s
     lines = [line for line in [writable_dir_problem(out, "out_dir")] if line]
     if not rd.exists():
         if not after:
-            lines.insert(0, f"run_dir: {rd} does not exist (no training run there, and no --after job to make it; "
-                            f"{HINT})")
+            lines.insert(
+                0, f"run_dir: {rd} does not exist (no training run there, and no --after job to make it; {HINT})"
+            )
         return lines
     saved = rd / "config.yaml"
     if saved.is_file():  # the corpus and tokenizer the evaluation reads (perplexity, needles, BabiLong)
@@ -125,7 +144,7 @@ def problems(run_dir: str, overrides: list[str], after: Optional[str]) -> list[s
     return lines
 
 
-def main(argv: Optional[list[str]] = None) -> int:
+def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(sys.argv[1:] if argv is None else argv)
     from mta_repro.cli import run_cli
     from mta_repro.train.jobcheck import raise_problems
@@ -134,9 +153,19 @@ def main(argv: Optional[list[str]] = None) -> int:
         if args.after is not None and not all(j.replace("_", "").isdigit() for j in args.after.split(":")):
             raise UserError(f"--after: expected a SLURM job id (or ids joined by ':'), got {args.after!r}")
         script, command = render(
-            args.run_dir, args.overrides, gpus=args.gpus, cpus=args.cpus, time_min=args.time_min,
-            partition=args.partition, account=args.account, qos=args.qos, job_name=args.job_name,
-            python=sys.executable, mem=args.mem, exclusive=args.exclusive, constraint=args.constraint,
+            args.run_dir,
+            args.overrides,
+            gpus=args.gpus,
+            cpus=args.cpus,
+            time_min=args.time_min,
+            partition=args.partition,
+            account=args.account,
+            qos=args.qos,
+            job_name=args.job_name,
+            python=sys.executable,
+            mem=args.mem,
+            exclusive=args.exclusive,
+            constraint=args.constraint,
         )
         found = [] if args.no_check else problems(args.run_dir, args.overrides, args.after)
         dep = [f"--dependency=afterok:{args.after}", "--kill-on-invalid-dep=yes"] if args.after else []

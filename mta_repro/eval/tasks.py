@@ -17,7 +17,7 @@ for and in this order:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Dict, Optional
+from typing import Any
 
 
 @dataclass
@@ -29,8 +29,8 @@ class EvalContext:
     tokenizer: Any = None
     run_cfg: Any = None
     data_args: Any = None
-    trained_seq_len: Optional[int] = None
-    state: Dict[str, Any] = field(default_factory=dict)  # per task, from prepare() to run()
+    trained_seq_len: int | None = None
+    state: dict[str, Any] = field(default_factory=dict)  # per task, from prepare() to run()
 
 
 def docs(data_args, domain: str, splits):
@@ -48,7 +48,7 @@ class EvalTask:
     def check(self, cfg) -> None:
         pass
 
-    def lengths(self, cfg, ctx: EvalContext) -> Dict[str, int]:
+    def lengths(self, cfg, ctx: EvalContext) -> dict[str, int]:
         """{the override that sets a length: the largest token length it asks for}."""
         return {}
 
@@ -65,7 +65,7 @@ class EvalTask:
         return asdict(getattr(cfg, self.section)) if self.section else {}
 
 
-EVAL_TASKS: Dict[str, EvalTask] = {}
+EVAL_TASKS: dict[str, EvalTask] = {}
 
 
 def register(cls):
@@ -84,8 +84,9 @@ class PerplexityTask(EvalTask):
         from mta_repro.eval.ppl import validation_perplexity
 
         p = cfg.ppl
-        return validation_perplexity(ctx.model, ctx.tokenizer, ctx.data_args, p.domains, p.seq_len, p.batch_size,
-                                     p.max_batches)
+        return validation_perplexity(
+            ctx.model, ctx.tokenizer, ctx.data_args, p.domains, p.seq_len, p.batch_size, p.max_batches
+        )
 
 
 @register
@@ -106,8 +107,9 @@ class NeedleTask(EvalTask):
         from mta_repro.eval.needle import Haystack, NeedleGenerator
 
         n = cfg.needle
-        hay = Haystack(ctx.tokenizer, docs(ctx.data_args, n.background_domain, n.background_splits),
-                       n.max_background_chars)
+        hay = Haystack(
+            ctx.tokenizer, docs(ctx.data_args, n.background_domain, n.background_splits), n.max_background_chars
+        )
         gen = NeedleGenerator(ctx.tokenizer, hay, n.query)
         gen.check_all(n.context_lens, n.needle_counts, n.max_new_tokens)
         ctx.state[self.name] = gen
@@ -146,7 +148,7 @@ class _LMEvalTask(EvalTask):
     def task_names(self, cfg) -> list:
         raise NotImplementedError
 
-    def max_length(self, cfg, ctx) -> Optional[int]:
+    def max_length(self, cfg, ctx) -> int | None:
         return cfg.lm_eval.max_length or ctx.trained_seq_len
 
     def lengths(self, cfg, ctx):
@@ -175,8 +177,9 @@ class _LMEvalTask(EvalTask):
         from mta_repro.eval.lm_eval_model import MTAReproLM
 
         e = cfg.lm_eval
-        lm = MTAReproLM(model=ctx.model, tokenizer=ctx.tokenizer, batch_size=e.batch_size,
-                        max_length=self.max_length(cfg, ctx))
+        lm = MTAReproLM(
+            model=ctx.model, tokenizer=ctx.tokenizer, batch_size=e.batch_size, max_length=self.max_length(cfg, ctx)
+        )
         names = self.task_names(cfg)
         groups: dict = {}
         for name in names:  # one simple_evaluate call per few-shot count
@@ -185,17 +188,26 @@ class _LMEvalTask(EvalTask):
         for shots, group in groups.items():
             with hub_errors(group):
                 out = simple_evaluate(
-                    model=lm, tasks=group, num_fewshot=shots, task_manager=ctx.state["lm_manager"], limit=e.limit,
-                    bootstrap_iters=0, log_samples=False,
+                    model=lm,
+                    tasks=group,
+                    num_fewshot=shots,
+                    task_manager=ctx.state["lm_manager"],
+                    limit=e.limit,
+                    bootstrap_iters=0,
+                    log_samples=False,
                 )
             if out is None:  # ranks other than 0 under torchrun: rank 0 has the results
                 continue
             for name, metrics in out["results"].items():  # pyright: ignore[reportTypedDictNotRequiredAccess]  # always set
                 results[name] = {k: v for k, v in metrics.items() if isinstance(v, (int, float)) or k == "alias"}
-        return {"tasks": results, "summary": summarize_lm_eval(results, names),
-                # the metric each summary number is (lambada: perplexity)
-                "metrics": {n: headline(n, results.get(n, {})) for n in names if not n.startswith("lambada")},
-                "limit": e.limit, "max_length": lm.max_length}
+        return {
+            "tasks": results,
+            "summary": summarize_lm_eval(results, names),
+            # the metric each summary number is (lambada: perplexity)
+            "metrics": {n: headline(n, results.get(n, {})) for n in names if not n.startswith("lambada")},
+            "limit": e.limit,
+            "max_length": lm.max_length,
+        }
 
 
 @register

@@ -7,7 +7,7 @@ import json
 import shutil
 import sys
 from pathlib import Path
-from typing import Any, Optional, Union
+from typing import Any
 
 import torch
 from omegaconf import OmegaConf, open_dict
@@ -48,8 +48,9 @@ def _has_rope_parameters() -> bool:
     return "rope_parameters" in LlamaConfig().to_dict()  # transformers >= 5
 
 
-def llama_config(args: ModelArgs, bos_id: Optional[int] = None, eos_id: Optional[int] = None,
-                 max_position_embeddings: Optional[int] = None):
+def llama_config(
+    args: ModelArgs, bos_id: int | None = None, eos_id: int | None = None, max_position_embeddings: int | None = None
+):
     from transformers import LlamaConfig
 
     kw: dict[str, Any] = dict(
@@ -105,9 +106,20 @@ def state_to_hf(sd: dict, args: ModelArgs) -> dict:
 
 
 # The files an export writes (a sharded save and the trust_remote_code folder included).
-EXPORT_FILES = ("config.json", "generation_config.json", "model.safetensors", "model.safetensors.index.json",
-                "model-*-of-*.safetensors", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
-                "tokenizer.model", TOKENIZER_NOTE, "modeling_mta_repro.py", "provenance.json")
+EXPORT_FILES = (
+    "config.json",
+    "generation_config.json",
+    "model.safetensors",
+    "model.safetensors.index.json",
+    "model-*-of-*.safetensors",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "tokenizer.model",
+    TOKENIZER_NOTE,
+    "modeling_mta_repro.py",
+    "provenance.json",
+)
 
 
 def _is_export(folder: Path) -> bool:
@@ -133,9 +145,11 @@ def _check_out_dir(out_dir: Path, force: bool) -> list:
     if _is_export(out_dir):
         return sorted({f for pattern in EXPORT_FILES for f in out_dir.glob(pattern) if f.is_file()})
     if not force:
-        raise UserError(f"hf export: {out_dir} is not empty ({len(entries)} entries, e.g. {entries[:3]}) and is not an "
-                        "export of ours: choose a new or empty folder, or pass --force to write into it (files of "
-                        "the export's names are overwritten, others kept)")
+        raise UserError(
+            f"hf export: {out_dir} is not empty ({len(entries)} entries, e.g. {entries[:3]}) and is not an "
+            "export of ours: choose a new or empty folder, or pass --force to write into it (files of "
+            "the export's names are overwritten, others kept)"
+        )
     return []
 
 
@@ -152,7 +166,7 @@ def _readable_as_umask(paths) -> None:
             os.chmod(p, stat.S_IMODE(0o666 & ~mask))
 
 
-def export_hf(path: Union[str, Path], out_dir: Union[str, Path], force: bool = False) -> Path:
+def export_hf(path: str | Path, out_dir: str | Path, force: bool = False) -> Path:
     """Write a ``LlamaForCausalLM`` folder (config.json, model.safetensors, the
     tokenizer file and our tokenizer settings) from a baseline run or .pt, with a
     provenance.json saying what the weights came from (mta_repro/train/provenance.py).
@@ -160,8 +174,8 @@ def export_hf(path: Union[str, Path], out_dir: Union[str, Path], force: bool = F
     writes into another folder."""
     from transformers import LlamaForCausalLM
 
-    from mta_repro.train.config import trained_seq_len
     from mta_repro.eval.load import load_model, load_tokenizer
+    from mta_repro.train.config import trained_seq_len
 
     earlier = _check_out_dir(Path(out_dir), force)  # before any work: a refusal changes nothing
     model, cfg = load_model(path, device="cpu", dtype="float32", identity=True)
@@ -198,11 +212,17 @@ def export_hf(path: Union[str, Path], out_dir: Union[str, Path], force: bool = F
         src = _find(tok_cfg["path"]) if tok_cfg.get("path") and tok_cfg.get("name") != "bytes" else None
         from mta_repro.hf.tokenizer import write_hf_tokenizer
 
-        why = write_hf_tokenizer({**tok_cfg, "path": str(src) if src else tok_cfg.get("path")}, tok, out_dir,
-                                 add_bos=bool(OmegaConf.select(cfg, "data.add_bos", default=True)))
+        why = write_hf_tokenizer(
+            {**tok_cfg, "path": str(src) if src else tok_cfg.get("path")},
+            tok,
+            out_dir,
+            add_bos=bool(OmegaConf.select(cfg, "data.add_bos", default=True)),
+        )
         if why:
-            print(f"[mta_repro.hf] no tokenizer.json written ({why}); tokenizer.model and {TOKENIZER_NOTE} are",
-                  file=sys.stderr)
+            print(
+                f"[mta_repro.hf] no tokenizer.json written ({why}); tokenizer.model and {TOKENIZER_NOTE} are",
+                file=sys.stderr,
+            )
     if tok_cfg and tok_cfg.get("path") and tok_cfg.get("name") != "bytes":
         src = _find(tok_cfg["path"])
         if src is not None:
@@ -228,13 +248,19 @@ def _record_source(model, cfg, path, out_dir: Path) -> None:
     record["export"] = {"run": str(Path(path).resolve()), "trainer_steps": steps}
     provenance.write_record(out_dir / provenance.RECORD, record)
     step = record["weights"]["step"]
-    of = f" of trainer.steps={steps}" + (" (an unfinished run)" if step is not None and step < steps else "") \
-        if isinstance(steps, int) else ""
-    print(f"[mta_repro.hf] exported step {step}{of} of {record['export']['run']} ({record['weights']['path']}); "
-          f"recorded in {out_dir / provenance.RECORD}", file=sys.stderr)
+    of = (
+        f" of trainer.steps={steps}" + (" (an unfinished run)" if step is not None and step < steps else "")
+        if isinstance(steps, int)
+        else ""
+    )
+    print(
+        f"[mta_repro.hf] exported step {step}{of} of {record['export']['run']} ({record['weights']['path']}); "
+        f"recorded in {out_dir / provenance.RECORD}",
+        file=sys.stderr,
+    )
 
 
-def _find(path: str) -> Optional[Path]:
+def _find(path: str) -> Path | None:
     from mta_repro.train.config import CONFIG_DIR
 
     p = Path(path)
@@ -263,7 +289,9 @@ def weight_files(hf_dir: Path) -> list:
         files = [hf_dir / f for f in sorted(set(weight_map.values()))]
         missing = [f.name for f in files if not f.is_file()]
         if missing:
-            raise UserError(f"hf import: {index} names shard(s) {missing} that are not in {hf_dir} (incomplete download?)")
+            raise UserError(
+                f"hf import: {index} names shard(s) {missing} that are not in {hf_dir} (incomplete download?)"
+            )
         return files
     files = sorted(hf_dir.glob("*.safetensors"))
     if not files:
@@ -321,12 +349,19 @@ def model_args_from_hf(c) -> ModelArgs:
         raise UserError(f"hf import: {H} attention heads are not a multiple of {KV} key/value heads")
     kv = {"n_kv_heads": None if KV == H else KV} if _NATIVE_GQA else {}
     args = ModelArgs(
-        dim=c.hidden_size, n_layers=c.num_hidden_layers, n_heads=H,
-        head_dim=None if d * H == c.hidden_size else d, vocab_size=c.vocab_size,
-        norm_eps=float(c.rms_norm_eps), rope_theta=theta, rope_scaling=scaling,
-        max_seqlen=int(c.max_position_embeddings), weight_tying=bool(getattr(c, "tie_word_embeddings", False)),
+        dim=c.hidden_size,
+        n_layers=c.num_hidden_layers,
+        n_heads=H,
+        head_dim=None if d * H == c.hidden_size else d,
+        vocab_size=c.vocab_size,
+        norm_eps=float(c.rms_norm_eps),
+        rope_theta=theta,
+        rope_scaling=scaling,
+        max_seqlen=int(c.max_position_embeddings),
+        weight_tying=bool(getattr(c, "tie_word_embeddings", False)),
         norm_order="hf",  # transformers' LlamaRMSNorm: normalise in fp32, cast, then the weight (all norms)
-        **kv, **_ffn_fields(c.hidden_size, c.intermediate_size),
+        **kv,
+        **_ffn_fields(c.hidden_size, c.intermediate_size),
     )
     assert args.ffn_hidden_dim == c.intermediate_size, (args.ffn_hidden_dim, c.intermediate_size)
     return args
@@ -348,7 +383,7 @@ _LAYER_KEYS = {
 }
 
 
-def _our_key(name: str, args: ModelArgs) -> Optional[str]:
+def _our_key(name: str, args: ModelArgs) -> str | None:
     """Our key for a LlamaForCausalLM tensor name, or None for a tensor we do not keep (a
     tied checkpoint's lm_head copy, old rotary inv_freq buffers)."""
     if name == "model.embed_tokens.weight":
@@ -374,7 +409,7 @@ def _hf_shape(name: str, our_shape: tuple, c, args: ModelArgs) -> tuple:
     return our_shape
 
 
-def check_hf_tensors(tensors: dict, c, args: ModelArgs, torch_dtype: Optional[str] = None) -> None:
+def check_hf_tensors(tensors: dict, c, args: ModelArgs, torch_dtype: str | None = None) -> None:
     """Every LlamaForCausalLM tensor ({name: (dtype name, shape, where)}) before any is
     read or permuted: a float dtype, all of one dtype and that of config.json's
     ``torch_dtype`` when it states one, the shape our model needs; none missing."""
@@ -382,7 +417,7 @@ def check_hf_tensors(tensors: dict, c, args: ModelArgs, torch_dtype: Optional[st
 
     want = expected_shapes(args)
     seen: dict = {}
-    first: Optional[tuple] = None
+    first: tuple | None = None
     for name, (dtype, shape, where) in tensors.items():
         key = _our_key(name, args)
         if key is None:
@@ -391,28 +426,36 @@ def check_hf_tensors(tensors: dict, c, args: ModelArgs, torch_dtype: Optional[st
         if first is None:
             first = (dtype, name)
         if torch_dtype is not None and dtype != torch_dtype:
-            raise UserError(f"hf import: {where}: tensor {name!r} is {dtype} but config.json's torch_dtype is "
-                            f"{torch_dtype}: a relabelled or mixed file (if the weights are right, correct "
-                            "config.json's torch_dtype)")
+            raise UserError(
+                f"hf import: {where}: tensor {name!r} is {dtype} but config.json's torch_dtype is "
+                f"{torch_dtype}: a relabelled or mixed file (if the weights are right, correct "
+                "config.json's torch_dtype)"
+            )
         if dtype != first[0]:
-            raise UserError(f"hf import: {where}: tensor {name!r} is {dtype} but {first[1]!r} is {first[0]}: a "
-                            "relabelled or mixed file (a checkpoint stores its weights in one dtype)")
+            raise UserError(
+                f"hf import: {where}: tensor {name!r} is {dtype} but {first[1]!r} is {first[0]}: a "
+                "relabelled or mixed file (a checkpoint stores its weights in one dtype)"
+            )
         if key in seen:
             raise UserError(f"hf import: tensor {name!r} appears twice ({seen[key]} and {where})")
         seen[key] = where
         if key not in want:
-            raise UserError(f"hf import: {where}: tensor {name!r} is not part of the model config.json describes "
-                            f"({args.n_layers} layers)")
+            raise UserError(
+                f"hf import: {where}: tensor {name!r} is not part of the model config.json describes "
+                f"({args.n_layers} layers)"
+            )
         expected = _hf_shape(name, want[key], c, args)
         if tuple(shape) != expected:
-            raise UserError(f"hf import: {where}: tensor {name!r} has shape {list(shape)}, expected "
-                            f"{list(expected)} (from config.json)")
+            raise UserError(
+                f"hf import: {where}: tensor {name!r} has shape {list(shape)}, expected "
+                f"{list(expected)} (from config.json)"
+            )
     missing = sorted(k for k in set(want) - set(seen) if not (k == "output.weight" and args.weight_tying))
     if missing:
         raise UserError(f"hf import: the checkpoint lacks {len(missing)} tensor(s), e.g. {missing[:3]}")
 
 
-def _convert_tensor(name: str, w: torch.Tensor, c, args: ModelArgs) -> Optional[tuple]:
+def _convert_tensor(name: str, w: torch.Tensor, c, args: ModelArgs) -> tuple | None:
     """One LlamaForCausalLM tensor (already checked: ``check_hf_tensors``) -> (our key,
     tensor), or None for a tensor we do not keep."""
     key = _our_key(name, args)
@@ -436,8 +479,9 @@ def _convert_tensor(name: str, w: torch.Tensor, c, args: ModelArgs) -> Optional[
 def hf_to_state(hf_sd: dict, config) -> tuple:
     """LlamaForCausalLM weights (a dict) and config -> (our baseline state dict, ModelArgs)."""
     args = model_args_from_hf(config)
-    check_hf_tensors({n: (str(w.dtype).replace("torch.", ""), tuple(w.shape), "state dict")
-                      for n, w in hf_sd.items()}, config, args)
+    check_hf_tensors(
+        {n: (str(w.dtype).replace("torch.", ""), tuple(w.shape), "state dict") for n, w in hf_sd.items()}, config, args
+    )
     sd = {}
     for name, w in hf_sd.items():
         got = _convert_tensor(name, w, config, args)
@@ -446,8 +490,9 @@ def hf_to_state(hf_sd: dict, config) -> tuple:
     return sd, args
 
 
-def read_hf_weights(hf_dir: Path, config, args: ModelArgs, dtype: Optional[torch.dtype] = None,
-                    torch_dtype: Optional[str] = None) -> dict:
+def read_hf_weights(
+    hf_dir: Path, config, args: ModelArgs, dtype: torch.dtype | None = None, torch_dtype: str | None = None
+) -> dict:
     """Our state dict from the folder's safetensors, one tensor at a time: every file's
     header is checked first (``mta_repro.weights.SafetensorsFile``; the tensors' dtypes and
     shapes: ``check_hf_tensors``), then each tensor is read from its (memory-mapped) shard,
@@ -457,8 +502,16 @@ def read_hf_weights(hf_dir: Path, config, args: ModelArgs, dtype: Optional[torch
     from mta_repro.weights import SAFETENSORS_FLOAT_DTYPES, SafetensorsFile
 
     files = [SafetensorsFile(f) for f in weight_files(hf_dir)]
-    check_hf_tensors({name: (SAFETENSORS_FLOAT_DTYPES.get(t.dtype, t.dtype), t.shape, str(f.path))
-                      for f in files for name, t in f.tensors.items()}, config, args, torch_dtype)
+    check_hf_tensors(
+        {
+            name: (SAFETENSORS_FLOAT_DTYPES.get(t.dtype, t.dtype), t.shape, str(f.path))
+            for f in files
+            for name, t in f.tensors.items()
+        },
+        config,
+        args,
+        torch_dtype,
+    )
     sd: dict = {}
     for f in files:
         with f:
@@ -477,7 +530,7 @@ def read_hf_weights(hf_dir: Path, config, args: ModelArgs, dtype: Optional[torch
     return sd
 
 
-def _tokenizer_of(hf_dir: Path) -> Optional[dict]:
+def _tokenizer_of(hf_dir: Path) -> dict | None:
     note = hf_dir / TOKENIZER_NOTE
     if note.is_file():  # written by export_hf
         from mta_repro.files import read_json
@@ -497,7 +550,7 @@ def _tokenizer_of(hf_dir: Path) -> Optional[dict]:
     return None
 
 
-def import_hf(hf_dir: Union[str, Path], out: Union[str, Path], dtype: str = "auto") -> Path:
+def import_hf(hf_dir: str | Path, out: str | Path, dtype: str = "auto") -> Path:
     """Write a consolidated ``.pt`` ({"model", "config", "step": 0}) of our baseline from a
     Llama checkpoint folder (config.json + safetensors, sharded with an index or not);
     its config is the default run config with these model fields and the folder's
@@ -506,11 +559,9 @@ def import_hf(hf_dir: Union[str, Path], out: Union[str, Path], dtype: str = "aut
     dtype (bf16 for Meta's), else float32/bfloat16/float16."""
     from transformers import AutoConfig
 
-    from mta_repro.train.config import compose
     from mta_repro.eval.load import resolve_dtype
-    from mta_repro.files import save_file_atomic
-
-    from mta_repro.files import read_json
+    from mta_repro.files import read_json, save_file_atomic
+    from mta_repro.train.config import compose
 
     hf_dir = Path(hf_dir)
     if not (hf_dir / "config.json").is_file():
@@ -519,13 +570,16 @@ def import_hf(hf_dir: Union[str, Path], out: Union[str, Path], dtype: str = "aut
     try:
         config = AutoConfig.from_pretrained(str(hf_dir))
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
-        raise UserError(f"hf import: {hf_dir / 'config.json'}: transformers cannot read it ({type(e).__name__}: "
-                        f"{' '.join(str(e).split())[:200]})") from None
+        raise UserError(
+            f"hf import: {hf_dir / 'config.json'}: transformers cannot read it ({type(e).__name__}: "
+            f"{' '.join(str(e).split())[:200]})"
+        ) from None
     args = model_args_from_hf(config)
     stated = str(raw.get("torch_dtype") or raw.get("dtype")).replace("torch.", "")  # transformers 4 / 5
     floats = ("float32", "bfloat16", "float16", "float64")
-    sd = read_hf_weights(hf_dir, config, args, None if dtype == "auto" else resolve_dtype(dtype),
-                         stated if stated in floats else None)
+    sd = read_hf_weights(
+        hf_dir, config, args, None if dtype == "auto" else resolve_dtype(dtype), stated if stated in floats else None
+    )
     cfg = compose([])
     for f in dataclasses.fields(args):
         if f.name != "mta":
@@ -534,9 +588,12 @@ def import_hf(hf_dir: Union[str, Path], out: Union[str, Path], dtype: str = "aut
                 cfg.model[f.name] = v
     tok_cfg = _tokenizer_of(hf_dir)
     if not tok_cfg:
-        print(f"[mta_repro.hf] note: {hf_dir} has no tokenizer.model (nor original/tokenizer.model); the .pt keeps "
-              "the default data.tokenizer: set data.tokenizer.name/path (Llama 3: tiktoken, Meta's tokenizer.model) "
-              "when you train or evaluate from it", file=sys.stderr)
+        print(
+            f"[mta_repro.hf] note: {hf_dir} has no tokenizer.model (nor original/tokenizer.model); the .pt keeps "
+            "the default data.tokenizer: set data.tokenizer.name/path (Llama 3: tiktoken, Meta's tokenizer.model) "
+            "when you train or evaluate from it",
+            file=sys.stderr,
+        )
     if tok_cfg:
         for k, v in tok_cfg.items():
             OmegaConf.update(cfg, f"data.tokenizer.{k}", v)

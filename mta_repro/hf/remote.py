@@ -172,7 +172,14 @@ def _strip_package_imports(src: str) -> str:
 
 
 # The model's source files, in dependency order (paths under mta_repro/).
-BUNDLED = ("kernels/conv_pad.py", "kernels/tuning.py", "kernels/interface.py", "model/args.py", "model/attention_ops.py", "model/transformer.py")
+BUNDLED = (
+    "kernels/conv_pad.py",
+    "kernels/tuning.py",
+    "kernels/interface.py",
+    "model/args.py",
+    "model/attention_ops.py",
+    "model/transformer.py",
+)
 
 
 def modeling_source() -> str:

@@ -15,7 +15,7 @@ Built here from the training tokenizer's own file:
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 from mta_repro.errors import UserError
 
@@ -34,8 +34,11 @@ def _bytes_tokenizer():
 
 def _byte_to_unicode() -> dict:
     """GPT-2's reversible byte -> character table (what tokenizers' ByteLevel uses)."""
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("\xa1"), ord("\xac") + 1)) + \
-        list(range(ord("\xae"), ord("\xff") + 1))
+    bs = (
+        list(range(ord("!"), ord("~") + 1))
+        + list(range(ord("\xa1"), ord("\xac") + 1))
+        + list(range(ord("\xae"), ord("\xff") + 1))
+    )
     cs = bs[:]
     n = 0
     for b in range(256):
@@ -47,11 +50,11 @@ def _byte_to_unicode() -> dict:
 
 
 def _tiktoken_tokenizer(path: str):
+    import inspect
+
     from transformers.convert_slow_tokenizer import TikTokenConverter
 
     from mta_repro.data.tokenizers import LLAMA3_PATTERN, llama3_special_tokens
-
-    import inspect
 
     # transformers 5.x names the special tokens extra_special_tokens, 4.x additional_special_tokens
     # (4.x silently drops an unknown keyword and then fails on None).
@@ -75,8 +78,10 @@ def _sentencepiece_tokenizer(path: str):
         raise UserError("only sentencepiece BPE models are exported as tokenizer.json")
     ns = proto.normalizer_spec
     if ns.remove_extra_whitespaces or ns.name not in ("identity", ""):
-        raise UserError(f"sentencepiece normalizer {ns.name!r} (remove_extra_whitespaces="
-                         f"{ns.remove_extra_whitespaces}) is not reproduced")
+        raise UserError(
+            f"sentencepiece normalizer {ns.name!r} (remove_extra_whitespaces="
+            f"{ns.remove_extra_whitespaces}) is not reproduced"
+        )
     sp = spm.SentencePieceProcessor(model_file=str(path))
     vocab = {sp.id_to_piece(i): i for i in range(sp.get_piece_size())}
     ranked = []
@@ -88,8 +93,15 @@ def _sentencepiece_tokenizer(path: str):
             if a in vocab and b in vocab:
                 ranked.append((pid, vocab[a], vocab[b], a, b))
     ranked.sort()
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=[(a, b) for *_, a, b in ranked],
-                               unk_token=sp.id_to_piece(sp.unk_id()), byte_fallback=True, fuse_unk=True))
+    tok = Tokenizer(
+        models.BPE(
+            vocab=vocab,
+            merges=[(a, b) for *_, a, b in ranked],
+            unk_token=sp.id_to_piece(sp.unk_id()),
+            byte_fallback=True,
+            fuse_unk=True,
+        )
+    )
     norms = ([normalizers.Prepend("\u2581")] if ns.add_dummy_prefix else []) + [normalizers.Replace(" ", "\u2581")]
     tok.normalizer = normalizers.Sequence(norms)
     decs = [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()]
@@ -101,7 +113,7 @@ def _sentencepiece_tokenizer(path: str):
     return tok
 
 
-def write_hf_tokenizer(tok_cfg: dict, tok, out_dir: Path, add_bos: bool = True) -> Optional[str]:
+def write_hf_tokenizer(tok_cfg: dict, tok, out_dir: Path, add_bos: bool = True) -> str | None:
     """Write tokenizer.json + tokenizer_config.json into ``out_dir`` for our tokenizer
     ``tok`` (built from ``tok_cfg``, ``data.tokenizer``): ``tok(text)`` gives BOS + the
     text's ids, as training and ``mta_repro.eval.generate`` feed the model. Returns None, or
@@ -126,9 +138,15 @@ def write_hf_tokenizer(tok_cfg: dict, tok, out_dir: Path, add_bos: bool = True) 
         return f"BOS/EOS ids {tok.bos_id}/{tok.eos_id} are not in the converted vocabulary"
     if add_bos:
         hf.post_processor = processors.TemplateProcessing(
-            single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, int(tok.bos_id))])
-    fast = PreTrainedTokenizerFast(tokenizer_object=hf, bos_token=bos, eos_token=eos,
-                                   model_max_length=int(1e30), clean_up_tokenization_spaces=False)
+            single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, int(tok.bos_id))]
+        )
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=hf,
+        bos_token=bos,
+        eos_token=eos,
+        model_max_length=int(1e30),
+        clean_up_tokenization_spaces=False,
+    )
     fast.save_pretrained(str(out_dir))
     # A plain PreTrainedTokenizerFast on every transformers version: 5.x writes its own
     # class name "TokenizersBackend", which 4.x cannot load; and no token_type_ids (4.x's

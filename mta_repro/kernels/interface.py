@@ -5,10 +5,8 @@ implement one) both import them from here, so neither imports the other to know 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
 
 import torch
-
 
 from mta_repro.kernels.tuning import DEFAULT_TUNING, KernelTuning
 
@@ -23,7 +21,7 @@ class AttnMask:
     """
 
     q_offset: int = 0
-    key_valid: Optional[torch.Tensor] = None
+    key_valid: torch.Tensor | None = None
 
     def dense(self, tq: int, tk: int, device: torch.device) -> torch.Tensor:
         return allowed_mask(tq, tk, self.q_offset, device, self.key_valid)
@@ -34,7 +32,7 @@ def allowed_mask(
     tk: int,
     q_offset: int,
     device: torch.device,
-    key_valid: Optional[torch.Tensor] = None,
+    key_valid: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Which (query, key) pairs may interact: causal, minus padding.
 
@@ -55,25 +53,25 @@ def allowed_mask(
 class ExplicitAttnParams:
     """The score-path parameters of one layer (None = that part is off)."""
 
-    mta_kernel: Optional[torch.Tensor] = None  # (H, 1, c_q, c_k), before softmax
-    wpsm: Optional[torch.Tensor] = None  # (H, H), before softmax
-    mta_kernel_after_sm: Optional[torch.Tensor] = None  # (H, 1, c_q', c_k'), after softmax
-    head_kernel: Optional[torch.Tensor] = None  # (H/c_h, c_h, c_h), after softmax
-    wposm: Optional[torch.Tensor] = None  # (H, H), after softmax
+    mta_kernel: torch.Tensor | None = None  # (H, 1, c_q, c_k), before softmax
+    wpsm: torch.Tensor | None = None  # (H, H), before softmax
+    mta_kernel_after_sm: torch.Tensor | None = None  # (H, 1, c_q', c_k'), after softmax
+    head_kernel: torch.Tensor | None = None  # (H/c_h, c_h, c_h), after softmax
+    wposm: torch.Tensor | None = None  # (H, H), after softmax
     pad_key: str = "both"
     dropout: float = 0.0
     # Query rows per block of the ``blocked`` implementation (``model.attn_block_size``);
     # None: ``default_block_size`` of the tensors' device.
-    block_size: Optional[int] = None
+    block_size: int | None = None
     # Kernel of the key-query convolutions (``kq_conv_backend``); None: chosen per call.
     # ``blocked`` fixes it once per call, outside the (compiled, recomputed) block, so the
     # forward and its recomputation agree and Dynamo traces no environment look-ups.
-    kq_backend: Optional[str] = None
+    kq_backend: str | None = None
     # The model's tuning (``model.kernels``): tiles, frames, programs of the kernels.
     tuning: KernelTuning = field(default_factory=lambda: DEFAULT_TUNING)
 
 
-def post_mix_matrix(p: ExplicitAttnParams) -> Optional[torch.Tensor]:
+def post_mix_matrix(p: ExplicitAttnParams) -> torch.Tensor | None:
     """The post-softmax head mixing as one (H_out, H_in) matrix: ``wposm`` itself, or the
     block-diagonal matrix of the grouped ``head_kernel`` (out g*c_h+j <- in g*c_h+i)."""
     if p.head_kernel is not None:

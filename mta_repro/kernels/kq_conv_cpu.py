@@ -23,14 +23,13 @@ import subprocess
 import tempfile
 import warnings
 from pathlib import Path
-from typing import Optional
 
 import torch
 
 _SRC = Path(__file__).with_name("kq_conv.c")
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c99"]
 _DTYPES = {torch.float32: "f32", torch.float64: "f64"}
-_lib: Optional[ctypes.CDLL] = None
+_lib: ctypes.CDLL | None = None
 _failed = False
 
 
@@ -74,7 +73,7 @@ def _compile() -> ctypes.CDLL:
     return lib
 
 
-def _get_lib() -> Optional[ctypes.CDLL]:
+def _get_lib() -> ctypes.CDLL | None:
     global _lib, _failed
     if _lib is None and not _failed:
         if os.environ.get("MTA_REPRO_CPU_KERNELS", "1") == "0":
@@ -84,7 +83,7 @@ def _get_lib() -> Optional[ctypes.CDLL]:
             _lib = _compile()
         except (RuntimeError, OSError) as e:
             _failed = True
-            warnings.warn(f"CPU key-query convolution kernel unavailable ({e}); using F.conv2d")
+            warnings.warn(f"CPU key-query convolution kernel unavailable ({e}); using F.conv2d", stacklevel=2)
     return _lib
 
 
@@ -97,8 +96,9 @@ def available(x: torch.Tensor) -> bool:
 NO_DIAG = 2**62
 
 
-def _call(name: str, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, cq: int, ck: int, ro: int, pl: int,
-          diag: int) -> None:
+def _call(
+    name: str, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, cq: int, ck: int, ro: int, pl: int, diag: int
+) -> None:
     """a: (B, H, R, K) contiguous; the C file's layout comment says the rest."""
     B, H, R, K = a.shape
     fn = getattr(_get_lib(), f"{name}_{_DTYPES[a.dtype]}")
@@ -128,7 +128,9 @@ def _(x, w, pad_left, diag=NO_DIAG):
 
 
 @torch.library.custom_op("mta_repro::kq_conv_cpu_bwd", mutates_args=(), device_types="cpu")
-def _kq_conv_bwd(gy: torch.Tensor, x: torch.Tensor, w: torch.Tensor, pad_left: int, diag: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _kq_conv_bwd(
+    gy: torch.Tensor, x: torch.Tensor, w: torch.Tensor, pad_left: int, diag: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     cq, ck = w.shape[1], w.shape[2]
     B, H, R, K = x.shape
     gy, x = gy.contiguous(), x.contiguous()
@@ -139,6 +141,7 @@ def _kq_conv_bwd(gy: torch.Tensor, x: torch.Tensor, w: torch.Tensor, pad_left: i
     gw = torch.empty(B, H, cq, ck, dtype=torch.float64)  # per plane, summed over B below
     _call("kq_wgrad", gy, x, gw, cq, ck, cq - 1, pad_left, diag)
     return gx, gw.sum(0).to(w.dtype)
+
 
 @_kq_conv_bwd.register_fake
 def _(gy, x, w, pad_left, diag):

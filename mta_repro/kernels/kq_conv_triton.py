@@ -26,7 +26,6 @@ from __future__ import annotations
 
 # Triton's DSL is not typable: tl.static_range loops and kernel[grid](..., num_warps=...) launches
 # pyright: reportGeneralTypeIssues=false, reportCallIssue=false
-
 import torch
 import triton
 import triton.language as tl
@@ -72,9 +71,23 @@ def _types(dtype: torch.dtype):
 
 @triton.jit
 def _corr_kernel(
-    x_ptr, w_ptr, y_ptr, R, K, H, ro, pl, diag,
-    CQ: tl.constexpr, CK: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr, BCH: tl.constexpr,
-    CAUSAL: tl.constexpr, ACC: tl.constexpr, PREC: tl.constexpr,
+    x_ptr,
+    w_ptr,
+    y_ptr,
+    R,
+    K,
+    H,
+    ro,
+    pl,
+    diag,
+    CQ: tl.constexpr,
+    CK: tl.constexpr,
+    BR: tl.constexpr,
+    BC: tl.constexpr,
+    BCH: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    ACC: tl.constexpr,
+    PREC: tl.constexpr,
 ):
     pid_p = tl.program_id(0)  # plane = batch * H + head
     r0 = tl.program_id(1) * BR
@@ -108,9 +121,24 @@ def _corr_kernel(
 
 @triton.jit
 def _wgrad_kernel(
-    gy_ptr, x_ptr, part_ptr, R, K, ro, pl, diag, n_ct,
-    CQ: tl.constexpr, CK: tl.constexpr, CKP: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr,
-    BCH: tl.constexpr, CAUSAL: tl.constexpr, ACC: tl.constexpr, PREC: tl.constexpr,
+    gy_ptr,
+    x_ptr,
+    part_ptr,
+    R,
+    K,
+    ro,
+    pl,
+    diag,
+    n_ct,
+    CQ: tl.constexpr,
+    CK: tl.constexpr,
+    CKP: tl.constexpr,
+    BR: tl.constexpr,
+    BC: tl.constexpr,
+    BCH: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    ACC: tl.constexpr,
+    PREC: tl.constexpr,
 ):
     pid_p = tl.program_id(0)
     pid_c = tl.program_id(1)
@@ -152,8 +180,9 @@ def _causal(diag: int, K: int) -> tuple[bool, int]:
     return (diag < K - 1, diag) if diag < K - 1 else (False, 0)
 
 
-def corr(x: torch.Tensor, w: torch.Tensor, ro: int, pl: int, diag: int,
-         tile: tuple[int, int] = DEFAULT_TILE) -> torch.Tensor:
+def corr(
+    x: torch.Tensor, w: torch.Tensor, ro: int, pl: int, diag: int, tile: tuple[int, int] = DEFAULT_TILE
+) -> torch.Tensor:
     """y[i, j] = sum_{a, b} w[h, a, b] * x[i + a - ro, j + b - pl] per plane, 0 outside and
     above the diagonal ``diag`` on both sides. x: (B, H, R, K); w: (H, c_q, c_k); ``tile``:
     (rows, keys) per program (``tiles``)."""
@@ -169,13 +198,39 @@ def corr(x: torch.Tensor, w: torch.Tensor, ro: int, pl: int, diag: int,
     acc, prec = _types(x.dtype)
     wf = w.to(torch.float64 if x.dtype == torch.float64 else torch.float32).contiguous()
     grid = (B * H, triton.cdiv(R, br), triton.cdiv(K, bc))
-    _corr_kernel[grid](x, wf, y, R, K, H, ro, pl, dg, CQ=cq, CK=ck, BR=br, BC=bc, BCH=bch,
-                       CAUSAL=causal, ACC=acc, PREC=prec, num_warps=_WARPS)
+    _corr_kernel[grid](
+        x,
+        wf,
+        y,
+        R,
+        K,
+        H,
+        ro,
+        pl,
+        dg,
+        CQ=cq,
+        CK=ck,
+        BR=br,
+        BC=bc,
+        BCH=bch,
+        CAUSAL=causal,
+        ACC=acc,
+        PREC=prec,
+        num_warps=_WARPS,
+    )
     return y
 
 
-def wgrad(gy: torch.Tensor, x: torch.Tensor, cq: int, ck: int, ro: int, pl: int, diag: int,
-          tile: tuple[int, int] = DEFAULT_TILE) -> torch.Tensor:
+def wgrad(
+    gy: torch.Tensor,
+    x: torch.Tensor,
+    cq: int,
+    ck: int,
+    ro: int,
+    pl: int,
+    diag: int,
+    tile: tuple[int, int] = DEFAULT_TILE,
+) -> torch.Tensor:
     """gw[h, a, b] = sum over batch, rows i, keys j of gy[i, j] * x[i + a - ro, j + b - pl]
     (the masking of ``corr``), in fp32 (fp64 for fp64 inputs). Returns (H, c_q, c_k)."""
     gy, x = gy.contiguous(), x.contiguous()
@@ -189,15 +244,39 @@ def wgrad(gy: torch.Tensor, x: torch.Tensor, cq: int, ck: int, ro: int, pl: int,
     part = torch.zeros(B, H, n_ct, cq, ck, dtype=pdt, device=x.device)
     if x.numel() == 0:
         return part.sum((0, 2))
-    _wgrad_kernel[(B * H, n_ct)](gy, x, part, R, K, ro, pl, dg, n_ct, CQ=cq, CK=ck, CKP=_pow2(ck),
-                                 BR=br, BC=bc, BCH=bch, CAUSAL=causal, ACC=acc, PREC=prec,
-                                 num_warps=_WARPS)
+    _wgrad_kernel[(B * H, n_ct)](
+        gy,
+        x,
+        part,
+        R,
+        K,
+        ro,
+        pl,
+        dg,
+        n_ct,
+        CQ=cq,
+        CK=ck,
+        CKP=_pow2(ck),
+        BR=br,
+        BC=bc,
+        BCH=bch,
+        CAUSAL=causal,
+        ACC=acc,
+        PREC=prec,
+        num_warps=_WARPS,
+    )
     return part.sum((0, 2))
 
 
 @torch.library.custom_op("mta_repro::kq_conv_triton", mutates_args=())
-def kq_conv(x: torch.Tensor, w: torch.Tensor, pad_left: int, diag: int = NO_DIAG,
-            tile_rows: int = DEFAULT_TILE[0], tile_keys: int = DEFAULT_TILE[1]) -> torch.Tensor:
+def kq_conv(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    pad_left: int,
+    diag: int = NO_DIAG,
+    tile_rows: int = DEFAULT_TILE[0],
+    tile_keys: int = DEFAULT_TILE[1],
+) -> torch.Tensor:
     """x: (B, H, R, K); w: (H, c_q, c_k). ``attention_ops.kq_conv_dense`` of x with its entries above
     the diagonal (key > row + diag) zeroed, zeroed there again on output (the contract of
     ``kq_conv_cpu.kq_conv``). ``tile_rows`` x ``tile_keys``: the output tile
@@ -211,8 +290,9 @@ def _(x, w, pad_left, diag=NO_DIAG, tile_rows=DEFAULT_TILE[0], tile_keys=DEFAULT
 
 
 @torch.library.custom_op("mta_repro::kq_conv_triton_bwd", mutates_args=())
-def _kq_conv_bwd(gy: torch.Tensor, x: torch.Tensor, w: torch.Tensor, pad_left: int,
-                 diag: int, tile_rows: int, tile_keys: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _kq_conv_bwd(
+    gy: torch.Tensor, x: torch.Tensor, w: torch.Tensor, pad_left: int, diag: int, tile_rows: int, tile_keys: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     cq, ck = w.shape[1], w.shape[2]
     tile = (tile_rows, tile_keys)
     # Input gradient: gx[r, m] = sum w[a, b] gy[r - a + c_q-1, m - b + pad_left], the same

@@ -5,8 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import ClassVar, Optional
-
+from typing import ClassVar
 
 from mta_repro.errors import UserError
 
@@ -17,7 +16,7 @@ def _pow2(n: int) -> bool:
     return n >= 1 and n & (n - 1) == 0
 
 
-def _shape(where: str, spec: Optional[str], example: str) -> Optional[tuple[int, int]]:
+def _shape(where: str, spec: str | None, example: str) -> tuple[int, int] | None:
     """``"RxC"`` -> (R, C), powers of two >= 16 (None stays None)."""
     if spec is None:
         return None
@@ -31,8 +30,9 @@ def _shape(where: str, spec: Optional[str], example: str) -> Optional[tuple[int,
 
 
 def _count(where: str, value, what: str) -> None:
-    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1
-                              or (what == "pow2" and not _pow2(value))):
+    if value is not None and (
+        isinstance(value, bool) or not isinstance(value, int) or value < 1 or (what == "pow2" and not _pow2(value))
+    ):
         expected = "a power of two" if what == "pow2" else "a positive integer"
         raise UserError(f"{where}: {value!r}: expected {expected} or null")
 
@@ -63,7 +63,7 @@ class KernelTuning:
     # Run ``blocked``'s query block through torch.compile: null = on CUDA only (eager is
     # launch-bound there; on CPU the C kernel dominates and a compile costs tens of seconds),
     # true / false force it on / off.
-    compile_block: Optional[bool] = None
+    compile_block: bool | None = None
     # The torch.compile backend of that block: inductor, or a debugging one (aot_eager).
     compile_block_backend: str = "inductor"
     # Output tile (rows x keys) of the Triton key-query convolution: ROWSxCOLS, powers of two
@@ -75,14 +75,14 @@ class KernelTuning:
     # Frame of every pass: ROWSxCOLS, powers of two >= 16, larger than the pass's halo;
     # null = tiles.frame's default (128x128 for a mixing layer's passes, 128x64 for a kq-conv
     # layer's, 256x64 for its backward_b, doubled where a halo needs it).
-    triton_frame: Optional[str] = None
+    triton_frame: str | None = None
     # Persistent programs of each launch: null = tiles.PROGRAMS_PER_SM per SM on a GPU, one
     # per item in the interpreter (tests set 2-3 to run a GPU's multi-item programs there).
-    triton_programs: Optional[int] = None
+    triton_programs: int | None = None
     # Frame rows per head-mixing slab: a power of two dividing the frame's rows; null = 4 on
     # a GPU (1 in a mixing layer's backward, 2 in a kq-conv layer's backward_dc), the whole
     # frame in the interpreter.
-    triton_slab_rows: Optional[int] = None
+    triton_slab_rows: int | None = None
 
     def __post_init__(self) -> None:
         if self.kq_conv not in KQ_CONV_CHOICES:
@@ -90,8 +90,10 @@ class KernelTuning:
         if self.compile_block is not None and not isinstance(self.compile_block, bool):
             raise UserError(f"model.kernels.compile_block: {self.compile_block!r}: expected true, false or null")
         if not isinstance(self.compile_block_backend, str) or not self.compile_block_backend:
-            raise UserError(f"model.kernels.compile_block_backend: {self.compile_block_backend!r}: expected the "
-                            "name of a torch.compile backend (inductor, aot_eager, ...)")
+            raise UserError(
+                f"model.kernels.compile_block_backend: {self.compile_block_backend!r}: expected the "
+                "name of a torch.compile backend (inductor, aot_eager, ...)"
+            )
         tile = _shape("model.kernels.kq_tile", self.kq_tile, "64x64")
         if tile is None:
             raise UserError("model.kernels.kq_tile: expected ROWSxCOLS, e.g. 64x64")
@@ -101,7 +103,7 @@ class KernelTuning:
         # parsed once: the compiled query block reads them as plain attributes (no string
         # parsing for Dynamo to trace)
         self._tile: tuple[int, int] = tile  # not yet sealed: __setattr__ lets it through
-        self._frame: Optional[tuple[int, int]] = frame
+        self._frame: tuple[int, int] | None = frame
         object.__setattr__(self, "_sealed", True)
 
     def __setattr__(self, name, value) -> None:
@@ -115,7 +117,7 @@ class KernelTuning:
         return self._tile
 
     @property
-    def triton_frame_shape(self) -> Optional[tuple[int, int]]:
+    def triton_frame_shape(self) -> tuple[int, int] | None:
         """(rows, cols) of ``triton_frame``, None for the default."""
         return self._frame
 

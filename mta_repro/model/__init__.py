@@ -2,26 +2,25 @@
 
 from __future__ import annotations
 
-from typing import Any, Union
+from typing import Any
 
 import torch
 
 from mta_repro.dataclass_config import to_dataclass
-
-from mta_repro.model.args import MTAArgs, ModelArgs
+from mta_repro.model.args import ModelArgs, MTAArgs
 from mta_repro.model.transformer import KVCache, Transformer
 
 __all__ = ["MTAArgs", "ModelArgs", "Transformer", "KVCache", "build_model", "to_model_args"]
 
 
-def to_model_args(cfg: Union[ModelArgs, dict, Any]) -> ModelArgs:
+def to_model_args(cfg: ModelArgs | dict | Any) -> ModelArgs:
     """ModelArgs from a ModelArgs, a plain dict or an OmegaConf node (validated)."""
     return to_dataclass(ModelArgs, cfg, "model")
 
 
 def build_model(
-    model_cfg: Union[ModelArgs, dict, Any],
-    device: Union[str, torch.device] = "cpu",
+    model_cfg: ModelArgs | dict | Any,
+    device: str | torch.device = "cpu",
     init: bool = True,
 ) -> Transformer:
     """Build on the meta device (no memory, any size), then materialise on ``device``.

@@ -10,7 +10,6 @@ field, so a bad combination fails when the config is turned into these objects
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
 
 from mta_repro.errors import UserError
 from mta_repro.kernels.tuning import KernelTuning
@@ -38,22 +37,22 @@ class MTAArgs:
     # Talking heads is ``use_mta: true`` with head mixing and no key-query convolution.
     use_mta: bool = False
     # Key-query convolution *before* softmax: c_q (query rows, causal) x c_k (keys).
-    query_kernel_size: Optional[int] = None
-    key_kernel_size: Optional[int] = None
+    query_kernel_size: int | None = None
+    key_kernel_size: int | None = None
     # Key-query convolution *after* softmax (no renormalisation afterwards).
-    after_sm_query_kernel_size: Optional[int] = None
-    after_sm_key_kernel_size: Optional[int] = None
+    after_sm_query_kernel_size: int | None = None
+    after_sm_key_kernel_size: int | None = None
     # Where the key window sits: "both" = centred (c_k odd), "left" = keys j-c_k+1..j,
     # "right" = keys j..j+c_k-1.
     pad_key: str = "both"
     # Comma list of 0-based layer ids that get the key-query convolutions; None = all.
     # Layers not listed still run head mixing / group norm / gating when configured.
-    mta_layers: Optional[str] = None
+    mta_layers: str | None = None
     # Initialisation of conv kernels and head-mixing weights.
     init_method: str = "identity"
     # Post-softmax head convolution: heads split into n_heads/c_h contiguous groups,
     # each mixed by a c_h x c_h matrix (``head_kernel``, input-major).
-    head_kernel_size: Optional[int] = None
+    head_kernel_size: int | None = None
     # Pre-softmax full head mixing (``wpsm``, nn.Linear(H, H), output-major).
     pre_sm_linear_head: bool = False
     # Post-softmax full head mixing (``wposm``); exclusive with head_kernel_size.
@@ -113,9 +112,9 @@ class ModelArgs:
     # parameter (sized by n_heads) sees n_heads heads, as in the release. The Differential
     # Transformer repeats its value heads of size 2*head_dim (pairs of V heads), as in
     # unilm's multihead_diffattn: diff head i reads value pair i // (n_heads / n_kv_heads).
-    n_kv_heads: Optional[int] = None
+    n_kv_heads: int | None = None
     # None: dim // n_heads.
-    head_dim: Optional[int] = None
+    head_dim: int | None = None
     # Must equal the tokenizer's id count; the trainer checks it.
     vocab_size: int = 8192
     # FFN hidden = multiple_of * ceil(ffn_dim_multiplier * int(8*dim/3) / multiple_of).
@@ -143,7 +142,7 @@ class ModelArgs:
     # (and an untied output) always use dim**-0.5, as Lingua's LMTransformer does.
     # init_std_factor (INIT_STD_FACTORS): divides the std of wo, w2 and the gate; the
     # truncation bounds of wo and the gate stay at +-3 x the undivided std (Lingua's).
-    init_base_std: Optional[float] = None
+    init_base_std: float | None = None
     init_std_factor: str = "disabled"
     # Dropout on the attention probabilities, as in the release (0 in every paper LM
     # run; 0.1 in the toy task). Training mode only.
@@ -162,7 +161,7 @@ class ModelArgs:
     # (attention_ops.DEFAULT_BLOCK_SIZE, which says why: 128 on CPU, measured in
     # docs/models.md; 512 on CUDA, an estimate scripts/gpu_acceptance.py checks). The score
     # path's working set is a few B x H x (block + halo) x T tensors.
-    attn_block_size: Optional[int] = None
+    attn_block_size: int | None = None
     # Before training on a non-CPU device, check attn_impl there, in the run's dtype, on each
     # explicit layer kind against the float64 reference (mta_repro/model/selfcheck.py):
     # "warn" falls back along triton -> blocked -> blocked+conv2d -> torch with one line
@@ -173,7 +172,7 @@ class ModelArgs:
     attn_selfcheck_cpu: bool = field(default=False, metadata={"run_dir": "free"})
     # The release's key-query convolution layers for this size. ``attention=mta``
     # points ``mta.mta_layers`` here; changing it alone changes nothing.
-    kq_conv_layers: Optional[str] = None
+    kq_conv_layers: str | None = None
     mta: MTAArgs = field(default_factory=MTAArgs)
     # How the attention kernels compute (mta_repro/kernels/tuning.py KernelTuning: the kq-conv
     # backend, compiling the query block, the Triton kernels' tiles and launch sizes;
@@ -239,7 +238,7 @@ class ModelArgs:
         return _parse_layers(self.mta.mta_layers, self.n_layers)
 
 
-def _parse_layers(spec: Optional[str], n_layers: int) -> list[int]:
+def _parse_layers(spec: str | None, n_layers: int) -> list[int]:
     if spec is None or str(spec).strip() == "":
         return list(range(n_layers))
     out = []
@@ -248,13 +247,10 @@ def _parse_layers(spec: Optional[str], n_layers: int) -> list[int]:
         try:
             idx = int(part)
         except ValueError:
-            raise UserError(
-                f"model.mta.mta_layers: expected a comma list of integers, got {spec!r}"
-            ) from None
+            raise UserError(f"model.mta.mta_layers: expected a comma list of integers, got {spec!r}") from None
         if not 0 <= idx < n_layers:
             raise UserError(
-                f"model.mta.mta_layers: layer {idx} is out of range for "
-                f"model.n_layers={n_layers} (ids are 0-based)"
+                f"model.mta.mta_layers: layer {idx} is out of range for model.n_layers={n_layers} (ids are 0-based)"
             )
         out.append(idx)
     return sorted(set(out))
@@ -284,14 +280,14 @@ def validate(args: ModelArgs) -> None:
             f"got {args.init_std_factor!r}"
         )
     if args.init_base_std is not None and (
-        isinstance(args.init_base_std, bool) or not isinstance(args.init_base_std, (int, float))
+        isinstance(args.init_base_std, bool)
+        or not isinstance(args.init_base_std, (int, float))
         or not args.init_base_std > 0
     ):
         raise UserError(f"model.init_base_std: expected a positive number or null, got {args.init_base_std!r}")
     if args.head_dim is None and args.dim % args.n_heads:
         raise UserError(
-            f"model.dim={args.dim} is not divisible by model.n_heads={args.n_heads}; "
-            "set model.head_dim explicitly"
+            f"model.dim={args.dim} is not divisible by model.n_heads={args.n_heads}; set model.head_dim explicitly"
         )
     from mta_repro.model import attention_ops
 
@@ -326,9 +322,7 @@ def validate(args: ModelArgs) -> None:
     if m.pad_key not in PAD_KEY_CHOICES:
         raise UserError(f"model.mta.pad_key: expected one of {PAD_KEY_CHOICES}, got {m.pad_key!r}")
     if m.init_method not in INIT_CHOICES:
-        raise UserError(
-            f"model.mta.init_method: expected one of {INIT_CHOICES}, got {m.init_method!r}"
-        )
+        raise UserError(f"model.mta.init_method: expected one of {INIT_CHOICES}, got {m.init_method!r}")
     for q, k in (
         ("query_kernel_size", "key_kernel_size"),
         ("after_sm_query_kernel_size", "after_sm_key_kernel_size"),
@@ -338,15 +332,11 @@ def validate(args: ModelArgs) -> None:
             raise UserError(f"model.mta.{q} and model.mta.{k} must be set together (or both null)")
         if kv is not None and m.pad_key == "both" and kv % 2 == 0:
             raise UserError(
-                f"model.mta.{k}={kv}: pad_key 'both' centres the key window, so the key "
-                "kernel size must be odd"
+                f"model.mta.{k}={kv}: pad_key 'both' centres the key window, so the key kernel size must be odd"
             )
     if m.head_kernel_size is not None:
         if args.n_heads % m.head_kernel_size:
-            raise UserError(
-                f"model.mta.head_kernel_size={m.head_kernel_size} must divide "
-                f"model.n_heads={args.n_heads}"
-            )
+            raise UserError(f"model.mta.head_kernel_size={m.head_kernel_size} must divide model.n_heads={args.n_heads}")
         if m.post_sm_linear_head:
             raise UserError(
                 "model.mta.head_kernel_size and model.mta.post_sm_linear_head are two forms "

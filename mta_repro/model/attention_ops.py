@@ -29,9 +29,9 @@ import importlib.util
 import math
 import os
 import warnings
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Callable, Mapping, Optional
 
 import torch
 import torch.nn.functional as F
@@ -86,7 +86,7 @@ def head_conv(x: torch.Tensor, kernel: torch.Tensor) -> torch.Tensor:
     return out.reshape(b, h, tq, tk)
 
 
-def rms_norm(x: torch.Tensor, weight: Optional[torch.Tensor], eps: float) -> torch.Tensor:
+def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
     """RMSNorm over the last dim in fp32, cast back, then scaled (release/unilm order)."""
     xf = x.to(torch.promote_types(x.dtype, torch.float32))
     out = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).type_as(x)
@@ -99,8 +99,9 @@ def lambda_init_fn(layer_id: int) -> float:
 
 
 # ------------------------------------------------------------ fused softmax attention
-def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: AttnMask, dropout: float = 0.0,
-         fn: Optional[Callable] = None) -> torch.Tensor:
+def sdpa(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: AttnMask, dropout: float = 0.0, fn: Callable | None = None
+) -> torch.Tensor:
     """Causal softmax attention through F.scaled_dot_product_attention (flash kernels), or
     ``fn`` with its signature (``AttnKernels.sdpa``).
 
@@ -120,8 +121,13 @@ def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: AttnMask, drop
 
 
 def diff_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lam: torch.Tensor, mask: AttnMask, dropout: float = 0.0,
-    fn: Optional[Callable] = None,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    lam: torch.Tensor,
+    mask: AttnMask,
+    dropout: float = 0.0,
+    fn: Callable | None = None,
 ) -> torch.Tensor:
     """Differential attention (A1 - lam A2) V = A1 V - lam A2 V: two fused calls.
 
@@ -191,17 +197,23 @@ def kq_conv_backend(x: torch.Tensor, tuning: KernelTuning = DEFAULT_TUNING) -> s
             return "c"
     if want == "conv2d":
         return "conv2d"
-    if want == "triton" or x.device.type == "cuda":
-        if importlib.util.find_spec("triton") is not None and (
-            x.device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
-        ):
-            return "triton"
+    if (
+        (want == "triton" or x.device.type == "cuda")
+        and importlib.util.find_spec("triton") is not None
+        and (x.device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1")
+    ):
+        return "triton"
     return "conv2d"
 
 
 def masked_kq_conv(
-    x: torch.Tensor, kernel: torch.Tensor, pad_key: str, allowed: torch.Tensor, mask: AttnMask,
-    backend: Optional[str] = None, tuning: KernelTuning = DEFAULT_TUNING,
+    x: torch.Tensor,
+    kernel: torch.Tensor,
+    pad_key: str,
+    allowed: torch.Tensor,
+    mask: AttnMask,
+    backend: str | None = None,
+    tuning: KernelTuning = DEFAULT_TUNING,
 ) -> torch.Tensor:
     """``kq_conv_dense(x * allowed) * allowed``: both key-query convolutions in this form (before
     softmax the output mask changes nothing that survives the -inf mask; after softmax
@@ -306,9 +318,7 @@ def explicit_attention_blocked(
     tq, tk = q.shape[2], k.shape[2]
     w = query_history(p)
     weights = [getattr(p, f) for f in _WEIGHT_FIELDS if getattr(p, f) is not None]
-    recompute = torch.is_grad_enabled() and any(
-        t.requires_grad for t in (q, k, v, *weights)
-    )
+    recompute = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, *weights))
     bs = resolve_block_size(p.block_size, q.device)
     # Dropout stays eager: the recomputation must draw the same mask, which the restored
     # RNG state guarantees for eager ops, not for a compiled graph's own RNG.
@@ -320,9 +330,7 @@ def explicit_attention_blocked(
         r1 = min(r0 + bs, tq)
         s0 = max(0, r0 - w)
         kend = min(tk, mask.q_offset + r1)
-        sub_mask = AttnMask(
-            mask.q_offset + s0, None if mask.key_valid is None else mask.key_valid[:, :kend]
-        )
+        sub_mask = AttnMask(mask.q_offset + s0, None if mask.key_valid is None else mask.key_valid[:, :kend])
         args = (q[:, :, s0:r1], k[:, :, :kend], v[:, :, :kend], p, sub_mask, training, *weights)
         if recompute:
             # Only the block's inputs are saved; its (H, rows, keys) tensors are rebuilt in
@@ -351,7 +359,7 @@ def default_block_size(device) -> int:
     return DEFAULT_BLOCK_SIZE.get(kind, DEFAULT_BLOCK_SIZE["cuda"] if kind != "cpu" else 128)
 
 
-def resolve_block_size(block_size: Optional[int], device) -> int:
+def resolve_block_size(block_size: int | None, device) -> int:
     return block_size if block_size else default_block_size(device)
 
 
@@ -400,19 +408,19 @@ class AttnImpl:
     # Returns None when (q, params, mask) are supported, else the reason (for the
     # fallback's warning); None means everything is supported. The params as the call uses
     # them: their dropout is 0 outside training.
-    supports: Optional[Callable[[torch.Tensor, ExplicitAttnParams, AttnMask], Optional[str]]] = None
+    supports: Callable[[torch.Tensor, ExplicitAttnParams, AttnMask], str | None] | None = None
     doc: str = ""
     # What runs instead where ``supports`` declines.
     fallback: str = "torch"
     # The memory pre-flight runs the model on meta: a stand-in with fn's signature that saves
     # for backward what fn saves (None: fn itself runs on meta).
-    meta_fn: Optional[Callable[..., torch.Tensor]] = None
+    meta_fn: Callable[..., torch.Tensor] | None = None
     # (params, batch, seq_len, n_heads, head_dim, dtype) -> bytes fn holds beyond its inputs,
     # outputs and saved tensors while one training layer's backward runs (None: none).
-    workspace_bytes: Optional[Callable[..., int]] = None
+    workspace_bytes: Callable[..., int] | None = None
     # (ModelArgs, seq_len, layer kind) -> (forward, backward) FLOPs per token of one layer, or
     # None where ``fallback`` runs the layer (None: counted as the whole (B, H, T, T) matrix).
-    flops: Optional[Callable[..., Optional[tuple[float, float]]]] = None
+    flops: Callable[..., tuple[float, float] | None] | None = None
 
 
 # Registry of explicit-path implementations (``model.attn_impl``). An implementation has
@@ -473,8 +481,9 @@ def attn_impl(name: str) -> AttnImpl:
         for part in filter(None, attr.split(".")):
             entry = getattr(entry, part)
     except (ImportError, AttributeError) as e:
-        raise UserError(f"model.attn_impl={name!r}: its implementation {target} (entry point of {ENTRY_POINTS}) "
-                        f"does not load: {e}") from None
+        raise UserError(
+            f"model.attn_impl={name!r}: its implementation {target} (entry point of {ENTRY_POINTS}) does not load: {e}"
+        ) from None
     if not isinstance(entry, AttnImpl):
         raise UserError(f"model.attn_impl={name!r}: {target} is a {type(entry).__name__}, not an AttnImpl")
     register_attn_impl(name, entry)
@@ -489,7 +498,7 @@ def explicit_attention(
     p: ExplicitAttnParams,
     mask: AttnMask,
     training: bool = False,
-    impls: Optional[Mapping[str, AttnImpl]] = None,
+    impls: Mapping[str, AttnImpl] | None = None,
 ) -> torch.Tensor:
     """Dispatch to ``impls[impl]`` (default: the registry ``ATTN_IMPLS``), or to its
     fallback where it declares no support."""
@@ -516,9 +525,9 @@ class AttnKernels:
     model stand-ins that keep what the device's kernels keep (``mta_repro.train.memory``),
     so nothing process-wide is swapped and a model next to it is untouched."""
 
-    sdpa: Optional[Callable] = None  # F.scaled_dot_product_attention's signature; None: that function
-    impls: Optional[Mapping[str, AttnImpl]] = None  # None: ATTN_IMPLS as it is at the call
-    kq_backend: Optional[str] = None  # c | triton | conv2d; None: kq_conv_backend per call
+    sdpa: Callable | None = None  # F.scaled_dot_product_attention's signature; None: that function
+    impls: Mapping[str, AttnImpl] | None = None  # None: ATTN_IMPLS as it is at the call
+    kq_backend: str | None = None  # c | triton | conv2d; None: kq_conv_backend per call
     tuning: KernelTuning = DEFAULT_TUNING  # the model's ``model.kernels``
 
 
@@ -528,7 +537,7 @@ _warned: set = set()
 def _warn_fallback(impl: str, reason: str, fallback: str) -> None:
     if (impl, reason) not in _warned:
         _warned.add((impl, reason))
-        warnings.warn(f"model.attn_impl={impl!r} does not support {reason}; using {fallback!r}")
+        warnings.warn(f"model.attn_impl={impl!r} does not support {reason}; using {fallback!r}", stacklevel=2)
 
 
 def query_history(params: ExplicitAttnParams) -> int:

@@ -49,8 +49,10 @@ def _score_flops_per_element(args: ModelArgs, kind: str) -> int:
     H, m = args.n_heads, args.mta
     per_elem = 4 * args.resolved_head_dim  # Q K^T and A V
     if kind == "kq_conv":
-        for c_q, c_k in ((m.query_kernel_size, m.key_kernel_size),
-                         (m.after_sm_query_kernel_size, m.after_sm_key_kernel_size)):
+        for c_q, c_k in (
+            (m.query_kernel_size, m.key_kernel_size),
+            (m.after_sm_query_kernel_size, m.after_sm_key_kernel_size),
+        ):
             if c_q is not None:
                 assert c_k is not None
                 per_elem += 2 * c_q * c_k

@@ -11,8 +11,8 @@ the logits of a full forward pass (tested in tests/test_eval_generate.py).
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Callable, Optional, Sequence
 
 import torch
 
@@ -24,16 +24,16 @@ from mta_repro.model import KVCache, Transformer
 class GenerationResult:
     tokens: list  # per prompt: the new token ids (stop/eos token included if hit)
     # per prompt: (n_new, vocab) logits that chose each new token (only if asked)
-    logits: Optional[list] = None
+    logits: list | None = None
     finished: list = field(default_factory=list)  # True when eos/stop ended the row
 
 
 def sample_next(
     logits: torch.Tensor,
     temperature: float = 0.0,
-    top_k: Optional[int] = None,
-    top_p: Optional[float] = None,
-    generator: Optional[torch.Generator] = None,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    generator: torch.Generator | None = None,
 ) -> torch.Tensor:
     """logits (B, V) -> next ids (B,). temperature 0 = greedy (argmax)."""
     if temperature <= 0.0:
@@ -60,12 +60,12 @@ def generate(
     max_new_tokens: int,
     *,
     temperature: float = 0.0,
-    top_k: Optional[int] = None,
-    top_p: Optional[float] = None,
-    eos_id: Optional[int] = None,
-    stop_fn: Optional[Callable[[int, list], bool]] = None,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    eos_id: int | None = None,
+    stop_fn: Callable[[int, list], bool] | None = None,
     pad_id: int = 0,
-    generator: Optional[torch.Generator] = None,
+    generator: torch.Generator | None = None,
     return_logits: bool = False,
 ) -> GenerationResult:
     """Generate up to ``max_new_tokens`` after each prompt (lists of ids, non-empty).
@@ -125,7 +125,7 @@ def generate_text(
     max_new_tokens: int,
     *,
     until: Sequence[str] = (),
-    max_length: Optional[int] = None,
+    max_length: int | None = None,
     batch_size: int = 8,
     add_bos: bool = True,
     stop_at_eos: bool = True,

@@ -9,20 +9,19 @@ training moves the new parts.
 from __future__ import annotations
 
 import dataclasses
-from typing import Union
 
 import torch
 
 from mta_repro.errors import UserError
-from mta_repro.model.args import MTAArgs, ModelArgs
+from mta_repro.model.args import ModelArgs, MTAArgs
 from mta_repro.model.transformer import Transformer
 
 
 def baseline_to_mta(
     baseline_state: dict[str, torch.Tensor],
     baseline_args: ModelArgs,
-    mta: Union[MTAArgs, dict],
-    device: Union[str, torch.device] = "cpu",
+    mta: MTAArgs | dict,
+    device: str | torch.device = "cpu",
     exact: bool = True,
 ) -> Transformer:
     """An MTA model carrying ``baseline_state``, its MTA parts identity-initialised.

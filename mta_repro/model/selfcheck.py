@@ -28,7 +28,6 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass, field
-from typing import Optional
 
 import torch
 
@@ -48,7 +47,7 @@ def within_tolerance(err: float, torch_err: float) -> bool:
     return math.isfinite(err) and err <= REL_FACTOR * torch_err + ABS_SLACK
 
 
-def next_impl(name: str) -> Optional[str]:
+def next_impl(name: str) -> str | None:
     """The implementation tried after ``name`` fails (None after ``torch``)."""
     if name == "torch":
         return None
@@ -57,7 +56,7 @@ def next_impl(name: str) -> Optional[str]:
     return attention_ops.attn_impl(name).fallback
 
 
-def split_impl(name: str) -> tuple[str, Optional[str]]:
+def split_impl(name: str) -> tuple[str, str | None]:
     """``blocked+conv2d`` -> (``blocked``, ``conv2d``): the registered implementation and
     the key-query convolution backend it runs with (None: chosen per call)."""
     base, _, conv = name.partition("+")
@@ -81,19 +80,21 @@ class LayerCheck:
     impl: str
     layer: str  # "kq_conv" | "mixing"
     ok: bool
-    out_err: Optional[float] = None
-    grad_err: Optional[float] = None
-    torch_err: Optional[tuple] = None
-    reason: Optional[str] = None
+    out_err: float | None = None
+    grad_err: float | None = None
+    torch_err: tuple | None = None
+    reason: str | None = None
 
     def line(self) -> str:
         if self.reason is not None:
             return f"{self.layer} layer: {self.reason}"
         assert self.torch_err is not None
         (t_out, t_grad) = self.torch_err
-        return (f"{self.layer} layer: output error {self.out_err:.1e} (allowed {REL_FACTOR:g} x {t_out:.1e} + "
-                f"{ABS_SLACK:g}), gradient error {self.grad_err:.1e} (allowed {REL_FACTOR:g} x {t_grad:.1e} + "
-                f"{ABS_SLACK:g})")
+        return (
+            f"{self.layer} layer: output error {self.out_err:.1e} (allowed {REL_FACTOR:g} x {t_out:.1e} + "
+            f"{ABS_SLACK:g}), gradient error {self.grad_err:.1e} (allowed {REL_FACTOR:g} x {t_grad:.1e} + "
+            f"{ABS_SLACK:g})"
+        )
 
 
 @dataclass
@@ -112,8 +113,13 @@ class Decision:
         return self.used != self.requested
 
     def as_dict(self) -> dict:
-        return {"requested": self.requested, "used": self.used, "device": self.device, "dtype": self.dtype,
-                "checks": [dataclasses.asdict(c) for c in self.checks]}
+        return {
+            "requested": self.requested,
+            "used": self.used,
+            "device": self.device,
+            "dtype": self.dtype,
+            "checks": [dataclasses.asdict(c) for c in self.checks],
+        }
 
 
 def explicit_layer_kinds(args: ModelArgs) -> dict[str, int]:
@@ -170,8 +176,9 @@ def _run(name: str, q64, k64, v64, p64, gy64, device, dtype):
     if out.shape != q.shape:
         raise RuntimeError(f"output shape {tuple(out.shape)}, expected {tuple(q.shape)}")
     out.backward(gy64.to(device, dtype))
-    return out.detach().double().cpu(), [t.grad.double().cpu() if t.grad is not None else None
-                                         for t in (q, k, v, *ws.values())]
+    return out.detach().double().cpu(), [
+        t.grad.double().cpu() if t.grad is not None else None for t in (q, k, v, *ws.values())
+    ]
 
 
 class _Unsupported(Exception):
@@ -190,8 +197,9 @@ def _errors(got, want) -> tuple[float, float]:
     return _rel(out, w_out), max(_rel(a, b) for a, b in zip(grads, w_grads))
 
 
-def check_layer(name: str, args: ModelArgs, kind: str, layer_id: int, device: torch.device,
-                dtype: torch.dtype, T: int = CHECK_T) -> LayerCheck:
+def check_layer(
+    name: str, args: ModelArgs, kind: str, layer_id: int, device: torch.device, dtype: torch.dtype, T: int = CHECK_T
+) -> LayerCheck:
     """Implementation ``name`` on one layer kind, against the float64 reference."""
     H, d = args.n_heads, args.resolved_head_dim
     g = torch.Generator().manual_seed(1000 + layer_id)
@@ -217,8 +225,7 @@ def check_layer(name: str, args: ModelArgs, kind: str, layer_id: int, device: to
 _cache: dict = {}
 
 
-def decide(args: ModelArgs, device: torch.device, dtype: torch.dtype, strict: bool = False,
-           log=None) -> Decision:
+def decide(args: ModelArgs, device: torch.device, dtype: torch.dtype, strict: bool = False, log=None) -> Decision:
     """Check ``args.attn_impl`` on every explicit layer kind of the model; on a failure,
     one line (``log``) naming it, the error and the fallback, and the next implementation
     of the chain is checked in turn. ``strict``: a failure raises ``SelfCheckError``
@@ -229,7 +236,7 @@ def decide(args: ModelArgs, device: torch.device, dtype: torch.dtype, strict: bo
     dname = str(dtype).removeprefix("torch.")
     decision = Decision(args.attn_impl, args.attn_impl, str(device), dname)
     kinds = explicit_layer_kinds(args)
-    name: Optional[str] = args.attn_impl
+    name: str | None = args.attn_impl
     while name is not None and kinds:
         checks = [check_layer(name, args, kind, lid, device, dtype) for kind, lid in kinds.items()]
         decision.checks += checks
@@ -240,16 +247,21 @@ def decide(args: ModelArgs, device: torch.device, dtype: torch.dtype, strict: bo
         nxt = next_impl(name)
         what = "; ".join(c.line() for c in bad)
         if nxt is None:  # the reference itself, against float64: nothing is left to fall back to
-            raise SelfCheckError(f"attention self-check: even model.attn_impl=torch fails on {device} in {dname} "
-                                 f"({what}): this device cannot run the explicit attention path")
+            raise SelfCheckError(
+                f"attention self-check: even model.attn_impl=torch fails on {device} in {dname} "
+                f"({what}): this device cannot run the explicit attention path"
+            )
         if strict:
             raise SelfCheckError(
                 f"attention self-check: model.attn_impl={name} is wrong on {device} in {dname} ({what}); "
                 "model.attn_selfcheck=strict refuses to train (model.attn_selfcheck=warn would fall back to "
-                f"{nxt})")
+                f"{nxt})"
+            )
         if log is not None:
-            log(f"attention self-check: model.attn_impl={name} failed on {device} in {dname} ({what}); "
-                f"falling back to {nxt}")
+            log(
+                f"attention self-check: model.attn_impl={name} failed on {device} in {dname} ({what}); "
+                f"falling back to {nxt}"
+            )
         name = nxt
     _cache[key] = decision
     return decision

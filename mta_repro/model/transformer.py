@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Optional, cast
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -23,8 +23,14 @@ from mta_repro.model.args import ModelArgs
 
 # --------------------------------------------------------------------------- pieces
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float = 1e-5, cast_before_weight: bool = False, out_scale: float = 1.0,
-                 out_scale_fp64: Optional[float] = None):
+    def __init__(
+        self,
+        dim: int,
+        eps: float = 1e-5,
+        cast_before_weight: bool = False,
+        out_scale: float = 1.0,
+        out_scale_fp64: float | None = None,
+    ):
         super().__init__()
         self.eps = eps
         # A constant factor on the output (the release's ``curse_norm`` depth scaling);
@@ -101,7 +107,7 @@ def release_depth_scale(layer_id: int, fp64: bool = False) -> float:
     return 1 - (0.8 - 0.6 * math.exp(x))
 
 
-def _trunc_normal_(w: torch.Tensor, std: float, bound_std: Optional[float] = None) -> None:
+def _trunc_normal_(w: torch.Tensor, std: float, bound_std: float | None = None) -> None:
     """Truncated normal at +-3 x ``bound_std`` (default ``std``). Lingua truncates the
     output projections at 3 x the std *before* its depth factor divides it."""
     bound = 3 * (std if bound_std is None else bound_std)
@@ -114,14 +120,12 @@ def _copy_into(param: torch.Tensor, value: torch.Tensor) -> None:
     from torch.distributed.tensor import DTensor, distribute_tensor
 
     if isinstance(param, DTensor):
-        value = distribute_tensor(
-            value.to(param.device, param.dtype), param.device_mesh, param.placements
-        )
+        value = distribute_tensor(value.to(param.device, param.dtype), param.device_mesh, param.placements)
     param.copy_(value)
 
 
 class FeedForward(nn.Module):
-    def __init__(self, dim: int, hidden_dim: int, init_std: Optional[float] = None, init_factor: float = 1.0):
+    def __init__(self, dim: int, hidden_dim: int, init_std: float | None = None, init_factor: float = 1.0):
         super().__init__()
         self.dim, self.hidden_dim = dim, hidden_dim
         # Lingua's init_base_std (None: dim**-0.5 in, hidden**-0.5 out) and depth factor.
@@ -146,9 +150,9 @@ class FeedForward(nn.Module):
 class LayerCache:
     # Only the n_kv_heads K/V heads are kept (grouped-query attention repeats them per
     # query head after the cache, as the release does).
-    k: Optional[torch.Tensor] = None  # (B, H_kv, Tk, d) rotated keys so far
-    v: Optional[torch.Tensor] = None  # (B, H_kv, Tk, dv)
-    q: Optional[torch.Tensor] = None  # (B, H, W, d) last W rotated queries (MTA convs)
+    k: torch.Tensor | None = None  # (B, H_kv, Tk, d) rotated keys so far
+    v: torch.Tensor | None = None  # (B, H_kv, Tk, dv)
+    q: torch.Tensor | None = None  # (B, H, W, d) last W rotated queries (MTA convs)
 
 
 @dataclass
@@ -159,11 +163,11 @@ class KVCache:
     pos: int = 0
 
     @classmethod
-    def empty(cls, n_layers: int) -> "KVCache":
+    def empty(cls, n_layers: int) -> KVCache:
         return cls(layers=[LayerCache() for _ in range(n_layers)])
 
 
-def _append(old: Optional[torch.Tensor], new: torch.Tensor) -> torch.Tensor:
+def _append(old: torch.Tensor | None, new: torch.Tensor) -> torch.Tensor:
     return new if old is None else torch.cat([old, new], dim=2)
 
 
@@ -184,10 +188,10 @@ class Attention(nn.Module):
     parameter is declared here (None when the layer has none), under Lingua's and the
     release's names, so state dicts move between them."""
 
-    lambda_q1: Optional[nn.Parameter]
-    lambda_k1: Optional[nn.Parameter]
-    lambda_q2: Optional[nn.Parameter]
-    lambda_k2: Optional[nn.Parameter]
+    lambda_q1: nn.Parameter | None
+    lambda_k1: nn.Parameter | None
+    lambda_q2: nn.Parameter | None
+    lambda_k2: nn.Parameter | None
 
     def __init__(self, args: ModelArgs, layer_id: int):
         super().__init__()
@@ -215,7 +219,7 @@ class Attention(nn.Module):
         self.wv = nn.Linear(args.dim, H_kv * d, bias=False)
         self.wo = nn.Linear(H * d, args.dim, bias=False)
 
-        def param(on: bool, *shape) -> Optional[nn.Parameter]:
+        def param(on: bool, *shape) -> nn.Parameter | None:
             return nn.Parameter(torch.empty(*shape)) if on else None
 
         # Differential Transformer: four d-sized vectors, shared by the H/2 diff heads.
@@ -244,7 +248,10 @@ class Attention(nn.Module):
         if diff:
             self.out_scale = self.out_scale_fp64 = 1 - attention_ops.lambda_init_fn(layer_id)
         elif rescale:
-            self.out_scale, self.out_scale_fp64 = release_depth_scale(layer_id), release_depth_scale(layer_id, fp64=True)
+            self.out_scale, self.out_scale_fp64 = (
+                release_depth_scale(layer_id),
+                release_depth_scale(layer_id, fp64=True),
+            )
         self.gate = nn.Linear(d, 1 if m.gate_1d else d, bias=True) if m.add_gating else None
 
     # -- parameters ------------------------------------------------------------------
@@ -285,8 +292,10 @@ class Attention(nn.Module):
                 # The release asserts an identity start for the post-softmax kernel,
                 # whatever init_method says (init_method shapes the pre-softmax one).
                 shape = self.mta_kernel_after_sm.shape
-                _copy_into(self.mta_kernel_after_sm, attention_ops.identity_kq_kernel(
-                    shape[0], shape[2], shape[3], self.pad_key))
+                _copy_into(
+                    self.mta_kernel_after_sm,
+                    attention_ops.identity_kq_kernel(shape[0], shape[2], shape[3], self.pad_key),
+                )
             for lin in (self.wpsm, self.wposm):
                 if lin is not None:
                     _copy_into(lin.weight, torch.eye(self.n_heads))
@@ -323,8 +332,8 @@ class Attention(nn.Module):
         x: torch.Tensor,
         cos: torch.Tensor,
         sin: torch.Tensor,
-        cache: Optional[LayerCache] = None,
-        key_valid: Optional[torch.Tensor] = None,
+        cache: LayerCache | None = None,
+        key_valid: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """x: (B, T, dim) -> (B, T, dim). cos/sin: (T, d/2) for these T positions."""
         bsz, seqlen, _ = x.shape
@@ -378,20 +387,22 @@ class Attention(nn.Module):
         )
         return lam.to(dtype)
 
-    def _explicit(self, q, k, v, mask: attention_ops.AttnMask, cache: Optional[LayerCache]):
+    def _explicit(self, q, k, v, mask: attention_ops.AttnMask, cache: LayerCache | None):
         params = self.explicit_params()
         w = attention_ops.query_history(params)
         if cache is None or w == 0:
-            return attention_ops.explicit_attention(self.attn_impl, q, k, v, params, mask, self.training,
-                                                    self.kernels.impls)
+            return attention_ops.explicit_attention(
+                self.attn_impl, q, k, v, params, mask, self.training, self.kernels.impls
+            )
         # Cached MTA decoding: the query-direction convolutions read the score rows of
         # the last w queries, so recompute those rows too and keep only the new ones.
         new = q.shape[2]
         q = _append(cache.q, q)  # (B, H, <= w + new, d)
         cache.q = q[:, :, -w:]
         mask = attention_ops.AttnMask(mask.q_offset + new - q.shape[2], mask.key_valid)
-        return attention_ops.explicit_attention(self.attn_impl, q, k, v, params, mask, self.training,
-                                                self.kernels.impls)[:, :, -new:]
+        return attention_ops.explicit_attention(
+            self.attn_impl, q, k, v, params, mask, self.training, self.kernels.impls
+        )[:, :, -new:]
 
 
 # -------------------------------------------------------------------------- model
@@ -435,8 +446,8 @@ class Transformer(nn.Module):
     def forward(
         self,
         tokens: torch.Tensor,
-        cache: Optional[KVCache] = None,
-        key_valid: Optional[torch.Tensor] = None,
+        cache: KVCache | None = None,
+        key_valid: torch.Tensor | None = None,
         return_hidden: bool = False,
     ) -> torch.Tensor:
         """tokens (B, T) -> logits (B, T, vocab).
@@ -450,8 +461,9 @@ class Transformer(nn.Module):
         positions = torch.arange(start, start + tokens.shape[1], device=tokens.device)
         h = self.tok_embeddings(tokens)
         rope_dtype = torch.promote_types(h.dtype, torch.float32)
-        cos, sin = rope_cos_sin(self.args.resolved_head_dim, positions, self.args.rope_theta, rope_dtype,
-                                self.args.rope_scaling)
+        cos, sin = rope_cos_sin(
+            self.args.resolved_head_dim, positions, self.args.rope_theta, rope_dtype, self.args.rope_scaling
+        )
         for i, layer in enumerate(self.layers):
             h = layer(h, cos, sin, cache.layers[i] if cache is not None else None, key_valid)
         if cache is not None:

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 import warnings
-from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -32,26 +31,26 @@ def multi_token_attention(
     k: torch.Tensor,
     v: torch.Tensor,
     *,
-    mta_kernel: Optional[torch.Tensor] = None,
-    wpsm: Optional[torch.Tensor] = None,
-    mta_kernel_after_sm: Optional[torch.Tensor] = None,
-    head_kernel: Optional[torch.Tensor] = None,
-    wposm: Optional[torch.Tensor] = None,
+    mta_kernel: torch.Tensor | None = None,
+    wpsm: torch.Tensor | None = None,
+    mta_kernel_after_sm: torch.Tensor | None = None,
+    head_kernel: torch.Tensor | None = None,
+    wposm: torch.Tensor | None = None,
     pad_key: str = "both",
-    subln_weight: Optional[torch.Tensor] = None,
+    subln_weight: torch.Tensor | None = None,
     layer_norm_rescale: bool = False,
     layer_id: int = 0,
     eps: float = 1e-5,
-    gate_weight: Optional[torch.Tensor] = None,
-    gate_bias: Optional[torch.Tensor] = None,
-    attention_mask: Optional[torch.Tensor] = None,
-    q_offset: Optional[int] = None,
+    gate_weight: torch.Tensor | None = None,
+    gate_bias: torch.Tensor | None = None,
+    attention_mask: torch.Tensor | None = None,
+    q_offset: int | None = None,
     dropout_p: float = 0.0,
-    scale: Optional[float] = None,
+    scale: float | None = None,
     attn_impl: str = "blocked",
-    attn_block_size: Optional[int] = None,
-    kernels: Optional[KernelTuning] = None,
-    selfcheck: Optional[str] = None,
+    attn_block_size: int | None = None,
+    kernels: KernelTuning | None = None,
+    selfcheck: str | None = None,
 ) -> torch.Tensor:
     """Causal Multi-Token Attention (paper section 3; the release's ``Attention`` after RoPE).
 
@@ -95,8 +94,9 @@ def multi_token_attention(
     A wrong shape or option raises ``mta_repro.errors.UserError`` (a ValueError), one line.
     """
     where = "multi_token_attention"
-    weights = dict(mta_kernel=mta_kernel, wpsm=wpsm, mta_kernel_after_sm=mta_kernel_after_sm,
-                   head_kernel=head_kernel, wposm=wposm)
+    weights = dict(
+        mta_kernel=mta_kernel, wpsm=wpsm, mta_kernel_after_sm=mta_kernel_after_sm, head_kernel=head_kernel, wposm=wposm
+    )
     B, H, Tq, d, Tk, dv = _check_qkv(where, q, k, v)
     _check_weights(where, weights, H, pad_key)
     _check_output_weights(where, dv, subln_weight, layer_norm_rescale, gate_weight, gate_bias)
@@ -107,17 +107,21 @@ def multi_token_attention(
     key_valid = _check_mask(where, attention_mask, B, Tk, q.device)
     q_offset = Tk - Tq if q_offset is None else q_offset
     if isinstance(q_offset, bool) or not isinstance(q_offset, int) or not 0 <= q_offset <= Tk - Tq:
-        raise UserError(f"{where}: q_offset={q_offset!r}: expected an integer in [0, Tk - Tq] = [0, {Tk - Tq}] "
-                        "(the first query's position; None: Tk - Tq)")
+        raise UserError(
+            f"{where}: q_offset={q_offset!r}: expected an integer in [0, Tk - Tq] = [0, {Tk - Tq}] "
+            "(the first query's position; None: Tk - Tq)"
+        )
     if not 0.0 <= dropout_p < 1.0:
         raise UserError(f"{where}: dropout_p={dropout_p!r}: expected 0 <= p < 1")
     if selfcheck not in SELFCHECK:
         raise UserError(f"{where}: selfcheck={selfcheck!r}: expected warn, strict, off or None")
     if attn_impl not in attention_ops.ATTN_IMPLS:
-        raise UserError(f"{where}: attn_impl={attn_impl!r}: registered implementations are "
-                        f"{sorted(attention_ops.ATTN_IMPLS)}")
-    if attn_block_size is not None and (isinstance(attn_block_size, bool) or not isinstance(attn_block_size, int)
-                                        or attn_block_size < 1):
+        raise UserError(
+            f"{where}: attn_impl={attn_impl!r}: registered implementations are {sorted(attention_ops.ATTN_IMPLS)}"
+        )
+    if attn_block_size is not None and (
+        isinstance(attn_block_size, bool) or not isinstance(attn_block_size, int) or attn_block_size < 1
+    ):
         raise UserError(f"{where}: attn_block_size={attn_block_size!r}: expected a positive integer or None")
 
     if scale is not None:
@@ -127,9 +131,17 @@ def multi_token_attention(
     if all(w is None for w in weights.values()):
         out = attention_ops.sdpa(q, k, v, mask, dropout_p)  # plain attention: the fused kernel
     else:
-        params = ExplicitAttnParams(mta_kernel=mta_kernel, wpsm=wpsm, mta_kernel_after_sm=mta_kernel_after_sm,
-                                    head_kernel=head_kernel, wposm=wposm, pad_key=pad_key, dropout=dropout_p,
-                                    block_size=attn_block_size, tuning=kernels or DEFAULT_TUNING)
+        params = ExplicitAttnParams(
+            mta_kernel=mta_kernel,
+            wpsm=wpsm,
+            mta_kernel_after_sm=mta_kernel_after_sm,
+            head_kernel=head_kernel,
+            wposm=wposm,
+            pad_key=pad_key,
+            dropout=dropout_p,
+            block_size=attn_block_size,
+            tuning=kernels or DEFAULT_TUNING,
+        )
         attn_impl, params = _checked_impl(attn_impl, q, params, selfcheck)
         out = attention_ops.explicit_attention(attn_impl, q, k, v, params, mask, training=dropout_p > 0.0)
     if subln_weight is not None:
@@ -142,12 +154,12 @@ def multi_token_attention(
     return out
 
 
-def query_history(mta_kernel: Optional[torch.Tensor] = None,
-                  mta_kernel_after_sm: Optional[torch.Tensor] = None) -> int:
+def query_history(mta_kernel: torch.Tensor | None = None, mta_kernel_after_sm: torch.Tensor | None = None) -> int:
     """How many earlier queries a new query's output depends on: (c_q - 1) + (c_q' - 1).
     Cached decoding keeps that many queries and passes them before the new ones."""
-    return attention_ops.query_history(ExplicitAttnParams(mta_kernel=mta_kernel,
-                                                          mta_kernel_after_sm=mta_kernel_after_sm))
+    return attention_ops.query_history(
+        ExplicitAttnParams(mta_kernel=mta_kernel, mta_kernel_after_sm=mta_kernel_after_sm)
+    )
 
 
 # ------------------------------------------------------------------------------ checks
@@ -161,19 +173,27 @@ def _check_qkv(where: str, q, k, v) -> tuple:
             got = _shape(t) if isinstance(t, torch.Tensor) else type(t).__name__
             raise UserError(f"{where}: {name}: expected a 4-D tensor (B, heads, T, head size), got {got}")
         if not t.is_floating_point() or t.dtype != q.dtype or t.device != q.device:
-            raise UserError(f"{where}: q, k and v must share one floating dtype and device, got "
-                            f"{q.dtype}/{k.dtype}/{v.dtype} on {q.device}/{k.device}/{v.device}")
+            raise UserError(
+                f"{where}: q, k and v must share one floating dtype and device, got "
+                f"{q.dtype}/{k.dtype}/{v.dtype} on {q.device}/{k.device}/{v.device}"
+            )
     B, H, Tq, d = q.shape
     _, H_kv, Tk, _ = k.shape
     if k.shape[0] != B or v.shape[0] != B or k.shape[3] != d or v.shape[:3] != k.shape[:3]:
-        raise UserError(f"{where}: expected q (B, H, Tq, d), k (B, H_kv, Tk, d), v (B, H_kv, Tk, dv), got "
-                        f"q {_shape(q)}, k {_shape(k)}, v {_shape(v)}")
+        raise UserError(
+            f"{where}: expected q (B, H, Tq, d), k (B, H_kv, Tk, d), v (B, H_kv, Tk, dv), got "
+            f"q {_shape(q)}, k {_shape(k)}, v {_shape(v)}"
+        )
     if H % H_kv:
-        raise UserError(f"{where}: k and v have {H_kv} heads, which must divide q's {H} "
-                        "(grouped-query attention: each K/V head serves H / H_kv query heads)")
+        raise UserError(
+            f"{where}: k and v have {H_kv} heads, which must divide q's {H} "
+            "(grouped-query attention: each K/V head serves H / H_kv query heads)"
+        )
     if Tq > Tk:
-        raise UserError(f"{where}: {Tq} queries but {Tk} keys: every query position needs its own key "
-                        "(cached decoding passes every key so far)")
+        raise UserError(
+            f"{where}: {Tq} queries but {Tk} keys: every query position needs its own key "
+            "(cached decoding passes every key so far)"
+        )
     return B, H, Tq, d, Tk, v.shape[3]
 
 
@@ -185,11 +205,12 @@ def _check_weights(where: str, w: dict, H: int, pad_key: str) -> None:
         if t is None:
             continue
         if t.dim() != 4 or t.shape[0] != H or t.shape[1] != 1:
-            raise UserError(f"{where}: {name}: expected shape ({H}, 1, c_q, c_k) for {H} query heads, "
-                            f"got {_shape(t)}")
+            raise UserError(f"{where}: {name}: expected shape ({H}, 1, c_q, c_k) for {H} query heads, got {_shape(t)}")
         if pad_key == "both" and t.shape[3] % 2 == 0:
-            raise UserError(f"{where}: {name}: key kernel size {t.shape[3]} with pad_key='both' (a centred "
-                            "window) must be odd; use an odd size or pad_key='left'/'right'")
+            raise UserError(
+                f"{where}: {name}: key kernel size {t.shape[3]} with pad_key='both' (a centred "
+                "window) must be odd; use an odd size or pad_key='left'/'right'"
+            )
     for name in ("wpsm", "wposm"):
         t = w[name]
         if t is not None and _shape(t) != (H, H):
@@ -197,8 +218,9 @@ def _check_weights(where: str, w: dict, H: int, pad_key: str) -> None:
     t = w["head_kernel"]
     if t is not None:
         if t.dim() != 3 or t.shape[1] != t.shape[2] or t.shape[0] * t.shape[1] != H:
-            raise UserError(f"{where}: head_kernel: expected shape (H / c_h, c_h, c_h) with H = {H} query heads, "
-                            f"got {_shape(t)}")
+            raise UserError(
+                f"{where}: head_kernel: expected shape (H / c_h, c_h, c_h) with H = {H} query heads, got {_shape(t)}"
+            )
         if w["wposm"] is not None:
             raise UserError(f"{where}: head_kernel and wposm are two forms of post-softmax head mixing; pass one")
     for name, t in w.items():
@@ -208,30 +230,36 @@ def _check_weights(where: str, w: dict, H: int, pad_key: str) -> None:
 
 def _check_output_weights(where: str, dv: int, subln_weight, rescale: bool, gate_weight, gate_bias) -> None:
     if subln_weight is not None and _shape(subln_weight) != (dv,):
-        raise UserError(f"{where}: subln_weight: expected shape ({dv},) (the value head size), "
-                        f"got {_shape(subln_weight)}")
+        raise UserError(
+            f"{where}: subln_weight: expected shape ({dv},) (the value head size), got {_shape(subln_weight)}"
+        )
     if rescale and subln_weight is None:
         raise UserError(f"{where}: layer_norm_rescale rescales the group norm: it needs subln_weight")
     if gate_weight is not None:
         if gate_weight.dim() != 2 or gate_weight.shape[1] != dv or gate_weight.shape[0] not in (1, dv):
-            raise UserError(f"{where}: gate_weight: expected shape (1, {dv}) or ({dv}, {dv}), "
-                            f"got {_shape(gate_weight)}")
+            raise UserError(
+                f"{where}: gate_weight: expected shape (1, {dv}) or ({dv}, {dv}), got {_shape(gate_weight)}"
+            )
         if gate_bias is not None and _shape(gate_bias) != (gate_weight.shape[0],):
             raise UserError(f"{where}: gate_bias: expected shape ({gate_weight.shape[0]},), got {_shape(gate_bias)}")
     elif gate_bias is not None:
         raise UserError(f"{where}: gate_bias without gate_weight")
 
 
-def _check_mask(where: str, mask, B: int, Tk: int, device) -> Optional[torch.Tensor]:
+def _check_mask(where: str, mask, B: int, Tk: int, device) -> torch.Tensor | None:
     if mask is None:
         return None
     if not isinstance(mask, torch.Tensor) or mask.dim() != 2 or _shape(mask) != (B, Tk):
         got = _shape(mask) if isinstance(mask, torch.Tensor) else type(mask).__name__
-        raise UserError(f"{where}: attention_mask: expected (B, Tk) = ({B}, {Tk}), True/1 at real tokens, got "
-                        f"{got} (MTA is causal: only padding is given as a mask)")
+        raise UserError(
+            f"{where}: attention_mask: expected (B, Tk) = ({B}, {Tk}), True/1 at real tokens, got "
+            f"{got} (MTA is causal: only padding is given as a mask)"
+        )
     if mask.is_floating_point():
-        raise UserError(f"{where}: attention_mask: expected bool or 0/1 integers, got {mask.dtype} "
-                        "(an additive float mask is not read)")
+        raise UserError(
+            f"{where}: attention_mask: expected bool or 0/1 integers, got {mask.dtype} "
+            "(an additive float mask is not read)"
+        )
     mask = mask.to(device=device, dtype=torch.bool)
     return None if bool(mask.all()) else mask
 
@@ -240,21 +268,23 @@ def _check_mask(where: str, mask, B: int, Tk: int, device) -> Optional[torch.Ten
 _decisions: dict = {}
 
 
-def _checked_impl(name: str, q: torch.Tensor, p: ExplicitAttnParams, selfcheck: Optional[str]):
+def _checked_impl(name: str, q: torch.Tensor, p: ExplicitAttnParams, selfcheck: str | None):
     """(implementation, params) to run: ``name`` as asked, or what the float64 self-check of
     ``mta_repro.model.selfcheck`` chose for these options on q's device and dtype (cached)."""
     mode = selfcheck or ("off" if q.device.type == "cpu" else "warn")
     if mode == "off" or torch.compiler.is_compiling():
         return name, p
-    shapes = tuple(None if t is None else _shape(t) for t in
-                   (p.mta_kernel, p.wpsm, p.mta_kernel_after_sm, p.head_kernel, p.wposm))
+    shapes = tuple(
+        None if t is None else _shape(t) for t in (p.mta_kernel, p.wpsm, p.mta_kernel_after_sm, p.head_kernel, p.wposm)
+    )
     key = (name, str(q.device), q.dtype, q.shape[1], q.shape[3], shapes, p.pad_key, p.block_size, p.tuning, mode)
     if key not in _decisions:
         from mta_repro.model import selfcheck as sc
 
         args = _model_args(q.shape[1], q.shape[3], p, name)
-        _decisions[key] = sc.decide(args, q.device, q.dtype, strict=mode == "strict",
-                                    log=lambda line: warnings.warn(line, stacklevel=4)).used
+        _decisions[key] = sc.decide(
+            args, q.device, q.dtype, strict=mode == "strict", log=lambda line: warnings.warn(line, stacklevel=4)
+        ).used
     from mta_repro.model.selfcheck import split_impl
 
     base, conv = split_impl(_decisions[key])
@@ -265,13 +295,28 @@ def _checked_impl(name: str, q: torch.Tensor, p: ExplicitAttnParams, selfcheck: 
 
 def _model_args(H: int, d: int, p: ExplicitAttnParams, impl: str):
     """A one-layer ModelArgs with these score-path options: what the self-check runs."""
-    from mta_repro.model.args import MTAArgs, ModelArgs
+    from mta_repro.model.args import ModelArgs, MTAArgs
 
     pre = p.mta_kernel.shape[2:] if p.mta_kernel is not None else (None, None)
     post = p.mta_kernel_after_sm.shape[2:] if p.mta_kernel_after_sm is not None else (None, None)
-    mta = MTAArgs(use_mta=True, query_kernel_size=pre[0], key_kernel_size=pre[1],
-                  after_sm_query_kernel_size=post[0], after_sm_key_kernel_size=post[1], pad_key=p.pad_key,
-                  head_kernel_size=None if p.head_kernel is None else p.head_kernel.shape[1],
-                  pre_sm_linear_head=p.wpsm is not None, post_sm_linear_head=p.wposm is not None)
-    return ModelArgs(dim=H * d, n_layers=1, n_heads=H, head_dim=d, attn_impl=impl, attn_block_size=p.block_size,
-                     kernels=p.tuning, mta=mta)
+    mta = MTAArgs(
+        use_mta=True,
+        query_kernel_size=pre[0],
+        key_kernel_size=pre[1],
+        after_sm_query_kernel_size=post[0],
+        after_sm_key_kernel_size=post[1],
+        pad_key=p.pad_key,
+        head_kernel_size=None if p.head_kernel is None else p.head_kernel.shape[1],
+        pre_sm_linear_head=p.wpsm is not None,
+        post_sm_linear_head=p.wposm is not None,
+    )
+    return ModelArgs(
+        dim=H * d,
+        n_layers=1,
+        n_heads=H,
+        head_dim=d,
+        attn_impl=impl,
+        attn_block_size=p.block_size,
+        kernels=p.tuning,
+        mta=mta,
+    )

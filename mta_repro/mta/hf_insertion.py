@@ -20,7 +20,8 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import sys
-from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence, TypeVar, Union
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 from torch import nn
@@ -51,13 +52,13 @@ else:
 
 def apply_mta(
     model: PreTrainedModel,
-    layers: Union[None, str, Sequence[int]] = None,
+    layers: None | str | Sequence[int] = None,
     *,
-    conv_layers: Union[None, str, Sequence[int]] = None,
+    conv_layers: None | str | Sequence[int] = None,
     attn_impl: str = "blocked",
-    attn_block_size: Optional[int] = None,
-    kernels: Optional[KernelTuning] = None,
-    selfcheck: Optional[str] = None,
+    attn_block_size: int | None = None,
+    kernels: KernelTuning | None = None,
+    selfcheck: str | None = None,
     **options,
 ) -> PreTrainedModel:
     """Convert ``model`` (a loaded ``transformers`` Llama, Qwen2, Mistral or Qwen3 model) in
@@ -91,26 +92,40 @@ def apply_mta(
     config = model.config
     H = config.num_attention_heads
     validated_args(H, attns[0].head_dim, options, where)  # the whole set of options, checked once
-    runtime: dict[str, Any] = dict(attn_impl=attn_impl, attn_block_size=attn_block_size, kernels=kernels,
-                                   selfcheck=selfcheck)
+    runtime: dict[str, Any] = dict(
+        attn_impl=attn_impl, attn_block_size=attn_block_size, kernels=kernels, selfcheck=selfcheck
+    )
     converted = []
     for i in chosen:
         attn = attns[i]
         opts = dict(options) if i in conv else {k: v for k, v in options.items() if k not in CONV_OPTIONS}
         w = attn.q_proj.weight
-        mta = MultiTokenAttention(H, attn.head_dim, **opts, layer_id=i, dim=config.hidden_size,
-                                  dropout=float(getattr(config, "attention_dropout", 0.0) or 0.0), **runtime,
-                                  device=w.device, dtype=w.dtype)
+        mta = MultiTokenAttention(
+            H,
+            attn.head_dim,
+            **opts,
+            layer_id=i,
+            dim=config.hidden_size,
+            dropout=float(getattr(config, "attention_dropout", 0.0) or 0.0),
+            **runtime,
+            device=w.device,
+            dtype=w.dtype,
+        )
         if mta.kind == "sdpa" and mta.subln is None and mta.gate is None:
             continue  # nothing of MTA in this layer (no convolution here, no mixing, norm or gate)
         attn.__class__ = _attention_class(type(attn))
         attn.mta = mta
         converted.append(i)
     if not converted:
-        raise UserError(f"{where}: these options add nothing to layers {chosen} (no convolution, head mixing, group "
-                        "norm or gating): pass e.g. query_kernel_size=6, key_kernel_size=11")
-    setattr(config, CONFIG_KEY, {"layers": converted, "conv_layers": [i for i in conv if i in converted],
-                                 "options": dict(options)})
+        raise UserError(
+            f"{where}: these options add nothing to layers {chosen} (no convolution, head mixing, group "
+            "norm or gating): pass e.g. query_kernel_size=6, key_kernel_size=11"
+        )
+    setattr(
+        config,
+        CONFIG_KEY,
+        {"layers": converted, "conv_layers": [i for i in conv if i in converted], "options": dict(options)},
+    )
     if not isinstance(model, _MTAModel) and hasattr(model, "save_pretrained"):
         model.__class__ = mta_model_class(type(model))
     return model
@@ -124,24 +139,31 @@ def load_mta_pretrained(path, **kwargs) -> nn.Module:
 
     config = transformers.AutoConfig.from_pretrained(path)
     if not getattr(config, CONFIG_KEY, None):
-        raise UserError(f"load_mta_pretrained: {path}/config.json has no {CONFIG_KEY!r} entry: not a model saved "
-                        "after apply_mta (load it with from_pretrained and call apply_mta)")
+        raise UserError(
+            f"load_mta_pretrained: {path}/config.json has no {CONFIG_KEY!r} entry: not a model saved "
+            "after apply_mta (load it with from_pretrained and call apply_mta)"
+        )
     arch = (getattr(config, "architectures", None) or [""])[0].removeprefix("MTA")
     base = getattr(transformers, arch, None)
     if base is None:
-        raise UserError(f"load_mta_pretrained: {path}/config.json names architecture {arch!r}, which this "
-                        f"transformers {transformers.__version__} does not have")
+        raise UserError(
+            f"load_mta_pretrained: {path}/config.json names architecture {arch!r}, which this "
+            f"transformers {transformers.__version__} does not have"
+        )
     return mta_model_class(base).from_pretrained(path, config=config, **kwargs)
 
 
 # --------------------------------------------------------------------------- layers
 def _attention_layers(model: nn.Module) -> list[Any]:
-    attns: list[Any] = [m for m in model.modules() if type(m).__name__ in ATTENTION_CLASSES
-                        or isinstance(m, _MTAAttention)]
+    attns: list[Any] = [
+        m for m in model.modules() if type(m).__name__ in ATTENTION_CLASSES or isinstance(m, _MTAAttention)
+    ]
     if not attns:
         found = sorted({type(m).__name__ for m in model.modules() if type(m).__name__.endswith("Attention")})
-        raise UserError(f"apply_mta: no {' / '.join(ATTENTION_CLASSES)} layer in this {type(model).__name__} "
-                        f"(attention classes found: {found or 'none'}); supported: Llama, Qwen2, Mistral, Qwen3")
+        raise UserError(
+            f"apply_mta: no {' / '.join(ATTENTION_CLASSES)} layer in this {type(model).__name__} "
+            f"(attention classes found: {found or 'none'}); supported: Llama, Qwen2, Mistral, Qwen3"
+        )
     attns.sort(key=lambda m: m.layer_idx)
     return attns
 
@@ -164,7 +186,7 @@ class _MTAAttention:
     """Mixed into a converted layer's attention class: its forward with MTA in place of the
     attention function; everything else (projections, RoPE, cache) is the model's."""
 
-    _rope: Optional[Callable[..., Any]] = None  # the family's apply_rotary_pos_emb, set per class
+    _rope: Callable[..., Any] | None = None  # the family's apply_rotary_pos_emb, set per class
 
     if TYPE_CHECKING:  # the attributes of the transformers attention class it is mixed into
         head_dim: int
@@ -207,7 +229,7 @@ class _MTAAttention:
         return self.o_proj(out), None
 
 
-def _key_valid(mask, batch: int, new: int, tk: int, past: int, layer_idx: int) -> Optional[torch.Tensor]:
+def _key_valid(mask, batch: int, new: int, tk: int, past: int, layer_idx: int) -> torch.Tensor | None:
     """The (B, Tk) padding of the model's attention mask, which must be causal + padding.
 
     transformers hands the layer None (causal, no padding), a 2-D (B, Tk) mask (flash
@@ -217,20 +239,25 @@ def _key_valid(mask, batch: int, new: int, tk: int, past: int, layer_idx: int) -
     if mask is None:
         return None
     if not isinstance(mask, torch.Tensor):
-        raise UserError(f"apply_mta: layer {layer_idx} got a {type(mask).__name__} attention mask; MTA layers run "
-                        "with attn_implementation 'sdpa', 'eager' or 'flash_attention_2'")
+        raise UserError(
+            f"apply_mta: layer {layer_idx} got a {type(mask).__name__} attention mask; MTA layers run "
+            "with attn_implementation 'sdpa', 'eager' or 'flash_attention_2'"
+        )
     if mask.dim() == 2:
         return mask.bool()
     allowed = mask if mask.dtype == torch.bool else mask == 0
     if allowed.dim() != 4 or allowed.shape[-2:] != (new, tk):
-        raise UserError(f"apply_mta: layer {layer_idx}: attention mask of shape {tuple(mask.shape)}, expected "
-                        f"(B, 1, {new}, {tk})")
+        raise UserError(
+            f"apply_mta: layer {layer_idx}: attention mask of shape {tuple(mask.shape)}, expected (B, 1, {new}, {tk})"
+        )
     key_valid = allowed[:, 0, -1, :].expand(batch, tk)
     want = AttnMask(past).dense(new, tk, mask.device) & key_valid[:, None, None, :]
     if not torch.equal(allowed.expand_as(want), want):
-        raise UserError(f"apply_mta: layer {layer_idx}: the model's attention mask is not causal + padding (a sliding "
-                        "window shorter than the sequence, packed sequences or a custom mask?); MTA layers attend to "
-                        "every earlier real token")
+        raise UserError(
+            f"apply_mta: layer {layer_idx}: the model's attention mask is not causal + padding (a sliding "
+            "window shorter than the sequence, packed sequences or a custom mask?); MTA layers attend to "
+            "every earlier real token"
+        )
     return key_valid
 
 
@@ -242,7 +269,7 @@ class _QueryHistory(_CacheLayer):
     cropped below the history then refuses to continue (``is_croppable`` is False, so
     ``generate`` does not crop it on its own)."""
 
-    mta_queries: Optional[torch.Tensor] = None
+    mta_queries: torch.Tensor | None = None
     is_croppable = False
 
     def reorder_cache(self, beam_idx):
@@ -288,18 +315,24 @@ def _with_query_history(cache, layer_idx: int, q: torch.Tensor, past: int, w: in
         return q
     layers = getattr(cache, "layers", None)
     if layers is None or layer_idx >= len(layers):
-        raise UserError(f"apply_mta: a {type(cache).__name__} without per-layer storage (transformers >= 5's Cache "
-                        "with .layers); MTA layers need the model's DynamicCache")
+        raise UserError(
+            f"apply_mta: a {type(cache).__name__} without per-layer storage (transformers >= 5's Cache "
+            "with .layers); MTA layers need the model's DynamicCache"
+        )
     layer = layers[layer_idx]
     from transformers.cache_utils import DynamicLayer
 
     if not isinstance(layer, DynamicLayer):  # a static cache's keys are padded to its length
-        raise UserError(f"apply_mta: layer {layer_idx} got a {type(layer).__name__} cache layer; MTA layers need "
-                        "the model's DynamicCache (generate's default; not cache_implementation='static')")
+        raise UserError(
+            f"apply_mta: layer {layer_idx} got a {type(layer).__name__} cache layer; MTA layers need "
+            "the model's DynamicCache (generate's default; not cache_implementation='static')"
+        )
     if not isinstance(layer, _QueryHistory):
         if past:
-            raise UserError(f"apply_mta: layer {layer_idx}'s cache holds {past} tokens but none of their queries "
-                            "(filled by a model without MTA?); start generation from an empty cache")
+            raise UserError(
+                f"apply_mta: layer {layer_idx}'s cache holds {past} tokens but none of their queries "
+                "(filled by a model without MTA?); start generation from an empty cache"
+            )
         # the same state in a subclass that also keeps queries (in place of the cache's layer)
         cls = _subclass(type(layer), _QueryHistory)
         upgraded = cls.__new__(cls)
@@ -309,8 +342,10 @@ def _with_query_history(cache, layer_idx: int, q: torch.Tensor, past: int, w: in
     need = min(w, past)
     if need:
         if kept is None or kept.shape[2] < need:
-            raise UserError(f"apply_mta: layer {layer_idx}'s cache lost the last {need} queries MTA reads (cropped?); "
-                            "regenerate from the prompt")
+            raise UserError(
+                f"apply_mta: layer {layer_idx}'s cache lost the last {need} queries MTA reads (cropped?); "
+                "regenerate from the prompt"
+            )
         q = torch.cat([kept[:, :, -need:], q], dim=2)
     layer.mta_queries = q[:, :, -w:]
     return q
@@ -349,13 +384,16 @@ class _MTAModel(_Model):
             apply_mta(self, saved["layers"], conv_layers=saved["conv_layers"], **saved["options"])
 
 
-AUTO_CLASSES = {"ForCausalLM": "AutoModelForCausalLM",
-                "ForSequenceClassification": "AutoModelForSequenceClassification",
-                "ForTokenClassification": "AutoModelForTokenClassification",
-                "ForQuestionAnswering": "AutoModelForQuestionAnswering", "Model": "AutoModel"}
+AUTO_CLASSES = {
+    "ForCausalLM": "AutoModelForCausalLM",
+    "ForSequenceClassification": "AutoModelForSequenceClassification",
+    "ForTokenClassification": "AutoModelForTokenClassification",
+    "ForQuestionAnswering": "AutoModelForQuestionAnswering",
+    "Model": "AutoModel",
+}
 
 
-def mta_model_class(base: Union[type, str]) -> type:
+def mta_model_class(base: type | str) -> type:
     """``MTA<base>`` for a transformers model class (or its name): what ``apply_mta`` turns
     a model into and what ``modeling_mta.py`` gives ``from_pretrained``."""
     if isinstance(base, str):

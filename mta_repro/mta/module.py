@@ -11,14 +11,13 @@ RoPE and any KV cache stay in the caller's model; ``forward(q, k, v)`` is
 from __future__ import annotations
 
 import re
-from typing import Optional
 
 import torch
 from torch import nn
 
 from mta_repro.errors import UserError
 from mta_repro.kernels.tuning import KernelTuning
-from mta_repro.model.args import MTAArgs, ModelArgs
+from mta_repro.model.args import ModelArgs, MTAArgs
 from mta_repro.model.transformer import Attention, RMSNorm
 from mta_repro.mta.functional import SELFCHECK, multi_token_attention, query_history
 
@@ -50,13 +49,13 @@ class MultiTokenAttention(nn.Module):
         n_heads: int,
         head_dim: int,
         *,
-        query_kernel_size: Optional[int] = None,
-        key_kernel_size: Optional[int] = None,
-        after_sm_query_kernel_size: Optional[int] = None,
-        after_sm_key_kernel_size: Optional[int] = None,
+        query_kernel_size: int | None = None,
+        key_kernel_size: int | None = None,
+        after_sm_query_kernel_size: int | None = None,
+        after_sm_key_kernel_size: int | None = None,
         pad_key: str = "both",
         pre_sm_linear_head: bool = False,
-        head_kernel_size: Optional[int] = None,
+        head_kernel_size: int | None = None,
         post_sm_linear_head: bool = False,
         group_norm: bool = False,
         layer_norm_rescale: bool = False,
@@ -64,27 +63,42 @@ class MultiTokenAttention(nn.Module):
         gate_1d: bool = True,
         init_method: str = "identity",
         layer_id: int = 0,
-        dim: Optional[int] = None,
-        init_std: Optional[float] = None,
+        dim: int | None = None,
+        init_std: float | None = None,
         init_factor: float = 1.0,
         dropout: float = 0.0,
         attn_impl: str = "blocked",
-        attn_block_size: Optional[int] = None,
-        kernels: Optional[KernelTuning] = None,
-        selfcheck: Optional[str] = None,
+        attn_block_size: int | None = None,
+        kernels: KernelTuning | None = None,
+        selfcheck: str | None = None,
         device=None,
         dtype=None,
     ):
         super().__init__()
-        opts = dict(query_kernel_size=query_kernel_size, key_kernel_size=key_kernel_size,
-                    after_sm_query_kernel_size=after_sm_query_kernel_size,
-                    after_sm_key_kernel_size=after_sm_key_kernel_size, pad_key=pad_key,
-                    pre_sm_linear_head=pre_sm_linear_head, head_kernel_size=head_kernel_size,
-                    post_sm_linear_head=post_sm_linear_head, group_norm=group_norm,
-                    layer_norm_rescale=layer_norm_rescale, add_gating=add_gating, gate_1d=gate_1d,
-                    init_method=init_method)
-        self.args = validated_args(n_heads, head_dim, opts, dropout=dropout, attn_impl=attn_impl,
-                                   attn_block_size=attn_block_size, kernels=kernels or KernelTuning())
+        opts = dict(
+            query_kernel_size=query_kernel_size,
+            key_kernel_size=key_kernel_size,
+            after_sm_query_kernel_size=after_sm_query_kernel_size,
+            after_sm_key_kernel_size=after_sm_key_kernel_size,
+            pad_key=pad_key,
+            pre_sm_linear_head=pre_sm_linear_head,
+            head_kernel_size=head_kernel_size,
+            post_sm_linear_head=post_sm_linear_head,
+            group_norm=group_norm,
+            layer_norm_rescale=layer_norm_rescale,
+            add_gating=add_gating,
+            gate_1d=gate_1d,
+            init_method=init_method,
+        )
+        self.args = validated_args(
+            n_heads,
+            head_dim,
+            opts,
+            dropout=dropout,
+            attn_impl=attn_impl,
+            attn_block_size=attn_block_size,
+            kernels=kernels or KernelTuning(),
+        )
         if selfcheck not in SELFCHECK:
             raise UserError(f"MultiTokenAttention: selfcheck={selfcheck!r}: expected warn, strict, off or None")
         if isinstance(layer_id, bool) or not isinstance(layer_id, int) or layer_id < 0:
@@ -96,17 +110,21 @@ class MultiTokenAttention(nn.Module):
         self.init_std, self.init_factor = init_std, init_factor
         self.dropout, self.selfcheck = dropout, selfcheck
         # "kq_conv" (key-query convolutions), "mixing" (head mixing only) or "sdpa" (neither).
-        self.kind = "kq_conv" if query_kernel_size or after_sm_query_kernel_size else (
-            "mixing" if pre_sm_linear_head or post_sm_linear_head or head_kernel_size else "sdpa")
+        self.kind = (
+            "kq_conv"
+            if query_kernel_size or after_sm_query_kernel_size
+            else ("mixing" if pre_sm_linear_head or post_sm_linear_head or head_kernel_size else "sdpa")
+        )
         fk = {"device": device, "dtype": dtype}
 
-        def param(on: bool, *shape) -> Optional[nn.Parameter]:
+        def param(on: bool, *shape) -> nn.Parameter | None:
             return nn.Parameter(torch.empty(*shape, **fk)) if on else None
 
         self.mta_kernel = param(query_kernel_size is not None, H, 1, query_kernel_size, key_kernel_size)
         self.wpsm = nn.Linear(H, H, bias=False, **fk) if pre_sm_linear_head else None
-        self.mta_kernel_after_sm = param(after_sm_query_kernel_size is not None, H, 1, after_sm_query_kernel_size,
-                                         after_sm_key_kernel_size)
+        self.mta_kernel_after_sm = param(
+            after_sm_query_kernel_size is not None, H, 1, after_sm_query_kernel_size, after_sm_key_kernel_size
+        )
         c_h = head_kernel_size
         self.head_kernel = param(c_h is not None, H // (c_h or 1), c_h, c_h)
         self.wposm = nn.Linear(H, H, bias=False, **fk) if post_sm_linear_head else None
@@ -127,17 +145,39 @@ class MultiTokenAttention(nn.Module):
         """Earlier queries a new query's output depends on (cached decoding keeps them)."""
         return query_history(self.mta_kernel, self.mta_kernel_after_sm)
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                attention_mask: Optional[torch.Tensor] = None, q_offset: Optional[int] = None) -> torch.Tensor:
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        q_offset: int | None = None,
+    ) -> torch.Tensor:
         weight = lambda lin: None if lin is None else lin.weight  # noqa: E731
         return multi_token_attention(
-            q, k, v, mta_kernel=self.mta_kernel, wpsm=weight(self.wpsm), mta_kernel_after_sm=self.mta_kernel_after_sm,
-            head_kernel=self.head_kernel, wposm=weight(self.wposm), pad_key=self.pad_key,
-            subln_weight=weight(self.subln), layer_norm_rescale=self.layer_norm_rescale, layer_id=self.layer_id,
-            eps=1e-5 if self.subln is None else self.subln.eps, gate_weight=weight(self.gate),
-            gate_bias=None if self.gate is None else self.gate.bias, attention_mask=attention_mask,
-            q_offset=q_offset, dropout_p=self.dropout if self.training else 0.0, attn_impl=self.args.attn_impl,
-            attn_block_size=self.args.attn_block_size, kernels=self.args.kernels, selfcheck=self.selfcheck)
+            q,
+            k,
+            v,
+            mta_kernel=self.mta_kernel,
+            wpsm=weight(self.wpsm),
+            mta_kernel_after_sm=self.mta_kernel_after_sm,
+            head_kernel=self.head_kernel,
+            wposm=weight(self.wposm),
+            pad_key=self.pad_key,
+            subln_weight=weight(self.subln),
+            layer_norm_rescale=self.layer_norm_rescale,
+            layer_id=self.layer_id,
+            eps=1e-5 if self.subln is None else self.subln.eps,
+            gate_weight=weight(self.gate),
+            gate_bias=None if self.gate is None else self.gate.bias,
+            attention_mask=attention_mask,
+            q_offset=q_offset,
+            dropout_p=self.dropout if self.training else 0.0,
+            attn_impl=self.args.attn_impl,
+            attn_block_size=self.args.attn_block_size,
+            kernels=self.args.kernels,
+            selfcheck=self.selfcheck,
+        )
 
     def extra_repr(self) -> str:
         m = self.args.mta
@@ -158,8 +198,14 @@ def validated_args(n_heads: int, head_dim: int, opts: dict, where: str = "MultiT
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise UserError(f"{where}: {name}={value!r}: expected a positive integer")
     try:
-        return ModelArgs(dim=n_heads * head_dim, n_layers=1, n_heads=n_heads, head_dim=head_dim,
-                         mta=MTAArgs(use_mta=True, **opts), **model)
+        return ModelArgs(
+            dim=n_heads * head_dim,
+            n_layers=1,
+            n_heads=n_heads,
+            head_dim=head_dim,
+            mta=MTAArgs(use_mta=True, **opts),
+            **model,
+        )
     except UserError as e:  # "model.mta.key_kernel_size=4: ..." -> "key_kernel_size=4: ..."
         raise UserError(f"{where}: " + re.sub(r"model\.(mta\.)?", "", str(e))) from None
     except TypeError as e:  # a field of the wrong type that the dataclass itself rejects

@@ -15,7 +15,8 @@ jobs need at their start (the data root and its domains, the tokenizer, sources,
 writable root): each missing one is a line, exit status 2, nothing queued; ``--no-check``
 skips that for paths that exist only on the compute nodes. ``pipeline.slurm`` sets the
 resources of the evaluation, check and report jobs, and its partition, account, qos and
-constraint apply to every job (training jobs take their size from the experiment). ``paper_880m`` alone means ``pipeline=paper_880m``. Rerunning the
+constraint apply to every job (training jobs take their size from the experiment).
+``paper_880m`` alone means ``pipeline=paper_880m``. Rerunning the
 same command skips the jobs that are done and resumes the others (training resumes from
 its checkpoints); with launcher=slurm it submits what is not done and not still queued,
 chained with --dependency=afterok. Overrides change the plan like any Hydra config:
@@ -25,7 +26,7 @@ chained with --dependency=afterok. Overrides change the plan like any Hydra conf
 from __future__ import annotations
 
 import sys
-from typing import Optional, Sequence
+from collections.abc import Sequence
 
 from mta_repro.errors import UserError
 
@@ -35,8 +36,8 @@ LAUNCHERS = ("local", "slurm")
 def build_plan(overrides: Sequence[str]):
     from omegaconf import OmegaConf
 
-    from mta_repro.train.config import compose
     from mta_repro.pipeline.plan import Plan
+    from mta_repro.train.config import compose
 
     cfg = compose(list(overrides), config_name="run_pipeline")
     if cfg.launcher not in LAUNCHERS:
@@ -55,11 +56,13 @@ def _bare_name(arg: str) -> str:
     names = sorted(p.stem for p in (CONFIG_DIR / "pipeline").glob("*.yaml"))
     if arg in names:
         return f"pipeline={arg}"
-    raise UserError(f"{arg!r} is neither an override (key=value) nor a pipeline name; "
-                    + unknown_option_line("pipeline", arg, names))
+    raise UserError(
+        f"{arg!r} is neither an override (key=value) nor a pipeline name; "
+        + unknown_option_line("pipeline", arg, names)
+    )
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if any(a in ("-h", "--help") for a in argv):
         print(__doc__)
@@ -74,8 +77,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     def go() -> int:
         bad = [a for a in overrides if a.startswith("--")]
         if bad:
-            raise UserError(f"unknown option {bad[0]} (options: --plan, --dry-run, {NO_CHECK}, --help; the rest are "
-                            "Hydra overrides)")
+            raise UserError(
+                f"unknown option {bad[0]} (options: --plan, --dry-run, {NO_CHECK}, --help; the rest are "
+                "Hydra overrides)"
+            )
         check_split_lists(overrides)
         plan, cfg = build_plan([_bare_name(a) for a in overrides])
         # SLURM jobs wait in the queue, then start elsewhere: what each needs is checked now

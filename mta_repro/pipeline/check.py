@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import json
 import sys
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Optional, Sequence
 
 from mta_repro.errors import UserError
 from mta_repro.files import replace_atomically
@@ -28,21 +28,23 @@ RESULT_FILE = "appendix_i_check.json"
 def first_batch_losses(overrides: Sequence[str], device: str = "auto") -> dict:
     import torch
 
-    from mta_repro.train.config import compose
     from mta_repro.dataclass_config import to_dataclass
     from mta_repro.eval.load import load_model
     from mta_repro.model import build_model, to_model_args
-    from mta_repro.train.args import CheckpointArgs
+
     # the trainer's own stage start, so the check sees exactly what training starts from
     from mta_repro.model.loss import cross_entropy
+    from mta_repro.train.args import CheckpointArgs
+    from mta_repro.train.config import compose
     from mta_repro.train.loop import load_factory, stage_start_weights
 
     cfg = compose(list(overrides))
     ck = to_dataclass(CheckpointArgs, cfg.checkpoint, "checkpoint")
     if ck.init_from is None:
         raise UserError("appendix I check: the stage needs checkpoint.init_from (the source model)")
-    dev = torch.device("cuda" if device == "auto" and torch.cuda.is_available() else
-                       ("cpu" if device == "auto" else device))
+    dev = torch.device(
+        "cuda" if device == "auto" and torch.cuda.is_available() else ("cpu" if device == "auto" else device)
+    )
     allow_tf32 = torch.backends.cuda.matmul.allow_tf32
     torch.backends.cuda.matmul.allow_tf32 = False
     try:
@@ -68,8 +70,15 @@ def first_batch_losses(overrides: Sequence[str], device: str = "auto") -> dict:
             ins = float(cross_entropy(inserted, x, y))
     finally:
         torch.backends.cuda.matmul.allow_tf32 = allow_tf32
-    return {"source": str(ck.init_from), "run_dir": str(cfg.run_dir), "batch_shape": list(x.shape),
-            "device": str(dev), "source_loss": src, "inserted_loss": ins, "abs_diff": abs(src - ins)}
+    return {
+        "source": str(ck.init_from),
+        "run_dir": str(cfg.run_dir),
+        "batch_shape": list(x.shape),
+        "device": str(dev),
+        "source_loss": src,
+        "inserted_loss": ins,
+        "abs_diff": abs(src - ins),
+    }
 
 
 def check(overrides: Sequence[str], tol: float = DEFAULT_TOL, device: str = "auto") -> dict:
@@ -82,7 +91,7 @@ def check(overrides: Sequence[str], tol: float = DEFAULT_TOL, device: str = "aut
     return res
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if any(a in ("-h", "--help") for a in argv):
         print(__doc__)
@@ -101,8 +110,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except UserError as e:
         print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
         return 2
-    line = (f"appendix I check: first-batch loss source {res['source_loss']:.6f} | inserted "
-            f"{res['inserted_loss']:.6f} | |diff| {res['abs_diff']:.2e} (tol {tol:g})")
+    line = (
+        f"appendix I check: first-batch loss source {res['source_loss']:.6f} | inserted "
+        f"{res['inserted_loss']:.6f} | |diff| {res['abs_diff']:.2e} (tol {tol:g})"
+    )
     if not res["ok"]:
         print(f"error: {line}: the MTA-inserted model does not compute what the source computed", file=sys.stderr)
         return 1

@@ -30,20 +30,24 @@ def source_of(data_args) -> Path:
     root = data_args._get_parent() if isinstance(data_args, DictConfig) else None
     src = root.checkpoint.get("init_from") if isinstance(root, DictConfig) and "checkpoint" in root else None
     if not src:
-        raise UserError("trainer.loader=mta_repro.pipeline.data:build_continued_loader: needs "
-                         "checkpoint.init_from (the run whose data position to continue)")
+        raise UserError(
+            "trainer.loader=mta_repro.pipeline.data:build_continued_loader: needs "
+            "checkpoint.init_from (the run whose data position to continue)"
+        )
     return Path(str(src))
 
 
 def source_stream_state(src: Path, rank: int, world_size: int) -> dict:
     """{domain: stream state} of rank ``rank`` at the source's latest complete checkpoint."""
-    from mta_repro.weights import COMPLETE, latest_checkpoint
     from mta_repro.errors import UnsafeFileError
-    from mta_repro.weights.safe import decode_state, dcp_load
+    from mta_repro.weights import COMPLETE, latest_checkpoint
+    from mta_repro.weights.safe import dcp_load, decode_state
 
     if src.is_file():
-        raise UserError(f"checkpoint.init_from={src}: a consolidated .pt holds no data position; continuing the "
-                         "data needs the source run directory (or one of its checkpoint directories)")
+        raise UserError(
+            f"checkpoint.init_from={src}: a consolidated .pt holds no data position; continuing the "
+            "data needs the source run directory (or one of its checkpoint directories)"
+        )
     ckpt = src if (src / COMPLETE).exists() else latest_checkpoint(src)
     if ckpt is None:
         raise UserError(f"checkpoint.init_from={src}: no complete checkpoint to continue the data from")
@@ -54,15 +58,19 @@ def source_stream_state(src: Path, rank: int, world_size: int) -> dict:
     except UnsafeFileError:
         raise
     except Exception as e:  # noqa: BLE001 - name what is missing
-        raise UserError(f"{ckpt}: no data-loader state of rank {rank} ({e}); the source must have run on "
-                         f"{world_size} rank(s) like this stage") from None
+        raise UserError(
+            f"{ckpt}: no data-loader state of rank {rank} ({e}); the source must have run on "
+            f"{world_size} rank(s) like this stage"
+        ) from None
     per_rank = decode_state(state[key], f"checkpoint {ckpt}: {key}")
     data = per_rank.get("data") if isinstance(per_rank, dict) else None
     if not data or "streams" not in data:
         raise UserError(f"{ckpt}: rank {rank} saved no data-loader state")
     if data.get("world_size") != world_size:
-        raise UserError(f"{ckpt}: saved by {data.get('world_size')} rank(s), this stage runs on {world_size}; "
-                         "file shards are per rank, so continuing the data needs the same number of ranks")
+        raise UserError(
+            f"{ckpt}: saved by {data.get('world_size')} rank(s), this stage runs on {world_size}; "
+            "file shards are per rank, so continuing the data needs the same number of ranks"
+        )
     return data["streams"]
 
 

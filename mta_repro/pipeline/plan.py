@@ -24,13 +24,12 @@ import shlex
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
-from mta_repro.train.config import CONFIG_DIR
 from mta_repro.errors import UserError
 from mta_repro.files import read_json
+from mta_repro.train.config import CONFIG_DIR
 
 REPO = CONFIG_DIR.parent
 VARIANTS = ("baseline", "diff", "talking_heads", "mta")
@@ -60,10 +59,28 @@ VARIANTS = ("baseline", "diff", "talking_heads", "mta")
 # - slurm: resources of the evaluation, check and report jobs (training jobs take
 #   their experiment's); its partition, account, qos and constraint go to every job.
 # - name: the pipeline's name.
-STAGE_KEYS = {"name", "experiment", "variants", "init_from", "overrides", "sweep", "eval", "check_first_loss",
-              "continue_data"}
-PIPELINE_KEYS = {"name", "variants", "train_overrides", "stages", "lm_eval_local", "report", "appendix_i_tol",
-                 "slurm", "imports"}
+STAGE_KEYS = {
+    "name",
+    "experiment",
+    "variants",
+    "init_from",
+    "overrides",
+    "sweep",
+    "eval",
+    "check_first_loss",
+    "continue_data",
+}
+PIPELINE_KEYS = {
+    "name",
+    "variants",
+    "train_overrides",
+    "stages",
+    "lm_eval_local",
+    "report",
+    "appendix_i_tol",
+    "slurm",
+    "imports",
+}
 IMPORT_PREFIX = "import:"  # init_from: import:<name> = the imports entry <name>
 CONTINUE_LOADER = "mta_repro.pipeline.data:build_continued_loader"
 
@@ -78,12 +95,12 @@ class Job:
     stage: str = ""
     label: str = ""  # "<stage>/<variant or point>"
     overrides: list = field(default_factory=list)  # train / check: the training overrides
-    steps: Optional[int] = None  # train: trainer.steps
+    steps: int | None = None  # train: trainer.steps
     eval_tasks: list = field(default_factory=list)  # eval: task names
-    eval_out: Optional[Path] = None  # eval: where the JSONs go
+    eval_out: Path | None = None  # eval: where the JSONs go
     runs: list = field(default_factory=list)  # report: run dirs
-    hf_dir: Optional[Path] = None  # import: the local Hugging Face folder read
-    out_file: Optional[Path] = None  # import: the consolidated .pt written
+    hf_dir: Path | None = None  # import: the local Hugging Face folder read
+    out_file: Path | None = None  # import: the consolidated .pt written
 
     def shell(self) -> str:
         return " ".join(shlex.quote(str(a)) for a in self.command)
@@ -123,8 +140,8 @@ class _Composer:
         from hydra import initialize_config_dir
         from hydra.core.global_hydra import GlobalHydra
 
-        from mta_repro.train.config import register_configs
         from mta_repro.eval.args import register_eval_config
+        from mta_repro.train.config import register_configs
 
         register_configs()
         register_eval_config()
@@ -240,17 +257,22 @@ class Plan:
                 raise UserError(f"{where}.experiment: required (a configs/experiment name, may use {{variant}})")
             src = st.get("init_from")
             imported = src is not None and str(src).startswith(IMPORT_PREFIX)
-            if imported and str(src)[len(IMPORT_PREFIX):] not in imports:
-                raise UserError(f"{where}.init_from: {src!r}: no such entry in pipeline.imports "
-                                 f"(has {sorted(imports)})")
+            if imported and str(src)[len(IMPORT_PREFIX) :] not in imports:
+                raise UserError(
+                    f"{where}.init_from: {src!r}: no such entry in pipeline.imports (has {sorted(imports)})"
+                )
             if src is not None and not imported and str(src).split("/")[0] not in names:
-                raise UserError(f"{where}.init_from: {src!r} is not an earlier stage (earlier: {names})"
-                                 + (f" nor import:<name> of pipeline.imports ({sorted(imports)})" if imports else ""))
+                raise UserError(
+                    f"{where}.init_from: {src!r} is not an earlier stage (earlier: {names})"
+                    + (f" nor import:<name> of pipeline.imports ({sorted(imports)})" if imports else "")
+                )
             if st.get("check_first_loss") and src is None:
                 raise UserError(f"{where}.check_first_loss: needs init_from (the source model)")
             if st.get("continue_data") and (src is None or imported):
-                raise UserError(f"{where}.continue_data: needs init_from of an earlier stage (the run whose data "
-                                 "position it continues)")
+                raise UserError(
+                    f"{where}.continue_data: needs init_from of an earlier stage (the run whose data "
+                    "position it continues)"
+                )
             names.append(st.name)
 
     def _imports(self) -> dict:
@@ -265,8 +287,10 @@ class Plan:
             if _safe_name(str(name)) != str(name) or not str(name):
                 raise UserError(f"pipeline.imports: {name!r}: a name of letters, digits, '.', '_', '-' expected")
             if not isinstance(folder, (str, Path)) or not str(folder):
-                raise UserError(f"pipeline.imports.{name}: expected the path of a local Hugging Face model folder "
-                                 f"(config.json + safetensors), got {folder!r}")
+                raise UserError(
+                    f"pipeline.imports.{name}: expected the path of a local Hugging Face model folder "
+                    f"(config.json + safetensors), got {folder!r}"
+                )
             out[str(name)] = Path(str(folder)).expanduser().resolve()
         return out
 
@@ -275,7 +299,7 @@ class Plan:
         with _Composer() as c:
             self._build_jobs(c)
 
-    def _build_jobs(self, c: "_Composer") -> None:
+    def _build_jobs(self, c: _Composer) -> None:
         s = self.spec
         common = _list(s.get("train_overrides"), "pipeline.train_overrides")
         pipeline_variants = _list(s.get("variants"), "pipeline.variants")
@@ -285,16 +309,29 @@ class Plan:
         for name, folder in self._imports().items():
             out = self.root / "imports" / name / "consolidated.pt"
             imported[name] = out
-            self.jobs.append(Job(f"{IMPORT_PREFIX}{name}", "import", out.parent,
-                                 [self.python, "-m", "mta_repro.hf", "import", str(folder), str(out)],
-                                 [], "imports", name, hf_dir=folder, out_file=out))
+            self.jobs.append(
+                Job(
+                    f"{IMPORT_PREFIX}{name}",
+                    "import",
+                    out.parent,
+                    [self.python, "-m", "mta_repro.hf", "import", str(folder), str(out)],
+                    [],
+                    "imports",
+                    name,
+                    hf_dir=folder,
+                    out_file=out,
+                )
+            )
         for i, st in enumerate(s.stages):
             where = f"pipeline.stages[{i}]"
             variants = _list(st.get("variants"), f"{where}.variants") or pipeline_variants
             for variant in variants:
                 exp = _experiment(st, variant, where)
-                base = [f"experiment={exp}"] + common + [
-                    _fmt(o, variant, f"{where}.overrides") for o in _overrides(st, variant, where)]
+                base = (
+                    [f"experiment={exp}"]
+                    + common
+                    + [_fmt(o, variant, f"{where}.overrides") for o in _overrides(st, variant, where)]
+                )
                 points = [(variant, [])]
                 if st.get("sweep"):
                     points = []
@@ -306,8 +343,10 @@ class Plan:
                         points.append((_safe_name(Path(str(cfg.run_dir)).name), concrete))
                     names = [p for p, _ in points]
                     if len(set(names)) != len(names):
-                        raise UserError(f"{where}: experiment={exp} names two sweep points alike ({names}); "
-                                         "its run_dir must contain every swept value")
+                        raise UserError(
+                            f"{where}: experiment={exp} names two sweep points alike ({names}); "
+                            "its run_dir must contain every swept value"
+                        )
                 for point, pt in points:
                     label = f"{st.name}/{point}"
                     if label in self.train_dirs:
@@ -319,15 +358,17 @@ class Plan:
                     deps = []
                     src_dir = None
                     if st.get("init_from") is not None and str(st.init_from).startswith(IMPORT_PREFIX):
-                        src_dir = imported[str(st.init_from)[len(IMPORT_PREFIX):]]
+                        src_dir = imported[str(st.init_from)[len(IMPORT_PREFIX) :]]
                         ov.append(f"checkpoint.init_from={src_dir}")
                         deps.append(str(st.init_from))
                     elif st.get("init_from") is not None:
                         src = str(st.init_from)
                         src_label = src if "/" in src else f"{src}/{variant}"
                         if src_label not in self.train_dirs:
-                            raise UserError(f"{where}.init_from: {src!r}: no run {src_label} in the plan "
-                                             f"(planned: {sorted(self.train_dirs)})")
+                            raise UserError(
+                                f"{where}.init_from: {src!r}: no run {src_label} in the plan "
+                                f"(planned: {sorted(self.train_dirs)})"
+                            )
                         src_dir = self.train_dirs[src_label]
                         ov.append(f"checkpoint.init_from={src_dir}")
                         deps.append(f"train:{src_label}")
@@ -339,14 +380,32 @@ class Plan:
                     self.train_dirs[label] = run_dir
                     if _checks(st, variant, where):
                         tol = float(s.get("appendix_i_tol", 1e-4))
-                        self.jobs.append(Job(
-                            f"check:{label}", "check", run_dir,
-                            [self.python, "-m", "mta_repro.pipeline.check", *ov, f"--tol={tol}"],
-                            list(deps), st.name, label, ov))
+                        self.jobs.append(
+                            Job(
+                                f"check:{label}",
+                                "check",
+                                run_dir,
+                                [self.python, "-m", "mta_repro.pipeline.check", *ov, f"--tol={tol}"],
+                                list(deps),
+                                st.name,
+                                label,
+                                ov,
+                            )
+                        )
                         deps = deps + [f"check:{label}"]
-                    self.jobs.append(Job(f"train:{label}", "train", run_dir,
-                                         [self.python, "-m", "mta_repro.train", *ov], deps, st.name, label, ov,
-                                         steps=int(cfg.trainer.steps)))
+                    self.jobs.append(
+                        Job(
+                            f"train:{label}",
+                            "train",
+                            run_dir,
+                            [self.python, "-m", "mta_repro.train", *ov],
+                            deps,
+                            st.name,
+                            label,
+                            ov,
+                            steps=int(cfg.trainer.steps),
+                        )
+                    )
                     if st.get("eval") is not None:
                         evals.append((st, label, run_dir, _list(st.eval, f"{where}.eval")))
         steps = {j.label: j.steps for j in self.jobs if j.kind == "train"}
@@ -354,23 +413,44 @@ class Plan:
             ov = list(ev) + ([f"lm_eval.include_path={include}"] if include else [])
             tasks, out_dir = c.eval(ov)
             out = Path(out_dir) if out_dir else run_dir / "eval"
-            self.jobs.append(Job(f"eval:{label}", "eval", run_dir,
-                                 [self.python, "-m", "mta_repro.eval", str(run_dir), *ov], [f"train:{label}"],
-                                 st.name, label, steps=steps[label], eval_tasks=tasks, eval_out=out))
+            self.jobs.append(
+                Job(
+                    f"eval:{label}",
+                    "eval",
+                    run_dir,
+                    [self.python, "-m", "mta_repro.eval", str(run_dir), *ov],
+                    [f"train:{label}"],
+                    st.name,
+                    label,
+                    steps=steps[label],
+                    eval_tasks=tasks,
+                    eval_out=out,
+                )
+            )
         if s.get("report", True):
             runs = list(self.train_dirs.items())
             out = self.root / "report"
             cmd = [self.python, "-m", "mta_repro.report", *[str(d) for _, d in runs], "--out", str(out)]
             for label, d in runs:
                 cmd += ["--label", f"{d}={label}"]
-            self.jobs.append(Job("report", "report", out, cmd, [j.id for j in self.jobs], "report", "report",
-                                 runs=[d for _, d in runs]))
+            self.jobs.append(
+                Job(
+                    "report",
+                    "report",
+                    out,
+                    cmd,
+                    [j.id for j in self.jobs],
+                    "report",
+                    "report",
+                    runs=[d for _, d in runs],
+                )
+            )
 
-    def _lm_eval_include(self) -> Optional[Path]:
+    def _lm_eval_include(self) -> Path | None:
         local = self.spec.get("lm_eval_local")
         return (self.root / "lm_eval_tasks") if local else None
 
-    def write_lm_eval_tasks(self) -> Optional[Path]:
+    def write_lm_eval_tasks(self) -> Path | None:
         """Write the ``<task>_local`` YAMLs (needs lm-eval's task index: a few seconds)."""
         local = self.spec.get("lm_eval_local")
         if not local:
@@ -402,13 +482,16 @@ class Plan:
         lines = [f"pipeline {self.spec.get('name', '?')}: {len(self.jobs)} jobs under {self.root}"]
         for j in self.jobs:
             state = "done" if done(j) else "todo"
-            after = f" after {', '.join(j.deps)}" if j.deps and j.kind != "report" else (
-                " after all" if j.kind == "report" else "")
+            after = (
+                f" after {', '.join(j.deps)}"
+                if j.deps and j.kind != "report"
+                else (" after all" if j.kind == "report" else "")
+            )
             lines.append(f"  [{state}] {j.id:<{w}}  {j.run_dir}{after}")
         return "\n".join(lines)
 
 
-def _finished(run_dir: Path, steps: int) -> Optional[Path]:
+def _finished(run_dir: Path, steps: int) -> Path | None:
     """The file that shows the run reached ``steps``: its export, else (checkpoint.export=false)
     the complete checkpoint of that step; None while it has not (a damaged file does not
     count). Weights that would unpickle code raise ``UnsafeFileError`` (one line, exit 2)."""
@@ -426,14 +509,14 @@ def _finished(run_dir: Path, steps: int) -> Optional[Path]:
     return None
 
 
-def imported_from(pt: Path) -> Optional[str]:
+def imported_from(pt: Path) -> str | None:
     """The folder a ``python -m mta_repro.hf import`` .pt was read from, or None when the
     file is not there or not a complete import (truncated, or not an import). Read as data
     only (``mta_repro.weights.load_pt``) and memory-mapped: the weights are not read."""
     if not pt.is_file():
         return None
-    from mta_repro.weights import load_pt
     from mta_repro.errors import CorruptFileError
+    from mta_repro.weights import load_pt
 
     try:  # a file that would unpickle code raises UnsafeFileError (one line), as for the runs
         blob = load_pt(pt)
@@ -444,12 +527,14 @@ def imported_from(pt: Path) -> Optional[str]:
     return str(blob.get("source")) if blob.get("source") is not None else None
 
 
-def missing_sources(plan: "Plan") -> list:
+def missing_sources(plan: Plan) -> list:
     """One line per import job still to run whose folder is not a Hugging Face model folder."""
-    return [f"pipeline.imports.{j.label}: {j.hf_dir}/config.json does not exist (expected your "
-            "local download of the Hugging Face model folder, docs/llama3.md)"
-            for j in plan.jobs
-            if j.kind == "import" and j.hf_dir is not None and not done(j) and not (j.hf_dir / "config.json").is_file()]
+    return [
+        f"pipeline.imports.{j.label}: {j.hf_dir}/config.json does not exist (expected your "
+        "local download of the Hugging Face model folder, docs/llama3.md)"
+        for j in plan.jobs
+        if j.kind == "import" and j.hf_dir is not None and not done(j) and not (j.hf_dir / "config.json").is_file()
+    ]
 
 
 def _json(path: Path, shape=object):

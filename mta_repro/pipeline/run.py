@@ -12,9 +12,8 @@ from pathlib import Path
 from string import Template
 
 from mta_repro.errors import UserError
-from mta_repro.files import read_json
+from mta_repro.files import read_json, replace_atomically
 from mta_repro.pipeline.plan import REPO, Job, Plan, done, missing_sources, torn
-from mta_repro.files import replace_atomically
 from mta_repro.slurm import memory_lines, sbatch, time_limit
 from mta_repro.train.args import SITE_FIELDS, SlurmArgs
 
@@ -56,10 +55,12 @@ def _missing_report_inputs(job: Job) -> str:
     lines = []
     for d in job.runs:
         q = shlex.quote(str(d))
-        lines.append(f"[ -f {q}/export/consolidated.pt ] || echo \"report: missing: {d}/export (training did not "
-                     "finish)\" >&2")
-        lines.append(f"ls {q}/eval/*.json >/dev/null 2>&1 || echo \"report: missing: {d}/eval/*.json (no "
-                     "evaluation results)\" >&2")
+        lines.append(
+            f'[ -f {q}/export/consolidated.pt ] || echo "report: missing: {d}/export (training did not finish)" >&2'
+        )
+        lines.append(
+            f'ls {q}/eval/*.json >/dev/null 2>&1 || echo "report: missing: {d}/eval/*.json (no evaluation results)" >&2'
+        )
     return "\n".join(lines)
 
 
@@ -70,15 +71,21 @@ def job_script(job: Job, slurm: dict) -> str:
         from mta_repro.train.submit import render
 
         # check_paths=False: the source run is made by an earlier job of this plan
-        script, _ = render(list(job.overrides) + site_overrides(slurm, job.overrides), python=job.command[0],
-                           check_paths=False)
+        script, _ = render(
+            list(job.overrides) + site_overrides(slurm, job.overrides), python=job.command[0], check_paths=False
+        )
         return script
     report = job.kind == "report"
     cpu_only = report or job.kind == "import"
     gpus = int(slurm.get("gpus_per_node", 1)) if not cpu_only else 0
     extra = "\n".join(f"#SBATCH --{k}={slurm[k]}" for k in SITE_FIELDS if slurm.get(k))
-    cpus = REPORT_CPUS if report else IMPORT_CPUS if job.kind == "import" else \
-        int(slurm.get("cpus_per_task", SlurmArgs.cpus_per_task))
+    cpus = (
+        REPORT_CPUS
+        if report
+        else IMPORT_CPUS
+        if job.kind == "import"
+        else int(slurm.get("cpus_per_task", SlurmArgs.cpus_per_task))
+    )
     name = f"{job.kind}_{job.label}".replace("/", "_") if not report else "mta_report"
     command = job.shell() if not report else _missing_report_inputs(job) + "\n" + job.shell()
     return JOB_TEMPLATE.substitute(
@@ -86,8 +93,9 @@ def job_script(job: Job, slurm: dict) -> str:
         gpu_sbatch=f"#SBATCH --gpus-per-node={gpus}\n" if gpus > 0 else "",
         cpus=cpus,
         mem_sbatch=memory_lines(slurm.get("mem"), False) if not report else "",
-        time=time_limit(REPORT_TIME_MIN if report else (IMPORT_TIME_MIN if job.kind == "import"
-                                                         else slurm.get("time_min", 720))),
+        time=time_limit(
+            REPORT_TIME_MIN if report else (IMPORT_TIME_MIN if job.kind == "import" else slurm.get("time_min", 720))
+        ),
         log_dir=shlex.quote(str(job.run_dir / "slurm")),
         extra_sbatch=extra,
         job_id=job.id,
@@ -103,8 +111,11 @@ def site_overrides(slurm: dict, given) -> list:
     the site's names, every job of the plan."""
     from mta_repro.train.jobcheck import quote_value
 
-    return [f"slurm.{k}={quote_value(slurm[k])}" for k in SITE_FIELDS
-            if slurm.get(k) and not any(str(o).lstrip("+").startswith(f"slurm.{k}=") for o in given)]
+    return [
+        f"slurm.{k}={quote_value(slurm[k])}"
+        for k in SITE_FIELDS
+        if slurm.get(k) and not any(str(o).lstrip("+").startswith(f"slurm.{k}=") for o in given)
+    ]
 
 
 def plan_problems(plan: Plan) -> list:
@@ -166,11 +177,15 @@ def run_local(plan: Plan, log=print) -> int:
             tail = "\n".join(logf.read_text().splitlines()[-15:])
             if rc > 128 or rc < 0:  # stopped by a signal (a run saves first): unfinished, not done
                 sig = rc - 128 if rc > 128 else -rc
-                log(f"pipeline: {job.id}: stopped by signal {sig} (exit {rc}) after {time.time() - t0:.0f}s, "
-                    f"unfinished; rerun the same command to resume. Last lines of {logf}:\n{tail}")
+                log(
+                    f"pipeline: {job.id}: stopped by signal {sig} (exit {rc}) after {time.time() - t0:.0f}s, "
+                    f"unfinished; rerun the same command to resume. Last lines of {logf}:\n{tail}"
+                )
                 return rc if rc > 128 else 128 + sig
-            log(f"pipeline: {job.id}: FAILED (exit {rc}) after {time.time() - t0:.0f}s; rerun the same command "
-                f"to resume. Last lines of {logf}:\n{tail}")
+            log(
+                f"pipeline: {job.id}: FAILED (exit {rc}) after {time.time() - t0:.0f}s; rerun the same command "
+                f"to resume. Last lines of {logf}:\n{tail}"
+            )
             return 1
         log(f"pipeline: {job.id}: done in {time.time() - t0:.0f}s")
     log(f"pipeline: finished; report: {plan.root / 'report' / 'report.md'}")
@@ -187,8 +202,9 @@ def _alive(job_ids) -> set:
     if not job_ids:
         return set()
     try:
-        out = subprocess.run(["squeue", "-h", "-o", "%i", "-j", ",".join(job_ids)], capture_output=True, text=True,
-                             timeout=60)
+        out = subprocess.run(
+            ["squeue", "-h", "-o", "%i", "-j", ",".join(job_ids)], capture_output=True, text=True, timeout=60
+        )
     except (FileNotFoundError, subprocess.TimeoutExpired):
         return set()
     return {line.strip() for line in out.stdout.splitlines() if line.strip()}
@@ -243,8 +259,10 @@ def submit_slurm(plan: Plan, dry_run: bool = False, log=print) -> int:
     if not dry_run:
         state_f.parent.mkdir(parents=True, exist_ok=True)
         replace_atomically(state_f, json.dumps({**previous, **ids}, indent=1).encode())
-        log(f"pipeline: {submitted} job(s) submitted; rerun this command after they end (it skips what is done "
-            f"and resubmits what is not); report: {plan.root / 'report' / 'report.md'}")
+        log(
+            f"pipeline: {submitted} job(s) submitted; rerun this command after they end (it skips what is done "
+            f"and resubmits what is not); report: {plan.root / 'report' / 'report.md'}"
+        )
     return 0
 
 

@@ -13,6 +13,7 @@
   trainer's ``checkpoint.init_from`` and eval read them there, without this converter).
 """
 
+from mta_repro.release.cli import main
 from mta_repro.release.config import (
     BYTES_N_WORDS,
     LLAMA3_N_WORDS,
@@ -26,10 +27,18 @@ from mta_repro.release.config import (
     release_model_args,
     release_to_config,
 )
-from mta_repro.release.cli import main
 
 __all__ = [
-    "BYTES_N_WORDS", "LLAMA3_N_WORDS", "RELEASE_DEFAULTS", "RELEASE_MTA_DEFAULTS", "Conversion", "default_name",
-    "experiment_yaml", "load_release_config", "release_file_to_config", "release_model_args", "release_to_config",
+    "BYTES_N_WORDS",
+    "LLAMA3_N_WORDS",
+    "RELEASE_DEFAULTS",
+    "RELEASE_MTA_DEFAULTS",
+    "Conversion",
+    "default_name",
+    "experiment_yaml",
+    "load_release_config",
+    "release_file_to_config",
+    "release_model_args",
+    "release_to_config",
     "main",
 ]

@@ -24,8 +24,11 @@ def main(argv: list[str]) -> int:
     c.add_argument("path")
     c.add_argument("overrides", nargs="*", help="key=value with the release's field names, applied first")
     c.add_argument("--name", default=None, help="experiment name (default release_<file stem>)")
-    c.add_argument("--config-dir", default=None,
-                   help="config root to write <dir>/experiment/<name>.yaml into (default: the project's configs/)")
+    c.add_argument(
+        "--config-dir",
+        default=None,
+        help="config root to write <dir>/experiment/<name>.yaml into (default: the project's configs/)",
+    )
     c.add_argument("--print", action="store_true", help="print the YAML instead of writing it")
     c.add_argument("--force", action="store_true", help="overwrite an existing file")
     a, extra = ap.parse_known_args(argv)  # key=value may also follow the options

@@ -23,12 +23,12 @@ import copy
 import dataclasses
 import re
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import yaml
 
 from mta_repro.errors import UserError
-from mta_repro.model.args import MTAArgs, ModelArgs
+from mta_repro.model.args import ModelArgs, MTAArgs
 
 # What a value of the release means when it is written as a placeholder: ``<path_to_dataset>``.
 PLACEHOLDER = re.compile(r"<[A-Za-z0-9_\-]+>")
@@ -206,7 +206,8 @@ class _ReleaseLoader(yaml.SafeLoader):
 
 
 _ReleaseLoader.add_implicit_resolver(
-    "tag:yaml.org,2002:float", re.compile(r"^[-+]?[0-9][0-9_]*(\.[0-9_]*)?[eE][-+]?[0-9]+$"),
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?[0-9][0-9_]*(\.[0-9_]*)?[eE][-+]?[0-9]+$"),
     list("-+0123456789"),
 )
 
@@ -246,12 +247,11 @@ def _merge_defaults(user: Any, defaults: Any, where: str) -> Any:
     if not isinstance(user, dict):
         raise UserError(f"release field {where}: expected a mapping, got {user!r}")
     out = {}
-    for k, v in user.items():
+    for k, _v in user.items():
         if k not in defaults:
             known = ", ".join(sorted(defaults))
             raise UserError(
-                f"release field {_join(where, k)} is not a field of the release's config "
-                f"(known here: {known})"
+                f"release field {_join(where, k)} is not a field of the release's config (known here: {known})"
             )
     for k, d in defaults.items():
         out[k] = _merge_defaults(user.get(k, OPAQUE if d is OPAQUE else d), d, _join(where, k))
@@ -293,7 +293,7 @@ class _Fields:
         if field in self.given:
             self.notes.append(f"ignored {field}: {why}")
 
-    def path_value(self, field: str, override: str) -> Optional[str]:
+    def path_value(self, field: str, override: str) -> str | None:
         v = _get(self.r, field)
         if _placeholder(v):
             self.notes.append(f"{field} is a placeholder in the release ({v}): pass {override}=... when training")
@@ -461,7 +461,7 @@ def _convert_checkpoint(f: _Fields) -> dict:
     return {"every": c["dump"]["every"], "keep": keep, "init_from": init_from, "init_mode": "model"}
 
 
-def _convert_model(m: dict, given: set[str], data: dict, tok_path: Optional[str], notes: list[str]) -> dict:
+def _convert_model(m: dict, given: set[str], data: dict, tok_path: str | None, notes: list[str]) -> dict:
     def refuse(field: str, value: Any, why: str) -> None:
         raise UserError(f"release field model.{field}={value!r} is not supported: {why}")
 
@@ -552,13 +552,21 @@ def _convert_mta(release_mta: dict, given: set[str], notes: list[str]) -> dict:
         if (mt[q] is None) != (mt[k] is None):
             set_one = q if mt[q] is not None else k
             if f"model.mta.{set_one}" in given:
-                notes.append(f"model.mta.{set_one}={mt[set_one]} has no effect without its pair (the release builds no kernel)")
+                notes.append(
+                    f"model.mta.{set_one}={mt[set_one]} has no effect without its pair (the release builds no kernel)"
+                )
             mt[q] = mt[k] = None
     if not mt["use_mta"]:
         # Without use_mta the release builds plain SDPA attention: none of these exist.
         # (group_norm, gating and curse_norm still apply, as in the release.)
-        for f in ("query_kernel_size", "key_kernel_size", "after_sm_query_kernel_size",
-                  "after_sm_key_kernel_size", "head_kernel_size", "mta_layers"):
+        for f in (
+            "query_kernel_size",
+            "key_kernel_size",
+            "after_sm_query_kernel_size",
+            "after_sm_key_kernel_size",
+            "head_kernel_size",
+            "mta_layers",
+        ):
             if mt[f] is not None and f"model.mta.{f}" in given:
                 notes.append(f"model.mta.{f} has no effect with use_mta false (as in the release)")
             mt[f] = None
@@ -575,15 +583,22 @@ def _convert_mta(release_mta: dict, given: set[str], notes: list[str]) -> dict:
         # Combinations the release's init asserts against; ours runs them (README).
         has_kernel = mt["query_kernel_size"] is not None or mt["after_sm_query_kernel_size"] is not None
         if has_kernel and mt["init_method"] == "identity" and mt["pad_key"] != "both":
-            notes.append("the release asserts pad_key 'both' for identity kernels; ours uses the true identity for any pad_key")
+            notes.append(
+                "the release asserts pad_key 'both' for identity kernels; ours uses the true identity for any pad_key"
+            )
         if mt["after_sm_query_kernel_size"] is not None and mt["init_method"] != "identity":
-            notes.append("the release asserts init_method identity with post-softmax kernels; ours starts them at identity")
+            notes.append(
+                "the release asserts init_method identity with post-softmax kernels; ours starts them at identity"
+            )
         if mt["head_kernel_size"] is not None and mt["init_method"] != "identity":
-            notes.append("the release raises for head_kernel_size with a non-identity init_method; ours starts head_kernel at identity")
+            notes.append(
+                "the release raises for head_kernel_size with a non-identity init_method; "
+                "ours starts head_kernel at identity"
+            )
     return {f.name: mt[f.name] for f in dataclasses.fields(MTAArgs)}
 
 
-def _tokenizer_vocab(tok: dict, tok_path: Optional[str], notes: list[str]) -> int:
+def _tokenizer_vocab(tok: dict, tok_path: str | None, notes: list[str]) -> int:
     """The release sets vocab_size from the tokenizer when the YAML leaves it at -1."""
     name = TOKENIZER_NAMES[tok["name"]]
     if name == "bytes":
@@ -643,7 +658,9 @@ def release_model_args(path: str | Path, overrides: tuple[str, ...] | list[str] 
     return release_file_to_config(path, overrides=overrides).model_args()
 
 
-def release_file_to_config(path: str | Path, name: Optional[str] = None, overrides: tuple[str, ...] | list[str] = ()) -> Conversion:
+def release_file_to_config(
+    path: str | Path, name: str | None = None, overrides: tuple[str, ...] | list[str] = ()
+) -> Conversion:
     """A release YAML or Lingua ``params.json`` (with release-named ``key=value`` overrides) -> our config."""
     path = Path(path)
     raw = load_release_config(path, overrides)
@@ -685,6 +702,6 @@ def experiment_yaml(conv: Conversion, name: str) -> str:
     # defaults (the bundled corpus) and be silently replaced.
     config = copy.deepcopy(conv.config)
     for field in _missing_fields(config):
-        _set(config, field, "${release_placeholder:%s}" % field)
+        _set(config, field, f"${{release_placeholder:{field}}}")
     body = yaml.safe_dump(config, sort_keys=False, default_flow_style=False)
     return "\n".join(head) + "\n" + body

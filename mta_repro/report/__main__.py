@@ -18,13 +18,12 @@ import argparse
 import json
 import sys
 from pathlib import Path
-from typing import Optional
 
 from mta_repro.errors import UserError
+from mta_repro.files import replace_atomically
 from mta_repro.report import plots
 from mta_repro.report.paper import VARIANT_LABELS
 from mta_repro.report.tables import STAGE_LABELS, all_tables, comparability, eval_command, load_run
-from mta_repro.files import replace_atomically
 
 
 def parse_labels(items) -> dict:
@@ -38,7 +37,7 @@ def parse_labels(items) -> dict:
     return out
 
 
-def build_report(run_dirs, out: Path, kernels: bool = True, labels: Optional[dict] = None) -> Path:
+def build_report(run_dirs, out: Path, kernels: bool = True, labels: dict | None = None) -> Path:
     labels = {str(Path(k).resolve()): v for k, v in (labels or {}).items()}
     unknown = set(labels) - {str(Path(p).resolve()) for p in run_dirs}
     if unknown:
@@ -62,18 +61,25 @@ def build_report(run_dirs, out: Path, kernels: bool = True, labels: Optional[dic
                 except ValueError as e:  # no weights in that run dir: tables still useful
                     print(f"report: no kernel plot for {r.label}: {e}", file=sys.stderr)
     missing_eval = [r for r in runs if not r.evals]
-    md = ["# mta-repro report", "",
-          "Paper numbers are the paper's own results: 880M-parameter models trained on 105B tokens "
-          "(pretraining), then 10.5B more tokens at 4K (finetune columns), and the 1.4B model of Appendix I; "
-          "a run of another size or with fewer steps is marked 'no' in the 'vs paper' column.", "",
-          "| run | dir | model | stage | step | trained context | vs paper |", "|---|---|---|---|---|---|---|"]
+    md = [
+        "# mta-repro report",
+        "",
+        "Paper numbers are the paper's own results: 880M-parameter models trained on 105B tokens "
+        "(pretraining), then 10.5B more tokens at 4K (finetune columns), and the 1.4B model of Appendix I; "
+        "a run of another size or with fewer steps is marked 'no' in the 'vs paper' column.",
+        "",
+        "| run | dir | model | stage | step | trained context | vs paper |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for r in runs:
         why = comparability(r)
         trained = (r.config or {}).get("data", {}).get("seq_len") if isinstance(r.config, dict) else None
         label = VARIANT_LABELS.get(r.variant, r.variant) if r.variant is not None else None
-        md.append(f"| {r.label} | `{r.path}` | {label} | "
-                  f"{STAGE_LABELS.get(r.stage, r.stage)} | {'—' if r.step is None else r.step} | "
-                  f"{'—' if trained is None else trained} | {'no: ' + why if why else 'yes'} |")
+        md.append(
+            f"| {r.label} | `{r.path}` | {label} | "
+            f"{STAGE_LABELS.get(r.stage, r.stage)} | {'—' if r.step is None else r.step} | "
+            f"{'—' if trained is None else trained} | {'no: ' + why if why else 'yes'} |"
+        )
     md.append("")
     for r in missing_eval:
         msg = f"{r.label}: no evaluation results in {r.path / 'eval'}; run: {eval_command(r.path)}"
@@ -85,10 +91,20 @@ def build_report(run_dirs, out: Path, kernels: bool = True, labels: Optional[dic
     path = out / "report.md"
     replace_atomically(path, "\n".join(md).encode())
     results = {
-        "runs": [{"label": r.label, "path": str(r.path), "variant": r.variant, "stage": r.stage, "step": r.step,
-                  "newest_checkpoint_step": r.final_step,
-                  "comparable": comparability(r) is None, "not_comparable_because": comparability(r),
-                  "evaluated": sorted(r.evals)} for r in runs],
+        "runs": [
+            {
+                "label": r.label,
+                "path": str(r.path),
+                "variant": r.variant,
+                "stage": r.stage,
+                "step": r.step,
+                "newest_checkpoint_step": r.final_step,
+                "comparable": comparability(r) is None,
+                "not_comparable_because": comparability(r),
+                "evaluated": sorted(r.evals),
+            }
+            for r in runs
+        ],
         "tables": {t.name: t.to_json() for t in tables},
         "plots": [p.name for p in pngs if p is not None],
     }
@@ -97,12 +113,18 @@ def build_report(run_dirs, out: Path, kernels: bool = True, labels: Optional[dic
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m mta_repro.report", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        prog="python -m mta_repro.report", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("run_dirs", nargs="+", help="run directories (with eval/*.json and/or metrics.jsonl)")
     ap.add_argument("--out", default=None, help="output directory (default: <first run>/report)")
-    ap.add_argument("--label", action="append", default=[], metavar="DIR=NAME",
-                    help="row label for a run directory (repeatable; default: the directory's name)")
+    ap.add_argument(
+        "--label",
+        action="append",
+        default=[],
+        metavar="DIR=NAME",
+        help="row label for a run directory (repeatable; default: the directory's name)",
+    )
     ap.add_argument("--no-kernels", action="store_true", help="skip loading weights for the kernel plots")
     args = ap.parse_args(argv)
     out = Path(args.out) if args.out else Path(args.run_dirs[0]) / "report"

@@ -13,13 +13,28 @@ VARIANT_LABELS = {
 # "label": the size as the paper names it (configs/model/1b.yaml is the paper's "1.4B").
 PAPER_SETTING = {
     "pretrain": {"size": "880m", "label": "880M", "steps": 400_000, "tokens": "105B", "what": "880M, 105B tokens"},
-    "long_context": {"size": "880m", "label": "880M", "steps": 40_054, "tokens": "10.5B",
-                     "what": "880M, 105B tokens + 10.5B tokens at 4K"},
-    "insertion": {"size": "1b", "label": "1.4B", "steps": 40_054, "tokens": "10.5B",
-                  "what": "1.4B Transformer + 10.5B tokens (Appendix I)"},
+    "long_context": {
+        "size": "880m",
+        "label": "880M",
+        "steps": 40_054,
+        "tokens": "10.5B",
+        "what": "880M, 105B tokens + 10.5B tokens at 4K",
+    },
+    "insertion": {
+        "size": "1b",
+        "label": "1.4B",
+        "steps": 40_054,
+        "tokens": "10.5B",
+        "what": "1.4B Transformer + 10.5B tokens (Appendix I)",
+    },
     # the Appendix I control: the baseline trained on alike (same length, no MTA)
-    "continued": {"size": "1b", "label": "1.4B", "steps": 40_054, "tokens": "10.5B",
-                  "what": "1.4B Transformer trained on for 10.5B tokens (Appendix I control)"},
+    "continued": {
+        "size": "1b",
+        "label": "1.4B",
+        "steps": 40_054,
+        "tokens": "10.5B",
+        "what": "1.4B Transformer trained on for 10.5B tokens (Appendix I control)",
+    },
 }
 # The perplexity window (tokens) of each stage's published perplexity. Pretraining and
 # Appendix I (trained on at 2048): the release's evaluation (projects/mta/eval.py,
@@ -66,13 +81,20 @@ APPENDIX_I_STAGES = ("insertion", "continued")  # the MTA insertion and its cont
 def appendix_i_setting(size: str, stage: str) -> dict:
     """PAPER_SETTING-like entry of one Appendix I model for the insertion or its control."""
     a = APPENDIX_I[size]
-    what = (f"{a['label']} + {a['tokens']} tokens (Appendix I)" if stage == "insertion"
-            else f"{a['label']} trained on for {a['tokens']} tokens (Appendix I control)")
+    what = (
+        f"{a['label']} + {a['tokens']} tokens (Appendix I)"
+        if stage == "insertion"
+        else f"{a['label']} trained on for {a['tokens']} tokens (Appendix I control)"
+    )
     return {"size": size, "label": a["label"], "steps": a["steps"], "tokens": a["tokens"], "what": what}
 
 
-AVG_PPL_BY_STAGE = {"pretrain": AVG_PPL, "long_context": AVG_PPL_LONG, "insertion": AVG_PPL_INSERTION,
-                    "continued": {"baseline": AVG_PPL_INSERTION["baseline"]}}
+AVG_PPL_BY_STAGE = {
+    "pretrain": AVG_PPL,
+    "long_context": AVG_PPL_LONG,
+    "insertion": AVG_PPL_INSERTION,
+    "continued": {"baseline": AVG_PPL_INSERTION["baseline"]},
+}
 
 # Average accuracy (%) over the nine benchmarks (BoolQ ... OpenBookQA zero-shot, MMLU
 # 5-shot), pretrained 880M models.

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import Optional
 
 import matplotlib
 
@@ -25,7 +24,7 @@ def _save(fig, path: Path) -> Path:
     return path
 
 
-def needle_plot(runs, out: Path) -> Optional[Path]:
+def needle_plot(runs, out: Path) -> Path | None:
     have = [r for r in runs if _res(r, "needle")]
     if not have:
         return None
@@ -34,8 +33,12 @@ def needle_plot(runs, out: Path) -> Optional[Path]:
     for r in have:
         for ctx, per in sorted(_results(r, "needle")["accuracy"].items(), key=lambda kv: int(kv[0])):
             counts = sorted(per, key=int)
-            ax1.plot([int(n) for n in counts], [100 * per[n]["mean"] for n in counts], marker="o",
-                     label=_ctx_label(r.label, ctx))
+            ax1.plot(
+                [int(n) for n in counts],
+                [100 * per[n]["mean"] for n in counts],
+                marker="o",
+                label=_ctx_label(r.label, ctx),
+            )
             depths = sorted({d for n in counts for d in per[n]["by_depth"]}, key=float)
             acc = [100 * sum(per[n]["by_depth"][d] for n in counts) / len(counts) for d in depths]
             ax2.plot([float(d) for d in depths], acc, marker="s", label=_ctx_label(r.label, ctx))
@@ -43,10 +46,18 @@ def needle_plot(runs, out: Path) -> Optional[Path]:
             all_depths.update(float(d) for d in depths)
     ax1.set_xticks(sorted(all_counts))
     ax2.set_xticks(sorted(all_depths))
-    ax1.set(xlabel="number of needles", ylabel="accuracy (%)", title="Accuracy by needle count (mean over depths)",
-            ylim=(-2, 102))
-    ax2.set(xlabel="depth of the first needle (%)", ylabel="accuracy (%)",
-            title="Accuracy by depth (mean over needle counts)", ylim=(-2, 102))
+    ax1.set(
+        xlabel="number of needles",
+        ylabel="accuracy (%)",
+        title="Accuracy by needle count (mean over depths)",
+        ylim=(-2, 102),
+    )
+    ax2.set(
+        xlabel="depth of the first needle (%)",
+        ylabel="accuracy (%)",
+        title="Accuracy by depth (mean over needle counts)",
+        ylim=(-2, 102),
+    )
     for ax in (ax1, ax2):
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
@@ -54,7 +65,7 @@ def needle_plot(runs, out: Path) -> Optional[Path]:
     return _save(fig, out / "needle.png")
 
 
-def babilong_plot(runs, out: Path) -> Optional[Path]:
+def babilong_plot(runs, out: Path) -> Path | None:
     have = [r for r in runs if _res(r, "babilong")]
     if not have:
         return None
@@ -86,8 +97,11 @@ def loss_series(run) -> dict:
         out["train"] = pts
 
     def series(key):
-        return [(m["step"], m[key]) for m in run.metrics
-                if "step" in m and isinstance(m.get(key), (int, float)) and not isinstance(m.get(key), bool)]
+        return [
+            (m["step"], m[key])
+            for m in run.metrics
+            if "step" in m and isinstance(m.get(key), (int, float)) and not isinstance(m.get(key), bool)
+        ]
 
     if series("val_loss"):
         out["val_loss"] = series("val_loss")
@@ -102,18 +116,22 @@ def _validation_sizes(run) -> tuple:
     tr, data = cfg.get("trainer") or {}, cfg.get("data") or {}
     train = None
     if tr.get("eval_max_batches") and data.get("seq_len"):
-        train = (f"at most {tr['eval_max_batches']} batches x {tr.get('eval_batch_size', 4)} windows of "
-                 f"{data['seq_len']} tokens per domain")
+        train = (
+            f"at most {tr['eval_max_batches']} batches x {tr.get('eval_batch_size', 4)} windows of "
+            f"{data['seq_len']} tokens per domain"
+        )
     res = _res(run, "ppl")
     ev = None
     if res:
         mb = res.get("max_batches")
-        ev = (f"{'all' if mb is None else f'at most {mb}'} batches x {res.get('batch_size', '?')} windows of "
-              f"{res.get('seq_len', '?')} tokens per domain")
+        ev = (
+            f"{'all' if mb is None else f'at most {mb}'} batches x {res.get('batch_size', '?')} windows of "
+            f"{res.get('seq_len', '?')} tokens per domain"
+        )
     return train, ev
 
 
-def loss_plot(runs, out: Path) -> Optional[Path]:
+def loss_plot(runs, out: Path) -> Path | None:
     """One colour per run; line style says what: training loss (solid), the validation
     logged during training (dashed, trainer.eval_max_batches), the evaluation's ppl
     (star, eval/ppl.json: its own window and batch count, usually more batches). Two
@@ -145,15 +163,35 @@ def loss_plot(runs, out: Path) -> Optional[Path]:
     eval_size = next((e for _, e in sizes.values() if e), None)
     style_handles = [
         Line2D([], [], color="0.3", lw=1.2, label="training loss"),
-        Line2D([], [], color="0.3", ls="--", marker=".", label="validation during training"
-               + (f"\n({train_size})" if train_size else "")),
-        Line2D([], [], color="0.3", marker="*", ms=10, ls="none", label="evaluation ppl (eval/ppl.json)"
-               + (f"\n({eval_size})" if eval_size else "")),
+        Line2D(
+            [],
+            [],
+            color="0.3",
+            ls="--",
+            marker=".",
+            label="validation during training" + (f"\n({train_size})" if train_size else ""),
+        ),
+        Line2D(
+            [],
+            [],
+            color="0.3",
+            marker="*",
+            ms=10,
+            ls="none",
+            label="evaluation ppl (eval/ppl.json)" + (f"\n({eval_size})" if eval_size else ""),
+        ),
     ]
     ax.set(xlabel="step", ylabel="loss (nats/token)", title="Training and validation loss")
     ax.grid(alpha=0.3)
-    first = ax.legend(handles=run_handles, fontsize=7, title="run", title_fontsize=7, loc="upper left",
-                      bbox_to_anchor=(1.01, 1.0), borderaxespad=0)
+    first = ax.legend(
+        handles=run_handles,
+        fontsize=7,
+        title="run",
+        title_fontsize=7,
+        loc="upper left",
+        bbox_to_anchor=(1.01, 1.0),
+        borderaxespad=0,
+    )
     ax.add_artist(first)
     ax.legend(handles=style_handles, fontsize=7, loc="lower left", bbox_to_anchor=(1.01, 0.0), borderaxespad=0)
     fig.tight_layout()
@@ -172,7 +210,7 @@ def load_kernels(run: RunData) -> dict:
     }
 
 
-def kernel_plot(run: RunData, out: Path, kernels: Optional[dict] = None) -> list:
+def kernel_plot(run: RunData, out: Path, kernels: dict | None = None) -> list:
     """Figure 4 style: one small image per (layer, head), for each kernel kind."""
     kernels = kernels if kernels is not None else load_kernels(run)
     paths = []
@@ -185,7 +223,9 @@ def kernel_plot(run: RunData, out: Path, kernels: Optional[dict] = None) -> list
         n_heads, _, c_q, c_k = ks[0][1].shape
         cell = 1.6  # inches per kernel image, wide side
         fig, axes = plt.subplots(
-            len(ks), n_heads, squeeze=False,
+            len(ks),
+            n_heads,
+            squeeze=False,
             figsize=(cell * n_heads + 1.6, cell * c_q / c_k * len(ks) + 1.2),
         )
         vmax = max(float(k.abs().max()) for _, k in ks) or 1.0
@@ -200,8 +240,11 @@ def kernel_plot(run: RunData, out: Path, kernels: Optional[dict] = None) -> list
                     ax.set_title(f"head {h}", fontsize=8)
                 if h == 0:
                     ax.set_ylabel(f"layer {layer}", fontsize=8)
-        fig.suptitle(f"{run.label}: learned {suffix} key-query kernels\n"
-                     f"(each {c_q}x{c_k}: rows = query offset -{c_q - 1}..0, columns = key offset)", fontsize=9)
+        fig.suptitle(
+            f"{run.label}: learned {suffix} key-query kernels\n"
+            f"(each {c_q}x{c_k}: rows = query offset -{c_q - 1}..0, columns = key offset)",
+            fontsize=9,
+        )
         fig.subplots_adjust(top=1 - 0.9 / fig.get_figheight(), right=0.85, hspace=0.35, wspace=0.1)
         assert im is not None  # ks holds a kernel of at least one head
         fig.colorbar(im, ax=axes, shrink=0.8, fraction=0.04)

@@ -12,22 +12,27 @@ than the run's newest checkpoint) are marked "(!)" (docs/provenance.md).
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import io
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 from mta_repro.errors import UserError
-from mta_repro.files import fault, read_json
 from mta_repro.eval.benchmarks import BENCH_METRIC, BENCH_TASKS, LOCAL_SUFFIX, canonical_task
+from mta_repro.files import fault, read_json
 from mta_repro.report import paper
 
 BENCH_ORDER = list(BENCH_TASKS)
 # Old task names of this project -> lm-eval 0.4.x names.
-STAGE_LABELS = {"pretrain": "pretrain", "long_context": "4K finetune", "insertion": "MTA insertion",
-                "continued": "continued training"}
+STAGE_LABELS = {
+    "pretrain": "pretrain",
+    "long_context": "4K finetune",
+    "insertion": "MTA insertion",
+    "continued": "continued training",
+}
 # Stages compared with each other: Appendix I's MTA insertion against its control.
 STAGE_GROUP = {"continued": "insertion"}
 
@@ -36,15 +41,15 @@ STAGE_GROUP = {"continued": "insertion"}
 class RunData:
     path: Path
     label: str
-    variant: Optional[str] = None
-    config: Optional[dict] = None
+    variant: str | None = None
+    config: dict | None = None
     evals: dict = field(default_factory=dict)  # task -> parsed eval JSON
     metrics: list = field(default_factory=list)  # metrics.jsonl records
     stage: str = "pretrain"  # pretrain | long_context | insertion | continued
-    final_step: Optional[int] = None  # the step of the run's newest checkpoint or export
+    final_step: int | None = None  # the step of the run's newest checkpoint or export
 
     @property
-    def shape(self) -> Optional[tuple]:
+    def shape(self) -> tuple | None:
         m = (self.config or {}).get("model") or {}
         try:
             return int(m["dim"]), int(m["n_layers"]), int(m["n_heads"])
@@ -52,7 +57,7 @@ class RunData:
             return None
 
     @property
-    def step(self) -> Optional[int]:
+    def step(self) -> int | None:
         for e in self.evals.values():
             if isinstance(e.get("step"), int) and e["step"] >= 0:
                 return e["step"]
@@ -69,7 +74,7 @@ def _cfg_get(cfg: Any, dotted: str, default: Any = None) -> Any:
     return node
 
 
-def run_stage(cfg: Optional[dict]) -> str:
+def run_stage(cfg: dict | None) -> str:
     """pretrain (no source weights), insertion (baseline_to_mta), long_context (a source
     and a longer context or RoPE theta 500,000 than the source), continued (the rest,
     e.g. Appendix I's control: a baseline trained on at the same length)."""
@@ -95,7 +100,7 @@ def run_stage(cfg: Optional[dict]) -> str:
     return "long_context" if theta is not None and float(theta) >= 500_000 else "continued"
 
 
-def _pt_header(pt: Path) -> Optional[dict]:
+def _pt_header(pt: Path) -> dict | None:
     """{"config", "source"} of a consolidated .pt, read as data only and memory-mapped
     (``mta_repro.weights.load_pt``: the weights are not read); None when it is not there or
     not readable (unsafe files included: the stage then comes from the run's own config)."""
@@ -110,7 +115,7 @@ def _pt_header(pt: Path) -> Optional[dict]:
     return {"config": blob.get("config"), "source": blob.get("source")} if isinstance(blob, dict) else None
 
 
-def _stage_from_pt(cfg: Optional[dict], pt: Path) -> str:
+def _stage_from_pt(cfg: dict | None, pt: Path) -> str:
     """The stage of a run started from a .pt with init_mode model. An import of a Hugging
     Face checkpoint (``python -m mta_repro.hf import``: Meta's Llama 3, RoPE theta 500,000
     of its own) is continued training unless the run changed its RoPE; its config's
@@ -120,8 +125,9 @@ def _stage_from_pt(cfg: Optional[dict], pt: Path) -> str:
     head = _pt_header(pt) or {}
     s = head.get("config")
     if isinstance(s, dict):
-        same_rope = (theta == _cfg_get(s, "model.rope_theta")
-                     and _cfg_get(cfg, "model.rope_scaling") == _cfg_get(s, "model.rope_scaling"))
+        same_rope = theta == _cfg_get(s, "model.rope_theta") and _cfg_get(cfg, "model.rope_scaling") == _cfg_get(
+            s, "model.rope_scaling"
+        )
         if head.get("source") is not None:  # an import
             return "continued" if same_rope else "long_context"
         longer = seq is not None and _cfg_get(s, "data.seq_len") is not None and seq > _cfg_get(s, "data.seq_len")
@@ -147,11 +153,15 @@ _RESULTS = {
 
 def eval_shape(task: str) -> dict:
     """The shape of ``eval/<task>.json`` that the report reads."""
-    return {"task?": str, "step?": (int, type(None)), "variant?": (str, type(None)),
-            "results?": (_RESULTS.get(task, dict), type(None))}
+    return {
+        "task?": str,
+        "step?": (int, type(None)),
+        "variant?": (str, type(None)),
+        "results?": (_RESULTS.get(task, dict), type(None)),
+    }
 
 
-def load_run(path, label: Optional[str] = None) -> RunData:
+def load_run(path, label: str | None = None) -> RunData:
     path = Path(path)
     if not path.is_dir():
         raise UserError(f"report: run directory {path} does not exist")
@@ -171,8 +181,10 @@ def load_run(path, label: Optional[str] = None) -> RunData:
         try:
             data = read_json(f, eval_shape(""), what)
         except UserError as e:
-            raise UserError(f"report: {e}; rerun the evaluation that wrote it ({eval_command(path)}; it redoes "
-                            "that task), or delete the file") from None
+            raise UserError(
+                f"report: {e}; rerun the evaluation that wrote it ({eval_command(path)}; it redoes "
+                "that task), or delete the file"
+            ) from None
         task = data.get("task", f.stem)
         why = fault(data, eval_shape(task))
         if why:
@@ -201,25 +213,27 @@ def load_run(path, label: Optional[str] = None) -> RunData:
         if skipped:  # damaged lines the trainer kept as they are on resume
             import sys
 
-            print(f"report: {m}: skipped {len(skipped)} damaged line{'s' if len(skipped) > 1 else ''} "
-                  f"(not a JSON object): {', '.join(map(str, skipped[:10]))}{', ...' if len(skipped) > 10 else ''}",
-                  file=sys.stderr)
+            print(
+                f"report: {m}: skipped {len(skipped)} damaged line{'s' if len(skipped) > 1 else ''} "
+                f"(not a JSON object): {', '.join(map(str, skipped[:10]))}{', ...' if len(skipped) > 10 else ''}",
+                file=sys.stderr,
+            )
     if not run.evals and not run.metrics:
-        raise UserError(f"report: {path} has no eval/*.json results and no metrics.jsonl; "
-                         f"train it, then evaluate it: {eval_command(path)}")
+        raise UserError(
+            f"report: {path} has no eval/*.json results and no metrics.jsonl; "
+            f"train it, then evaluate it: {eval_command(path)}"
+        )
     return run
 
 
-def final_step(path: Path) -> Optional[int]:
+def final_step(path: Path) -> int | None:
     """The step of a run directory's newest complete checkpoint or export (None: neither)."""
     from mta_repro.weights import EXPORT, complete_checkpoints, export_step
 
     steps = [int(c.name) for c in complete_checkpoints(Path(path) / "checkpoints")]
     if (Path(path) / EXPORT).is_file():
-        try:
+        with contextlib.suppress(UserError, OSError):
             steps.append(export_step(Path(path) / EXPORT))
-        except (UserError, OSError):
-            pass
     return max(steps) if steps else None
 
 
@@ -227,12 +241,12 @@ def eval_command(path) -> str:
     return f"python -m mta_repro.eval {path} eval/preset=paper   (or eval/preset=debug for a quick CPU look)"
 
 
-def size_name(run: RunData) -> Optional[str]:
+def size_name(run: RunData) -> str | None:
     shape = run.shape
     return next((n for n, s in paper.SIZES.items() if s == shape), None)
 
 
-def paper_setting(run: RunData) -> Optional[dict]:
+def paper_setting(run: RunData) -> dict | None:
     """What the paper's number for this run was measured on: the stage's setting; for
     Appendix I (the insertion and its control) the run's own model (1.4B or a Llama 3)."""
     size = size_name(run)
@@ -253,7 +267,7 @@ def paper_numbers(run: RunData) -> dict:
     return paper.AVG_PPL_BY_STAGE.get(run.stage, {})
 
 
-def comparability(run: RunData) -> Optional[str]:
+def comparability(run: RunData) -> str | None:
     """None when the run is in the paper's setting for its stage, else why it is not."""
     setting = paper_setting(run)
     if setting is None:
@@ -293,17 +307,27 @@ class Table:
         return str(v)
 
     def markdown(self) -> str:
-        out = [f"### {self.title}", "", "| " + " | ".join(self.headers) + " |",
-               "|" + "|".join("---" for _ in self.headers) + "|"]
+        out = [
+            f"### {self.title}",
+            "",
+            "| " + " | ".join(self.headers) + " |",
+            "|" + "|".join("---" for _ in self.headers) + "|",
+        ]
         out += ["| " + " | ".join(self.cell(v) for v in row) + " |" for row in self.rows]
         if self.notes:
             out += [""] + [f"- {n}" for n in self.notes]
         if self.provenance:
             cols = ["checkpoint", "tokens seen", "tokenizer", "data", "code", "comparable"]
-            out += ["", f"Provenance of the {self.name} rows (docs/provenance.md):", "",
-                    "| run | " + " | ".join(cols) + " |", "|---" * (len(cols) + 1) + "|"]
-            out += ["| " + " | ".join([label] + [str(p[c]) for c in cols]) + " |"
-                    for label, p in self.provenance.items()]
+            out += [
+                "",
+                f"Provenance of the {self.name} rows (docs/provenance.md):",
+                "",
+                "| run | " + " | ".join(cols) + " |",
+                "|---" * (len(cols) + 1) + "|",
+            ]
+            out += [
+                "| " + " | ".join([label] + [str(p[c]) for c in cols]) + " |" for label, p in self.provenance.items()
+            ]
         return "\n".join(out) + "\n"
 
     def csv(self) -> str:
@@ -315,11 +339,17 @@ class Table:
         return buf.getvalue()
 
     def latex(self) -> str:
-        esc = lambda s: str(s).replace("\\", "\\textbackslash{}").replace("_", "\\_").replace("%", "\\%").replace("&", "\\&")  # noqa: E731
+        esc = lambda s: (
+            str(s).replace("\\", "\\textbackslash{}").replace("_", "\\_").replace("%", "\\%").replace("&", "\\&")
+        )  # noqa: E731
         lines = [
-            "\\begin{table}[t]", "\\centering", f"\\caption{{{esc(self.title)}}}",
-            "\\begin{tabular}{l" + "r" * (len(self.headers) - 1) + "}", "\\toprule",
-            " & ".join(esc(h) for h in self.headers) + " \\\\", "\\midrule",
+            "\\begin{table}[t]",
+            "\\centering",
+            f"\\caption{{{esc(self.title)}}}",
+            "\\begin{tabular}{l" + "r" * (len(self.headers) - 1) + "}",
+            "\\toprule",
+            " & ".join(esc(h) for h in self.headers) + " \\\\",
+            "\\midrule",
         ]
         lines += [" & ".join(esc(self.cell(v, "--")) for v in row) + " \\\\" for row in self.rows]
         lines += ["\\bottomrule", "\\end{tabular}"]
@@ -328,12 +358,16 @@ class Table:
         return "\n".join(lines) + "\n"
 
     def to_json(self) -> dict:
-        return {"title": self.title, "headers": self.headers,
-                "rows": [dict(zip(self.headers, row)) for row in self.rows], "notes": self.notes,
-                "provenance": self.provenance}
+        return {
+            "title": self.title,
+            "headers": self.headers,
+            "rows": [dict(zip(self.headers, row)) for row in self.rows],
+            "notes": self.notes,
+            "provenance": self.provenance,
+        }
 
 
-def _res(run: RunData, task: str) -> Optional[dict]:
+def _res(run: RunData, task: str) -> dict | None:
     return (run.evals.get(task) or {}).get("results")
 
 
@@ -344,11 +378,11 @@ def _results(run: RunData, task: str) -> dict:
     return res
 
 
-def _model(run: RunData) -> Optional[str]:
+def _model(run: RunData) -> str | None:
     return paper.VARIANT_LABELS.get(run.variant, run.variant) if run.variant is not None else None
 
 
-def baseline_of(run: RunData, runs) -> Optional[RunData]:
+def baseline_of(run: RunData, runs) -> RunData | None:
     """The baseline run of the same stage and model shape (the first one given)."""
     group = STAGE_GROUP.get(run.stage, run.stage)
     for r in runs:
@@ -376,14 +410,14 @@ def _paper_note(stages, runs=()) -> str:
     return "Paper numbers: " + "; ".join(parts) + ". Rows marked in 'vs paper' are not comparable."
 
 
-def ppl_length(run: RunData) -> Optional[int]:
+def ppl_length(run: RunData) -> int | None:
     """The window (tokens) a run's perplexity was measured at (eval/ppl.json)."""
     res = _res(run, "ppl") or {}
     n = res.get("seq_len")
     return int(n) if isinstance(n, (int, float)) else None
 
 
-def ppl_comparison(run: RunData) -> Optional[str]:
+def ppl_comparison(run: RunData) -> str | None:
     """None when the run's perplexity is comparable with the paper's number for its stage
     (setting and window length), else why not."""
     setting = comparability(run)
@@ -394,19 +428,19 @@ def ppl_comparison(run: RunData) -> Optional[str]:
     return "; ".join(why) or None
 
 
-def _paper_ppl(run: RunData, numbers: dict) -> Optional[float]:
+def _paper_ppl(run: RunData, numbers: dict) -> float | None:
     """The paper's number for this run, only when measured at the same window length."""
     if ppl_length(run) is None or ppl_length(run) != paper.PPL_SEQ_LEN.get(run.stage):
         return None
     return numbers.get(run.variant)
 
 
-def _trained(run: RunData) -> Optional[int]:
+def _trained(run: RunData) -> int | None:
     n = _cfg_get(run.config, "data.seq_len")
     return int(n) if isinstance(n, int) else None
 
 
-def ppl_table(runs) -> Optional[Table]:
+def ppl_table(runs) -> Table | None:
     have = [r for r in runs if _res(r, "ppl")]
     if not have:
         return None
@@ -423,22 +457,31 @@ def ppl_table(runs) -> Optional[Table]:
         if base is not None and ppl_length(base) == ppl_length(r):
             base_avg = _results(base, "ppl")["average"]
         why = ppl_comparison(r)
-        rows.append([r.label, _model(r), STAGE_LABELS.get(r.stage, r.stage), _trained(r), ppl_length(r)]
-                    + [res["domains"].get(d, {}).get("ppl") for d in domains]
-                    + [avg, _diff(avg, base_avg),
-                       p, _diff(p, p_base), f"no: {why}" if why else "yes"])
+        rows.append(
+            [r.label, _model(r), STAGE_LABELS.get(r.stage, r.stage), _trained(r), ppl_length(r)]
+            + [res["domains"].get(d, {}).get("ppl") for d in domains]
+            + [avg, _diff(avg, base_avg), p, _diff(p, p_base), f"no: {why}" if why else "yes"]
+        )
     lens = ", ".join(f"{STAGE_LABELS[s]} {n}" for s, n in paper.PPL_SEQ_LEN.items() if s in {r.stage for r in have})
-    notes = [_paper_note({r.stage for r in have}, have),
-             "trained = the context the run was trained at (data.seq_len); window = the tokens per window the "
-             f"perplexity was measured at. The paper's windows: {lens}; a paper number is shown only for a run "
-             "measured at the same window (docs/evaluation.md).",
-             "Measured by python -m mta_repro.eval (eval/ppl.json), not the validation logged during training "
-             "(metrics.jsonl val_ppl, over trainer.eval_max_batches batches): the two can differ.",
-             "Δ = this run's average minus the baseline run's of the same stage, size and window; "
-             "paper Δ = the same difference in the paper."]
-    return Table("ppl", "Validation perplexity per domain",
-                 ["run", "model", "stage", "trained", "window"] + domains
-                 + ["avg", "Δ vs baseline", "paper avg", "paper Δ", "vs paper"], rows, notes)
+    notes = [
+        _paper_note({r.stage for r in have}, have),
+        "trained = the context the run was trained at (data.seq_len); window = the tokens per window the "
+        f"perplexity was measured at. The paper's windows: {lens}; a paper number is shown only for a run "
+        "measured at the same window (docs/evaluation.md).",
+        "Measured by python -m mta_repro.eval (eval/ppl.json), not the validation logged during training "
+        "(metrics.jsonl val_ppl, over trainer.eval_max_batches batches): the two can differ.",
+        "Δ = this run's average minus the baseline run's of the same stage, size and window; "
+        "paper Δ = the same difference in the paper.",
+    ]
+    return Table(
+        "ppl",
+        "Validation perplexity per domain",
+        ["run", "model", "stage", "trained", "window"]
+        + domains
+        + ["avg", "Δ vs baseline", "paper avg", "paper Δ", "vs paper"],
+        rows,
+        notes,
+    )
 
 
 def _canonical(name: str) -> tuple:
@@ -463,7 +506,7 @@ def _bench_summary(run: RunData) -> tuple:
     return out, metric, local
 
 
-def benchmark_table(runs) -> Optional[Table]:
+def benchmark_table(runs) -> Table | None:
     have = [r for r in runs if _res(r, "benchmarks")]
     if not have:
         return None
@@ -486,29 +529,51 @@ def benchmark_table(runs) -> Optional[Table]:
         n_paper = sum(1 for c in BENCH_TASKS if c in s)
         if n_paper < len(BENCH_TASKS):
             why = (why + "; " if why else "") + f"avg over {n_paper} of the paper's {len(BENCH_TASKS)} tasks"
-        rows.append([r.label, _model(r), STAGE_LABELS.get(r.stage, r.stage)] + [s.get(c) for c in cols]
-                    + [avg, _diff(avg, base_avg), p, _diff(p, paper.BENCH_AVG.get("baseline") if p else None),
-                       f"no: {why}" if why else "yes"])
+        rows.append(
+            [r.label, _model(r), STAGE_LABELS.get(r.stage, r.stage)]
+            + [s.get(c) for c in cols]
+            + [
+                avg,
+                _diff(avg, base_avg),
+                p,
+                _diff(p, paper.BENCH_AVG.get("baseline") if p else None),
+                f"no: {why}" if why else "yes",
+            ]
+        )
         if local:
-            notes.append(f"{r.label}: {', '.join(sorted(local))} counted as "
-                         f"{', '.join(_canonical(n)[0] for n in sorted(local))} (local copies of the task's data)")
+            notes.append(
+                f"{r.label}: {', '.join(sorted(local))} counted as "
+                f"{', '.join(_canonical(n)[0] for n in sorted(local))} (local copies of the task's data)"
+            )
         limit = _results(r, "benchmarks").get("limit")
         if limit:
             notes.append(f"{r.label}: at most {limit} examples per task (lm_eval.limit), not a reported number")
     mismatch = [c for c in cols if c in BENCH_METRIC and metric[c] != BENCH_METRIC[c]]
     if mismatch:
-        notes.append("not the paper's metric for " + ", ".join(f"{c} ({metric[c]}, paper {BENCH_METRIC[c]})"
-                                                                 for c in mismatch) + ": re-evaluate")
-    notes.insert(0, "Metric per task (lm-eval), the one the paper's table reports: "
-                 + ", ".join(f"{c} {metric[c]}" for c in cols)
-                 + "; MMLU 5-shot, the rest zero-shot. paper avg: the paper's mean over the nine tasks "
-                 f"({paper.PAPER_SETTING['pretrain']['what']}, pretrained models only).")
-    return Table("benchmarks", "Zero-shot benchmarks and MMLU 5-shot, accuracy %",
-                 ["run", "model", "stage"] + [f"{c} ({metric[c]})" for c in cols]
-                 + ["avg", "Δ vs baseline", "paper avg", "paper Δ", "vs paper"], rows, notes)
+        notes.append(
+            "not the paper's metric for "
+            + ", ".join(f"{c} ({metric[c]}, paper {BENCH_METRIC[c]})" for c in mismatch)
+            + ": re-evaluate"
+        )
+    notes.insert(
+        0,
+        "Metric per task (lm-eval), the one the paper's table reports: "
+        + ", ".join(f"{c} {metric[c]}" for c in cols)
+        + "; MMLU 5-shot, the rest zero-shot. paper avg: the paper's mean over the nine tasks "
+        f"({paper.PAPER_SETTING['pretrain']['what']}, pretrained models only).",
+    )
+    return Table(
+        "benchmarks",
+        "Zero-shot benchmarks and MMLU 5-shot, accuracy %",
+        ["run", "model", "stage"]
+        + [f"{c} ({metric[c]})" for c in cols]
+        + ["avg", "Δ vs baseline", "paper avg", "paper Δ", "vs paper"],
+        rows,
+        notes,
+    )
 
 
-def lambada_table(runs) -> Optional[Table]:
+def lambada_table(runs) -> Table | None:
     have = [r for r in runs if _res(r, "lambada")]
     if not have:
         return None
@@ -522,26 +587,44 @@ def lambada_table(runs) -> Optional[Table]:
             if is_local:
                 local.append(name)
         p = paper.LAMBADA.get(r.variant, (None, None)) if r.stage == "pretrain" else (None, None)
-        rows.append([r.label, _model(r), STAGE_LABELS.get(r.stage, r.stage), _results(r, "lambada").get("max_length"),
-                     (s.get("lambada_standard") or {}).get("ppl"), p[0],
-                     (s.get("lambada_openai") or {}).get("ppl"), p[1],
-                     comparability(r) and f"no: {comparability(r)}" or "yes"])
+        rows.append(
+            [
+                r.label,
+                _model(r),
+                STAGE_LABELS.get(r.stage, r.stage),
+                _results(r, "lambada").get("max_length"),
+                (s.get("lambada_standard") or {}).get("ppl"),
+                p[0],
+                (s.get("lambada_openai") or {}).get("ppl"),
+                p[1],
+                comparability(r) and f"no: {comparability(r)}" or "yes",
+            ]
+        )
         if local:
-            notes.append(f"{r.label}: {', '.join(sorted(local))} counted as "
-                         f"{', '.join(_canonical(n)[0] for n in sorted(local))} (local copies of the task's data)")
-    notes.insert(0, "Perplexity of the last word; context = the longest input in tokens (lm_eval.max_length, "
-                 "the trained context by default; longer passages are left-truncated). " + _paper_note({"pretrain"})
-                 + " The paper reports the Transformer and MTA only.")
-    return Table("lambada", "LAMBADA perplexity",
-                 ["run", "model", "stage", "context", "standard", "paper standard", "OpenAI", "paper OpenAI",
-                  "vs paper"],
-                 rows, notes)
+            notes.append(
+                f"{r.label}: {', '.join(sorted(local))} counted as "
+                f"{', '.join(_canonical(n)[0] for n in sorted(local))} (local copies of the task's data)"
+            )
+    notes.insert(
+        0,
+        "Perplexity of the last word; context = the longest input in tokens (lm_eval.max_length, "
+        "the trained context by default; longer passages are left-truncated). "
+        + _paper_note({"pretrain"})
+        + " The paper reports the Transformer and MTA only.",
+    )
+    return Table(
+        "lambada",
+        "LAMBADA perplexity",
+        ["run", "model", "stage", "context", "standard", "paper standard", "OpenAI", "paper OpenAI", "vs paper"],
+        rows,
+        notes,
+    )
 
 
 RELEASE_KERNEL = (6, 11)
 
 
-def describe_mta(cfg: Optional[dict]) -> tuple:
+def describe_mta(cfg: dict | None) -> tuple:
     """(short description of the attention config, matching Table 5 row or None)."""
     if not cfg or "model" not in cfg:
         return "?", None
@@ -586,17 +669,27 @@ def describe_mta(cfg: Optional[dict]) -> tuple:
             release_layers = mta_layers_every(n_layers, 4)
         except ValueError:
             release_layers = None
-    release = (pre and post and kpre == RELEASE_KERNEL and kpost == RELEASE_KERNEL and head_mix
-               and bool(mta.get("group_norm")) and str(layers).replace(" ", "") == str(release_layers))
+    release = (
+        pre
+        and post
+        and kpre == RELEASE_KERNEL
+        and kpost == RELEASE_KERNEL
+        and head_mix
+        and bool(mta.get("group_norm"))
+        and str(layers).replace(" ", "") == str(release_layers)
+    )
     if release:
         rescale, curse = bool(mta.get("layer_norm_rescale")), bool(mta.get("curse_norm"))
         if gate and mta.get("gate_1d", True) and not (rescale and curse):
-            key = "pre+post-softmax conv, scalar gating" + (", depth scaling" if rescale else "") + (
-                ", layer-norm scaling" if curse else "")
+            key = (
+                "pre+post-softmax conv, scalar gating"
+                + (", depth scaling" if rescale else "")
+                + (", layer-norm scaling" if curse else "")
+            )
     return ", ".join(parts) or "explicit attention", key
 
 
-def ablation_table(runs) -> Optional[Table]:
+def ablation_table(runs) -> Table | None:
     """Table 5: pretrained MTA runs that differ in their attention config (a sweep), or
     one that matches a Table 5 row. Absent otherwise (the ppl table has every run)."""
     have = [r for r in runs if _res(r, "ppl") and r.stage == "pretrain" and r.variant == "mta"]
@@ -613,22 +706,48 @@ def ablation_table(runs) -> Optional[Table]:
         if base is not None and ppl_length(base) == ppl_length(r):
             base_avg = (_res(base, "ppl") or {}).get("average")
         why = ppl_comparison(r)
-        rows.append([r.label, _model(r), ppl_length(r), desc, avg,
-                     _diff(avg, base_avg), p, key or "—",
-                     f"no: {why}" if why else "yes"])
-    notes = ["paper (Table 5): the paper's 880M ablation (105B tokens, 2048-token windows) whose configuration "
-             "this run matches (the release's MTA: 6x11 convolutions before and after softmax in every 4th layer "
-             "from layer index 2, head mixing, group norm; then gating / depth scaling as named); other kernel "
-             "sizes and conv-layer choices have no published number. The 11.41 row is the release's curse_norm "
-             "(block norms times 1 - lambda_init(layer); 'one layer-norm-scaling configuration'), run by "
-             "experiment=ablation_layer_norm_scaling. Δ vs baseline: the pretrained Transformer of the same size "
-             "and window."]
-    return Table("ablations", "Ablations (Table 5): average validation perplexity of MTA configurations",
-                 ["run", "model", "window", "attention config", "avg ppl", "Δ vs baseline", "paper (Table 5)",
-                  "Table 5 row", "vs paper"], rows, notes)
+        rows.append(
+            [
+                r.label,
+                _model(r),
+                ppl_length(r),
+                desc,
+                avg,
+                _diff(avg, base_avg),
+                p,
+                key or "—",
+                f"no: {why}" if why else "yes",
+            ]
+        )
+    notes = [
+        "paper (Table 5): the paper's 880M ablation (105B tokens, 2048-token windows) whose configuration "
+        "this run matches (the release's MTA: 6x11 convolutions before and after softmax in every 4th layer "
+        "from layer index 2, head mixing, group norm; then gating / depth scaling as named); other kernel "
+        "sizes and conv-layer choices have no published number. The 11.41 row is the release's curse_norm "
+        "(block norms times 1 - lambda_init(layer); 'one layer-norm-scaling configuration'), run by "
+        "experiment=ablation_layer_norm_scaling. Δ vs baseline: the pretrained Transformer of the same size "
+        "and window."
+    ]
+    return Table(
+        "ablations",
+        "Ablations (Table 5): average validation perplexity of MTA configurations",
+        [
+            "run",
+            "model",
+            "window",
+            "attention config",
+            "avg ppl",
+            "Δ vs baseline",
+            "paper (Table 5)",
+            "Table 5 row",
+            "vs paper",
+        ],
+        rows,
+        notes,
+    )
 
 
-def needle_table(runs) -> Optional[Table]:
+def needle_table(runs) -> Table | None:
     have = [r for r in runs if _res(r, "needle")]
     if not have:
         return None
@@ -636,12 +755,20 @@ def needle_table(runs) -> Optional[Table]:
     rows = []
     for r in have:
         for ctx, per in sorted(_results(r, "needle")["accuracy"].items(), key=lambda kv: int(kv[0])):
-            rows.append([r.label, _model(r), STAGE_LABELS.get(r.stage, r.stage), _trained(r), int(ctx)] + [
-                100 * per[str(n)]["mean"] if str(n) in per else None for n in counts])
-    return Table("needle", "Multi-needle NIAH accuracy % (averaged over depths)",
-                 ["run", "model", "stage", "trained", "context"] + [f"{n} needles" for n in counts], rows,
-                 ["The paper shows these as figures (2K after pretraining, 4K after the finetune), no table. "
-                  "trained = the run's data.seq_len; a context beyond it was evaluated with extrapolate=true."])
+            rows.append(
+                [r.label, _model(r), STAGE_LABELS.get(r.stage, r.stage), _trained(r), int(ctx)]
+                + [100 * per[str(n)]["mean"] if str(n) in per else None for n in counts]
+            )
+    return Table(
+        "needle",
+        "Multi-needle NIAH accuracy % (averaged over depths)",
+        ["run", "model", "stage", "trained", "context"] + [f"{n} needles" for n in counts],
+        rows,
+        [
+            "The paper shows these as figures (2K after pretraining, 4K after the finetune), no table. "
+            "trained = the run's data.seq_len; a context beyond it was evaluated with extrapolate=true."
+        ],
+    )
 
 
 def babilong_source(run: RunData) -> str:
@@ -650,7 +777,7 @@ def babilong_source(run: RunData) -> str:
     return str(src) if src else "unknown"
 
 
-def babilong_table(runs) -> Optional[Table]:
+def babilong_table(runs) -> Table | None:
     have = [r for r in runs if _res(r, "babilong")]
     if not have:
         return None
@@ -664,22 +791,38 @@ def babilong_table(runs) -> Optional[Table]:
         res = _results(r, "babilong")
         src = babilong_source(r)
         for task in sorted(res["accuracy"]):
-            rows.append([r.label, _model(r), src, task] + [
-                100 * res["accuracy"][task].get(x) if x in res["accuracy"][task] else None for x in lengths])
-        rows.append([r.label, _model(r), src, "mean"] + [100 * res["mean"][x] if x in res["mean"] else None
-                                                         for x in lengths])
-    notes = ["source: 'hf' = the benchmark's data (RMT-team/babilong, PG-19 haystack); 'generated' = this "
-             "project's offline bAbI-style facts in the corpus's book domain (fixed fact counts, lengths in the "
-             "model's tokens): not the benchmark, not comparable with the paper's figure."]
+            rows.append(
+                [r.label, _model(r), src, task]
+                + [100 * res["accuracy"][task].get(x) if x in res["accuracy"][task] else None for x in lengths]
+            )
+        rows.append(
+            [r.label, _model(r), src, "mean"] + [100 * res["mean"][x] if x in res["mean"] else None for x in lengths]
+        )
+    notes = [
+        "source: 'hf' = the benchmark's data (RMT-team/babilong, PG-19 haystack); 'generated' = this "
+        "project's offline bAbI-style facts in the corpus's book domain (fixed fact counts, lengths in the "
+        "model's tokens): not the benchmark, not comparable with the paper's figure."
+    ]
     if any(babilong_source(r) == "hf" for r in have):
         notes.append("The paper shows BabiLong as a figure (QA1-QA5, 0K-4K); compare the 'hf' rows with it.")
-    return Table("babilong", "BabiLong QA1-QA5 accuracy % by context length",
-                 ["run", "model", "source", "task"] + lengths, rows, notes)
+    return Table(
+        "babilong",
+        "BabiLong QA1-QA5 accuracy % by context length",
+        ["run", "model", "source", "task"] + lengths,
+        rows,
+        notes,
+    )
 
 
 # The eval JSON each table's rows come from; the lm-eval tables' data is lm-eval's own.
-TABLE_TASK = {"ppl": "ppl", "ablations": "ppl", "benchmarks": "benchmarks", "lambada": "lambada",
-              "needle": "needle", "babilong": "babilong"}
+TABLE_TASK = {
+    "ppl": "ppl",
+    "ablations": "ppl",
+    "benchmarks": "benchmarks",
+    "lambada": "lambada",
+    "needle": "needle",
+    "babilong": "babilong",
+}
 LM_EVAL_TABLES = ("benchmarks", "lambada")
 MARK = " (!)"
 
@@ -706,14 +849,28 @@ def add_provenance(table: Table, runs) -> None:
     for label in labels:
         e = by_label[label].evals.get(task) or {}
         p = e.get("provenance") or {}
-        ck, tok, val, code = p.get("checkpoint") or {}, p.get("tokenizer") or {}, p.get("validation") or {}, \
-            p.get("code") or {}
-        data = (f"lm-eval {p.get('lm_eval') or '?'}" if table.name in LM_EVAL_TABLES else
-                (f"validation {val.get('files')} file(s), {val.get('bytes'):,} bytes, {short(val.get('sha256'))}"
-                 if val.get("sha256") else None))
+        ck, tok, val, code = (
+            p.get("checkpoint") or {},
+            p.get("tokenizer") or {},
+            p.get("validation") or {},
+            p.get("code") or {},
+        )
+        data = (
+            f"lm-eval {p.get('lm_eval') or '?'}"
+            if table.name in LM_EVAL_TABLES
+            else (
+                f"validation {val.get('files')} file(s), {val.get('bytes'):,} bytes, {short(val.get('sha256'))}"
+                if val.get("sha256")
+                else None
+            )
+        )
         facts[label] = {
-            "step": e.get("step"), "weights": ck.get("weights_sha256"), "tokens": ck.get("tokens_seen"),
-            "tok": (tok.get("name"), tok.get("sha256")) if tok else None, "data": data, "code": code,
+            "step": e.get("step"),
+            "weights": ck.get("weights_sha256"),
+            "tokens": ck.get("tokens_seen"),
+            "tok": (tok.get("name"), tok.get("sha256")) if tok else None,
+            "data": data,
+            "code": code,
             "accepted": (p.get("run_accepted") or []) + (p.get("accepted") or []),
         }
     ref_tok = _most_common([f["tok"] for f in facts.values()])
@@ -737,22 +894,38 @@ def add_provenance(table: Table, runs) -> None:
             "tokens seen": "—" if f["tokens"] is None else f"{f['tokens']:,}",
             "tokenizer": "—" if f["tok"] is None else f"{f['tok'][0]} {short(f['tok'][1])}",
             "data": f["data"] or "—",
-            "code": "—" if not f["code"] else (f"{f['code'].get('package')} {short(commit, 9) if commit else ''}"
-                                               f"{' (modified)' if f['code'].get('dirty') else ''}").strip(),
-            "comparable": ("no: " + "; ".join(why)) if why else ("yes" if f["tok"] is not None else
-                                                                 "unknown (no provenance recorded)"),
-            **({"accepted changes": "; ".join(f"{a.get('what')} at step {a.get('step')}: {a.get('change')}"
-                                              for a in f["accepted"])} if f["accepted"] else {}),
+            "code": "—"
+            if not f["code"]
+            else (
+                f"{f['code'].get('package')} {short(commit, 9) if commit else ''}"
+                f"{' (modified)' if f['code'].get('dirty') else ''}"
+            ).strip(),
+            "comparable": ("no: " + "; ".join(why))
+            if why
+            else ("yes" if f["tok"] is not None else "unknown (no provenance recorded)"),
+            **(
+                {
+                    "accepted changes": "; ".join(
+                        f"{a.get('what')} at step {a.get('step')}: {a.get('change')}" for a in f["accepted"]
+                    )
+                }
+                if f["accepted"]
+                else {}
+            ),
         }
     for row in table.rows:
         if row and row[0] in flagged:
             row[0] = row[0] + MARK
     if flagged:
-        table.notes.append(f"{MARK.strip()}: not comparable with the rows beside it, or evaluated before its run's "
-                           "newest checkpoint; the provenance block under the table says why.")
+        table.notes.append(
+            f"{MARK.strip()}: not comparable with the rows beside it, or evaluated before its run's "
+            "newest checkpoint; the provenance block under the table says why."
+        )
     if any("accepted changes" in p for p in table.provenance.values()):
-        table.notes.append("Some runs went on after an input changed (accepted with an override): see "
-                           "'accepted changes' in results.json and the run's provenance.json.")
+        table.notes.append(
+            "Some runs went on after an input changed (accepted with an override): see "
+            "'accepted changes' in results.json and the run's provenance.json."
+        )
 
 
 def all_tables(runs) -> list:

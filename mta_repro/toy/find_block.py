@@ -21,7 +21,6 @@ from __future__ import annotations
 import math
 import string
 from dataclasses import dataclass
-from typing import Optional
 
 import numpy as np
 import torch
@@ -77,7 +76,7 @@ class FindBlockArgs:
     target: str = "all"
     # Row length in tokens including <bos>/<eos>; None = exactly what the layout needs
     # (the release: 319 characters + bos + eos = 321). Longer rows are right-padded.
-    pad_len: Optional[int] = None
+    pad_len: int | None = None
     # Training / held-out set sizes (paper: 1M and 1K).
     n_train: int = 1_000_000
     n_test: int = 1000
@@ -89,9 +88,7 @@ class FindBlockArgs:
         if not 1 <= self.alphabet_size <= 26:
             raise UserError(f"data.alphabet_size: expected 1..26, got {self.alphabet_size}")
         if not 1 <= n <= self.alphabet_size:
-            raise UserError(
-                f"data.block_length: expected 1..alphabet_size={self.alphabet_size} letters, got {n}"
-            )
+            raise UserError(f"data.block_length: expected 1..alphabet_size={self.alphabet_size} letters, got {n}")
         if k < 1:
             raise UserError(f"data.n_blocks: expected >= 1, got {k}")
         if not 1 <= q <= n:

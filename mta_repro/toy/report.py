@@ -5,7 +5,6 @@ from __future__ import annotations
 import csv
 from pathlib import Path
 from statistics import mean
-from typing import Optional
 
 COLUMNS = ("model", "seed", "seq_error", "token_error")
 
@@ -18,7 +17,7 @@ def write_csv(rows: list[dict], path: Path) -> None:
             w.writerow([r["model"], r["seed"], f"{r['seq_error']:.2f}", f"{r['token_error']:.2f}"])
 
 
-def markdown_table(rows: list[dict], title: str = "", notes: Optional[list[str]] = None) -> str:
+def markdown_table(rows: list[dict], title: str = "", notes: list[str] | None = None) -> str:
     """Per model: one line per seed, then the mean over seeds (errors in %)."""
     out = [f"# {title}", ""] if title else []
     out += ["| model | seed | sequence error (%) | token error (%) |", "|---|---|---|---|"]
@@ -46,15 +45,21 @@ def plot_curves(results: list[dict], path: Path, title: str = "") -> None:
     colors = {"baseline": "tab:blue", "mta": "tab:red"}
     styles = ["-", "--", ":", "-."]
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-    for key, ax, label in ((("seq_error"), axes[0], "sequence error (%)"),
-                           (("token_error"), axes[1], "token error (%)")):
+    for key, ax, label in (
+        (("seq_error"), axes[0], "sequence error (%)"),
+        (("token_error"), axes[1], "token error (%)"),
+    ):
         seeds = sorted({r["seed"] for r in results})
         for r in results:
             steps = [c["step"] for c in r["curve"]]
             vals = [c[key] for c in r["curve"]]
-            ax.plot(steps, vals, color=colors.get(r["model"], "k"),
-                    linestyle=styles[seeds.index(r["seed"]) % len(styles)],
-                    label=f"{'Transformer' if r['model'] == 'baseline' else 'MTA'} seed {r['seed']}")
+            ax.plot(
+                steps,
+                vals,
+                color=colors.get(r["model"], "k"),
+                linestyle=styles[seeds.index(r["seed"]) % len(styles)],
+                label=f"{'Transformer' if r['model'] == 'baseline' else 'MTA'} seed {r['seed']}",
+            )
         ax.set_xlabel("training step")
         ax.set_ylabel(f"held-out {label}")
         ax.set_ylim(-2, 102)

@@ -18,14 +18,15 @@ import math
 import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 from mta_repro.errors import UserError
+from mta_repro.files import save_file_atomic
 from mta_repro.model import build_model
-from mta_repro.model.args import MTAArgs, ModelArgs
+from mta_repro.model.args import ModelArgs, MTAArgs
 from mta_repro.toy.find_block import (
     IGNORE,
     CharTokenizer,
@@ -36,7 +37,6 @@ from mta_repro.toy.find_block import (
     labels_from,
     wrong_per_target,
 )
-from mta_repro.files import save_file_atomic
 from mta_repro.train.optim import OptimArgs, build_lr_scheduler, build_optimizer
 
 VARIANTS = ("baseline", "mta")
@@ -99,8 +99,7 @@ def to_toy_config(cfg: Any) -> ToyConfig:
     n_words = CharTokenizer().n_words
     if out.model.vocab_size != n_words:
         raise UserError(
-            f"toy config model.vocab_size={out.model.vocab_size}: must equal the character "
-            f"tokenizer's {n_words} ids"
+            f"toy config model.vocab_size={out.model.vocab_size}: must equal the character tokenizer's {n_words} ids"
         )
     if out.data.seq_len > out.model.max_seqlen:
         raise UserError(f"toy config: data.seq_len={out.data.seq_len} exceeds model.max_seqlen")
@@ -132,9 +131,7 @@ def evaluate(model, data: FindBlockData, dargs: FindBlockArgs, batch_size: int, 
         tokens = data.tokens[lo : lo + batch_size]
         labels = labels_from(tokens, dargs).to(device)
         logits = model(tokens.long().to(device)[:, :-1]).float()  # (B, T-1, V)
-        loss_sum += F.cross_entropy(
-            logits.flatten(0, 1), labels.flatten(), ignore_index=IGNORE, reduction="sum"
-        ).item()
+        loss_sum += F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=IGNORE, reduction="sum").item()
         pred = logits.argmax(-1)
         a, b, c, d = error_counts(pred, labels)
         per_target = [x + y for x, y in zip(per_target, wrong_per_target(pred, labels, dargs))]
@@ -150,20 +147,26 @@ def evaluate(model, data: FindBlockData, dargs: FindBlockArgs, batch_size: int, 
 
 def _run_identity(cfg: ToyConfig, variant: str, seed: int) -> dict:
     """What a checkpoint must match to be resumed: everything that shapes the run."""
-    return {"variant": variant, "seed": seed, "data": asdict(cfg.data),
-            "model": asdict(model_args_for(cfg, variant, seed)), "optim": asdict(cfg.optim),
-            "steps": cfg.train.steps, "batch_size": cfg.train.batch_size,
-            "eval_every": cfg.train.eval_every}
+    return {
+        "variant": variant,
+        "seed": seed,
+        "data": asdict(cfg.data),
+        "model": asdict(model_args_for(cfg, variant, seed)),
+        "optim": asdict(cfg.optim),
+        "steps": cfg.train.steps,
+        "batch_size": cfg.train.batch_size,
+        "eval_every": cfg.train.eval_every,
+    }
 
 
 def train_run(
     cfg: ToyConfig,
     variant: str,
     seed: int,
-    data: Optional[tuple[FindBlockData, FindBlockData]] = None,
-    log_path: Optional[Path] = None,
+    data: tuple[FindBlockData, FindBlockData] | None = None,
+    log_path: Path | None = None,
     verbose: bool = True,
-    ckpt_path: Optional[Path] = None,
+    ckpt_path: Path | None = None,
 ) -> dict:
     """Train one (variant, seed); returns final errors and the held-out curve.
 
@@ -191,8 +194,7 @@ def train_run(
         if state["identity"] != identity:
             diff = sorted(k for k in identity if state["identity"].get(k) != identity[k])
             raise UserError(
-                f"{ckpt_path}: checkpoint of a different run (differs in {diff}); "
-                "delete it or choose another out_dir"
+                f"{ckpt_path}: checkpoint of a different run (differs in {diff}); delete it or choose another out_dir"
             )
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
@@ -206,7 +208,7 @@ def train_run(
         if verbose:
             print(f"[{variant} seed={seed}] resumed from {ckpt_path} at step {state['step']}", flush=True)
 
-    log = open(log_path, "w") if log_path else None
+    log = open(log_path, "w") if log_path else None  # noqa: SIM115 - written through the loop, closed after it
     if log:  # the log always mirrors the curve, also after a resume
         for entry in curve:
             log.write(json.dumps(entry) + "\n")
@@ -243,21 +245,33 @@ def train_run(
         run_loss, run_n = run_loss + loss.item(), run_n + 1
         if step % t.eval_every == 0 or step == t.steps:
             ev = evaluate(model, test_set, cfg.data, t.eval_batch_size, device)
-            record({"step": step, "train_loss": run_loss / max(run_n, 1), **ev,
-                    "elapsed_s": round(time.time() - start, 1)})
+            record(
+                {"step": step, "train_loss": run_loss / max(run_n, 1), **ev, "elapsed_s": round(time.time() - start, 1)}
+            )
             run_loss, run_n = 0.0, 0
             if ckpt_path is not None:
-                save_file_atomic({
-                    "identity": identity, "step": step, "elapsed_s": time.time() - start,
-                    "model": model.state_dict(), "optimizer": optimizer.state_dict(),
-                    "scheduler": scheduler.state_dict(), "order_gen": order_gen.get_state(),
-                    "rng": torch.get_rng_state(),
-                    "cuda_rng": torch.cuda.get_rng_state(device) if device.type == "cuda" else None,
-                    "perm": perm, "cursor": cursor, "curve": curve,
-                }, Path(ckpt_path))
+                save_file_atomic(
+                    {
+                        "identity": identity,
+                        "step": step,
+                        "elapsed_s": time.time() - start,
+                        "model": model.state_dict(),
+                        "optimizer": optimizer.state_dict(),
+                        "scheduler": scheduler.state_dict(),
+                        "order_gen": order_gen.get_state(),
+                        "rng": torch.get_rng_state(),
+                        "cuda_rng": torch.cuda.get_rng_state(device) if device.type == "cuda" else None,
+                        "perm": perm,
+                        "cursor": cursor,
+                        "curve": curve,
+                    },
+                    Path(ckpt_path),
+                )
         elif verbose and step % t.log_every == 0:
-            print(f"[{variant} seed={seed}] step {step} loss {run_loss / run_n:.4f} "
-                  f"({time.time() - start:.0f}s)", flush=True)
+            print(
+                f"[{variant} seed={seed}] step {step} loss {run_loss / run_n:.4f} ({time.time() - start:.0f}s)",
+                flush=True,
+            )
     if log:
         log.close()
     final = curve[-1]

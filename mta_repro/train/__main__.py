@@ -20,8 +20,8 @@ import sys
 import hydra
 from omegaconf import DictConfig
 
-from mta_repro.train.config import CONFIG_DIR
 from mta_repro.device import launcher_rank
+from mta_repro.train.config import CONFIG_DIR
 
 # Appended to the command line of ranks other than 0 (a single run, not a sweep).
 NON_ZERO_RANK_OVERRIDES = ("hydra.output_subdir=null", "hydra/job_logging=stdout")

@@ -8,10 +8,10 @@ override (``trainer.stpes=10``) fails when Hydra composes the config.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import ClassVar, Optional
+from typing import ClassVar
 
-from mta_repro.train.cpu_malloc import check_threshold
 from mta_repro.errors import UserError
+from mta_repro.train.cpu_malloc import check_threshold
 
 NONFINITE_CHOICES = ("raise", "skip")
 ON_CORRUPT_CHOICES = ("fallback", "raise")
@@ -52,7 +52,7 @@ class TrainerArgs:
     # costs step time (every such tensor is a fresh mmap). null = glibc's default (fastest).
     # 131072 is glibc's initial value (mta_repro/train/cpu_malloc.py; both effects measured
     # in docs/memory.md).
-    cpu_mmap_threshold: Optional[int] = field(default=None, metadata={"run_dir": "free"})
+    cpu_mmap_threshold: int | None = field(default=None, metadata={"run_dir": "free"})
     # Before anything is allocated, refuse in one line a model, batch and world size whose
     # memory on one rank is over the device's (GPU: free memory; CPU: the memory available,
     # shared by the node's ranks): a floor (fp32 parameters and AdamW moments, one fp32 copy
@@ -92,7 +92,7 @@ class CheckpointArgs:
     # Stage start (used only when there is nothing to resume): a run dir, a DCP
     # checkpoint dir or a consolidated .pt whose *model* weights initialise this run
     # (fresh optimizer, schedule and data). None = the seeded init.
-    init_from: Optional[str] = field(default=None, metadata={"run_dir": "safe", "path": True})
+    init_from: str | None = field(default=None, metadata={"run_dir": "safe", "path": True})
     # "model": load the weights as they are (long-context finetuning);
     # "baseline_to_mta": a baseline's weights into this MTA model, new parts at identity
     # (Appendix I).
@@ -117,7 +117,7 @@ class CheckpointArgs:
     # folder `path`, not yet marked complete) and "async_writing" (an async save's
     # background write of `path` has begun). For tests that inject faults there
     # (tests/fixtures/faults/faults.py) and for instrumentation; nothing a run's numbers depend on.
-    save_hook: Optional[str] = field(default=None, metadata={"run_dir": "free"})
+    save_hook: str | None = field(default=None, metadata={"run_dir": "free"})
     # A resume (or a start from init_from's data position) checks that the text the run
     # already read of its data files is unchanged, and refuses one whose bytes changed,
     # naming the file; true goes on with the files as they are now (docs/provenance.md).
@@ -162,7 +162,7 @@ class LoggingArgs:
     wandb_mode: str = "offline"
     wandb_project: str = "mta-repro"
     # Run name; None = the run directory's name.
-    wandb_name: Optional[str] = None
+    wandb_name: str | None = None
 
     def __post_init__(self) -> None:
         if self.every < 1:
@@ -221,7 +221,7 @@ class SlurmArgs:
     # GPUs per node. 0 = a CPU partition: no GPU request (set tasks_per_node).
     gpus_per_node: int = 8
     # Ranks per node; null = one per GPU (gpus_per_node). Required when gpus_per_node=0.
-    tasks_per_node: Optional[int] = None
+    tasks_per_node: int | None = None
     # CPUs per rank, passed to sbatch and to srun (srun no longer inherits it, SLURM >= 22.05).
     # 8 x 8 GPU ranks = 64: fits the smallest common 8-GPU node (64 cores); a GPU rank needs
     # its main thread, the data prefetch thread, the async checkpoint writer and a few
@@ -233,20 +233,20 @@ class SlurmArgs:
     # The site's names (sbatch --partition, --account, --qos, --constraint); null leaves
     # the flag out (the cluster's defaults). `sinfo -s` lists partitions, `sacctmgr show
     # assoc user=$USER` accounts and QoS, `sinfo -o "%N %f"` node features.
-    partition: Optional[str] = None
-    account: Optional[str] = None
-    qos: Optional[str] = None
-    constraint: Optional[str] = None
+    partition: str | None = None
+    account: str | None = None
+    qos: str | None = None
+    constraint: str | None = None
     # Seconds before the time limit at which SLURM sends SIGUSR2 (requeue + checkpoint).
     signal_s: int = 120
     job_name: str = "mta"
     # srun --cpu-bind value ("none": the ranks' data workers may use all the task's
     # CPUs); null leaves the flag out, for clusters without binding support
     # (TaskPlugin=task/none, e.g. scripts/slurm_local.sh), where srun warns about it.
-    cpu_bind: Optional[str] = "none"
+    cpu_bind: str | None = "none"
     # sbatch --mem per node ("480G"; "0" = all of it); null = the cluster's default
     # (DefMemPerCPU x CPUs, which may not hold rank 0's full fp32 model and the DCP staging).
-    mem: Optional[str] = None
+    mem: str | None = None
     # sbatch --exclusive: whole nodes (no other job's ranks on the GPUs' CPUs/NICs).
     exclusive: bool = False
 
@@ -257,8 +257,9 @@ class SlurmArgs:
         if self.gpus_per_node < 0:
             raise UserError(f"slurm.gpus_per_node: expected >= 0 (0 = CPU nodes), got {self.gpus_per_node}")
         if self.tasks_per_node is None and self.gpus_per_node == 0:
-            raise UserError("slurm.tasks_per_node: required when slurm.gpus_per_node=0 (CPU nodes), "
-                             "e.g. slurm.tasks_per_node=2")
+            raise UserError(
+                "slurm.tasks_per_node: required when slurm.gpus_per_node=0 (CPU nodes), e.g. slurm.tasks_per_node=2"
+            )
         if self.tasks_per_node is not None and self.tasks_per_node < 1:
             raise UserError(f"slurm.tasks_per_node: expected >= 1 or null, got {self.tasks_per_node}")
         if self.signal_s < 0:

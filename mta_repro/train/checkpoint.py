@@ -30,9 +30,10 @@ import os
 import shutil
 import sys
 import warnings
+from collections.abc import Callable
 from concurrent.futures import Future
 from pathlib import Path
-from typing import Any, Callable, Optional, Union, cast
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -60,6 +61,7 @@ from mta_repro.weights.safe import (
     decode_state,
 )
 
+
 def state_bytes(obj: Any) -> int:
     """The bytes of the tensors and byte strings in a (nested) state dict: what a checkpoint
     of it needs on disk, about (a sharded tensor counts whole)."""
@@ -81,7 +83,7 @@ _SAVE_ERRORS = (Exception, CheckpointException)
 
 def _caused_by_enospc(exc: BaseException) -> bool:
     seen = set()
-    e: Optional[BaseException] = exc
+    e: BaseException | None = exc
     while e is not None and id(e) not in seen:
         seen.add(id(e))
         if isinstance(e, OSError) and e.errno == errno.ENOSPC:
@@ -114,8 +116,16 @@ class CheckpointManager:
     previous complete checkpoint as the latest.
     """
 
-    def __init__(self, run_dir: Path, keep: int, rank: int, world_size: int, async_save: bool = False,
-                 config_text: Optional[str] = None, save_hook: Optional[Callable] = None):
+    def __init__(
+        self,
+        run_dir: Path,
+        keep: int,
+        rank: int,
+        world_size: int,
+        async_save: bool = False,
+        config_text: str | None = None,
+        save_hook: Callable | None = None,
+    ):
         self.root = Path(run_dir) / "checkpoints"
         # fn(event, step, tmp) at "written" and "async_writing" (checkpoint.save_hook)
         self.save_hook = save_hook
@@ -125,11 +135,11 @@ class CheckpointManager:
         # The resolved run config (YAML) each checkpoint carries as config.yaml (rank 0).
         self.config_text = config_text
         # (future, step, tmp, final, bytes) of an async save in flight
-        self._pending: Optional[tuple[Future, int, Path, Path, int]] = None
-        self._pg: Optional[dist.ProcessGroup] = None
+        self._pending: tuple[Future, int, Path, Path, int] | None = None
+        self._pg: dist.ProcessGroup | None = None
         # Rank 0: fn(step, tokens_seen) -> the record each checkpoint carries as provenance.json.
-        self.provenance: Optional[Callable[[int, Optional[int]], dict]] = None
-        self._record: Optional[bytes] = None  # the record of the save in flight
+        self.provenance: Callable[[int, int | None], dict] | None = None
+        self._record: bytes | None = None  # the record of the save in flight
 
     def _barrier(self) -> None:
         if dist.is_initialized():
@@ -143,7 +153,7 @@ class CheckpointManager:
                     shutil.rmtree(p, ignore_errors=True)
         self._barrier()
 
-    def latest(self) -> Optional[Path]:
+    def latest(self) -> Path | None:
         found = complete_checkpoints(self.root)
         return found[-1] if found else None
 
@@ -260,7 +270,7 @@ class CheckpointManager:
         self._finalize(step, tmp, final)
         self._barrier()
 
-    def resume(self, state: TrainState, on_corrupt: str = "fallback") -> Optional[Path]:
+    def resume(self, state: TrainState, on_corrupt: str = "fallback") -> Path | None:
         """Load the newest readable complete checkpoint into ``state``; its path, or None.
 
         An unreadable newest checkpoint (missing/truncated file, or a load failing on
@@ -288,8 +298,10 @@ class CheckpointManager:
             if self.rank == 0:  # one line on stderr (the FallbackWarning it also raises is not shown)
                 from mta_repro.weights.read import notice
 
-                notice(f"{msg}; falling back to {older} (the damaged one is kept as corrupt-{path.name})",
-                       "mta_repro.train")
+                notice(
+                    f"{msg}; falling back to {older} (the damaged one is kept as corrupt-{path.name})",
+                    "mta_repro.train",
+                )
             self._barrier()
             if self.rank == 0:
                 dest = path.with_name(f"corrupt-{path.name}")
@@ -330,8 +342,11 @@ class CheckpointManager:
         dcp_load(states, path)
         saved = [decode_state(states[rank_key(r)], f"checkpoint {path}: {rank_key(r)}") for r in range(saved_world)]
         if self.rank == 0:
-            print(f"[mta_repro.train] resuming a {saved_world}-rank checkpoint on {self.world_size} ranks",
-                  file=sys.stderr, flush=True)
+            print(
+                f"[mta_repro.train] resuming a {saved_world}-rank checkpoint on {self.world_size} ranks",
+                file=sys.stderr,
+                flush=True,
+            )
         torch.manual_seed(hash((state.step, self.rank)) % (2**63))
         state.tokens_seen = saved[0].get("tokens_seen")  # the global count: every rank saved the same
         loader = state.loader
@@ -348,7 +363,7 @@ class CheckpointManager:
             )
 
 
-def load_model_state(path: Union[str, Path], expect=None) -> tuple[dict, Optional[int]]:
+def load_model_state(path: str | Path, expect=None) -> tuple[dict, int | None]:
     """Full (unsharded) model state dict and its step from a run dir, a DCP checkpoint dir,
     a consolidated .pt, or a release/Lingua checkpoint (``mta_repro.weights.load_weights``:
     the newest readable one, read in this process only, no collectives). ``expect``: the

@@ -8,9 +8,10 @@ YAML groups; ``compose(overrides)`` gives the same config as the command line wo
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
@@ -52,9 +53,11 @@ def check_seq_len(seq_len, max_seqlen, what: str = "data.seq_len") -> None:
     if isinstance(seq_len, int) and isinstance(max_seqlen, int) and seq_len > max_seqlen:
         from mta_repro.errors import UserError
 
-        raise UserError(f"{what}={seq_len} is longer than model.max_seqlen={max_seqlen}, the longest sequence the "
-                        f"model is meant for; lower {what}, or set model.max_seqlen={seq_len} for a model meant for "
-                        f"{seq_len}-token sequences")
+        raise UserError(
+            f"{what}={seq_len} is longer than model.max_seqlen={max_seqlen}, the longest sequence the "
+            f"model is meant for; lower {what}, or set model.max_seqlen={seq_len} for a model meant for "
+            f"{seq_len}-token sequences"
+        )
 
 
 def register_configs() -> None:
@@ -79,7 +82,7 @@ def compose(overrides: Sequence[str] = (), config_name: str = "train") -> DictCo
         return hydra_compose(config_name=config_name, overrides=list(overrides))
 
 
-def model_args_from(cfg: DictConfig, key: Optional[str] = "model") -> ModelArgs:
+def model_args_from(cfg: DictConfig, key: str | None = "model") -> ModelArgs:
     """Validated ``ModelArgs`` from a composed config (raises UserError on bad fields)."""
     from mta_repro.model import to_model_args
 
@@ -109,7 +112,7 @@ def to_train_config(cfg: Any) -> TrainConfig:
 
     check_schema(cfg)
     if isinstance(cfg, DictConfig) and "hydra" in cfg:
-        cfg = OmegaConf.masked_copy(cfg, [str(k) for k in cfg.keys() if k != "hydra"])
+        cfg = OmegaConf.masked_copy(cfg, [str(k) for k in cfg if k != "hydra"])
     return to_dataclass(TrainConfig, cfg, "")
 
 
@@ -126,7 +129,7 @@ def attention_variant(model_cfg) -> str:
     return "talking_heads"
 
 
-def trained_seq_len(cfg) -> Optional[int]:
+def trained_seq_len(cfg) -> int | None:
     """The context a run was trained at (its saved config's data.seq_len: the last training
     stage's), if the config says. Evaluation refuses longer inputs; the HF export writes it
     as max_position_embeddings."""

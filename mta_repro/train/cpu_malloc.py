@@ -40,7 +40,7 @@ def _glibc():
         return None
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        libc.gnu_get_libc_version  # glibc only (musl has mallopt as a no-op stub)
+        _ = libc.gnu_get_libc_version  # glibc only (musl has mallopt as a no-op stub)
     except (OSError, AttributeError):
         return None
     return libc
@@ -48,10 +48,11 @@ def _glibc():
 
 def check_threshold(value, what: str = "trainer.cpu_mmap_threshold") -> None:
     """A threshold glibc takes: null (its dynamic default) or 1..32 MiB bytes."""
-    if value is not None and (isinstance(value, bool) or not isinstance(value, int)
-                              or not 0 < value <= MAX_THRESHOLD):
-        raise UserError(f"{what}: expected null (glibc's dynamic default) or bytes in 1..{MAX_THRESHOLD} "
-                        f"(131072 keeps CPU memory at the pre-flight estimate), got {value!r}")
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or not 0 < value <= MAX_THRESHOLD):
+        raise UserError(
+            f"{what}: expected null (glibc's dynamic default) or bytes in 1..{MAX_THRESHOLD} "
+            f"(131072 keeps CPU memory at the pre-flight estimate), got {value!r}"
+        )
 
 
 def fix_mmap_threshold(threshold) -> int | None:

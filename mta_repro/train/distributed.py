@@ -18,7 +18,7 @@ import os
 import re
 import socket
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -180,7 +180,7 @@ def parallelize(model: Transformer, info: DistInfo, args: DistributedArgs) -> Tr
 def materialize(
     model: nn.Module,
     info: DistInfo,
-    full_state: Optional[dict] = None,
+    full_state: dict | None = None,
     model_args=None,
     init: bool = True,
 ) -> None:

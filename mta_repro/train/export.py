@@ -9,18 +9,17 @@ made from the latest complete DCP checkpoint in a single process (no process gro
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Optional, Union
 
 from omegaconf import OmegaConf
 
 from mta_repro.errors import UserError
 from mta_repro.files import save_file_atomic
 from mta_repro.train.provenance import EXPORT_KEY, read_record, state_digest
-from mta_repro.weights.layout import latest_checkpoint
 from mta_repro.weights import Candidate, read_weights
+from mta_repro.weights.layout import latest_checkpoint
 
 
-def export_consolidated(run_dir: Union[str, Path], checkpoint: Optional[Path] = None) -> Path:
+def export_consolidated(run_dir: str | Path, checkpoint: Path | None = None) -> Path:
     """Write ``<run_dir>/export/consolidated.pt`` from ``checkpoint`` (default: latest)."""
     run_dir = Path(run_dir)
     cfg_file = run_dir / "config.yaml"
@@ -40,8 +39,13 @@ def export_consolidated(run_dir: Union[str, Path], checkpoint: Optional[Path] = 
     record = {**(read_record(ckpt) or {}), "checkpoint": str(ckpt), "weights_sha256": state_digest(sd)}
     # atomic: readers never see a half-written export
     return save_file_atomic(
-        {"model": sd, "config": OmegaConf.to_container(cfg, resolve=True), "step": int(step if step is not None else ckpt.name),
-         EXPORT_KEY: record}, out
+        {
+            "model": sd,
+            "config": OmegaConf.to_container(cfg, resolve=True),
+            "step": int(step if step is not None else ckpt.name),
+            EXPORT_KEY: record,
+        },
+        out,
     )
 
 

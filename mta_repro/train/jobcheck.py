@@ -21,8 +21,8 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Iterable, Optional
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
@@ -55,7 +55,7 @@ def _resolved_path(path: str) -> Path:
     return Path(os.path.abspath(resolve_path(path)))
 
 
-def writable_dir_problem(path: Path, field: str) -> Optional[str]:
+def writable_dir_problem(path: Path, field: str) -> str | None:
     """A line when the job could not create or write ``path`` (its nearest existing
     ancestor is not a writable directory)."""
     p = path
@@ -100,13 +100,17 @@ def data_problems(data_cfg, validates: bool) -> list[str]:
         if not tok.path:
             out.append(f"data.tokenizer.path: not set (the {tok.name} tokenizer file)")
         elif not _resolved_path(tok.path).is_file():
-            out.append(f"data.tokenizer.path: {_resolved_path(tok.path)}{_env_note(data_cfg, 'tokenizer.path')} "
-                       f"does not exist (the {tok.name} tokenizer file; {HINT})")
+            out.append(
+                f"data.tokenizer.path: {_resolved_path(tok.path)}{_env_note(data_cfg, 'tokenizer.path')} "
+                f"does not exist (the {tok.name} tokenizer file; {HINT})"
+            )
     try:
         corpus_root(args)
     except UserError:
-        return [f"data.root_dir: {_resolved_path(args.root_dir)}{_env_note(data_cfg, 'root_dir')} does not exist "
-                f"(the corpus, layout {args.layout}; {HINT})"] + out
+        return [
+            f"data.root_dir: {_resolved_path(args.root_dir)}{_env_note(data_cfg, 'root_dir')} does not exist "
+            f"(the corpus, layout {args.layout}; {HINT})"
+        ] + out
     seen: set = set()
     for domain in active_sources(args):
         for split in ("train", "validation") if validates else ("train",):
@@ -122,7 +126,7 @@ def data_problems(data_cfg, validates: bool) -> list[str]:
     return out
 
 
-def problems(cfg: DictConfig, base: Optional[Path] = None, made_by_plan: Iterable[Path] = ()) -> list[str]:
+def problems(cfg: DictConfig, base: Path | None = None, made_by_plan: Iterable[Path] = ()) -> list[str]:
     """What the training job of ``cfg`` (a composed train config) would miss at its start,
     one line each. ``base``: the submit directory (relative run_dir and init_from);
     ``made_by_plan``: paths an earlier job makes (a pipeline's source runs). The config's
@@ -142,8 +146,10 @@ def problems(cfg: DictConfig, base: Optional[Path] = None, made_by_plan: Iterabl
         src = _abs(str(init), base)
         made = {Path(p) for p in made_by_plan}
         if src not in made and not src.exists():
-            out.append(f"checkpoint.init_from: {src} does not exist (a run dir, a checkpoint dir or a .pt file; "
-                       f"relative paths are taken from the submit directory; {HINT})")
+            out.append(
+                f"checkpoint.init_from: {src} does not exist (a run dir, a checkpoint dir or a .pt file; "
+                f"relative paths are taken from the submit directory; {HINT})"
+            )
     return out
 
 
@@ -151,7 +157,7 @@ def _env_keys(node, prefix: str = "") -> list[str]:
     """Dotted keys of ``node`` whose value reads an environment variable (``oc.env``)."""
     out = []
     if isinstance(node, DictConfig):
-        items = [(str(k), node._get_node(k)) for k in node.keys()]
+        items = [(str(k), node._get_node(k)) for k in node]
     elif isinstance(node, ListConfig):
         return out  # a list element cannot be set alone from the command line
     else:

@@ -27,24 +27,26 @@ import signal
 import sys
 import time
 import warnings
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable, NamedTuple, Optional
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
 from omegaconf import DictConfig, OmegaConf
+from torch.distributed.tensor import DTensor
 
-from mta_repro.train.config import TrainConfig, to_train_config
-from mta_repro.train.cpu_malloc import fix_mmap_threshold
 from mta_repro.dataclass_config import to_dataclass
+from mta_repro.device import launcher_rank
 from mta_repro.errors import NoSpaceError, StopRequested, UserError
 from mta_repro.model import build_model, to_model_args
 from mta_repro.model.flops import hardware_flops_per_token, model_flops_per_token
-from mta_repro.device import launcher_rank
 from mta_repro.model.loss import cross_entropy
+from mta_repro.train import provenance
 from mta_repro.train.args import CheckpointArgs, TrainerArgs
 from mta_repro.train.checkpoint import CheckpointManager
+from mta_repro.train.config import TrainConfig, to_train_config
+from mta_repro.train.cpu_malloc import fix_mmap_threshold
 from mta_repro.train.distributed import (
     DistInfo,
     destroy_distributed,
@@ -53,7 +55,6 @@ from mta_repro.train.distributed import (
     parallelize,
 )
 from mta_repro.train.metrics import MetricLogger, Throughput, device_peak_flops, mfu, peak_mem_gb
-from mta_repro.train import provenance
 from mta_repro.train.optim import build_lr_scheduler, build_optimizer
 from mta_repro.train.rundir import (
     RunLock,
@@ -108,17 +109,17 @@ def _check_vocab(args: TrainConfig, vocab_size: int) -> None:
         )
 
 
-def stage_start_weights(ck: CheckpointArgs, model_args, is_main: bool = True,
-                        identity: Optional[dict] = None) -> Optional[dict]:
+def stage_start_weights(
+    ck: CheckpointArgs, model_args, is_main: bool = True, identity: dict | None = None
+) -> dict | None:
     """Full source weights for a stage start (``checkpoint.init_from``, read on rank 0 only),
     or None for the seeded init. mta_repro.pipeline.check calls it too, so that its
     Appendix I check sees exactly what training starts from. ``identity`` (a dict) gets
     the source's path, step and the sha256 of its tensors (the run's record)."""
     if ck.init_from is None or not is_main:
         return None
-    from mta_repro.train.checkpoint import load_init_weights
-
     from mta_repro.model.args import MTAArgs
+    from mta_repro.train.checkpoint import load_init_weights
 
     # baseline_to_mta (Appendix I): a baseline's weights go into this MTA model, new parts at identity.
     base_args = dataclasses.replace(model_args, mta=MTAArgs(use_mta=False))
@@ -130,8 +131,7 @@ def stage_start_weights(ck: CheckpointArgs, model_args, is_main: bool = True,
 
         identity.update(path=str(ck.init_from), step=step, weights_sha256=state_digest(sd))
     if ck.init_mode == "model":
-        print(f"[mta_repro.train] initialised from {ck.init_from} (step {step}): model weights only",
-              file=sys.stderr)
+        print(f"[mta_repro.train] initialised from {ck.init_from} (step {step}): model weights only", file=sys.stderr)
         return sd
     from mta_repro.model.insertion import baseline_to_mta
 
@@ -162,8 +162,10 @@ def train(cfg: Any) -> dict[str, Any]:
         if launcher_rank() == 0:
             clean_failed_start(run_dir, lock)
         if isinstance(e, OSError) and e.errno == errno.ENOSPC:
-            raise NoSpaceError(f"no space left on device: {e.filename or run_dir}: {e.strerror}; free space "
-                               "and rerun the same command to resume") from e
+            raise NoSpaceError(
+                f"no space left on device: {e.filename or run_dir}: {e.strerror}; free space "
+                "and rerun the same command to resume"
+            ) from e
         raise
     finally:
         lock.release()
@@ -201,9 +203,12 @@ def _train(args: TrainConfig, info: DistInfo, lock: RunLock) -> dict[str, Any]:
     at_step = _agree(info, prepare)
     if at_step is not None and at_step == tr.steps:
         if info.is_main:
-            print(f"[mta_repro.train] {run_dir} is already at trainer.steps={tr.steps}: nothing to train "
-                  "(raise trainer.steps, with checkpoint.allow_config_change=true, to train on)",
-                  file=sys.stderr, flush=True)
+            print(
+                f"[mta_repro.train] {run_dir} is already at trainer.steps={tr.steps}: nothing to train "
+                "(raise trainer.steps, with checkpoint.allow_config_change=true, to train on)",
+                file=sys.stderr,
+                flush=True,
+            )
         return {"step": at_step, "loss": float("nan"), "stopped_by_signal": None, "export": None}
     return run(args, info)
 
@@ -216,7 +221,7 @@ class StepOutput(NamedTuple):
     grad_norm: torch.Tensor  # 0-d: the global gradient norm before clipping
     n_tokens: int  # this rank's tokens in the update
     lr: float  # the learning rate the update used
-    finite: Optional[bool]  # None unless trainer.nonfinite=skip (which reads the values to decide)
+    finite: bool | None  # None unless trainer.nonfinite=skip (which reads the values to decide)
 
 
 def train_step(model, optimizer, scheduler, loader, tr: TrainerArgs, clip: float, device) -> StepOutput:
@@ -292,7 +297,7 @@ class StepValues:
         return mean
 
 
-def check_finite(values: list[tuple[int, float, float]], latest: Optional[Path]) -> None:
+def check_finite(values: list[tuple[int, float, float]], latest: Path | None) -> None:
     """``trainer.nonfinite=raise``: the first non-finite step of ``values`` stops the run."""
     for step, loss, gnorm in values:
         if not (math.isfinite(loss) and math.isfinite(gnorm)):
@@ -303,8 +308,15 @@ def check_finite(values: list[tuple[int, float, float]], latest: Optional[Path])
             )
 
 
-def metrics_record(state: TrainState, values: StepValues, lr: float, info: DistInfo, meter: Throughput,
-                   flops_tok: tuple[float, float], peak: Optional[float]) -> dict[str, Any]:
+def metrics_record(
+    state: TrainState,
+    values: StepValues,
+    lr: float,
+    info: DistInfo,
+    meter: Throughput,
+    flops_tok: tuple[float, float],
+    peak: float | None,
+) -> dict[str, Any]:
     """The metrics.jsonl line of a logged step (collective: data counts are summed over ranks).
     ``flops_tok``: (model, hardware) training FLOPs per token, for ``mfu`` and ``hfu``."""
     tps = meter.rate()
@@ -335,10 +347,10 @@ class Checkpointing:
     """The save cadence: ``maybe_save(last=)`` saves the state at every ``checkpoint.every``
     steps, at the last step and when asked (``last=True``: a stop), each step at most once."""
 
-    def __init__(self, manager: CheckpointManager, every: int, state: TrainState, last_saved: Optional[int]):
+    def __init__(self, manager: CheckpointManager, every: int, state: TrainState, last_saved: int | None):
         self.manager, self.every, self.state = manager, every, state
         self.last_saved = last_saved
-        self.last_path: Optional[Path] = manager.latest() if last_saved is not None else None
+        self.last_path: Path | None = manager.latest() if last_saved is not None else None
 
     def due(self, last: bool = False) -> bool:
         step = self.state.step
@@ -384,8 +396,9 @@ def run(args: TrainConfig, info: DistInfo) -> dict[str, Any]:
     return {"step": state.step, "loss": parts.values.loss_last, "stopped_by_signal": stopped_by, "export": exported}
 
 
-def build_state(args: TrainConfig, info: DistInfo, preempt: Optional[PreemptionHandler] = None
-                ) -> tuple[TrainState, CheckpointManager, Optional[str], bool]:
+def build_state(
+    args: TrainConfig, info: DistInfo, preempt: PreemptionHandler | None = None
+) -> tuple[TrainState, CheckpointManager, str | None, bool]:
     """The model (meta -> AC -> compile -> FSDP2 -> materialised with the init or the stage
     start's weights), optimizer, scheduler and loader as a TrainState, resumed from the
     newest readable checkpoint if there is one. Returns (state, manager, the attention
@@ -396,9 +409,15 @@ def build_state(args: TrainConfig, info: DistInfo, preempt: Optional[PreemptionH
     model_args, attn_used = attn_selfcheck(to_model_args(args.model), info, args.distributed.param_dtype, run_dir)
     check("the attention self-check")
     root_node = OmegaConf.structured(args)
-    manager = CheckpointManager(run_dir, ck.keep, info.rank, info.world_size, async_save=ck.async_save,
-                                config_text=OmegaConf.to_yaml(root_node, resolve=True),
-                                save_hook=load_factory(ck.save_hook, "checkpoint.save_hook") if ck.save_hook else None)
+    manager = CheckpointManager(
+        run_dir,
+        ck.keep,
+        info.rank,
+        info.world_size,
+        async_save=ck.async_save,
+        config_text=OmegaConf.to_yaml(root_node, resolve=True),
+        save_hook=load_factory(ck.save_hook, "checkpoint.save_hook") if ck.save_hook else None,
+    )
     manager.clean_stale()
     has_ckpt = ck.resume and manager.latest() is not None
     # The tokenizer against the one the run (or init_from's run) recorded, before any work.
@@ -406,7 +425,7 @@ def build_state(args: TrainConfig, info: DistInfo, preempt: Optional[PreemptionH
 
     model = build_model(model_args, device="meta")
     parallelize(model, info, args.distributed)
-    init_identity: Optional[dict] = {} if ck.init_from is not None and not has_ckpt else None
+    init_identity: dict | None = {} if ck.init_from is not None and not has_ckpt else None
     full = None if has_ckpt else stage_start_weights(ck, model_args, info.is_main, identity=init_identity)
     materialize(model, info, full_state=full, model_args=model_args, init=not has_ckpt)
     check("building the model")
@@ -426,8 +445,9 @@ def build_state(args: TrainConfig, info: DistInfo, preempt: Optional[PreemptionH
         if info.is_main and resumed_from is not None:
             print(f"[mta_repro.train] resumed from {resumed_from} at step {state.step}", file=sys.stderr)
     # What the loader found of the files read before (every rank), then the start's record.
-    accepted += provenance.check_data(loader, ck.accept_changed_data, run_dir, state.step, info.world_size,
-                                      info.is_main)
+    accepted += provenance.check_data(
+        loader, ck.accept_changed_data, run_dir, state.step, info.world_size, info.is_main
+    )
     if info.is_main:
         record = provenance.RunRecord(args, run_dir, loader, init_identity or None, resumed_from, accepted)
         record.begin(state.step, info.world_size)
@@ -442,38 +462,49 @@ class LoopParts:
 
     manager: CheckpointManager
     logger: MetricLogger
-    validator: Optional[Validator]
+    validator: Validator | None
     saver: Checkpointing
     preempt: PreemptionHandler
     meter: Throughput
     values: StepValues
-    attn_used: Optional[str]
+    attn_used: str | None
     flops_tok: tuple[float, float]  # (model, hardware) training FLOPs per token
-    peak: Optional[float]
+    peak: float | None
     clip: float
     loader: Any
 
     @classmethod
-    def create(cls, args: TrainConfig, info: DistInfo, state: TrainState, manager: CheckpointManager,
-               attn_used: Optional[str], resumed: bool, preempt: PreemptionHandler) -> "LoopParts":
+    def create(
+        cls,
+        args: TrainConfig,
+        info: DistInfo,
+        state: TrainState,
+        manager: CheckpointManager,
+        attn_used: str | None,
+        resumed: bool,
+        preempt: PreemptionHandler,
+    ) -> LoopParts:
         root_node = OmegaConf.structured(args)
         config = OmegaConf.to_container(root_node, resolve=True)
         assert isinstance(config, dict)
         seq_len = args.data.seq_len
         model_args = to_model_args(args.model)
         # before the logger: a stop while the validation set is read leaves no metrics file open
-        validator = maybe_validator(OmegaConf.create({"data": root_node.data}), args.trainer, info, seq_len,
-                                    check=preempt.check)
+        validator = maybe_validator(
+            OmegaConf.create({"data": root_node.data}), args.trainer, info, seq_len, check=preempt.check
+        )
         return cls(
             manager=manager,
-            logger=MetricLogger(Path(args.run_dir), args.logging, config, info.is_main, args.trainer.steps,
-                                state.step),
+            logger=MetricLogger(Path(args.run_dir), args.logging, config, info.is_main, args.trainer.steps, state.step),
             validator=validator,
             saver=Checkpointing(manager, args.checkpoint.every, state, last_saved=state.step if resumed else None),
-            preempt=preempt, meter=Throughput(info.device), values=StepValues(info),
-            attn_used=attn_used, flops_tok=(model_flops_per_token(model_args, seq_len),
-                                            hardware_flops_per_token(model_args, seq_len)),
-            peak=device_peak_flops(info.device), clip=args.optim.clip if args.optim.clip > 0 else float("inf"),
+            preempt=preempt,
+            meter=Throughput(info.device),
+            values=StepValues(info),
+            attn_used=attn_used,
+            flops_tok=(model_flops_per_token(model_args, seq_len), hardware_flops_per_token(model_args, seq_len)),
+            peak=device_peak_flops(info.device),
+            clip=args.optim.clip if args.optim.clip > 0 else float("inf"),
             loader=state.loader,
         )
 
@@ -484,7 +515,7 @@ class LoopParts:
             self.loader.close()
 
 
-def train_steps(args: TrainConfig, info: DistInfo, state: TrainState, parts: LoopParts) -> Optional[int]:
+def train_steps(args: TrainConfig, info: DistInfo, state: TrainState, parts: LoopParts) -> int | None:
     """Updates until ``trainer.steps`` or an agreed stop signal (returned, else None):
     each logged, validated and checkpointed on its cadence."""
     tr, lg, p = args.trainer, args.logging, parts
@@ -535,8 +566,7 @@ def train_steps(args: TrainConfig, info: DistInfo, state: TrainState, parts: Loo
     return None
 
 
-def read_ahead(ready: Callable, n_batches: int, preempt: PreemptionHandler, info: DistInfo, first: bool
-               ) -> Optional[int]:
+def read_ahead(ready: Callable, n_batches: int, preempt: PreemptionHandler, info: DistInfo, first: bool) -> int | None:
     """The loader reads what the next step needs here (``loader.ready``), where a stop can
     still be honoured (the warm-up: the shuffle buffer's first fill): the signal that
     stopped it, or None. Before the first step a stop raises (nothing to save). On several
@@ -555,7 +585,7 @@ def read_ahead(ready: Callable, n_batches: int, preempt: PreemptionHandler, info
     return None
 
 
-def finish(args: TrainConfig, info: DistInfo, state: TrainState, parts: LoopParts, stopped_by: Optional[int]) -> None:
+def finish(args: TrainConfig, info: DistInfo, state: TrainState, parts: LoopParts, stopped_by: int | None) -> None:
     """After the loop: a stop saves the state it reached (then requeues under SLURM); every
     async save in flight is finalised."""
     if stopped_by is not None:
@@ -570,7 +600,7 @@ def finish(args: TrainConfig, info: DistInfo, state: TrainState, parts: LoopPart
             _print_stop(state.step, stopped_by, requeued, parts.saver.last_path)
 
 
-def attn_selfcheck(model_args, info: DistInfo, param_dtype: str, run_dir: Path) -> tuple[Any, Optional[str]]:
+def attn_selfcheck(model_args, info: DistInfo, param_dtype: str, run_dir: Path) -> tuple[Any, str | None]:
     """``model.attn_selfcheck`` before the model is built: the model's attention
     implementation checked on this device in the run's dtype (mta_repro/model/selfcheck.py),
     replaced by the first of its fallbacks that passes on every rank. Returns the model
@@ -585,12 +615,19 @@ def attn_selfcheck(model_args, info: DistInfo, param_dtype: str, run_dir: Path) 
     if not selfcheck.explicit_layer_kinds(model_args):
         return model_args, None  # sdpa/diff layers only: nothing to check
     dtype = DTYPES[param_dtype] if info.device.type == "cuda" else torch.float32
-    err: Optional[BaseException] = None
+    err: BaseException | None = None
     try:
-        decision = selfcheck.decide(model_args, info.device, dtype, strict=mode == "strict",
-                                    log=lambda line: print(f"[mta_repro.train] rank {info.rank}: {line}"
-                                                           if info.world_size > 1 else f"[mta_repro.train] {line}",
-                                                           file=sys.stderr, flush=True))
+        decision = selfcheck.decide(
+            model_args,
+            info.device,
+            dtype,
+            strict=mode == "strict",
+            log=lambda line: print(
+                f"[mta_repro.train] rank {info.rank}: {line}" if info.world_size > 1 else f"[mta_repro.train] {line}",
+                file=sys.stderr,
+                flush=True,
+            ),
+        )
         chain = [model_args.attn_impl]
         while chain[-1] != decision.used:
             chain.append(selfcheck.next_impl(chain[-1]))
@@ -638,19 +675,29 @@ def _stopped_before_training(e: StopRequested, run_dir: Path, info: DistInfo) ->
 
     requeued = requeue_if_slurm(e.signum, info.is_main)
     latest = latest_checkpoint(run_dir) if run_dir.is_dir() else None
-    then = ("the job resumes by itself" if requeued else
-            f"rerun the same command to {'resume from ' + str(latest) if latest else 'start'}")
-    return StopRequested(e.signum, f"stopped by {signal.Signals(e.signum).name} during {e} (before the first "
-                                   f"step): nothing trained, nothing saved; {then}")
+    then = (
+        "the job resumes by itself"
+        if requeued
+        else f"rerun the same command to {'resume from ' + str(latest) if latest else 'start'}"
+    )
+    return StopRequested(
+        e.signum,
+        f"stopped by {signal.Signals(e.signum).name} during {e} (before the first "
+        f"step): nothing trained, nothing saved; {then}",
+    )
 
 
-def _print_stop(step: int, signum: int, requeued: bool, ckpt: Optional[Path]) -> None:
+def _print_stop(step: int, signum: int, requeued: bool, ckpt: Path | None) -> None:
     """The one line a stop by a signal leaves: the step, the checkpoint, what to do next."""
     name = signal.Signals(signum).name
     where = f"checkpoint {ckpt}" if ckpt is not None else "no checkpoint"
     then = "the job resumes by itself" if requeued else "rerun the same command to resume"
-    print(f"[mta_repro.train] stopped at step {step} after a signal{' and requeued the job' if requeued else ''} "
-          f"({name}): {where}; {then}", file=sys.stderr, flush=True)
+    print(
+        f"[mta_repro.train] stopped at step {step} after a signal{' and requeued the job' if requeued else ''} "
+        f"({name}): {where}; {then}",
+        file=sys.stderr,
+        flush=True,
+    )
 
 
 def _summed(loader, method: str, info: DistInfo) -> dict[str, int]:

@@ -83,8 +83,9 @@ def backward_workspace(attn, batch_size: int, seq_len: int) -> int:
     entry = attention_ops.attn_impl(attn.attn_impl)
     if entry.workspace_bytes is None:
         return 0
-    return entry.workspace_bytes(attn.explicit_params(), batch_size, seq_len, attn.n_heads, attn.head_dim,
-                                 attn.wq.weight.dtype)
+    return entry.workspace_bytes(
+        attn.explicit_params(), batch_size, seq_len, attn.n_heads, attn.head_dim, attn.wq.weight.dtype
+    )
 
 
 def _saved_bytes(fn, exclude: set) -> int:
@@ -195,13 +196,15 @@ def _run_device_impls(model, live: _LiveBytes, device: str, dtype: torch.dtype, 
                 n = current["bytes"]
                 out.register_hook(lambda g: live.spike(n, f"{name} backward workspace"))
             return out
+
         return attention_ops.AttnImpl(fn, doc=entry.doc)
 
     for m in model.layers:  # the implementations the model names, loaded (a declared one on first use)
         attention_ops.attn_impl(m.attention.attn_impl)
     stand_ins = dict(
         sdpa=_sdpa_meta_cuda if device == "cuda" else _sdpa_meta,
-        impls={name: on_meta(name, e) if e.meta_fn is not None else e for name, e in attention_ops.ATTN_IMPLS.items()})
+        impls={name: on_meta(name, e) if e.meta_fn is not None else e for name, e in attention_ops.ATTN_IMPLS.items()},
+    )
     modules = [layer.attention for layer in model.layers]
     before = [m.kernels for m in modules]
     hooks = [m.register_forward_pre_hook(lambda m, a, n=n: current.update(bytes=n)) for m, n in workspace.items()]
@@ -230,15 +233,40 @@ def _adamw_temporaries(model, world_size: int, device: str, fused) -> int:
         shards[-1].grad = torch.empty_like(shards[-1])
     opt = torch.optim.AdamW(shards, lr=1e-4, foreach=device == "cuda")
     opt.step()  # creates the moments: state, not temporaries
-    known = [t.untyped_storage()._cdata for p in shards
-             for t in (p, p.grad, *(v for v in opt.state[p].values() if isinstance(v, torch.Tensor)))]
+    known = [
+        t.untyped_storage()._cdata
+        for p in shards
+        for t in (p, p.grad, *(v for v in opt.state[p].values() if isinstance(v, torch.Tensor)))
+    ]
     with _LiveBytes(known) as live:
         opt.step()
     return live.peak({})[0]
 
 
-def _step_on_meta(model, batch_size: int, seq_len: int, world_size: int, device: str, dtype: torch.dtype,
-                  activation_checkpointing: bool, grads_held: bool, workspace: dict) -> dict:
+def _checkpoint_blocks(model) -> None:
+    """What the trainer's checkpoint_wrapper does: each block recomputed in backward, the RNG
+    state kept only with dropout."""
+    from torch.utils.checkpoint import checkpoint
+
+    keep_rng = float(getattr(model.args, "dropout", 0.0) or 0.0) > 0
+    for layer in model.layers:
+        forward = layer.forward
+        layer.forward = lambda *a, _f=forward, **k: checkpoint(
+            _f, *a, use_reentrant=False, preserve_rng_state=keep_rng, **k
+        )
+
+
+def _step_on_meta(
+    model,
+    batch_size: int,
+    seq_len: int,
+    world_size: int,
+    device: str,
+    dtype: torch.dtype,
+    activation_checkpointing: bool,
+    grads_held: bool,
+    workspace: dict,
+) -> dict:
     """One forward + loss + backward on meta, as the trainer runs it, through ``_LiveBytes``.
 
     Returns the peak of live bytes (and when it happens), with each parameter's gradient
@@ -261,15 +289,7 @@ def _step_on_meta(model, batch_size: int, seq_len: int, world_size: int, device:
         return torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), tokens.flatten(0, 1))
 
     if activation_checkpointing:
-        from torch.utils.checkpoint import checkpoint
-
-        # What the trainer's checkpoint_wrapper does: each block recomputed in backward,
-        # RNG state kept only with dropout.
-        keep_rng = float(getattr(model.args, "dropout", 0.0) or 0.0) > 0
-        for layer in model.layers:
-            forward = layer.forward
-            layer.forward = lambda *a, _f=forward, **k: checkpoint(_f, *a, use_reentrant=False,
-                                                                   preserve_rng_state=keep_rng, **k)
+        _checkpoint_blocks(model)
     live = _LiveBytes(params | {tokens.untyped_storage()._cdata})
     with _run_device_impls(model, live, device, dtype, workspace), live:
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
@@ -283,8 +303,13 @@ def _step_on_meta(model, batch_size: int, seq_len: int, world_size: int, device:
         if serial is not None:
             grads[serial] = 0 if grads_held else 4 * -(-p.numel() // world_size)
     peak, at, op, grad_bytes = live.peak(grads)
-    return {"peak": peak, "op": op, "in_backward": at >= end_of_forward, "gradients_at_peak": grad_bytes,
-            "saved": sum(saved.values())}
+    return {
+        "peak": peak,
+        "op": op,
+        "in_backward": at >= end_of_forward,
+        "gradients_at_peak": grad_bytes,
+        "saved": sum(saved.values()),
+    }
 
 
 @dataclass
@@ -308,20 +333,29 @@ class MemoryEstimate:
         lines = ["| part | GB |", "|---|---:|"]
         lines += [f"| {k} | {v / GB:.2f} |" for k, v in self.parts.items()]
         lines.append(f"| **total** | **{self.total / GB:.2f}** |")
-        verdict = ", ".join(
-            f"{name}: {'fits' if self.fits(c) else 'DOES NOT FIT'}" for name, c in CAPACITIES.items()
-        )
+        verdict = ", ".join(f"{name}: {'fits' if self.fits(c) else 'DOES NOT FIT'}" for name, c in CAPACITIES.items())
         given = f"{self.assumptions}, " if self.assumptions else ""
-        notes = "; ".join(f"{k} {v / GB:.2f} GB" if isinstance(v, (int, float)) else f"{k}: {v}"
-                          for k, v in self.details.items())
-        return "\n".join(lines) + f"\n\n{given}world size {self.world_size}, activation checkpointing " \
-            f"{'on' if self.activation_checkpointing else 'off'}; {verdict} (rule: total <= {HEADROOM:.0%} of capacity)" \
+        notes = "; ".join(
+            f"{k} {v / GB:.2f} GB" if isinstance(v, (int, float)) else f"{k}: {v}" for k, v in self.details.items()
+        )
+        return (
+            "\n".join(lines) + f"\n\n{given}world size {self.world_size}, activation checkpointing "
+            f"{'on' if self.activation_checkpointing else 'off'}; {verdict} (rule: total <= {HEADROOM:.0%} of capacity)"
             + (f"\n\n{notes}" if notes else "")
+        )
 
 
-def estimate_memory(model_args, batch_size: int, seq_len: int, world_size: int, activation_checkpointing: bool,
-             dtype: torch.dtype = torch.bfloat16, device: str = "cuda", grad_accum: int = 1,
-             fused_adamw=None) -> MemoryEstimate:
+def estimate_memory(
+    model_args,
+    batch_size: int,
+    seq_len: int,
+    world_size: int,
+    activation_checkpointing: bool,
+    dtype: torch.dtype = torch.bfloat16,
+    device: str = "cuda",
+    grad_accum: int = 1,
+    fused_adamw=None,
+) -> MemoryEstimate:
     """The peak of one steady-state training step per rank (module docstring)."""
     from mta_repro.model import attention_ops, build_model
     from mta_repro.model.transformer import TransformerBlock
@@ -334,8 +368,9 @@ def estimate_memory(model_args, batch_size: int, seq_len: int, world_size: int, 
     attns = [cast(TransformerBlock, layer).attention for layer in model.layers]  # ModuleList's items are Modules
     workspace = {a: backward_workspace(a, batch_size, seq_len) for a in attns if a.kind in ("kq_conv", "mixing")}
     workspace = {m: n for m, n in workspace.items() if n}
-    step = _step_on_meta(model, batch_size, seq_len, world_size, device, dtype, activation_checkpointing,
-                         grad_accum > 1, workspace)
+    step = _step_on_meta(
+        model, batch_size, seq_len, world_size, device, dtype, activation_checkpointing, grad_accum > 1, workspace
+    )
     grads = 4 * n_params / world_size
     optimizer = grads + _adamw_temporaries(model, world_size, device, fused_adamw)
 
@@ -354,6 +389,15 @@ def estimate_memory(model_args, batch_size: int, seq_len: int, world_size: int, 
         parts[f"step peak: {where} (measured on meta: activations, transients, gradients)"] = step["peak"]
     else:
         parts["step peak: optimizer step (gradients, AdamW temporaries)"] = optimizer
+    assumed = (
+        f"micro-batch {batch_size} x {seq_len} tokens per GPU, {str(dtype).replace('torch.', '')} "
+        "compute, fp32 AdamW state"
+    )
+    return MemoryEstimate(world_size, activation_checkpointing, parts, assumed, _details(step, optimizer, device))
+
+
+def _details(step: dict, optimizer: float, device: str) -> dict:
+    """What the estimate prints below its parts: the step's peak and where it happens."""
     details = {
         "saved activations at the end of forward": step["saved"],
         "forward/backward peak": step["peak"],
@@ -362,11 +406,11 @@ def estimate_memory(model_args, batch_size: int, seq_len: int, world_size: int, 
         "optimizer step peak": optimizer,
     }
     if device == "cpu":
-        details["CPU"] = ("this counts tensors; glibc's default heap keeps freed ones resident on top "
-                          "(GBs at 300M width, docs/memory.md) unless trainer.cpu_mmap_threshold=131072")
-    assumed = (f"micro-batch {batch_size} x {seq_len} tokens per GPU, {str(dtype).replace('torch.', '')} "
-               "compute, fp32 AdamW state")
-    return MemoryEstimate(world_size, activation_checkpointing, parts, assumed, details)
+        details["CPU"] = (
+            "this counts tensors; glibc's default heap keeps freed ones resident on top "
+            "(GBs at 300M width, docs/memory.md) unless trainer.cpu_mmap_threshold=131072"
+        )
+    return details
 
 
 def estimate_from_config(cfg, world_size: int | None = None) -> MemoryEstimate:
@@ -379,9 +423,15 @@ def estimate_from_config(cfg, world_size: int | None = None) -> MemoryEstimate:
     dtype = getattr(torch, cfg.distributed.param_dtype) if on_gpu else torch.float32
     fused = cfg.get("optim", {}).get("fused", None)
     return estimate_memory(
-        model_args_from(cfg), int(cfg.data.batch_size), int(cfg.data.seq_len), world_size,
-        bool(cfg.distributed.activation_checkpointing), dtype, "cuda" if on_gpu else "cpu",
-        int(cfg.trainer.get("grad_accum", 1)), None if fused is None else bool(fused),
+        model_args_from(cfg),
+        int(cfg.data.batch_size),
+        int(cfg.data.seq_len),
+        world_size,
+        bool(cfg.distributed.activation_checkpointing),
+        dtype,
+        "cuda" if on_gpu else "cpu",
+        int(cfg.trainer.get("grad_accum", 1)),
+        None if fused is None else bool(fused),
     )
 
 
@@ -389,7 +439,10 @@ def experiments_table(names: list[str]) -> str:
     """A Markdown row per experiment: its per-GPU estimate and the verdicts."""
     from mta_repro.train.config import compose
 
-    lines = ["| experiment | world | act. ckpt | per-GPU estimate GB | 80 GB | H200 141 GB |", "|---|---:|---|---:|---|---|"]
+    lines = [
+        "| experiment | world | act. ckpt | per-GPU estimate GB | 80 GB | H200 141 GB |",
+        "|---|---:|---|---:|---|---|",
+    ]
     for name in names:
         est = estimate_from_config(compose([f"experiment={name}"]))
         lines.append(

@@ -20,7 +20,6 @@ from __future__ import annotations
 import os
 import sys
 from pathlib import Path
-from typing import Optional
 
 import torch
 
@@ -34,7 +33,7 @@ class DoesNotFitError(UserError):
     """The model, batch and world size need more memory than the device has."""
 
 
-def _meminfo_available() -> Optional[float]:
+def _meminfo_available() -> float | None:
     try:
         for line in Path("/proc/meminfo").read_text().splitlines():
             if line.startswith("MemAvailable:"):
@@ -44,17 +43,18 @@ def _meminfo_available() -> Optional[float]:
     return None
 
 
-def _cgroup_available() -> Optional[float]:
+def _cgroup_available() -> float | None:
     """The cgroup's memory limit minus its usage (v2, else v1), if there is a limit."""
-    for limit_f, usage_f in (("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
-                             ("/sys/fs/cgroup/memory/memory.limit_in_bytes",
-                              "/sys/fs/cgroup/memory/memory.usage_in_bytes")):
+    for limit_f, usage_f in (
+        ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
+        ("/sys/fs/cgroup/memory/memory.limit_in_bytes", "/sys/fs/cgroup/memory/memory.usage_in_bytes"),
+    ):
         try:
             limit = Path(limit_f).read_text().strip()
             usage = float(Path(usage_f).read_text().strip())
         except (OSError, ValueError):
             continue
-        if limit == "max" or float(limit) >= 2 ** 60:
+        if limit == "max" or float(limit) >= 2**60:
             return None
         return max(float(limit) - usage, 0.0)
     return None
@@ -83,7 +83,7 @@ def capacity(device: torch.device) -> tuple[float, str]:
     return avail / n, f"this machine has {avail / GB:.2f} GB of memory available{share}"
 
 
-def check_fits(args, world_size: int, device: torch.device, cap: Optional[tuple] = None):
+def check_fits(args, world_size: int, device: torch.device, cap: tuple | None = None):
     """Refuse (``DoesNotFitError``, one line) a training config whose memory on one rank is
     over ``cap`` = (bytes, description), by default the device's (``capacity``). Returns the
     pre-flight's estimate when it ran, else None."""
@@ -96,28 +96,44 @@ def check_fits(args, world_size: int, device: torch.device, cap: Optional[tuple]
     n_params = sum(p.numel() for p in build_model(model_args, device="meta").parameters())
     batch, seq = int(args.data.batch_size), int(args.data.seq_len)
     floor = 12 * n_params / world_size + 4 * batch * seq * model_args.vocab_size
-    fix = ("lower model.dim / model.n_layers, data.batch_size or data.seq_len, train on more ranks, or set "
-           "trainer.memory_check=false to start anyway")
-    shape = (f"model.dim={model_args.dim}, model.n_layers={model_args.n_layers}: {n_params / 1e9:.2f}B parameters, "
-             f"micro-batch {batch} x {seq} tokens, world size {world_size}")
+    fix = (
+        "lower model.dim / model.n_layers, data.batch_size or data.seq_len, train on more ranks, or set "
+        "trainer.memory_check=false to start anyway"
+    )
+    shape = (
+        f"model.dim={model_args.dim}, model.n_layers={model_args.n_layers}: {n_params / 1e9:.2f}B parameters, "
+        f"micro-batch {batch} x {seq} tokens, world size {world_size}"
+    )
     if floor > cap_bytes:
         raise DoesNotFitError(
             f"{shape}: needs at least {floor / GB:.2f} GB per rank (fp32 parameters, AdamW moments and one "
-            f"fp32 copy of the logits) but {cap_what}: {fix}")
+            f"fp32 copy of the logits) but {cap_what}: {fix}"
+        )
     if device.type != "cuda" and floor < FULL_ESTIMATE_FRACTION * cap_bytes:
         return None
     from mta_repro.train.memory import HEADROOM, estimate_memory
 
     on_gpu = device.type == "cuda"
-    est = estimate_memory(model_args, batch, seq, world_size, bool(args.distributed.activation_checkpointing),
-                   getattr(torch, args.distributed.param_dtype) if on_gpu else torch.float32,
-                   "cuda" if on_gpu else "cpu", int(args.trainer.grad_accum),
-                   None if args.optim.fused is None else bool(args.optim.fused))
+    est = estimate_memory(
+        model_args,
+        batch,
+        seq,
+        world_size,
+        bool(args.distributed.activation_checkpointing),
+        getattr(torch, args.distributed.param_dtype) if on_gpu else torch.float32,
+        "cuda" if on_gpu else "cpu",
+        int(args.trainer.grad_accum),
+        None if args.optim.fused is None else bool(args.optim.fused),
+    )
     if est.total > cap_bytes:
         raise DoesNotFitError(
             f"{shape}: needs {est.total / GB:.2f} GB per rank by the memory pre-flight (python -m "
-            f"mta_repro.estimate ... --memory) but {cap_what}: {fix}")
+            f"mta_repro.estimate ... --memory) but {cap_what}: {fix}"
+        )
     if est.total > HEADROOM * cap_bytes:
-        print(f"[mta_repro.train] WARNING: the memory pre-flight estimates {est.total / GB:.2f} GB per rank, over "
-              f"{HEADROOM:.0%} of the capacity ({cap_what}): the run may run out of memory", file=sys.stderr)
+        print(
+            f"[mta_repro.train] WARNING: the memory pre-flight estimates {est.total / GB:.2f} GB per rank, over "
+            f"{HEADROOM:.0%} of the capacity ({cap_what}): the run may run out of memory",
+            file=sys.stderr,
+        )
     return est

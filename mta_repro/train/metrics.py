@@ -17,7 +17,7 @@ import sys
 import time
 import uuid
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import torch
 
@@ -41,7 +41,7 @@ PEAK_BF16_FLOPS = {
 }
 
 
-def device_peak_flops(device: torch.device) -> Optional[float]:
+def device_peak_flops(device: torch.device) -> float | None:
     if device.type != "cuda":
         return None
     name = torch.cuda.get_device_name(device)
@@ -84,7 +84,7 @@ def peak_mem_gb(device: torch.device) -> float:
     return peak_rss_bytes() / 2**30
 
 
-def peak_mem_reserved_gb(device: Optional[torch.device] = None) -> Optional[float]:
+def peak_mem_reserved_gb(device: torch.device | None = None) -> float | None:
     """Peak memory the CUDA caching allocator reserved from the driver (GB): what the device
     really lost to this process (allocated + cached free blocks + fragmentation), the figure
     to hold against a GPU's capacity; None off CUDA (CPU reports RSS in ``peak_mem_gb``)."""
@@ -97,13 +97,13 @@ def peak_mem_reserved_gb(device: Optional[torch.device] = None) -> Optional[floa
     return torch.cuda.max_memory_reserved(device) / 2**30
 
 
-def mfu(tokens_per_s: float, flops_per_token: float, peak: Optional[float], world_size: int) -> Optional[float]:
+def mfu(tokens_per_s: float, flops_per_token: float, peak: float | None, world_size: int) -> float | None:
     if not peak:
         return None
     return tokens_per_s * flops_per_token / (peak * world_size)
 
 
-def _line_problem(raw: bytes) -> tuple[Optional[int], Optional[str], bool]:
+def _line_problem(raw: bytes) -> tuple[int | None, str | None, bool]:
     """(step, problem, parses) of one metrics.jsonl line (without its newline): the integer
     ``step`` of a metric record, else what is wrong with the line; ``parses`` is False for a
     line that is not JSON text at all (what a torn write leaves)."""
@@ -157,12 +157,19 @@ def truncate_after(path: Path, step: int) -> None:
         shown = ", ".join(f"line {n}: {why}" for n, why in damaged[:10])
         more = f", and {len(damaged) - 10} more" if len(damaged) > 10 else ""
         numbers = ", ".join(str(n) for n, _ in damaged[:10]) + (", ..." if len(damaged) > 10 else "")
-        print(f"[mta_repro.train] {path}: kept {len(damaged)} damaged line{'s' if len(damaged) > 1 else ''} as they are "
-              f"(line{'s' if len(damaged) > 1 else ''} {numbers}): {shown}{more}; they are not metric records",
-              file=sys.stderr, flush=True)
+        print(
+            f"[mta_repro.train] {path}: kept {len(damaged)} damaged line{'s' if len(damaged) > 1 else ''} as they are "
+            f"(line{'s' if len(damaged) > 1 else ''} {numbers}): {shown}{more}; they are not metric records",
+            file=sys.stderr,
+            flush=True,
+        )
     if torn is not None:
-        print(f"[mta_repro.train] {path}: dropped its last line {len(lines)}, cut short by a killed run "
-              f"({len(torn)} bytes: {torn[:60]!r}{'...' if len(torn) > 60 else ''})", file=sys.stderr, flush=True)
+        print(
+            f"[mta_repro.train] {path}: dropped its last line {len(lines)}, cut short by a killed run "
+            f"({len(torn)} bytes: {torn[:60]!r}{'...' if len(torn) > 60 else ''})",
+            file=sys.stderr,
+            flush=True,
+        )
     if dropped or torn is not None:
         replace_atomically(path, b"".join(raw + b"\n" for raw in keep))
 
@@ -189,9 +196,13 @@ def _isatty(stream) -> bool:
 
 def format_line(m: dict[str, Any], total: int) -> str:
     """One progress line (no carriage return) for logs that are not a terminal."""
-    parts = [f"step {m['step']}/{total}", f"loss {m['loss']:.4f}", f"lr {m['lr']:.3g}",
-             # One rank per device (GPU) or per process (CPU): "per rank" is right on both.
-             f"tok/s {m['tokens_per_s_global']:.0f} global, {m['tokens_per_s_per_gpu']:.0f} per rank"]
+    parts = [
+        f"step {m['step']}/{total}",
+        f"loss {m['loss']:.4f}",
+        f"lr {m['lr']:.3g}",
+        # One rank per device (GPU) or per process (CPU): "per rank" is right on both.
+        f"tok/s {m['tokens_per_s_global']:.0f} global, {m['tokens_per_s_per_gpu']:.0f} per rank",
+    ]
     if m.get("peak_mem_reserved_gb") is not None:
         parts.append(f"mem {m['peak_mem_gb']:.1f} GB allocated, {m['peak_mem_reserved_gb']:.1f} GB reserved")
     if m.get("val_loss") is not None:
@@ -211,7 +222,7 @@ class MetricLogger:
             return
         truncate_after(self.path, start)
         newline = _ends_without_newline(self.path)
-        self.file = open(self.path, "a")
+        self.file = open(self.path, "a")  # noqa: SIM115 - the logger's file, closed by close()
         if newline:  # a last line without its newline: the next record starts a line of its own
             self.file.write("\n")
             self.file.flush()
@@ -235,8 +246,11 @@ class MetricLogger:
             except ImportError:  # an extra (pip install 'mta-repro[wandb]'); metrics.jsonl has every number
                 if logging_args.wandb_mode == "online":
                     raise ImportError("logging.wandb_mode=online needs wandb: pip install 'mta-repro[wandb]'") from None
-                print("wandb is not installed: logging to metrics.jsonl only (pip install 'mta-repro[wandb]', "
-                      "or logging.wandb_mode=disabled to silence this)", file=sys.stderr)
+                print(
+                    "wandb is not installed: logging to metrics.jsonl only (pip install 'mta-repro[wandb]', "
+                    "or logging.wandb_mode=disabled to silence this)",
+                    file=sys.stderr,
+                )
         if wandb is not None:
             id_file = Path(run_dir) / "wandb_id.txt"
             run_id = id_file.read_text().strip() if id_file.is_file() else uuid.uuid4().hex[:8]
@@ -281,8 +295,10 @@ class MetricLogger:
             self.bar.update(n)
         elif time.monotonic() - self.last_line >= self.quiet_s:
             steps, since = self.step - self._since[0], time.monotonic() - self._since[1]
-            self._line(f"[mta_repro.train] step {self.step}/{self.total} ({since / max(steps, 1):.1f} s a step; "
-                       "the loss at the next logged step)")
+            self._line(
+                f"[mta_repro.train] step {self.step}/{self.total} ({since / max(steps, 1):.1f} s a step; "
+                "the loss at the next logged step)"
+            )
 
     def close(self) -> None:
         if not self.is_main:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 import warnings
 from dataclasses import dataclass
-from typing import Any, Optional, Union
+from typing import Any
 
 import torch
 from torch import nn
@@ -43,7 +43,7 @@ class OptimArgs:
     # Warmup as a fraction of trainer.steps (e.g. 0.01); when set it replaces ``warmup``,
     # so a shortened run (trainer.steps=30) keeps the same schedule shape. null = use
     # ``warmup`` steps. A warmup of >= trainer.steps never reaches ``lr``: warned.
-    warmup_frac: Optional[float] = None
+    warmup_frac: float | None = None
     # After warmup: "linear" decays to ``lr_min_ratio * lr`` at the last step (paper: to
     # 0), "cosine" follows a half cosine to the same floor, "constant" stays at ``lr``.
     scheduler: str = "linear"
@@ -64,7 +64,9 @@ class OptimArgs:
         if self.warmup < 0:
             raise UserError(f"optim.warmup: expected >= 0 steps, got {self.warmup}")
         if self.warmup_frac is not None and not 0.0 <= self.warmup_frac < 1.0:
-            raise UserError(f"optim.warmup_frac: expected a fraction in [0, 1) of trainer.steps, got {self.warmup_frac}")
+            raise UserError(
+                f"optim.warmup_frac: expected a fraction in [0, 1) of trainer.steps, got {self.warmup_frac}"
+            )
         if not 0.0 <= self.lr_min_ratio <= 1.0:
             raise UserError(f"optim.lr_min_ratio: expected in [0, 1], got {self.lr_min_ratio}")
         for name in ("beta1", "beta2"):
@@ -73,7 +75,7 @@ class OptimArgs:
                 raise UserError(f"optim.{name}: expected in [0, 1), got {v}")
 
 
-def to_optim_args(cfg: Union[OptimArgs, dict, Any]) -> OptimArgs:
+def to_optim_args(cfg: OptimArgs | dict | Any) -> OptimArgs:
     """OptimArgs from an OptimArgs, a plain dict or an OmegaConf node (validated)."""
     return to_dataclass(OptimArgs, cfg, "optim")
 
@@ -96,7 +98,7 @@ def param_groups(model: nn.Module, args: OptimArgs) -> list[dict]:
     ]
 
 
-def build_optimizer(model: nn.Module, optim_args: Union[OptimArgs, dict, Any]) -> torch.optim.AdamW:
+def build_optimizer(model: nn.Module, optim_args: OptimArgs | dict | Any) -> torch.optim.AdamW:
     """AdamW over the model's trainable parameters (works on FSDP2-sharded models)."""
     args = to_optim_args(optim_args)
     kwargs = {}
@@ -140,7 +142,7 @@ def lr_factor(step: int, args: OptimArgs, total_steps: int) -> float:
 
 
 def build_lr_scheduler(
-    optimizer: torch.optim.Optimizer, optim_args: Union[OptimArgs, dict, Any], total_steps: int
+    optimizer: torch.optim.Optimizer, optim_args: OptimArgs | dict | Any, total_steps: int
 ) -> torch.optim.lr_scheduler.LambdaLR:
     """Warmup from 0, then linear (or cosine) decay; call ``.step()`` after each update.
 
@@ -155,6 +157,7 @@ def build_lr_scheduler(
         warnings.warn(
             f"optim.warmup={warmup} >= trainer.steps={total_steps}: the learning rate never reaches "
             f"optim.lr (at most {peak:.1%} of it); set optim.warmup_frac (e.g. 0.01) or a shorter optim.warmup",
-            UserWarning, stacklevel=2,
+            UserWarning,
+            stacklevel=2,
         )
     return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, args, total_steps))

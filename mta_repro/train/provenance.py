@@ -27,8 +27,9 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Mapping, Optional
+from typing import Any
 
 from mta_repro.errors import UserError
 from mta_repro.weights.layout import PROVENANCE
@@ -83,19 +84,22 @@ def code_version() -> dict:
     if not (repo / ".git").exists():
         return out
     try:
-        head = subprocess.run(["git", "-C", str(repo), "rev-parse", "HEAD"], capture_output=True, text=True,
-                              timeout=30)
+        head = subprocess.run(["git", "-C", str(repo), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=30)
         if head.returncode == 0:
             out["commit"] = head.stdout.strip()
-            st = subprocess.run(["git", "-C", str(repo), "status", "--porcelain", "--untracked-files=no"],
-                                capture_output=True, text=True, timeout=30)
+            st = subprocess.run(
+                ["git", "-C", str(repo), "status", "--porcelain", "--untracked-files=no"],
+                capture_output=True,
+                text=True,
+                timeout=30,
+            )
             out["dirty"] = bool(st.stdout.strip()) if st.returncode == 0 else None
     except (OSError, subprocess.SubprocessError):
         pass
     return out
 
 
-def package_version(name: str) -> Optional[str]:
+def package_version(name: str) -> str | None:
     from importlib import metadata
 
     try:
@@ -115,11 +119,14 @@ def tokenizer_identity(tok) -> dict:
     if name == "bytes" or not path:
         return {"name": name, "path": None, "sha256": None}
     p = resolve_path(str(path))
-    return {"name": name, "path": str(p.resolve()) if p.exists() else str(path),
-            "sha256": sha256_file(p) if p.is_file() else None}
+    return {
+        "name": name,
+        "path": str(p.resolve()) if p.exists() else str(path),
+        "sha256": sha256_file(p) if p.is_file() else None,
+    }
 
 
-def tokenizer_change(recorded: Optional[Mapping], now: Mapping) -> Optional[str]:
+def tokenizer_change(recorded: Mapping | None, now: Mapping) -> str | None:
     """What differs between a recorded tokenizer identity and today's (None: the same
     content, or nothing recorded to compare with); a moved file is no change."""
     if not recorded or not recorded.get("name"):
@@ -128,16 +135,18 @@ def tokenizer_change(recorded: Optional[Mapping], now: Mapping) -> Optional[str]
         return f"data.tokenizer.name is {now.get('name')!r}, recorded {recorded.get('name')!r}"
     old, new = recorded.get("sha256"), now.get("sha256")
     if old and new and old != new:
-        return (f"data.tokenizer.path={now.get('path')}: its content differs from the tokenizer recorded "
-                f"(sha256 {short(new)} now, {short(old)} recorded from {recorded.get('path')})")
+        return (
+            f"data.tokenizer.path={now.get('path')}: its content differs from the tokenizer recorded "
+            f"(sha256 {short(new)} now, {short(old)} recorded from {recorded.get('path')})"
+        )
     return None
 
 
-def short(digest: Optional[str], n: int = 12) -> str:
+def short(digest: str | None, n: int = 12) -> str:
     return digest[:n] if digest else "?"
 
 
-def validation_fingerprint(data_args) -> Optional[dict]:
+def validation_fingerprint(data_args) -> dict | None:
     """{"root", "layout", "files", "bytes", "sha256"} of the validation files of a data
     config's domains (names and sizes only: two copies of a corpus compare equal); None
     when there are none."""
@@ -154,7 +163,7 @@ def validation_fingerprint(data_args) -> Optional[dict]:
 
 
 # ------------------------------------------------------------------ records on disk
-def read_record(path: Path) -> Optional[dict]:
+def read_record(path: Path) -> dict | None:
     """The JSON record at ``path`` (a file, or a folder's provenance.json); None when
     there is none or it cannot be read (it says nothing then)."""
     path = Path(path)
@@ -166,7 +175,7 @@ def read_record(path: Path) -> Optional[dict]:
     return data if isinstance(data, dict) else None
 
 
-def weights_record(path: Path, kind: str) -> Optional[dict]:
+def weights_record(path: Path, kind: str) -> dict | None:
     """The record saved with a set of weights: a checkpoint folder's provenance.json, an
     export's ``"provenance"`` entry (read as data, memory-mapped); None if there is none."""
     if kind == "dcp":
@@ -181,7 +190,7 @@ def weights_record(path: Path, kind: str) -> Optional[dict]:
     return rec if isinstance(rec, dict) else None
 
 
-def source_record(path) -> Optional[dict]:
+def source_record(path) -> dict | None:
     """The record of the newest readable weights ``path`` offers (``find_weights``' order)."""
     from mta_repro.weights import find_weights
 
@@ -199,7 +208,7 @@ def _now() -> str:
     return time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime()) + " UTC"
 
 
-def accepted(what: str, change: str, override: str, step: Optional[int]) -> dict:
+def accepted(what: str, change: str, override: str, step: int | None) -> dict:
     """One entry of a run's ``accepted`` history."""
     return {"time": _now(), "step": step, "what": what, "change": change, "override": override}
 
@@ -212,7 +221,7 @@ def write_record(path: Path, obj: Any) -> None:
 
 
 # ------------------------------------------------------------------ a training run
-def check_tokenizer(args, run_dir: Path, latest: Optional[Path]) -> list:
+def check_tokenizer(args, run_dir: Path, latest: Path | None) -> list:
     """Rank 0, before the model is built: the tokenizer against the one the newest
     checkpoint recorded (a resume) or the one ``checkpoint.init_from``'s weights recorded
     (a stage start). Raises ProvenanceError, or returns the accepted change ([] if none)."""
@@ -231,9 +240,13 @@ def check_tokenizer(args, run_dir: Path, latest: Optional[Path]) -> list:
         raise ProvenanceError(
             f"{change}: {what} was trained with the recorded one, so its numbers would mix two tokenizers. Use "
             f"the recorded tokenizer file, or accept this one with {ACCEPT_TOKENIZER} (recorded in "
-            f"{Path(run_dir) / RECORD})")
-    print(f"[mta_repro.train] WARNING: {change}; accepted ({ACCEPT_TOKENIZER}), recorded in "
-          f"{Path(run_dir) / RECORD}", file=sys.stderr, flush=True)
+            f"{Path(run_dir) / RECORD})"
+        )
+    print(
+        f"[mta_repro.train] WARNING: {change}; accepted ({ACCEPT_TOKENIZER}), recorded in {Path(run_dir) / RECORD}",
+        file=sys.stderr,
+        flush=True,
+    )
     return [accepted("tokenizer", change, ACCEPT_TOKENIZER, step)]
 
 
@@ -256,18 +269,26 @@ def check_data(loader, accept: bool, run_dir: Path, step: int, world_size: int, 
             print(f"[mta_repro.train] WARNING: data: {line}", file=sys.stderr, flush=True)
     if not refuse:
         return []
-    more = f" (and {len(refuse) - 1} more: {'; '.join(refuse[1:3])}{'; ...' if len(refuse) > 3 else ''})" \
-        if len(refuse) > 1 else ""
+    more = (
+        f" (and {len(refuse) - 1} more: {'; '.join(refuse[1:3])}{'; ...' if len(refuse) > 3 else ''})"
+        if len(refuse) > 1
+        else ""
+    )
     if not accept:
         raise ProvenanceError(
             f"data: {refuse[0]}{more}. The run's earlier steps trained on the old bytes: restore the file, or "
             f"start a new run (another run_dir=), or go on with the files as they are now with {ACCEPT_DATA} "
-            f"(recorded in {Path(run_dir) / RECORD})")
+            f"(recorded in {Path(run_dir) / RECORD})"
+        )
     if hasattr(loader, "accept_input_changes"):
         loader.accept_input_changes()
     if is_main:
-        print(f"[mta_repro.train] WARNING: data: {refuse[0]}{more}; accepted ({ACCEPT_DATA}), recorded in "
-              f"{Path(run_dir) / RECORD}", file=sys.stderr, flush=True)
+        print(
+            f"[mta_repro.train] WARNING: data: {refuse[0]}{more}; accepted ({ACCEPT_DATA}), recorded in "
+            f"{Path(run_dir) / RECORD}",
+            file=sys.stderr,
+            flush=True,
+        )
     return [accepted("data", line, ACCEPT_DATA, step) for line in refuse]
 
 
@@ -275,8 +296,7 @@ class RunRecord:
     """Rank 0's record of one start: the run's inputs, written to ``<run_dir>/provenance.json``
     (``begin``) and into every checkpoint (``checkpoint``)."""
 
-    def __init__(self, args, run_dir: Path, loader, init_from: Optional[dict], resumed: Optional[Path],
-                 new_accepted: list):
+    def __init__(self, args, run_dir: Path, loader, init_from: dict | None, resumed: Path | None, new_accepted: list):
         self.run_dir = Path(run_dir)
         self.resumed = resumed
         prior = read_record(resumed) if resumed is not None else None
@@ -297,15 +317,29 @@ class RunRecord:
         path = self.run_dir / RECORD
         rec = read_record(path) or {}
         starts = list(rec.get("starts") or [])
-        starts.append({"time": _now(), "step": step, "resumed_from": str(self.resumed) if self.resumed else None,
-                       "host": socket.gethostname(), "pid": os.getpid(), "world_size": world_size,
-                       "inputs": self.inputs})
+        starts.append(
+            {
+                "time": _now(),
+                "step": step,
+                "resumed_from": str(self.resumed) if self.resumed else None,
+                "host": socket.gethostname(),
+                "pid": os.getpid(),
+                "world_size": world_size,
+                "inputs": self.inputs,
+            }
+        )
         write_record(path, {"format": FORMAT, "starts": starts, "accepted": self.accepted})
 
-    def checkpoint(self, step: int, tokens_seen: Optional[int]) -> dict:
+    def checkpoint(self, step: int, tokens_seen: int | None) -> dict:
         """The record a checkpoint of ``step`` carries."""
-        return {"format": FORMAT, "time": _now(), "step": step, "tokens_seen": tokens_seen, "inputs": self.inputs,
-                "accepted": self.accepted}
+        return {
+            "format": FORMAT,
+            "time": _now(),
+            "step": step,
+            "tokens_seen": tokens_seen,
+            "inputs": self.inputs,
+            "accepted": self.accepted,
+        }
 
 
 def weights_provenance(model, tok_cfg) -> dict:
@@ -315,10 +349,17 @@ def weights_provenance(model, tok_cfg) -> dict:
     src = getattr(model, "source", {}) or {}
     record = src.get("record") or {}
     return {
-        "format": FORMAT, "time": _now(),
-        "weights": {"path": src.get("path"), "kind": src.get("kind"), "step": src.get("step"),
-                    "weights_sha256": src.get("weights_sha256"), "tokens_seen": record.get("tokens_seen")},
-        "run": record.get("inputs"), "run_accepted": record.get("accepted") or [],
+        "format": FORMAT,
+        "time": _now(),
+        "weights": {
+            "path": src.get("path"),
+            "kind": src.get("kind"),
+            "step": src.get("step"),
+            "weights_sha256": src.get("weights_sha256"),
+            "tokens_seen": record.get("tokens_seen"),
+        },
+        "run": record.get("inputs"),
+        "run_accepted": record.get("accepted") or [],
         "tokenizer": tokenizer_identity(tok_cfg) if tok_cfg else None,
         "code": code_version(),
     }

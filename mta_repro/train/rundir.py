@@ -25,6 +25,7 @@ before it trained or saved anything leaves no run directory behind (``remove_fai
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -34,7 +35,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
@@ -42,6 +43,7 @@ from mta_repro.errors import UserError
 from mta_repro.files import replace_atomically
 
 LOCK = ".lock"
+
 
 def _classified() -> tuple[tuple, tuple, tuple]:
     """(FREE, SAFE, PATHS) keys from the schema itself: a field's ``metadata={"run_dir":
@@ -142,7 +144,7 @@ def diff_configs(saved: dict, new: dict) -> ConfigDiff:
 ATTENTION_KEYS = ("model.mta.", "model.diff_transformer")
 
 
-def _fmt(diff: dict[str, tuple], limit: int = 6, saved: Optional[dict] = None, new: Optional[dict] = None) -> str:
+def _fmt(diff: dict[str, tuple], limit: int = 6, saved: dict | None = None, new: dict | None = None) -> str:
     """Every differing key; the saved -> new values of the first ``limit``. With the two
     configs, a change of attention variant is one item."""
     items = []
@@ -159,8 +161,14 @@ def _fmt(diff: dict[str, tuple], limit: int = 6, saved: Optional[dict] = None, n
     return "; ".join(items) + (f"; also {', '.join(rest)}" if rest else "")
 
 
-def check_config(saved: dict, new: dict, allow_change: bool, run_dir: Path, at_step: Optional[int],
-                 source: str = "the run's config.yaml") -> ConfigDiff:
+def check_config(
+    saved: dict,
+    new: dict,
+    allow_change: bool,
+    run_dir: Path,
+    at_step: int | None,
+    source: str = "the run's config.yaml",
+) -> ConfigDiff:
     """Raise RunDirError if ``new`` may not continue the run saved as ``saved`` (read from
     ``source``, named in the error)."""
     d = diff_configs(saved, new)
@@ -168,7 +176,8 @@ def check_config(saved: dict, new: dict, allow_change: bool, run_dir: Path, at_s
     if d.unsafe:
         raise RunDirError(
             f"run_dir={run_dir}: this config differs from {source} in fields that define "
-            f"the model, data or optimiser state: {_fmt(d.unsafe, saved=saved, new=new)}. The run in {where} is left untouched. "
+            f"the model, data or optimiser state: {_fmt(d.unsafe, saved=saved, new=new)}. "
+            f"The run in {where} is left untouched. "
             "Use another run_dir=..., or start a new stage from its weights with "
             f"run_dir=<new> checkpoint.init_from={run_dir}"
         )
@@ -181,7 +190,7 @@ def check_config(saved: dict, new: dict, allow_change: bool, run_dir: Path, at_s
     return d
 
 
-def global_batch_error(saved_cfg: dict, new_cfg: Any, saved_world: int, world: int) -> Optional[str]:
+def global_batch_error(saved_cfg: dict, new_cfg: Any, saved_world: int, world: int) -> str | None:
     """An error text if the global batch would change, naming the grad_accum that keeps it."""
     try:
         b0, a0 = int(saved_cfg["data"]["batch_size"]), int(saved_cfg["trainer"].get("grad_accum", 1))
@@ -222,7 +231,7 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
-def _slurm_job_running(job: str) -> Optional[bool]:
+def _slurm_job_running(job: str) -> bool | None:
     """Whether SLURM says the job is pending/running; None if it cannot tell."""
     if shutil.which("squeue") is None:
         return None
@@ -235,7 +244,7 @@ def _slurm_job_running(job: str) -> Optional[bool]:
     return any(s in p.stdout for s in ("RUNNING", "PENDING", "CONFIGURING", "COMPLETING", "REQUEUED"))
 
 
-def stale_reason(holder: dict) -> Optional[str]:
+def stale_reason(holder: dict) -> str | None:
     """Why the lock of ``holder`` is stale, or None if its holder may be alive."""
     me = _holder()
     job = holder.get("slurm_job_id")
@@ -255,16 +264,16 @@ def stale_reason(holder: dict) -> Optional[str]:
     return None
 
 
-def _describe(holder: dict, path: Optional[Path] = None) -> str:
+def _describe(holder: dict, path: Path | None = None) -> str:
     job = holder.get("slurm_job_id")
     alive = ""
     if path is not None:
-        try:  # the holder touches the lock at every step
+        with contextlib.suppress(OSError):  # the holder touches the lock at every step
             alive = f", last alive {int((time.time() - path.stat().st_mtime) // 60)} min ago"
-        except OSError:
-            pass
-    return (f"host {holder.get('host')}, pid {holder.get('pid')}"
-            f"{', SLURM job ' + job if job else ''}, since {holder.get('started')}{alive}")
+    return (
+        f"host {holder.get('host')}, pid {holder.get('pid')}"
+        f"{', SLURM job ' + job if job else ''}, since {holder.get('started')}{alive}"
+    )
 
 
 def _create_with(path: Path, text: str) -> None:
@@ -316,7 +325,7 @@ class RunLock:
         # may a failed start remove what is there (remove_failed_start).
         self.found_fresh = False
 
-    def _read(self) -> Optional[str]:
+    def _read(self) -> str | None:
         try:
             return self.path.read_text()
         except FileNotFoundError:
@@ -359,8 +368,9 @@ class RunLock:
                     f"wait for it, use another run_dir=..., or if that job is dead delete {self.path}"
                 )
             self._take_over(text, reason)
-        raise RunDirError(f"{self.path}: could not take the lock within {self.timeout_s:.0f} s "
-                          "(other starts are racing for it)")
+        raise RunDirError(
+            f"{self.path}: could not take the lock within {self.timeout_s:.0f} s (other starts are racing for it)"
+        )
 
     def _take_over(self, stale_text: str, reason: str) -> None:
         """Remove the lock if it still holds ``stale_text`` (under ``.lock.takeover``)."""
@@ -410,7 +420,7 @@ def write_config(run_dir: Path, cfg: Any) -> None:
     replace_atomically(path, text.encode())
 
 
-def load_saved_config(run_dir: Path, name: str = "config.yaml") -> Optional[dict]:
+def load_saved_config(run_dir: Path, name: str = "config.yaml") -> dict | None:
     """The config saved as ``<run_dir>/<name>`` (a run dir's, or a checkpoint folder's own), or None."""
     path = Path(run_dir) / name
     if not path.is_file():
@@ -420,13 +430,15 @@ def load_saved_config(run_dir: Path, name: str = "config.yaml") -> Optional[dict
     except Exception as e:  # noqa: BLE001 - a damaged file is a user-facing error
         raise RunDirError(f"{path}: cannot be read ({e}); use another run_dir=... or repair/delete it") from e
     if not isinstance(config, dict):
-        raise RunDirError(f"{path}: cannot be read (a YAML {type(config).__name__}, not a mapping of config "
-                          "sections); use another run_dir=... or repair/delete it")
+        raise RunDirError(
+            f"{path}: cannot be read (a YAML {type(config).__name__}, not a mapping of config "
+            "sections); use another run_dir=... or repair/delete it"
+        )
     return config
 
 
 # ------------------------------------------------------------------ the whole start
-def prepare_run_dir(args, info, lock: RunLock) -> Optional[int]:
+def prepare_run_dir(args, info, lock: RunLock) -> int | None:
     """Rank 0, before anything is written (``args``: the TrainConfig): the config check
     against the run's config.yaml, the lock, config.yaml. Returns the step of the newest
     complete checkpoint (None if none)."""
@@ -519,8 +531,14 @@ def remove_failed_start(run_dir: Path) -> None:
     ckpts = run_dir / "checkpoints"
     if (metrics.is_file() and metrics.stat().st_size > 0) or (ckpts.is_dir() and any(ckpts.iterdir())):
         return
-    for name in ("config.yaml", "config.prev.yaml", "metrics.jsonl", "metrics.jsonl.tmp", "wandb_id.txt",
-                 "provenance.json"):
+    for name in (
+        "config.yaml",
+        "config.prev.yaml",
+        "metrics.jsonl",
+        "metrics.jsonl.tmp",
+        "wandb_id.txt",
+        "provenance.json",
+    ):
         (run_dir / name).unlink(missing_ok=True)
     for name in ("checkpoints", "wandb"):
         shutil.rmtree(run_dir / name, ignore_errors=True)
@@ -537,16 +555,12 @@ def remove_failed_start(run_dir: Path) -> None:
     # The lock last: until it is gone no other start can take the run dir, so nothing
     # removed above can be another job's.
     (run_dir / LOCK).unlink(missing_ok=True)
-    try:
+    with contextlib.suppress(OSError):  # not empty: something else lives there
         run_dir.rmdir()
-    except OSError:
-        pass  # not empty: something else lives there
 
 
 def lock_heartbeat(run_dir: Path, is_main: bool) -> None:
     """Touch the lock (its mtime says when the holder was last alive)."""
     if is_main:
-        try:
+        with contextlib.suppress(OSError):
             os.utime(Path(run_dir) / LOCK)
-        except OSError:
-            pass

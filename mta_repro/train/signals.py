@@ -28,13 +28,12 @@ import signal
 import subprocess
 import sys
 import threading
-from typing import Optional
 
 import torch
 import torch.distributed as dist
 
-from mta_repro.errors import StopRequested
 from mta_repro.device import launcher_rank
+from mta_repro.errors import StopRequested
 
 HANDLED = (signal.SIGUSR1, signal.SIGUSR2, signal.SIGTERM, signal.SIGINT)
 REQUEUE_ON = (signal.SIGUSR1, signal.SIGUSR2)
@@ -50,7 +49,7 @@ def stop_exit_code(signum: int) -> int:
 
 class PreemptionHandler:
     def __init__(self) -> None:
-        self.signum: Optional[int] = None
+        self.signum: int | None = None
         self.interrupts = 0  # Ctrl-Cs seen
         self._previous = {}
         for sig in HANDLED:
@@ -66,8 +65,11 @@ class PreemptionHandler:
         if self.signum not in REQUEUE_ON:
             self.signum = signum
         again = " (Ctrl-C again to stop at once, without saving)" if signum == signal.SIGINT else ""
-        print(f"[mta_repro.train] received {signal.Signals(signum).name}: checkpoint at the next step boundary"
-              f"{again}", file=sys.stderr, flush=True)
+        print(
+            f"[mta_repro.train] received {signal.Signals(signum).name}: checkpoint at the next step boundary{again}",
+            file=sys.stderr,
+            flush=True,
+        )
         if signum in REQUEUE_ON:
             _start_early_requeue()
 
@@ -77,7 +79,7 @@ class PreemptionHandler:
         if self.signum is not None:
             raise StopRequested(self.signum, where)
 
-    def agreed_signal(self, device: torch.device) -> Optional[int]:
+    def agreed_signal(self, device: torch.device) -> int | None:
         """The signal seen by any rank (collective on several ranks: call it at the same
         step on every rank), so all ranks stop at the same step. One rank reads its flag
         (no device work)."""
@@ -93,7 +95,7 @@ class PreemptionHandler:
             signal.signal(sig, prev)
 
 
-def _slurm_job() -> Optional[str]:
+def _slurm_job() -> str | None:
     """This job's id for scontrol (an array task by its own id), or None outside SLURM."""
     job = os.environ.get("SLURM_JOB_ID")
     if job and os.environ.get("SLURM_ARRAY_JOB_ID") and os.environ.get("SLURM_ARRAY_TASK_ID"):
@@ -101,8 +103,8 @@ def _slurm_job() -> Optional[str]:
     return job
 
 
-_requeue_thread: Optional[threading.Thread] = None
-_requeued: Optional[bool] = None  # None: not tried; True/False: the outcome
+_requeue_thread: threading.Thread | None = None
+_requeued: bool | None = None  # None: not tried; True/False: the outcome
 
 
 def _requeue(job: str) -> bool:
@@ -111,8 +113,11 @@ def _requeue(job: str) -> bool:
         subprocess.run(["scontrol", "requeue", job], check=True, timeout=60, capture_output=True, text=True)
         ok = True
     except subprocess.CalledProcessError as e:
-        print(f"[mta_repro.train] scontrol requeue {job} failed: {(e.stderr or '').strip() or e}",
-              file=sys.stderr, flush=True)
+        print(
+            f"[mta_repro.train] scontrol requeue {job} failed: {(e.stderr or '').strip() or e}",
+            file=sys.stderr,
+            flush=True,
+        )
         ok = False
     except (OSError, subprocess.SubprocessError) as e:
         print(f"[mta_repro.train] scontrol requeue {job} failed: {e}", file=sys.stderr, flush=True)
@@ -135,7 +140,7 @@ def _start_early_requeue() -> None:
     _requeue_thread.start()
 
 
-def requeue_if_slurm(signum: Optional[int], is_main: bool) -> bool:
+def requeue_if_slurm(signum: int | None, is_main: bool) -> bool:
     """``scontrol requeue $SLURM_JOB_ID`` from rank 0 after SIGUSR1/2 under SLURM; True if
     the job is requeued. Called after the checkpoint: normally the signal handler has
     already requeued (requeue first), and this waits for that and reports it."""

@@ -16,8 +16,9 @@ position and token count as run-state bytes (plain types and tensors, read back 
 from __future__ import annotations
 
 import random
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Optional, Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -66,7 +67,7 @@ class TrainState(Stateful):
     step: int = 0  # optimiser updates done
     # Tokens trained on, summed over ranks. None: restored from a checkpoint that predates
     # the count; the loop then derives it from the step (every update has the same tokens).
-    tokens_seen: Optional[int] = 0
+    tokens_seen: int | None = 0
 
     def advance(self, tokens: int) -> None:
         """One optimiser update of ``tokens`` tokens (all ranks) is done."""
@@ -78,8 +79,11 @@ class TrainState(Stateful):
     # ---------------------------------------------------------------- saved entries
     def rank_state(self) -> dict:
         """This rank's share of the state: RNG, data position and the token count."""
-        return {"rng": rng_state(), "data": self.loader.state_dict() if self.loader is not None else None,
-                "tokens_seen": self.tokens_seen}
+        return {
+            "rng": rng_state(),
+            "data": self.loader.state_dict() if self.loader is not None else None,
+            "tokens_seen": self.tokens_seen,
+        }
 
     def state_dict(self) -> dict:
         model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
@@ -95,14 +99,14 @@ class TrainState(Stateful):
         """The entries a load fills in: the model and optimizer in place, the run-state
         entries of ``ranks`` (this rank's, or every saved rank's when resharding)."""
         model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
-        return {"model": model_sd, "optim": optim_sd, "scheduler": b"", "step": -1,
-                **{rank_key(r): b"" for r in ranks}}
+        return {"model": model_sd, "optim": optim_sd, "scheduler": b"", "step": -1, **{rank_key(r): b"" for r in ranks}}
 
     def load_state_dict(self, state_dict: dict, where: str = "checkpoint") -> None:
         """Restore what ``state_dict()`` saved; a missing entry of this rank (another world
         size) leaves the RNG, data and count to ``load_rank_states``."""
-        set_state_dict(self.model, self.optimizer, model_state_dict=state_dict["model"],
-                       optim_state_dict=state_dict["optim"])
+        set_state_dict(
+            self.model, self.optimizer, model_state_dict=state_dict["model"], optim_state_dict=state_dict["optim"]
+        )
         self.scheduler.load_state_dict(decode_state(state_dict["scheduler"], f"{where}: scheduler"))
         self.step = int(state_dict["step"])
         key = rank_key(self.rank)

@@ -26,22 +26,21 @@ from __future__ import annotations
 
 import shlex
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 from string import Template
-from typing import Optional, Sequence
 
 from omegaconf import DictConfig, OmegaConf
 
-from mta_repro.train.config import CONFIG_DIR, compose
 from mta_repro.errors import UserError
 from mta_repro.slurm import memory_lines, sbatch, time_limit
 from mta_repro.train.args import SITE_FIELDS, SlurmArgs
+from mta_repro.train.config import CONFIG_DIR, compose
 from mta_repro.train.jobcheck import NO_CHECK, problems, raise_problems, resolved_overrides
 
 ROOT = Path(__file__).resolve().parents[2]
 TEMPLATE = ROOT / "slurm" / "train.sbatch"
 PROG = "mta_repro.train.submit"
-
 
 
 def _refuse_multirun(overrides: Sequence[str]) -> None:
@@ -55,8 +54,9 @@ def _refuse_multirun(overrides: Sequence[str]) -> None:
     if GlobalHydra.instance().is_initialized():
         GlobalHydra.instance().clear()
     with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base=None):
-        raw = hydra_compose(config_name="train", overrides=[o for o in overrides if o not in flags],
-                            return_hydra_config=True)
+        raw = hydra_compose(
+            config_name="train", overrides=[o for o in overrides if o not in flags], return_hydra_config=True
+        )
     mode = OmegaConf.select(raw, "hydra.mode", throw_on_resolution_failure=False)
     if flags or str(mode).endswith("MULTIRUN"):
         exp = next((o.split("=", 1)[1] for o in overrides if o.startswith("experiment=")), None)
@@ -73,7 +73,7 @@ def _abs(path: str, base: Path) -> Path:
     return p if p.is_absolute() else base / p
 
 
-def resolve_paths(cfg: DictConfig, base: Optional[Path] = None) -> tuple[Path, Optional[Path]]:
+def resolve_paths(cfg: DictConfig, base: Path | None = None) -> tuple[Path, Path | None]:
     """(run_dir, init_from) made absolute against ``base`` (the submit directory)."""
     base = Path.cwd() if base is None else base
     run_dir = _abs(str(cfg.run_dir), base)
@@ -92,11 +92,16 @@ def render(overrides: list[str], python: str = "python", check_paths: bool = Tru
     assert isinstance(s, SlurmArgs)
     device = str(cfg.trainer.get("device", "auto"))
     if s.gpus_per_node == 0 and device == "cuda":
-        raise UserError("trainer.device=cuda but slurm.gpus_per_node=0 (CPU nodes): set trainer.device=cpu, "
-                         "or request GPUs with slurm.gpus_per_node")
+        raise UserError(
+            "trainer.device=cuda but slurm.gpus_per_node=0 (CPU nodes): set trainer.device=cpu, "
+            "or request GPUs with slurm.gpus_per_node"
+        )
     if s.gpus_per_node > 0 and device == "cpu":
-        print(f"# warning: the job requests {s.gpus_per_node} GPU(s) per node but trainer.device=cpu "
-              "(CPU nodes: slurm.gpus_per_node=0 slurm.tasks_per_node=N)", file=sys.stderr)
+        print(
+            f"# warning: the job requests {s.gpus_per_node} GPU(s) per node but trainer.device=cpu "
+            "(CPU nodes: slurm.gpus_per_node=0 slurm.tasks_per_node=N)",
+            file=sys.stderr,
+        )
     run_dir, init_from = resolve_paths(cfg)
     if init_from is not None and check_paths and not init_from.exists():
         raise UserError(
@@ -130,7 +135,7 @@ def render(overrides: list[str], python: str = "python", check_paths: bool = Tru
     return script, command
 
 
-def main(argv: Optional[list[str]] = None) -> int:
+def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if any(a in ("-h", "--help") for a in argv):
         print(__doc__)

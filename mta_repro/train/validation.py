@@ -30,15 +30,31 @@ import math
 import sys
 import time
 import warnings
-from typing import Callable, Optional
+from collections.abc import Callable
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
-from mta_repro.errors import StopRequested, UserError
 from mta_repro.data.loader import validation_windows as windows
+from mta_repro.errors import StopRequested, UserError
 from mta_repro.model.loss import perplexity, sequence_ce
+
+
+def _batches(windows, batch_size: int, max_batches: int) -> list[np.ndarray]:
+    """At most ``max_batches`` (batch_size, seq_len + 1) int32 batches of ``windows``; the last
+    one may be partial."""
+    rows, out = [], []
+    for w in windows:
+        rows.append(np.asarray(w, dtype=np.int32))
+        if len(rows) == batch_size:
+            out.append(np.stack(rows))
+            rows = []
+            if len(out) >= max_batches:
+                return out
+    if rows:
+        out.append(np.stack(rows))
+    return out
 
 
 class Validator:
@@ -47,8 +63,16 @@ class Validator:
     naming it, and the others validate; ``skipped`` lists such domains. Only when no
     domain holds a window is it an error."""
 
-    def __init__(self, data_cfg, seq_len: int, batch_size: int, max_batches: int, rank: int, world_size: int,
-                 check: Optional[Callable[[str], None]] = None):
+    def __init__(
+        self,
+        data_cfg,
+        seq_len: int,
+        batch_size: int,
+        max_batches: int,
+        rank: int,
+        world_size: int,
+        check: Callable[[str], None] | None = None,
+    ):
         """``check(where)``: called between documents while the validation set is read (the
         trainer's stop check, which raises to stop)."""
         from mta_repro import data as data_mod
@@ -65,31 +89,28 @@ class Validator:
         self.batches: dict[str, list[np.ndarray]] = {}
         self.skipped: dict[str, int] = {}  # domain -> its validation tokens (< seq_len + 1)
         for name in data_mod.domains(data_cfg):
-            rows, out = [], []
             try:
-                for w in windows(docs(name), tokenizer, seq_len):
-                    rows.append(np.asarray(w, dtype=np.int32))
-                    if len(rows) == batch_size:
-                        out.append(np.stack(rows))
-                        rows = []
-                        if len(out) >= max_batches:
-                            break
+                out = _batches(windows(docs(name), tokenizer, seq_len), batch_size, max_batches)
             except ValueError as e:  # e.g. no validation files: say how to train without them
-                raise UserError(f"validation during training: {e} (set trainer.eval_every=0 to train "
-                                 "without validation)") from None
-            if rows and len(out) < max_batches:
-                out.append(np.stack(rows))
+                raise UserError(
+                    f"validation during training: {e} (set trainer.eval_every=0 to train without validation)"
+                ) from None
             if not out:
-                n_tokens = sum(len(tokenizer.encode(d, add_bos=True, add_eos=True))
-                               for d in data_mod.iter_validation_docs(data_cfg, name))
+                n_tokens = sum(
+                    len(tokenizer.encode(d, add_bos=True, add_eos=True))
+                    for d in data_mod.iter_validation_docs(data_cfg, name)
+                )
                 self.skipped[name] = n_tokens
                 continue
             self.batches[name] = out
         if self.skipped and rank == 0:
             warnings.warn(
-                "validation: skipped domain(s) " + ", ".join(f"{d!r} ({n:,} tokens)" for d, n in self.skipped.items())
+                "validation: skipped domain(s) "
+                + ", ".join(f"{d!r} ({n:,} tokens)" for d, n in self.skipped.items())
                 + f": fewer validation tokens than one window of data.seq_len+1={seq_len + 1}; "
-                "val_ppl averages the other domains", stacklevel=2)
+                "val_ppl averages the other domains",
+                stacklevel=2,
+            )
         if not self.batches:
             raise UserError(
                 f"validation: no domain's validation documents hold data.seq_len+1={seq_len + 1} tokens "
@@ -107,8 +128,10 @@ class Validator:
         tokens = self.n_windows * self.seq_len
         # a forward pass is about a third of a training step's work on the same tokens
         steps = tokens / (3 * tokens_per_step) if tokens_per_step else float("nan")
-        return (f"{self.n_windows} windows of {self.seq_len} tokens in {n_batches} forward batches over "
-                f"{len(self.batches)} domains ({tokens:,} tokens, about the compute of {steps:.1f} training steps)")
+        return (
+            f"{self.n_windows} windows of {self.seq_len} tokens in {n_batches} forward batches over "
+            f"{len(self.batches)} domains ({tokens:,} tokens, about the compute of {steps:.1f} training steps)"
+        )
 
     @torch.no_grad()
     def run(self, model, device: torch.device, preempt=None) -> dict[str, float]:
@@ -159,8 +182,7 @@ class Validator:
             model.train(was_training)
 
 
-def maybe_validator(cfg, tr, info, seq_len: Optional[int],
-                    check: Optional[Callable[[str], None]] = None) -> Optional[Validator]:
+def maybe_validator(cfg, tr, info, seq_len: int | None, check: Callable[[str], None] | None = None) -> Validator | None:
     """The run's Validator, or None (trainer.eval_every=0, or a loader without data config).
 
     Before training starts, the main process prints what one validation costs; a run
@@ -171,10 +193,13 @@ def maybe_validator(cfg, tr, info, seq_len: Optional[int],
     v = Validator(cfg.data, seq_len, tr.eval_batch_size, tr.eval_max_batches, info.rank, info.world_size, check)
     if info.rank == 0:
         per_step = int(cfg.data.batch_size) * seq_len * info.world_size * tr.grad_accum
-        when = (f"once, at the last step (trainer.steps={tr.steps} < trainer.eval_every={tr.eval_every})"
-                if tr.steps < tr.eval_every else f"every {tr.eval_every} steps and at the last")
+        when = (
+            f"once, at the last step (trainer.steps={tr.steps} < trainer.eval_every={tr.eval_every})"
+            if tr.steps < tr.eval_every
+            else f"every {tr.eval_every} steps and at the last"
+        )
         line = f"[mta_repro.train] validation {when}: {v.cost(per_step)}"
         if tr.steps < tr.eval_every:
-            line += ("; trainer.eval_max_batches=N makes it smaller, trainer.eval_every=0 skips it")
+            line += "; trainer.eval_max_batches=N makes it smaller, trainer.eval_every=0 skips it"
         print(line, file=sys.stderr, flush=True)
     return v

@@ -17,12 +17,11 @@ one line naming the file and the tensor or config key.
 from __future__ import annotations
 
 import re
-from typing import Any, Optional
+from typing import Any
 
 import torch
 
-from mta_repro.errors import UserError
-from mta_repro.errors import CorruptFileError, UnsafeFileError
+from mta_repro.errors import CorruptFileError, UnsafeFileError, UserError
 
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
@@ -53,8 +52,14 @@ def expected_shapes(model_args) -> dict[str, tuple]:
     return {k: tuple(v.shape) for k, v in build_model(model_args, device="meta").state_dict().items()}
 
 
-def check_state(state: dict, want: dict[str, tuple], where: str, tied: bool = False,
-                error: type = CorruptFileError, against: str = "its config's model") -> None:
+def check_state(
+    state: dict,
+    want: dict[str, tuple],
+    where: str,
+    tied: bool = False,
+    error: type = CorruptFileError,
+    against: str = "its config's model",
+) -> None:
     """Keys, shapes and float dtypes of ``state`` against ``want`` (``expected_shapes``);
     ``error`` (naming ``where``, the first tensor at fault and ``against``) otherwise."""
     for k, v in state.items():
@@ -76,15 +81,21 @@ def check_state(state: dict, want: dict[str, tuple], where: str, tied: bool = Fa
 
 def check_against(state: dict, model_args, where: str, against: str = "the model") -> None:
     """``check_state`` against the model ``model_args`` describes (``ModelMismatchError``)."""
-    check_state(state, expected_shapes(model_args), where, bool(getattr(model_args, "weight_tying", False)),
-                ModelMismatchError, against)
+    check_state(
+        state,
+        expected_shapes(model_args),
+        where,
+        bool(getattr(model_args, "weight_tying", False)),
+        ModelMismatchError,
+        against,
+    )
 
 
 # ``${name:`` (a resolver call), as opposed to ``${a.b}`` / ``${.a}`` (a key of the same config).
 _RESOLVER = re.compile(r"\$\{\s*[A-Za-z_][\w.\-]*\s*:")
 
 
-def _interpolation(node: Any, path: str) -> Optional[tuple]:
+def _interpolation(node: Any, path: str) -> tuple | None:
     if isinstance(node, str):
         return (path, node) if _RESOLVER.search(node) else None
     if isinstance(node, dict):
@@ -100,7 +111,7 @@ def _interpolation(node: Any, path: str) -> Optional[tuple]:
     return None
 
 
-def check_plain_config(config: Optional[dict], where: str) -> None:
+def check_plain_config(config: dict | None, where: str) -> None:
     """``UnsafeFileError`` if a config read from a weights file calls a resolver."""
     found = _interpolation(config, "") if config is not None else None
     if found:

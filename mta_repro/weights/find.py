@@ -5,12 +5,11 @@ from __future__ import annotations
 import dataclasses
 import re
 from pathlib import Path
-from typing import Optional, Union
 
+from mta_repro.errors import CorruptFileError, UserError
 from mta_repro.weights.layout import COMPLETE, EXPORT, complete_checkpoints, verify_checkpoint
 from mta_repro.weights.lingua import _is_lingua_step, release_checkpoint_path
 from mta_repro.weights.safe import load_pt
-from mta_repro.errors import CorruptFileError, UserError
 
 
 class NoWeightsError(UserError, ValueError):
@@ -30,11 +29,11 @@ class Candidate:
 
     kind: str
     path: Path
-    step: Optional[int] = None
-    problem: Optional[str] = None
+    step: int | None = None
+    problem: str | None = None
 
 
-def _folder_step(path: Path) -> Optional[int]:
+def _folder_step(path: Path) -> int | None:
     """Lingua and we name step folders <step:010d>; a consolidated.pth carries no step."""
     folder = path.parent.parent if path.name == "consolidated.pth" else path
     return int(folder.name) if re.fullmatch(r"\d{10}", folder.name) else None
@@ -42,7 +41,9 @@ def _folder_step(path: Path) -> Optional[int]:
 
 def _dcp(path: Path) -> Candidate:
     why = verify_checkpoint(path)
-    return Candidate("dcp", path, _folder_step(path), None if why is None else f"checkpoint {path} is unreadable: {why}")
+    return Candidate(
+        "dcp", path, _folder_step(path), None if why is None else f"checkpoint {path} is unreadable: {why}"
+    )
 
 
 def export_step(export: Path) -> int:
@@ -53,7 +54,7 @@ def export_step(export: Path) -> int:
     return int(blob.get("step") or 0)
 
 
-def find_weights(path: Union[str, Path]) -> list[Candidate]:
+def find_weights(path: str | Path) -> list[Candidate]:
     """The weights ``path`` offers, newest first.
 
     - a file: itself (our ``.pt`` export, a Lingua/release ``consolidated.pth``);
@@ -110,6 +111,8 @@ def _lingua_steps(dump_dir: Path) -> list[Candidate]:
     root = dump_dir / "checkpoints"
     if not root.is_dir():
         return []
-    steps = sorted((p for p in root.iterdir() if re.fullmatch(r"\d{10}", p.name) and _is_lingua_step(p)),
-                   key=lambda p: -int(p.name))
+    steps = sorted(
+        (p for p in root.iterdir() if re.fullmatch(r"\d{10}", p.name) and _is_lingua_step(p)),
+        key=lambda p: -int(p.name),
+    )
     return [_dcp(p) for p in steps]

@@ -6,11 +6,9 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Optional
-
-from mta_repro.weights.safe import read_dcp_metadata
 
 from mta_repro.errors import UnsafeFileError
+from mta_repro.weights.safe import read_dcp_metadata
 
 COMPLETE = ".complete"
 # The resolved run config a checkpoint was trained with, beside its DCP files: what a
@@ -37,7 +35,7 @@ def complete_checkpoints(ckpt_root: Path) -> list[Path]:
     return sorted(out, key=lambda p: int(p.name))
 
 
-def latest_checkpoint(path: Path) -> Optional[Path]:
+def latest_checkpoint(path: Path) -> Path | None:
     """Newest complete checkpoint of a run dir (or of its checkpoints/ folder)."""
     path = Path(path)
     root = path / "checkpoints" if (path / "checkpoints").is_dir() else path
@@ -45,7 +43,7 @@ def latest_checkpoint(path: Path) -> Optional[Path]:
     return found[-1] if found else None
 
 
-def verify_checkpoint(path: Path) -> Optional[str]:
+def verify_checkpoint(path: Path) -> str | None:
     """None if the DCP metadata reads and every file it names is there and long enough;
     else why not, naming the file (a truncated ``.distcp`` from a full disk or a kill)."""
     path = Path(path)
@@ -61,7 +59,7 @@ def verify_checkpoint(path: Path) -> Optional[str]:
     for key, m in (md.state_dict_metadata or {}).items():  # model weights are float (a relabelled file is not)
         dtype = getattr(getattr(m, "properties", None), "dtype", None)
         if key.startswith("model.") and dtype is not None and not dtype.is_floating_point:
-            return f"tensor {key[len('model.'):]!r} is {str(dtype).replace('torch.', '')}, expected a float dtype"
+            return f"tensor {key[len('model.') :]!r} is {str(dtype).replace('torch.', '')}, expected a float dtype"
     need: dict[str, int] = {}
     for info in (md.storage_data or {}).values():
         end = int(info.offset) + int(info.length)
@@ -76,7 +74,7 @@ def verify_checkpoint(path: Path) -> Optional[str]:
     return None
 
 
-def saved_world_size(path: Path) -> Optional[int]:
+def saved_world_size(path: Path) -> int | None:
     """The number of ranks that saved a checkpoint (its per-rank ``rank{r}`` entries)."""
     try:
         md = read_dcp_metadata(path)

@@ -8,13 +8,13 @@ import dataclasses
 import sys
 import warnings
 from pathlib import Path
-from typing import Any, Optional, Union
+from typing import Any
 
+from mta_repro.errors import CorruptFileError, UnsafeFileError
 from mta_repro.weights.check import check_against, check_float, check_plain_config, check_state, expected_shapes
 from mta_repro.weights.find import Candidate, find_weights
 from mta_repro.weights.layout import CHECKPOINT_CONFIG, COMPLETE, PROVENANCE
 from mta_repro.weights.lingua import release_state_dict_to_ours
-from mta_repro.errors import CorruptFileError, UnsafeFileError
 from mta_repro.weights.safe import dcp_error_line, dcp_load, load_pt, read_dcp_metadata
 
 
@@ -33,15 +33,15 @@ class Weights:
     dict; None for a Lingua/release checkpoint, whose config is a release config)."""
 
     state: dict
-    step: Optional[int]
-    config: Optional[dict]
+    step: int | None
+    config: dict | None
     source: Candidate
     # What the weights came from (mta_repro/train/provenance.py): a checkpoint's
     # provenance.json, an export's "provenance" entry; None when they carry none.
-    record: Optional[dict] = None
+    record: dict | None = None
 
 
-def read_dcp_model(path: Union[str, Path]) -> tuple[dict, Optional[int]]:
+def read_dcp_model(path: str | Path) -> tuple[dict, int | None]:
     """The "model" tensors (and the "step", if saved) of a DCP step folder, ours or Lingua's
     (``{"model": ..., "optim": ...}``), read in this process without the optimizer: the
     tensors are allocated from the metadata, so no model config is needed."""
@@ -51,7 +51,7 @@ def read_dcp_model(path: Union[str, Path]) -> tuple[dict, Optional[int]]:
     sd = {}
     for key, m in meta.state_dict_metadata.items():
         if key.startswith("model.") and hasattr(m, "size"):  # tensors under "model"
-            sd[key[len("model."):]] = torch.empty(tuple(m.size), dtype=m.properties.dtype)
+            sd[key[len("model.") :]] = torch.empty(tuple(m.size), dtype=m.properties.dtype)
     if not sd:
         raise CorruptFileError(f"{path}: a DCP checkpoint without 'model' tensors (not a training checkpoint?)")
     state: dict[str, Any] = {"model": sd}
@@ -118,7 +118,7 @@ class PrunedError(CorruptFileError):
     newest ``checkpoint.keep``): not damage; the newest complete one is read instead."""
 
 
-def _record(ckpt: Path) -> Optional[dict]:
+def _record(ckpt: Path) -> dict | None:
     import json
 
     try:
@@ -128,7 +128,7 @@ def _record(ckpt: Path) -> Optional[dict]:
     return data if isinstance(data, dict) else None
 
 
-def _model_args_of(config: Optional[dict]):
+def _model_args_of(config: dict | None):
     """The ModelArgs a saved run config describes, or None (no config, no model section, or
     one this version cannot build: the caller's own build then says why)."""
     if not isinstance(config, dict) or not isinstance(config.get("model"), dict):
@@ -142,7 +142,7 @@ def _model_args_of(config: Optional[dict]):
         return None
 
 
-def _run_config(ckpt: Path) -> Optional[dict]:
+def _run_config(ckpt: Path) -> dict | None:
     """The resolved config a checkpoint of ours was trained with: its own config.yaml, or
     (a checkpoint saved before they carried one) its run's."""
     cfg_file = ckpt / CHECKPOINT_CONFIG
@@ -159,7 +159,7 @@ def _run_config(ckpt: Path) -> Optional[dict]:
     return config
 
 
-def read_config(candidate: Candidate) -> Optional[dict]:
+def read_config(candidate: Candidate) -> dict | None:
     """The run config saved with a candidate, without reading its tensors."""
     if candidate.kind == "consolidated":
         if candidate.problem:
@@ -182,7 +182,7 @@ def notice(msg: str, who: str = "mta_repro") -> None:
 PRUNED_RETRIES = 20
 
 
-def load_weights(path: Union[str, Path], who: str = "mta_repro", expect=None) -> Weights:
+def load_weights(path: str | Path, who: str = "mta_repro", expect=None) -> Weights:
     """The newest readable weights of ``path`` (``find_weights``' order). A damaged newer
     candidate is named in one line and the next one is used; if none can be read, the
     error names each. An unsafe file is refused, never skipped. A checkpoint removed while
@@ -194,14 +194,18 @@ def load_weights(path: Union[str, Path], who: str = "mta_repro", expect=None) ->
         try:
             return _load_newest(path, who, expect)
         except PrunedError as e:
-            notice(f"{e} (pruned by the run's trainer, checkpoint.keep); reading its newest complete checkpoint "
-                   "instead", who)
-    raise CorruptFileError(f"{path}: its checkpoints were pruned {PRUNED_RETRIES} times while they were read (a "
-                           "trainer saving every few steps with a small checkpoint.keep): evaluate it with a larger "
-                           "checkpoint.keep, or its export once it finished")
+            notice(
+                f"{e} (pruned by the run's trainer, checkpoint.keep); reading its newest complete checkpoint instead",
+                who,
+            )
+    raise CorruptFileError(
+        f"{path}: its checkpoints were pruned {PRUNED_RETRIES} times while they were read (a "
+        "trainer saving every few steps with a small checkpoint.keep): evaluate it with a larger "
+        "checkpoint.keep, or its export once it finished"
+    )
 
 
-def _load_newest(path: Union[str, Path], who: str, expect=None) -> Weights:
+def _load_newest(path: str | Path, who: str, expect=None) -> Weights:
     candidates = find_weights(path)
     errors = []
     for i, c in enumerate(candidates):
@@ -216,10 +220,13 @@ def _load_newest(path: Union[str, Path], who: str, expect=None) -> Weights:
                 step = f" (step {nxt.step})" if nxt.step is not None else ""
                 notice(f"{e}; falling back to {nxt.path}{step}", who)
             continue
-        stale = [x for x in candidates[i + 1:] if x.kind == "consolidated" and x.step is not None]
+        stale = [x for x in candidates[i + 1 :] if x.kind == "consolidated" and x.step is not None]
         if c.kind == "dcp" and stale and w.step is not None:
-            notice(f"checkpoint {c.path} (step {w.step}) is newer than {stale[0].path} (step {stale[0].step}); "
-                   "using the newer checkpoint (re-export with python -m mta_repro.train.export)", who)
+            notice(
+                f"checkpoint {c.path} (step {w.step}) is newer than {stale[0].path} (step {stale[0].step}); "
+                "using the newer checkpoint (re-export with python -m mta_repro.train.export)",
+                who,
+            )
         if expect is not None:
             check_against(w.state, expect, str(c.path))
         return w

@@ -24,15 +24,13 @@ import pickle
 import re
 import warnings
 from pathlib import Path
-from typing import Any, Union
+from typing import Any
 
 import torch
 
 from mta_repro.errors import CorruptFileError, UnsafeFileError
 
 _REFUSE_HINT = "refusing to unpickle it (only tensors and plain types are read from files)"
-
-
 
 
 def _unsafe_global(text: str) -> str:
@@ -47,7 +45,7 @@ def _refused(e: BaseException) -> bool:
     return "Weights only load failed" in text and bool(re.search(r"GLOBAL|[Uu]nsupported class", text))
 
 
-def load_pt(path: Union[str, Path], map_location: Any = "cpu", mmap: bool = True) -> Any:
+def load_pt(path: str | Path, map_location: Any = "cpu", mmap: bool = True) -> Any:
     """The content of a ``torch.save`` file, read with ``weights_only=True``.
 
     ``UnsafeFileError`` for a file that would unpickle anything else, ``CorruptFileError``
@@ -65,7 +63,9 @@ def load_pt(path: Union[str, Path], map_location: Any = "cpu", mmap: bool = True
             raise UnsafeFileError(
                 f"{path}: not a plain weights file (it would unpickle {_unsafe_global(str(e))}); {_REFUSE_HINT}"
             ) from None
-        raise CorruptFileError(f"{path} is unreadable (damaged pickle data); the file is truncated or corrupt") from None
+        raise CorruptFileError(
+            f"{path} is unreadable (damaged pickle data); the file is truncated or corrupt"
+        ) from None
     except FileNotFoundError:
         raise
     except Exception as e:  # noqa: BLE001 - truncated/corrupt files raise many types
@@ -113,8 +113,16 @@ def _dcp_allowed() -> dict:
 
     allowed = {
         ("torch.distributed.checkpoint.metadata", n): getattr(md, n)
-        for n in ("Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata",
-                  "TensorProperties", "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING")
+        for n in (
+            "Metadata",
+            "TensorStorageMetadata",
+            "BytesStorageMetadata",
+            "ChunkStorageMetadata",
+            "TensorProperties",
+            "MetadataIndex",
+            "StorageMeta",
+            "_MEM_FORMAT_ENCODING",
+        )
         if hasattr(md, n)
     }
     allowed[("torch.distributed.checkpoint.filesystem", "_StorageInfo")] = fs._StorageInfo
@@ -151,7 +159,7 @@ class _MetadataUnpickler(pickle.Unpickler):
         raise UnsafeFileError("would unpickle a persistent object")
 
 
-def read_dcp_metadata(path: Union[str, os.PathLike]):
+def read_dcp_metadata(path: str | os.PathLike):
     """DCP's ``Metadata`` of a checkpoint folder, unpickled with an allow-list."""
     path = Path(path)
     if not _MetadataUnpickler.allowed:
@@ -215,7 +223,7 @@ def _planner_class():
     return SafePlanner
 
 
-def dcp_load(state: dict, path: Union[str, Path], no_dist: bool = False, process_group=None) -> None:
+def dcp_load(state: dict, path: str | Path, no_dist: bool = False, process_group=None) -> None:
     """``torch.distributed.checkpoint.load`` of ``state`` (filled in place) from ``path``,
     with the metadata and non-tensor entries read safely. An ``UnsafeFileError`` inside
     DCP's collective machinery is raised as itself, naming the folder."""
@@ -225,13 +233,19 @@ def dcp_load(state: dict, path: Union[str, Path], no_dist: bool = False, process
     try:
         with warnings.catch_warnings():  # "assuming ... a single process": with no_dist, on purpose
             warnings.filterwarnings("ignore", message=".*single process.*")
-            dcp.load(state, storage_reader=_reader_class()(str(path)), planner=_planner_class()(),
-                     no_dist=no_dist, process_group=process_group)
+            dcp.load(
+                state,
+                storage_reader=_reader_class()(str(path)),
+                planner=_planner_class()(),
+                no_dist=no_dist,
+                process_group=process_group,
+            )
     except CheckpointException as e:
         unsafe = [exc for exc in _wrapped(e) if isinstance(exc, UnsafeFileError)]
         if unsafe:
-            raise UnsafeFileError(f"{path}: {unsafe[0]}" if str(path) not in str(unsafe[0]) else str(unsafe[0])) \
-                from None
+            raise UnsafeFileError(
+                f"{path}: {unsafe[0]}" if str(path) not in str(unsafe[0]) else str(unsafe[0])
+            ) from None
         raise
 
 

@@ -15,15 +15,29 @@ import dataclasses
 import json
 import struct
 from pathlib import Path
-from typing import Union
 
 from mta_repro.errors import CorruptFileError
 
 # safetensors' own limit on the header (its MAX_HEADER_SIZE): a real header is kilobytes.
 MAX_HEADER_BYTES = 100_000_000
 # Bytes per element of every dtype the format names.
-DTYPE_BYTES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E5M2": 1, "F8_E4M3": 1, "I16": 2, "U16": 2, "F16": 2, "BF16": 2,
-               "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8}
+DTYPE_BYTES = {
+    "BOOL": 1,
+    "U8": 1,
+    "I8": 1,
+    "F8_E5M2": 1,
+    "F8_E4M3": 1,
+    "I16": 2,
+    "U16": 2,
+    "F16": 2,
+    "BF16": 2,
+    "I32": 4,
+    "U32": 4,
+    "F32": 4,
+    "I64": 8,
+    "U64": 8,
+    "F64": 8,
+}
 # The float dtypes model weights are stored in, and their torch names.
 FLOAT_DTYPES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16", "F64": "float64"}
 
@@ -43,7 +57,7 @@ def _bad(path: Path, what: str) -> CorruptFileError:
     return CorruptFileError(f"{path}: not a valid safetensors file: {what}")
 
 
-def read_header(path: Union[str, Path]) -> dict[str, TensorInfo]:
+def read_header(path: str | Path) -> dict[str, TensorInfo]:
     """The tensors of a safetensors file by name, every entry checked against the file:
     a known dtype, a shape of non-negative integers, a byte range of exactly shape x dtype
     bytes inside the file, the ranges tiling the buffer without overlap (as the format
@@ -76,11 +90,15 @@ def read_header(path: Union[str, Path]) -> dict[str, TensorInfo]:
         dtype, shape, offsets = e.get("dtype"), e.get("shape"), e.get("data_offsets")
         if dtype not in DTYPE_BYTES:
             raise _bad(path, f"tensor {name!r}: unknown dtype {dtype!r}")
-        if not isinstance(shape, list) or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0
-                                                  for d in shape):
+        if not isinstance(shape, list) or not all(
+            isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape
+        ):
             raise _bad(path, f"tensor {name!r}: shape {shape!r} is not a list of non-negative integers")
-        if (not isinstance(offsets, list) or len(offsets) != 2
-                or not all(isinstance(o, int) and not isinstance(o, bool) for o in offsets)):
+        if (
+            not isinstance(offsets, list)
+            or len(offsets) != 2
+            or not all(isinstance(o, int) and not isinstance(o, bool) for o in offsets)
+        ):
             raise _bad(path, f"tensor {name!r}: data_offsets {offsets!r} are not two integers")
         begin, end = offsets
         numel = 1
@@ -89,8 +107,11 @@ def read_header(path: Union[str, Path]) -> dict[str, TensorInfo]:
         if not 0 <= begin <= end <= buffer:
             raise _bad(path, f"tensor {name!r}: bytes [{begin}, {end}) do not fit the file's {buffer}-byte buffer")
         if end - begin != numel * DTYPE_BYTES[dtype]:
-            raise _bad(path, f"tensor {name!r}: {dtype} {shape} needs {numel * DTYPE_BYTES[dtype]} bytes, its "
-                             f"data_offsets hold {end - begin}")
+            raise _bad(
+                path,
+                f"tensor {name!r}: {dtype} {shape} needs {numel * DTYPE_BYTES[dtype]} bytes, its "
+                f"data_offsets hold {end - begin}",
+            )
         out[name] = TensorInfo(name, dtype, tuple(shape), begin, end)
     at = 0
     for t in sorted(out.values(), key=lambda t: (t.begin, t.end)):
@@ -107,19 +128,20 @@ class SafetensorsFile:
     """A safetensors file with a checked header (``read_header``); tensors read one at a
     time, memory-mapped (``with SafetensorsFile(path) as f: f.tensor(name)``)."""
 
-    def __init__(self, path: Union[str, Path]):
+    def __init__(self, path: str | Path):
         self.path = Path(path)
         self.tensors = read_header(self.path)
         self._st = None
 
-    def __enter__(self) -> "SafetensorsFile":
+    def __enter__(self) -> SafetensorsFile:
         try:
             from safetensors import safe_open
         except ImportError:
             from mta_repro.errors import UserError
 
-            raise UserError(f"{self.path}: reading safetensors needs the safetensors package: "
-                            "pip install -e '.[hf]'") from None
+            raise UserError(
+                f"{self.path}: reading safetensors needs the safetensors package: pip install -e '.[hf]'"
+            ) from None
         try:
             self._cm = safe_open(str(self.path), framework="pt", device="cpu")
             self._st = self._cm.__enter__()

@@ -53,6 +53,10 @@ class GlobalBatchSource:
 def build(data_args, rank: int, world_size: int) -> GlobalBatchSource:
     get = (lambda k, d: data_args.get(k, d)) if data_args is not None else (lambda k, d: d)
     return GlobalBatchSource(
-        int(get("batch_size", 2)), int(get("seq_len", 32)), 256, int(get("seed", 0)),
-        rank, world_size,
+        int(get("batch_size", 2)),
+        int(get("seq_len", 32)),
+        256,
+        int(get("seed", 0)),
+        rank,
+        world_size,
     )

@@ -59,8 +59,16 @@ def _env():
 
 
 def _torchrun(nproc, args):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-           "-m", "mta_repro.train", *args]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={nproc}",
+        "-m",
+        "mta_repro.train",
+        *args,
+    ]
     p = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=400)
     assert p.returncode == 0, p.stderr[-4000:]
     return p
@@ -75,8 +83,14 @@ def test_two_ranks_match_one_rank_on_the_same_global_batch(tmp_path):
     one, two = tmp_path / "one", tmp_path / "two"
     loader = "trainer.loader=batch_source:build"
     # One plain process (no launcher): batch 4. Two torchrun ranks: batch 2 each.
-    p = subprocess.run([sys.executable, "-m", "mta_repro.train", *_common(one), loader, "data.batch_size=4"],
-                       cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=400)
+    p = subprocess.run(
+        [sys.executable, "-m", "mta_repro.train", *_common(one), loader, "data.batch_size=4"],
+        cwd=ROOT,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=400,
+    )
     assert p.returncode == 0, p.stderr[-4000:]
     _torchrun(2, [*_common(two), loader, "data.batch_size=2"])
     # Two ranks of batch 1 with 2 accumulation steps: the same 4 rows per update.
@@ -89,7 +103,9 @@ def test_two_ranks_match_one_rank_on_the_same_global_batch(tmp_path):
         for s in range(1, STEPS + 1):
             assert abs(a[s]["loss"] - other[s]["loss"]) <= TOL, (name, s, a[s]["loss"], other[s]["loss"])
             assert a[s]["grad_norm"] == pytest.approx(other[s]["grad_norm"], rel=1e-4)
-    assert all(r["tokens_per_s_global"] > 0 and r["tokens_per_s_per_gpu"] == r["tokens_per_s_global"] for r in a.values())
+    assert all(
+        r["tokens_per_s_global"] > 0 and r["tokens_per_s_per_gpu"] == r["tokens_per_s_global"] for r in a.values()
+    )
     assert a[STEPS]["loss"] < a[1]["loss"] - 1.0  # it trains: the motifs are learnable
     # Validation (only at the last step) on 2 ranks == on 1 (the weights agree to ~1e-6).
     assert [s for s in a if "val_loss" in a[s]] == [STEPS] and b[STEPS]["val_tokens"] == a[STEPS]["val_tokens"]
@@ -131,16 +147,29 @@ def test_two_ranks_train_mta_blocked_as_one_process(tmp_path):
     """The default MTA path (query blocks recomputed in backward, the C convolution as a
     custom op) under FSDP2 on 2 gloo ranks: the same losses as one process."""
     steps = 4
-    mta = ["attention=mta", "model.kq_conv_layers='0,2'", "model.attn_block_size=8", "trainer.eval_every=0",
-           "trainer.loader=batch_source:build"]
+    mta = [
+        "attention=mta",
+        "model.kq_conv_layers='0,2'",
+        "model.attn_block_size=8",
+        "trainer.eval_every=0",
+        "trainer.loader=batch_source:build",
+    ]
 
     def common(run_dir):  # 4 steps instead of STEPS
         return [a for a in _common(run_dir) if not a.startswith(("trainer.steps=", "checkpoint.every="))] + [
-            f"trainer.steps={steps}", f"checkpoint.every={steps}"]
+            f"trainer.steps={steps}",
+            f"checkpoint.every={steps}",
+        ]
 
     one, two = tmp_path / "one", tmp_path / "two"
-    p = subprocess.run([sys.executable, "-m", "mta_repro.train", *common(one), *mta, "data.batch_size=4"],
-                       cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=400)
+    p = subprocess.run(
+        [sys.executable, "-m", "mta_repro.train", *common(one), *mta, "data.batch_size=4"],
+        cwd=ROOT,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=400,
+    )
     assert p.returncode == 0, p.stderr[-4000:]
     _torchrun(2, [*common(two), *mta, "data.batch_size=2"])
     a, b = _losses(one), _losses(two)

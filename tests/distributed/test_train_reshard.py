@@ -51,9 +51,24 @@ def test_two_ranks_resume_on_one_with_grad_accum(tmp_path, monkeypatch, capsys):
     faults = ROOT / "tests" / "fixtures" / "faults"
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([str(ROOT), str(HERE), str(faults)]))
     p = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "mta_repro.train",
-         f"run_dir={run}", *COMMON, "data.batch_size=2", "checkpoint.save_hook=faults:kill_in_save_4"],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=400,
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node=2",
+            "-m",
+            "mta_repro.train",
+            f"run_dir={run}",
+            *COMMON,
+            "data.batch_size=2",
+            "checkpoint.save_hook=faults:kill_in_save_4",
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=400,
     )
     assert p.returncode != 0  # killed in the save of step 4
     assert (run / "checkpoints" / "0000000002" / ".complete").is_file()

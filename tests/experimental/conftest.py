@@ -22,8 +22,10 @@ def _nan_poisoned_kernel_buffers(request, monkeypatch):
     """The Triton tests (marker ``triton``: the kernels against the float64 reference and
     torch's gradients, for every shipped option) run with every launch buffer NaN-poisoned, so
     "as exact as the reference" also says "nothing read before it is written"."""
-    if request.node.get_closest_marker("triton") is not None and \
-            os.path.basename(str(request.node.path)) not in UNPOISONED_MODULES:
+    if (
+        request.node.get_closest_marker("triton") is not None
+        and os.path.basename(str(request.node.path)) not in UNPOISONED_MODULES
+    ):
         import importlib.util
 
         if importlib.util.find_spec("triton") is not None:

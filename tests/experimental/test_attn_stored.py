@@ -16,7 +16,10 @@ from mta_repro.kernels.tuning import KernelTuning
 from mta_repro.model import attention_ops
 from tests.experimental.test_attn_triton import params, qkv
 
-pytestmark = [pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton not installed"), pytest.mark.triton]
+pytestmark = [
+    pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton not installed"),
+    pytest.mark.triton,
+]
 
 
 def grads(fn, q, k, v, p, mask):
@@ -35,26 +38,33 @@ def assert_matches_torch(q, k, v, p, mask=attention_ops.AttnMask(), rtol=1e-10, 
 
     want, want_g = grads(attention_ops.explicit_attention_torch, q.double(), k.double(), v.double(), p, mask)
     if q.dtype != torch.float64:
-        p = dataclasses.replace(p, **{f: getattr(p, f).to(q.dtype) for f in attention_ops._WEIGHT_FIELDS
-                                      if getattr(p, f) is not None})
+        p = dataclasses.replace(
+            p, **{f: getattr(p, f).to(q.dtype) for f in attention_ops._WEIGHT_FIELDS if getattr(p, f) is not None}
+        )
     got, got_g = grads(explicit_attention_stored, q, k, v, p, mask)
     assert got.dtype == q.dtype
     torch.testing.assert_close(got.double(), want, rtol=rtol, atol=atol)
     for name, g in want_g.items():
-        torch.testing.assert_close(got_g[name].double(), g, rtol=rtol * 10, atol=atol * 10 * max(1.0, g.abs().max().item()),
-                                   msg=name)
+        torch.testing.assert_close(
+            got_g[name].double(), g, rtol=rtol * 10, atol=atol * 10 * max(1.0, g.abs().max().item()), msg=name
+        )
 
 
 @pytest.mark.parametrize("pad_key", ["both", "left", "right"])
-@pytest.mark.parametrize("post,mix,wpsm", [((2, 3), "head_kernel", True), (None, "wposm", True),
-                                           ((3, 3), None, False)])
+@pytest.mark.parametrize("post,mix,wpsm", [((2, 3), "head_kernel", True), (None, "wposm", True), ((3, 3), None, False)])
 def test_stored_kernels_match_the_reference(pad_key, post, mix, wpsm):
     """Every pad_key; post conv with head_kernel and wpsm / wposm without post conv / post conv
     without mixings: 16 x 16 frames over T = 19 (two row blocks, several key blocks)."""
     h = 2
     q, k, v = qkv(1, h, 19, 19, 3)
-    assert_matches_torch(q, k, v, params(h, (2, 3), post, mix=mix, wpsm=wpsm, pad_key=pad_key, group=2,
-                                         tuning=KernelTuning(triton_frame="16x16")))
+    assert_matches_torch(
+        q,
+        k,
+        v,
+        params(
+            h, (2, 3), post, mix=mix, wpsm=wpsm, pad_key=pad_key, group=2, tuning=KernelTuning(triton_frame="16x16")
+        ),
+    )
 
 
 def test_stored_kernels_with_padding_offset_and_two_programs():
@@ -66,8 +76,13 @@ def test_stored_kernels_with_padding_offset_and_two_programs():
     key_valid = torch.ones(2, 29, dtype=torch.bool)
     key_valid[1, :11] = False
     q, k, v = qkv(2, h, 13, 29, 3, seed=2)  # 13 new queries after 16 cached keys
-    assert_matches_torch(q, k, v, params(h, (6, 5), (3, 5), mix="wposm", pad_key="both", tuning=tn),
-                         attention_ops.AttnMask(16, key_valid))
+    assert_matches_torch(
+        q,
+        k,
+        v,
+        params(h, (6, 5), (3, 5), mix="wposm", pad_key="both", tuning=tn),
+        attention_ops.AttnMask(16, key_valid),
+    )
 
 
 def test_stored_kernels_in_float32():
@@ -75,9 +90,14 @@ def test_stored_kernels_in_float32():
     descriptor reductions; float32 accuracy against the float64 reference."""
     h = 2
     q, k, v = qkv(1, h, 21, 21, 3, seed=3)
-    assert_matches_torch(q.float(), k.float(), v.float(),
-                         params(h, (3, 3), (2, 3), group=2, tuning=KernelTuning(triton_frame="16x16")),
-                         rtol=1e-4, atol=1e-5)
+    assert_matches_torch(
+        q.float(),
+        k.float(),
+        v.float(),
+        params(h, (3, 3), (2, 3), group=2, tuning=KernelTuning(triton_frame="16x16")),
+        rtol=1e-4,
+        atol=1e-5,
+    )
 
 
 def test_triton_runs_the_stored_design_for_kq_conv_layers_and_the_fused_kernel_for_the_rest(monkeypatch):
@@ -107,8 +127,9 @@ def test_memory_preflight_stand_in_saves_the_stored_c_plane():
 
     h, t, d = 4, 20, 8
     p = params(h, (2, 3), (3, 3))
-    weights = {getattr(p, f).untyped_storage()._cdata for f in attention_ops._WEIGHT_FIELDS
-               if getattr(p, f) is not None}
+    weights = {
+        getattr(p, f).untyped_storage()._cdata for f in attention_ops._WEIGHT_FIELDS if getattr(p, f) is not None
+    }
     q, k, v = (x.float().requires_grad_() for x in qkv(2, h, t, t, d))
     entry = attention_ops.attn_impl("triton")
     real = memory._saved_bytes(lambda: entry.fn(q, k, v, p, attention_ops.AttnMask()), weights)
@@ -135,6 +156,7 @@ def test_every_stored_pass_launches_with_its_configuration(monkeypatch):
             def launch(*args, **kw):
                 name = self.fixed or ("stats", "forward", "backward_rowsum", "backward_dc")[kw["MODE"]]
                 seen.append((name, kw["num_warps"], kw["num_stages"]))
+
             return launch
 
     monkeypatch.setattr(stored, "_stored_kernel", Recorder())
@@ -165,5 +187,10 @@ def test_no_unwritten_store_or_scratch_cell_is_read(monkeypatch):
     key_valid = torch.ones(2, 25, dtype=torch.bool)
     key_valid[1, :19] = False
     q, k, v = qkv(2, h, 25, 25, 3)  # two row blocks (three in dC's pass) of up to two key blocks
-    assert_matches_torch(q, k, v, params(h, (2, 3), (3, 3), group=2, tuning=KernelTuning(triton_frame="16x16")),
-                         attention_ops.AttnMask(0, key_valid))
+    assert_matches_torch(
+        q,
+        k,
+        v,
+        params(h, (2, 3), (3, 3), group=2, tuning=KernelTuning(triton_frame="16x16")),
+        attention_ops.AttnMask(0, key_valid),
+    )

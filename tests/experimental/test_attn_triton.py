@@ -21,12 +21,16 @@ from mta_repro.kernels.interface import post_mix_matrix
 from mta_repro.kernels.tuning import KernelTuning
 from mta_repro.model import attention_ops
 
-pytestmark = [pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton not installed"), pytest.mark.triton]
+pytestmark = [
+    pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton not installed"),
+    pytest.mark.triton,
+]
 TRITON = attention_ops.attn_impl("triton")
 
 
-def params(h, pre, post, mix="head_kernel", wpsm=True, pad_key="both", seed=0, group=None,
-           tuning=KernelTuning(), dropout=0.0):
+def params(
+    h, pre, post, mix="head_kernel", wpsm=True, pad_key="both", seed=0, group=None, tuning=KernelTuning(), dropout=0.0
+):
     g = torch.Generator().manual_seed(seed)
     rand = lambda *shape: torch.randn(*shape, generator=g, dtype=torch.float64)  # noqa: E731
     c_h = group or h
@@ -36,7 +40,8 @@ def params(h, pre, post, mix="head_kernel", wpsm=True, pad_key="both", seed=0, g
         mta_kernel_after_sm=rand(h, 1, *post) * 0.5 if post else None,
         head_kernel=rand(h // c_h, c_h, c_h) * c_h**-0.5 if mix == "head_kernel" else None,
         wposm=rand(h, h) * h**-0.5 if mix == "wposm" else None,
-        pad_key=pad_key, dropout=dropout,
+        pad_key=pad_key,
+        dropout=dropout,
         tuning=tuning,
     )
 
@@ -87,8 +92,13 @@ def test_many_frames_with_padding_and_offset(gpu_schedule):
     # used on the owned block read up to the frame's edge), over several key blocks
     assert_matches_torch(q, k, v, params(h, None, (2, 3), pad_key="both", tuning=tn))
     q, _, _ = qkv(2, h, 17, 25, 3, seed=2)  # 17 new queries (two row blocks) after 8 cached keys
-    assert_matches_torch(q, k, v, params(h, (3, 2), (2, 4), mix="wposm", pad_key="right", tuning=tn),
-                         attention_ops.AttnMask(8, key_valid))
+    assert_matches_torch(
+        q,
+        k,
+        v,
+        params(h, (3, 2), (2, 4), mix="wposm", pad_key="right", tuning=tn),
+        attention_ops.AttnMask(8, key_valid),
+    )
 
 
 def test_float32_accumulates_through_descriptor_reductions():
@@ -103,8 +113,9 @@ def test_float32_accumulates_through_descriptor_reductions():
     key_valid[1, :19] = False
     mask = attention_ops.AttnMask(8, key_valid)
     want, want_g = grads_of("torch", q, k, v, p, mask)
-    p32 = dataclasses.replace(p, **{f: getattr(p, f).float() for f in attention_ops._WEIGHT_FIELDS
-                                    if getattr(p, f) is not None})
+    p32 = dataclasses.replace(
+        p, **{f: getattr(p, f).float() for f in attention_ops._WEIGHT_FIELDS if getattr(p, f) is not None}
+    )
     got, got_g = grads_of("triton", q.float(), k.float(), v.float(), p32, mask)
     assert got.dtype == torch.float32
     torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-5)
@@ -183,18 +194,27 @@ def test_overrides_are_checked():
     q, k, v = qkv(1, h, 8, 8, 3)
     run = TRITON.fn
     small = KernelTuning(triton_frame="16x16")  # the forward halo of a 6x21 post-softmax kernel needs 6x21
-    with pytest.raises(ValueError, match=r"^model\.kernels\.triton_frame=16x16 leaves no owned block: the forward "
-                       r"pass's halo needs 6x21 at least$"):
+    with pytest.raises(
+        ValueError,
+        match=r"^model\.kernels\.triton_frame=16x16 leaves no owned block: the forward "
+        r"pass's halo needs 6x21 at least$",
+    ):
         run(q.requires_grad_(), k, v, params(h, None, (6, 21), tuning=small), attention_ops.AttnMask()).sum().backward()
     q = q.detach()
-    with pytest.raises(ValueError, match=r"^model\.kernels\.triton_frame: '24x32': both sizes must be powers of two, "
-                       r"at least 16"):
+    with pytest.raises(
+        ValueError,
+        match=r"^model\.kernels\.triton_frame: '24x32': both sizes must be powers of two, "
+        r"at least 16",
+    ):
         KernelTuning(triton_frame="24x32")
     with pytest.raises(ValueError, match=r"^model\.kernels\.triton_slab_rows: 3: expected a power of two or null$"):
         KernelTuning(triton_slab_rows=3)
     too_many = KernelTuning(triton_frame="16x16", triton_slab_rows=32)
-    with pytest.raises(ValueError, match=r"^model\.kernels\.triton_slab_rows=32: a power of two dividing the "
-                       r"frame's 16 rows$"):
+    with pytest.raises(
+        ValueError,
+        match=r"^model\.kernels\.triton_slab_rows=32: a power of two dividing the "
+        r"frame's 16 rows$",
+    ):
         run(q, k, v, params(h, (2, 3), None, tuning=too_many), attention_ops.AttnMask())
     with pytest.raises(ValueError, match=r"^model\.kernels\.triton_programs: 0: expected a positive integer or null$"):
         KernelTuning(triton_programs=0)
@@ -206,9 +226,14 @@ def test_schedule_covers_every_tile_once_and_balances_the_programs():
     end to end, so no program carries more than one tile above another (the estimate's serial
     chain is the longest program), the grid is filled whenever there are tiles enough, and a
     row is cut into few items (the per-item partial slots the launcher allocates and reduces)."""
-    for pass_, b, tq, tk, q_off, n_prog in (("forward", 4, 2048, 2048, 0, 132), ("backward_dc", 1, 2048, 2048, 0, 132),
-                                            ("forward", 2, 300, 700, 400, 7), ("backward_b", 4, 4096, 4096, 0, 132),
-                                            ("stats", 1, 100, 100, 0, 132), ("forward", 3, 1000, 1000, 0, 1)):
+    for pass_, b, tq, tk, q_off, n_prog in (
+        ("forward", 4, 2048, 2048, 0, 132),
+        ("backward_dc", 1, 2048, 2048, 0, 132),
+        ("forward", 2, 300, 700, 400, 7),
+        ("backward_b", 4, 4096, 4096, 0, 132),
+        ("stats", 1, 100, 100, 0, 132),
+        ("forward", 3, 1000, 1000, 0, 1),
+    ):
         f = tiles.frame(pass_, (6, 11), (6, 11), "both")
         sched = tiles.items(f, b, tq, tk, q_off, n_prog)
         seen = [(bb, t, c) for bb, t, c0, c1, _ in sched.items for c in range(c0, c1)]
@@ -216,10 +241,14 @@ def test_schedule_covers_every_tile_once_and_balances_the_programs():
         want = [(bb, t, c) for bb in range(b) for t in range(sched.n_rt) for c in range(per_row[t])]
         assert sorted(seen) == sorted(want) and len(seen) == len(set(seen))
         assert len({it[4] for it in sched.items}) == len(sched.items)
-        assert all(0 <= it[4] < b * sched.n_rt * sched.s_max and it[4] // sched.s_max == it[0] * sched.n_rt + it[1]
-                   for it in sched.items)  # a slot of its own row
+        assert all(
+            0 <= it[4] < b * sched.n_rt * sched.s_max and it[4] // sched.s_max == it[0] * sched.n_rt + it[1]
+            for it in sched.items
+        )  # a slot of its own row
         progs = sched.programs()
-        assert len(progs) == len(sched.starts) - 1 == min(n_prog, len(want)) and sum(map(len, progs)) == len(sched.items)
+        assert len(progs) == len(sched.starts) - 1 == min(n_prog, len(want)) and sum(map(len, progs)) == len(
+            sched.items
+        )
         loads = [sum(p) for p in progs]
         assert max(loads) - min(loads) <= 1 and min(loads) > 0
         # a run is consecutive tiles of the concatenation: the end of a row, whole rows, the start of one
@@ -285,23 +314,39 @@ def test_debug_experiment_with_mta_trains_as_torch(tmp_path):
     losses = {}
     for impl in ("torch", "triton"):
         run_dir = tmp_path / impl
-        train(compose([
-            "experiment=debug", "attention=mta", f"model.attn_impl={impl}", f"run_dir={run_dir}",
-            # validation: one window per domain, two domains (the interpreter's time grows with
-            # the windows: 4 windows a batch of 7 domains made validation most of this test's
-            # ~160 s; commoncrawl is where the training batches come from)
-            "data.seq_len=16", "data.batch_size=1", "trainer.eval_max_batches=1", "trainer.eval_batch_size=1",
-            *(f"data.sources.{d}=0" for d in ("arxiv", "book", "github", "stackexchange", "wikipedia")),
-            # two steps, no warmup (its first update has lr 0): step 2's loss is after one update
-            # of lr 1.5e-4, and validation after two
-            "trainer.steps=2", "optim.warmup=0", "optim.lr=1.5e-4",
-            "checkpoint.every=2", "checkpoint.export=false", "logging.every=1",
-            "logging.wandb_mode=disabled", "logging.progress_bar=false",
-        ]))
+        train(
+            compose(
+                [
+                    "experiment=debug",
+                    "attention=mta",
+                    f"model.attn_impl={impl}",
+                    f"run_dir={run_dir}",
+                    # validation: one window per domain, two domains (the interpreter's time grows with
+                    # the windows: 4 windows a batch of 7 domains made validation most of this test's
+                    # ~160 s; commoncrawl is where the training batches come from)
+                    "data.seq_len=16",
+                    "data.batch_size=1",
+                    "trainer.eval_max_batches=1",
+                    "trainer.eval_batch_size=1",
+                    *(f"data.sources.{d}=0" for d in ("arxiv", "book", "github", "stackexchange", "wikipedia")),
+                    # two steps, no warmup (its first update has lr 0): step 2's loss is after one update
+                    # of lr 1.5e-4, and validation after two
+                    "trainer.steps=2",
+                    "optim.warmup=0",
+                    "optim.lr=1.5e-4",
+                    "checkpoint.every=2",
+                    "checkpoint.export=false",
+                    "logging.every=1",
+                    "logging.wandb_mode=disabled",
+                    "logging.progress_bar=false",
+                ]
+            )
+        )
         rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
         assert rows[0]["step"] == 1 and rows[0]["lr"] > 0  # step 2 runs on updated weights
-        losses[impl] = {(r["step"], key): r[key] for r in rows for key in r
-                        if "loss" in key and isinstance(r[key], float)}
+        losses[impl] = {
+            (r["step"], key): r[key] for r in rows for key in r if "loss" in key and isinstance(r[key], float)
+        }
     assert set(losses["triton"]) == set(losses["torch"]) and any(key == "val_loss" for _, key in losses["torch"])
     assert {step for step, key in losses["torch"] if key == "loss"} == {1, 2}
     assert {key for _, key in losses["torch"]} >= {"val_loss/c4", "val_loss/commoncrawl"}
@@ -318,8 +363,9 @@ def test_memory_preflight_stand_in_saves_what_the_kernel_saves(monkeypatch):
 
     h, t, d = 4, 20, 8
     p = params(h, None, (3, 3))
-    weights = {getattr(p, f).untyped_storage()._cdata for f in attention_ops._WEIGHT_FIELDS
-               if getattr(p, f) is not None}
+    weights = {
+        getattr(p, f).untyped_storage()._cdata for f in attention_ops._WEIGHT_FIELDS if getattr(p, f) is not None
+    }
     q, k, v = (x.float().requires_grad_() for x in qkv(2, h, t, t, d))
     real = memory._saved_bytes(lambda: TRITON.fn(q, k, v, p, attention_ops.AttnMask()), weights)
     qm, km, vm = (torch.zeros(2, h, t, d, device="meta", requires_grad=True) for _ in range(3))
@@ -365,6 +411,7 @@ def test_the_workspace_the_preflight_counts_is_what_the_backward_launch_holds(mo
                             seen[a.untyped_storage()._cdata] = a.untyped_storage().nbytes()
                 pending.clear()
                 return real_kernel[grid](*args, **kw)
+
             return launch
 
     monkeypatch.setattr(launch, "descriptor", descriptor)
@@ -376,8 +423,20 @@ def test_the_workspace_the_preflight_counts_is_what_the_backward_launch_holds(mo
     out.backward(grad)
     held = sum(n for key, n in seen.items() if key not in callers and key not in placeholders)
     mix_on = (p.wpsm is not None, post_mix_matrix(p) is not None)
-    want = tiles.backward_workspace_bytes(b=b, h=h, d=d, seq_len=t, pre=pre, post=post, mix=mix_on,
-                                          pad_key=p.pad_key, dtype=torch.float32, n_prog=3, gpu=False, tuning=tn)
+    want = tiles.backward_workspace_bytes(
+        b=b,
+        h=h,
+        d=d,
+        seq_len=t,
+        pre=pre,
+        post=post,
+        mix=mix_on,
+        pad_key=p.pad_key,
+        dtype=torch.float32,
+        n_prog=3,
+        gpu=False,
+        tuning=tn,
+    )
     assert len(lse) == 1 and held == want
 
 
@@ -388,14 +447,16 @@ def test_bfloat16_is_as_accurate_as_the_reference_in_bfloat16():
     p = params(h, (2, 3), (3, 3), group=2)
     q, k, v = qkv(2, h, 20, 20, 8)
     want, want_g = grads_of("torch", q, k, v, p, attention_ops.AttnMask())
-    p32 = dataclasses.replace(p, **{f: getattr(p, f).float() for f in attention_ops._WEIGHT_FIELDS
-                                    if getattr(p, f) is not None})
+    p32 = dataclasses.replace(
+        p, **{f: getattr(p, f).float() for f in attention_ops._WEIGHT_FIELDS if getattr(p, f) is not None}
+    )
     errors = {}
     for impl in ("torch", "triton"):
         out, g = grads_of(impl, *(x.bfloat16() for x in (q, k, v)), p32, attention_ops.AttnMask())
         assert out.dtype == torch.bfloat16
         errors[impl] = [(out.double() - want).abs().max().item()] + [
-            ((g[n].double() - want_g[n]).abs().max() / want_g[n].abs().max()).item() for n in "qkv"]
+            ((g[n].double() - want_g[n]).abs().max() / want_g[n].abs().max()).item() for n in "qkv"
+        ]
     for got, ref in zip(errors["triton"], errors["torch"]):
         assert got <= 2 * ref + 1e-3, errors
 
@@ -412,6 +473,7 @@ def test_every_pass_launches_with_the_reported_configuration(monkeypatch):
         def __getitem__(self, grid):
             def launch(*args, **kw):
                 seen.append((tiles.FUSED_PASSES[kw["MODE"]], kw["num_warps"], kw["num_stages"]))
+
             return launch
 
     monkeypatch.setattr(fused, "_mta_kernel", Recorder())

@@ -28,7 +28,10 @@ from mta_repro.kernels.tuning import KernelTuning
 from mta_repro.model import attention_ops
 from tests.experimental.test_attn_triton import params, qkv
 
-pytestmark = [pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton not installed"), pytest.mark.triton]
+pytestmark = [
+    pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton not installed"),
+    pytest.mark.triton,
+]
 
 
 def grads_of(impl, q, k, v, p, mask, training=False, seed=None):
@@ -84,13 +87,22 @@ POISON_CASES = {
 def _case(case):
     frame, slab, progs, h, pre, post, mix, wpsm, pad_key, b, tq, tk, q_off, pad, drop = POISON_CASES[case]
     tn = KernelTuning(triton_frame=frame, triton_slab_rows=slab, triton_programs=progs)
-    p = params(h, pre, post, mix=mix, wpsm=wpsm, pad_key=pad_key, group=2 if mix == "head_kernel" else None,
-               dropout=drop, tuning=tn)
+    p = params(
+        h,
+        pre,
+        post,
+        mix=mix,
+        wpsm=wpsm,
+        pad_key=pad_key,
+        group=2 if mix == "head_kernel" else None,
+        dropout=drop,
+        tuning=tn,
+    )
     q, k, v = qkv(b, h, tq, tk, 3)
     key_valid = None
     if pad:
         key_valid = torch.ones(b, tk, dtype=torch.bool)
-        key_valid[-1, :tk // 2] = False  # left padding whose edge falls inside a frame
+        key_valid[-1, : tk // 2] = False  # left padding whose edge falls inside a frame
     return q, k, v, p, attention_ops.AttnMask(q_off, key_valid), drop > 0
 
 
@@ -112,8 +124,22 @@ def test_nan_poisoned_buffers_change_no_bit(monkeypatch, case):
     for pass_ in tiles.passes(pre):
         f = tiles.frame(pass_, pre, post, p.pad_key, p.tuning)
         sched = tiles.items(f, q.shape[0], q.shape[2], k.shape[2], mask.q_offset, 2)
-        want_names |= set(tiles.pass_buffers(pass_, f, sched, 2, b=q.shape[0], h=q.shape[1], hp=4, tk=k.shape[2],
-                                             dpad=16, pre=pre, post=post, dtype=q.dtype)) - {"tiles"}
+        want_names |= set(
+            tiles.pass_buffers(
+                pass_,
+                f,
+                sched,
+                2,
+                b=q.shape[0],
+                h=q.shape[1],
+                hp=4,
+                tk=k.shape[2],
+                dpad=16,
+                pre=pre,
+                post=post,
+                dtype=q.dtype,
+            )
+        ) - {"tiles"}
     assert want_names <= set(seen), want_names - set(seen)
     assert torch.isfinite(got).all()
     _bitwise(got, clean, "out")
@@ -236,15 +262,18 @@ def _record_descriptor_coordinates(monkeypatch) -> list:
         def call(self, *args):
             seen.append((kind, tuple(args[0].block_shape), tuple(int(x.data.reshape(-1)[0]) for x in args[at])))
             return real(self, *args)
+
         return call
 
     for kind, at in (("load", 1), ("store", 2), ("reduce", 3)):
         name = f"create_descriptor_{kind}"
         real = getattr(builder, name)
         if kind == "reduce":  # (self, kind, desc, value, indices)
+
             def call(self, rkind, desc, value, indices, _real=real):
                 seen.append(("reduce", tuple(desc.block_shape), tuple(int(x.data.reshape(-1)[0]) for x in indices)))
                 return _real(self, rkind, desc, value, indices)
+
             monkeypatch.setattr(builder, name, call)
         else:
             monkeypatch.setattr(builder, name, wrap(kind, real, at))
@@ -268,16 +297,19 @@ def test_no_descriptor_copy_has_a_negative_coordinate(monkeypatch, dtype):
         mask = attention_ops.AttnMask()
         if dtype == torch.float32:
             q, k, v = q.float(), k.float(), v.float()
-            p = dataclasses.replace(p, **{f: getattr(p, f).float() for f in attention_ops._WEIGHT_FIELDS
-                                          if getattr(p, f) is not None})
-        want, want_g = grads_of("torch", q.double(), k.double(), v.double(), params(h, pre, post, pad_key=pad_key),
-                                mask)
+            p = dataclasses.replace(
+                p, **{f: getattr(p, f).float() for f in attention_ops._WEIGHT_FIELDS if getattr(p, f) is not None}
+            )
+        want, want_g = grads_of(
+            "torch", q.double(), k.double(), v.double(), params(h, pre, post, pad_key=pad_key), mask
+        )
         seen = _record_descriptor_coordinates(monkeypatch)
         got, got_g = grads_of("triton", q, k, v, p, mask)
         monkeypatch.undo()
         kinds = {kind for kind, _, _ in seen}
         assert kinds == ({"load"} if dtype == torch.float64 else {"load", "reduce"}) | (
-            {"store"} if dtype == torch.float64 else set()), kinds
+            {"store"} if dtype == torch.float64 else set()
+        ), kinds
         neg = [s for s in seen if min(s[2]) < 0]
         assert not neg, (len(neg), neg[:3])
         # the margin is what the halos reach: the least row coordinate read is exactly 0
@@ -285,8 +317,9 @@ def test_no_descriptor_copy_has_a_negative_coordinate(monkeypatch, dtype):
         tol = dict(rtol=1e-10, atol=1e-12) if dtype == torch.float64 else dict(rtol=1e-4, atol=1e-4)
         torch.testing.assert_close(got.double(), want, **tol)
         for name, g in want_g.items():
-            torch.testing.assert_close(got_g[name].double(), g, **dict(tol, atol=tol["atol"] * (1 + g.abs().max().item())),
-                                       msg=name)
+            torch.testing.assert_close(
+                got_g[name].double(), g, **dict(tol, atol=tol["atol"] * (1 + g.abs().max().item())), msg=name
+            )
 
 
 def test_only_dk_and_dv_take_adds_from_several_programs(monkeypatch):
@@ -312,16 +345,18 @@ def test_only_dk_and_dv_take_adds_from_several_programs(monkeypatch):
     real_reduce = interpreter.InterpreterBuilder.create_descriptor_reduce
 
     def reduce(self, kind, desc, value, indices):
-        adds.append((int(desc.base.data.reshape(-1)[0]), tuple(int(x.data.reshape(-1)[0]) for x in indices),
-                     self.grid_idx[0]))
+        adds.append(
+            (int(desc.base.data.reshape(-1)[0]), tuple(int(x.data.reshape(-1)[0]) for x in indices), self.grid_idx[0])
+        )
         return real_reduce(self, kind, desc, value, indices)
 
     monkeypatch.setattr(launch, "empty", empty)
     monkeypatch.setattr(interpreter.InterpreterBuilder, "create_descriptor_reduce", reduce)
     h = 4
     p = params(h, (2, 3), (3, 3), group=2, tuning=KernelTuning(triton_frame="16x16", triton_programs=3))
-    p = dataclasses.replace(p, **{f: getattr(p, f).float() for f in attention_ops._WEIGHT_FIELDS
-                                  if getattr(p, f) is not None})
+    p = dataclasses.replace(
+        p, **{f: getattr(p, f).float() for f in attention_ops._WEIGHT_FIELDS if getattr(p, f) is not None}
+    )
     q, k, v = (x.float() for x in qkv(2, h, 25, 25, 3))
     grads_of("triton", q, k, v, p, attention_ops.AttnMask())
     name_of = {x.data_ptr(): name for name in ("po", "pdq", "dk", "dv") for x in bufs.get(name, ())}

@@ -69,7 +69,6 @@ def test_ttgir_counts_are_loop_weighted_and_split_by_unit():
         roofline.count_ttgir(TTGIR.replace("%c4_i32 step", "%m step"))
 
 
-
 def test_a_kernel_with_one_runtime_loop_counts_its_body_per_key_block():
     """The kernels walk their program's tiles in one loop (tiles.TileSchedule.tiles): that
     loop's body is the per-key-block work (level 2, what the schedule multiplies by tiles and
@@ -82,7 +81,6 @@ def test_a_kernel_with_one_runtime_loop_counts_its_body_per_key_block():
     assert frame["global_bytes"] == 16 * 32 * 2 + 4 * 64 * 16 * 4 + 2 * 8 * 4  # the item's load is now per tile
     assert frame["mma_macs"] == 4 * 64 * 32 * 16
     assert sum(r["global_bytes"] for r in c.by_line.values()) == frame["global_bytes"]
-
 
 
 def test_per_key_block_work_is_attributed_to_its_source_lines():
@@ -109,6 +107,7 @@ def test_per_key_block_work_is_attributed_to_its_source_lines():
     ranked = roofline.line_cycles(c, gpu)
     assert ranked[0][0] == (153,)  # 131072 MACs at mma.sync's rate outweigh the rest
     assert ranked[0][1]["tensor"] == pytest.approx(4 * 64 * 32 * 16 / (gpu.wgmma_bf16 * gpu.mma_sync_fraction))
+
 
 # The Hopper forms the shipped kernel compiles to (lines as the compiler prints them, loc
 # dropped), inside one constant loop of 2: a TMA box copy, a warpgroup dot reading both
@@ -153,8 +152,9 @@ def test_hopper_forms_are_counted_on_their_units():
     assert prog["wgmma_macs"] == 2 * 128 * 32 * 64
     # shared: the dot's two operands, the conversion's and the gather's store + load, the
     # register tensor stored, the reduction's box read by the TMA unit
-    assert prog["shared_bytes"] == 2 * ((128 * 32 + 32 * 64) * 2 + 2 * 128 * 64 * 4 + 2 * 16 * 64 * 4
-                                        + 128 * 64 * 4 + 128 * 32 * 4)
+    assert prog["shared_bytes"] == 2 * (
+        (128 * 32 + 32 * 64) * 2 + 2 * 128 * 64 * 4 + 2 * 16 * 64 * 4 + 128 * 64 * 4 + 128 * 32 * 4
+    )
     # waiting for the reduction to be read: a shared-memory wait, each trip; for it to complete: a
     # round trip to global memory, once
     assert prog["barriers_shared"] == 2 and prog["barriers_global"] == 1
@@ -164,9 +164,19 @@ def test_hopper_forms_are_counted_on_their_units():
 
 
 def test_estimate_arithmetic_on_a_hand_case():
-    gpu = roofline.GPU(sms=2, clock_hz=1e9, wgmma_bf16=300.0, mma_sync_fraction=0.5, fma_fp32=10.0, sfu=1.0,
-                       lsu_bytes=100.0, hbm_bytes_s=1e9, barrier_global_cycles=7.0, barrier_shared_cycles=3.0,
-                       launch_s=1e-6)
+    gpu = roofline.GPU(
+        sms=2,
+        clock_hz=1e9,
+        wgmma_bf16=300.0,
+        mma_sync_fraction=0.5,
+        fma_fp32=10.0,
+        sfu=1.0,
+        lsu_bytes=100.0,
+        hbm_bytes_s=1e9,
+        barrier_global_cycles=7.0,
+        barrier_shared_cycles=3.0,
+        launch_s=1e-6,
+    )
     c = roofline.Counts()
     c.levels[1]["global_bytes"] = 1000.0  # per item: 10 cycles of LSU
     c.levels[2]["mma_macs"] = 3000.0  # per frame: 3000 / 150 = 20 cycles
@@ -202,12 +212,26 @@ def test_the_free_l1_is_what_the_shared_memory_carveout_leaves():
 def _scratch_case(per_program: float, n_prog: int = 4, smem: int = 100 * 1024, traffic: float = 1e6):
     """A pass whose only work is its scratch: ``traffic`` compulsory bytes over ``n_prog``
     programs of one tile each, ``per_program`` bytes resident in each, one program per SM."""
-    gpu = roofline.GPU(sms=4, clock_hz=1e9, lsu_bytes=100.0, l2_bytes_s=4 * 1e9 * 10.0, hbm_bytes_s=1e9,
-                       l2_bytes=1000.0 * 1024, launch_s=0.0)
+    gpu = roofline.GPU(
+        sms=4,
+        clock_hz=1e9,
+        lsu_bytes=100.0,
+        l2_bytes_s=4 * 1e9 * 10.0,
+        hbm_bytes_s=1e9,
+        l2_bytes=1000.0 * 1024,
+        launch_s=0.0,
+    )
     c = roofline.Counts()
     c.levels[2]["global_bytes"] = c.levels[2]["scratch_bytes"] = traffic / n_prog
-    s = roofline.PassProfile([[1]] * n_prog, hbm_bytes=0.0, num_warps=4, registers=255, smem_bytes=smem,
-                          scratch_resident=n_prog * per_program, scratch_traffic=traffic)
+    s = roofline.PassProfile(
+        [[1]] * n_prog,
+        hbm_bytes=0.0,
+        num_warps=4,
+        registers=255,
+        smem_bytes=smem,
+        scratch_resident=n_prog * per_program,
+        scratch_traffic=traffic,
+    )
     return gpu, c, s
 
 
@@ -337,20 +361,42 @@ def test_report_has_one_record_per_layer_pass_and_T(tmp_path, monkeypatch, capsy
     minutes on a small CPU)."""
     ct = _compile_script()
     nw, ns = tiles.launch_config("stats", None, None)
-    fake = {"num_warps": nw, "num_stages": ns, "smem_bytes": 1024, "registers": 128, "spill_bytes": 0,
-            "levels": [dict.fromkeys(roofline.RESOURCES, 0.0) for _ in range(3)],
-            "static": dict.fromkeys(roofline.RESOURCES, 0.0),
-            "ptx": {"ld_global": 3, "cp_async": 1, "bar_sync": 2}}
+    fake = {
+        "num_warps": nw,
+        "num_stages": ns,
+        "smem_bytes": 1024,
+        "registers": 128,
+        "spill_bytes": 0,
+        "levels": [dict.fromkeys(roofline.RESOURCES, 0.0) for _ in range(3)],
+        "static": dict.fromkeys(roofline.RESOURCES, 0.0),
+        "ptx": {"ld_global": 3, "cp_async": 1, "bar_sync": 2},
+    }
     fake["levels"][2].update(mma_macs=9e6, fma_macs=1e6)
-    line = 1 + next(i for i, t in enumerate((ROOT / "mta_repro/experimental/fused_triton/fused.py").read_text()
-                                            .splitlines()) if t.startswith("def _mta_kernel("))
+    line = 1 + next(
+        i
+        for i, t in enumerate((ROOT / "mta_repro/experimental/fused_triton/fused.py").read_text().splitlines())
+        if t.startswith("def _mta_kernel(")
+    )
     fake["by_line"] = {(line, 7): dict(fake["levels"][2])}  # all of it on one line, called from line 7
     monkeypatch.setattr(ct, "compiled_pass", lambda *a, **k: fake)
     # main() clears TRITON_INTERPRET for its compiles: restored after this test for the rest of the run
     monkeypatch.setenv("TRITON_INTERPRET", os.environ.get("TRITON_INTERPRET", "0"))
     out = tmp_path / "r.json"
-    monkeypatch.setattr(sys, "argv", ["compile_report.py", "--json", str(out), "--cache", str(tmp_path),
-                                      "--by-line", "3", "--layers", "kq_conv,mixing"])
+    monkeypatch.setattr(
+        sys,
+        "argv",
+        [
+            "compile_report.py",
+            "--json",
+            str(out),
+            "--cache",
+            str(tmp_path),
+            "--by-line",
+            "3",
+            "--layers",
+            "kq_conv,mixing",
+        ],
+    )
     ct.main()
     printed = capsys.readouterr().out
     recs = json.loads(out.read_text())["records"]
@@ -358,14 +404,35 @@ def test_report_has_one_record_per_layer_pass_and_T(tmp_path, monkeypatch, capsy
     rate = roofline._rate(roofline.H200)
     want = f"| {line} | {9e6 / rate['mma_macs']:.0f} | {1e6 / rate['fma_macs']:.0f} | 0 | 0 | `def _mta_kernel(` | 7 |"
     assert printed.count(want) == len(tiles.FUSED_PASSES), printed[-2000:]  # the mixing layer's (fused.py)
-    keys = {"layer", "pass", "T", "num_warps", "num_stages", "registers", "spill_bytes", "smem_bytes", "mma_macs",
-            "fma_macs", "global_loads", "barriers", "est_ms", "fa2_est_ms", "est_l2_ms", "fa2_est_l2_ms",
-            "fa2_published_ms", "io_bytes", "scratch_bytes", "scratch_l1_bytes", "scratch_l2_bytes",
-            "scratch_hbm_bytes"}
+    keys = {
+        "layer",
+        "pass",
+        "T",
+        "num_warps",
+        "num_stages",
+        "registers",
+        "spill_bytes",
+        "smem_bytes",
+        "mma_macs",
+        "fma_macs",
+        "global_loads",
+        "barriers",
+        "est_ms",
+        "fa2_est_ms",
+        "est_l2_ms",
+        "fa2_est_l2_ms",
+        "fa2_published_ms",
+        "io_bytes",
+        "scratch_bytes",
+        "scratch_l1_bytes",
+        "scratch_l2_bytes",
+        "scratch_hbm_bytes",
+    }
     mta = [r for r in recs if r["layer"] != "sdpa"]
     assert sorted((r["layer"], r["pass"], r["T"]) for r in mta) == sorted(
         [("kq_conv", p, T) for p in tiles.STORED_PASSES for T in (2048, 4096)]
-        + [("mixing", p, T) for p in tiles.FUSED_PASSES for T in (2048, 4096)])
+        + [("mixing", p, T) for p in tiles.FUSED_PASSES for T in (2048, 4096)]
+    )
     for r in recs:
         assert keys <= set(r) and r["estimate"] is True
     for r in mta:
@@ -375,17 +442,20 @@ def test_report_has_one_record_per_layer_pass_and_T(tmp_path, monkeypatch, capsy
     # the split accounts for every scratch byte; fa2_published_ms, the published rate's time
     for r in mta:
         assert r["scratch_l1_bytes"] + r["scratch_l2_bytes"] + r["scratch_hbm_bytes"] == pytest.approx(
-            r["scratch_bytes"])
+            r["scratch_bytes"]
+        )
     for T in (2048, 4096):
         assert {r["fa2_published_ms"] for r in recs if r["T"] == T} == {
-            round(roofline.fa2_published_ms(4, 16, T, 96)["total"], 4)}
+            round(roofline.fa2_published_ms(4, 16, T, 96)["total"], 4)
+        }
     assert "The 880M step" in printed and "baseline with FA2 published" in printed
     # fa2_est_ms: the same value on every record of a T, the sum of the sdpa records
     for T in (2048, 4096):
         fa2 = {r["fa2_est_ms"] for r in recs if r["T"] == T}
         assert len(fa2) == 1
-        assert fa2.pop() == pytest.approx(sum(r["est_ms"] for r in recs if r["T"] == T and r["layer"] == "sdpa"),
-                                          abs=1e-3)
+        assert fa2.pop() == pytest.approx(
+            sum(r["est_ms"] for r in recs if r["T"] == T and r["layer"] == "sdpa"), abs=1e-3
+        )
 
 
 KERNEL = textwrap.dedent("""\
@@ -456,13 +526,31 @@ def test_the_shipped_kernel_compiles_for_an_h200_within_its_limits(tmp_path):
     prefetches before the loop come after the barrier that ends the phase writing it."""
     out = tmp_path / "r.json"
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    p = subprocess.run([sys.executable, "-m", "mta_repro.experimental.fused_triton.compile_report", "--seqs", "2048",
-                        "--json", str(out), "--layers", "kq_conv,mixing", "--cache", str(tmp_path / "cache")],
-                       cwd=ROOT, capture_output=True, text=True, env=env, timeout=1500)
+    p = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "mta_repro.experimental.fused_triton.compile_report",
+            "--seqs",
+            "2048",
+            "--json",
+            str(out),
+            "--layers",
+            "kq_conv,mixing",
+            "--cache",
+            str(tmp_path / "cache"),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=1500,
+    )
     assert p.returncode == 0, p.stderr[-3000:]
     recs = [r for r in json.loads(out.read_text())["records"] if r["layer"] != "sdpa"]
     assert sorted((r["layer"], r["pass"]) for r in recs) == sorted(
-        [("kq_conv", name) for name in tiles.STORED_PASSES] + [("mixing", name) for name in tiles.FUSED_PASSES])
+        [("kq_conv", name) for name in tiles.STORED_PASSES] + [("mixing", name) for name in tiles.FUSED_PASSES]
+    )
     for r in recs:
         pre_post = ((6, 11), (6, 11)) if r["layer"] == "kq_conv" else (None, None)
         assert (r["num_warps"], r["num_stages"]) == tiles.launch_config(r["pass"], *pre_post), r
@@ -502,9 +590,11 @@ def test_a_register_tensor_stored_to_shared_memory_and_read_by_wgmma_needs_a_fen
     """ttg.local_alloc of a register tensor (st.shared: the generic proxy) read by a wgmma (the
     async proxy) is unfenced without a ttng.fence_async_shared between them, fenced with one;
     the TMA-written operand needs none."""
-    dot = ("%d = ttng.warp_group_dot %a, %b0, %c {inputPrecision = 0 : i32, isAsync = true} : "
-           "!ttg.memdesc<128x64xbf16, #shared1, #smem> * !ttg.memdesc<64x32xbf16, #shared, #smem, mutable> -> "
-           "tensor<128x32xf32, #mma> loc(#loc2)\n")
+    dot = (
+        "%d = ttng.warp_group_dot %a, %b0, %c {inputPrecision = 0 : i32, isAsync = true} : "
+        "!ttg.memdesc<128x64xbf16, #shared1, #smem> * !ttg.memdesc<64x32xbf16, #shared, #smem, mutable> -> "
+        "tensor<128x32xf32, #mma> loc(#loc2)\n"
+    )
     alloc = "%a = ttg.local_alloc %x : (tensor<128x64xbf16, #blocked>) -> !ttg.memdesc<128x64xbf16, #shared1, #smem> loc(#loc2)\n"
     bad = _hz(alloc + dot)
     assert bad.async_reads == 2 and bad.fenced_generic_reads == 0 and [n for n, _ in bad.unfenced] == [6]

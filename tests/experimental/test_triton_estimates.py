@@ -9,16 +9,28 @@ import dataclasses
 import pytest
 import torch
 
-from mta_repro.model import flops
-from mta_repro.train import memory
 from mta_repro.experimental.fused_triton import tiles
-from mta_repro.model import MTAArgs, ModelArgs, attention_ops, build_model
+from mta_repro.model import ModelArgs, MTAArgs, attention_ops, build_model, flops
+from mta_repro.train import memory
 
-MTA = MTAArgs(use_mta=True, query_kernel_size=6, key_kernel_size=11, after_sm_query_kernel_size=6,
-              after_sm_key_kernel_size=11, pre_sm_linear_head=True, head_kernel_size=16, mta_layers="1")
+MTA = MTAArgs(
+    use_mta=True,
+    query_kernel_size=6,
+    key_kernel_size=11,
+    after_sm_query_kernel_size=6,
+    after_sm_key_kernel_size=11,
+    pre_sm_linear_head=True,
+    head_kernel_size=16,
+    mta_layers="1",
+)
 ARGS = ModelArgs(dim=1536, n_layers=2, n_heads=16, vocab_size=8192, mta=MTA)
-SMALL = dict(dim=32, n_layers=2, n_heads=2, vocab_size=50, mta=dict(use_mta=True, query_kernel_size=2,
-                                                                     key_kernel_size=3, mta_layers="1"))
+SMALL = dict(
+    dim=32,
+    n_layers=2,
+    n_heads=2,
+    vocab_size=50,
+    mta=dict(use_mta=True, query_kernel_size=2, key_kernel_size=3, mta_layers="1"),
+)
 
 
 @pytest.mark.parametrize("T", [40, 2048])
@@ -51,8 +63,13 @@ def test_the_flop_count_follows_the_models_frame():
     """The triton path's FLOPs are what its frames compute (halo cells, causal skipping per
     frame, Toeplitz products as wide as the frame): the default frame set explicitly counts
     the same, another frame counts otherwise."""
-    args = dict(SMALL, n_heads=4, dim=64, attn_impl="triton",
-                mta=dict(use_mta=True, query_kernel_size=6, key_kernel_size=11, pre_sm_linear_head=True))
+    args = dict(
+        SMALL,
+        n_heads=4,
+        dim=64,
+        attn_impl="triton",
+        mta=dict(use_mta=True, query_kernel_size=6, key_kernel_size=11, pre_sm_linear_head=True),
+    )
 
     def count(kind, **kernels):
         return attention_ops.attn_impl("triton").flops(ModelArgs(**args, kernels=kernels), 2048, kind)
@@ -68,8 +85,9 @@ def test_a_kq_conv_layer_with_training_dropout_counts_as_blocked():
     T = 512
     drop = dataclasses.replace(ARGS, attn_impl="triton", dropout=0.1)
     assert attention_ops.attn_impl("triton").flops(drop, T, "kq_conv") is None
-    assert flops._per_layer(drop, T, "kq_conv") == flops._per_layer(dataclasses.replace(drop, attn_impl="blocked"), T,
-                                                                     "kq_conv")
+    assert flops._per_layer(drop, T, "kq_conv") == flops._per_layer(
+        dataclasses.replace(drop, attn_impl="blocked"), T, "kq_conv"
+    )
     assert flops._per_layer(drop, T, "mixing") == flops._per_layer(dataclasses.replace(drop, dropout=0.0), T, "mixing")
 
 
@@ -79,8 +97,12 @@ def test_the_memory_preflight_asks_the_implementation_for_its_workspace():
     dropout) or for an implementation that declares none."""
     args = dict(SMALL, attn_impl="triton")
     ws = {}
-    for name, extra in (("default", {}), ("frame", {"kernels": {"triton_frame": "64x64"}}),
-                        ("programs", {"kernels": {"triton_programs": 1}}), ("dropout", {"dropout": 0.1})):
+    for name, extra in (
+        ("default", {}),
+        ("frame", {"kernels": {"triton_frame": "64x64"}}),
+        ("programs", {"kernels": {"triton_programs": 1}}),
+        ("dropout", {"dropout": 0.1}),
+    ):
         model = build_model(ModelArgs(**args, **extra), device="meta")
         ws[name] = memory.backward_workspace(model.layers[1].attention, 2, 256)
     assert ws["frame"] != ws["default"] and 0 < ws["programs"] < ws["default"] and ws["dropout"] == 0
@@ -100,9 +122,12 @@ def test_the_memory_preflight_of_a_triton_model_counts_the_stored_c_plane():
         return memory._step_on_meta(model, b, t, 1, "cuda", torch.float32, False, False, {})["saved"]
 
     pre = SMALL["mta"]
-    post = dict(pre, query_kernel_size=None, key_kernel_size=None, after_sm_query_kernel_size=2,
-                after_sm_key_kernel_size=3)
+    post = dict(
+        pre, query_kernel_size=None, key_kernel_size=None, after_sm_query_kernel_size=2, after_sm_key_kernel_size=3
+    )
     assert saved(pre) - saved(post) == b * SMALL["n_heads"] * t * (t + 1) // 2 * 4
     blocked = build_model(ModelArgs(**{**SMALL, "dropout": 0.1}), device="meta").train()
-    assert saved(pre, dropout=0.1) == memory._step_on_meta(blocked, b, t, 1, "cuda", torch.float32, False, False,
-                                                           {})["saved"]
+    assert (
+        saved(pre, dropout=0.1)
+        == memory._step_on_meta(blocked, b, t, 1, "cuda", torch.float32, False, False, {})["saved"]
+    )

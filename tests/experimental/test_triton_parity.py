@@ -7,11 +7,13 @@ semantics, not speed."""
 import importlib.util
 
 import pytest
-
 import test_attn_impls as core
 import test_gqa as gqa
 
-pytestmark = [pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton not installed"), pytest.mark.triton]
+pytestmark = [
+    pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton not installed"),
+    pytest.mark.triton,
+]
 
 
 @pytest.mark.parametrize("pad_key, pre, post, mix, wpsm", core.OPTIONS)

@@ -37,18 +37,28 @@ from __future__ import annotations
 
 # Triton's DSL is not typable: tl.range loops, constexpr arguments and kernel[grid](..., num_warps=...) launches
 # pyright: reportGeneralTypeIssues=false, reportArgumentType=false, reportCallIssue=false
-
-from typing import Optional
-
 import torch
-
 import triton
 import triton.language as tl
 
 from mta_repro.experimental.fused_triton import launch, tiles
 from mta_repro.experimental.fused_triton.jit_helpers import (
-    accumulate, add_row_sums, allowed_cells, conv_and_weight_grad, grad_pair, load_slab, load_tile, mix,
-    mix_weight_grad, mix_weights, qk_scores, row_stat, slab_cells, store_slab, to_scratch, toeplitz_conv,
+    accumulate,
+    add_row_sums,
+    allowed_cells,
+    conv_and_weight_grad,
+    grad_pair,
+    load_slab,
+    load_tile,
+    mix,
+    mix_weight_grad,
+    mix_weights,
+    qk_scores,
+    row_stat,
+    slab_cells,
+    store_slab,
+    to_scratch,
+    toeplitz_conv,
 )
 from mta_repro.kernels.interface import AttnMask, ExplicitAttnParams, post_mix_matrix
 
@@ -56,8 +66,20 @@ _STATS, _FWD, _ROWSUM, _BWD = (tl.constexpr(i) for i in range(4))
 
 
 @triton.jit
-def _logits(scr_c, cu, cw, hh, w1t, H: tl.constexpr, ER: tl.constexpr, EC: tl.constexpr, HAS_W1: tl.constexpr,
-            MMA: tl.constexpr, PREC: tl.constexpr, ACC: tl.constexpr):
+def _logits(
+    scr_c,
+    cu,
+    cw,
+    hh,
+    w1t,
+    H: tl.constexpr,
+    ER: tl.constexpr,
+    EC: tl.constexpr,
+    HAS_W1: tl.constexpr,
+    MMA: tl.constexpr,
+    PREC: tl.constexpr,
+    ACC: tl.constexpr,
+):
     """The logits z of a slab: its (cells, HP) scores C from the scratch slot (written by
     ``qk_scores`` in the first phase) and their pre-softmax head mixing. Returns (C, z). The
     one code path every pass computes z through: the statistics' row max and sum and the
@@ -90,22 +112,71 @@ def _drop(x, keep, p_drop, DROP: tl.constexpr):
 # a new B or T reuses the compiled kernel (H and d stay specialised: fixed per model).
 @triton.jit(do_not_specialize=["Tq", "Tk", "q_off", "seed"])
 def _mta_kernel(
-    qd, kd, vd, dod, kv_ptr,
-    w1t_ptr, w2t_ptr, tf2d, ta2d,
-    lse_ptr, dd_ptr, tiles_ptr, starts_ptr,
-    pm_ptr, pl_ptr, pod, pd_ptr, pdqd, dkd, dvd, pw1_ptr, pw2_ptr, pt2_ptr,
+    qd,
+    kd,
+    vd,
+    dod,
+    kv_ptr,
+    w1t_ptr,
+    w2t_ptr,
+    tf2d,
+    ta2d,
+    lse_ptr,
+    dd_ptr,
+    tiles_ptr,
+    starts_ptr,
+    pm_ptr,
+    pl_ptr,
+    pod,
+    pd_ptr,
+    pdqd,
+    dkd,
+    dvd,
+    pw1_ptr,
+    pw2_ptr,
+    pt2_ptr,
     scr_ptr,
-    Tq, Tk, q_off, scale, p_drop, seed,
-    MODE: tl.constexpr, H: tl.constexpr, HP: tl.constexpr, DPAD: tl.constexpr,
-    ER: tl.constexpr, EC: tl.constexpr, TOP: tl.constexpr, LEFT: tl.constexpr, BMO: tl.constexpr,
-    BNO: tl.constexpr, SR: tl.constexpr,
-    HAS_W1: tl.constexpr, HAS_K2: tl.constexpr, CQ2: tl.constexpr, CK2: tl.constexpr, CKP2: tl.constexpr,
+    Tq,
+    Tk,
+    q_off,
+    scale,
+    p_drop,
+    seed,
+    MODE: tl.constexpr,
+    H: tl.constexpr,
+    HP: tl.constexpr,
+    DPAD: tl.constexpr,
+    ER: tl.constexpr,
+    EC: tl.constexpr,
+    TOP: tl.constexpr,
+    LEFT: tl.constexpr,
+    BMO: tl.constexpr,
+    BNO: tl.constexpr,
+    SR: tl.constexpr,
+    HAS_W1: tl.constexpr,
+    HAS_K2: tl.constexpr,
+    CQ2: tl.constexpr,
+    CK2: tl.constexpr,
+    CKP2: tl.constexpr,
     PL2: tl.constexpr,
-    HAS_W2: tl.constexpr, HAS_KV: tl.constexpr, DROP: tl.constexpr,
-    MMA: tl.constexpr, ACC: tl.constexpr, PREC: tl.constexpr, RNE: tl.constexpr, GP: tl.constexpr,
-    NSLOT: tl.constexpr, MARGIN: tl.constexpr,
-    S_C: tl.constexpr, S_DA: tl.constexpr, S_P: tl.constexpr, S_DR: tl.constexpr,
-    S_DP: tl.constexpr, S_R: tl.constexpr, S_DC: tl.constexpr, S_A: tl.constexpr,
+    HAS_W2: tl.constexpr,
+    HAS_KV: tl.constexpr,
+    DROP: tl.constexpr,
+    MMA: tl.constexpr,
+    ACC: tl.constexpr,
+    PREC: tl.constexpr,
+    RNE: tl.constexpr,
+    GP: tl.constexpr,
+    NSLOT: tl.constexpr,
+    MARGIN: tl.constexpr,
+    S_C: tl.constexpr,
+    S_DA: tl.constexpr,
+    S_P: tl.constexpr,
+    S_DR: tl.constexpr,
+    S_DP: tl.constexpr,
+    S_R: tl.constexpr,
+    S_DC: tl.constexpr,
+    S_A: tl.constexpr,
 ):
     pid = tl.program_id(0)
     hh = tl.arange(0, HP)
@@ -118,7 +189,7 @@ def _mta_kernel(
     # every convolution reads the frame's own columns (``toeplitz_conv``): its margins must hold
     # the key taps of each cell whose result is used (``tiles.halo`` makes them so)
     RIGHT: tl.constexpr = EC - LEFT - BNO
-    if HAS_K2 and (MODE == _FWD or MODE == _BWD):
+    if HAS_K2 and (MODE in (_FWD, _BWD)):
         tl.static_assert((LEFT >= PL2) & (RIGHT >= R2), "the frame's margins must hold the post kernel's taps")
     if HAS_K2 and MODE == _ROWSUM:
         tl.static_assert((LEFT >= R2) & (RIGHT >= PL2), "the frame's margins must hold the post adjoint's taps")
@@ -152,20 +223,27 @@ def _mta_kernel(
             pc = scr + S_C * SLOT + h * PLANE + u[:, None] * EC + w[None, :]
             cst = qk_scores(qd, kd, bh, row0, col0, scale, ER, EC, GP, DPAD, MMA, ACC, PREC, MARGIN)
             tl.store(pc, to_scratch(cst, scr_ptr.dtype.element_ty, RNE))
-            if MODE == _ROWSUM or MODE == _BWD:
+            if MODE in (_ROWSUM, _BWD):
                 da = tl.zeros([ER, EC], ACC)
                 for e0 in tl.range(0, DPAD, GP):
-                    da = tl.dot(load_tile(dod, bh, row0, e0, ER, GP, MMA, MARGIN),
-                                tl.trans(load_tile(vd, bh, col0, e0, EC, GP, MMA, MARGIN)),
-                                da, input_precision=PREC, out_dtype=ACC)
-                tl.store(scr + S_DA * SLOT + h * PLANE + u[:, None] * EC + w[None, :],
-                         to_scratch(da, scr_ptr.dtype.element_ty, RNE))
+                    da = tl.dot(
+                        load_tile(dod, bh, row0, e0, ER, GP, MMA, MARGIN),
+                        tl.trans(load_tile(vd, bh, col0, e0, EC, GP, MMA, MARGIN)),
+                        da,
+                        input_precision=PREC,
+                        out_dtype=ACC,
+                    )
+                tl.store(
+                    scr + S_DA * SLOT + h * PLANE + u[:, None] * EC + w[None, :],
+                    to_scratch(da, scr_ptr.dtype.element_ty, RNE),
+                )
         tl.debug_barrier()
 
         # ---- M1: slabs of all heads: mixing, softmax, (no post conv: the rest of the chain)
         for r0 in tl.range(0, ER, SR, num_stages=1):
-            cu, cw, ci, cj, ok, own, i_rows = slab_cells(r0, row0, col0, b, kv_ptr, Tq, Tk, q_off, HAS_KV, ER, EC,
-                                                         TOP, LEFT, BMO, BNO, SR)
+            cu, cw, ci, cj, ok, own, i_rows = slab_cells(
+                r0, row0, col0, b, kv_ptr, Tq, Tk, q_off, HAS_KV, ER, EC, TOP, LEFT, BMO, BNO, SR
+            )
             xc, z = _logits(scr + S_C * SLOT, cu, cw, hh, w1t, H, ER, EC, HAS_W1, MMA, PREC, ACC)
             if MODE == _STATS:
                 zm = tl.where(ok[:, None], z, float("-inf"))
@@ -206,8 +284,9 @@ def _mta_kernel(
                     else:
                         dd = row_stat(dd_ptr, b, i_rows, hh, Tq, H, SR, EC)
                         dz = p * (dr - dd)
-                        store_slab(scr + S_DC * SLOT, cu, cw, hh, mix(dz.to(MMA), w1, HAS_W1, PREC, ACC),
-                                   H, ER, EC, RNE)
+                        store_slab(
+                            scr + S_DC * SLOT, cu, cw, hh, mix(dz.to(MMA), w1, HAS_W1, PREC, ACC), H, ER, EC, RNE
+                        )
                         a = _drop(mix(p.to(MMA), w2t, HAS_W2, PREC, ACC), keep, p_drop, DROP)
                         store_slab(scr + S_A * SLOT, cu, cw, hh, a, H, ER, EC, RNE)
                         dw1 = mix_weight_grad(dw1, dz, xc, own, HAS_W1, MMA, PREC, ACC)
@@ -220,25 +299,43 @@ def _mta_kernel(
                 pp = u[:, None] * EC + w[None, :]
                 ok = allowed_cells(i[:, None], j[None, :], b, kv_ptr, Tq, Tk, q_off, HAS_KV)
                 if MODE == _FWD:
-                    rr = toeplitz_conv(scr + S_P * SLOT + h * PLANE, tf2d, h * CQ2 * EC, CQ2, False, ER, EC, MMA, ACC,
-                                       PREC)
+                    rr = toeplitz_conv(
+                        scr + S_P * SLOT + h * PLANE, tf2d, h * CQ2 * EC, CQ2, False, ER, EC, MMA, ACC, PREC
+                    )
                 if MODE == _BWD:  # R and the post kernel's gradient read the same shifted P planes
                     g = tl.where(own_u[:, None] & own_w[None, :], tl.load(scr + S_DR * SLOT + h * PLANE + pp), 0.0)
-                    rr = conv_and_weight_grad(scr + S_P * SLOT + h * PLANE, tf2d, h * CQ2 * EC, g,
-                                              pt2_ptr + (pid.to(tl.int64) * HP + h) * (CQ2 * CK2), PL2, CQ2, CK2,
-                                              CKP2, ER, EC, MMA, ACC, PREC)
-                if MODE == _FWD or MODE == _BWD:
-                    tl.store(scr + S_R * SLOT + h * PLANE + pp,
-                             to_scratch(tl.where(ok, rr, 0.0), scr_ptr.dtype.element_ty, RNE))
-                if MODE == _ROWSUM or MODE == _BWD:
-                    dp = toeplitz_conv(scr + S_DR * SLOT + h * PLANE, ta2d, h * CQ2 * EC, CQ2, True, ER, EC, MMA, ACC,
-                                       PREC)
+                    rr = conv_and_weight_grad(
+                        scr + S_P * SLOT + h * PLANE,
+                        tf2d,
+                        h * CQ2 * EC,
+                        g,
+                        pt2_ptr + (pid.to(tl.int64) * HP + h) * (CQ2 * CK2),
+                        PL2,
+                        CQ2,
+                        CK2,
+                        CKP2,
+                        ER,
+                        EC,
+                        MMA,
+                        ACC,
+                        PREC,
+                    )
+                if MODE in (_FWD, _BWD):
+                    tl.store(
+                        scr + S_R * SLOT + h * PLANE + pp,
+                        to_scratch(tl.where(ok, rr, 0.0), scr_ptr.dtype.element_ty, RNE),
+                    )
+                if MODE in (_ROWSUM, _BWD):
+                    dp = toeplitz_conv(
+                        scr + S_DR * SLOT + h * PLANE, ta2d, h * CQ2 * EC, CQ2, True, ER, EC, MMA, ACC, PREC
+                    )
                     tl.store(scr + S_DP * SLOT + h * PLANE + pp, to_scratch(dp, scr_ptr.dtype.element_ty, RNE))
             tl.debug_barrier()
             # ---- M2: slabs again: the post-softmax mixing / the softmax backward
             for r0 in tl.range(0, ER, SR, num_stages=1):
-                cu, cw, ci, cj, ok, own, i_rows = slab_cells(r0, row0, col0, b, kv_ptr, Tq, Tk, q_off, HAS_KV, ER,
-                                                             EC, TOP, LEFT, BMO, BNO, SR)
+                cu, cw, ci, cj, ok, own, i_rows = slab_cells(
+                    r0, row0, col0, b, kv_ptr, Tq, Tk, q_off, HAS_KV, ER, EC, TOP, LEFT, BMO, BNO, SR
+                )
                 keep = _keep(seed, b, ci, cj, hh, Tq, Tk, p_drop, H, DROP)
                 if MODE == _FWD:
                     rr = load_slab(scr + S_R * SLOT, cu, cw, hh, H, ER, EC, MMA)
@@ -258,8 +355,9 @@ def _mta_kernel(
                     a = _drop(mix(rr, w2t, HAS_W2, PREC, ACC), keep, p_drop, DROP)
                     store_slab(scr + S_A * SLOT, cu, cw, hh, a, H, ER, EC, RNE)
                     da = _drop(load_slab(scr + S_DA * SLOT, cu, cw, hh, H, ER, EC, ACC), keep, p_drop, DROP)
-                    dw1 = mix_weight_grad(dw1, dz, load_slab(scr + S_C * SLOT, cu, cw, hh, H, ER, EC, MMA), own,
-                                          HAS_W1, MMA, PREC, ACC)
+                    dw1 = mix_weight_grad(
+                        dw1, dz, load_slab(scr + S_C * SLOT, cu, cw, hh, H, ER, EC, MMA), own, HAS_W1, MMA, PREC, ACC
+                    )
                     dw2 = mix_weight_grad(dw2, da, rr, own, HAS_W2, MMA, PREC, ACC)
 
         if MODE == _BWD:  # this tile's mixing gradients into the program's partials
@@ -268,7 +366,7 @@ def _mta_kernel(
                 tl.store(pw1_ptr + wptr, tl.load(pw1_ptr + wptr) + dw1)
             if HAS_W2:
                 tl.store(pw2_ptr + wptr, tl.load(pw2_ptr + wptr) + dw2)
-        if MODE == _FWD or MODE == _BWD:
+        if MODE in (_FWD, _BWD):
             tl.debug_barrier()
             # ---- H3: per-head products of the owned block: O; dq, dk, dv
             if MODE == _FWD:
@@ -277,8 +375,9 @@ def _mta_kernel(
                     a = tl.load(scr + S_A * SLOT + h * PLANE + u[:, None] * EC + w[None, :]).to(MMA)
                     a = tl.where(own_w[None, :], a, 0.0).to(MMA)  # (rows it does not own: never read)
                     for e0 in tl.static_range(0, DPAD, GP):
-                        oa = tl.dot(a, load_tile(vd, bh, col0, e0, EC, GP, MMA, MARGIN), input_precision=PREC,
-                                    out_dtype=ACC)
+                        oa = tl.dot(
+                            a, load_tile(vd, bh, col0, e0, EC, GP, MMA, MARGIN), input_precision=PREC, out_dtype=ACC
+                        )
                         accumulate(pod, (slot * H + h).to(tl.int32), 0, e0, oa, ER, GP, ACC)
             if MODE == _BWD:
                 # the backward's products, one kind per head loop, so that no two kinds' operands
@@ -286,29 +385,85 @@ def _mta_kernel(
                 # kernel), dv from A. The product loops hold no inner loop, so they pipeline
                 # (their TMA reductions overlap the next head; one completion wait per loop)
                 # the owned, allowed cells of the tile: where dS and A are nonzero
-                own2 = own_u[:, None] & own_w[None, :] & allowed_cells(i[:, None], j[None, :], b, kv_ptr, Tq, Tk, q_off,
-                                                                       HAS_KV)
+                own2 = (
+                    own_u[:, None]
+                    & own_w[None, :]
+                    & allowed_cells(i[:, None], j[None, :], b, kv_ptr, Tq, Tk, q_off, HAS_KV)
+                )
                 for h in tl.range(0, H, num_stages=2):
                     bh = b.to(tl.int64) * H + h
                     ds = tl.load(scr + S_DC * SLOT + h * PLANE + u[:, None] * EC + w[None, :]).to(ACC)
                     ds = tl.where(own2, ds * scale, 0.0).to(MMA)
                     for e0 in tl.static_range(0, DPAD, GP):
-                        grad_pair(ds, kd, qd, pdqd, dkd, bh, row0, col0, slot * H + h, e0, GP, ER, EC, True,
-                                  MMA, ACC, PREC, MARGIN)
+                        grad_pair(
+                            ds,
+                            kd,
+                            qd,
+                            pdqd,
+                            dkd,
+                            bh,
+                            row0,
+                            col0,
+                            slot * H + h,
+                            e0,
+                            GP,
+                            ER,
+                            EC,
+                            True,
+                            MMA,
+                            ACC,
+                            PREC,
+                            MARGIN,
+                        )
                 for h in tl.range(0, H, num_stages=2):
                     bh = b.to(tl.int64) * H + h
-                    ac = tl.where(own2, tl.load(scr + S_A * SLOT + h * PLANE + u[:, None] * EC + w[None, :]),
-                                  0.0).to(MMA)
+                    ac = tl.where(own2, tl.load(scr + S_A * SLOT + h * PLANE + u[:, None] * EC + w[None, :]), 0.0).to(
+                        MMA
+                    )
                     for e0 in tl.static_range(0, DPAD, GP):
-                        grad_pair(ac, dod, dod, pdqd, dvd, bh, row0, col0, 0, e0, GP, ER, EC, False,
-                                  MMA, ACC, PREC, MARGIN)
+                        grad_pair(
+                            ac, dod, dod, pdqd, dvd, bh, row0, col0, 0, e0, GP, ER, EC, False, MMA, ACC, PREC, MARGIN
+                        )
 
 
 # ----------------------------------------------------------------------------- host side
 # the constexprs of the fused kernel (launch.constexprs has both kernels')
-_CONSTEXPRS = ("H", "HP", "DPAD", "ER", "EC", "TOP", "LEFT", "BMO", "BNO", "SR", "HAS_W1", "HAS_K2", "CQ2", "CK2",
-               "CKP2", "PL2", "HAS_W2", "HAS_KV", "DROP", "MMA", "ACC", "PREC", "RNE", "GP", "NSLOT", "MARGIN",
-               "S_C", "S_DA", "S_P", "S_DR", "S_DP", "S_R", "S_DC", "S_A")
+_CONSTEXPRS = (
+    "H",
+    "HP",
+    "DPAD",
+    "ER",
+    "EC",
+    "TOP",
+    "LEFT",
+    "BMO",
+    "BNO",
+    "SR",
+    "HAS_W1",
+    "HAS_K2",
+    "CQ2",
+    "CK2",
+    "CKP2",
+    "PL2",
+    "HAS_W2",
+    "HAS_KV",
+    "DROP",
+    "MMA",
+    "ACC",
+    "PREC",
+    "RNE",
+    "GP",
+    "NSLOT",
+    "MARGIN",
+    "S_C",
+    "S_DA",
+    "S_P",
+    "S_DR",
+    "S_DP",
+    "S_R",
+    "S_DC",
+    "S_A",
+)
 _DESCRIPTORS = ("qd", "kd", "vd", "dod", "tf2d", "ta2d", "pod", "pdqd", "dkd", "dvd")
 
 
@@ -330,24 +485,56 @@ def descriptor_specs(pass_: str, consts: dict) -> dict:
     return launch.descriptor_specs(consts, _DESCRIPTORS)
 
 
-def _launch(pass_: str, pb: launch.Problem, bufs: dict, do: Optional[torch.Tensor] = None):
+def _launch(pass_: str, pb: launch.Problem, bufs: dict, do: torch.Tensor | None = None):
     f, sched, n_prog = pb.geometry(pass_)
     pb.toeplitz(f.ec)
-    specs = tiles.pass_buffers(pass_, f, sched, n_prog, b=pb.b, h=pb.h, hp=pb.hp, tk=pb.tk, dpad=pb.dpad,
-                               pre=None, post=pb.post, dtype=pb.q.dtype, margin=pb.margin)
+    specs = tiles.pass_buffers(
+        pass_,
+        f,
+        sched,
+        n_prog,
+        b=pb.b,
+        h=pb.h,
+        hp=pb.hp,
+        tk=pb.tk,
+        dpad=pb.dpad,
+        pre=None,
+        post=pb.post,
+        dtype=pb.q.dtype,
+        margin=pb.margin,
+    )
     scratch_spec = specs.pop("scratch")
     specs.pop("tiles")  # built below from the schedule
     for name, spec in specs.items():
         bufs[name] = launch.buffer(name, spec, pb.dev)
     if not sched.items:
         return f, sched
-    consts = kernel_constexprs(pass_, f, h=pb.h, d=pb.d, pre=None, post=pb.post, pad_key=pb.pad_key,
-                               has_w1=pb.w1t is not None, has_w2=pb.w2t is not None, has_kv=pb.kv is not None,
-                               drop=pb.p_drop > 0.0, gpu=pb.gpu, dtype=pb.q.dtype, tuning=pb.tuning)
+    consts = kernel_constexprs(
+        pass_,
+        f,
+        h=pb.h,
+        d=pb.d,
+        pre=None,
+        post=pb.post,
+        pad_key=pb.pad_key,
+        has_w1=pb.w1t is not None,
+        has_w2=pb.w2t is not None,
+        has_kv=pb.kv is not None,
+        drop=pb.p_drop > 0.0,
+        gpu=pb.gpu,
+        dtype=pb.q.dtype,
+        tuning=pb.tuning,
+    )
     # unwritten cells are never read (each phase writes whole planes before the next reads)
     scratch = launch.buffer("scratch", scratch_spec, pb.dev)
-    inputs = {"q": pb.qp, "k": pb.kp, "v": pb.vp, "do": None if do is None else pb.padded(do),
-              "tf2": getattr(pb, "tf2", None), "ta2": getattr(pb, "ta2", None)}
+    inputs = {
+        "q": pb.qp,
+        "k": pb.kp,
+        "v": pb.vp,
+        "do": None if do is None else pb.padded(do),
+        "tf2": getattr(pb, "tf2", None),
+        "ta2": getattr(pb, "ta2", None),
+    }
     descs = launch.descriptors(descriptor_specs(pass_, consts), inputs, bufs, pb)
     tile_rows, starts = launch.schedule_tensors(sched, pb.dev)
     dm = pb.dummy
@@ -358,14 +545,39 @@ def _launch(pass_: str, pb: launch.Problem, bufs: dict, do: Optional[torch.Tenso
     num_warps, num_stages = tiles.launch_config(pass_, None, pb.post)
     try:
         _mta_kernel[(n_prog,)](
-            descs["qd"], descs["kd"], descs["vd"], descs["dod"], pb.kv if pb.kv is not None else dm,
-            pb.w1t if pb.w1t is not None else dm, pb.w2t if pb.w2t is not None else dm,
-            descs["tf2d"], descs["ta2d"],
-            buf("lse"), buf("dd"), tile_rows, starts,
-            buf("pm"), buf("pl"), descs["pod"], buf("pd"), descs["pdqd"], descs["dkd"], descs["dvd"],
-            buf("pw1"), buf("pw2"), buf("pt2"), scratch,
-            pb.tq, pb.tk, pb.q_off, pb.scale, pb.p_drop, pb.seed,
-            **consts, num_warps=num_warps, num_stages=num_stages,
+            descs["qd"],
+            descs["kd"],
+            descs["vd"],
+            descs["dod"],
+            pb.kv if pb.kv is not None else dm,
+            pb.w1t if pb.w1t is not None else dm,
+            pb.w2t if pb.w2t is not None else dm,
+            descs["tf2d"],
+            descs["ta2d"],
+            buf("lse"),
+            buf("dd"),
+            tile_rows,
+            starts,
+            buf("pm"),
+            buf("pl"),
+            descs["pod"],
+            buf("pd"),
+            descs["pdqd"],
+            descs["dkd"],
+            descs["dvd"],
+            buf("pw1"),
+            buf("pw2"),
+            buf("pt2"),
+            scratch,
+            pb.tq,
+            pb.tk,
+            pb.q_off,
+            pb.scale,
+            pb.p_drop,
+            pb.seed,
+            **consts,
+            num_warps=num_warps,
+            num_stages=num_stages,
         )
     except triton.runtime.errors.OutOfResources as e:
         raise launch.out_of_resources(e, pass_, f, pb) from e
@@ -382,7 +594,7 @@ class _MTAFused(torch.autograd.Function):
         f, sched = _launch("stats", pb, bufs)
         fb = {"lse": launch.lse(bufs, f, sched, pb)}
         f, sched = _launch("forward", pb, fb)
-        out = launch.per_row(fb["po"][..., :pb.d], f, sched, pb)
+        out = launch.per_row(fb["po"][..., : pb.d], f, sched, pb)
         ctx.save_for_backward(q, k, v, fb["lse"], kv, w1, k2, w2)
         ctx.args = (pad_key, q_off, p_drop, seed, tuning)
         return out.to(q.dtype)
@@ -395,12 +607,12 @@ class _MTAFused(torch.autograd.Function):
         pb = launch.Problem(q, k, v, kv, None, w1, k2, w2, pad_key, q_off, p_drop, seed, tuning)
         bufs = {"lse": lse}
         f, sched = _launch("backward_rowsum", pb, bufs, do)
-        bufs["dd"] = launch.per_row(bufs["pd"], f, sched, pb)[:, :pb.h].contiguous()
+        bufs["dd"] = launch.per_row(bufs["pd"], f, sched, pb)[:, : pb.h].contiguous()
         f, sched = _launch("backward", pb, bufs, do)
-        dq = launch.per_row(bufs["pdq"][..., :pb.d], f, sched, pb)
-        dk, dv = bufs["dk"][..., pb.margin:, :pb.d], bufs["dv"][..., pb.margin:, :pb.d]  # after the zero margin
+        dq = launch.per_row(bufs["pdq"][..., : pb.d], f, sched, pb)
+        dk, dv = bufs["dk"][..., pb.margin :, : pb.d], bufs["dv"][..., pb.margin :, : pb.d]  # after the zero margin
         if kv is not None:
-            dq = dq * kv[:, q_off:q_off + pb.tq].to(dq.dtype)[:, None, :, None]
+            dq = dq * kv[:, q_off : q_off + pb.tq].to(dq.dtype)[:, None, :, None]
             dk = dk * kv.to(dk.dtype)[:, None, :, None]
         h = pb.h
         g1 = bufs["pw1"].sum(0)[:h, :h] if w1 is not None else None
@@ -409,8 +621,9 @@ class _MTAFused(torch.autograd.Function):
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), g1, t2, g2, None, None, None, None, None
 
 
-def explicit_attention_fused(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: ExplicitAttnParams,
-                             mask: AttnMask, training: bool = False) -> torch.Tensor:
+def explicit_attention_fused(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: ExplicitAttnParams, mask: AttnMask, training: bool = False
+) -> torch.Tensor:
     """``explicit_attention_torch`` in the fused kernel, for a layer without a pre-softmax
     kernel (a kq-conv layer runs ``stored.explicit_attention_stored``); shapes as there."""
     if p.mta_kernel is not None:
@@ -421,6 +634,15 @@ def explicit_attention_fused(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
         return None if t is None else t.to(acc).contiguous()
 
     return _MTAFused.apply(
-        q, k, v, cast(p.wpsm), cast(None if p.mta_kernel_after_sm is None else p.mta_kernel_after_sm[:, 0]),
-        cast(post_mix_matrix(p)), mask.key_valid, mask.q_offset, p.pad_key, p.dropout if training else 0.0, p.tuning,
+        q,
+        k,
+        v,
+        cast(p.wpsm),
+        cast(None if p.mta_kernel_after_sm is None else p.mta_kernel_after_sm[:, 0]),
+        cast(post_mix_matrix(p)),
+        mask.key_valid,
+        mask.q_offset,
+        p.pad_key,
+        p.dropout if training else 0.0,
+        p.tuning,
     )

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import importlib.util
 import os
-from typing import Optional
 
 import torch
 
@@ -29,12 +28,15 @@ ESTIMATE_SMS = 132
 
 def _kernels(p: ExplicitAttnParams) -> tuple:
     """(pre, post): the layer's key-query convolutions as (c_q, c_k), or None."""
-    return (None if p.mta_kernel is None else tuple(p.mta_kernel.shape[2:]),
-            None if p.mta_kernel_after_sm is None else tuple(p.mta_kernel_after_sm.shape[2:]))
+    return (
+        None if p.mta_kernel is None else tuple(p.mta_kernel.shape[2:]),
+        None if p.mta_kernel_after_sm is None else tuple(p.mta_kernel_after_sm.shape[2:]),
+    )
 
 
-def explicit_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: ExplicitAttnParams,
-                              mask: AttnMask, training: bool = False) -> torch.Tensor:
+def explicit_attention_triton(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: ExplicitAttnParams, mask: AttnMask, training: bool = False
+) -> torch.Tensor:
     """``explicit_attention_torch`` in Triton kernels: the stored-scores kernels for a kq-conv
     layer, the fused kernel for every other. Imported on first use: triton is optional, and
     TRITON_INTERPRET is read when the kernels are defined."""
@@ -47,7 +49,7 @@ def explicit_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     return explicit_attention_fused(q, k, v, p, mask, training)
 
 
-def supports(q: torch.Tensor, p: ExplicitAttnParams, mask: AttnMask) -> Optional[str]:
+def supports(q: torch.Tensor, p: ExplicitAttnParams, mask: AttnMask) -> str | None:
     """None where the kernels run (q, p as this call uses them), else what they lack."""
     if importlib.util.find_spec("triton") is None:
         return "this environment: the triton package is not installed (pip install triton)"
@@ -93,14 +95,20 @@ def meta_stand_in(q, k, v, p: ExplicitAttnParams, mask: AttnMask, training: bool
     if p.mta_kernel is not None and p.dropout > 0.0 and training:
         return explicit_attention_blocked(q, k, v, p, mask, training)
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
-    weights = (None if p.mta_kernel is None else p.mta_kernel[:, 0], p.wpsm,
-               None if p.mta_kernel_after_sm is None else p.mta_kernel_after_sm[:, 0], post_mix_matrix(p))
-    return _SavedLike.apply(q, k, v, p.mta_kernel is not None, mask.q_offset,
-                            *(w.to(acc).contiguous() for w in weights if w is not None))
+    weights = (
+        None if p.mta_kernel is None else p.mta_kernel[:, 0],
+        p.wpsm,
+        None if p.mta_kernel_after_sm is None else p.mta_kernel_after_sm[:, 0],
+        post_mix_matrix(p),
+    )
+    return _SavedLike.apply(
+        q, k, v, p.mta_kernel is not None, mask.q_offset, *(w.to(acc).contiguous() for w in weights if w is not None)
+    )
 
 
-def workspace_bytes(p: ExplicitAttnParams, batch: int, seq_len: int, n_heads: int, head_dim: int,
-                    dtype: torch.dtype) -> int:
+def workspace_bytes(
+    p: ExplicitAttnParams, batch: int, seq_len: int, n_heads: int, head_dim: int, dtype: torch.dtype
+) -> int:
     """Bytes the kernels hold for one training layer while its backward runs (its largest
     moment): ``tiles.backward_workspace_bytes``, the sum of what the launchers allocate (a
     persistent grid of ``PROGRAMS_PER_SM`` per SM of an H100/H200; scratch in ``dtype``), under
@@ -109,12 +117,22 @@ def workspace_bytes(p: ExplicitAttnParams, batch: int, seq_len: int, n_heads: in
     if pre is not None and p.dropout > 0.0:
         return 0
     n_prog = p.tuning.triton_programs or tiles.PROGRAMS_PER_SM * ESTIMATE_SMS
-    return tiles.backward_workspace_bytes(b=batch, h=n_heads, d=head_dim, seq_len=seq_len, pre=pre, post=post,
-                                          mix=(p.wpsm is not None, post_mix_matrix(p) is not None),
-                                          pad_key=p.pad_key, dtype=dtype, n_prog=n_prog, tuning=p.tuning)
+    return tiles.backward_workspace_bytes(
+        b=batch,
+        h=n_heads,
+        d=head_dim,
+        seq_len=seq_len,
+        pre=pre,
+        post=post,
+        mix=(p.wpsm is not None, post_mix_matrix(p) is not None),
+        pad_key=p.pad_key,
+        dtype=dtype,
+        n_prog=n_prog,
+        tuning=p.tuning,
+    )
 
 
-def flops(args, seq_len: int, kind: str) -> Optional[tuple[float, float]]:
+def flops(args, seq_len: int, kind: str) -> tuple[float, float] | None:
     """(FLOPs per token of one layer's forward passes, of its backward passes), or None where
     ``blocked`` runs the layer (training dropout on a kq-conv layer). Every pass computes its
     stages on whole frames (owned block plus halo) of the key blocks up to the diagonal
@@ -164,8 +182,12 @@ def flops(args, seq_len: int, kind: str) -> Optional[tuple[float, float]]:
 
 
 IMPL = AttnImpl(
-    explicit_attention_triton, supports, fallback="blocked",
+    explicit_attention_triton,
+    supports,
+    fallback="blocked",
     doc="EXPERIMENTAL: fused Triton kernels, forward and backward (mta_repro/experimental/fused_triton; kq-conv "
-        "layers: stored scores), never run on a GPU",
-    meta_fn=meta_stand_in, workspace_bytes=workspace_bytes, flops=flops,
+    "layers: stored scores), never run on a GPU",
+    meta_fn=meta_stand_in,
+    workspace_bytes=workspace_bytes,
+    flops=flops,
 )

@@ -43,8 +43,14 @@ import re
 from dataclasses import dataclass, field
 
 _DEF = re.compile(r"^\s*(%[\w.$-]+)(?::\d+)?\s*=\s*([\w.]+)\s*(.*)$")
-_VIEWS = ("ttg.memdesc_index", "ttg.memdesc_trans", "ttg.memdesc_reshape", "ttg.memdesc_subslice",
-          "ttg.memdesc_subview", "ttg.memdesc_reinterpret")
+_VIEWS = (
+    "ttg.memdesc_index",
+    "ttg.memdesc_trans",
+    "ttg.memdesc_reshape",
+    "ttg.memdesc_subslice",
+    "ttg.memdesc_subview",
+    "ttg.memdesc_reinterpret",
+)
 _ASYNC_COPIES = ("ttg.async_copy_global_to_local", "ttng.async_tma_copy_global_to_local")
 _LOC = re.compile(r"loc\((#loc\d+)\)\s*$")
 
@@ -109,7 +115,7 @@ class _Defs:
         best = None
         for d in self.by_name.get(v, ()):
             sd = self.scope[d[0]]
-            if d[0] < at and self.scope[at][:len(sd)] == sd:
+            if d[0] < at and self.scope[at][: len(sd)] == sd:
                 best = d
         return best
 
@@ -153,7 +159,9 @@ def analyse(ttgir: str, scratch_elem: str = "bf16") -> Report:
     writes: dict = {}
     for n, s in enumerate(lines):
         m = _DEF.match(s)
-        op, rest = (m.group(2), m.group(3)) if m else (s.strip().split(" ")[0], s.strip()[len(s.strip().split(" ")[0]):])
+        op, rest = (
+            (m.group(2), m.group(3)) if m else (s.strip().split(" ")[0], s.strip()[len(s.strip().split(" ")[0]) :])
+        )
         if op == "ttg.local_alloc" and m and _operands(rest):  # initialised from registers
             writes.setdefault(n, []).append(n)
         elif op in ("ttg.local_store", "ttg.async_copy_global_to_local"):
@@ -203,13 +211,18 @@ def analyse(ttgir: str, scratch_elem: str = "bf16") -> Report:
     scratch_ptr = f"!tt.ptr<{scratch_elem}>"
     for lp in loops:
         own = [n for n in range(lp.start + 1, lp.end) if not any(c.start <= n <= c.end for c in lp.children)]
-        lp.scratch = any(re.search(r"\btt\.store\b", lines[n]) and scratch_ptr in lines[n]
-                         for n in range(lp.start + 1, lp.end))
+        lp.scratch = any(
+            re.search(r"\btt\.store\b", lines[n]) and scratch_ptr in lines[n] for n in range(lp.start + 1, lp.end)
+        )
         for n in own:
             m = _DEF.match(lines[n])
             op, rest = (m.group(2), m.group(3)) if m else (lines[n].strip().split(" ")[0], lines[n])
             if op in _ASYNC_COPIES:
-                dst = _operands(rest)[1] if op == "ttg.async_copy_global_to_local" else _operands(rest.split("]", 1)[1])[0]
+                dst = (
+                    _operands(rest)[1]
+                    if op == "ttg.async_copy_global_to_local"
+                    else _operands(rest.split("]", 1)[1])[0]
+                )
                 root = _root(dst, n, defs)
                 if root is None or not (lp.start < root < lp.end):
                     lp.pipelined = True
@@ -220,12 +233,16 @@ def analyse(ttgir: str, scratch_elem: str = "bf16") -> Report:
     for lp in loops:
         if not lp.pipelined or not (lp.num_stages or 0) > 1:
             continue
-        last = max((n for n in range(lp.start) if re.search(r"\btt\.store\b", lines[n]) and scratch_ptr in lines[n]),
-                   default=-1)
+        last = max(
+            (n for n in range(lp.start) if re.search(r"\btt\.store\b", lines[n]) and scratch_ptr in lines[n]),
+            default=-1,
+        )
         bars = [n for n in range(last, lp.start) if "ttg.barrier" in lines[n]]
-        early += [(lp.loc, n) for n in range(last + 1, lp.start)
-                  if "ttg.async_copy_global_to_local" in lines[n] and scratch_ptr in lines[n]
-                  and not any(b < n for b in bars)]
+        early += [
+            (lp.loc, n)
+            for n in range(last + 1, lp.start)
+            if "ttg.async_copy_global_to_local" in lines[n] and scratch_ptr in lines[n] and not any(b < n for b in bars)
+        ]
     return Report(n_async, n_generic, unfenced, loops, bad_loops, early)
 
 
@@ -233,9 +250,14 @@ def summary(ttgir: str, scratch_elem: str = "bf16") -> dict:
     """The per-pass record fields of ``compile_report.py`` (key ``hazards``)."""
     r = analyse(ttgir, scratch_elem)
     scratch = [lp for lp in r.loops if lp.scratch]
-    return {"async_reads": r.async_reads, "generic_async_reads": r.fenced_generic_reads + len(r.unfenced),
-            "unfenced_async_reads": len(r.unfenced), "fences": ttgir.count("ttng.fence_async_shared"),
-            "scratch_loops": len(scratch), "scratch_loops_num_stages": sorted({lp.num_stages or 0 for lp in scratch}),
-            "pipelined_loops": sum(lp.pipelined for lp in r.loops),
-            "pipelined_scratch_loops": len(r.pipelined_scratch_loops),
-            "early_prefetches": len(r.early_prefetches)}
+    return {
+        "async_reads": r.async_reads,
+        "generic_async_reads": r.fenced_generic_reads + len(r.unfenced),
+        "unfenced_async_reads": len(r.unfenced),
+        "fences": ttgir.count("ttng.fence_async_shared"),
+        "scratch_loops": len(scratch),
+        "scratch_loops_num_stages": sorted({lp.num_stages or 0 for lp in scratch}),
+        "pipelined_loops": sum(lp.pipelined for lp in r.loops),
+        "pipelined_scratch_loops": len(r.pipelined_scratch_loops),
+        "early_prefetches": len(r.early_prefetches),
+    }

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 # Triton's DSL is not typable: tl.range loops and constexpr arguments
 # pyright: reportGeneralTypeIssues=false, reportArgumentType=false
-
 import triton
 import triton.language as tl
 
@@ -24,8 +23,9 @@ def _interpreter_descriptor_reduce(builder, kind, desc, value, indices):
     if kind != ir.DESCRIPTOR_REDUCE_KIND.ADD:
         raise NotImplementedError(f"interpreter: descriptor reduction {kind}")
     ptrs, mask = desc.materialize_pointers(indices)
-    return builder.create_atomic_rmw(ir.ATOMIC_OP.FADD, ptrs, value, mask, ir.MEM_SEMANTIC.RELAXED,
-                                     ir.MEM_SYNC_SCOPE.GPU)
+    return builder.create_atomic_rmw(
+        ir.ATOMIC_OP.FADD, ptrs, value, mask, ir.MEM_SEMANTIC.RELAXED, ir.MEM_SYNC_SCOPE.GPU
+    )
 
 
 def _install_interpreter_reduce() -> None:
@@ -66,15 +66,34 @@ def load_tile(desc, plane, r0, e0, R: tl.constexpr, GP: tl.constexpr, MMA: tl.co
 
 
 @triton.jit
-def qk_scores(qd, kd, bh, row0, col0, scale, ER: tl.constexpr, EC: tl.constexpr, GP: tl.constexpr,
-              DPAD: tl.constexpr, MMA: tl.constexpr, ACC: tl.constexpr, PREC: tl.constexpr, M0: tl.constexpr = 0):
+def qk_scores(
+    qd,
+    kd,
+    bh,
+    row0,
+    col0,
+    scale,
+    ER: tl.constexpr,
+    EC: tl.constexpr,
+    GP: tl.constexpr,
+    DPAD: tl.constexpr,
+    MMA: tl.constexpr,
+    ACC: tl.constexpr,
+    PREC: tl.constexpr,
+    M0: tl.constexpr = 0,
+):
     """(ER, EC) scores q[row0 + u] . k[col0 + w] * scale of one head (plane bh) on a frame,
     through the inputs' descriptors (M0: their zero margin, ``load_tile``). A runtime loop over
     the feature parts: one set of operand buffers, prefetched by the pipeliner."""
     acc = tl.zeros([ER, EC], ACC)
     for e0 in tl.range(0, DPAD, GP):
-        acc = tl.dot(load_tile(qd, bh, row0, e0, ER, GP, MMA, M0),
-                     tl.trans(load_tile(kd, bh, col0, e0, EC, GP, MMA, M0)), acc, input_precision=PREC, out_dtype=ACC)
+        acc = tl.dot(
+            load_tile(qd, bh, row0, e0, ER, GP, MMA, M0),
+            tl.trans(load_tile(kd, bh, col0, e0, EC, GP, MMA, M0)),
+            acc,
+            input_precision=PREC,
+            out_dtype=ACC,
+        )
     return acc * scale
 
 
@@ -101,8 +120,17 @@ def plane_rows(plane, du, ER: tl.constexpr, EC: tl.constexpr, MMA: tl.constexpr)
 
 
 @triton.jit
-def add_taps(x, gm, ptr, SHIFT: tl.constexpr, CK: tl.constexpr, CKP: tl.constexpr, EC: tl.constexpr,
-             ACC: tl.constexpr, PREC: tl.constexpr):
+def add_taps(
+    x,
+    gm,
+    ptr,
+    SHIFT: tl.constexpr,
+    CK: tl.constexpr,
+    CKP: tl.constexpr,
+    EC: tl.constexpr,
+    ACC: tl.constexpr,
+    PREC: tl.constexpr,
+):
     """ptr[b] += tap b of one kernel row's gradient, b < CK: the product x^T G (x the input
     plane's frame columns at one row shift, G = gm the output gradient, zero outside the owned
     columns) holds tap b of column n at row n + b + SHIFT (SHIFT = -OFF, the kernel's reach left
@@ -120,8 +148,18 @@ def add_taps(x, gm, ptr, SHIFT: tl.constexpr, CK: tl.constexpr, CKP: tl.constexp
 
 
 @triton.jit
-def toeplitz_conv(plane, td, t0, CQ: tl.constexpr, ADJ: tl.constexpr, ER: tl.constexpr, EC: tl.constexpr,
-                  MMA: tl.constexpr, ACC: tl.constexpr, PREC: tl.constexpr):
+def toeplitz_conv(
+    plane,
+    td,
+    t0,
+    CQ: tl.constexpr,
+    ADJ: tl.constexpr,
+    ER: tl.constexpr,
+    EC: tl.constexpr,
+    MMA: tl.constexpr,
+    ACC: tl.constexpr,
+    PREC: tl.constexpr,
+):
     """(ER, EC) key-query convolution (ADJ: its adjoint) of one head's scratch plane: for each
     row shift rho (back for the convolution, forward for the adjoint), the shifted plane times
     that shift's (EC, EC) Toeplitz matrix (rows t0 + rho * EC of the (HP * CQ * EC, EC) table,
@@ -135,27 +173,56 @@ def toeplitz_conv(plane, td, t0, CQ: tl.constexpr, ADJ: tl.constexpr, ER: tl.con
             du = rho
         else:
             du = -rho
-        acc = tl.dot(plane_rows(plane, du, ER, EC, MMA), td.load([t0 + rho * EC, 0]).to(MMA), acc,
-                     input_precision=PREC, out_dtype=ACC)
+        acc = tl.dot(
+            plane_rows(plane, du, ER, EC, MMA),
+            td.load([t0 + rho * EC, 0]).to(MMA),
+            acc,
+            input_precision=PREC,
+            out_dtype=ACC,
+        )
     return acc
 
 
 @triton.jit
-def conv_weight_grad(xplane, g, part, OFF: tl.constexpr, CQ: tl.constexpr, CK: tl.constexpr, CKP: tl.constexpr,
-                     ER: tl.constexpr, EC: tl.constexpr, MMA: tl.constexpr, ACC: tl.constexpr, PREC: tl.constexpr):
+def conv_weight_grad(
+    xplane,
+    g,
+    part,
+    OFF: tl.constexpr,
+    CQ: tl.constexpr,
+    CK: tl.constexpr,
+    CKP: tl.constexpr,
+    ER: tl.constexpr,
+    EC: tl.constexpr,
+    MMA: tl.constexpr,
+    ACC: tl.constexpr,
+    PREC: tl.constexpr,
+):
     """part[a, b] += sum over cells (u, w) of G[u, w] X[u - rho, w + b - OFF], a = CQ-1-rho:
     G (ER, EC) is this head's output gradient, already zero outside the owned cells; X the
     convolution's input plane."""
     gm = g.to(MMA)
     for rho in tl.range(0, CQ):
-        add_taps(plane_rows(xplane, -rho, ER, EC, MMA), gm, part + (CQ - 1 - rho) * CK, -OFF, CK, CKP, EC, ACC,
-                 PREC)
+        add_taps(plane_rows(xplane, -rho, ER, EC, MMA), gm, part + (CQ - 1 - rho) * CK, -OFF, CK, CKP, EC, ACC, PREC)
 
 
 @triton.jit
-def conv_and_weight_grad(plane, td, t0, g, part, OFF: tl.constexpr, CQ: tl.constexpr, CK: tl.constexpr,
-                         CKP: tl.constexpr, ER: tl.constexpr, EC: tl.constexpr, MMA: tl.constexpr,
-                         ACC: tl.constexpr, PREC: tl.constexpr):
+def conv_and_weight_grad(
+    plane,
+    td,
+    t0,
+    g,
+    part,
+    OFF: tl.constexpr,
+    CQ: tl.constexpr,
+    CK: tl.constexpr,
+    CKP: tl.constexpr,
+    ER: tl.constexpr,
+    EC: tl.constexpr,
+    MMA: tl.constexpr,
+    ACC: tl.constexpr,
+    PREC: tl.constexpr,
+):
     """``toeplitz_conv`` (forward) of the plane and ``conv_weight_grad`` with gradient g, from the same
     shifted planes (each loaded once for both)."""
     acc = tl.zeros([ER, EC], ACC)
@@ -176,16 +243,33 @@ def accumulate(desc, plane, r0, e0, x, R: tl.constexpr, GP: tl.constexpr, ACC: t
     wide at most, so a float64 accumulator (the interpreter's float64 checks; on a GPU the
     registry runs ``blocked`` for float64, ``impl.py``) is read, added
     and written back: exact there, where programs run one after another."""
-    if ACC == tl.float64:
+    if tl.float64 == ACC:
         desc.store([plane, r0, e0], desc.load([plane, r0, e0]) + x.reshape(1, R, GP))
     else:
         desc.atomic_add([plane, r0, e0], x.reshape(1, R, GP))
 
 
 @triton.jit
-def grad_pair(g, xd, yd, xod, yod, bh, row0, col0, xo_plane, E0, GP: tl.constexpr, ER: tl.constexpr,
-              EC: tl.constexpr, HAS_XO: tl.constexpr, MMA: tl.constexpr, ACC: tl.constexpr, PREC: tl.constexpr,
-              M0: tl.constexpr = 0):
+def grad_pair(
+    g,
+    xd,
+    yd,
+    xod,
+    yod,
+    bh,
+    row0,
+    col0,
+    xo_plane,
+    E0,
+    GP: tl.constexpr,
+    ER: tl.constexpr,
+    EC: tl.constexpr,
+    HAS_XO: tl.constexpr,
+    MMA: tl.constexpr,
+    ACC: tl.constexpr,
+    PREC: tl.constexpr,
+    M0: tl.constexpr = 0,
+):
     """Features [E0, E0 + GP) (one feature part) of one head's products of a tile
     gradient g (ER x EC, zero outside the owned cells, so the rest adds 0): yo += g^T @ y[rows]
     into keys [col0, col0 + EC) of plane bh of yod, and (HAS_XO) xo += g @ x[cols] into plane
@@ -199,8 +283,24 @@ def grad_pair(g, xd, yd, xod, yod, bh, row0, col0, xo_plane, E0, GP: tl.constexp
 
 
 @triton.jit
-def slab_cells(r0, row0, col0, b, kv_ptr, Tq, Tk, q_off, HAS_KV: tl.constexpr, ER: tl.constexpr, EC: tl.constexpr,
-               TOP: tl.constexpr, LEFT: tl.constexpr, BMO: tl.constexpr, BNO: tl.constexpr, SR: tl.constexpr):
+def slab_cells(
+    r0,
+    row0,
+    col0,
+    b,
+    kv_ptr,
+    Tq,
+    Tk,
+    q_off,
+    HAS_KV: tl.constexpr,
+    ER: tl.constexpr,
+    EC: tl.constexpr,
+    TOP: tl.constexpr,
+    LEFT: tl.constexpr,
+    BMO: tl.constexpr,
+    BNO: tl.constexpr,
+    SR: tl.constexpr,
+):
     """The cells of the slab of SR frame rows from r0: frame rows cu and columns cw, query and
     key indices ci and cj, which interact (ok), which are owned and interact (own), and the
     slab's query rows."""
@@ -217,14 +317,18 @@ def slab_cells(r0, row0, col0, b, kv_ptr, Tq, Tk, q_off, HAS_KV: tl.constexpr, E
 @triton.jit
 def load_slab(plane_base, cu, cw, hh, H: tl.constexpr, ER: tl.constexpr, EC: tl.constexpr, MMA: tl.constexpr):
     """(cells, HP) slab of a scratch slot: cells at frame rows cu, columns cw, all heads."""
-    return tl.load(plane_base + (hh[None, :] * ER + cu[:, None]) * EC + cw[:, None], mask=(hh < H)[None, :],
-                   other=0.0).to(MMA)
+    return tl.load(
+        plane_base + (hh[None, :] * ER + cu[:, None]) * EC + cw[:, None], mask=(hh < H)[None, :], other=0.0
+    ).to(MMA)
 
 
 @triton.jit
 def store_slab(plane_base, cu, cw, hh, x, H: tl.constexpr, ER: tl.constexpr, EC: tl.constexpr, RNE: tl.constexpr):
-    tl.store(plane_base + (hh[None, :] * ER + cu[:, None]) * EC + cw[:, None],
-             to_scratch(x, plane_base.dtype.element_ty, RNE), mask=(hh < H)[None, :])
+    tl.store(
+        plane_base + (hh[None, :] * ER + cu[:, None]) * EC + cw[:, None],
+        to_scratch(x, plane_base.dtype.element_ty, RNE),
+        mask=(hh < H)[None, :],
+    )
 
 
 @triton.jit
@@ -236,8 +340,7 @@ def row_stat(ptr, b, i_rows, hh, Tq, H: tl.constexpr, SR: tl.constexpr, EC: tl.c
 
 
 @triton.jit
-def add_row_sums(pd_ptr, slot, hh, r0, x, own, SR: tl.constexpr, EC: tl.constexpr, HP: tl.constexpr,
-                 ER: tl.constexpr):
+def add_row_sums(pd_ptr, slot, hh, r0, x, own, SR: tl.constexpr, EC: tl.constexpr, HP: tl.constexpr, ER: tl.constexpr):
     """The item's D partial (its slot, (HP, ER)) += the slab's row sums of x (cells, HP) over
     its owned cells."""
     dsum = tl.sum(tl.reshape(tl.where(own[:, None], x, 0.0), (SR, EC, HP)), 1)
@@ -268,8 +371,9 @@ def mix_weights(wt_ptr, hh, H: tl.constexpr, HAS: tl.constexpr, MMA: tl.constexp
     """A (HP, HP) head mixing as right factors of (cells, heads) slabs: (W^T, W); x @ W^T
     mixes, x @ W is the adjoint. Zeros when the layer has none."""
     if HAS:
-        wt = tl.load(wt_ptr + hh[:, None] * hh.shape[0] + hh[None, :], mask=(hh[:, None] < H) & (hh[None, :] < H),
-                     other=0.0).to(MMA)
+        wt = tl.load(
+            wt_ptr + hh[:, None] * hh.shape[0] + hh[None, :], mask=(hh[:, None] < H) & (hh[None, :] < H), other=0.0
+        ).to(MMA)
     else:
         wt = tl.zeros([hh.shape[0], hh.shape[0]], MMA)
     return wt, tl.trans(wt)

@@ -8,11 +8,8 @@ test can fill them all with NaN and prove that nothing is read before it is writ
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 import torch.nn.functional as F
-
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
@@ -69,7 +66,7 @@ def buffer(name: str, spec: tiles.Buffer, device: torch.device) -> torch.Tensor:
     return x if spec.fill is None else x.fill_(spec.fill)
 
 
-def descriptor(x: Optional[torch.Tensor], block: list, dtype: torch.dtype, device: torch.device):
+def descriptor(x: torch.Tensor | None, block: list, dtype: torch.dtype, device: torch.device):
     """A host tensor descriptor of x ((planes, T, DPAD) or a 2-D table), or of an
     uninitialised placeholder of the block's shape when this pass does not use it (its loads
     and stores are compiled out: never read)."""
@@ -97,9 +94,9 @@ class Problem:
         self.post = None if k2 is None else tuple(k2.shape[1:])
         self.pad_key, self.q_off, self.p_drop, self.seed = pad_key, q_off, p_drop, seed
         self.kv = kv
-        self.scale = self.d ** -0.5
+        self.scale = self.d**-0.5
         if kv is not None:  # pad rows of q and keys of k give exactly the zero scores the reference masks
-            vq = kv[:, q_off:q_off + self.tq].to(q.dtype)[:, None, :, None]
+            vq = kv[:, q_off : q_off + self.tq].to(q.dtype)[:, None, :, None]
             vk = kv.to(k.dtype)[:, None, :, None]
             q, k = q * vq, k * vk
         self.q, self.k, self.v = q.contiguous(), k.contiguous(), v.contiguous()
@@ -111,7 +108,7 @@ class Problem:
             if x is None:
                 return None
             out = torch.zeros(self.hp, self.hp, dtype=self.acc_t, device=self.dev)
-            out[:self.h, :self.h] = x.t()
+            out[: self.h, : self.h] = x.t()
             return out
 
         self.w1t, self.w2t = padw(w1), padw(w2)
@@ -185,8 +182,23 @@ def slab_rows(pass_: str, f: tiles.Frame, gpu: bool, conv: bool, tuning: KernelT
     return min(f.er, tiles.SLAB_ROWS_GPU_CONV if conv else tiles.SLAB_ROWS_GPU[pass_])
 
 
-def constexprs(pass_: str, f: tiles.Frame, *, h: int, d: int, pre, post, pad_key: str, has_w1: bool, has_w2: bool,
-               has_kv: bool, drop: bool, gpu: bool, dtype: torch.dtype, tuning: KernelTuning = DEFAULT_TUNING) -> dict:
+def constexprs(
+    pass_: str,
+    f: tiles.Frame,
+    *,
+    h: int,
+    d: int,
+    pre,
+    post,
+    pad_key: str,
+    has_w1: bool,
+    has_w2: bool,
+    has_kv: bool,
+    drop: bool,
+    gpu: bool,
+    dtype: torch.dtype,
+    tuning: KernelTuning = DEFAULT_TUNING,
+) -> dict:
     """Every constexpr a pass of either kernel may take (each kernel's ``kernel_constexprs``
     keeps its own): the frame, the kernels' sizes, which parts are on, the types, the
     feature parts, the zero margin and the scratch slots; ``tuning``: the model's (slab rows)."""
@@ -195,14 +207,35 @@ def constexprs(pass_: str, f: tiles.Frame, *, h: int, d: int, pre, post, pad_key
     mma, acc, prec, sdt = dtypes(dtype, torch.device("cuda" if gpu else "cpu"))
     gp, dpad = tiles.feature_parts(d)
     return dict(
-        H=h, HP=tiles.padded_heads(h, gpu), DPAD=dpad,
-        ER=f.er, EC=f.ec, TOP=f.top, LEFT=f.left, BMO=f.bmo, BNO=f.bno,
+        H=h,
+        HP=tiles.padded_heads(h, gpu),
+        DPAD=dpad,
+        ER=f.er,
+        EC=f.ec,
+        TOP=f.top,
+        LEFT=f.left,
+        BMO=f.bmo,
+        BNO=f.bno,
         SR=slab_rows(pass_, f, gpu, pre is not None or post is not None, tuning),
-        CQ1=cq1, CK1=ck1, CKP1=tiles.pow2(ck1), PL1=pad_left(pad_key, ck1) if pre else 0,
-        HAS_W1=has_w1, HAS_K2=post is not None, CQ2=cq2, CK2=ck2, CKP2=tiles.pow2(ck2),
-        PL2=pad_left(pad_key, ck2) if post else 0, HAS_W2=has_w2,
-        HAS_KV=has_kv, DROP=drop, MMA=mma, ACC=acc, PREC=prec, RNE=not gpu and sdt == torch.bfloat16,
-        GP=gp, MARGIN=tiles.margin(pre, post, pad_key),
+        CQ1=cq1,
+        CK1=ck1,
+        CKP1=tiles.pow2(ck1),
+        PL1=pad_left(pad_key, ck1) if pre else 0,
+        HAS_W1=has_w1,
+        HAS_K2=post is not None,
+        CQ2=cq2,
+        CK2=ck2,
+        CKP2=tiles.pow2(ck2),
+        PL2=pad_left(pad_key, ck2) if post else 0,
+        HAS_W2=has_w2,
+        HAS_KV=has_kv,
+        DROP=drop,
+        MMA=mma,
+        ACC=acc,
+        PREC=prec,
+        RNE=not gpu and sdt == torch.bfloat16,
+        GP=gp,
+        MARGIN=tiles.margin(pre, post, pad_key),
         **tiles.scratch_slots(pass_, pre is not None, post is not None),
     )
 
@@ -213,11 +246,21 @@ def descriptor_specs(consts: dict, names: tuple) -> dict:
     blocks of a (HP * c_q * EC, EC) table. The one source for the launchers and
     ``compile_report.py``."""
     er, ec, gp = consts["ER"], consts["EC"], consts["GP"]
-    every = {"qd": ("q", [1, er, gp]), "kd": ("k", [1, ec, gp]), "vd": ("v", [1, ec, gp]), "dod": ("do", [1, er, gp]),
-             "tf2d": ("tf2", [ec, ec]), "ta2d": ("ta2", [ec, ec]), "ta1d": ("ta1", [ec, ec]), "tf1d": ("tf1", [ec, ec]),
-             # the accumulators (fp32; ``ACCUMULATORS``): O's and dq's per-item row partials, dk, dv
-             "pod": ("po", [1, er, gp]), "pdqd": ("pdq", [1, er, gp]), "dkd": ("dk", [1, ec, gp]),
-             "dvd": ("dv", [1, ec, gp])}
+    every = {
+        "qd": ("q", [1, er, gp]),
+        "kd": ("k", [1, ec, gp]),
+        "vd": ("v", [1, ec, gp]),
+        "dod": ("do", [1, er, gp]),
+        "tf2d": ("tf2", [ec, ec]),
+        "ta2d": ("ta2", [ec, ec]),
+        "ta1d": ("ta1", [ec, ec]),
+        "tf1d": ("tf1", [ec, ec]),
+        # the accumulators (fp32; ``ACCUMULATORS``): O's and dq's per-item row partials, dk, dv
+        "pod": ("po", [1, er, gp]),
+        "pdqd": ("pdq", [1, er, gp]),
+        "dkd": ("dk", [1, ec, gp]),
+        "dvd": ("dv", [1, ec, gp]),
+    }
     return {n: every[n] for n in names}
 
 
@@ -230,15 +273,19 @@ def descriptors(specs: dict, inputs: dict, bufs: dict, pb: Problem) -> dict:
     inputs = dict(inputs)
     for name in ACCUMULATORS:  # (planes, rows, DPAD) views of the accumulators this pass adds into
         inputs[name] = bufs[name].flatten(0, 1) if name in bufs else None
-    return {name: descriptor(inputs.get(src), block, pb.acc_t if src in ACCUMULATORS else pb.qp.dtype, pb.dev)
-            for name, (src, block) in specs.items()}
+    return {
+        name: descriptor(inputs.get(src), block, pb.acc_t if src in ACCUMULATORS else pb.qp.dtype, pb.dev)
+        for name, (src, block) in specs.items()
+    }
 
 
 def schedule_tensors(sched: tiles.TileSchedule, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """(tiles, starts) of ``Schedule.tiles`` as the kernel walks them (int32)."""
     rows, starts = sched.tiles()
-    return (torch.tensor(rows, dtype=torch.int32, device=device).flatten(),
-            torch.tensor(starts, dtype=torch.int32, device=device))
+    return (
+        torch.tensor(rows, dtype=torch.int32, device=device).flatten(),
+        torch.tensor(starts, dtype=torch.int32, device=device),
+    )
 
 
 def per_row(part: torch.Tensor, f, sched, pb: Problem, reduce=lambda x: x.sum(2)) -> torch.Tensor:
@@ -247,9 +294,9 @@ def per_row(part: torch.Tensor, f, sched, pb: Problem, reduce=lambda x: x.sum(2)
     unless told)."""
     x = part.view(pb.b, sched.n_rt, sched.s_max, *part.shape[1:])
     x = reduce(x)  # (B, n_rt, X, ER, ...)
-    x = x[:, :, :, f.top:f.top + f.bmo]  # owned rows
+    x = x[:, :, :, f.top : f.top + f.bmo]  # owned rows
     x = x.transpose(1, 2).reshape(pb.b, x.shape[2], sched.n_rt * f.bmo, *x.shape[4:])
-    return x[:, :, :pb.tq]
+    return x[:, :, : pb.tq]
 
 
 def merge_stats(x: torch.Tensor) -> torch.Tensor:
@@ -259,14 +306,15 @@ def merge_stats(x: torch.Tensor) -> torch.Tensor:
     mx = m.amax(2, keepdim=True)
     mx_safe = torch.where(torch.isfinite(mx), mx, torch.zeros_like(mx))
     tot = (l_ * torch.exp(m - mx_safe)).sum(2)
-    return torch.where(tot > 0, mx_safe.squeeze(2) + torch.log(torch.where(tot > 0, tot, torch.ones_like(tot))),
-                       torch.zeros_like(tot))
+    return torch.where(
+        tot > 0, mx_safe.squeeze(2) + torch.log(torch.where(tot > 0, tot, torch.ones_like(tot))), torch.zeros_like(tot)
+    )
 
 
 def lse(bufs: dict, f, sched, pb: Problem) -> torch.Tensor:
     """The (B, H, Tq) lse from the stats pass's per-split row max and sum."""
     ml = torch.stack((bufs["pm"], bufs["pl"]), 1)  # (slots, 2, HP, ER): each split's row max and sum
-    return per_row(ml, f, sched, pb, merge_stats)[:, :pb.h].contiguous()
+    return per_row(ml, f, sched, pb, merge_stats)[:, : pb.h].contiguous()
 
 
 def out_of_resources(e: Exception, pass_: str, f: tiles.Frame, pb: Problem) -> RuntimeError:
@@ -274,4 +322,5 @@ def out_of_resources(e: Exception, pass_: str, f: tiles.Frame, pb: Problem) -> R
     (compile_report.py reports each pass's needs without a GPU)."""
     return RuntimeError(
         f"model.attn_impl=triton: its {pass_!r} pass does not fit this GPU ({e}); frame {f.er}x{f.ec}, {pb.h} heads "
-        f"of {pb.d}. Use model.attn_impl=blocked, or a smaller model.kernels.triton_frame")
+        f"of {pb.d}. Use model.attn_impl=blocked, or a smaller model.kernels.triton_frame"
+    )

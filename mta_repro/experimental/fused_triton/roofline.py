@@ -31,7 +31,8 @@ Time (``estimate``): with ``active`` = the SMs that get programs and the per-SM 
 ``GPU``, throughput time = max over resources of total / (rate x active SMs), HBM bytes at
 the HBM bandwidth; chain time = the programs list-scheduled in launch order on SMs x
 ``occupancy`` slots, each taking its own work at its share of one SM's rates (the SM's
-co-resident programs split it) plus its barrier latencies (not shared). est = max(throughput, chain) + launch latency. Left out (so the model
+co-resident programs split it) plus its barrier latencies (not shared).
+est = max(throughput, chain) + launch latency. Left out (so the model
 is optimistic for every kernel alike): instruction issue other than the counted ops, memory
 latency other than barriers, bank conflicts, tail effects inside a wave.
 
@@ -64,8 +65,19 @@ import math
 import re
 from dataclasses import dataclass, field
 
-RESOURCES = ("mma_macs", "wgmma_macs", "tf32_macs", "fma_macs", "alu", "sfu", "global_bytes", "scratch_bytes",
-             "shared_bytes", "barriers_global", "barriers_shared")
+RESOURCES = (
+    "mma_macs",
+    "wgmma_macs",
+    "tf32_macs",
+    "fma_macs",
+    "alu",
+    "sfu",
+    "global_bytes",
+    "scratch_bytes",
+    "shared_bytes",
+    "barriers_global",
+    "barriers_shared",
+)
 
 
 @dataclass(frozen=True)
@@ -133,8 +145,19 @@ class Counts:
             row[res] += amount * mult
 
 
-_BYTES = {"bf16": 2, "f16": 2, "f32": 4, "f64": 8, "i1": 1, "i8": 1, "i16": 2, "i32": 4, "i64": 8,
-          "f8E4M3FN": 1, "f8E5M2": 1}
+_BYTES = {
+    "bf16": 2,
+    "f16": 2,
+    "f32": 4,
+    "f64": 8,
+    "i1": 1,
+    "i8": 1,
+    "i16": 2,
+    "i32": 4,
+    "i64": 8,
+    "f8E4M3FN": 1,
+    "f8E5M2": 1,
+}
 _TENSOR = re.compile(r"tensor<([0-9x]+)x(!tt\.ptr<(\w+)>|(\w+))")
 
 
@@ -184,8 +207,9 @@ def source_chains(ttgir: str, source: str) -> dict:
     return {alias: chain(alias) for alias in defs}
 
 
-def count_ttgir(ttgir: str, source: str = "fused.py", scratch_elem: str | None = None,
-                _tile_loop_level: int = 2) -> Counts:
+def count_ttgir(
+    ttgir: str, source: str = "fused.py", scratch_elem: str | None = None, _tile_loop_level: int = 2
+) -> Counts:
     """Loop-weighted resources of one compiled kernel (see the module docstring); the
     per-key-block ones also by source line of ``source`` (``Counts.by_line``)."""
     raw_lines = ttgir.splitlines()
@@ -276,8 +300,12 @@ def count_ttgir(ttgir: str, source: str = "fused.py", scratch_elem: str | None =
         elif t.startswith("ttng.async_tma_copy_global_to_local "):
             mem = re.findall(r"-> !ttg\.memdesc<([0-9x]+)x(\w+)", t)
             if mem:  # a TMA copy: global bytes of the box (then read from shared memory by its users)
-                c.add(level, "global_bytes", math.prod(int(x) for x in mem[-1][0].split("x")) * _BYTES.get(mem[-1][1], 2),
-                      mult)
+                c.add(
+                    level,
+                    "global_bytes",
+                    math.prod(int(x) for x in mem[-1][0].split("x")) * _BYTES.get(mem[-1][1], 2),
+                    mult,
+                )
         elif re.search(r"(= tt\.load |^tt\.store |= ttg\.async_copy_global_to_local |= tt\.atomic_rmw )", t):
             elem = re.findall(r"!tt\.ptr<(\w+)>", t)[-1]
             tt_ = _tensor(t.split(" : ")[-1]) or (1, _BYTES.get(elem, 4))
@@ -389,25 +417,39 @@ def scratch_split(scratch_bytes: float, s: PassProfile, programs_per_sm: int, gp
     f_l1 = 1.0 if per_sm <= 0 else min(1.0, l1 / per_sm)
     f_l2 = 1.0 if s.scratch_resident <= 0 else min(1.0, gpu.l2_bytes / (s.scratch_resident + s.hbm_bytes))
     miss = comp * (1.0 - f_l1)
-    return {"scratch_bytes": scratch_bytes, "scratch_compulsory_bytes": comp, "l1_free_bytes": l1,
-            "scratch_l1_fraction": f_l1, "scratch_l2_hit_fraction": f_l2,
-            "scratch_l1_bytes": scratch_bytes - miss, "scratch_l2_bytes": miss * f_l2,
-            "scratch_hbm_bytes": miss * (1.0 - f_l2)}
+    return {
+        "scratch_bytes": scratch_bytes,
+        "scratch_compulsory_bytes": comp,
+        "l1_free_bytes": l1,
+        "scratch_l1_fraction": f_l1,
+        "scratch_l2_hit_fraction": f_l2,
+        "scratch_l1_bytes": scratch_bytes - miss,
+        "scratch_l2_bytes": miss * f_l2,
+        "scratch_hbm_bytes": miss * (1.0 - f_l2),
+    }
 
 
 def _rate(gpu: GPU) -> dict:
-    return {"mma_macs": gpu.wgmma_bf16 * gpu.mma_sync_fraction, "wgmma_macs": gpu.wgmma_bf16,
-            "tf32_macs": gpu.wgmma_bf16 * gpu.mma_sync_fraction * gpu.tf32_fraction,
-            "fma_macs": gpu.fma_fp32, "sfu": gpu.sfu, "lsu": gpu.lsu_bytes}
+    return {
+        "mma_macs": gpu.wgmma_bf16 * gpu.mma_sync_fraction,
+        "wgmma_macs": gpu.wgmma_bf16,
+        "tf32_macs": gpu.wgmma_bf16 * gpu.mma_sync_fraction * gpu.tf32_fraction,
+        "fma_macs": gpu.fma_fp32,
+        "sfu": gpu.sfu,
+        "lsu": gpu.lsu_bytes,
+    }
 
 
 def _busy_cycles(r: dict, gpu: GPU) -> float:
     """Cycles one SM needs for resources ``r`` (throughput only)."""
     rate = _rate(gpu)
     lsu = r["global_bytes"] + r["shared_bytes"]
-    return max(r["mma_macs"] / rate["mma_macs"] + r["wgmma_macs"] / rate["wgmma_macs"]
-               + r["tf32_macs"] / rate["tf32_macs"],
-               (r["fma_macs"] + r["alu"]) / rate["fma_macs"], r["sfu"] / rate["sfu"], lsu / rate["lsu"])
+    return max(
+        r["mma_macs"] / rate["mma_macs"] + r["wgmma_macs"] / rate["wgmma_macs"] + r["tf32_macs"] / rate["tf32_macs"],
+        (r["fma_macs"] + r["alu"]) / rate["fma_macs"],
+        r["sfu"] / rate["sfu"],
+        lsu / rate["lsu"],
+    )
 
 
 def line_cycles(c: Counts, gpu: GPU | None = None) -> list:
@@ -417,13 +459,17 @@ def line_cycles(c: Counts, gpu: GPU | None = None) -> list:
     rate = _rate(gpu or H200)
     out = []
     for where, r in c.by_line.items():
-        cyc = {"tensor": r["mma_macs"] / rate["mma_macs"] + r["wgmma_macs"] / rate["wgmma_macs"]
-               + r["tf32_macs"] / rate["tf32_macs"],
-               "alu": (r["fma_macs"] + r["alu"]) / rate["fma_macs"], "sfu": r["sfu"] / rate["sfu"],
-               "global": r["global_bytes"] / rate["lsu"], "shared": r["shared_bytes"] / rate["lsu"]}
+        cyc = {
+            "tensor": r["mma_macs"] / rate["mma_macs"]
+            + r["wgmma_macs"] / rate["wgmma_macs"]
+            + r["tf32_macs"] / rate["tf32_macs"],
+            "alu": (r["fma_macs"] + r["alu"]) / rate["fma_macs"],
+            "sfu": r["sfu"] / rate["sfu"],
+            "global": r["global_bytes"] / rate["lsu"],
+            "shared": r["shared_bytes"] / rate["lsu"],
+        }
         out.append((where, cyc))
-    return sorted(out, key=lambda x: -max(x[1]["tensor"], x[1]["alu"], x[1]["sfu"],
-                                           x[1]["global"] + x[1]["shared"]))
+    return sorted(out, key=lambda x: -max(x[1]["tensor"], x[1]["alu"], x[1]["sfu"], x[1]["global"] + x[1]["shared"]))
 
 
 def program_resources(c: Counts, frames_of_items: list) -> dict:
@@ -442,8 +488,13 @@ def _chain_cycles(per_prog: list, occ: int, share: int, gpu: GPU, busy) -> float
     heapq.heapify(slots)
     for r in per_prog:
         start = heapq.heappop(slots)
-        heapq.heappush(slots, start + share * busy(r) + r["barriers_global"] * gpu.barrier_global_cycles
-                       + r["barriers_shared"] * gpu.barrier_shared_cycles)
+        heapq.heappush(
+            slots,
+            start
+            + share * busy(r)
+            + r["barriers_global"] * gpu.barrier_global_cycles
+            + r["barriers_shared"] * gpu.barrier_shared_cycles,
+        )
     return max(slots)
 
 
@@ -464,23 +515,38 @@ def estimate_pass(c: Counts, s: PassProfile, gpu: GPU = H200) -> dict:
     # at its SM's share of the L2 bandwidth); HBM carries the compulsory bytes and the scratch
     # the L2 cannot hold.
     split = scratch_split(total["scratch_bytes"], s, share, gpu)
-    miss = 0.0 if total["scratch_bytes"] <= 0 else (
-        (split["scratch_l2_bytes"] + split["scratch_hbm_bytes"]) / total["scratch_bytes"])
+    miss = (
+        0.0
+        if total["scratch_bytes"] <= 0
+        else ((split["scratch_l2_bytes"] + split["scratch_hbm_bytes"]) / total["scratch_bytes"])
+    )
 
     def l2_bytes(r):
         return r["global_bytes"] - r["scratch_bytes"] + miss * r["scratch_bytes"]
 
     io = total["global_bytes"] - total["scratch_bytes"]
     t_l2 = l2_bytes(total) / (gpu.l2_bytes_clk * max(1, active)) / gpu.clock_hz
-    t_chain_l2 = _chain_cycles(per_prog, occ, share, gpu,
-                               lambda r: max(_busy_cycles(r, gpu), l2_bytes(r) / gpu.l2_bytes_clk)) / gpu.clock_hz
+    t_chain_l2 = (
+        _chain_cycles(per_prog, occ, share, gpu, lambda r: max(_busy_cycles(r, gpu), l2_bytes(r) / gpu.l2_bytes_clk))
+        / gpu.clock_hz
+    )
     t_hbm = (s.hbm_bytes + split["scratch_hbm_bytes"]) / gpu.hbm_bytes_s
-    return {"est_ms": 1e3 * (max(t_tp, t_chain) + gpu.launch_s), "throughput_ms": 1e3 * t_tp,
-            "chain_ms": 1e3 * t_chain, "occupancy": occ, "programs": len(s.programs), "total": total,
-            "est_l2_ms": 1e3 * (max(t_tp, t_chain, t_l2, t_chain_l2, t_hbm) + gpu.launch_s), "l2_ms": 1e3 * t_l2,
-            "chain_l2_ms": 1e3 * t_chain_l2, "hbm_ms": 1e3 * t_hbm, "io_bytes": io,
-            "l2_bytes": io + split["scratch_l2_bytes"] + split["scratch_hbm_bytes"],
-            "hbm_bytes": s.hbm_bytes + split["scratch_hbm_bytes"], **split}
+    return {
+        "est_ms": 1e3 * (max(t_tp, t_chain) + gpu.launch_s),
+        "throughput_ms": 1e3 * t_tp,
+        "chain_ms": 1e3 * t_chain,
+        "occupancy": occ,
+        "programs": len(s.programs),
+        "total": total,
+        "est_l2_ms": 1e3 * (max(t_tp, t_chain, t_l2, t_chain_l2, t_hbm) + gpu.launch_s),
+        "l2_ms": 1e3 * t_l2,
+        "chain_l2_ms": 1e3 * t_chain_l2,
+        "hbm_ms": 1e3 * t_hbm,
+        "io_bytes": io,
+        "l2_bytes": io + split["scratch_l2_bytes"] + split["scratch_hbm_bytes"],
+        "hbm_bytes": s.hbm_bytes + split["scratch_hbm_bytes"],
+        **split,
+    }
 
 
 # --------------------------------------------------------------------------------------
@@ -488,6 +554,7 @@ def estimate_pass(c: Counts, s: PassProfile, gpu: GPU = H200) -> dict:
 # tile configuration (flash-attn 2.x, head dim 96: forward 128x64 tiles on 4 warps, K/V
 # through shared memory; backward 64x128 tiles on 8 warps, programs own key blocks, dq by
 # fp32 atomics), mma.sync on bf16 operands, causal block skipping.
+
 
 def _res(**kw) -> dict:
     return {k: float(kw.get(k, 0.0)) for k in RESOURCES}
@@ -501,32 +568,61 @@ def fa2_passes(batch: int, heads: int, seq: int, head_dim: int, gpu: GPU = H200)
     bm, bn = 128, 64
     fwd = Counts()
     fwd.levels[1] = _res(global_bytes=2 * bm * d * 2 + bm * 4)  # Q in, O and lse out
-    fwd.levels[2] = _res(mma_macs=2 * bm * bn * d, fma_macs=2 * bm * bn, alu=5 * bm * bn, sfu=bm * bn,
-                         global_bytes=2 * bn * d * 2, shared_bytes=4 * 2 * bn * d * 2, barriers_shared=2)
+    fwd.levels[2] = _res(
+        mma_macs=2 * bm * bn * d,
+        fma_macs=2 * bm * bn,
+        alu=5 * bm * bn,
+        sfu=bm * bn,
+        global_bytes=2 * bn * d * 2,
+        shared_bytes=4 * 2 * bn * d * 2,
+        barriers_shared=2,
+    )
     items = [-(-min(seq, (i + 1) * bm) // bn) for i in range(-(-seq // bm))] * (batch * heads)
     io = batch * heads * seq * d * 2
-    out["fa2_forward"] = (fwd, PassProfile([[f] for f in items], hbm_bytes=4 * io, num_warps=4, registers=255,
-                                        smem_bytes=(bm + 2 * bn) * d * 2))
+    out["fa2_forward"] = (
+        fwd,
+        PassProfile(
+            [[f] for f in items], hbm_bytes=4 * io, num_warps=4, registers=255, smem_bytes=(bm + 2 * bn) * d * 2
+        ),
+    )
     # backward: dO.O row sums (memory-bound), then items (b, h, key block of 128) walking
     # row blocks of 64 from the diagonal down, then dq fp32 -> bf16
     pre = Counts()
     pre.levels[1] = _res(global_bytes=2 * 128 * d * 2 + 128 * 4, fma_macs=128 * d)
     n128 = -(-seq // 128)
-    out["fa2_backward_dot_do_o"] = (pre, PassProfile([[0]] * (batch * heads * n128), hbm_bytes=2 * io,
-                                                  num_warps=4, registers=64, smem_bytes=0))
+    out["fa2_backward_dot_do_o"] = (
+        pre,
+        PassProfile([[0]] * (batch * heads * n128), hbm_bytes=2 * io, num_warps=4, registers=64, smem_bytes=0),
+    )
     bm, bn = 64, 128
     bwd = Counts()
     bwd.levels[1] = _res(global_bytes=4 * bn * d * 2)  # K, V in; dK, dV out
-    bwd.levels[2] = _res(mma_macs=5 * bm * bn * d, fma_macs=3 * bm * bn, alu=6 * bm * bn, sfu=bm * bn,
-                         global_bytes=2 * bm * d * 2 + 2 * bm * 4 + 2 * bm * d * 4,
-                         shared_bytes=5 * (bm + bn) * d * 2, barriers_shared=4)
+    bwd.levels[2] = _res(
+        mma_macs=5 * bm * bn * d,
+        fma_macs=3 * bm * bn,
+        alu=6 * bm * bn,
+        sfu=bm * bn,
+        global_bytes=2 * bm * d * 2 + 2 * bm * 4 + 2 * bm * d * 4,
+        shared_bytes=5 * (bm + bn) * d * 2,
+        barriers_shared=4,
+    )
     items = [-(-seq // bm) - (j * bn) // bm for j in range(-(-seq // bn))] * (batch * heads)
-    out["fa2_backward"] = (bwd, PassProfile([[f] for f in items], hbm_bytes=6 * io + 2 * 2 * io, num_warps=8,
-                                         registers=255, smem_bytes=(2 * bn + 3 * bm) * d * 2))
+    out["fa2_backward"] = (
+        bwd,
+        PassProfile(
+            [[f] for f in items],
+            hbm_bytes=6 * io + 2 * 2 * io,
+            num_warps=8,
+            registers=255,
+            smem_bytes=(2 * bn + 3 * bm) * d * 2,
+        ),
+    )
     conv = Counts()
     conv.levels[1] = _res(global_bytes=128 * d * 6)
-    out["fa2_backward_convert_dq"] = (conv, PassProfile([[0]] * (batch * heads * n128), hbm_bytes=3 * io,
-                                                     num_warps=4, registers=32, smem_bytes=0))
+    out["fa2_backward_convert_dq"] = (
+        conv,
+        PassProfile([[0]] * (batch * heads * n128), hbm_bytes=3 * io, num_warps=4, registers=32, smem_bytes=0),
+    )
     return out
 
 

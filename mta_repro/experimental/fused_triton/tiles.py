@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import NamedTuple, Optional
+from typing import NamedTuple
 
 import torch
 
@@ -32,7 +32,7 @@ from mta_repro.errors import UserError
 from mta_repro.kernels.conv_pad import pad_left
 from mta_repro.kernels.tuning import DEFAULT_TUNING, KernelTuning
 
-Kernel = Optional[tuple[int, int]]  # a key-query convolution's (c_q, c_k), None: off
+Kernel = tuple[int, int] | None  # a key-query convolution's (c_q, c_k), None: off
 
 # The fused kernel's passes, in the order they run (forward: 0, 1; backward: 2, 3).
 FUSED_PASSES = ("stats", "forward", "backward_rowsum", "backward")
@@ -153,9 +153,14 @@ def scratch_slots(pass_: str, has_pre: bool, has_post: bool) -> dict:
     pre = (1, 1) if has_pre else None
     _check_pass(pass_, pre)
     post_fwd, post_bwd = (["P", "R"], ["P", "DR", "DP"]) if has_post else ([], [])
-    need = {"stats": ["C", "S0"] if has_pre else ["C"], "forward": ["C", "A"] + post_fwd,
-            "backward_rowsum": ["C", "DA"] + post_bwd, "backward": ["C", "DA", "DC", "A"] + post_bwd + post_fwd[1:],
-            "backward_dc": ["C", "DA", "A"] + post_bwd + post_fwd[1:], "backward_b": []}[pass_]
+    need = {
+        "stats": ["C", "S0"] if has_pre else ["C"],
+        "forward": ["C", "A"] + post_fwd,
+        "backward_rowsum": ["C", "DA"] + post_bwd,
+        "backward": ["C", "DA", "DC", "A"] + post_bwd + post_fwd[1:],
+        "backward_dc": ["C", "DA", "A"] + post_bwd + post_fwd[1:],
+        "backward_b": [],
+    }[pass_]
     out = {f"S_{n}": -1 for n in STAGES}
     out.update({f"S_{n}": i for i, n in enumerate(need)})
     out["NSLOT"] = len(need)
@@ -176,7 +181,8 @@ def frame(pass_: str, pre: Kernel, post: Kernel, pad_key: str, tuning: KernelTun
         if er <= hl.top + hl.bot or ec <= hl.left + hl.right:
             raise UserError(
                 f"model.kernels.triton_frame={er}x{ec} leaves no owned block: the {pass_} pass's halo needs "
-                f"{hl.top + hl.bot + 1}x{hl.left + hl.right + 1} at least")
+                f"{hl.top + hl.bot + 1}x{hl.left + hl.right + 1} at least"
+            )
     else:
         if pass_ == "backward_b":
             er, ec = FRAME_B
@@ -261,8 +267,12 @@ def items(f: Frame, batch: int, tq: int, tk: int, q_offset: int, n_prog: int) ->
     starts = [0]
     for lst in per_prog:
         starts.append(starts[-1] + len(lst))
-    return TileSchedule([(b, t, c0, c1, (b * n_rt + t) * s_max + s) for lst in per_prog for b, t, c0, c1, s in lst],
-                    n_rt, s_max, tuple(starts))
+    return TileSchedule(
+        [(b, t, c0, c1, (b * n_rt + t) * s_max + s) for lst in per_prog for b, t, c0, c1, s in lst],
+        n_rt,
+        s_max,
+        tuple(starts),
+    )
 
 
 def cells_visited(f: Frame, tq: int, tk: int, q_offset: int = 0) -> int:
@@ -295,7 +305,7 @@ def store_plane(tq: int, tk: int, q_off: int) -> int:
 class Buffer(NamedTuple):
     shape: tuple
     dtype: torch.dtype
-    fill: Optional[float]  # None: torch.empty (every cell is written before it is read)
+    fill: float | None  # None: torch.empty (every cell is written before it is read)
 
 
 def acc_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -312,8 +322,22 @@ def stored_planes(*, b: int, h: int, tq: int, tk: int, q_off: int, dtype: torch.
     return {"cstore": Buffer((n,), dtype, None), "dcstore": Buffer((n,), dtype, None)}
 
 
-def pass_buffers(pass_: str, f: Frame, sched: TileSchedule, n_prog: int, *, b: int, h: int, hp: int, tk: int, dpad: int,
-                 pre: Kernel, post: Kernel, dtype: torch.dtype, margin: int = 0) -> dict:
+def pass_buffers(
+    pass_: str,
+    f: Frame,
+    sched: TileSchedule,
+    n_prog: int,
+    *,
+    b: int,
+    h: int,
+    hp: int,
+    tk: int,
+    dpad: int,
+    pre: Kernel,
+    post: Kernel,
+    dtype: torch.dtype,
+    margin: int = 0,
+) -> dict:
     """{name: Buffer} a pass's launch allocates (the stored planes apart): its per-item
     partials (slots = B x row blocks x key splits; DPAD features so their rows suit a tensor
     descriptor), the backward's dk/dv (keys after ``margin`` rows: ``margin``) and
@@ -331,17 +355,30 @@ def pass_buffers(pass_: str, f: Frame, sched: TileSchedule, n_prog: int, *, b: i
 
     mixing_grads = {"pw1": Buffer((progs, hp, hp), acc, 0.0), "pw2": Buffer((progs, hp, hp), acc, 0.0)}
     out = {
-        "stats": lambda: {"pm": Buffer((slots, hp, f.er), acc, float("-inf")), "pl": Buffer((slots, hp, f.er), acc, 0.0)},
+        "stats": lambda: {
+            "pm": Buffer((slots, hp, f.er), acc, float("-inf")),
+            "pl": Buffer((slots, hp, f.er), acc, 0.0),
+        },
         "forward": lambda: {"po": Buffer((slots, h, f.er, dpad), acc, 0.0)},
         "backward_rowsum": lambda: {"pd": Buffer((slots, hp, f.er), acc, 0.0)},
-        "backward": lambda: {"pdq": Buffer((slots, h, f.er, dpad), acc, 0.0), "dk": keys(), "dv": keys(),
-                             **mixing_grads, **kernel_grad("pt2", post)},
+        "backward": lambda: {
+            "pdq": Buffer((slots, h, f.er, dpad), acc, 0.0),
+            "dk": keys(),
+            "dv": keys(),
+            **mixing_grads,
+            **kernel_grad("pt2", post),
+        },
         "backward_dc": lambda: {"dv": keys(), **mixing_grads, **kernel_grad("pt2", post)},
-        "backward_b": lambda: {"pdq": Buffer((slots, h, f.er, dpad), acc, 0.0), "dk": keys(),
-                               **kernel_grad("pt1", pre)},
+        "backward_b": lambda: {
+            "pdq": Buffer((slots, h, f.er, dpad), acc, 0.0),
+            "dk": keys(),
+            **kernel_grad("pt1", pre),
+        },
     }[pass_]()
     n_tiles = sum(c1 - c0 for _, _, c0, c1, _ in sched.items)
-    out["tiles"] = Buffer((4 * n_tiles + n_prog + 1,), torch.int32, None)  # TileSchedule.tiles(), as the kernel walks it
+    out["tiles"] = Buffer(
+        (4 * n_tiles + n_prog + 1,), torch.int32, None
+    )  # TileSchedule.tiles(), as the kernel walks it
     if pass_ == "backward_b":
         out["scratch"] = Buffer((n_prog * f.er * f.ec,), dtype, None)
     else:
@@ -354,8 +391,22 @@ def nbytes(bufs: dict) -> int:
     return sum(math.prod(x.shape) * x.dtype.itemsize for x in bufs.values())
 
 
-def problem_buffers(*, b: int, h: int, hp: int, tq: int, tk: int, d: int, pre: Kernel, post: Kernel,
-                    mix: tuple[bool, bool], pad_key: str, ec: int, dtype: torch.dtype, gpu: bool = True) -> dict:
+def problem_buffers(
+    *,
+    b: int,
+    h: int,
+    hp: int,
+    tq: int,
+    tk: int,
+    d: int,
+    pre: Kernel,
+    post: Kernel,
+    mix: tuple[bool, bool],
+    pad_key: str,
+    ec: int,
+    dtype: torch.dtype,
+    gpu: bool = True,
+) -> dict:
     """{name: Buffer} of what one call derives from its inputs and holds through its passes
     (``launch.Problem``): the convolutions' Toeplitz tables (HP x c_q x EC, EC) of a pass
     whose frames are ``ec`` wide (the pre kernel's adjoint, the post kernel and its adjoint),
@@ -374,9 +425,21 @@ def problem_buffers(*, b: int, h: int, hp: int, tq: int, tk: int, d: int, pre: K
     return out
 
 
-def backward_workspace_bytes(*, b: int, h: int, d: int, seq_len: int, pre: Kernel, post: Kernel,
-                             mix: tuple[bool, bool], pad_key: str, dtype: torch.dtype, n_prog: int, gpu: bool = True,
-                             tuning: KernelTuning = DEFAULT_TUNING) -> int:
+def backward_workspace_bytes(
+    *,
+    b: int,
+    h: int,
+    d: int,
+    seq_len: int,
+    pre: Kernel,
+    post: Kernel,
+    mix: tuple[bool, bool],
+    pad_key: str,
+    dtype: torch.dtype,
+    n_prog: int,
+    gpu: bool = True,
+    tuning: KernelTuning = DEFAULT_TUNING,
+) -> int:
     """Bytes a layer's kernels hold beyond their inputs, outputs and saved tensors while the
     backward runs (its largest moment, the last launch): the call's derived inputs, the
     descriptor's copy of dO, the per-row reduction D (B, H, T) of the rowsum pass, and
@@ -390,8 +453,23 @@ def backward_workspace_bytes(*, b: int, h: int, d: int, seq_len: int, pre: Kerne
     if pre is not None:
         first = "backward_dc"
     ec = frame(last, pre, post, pad_key, tuning).ec
-    total = nbytes(problem_buffers(b=b, h=h, hp=hp, tq=seq_len, tk=seq_len, d=d, pre=pre, post=post, mix=mix,
-                                   pad_key=pad_key, ec=ec, dtype=dtype, gpu=gpu))
+    total = nbytes(
+        problem_buffers(
+            b=b,
+            h=h,
+            hp=hp,
+            tq=seq_len,
+            tk=seq_len,
+            d=d,
+            pre=pre,
+            post=post,
+            mix=mix,
+            pad_key=pad_key,
+            ec=ec,
+            dtype=dtype,
+            gpu=gpu,
+        )
+    )
     total += b * h * seq_len * acc_dtype(dtype).itemsize  # D
     if pre is not None:
         total += nbytes({"dcstore": stored_planes(b=b, h=h, tq=seq_len, tk=seq_len, q_off=0, dtype=dtype)["dcstore"]})
@@ -401,8 +479,21 @@ def backward_workspace_bytes(*, b: int, h: int, d: int, seq_len: int, pre: Kerne
     for pass_ in (first, last):
         f = frame(pass_, pre, post, pad_key, tuning)
         sched = items(f, b, seq_len, seq_len, 0, n_prog)
-        bufs = pass_buffers(pass_, f, sched, len(sched.starts) - 1, b=b, h=h, hp=hp, tk=seq_len, dpad=dpad,
-                            pre=pre, post=post, dtype=dtype, margin=mg)
+        bufs = pass_buffers(
+            pass_,
+            f,
+            sched,
+            len(sched.starts) - 1,
+            b=b,
+            h=h,
+            hp=hp,
+            tk=seq_len,
+            dpad=dpad,
+            pre=pre,
+            post=post,
+            dtype=dtype,
+            margin=mg,
+        )
         if pass_ == first:  # freed when its launch returns; its results stay
             del bufs["scratch"], bufs["tiles"]
         total += nbytes(bufs)
