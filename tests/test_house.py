@@ -35,6 +35,30 @@ def test_module_docstrings_outside_the_experiments_are_short():
     assert not long, long
 
 
+def test_the_prose_cites_nothing_a_reader_does_not_have():
+    """No issue-tracker numbers, borrowed machines or notes the repository does not ship, in the
+    package, scripts, docs, tests, README or CONTRIBUTING (the history lives in commit bodies)."""
+    import re
+
+    notes = "|".join(
+        n + "_" + s + ".md"
+        for n, s in (("PERF", "NOTES"), ("MTA", "SPEC"), ("GPU", "REVIEW"), ("GPU", "FLOORS"), ("OFFLINE", "NOTES"))
+    )
+    pattern = re.compile(
+        r"\bissues? ?#?\d+\b|#\d{2}\b(?! *\))|\blent\b|\bspec section\b|\bthe spec'?s?\b|" + notes, re.I
+    )
+    files = [ROOT / "README.md", ROOT / "CONTRIBUTING.md", *sorted((ROOT / "docs").glob("*.md"))]
+    for folder in ("mta_repro", "scripts", "tests"):
+        files += [p for p in sorted((ROOT / folder).rglob("*")) if p.suffix in (".py", ".md", ".sh", ".c", ".yaml")]
+    hits = [
+        f"{p.relative_to(ROOT)}:{i}: {line.strip()[:80]}"
+        for p in files
+        for i, line in enumerate(p.read_text().splitlines(), 1)
+        if pattern.search(line)
+    ]
+    assert not hits, hits
+
+
 def test_no_fault_injection_reads_the_environment_in_product_code():
     """Faults are installed by the tests (checkpoint.save_hook), never read from an
     environment variable in the save path."""
