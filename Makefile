@@ -58,7 +58,7 @@ format: $(STAMPS)/.make-installed-all,dev
 check: $(STAMPS)/.make-installed-all,dev
 	$(PY) -m ruff format --check .
 	$(PY) -m ruff check .
-	$(PY) -m pyright
+	$(PY) -m pyright -p .
 
 # The whole suite on TEST_WORKERS pytest-xdist processes (2: this project's 2-core CI
 # machine; most of the suite waits on subprocesses, the interpreter and the SLURM queue,
