@@ -49,7 +49,7 @@ if _THREADS is not None and "OMP_NUM_THREADS" not in os.environ:
 
 TIER_MARKERS = ("slurm", "distributed", "triton", "pipeline", "lm_eval")  # each implies slow
 SHARED_SCOPES = ("module", "package", "session")
-# The modules whose tests this session grouped on one worker (tests/test_conftest_groups.py).
+# The modules with a shared fixture whose tests this session grouped on one worker (tests/test_conftest_groups.py).
 GROUPED: set = set()
 
 
@@ -88,13 +88,15 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.slow)
         # The SLURM tests share one single-node cluster and its queue: one worker, one after the
         # other, as they would run alone. A shared fixture is built once, not once per worker.
+        shared = _builds_shared_fixture(item)
         if item.get_closest_marker("slurm"):
             group = "slurm"
-        elif _builds_shared_fixture(item):
+        elif shared:
             group = _where(item)
-            GROUPED.add(group)
         else:
             continue
+        if shared:
+            GROUPED.add(_where(item))
         if xdist:
             item.add_marker(pytest.mark.xdist_group(group))
     if hasattr(config, "workerinput"):  # a pytest-xdist worker: its order is the schedule's

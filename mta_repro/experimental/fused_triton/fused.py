@@ -189,7 +189,7 @@ def _mta_kernel(
     # every convolution reads the frame's own columns (``toeplitz_conv``): its margins must hold
     # the key taps of each cell whose result is used (``tiles.halo`` makes them so)
     RIGHT: tl.constexpr = EC - LEFT - BNO
-    if HAS_K2 and (MODE in (_FWD, _BWD)):
+    if HAS_K2 and (MODE == _FWD or MODE == _BWD):
         tl.static_assert((LEFT >= PL2) & (RIGHT >= R2), "the frame's margins must hold the post kernel's taps")
     if HAS_K2 and MODE == _ROWSUM:
         tl.static_assert((LEFT >= R2) & (RIGHT >= PL2), "the frame's margins must hold the post adjoint's taps")
@@ -223,7 +223,7 @@ def _mta_kernel(
             pc = scr + S_C * SLOT + h * PLANE + u[:, None] * EC + w[None, :]
             cst = qk_scores(qd, kd, bh, row0, col0, scale, ER, EC, GP, DPAD, MMA, ACC, PREC, MARGIN)
             tl.store(pc, to_scratch(cst, scr_ptr.dtype.element_ty, RNE))
-            if MODE in (_ROWSUM, _BWD):
+            if MODE == _ROWSUM or MODE == _BWD:
                 da = tl.zeros([ER, EC], ACC)
                 for e0 in tl.range(0, DPAD, GP):
                     da = tl.dot(
@@ -320,12 +320,12 @@ def _mta_kernel(
                         ACC,
                         PREC,
                     )
-                if MODE in (_FWD, _BWD):
+                if MODE == _FWD or MODE == _BWD:
                     tl.store(
                         scr + S_R * SLOT + h * PLANE + pp,
                         to_scratch(tl.where(ok, rr, 0.0), scr_ptr.dtype.element_ty, RNE),
                     )
-                if MODE in (_ROWSUM, _BWD):
+                if MODE == _ROWSUM or MODE == _BWD:
                     dp = toeplitz_conv(
                         scr + S_DR * SLOT + h * PLANE, ta2d, h * CQ2 * EC, CQ2, True, ER, EC, MMA, ACC, PREC
                     )
@@ -366,7 +366,7 @@ def _mta_kernel(
                 tl.store(pw1_ptr + wptr, tl.load(pw1_ptr + wptr) + dw1)
             if HAS_W2:
                 tl.store(pw2_ptr + wptr, tl.load(pw2_ptr + wptr) + dw2)
-        if MODE in (_FWD, _BWD):
+        if MODE == _FWD or MODE == _BWD:
             tl.debug_barrier()
             # ---- H3: per-head products of the owned block: O; dq, dk, dv
             if MODE == _FWD:

@@ -167,9 +167,9 @@ def _stored_kernel(
         tl.static_assert(
             (LEFT >= PL1) & (RIGHT >= R1) & (TOP >= CQ1 - 1), "the frame's margins must hold the pre kernel's taps"
         )
-    if HAS_K2 and (MODE in (_FWD, _DC)):
+    if HAS_K2 and (MODE == _FWD or MODE == _DC):
         tl.static_assert((LEFT >= PL2) & (RIGHT >= R2), "the frame's margins must hold the post kernel's taps")
-    if HAS_K2 and (MODE in (_ROWSUM, _DC)):
+    if HAS_K2 and (MODE == _ROWSUM or MODE == _DC):
         tl.static_assert((LEFT >= R2) & (RIGHT >= PL2), "the frame's margins must hold the post adjoint's taps")
     own_u = (u >= TOP) & (u < TOP + BMO)
     own_w = (w >= LEFT) & (w < LEFT + BNO)
@@ -212,7 +212,7 @@ def _stored_kernel(
                 sp, sok = _store_frame_ptrs(cst_ptr, rowoff_ptr, bh, i, j, Tq, Tk, q_off, plane_sz)
                 cst = tl.load(sp, mask=sok, other=0.0)
             tl.store(pc, to_scratch(cst, scr_ptr.dtype.element_ty, RNE))
-            if MODE in (_ROWSUM, _DC):
+            if MODE == _ROWSUM or MODE == _DC:
                 da = tl.zeros([ER, EC], ACC)
                 for e0 in tl.range(0, DPAD, GP):
                     da = tl.dot(
@@ -315,12 +315,12 @@ def _stored_kernel(
                         ACC,
                         PREC,
                     )
-                if MODE in (_FWD, _DC):
+                if MODE == _FWD or MODE == _DC:
                     tl.store(
                         scr + S_R * SLOT + h * PLANE + pp,
                         to_scratch(tl.where(ok, rr, 0.0), scr_ptr.dtype.element_ty, RNE),
                     )
-                if MODE in (_ROWSUM, _DC):
+                if MODE == _ROWSUM or MODE == _DC:
                     dp = toeplitz_conv(
                         scr + S_DR * SLOT + h * PLANE, ta2d, h * CQ2 * EC, CQ2, True, ER, EC, MMA, ACC, PREC
                     )
@@ -365,7 +365,7 @@ def _stored_kernel(
                 tl.store(pw1_ptr + wptr, tl.load(pw1_ptr + wptr) + dw1)
             if HAS_W2:
                 tl.store(pw2_ptr + wptr, tl.load(pw2_ptr + wptr) + dw2)
-        if MODE in (_FWD, _DC):
+        if MODE == _FWD or MODE == _DC:
             tl.debug_barrier()
             own2 = (
                 own_u[:, None]
