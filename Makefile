@@ -1,6 +1,6 @@
 # The commands a fresh machine needs (see README):
 #   make demo        install, then run the main job on the bundled default (CPU, ~3 min)
-#   make test        install, then ruff and the whole test suite (what .ci/run runs)
+#   make test        install, then make check and the whole test suite (what .ci/run runs)
 #   make test-fast   install, then ruff and the unit-level tier (the edit loop, < 3 min)
 #   make check       format check, lint and types (what make test runs first)
 PY ?= python3
