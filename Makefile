@@ -71,6 +71,7 @@ test: check
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder --durations=15
 
 # Each test carries its tier marks; -m "not slow" leaves out the cluster,
-# multi-rank, pipeline, Triton-interpreter and long training tests.
+# multi-rank, pipeline, Triton-interpreter and long training tests. On the same
+# TEST_WORKERS processes as the whole suite (one process: 2:49 on the 2-core CI machine).
 test-fast: lint
-	$(PY) -m pytest -q -m "not slow" --durations=10
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup -m "not slow" --durations=10

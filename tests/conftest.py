@@ -4,7 +4,8 @@ Each test carries its own tier marks (``@pytest.mark.slow``, or a module's ``pyt
 the markers are registered in pyproject.toml:
 
     make test-fast        python -m pytest -m "not slow"   (the edit loop, < 3 min on 2 cores)
-    make test             everything (what .ci/run runs), on TEST_WORKERS pytest-xdist workers
+    make test             everything (what .ci/run runs)
+    (both on TEST_WORKERS pytest-xdist workers)
     python -m pytest -m triton | slurm | distributed | pipeline | lm_eval
 
 Rules applied here: a test marked with one of the cluster/process/interpreter markers is
