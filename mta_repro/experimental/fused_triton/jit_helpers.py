@@ -243,7 +243,7 @@ def accumulate(desc, plane, r0, e0, x, R: tl.constexpr, GP: tl.constexpr, ACC: t
     wide at most, so a float64 accumulator (the interpreter's float64 checks; on a GPU the
     registry runs ``blocked`` for float64, ``impl.py``) is read, added
     and written back: exact there, where programs run one after another."""
-    if tl.float64 == ACC:
+    if ACC == tl.float64:
         desc.store([plane, r0, e0], desc.load([plane, r0, e0]) + x.reshape(1, R, GP))
     else:
         desc.atomic_add([plane, r0, e0], x.reshape(1, R, GP))
