@@ -47,6 +47,7 @@ from mta_repro.experimental.fused_triton.jit_helpers import (
     add_row_sums,
     allowed_cells,
     conv_and_weight_grad,
+    frame_products,
     grad_pair,
     load_slab,
     load_tile,
@@ -224,15 +225,7 @@ def _mta_kernel(
             cst = qk_scores(qd, kd, bh, row0, col0, scale, ER, EC, GP, DPAD, MMA, ACC, PREC, MARGIN)
             tl.store(pc, to_scratch(cst, scr_ptr.dtype.element_ty, RNE))
             if MODE == _ROWSUM or MODE == _BWD:
-                da = tl.zeros([ER, EC], ACC)
-                for e0 in tl.range(0, DPAD, GP):
-                    da = tl.dot(
-                        load_tile(dod, bh, row0, e0, ER, GP, MMA, MARGIN),
-                        tl.trans(load_tile(vd, bh, col0, e0, EC, GP, MMA, MARGIN)),
-                        da,
-                        input_precision=PREC,
-                        out_dtype=ACC,
-                    )
+                da = frame_products(dod, vd, bh, row0, col0, ER, EC, GP, DPAD, MMA, ACC, PREC, MARGIN)
                 tl.store(
                     scr + S_DA * SLOT + h * PLANE + u[:, None] * EC + w[None, :],
                     to_scratch(da, scr_ptr.dtype.element_ty, RNE),

@@ -66,6 +66,38 @@ def load_tile(desc, plane, r0, e0, R: tl.constexpr, GP: tl.constexpr, MMA: tl.co
 
 
 @triton.jit
+def frame_products(
+    ad,
+    bd,
+    bh,
+    row0,
+    col0,
+    ER: tl.constexpr,
+    EC: tl.constexpr,
+    GP: tl.constexpr,
+    DPAD: tl.constexpr,
+    MMA: tl.constexpr,
+    ACC: tl.constexpr,
+    PREC: tl.constexpr,
+    M0: tl.constexpr = 0,
+):
+    """(ER, EC) products a[row0 + u] . b[col0 + w] of one head (plane bh) on a frame, through
+    the inputs' descriptors (M0: their zero margin, ``load_tile``): q.k for the scores, dO.v for
+    dA. A runtime loop over the feature parts: one set of operand buffers, prefetched by the
+    pipeliner."""
+    acc = tl.zeros([ER, EC], ACC)
+    for e0 in tl.range(0, DPAD, GP):
+        acc = tl.dot(
+            load_tile(ad, bh, row0, e0, ER, GP, MMA, M0),
+            tl.trans(load_tile(bd, bh, col0, e0, EC, GP, MMA, M0)),
+            acc,
+            input_precision=PREC,
+            out_dtype=ACC,
+        )
+    return acc
+
+
+@triton.jit
 def qk_scores(
     qd,
     kd,
@@ -82,19 +114,8 @@ def qk_scores(
     PREC: tl.constexpr,
     M0: tl.constexpr = 0,
 ):
-    """(ER, EC) scores q[row0 + u] . k[col0 + w] * scale of one head (plane bh) on a frame,
-    through the inputs' descriptors (M0: their zero margin, ``load_tile``). A runtime loop over
-    the feature parts: one set of operand buffers, prefetched by the pipeliner."""
-    acc = tl.zeros([ER, EC], ACC)
-    for e0 in tl.range(0, DPAD, GP):
-        acc = tl.dot(
-            load_tile(qd, bh, row0, e0, ER, GP, MMA, M0),
-            tl.trans(load_tile(kd, bh, col0, e0, EC, GP, MMA, M0)),
-            acc,
-            input_precision=PREC,
-            out_dtype=ACC,
-        )
-    return acc * scale
+    """(ER, EC) scores q[row0 + u] . k[col0 + w] * scale of one head on a frame (``frame_products``)."""
+    return frame_products(qd, kd, bh, row0, col0, ER, EC, GP, DPAD, MMA, ACC, PREC, M0) * scale
 
 
 @triton.jit
