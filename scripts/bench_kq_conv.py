@@ -117,39 +117,15 @@ def main() -> None:
         print(f"| {name} | {f:.3f} | {fb:.3f} | {fb / ref:.2f} |" if ref else f"| {name} | {f:.3f} | {fb:.3f} | n/a |")
 
 
-def ptxas_report(ptx: str, arch: int) -> str:
-    """``ptxas -v``'s registers and spill bytes of a compiled kernel, as Triton's own cubin
-    build runs it (its ptxas, its flags)."""
-    import re
-    import subprocess
-    import tempfile
-    from pathlib import Path
+def ptxas_line(ptx: str) -> str:
+    """``ptxas -v``'s registers and spill bytes of a compiled kernel, for the table."""
+    from mta_repro.kernels.gpu_compile import ptxas_report
 
-    from triton.backends.nvidia.compiler import get_ptxas
-
-    with tempfile.TemporaryDirectory() as tmp:
-        path = Path(tmp) / "k.ptx"
-        path.write_text(ptx)
-        p = subprocess.run(
-            [
-                str(get_ptxas(arch).path),
-                "-lineinfo",
-                "-v",
-                "--regAllocOptLevel=2",
-                f"--gpu-name=sm_{arch}a" if arch >= 90 else f"--gpu-name=sm_{arch}",
-                str(path),
-                "-o",
-                str(Path(tmp) / "k.o"),
-            ],
-            capture_output=True,
-            text=True,
-        )
-    text = p.stdout + p.stderr
-    regs = re.search(r"Used (\d+) registers", text)
-    spill = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", text)
-    if not (regs and spill):
-        return f"no register report: {text.strip()[-120:]}"
-    return f"{regs.group(1)} registers, {int(spill.group(1)) + int(spill.group(2))} B of spills"
+    try:
+        r = ptxas_report(ptx, 90)
+    except RuntimeError as e:
+        return str(e)[:160]
+    return f"{r['registers']} registers, {r['spill_bytes']} B of spills"
 
 
 def compile_report(cq: int, ck: int, tile: tuple[int, int]) -> None:
@@ -157,12 +133,10 @@ def compile_report(cq: int, ck: int, tile: tuple[int, int]) -> None:
     import os
 
     os.environ.pop("TRITON_INTERPRET", None)
-    import triton
     import triton.language as tl
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
 
     from mta_repro.kernels import kq_conv_triton as kt
+    from mta_repro.kernels.gpu_compile import compile_for_gpu
 
     br, bc = tile
     common = dict(CQ=cq, CK=ck, BR=br, BC=bc, BCH=kt._pow2(bc + ck - 1), CAUSAL=True, ACC=tl.float32, PREC="tf32")
@@ -181,13 +155,12 @@ def compile_report(cq: int, ck: int, tile: tuple[int, int]) -> None:
         names = fn.arg_names
         sig = {n: "constexpr" if n in consts else ptrs.get(n, "i32") for n in names}
         for nw in (4, 8):
-            src = ASTSource(fn=fn, signature=sig, constexprs={(names.index(k),): v for k, v in consts.items()})
             t0 = time.time()
-            k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": nw})
+            k = compile_for_gpu(fn, sig, consts, arch=90, num_warps=nw)
             ptx = k.asm["ptx"]
             print(
                 f"| {name} | {nw} | {time.time() - t0:.1f} | {k.metadata.shared / 1024:.0f} | "
-                f"{ptx.count('wgmma.mma_async')} | {ptxas_report(ptx, 90)} |",
+                f"{ptx.count('wgmma.mma_async')} | {ptxas_line(ptx)} |",
                 flush=True,
             )
 

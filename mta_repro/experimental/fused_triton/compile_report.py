@@ -47,12 +47,11 @@ import hashlib
 import json
 import os
 import re
-import subprocess
-import tempfile
 import time
 from pathlib import Path
 
 from mta_repro.experimental.fused_triton import ir_hazards, roofline, tiles
+from mta_repro.kernels.gpu_compile import compile_for_gpu, ptxas_report
 from mta_repro.kernels.tuning import DEFAULT_TUNING, KernelTuning
 
 # the 880M MTA layer kinds: (pre, post) key-query convolutions; the design follows (tiles.design)
@@ -118,8 +117,6 @@ _INT_ARGS = {
 
 def _compile(layer: str, name: str, consts: dict, arch: int, num_warps: int, num_stages: int):
     import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
 
     from mta_repro.experimental.fused_triton import launch
 
@@ -147,44 +144,7 @@ def _compile(layer: str, name: str, consts: dict, arch: int, num_warps: int, num
             sig[n] = "i32"
     # the launcher's attributes: pointers 16-byte aligned, H and d as they are (specialised)
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in names if n.endswith("_ptr")}
-    src = ASTSource(fn=fn, signature=sig, constexprs={(names.index(k),): v for k, v in consts.items()}, attrs=attrs)
-    return triton.compile(
-        src, target=GPUTarget("cuda", arch, 32), options={"num_warps": num_warps, "num_stages": num_stages}
-    )
-
-
-def ptxas(ptx: str, arch: int) -> dict:
-    """Registers, spill bytes (stores + loads) and whether wgmma are serialised (C7514), from ``ptxas -v``."""
-    from triton.backends.nvidia.compiler import get_ptxas
-
-    with tempfile.TemporaryDirectory() as tmp:
-        path = Path(tmp) / "k.ptx"
-        path.write_text(ptx)
-        # the flags triton's own make_cubin passes (3.9), so the counts are those of the cubin it builds
-        p = subprocess.run(
-            [
-                str(get_ptxas(arch).path),
-                "-lineinfo",
-                "-v",
-                "--regAllocOptLevel=2",
-                f"--gpu-name=sm_{arch}a" if arch >= 90 else f"--gpu-name=sm_{arch}",
-                str(path),
-                "-o",
-                str(Path(tmp) / "k.o"),
-            ],
-            capture_output=True,
-            text=True,
-        )
-    text = p.stdout + p.stderr
-    regs = re.search(r"Used (\d+) registers", text)
-    spill = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", text)
-    if not (regs and spill):
-        raise RuntimeError(f"ptxas -v gave no register report: {text.strip()[-400:]}")
-    return {
-        "registers": int(regs.group(1)),
-        "spill_bytes": int(spill.group(1)) + int(spill.group(2)),
-        "wgmma_serialized": "(C7514)" in text,
-    }
+    return compile_for_gpu(fn, sig, consts, arch=arch, num_warps=num_warps, num_stages=num_stages, attrs=attrs)
 
 
 def ptx_counts(ptx: str, num_warps: int) -> dict:
@@ -269,7 +229,7 @@ def compiled_pass(
             "compile_s": round(time.time() - t0, 1),
             "ttgir": k.asm["ttgir"],
             "ptx": ptx_counts(k.asm["ptx"], nw),
-            **ptxas(k.asm["ptx"], arch),
+            **ptxas_report(k.asm["ptx"], arch),
         }
         cache.mkdir(parents=True, exist_ok=True)
         path.write_bytes(gzip.compress(json.dumps(out).encode()))
