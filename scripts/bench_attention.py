@@ -28,12 +28,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
-from benchlib import kernel_tuning, layer_params, median_seconds, peak_rss_gb, ratio, sync, write_rows
+from benchlib import kernel_tuning, layer_params, median_seconds, peak_rss_gb, ratio, run_child, sync, write_rows
 
 ROOT = Path(__file__).resolve().parents[1]
 H, D = 16, 96
@@ -255,16 +253,10 @@ def main() -> None:
             "--kernels",
             a.kernels,
         ]
-        p = subprocess.run([*cmd, "--reps", str(a.reps)], cwd=ROOT, capture_output=True, text=True)
-        if p.returncode != 0:
-            print(f"{layer}/{impl}/T={seq} failed:\n{p.stderr[-1500:]}", file=sys.stderr)
+        peak_cmd = [*cmd, "--reps", "1"] if a.device == "cpu" else None
+        r = run_child([*cmd, "--reps", str(a.reps)], ROOT, f"{layer}/{impl}/T={seq}", peak_cmd)
+        if r is None:
             continue
-        r = json.loads(p.stdout.strip().splitlines()[-1])
-        if a.device == "cpu":
-            env = dict(os.environ, MALLOC_MMAP_THRESHOLD_=str(2**20))
-            m = subprocess.run([*cmd, "--reps", "1"], cwd=ROOT, capture_output=True, text=True, env=env)
-            if m.returncode == 0:
-                r["peak_gb"] = json.loads(m.stdout.strip().splitlines()[-1])["peak_gb"]
         r["block_size"] = bs
         rows.append(r)
         print(

@@ -35,12 +35,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import types
 from pathlib import Path
 
-from benchlib import median_seconds, peak_rss_gb, ratio, sync, write_rows
+from benchlib import median_seconds, peak_rss_gb, ratio, run_child, sync, write_rows
 
 ROOT = Path(__file__).resolve().parents[1]
 H, D, B = 16, 96, 1
@@ -295,16 +294,10 @@ def main() -> None:
             cmd = [sys.executable, __file__, "--one", case, str(seq), "--device", a.device, "--dtype", a.dtype]
             if a.release:
                 cmd += ["--release", a.release]
-            p = subprocess.run([*cmd, "--reps", str(a.reps)], cwd=ROOT, capture_output=True, text=True)
-            if p.returncode != 0:
-                print(f"{case}/T={seq} failed:\n{p.stderr[-1500:]}", file=sys.stderr)
+            peak_cmd = [*cmd, "--reps", "1"] if a.device == "cpu" else None
+            r = run_child([*cmd, "--reps", str(a.reps)], ROOT, f"{case}/T={seq}", peak_cmd)
+            if r is None:
                 continue
-            r = json.loads(p.stdout.strip().splitlines()[-1])
-            if a.device == "cpu":
-                env = dict(os.environ, MALLOC_MMAP_THRESHOLD_=str(2**20))
-                m = subprocess.run([*cmd, "--reps", "1"], cwd=ROOT, capture_output=True, text=True, env=env)
-                if m.returncode == 0:
-                    r["peak_gb"] = json.loads(m.stdout.strip().splitlines()[-1])["peak_gb"]
             rows.append(r)
             print(
                 f"  {case:8s} T={seq:5d} {r['s']:8.3f} s  peak {r['peak_gb']:.2f} GB  saved {r['saved_mb']:.1f} MB"

@@ -29,14 +29,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 
-from benchlib import peak_rss_gb, ratio, write_rows
+from benchlib import peak_rss_gb, ratio, run_child, write_rows
 
 ROOT = Path(__file__).resolve().parents[1]
 VARIANTS = ("baseline", "diff", "talking_heads", "mta")
@@ -208,18 +206,13 @@ def main() -> None:
                 "--threads",
                 str(a.threads),
             ]
-            p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
-            if p.returncode != 0:
-                print(f"{config}/{variant} failed:\n{p.stderr[-2000:]}", file=sys.stderr)
+            peak_cmd = None
+            if a.device == "cpu":  # one step is enough for the peak
+                peak_cmd = [*cmd[: cmd.index("--steps") + 1], "1", "--threads", str(a.threads)]
+            r = run_child(cmd, ROOT, f"{config}/{variant}", peak_cmd, peak_key="peak_mem_gb")
+            if r is None:
                 continue
-            rows.append(json.loads(p.stdout.strip().splitlines()[-1]))
-            if a.device == "cpu":  # peak RSS from a second process, large tensors mmapped
-                env = dict(os.environ, MALLOC_MMAP_THRESHOLD_=str(2**20))
-                mcmd = [*cmd[: cmd.index("--steps") + 1], "1", "--threads", str(a.threads)]
-                m = subprocess.run(mcmd, cwd=ROOT, capture_output=True, text=True, env=env)
-                if m.returncode == 0:
-                    rows[-1]["peak_mem_gb"] = json.loads(m.stdout.strip().splitlines()[-1])["peak_mem_gb"]
-            r = rows[-1]
+            rows.append(r)
             print(
                 f"  {config:5s} {variant:14s} {r['tokens_per_s']:10.1f} tok/s  {r['peak_mem_gb']:.2f} GB",
                 file=sys.stderr,

@@ -6,7 +6,11 @@ where it is not installed, e.g. a GPU machine image without a package registry).
 from __future__ import annotations
 
 import dataclasses
+import json
+import os
 import statistics
+import subprocess
+import sys
 import time
 from collections.abc import Callable, Iterable
 
@@ -42,6 +46,24 @@ def kernel_tuning(overrides: Iterable[str] = (), base: KernelTuning | None = Non
 def peak_rss_gb() -> float:
     """This process's peak resident set (VmHWM), GB."""
     return peak_rss_bytes() / 2**30
+
+
+def run_child(cmd: list, cwd, label: str, peak_cmd: list | None = None, peak_key: str = "peak_gb") -> dict | None:
+    """One measurement in its own process: ``cmd`` prints its row as JSON on its last line.
+    ``peak_cmd`` (on CPU) runs again with glibc mmapping every block over 1 MiB, so that freed
+    tensors leave the resident set and its peak is the tensors' own; its ``peak_key``
+    replaces the row's. A failed child is reported under ``label`` and gives None."""
+    p = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True)
+    if p.returncode != 0:
+        print(f"{label} failed:\n{p.stderr[-2000:]}", file=sys.stderr)
+        return None
+    row = json.loads(p.stdout.strip().splitlines()[-1])
+    if peak_cmd is not None:
+        env = dict(os.environ, MALLOC_MMAP_THRESHOLD_=str(2**20))
+        m = subprocess.run(peak_cmd, cwd=cwd, capture_output=True, text=True, env=env)
+        if m.returncode == 0:
+            row[peak_key] = json.loads(m.stdout.strip().splitlines()[-1])[peak_key]
+    return row
 
 
 def sync(device) -> None:
