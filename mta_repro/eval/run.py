@@ -155,13 +155,7 @@ def provenance_of(cfg: EvalConfig, model, run_cfg) -> dict:
         log.warning("eval: %s; accepted (accept_changed_tokenizer=true), recorded in the results", change)
         accepted.append(pv.accepted("tokenizer", change, "accept_changed_tokenizer=true", src.get("step")))
     return {
-        "checkpoint": {
-            "path": src.get("path"),
-            "kind": src.get("kind"),
-            "step": src.get("step"),
-            "weights_sha256": src.get("weights_sha256"),
-            "tokens_seen": record.get("tokens_seen"),
-        },
+        "checkpoint": pv.loaded_weights(model),
         "run": record.get("inputs"),
         "run_accepted": record.get("accepted") or [],
         "tokenizer": tok,

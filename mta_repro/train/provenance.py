@@ -342,6 +342,21 @@ class RunRecord:
         }
 
 
+def loaded_weights(model) -> dict:
+    """What ``mta_repro.eval.load.load_model(..., identity=True)`` recorded of the weights it
+    loaded (path, kind, step, sha256, tokens seen): the first block of an export's or an
+    eval's provenance."""
+    src = getattr(model, "source", {}) or {}
+    record = src.get("record") or {}
+    return {
+        "path": src.get("path"),
+        "kind": src.get("kind"),
+        "step": src.get("step"),
+        "weights_sha256": src.get("weights_sha256"),
+        "tokens_seen": record.get("tokens_seen"),
+    }
+
+
 def weights_provenance(model, tok_cfg) -> dict:
     """The record an export of weights loaded by ``mta_repro.eval.load.load_model(...,
     identity=True)`` carries (an HF folder's provenance.json): the weights, the inputs
@@ -351,13 +366,7 @@ def weights_provenance(model, tok_cfg) -> dict:
     return {
         "format": FORMAT,
         "time": _now(),
-        "weights": {
-            "path": src.get("path"),
-            "kind": src.get("kind"),
-            "step": src.get("step"),
-            "weights_sha256": src.get("weights_sha256"),
-            "tokens_seen": record.get("tokens_seen"),
-        },
+        "weights": loaded_weights(model),
         "run": record.get("inputs"),
         "run_accepted": record.get("accepted") or [],
         "tokenizer": tokenizer_identity(tok_cfg) if tok_cfg else None,
