@@ -256,6 +256,26 @@ def _checkpoint_blocks(model) -> None:
         )
 
 
+@contextmanager
+def _blocks_backward(model, live: _LiveBytes):
+    """Yields a dict that gets, under "event", the index of ``live``'s event at which the
+    blocks' backward starts (the last block's output gradient arrives): before it, the
+    loss's backward, when FSDP2 has gathered the root and the last block only."""
+    mark: dict = {}
+
+    def on_grad(g) -> None:
+        mark.setdefault("event", len(live.events))
+
+    def on_output(module, inputs, out) -> None:
+        out.register_hook(on_grad)
+
+    handle = model.layers[-1].register_forward_hook(on_output)
+    try:
+        yield mark
+    finally:
+        handle.remove()
+
+
 def _step_on_meta(
     model,
     batch_size: int,
@@ -291,19 +311,12 @@ def _step_on_meta(
     if activation_checkpointing:
         _checkpoint_blocks(model)
     live = _LiveBytes(params | {tokens.untyped_storage()._cdata})
-    blocks_from = {}  # the event at which the blocks' backward starts (the last block's output gradient)
-
-    def on_last_block(module, inputs, out):
-        out.register_hook(lambda g: blocks_from.setdefault("event", len(live.events)) and None)
-
-    hook = model.layers[-1].register_forward_hook(on_last_block)
-    with _run_device_impls(model, live, device, dtype, workspace), live:
+    with _run_device_impls(model, live, device, dtype, workspace), live, _blocks_backward(model, live) as blocks_from:
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             out = loss()
         end_of_forward = len(live.events)
         out.backward()
         del out
-    hook.remove()
     grads = {}
     for p in model.parameters():
         serial = None if p.grad is None else live.serial_of(p.grad)
