@@ -32,9 +32,10 @@ from mta_repro.errors import UserError
 GB = 1e9
 FULL_ESTIMATE_FRACTION = 0.05  # below this share of the capacity the floor alone is enough
 # Resident memory above the pre-flight's tensors, as a share of them (docs/memory.md has the
-# runs): under glibc's dynamic mmap threshold, 2.9% at 1B width with one layer, 7.2% with
-# three, and 12% of each further layer (0.10 of its 0.82 GB); with trainer.cpu_mmap_threshold
-# set, 2.5% above the tensors FSDPMemTracker counts.
+# runs): under glibc's dynamic mmap threshold 14.9% at 1B width with one layer, 7.2% with
+# three, about 7% at 24 (OOM-killed at 22.4 GB with 20.8 counted); with
+# trainer.cpu_mmap_threshold set, 2.4% above it at 300M width (no FSDP), below it at 1B
+# width with three layers.
 CPU_SLACK = {"glibc default": 0.15, "mmap threshold fixed": 0.05}
 
 
