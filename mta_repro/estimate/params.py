@@ -4,7 +4,9 @@
     python -m mta_repro.estimate --table [seq_len=2048]        # every size x variant
     python -m mta_repro.estimate experiment=pretrain_880m_mta --memory [--world-size N]
                                                              # per-GPU memory pre-flight, with the
-                                                             # seq_len/batch/world/dtype it assumes
+                                                             # seq_len/batch/world/dtype it assumes,
+                                                             # beside PyTorch's FSDPMemTracker
+                                                             # (--no-tracker: without it)
     python -m mta_repro.estimate --memory --experiments        # every pretrain/long-context experiment
     python -m mta_repro.estimate --release-config 830M_mta.yaml  # an official-release YAML
                                                              # (FLOPs at its data.seq_len)
@@ -68,6 +70,51 @@ def memory_assumptions(cfg, world_size: int, overrides: list[str]) -> str:
     return line + "\n"
 
 
+def cpu_process_line(pre_flight: float, mmap_threshold) -> str:
+    """On CPU, what the trainer's start compares with this machine's available memory: the
+    pre-flight's tensors plus the process and the allocator's slack
+    (``mta_repro.train.memory_check``)."""
+    import torch
+
+    from mta_repro.train.memory_check import GB, capacity, cpu_overheads
+
+    extra = cpu_overheads(pre_flight, mmap_threshold)
+    need = pre_flight + sum(extra.values())
+    have, what = capacity(torch.device("cpu"))
+    held = next(iter(extra.values()))
+    terms = " + ".join(f"{v / GB:.2f} GB {k}" for k, v in extra.items())
+    verdict = "fits" if need <= have + held else "DOES NOT FIT: the trainer refuses to start"
+    return (
+        f"on this CPU: {need / GB:.2f} GB per rank ({pre_flight / GB:.2f} GB pre-flight + {terms}); {what} "
+        f"(+ the {held / GB:.2f} GB this process holds): {verdict}"
+    )
+
+
+def tracker_line(cfg, est) -> str:
+    """PyTorch's FSDPMemTracker for the same shapes (``mta_repro.train.memory_tracker``),
+    beside the pre-flight's figure; over 10% apart, one of them is wrong."""
+    import torch
+
+    from mta_repro.train.memory_tracker import tracked_peak
+
+    on_gpu = str(cfg.trainer.get("device", "cpu")).startswith("cuda")
+    fused = cfg.get("optim", {}).get("fused", None)
+    peak = tracked_peak(
+        model_args_from(cfg),
+        int(cfg.data.batch_size),
+        int(cfg.data.seq_len),
+        est.world_size,
+        bool(cfg.distributed.activation_checkpointing),
+        getattr(torch, cfg.distributed.param_dtype) if on_gpu else torch.float32,
+        "cuda" if on_gpu else "cpu",
+        int(cfg.trainer.get("grad_accum", 1)),
+        None if fused is None else bool(fused),
+    )
+    ratio = est.total / peak.total if peak.total else float("inf")
+    flag = "" if abs(ratio - 1) <= 0.10 else " (over 10% apart: docs/memory.md)"
+    return f"{peak.line()}; pre-flight / tracker = {ratio:.3f}{flag}"
+
+
 def main(argv: list[str]) -> None:
     if "--release-config" in argv:  # an official-release YAML (mta_repro/release/config.py)
         from mta_repro.release import release_file_to_config
@@ -98,9 +145,9 @@ def main(argv: list[str]) -> None:
             if not value.isdigit() or int(value) < 1:
                 raise UserError(f"--world-size: expected a positive integer, got {value!r}")
             world = int(value)
-        elif a.startswith("-") and a not in ("--table", "--memory", "--experiments"):
+        elif a.startswith("-") and a not in ("--table", "--memory", "--experiments", "--no-tracker"):
             raise UserError(
-                f"unknown option {a!r}; expected --table, --memory [--world-size N | --experiments], "
+                f"unknown option {a!r}; expected --table, --memory [--world-size N | --experiments | --no-tracker], "
                 "--help or Hydra overrides (model=880m)"
             )
         else:
@@ -141,6 +188,10 @@ def main(argv: list[str]) -> None:
         est = estimate_from_config(cfg, world)
         print(memory_assumptions(cfg, est.world_size, overrides))
         print(est.table())
+        if not str(cfg.trainer.get("device", "cpu")).startswith("cuda"):
+            print("\n" + cpu_process_line(est.total, cfg.trainer.get("cpu_mmap_threshold")))
+        if "--no-tracker" not in rest:
+            print("\n" + tracker_line(cfg, est))
         return
     args = model_args_from(compose(rest))
     out = count(args, seq_len)

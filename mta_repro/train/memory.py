@@ -256,6 +256,26 @@ def _checkpoint_blocks(model) -> None:
         )
 
 
+@contextmanager
+def _blocks_backward(model, live: _LiveBytes):
+    """Yields a dict that gets, under "event", the index of ``live``'s event at which the
+    blocks' backward starts (the last block's output gradient arrives): before it, the
+    loss's backward, when FSDP2 has gathered the root and the last block only."""
+    mark: dict = {}
+
+    def on_grad(g) -> None:
+        mark.setdefault("event", len(live.events))
+
+    def on_output(module, inputs, out) -> None:
+        out.register_hook(on_grad)
+
+    handle = model.layers[-1].register_forward_hook(on_output)
+    try:
+        yield mark
+    finally:
+        handle.remove()
+
+
 def _step_on_meta(
     model,
     batch_size: int,
@@ -291,7 +311,7 @@ def _step_on_meta(
     if activation_checkpointing:
         _checkpoint_blocks(model)
     live = _LiveBytes(params | {tokens.untyped_storage()._cdata})
-    with _run_device_impls(model, live, device, dtype, workspace), live:
+    with _run_device_impls(model, live, device, dtype, workspace), live, _blocks_backward(model, live) as blocks_from:
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             out = loss()
         end_of_forward = len(live.events)
@@ -307,6 +327,7 @@ def _step_on_meta(
         "peak": peak,
         "op": op,
         "in_backward": at >= end_of_forward,
+        "in_blocks_backward": at >= blocks_from.get("event", end_of_forward),
         "gradients_at_peak": grad_bytes,
         "saved": sum(saved.values()),
     }
@@ -376,11 +397,15 @@ def estimate_memory(
 
     block_params = max(sum(p.numel() for p in layer.parameters()) for layer in model.layers)
     root_params = n_params - sum(sum(p.numel() for p in layer.parameters()) for layer in model.layers)
-    parts = {
-        "parameters and AdamW moments (fp32, sharded)": 12 * n_params / world_size,
-        "gathered parameters (root + 2 blocks) and one block's gradients": (root_params + 2 * block_params) * bpe
-        + block_params * 4,
-    }
+    parts = {"parameters and AdamW moments (fp32, sharded)": 12 * n_params / world_size}
+    if step["in_backward"] and not step["in_blocks_backward"]:
+        # the loss's backward: the root and the last block (kept after forward), no block gradient yet
+        parts["gathered parameters (root + the last block) at that peak"] = (root_params + block_params) * bpe
+    else:  # inside the blocks: the current and the prefetched block, and one block's unsharded gradients
+        blocks = min(2, len(model.layers))
+        parts[f"gathered parameters (root + {blocks} blocks) and one block's gradients"] = (
+            root_params + blocks * block_params
+        ) * bpe + block_params * 4
     if grad_accum > 1:
         # FSDP2 keeps gradients unsharded in fp32 between reductions (no-sync micro-batches)
         parts["gradients held across micro-batches (fp32, unsharded)"] = 4 * n_params

@@ -11,7 +11,11 @@ the node. ``check_fits`` runs on rank 0 before the run directory is touched:
 
 Refused when either is over the capacity: the GPU's free memory, or on the CPU the memory
 available to this process (``MemAvailable``, or a smaller cgroup limit) shared by the ranks
-of this node. Over 90% (the pre-flight's own rule for fitting) is one warning line.
+of this node. On the CPU the pre-flight counts tensors only, so the process's own resident
+memory (interpreter, torch, the imported libraries: what it holds at the check) and the
+allocator's slack (glibc keeps freed blocks resident: ``CPU_SLACK``) are added to it, and the
+resident part to what it may use. Over 90% (the pre-flight's own rule for fitting) is one
+warning line.
 ``trainer.memory_check=false`` skips it (e.g. for swap the estimate does not count).
 """
 
@@ -27,6 +31,18 @@ from mta_repro.errors import UserError
 
 GB = 1e9
 FULL_ESTIMATE_FRACTION = 0.05  # below this share of the capacity the floor alone is enough
+# Resident memory above the pre-flight's tensors, as a share of them (docs/memory.md has the
+# runs): under glibc's dynamic mmap threshold 14.9% at 1B width with one layer, 7.2% with
+# three, about 7% at 24 (OOM-killed at 22.4 GB with 20.8 counted); with
+# trainer.cpu_mmap_threshold set, 2.4% above it at 300M width (no FSDP), below it at 1B
+# width with three layers.
+CPU_SLACK = {"glibc default": 0.15, "mmap threshold fixed": 0.05}
+
+
+FIX = (
+    "lower model.dim / model.n_layers, data.batch_size or data.seq_len, train on more ranks, or set "
+    "trainer.memory_check=false to start anyway"
+)
 
 
 class DoesNotFitError(UserError):
@@ -58,6 +74,24 @@ def _cgroup_available() -> float | None:
             return None
         return max(float(limit) - usage, 0.0)
     return None
+
+
+def resident_bytes() -> float:
+    """This process's resident memory now (0 where /proc is not there)."""
+    try:
+        return float(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0.0
+
+
+def cpu_overheads(pre_flight: float, mmap_threshold) -> dict:
+    """What a CPU rank holds beyond the pre-flight's tensors, by name (bytes): its resident
+    memory now and the allocator's slack (``CPU_SLACK``) under ``trainer.cpu_mmap_threshold``."""
+    rule = "glibc default" if mmap_threshold is None else "mmap threshold fixed"
+    return {
+        "process (interpreter, torch, libraries)": resident_bytes(),
+        f"allocator slack ({CPU_SLACK[rule]:.0%}, {rule})": CPU_SLACK[rule] * pre_flight,
+    }
 
 
 def local_ranks() -> int:
@@ -96,10 +130,7 @@ def check_fits(args, world_size: int, device: torch.device, cap: tuple | None = 
     n_params = sum(p.numel() for p in build_model(model_args, device="meta").parameters())
     batch, seq = int(args.data.batch_size), int(args.data.seq_len)
     floor = 12 * n_params / world_size + 4 * batch * seq * model_args.vocab_size
-    fix = (
-        "lower model.dim / model.n_layers, data.batch_size or data.seq_len, train on more ranks, or set "
-        "trainer.memory_check=false to start anyway"
-    )
+    fix = FIX
     shape = (
         f"model.dim={model_args.dim}, model.n_layers={model_args.n_layers}: {n_params / 1e9:.2f}B parameters, "
         f"micro-batch {batch} x {seq} tokens, world size {world_size}"
@@ -114,25 +145,29 @@ def check_fits(args, world_size: int, device: torch.device, cap: tuple | None = 
     from mta_repro.train.memory import HEADROOM, estimate_memory
 
     on_gpu = device.type == "cuda"
+    dtype = getattr(torch, args.distributed.param_dtype) if on_gpu else torch.float32
+    fused = None if args.optim.fused is None else bool(args.optim.fused)
+    ac = bool(args.distributed.activation_checkpointing)
     est = estimate_memory(
-        model_args,
-        batch,
-        seq,
-        world_size,
-        bool(args.distributed.activation_checkpointing),
-        getattr(torch, args.distributed.param_dtype) if on_gpu else torch.float32,
-        "cuda" if on_gpu else "cpu",
-        int(args.trainer.grad_accum),
-        None if args.optim.fused is None else bool(args.optim.fused),
+        model_args, batch, seq, world_size, ac, dtype, "cuda" if on_gpu else "cpu", int(args.trainer.grad_accum), fused
     )
-    if est.total > cap_bytes:
+    need, have, terms = est.total, cap_bytes, ""
+    if not on_gpu:
+        extra = cpu_overheads(est.total, args.trainer.cpu_mmap_threshold)
+        held = next(iter(extra.values()))  # already resident, so out of MemAvailable too
+        need, have = need + sum(extra.values()), have + held
+        terms = " + " + " + ".join(f"{v / GB:.2f} GB {k}" for k, v in extra.items())
+        cap_what += f" (+ the {held / GB:.2f} GB this process holds)"
+        if args.trainer.cpu_mmap_threshold is None:
+            fix = fix.replace(", or set", ", set trainer.cpu_mmap_threshold=131072 (less slack), or set")
+    if need > have:
         raise DoesNotFitError(
-            f"{shape}: needs {est.total / GB:.2f} GB per rank by the memory pre-flight (python -m "
-            f"mta_repro.estimate ... --memory) but {cap_what}: {fix}"
+            f"{shape}: needs {need / GB:.2f} GB per rank ({est.total / GB:.2f} GB by the memory pre-flight, python -m "
+            f"mta_repro.estimate ... --memory{terms}) but {cap_what}: {fix}"
         )
-    if est.total > HEADROOM * cap_bytes:
+    if need > HEADROOM * have:
         print(
-            f"[mta_repro.train] WARNING: the memory pre-flight estimates {est.total / GB:.2f} GB per rank, over "
+            f"[mta_repro.train] WARNING: this rank needs {need / GB:.2f} GB by the memory pre-flight{terms}, over "
             f"{HEADROOM:.0%} of the capacity ({cap_what}): the run may run out of memory",
             file=sys.stderr,
         )
