@@ -6,6 +6,7 @@ line after a resume, and the lm-eval task data a benchmark row was scored on."""
 from __future__ import annotations
 
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -49,3 +50,50 @@ def test_a_one_to_one_tie_of_tokenizers_marks_both_rows_and_says_there_is_no_maj
         why = table["provenance"][label]["comparable"]
         assert why.startswith(f"no: tokenizer {tok}; no majority among the rows")
         assert "most rows" not in why
+
+
+# ------------------------------------------------------------------ non-finite numbers
+def _strict(text: str):
+    def refuse(name):
+        raise ValueError(f"not JSON: {name}")
+
+    return json.loads(text, parse_constant=refuse)
+
+
+def test_a_diverged_perplexity_is_written_as_null_with_a_flag_and_read_back_as_inf(tmp_path, capsys):
+    import torch
+
+    from mta_repro.eval.run import main as eval_main
+    from mta_repro.files import read_json
+
+    run_dir, _ = make_run(tmp_path / "run", attention="baseline")
+    export = run_dir / "export" / "consolidated.pt"
+    blob = torch.load(export, weights_only=True)
+    blob["model"]["norm.weight"] = blob["model"]["norm.weight"] * 1e6  # logits x 1e6: exp(loss) overflows
+    torch.save(blob, export)
+    args = ["tasks=[ppl]", "ppl.seq_len=32", "ppl.max_batches=1", "ppl.domains=[book]"]
+    assert eval_main([str(run_dir), *args]) == 0, capsys.readouterr().err[-2000:]
+    f = run_dir / "eval" / "ppl.json"
+    raw = _strict(f.read_text())  # JSON for a strict reader: no bare Infinity
+    assert raw["results"]["domains"]["book"]["ppl"] is None and raw["results"]["average"] is None
+    assert raw["nonfinite"] == {"/results/domains/book/ppl": "inf", "/results/average": "inf"}
+    res = read_json(f)["results"]
+    assert res["domains"]["book"]["ppl"] == math.inf and res["average"] == math.inf
+    assert math.isfinite(res["domains"]["book"]["loss"])
+    # a file written before, with the bare constants, reads the same
+    old = json.loads(f.read_text())
+    old.pop("nonfinite")
+    old["results"]["domains"]["book"]["ppl"] = old["results"]["average"] = math.inf
+    f.write_text(json.dumps(old))
+    assert "Infinity" in f.read_text() and read_json(f)["results"] == res
+
+
+def test_nonfinite_numbers_round_trip_in_lists_and_escaped_keys(tmp_path):
+    from mta_repro.files import read_json, result_json
+
+    obj = {"a/b": [1.0, -math.inf], "c~": {"x": math.nan, "y": None}}
+    f = tmp_path / "r.json"
+    f.write_bytes(result_json(obj))
+    assert _strict(f.read_text())["nonfinite"] == {"/a~1b/1": "-inf", "/c~0/x": "nan"}
+    back = read_json(f)
+    assert back["a/b"] == [1.0, -math.inf] and math.isnan(back["c~"]["x"]) and back["c~"]["y"] is None

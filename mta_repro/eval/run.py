@@ -24,7 +24,6 @@ logged and recorded). The tasks: mta_repro/eval/tasks.py (EVAL_TASKS).
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import sys
@@ -36,7 +35,7 @@ from omegaconf import OmegaConf
 
 from mta_repro.errors import UserError
 from mta_repro.eval.args import EvalConfig, register_eval_config
-from mta_repro.files import replace_atomically
+from mta_repro.files import replace_atomically, result_json
 from mta_repro.train.config import attention_variant
 
 log = logging.getLogger("mta_repro.eval")
@@ -254,7 +253,7 @@ def run(cfg: EvalConfig) -> dict:
         out_dir.mkdir(parents=True, exist_ok=True)
         path = out_dir / f"{t.name}.json"
         # Whole or absent: a kill or a full disk mid-write leaves the previous file.
-        replace_atomically(path, json.dumps(res, indent=1, default=str).encode())
+        replace_atomically(path, result_json(res))  # a non-finite number as null, flagged
         written[t.name] = str(path)
         log.info("eval: wrote %s", path)
     return written
