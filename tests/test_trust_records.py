@@ -10,6 +10,8 @@ import math
 import sys
 from pathlib import Path
 
+import pytest
+
 sys.path.insert(0, str(Path(__file__).parent / "fixtures" / "eval"))
 from eval_helpers import make_run  # noqa: E402
 
@@ -97,3 +99,64 @@ def test_nonfinite_numbers_round_trip_in_lists_and_escaped_keys(tmp_path):
     assert _strict(f.read_text())["nonfinite"] == {"/a~1b/1": "-inf", "/c~0/x": "nan"}
     back = read_json(f)
     assert back["a/b"] == [1.0, -math.inf] and math.isnan(back["c~"]["x"]) and back["c~"]["y"] is None
+
+
+# ------------------------------------------------------------------ the run dir's records
+TRAIN = [
+    "data.seq_len=32",
+    "data.batch_size=2",
+    "data.shuffle_buffer=4",
+    "trainer.steps=2",
+    "trainer.device=cpu",
+    "trainer.eval_every=0",
+    "checkpoint.every=1",
+    "checkpoint.export=false",
+    "logging.every=1",
+    "logging.wandb_mode=disabled",
+    "logging.progress_bar=false",
+]
+
+
+def _train(run_dir, *overrides):
+    from mta_repro.train.config import compose
+    from mta_repro.train.loop import train
+
+    return train(compose([*TRAIN, f"run_dir={run_dir}", *overrides]))
+
+
+def _cli(*args, timeout=300):
+    import os
+    import subprocess
+
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    return subprocess.run([sys.executable, *args], capture_output=True, text=True, env=env, cwd=ROOT, timeout=timeout)
+
+
+def _snapshot(run_dir: Path) -> dict:
+    return {str(p.relative_to(run_dir)): (p.read_bytes() if p.is_file() else None) for p in sorted(run_dir.rglob("*"))}
+
+
+def _one_error_line(err: str, prog: str) -> str:
+    lines = [ln for ln in err.splitlines() if ln.startswith(f"{prog}: error:")]
+    assert len(lines) == 1 and "Traceback" not in err, err[-3000:]
+    return lines[0]
+
+
+@pytest.mark.slow
+def test_a_refused_start_changes_nothing_and_an_accepted_one_replaces_the_hydra_record(tmp_path):
+    run = tmp_path / "run"
+    p = _cli("-m", "mta_repro.train", *TRAIN, f"run_dir={run}")
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "  lr: 0.00015\n" in (run / ".hydra" / "config.yaml").read_text()
+    before = _snapshot(run)
+    p = _cli("-m", "mta_repro.train", *TRAIN, f"run_dir={run}", "optim.lr=0.001")
+    assert p.returncode == 2
+    assert "optim.lr" in _one_error_line(p.stderr, "train") and "left untouched" in p.stderr
+    assert _snapshot(run) == before  # .hydra/config.yaml still says the run's lr; no staged folder
+    p = _cli(
+        "-m", "mta_repro.train", *TRAIN, f"run_dir={run}", "trainer.steps=3", "checkpoint.allow_config_change=true"
+    )
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "steps: 3" in (run / ".hydra" / "config.yaml").read_text()
+    assert "trainer.steps=3" in (run / ".hydra" / "overrides.yaml").read_text()
+    assert sorted(x.name for x in run.iterdir() if x.name.startswith(".hydra")) == [".hydra"]

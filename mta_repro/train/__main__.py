@@ -15,6 +15,7 @@ SIGUSR1/2) checkpoints at the next step boundary and exits with 128 + the signal
 
 from __future__ import annotations
 
+import os
 import sys
 
 import hydra
@@ -26,6 +27,20 @@ from mta_repro.train.config import CONFIG_DIR
 # Appended to the command line of ranks other than 0 (a single run, not a sweep).
 NON_ZERO_RANK_OVERRIDES = ("hydra.output_subdir=null", "hydra/job_logging=stdout")
 PROG = "train"
+
+
+def staged_argv(argv: list[str]) -> list[str]:
+    """argv with rank 0's ``.hydra/`` written to a folder of this start's own
+    (``rundir.STAGED_HYDRA``), which becomes ``.hydra/`` only once the start is accepted: a
+    refused start leaves the run's record of its command as it was. A sweep's jobs write
+    theirs in their own output folders, not in a run dir; a user's own output_subdir is kept."""
+    from mta_repro.train.rundir import STAGED_HYDRA
+
+    if launcher_rank() != 0 or any(a in ("-m", "--multirun") for a in argv):
+        return argv
+    if any(a.split("=")[0].lstrip("+~") == "hydra.output_subdir" for a in argv):
+        return argv
+    return argv + [f"hydra.output_subdir={STAGED_HYDRA}{os.getpid()}"]
 
 
 def hydra_argv(argv: list[str]) -> list[str]:
@@ -76,7 +91,7 @@ def cli(argv: list[str]) -> int:
     rc = run_cli(PROG, lambda: check_hydra_overrides(argv, CONFIG_DIR, "train", check) or 0)
     if rc:
         return rc
-    argv = argv + resolved
+    argv = staged_argv(argv + resolved)
     sys.argv[1:] = argv
     main()
     return 0

@@ -61,6 +61,7 @@ from mta_repro.train.rundir import (
     clean_failed_start,
     lock_heartbeat,
     prepare_run_dir,
+    settle_hydra_output,
 )
 from mta_repro.train.signals import PreemptionHandler, requeue_if_slurm
 from mta_repro.train.state import TrainState
@@ -168,6 +169,8 @@ def train(cfg: Any) -> dict[str, Any]:
             ) from e
         raise
     finally:
+        if launcher_rank() == 0:
+            settle_hydra_output(keep=False)  # not accepted (refused, failed, nothing to train)
         lock.release()
 
 
@@ -451,6 +454,7 @@ def build_state(
     if info.is_main:
         record = provenance.RunRecord(args, run_dir, loader, init_identity or None, resumed_from, accepted)
         record.begin(state.step, info.world_size)
+        settle_hydra_output(keep=True)  # accepted: this start's Hydra record becomes .hydra/
         manager.provenance = record.checkpoint
     return state, manager, attn_used, resumed_from is not None
 

@@ -15,8 +15,9 @@ Before a run writes anything into ``run_dir`` (rank 0, ``prepare_run_dir``):
    defines the run; ``trainer.grad_accum`` is compared as the global batch, so a run may
    continue on another world size (``global_batch_error``). A refused difference raises
    ``RunDirError`` naming the keys and the ways out.
-2. ``config.yaml`` is written atomically; a previous one that differs is kept as
-   ``config.prev.yaml``.
+2. ``config.yaml`` is written atomically (a previous, different one kept as
+   ``config.prev.yaml``). Hydra's record of the command stays staged until the start's
+   checks are all passed (``settle_hydra_output``); only then does it become ``.hydra/``.
 
 While it trains, rank 0 touches the lock every step (``lock_heartbeat``: its mtime says
 when the holder was last alive). A start that took the lock on a fresh run dir and fails
@@ -43,6 +44,9 @@ from mta_repro.errors import UserError
 from mta_repro.files import replace_atomically
 
 LOCK = ".lock"
+# Where rank 0's Hydra writes this start's record of its command (config.yaml, hydra.yaml,
+# overrides.yaml) until the start is accepted; then it replaces .hydra/ (settle_hydra_output).
+STAGED_HYDRA = ".hydra.start-"
 
 
 def _classified() -> tuple[tuple, tuple, tuple]:
@@ -499,6 +503,44 @@ def prepare_run_dir(args, info, lock: RunLock) -> int | None:
     return at_step
 
 
+def _staged_hydra() -> Path | None:
+    """This start's staged Hydra record (``STAGED_HYDRA``), or None (not under Hydra's main,
+    another rank, a sweep, a user's own output_subdir)."""
+    try:
+        from hydra.core.hydra_config import HydraConfig
+
+        hc = HydraConfig.get()
+        sub = hc.output_subdir
+        out = Path(hc.runtime.output_dir)
+    except (ImportError, ValueError):
+        return None
+    if not sub or not str(sub).startswith(STAGED_HYDRA):
+        return None
+    return out / str(sub)
+
+
+def settle_hydra_output(keep: bool) -> None:
+    """Rank 0: an accepted start's staged Hydra record becomes ``.hydra/`` (``keep``); a
+    refused or failed one is removed, so that ``.hydra/`` keeps the command the run was
+    started with. Staged folders of starts killed before they settled go too."""
+    staged = _staged_hydra()
+    if staged is None or not staged.is_dir():
+        return
+    if not keep:
+        shutil.rmtree(staged, ignore_errors=True)
+        return
+    final = staged.with_name(".hydra")
+    old = staged.with_name(f".hydra.old-{os.getpid()}")
+    if final.exists():
+        os.replace(final, old)
+    os.replace(staged, final)
+    shutil.rmtree(old, ignore_errors=True)
+    for other in staged.parent.glob(STAGED_HYDRA + "*"):
+        pid = other.name[len(STAGED_HYDRA) :]
+        if pid.isdigit() and not _pid_alive(int(pid)):
+            shutil.rmtree(other, ignore_errors=True)
+
+
 def is_fresh(run_dir: Path) -> bool:
     """No run has written into ``run_dir`` yet (Hydra's own files do not count)."""
     return not any((Path(run_dir) / n).exists() for n in ("config.yaml", "checkpoints", "metrics.jsonl", "export"))
@@ -509,6 +551,7 @@ def clean_failed_start(run_dir: Path, lock: RunLock) -> None:
     (or, failing before it got that far, is fresh now and its lock can be had), remove what
     the start wrote. A start refused by the lock, or one that found another run's files,
     touches nothing."""
+    settle_hydra_output(keep=False)
     if not lock.held:
         if not Path(run_dir).is_dir():
             return
@@ -549,6 +592,8 @@ def remove_failed_start(run_dir: Path) -> None:
         if Path(hc.runtime.output_dir).resolve() == run_dir.resolve():
             if hc.output_subdir:
                 shutil.rmtree(run_dir / hc.output_subdir, ignore_errors=True)
+                if str(hc.output_subdir).startswith(STAGED_HYDRA):  # settled before the failure
+                    shutil.rmtree(run_dir / ".hydra", ignore_errors=True)
             (run_dir / f"{hc.job.name}.log").unlink(missing_ok=True)
     except (ImportError, ValueError):
         pass  # not under Hydra's main
