@@ -160,3 +160,29 @@ def test_a_refused_start_changes_nothing_and_an_accepted_one_replaces_the_hydra_
     assert "steps: 3" in (run / ".hydra" / "config.yaml").read_text()
     assert "trainer.steps=3" in (run / ".hydra" / "overrides.yaml").read_text()
     assert sorted(x.name for x in run.iterdir() if x.name.startswith(".hydra")) == [".hydra"]
+
+
+def test_accepted_config_changes_are_recorded_with_their_step_and_shown_by_the_report(tmp_path, capsys):
+    from mta_repro.eval.run import main as eval_main
+    from mta_repro.report.__main__ import build_report
+
+    run = tmp_path / "run"
+    _train(run)
+    _train(run, "trainer.steps=3", "checkpoint.allow_config_change=true")
+    _train(run, "trainer.steps=4", "checkpoint.allow_config_change=true")
+    accepted = json.loads((run / "provenance.json").read_text())["accepted"]
+    assert [(a["what"], a["step"], a["change"], a["override"]) for a in accepted] == [
+        ("config", 2, "trainer.steps: 2 -> 3", "checkpoint.allow_config_change=true"),
+        ("config", 3, "trainer.steps: 3 -> 4", "checkpoint.allow_config_change=true"),
+    ]
+    # the checkpoint carries the run's history, so every result made of it does
+    ck = json.loads((run / "checkpoints" / f"{4:010d}" / "provenance.json").read_text())
+    assert [a["change"] for a in ck["accepted"]] == ["trainer.steps: 2 -> 3", "trainer.steps: 3 -> 4"]
+    args = ["tasks=[ppl]", "ppl.seq_len=32", "ppl.max_batches=1", "ppl.domains=[book]"]
+    assert eval_main([str(run), *args]) == 0, capsys.readouterr().err[-2000:]
+    out = tmp_path / "rep"
+    build_report([run], out, kernels=False)
+    block = json.loads((out / "results.json").read_text())["tables"]["ppl"]["provenance"]["run"]
+    assert block["accepted changes"] == (
+        "config at step 2: trainer.steps: 2 -> 3; config at step 3: trainer.steps: 3 -> 4"
+    )

@@ -40,6 +40,7 @@ EXPORT_KEY = "provenance"  # in an export's consolidated.pt
 FORMAT = 1
 ACCEPT_DATA = "checkpoint.accept_changed_data=true"
 ACCEPT_TOKENIZER = "checkpoint.accept_changed_tokenizer=true"
+ACCEPT_CONFIG = "checkpoint.allow_config_change=true"
 
 
 class ProvenanceError(UserError):
@@ -218,6 +219,15 @@ def write_record(path: Path, obj: Any) -> None:
     from mta_repro.files import replace_atomically
 
     replace_atomically(path, (json.dumps(obj, indent=1, default=str) + "\n").encode())
+
+
+def record_accepted(run_dir: Path, entries: list) -> None:
+    """Append accepted changes (``accepted``) to ``<run_dir>/provenance.json``'s history,
+    which every later start and checkpoint carries on."""
+    path = Path(run_dir) / RECORD
+    rec = read_record(path) or {"format": FORMAT}
+    rec["accepted"] = list(rec.get("accepted") or []) + list(entries)
+    write_record(path, rec)
 
 
 # ------------------------------------------------------------------ a training run

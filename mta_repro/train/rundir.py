@@ -487,8 +487,12 @@ def prepare_run_dir(args, info, lock: RunLock) -> int | None:
             f"run_dir={run_dir} is already at step {at_step} ({found[-1]}), beyond trainer.steps={tr.steps}: "
             "nothing to train. Raise trainer.steps (with checkpoint.allow_config_change=true) or use another run_dir"
         )
+    changes: list = []
+    if found and saved is None:
+        changes.append(("no config.yaml to compare with; this command's config taken as the run's", found[-1]))
     if found and saved is not None:
-        check_config(saved, new, ck.allow_config_change, run_dir, at_step, source)
+        diff = check_config(saved, new, ck.allow_config_change, run_dir, at_step, source)
+        changes += [(f"{key}: {a!r} -> {b!r}", found[-1]) for key, (a, b) in diff.safe.items()]
         saved_world = saved_world_size(found[-1])
         if saved_world is not None:
             err = global_batch_error(saved, args, saved_world, info.world_size)
@@ -499,6 +503,10 @@ def prepare_run_dir(args, info, lock: RunLock) -> int | None:
             f"run_dir={run_dir} holds checkpoints and checkpoint.resume=false would train over them from "
             "step 0: use another run_dir=..., or checkpoint.resume=true"
         )
+    if changes:  # each accepted change, with the step from which the run goes on with it
+        from mta_repro.train.provenance import ACCEPT_CONFIG, accepted, record_accepted
+
+        record_accepted(run_dir, [accepted("config", c, ACCEPT_CONFIG, int(ck_dir.name)) for c, ck_dir in changes])
     write_config(run_dir, args)
     return at_step
 
