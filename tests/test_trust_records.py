@@ -137,7 +137,7 @@ def _snapshot(run_dir: Path) -> dict:
 
 
 def _one_error_line(err: str, prog: str) -> str:
-    lines = [ln for ln in err.splitlines() if ln.startswith(f"{prog}: error:")]
+    lines = [ln for ln in err.splitlines() if ln.startswith((f"{prog}: error:", f"error: {prog}:"))]
     assert len(lines) == 1 and "Traceback" not in err, err[-3000:]
     return lines[0]
 
@@ -186,3 +186,41 @@ def test_accepted_config_changes_are_recorded_with_their_step_and_shown_by_the_r
     assert block["accepted changes"] == (
         "config at step 2: trainer.steps: 2 -> 3; config at step 3: trainer.steps: 3 -> 4"
     )
+
+
+# ------------------------------------------------------------------ a result copied from another run
+def test_an_eval_json_copied_from_another_run_is_redone_by_the_pipeline_and_refused_by_the_report(tmp_path, capsys):
+    import shutil
+
+    from mta_repro.eval.run import main as eval_main
+    from mta_repro.pipeline.plan import Job, done, torn
+    from mta_repro.report.__main__ import main as report_main
+
+    a, b = tmp_path / "a", tmp_path / "b"
+    args = ["tasks=[ppl]", "ppl.seq_len=32", "ppl.max_batches=1", "ppl.domains=[book]"]
+    for run in (a, b):  # two runs of one config: only their identity tells them apart
+        _train(run)
+        assert eval_main([str(run), *args]) == 0, capsys.readouterr().err[-2000:]
+    ids = [json.loads((r / "provenance.json").read_text())["run_id"] for r in (a, b)]
+    assert ids[0] != ids[1] and json.loads((a / "eval" / "ppl.json").read_text())["provenance"]["run_id"] == ids[0]
+    job = Job("eval:b", "eval", b, [], steps=2, eval_tasks=["ppl"], eval_out=b / "eval")
+    assert done(job) and torn(job) == []
+    shutil.copy2(a / "eval" / "ppl.json", b / "eval" / "ppl.json")
+    assert not done(job)  # the pipeline evaluates b again instead of "done, skipped"
+    line = f"{b / 'eval' / 'ppl.json'} is not a result of {b}: it is a result of the weights of run {ids[0][:12]}"
+    assert torn(job) == [f"{line}, not of this run ({ids[1][:12]})"]
+    capsys.readouterr()
+    assert report_main([str(a), str(b), "--out", str(tmp_path / "rep"), "--no-kernels"]) == 2
+    err = _one_error_line(capsys.readouterr().err, "report")
+    assert f"{b / 'eval' / 'ppl.json'}: not a result of {b}" in err and ids[0][:12] in err
+    assert not (tmp_path / "rep" / "results.json").exists()
+
+
+def test_a_result_of_another_variant_in_a_run_without_an_identity_is_refused(tmp_path, capsys):
+    from mta_repro.report.__main__ import main as report_main
+
+    run, _ = make_run(tmp_path / "mta", attention="mta")  # a run of a version that recorded no run_id
+    f = _eval_json(run, "11" * 32)  # a baseline's result
+    assert report_main([str(run), "--out", str(tmp_path / "rep"), "--no-kernels"]) == 2
+    err = _one_error_line(capsys.readouterr().err, "report")
+    assert f"{f}: not a result of {run}: it is a result of a baseline model, and this run trains mta" in err

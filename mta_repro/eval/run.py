@@ -155,6 +155,7 @@ def provenance_of(cfg: EvalConfig, model, run_cfg) -> dict:
         accepted.append(pv.accepted("tokenizer", change, "accept_changed_tokenizer=true", src.get("step")))
     return {
         "checkpoint": pv.loaded_weights(model),
+        "run_id": record.get("run_id"),  # the run the weights belong to (pv.foreign_result)
         "run": record.get("inputs"),
         "run_accepted": record.get("accepted") or [],
         "tokenizer": tok,

@@ -189,6 +189,14 @@ def load_run(path, label: str | None = None) -> RunData:
         why = fault(data, eval_shape(task))
         if why:
             raise UserError(f"report: {f}: not {what} ({task}): {why}")
+        from mta_repro.train.provenance import foreign_result
+
+        foreign = foreign_result(data, path)
+        if foreign:  # copied from another run: its numbers would stand in this run's row
+            raise UserError(
+                f"report: {f}: not a result of {path}: {foreign}; delete it and evaluate this run: "
+                f"{eval_command(path)}"
+            )
         run.evals[task] = data
         run.variant = run.variant or data.get("variant")
     if run.variant is None and run.config and "model" in run.config:
