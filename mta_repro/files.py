@@ -80,6 +80,25 @@ def replace_atomically(path: Path, data: bytes) -> None:
     fsync_path(path.parent)
 
 
+def unwritable(folder: Path, files: tuple = ()) -> tuple[Path, str] | None:
+    """(the directory or file that stops a command writing in ``folder``, why), or None.
+    ``folder`` is checked if it exists, else the nearest existing folder above it (where
+    it would be created); ``files`` (names inside it, written in place) if they exist. As
+    the kernel decides: a read-only mount for everyone, permissions for all but root."""
+    p = Path(folder).absolute()
+    while not p.exists() and p.parent != p:
+        p = p.parent
+    for target in [p] + [p / f for f in files if p == Path(folder).absolute() and (p / f).exists()]:
+        need = os.W_OK | (os.X_OK if target.is_dir() else 0)
+        if not os.access(target, need):
+            try:
+                ro = bool(os.statvfs(target).f_flag & os.ST_RDONLY)
+            except OSError:
+                ro = False
+            return target, "a read-only file system" if ro else "no write permission for this user"
+    return None
+
+
 def save_file_atomic(obj: Any, path: Path) -> Path:
     """``torch.save`` to ``path`` through a temporary file, an fsync and a rename, so a kill
     or a power loss midway leaves the previous file (or none), never a truncated one."""

@@ -224,3 +224,43 @@ def test_a_result_of_another_variant_in_a_run_without_an_identity_is_refused(tmp
     assert report_main([str(run), "--out", str(tmp_path / "rep"), "--no-kernels"]) == 2
     err = _one_error_line(capsys.readouterr().err, "report")
     assert f"{f}: not a result of {run}: it is a result of a baseline model, and this run trains mta" in err
+
+
+# ------------------------------------------------------------------ a read-only run dir
+def _read_only(path: Path, *args):
+    """``python *args`` with ``path`` read-only: its mode 0555, or, for root (whom modes do
+    not stop), a read-only bind mount of it in a mount namespace of the command's own."""
+    import os
+    import shutil
+    import subprocess
+
+    if os.geteuid() != 0:
+        mode = path.stat().st_mode
+        path.chmod(0o555)
+        try:
+            return _cli(*args)
+        finally:
+            path.chmod(mode)
+    if shutil.which("unshare") is None or subprocess.run(["unshare", "-rm", "true"]).returncode != 0:
+        pytest.skip("root without user namespaces (unshare -rm): no way to make a folder read-only for root")
+    script = 'mount --bind "$0" "$0" && mount -o remount,bind,ro "$0" && exec "$@"'
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    cmd = ["unshare", "-rm", "sh", "-c", script, str(path), sys.executable, *args]
+    return subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)
+
+
+@pytest.mark.slow
+def test_train_and_eval_refuse_a_read_only_run_dir_in_one_line_before_any_work(tmp_path):
+    run = tmp_path / "run"
+    _train(run)
+    before = _snapshot(run)
+    p = _read_only(run, "-m", "mta_repro.train", *TRAIN, f"run_dir={run}", "trainer.steps=3")
+    assert p.returncode == 2, p.stderr[-3000:]
+    line = _one_error_line(p.stderr, "train")
+    assert f"run_dir={run}: {run} is not writable" in line and "another run_dir=" in line
+    p = _read_only(run, "-m", "mta_repro.eval", str(run), "tasks=[ppl]", "ppl.seq_len=32", "ppl.max_batches=1")
+    assert p.returncode == 2, p.stderr[-3000:]
+    line = _one_error_line(p.stderr, "eval")
+    assert f"eval: {run} is not writable" in line and f"the results go to {run / 'eval'}" in line
+    assert "eval: ppl on" not in p.stderr  # refused before the model was loaded or a domain evaluated
+    assert _snapshot(run) == before

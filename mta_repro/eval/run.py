@@ -184,6 +184,15 @@ def run(cfg: EvalConfig) -> dict:
 
     from mta_repro.eval import dist
     from mta_repro.eval.load import default_out_dir, load_for_eval
+    from mta_repro.files import unwritable
+
+    out_dir = Path(cfg.out_dir) if cfg.out_dir else default_out_dir(cfg.run_dir)
+    found = unwritable(out_dir)  # on every rank, before any work: rank 0 writes, the others wait for it
+    if found:
+        raise UserError(
+            f"eval: {found[0]} is not writable ({found[1]}); the results go to {out_dir}: make it writable, "
+            "or write them elsewhere with out_dir=<dir>"
+        )
 
     # Under torchrun every process takes its share of each task; rank 0 writes.
     rank, world = dist.init(cfg.device)
@@ -206,7 +215,6 @@ def run(cfg: EvalConfig) -> dict:
         getattr(getattr(model, "args", None), "max_seqlen", None),
     )
 
-    out_dir = Path(cfg.out_dir) if cfg.out_dir else default_out_dir(cfg.run_dir)
     source = getattr(model, "source", {})
     log.info("eval: %s: step %s (%s)", cfg.run_dir, source.get("step"), source.get("path"))
     meta = {

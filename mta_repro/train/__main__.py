@@ -74,6 +74,7 @@ def cli(argv: list[str]) -> int:
     from mta_repro.cli import check_hydra_overrides, run_cli
     from mta_repro.train.config import to_train_config
     from mta_repro.train.jobcheck import NO_CHECK, problems, raise_problems, resolved_overrides
+    from mta_repro.train.rundir import check_writable
 
     check_paths = NO_CHECK not in argv
     argv = hydra_argv([a for a in argv if a != NO_CHECK])
@@ -83,6 +84,8 @@ def cli(argv: list[str]) -> int:
 
     def check(cfg) -> None:
         to_train_config(cfg)  # every field's check (schema, values, data.seq_len <= model.max_seqlen)
+        if not any(a in ("-m", "--multirun") for a in argv):  # before Hydra opens its log in it
+            check_writable(cfg.run_dir)
         if slurm_sweep:
             if check_paths:  # what the jobs need at their start, on the first point's config
                 raise_problems(problems(cfg))

@@ -405,6 +405,25 @@ class RunLock:
         self.held = False
 
 
+def check_writable(run_dir: Path) -> None:
+    """Refuse a run dir this process cannot write, in one line naming the directory (or
+    file) at fault, before Hydra opens its log there or anything is done."""
+    from mta_repro.files import unwritable
+
+    run_dir = Path(run_dir)
+    for folder in (run_dir, run_dir / "checkpoints", run_dir / "export"):
+        if folder != run_dir and not folder.is_dir():
+            continue
+        logs = tuple(f.name for f in run_dir.glob("*.log")) if folder == run_dir and run_dir.is_dir() else ()
+        found = unwritable(folder, ("metrics.jsonl", *logs) if folder == run_dir else ())
+        if found:
+            where, why = found
+            raise RunDirError(
+                f"run_dir={run_dir}: {where} is not writable ({why}); the run writes its checkpoints, "
+                f"metrics and log there: make it writable, or use another run_dir=..."
+            )
+
+
 # ------------------------------------------------------------------ config.yaml
 def write_config(run_dir: Path, cfg: Any) -> None:
     """``config.yaml`` (of a DictConfig or a config dataclass) atomically; a previous,
