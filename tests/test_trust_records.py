@@ -264,3 +264,27 @@ def test_train_and_eval_refuse_a_read_only_run_dir_in_one_line_before_any_work(t
     assert f"eval: {run} is not writable" in line and f"the results go to {run / 'eval'}" in line
     assert "eval: ppl on" not in p.stderr  # refused before the model was loaded or a domain evaluated
     assert _snapshot(run) == before
+
+
+# ------------------------------------------------------------------ the first loss line after a resume
+def test_the_first_loss_line_after_a_resume_between_logging_steps_averages_the_steps_it_says(tmp_path):
+    import shutil
+
+    def rows(run):
+        return {r["step"]: r for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())}
+
+    cadence = ["trainer.steps=8", "logging.every=4", "checkpoint.every=3", "checkpoint.keep=5"]
+    whole, per_step = tmp_path / "whole", tmp_path / "per_step"
+    _train(whole, *cadence)
+    _train(per_step, "trainer.steps=8", "logging.every=1")  # the same run, a line per step
+    losses = {s: r["loss"] for s, r in rows(per_step).items()}
+    assert rows(whole)[8]["loss_steps"] == 4
+    assert rows(whole)[8]["loss"] == pytest.approx(sum(losses[s] for s in range(5, 9)) / 4, abs=1e-6)
+    # stopped after step 6 (checkpoint 6; logging steps 4 and 8): resume from there
+    resumed = tmp_path / "resumed"
+    shutil.copytree(whole, resumed)
+    shutil.rmtree(resumed / "checkpoints" / f"{8:010d}")
+    _train(resumed, *cadence)
+    line = rows(resumed)[8]
+    assert line["loss_steps"] == 4  # steps 5 and 6 from the checkpoint, 7 and 8 trained now
+    assert line["loss"] == pytest.approx(sum(losses[s] for s in range(5, 9)) / 4, abs=1e-6)

@@ -266,10 +266,11 @@ class StepValues:
     """The per-step loss and gradient norm, kept on the device until ``read()`` (one
     all-reduce over ranks and one host transfer for every step since the last read)."""
 
-    def __init__(self, info: DistInfo):
+    def __init__(self, info: DistInfo, losses: list[float] | None = None):
         self.info = info
         self.pending: list[tuple[int, torch.Tensor, torch.Tensor]] = []  # (step, loss, grad norm)
-        self.losses: list[float] = []  # global mean loss of each step since the last record
+        # global mean loss of each step since the last record (a resumed run: those before its stop)
+        self.losses: list[float] = list(losses or [])
         self.loss_last = float("nan")
         self.grad_norm_last = float("nan")
 
@@ -293,11 +294,16 @@ class StepValues:
         self.loss_last, self.grad_norm_last = out[-1][1], out[-1][2]
         return out
 
-    def interval_mean(self) -> float:
-        """The mean loss over the steps since the last record (and start a new interval)."""
-        mean = sum(self.losses) / len(self.losses)
+    def interval_mean(self) -> tuple[float, int]:
+        """(the mean loss over the steps since the last record, how many) (and start a new
+        interval)."""
+        mean, n = sum(self.losses) / len(self.losses), len(self.losses)
         self.losses = []
-        return mean
+        return mean, n
+
+    def saved(self) -> list[float]:
+        """What a checkpoint keeps of the interval (the save reads every pending step first)."""
+        return list(self.losses) if not self.pending else []
 
 
 def check_finite(values: list[tuple[int, float, float]], latest: Path | None) -> None:
@@ -324,11 +330,14 @@ def metrics_record(
     ``flops_tok``: (model, hardware) training FLOPs per token, for ``mfu`` and ``hfu``."""
     tps = meter.rate()
     loader = state.loader
+    loss, n = values.interval_mean()
     record = {
         "step": state.step,
         # The mean over the steps since the last record (each step's loss is the mean over
-        # its global batch); loss_last is this step's alone.
-        "loss": values.interval_mean(),
+        # its global batch), loss_steps of them (fewer than logging.every where a resume
+        # could not restore the steps before its stop); loss_last is this step's alone.
+        "loss": loss,
+        "loss_steps": n,
         "loss_last": values.loss_last,
         "lr": lr,
         "grad_norm": values.grad_norm_last,
@@ -497,6 +506,8 @@ class LoopParts:
         validator = maybe_validator(
             OmegaConf.create({"data": root_node.data}), args.trainer, info, seq_len, check=preempt.check
         )
+        values = StepValues(info, state.restored_losses)
+        state.losses = values.saved
         return cls(
             manager=manager,
             logger=MetricLogger(Path(args.run_dir), args.logging, config, info.is_main, args.trainer.steps, state.step),
@@ -504,7 +515,7 @@ class LoopParts:
             saver=Checkpointing(manager, args.checkpoint.every, state, last_saved=state.step if resumed else None),
             preempt=preempt,
             meter=Throughput(info.device),
-            values=StepValues(info),
+            values=values,
             attn_used=attn_used,
             flops_tok=(model_flops_per_token(model_args, seq_len), hardware_flops_per_token(model_args, seq_len)),
             peak=device_peak_flops(info.device),
