@@ -288,3 +288,47 @@ def test_the_first_loss_line_after_a_resume_between_logging_steps_averages_the_s
     line = rows(resumed)[8]
     assert line["loss_steps"] == 4  # steps 5 and 6 from the checkpoint, 7 and 8 trained now
     assert line["loss"] == pytest.approx(sum(losses[s] for s in range(5, 9)) / 4, abs=1e-6)
+
+
+# ------------------------------------------------------------------ the data of a benchmark row
+@pytest.mark.lm_eval
+def test_a_benchmark_row_names_the_sha256_of_the_local_task_file_it_was_scored_on(tmp_path):
+    import hashlib
+    import shutil
+
+    from mta_repro.eval.lm_eval_tasks import write_local_task
+    from mta_repro.eval.run import parse_argv, run
+    from mta_repro.report.__main__ import build_report
+
+    rows = tmp_path / "arc_easy_test.jsonl"  # a user's copy of the task's rows
+    shutil.copy(ROOT / "data" / "lm_eval_demo" / "arc_easy_test.jsonl", rows)
+    write_local_task("arc_easy", {"test": rows}, tmp_path / "tasks")
+    run_dir, _ = make_run(tmp_path / "run", attention="baseline")
+    args = ["tasks=[benchmarks]", "lm_eval.benchmarks=[arc_easy_local]", "lm_eval.limit=2"]
+    written = run(parse_argv([str(run_dir), *args, f"lm_eval.include_path={tmp_path / 'tasks'}"]))
+    data = json.loads(Path(written["benchmarks"]).read_text())["results"]["data"]
+    sha = hashlib.sha256(rows.read_bytes()).hexdigest()
+    assert data["arc_easy_local"]["files"] == [{"split": "test", "path": str(rows.resolve()), "sha256": sha}]
+    out = tmp_path / "rep"
+    build_report([run_dir], out, kernels=False)
+    block = json.loads((out / "results.json").read_text())["tables"]["benchmarks"]["provenance"]["run"]
+    assert block["data"].endswith(f"; task data arc_easy_test.jsonl {sha[:12]}"), block
+
+
+def test_a_hub_task_records_its_pinned_revision_or_the_one_the_cache_resolved(tmp_path, monkeypatch):
+    import huggingface_hub.constants
+
+    from mta_repro.eval.lm_eval_tasks import task_data
+    from mta_repro.report.tables import _lm_eval_data
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path))
+    pinned = {"dataset_path": "allenai/ai2_arc", "dataset_name": "ARC-Easy", "dataset_kwargs": {"revision": "ab" * 20}}
+    assert task_data(pinned) == {"dataset": "allenai/ai2_arc", "name": "ARC-Easy", "revision": "ab" * 20}
+    unpinned = {"dataset_path": "allenai/ai2_arc", "dataset_name": "ARC-Easy"}
+    assert task_data(unpinned)["revision"] is None  # nothing cached: not known
+    ref = tmp_path / "datasets--allenai--ai2_arc" / "refs" / "main"
+    ref.parent.mkdir(parents=True)
+    ref.write_text("cd" * 20)
+    assert task_data(unpinned)["revision"] == "cd" * 20
+    shown = _lm_eval_data({"arc_easy": task_data(unpinned), "piqa": {"dataset": "baber/piqa", "revision": None}})
+    assert shown == f"; task data allenai/ai2_arc@{'cd' * 6}, baber/piqa@unpinned"

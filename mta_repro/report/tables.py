@@ -194,8 +194,7 @@ def load_run(path, label: str | None = None) -> RunData:
         foreign = foreign_result(data, path)
         if foreign:  # copied from another run: its numbers would stand in this run's row
             raise UserError(
-                f"report: {f}: not a result of {path}: {foreign}; delete it and evaluate this run: "
-                f"{eval_command(path)}"
+                f"report: {f}: not a result of {path}: {foreign}; delete it and evaluate this run: {eval_command(path)}"
             )
         run.evals[task] = data
         run.variant = run.variant or data.get("variant")
@@ -856,6 +855,28 @@ def _off(value, ref, tied: list, what: str, show) -> str | None:
     return None
 
 
+def _lm_eval_data(data) -> str:
+    """The task data an lm-eval row was scored on (the result's ``data``: eval's
+    ``lm_eval_tasks.task_data`` per task), each distinct file or dataset once: a local
+    file by name and sha256, a hub dataset by its revision ("unpinned" when none was
+    known). Empty for a result that recorded none."""
+    from mta_repro.train.provenance import short
+
+    if not isinstance(data, dict) or not data:
+        return ""
+    seen: list = []
+    for d in data.values():
+        if not isinstance(d, dict):
+            continue
+        for f in d.get("files") or []:
+            if isinstance(f, dict):
+                seen.append(f"{Path(str(f.get('path'))).name} {short(f.get('sha256'))}")
+        if not d.get("files"):
+            rev = d.get("revision")
+            seen.append(f"{d.get('dataset')}@{short(rev) if rev else 'unpinned'}")
+    return ("; task data " + ", ".join(dict.fromkeys(seen))) if seen else ""
+
+
 def add_provenance(table: Table, runs) -> None:
     """Fill ``table.provenance`` from its rows' eval JSONs and mark (``MARK`` after the run's
     name) every row not comparable with the rows beside it: another tokenizer, another
@@ -879,7 +900,7 @@ def add_provenance(table: Table, runs) -> None:
             p.get("code") or {},
         )
         data = (
-            f"lm-eval {p.get('lm_eval') or '?'}"
+            f"lm-eval {p.get('lm_eval') or '?'}{_lm_eval_data((e.get('results') or {}).get('data'))}"
             if table.name in LM_EVAL_TABLES
             else (
                 f"validation {val.get('files')} file(s), {val.get('bytes'):,} bytes, {short(val.get('sha256'))}"
