@@ -465,12 +465,7 @@ def prepare_run_dir(args, info, lock: RunLock) -> int | None:
     """Rank 0, before anything is written (``args``: the TrainConfig): the config check
     against the run's config.yaml, the lock, config.yaml. Returns the step of the newest
     complete checkpoint (None if none)."""
-    from mta_repro.weights.layout import (
-        CHECKPOINT_CONFIG,
-        complete_checkpoints,
-        saved_world_size,
-        verify_checkpoint,
-    )
+    from mta_repro.weights.layout import complete_checkpoints, saved_world_size, verify_checkpoint
 
     tr, ck = args.trainer, args.checkpoint
     run_dir = Path(args.run_dir)
@@ -484,17 +479,7 @@ def prepare_run_dir(args, info, lock: RunLock) -> int | None:
     at_step = int(found[-1].name) if found else None
     if at_step == tr.steps and verify_checkpoint(found[-1]) is not None:
         at_step = None  # "finished", but its last checkpoint is damaged: resume decides
-    saved, source = load_saved_config(run_dir), "the run's config.yaml"
-    if found and saved is None:
-        # config.yaml is gone (deleted, or lost with a copied run dir): the checkpoint
-        # carries the config it was trained with.
-        saved, source = load_saved_config(found[-1], CHECKPOINT_CONFIG), f"the config stored in {found[-1]}"
-        if saved is None and not ck.allow_config_change:
-            raise RunDirError(
-                f"run_dir={run_dir} has checkpoints but no config.yaml, and {found[-1]} carries no config "
-                "(saved by an older version), so this command cannot be checked against the run: restore "
-                "config.yaml, or add checkpoint.allow_config_change=true to take this command's config as the run's"
-            )
+    saved, source = _saved_config(run_dir, found, ck.allow_config_change)
     new = OmegaConf.to_container(OmegaConf.structured(args), resolve=True)
     assert isinstance(new, dict)
     if found and saved is not None:
@@ -506,12 +491,10 @@ def prepare_run_dir(args, info, lock: RunLock) -> int | None:
             f"run_dir={run_dir} is already at step {at_step} ({found[-1]}), beyond trainer.steps={tr.steps}: "
             "nothing to train. Raise trainer.steps (with checkpoint.allow_config_change=true) or use another run_dir"
         )
-    changes: list = []
-    if found and saved is None:
-        changes.append(("no config.yaml to compare with; this command's config taken as the run's", found[-1]))
+    changes = ["no config.yaml to compare with; this command's config taken as the run's"] if found else []
     if found and saved is not None:
         diff = check_config(saved, new, ck.allow_config_change, run_dir, at_step, source)
-        changes += [(f"{key}: {a!r} -> {b!r}", found[-1]) for key, (a, b) in diff.safe.items()]
+        changes = [f"{key}: {a!r} -> {b!r}" for key, (a, b) in diff.safe.items()]
         saved_world = saved_world_size(found[-1])
         if saved_world is not None:
             err = global_batch_error(saved, args, saved_world, info.world_size)
@@ -523,11 +506,33 @@ def prepare_run_dir(args, info, lock: RunLock) -> int | None:
             "step 0: use another run_dir=..., or checkpoint.resume=true"
         )
     if changes:  # each accepted change, with the step from which the run goes on with it
-        from mta_repro.train.provenance import ACCEPT_CONFIG, accepted, record_accepted
-
-        record_accepted(run_dir, [accepted("config", c, ACCEPT_CONFIG, int(ck_dir.name)) for c, ck_dir in changes])
+        _record_changes(run_dir, changes, int(found[-1].name))
     write_config(run_dir, args)
     return at_step
+
+
+def _saved_config(run_dir: Path, found: list, allow_change: bool) -> tuple[dict | None, str]:
+    """(the config the run was saved with, where it was read) for the config check."""
+    from mta_repro.weights.layout import CHECKPOINT_CONFIG
+
+    saved, source = load_saved_config(run_dir), "the run's config.yaml"
+    if found and saved is None:
+        # config.yaml is gone (deleted, or lost with a copied run dir): the checkpoint
+        # carries the config it was trained with.
+        saved, source = load_saved_config(found[-1], CHECKPOINT_CONFIG), f"the config stored in {found[-1]}"
+        if saved is None and not allow_change:
+            raise RunDirError(
+                f"run_dir={run_dir} has checkpoints but no config.yaml, and {found[-1]} carries no config "
+                "(saved by an older version), so this command cannot be checked against the run: restore "
+                "config.yaml, or add checkpoint.allow_config_change=true to take this command's config as the run's"
+            )
+    return saved, source
+
+
+def _record_changes(run_dir: Path, changes: list, step: int) -> None:
+    from mta_repro.train.provenance import ACCEPT_CONFIG, accepted, record_accepted
+
+    record_accepted(run_dir, [accepted("config", c, ACCEPT_CONFIG, step) for c in changes])
 
 
 def _staged_hydra() -> Path | None:
