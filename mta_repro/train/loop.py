@@ -27,7 +27,7 @@ import signal
 import sys
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -59,6 +59,7 @@ from mta_repro.train.optim import build_lr_scheduler, build_optimizer
 from mta_repro.train.rundir import (
     RunLock,
     clean_failed_start,
+    commit_start,
     lock_heartbeat,
     prepare_run_dir,
     settle_hydra_output,
@@ -203,7 +204,7 @@ def _train(args: TrainConfig, info: DistInfo, lock: RunLock) -> dict[str, Any]:
         check_fits(args, info.world_size, info.device)  # before the run dir is touched or anything allocated
         return prepare_run_dir(args, info, lock)
 
-    at_step = _agree(info, prepare)
+    at_step, config_changes = _agree(info, prepare)
     if at_step is not None and at_step == tr.steps:
         if info.is_main:
             print(
@@ -213,7 +214,7 @@ def _train(args: TrainConfig, info: DistInfo, lock: RunLock) -> dict[str, Any]:
                 flush=True,
             )
         return {"step": at_step, "loss": float("nan"), "stopped_by_signal": None, "export": None}
-    return run(args, info)
+    return run(args, info, config_changes)
 
 
 # ------------------------------------------------------------------ one update
@@ -377,7 +378,7 @@ class Checkpointing:
 
 
 # ------------------------------------------------------------------ the run
-def run(args: TrainConfig, info: DistInfo) -> dict[str, Any]:
+def run(args: TrainConfig, info: DistInfo, config_changes: Sequence[str] = ()) -> dict[str, Any]:
     """Train from the newest complete checkpoint (or the start) to ``trainer.steps``.
 
     The stop signals are caught from the start: one that arrives while the model, the
@@ -386,7 +387,7 @@ def run(args: TrainConfig, info: DistInfo) -> dict[str, Any]:
     128 + the signal's number); later ones stop it at a step boundary, after a checkpoint."""
     preempt = PreemptionHandler()
     try:
-        state, manager, attn_used, resumed = build_state(args, info, preempt)
+        state, manager, attn_used, resumed = build_state(args, info, preempt, config_changes)
         parts = LoopParts.create(args, info, state, manager, attn_used, resumed, preempt)
         try:
             stopped_by = train_steps(args, info, state, parts)
@@ -409,7 +410,7 @@ def run(args: TrainConfig, info: DistInfo) -> dict[str, Any]:
 
 
 def build_state(
-    args: TrainConfig, info: DistInfo, preempt: PreemptionHandler | None = None
+    args: TrainConfig, info: DistInfo, preempt: PreemptionHandler | None = None, config_changes: Sequence[str] = ()
 ) -> tuple[TrainState, CheckpointManager, str | None, bool]:
     """The model (meta -> AC -> compile -> FSDP2 -> materialised with the init or the stage
     start's weights), optimizer, scheduler and loader as a TrainState, resumed from the
@@ -460,10 +461,12 @@ def build_state(
     accepted += provenance.check_data(
         loader, ck.accept_changed_data, run_dir, state.step, info.world_size, info.is_main
     )
+    # each config change accepted (checkpoint.allow_config_change), from the step it goes on at
+    accepted += [provenance.accepted("config", c, provenance.ACCEPT_CONFIG, state.step) for c in config_changes]
     if info.is_main:
         record = provenance.RunRecord(args, run_dir, loader, init_identity or None, resumed_from, accepted)
         record.begin(state.step, info.world_size)
-        settle_hydra_output(keep=True)  # accepted: this start's Hydra record becomes .hydra/
+        commit_start(run_dir, args)  # accepted: config.yaml and .hydra/ say what it runs
         manager.provenance = record.checkpoint
     return state, manager, attn_used, resumed_from is not None
 

@@ -222,15 +222,6 @@ def write_record(path: Path, obj: Any) -> None:
     replace_atomically(path, (json.dumps(obj, indent=1, default=str) + "\n").encode())
 
 
-def record_accepted(run_dir: Path, entries: list) -> None:
-    """Append accepted changes (``accepted``) to ``<run_dir>/provenance.json``'s history,
-    which every later start and checkpoint carries on."""
-    path = Path(run_dir) / RECORD
-    rec = read_record(path) or {"format": FORMAT}
-    rec["accepted"] = list(rec.get("accepted") or []) + list(entries)
-    write_record(path, rec)
-
-
 # ------------------------------------------------------------------ a training run
 def check_tokenizer(args, run_dir: Path, latest: Path | None) -> list:
     """Rank 0, before the model is built: the tokenizer against the one the newest

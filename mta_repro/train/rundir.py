@@ -15,9 +15,9 @@ Before a run writes anything into ``run_dir`` (rank 0, ``prepare_run_dir``):
    defines the run; ``trainer.grad_accum`` is compared as the global batch, so a run may
    continue on another world size (``global_batch_error``). A refused difference raises
    ``RunDirError`` naming the keys and the ways out.
-2. ``config.yaml`` is written atomically (a previous, different one kept as
-   ``config.prev.yaml``). Hydra's record of the command stays staged until the start's
-   checks are all passed (``settle_hydra_output``); only then does it become ``.hydra/``.
+2. Once the start passed every check (the provenance ones too), ``commit_start`` writes
+   ``config.yaml`` atomically (a different previous one kept as ``config.prev.yaml``) and
+   Hydra's record of the command, staged until then, becomes ``.hydra/``.
 
 While it trains, rank 0 touches the lock every step (``lock_heartbeat``: its mtime says
 when the holder was last alive). A start that took the lock on a fresh run dir and fails
@@ -461,10 +461,11 @@ def load_saved_config(run_dir: Path, name: str = "config.yaml") -> dict | None:
 
 
 # ------------------------------------------------------------------ the whole start
-def prepare_run_dir(args, info, lock: RunLock) -> int | None:
-    """Rank 0, before anything is written (``args``: the TrainConfig): the config check
-    against the run's config.yaml, the lock, config.yaml. Returns the step of the newest
-    complete checkpoint (None if none)."""
+def prepare_run_dir(args, info, lock: RunLock) -> tuple[int | None, list[str]]:
+    """Rank 0, before anything is written (``args``: the TrainConfig): the lock, the config
+    check against the run's config.yaml. Returns the step of the newest complete checkpoint
+    (None if none) and the config changes it accepts (``key: old -> new``), which the start
+    records with config.yaml once all its checks passed (``commit_start``)."""
     from mta_repro.weights.layout import complete_checkpoints, saved_world_size, verify_checkpoint
 
     tr, ck = args.trainer, args.checkpoint
@@ -505,10 +506,7 @@ def prepare_run_dir(args, info, lock: RunLock) -> int | None:
             f"run_dir={run_dir} holds checkpoints and checkpoint.resume=false would train over them from "
             "step 0: use another run_dir=..., or checkpoint.resume=true"
         )
-    if changes:  # each accepted change, with the step from which the run goes on with it
-        _record_changes(run_dir, changes, int(found[-1].name))
-    write_config(run_dir, args)
-    return at_step
+    return at_step, changes
 
 
 def _saved_config(run_dir: Path, found: list, allow_change: bool) -> tuple[dict | None, str]:
@@ -529,10 +527,12 @@ def _saved_config(run_dir: Path, found: list, allow_change: bool) -> tuple[dict 
     return saved, source
 
 
-def _record_changes(run_dir: Path, changes: list, step: int) -> None:
-    from mta_repro.train.provenance import ACCEPT_CONFIG, accepted, record_accepted
-
-    record_accepted(run_dir, [accepted("config", c, ACCEPT_CONFIG, step) for c in changes])
+def commit_start(run_dir: Path, args) -> None:
+    """Rank 0, once a start passed every check (and its record is written): config.yaml,
+    and Hydra's record of the command as ``.hydra/``. A start refused before this has
+    changed nothing in the run dir."""
+    write_config(run_dir, args)
+    settle_hydra_output(keep=True)
 
 
 def _staged_hydra() -> Path | None:
