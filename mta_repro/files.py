@@ -10,7 +10,13 @@ one line naming the file, where in it the first fault is and what was expected t
 shape is a type (``dict``, ``list``, ``str``, ``bool``, ``int``, ``float`` = any number,
 ``object`` = anything), a tuple of alternatives, or a dict spec: a JSON object whose listed
 keys must be there (a key ending in ``?`` may be absent) and whose other values all match
-the shape's ``"*"`` entry, if it has one. JSON's ``NaN`` and ``Infinity`` read as floats.
+the shape's ``"*"`` entry, if it has one.
+
+Non-finite numbers (a diverged model's perplexity): ``result_json`` writes each as
+``null`` and lists it in a top-level ``"nonfinite"`` object, ``{"/results/average": "inf"}``
+(a JSON pointer to each, and its value: ``inf``, ``-inf`` or ``nan``), so the file is JSON
+for every reader and a strict one sees no number there; ``read_json`` puts the floats back,
+and reads the bare ``NaN``/``Infinity`` of files written before as floats too.
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import json
+import math
 import os
 import stat
 from pathlib import Path
@@ -71,6 +78,25 @@ def replace_atomically(path: Path, data: bytes) -> None:
         tmp.unlink(missing_ok=True)
         raise
     fsync_path(path.parent)
+
+
+def unwritable(folder: Path, files: tuple = ()) -> tuple[Path, str] | None:
+    """(the directory or file that stops a command writing in ``folder``, why), or None.
+    ``folder`` is checked if it exists, else the nearest existing folder above it (where
+    it would be created); ``files`` (names inside it, written in place) if they exist. As
+    the kernel decides: a read-only mount for everyone, permissions for all but root."""
+    p = Path(folder).absolute()
+    while not p.exists() and p.parent != p:
+        p = p.parent
+    for target in [p] + [p / f for f in files if p == Path(folder).absolute() and (p / f).exists()]:
+        need = os.W_OK | (os.X_OK if target.is_dir() else 0)
+        if not os.access(target, need):
+            try:
+                ro = bool(os.statvfs(target).f_flag & os.ST_RDONLY)
+            except OSError:
+                ro = False
+            return target, "a read-only file system" if ro else "no write permission for this user"
+    return None
 
 
 def save_file_atomic(obj: Any, path: Path) -> Path:
@@ -163,6 +189,66 @@ def fault(value: Any, shape: Any, where: str = "") -> str | None:
     return None
 
 
+NONFINITE = "nonfinite"
+
+
+def _pointer_part(key: Any) -> str:
+    return str(key).replace("~", "~0").replace("/", "~1")
+
+
+def result_json(obj: Any) -> bytes:
+    """``obj`` (a result: a JSON object) as standard JSON (module docstring): its
+    non-finite floats as ``null``, listed under ``"nonfinite"``; values JSON has no type
+    for are written as their ``str``."""
+    plain = json.loads(json.dumps(obj, default=str))  # tuples -> lists, paths -> strings
+    found: dict[str, str] = {}
+
+    def walk(value: Any, where: str) -> Any:
+        if isinstance(value, float) and not math.isfinite(value):
+            found[where] = str(value)  # "inf", "-inf", "nan"
+            return None
+        if isinstance(value, dict):
+            return {k: walk(v, f"{where}/{_pointer_part(k)}") for k, v in value.items()}
+        if isinstance(value, list):
+            return [walk(v, f"{where}/{i}") for i, v in enumerate(value)]
+        return value
+
+    clean = walk(plain, "")
+    if found and isinstance(clean, dict):
+        clean[NONFINITE] = found
+    return json.dumps(clean, indent=1, allow_nan=False).encode()
+
+
+def _child(node: Any, part: str) -> tuple[Any, Any]:
+    """(the container, the key or index) ``part`` names in ``node``; (None, None) if none."""
+    if isinstance(node, dict) and part in node:
+        return node, part
+    if isinstance(node, list) and part.isdigit() and int(part) < len(node):
+        return node, int(part)
+    return None, None
+
+
+def _restore_nonfinite(data: Any) -> Any:
+    """The floats ``result_json`` wrote as ``null`` put back (a pointer that leads nowhere,
+    or to a value that is not ``null``, is left as it is)."""
+    marks = data.get(NONFINITE) if isinstance(data, dict) else None
+    if not isinstance(marks, dict):
+        return data
+    for pointer, value in marks.items():
+        if not isinstance(pointer, str) or not pointer or value not in ("inf", "-inf", "nan"):
+            continue
+        node, key = data, None
+        for part in pointer.split("/")[1:]:
+            if key is not None:
+                node = node[key]
+            node, key = _child(node, part.replace("~1", "/").replace("~0", "~"))
+            if node is None:
+                break
+        if node is not None and node[key] is None:
+            node[key] = float(value)
+    return data
+
+
 def read_json(path: str | Path, shape: Any = object, what: str = "JSON") -> Any:
     """The content of ``path`` if it is JSON of ``shape`` (module docstring); else
     ``UserError`` naming the file, ``what`` it should be and the first fault."""
@@ -174,6 +260,7 @@ def read_json(path: str | Path, shape: Any = object, what: str = "JSON") -> Any:
             f"line {e.lineno} column {e.colno}: {e.msg}" if isinstance(e, json.JSONDecodeError) else type(e).__name__
         )
         raise UserError(f"{path}: not valid JSON ({detail}); expected {what}") from None
+    data = _restore_nonfinite(data)
     why = fault(data, shape)
     if why:
         raise UserError(f"{path}: not {what}: {why}")

@@ -433,18 +433,21 @@ def test_a_shard_replaced_between_run_and_resume_is_refused_then_accepted(tmp_pa
     # the file every stream was reading at step 5, replaced by another shard
     target = corpus / "train" / "chunk1" / "example_train_0.jsonl.zst"
     shutil.copy(corpus / "train" / "chunk2" / "example_train_0.jsonl.zst", target)
+    records = {n: (run / n).read_bytes() for n in ("config.yaml", "provenance.json")}
     p = _train(run, *common, "checkpoint.allow_config_change=true", check=False)
     line = _one_line_error(p, "train")
     assert f"{target}: the " in line and "bytes of text rank 0 read of it changed (sha256 " in line
     assert "checkpoint.accept_changed_data=true" in line and "restore the file" in line
     assert sorted(c.name for c in (run / "checkpoints").iterdir()) == [f"{5:010d}"]  # left as it was
-    assert len(json.loads((run / "provenance.json").read_text())["starts"]) == 1
+    assert {n: (run / n).read_bytes() for n in records} == records  # the refused start changed neither
     # accepted: it trains on and the run's history says what was accepted, and where
     _train(run, *common, "checkpoint.allow_config_change=true", "checkpoint.accept_changed_data=true")
     rec = json.loads((run / "provenance.json").read_text())
     assert [s["step"] for s in rec["starts"]] == [0, 5]
-    (acc,) = rec["accepted"]
+    (acc,) = [a for a in rec["accepted"] if a["what"] == "data"]
     assert acc["what"] == "data" and acc["step"] == 5 and str(target) in acc["change"]
+    (cfg,) = [a for a in rec["accepted"] if a["what"] == "config"]
+    assert (cfg["step"], cfg["change"]) == (5, "trainer.steps: 5 -> 10")
     assert acc["override"] == "checkpoint.accept_changed_data=true"
     ck10 = json.loads((run / "checkpoints" / f"{10:010d}" / "provenance.json").read_text())
     assert ck10["accepted"] == rec["accepted"] and ck10["step"] == 10

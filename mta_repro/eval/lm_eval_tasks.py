@@ -98,6 +98,45 @@ def check_task_names(names, manager) -> None:
         )
 
 
+def task_data(config) -> dict:
+    """What an lm-eval task's rows were read from, from its config as lm-eval ran it:
+    ``{"dataset", "name"}`` and either ``"files"`` (each local data file: split, path,
+    sha256 of its bytes) or ``"revision"`` (the hub revision the task pins, else the commit
+    the local hub cache resolved for it; None when neither is known)."""
+    from collections.abc import Mapping
+
+    from mta_repro.train.provenance import sha256_file
+
+    cfg: Mapping = config if isinstance(config, Mapping) else {}
+    given = cfg.get("dataset_kwargs")
+    kw: Mapping = given if isinstance(given, Mapping) else {}
+    out: dict = {"dataset": cfg.get("dataset_path"), "name": cfg.get("dataset_name")}
+    files = kw.get("data_files")
+    if files:
+        listed = files.items() if isinstance(files, Mapping) else [(None, files)]
+        out["files"] = [
+            {"split": split, "path": str(f), "sha256": sha256_file(Path(str(f))) if Path(str(f)).is_file() else None}
+            for split, fs in listed
+            for f in (fs if isinstance(fs, (list, tuple)) else [fs])
+        ]
+    else:
+        out["revision"] = kw.get("revision") or _hub_revision(cfg.get("dataset_path"))
+    return out
+
+
+def _hub_revision(dataset: str | None) -> str | None:
+    """The commit the local Hugging Face hub cache holds for ``dataset``'s main branch."""
+    if not dataset:
+        return None
+    try:
+        from huggingface_hub.constants import HF_HUB_CACHE
+
+        ref = Path(HF_HUB_CACHE) / f"datasets--{dataset.replace('/', '--')}" / "refs" / "main"
+        return ref.read_text().strip() or None
+    except (ImportError, OSError):
+        return None
+
+
 def write_local_task(
     task: str,
     data_files: dict,

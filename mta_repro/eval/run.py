@@ -24,7 +24,6 @@ logged and recorded). The tasks: mta_repro/eval/tasks.py (EVAL_TASKS).
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import sys
@@ -36,7 +35,7 @@ from omegaconf import OmegaConf
 
 from mta_repro.errors import UserError
 from mta_repro.eval.args import EvalConfig, register_eval_config
-from mta_repro.files import replace_atomically
+from mta_repro.files import replace_atomically, result_json
 from mta_repro.train.config import attention_variant
 
 log = logging.getLogger("mta_repro.eval")
@@ -156,6 +155,7 @@ def provenance_of(cfg: EvalConfig, model, run_cfg) -> dict:
         accepted.append(pv.accepted("tokenizer", change, "accept_changed_tokenizer=true", src.get("step")))
     return {
         "checkpoint": pv.loaded_weights(model),
+        "run_id": record.get("run_id"),  # the run the weights belong to (pv.foreign_result)
         "run": record.get("inputs"),
         "run_accepted": record.get("accepted") or [],
         "tokenizer": tok,
@@ -184,6 +184,15 @@ def run(cfg: EvalConfig) -> dict:
 
     from mta_repro.eval import dist
     from mta_repro.eval.load import default_out_dir, load_for_eval
+    from mta_repro.files import unwritable
+
+    out_dir = Path(cfg.out_dir) if cfg.out_dir else default_out_dir(cfg.run_dir)
+    found = unwritable(out_dir)  # on every rank, before any work: rank 0 writes, the others wait for it
+    if found:
+        raise UserError(
+            f"eval: {found[0]} is not writable ({found[1]}); the results go to {out_dir}: make it writable, "
+            "or write them elsewhere with out_dir=<dir>"
+        )
 
     # Under torchrun every process takes its share of each task; rank 0 writes.
     rank, world = dist.init(cfg.device)
@@ -206,7 +215,6 @@ def run(cfg: EvalConfig) -> dict:
         getattr(getattr(model, "args", None), "max_seqlen", None),
     )
 
-    out_dir = Path(cfg.out_dir) if cfg.out_dir else default_out_dir(cfg.run_dir)
     source = getattr(model, "source", {})
     log.info("eval: %s: step %s (%s)", cfg.run_dir, source.get("step"), source.get("path"))
     meta = {
@@ -254,7 +262,7 @@ def run(cfg: EvalConfig) -> dict:
         out_dir.mkdir(parents=True, exist_ok=True)
         path = out_dir / f"{t.name}.json"
         # Whole or absent: a kill or a full disk mid-write leaves the previous file.
-        replace_atomically(path, json.dumps(res, indent=1, default=str).encode())
+        replace_atomically(path, result_json(res))  # a non-finite number as null, flagged
         written[t.name] = str(path)
         log.info("eval: wrote %s", path)
     return written

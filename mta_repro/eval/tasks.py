@@ -185,6 +185,7 @@ class _LMEvalTask(EvalTask):
         for name in names:  # one simple_evaluate call per few-shot count
             groups.setdefault(int(e.num_fewshot.get(name, 0)), []).append(name)
         results: dict = {}
+        data: dict = {}  # every task lm-eval ran (a group's subtasks too): what its rows came from
         for shots, group in groups.items():
             with hub_errors(group):
                 out = simple_evaluate(
@@ -198,6 +199,10 @@ class _LMEvalTask(EvalTask):
                 )
             if out is None:  # ranks other than 0 under torchrun: rank 0 has the results
                 continue
+            from mta_repro.eval.lm_eval_tasks import task_data
+
+            for name, config in (out.get("configs") or {}).items():
+                data[name] = task_data(config)
             for name, metrics in out["results"].items():  # pyright: ignore[reportTypedDictNotRequiredAccess]  # always set
                 results[name] = {k: v for k, v in metrics.items() if isinstance(v, (int, float)) or k == "alias"}
         return {
@@ -207,6 +212,7 @@ class _LMEvalTask(EvalTask):
             "metrics": {n: headline(n, results.get(n, {})) for n in names if not n.startswith("lambada")},
             "limit": e.limit,
             "max_length": lm.max_length,
+            "data": data,
         }
 
 

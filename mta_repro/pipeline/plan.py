@@ -30,6 +30,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 from mta_repro.errors import UserError
 from mta_repro.files import read_json
 from mta_repro.train.config import CONFIG_DIR
+from mta_repro.train.provenance import foreign_result
 
 REPO = CONFIG_DIR.parent
 VARIANTS = ("baseline", "diff", "talking_heads", "mta")
@@ -560,11 +561,15 @@ def outputs(job: Job) -> list:
 
 def torn(job: Job) -> list:
     """One line per output of ``job`` that is there but is not valid JSON (a write cut
-    short by a kill or a full disk, or a file damaged since): the job is redone."""
+    short by a kill or a full disk, or a file damaged since), or is an evaluation of
+    another run's weights (``foreign_result``): the job is redone."""
     out = []
     for f in outputs(job):
-        if f.is_file() and _json(f) is None:
+        data = _json(f) if f.is_file() else None
+        if f.is_file() and data is None:
             out.append(f"{f} is there but not valid JSON (a write cut short?)")
+        elif job.kind == "eval" and isinstance(data, dict) and (why := foreign_result(data, job.run_dir)):
+            out.append(f"{f} is not a result of {job.run_dir}: {why}")
     return out
 
 
@@ -590,6 +595,8 @@ def done(job: Job) -> bool:
             if not (isinstance(data, dict) and isinstance(data.get("results"), dict) and f.stat().st_mtime >= t0):
                 return False
             if isinstance(data.get("step"), int) and data["step"] < (job.steps or 0):  # an earlier checkpoint's
+                return False
+            if foreign_result(data, job.run_dir):  # copied from another run: evaluate this one
                 return False
         return True
     if job.kind == "report":

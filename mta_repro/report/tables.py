@@ -189,6 +189,13 @@ def load_run(path, label: str | None = None) -> RunData:
         why = fault(data, eval_shape(task))
         if why:
             raise UserError(f"report: {f}: not {what} ({task}): {why}")
+        from mta_repro.train.provenance import foreign_result
+
+        foreign = foreign_result(data, path)
+        if foreign:  # copied from another run: its numbers would stand in this run's row
+            raise UserError(
+                f"report: {f}: not a result of {path}: {foreign}; delete it and evaluate this run: {eval_command(path)}"
+            )
         run.evals[task] = data
         run.variant = run.variant or data.get("variant")
     if run.variant is None and run.config and "model" in run.config:
@@ -827,10 +834,47 @@ LM_EVAL_TABLES = ("benchmarks", "lambada")
 MARK = " (!)"
 
 
-def _most_common(values: list):
-    """The value most rows share (the first row's among equals); None if none is known."""
+def _majority(values: list) -> tuple:
+    """(the value more rows share than any other, []), or (None, the values tied for the
+    most rows) when no value has more rows than every other (two rows, two tokenizers:
+    neither is the odd one out). (None, []) when none is known."""
     known = [v for v in values if v is not None]
-    return max(known, key=lambda v: (known.count(v), -known.index(v))) if known else None
+    counts = {v: known.count(v) for v in dict.fromkeys(known)}
+    top = [v for v, n in counts.items() if n == max(counts.values())] if counts else []
+    return (top[0], []) if len(top) == 1 else (None, top)
+
+
+def _off(value, ref, tied: list, what: str, show) -> str | None:
+    """Why a row's ``value`` (its tokenizer, its data) sets it apart, or None."""
+    if value is None:
+        return None
+    if tied:
+        return f"{what} {show(value)}; no majority among the rows ({', '.join(show(v) for v in tied)})"
+    if ref is not None and value != ref:
+        return f"{what} {show(value)}, most rows {show(ref)}"
+    return None
+
+
+def _lm_eval_data(data) -> str:
+    """The task data an lm-eval row was scored on (the result's ``data``: eval's
+    ``lm_eval_tasks.task_data`` per task), each distinct file or dataset once: a local
+    file by name and sha256, a hub dataset by its revision ("unpinned" when none was
+    known). Empty for a result that recorded none."""
+    from mta_repro.train.provenance import short
+
+    if not isinstance(data, dict) or not data:
+        return ""
+    seen: list = []
+    for d in data.values():
+        if not isinstance(d, dict):
+            continue
+        for f in d.get("files") or []:
+            if isinstance(f, dict):
+                seen.append(f"{Path(str(f.get('path'))).name} {short(f.get('sha256'))}")
+        if not d.get("files"):
+            rev = d.get("revision")
+            seen.append(f"{d.get('dataset')}@{short(rev) if rev else 'unpinned'}")
+    return ("; task data " + ", ".join(dict.fromkeys(seen))) if seen else ""
 
 
 def add_provenance(table: Table, runs) -> None:
@@ -856,7 +900,7 @@ def add_provenance(table: Table, runs) -> None:
             p.get("code") or {},
         )
         data = (
-            f"lm-eval {p.get('lm_eval') or '?'}"
+            f"lm-eval {p.get('lm_eval') or '?'}{_lm_eval_data((e.get('results') or {}).get('data'))}"
             if table.name in LM_EVAL_TABLES
             else (
                 f"validation {val.get('files')} file(s), {val.get('bytes'):,} bytes, {short(val.get('sha256'))}"
@@ -873,15 +917,18 @@ def add_provenance(table: Table, runs) -> None:
             "code": code,
             "accepted": (p.get("run_accepted") or []) + (p.get("accepted") or []),
         }
-    ref_tok = _most_common([f["tok"] for f in facts.values()])
-    ref_data = _most_common([f["data"] for f in facts.values()])
+    ref_tok, tied_tok = _majority([f["tok"] for f in facts.values()])
+    ref_data, tied_data = _majority([f["data"] for f in facts.values()])
     flagged = set()
     for label, f in facts.items():
-        why = []
-        if f["tok"] is not None and ref_tok is not None and f["tok"] != ref_tok:
-            why.append(f"tokenizer {short(f['tok'][1])}, most rows {short(ref_tok[1])}")
-        if f["data"] is not None and f["data"] != ref_data:
-            why.append(f"data {f['data']}, most rows {ref_data}")
+        why = [
+            w
+            for w in (
+                _off(f["tok"], ref_tok, tied_tok, "tokenizer", lambda t: short(t[1])),
+                _off(f["data"], ref_data, tied_data, "data", str),
+            )
+            if w
+        ]
         newest = by_label[label].final_step
         if isinstance(f["step"], int) and newest is not None and f["step"] < newest:
             why.append(f"evaluated at step {f['step']:,}; the run's newest checkpoint is step {newest:,}: re-evaluate")

@@ -15,6 +15,7 @@ SIGUSR1/2) checkpoints at the next step boundary and exits with 128 + the signal
 
 from __future__ import annotations
 
+import os
 import sys
 
 import hydra
@@ -26,6 +27,20 @@ from mta_repro.train.config import CONFIG_DIR
 # Appended to the command line of ranks other than 0 (a single run, not a sweep).
 NON_ZERO_RANK_OVERRIDES = ("hydra.output_subdir=null", "hydra/job_logging=stdout")
 PROG = "train"
+
+
+def staged_argv(argv: list[str]) -> list[str]:
+    """argv with rank 0's ``.hydra/`` written to a folder of this start's own
+    (``rundir.STAGED_HYDRA``), which becomes ``.hydra/`` only once the start is accepted: a
+    refused start leaves the run's record of its command as it was. A sweep's jobs write
+    theirs in their own output folders, not in a run dir; a user's own output_subdir is kept."""
+    from mta_repro.train.rundir import STAGED_HYDRA
+
+    if launcher_rank() != 0 or any(a in ("-m", "--multirun") for a in argv):
+        return argv
+    if any(a.split("=")[0].lstrip("+~") == "hydra.output_subdir" for a in argv):
+        return argv
+    return argv + [f"hydra.output_subdir={STAGED_HYDRA}{os.getpid()}"]
 
 
 def hydra_argv(argv: list[str]) -> list[str]:
@@ -59,6 +74,7 @@ def cli(argv: list[str]) -> int:
     from mta_repro.cli import check_hydra_overrides, run_cli
     from mta_repro.train.config import to_train_config
     from mta_repro.train.jobcheck import NO_CHECK, problems, raise_problems, resolved_overrides
+    from mta_repro.train.rundir import check_writable
 
     check_paths = NO_CHECK not in argv
     argv = hydra_argv([a for a in argv if a != NO_CHECK])
@@ -68,6 +84,8 @@ def cli(argv: list[str]) -> int:
 
     def check(cfg) -> None:
         to_train_config(cfg)  # every field's check (schema, values, data.seq_len <= model.max_seqlen)
+        if not any(a in ("-m", "--multirun") for a in argv):  # before Hydra opens its log in it
+            check_writable(cfg.run_dir)
         if slurm_sweep:
             if check_paths:  # what the jobs need at their start, on the first point's config
                 raise_problems(problems(cfg))
@@ -76,7 +94,7 @@ def cli(argv: list[str]) -> int:
     rc = run_cli(PROG, lambda: check_hydra_overrides(argv, CONFIG_DIR, "train", check) or 0)
     if rc:
         return rc
-    argv = argv + resolved
+    argv = staged_argv(argv + resolved)
     sys.argv[1:] = argv
     main()
     return 0

@@ -27,7 +27,7 @@ import signal
 import sys
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -59,8 +59,10 @@ from mta_repro.train.optim import build_lr_scheduler, build_optimizer
 from mta_repro.train.rundir import (
     RunLock,
     clean_failed_start,
+    commit_start,
     lock_heartbeat,
     prepare_run_dir,
+    settle_hydra_output,
 )
 from mta_repro.train.signals import PreemptionHandler, requeue_if_slurm
 from mta_repro.train.state import TrainState
@@ -168,6 +170,8 @@ def train(cfg: Any) -> dict[str, Any]:
             ) from e
         raise
     finally:
+        if launcher_rank() == 0:
+            settle_hydra_output(keep=False)  # not accepted (refused, failed, nothing to train)
         lock.release()
 
 
@@ -200,7 +204,7 @@ def _train(args: TrainConfig, info: DistInfo, lock: RunLock) -> dict[str, Any]:
         check_fits(args, info.world_size, info.device)  # before the run dir is touched or anything allocated
         return prepare_run_dir(args, info, lock)
 
-    at_step = _agree(info, prepare)
+    at_step, config_changes = _agree(info, prepare)
     if at_step is not None and at_step == tr.steps:
         if info.is_main:
             print(
@@ -210,7 +214,7 @@ def _train(args: TrainConfig, info: DistInfo, lock: RunLock) -> dict[str, Any]:
                 flush=True,
             )
         return {"step": at_step, "loss": float("nan"), "stopped_by_signal": None, "export": None}
-    return run(args, info)
+    return run(args, info, config_changes)
 
 
 # ------------------------------------------------------------------ one update
@@ -263,10 +267,11 @@ class StepValues:
     """The per-step loss and gradient norm, kept on the device until ``read()`` (one
     all-reduce over ranks and one host transfer for every step since the last read)."""
 
-    def __init__(self, info: DistInfo):
+    def __init__(self, info: DistInfo, losses: list[float] | None = None):
         self.info = info
         self.pending: list[tuple[int, torch.Tensor, torch.Tensor]] = []  # (step, loss, grad norm)
-        self.losses: list[float] = []  # global mean loss of each step since the last record
+        # global mean loss of each step since the last record (a resumed run: those before its stop)
+        self.losses: list[float] = list(losses or [])
         self.loss_last = float("nan")
         self.grad_norm_last = float("nan")
 
@@ -290,11 +295,16 @@ class StepValues:
         self.loss_last, self.grad_norm_last = out[-1][1], out[-1][2]
         return out
 
-    def interval_mean(self) -> float:
-        """The mean loss over the steps since the last record (and start a new interval)."""
-        mean = sum(self.losses) / len(self.losses)
+    def interval_mean(self) -> tuple[float, int]:
+        """(the mean loss over the steps since the last record, how many) (and start a new
+        interval)."""
+        mean, n = sum(self.losses) / len(self.losses), len(self.losses)
         self.losses = []
-        return mean
+        return mean, n
+
+    def saved(self) -> list[float]:
+        """What a checkpoint keeps of the interval (the save reads every pending step first)."""
+        return list(self.losses) if not self.pending else []
 
 
 def check_finite(values: list[tuple[int, float, float]], latest: Path | None) -> None:
@@ -321,11 +331,14 @@ def metrics_record(
     ``flops_tok``: (model, hardware) training FLOPs per token, for ``mfu`` and ``hfu``."""
     tps = meter.rate()
     loader = state.loader
+    loss, n = values.interval_mean()
     record = {
         "step": state.step,
         # The mean over the steps since the last record (each step's loss is the mean over
-        # its global batch); loss_last is this step's alone.
-        "loss": values.interval_mean(),
+        # its global batch), loss_steps of them (fewer than logging.every where a resume
+        # could not restore the steps before its stop); loss_last is this step's alone.
+        "loss": loss,
+        "loss_steps": n,
         "loss_last": values.loss_last,
         "lr": lr,
         "grad_norm": values.grad_norm_last,
@@ -365,7 +378,7 @@ class Checkpointing:
 
 
 # ------------------------------------------------------------------ the run
-def run(args: TrainConfig, info: DistInfo) -> dict[str, Any]:
+def run(args: TrainConfig, info: DistInfo, config_changes: Sequence[str] = ()) -> dict[str, Any]:
     """Train from the newest complete checkpoint (or the start) to ``trainer.steps``.
 
     The stop signals are caught from the start: one that arrives while the model, the
@@ -374,7 +387,7 @@ def run(args: TrainConfig, info: DistInfo) -> dict[str, Any]:
     128 + the signal's number); later ones stop it at a step boundary, after a checkpoint."""
     preempt = PreemptionHandler()
     try:
-        state, manager, attn_used, resumed = build_state(args, info, preempt)
+        state, manager, attn_used, resumed = build_state(args, info, preempt, config_changes)
         parts = LoopParts.create(args, info, state, manager, attn_used, resumed, preempt)
         try:
             stopped_by = train_steps(args, info, state, parts)
@@ -397,7 +410,7 @@ def run(args: TrainConfig, info: DistInfo) -> dict[str, Any]:
 
 
 def build_state(
-    args: TrainConfig, info: DistInfo, preempt: PreemptionHandler | None = None
+    args: TrainConfig, info: DistInfo, preempt: PreemptionHandler | None = None, config_changes: Sequence[str] = ()
 ) -> tuple[TrainState, CheckpointManager, str | None, bool]:
     """The model (meta -> AC -> compile -> FSDP2 -> materialised with the init or the stage
     start's weights), optimizer, scheduler and loader as a TrainState, resumed from the
@@ -448,9 +461,12 @@ def build_state(
     accepted += provenance.check_data(
         loader, ck.accept_changed_data, run_dir, state.step, info.world_size, info.is_main
     )
+    # each config change accepted (checkpoint.allow_config_change), from the step it goes on at
+    accepted += [provenance.accepted("config", c, provenance.ACCEPT_CONFIG, state.step) for c in config_changes]
     if info.is_main:
         record = provenance.RunRecord(args, run_dir, loader, init_identity or None, resumed_from, accepted)
         record.begin(state.step, info.world_size)
+        commit_start(run_dir, args)  # accepted: config.yaml and .hydra/ say what it runs
         manager.provenance = record.checkpoint
     return state, manager, attn_used, resumed_from is not None
 
@@ -493,6 +509,8 @@ class LoopParts:
         validator = maybe_validator(
             OmegaConf.create({"data": root_node.data}), args.trainer, info, seq_len, check=preempt.check
         )
+        values = StepValues(info, state.restored_losses)
+        state.losses = values.saved
         return cls(
             manager=manager,
             logger=MetricLogger(Path(args.run_dir), args.logging, config, info.is_main, args.trainer.steps, state.step),
@@ -500,7 +518,7 @@ class LoopParts:
             saver=Checkpointing(manager, args.checkpoint.every, state, last_saved=state.step if resumed else None),
             preempt=preempt,
             meter=Throughput(info.device),
-            values=StepValues(info),
+            values=values,
             attn_used=attn_used,
             flops_tok=(model_flops_per_token(model_args, seq_len), hardware_flops_per_token(model_args, seq_len)),
             peak=device_peak_flops(info.device),

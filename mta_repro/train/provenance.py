@@ -27,6 +27,7 @@ import socket
 import subprocess
 import sys
 import time
+import uuid
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -40,6 +41,7 @@ EXPORT_KEY = "provenance"  # in an export's consolidated.pt
 FORMAT = 1
 ACCEPT_DATA = "checkpoint.accept_changed_data=true"
 ACCEPT_TOKENIZER = "checkpoint.accept_changed_tokenizer=true"
+ACCEPT_CONFIG = "checkpoint.allow_config_change=true"
 
 
 class ProvenanceError(UserError):
@@ -303,6 +305,9 @@ class RunRecord:
         if init_from is None and prior is not None:  # resumed: the weights it started from are recorded
             init_from = (prior.get("inputs") or {}).get("init_from")
         run_file = read_record(self.run_dir / RECORD) or {}
+        # The run's identity, made at its first start: every checkpoint, export and eval
+        # result of it carries it, so a result copied into another run dir is told apart.
+        self.run_id = run_file.get("run_id") or (prior or {}).get("run_id") or uuid.uuid4().hex
         history = run_file.get("accepted") or (prior or {}).get("accepted") or []
         self.accepted = list(history) + list(new_accepted)
         self.inputs = {
@@ -328,18 +333,49 @@ class RunRecord:
                 "inputs": self.inputs,
             }
         )
-        write_record(path, {"format": FORMAT, "starts": starts, "accepted": self.accepted})
+        write_record(path, {"format": FORMAT, "run_id": self.run_id, "starts": starts, "accepted": self.accepted})
 
     def checkpoint(self, step: int, tokens_seen: int | None) -> dict:
         """The record a checkpoint of ``step`` carries."""
         return {
             "format": FORMAT,
+            "run_id": self.run_id,
             "time": _now(),
             "step": step,
             "tokens_seen": tokens_seen,
             "inputs": self.inputs,
             "accepted": self.accepted,
         }
+
+
+def foreign_result(result: Mapping, run_dir: Path) -> str | None:
+    """Why an eval result found in ``run_dir`` is not a result of that run's weights, or
+    None: the run identity its weights recorded (``run_id``) is another run's, or, for a
+    run or a result of a version that recorded none, its attention variant is not the
+    run's. A result that says nothing either way is not refused."""
+    prov = result.get("provenance")
+    theirs = prov.get("run_id") if isinstance(prov, Mapping) else None
+    ours = (read_record(Path(run_dir) / RECORD) or {}).get("run_id")
+    if theirs and ours:
+        if theirs == ours:
+            return None
+        return f"it is a result of the weights of run {short(theirs)}, not of this run ({short(ours)})"
+    variant = result.get("variant")
+    cfg = Path(run_dir) / "config.yaml"
+    if not variant or not cfg.is_file():
+        return None
+    from omegaconf import OmegaConf
+
+    from mta_repro.train.config import attention_variant
+
+    try:
+        model = OmegaConf.to_container(OmegaConf.load(cfg), resolve=False)
+    except Exception:  # noqa: BLE001 - an unreadable config says nothing here
+        return None
+    model = model.get("model") if isinstance(model, dict) else None
+    if not isinstance(model, dict) or attention_variant(model) == variant:
+        return None
+    return f"it is a result of a {variant} model, and this run trains {attention_variant(model)}"
 
 
 def loaded_weights(model) -> dict:

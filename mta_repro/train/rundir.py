@@ -15,8 +15,9 @@ Before a run writes anything into ``run_dir`` (rank 0, ``prepare_run_dir``):
    defines the run; ``trainer.grad_accum`` is compared as the global batch, so a run may
    continue on another world size (``global_batch_error``). A refused difference raises
    ``RunDirError`` naming the keys and the ways out.
-2. ``config.yaml`` is written atomically; a previous one that differs is kept as
-   ``config.prev.yaml``.
+2. Once the start passed every check (the provenance ones too), ``commit_start`` writes
+   ``config.yaml`` atomically (a different previous one kept as ``config.prev.yaml``) and
+   Hydra's record of the command, staged until then, becomes ``.hydra/``.
 
 While it trains, rank 0 touches the lock every step (``lock_heartbeat``: its mtime says
 when the holder was last alive). A start that took the lock on a fresh run dir and fails
@@ -43,6 +44,9 @@ from mta_repro.errors import UserError
 from mta_repro.files import replace_atomically
 
 LOCK = ".lock"
+# Where rank 0's Hydra writes this start's record of its command (config.yaml, hydra.yaml,
+# overrides.yaml) until the start is accepted; then it replaces .hydra/ (settle_hydra_output).
+STAGED_HYDRA = ".hydra.start-"
 
 
 def _classified() -> tuple[tuple, tuple, tuple]:
@@ -401,6 +405,25 @@ class RunLock:
         self.held = False
 
 
+def check_writable(run_dir: Path) -> None:
+    """Refuse a run dir this process cannot write, in one line naming the directory (or
+    file) at fault, before Hydra opens its log there or anything is done."""
+    from mta_repro.files import unwritable
+
+    run_dir = Path(run_dir)
+    for folder in (run_dir, run_dir / "checkpoints", run_dir / "export"):
+        if folder != run_dir and not folder.is_dir():
+            continue
+        logs = tuple(f.name for f in run_dir.glob("*.log")) if folder == run_dir and run_dir.is_dir() else ()
+        found = unwritable(folder, ("metrics.jsonl", *logs) if folder == run_dir else ())
+        if found:
+            where, why = found
+            raise RunDirError(
+                f"run_dir={run_dir}: {where} is not writable ({why}); the run writes its checkpoints, "
+                f"metrics and log there: make it writable, or use another run_dir=..."
+            )
+
+
 # ------------------------------------------------------------------ config.yaml
 def write_config(run_dir: Path, cfg: Any) -> None:
     """``config.yaml`` (of a DictConfig or a config dataclass) atomically; a previous,
@@ -438,16 +461,12 @@ def load_saved_config(run_dir: Path, name: str = "config.yaml") -> dict | None:
 
 
 # ------------------------------------------------------------------ the whole start
-def prepare_run_dir(args, info, lock: RunLock) -> int | None:
-    """Rank 0, before anything is written (``args``: the TrainConfig): the config check
-    against the run's config.yaml, the lock, config.yaml. Returns the step of the newest
-    complete checkpoint (None if none)."""
-    from mta_repro.weights.layout import (
-        CHECKPOINT_CONFIG,
-        complete_checkpoints,
-        saved_world_size,
-        verify_checkpoint,
-    )
+def prepare_run_dir(args, info, lock: RunLock) -> tuple[int | None, list[str]]:
+    """Rank 0, before anything is written (``args``: the TrainConfig): the lock, the config
+    check against the run's config.yaml. Returns the step of the newest complete checkpoint
+    (None if none) and the config changes it accepts (``key: old -> new``), which the start
+    records with config.yaml once all its checks passed (``commit_start``)."""
+    from mta_repro.weights.layout import complete_checkpoints, saved_world_size, verify_checkpoint
 
     tr, ck = args.trainer, args.checkpoint
     run_dir = Path(args.run_dir)
@@ -461,17 +480,7 @@ def prepare_run_dir(args, info, lock: RunLock) -> int | None:
     at_step = int(found[-1].name) if found else None
     if at_step == tr.steps and verify_checkpoint(found[-1]) is not None:
         at_step = None  # "finished", but its last checkpoint is damaged: resume decides
-    saved, source = load_saved_config(run_dir), "the run's config.yaml"
-    if found and saved is None:
-        # config.yaml is gone (deleted, or lost with a copied run dir): the checkpoint
-        # carries the config it was trained with.
-        saved, source = load_saved_config(found[-1], CHECKPOINT_CONFIG), f"the config stored in {found[-1]}"
-        if saved is None and not ck.allow_config_change:
-            raise RunDirError(
-                f"run_dir={run_dir} has checkpoints but no config.yaml, and {found[-1]} carries no config "
-                "(saved by an older version), so this command cannot be checked against the run: restore "
-                "config.yaml, or add checkpoint.allow_config_change=true to take this command's config as the run's"
-            )
+    saved, source = _saved_config(run_dir, found, ck.allow_config_change)
     new = OmegaConf.to_container(OmegaConf.structured(args), resolve=True)
     assert isinstance(new, dict)
     if found and saved is not None:
@@ -483,8 +492,10 @@ def prepare_run_dir(args, info, lock: RunLock) -> int | None:
             f"run_dir={run_dir} is already at step {at_step} ({found[-1]}), beyond trainer.steps={tr.steps}: "
             "nothing to train. Raise trainer.steps (with checkpoint.allow_config_change=true) or use another run_dir"
         )
+    changes = ["no config.yaml to compare with; this command's config taken as the run's"] if found else []
     if found and saved is not None:
-        check_config(saved, new, ck.allow_config_change, run_dir, at_step, source)
+        diff = check_config(saved, new, ck.allow_config_change, run_dir, at_step, source)
+        changes = [f"{key}: {a!r} -> {b!r}" for key, (a, b) in diff.safe.items()]
         saved_world = saved_world_size(found[-1])
         if saved_world is not None:
             err = global_batch_error(saved, args, saved_world, info.world_size)
@@ -495,8 +506,71 @@ def prepare_run_dir(args, info, lock: RunLock) -> int | None:
             f"run_dir={run_dir} holds checkpoints and checkpoint.resume=false would train over them from "
             "step 0: use another run_dir=..., or checkpoint.resume=true"
         )
+    return at_step, changes
+
+
+def _saved_config(run_dir: Path, found: list, allow_change: bool) -> tuple[dict | None, str]:
+    """(the config the run was saved with, where it was read) for the config check."""
+    from mta_repro.weights.layout import CHECKPOINT_CONFIG
+
+    saved, source = load_saved_config(run_dir), "the run's config.yaml"
+    if found and saved is None:
+        # config.yaml is gone (deleted, or lost with a copied run dir): the checkpoint
+        # carries the config it was trained with.
+        saved, source = load_saved_config(found[-1], CHECKPOINT_CONFIG), f"the config stored in {found[-1]}"
+        if saved is None and not allow_change:
+            raise RunDirError(
+                f"run_dir={run_dir} has checkpoints but no config.yaml, and {found[-1]} carries no config "
+                "(saved by an older version), so this command cannot be checked against the run: restore "
+                "config.yaml, or add checkpoint.allow_config_change=true to take this command's config as the run's"
+            )
+    return saved, source
+
+
+def commit_start(run_dir: Path, args) -> None:
+    """Rank 0, once a start passed every check (and its record is written): config.yaml,
+    and Hydra's record of the command as ``.hydra/``. A start refused before this has
+    changed nothing in the run dir."""
     write_config(run_dir, args)
-    return at_step
+    settle_hydra_output(keep=True)
+
+
+def _staged_hydra() -> Path | None:
+    """This start's staged Hydra record (``STAGED_HYDRA``), or None (not under Hydra's main,
+    another rank, a sweep, a user's own output_subdir)."""
+    try:
+        from hydra.core.hydra_config import HydraConfig
+
+        hc = HydraConfig.get()
+        sub = hc.output_subdir
+        out = Path(hc.runtime.output_dir)
+    except (ImportError, ValueError):
+        return None
+    if not sub or not str(sub).startswith(STAGED_HYDRA):
+        return None
+    return out / str(sub)
+
+
+def settle_hydra_output(keep: bool) -> None:
+    """Rank 0: an accepted start's staged Hydra record becomes ``.hydra/`` (``keep``); a
+    refused or failed one is removed, so that ``.hydra/`` keeps the command the run was
+    started with. Staged folders of starts killed before they settled go too."""
+    staged = _staged_hydra()
+    if staged is None or not staged.is_dir():
+        return
+    if not keep:
+        shutil.rmtree(staged, ignore_errors=True)
+        return
+    final = staged.with_name(".hydra")
+    old = staged.with_name(f".hydra.old-{os.getpid()}")
+    if final.exists():
+        os.replace(final, old)
+    os.replace(staged, final)
+    shutil.rmtree(old, ignore_errors=True)
+    for other in staged.parent.glob(STAGED_HYDRA + "*"):
+        pid = other.name[len(STAGED_HYDRA) :]
+        if pid.isdigit() and not _pid_alive(int(pid)):
+            shutil.rmtree(other, ignore_errors=True)
 
 
 def is_fresh(run_dir: Path) -> bool:
@@ -509,6 +583,7 @@ def clean_failed_start(run_dir: Path, lock: RunLock) -> None:
     (or, failing before it got that far, is fresh now and its lock can be had), remove what
     the start wrote. A start refused by the lock, or one that found another run's files,
     touches nothing."""
+    settle_hydra_output(keep=False)
     if not lock.held:
         if not Path(run_dir).is_dir():
             return
@@ -549,6 +624,8 @@ def remove_failed_start(run_dir: Path) -> None:
         if Path(hc.runtime.output_dir).resolve() == run_dir.resolve():
             if hc.output_subdir:
                 shutil.rmtree(run_dir / hc.output_subdir, ignore_errors=True)
+                if str(hc.output_subdir).startswith(STAGED_HYDRA):  # settled before the failure
+                    shutil.rmtree(run_dir / ".hydra", ignore_errors=True)
             (run_dir / f"{hc.job.name}.log").unlink(missing_ok=True)
     except (ImportError, ValueError):
         pass  # not under Hydra's main

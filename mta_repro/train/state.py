@@ -68,6 +68,12 @@ class TrainState(Stateful):
     # Tokens trained on, summed over ranks. None: restored from a checkpoint that predates
     # the count; the loop then derives it from the step (every update has the same tokens).
     tokens_seen: int | None = 0
+    # The global mean losses of the steps since the last metrics line: saved, so that the
+    # first line after a resume averages the same steps as without the stop. ``losses``: the
+    # loop's callable giving them; ``restored_losses``: what a checkpoint gave back (None:
+    # none saved, or another world size).
+    losses: Any = None
+    restored_losses: list | None = None
 
     def advance(self, tokens: int) -> None:
         """One optimiser update of ``tokens`` tokens (all ranks) is done."""
@@ -83,6 +89,7 @@ class TrainState(Stateful):
             "rng": rng_state(),
             "data": self.loader.state_dict() if self.loader is not None else None,
             "tokens_seen": self.tokens_seen,
+            "losses": [float(x) for x in self.losses()] if self.losses is not None else None,
         }
 
     def state_dict(self) -> dict:
@@ -116,3 +123,5 @@ class TrainState(Stateful):
             if self.loader is not None and mine["data"] is not None:
                 self.loader.load_state_dict(mine["data"])
             self.tokens_seen = mine.get("tokens_seen")  # None: saved before the count existed
+            losses = mine.get("losses")
+            self.restored_losses = [float(x) for x in losses] if isinstance(losses, list) else None
