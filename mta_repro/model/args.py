@@ -9,6 +9,7 @@ field, so a bad combination fails when the config is turned into these objects
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from mta_repro.errors import UserError
@@ -295,6 +296,15 @@ def validate(args: ModelArgs) -> None:
     _positive("model.attn_block_size", args.attn_block_size)
     if args.attn_selfcheck not in ("warn", "strict", "off"):
         raise UserError(f"model.attn_selfcheck: expected warn, strict or off, got {args.attn_selfcheck!r}")
+    for name, low, rule in (
+        ("rope_theta", 0.0, "> 0 (the RoPE base)"),
+        ("ffn_dim_multiplier", 0.0, "> 0"),
+        ("norm_eps", None, ">= 0"),
+    ):
+        v = getattr(args, name)
+        ok = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+        if not ok or (v <= low if low is not None else v < 0):
+            raise UserError(f"model.{name}: expected a finite number {rule}, got {v!r}")
     if not 0.0 <= args.dropout < 1.0:
         raise UserError(f"model.dropout: expected 0 <= p < 1, got {args.dropout}")
     if args.diff_transformer:
