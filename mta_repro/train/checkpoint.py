@@ -24,7 +24,6 @@ below come from there).
 
 from __future__ import annotations
 
-import errno
 import json
 import os
 import shutil
@@ -41,7 +40,7 @@ import torch.distributed.checkpoint.state_dict_saver as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
 from mta_repro.errors import NoSpaceError, UserError
-from mta_repro.files import fsync_path, fsync_tree
+from mta_repro.files import caused_by_enospc, fsync_path, fsync_tree
 from mta_repro.train.provenance import RECORD as PROVENANCE
 from mta_repro.train.state import TrainState, rank_key
 from mta_repro.weights import load_weights
@@ -79,19 +78,6 @@ def state_bytes(obj: Any) -> int:
 # What a failed write raises: DCP gathers the ranks' errors into a CheckpointException,
 # which is a BaseException (a Ctrl-C during a save is not caught: it stops at once).
 _SAVE_ERRORS = (Exception, CheckpointException)
-
-
-def _caused_by_enospc(exc: BaseException) -> bool:
-    seen = set()
-    e: BaseException | None = exc
-    while e is not None and id(e) not in seen:
-        seen.add(id(e))
-        if isinstance(e, OSError) and e.errno == errno.ENOSPC:
-            return True
-        if "No space left on device" in str(e):
-            return True
-        e = e.__cause__ or e.__context__
-    return False
 
 
 # ------------------------------------------------------------------ RNG state
@@ -202,7 +188,7 @@ class CheckpointManager:
             free = shutil.disk_usage(self.root).free
         except OSError:
             free = None
-        if _caused_by_enospc(exc) or (free is not None and free < need):
+        if caused_by_enospc(exc) or (free is not None and free < need):
             have = f"{free:,} bytes free" if free is not None else "free space unknown"
             latest = self.latest()
             raise NoSpaceError(

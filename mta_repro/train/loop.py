@@ -202,6 +202,7 @@ def _train(args: TrainConfig, info: DistInfo, lock: RunLock) -> dict[str, Any]:
 
     at_step = _agree(info, prepare)
     if at_step is not None and at_step == tr.steps:
+        exported = None
         if info.is_main:
             print(
                 f"[mta_repro.train] {run_dir} is already at trainer.steps={tr.steps}: nothing to train "
@@ -209,7 +210,13 @@ def _train(args: TrainConfig, info: DistInfo, lock: RunLock) -> dict[str, Any]:
                 file=sys.stderr,
                 flush=True,
             )
-        return {"step": at_step, "loss": float("nan"), "stopped_by_signal": None, "export": None}
+            from mta_repro.train.export import export_consolidated, export_is_current
+
+            # The export a finished run still lacks (a full disk stopped it): made now.
+            if args.checkpoint.export and not export_is_current(run_dir):
+                exported = str(export_consolidated(run_dir))
+                print(f"[mta_repro.train] made the missing export {exported}", file=sys.stderr, flush=True)
+        return {"step": at_step, "loss": float("nan"), "stopped_by_signal": None, "export": exported}
     return run(args, info)
 
 
