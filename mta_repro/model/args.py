@@ -329,6 +329,14 @@ def validate(args: ModelArgs) -> None:
         "head_kernel_size",
     ):
         _positive(f"model.mta.{name}", getattr(m, name))
+        # Checked before any parameter is allocated: a convolution wider than the longest
+        # sequence reads nothing more (and (H, 1, c_q, c_k) of 2**33 would not fit anywhere).
+        size = getattr(m, name)
+        if size is not None and size > args.max_seqlen and name != "head_kernel_size":  # divides n_heads, below
+            raise UserError(
+                f"model.mta.{name}={size}: expected at most model.max_seqlen={args.max_seqlen} "
+                "(a convolution over more positions than a sequence has)"
+            )
     if m.pad_key not in PAD_KEY_CHOICES:
         raise UserError(f"model.mta.pad_key: expected one of {PAD_KEY_CHOICES}, got {m.pad_key!r}")
     if m.init_method not in INIT_CHOICES:
