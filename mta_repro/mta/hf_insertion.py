@@ -450,7 +450,8 @@ def _check_padding_mask(args: tuple, kwargs: dict) -> None:
     if not isinstance(x, torch.Tensor):
         return
     cache = kwargs.get("past_key_values", kwargs.get("cache"))
-    past = int(cache.get_seq_length()) if hasattr(cache, "get_seq_length") else 0
+    seq_length: Any = getattr(cache, "get_seq_length", None)
+    past = int(seq_length()) if seq_length is not None else 0
     want = (x.shape[0], past + x.shape[1])
     if tuple(mask.shape) != want:
         raise UserError(
