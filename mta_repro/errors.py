@@ -44,6 +44,12 @@ class NoSpaceError(UserError):
     is reported as one line like a user error."""
 
 
+class PeerFailedError(UserError):
+    """Another rank of the job failed (its own error says why, on its own stderr): this rank
+    stops too, in one line naming that rank, and leaves the run's files as they are. Never a
+    reason to call a checkpoint damaged."""
+
+
 class StopRequested(BaseException):
     """A stop signal (Ctrl-C, SIGTERM, SIGUSR1/2) seen by work that loops (data loading,
     the loader's warm-up, validation) at its next check, where nothing is left to save.

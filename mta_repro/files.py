@@ -104,11 +104,30 @@ def save_file_atomic(obj: Any, path: Path) -> Path:
     or a power loss midway leaves the previous file (or none), never a truncated one."""
     path = Path(path)
     tmp = path.with_name(path.name + ".tmp")
-    torch.save(obj, tmp)
-    fsync_path(tmp)  # the bytes on disk before the rename publishes them (a power loss too)
-    os.replace(tmp, path)
+    try:
+        torch.save(obj, tmp)
+        fsync_path(tmp)  # the bytes on disk before the rename publishes them (a power loss too)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)  # a partial file on a full disk would keep it full
+        raise
     fsync_path(path.parent)
     return path
+
+
+def caused_by_enospc(exc: BaseException) -> bool:
+    """Whether ``exc`` or an error it was raised from is a full disk (``torch.save`` reports
+    one as a RuntimeError whose cause or text carries it)."""
+    seen = set()
+    e: BaseException | None = exc
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, OSError) and e.errno == errno.ENOSPC:
+            return True
+        if "No space left on device" in str(e):
+            return True
+        e = e.__cause__ or e.__context__
+    return False
 
 
 _NAMES = {

@@ -298,3 +298,78 @@ def test_a_mask_that_is_not_causal_plus_padding_and_a_foreign_cache_are_refused(
             plain(ids[:, -1:], cache=cache, use_cache=True)
         with pytest.raises(UserError, match="got a StaticLayer cache layer; MTA layers need the model's DynamicCache"):
             plain.generate(ids, max_new_tokens=2, pad_token_id=0, cache_implementation="static")
+
+
+@pytest.mark.parametrize("cut", ["shorter", "longer", "other_batch"])
+def test_a_padding_mask_of_another_length_is_refused(cut):
+    """A (B, T - 1) mask was read shifted (the logits moved by 0.45 here): after apply_mta
+    the mask must hold one entry per key, cached ones included, or it is one line."""
+    model = perturb(apply_mta(tiny(), **MTA))
+    ids, mask = batch()
+    bad = {
+        "shorter": mask[:, 1:],
+        "longer": torch.cat([torch.ones(2, 1, dtype=mask.dtype), mask], 1),
+        "other_batch": mask[:1],
+    }[cut]
+    with torch.no_grad(), pytest.raises(UserError) as e:
+        model(ids, attention_mask=bad)
+    assert f"attention_mask of shape {tuple(bad.shape)}" in str(e.value) and "expected (2, 12)" in str(e.value)
+    assert "\n" not in str(e.value)
+    with torch.no_grad():  # the right mask, and in generation a mask covering the cache, still run
+        model(ids, attention_mask=mask)
+        out = model.generate(ids, attention_mask=mask, max_new_tokens=2, do_sample=False, pad_token_id=0)
+    assert out.shape == (2, T + 2)
+
+
+def _saved(tmp_path):
+    model = apply_mta(tiny(), layers="0,2", conv_layers=[2], **MTA)
+    model.save_pretrained(tmp_path)
+    return json.loads((tmp_path / "config.json").read_text())
+
+
+BAD_CONFIGS = [
+    (lambda c: {**c, "mta_repro": [1, 2]}, "'mta_repro' is [1, 2]: expected an object"),
+    (lambda c: {**c, "mta_repro": {**c["mta_repro"], "layers": [0, 7]}}, "layer 7 is out of range"),
+    (lambda c: {**c, "mta_repro": {**c["mta_repro"], "layers": "0,2"}}, "mta_repro.layers='0,2': expected a list"),
+    (
+        lambda c: {
+            **c,
+            "mta_repro": {**c["mta_repro"], "options": {**c["mta_repro"]["options"], "query_kernel_size": 2**33}},
+        },
+        "query_kernel_size=8589934592: expected at most max_seqlen=256",
+    ),
+    (lambda c: {**c, "mta_repro": {**c["mta_repro"], "options": {"qkernel": 3}}}, "unknown or malformed ['qkernel']"),
+]
+
+
+@pytest.mark.parametrize("edit, words", BAD_CONFIGS, ids=[w[:30] for _, w in BAD_CONFIGS])
+@pytest.mark.parametrize("loader", ["load_mta_pretrained", "trust_remote_code"])
+def test_a_malformed_mta_entry_in_config_json_is_one_line_before_the_model_is_built(tmp_path, edit, words, loader):
+    """Each way of loading reads config.json's mta_repro entry before it builds the model:
+    one line naming the file (a kernel of 2**33 rows is refused, never allocated)."""
+    cfg = _saved(tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps(edit(cfg)))
+    with pytest.raises(UserError) as e:
+        if loader == "load_mta_pretrained":
+            load_mta_pretrained(tmp_path)
+        else:
+            transformers.AutoModelForCausalLM.from_pretrained(tmp_path, trust_remote_code=True)
+    msg = str(e.value)
+    assert f"{tmp_path}/config.json" in msg and words in msg and "\n" not in msg, msg
+
+
+@pytest.mark.parametrize(
+    "archs, words",
+    [
+        (["GPT2LMHeadModel"], "has none of the attention layers MTA goes into"),
+        (["LlamaConfig"], "names architecture 'LlamaConfig', which is no model class"),
+        ("LlamaForCausalLM", "architectures='LlamaForCausalLM': expected a list"),
+        ([3], "architectures=[3]: expected a list"),
+    ],
+)
+def test_a_wrong_architecture_in_config_json_is_one_line(tmp_path, archs, words):
+    cfg = _saved(tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps({**cfg, "architectures": archs}))
+    with pytest.raises(UserError) as e:
+        load_mta_pretrained(tmp_path)
+    assert f"{tmp_path}/config.json" in str(e.value) and words in str(e.value), str(e.value)

@@ -112,6 +112,23 @@ def test_outputs_and_gradients_equal_the_float64_reference(name, attn_impl):
         torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-10)
 
 
+@pytest.mark.parametrize("attn_impl", ["blocked", "torch"])
+@pytest.mark.parametrize("name", ["release_880m", "post", "plain"])
+def test_no_query_gives_an_empty_result_as_no_sequence_does(name, attn_impl):
+    """T = 0 (and 0 queries after 5 cached keys) gives (B, H, 0, dv), as B = 0 gives
+    (0, H, T, dv); the result stays in q's graph, so a loss over it backpropagates."""
+    mod = _randomised(MultiTokenAttention(H, D, attn_impl=attn_impl, dtype=F64, **OPTIONS[name]))
+    for tq, tk in ((0, 0), (0, 5)):
+        q = torch.randn(B, H, tq, D, dtype=F64, requires_grad=True)
+        k, v = torch.randn(B, H, tk, D, dtype=F64), torch.randn(B, H, tk, D, dtype=F64)
+        out = mod(q, k, v)
+        assert out.shape == (B, H, 0, D) and out.dtype == F64
+        out.sum().backward()
+        assert q.grad is not None and q.grad.shape == q.shape
+    q, k, v = (torch.randn(0, H, T, D, dtype=F64) for _ in range(3))
+    assert mod(q, k, v).shape == (0, H, T, D)
+
+
 @pytest.mark.parametrize("name", ["release_880m", "pre_left", "plain"])
 def test_float32_is_within_rounding_of_float64(name):
     mod = _randomised(MultiTokenAttention(H, D, attn_block_size=4, **OPTIONS[name]))

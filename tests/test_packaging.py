@@ -2,6 +2,7 @@
 extras, and the extras in pyproject.toml say which package needs what."""
 
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -121,3 +122,28 @@ def test_hf_interop_needs_only_the_hf_extra():
     )
     assert p.returncode == 0, p.stderr[-3000:]
     assert "loaded: []" in p.stdout
+
+
+@pytest.mark.parametrize("folder", ["build/lib/mta_repro", "build/bdist.linux-x86_64", "dist"])
+def test_the_folders_pip_install_leaves_are_not_linted_nor_tracked(tmp_path, folder):
+    """`pip install .` from a clone leaves build/lib/<a copy of the package> (and
+    `python -m build` dist/): ruff, pyright and git must not see them, or `make lint`
+    reports the copy's per-file-ignored lines under paths the ignores do not name."""
+    shutil.copy(ROOT / "pyproject.toml", tmp_path)
+    shutil.copy(ROOT / ".gitignore", tmp_path)
+    left = tmp_path / folder / "left.py"
+    left.parent.mkdir(parents=True)
+    left.write_text("import os\n")  # F401: a lint error if ruff looked at it
+    (tmp_path / "kept.py").write_text("import os\n")
+    p = subprocess.run(
+        [sys.executable, "-m", "ruff", "check", "--no-cache", "--output-format=concise", "."],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+    )
+    assert "kept.py" in p.stdout and "left.py" not in p.stdout, p.stdout + p.stderr  # ruff still lints the rest
+    subprocess.run(["git", "init", "-q"], cwd=tmp_path, check=True)
+    ignored = subprocess.run(["git", "check-ignore", "-q", str(left)], cwd=tmp_path)
+    assert ignored.returncode == 0, f"{folder} is not in .gitignore"
+    exclude = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["pyright"]["exclude"]
+    assert folder.split("/")[0] in exclude

@@ -535,3 +535,41 @@ def test_a_swapped_tokenizer_is_refused_by_resume_eval_and_a_stage_start(tmp_pat
     assert accepted.returncode == 0, accepted.stderr[-3000:]
     (acc,) = json.loads((run / "eval" / "ppl.json").read_text())["provenance"]["accepted"]
     assert acc["what"] == "tokenizer" and acc["override"] == "accept_changed_tokenizer=true"
+
+
+def test_ranks_that_list_other_training_files_or_tokenizers_are_named(tmp_path):
+    """What every rank gathers at a start (``rank_inputs``): two real loaders, rank 0 and
+    rank 1 of 2, over two copies of the corpus, one missing a file, and then over the same
+    corpus with another tokenizer on rank 1. The line names rank 1 and both sha256."""
+    from mta_repro.data import build_train_loader
+    from mta_repro.train.config import compose, to_train_config
+
+    same, short = tmp_path / "same", tmp_path / "short"
+    shutil.copytree(ROOT / "data" / "mini_slimpajama", same)
+    shutil.copytree(ROOT / "data" / "mini_slimpajama", short)
+    gone = sorted((short / "train").rglob("*.jsonl*"))[-1]
+    gone.unlink()
+
+    def inputs(rank, root, tok=None):
+        over = [f"data.root_dir={root}", "data.seq_len=32", "data.batch_size=2"]
+        args = to_train_config(compose(over + ([f"data.tokenizer.path={tok}"] if tok else [])))
+        loader = build_train_loader(compose(over).data, rank, 2)
+        try:
+            return pv.rank_inputs(args, loader)
+        finally:
+            loader.close()
+
+    r0 = inputs(0, same)
+    assert pv.ranks_disagree([r0, inputs(1, same)]) is None
+    r1 = inputs(1, short)
+    line = pv.ranks_disagree([r0, r1])
+    assert line.startswith(f"rank 1 lists other training files than rank 0: {short} holds ")
+    assert f"listing sha256 {pv.short(r1['data']['sha256'])}) on rank 1" in line
+    assert f"({pv.short(r0['data']['sha256'])}) on rank 0" in line and r0["data"]["sha256"] != r1["data"]["sha256"]
+    assert r1["data"]["files"] == r0["data"]["files"] - 1
+    other = _swapped_tokenizer(tmp_path / "other.model")
+    line = pv.ranks_disagree(
+        [r0, {**r0, "tokenizer": pv.tokenizer_identity({"name": "sentencepiece", "path": str(other)})}]
+    )
+    sha = hashlib.sha256(other.read_bytes()).hexdigest()
+    assert line.startswith("rank 1 reads another tokenizer than rank 0") and f"sha256 {sha[:12]} on rank 1" in line

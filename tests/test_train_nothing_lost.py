@@ -7,7 +7,8 @@
 - a checkpoint's files and folder are fsynced before its ``.complete`` marker and the
   rename that publishes it (the syscalls, traced by strace);
 - a full disk (a small tmpfs) ends the run with one line naming "no space", the path and
-  the bytes, and leaves no ``.tmp-N`` behind; the previous checkpoint stays;
+  the bytes, and leaves no ``.tmp-N`` behind; the previous checkpoint stays; a full disk
+  at the end-of-run export likewise (no ``consolidated.pt.tmp``), and the rerun makes it;
 - a ``${oc.env:...}`` that does not resolve and a non-finite loss are one line, rc 2.
 """
 
@@ -219,16 +220,32 @@ def test_checkpoint_is_fsynced_before_it_is_marked_complete(tmp_path):
 
 
 # ------------------------------------------------------------------ full disk
+def _tmpfs(mnt: Path, size: str) -> None:
+    p = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(mnt)], capture_output=True, text=True
+    )
+    if p.returncode != 0:
+        if os.environ.get("CI"):
+            pytest.fail(f"cannot mount a tmpfs (CI runs as root): {p.stderr.strip()}")
+        pytest.skip(f"cannot mount a tmpfs here: {p.stderr.strip()}")
+
+
 @pytest.fixture
 def small_disk(tmp_path):
     mnt = tmp_path / "small"
     mnt.mkdir()
     # 100 MB: the first checkpoint of this model (66 MB) fits, the second cannot.
-    p = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=100m", "tmpfs", str(mnt)], capture_output=True, text=True)
-    if p.returncode != 0:
-        if os.environ.get("CI"):
-            pytest.fail(f"cannot mount a tmpfs (CI runs as root): {p.stderr.strip()}")
-        pytest.skip(f"cannot mount a tmpfs here: {p.stderr.strip()}")
+    _tmpfs(mnt, "100m")
+    yield mnt
+    subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+@pytest.fixture
+def export_disk(tmp_path):
+    mnt = tmp_path / "export_disk"
+    mnt.mkdir()
+    # 80 MiB: the checkpoint (66.4 MB) fits, the export after it (22.0 MB) cannot.
+    _tmpfs(mnt, "80m")
     yield mnt
     subprocess.run(["umount", "-l", str(mnt)], check=False)
 
@@ -245,6 +262,30 @@ def test_a_full_disk_is_one_line_and_leaves_no_partial_checkpoint(small_disk):
     assert re.search(r"[\d,]+ bytes free", last) and "is intact" in last
     names = sorted(p.name for p in (run / "checkpoints").iterdir())
     assert names == [f"{1:010d}"], names  # the first stays; no .tmp-N keeps the disk full
+
+
+@pytest.mark.slow
+def test_a_full_disk_at_the_export_is_one_line_and_a_rerun_makes_it(export_disk):
+    run = export_disk / "run"
+    args = (f"run_dir={run}", "trainer.steps=2", "checkpoint.every=2", "checkpoint.export=true")
+    p = _cli(*args)
+    assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr[-3000:]
+    last = p.stderr.strip().splitlines()[-1]
+    assert last.startswith("train: error: no space left on device: the export "), last
+    assert str(run / "export" / "consolidated.pt") in last and re.search(r"needs about [\d,]+ bytes", last)
+    assert "is intact" in last and "rerun the same command" in last
+    assert list((run / "export").iterdir()) == []  # no consolidated.pt.tmp keeps the disk full
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == [f"{2:010d}"]
+    # Space freed: the same command trains nothing and makes the export it lacked.
+    subprocess.run(["mount", "-o", "remount,size=200m", str(export_disk)], check=True)
+    p = _cli(*args)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "made the missing export" in p.stderr
+    from mta_repro.weights import load_pt
+
+    blob = load_pt(run / "export" / "consolidated.pt")
+    assert blob["step"] == 2 and blob["provenance"]["checkpoint"] == str(run / "checkpoints" / f"{2:010d}")
+    assert sorted(p.name for p in (run / "export").iterdir()) == ["consolidated.pt"]
 
 
 # ------------------------------------------------------------------ one-line errors

@@ -703,3 +703,29 @@ def test_the_commands_as_a_user_runs_them(tmp_path):
     assert r.returncode == 2, r.stderr[-3000:]
     _one_line(r.stderr, "hf: error:", str(folder / "model.safetensors"), "header length 4611686018427387904")
     assert not (tmp_path / "ours.pt").exists()
+
+
+@pytest.mark.parametrize(
+    "override, says",
+    [
+        ("distributed.timeout_min=0", "distributed.timeout_min: expected whole minutes from 1"),
+        ("distributed.timeout_min=-5", "distributed.timeout_min: expected whole minutes from 1"),
+        ("optim.lr=1e308", "optim.lr: expected at most 3.403e+38"),
+        ("optim.eps=1e308", "optim.eps: expected at most"),
+        ("optim.weight_decay=-0.1", "optim.weight_decay: expected >= 0"),
+        ("optim.eps=-1e-8", "optim.eps: expected >= 0"),
+        ("model.rope_theta=0", "model.rope_theta: expected a finite number > 0"),
+        ("model.norm_eps=-1e-5", "model.norm_eps: expected a finite number >= 0"),
+        ("model.ffn_dim_multiplier=-1", "model.ffn_dim_multiplier: expected a finite number > 0"),
+    ],
+)
+def test_numbers_out_of_their_range_are_one_line_before_any_work(tmp_path, capsys, override, says):
+    """Values that used to end in a traceback (the process group's timeout, AdamW's
+    float32 scalars, RoPE's base): refused as the train command checks its overrides,
+    before the run directory exists."""
+    from mta_repro.train.__main__ import cli
+
+    run_dir = tmp_path / "run"
+    assert cli(["experiment=debug", f"run_dir={run_dir}", override]) == 2
+    _one_line(capsys.readouterr().err, "train: error:", says)
+    assert not run_dir.exists()

@@ -9,6 +9,7 @@ field, so a bad combination fails when the config is turned into these objects
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from mta_repro.errors import UserError
@@ -295,6 +296,15 @@ def validate(args: ModelArgs) -> None:
     _positive("model.attn_block_size", args.attn_block_size)
     if args.attn_selfcheck not in ("warn", "strict", "off"):
         raise UserError(f"model.attn_selfcheck: expected warn, strict or off, got {args.attn_selfcheck!r}")
+    for name, low, rule in (
+        ("rope_theta", 0.0, "> 0 (the RoPE base)"),
+        ("ffn_dim_multiplier", 0.0, "> 0"),
+        ("norm_eps", None, ">= 0"),
+    ):
+        v = getattr(args, name)
+        ok = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+        if not ok or (v <= low if low is not None else v < 0):
+            raise UserError(f"model.{name}: expected a finite number {rule}, got {v!r}")
     if not 0.0 <= args.dropout < 1.0:
         raise UserError(f"model.dropout: expected 0 <= p < 1, got {args.dropout}")
     if args.diff_transformer:
@@ -319,6 +329,14 @@ def validate(args: ModelArgs) -> None:
         "head_kernel_size",
     ):
         _positive(f"model.mta.{name}", getattr(m, name))
+        # Checked before any parameter is allocated: a convolution wider than the longest
+        # sequence reads nothing more (and (H, 1, c_q, c_k) of 2**33 would not fit anywhere).
+        size = getattr(m, name)
+        if size is not None and size > args.max_seqlen and name != "head_kernel_size":  # divides n_heads, below
+            raise UserError(
+                f"model.mta.{name}={size}: expected at most model.max_seqlen={args.max_seqlen} "
+                "(a convolution over more positions than a sequence has)"
+            )
     if m.pad_key not in PAD_KEY_CHOICES:
         raise UserError(f"model.mta.pad_key: expected one of {PAD_KEY_CHOICES}, got {m.pad_key!r}")
     if m.init_method not in INIT_CHOICES:

@@ -130,6 +130,10 @@ def multi_token_attention(
     mask = AttnMask(q_offset, key_valid)
     if all(w is None for w in weights.values()):
         out = attention_ops.sdpa(q, k, v, mask, dropout_p)  # plain attention: the fused kernel
+    elif Tq == 0:
+        # No query: an empty result, as B = 0 gives (the convolutions have no rows to read).
+        # The sum of an empty q is exactly 0; adding it keeps the result in q's graph.
+        out = q.new_zeros((B, H, 0, dv)) + q.sum()
     else:
         params = ExplicitAttnParams(
             mta_kernel=mta_kernel,

@@ -143,14 +143,65 @@ def load_mta_pretrained(path, **kwargs) -> nn.Module:
             f"load_mta_pretrained: {path}/config.json has no {CONFIG_KEY!r} entry: not a model saved "
             "after apply_mta (load it with from_pretrained and call apply_mta)"
         )
-    arch = (getattr(config, "architectures", None) or [""])[0].removeprefix("MTA")
-    base = getattr(transformers, arch, None)
-    if base is None:
+    where = f"load_mta_pretrained: {path}/config.json"
+    archs = getattr(config, "architectures", None)
+    if not isinstance(archs, list) or not archs or not isinstance(archs[0], str):
         raise UserError(
-            f"load_mta_pretrained: {path}/config.json names architecture {arch!r}, which this "
-            f"transformers {transformers.__version__} does not have"
+            f"{where}: architectures={archs!r}: expected a list naming the model class, as save_pretrained writes it"
         )
+    arch = archs[0].removeprefix("MTA")
+    base = getattr(transformers, arch, None)
+    if not isinstance(base, type) or not issubclass(base, transformers.PreTrainedModel):
+        raise UserError(
+            f"{where} names architecture {arch!r}, which is no model class of this "
+            f"transformers {transformers.__version__}"
+        )
+    family = sys.modules.get(base.__module__)
+    if not any(hasattr(family, a) for a in ATTENTION_CLASSES):
+        raise UserError(
+            f"{where}: architecture {arch!r} has none of the attention layers MTA goes into "
+            f"({', '.join(ATTENTION_CLASSES)})"
+        )
+    saved_entry(config, where)  # before from_pretrained allocates the model
     return mta_model_class(base).from_pretrained(path, config=config, **kwargs)
+
+
+def saved_entry(config, where: str | None = None) -> dict:
+    """config.json's ``mta_repro`` entry (what ``apply_mta`` wrote), checked before any model
+    is built: its shape, the layer ids against the model's layers and the options (sizes
+    included) against the model's heads and context. One line naming config.json."""
+    if where is None:
+        folder = getattr(config, "_name_or_path", "") or ""
+        where = f"{folder}/config.json" if folder else "config.json"
+    saved = getattr(config, CONFIG_KEY, None)
+    keys = ("layers", "conv_layers", "options")
+    if not isinstance(saved, dict) or sorted(saved) != sorted(keys):
+        raise UserError(
+            f"{where}: {CONFIG_KEY!r} is {saved!r}: expected an object with 'layers', 'conv_layers' and 'options', "
+            "as apply_mta writes it"
+        )
+    n = getattr(config, "num_hidden_layers", None)
+    for name in ("layers", "conv_layers"):
+        ids = saved[name]
+        if not isinstance(ids, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+            raise UserError(f"{where}: {CONFIG_KEY}.{name}={ids!r}: expected a list of 0-based layer ids")
+        bad = [i for i in ids if not 0 <= i < (n if isinstance(n, int) else 0)]
+        if bad:
+            raise UserError(f"{where}: {CONFIG_KEY}.{name}: layer {bad[0]} is out of range for num_hidden_layers={n}")
+    options = saved["options"]
+    if not isinstance(options, dict) or not set(options) <= set(OPTIONS):
+        unknown = sorted(set(options) - set(OPTIONS)) if isinstance(options, dict) else options
+        raise UserError(
+            f"{where}: {CONFIG_KEY}.options: unknown or malformed {unknown!r}; options: {', '.join(OPTIONS)}"
+        )
+    H, dim = getattr(config, "num_attention_heads", None), getattr(config, "hidden_size", None)
+    head_dim = getattr(config, "head_dim", None) or (
+        dim // H if isinstance(dim, int) and isinstance(H, int) and H else None
+    )
+    context = getattr(config, "max_position_embeddings", None)
+    model = {"max_seqlen": context} if isinstance(context, int) and context > 0 else {}
+    validated_args(H, head_dim, options, f"{where}: {CONFIG_KEY}.options", **model)  # type: ignore[arg-type]
+    return saved
 
 
 # --------------------------------------------------------------------------- layers
@@ -378,10 +429,35 @@ class _MTAModel(_Model):
     ``modeling_mta.py`` and the auto_map that name it."""
 
     def __init__(self, config, *args, **kwargs):
+        saved = saved_entry(config) if getattr(config, CONFIG_KEY, None) is not None else None  # before allocating
         super().__init__(config, *args, **kwargs)
-        saved = getattr(config, CONFIG_KEY, None)
         if saved and not any(isinstance(m, _MTAAttention) for m in self.modules()):
             apply_mta(self, saved["layers"], conv_layers=saved["conv_layers"], **saved["options"])
+
+    def forward(self, *args, **kwargs):
+        _check_padding_mask(args, kwargs)
+        return super().forward(*args, **kwargs)
+
+
+def _check_padding_mask(args: tuple, kwargs: dict) -> None:
+    """A 2-D padding mask must have one entry per key: the cached tokens and the new ones
+    (transformers would read a shorter or longer one shifted, and MTA's convolutions with it)."""
+    mask = kwargs.get("attention_mask", args[1] if len(args) > 1 else None)
+    if not isinstance(mask, torch.Tensor) or mask.dim() != 2:
+        return
+    ids = kwargs.get("input_ids", args[0] if args else None)
+    x = ids if isinstance(ids, torch.Tensor) else kwargs.get("inputs_embeds")
+    if not isinstance(x, torch.Tensor):
+        return
+    cache = kwargs.get("past_key_values", kwargs.get("cache"))
+    seq_length: Any = getattr(cache, "get_seq_length", None)
+    past = int(seq_length()) if seq_length is not None else 0
+    want = (x.shape[0], past + x.shape[1])
+    if tuple(mask.shape) != want:
+        raise UserError(
+            f"apply_mta: attention_mask of shape {tuple(mask.shape)} for {x.shape[0]} sequences of {x.shape[1]} new "
+            f"tokens after {past} cached ones: expected {want}, one entry per key (1 = token, 0 = padding)"
+        )
 
 
 AUTO_CLASSES = {

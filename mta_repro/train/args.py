@@ -17,6 +17,7 @@ NONFINITE_CHOICES = ("raise", "skip")
 ON_CORRUPT_CHOICES = ("fallback", "raise")
 INIT_MODES = ("model", "baseline_to_mta")
 WANDB_MODES = ("offline", "online", "disabled")
+TIMEOUT_MAX_MIN = 365 * 24 * 60
 
 
 @dataclass
@@ -194,7 +195,8 @@ class DistributedArgs:
     compile: bool = False
     # TF32 matmuls on Ampere+ (the paper: off).
     allow_tf32: bool = False
-    # Process-group timeout.
+    # Process-group timeout in minutes: how long a rank waits for the others at a collective
+    # (the rendezvous, a checkpoint's write) before it fails. At least 1; at most a year.
     timeout_min: int = field(default=30, metadata={"run_dir": "free"})
 
     def __post_init__(self) -> None:
@@ -205,6 +207,11 @@ class DistributedArgs:
                 raise UserError(
                     f"distributed.{name}: expected bfloat16, float16 or float32, got {getattr(self, name)!r}"
                 )
+        t = self.timeout_min
+        if isinstance(t, bool) or not isinstance(t, int) or not 1 <= t <= TIMEOUT_MAX_MIN:
+            raise UserError(
+                f"distributed.timeout_min: expected whole minutes from 1 to {TIMEOUT_MAX_MIN:,} (a year), got {t!r}"
+            )
 
 
 # The SlurmArgs fields that name things of the site, rendered as `#SBATCH --<field>=<value>`.

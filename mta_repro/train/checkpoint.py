@@ -24,7 +24,6 @@ below come from there).
 
 from __future__ import annotations
 
-import errno
 import json
 import os
 import shutil
@@ -40,8 +39,9 @@ import torch.distributed as dist
 import torch.distributed.checkpoint.state_dict_saver as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
-from mta_repro.errors import NoSpaceError, UserError
-from mta_repro.files import fsync_path, fsync_tree
+from mta_repro.errors import NoSpaceError, PeerFailedError, UserError
+from mta_repro.files import caused_by_enospc, fsync_path, fsync_tree
+from mta_repro.train.distributed import gather_or_peer_failed
 from mta_repro.train.provenance import RECORD as PROVENANCE
 from mta_repro.train.state import TrainState, rank_key
 from mta_repro.weights import load_weights
@@ -79,19 +79,6 @@ def state_bytes(obj: Any) -> int:
 # What a failed write raises: DCP gathers the ranks' errors into a CheckpointException,
 # which is a BaseException (a Ctrl-C during a save is not caught: it stops at once).
 _SAVE_ERRORS = (Exception, CheckpointException)
-
-
-def _caused_by_enospc(exc: BaseException) -> bool:
-    seen = set()
-    e: BaseException | None = exc
-    while e is not None and id(e) not in seen:
-        seen.add(id(e))
-        if isinstance(e, OSError) and e.errno == errno.ENOSPC:
-            return True
-        if "No space left on device" in str(e):
-            return True
-        e = e.__cause__ or e.__context__
-    return False
 
 
 # ------------------------------------------------------------------ RNG state
@@ -202,7 +189,7 @@ class CheckpointManager:
             free = shutil.disk_usage(self.root).free
         except OSError:
             free = None
-        if _caused_by_enospc(exc) or (free is not None and free < need):
+        if caused_by_enospc(exc) or (free is not None and free < need):
             have = f"{free:,} bytes free" if free is not None else "free space unknown"
             latest = self.latest()
             raise NoSpaceError(
@@ -279,13 +266,20 @@ class CheckpointManager:
         is loaded with a warning."""
         found = complete_checkpoints(self.root)[::-1]
         for i, path in enumerate(found):
-            why = verify_checkpoint(path)
+            # Every rank's verdict, agreed before anything is said or renamed: a load that
+            # failed here because a peer died is the peer's failure, not damage.
+            why = self._agreed_why(verify_checkpoint(path), path, "checking")
             if why is None:
+                failed: Exception | None = None
                 try:
                     self.load(path, state)
-                    return path
                 except CheckpointCorruptError as e:
                     why = dcp_error_line(e.__cause__) if e.__cause__ is not None else str(e)  # one line
+                except Exception as e:  # noqa: BLE001 - not damage: raised below, once the others know
+                    failed = e
+                why = self._agreed_why(why, path, "loading", failed)
+                if why is None:
+                    return path
             older = found[i + 1] if i + 1 < len(found) else None
             msg = f"checkpoint {path} is unreadable: {why}"
             if on_corrupt != "fallback":
@@ -310,6 +304,23 @@ class CheckpointManager:
                 os.replace(path, dest)
             self._barrier()
         return None
+
+    def _agreed_why(self, why: str | None, path: Path, doing: str, failed: Exception | None = None) -> str | None:
+        """Why ``path`` is unreadable on some rank (None: readable on all), the same on every
+        rank. A rank whose load failed for another reason than damage (``failed``) raises it;
+        the others raise PeerFailedError naming it; a peer that died makes this rank's gather
+        fail, which is a PeerFailedError too. Neither touches the checkpoint."""
+        mine = ("failed", f"{type(failed).__name__}: {failed}") if failed is not None else ("why", why)
+        every = gather_or_peer_failed(mine, f"{doing} checkpoint {path}", self.rank, self.world_size)
+        if failed is not None:
+            raise failed
+        for r, (kind, text) in enumerate(every):
+            if kind == "failed":
+                raise PeerFailedError(
+                    f"rank {r} failed while {doing} checkpoint {path} ({str(text).splitlines()[0][:300]}); rank "
+                    f"{self.rank} stops too and leaves the checkpoint as it is"
+                )
+        return next((t if r == self.rank else f"{t} (on rank {r})" for r, (_, t) in enumerate(every) if t), None)
 
     def load(self, path: Path, state: TrainState) -> int:
         """Restore everything ``save`` saved into ``state``; returns the step."""

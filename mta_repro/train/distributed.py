@@ -25,7 +25,7 @@ import torch.distributed as dist
 from torch import nn
 
 from mta_repro.device import launcher_env, resolve_device
-from mta_repro.errors import UserError
+from mta_repro.errors import PeerFailedError, UserError
 from mta_repro.train.args import DistributedArgs
 
 if TYPE_CHECKING:
@@ -111,6 +111,24 @@ def init_distributed(args: DistributedArgs, device_pref: str = "auto") -> DistIn
             device_id=device if device.type == "cuda" else None,
         )
     return DistInfo(rank, world, local, device, backend, slurm)
+
+
+def gather_or_peer_failed(obj: Any, what: str, rank: int, world_size: int) -> list:
+    """``obj`` of every rank (all_gather_object); a peer that died or stopped answering
+    (its sockets closed, the process group's timeout) is a PeerFailedError naming ``what``."""
+    if world_size == 1:
+        return [obj]
+    every: list = [None] * world_size
+    try:
+        dist.all_gather_object(every, obj)
+    except RuntimeError as e:  # gloo/NCCL: "Connection closed by peer", a timeout
+        text = str(e).strip()
+        raise PeerFailedError(
+            f"rank {rank}: another rank stopped while {what} ({type(e).__name__}: "
+            f"{text.splitlines()[-1][:200] if text else 'no message'}); its own error says why. Nothing of the "
+            "run was changed here"
+        ) from None
+    return every
 
 
 def destroy_distributed() -> None:

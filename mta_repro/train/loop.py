@@ -38,7 +38,7 @@ from torch.distributed.tensor import DTensor
 
 from mta_repro.dataclass_config import to_dataclass
 from mta_repro.device import launcher_rank
-from mta_repro.errors import NoSpaceError, StopRequested, UserError
+from mta_repro.errors import NoSpaceError, PeerFailedError, StopRequested, UserError
 from mta_repro.model import build_model, to_model_args
 from mta_repro.model.flops import hardware_flops_per_token, model_flops_per_token
 from mta_repro.model.loss import cross_entropy
@@ -50,6 +50,7 @@ from mta_repro.train.cpu_malloc import fix_mmap_threshold
 from mta_repro.train.distributed import (
     DistInfo,
     destroy_distributed,
+    gather_or_peer_failed,
     init_distributed,
     materialize,
     parallelize,
@@ -193,6 +194,38 @@ def _agree(info: DistInfo, fn: Callable[[], Any]) -> Any:
     return value
 
 
+def _every_rank(info: DistInfo, what: str, fn: Callable[[], Any], share: Callable[[Any], Any] = lambda v: None):
+    """``fn()`` on every rank, then one gather: (its value, [``share(value)`` of every rank]).
+    A rank whose ``fn`` failed raises its own error; every other rank a PeerFailedError naming
+    it and its message, so no rank goes on into work (a resume's collective load) that
+    would fail later and be read as something else (a damaged checkpoint)."""
+    try:
+        value, failed = fn(), None
+    except Exception as e:  # noqa: BLE001 - re-raised below, after the others have heard of it
+        value, failed = None, e
+    mine = ("err", f"{type(failed).__name__}: {failed}") if failed is not None else ("ok", share(value))
+    every = gather_or_peer_failed(mine, what, info.rank, info.world_size)
+    if failed is not None:
+        raise failed
+    bad = next(((r, m) for r, (kind, m) in enumerate(every) if kind == "err"), None)
+    if bad is not None:
+        raise PeerFailedError(
+            f"rank {bad[0]} failed while {what} ({bad[1].splitlines()[0][:300]}); rank {info.rank} stops too. "
+            "Nothing of the run was changed here"
+        )
+    return value, [m for _, m in every]
+
+
+def _read_alike(args: TrainConfig, info: DistInfo, what: str, fn: Callable[[], Any]) -> Any:
+    """``fn()`` on every rank (``_every_rank``), then what each rank reads (its tokenizer;
+    its data listing once ``fn`` returned the loader) compared with rank 0's: a rank that
+    reads otherwise is refused on every rank. Returns this rank's ``fn()``."""
+    value, every = _every_rank(info, what, fn, lambda v: provenance.rank_inputs(args, v))
+    if (line := provenance.ranks_disagree(every)) is not None:
+        raise provenance.ProvenanceError(line)
+    return value
+
+
 def _train(args: TrainConfig, info: DistInfo, lock: RunLock) -> dict[str, Any]:
     tr, run_dir = args.trainer, Path(args.run_dir)
     torch.manual_seed(args.seed + info.rank)  # anything stochastic in training (dropout)
@@ -206,6 +239,7 @@ def _train(args: TrainConfig, info: DistInfo, lock: RunLock) -> dict[str, Any]:
 
     at_step, config_changes = _agree(info, prepare)
     if at_step is not None and at_step == tr.steps:
+        exported = None
         if info.is_main:
             print(
                 f"[mta_repro.train] {run_dir} is already at trainer.steps={tr.steps}: nothing to train "
@@ -213,7 +247,13 @@ def _train(args: TrainConfig, info: DistInfo, lock: RunLock) -> dict[str, Any]:
                 file=sys.stderr,
                 flush=True,
             )
-        return {"step": at_step, "loss": float("nan"), "stopped_by_signal": None, "export": None}
+            from mta_repro.train.export import export_consolidated, export_is_current
+
+            # The export a finished run still lacks (a full disk stopped it): made now.
+            if args.checkpoint.export and not export_is_current(run_dir):
+                exported = str(export_consolidated(run_dir))
+                print(f"[mta_repro.train] made the missing export {exported}", file=sys.stderr, flush=True)
+        return {"step": at_step, "loss": float("nan"), "stopped_by_signal": None, "export": exported}
     return run(args, info, config_changes)
 
 
@@ -433,7 +473,9 @@ def build_state(
     )
     manager.clean_stale()
     has_ckpt = ck.resume and manager.latest() is not None
-    # The tokenizer against the one the run (or init_from's run) recorded, before any work.
+    # Before any work, every rank's tokenizer against rank 0's (at a resume too: a node's
+    # copy may have changed), then against the one the run (or init_from's run) recorded.
+    _read_alike(args, info, "hashing its tokenizer", lambda: None)
     accepted = _agree(info, lambda: provenance.check_tokenizer(args, run_dir, manager.latest() if has_ckpt else None))
 
     model = build_model(model_args, device="meta")
@@ -446,14 +488,15 @@ def build_state(
     scheduler = build_lr_scheduler(optimizer, args.optim, args.trainer.steps)
     # The data contract (loader plugins, the validator) takes the data section as a config node,
     # a child of the whole config: plugins may read sibling sections through its parent (the
-    # pipeline's continued loader reads checkpoint.init_from).
-    loader = load_factory(args.trainer.loader)(root_node.data, info.rank, info.world_size)
+    # pipeline's continued loader reads checkpoint.init_from). Every rank opens its data
+    # before any resumes (one that cannot is named on all) and their listings are compared.
+    make = load_factory(args.trainer.loader)
+    loader = _read_alike(args, info, "opening its data", lambda: make(root_node.data, info.rank, info.world_size))
     check("opening the training data")
     state = TrainState(model, optimizer, scheduler, loader, rank=info.rank)
     resumed_from = None
     if has_ckpt:
-        # The newest readable checkpoint (an unreadable one raises or falls back, per
-        # checkpoint.on_corrupt).
+        # The newest readable checkpoint (an unreadable one: per checkpoint.on_corrupt).
         resumed_from = manager.resume(state, ck.on_corrupt)
         if info.is_main and resumed_from is not None:
             print(f"[mta_repro.train] resumed from {resumed_from} at step {state.step}", file=sys.stderr)

@@ -20,6 +20,7 @@ from mta_repro.dataclass_config import to_dataclass
 from mta_repro.errors import UserError
 
 SCHEDULERS = ("linear", "cosine", "constant")
+FLOAT32_MAX = float(torch.finfo(torch.float32).max)
 
 
 @dataclass
@@ -59,8 +60,13 @@ class OptimArgs:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
                 raise UserError(f"optim.{name}: expected a finite number, got {v!r}")
-        if self.lr < 0:
-            raise UserError(f"optim.lr: expected >= 0, got {self.lr}")
+            # The optimiser's kernels take these as float32 scalars: a larger one is a
+            # traceback there, not a divergence the loop could report.
+            if abs(v) > FLOAT32_MAX:
+                raise UserError(f"optim.{name}: expected at most {FLOAT32_MAX:.4g} (the largest float32), got {v!r}")
+        for name in ("lr", "eps", "weight_decay"):  # AdamW's own ranges, checked before the model is built
+            if getattr(self, name) < 0:
+                raise UserError(f"optim.{name}: expected >= 0, got {getattr(self, name)}")
         if self.warmup < 0:
             raise UserError(f"optim.warmup: expected >= 0 steps, got {self.warmup}")
         if self.warmup_frac is not None and not 0.0 <= self.warmup_frac < 1.0:

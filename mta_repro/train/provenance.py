@@ -14,7 +14,8 @@ recorded, and a data file whose text the run already read changed (the loader fi
 ``TrainLoader.input_check``); evaluation refuses a tokenizer that differs from the
 weights'. Each refusal is one line naming the file, what changed and the override that
 accepts it (``checkpoint.accept_changed_data``/``accept_changed_tokenizer``, eval's
-``accept_changed_tokenizer``); an accepted change is recorded.
+``accept_changed_tokenizer``); an accepted change is recorded. On several ranks, every
+rank's tokenizer and data listing must be rank 0's (``rank_inputs``, ``ranks_disagree``).
 """
 
 from __future__ import annotations
@@ -250,6 +251,48 @@ def check_tokenizer(args, run_dir: Path, latest: Path | None) -> list:
         flush=True,
     )
     return [accepted("tokenizer", change, ACCEPT_TOKENIZER, step)]
+
+
+def rank_inputs(args, loader=None) -> dict:
+    """What this rank reads, for the comparison across ranks: the tokenizer's identity
+    (its file's sha256, as recorded and as eval checks it) and, once the loader exists, the
+    corpus root and the fingerprint of the training files' listing (names and sizes: copies
+    of a corpus on other nodes have other mtimes), from which each rank takes its share."""
+    found: dict = {"tokenizer": tokenizer_identity(args.data.tokenizer)}
+    inputs = loader.inputs() if loader is not None and hasattr(loader, "inputs") else None
+    if isinstance(inputs, Mapping):
+        train = inputs.get("train") or {}
+        found["data"] = {
+            "root": inputs.get("root"),
+            "files": train.get("files"),
+            "bytes": train.get("bytes"),
+            "sha256": train.get("sha256_names_sizes"),
+        }
+    return found
+
+
+def ranks_disagree(every: list) -> str | None:
+    """The first rank whose ``rank_inputs`` differ from rank 0's, as one line naming it and
+    both sha256 (None: every rank reads the same)."""
+    first = every[0] or {}
+    for r, found in enumerate(every[1:], 1):
+        t0, t = first.get("tokenizer") or {}, (found or {}).get("tokenizer") or {}
+        if (t.get("name"), t.get("sha256")) != (t0.get("name"), t0.get("sha256")):
+            return (
+                f"rank {r} reads another tokenizer than rank 0: data.tokenizer ({t.get('name')}) {t.get('path')} "
+                f"has sha256 {short(t.get('sha256'))} on rank {r} and {short(t0.get('sha256'))} on rank 0 "
+                f"({t0.get('name')}, {t0.get('path')}); its ids would mean other text there. Give every node "
+                "the same file (or point data.tokenizer.path at a shared filesystem)"
+            )
+        d0, d = first.get("data"), (found or {}).get("data")
+        if d0 is not None and d is not None and d.get("sha256") != d0.get("sha256"):
+            return (
+                f"rank {r} lists other training files than rank 0: {d.get('root')} holds {d.get('files')} files, "
+                f"{d.get('bytes') or 0:,} bytes (listing sha256 {short(d.get('sha256'))}) on rank {r} and "
+                f"{d0.get('files')} files, {d0.get('bytes') or 0:,} bytes ({short(d0.get('sha256'))}) on rank 0; the "
+                "ranks' shares would overlap or leave files out. Give every node the same corpus (names and sizes)"
+            )
+    return None
 
 
 def check_data(loader, accept: bool, run_dir: Path, step: int, world_size: int, is_main: bool) -> list:
