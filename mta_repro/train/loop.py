@@ -500,18 +500,25 @@ def build_state(
         resumed_from = manager.resume(state, ck.on_corrupt)
         if info.is_main and resumed_from is not None:
             print(f"[mta_repro.train] resumed from {resumed_from} at step {state.step}", file=sys.stderr)
-    # What the loader found of the files read before (every rank), then the start's record.
-    accepted += provenance.check_data(
-        loader, ck.accept_changed_data, run_dir, state.step, info.world_size, info.is_main
-    )
-    # each config change accepted (checkpoint.allow_config_change), from the step it goes on at
-    accepted += [provenance.accepted("config", c, provenance.ACCEPT_CONFIG, state.step) for c in config_changes]
+    accepted += _accepted_at_start(args, info, loader, state.step, config_changes)
     if info.is_main:
         record = provenance.RunRecord(args, run_dir, loader, init_identity or None, resumed_from, accepted)
         record.begin(state.step, info.world_size)
         commit_start(run_dir, args)  # accepted: config.yaml and .hydra/ say what it runs
         manager.provenance = record.checkpoint
     return state, manager, attn_used, resumed_from is not None
+
+
+def _accepted_at_start(
+    args: TrainConfig, info: DistInfo, loader, step: int, config_changes: Sequence[str]
+) -> list[dict]:
+    """What the loader found of the files read before (every rank), then each config change
+    accepted (checkpoint.allow_config_change), from the step the run goes on at."""
+    ck = args.checkpoint
+    found = provenance.check_data(
+        loader, ck.accept_changed_data, Path(args.run_dir), step, info.world_size, info.is_main
+    )
+    return found + [provenance.accepted("config", c, provenance.ACCEPT_CONFIG, step) for c in config_changes]
 
 
 @dataclasses.dataclass
