@@ -1,8 +1,9 @@
 """SLURM: the rendered scripts, the submit CLI's errors, and jobs on a real scheduler.
 
 The tests marked ``cluster`` run against the one-node cluster of
-``scripts/slurm_local.sh start`` (.ci/run starts it): they FAIL when CI=true and no
-cluster answers, and are skipped otherwise. They use 2 CPU ranks (gloo) and the
+``scripts/slurm_local.sh start`` (.ci/run starts it), and only with MTA_TEST_SLURM=1
+(else skipped: a login node's sinfo answers for the site's cluster); then they FAIL when
+CI=true and no cluster answers, and are skipped otherwise. They use 2 CPU ranks (gloo) and the
 ``batch_source`` loader of tests/distributed, whose global batches are the same for any
 world size, so a SLURM job's losses can be compared with one local process within the
 2-rank test's tolerance (1e-5, see tests/distributed/test_train_distributed.py).
@@ -137,9 +138,21 @@ def _logs(run_dir, job, ext):
     return (Path(run_dir) / "slurm" / f"{job}.{ext}").read_text()
 
 
+# Submitting from the suite needs this opt-in: without it a `make test` on a login node
+# would queue jobs on the site's cluster (whatever answers sinfo). .ci/run sets it for its
+# own one-node cluster.
+OPT_IN = "MTA_TEST_SLURM"
+
+
 @pytest.fixture(scope="session")
 def cluster():
-    """The local cluster must answer: fail in CI, skip elsewhere."""
+    """Jobs go to a scheduler only with MTA_TEST_SLURM=1 (else skip, saying so); then the
+    cluster must answer: fail in CI, skip elsewhere."""
+    if os.environ.get(OPT_IN) != "1":
+        pytest.skip(
+            f"{OPT_IN} is not 1: these tests submit jobs to whatever SLURM cluster answers sinfo; "
+            f"set {OPT_IN}=1 where that is a test cluster (scripts/slurm_local.sh start)"
+        )
     try:
         p = subprocess.run(["sinfo", "-h", "-o", "%T"], capture_output=True, text=True, timeout=20)
         up = p.returncode == 0 and any(s.startswith(("idle", "mixed", "alloc")) for s in p.stdout.split())
@@ -557,12 +570,30 @@ def test_refused_sbatch_shows_its_own_message_in_one_line(tmp_path):
 def test_cluster_tests_fail_in_ci_and_skip_elsewhere_without_a_cluster(tmp_path):
     """No sinfo on PATH: with CI=true the cluster tests fail (CI must run them), else skip."""
     test = f"{Path(__file__)}::test_refused_sbatch_shows_its_own_message_in_one_line"
-    base = {k: v for k, v in _env(PATH=str(tmp_path)).items() if k != "CI"}
+    base = {k: v for k, v in _env(PATH=str(tmp_path), MTA_TEST_SLURM="1").items() if k != "CI"}
     args = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", test, "-rs"]
     ci = subprocess.run(args, cwd=ROOT, env=dict(base, CI="true"), capture_output=True, text=True, timeout=120)
     assert ci.returncode == 1 and "1 error" in ci.stdout and "no SLURM cluster answers" in ci.stdout, ci.stdout[-2000:]
     local = subprocess.run(args, cwd=ROOT, env=base, capture_output=True, text=True, timeout=120)
     assert local.returncode == 0 and "1 skipped" in local.stdout and "slurm_local.sh start" in local.stdout
+
+
+def test_cluster_tests_submit_nothing_without_the_opt_in(tmp_path):
+    """A cluster answers sinfo (a login node's, here a stand-in), MTA_TEST_SLURM is unset:
+    the cluster tests skip and name the variable, CI=true or not, and sbatch is never run."""
+    test = f"{Path(__file__)}::test_refused_sbatch_shows_its_own_message_in_one_line"
+    bin_dir, calls = tmp_path / "bin", tmp_path / "sbatch_calls"
+    bin_dir.mkdir()
+    for name, body in (("sinfo", "echo idle"), ("sbatch", f'echo "$@" >> {calls}; echo 1')):
+        (bin_dir / name).write_text(f"#!/bin/bash\n{body}\n")
+        (bin_dir / name).chmod(0o755)
+    env = {k: v for k, v in _env(PATH=f"{bin_dir}:{os.environ['PATH']}").items() if k not in ("CI", "MTA_TEST_SLURM")}
+    args = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", test, "-rs"]
+    for extra in ({}, {"CI": "true"}):
+        p = subprocess.run(args, cwd=ROOT, env=dict(env, **extra), capture_output=True, text=True, timeout=120)
+        assert p.returncode == 0 and "1 skipped" in p.stdout, (extra, p.stdout[-2000:])
+        assert "MTA_TEST_SLURM is not 1" in p.stdout, p.stdout[-2000:]
+    assert not calls.exists()
 
 
 def test_rank0_only_resolver_for_sweep_jobs(monkeypatch):
