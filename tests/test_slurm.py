@@ -287,6 +287,28 @@ def test_submit_without_sbatch_says_so(tmp_path):
     assert (tmp_path / "r" / "slurm" / "train.sbatch").is_file()  # named in the message, kept to inspect
 
 
+def test_submit_refuses_a_run_dir_whose_lock_a_live_start_holds(tmp_path):
+    """A start running here holds the run dir's lock (this test's own pid stands in): the
+    submission is refused in the start's own line, rc 2, and writes no script."""
+    import socket
+
+    run_dir = tmp_path / "r"
+    run_dir.mkdir()
+    holder = {"host": socket.gethostname(), "pid": os.getpid(), "slurm_job_id": None, "started": "then"}
+    (run_dir / ".lock").write_text(json.dumps(holder))
+    p = _run(
+        ["-m", "mta_repro.train.submit", "experiment=debug", *CPU_PROFILE, f"run_dir={run_dir}", "--submit"],
+        env=_env(PATH=str(tmp_path)),  # no sbatch, no squeue: the lock alone refuses
+        check=False,
+    )
+    assert p.returncode == 2 and "Traceback" not in p.stderr
+    assert _errors(p, "mta_repro.train.submit") == [
+        f"run_dir={run_dir} is in use by another job (host {holder['host']}, pid {os.getpid()}, since then, "
+        f"last alive 0 min ago); wait for it, use another run_dir=..., or if that job is dead delete {run_dir}/.lock"
+    ]
+    assert not (run_dir / "slurm").exists()
+
+
 def test_non_zero_ranks_leave_hydra_output_to_rank_0(monkeypatch):
     from hydra import compose, initialize_config_dir
 
@@ -565,6 +587,39 @@ def test_refused_sbatch_shows_its_own_message_in_one_line(tmp_path):
     )
     # sbatch's own words, e.g. "Batch job submission failed: Invalid partition name specified".
     assert "Invalid partition name specified" in lines[0]
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("cluster")
+def test_a_second_job_on_a_queued_run_dir_is_refused_at_submission(tmp_path):
+    """A job queued or running on run_dir (it has not taken the lock while it waits): a
+    second submission on the same run dir is refused in one line naming the job, rc 2, and
+    the queue holds one job of that name; another run dir is accepted."""
+    run_dir, name = tmp_path / "owned", f"owned_{os.getpid()}"
+    first = _submit_train(run_dir, "trainer.loader=test_slurm:slow_build", f"slurm.job_name={name}")
+    try:
+        p = _run(
+            [
+                "-m",
+                "mta_repro.train.submit",
+                *COMMON,
+                *CPU_PROFILE,
+                f"run_dir={run_dir}",
+                f"slurm.job_name={name}",
+                "--submit",
+            ],
+            check=False,
+        )
+        assert p.returncode == 2 and "Submitted batch job" not in p.stdout, p.stderr[-2000:]
+        [line] = _errors(p, "mta_repro.train.submit")
+        assert line.startswith(f"run_dir={run_dir} is already SLURM job {first}'s ("), line
+        assert f"{run_dir}/slurm/train.sbatch): a second job would train the same run" in line
+        assert f"scancel {first}" in line
+        queued = subprocess.run(["squeue", "-h", "-n", name, "-o", "%i"], capture_output=True, text=True).stdout
+        assert queued.split() == [first]
+    finally:
+        subprocess.run(["scancel", first])
+    _wait_job(first)
 
 
 def test_cluster_tests_fail_in_ci_and_skip_elsewhere_without_a_cluster(tmp_path):
