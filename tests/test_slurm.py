@@ -116,7 +116,7 @@ def _wait_job(job, timeout=240):
     pytest.fail(f"job {job} did not finish within {timeout} s (state {_job_field(job, 'JobState')})")
 
 
-def _submit_train(run_dir, *extra):
+def _submit_train(run_dir, *extra, env=None):
     p = _run(
         [
             "-m",
@@ -127,7 +127,8 @@ def _submit_train(run_dir, *extra):
             "data.batch_size=2",
             *extra,
             "--submit",
-        ]
+        ],
+        env=env or _env(),
     )
     m = re.search(r"Submitted batch job (\d+)", p.stdout)
     assert m, p.stdout + p.stderr
@@ -476,6 +477,58 @@ def test_usr2_requeues_then_resumes_exactly(reference, tmp_path):
     assert f"resumed from {run_dir}/checkpoints/{k:010d} at step {k}" in err
     assert _job_field(job, "Restarts") == "1"
     _assert_matches(reference, run_dir)  # every logged step, once, equal to uninterrupted
+
+
+# A sitecustomize that holds rank 1 of a job's first run for two minutes before Python
+# starts (once: a marker file), so that rank 0 waits in the rendezvous.
+LATE_RANK_1 = """
+import os
+import time
+from pathlib import Path
+
+if os.environ.get("SLURM_PROCID") == "1" and os.environ.get("MTA_TEST_LATE_MARKER"):
+    marker = Path(os.environ["MTA_TEST_LATE_MARKER"])
+    if not marker.exists():
+        marker.touch()
+        time.sleep(120)
+"""
+
+
+def _wait_for_log(path: Path, text: str, job: str, timeout: float = 180) -> None:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if path.is_file() and text in path.read_text():
+            return
+        time.sleep(0.2)
+    subprocess.run(["scancel", job])
+    pytest.fail(f"job {job} never logged {text!r}: {path.read_text()[-3000:] if path.is_file() else 'no log'}")
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("cluster")
+def test_usr2_during_the_rendezvous_requeues_the_job(tmp_path):
+    """Rank 0 waits in init_process_group for a rank 1 that starts late: scancel
+    --signal=USR2 stops it with its line and requeues the job, which then trains every
+    step once (before, the signal killed the rank with no line, and no requeue)."""
+    late = tmp_path / "late"
+    late.mkdir()
+    (late / "sitecustomize.py").write_text(LATE_RANK_1)
+    env = _env(MTA_TEST_LATE_MARKER=str(tmp_path / "rank1_was_late"))
+    env["PYTHONPATH"] = f"{late}{os.pathsep}{env['PYTHONPATH']}"
+    run_dir = tmp_path / "rdv"
+    job = _submit_train(run_dir, "trainer.loader=batch_source:build", env=env)
+    _wait_for_log(run_dir / "slurm" / f"{job}.err", "rank 0: waiting for the rendezvous of 2 ranks", job)
+    subprocess.run(["scancel", "--signal=USR2", job], check=True)
+    assert _wait_job(job, timeout=300) == "COMPLETED", _logs(run_dir, job, "err")[-3000:]
+    err = _logs(run_dir, job, "err")
+    assert re.search(
+        r"train: stopped by SIGUSR2 during the rendezvous of 2 ranks at \S+ \(before the first step\): "
+        r"nothing trained, nothing saved; the job resumes by itself",
+        err,
+    ), err[-3000:]
+    assert f"requeued job {job}" in err
+    assert _job_field(job, "Restarts") == "1"
+    assert sorted(_losses(run_dir)) == list(range(1, STEPS + 1))
 
 
 @pytest.mark.slow

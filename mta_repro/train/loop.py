@@ -148,14 +148,21 @@ def train(cfg: Any) -> dict[str, Any]:
     directory behind."""
     run_dir = Path(cfg.run_dir if not isinstance(cfg, dict) else cfg["run_dir"])
     lock = RunLock(run_dir)
+    # The stop signals are caught from before the rendezvous, which waits for every rank
+    # (minutes when a node starts late): a stop there prints its line and, under SLURM,
+    # USR1/2 requeue the job.
+    preempt = PreemptionHandler()
     try:
         args = to_train_config(cfg)
-        info = init_distributed(args.distributed, args.trainer.device)
+        try:
+            info = init_distributed(args.distributed, args.trainer.device, check=preempt.check)
+        except StopRequested as e:
+            raise _stopped_before_training(e, run_dir, launcher_rank() == 0) from None
         if info.device.type == "cpu":
             # Before the model is built: trainer.cpu_mmap_threshold (mta_repro/train/cpu_malloc.py)
             fix_mmap_threshold(args.trainer.cpu_mmap_threshold)
         try:
-            return _train(args, info, lock)
+            return _train(args, info, lock, preempt)
         finally:
             destroy_distributed()
     except BaseException as e:
@@ -169,6 +176,7 @@ def train(cfg: Any) -> dict[str, Any]:
         raise
     finally:
         lock.release()
+        preempt.restore()
 
 
 def _agree(info: DistInfo, fn: Callable[[], Any]) -> Any:
@@ -189,7 +197,7 @@ def _agree(info: DistInfo, fn: Callable[[], Any]) -> Any:
     return value
 
 
-def _train(args: TrainConfig, info: DistInfo, lock: RunLock) -> dict[str, Any]:
+def _train(args: TrainConfig, info: DistInfo, lock: RunLock, preempt: PreemptionHandler) -> dict[str, Any]:
     tr, run_dir = args.trainer, Path(args.run_dir)
     torch.manual_seed(args.seed + info.rank)  # anything stochastic in training (dropout)
 
@@ -210,7 +218,7 @@ def _train(args: TrainConfig, info: DistInfo, lock: RunLock) -> dict[str, Any]:
                 flush=True,
             )
         return {"step": at_step, "loss": float("nan"), "stopped_by_signal": None, "export": None}
-    return run(args, info)
+    return run(args, info, preempt)
 
 
 # ------------------------------------------------------------------ one update
@@ -365,14 +373,16 @@ class Checkpointing:
 
 
 # ------------------------------------------------------------------ the run
-def run(args: TrainConfig, info: DistInfo) -> dict[str, Any]:
+def run(args: TrainConfig, info: DistInfo, preempt: PreemptionHandler | None = None) -> dict[str, Any]:
     """Train from the newest complete checkpoint (or the start) to ``trainer.steps``.
 
     The stop signals are caught from the start: one that arrives while the model, the
     data or the validation set are prepared, or during the loader's warm-up, stops the
     run before its first step (nothing trained, so nothing saved: ``StopRequested``, exit
-    128 + the signal's number); later ones stop it at a step boundary, after a checkpoint."""
-    preempt = PreemptionHandler()
+    128 + the signal's number); later ones stop it at a step boundary, after a checkpoint.
+    ``preempt``: the handler installed before the rendezvous (else one is installed here)."""
+    own = preempt is None
+    preempt = PreemptionHandler() if preempt is None else preempt
     try:
         state, manager, attn_used, resumed = build_state(args, info, preempt)
         parts = LoopParts.create(args, info, state, manager, attn_used, resumed, preempt)
@@ -382,9 +392,10 @@ def run(args: TrainConfig, info: DistInfo) -> dict[str, Any]:
         finally:
             parts.close()
     except StopRequested as e:
-        raise _stopped_before_training(e, Path(args.run_dir), info) from None
+        raise _stopped_before_training(e, Path(args.run_dir), info.is_main) from None
     finally:
-        preempt.restore()
+        if own:
+            preempt.restore()
     exported = None
     if stopped_by is None and args.checkpoint.export:
         if dist.is_initialized():
@@ -668,12 +679,12 @@ def _record_selfcheck(run_dir: Path, entry: dict) -> None:
     replace_atomically(path, json.dumps(history, indent=1).encode())
 
 
-def _stopped_before_training(e: StopRequested, run_dir: Path, info: DistInfo) -> StopRequested:
+def _stopped_before_training(e: StopRequested, run_dir: Path, is_main: bool) -> StopRequested:
     """The one line of a stop before the first step (``e``: where it was seen), after the
     requeue under SLURM: nothing was trained, so nothing was saved."""
     from mta_repro.weights.layout import latest_checkpoint
 
-    requeued = requeue_if_slurm(e.signum, info.is_main)
+    requeued = requeue_if_slurm(e.signum, is_main)
     latest = latest_checkpoint(run_dir) if run_dir.is_dir() else None
     then = (
         "the job resumes by itself"
