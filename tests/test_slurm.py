@@ -494,6 +494,17 @@ if os.environ.get("SLURM_PROCID") == "1" and os.environ.get("MTA_TEST_LATE_MARKE
 """
 
 
+# A sitecustomize under which rank 1 takes 5 s more to exit than rank 0.
+SLOW_EXIT_RANK_1 = """
+import atexit
+import os
+import time
+
+if os.environ.get("SLURM_PROCID") == "1":
+    atexit.register(time.sleep, 5)
+"""
+
+
 def _wait_for_log(path: Path, text: str, job: str, timeout: float = 180) -> None:
     deadline = time.time() + timeout
     while time.time() < deadline:
@@ -529,6 +540,41 @@ def test_usr2_during_the_rendezvous_requeues_the_job(tmp_path):
     assert f"requeued job {job}" in err
     assert _job_field(job, "Restarts") == "1"
     assert sorted(_losses(run_dir)) == list(range(1, STEPS + 1))
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("cluster")
+def test_a_requeue_refused_at_start_is_recorded_with_exit_2(tmp_path):
+    """The tokenizer file is damaged while the job runs; USR2 saves and requeues; the
+    requeued start is refused on both ranks (one line, rc 2 each), rank 1 a few seconds
+    after rank 0 (a slower exit, as on a busy node): SLURM records the job's exit as 2, a
+    refusal, not 143 (srun's SIGTERM to the rank still exiting, read as a stop by a
+    signal)."""
+    slow = tmp_path / "slow_exit"
+    slow.mkdir()
+    (slow / "sitecustomize.py").write_text(SLOW_EXIT_RANK_1)
+    env = _env()
+    env["PYTHONPATH"] = f"{slow}{os.pathsep}{env['PYTHONPATH']}"
+    tok = tmp_path / "tok.model"
+    tok.write_bytes((ROOT / "data" / "tokenizer" / "mini_sp8192.model").read_bytes())
+    run_dir = tmp_path / "refused"
+    job = _submit_train(run_dir, "trainer.loader=test_slurm:slow_build", f"data.tokenizer.path={tok}", env=env)
+    metrics = run_dir / "metrics.jsonl"
+    deadline = time.time() + 180
+    while not (metrics.is_file() and len(metrics.read_text().splitlines()) >= 3):
+        if time.time() > deadline:
+            subprocess.run(["scancel", job])
+            pytest.fail(f"job {job} logged no steps: {_job_field(job, 'JobState')}")
+        time.sleep(0.05)
+    tok.write_bytes(tok.read_bytes() + b"another tokenizer")
+    subprocess.run(["scancel", "--signal=USR2", job], check=True)
+    assert _wait_job(job, timeout=300) == "FAILED", _logs(run_dir, job, "err")[-3000:]
+    err = _logs(run_dir, job, "err")
+    assert re.search(r"stopped at step \d+ after a signal and requeued the job", err), err[-3000:]
+    refusals = [line for line in err.splitlines() if line.startswith("train: error: ")]
+    assert refusals and "tokenizer" in refusals[0], err[-3000:]
+    assert _job_field(job, "Restarts") == "1"
+    assert _job_field(job, "ExitCode") == "2:0", err[-3000:]
 
 
 @pytest.mark.slow

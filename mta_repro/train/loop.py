@@ -23,6 +23,7 @@ import errno
 import importlib
 import json
 import math
+import os
 import signal
 import sys
 import time
@@ -152,6 +153,7 @@ def train(cfg: Any) -> dict[str, Any]:
     # (minutes when a node starts late): a stop there prints its line and, under SLURM,
     # USR1/2 requeue the job.
     preempt = PreemptionHandler()
+    refused = False
     try:
         args = to_train_config(cfg)
         try:
@@ -166,6 +168,7 @@ def train(cfg: Any) -> dict[str, Any]:
         finally:
             destroy_distributed()
     except BaseException as e:
+        refused = isinstance(e, UserError)
         if launcher_rank() == 0:
             clean_failed_start(run_dir, lock)
         if isinstance(e, OSError) and e.errno == errno.ENOSPC:
@@ -177,6 +180,18 @@ def train(cfg: Any) -> dict[str, Any]:
     finally:
         lock.release()
         preempt.restore()
+        if refused:
+            _exit_as_refused()
+
+
+def _exit_as_refused() -> None:
+    """A refusal (exit 2) under srun with several tasks: ignore SIGTERM from here to the
+    exit. The refusal is agreed, so every rank exits 2, but srun ends the other tasks with
+    SIGTERM as soon as the first exits (--kill-on-bad-exit) and records the highest
+    status: one task killed by it made the job's exit 143, a stop by a signal, where the
+    start had been refused (2)."""
+    if os.environ.get("SLURM_JOB_ID") and int(os.environ.get("SLURM_NTASKS", "1") or 1) > 1:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
 
 def _agree(info: DistInfo, fn: Callable[[], Any]) -> Any:
