@@ -93,7 +93,6 @@ def dist_env() -> tuple[int, int, int, bool]:
 
 # A rank still waiting for the others after this long says so, once (where, and how many).
 RENDEZVOUS_NOTE_S = 5.0
-_rendezvous_thread: threading.Thread | None = None
 
 
 def _rendezvous(join: Callable[[], None], check: Callable[[str], None], rank: int, world: int) -> None:
@@ -102,8 +101,8 @@ def _rendezvous(join: Callable[[], None], check: Callable[[str], None], rank: in
     joined (up to distributed.timeout_min), and a Python signal handler runs only in the
     main thread between bytecodes: waited on directly, Ctrl-C waited for it and SIGTERM or
     SIGUSR2 killed the rank with no line (and no requeue). ``check`` raises StopRequested
-    when a stop signal has come; the thread is then left waiting (``rendezvous_pending``)."""
-    global _rendezvous_thread
+    when a stop signal has come; the thread is then left waiting (a daemon thread: the
+    process exits with the stop's status all the same)."""
     where = f"the rendezvous of {world} ranks at {os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
     failed: list[BaseException] = []
 
@@ -114,7 +113,6 @@ def _rendezvous(join: Callable[[], None], check: Callable[[str], None], rank: in
             failed.append(e)
 
     thread = threading.Thread(target=target, name="mta-rendezvous", daemon=True)
-    _rendezvous_thread = thread
     thread.start()
     t0, noted = time.monotonic(), False
     while thread.is_alive():
@@ -123,15 +121,8 @@ def _rendezvous(join: Callable[[], None], check: Callable[[str], None], rank: in
         if not noted and time.monotonic() - t0 > RENDEZVOUS_NOTE_S:
             noted = True
             print(f"[mta_repro.train] rank {rank}: waiting for {where}", file=sys.stderr, flush=True)
-    _rendezvous_thread = None
     if failed:
         raise failed[0]
-
-
-def rendezvous_pending() -> bool:
-    """Whether a rendezvous left by a stop signal is still waiting in its thread (the
-    process should then end with ``os._exit``: nothing may tear down what it is using)."""
-    return _rendezvous_thread is not None and _rendezvous_thread.is_alive()
 
 
 def init_distributed(
