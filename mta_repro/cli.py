@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import difflib
 import re
+import signal
 import sys
+import threading
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -99,11 +101,24 @@ def describe(exc: BaseException) -> str:
     return line
 
 
+def honour_ctrl_c() -> None:
+    """Take Ctrl-C (SIGINT) back where it was inherited ignored: a shell starts background
+    commands (``cmd &``, ``nohup cmd &`` from a script) with SIGINT ignored, and a
+    long-running tool would then evaluate or convert on through Ctrl-C and ``kill -INT``.
+    The trainer installs its own handler (which saves first); every other entry point
+    raises KeyboardInterrupt, as a foreground process does (docs/errors_and_signals.md).
+    Only from the main thread (the only one that may set handlers)."""
+    if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
 def run_cli(prog: str, fn: Callable[[], int]) -> int:
     """``fn()``'s exit code; a user error prints ``<prog>: error: <one line>`` and gives 2,
     Ctrl-C outside the training loop (which saves first) ``<prog>: interrupted`` and 130, a
     stop signal seen before there was anything to save (``StopRequested``) its one line and
-    128 + the signal's number."""
+    128 + the signal's number. An inherited, ignored SIGINT is taken back first
+    (``honour_ctrl_c``)."""
+    honour_ctrl_c()
     try:
         return fn()
     except StopRequested as e:

@@ -263,3 +263,36 @@ def test_a_sequence_longer_than_the_model_is_refused_on_every_path(tmp_path):
         "longest sequence the model is meant for; set extrapolate=true to evaluate beyond it on purpose"
     )
     assert not (run_dir / "eval").exists()
+
+
+def test_a_tool_started_with_sigint_ignored_still_stops_on_ctrl_c():
+    """A command a shell started in the background inherits SIGINT ignored; a tool run
+    through run_cli takes it back, so Ctrl-C ends it as `<prog>: interrupted`, 130."""
+    import signal
+    import time
+
+    code = (
+        "import signal, sys, time\n"
+        "from mta_repro.cli import run_cli\n"
+        "assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN\n"
+        "def go():\n"
+        "    print('working', flush=True)\n"
+        "    time.sleep(60)\n"
+        "    return 0\n"
+        "sys.exit(run_cli('tool', go))\n"
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1])),
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN),
+    )
+    assert proc.stdout is not None
+    assert proc.stdout.readline().strip() == "working"
+    t0 = time.time()
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=30)
+    assert proc.returncode == 130 and err.strip() == "tool: interrupted", err
+    assert time.time() - t0 < 10

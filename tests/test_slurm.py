@@ -1,8 +1,9 @@
 """SLURM: the rendered scripts, the submit CLI's errors, and jobs on a real scheduler.
 
 The tests marked ``cluster`` run against the one-node cluster of
-``scripts/slurm_local.sh start`` (.ci/run starts it): they FAIL when CI=true and no
-cluster answers, and are skipped otherwise. They use 2 CPU ranks (gloo) and the
+``scripts/slurm_local.sh start`` (.ci/run starts it), and only with MTA_TEST_SLURM=1
+(else skipped: a login node's sinfo answers for the site's cluster); then they FAIL when
+CI=true and no cluster answers, and are skipped otherwise. They use 2 CPU ranks (gloo) and the
 ``batch_source`` loader of tests/distributed, whose global batches are the same for any
 world size, so a SLURM job's losses can be compared with one local process within the
 2-rank test's tolerance (1e-5, see tests/distributed/test_train_distributed.py).
@@ -115,18 +116,19 @@ def _wait_job(job, timeout=240):
     pytest.fail(f"job {job} did not finish within {timeout} s (state {_job_field(job, 'JobState')})")
 
 
-def _submit_train(run_dir, *extra):
+def _submit_train(run_dir, *extra, common=COMMON, env=None):
     p = _run(
         [
             "-m",
             "mta_repro.train.submit",
-            *COMMON,
+            *common,
             *CPU_PROFILE,
             f"run_dir={run_dir}",
             "data.batch_size=2",
             *extra,
             "--submit",
-        ]
+        ],
+        env=env or _env(),
     )
     m = re.search(r"Submitted batch job (\d+)", p.stdout)
     assert m, p.stdout + p.stderr
@@ -137,9 +139,21 @@ def _logs(run_dir, job, ext):
     return (Path(run_dir) / "slurm" / f"{job}.{ext}").read_text()
 
 
+# Submitting from the suite needs this opt-in: without it a `make test` on a login node
+# would queue jobs on the site's cluster (whatever answers sinfo). .ci/run sets it for its
+# own one-node cluster.
+OPT_IN = "MTA_TEST_SLURM"
+
+
 @pytest.fixture(scope="session")
 def cluster():
-    """The local cluster must answer: fail in CI, skip elsewhere."""
+    """Jobs go to a scheduler only with MTA_TEST_SLURM=1 (else skip, saying so); then the
+    cluster must answer: fail in CI, skip elsewhere."""
+    if os.environ.get(OPT_IN) != "1":
+        pytest.skip(
+            f"{OPT_IN} is not 1: these tests submit jobs to whatever SLURM cluster answers sinfo; "
+            f"set {OPT_IN}=1 where that is a test cluster (scripts/slurm_local.sh start)"
+        )
     try:
         p = subprocess.run(["sinfo", "-h", "-o", "%T"], capture_output=True, text=True, timeout=20)
         up = p.returncode == 0 and any(s.startswith(("idle", "mixed", "alloc")) for s in p.stdout.split())
@@ -272,6 +286,28 @@ def test_submit_without_sbatch_says_so(tmp_path):
     lines = p.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("mta_repro.train.submit: error: sbatch is not on PATH"), lines
     assert (tmp_path / "r" / "slurm" / "train.sbatch").is_file()  # named in the message, kept to inspect
+
+
+def test_submit_refuses_a_run_dir_whose_lock_a_live_start_holds(tmp_path):
+    """A start running here holds the run dir's lock (this test's own pid stands in): the
+    submission is refused in the start's own line, rc 2, and writes no script."""
+    import socket
+
+    run_dir = tmp_path / "r"
+    run_dir.mkdir()
+    holder = {"host": socket.gethostname(), "pid": os.getpid(), "slurm_job_id": None, "started": "then"}
+    (run_dir / ".lock").write_text(json.dumps(holder))
+    p = _run(
+        ["-m", "mta_repro.train.submit", "experiment=debug", *CPU_PROFILE, f"run_dir={run_dir}", "--submit"],
+        env=_env(PATH=str(tmp_path)),  # no sbatch, no squeue: the lock alone refuses
+        check=False,
+    )
+    assert p.returncode == 2 and "Traceback" not in p.stderr
+    assert _errors(p, "mta_repro.train.submit") == [
+        f"run_dir={run_dir} is in use by another job (host {holder['host']}, pid {os.getpid()}, since then, "
+        f"last alive 0 min ago); wait for it, use another run_dir=..., or if that job is dead delete {run_dir}/.lock"
+    ]
+    assert not (run_dir / "slurm").exists()
 
 
 def test_non_zero_ranks_leave_hydra_output_to_rank_0(monkeypatch):
@@ -416,11 +452,19 @@ def test_cpu_job_two_ranks_matches_one_process(reference, tmp_path):
     assert (run_dir / ".hydra" / "config.yaml").is_file() and (run_dir / "checkpoints").is_dir()
 
 
+# The configs' own logging (wandb offline), as a user's job runs it.
+DEFAULT_LOGGING = [a for a in COMMON if not a.startswith("logging.wandb_mode=")]
+
+
 @pytest.mark.slow
 @pytest.mark.usefixtures("cluster")
-def test_usr2_requeues_then_resumes_exactly(reference, tmp_path):
+@pytest.mark.parametrize("common", [COMMON, DEFAULT_LOGGING], ids=["wandb-disabled", "default-logging"])
+def test_usr2_requeues_then_resumes_exactly(reference, tmp_path, common):
+    """scancel --signal=USR2 mid-run: requeue first, save, resume at the saved step, every
+    step once and equal to an uninterrupted run; with the default logging too (wandb
+    offline, whose service process SLURM's SIGTERM after the requeue ends)."""
     run_dir = tmp_path / "pre"
-    job = _submit_train(run_dir, "trainer.loader=test_slurm:slow_build")
+    job = _submit_train(run_dir, "trainer.loader=test_slurm:slow_build", common=common)
     metrics = run_dir / "metrics.jsonl"
     deadline = time.time() + 180
     while time.time() < deadline:
@@ -441,6 +485,105 @@ def test_usr2_requeues_then_resumes_exactly(reference, tmp_path):
     assert f"resumed from {run_dir}/checkpoints/{k:010d} at step {k}" in err
     assert _job_field(job, "Restarts") == "1"
     _assert_matches(reference, run_dir)  # every logged step, once, equal to uninterrupted
+    assert "Traceback" not in err, err[-3000:]  # wandb's service gone: no rank dies of it
+
+
+# A sitecustomize that holds rank 1 of a job's first run for two minutes before Python
+# starts (once: a marker file), so that rank 0 waits in the rendezvous.
+LATE_RANK_1 = """
+import os
+import time
+from pathlib import Path
+
+if os.environ.get("SLURM_PROCID") == "1" and os.environ.get("MTA_TEST_LATE_MARKER"):
+    marker = Path(os.environ["MTA_TEST_LATE_MARKER"])
+    if not marker.exists():
+        marker.touch()
+        time.sleep(120)
+"""
+
+
+# A sitecustomize under which rank 1 takes 5 s more to exit than rank 0.
+SLOW_EXIT_RANK_1 = """
+import atexit
+import os
+import time
+
+if os.environ.get("SLURM_PROCID") == "1":
+    atexit.register(time.sleep, 5)
+"""
+
+
+def _wait_for_log(path: Path, text: str, job: str, timeout: float = 180) -> None:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if path.is_file() and text in path.read_text():
+            return
+        time.sleep(0.2)
+    subprocess.run(["scancel", job])
+    pytest.fail(f"job {job} never logged {text!r}: {path.read_text()[-3000:] if path.is_file() else 'no log'}")
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("cluster")
+def test_usr2_during_the_rendezvous_requeues_the_job(tmp_path):
+    """Rank 0 waits in init_process_group for a rank 1 that starts late: scancel
+    --signal=USR2 stops it with its line and requeues the job, which then trains every
+    step once (before, the signal killed the rank with no line, and no requeue)."""
+    late = tmp_path / "late"
+    late.mkdir()
+    (late / "sitecustomize.py").write_text(LATE_RANK_1)
+    env = _env(MTA_TEST_LATE_MARKER=str(tmp_path / "rank1_was_late"))
+    env["PYTHONPATH"] = f"{late}{os.pathsep}{env['PYTHONPATH']}"
+    run_dir = tmp_path / "rdv"
+    job = _submit_train(run_dir, "trainer.loader=batch_source:build", env=env)
+    _wait_for_log(run_dir / "slurm" / f"{job}.err", "rank 0: waiting for the rendezvous of 2 ranks", job)
+    subprocess.run(["scancel", "--signal=USR2", job], check=True)
+    assert _wait_job(job, timeout=300) == "COMPLETED", _logs(run_dir, job, "err")[-3000:]
+    err = _logs(run_dir, job, "err")
+    assert re.search(
+        r"train: stopped by SIGUSR2 during the rendezvous of 2 ranks at \S+ \(before the first step\): "
+        r"nothing trained, nothing saved; the job resumes by itself",
+        err,
+    ), err[-3000:]
+    assert f"requeued job {job}" in err
+    assert _job_field(job, "Restarts") == "1"
+    assert sorted(_losses(run_dir)) == list(range(1, STEPS + 1))
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("cluster")
+def test_a_requeue_refused_at_start_is_recorded_with_exit_2(tmp_path):
+    """The tokenizer file is damaged while the job runs; USR2 saves and requeues; the
+    requeued start is refused on both ranks (one line, rc 2 each), rank 1 a few seconds
+    after rank 0 (a slower exit, as on a busy node): SLURM records the job's exit as 2, a
+    refusal, not 143 (srun's SIGTERM to the rank still exiting, read as a stop by a
+    signal)."""
+    slow = tmp_path / "slow_exit"
+    slow.mkdir()
+    (slow / "sitecustomize.py").write_text(SLOW_EXIT_RANK_1)
+    env = _env()
+    env["PYTHONPATH"] = f"{slow}{os.pathsep}{env['PYTHONPATH']}"
+    tok = tmp_path / "tok.model"
+    tok.write_bytes((ROOT / "data" / "tokenizer" / "mini_sp8192.model").read_bytes())
+    run_dir = tmp_path / "refused"
+    job = _submit_train(run_dir, "trainer.loader=test_slurm:slow_build", f"data.tokenizer.path={tok}", env=env)
+    metrics = run_dir / "metrics.jsonl"
+    deadline = time.time() + 180
+    while not (metrics.is_file() and len(metrics.read_text().splitlines()) >= 3):
+        if time.time() > deadline:
+            subprocess.run(["scancel", job])
+            pytest.fail(f"job {job} logged no steps: {_job_field(job, 'JobState')}")
+        time.sleep(0.05)
+    tok.write_bytes(tok.read_bytes() + b"another tokenizer")
+    subprocess.run(["scancel", "--signal=USR2", job], check=True)
+    assert _wait_job(job, timeout=300) == "FAILED", _logs(run_dir, job, "err")[-3000:]
+    err = _logs(run_dir, job, "err")
+    assert re.search(r"stopped at step \d+ after a signal and requeued the job", err), err[-3000:]
+    refusals = [line for line in err.splitlines() if line.startswith("train: error: ")]
+    assert refusals and "tokenizer" in refusals[0], err[-3000:]
+    assert _job_field(job, "Restarts") == "1"
+    assert _job_field(job, "ExitCode") == "2:0", err[-3000:]
 
 
 @pytest.mark.slow
@@ -554,15 +697,66 @@ def test_refused_sbatch_shows_its_own_message_in_one_line(tmp_path):
     assert "Invalid partition name specified" in lines[0]
 
 
+@pytest.mark.slow
+@pytest.mark.usefixtures("cluster")
+def test_a_second_job_on_a_queued_run_dir_is_refused_at_submission(tmp_path):
+    """A job queued or running on run_dir (it has not taken the lock while it waits): a
+    second submission on the same run dir is refused in one line naming the job, rc 2, and
+    the queue holds one job of that name; another run dir is accepted."""
+    run_dir, name = tmp_path / "owned", f"owned_{os.getpid()}"
+    first = _submit_train(run_dir, "trainer.loader=test_slurm:slow_build", f"slurm.job_name={name}")
+    try:
+        p = _run(
+            [
+                "-m",
+                "mta_repro.train.submit",
+                *COMMON,
+                *CPU_PROFILE,
+                f"run_dir={run_dir}",
+                f"slurm.job_name={name}",
+                "--submit",
+            ],
+            check=False,
+        )
+        assert p.returncode == 2 and "Submitted batch job" not in p.stdout, p.stderr[-2000:]
+        [line] = _errors(p, "mta_repro.train.submit")
+        assert line.startswith(f"run_dir={run_dir} is already SLURM job {first}'s ("), line
+        assert f"{run_dir}/slurm/train.sbatch): a second job would train the same run" in line
+        assert f"scancel {first}" in line
+        queued = subprocess.run(["squeue", "-h", "-n", name, "-o", "%i"], capture_output=True, text=True).stdout
+        assert queued.split() == [first]
+    finally:
+        subprocess.run(["scancel", first])
+    _wait_job(first)
+
+
 def test_cluster_tests_fail_in_ci_and_skip_elsewhere_without_a_cluster(tmp_path):
     """No sinfo on PATH: with CI=true the cluster tests fail (CI must run them), else skip."""
     test = f"{Path(__file__)}::test_refused_sbatch_shows_its_own_message_in_one_line"
-    base = {k: v for k, v in _env(PATH=str(tmp_path)).items() if k != "CI"}
+    base = {k: v for k, v in _env(PATH=str(tmp_path), MTA_TEST_SLURM="1").items() if k != "CI"}
     args = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", test, "-rs"]
     ci = subprocess.run(args, cwd=ROOT, env=dict(base, CI="true"), capture_output=True, text=True, timeout=120)
     assert ci.returncode == 1 and "1 error" in ci.stdout and "no SLURM cluster answers" in ci.stdout, ci.stdout[-2000:]
     local = subprocess.run(args, cwd=ROOT, env=base, capture_output=True, text=True, timeout=120)
     assert local.returncode == 0 and "1 skipped" in local.stdout and "slurm_local.sh start" in local.stdout
+
+
+def test_cluster_tests_submit_nothing_without_the_opt_in(tmp_path):
+    """A cluster answers sinfo (a login node's, here a stand-in), MTA_TEST_SLURM is unset:
+    the cluster tests skip and name the variable, CI=true or not, and sbatch is never run."""
+    test = f"{Path(__file__)}::test_refused_sbatch_shows_its_own_message_in_one_line"
+    bin_dir, calls = tmp_path / "bin", tmp_path / "sbatch_calls"
+    bin_dir.mkdir()
+    for name, body in (("sinfo", "echo idle"), ("sbatch", f'echo "$@" >> {calls}; echo 1')):
+        (bin_dir / name).write_text(f"#!/bin/bash\n{body}\n")
+        (bin_dir / name).chmod(0o755)
+    env = {k: v for k, v in _env(PATH=f"{bin_dir}:{os.environ['PATH']}").items() if k not in ("CI", "MTA_TEST_SLURM")}
+    args = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", test, "-rs"]
+    for extra in ({}, {"CI": "true"}):
+        p = subprocess.run(args, cwd=ROOT, env=dict(env, **extra), capture_output=True, text=True, timeout=120)
+        assert p.returncode == 0 and "1 skipped" in p.stdout, (extra, p.stdout[-2000:])
+        assert "MTA_TEST_SLURM is not 1" in p.stdout, p.stdout[-2000:]
+    assert not calls.exists()
 
 
 def test_rank0_only_resolver_for_sweep_jobs(monkeypatch):

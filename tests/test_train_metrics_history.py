@@ -276,3 +276,43 @@ def test_a_sigkill_during_the_rewrite_leaves_the_history_whole(tmp_path):
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
+
+
+WANDB_SERVICE_KILLED = """
+import os, signal, subprocess, sys, time
+from pathlib import Path
+from mta_repro.train.args import LoggingArgs
+from mta_repro.train.metrics import MetricLogger
+
+run = Path(sys.argv[1])
+log = MetricLogger(run, LoggingArgs(progress_bar=False, wandb_mode="offline"), {}, True, 4, 0)
+rec = lambda s: {"step": s, "loss": 1.0, "tokens_per_s_global": 1.0}
+log.log(rec(1))
+# what SLURM does after a requeue: SIGTERM to every process of the job, wandb's service too
+kids = subprocess.run(["pgrep", "-P", str(os.getpid())], capture_output=True, text=True).stdout.split()
+assert kids, "no wandb service process"
+for pid in kids:
+    os.kill(int(pid), signal.SIGTERM)
+time.sleep(1)
+log.log(rec(2))
+log.log(rec(3))
+log.close()
+"""
+
+
+def test_a_killed_wandb_service_leaves_the_run_logging_to_metrics_jsonl(tmp_path):
+    """wandb offline (the default), its service process killed mid-run: the logger says so
+    in one line and goes on; every step is in metrics.jsonl, the exit is clean (no
+    traceback, not even from wandb's own exit hook)."""
+    pytest.importorskip("wandb")
+    run = tmp_path / "run"
+    run.mkdir()
+    env = dict(os.environ, PYTHONPATH=str(ROOT), WANDB_SILENT="true")
+    p = subprocess.run(
+        [sys.executable, "-c", WANDB_SERVICE_KILLED, str(run)], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert p.returncode == 0 and "Traceback" not in p.stderr, p.stderr[-3000:]
+    said = [line for line in p.stderr.splitlines() if "wandb stopped logging" in line]
+    assert len(said) == 1 and "metrics.jsonl keeps every number" in said[0], p.stderr[-3000:]
+    steps = [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [1, 2, 3]

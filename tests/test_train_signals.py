@@ -3,6 +3,8 @@
 - Ctrl-C (SIGINT) during training saves a checkpoint at the interrupted step and prints one
   line with the step, the checkpoint and "rerun the same command to resume" (exit 130, no
   traceback); the rerun resumes there. A second Ctrl-C stops at once (exit 130, one line).
+- A signal to a rank waiting in the rendezvous (init_process_group) stops it in seconds
+  with the stop line and 128 + the signal's number.
 - The step loop reads the loss and gradient norm, and agrees on preemption signals across
   ranks, only every ``logging.every`` steps: no ``.item()``/``.tolist()``/``bool()`` of a
   tensor from the trainer or the model and no all-reduce on the other steps (counted under
@@ -151,6 +153,53 @@ def test_a_stop_by_signal_is_an_unfinished_run_exit(tmp_path, sig, code):
     )
     assert m and "Traceback" not in err, err[-3000:]
     assert (Path(m.group(2)) / ".complete").is_file()
+
+
+# ------------------------------------------------------------------ the rendezvous
+@pytest.mark.parametrize(
+    ("sig", "rank"),
+    [(signal.SIGINT, 0), (signal.SIGTERM, 1), (signal.SIGUSR2, 0)],
+    ids=["SIGINT-rank0", "SIGTERM-rank1", "SIGUSR2-rank0"],
+)
+def test_a_signal_during_the_rendezvous_stops_the_rank_with_its_line(tmp_path, sig, rank):
+    """One rank of two started, waiting in init_process_group for the other (rank 0 for
+    its peer, rank 1 for a master that never comes): each stop signal ends it within
+    seconds, with the stop line and 128 + the signal's number; rank 0 leaves no run dir."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    run_dir = tmp_path / "run"
+    env = dict(_env(tmp_path), RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "mta_repro.train", f"run_dir={run_dir}", *TINY, "distributed.timeout_min=5"],
+        cwd=ROOT,
+        env=dict(env, MASTER_PORT=str(port)),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    assert proc.stderr is not None
+    where = f"the rendezvous of 2 ranks at 127.0.0.1:{port}"
+    said = f"[mta_repro.train] rank {rank}: waiting for {where}"  # after 5 s of waiting
+    seen = [proc.stderr.readline() for _ in range(1)]
+    while seen[-1] and seen[-1].strip() != said and len(seen) < 50:
+        seen.append(proc.stderr.readline())
+    assert seen[-1].strip() == said, seen
+    t0 = time.time()
+    proc.send_signal(sig)
+    _, err = proc.communicate(timeout=60)
+    took = time.time() - t0
+    assert proc.returncode == 128 + sig, err[-3000:]
+    assert took < 15, (took, err[-3000:])
+    assert "Traceback" not in err, err[-3000:]
+    assert (
+        f"train: stopped by {sig.name} during {where} (before the first step): nothing trained, "
+        "nothing saved; rerun the same command to start"
+    ) in err.splitlines(), err[-3000:]
+    if rank == 0:
+        assert not run_dir.exists()
 
 
 # ------------------------------------------------------------------ host syncs

@@ -8,7 +8,8 @@
 - A long validation (the whole validation split in 16-token windows, minutes of forward
   passes): each signal ends it at the next batch; the run saves the step it reached and
   exits 128 + the signal's number, its metrics line for that step without validation numbers.
-- ``python -m mta_repro.eval`` during a long perplexity evaluation stops on each signal.
+- ``python -m mta_repro.eval`` during a long perplexity evaluation stops on each signal,
+  Ctrl-C too when it was started with SIGINT ignored (in the background).
 
 Each bound is generous (the machine is shared); the interrupted work would take minutes.
 """
@@ -224,8 +225,20 @@ def trained(tmp_path_factory):
     return run_dir
 
 
-@pytest.mark.parametrize("sig", SIGNALS, ids=lambda s: s.name)
-def test_a_signal_during_a_long_evaluation_stops_it(trained, tmp_path, sig):
+def _ignore_sigint():
+    """What a shell does to a command it starts in the background (``cmd &``, ``nohup``
+    from a script): SIGINT ignored, inherited across exec."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+# Each signal, and Ctrl-C to an eval started with SIGINT ignored (a suite run in the background).
+EVAL_CASES = [pytest.param(s, False, id=s.name) for s in SIGNALS] + [
+    pytest.param(signal.SIGINT, True, id="SIGINT-inherited-ignored")
+]
+
+
+@pytest.mark.parametrize(("sig", "ignored"), EVAL_CASES)
+def test_a_signal_during_a_long_evaluation_stops_it(trained, tmp_path, sig, ignored):
     out = tmp_path / "eval"
     cmd = [
         sys.executable,
@@ -239,7 +252,13 @@ def test_a_signal_during_a_long_evaluation_stops_it(trained, tmp_path, sig):
         "device=cpu",
     ]
     proc = subprocess.Popen(
-        cmd, cwd=ROOT, env=_env(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        cmd,
+        cwd=ROOT,
+        env=_env(tmp_path),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=_ignore_sigint if ignored else None,
     )
     buf = []
 

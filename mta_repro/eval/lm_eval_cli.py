@@ -27,6 +27,8 @@ from __future__ import annotations
 import sys
 from collections.abc import Sequence
 
+from mta_repro.cli import honour_ctrl_c
+
 _SUBCOMMANDS = ("run", "ls", "validate")
 
 
@@ -60,6 +62,7 @@ def requested_tasks(argv) -> list:
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    honour_ctrl_c()
     if not argv or argv[0] in ("-h", "--help") or argv == ["run"]:
         print(__doc__)
         argv = ["run", "--help"]

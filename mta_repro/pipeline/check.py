@@ -18,6 +18,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from mta_repro.cli import honour_ctrl_c
 from mta_repro.errors import UserError
 from mta_repro.files import replace_atomically
 
@@ -96,6 +97,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if any(a in ("-h", "--help") for a in argv):
         print(__doc__)
         return 0
+    honour_ctrl_c()
     tol, device = DEFAULT_TOL, "auto"
     rest = []
     for a in argv:

@@ -19,6 +19,7 @@ import json
 import sys
 from pathlib import Path
 
+from mta_repro.cli import honour_ctrl_c
 from mta_repro.errors import UserError
 from mta_repro.files import replace_atomically
 from mta_repro.report import plots
@@ -127,6 +128,7 @@ def main(argv=None) -> int:
     )
     ap.add_argument("--no-kernels", action="store_true", help="skip loading weights for the kernel plots")
     args = ap.parse_args(argv)
+    honour_ctrl_c()
     out = Path(args.out) if args.out else Path(args.run_dirs[0]) / "report"
     try:
         path = build_report(args.run_dirs, out, kernels=not args.no_kernels, labels=parse_labels(args.label))

@@ -17,6 +17,10 @@ import datetime
 import os
 import re
 import socket
+import sys
+import threading
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -87,8 +91,45 @@ def dist_env() -> tuple[int, int, int, bool]:
     return rank, world, local, slurm
 
 
-def init_distributed(args: DistributedArgs, device_pref: str = "auto") -> DistInfo:
-    """Join (or create) the process group; idempotent."""
+# A rank still waiting for the others after this long says so, once (where, and how many).
+RENDEZVOUS_NOTE_S = 5.0
+
+
+def _rendezvous(join: Callable[[], None], check: Callable[[str], None], rank: int, world: int) -> None:
+    """``join()`` (init_process_group) in a helper thread while the main thread calls
+    ``check(where)`` every 0.1 s. init_process_group blocks in C++ until every rank has
+    joined (up to distributed.timeout_min), and a Python signal handler runs only in the
+    main thread between bytecodes: waited on directly, Ctrl-C waited for it and SIGTERM or
+    SIGUSR2 killed the rank with no line (and no requeue). ``check`` raises StopRequested
+    when a stop signal has come; the thread is then left waiting (a daemon thread: the
+    process exits with the stop's status all the same)."""
+    where = f"the rendezvous of {world} ranks at {os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
+    failed: list[BaseException] = []
+
+    def target() -> None:
+        try:
+            join()
+        except BaseException as e:  # noqa: BLE001 - re-raised in the main thread
+            failed.append(e)
+
+    thread = threading.Thread(target=target, name="mta-rendezvous", daemon=True)
+    thread.start()
+    t0, noted = time.monotonic(), False
+    while thread.is_alive():
+        thread.join(0.1)
+        check(where)
+        if not noted and time.monotonic() - t0 > RENDEZVOUS_NOTE_S:
+            noted = True
+            print(f"[mta_repro.train] rank {rank}: waiting for {where}", file=sys.stderr, flush=True)
+    if failed:
+        raise failed[0]
+
+
+def init_distributed(
+    args: DistributedArgs, device_pref: str = "auto", check: Callable[[str], None] | None = None
+) -> DistInfo:
+    """Join (or create) the process group; idempotent. ``check(where)``: called while
+    several ranks wait for each other (it raises to stop the wait: a stop signal)."""
     rank, world, local, slurm = dist_env()
     device = resolve_device(device_pref, local_rank=local, what="trainer.device")
     if device.type == "cuda":
@@ -102,14 +143,21 @@ def init_distributed(args: DistributedArgs, device_pref: str = "auto") -> DistIn
     if not dist.is_initialized():
         # One rank needs no rendezvous: an in-memory store (no port, no host lookup).
         store = dist.HashStore() if world == 1 else None  # pyright: ignore[reportPrivateImportUsage]  # torch re-exports it implicitly
-        dist.init_process_group(
-            backend=backend,
-            rank=rank,
-            world_size=world,
-            store=store,
-            timeout=datetime.timedelta(minutes=args.timeout_min),
-            device_id=device if device.type == "cuda" else None,
-        )
+
+        def join() -> None:
+            dist.init_process_group(
+                backend=backend,
+                rank=rank,
+                world_size=world,
+                store=store,
+                timeout=datetime.timedelta(minutes=args.timeout_min),
+                device_id=device if device.type == "cuda" else None,
+            )
+
+        if world == 1 or check is None:
+            join()
+        else:
+            _rendezvous(join, check, rank, world)
     return DistInfo(rank, world, local, device, backend, slurm)
 
 

@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
+import subprocess
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -151,6 +153,37 @@ def problems(cfg: DictConfig, base: Path | None = None, made_by_plan: Iterable[P
                 f"relative paths are taken from the submit directory; {HINT})"
             )
     return out
+
+
+# The batch scripts of the jobs that train in their run dir (train.submit's, the pipeline's).
+TRAIN_SCRIPTS = ("train.sbatch", "pipeline_train.sbatch")
+# squeue's states of a job that is over (the rest are queued, running or on their way out).
+_ENDED = ("COMPLETED", "CANCELLED", "FAILED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE")
+
+
+def queued_owner(run_dir: Path) -> str | None:
+    """The line refusing a second job on ``run_dir``: a queued or running SLURM job trains
+    there (its batch script is ``<run_dir>/slurm/train.sbatch`` or the pipeline's), or a
+    live start holds the run dir's lock (the line the start itself refuses with). A job
+    still pending has not taken the lock yet, hence squeue. None when neither is found (no
+    squeue here: the lock alone)."""
+    from mta_repro.train.rundir import in_use_line
+
+    mine = {os.path.realpath(run_dir / "slurm" / name) for name in TRAIN_SCRIPTS}
+    if shutil.which("squeue") is not None:
+        try:
+            p = subprocess.run(["squeue", "-h", "-o", "%i|%T|%o"], capture_output=True, text=True, timeout=60)
+        except (OSError, subprocess.SubprocessError):
+            p = None
+        for line in p.stdout.splitlines() if p is not None and p.returncode == 0 else ():
+            job, state, command = (line.split("|", 2) + ["", ""])[:3]
+            if state.strip() not in _ENDED and os.path.realpath(command.strip()) in mine:
+                return (
+                    f"run_dir={run_dir} is already SLURM job {job.strip()}'s ({state.strip().lower()}, "
+                    f"{command.strip()}): a second job would train the same run; wait for it, cancel it "
+                    f"(scancel {job.strip()}), or use another run_dir=..."
+                )
+    return in_use_line(run_dir)
 
 
 def _env_keys(node, prefix: str = "") -> list[str]:

@@ -23,6 +23,7 @@ import errno
 import importlib
 import json
 import math
+import os
 import signal
 import sys
 import time
@@ -151,17 +152,26 @@ def train(cfg: Any) -> dict[str, Any]:
     directory behind."""
     run_dir = Path(cfg.run_dir if not isinstance(cfg, dict) else cfg["run_dir"])
     lock = RunLock(run_dir)
+    # The stop signals are caught from before the rendezvous, which waits for every rank
+    # (minutes when a node starts late): a stop there prints its line and, under SLURM,
+    # USR1/2 requeue the job.
+    preempt = PreemptionHandler()
+    refused = False
     try:
         args = to_train_config(cfg)
-        info = init_distributed(args.distributed, args.trainer.device)
+        try:
+            info = init_distributed(args.distributed, args.trainer.device, check=preempt.check)
+        except StopRequested as e:
+            raise _stopped_before_training(e, run_dir, launcher_rank() == 0) from None
         if info.device.type == "cpu":
             # Before the model is built: trainer.cpu_mmap_threshold (mta_repro/train/cpu_malloc.py)
             fix_mmap_threshold(args.trainer.cpu_mmap_threshold)
         try:
-            return _train(args, info, lock)
+            return _train(args, info, lock, preempt)
         finally:
             destroy_distributed()
     except BaseException as e:
+        refused = isinstance(e, UserError)
         if launcher_rank() == 0:
             clean_failed_start(run_dir, lock)
         if isinstance(e, OSError) and e.errno == errno.ENOSPC:
@@ -174,6 +184,19 @@ def train(cfg: Any) -> dict[str, Any]:
         if launcher_rank() == 0:
             settle_hydra_output(keep=False)  # not accepted (refused, failed, nothing to train)
         lock.release()
+        preempt.restore()
+        if refused:
+            _exit_as_refused()
+
+
+def _exit_as_refused() -> None:
+    """A refusal (exit 2) under srun with several tasks: ignore SIGTERM from here to the
+    exit. The refusal is agreed, so every rank exits 2, but srun ends the other tasks with
+    SIGTERM as soon as the first exits (--kill-on-bad-exit) and records the highest
+    status: one task killed by it made the job's exit 143, a stop by a signal, where the
+    start had been refused (2)."""
+    if os.environ.get("SLURM_JOB_ID") and int(os.environ.get("SLURM_NTASKS", "1") or 1) > 1:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
 
 def _agree(info: DistInfo, fn: Callable[[], Any]) -> Any:
@@ -226,7 +249,7 @@ def _read_alike(args: TrainConfig, info: DistInfo, what: str, fn: Callable[[], A
     return value
 
 
-def _train(args: TrainConfig, info: DistInfo, lock: RunLock) -> dict[str, Any]:
+def _train(args: TrainConfig, info: DistInfo, lock: RunLock, preempt: PreemptionHandler) -> dict[str, Any]:
     tr, run_dir = args.trainer, Path(args.run_dir)
     torch.manual_seed(args.seed + info.rank)  # anything stochastic in training (dropout)
 
@@ -254,7 +277,7 @@ def _train(args: TrainConfig, info: DistInfo, lock: RunLock) -> dict[str, Any]:
                 exported = str(export_consolidated(run_dir))
                 print(f"[mta_repro.train] made the missing export {exported}", file=sys.stderr, flush=True)
         return {"step": at_step, "loss": float("nan"), "stopped_by_signal": None, "export": exported}
-    return run(args, info, config_changes)
+    return run(args, info, preempt, config_changes)
 
 
 # ------------------------------------------------------------------ one update
@@ -418,14 +441,18 @@ class Checkpointing:
 
 
 # ------------------------------------------------------------------ the run
-def run(args: TrainConfig, info: DistInfo, config_changes: Sequence[str] = ()) -> dict[str, Any]:
+def run(
+    args: TrainConfig, info: DistInfo, preempt: PreemptionHandler | None = None, config_changes: Sequence[str] = ()
+) -> dict[str, Any]:
     """Train from the newest complete checkpoint (or the start) to ``trainer.steps``.
 
     The stop signals are caught from the start: one that arrives while the model, the
     data or the validation set are prepared, or during the loader's warm-up, stops the
     run before its first step (nothing trained, so nothing saved: ``StopRequested``, exit
-    128 + the signal's number); later ones stop it at a step boundary, after a checkpoint."""
-    preempt = PreemptionHandler()
+    128 + the signal's number); later ones stop it at a step boundary, after a checkpoint.
+    ``preempt``: the handler installed before the rendezvous (else one is installed here)."""
+    own = preempt is None
+    preempt = PreemptionHandler() if preempt is None else preempt
     try:
         state, manager, attn_used, resumed = build_state(args, info, preempt, config_changes)
         parts = LoopParts.create(args, info, state, manager, attn_used, resumed, preempt)
@@ -435,9 +462,10 @@ def run(args: TrainConfig, info: DistInfo, config_changes: Sequence[str] = ()) -
         finally:
             parts.close()
     except StopRequested as e:
-        raise _stopped_before_training(e, Path(args.run_dir), info) from None
+        raise _stopped_before_training(e, Path(args.run_dir), info.is_main) from None
     finally:
-        preempt.restore()
+        if own:
+            preempt.restore()
     exported = None
     if stopped_by is None and args.checkpoint.export:
         if dist.is_initialized():
@@ -736,12 +764,12 @@ def _record_selfcheck(run_dir: Path, entry: dict) -> None:
     replace_atomically(path, json.dumps(history, indent=1).encode())
 
 
-def _stopped_before_training(e: StopRequested, run_dir: Path, info: DistInfo) -> StopRequested:
+def _stopped_before_training(e: StopRequested, run_dir: Path, is_main: bool) -> StopRequested:
     """The one line of a stop before the first step (``e``: where it was seen), after the
     requeue under SLURM: nothing was trained, so nothing was saved."""
     from mta_repro.weights.layout import latest_checkpoint
 
-    requeued = requeue_if_slurm(e.signum, info.is_main)
+    requeued = requeue_if_slurm(e.signum, is_main)
     latest = latest_checkpoint(run_dir) if run_dir.is_dir() else None
     then = (
         "the job resumes by itself"

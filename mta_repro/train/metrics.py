@@ -10,12 +10,14 @@ on unlisted GPUs), and both are then null.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import resource
 import sys
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -275,7 +277,8 @@ class MetricLogger:
         self.file.write(json.dumps(metrics) + "\n")
         self.file.flush()
         if self.wandb is not None:
-            self.wandb.log({k: v for k, v in metrics.items() if isinstance(v, (int, float))}, step=metrics["step"])
+            points = {k: v for k, v in metrics.items() if isinstance(v, (int, float))}
+            self._to_wandb(lambda run: run.log(points, step=metrics["step"]))
         if self.bar is not None:
             self.bar.set_postfix(loss=f"{metrics['loss']:.4f}", tok_s=f"{metrics['tokens_per_s_global']:.0f}")
         elif self.plain or metrics.get("step") == self.total or time.monotonic() - self.last_line >= self.quiet_s:
@@ -307,7 +310,33 @@ class MetricLogger:
         if self.bar is not None:
             self.bar.close()
         if self.wandb is not None:
-            self.wandb.finish()
+            self._to_wandb(lambda run: run.finish())
+            self.wandb = None
+
+    def _to_wandb(self, call: Callable[[Any], Any]) -> None:
+        """``call(run)``; if wandb's service is gone, one line and no more wandb in this
+        process: the run goes on (to its checkpoint, when a signal stops it). Under SLURM
+        the requeue that a preemption starts ends the job with SIGTERM (or a
+        ``scancel --signal=INT``, SIGINT) to every process of the job step, the service's
+        included, while the ranks still have a step and a save to finish. The service (a
+        Go program in its own session) takes both signals whatever their inherited
+        disposition, so it cannot be shielded from them; the ranks can go on without it."""
+        try:
+            call(self.wandb)
+        except Exception as e:  # noqa: BLE001 - whatever wandb raises, metrics.jsonl has the numbers
+            self.wandb = None
+            # wandb's own exit hook would meet the same dead service (a traceback at exit)
+            with contextlib.suppress(Exception):
+                import wandb
+
+                wandb.teardown()
+            print(
+                f"[mta_repro.train] wandb stopped logging ({type(e).__name__}: {e}; its service process "
+                "is gone, e.g. ended by the job's SIGTERM): metrics.jsonl keeps every number, and the "
+                "next start logs to the same wandb run",
+                file=sys.stderr,
+                flush=True,
+            )
 
 
 class Throughput:

@@ -280,6 +280,22 @@ def _describe(holder: dict, path: Path | None = None) -> str:
     )
 
 
+def in_use_line(run_dir: Path) -> str | None:
+    """The line a start would refuse with because a live job holds ``run_dir``'s lock
+    (read only: nothing is taken over or written), or None."""
+    path = Path(run_dir) / LOCK
+    try:
+        holder = json.loads(path.read_text())
+    except (OSError, ValueError, UnicodeDecodeError):
+        return None  # no lock, or one a start would take over (empty, unreadable)
+    if not isinstance(holder, dict) or not holder or stale_reason(holder) is not None:
+        return None
+    return (
+        f"run_dir={run_dir} is in use by another job ({_describe(holder, path)}); "
+        f"wait for it, use another run_dir=..., or if that job is dead delete {path}"
+    )
+
+
 def _create_with(path: Path, text: str) -> None:
     """Create ``path`` holding ``text``, or raise FileExistsError: the file appears whole
     (written to a private name, fsynced, then hard-linked into place), so a racing reader

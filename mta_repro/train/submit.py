@@ -16,7 +16,9 @@ in (the job runs from the repository, possibly days later, in an environment tha
 lack them). Both --dry-run and --submit check what the job needs at its start
 (mta_repro/train/jobcheck.py: the data root and its domains, the tokenizer, init_from, a
 writable run dir): each missing one is a line, exit status 2, nothing queued;
-``--no-check`` skips that for paths that exist only on the compute nodes. Sweeps
+``--no-check`` skips that for paths that exist only on the compute nodes. A run dir that a
+queued or running job already trains in (``squeue``), or whose lock a live start holds, is
+refused the same way: two jobs on one run dir would train the same run twice. Sweeps
 (experiments with ``hydra.mode: MULTIRUN``) go through ``python -m mta_repro.train -m
 hydra/launcher=slurm`` instead. Errors, a refused sbatch included, are one line each on
 stderr, exit status 2.
@@ -36,7 +38,7 @@ from mta_repro.errors import UserError
 from mta_repro.slurm import memory_lines, sbatch, time_limit
 from mta_repro.train.args import SITE_FIELDS, SlurmArgs
 from mta_repro.train.config import CONFIG_DIR, compose
-from mta_repro.train.jobcheck import NO_CHECK, problems, raise_problems, resolved_overrides
+from mta_repro.train.jobcheck import NO_CHECK, problems, queued_owner, raise_problems, resolved_overrides
 
 ROOT = Path(__file__).resolve().parents[2]
 TEMPLATE = ROOT / "slurm" / "train.sbatch"
@@ -150,6 +152,8 @@ def main(argv: list[str] | None = None) -> int:
         cfg = compose(argv)
         run_dir, _ = resolve_paths(cfg)
         found = problems(cfg) if check else []
+        owner = queued_owner(run_dir)  # a scheduler's fact, not a path: --no-check does not skip it
+        found += [owner] if owner else []
         if not submit:
             print(script)
             print(f"# command: {command}", file=sys.stderr)
