@@ -317,7 +317,8 @@ class Table:
         if self.notes:
             out += [""] + [f"- {n}" for n in self.notes]
         if self.provenance:
-            cols = ["checkpoint", "tokens seen", "tokenizer", "data", "code", "comparable"]
+            cols = ["checkpoint", "tokens seen", "tokenizer", "data", "code", "comparable", "seed"]
+            cols = [c for c in cols if any(c in p for p in self.provenance.values())]
             out += [
                 "",
                 f"Provenance of the {self.name} rows (docs/provenance.md):",
@@ -326,7 +327,8 @@ class Table:
                 "|---" * (len(cols) + 1) + "|",
             ]
             out += [
-                "| " + " | ".join([label] + [str(p[c]) for c in cols]) + " |" for label, p in self.provenance.items()
+                "| " + " | ".join([label] + [str(p.get(c, "—")) for c in cols]) + " |"
+                for label, p in self.provenance.items()
             ]
         return "\n".join(out) + "\n"
 
