@@ -137,3 +137,66 @@ def test_one_seed_trains_bit_identically_and_the_record_names_its_streams(tmp_pa
         assert s["seed"] == k and s["init"]["seed"] == k
         assert s["data_order"]["seed"] == k and s["shuffle_buffer"]["seed"] == k and s["shuffle_buffer"]["size"] == 8
         assert s["dropout"]["seed"] == k and s["dropout"]["p"] == 0.0
+
+
+# ------------------------------------------------------------------ the small study at toy size
+TOY = {  # small_study's overrides that set its size -> a toy's (every other choice kept)
+    "model.n_layers": "3",
+    "model.kq_conv_layers": "'2'",
+    "data.batch_size": "1",
+    "trainer.steps": "3",
+    "checkpoint.every": "3",
+    "logging.every": "1",
+}
+
+
+@pytest.mark.pipeline
+def test_small_study_at_toy_size_end_to_end_with_two_seeds(tmp_path):
+    """configs/pipeline/small_study.yaml with 2 variants x 2 seeds at toy size, run as
+    the one command runs it: per-seed run dirs, each evaluated, and a report whose rows
+    carry mean, std and the paired interval over the two seeds (about a minute)."""
+    from omegaconf import OmegaConf
+
+    from mta_repro.pipeline.plan import CONFIG_DIR, Plan
+    from mta_repro.pipeline.run import run_local
+
+    spec = OmegaConf.load(CONFIG_DIR / "pipeline" / "small_study.yaml")
+    spec.train_overrides = [
+        f"{k}={TOY[k]}" if (k := str(o).partition("=")[0]) in TOY else str(o) for o in spec.train_overrides
+    ]
+    spec.variants, spec.seeds = ["baseline", "mta"], [0, 1]
+    ev = [str(o) for o in spec.stages[0].eval]
+    spec.stages[0].eval = [
+        "ppl.max_batches=3"
+        if o.startswith("ppl.max_batches")
+        else "needle.samples=2"
+        if o.startswith("needle.samples")
+        else o
+        for o in ev
+    ]
+    plan = Plan(spec, tmp_path / "study")
+    lines: list = []
+    assert run_local(plan, log=lines.append) == 0, "\n".join(lines)
+    root = tmp_path / "study"
+    for v in ("baseline", "mta"):
+        for k in (0, 1):
+            d = root / "pretrain" / v / f"seed{k}"
+            cfg = OmegaConf.load(d / "config.yaml")
+            assert (cfg.seed, cfg.model.seed, cfg.data.seed, cfg.trainer.steps) == (k, k, k, 3)
+            ppl = json.loads((d / "eval" / "ppl.json").read_text())["results"]
+            assert all(len(x["batch_ce"]) == 3 for x in ppl["domains"].values())
+    res = json.loads((root / "report" / "results.json").read_text())
+    rows = {r["run"]: r for r in res["tables"]["ppl_seeds"]["rows"]}
+    assert set(rows) == {"pretrain/baseline", "pretrain/mta"}
+    mta, base = rows["pretrain/mta"], rows["pretrain/baseline"]
+    assert mta["seeds"] == "0,1" and mta["interval"] == "t over 2 paired seeds"
+    avg = {
+        (v, k): json.loads((root / "pretrain" / v / f"seed{k}" / "eval" / "ppl.json").read_text())["results"]["average"]
+        for v in ("baseline", "mta")
+        for k in (0, 1)
+    }
+    diffs = [avg["mta", k] - avg["baseline", k] for k in (0, 1)]
+    assert mta["Δ vs reference"] == pytest.approx(sum(diffs) / 2, rel=1e-12)
+    assert base["avg ppl (mean)"] == pytest.approx((avg["baseline", 0] + avg["baseline", 1]) / 2, rel=1e-12)
+    assert mta["resolved"] in ("yes", "n.r.") and mta["95% lo"] < mta["Δ vs reference"] < mta["95% hi"]
+    assert {r["run"] for r in res["tables"]["needle_seeds"]["rows"]} == {"pretrain/baseline", "pretrain/mta"}
