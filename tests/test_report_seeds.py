@@ -172,3 +172,40 @@ def test_plots_tell_twelve_runs_apart_and_band_seeds(tmp_path, monkeypatch):
     assert not any("validation during training" in t for t in texts)
     assert any(t.startswith("training loss (seeds: mean") for t in texts)
     assert len(ax.collections) == 3  # one band per group of seeds
+
+
+def _bench_run(root: Path, variant: str, piqa: float, arc: float) -> Path:
+    d = _write_run(root, variant, 0, 10.0)
+    res = {
+        "tasks": {
+            "piqa": {"acc_norm,none": piqa / 100, "acc_norm_stderr,none": 0.02},
+            "arc_easy_local": {"acc,none": arc / 100},
+        },
+        "summary": {"piqa": piqa, "arc_easy_local": arc, "average": (piqa + arc) / 2},
+        "metrics": {"piqa": "acc_norm", "arc_easy_local": "acc"},
+        "n_samples": {"piqa": 500, "arc_easy_local": 200},
+    }
+    (d / "eval" / "benchmarks.json").write_text(
+        json.dumps({"task": "benchmarks", "variant": variant, "step": 10, "results": res})
+    )
+    return d
+
+
+def test_benchmark_accuracy_intervals_use_lm_eval_stderr_else_wilson(tmp_path):
+    runs = [_bench_run(tmp_path, "baseline", 60.0, 30.0), _bench_run(tmp_path, "mta", 70.0, 31.0)]
+    out = _report(tmp_path, runs)
+    rows = {(r["run"], r["task"]): r for r in out["tables"]["benchmarks_seeds"]["rows"]}
+    z = scipy_stats.norm.ppf(0.975)
+    piqa = rows["pretrain/mta", "piqa"]
+    assert (piqa["95% lo"], piqa["95% hi"]) == (pytest.approx(70.0 - 2.0 * z), pytest.approx(70.0 + 2.0 * z))
+    assert piqa["accuracy interval"] == "lm-eval stderr"
+    # the difference: both stderrs added (unpaired), 10 points against 2 * sqrt(2) * z
+    assert piqa["Δ vs reference (points)"] == pytest.approx(10.0)
+    assert piqa["Δ 95% lo"] == pytest.approx(10.0 - z * math.sqrt(8.0)) and piqa["resolved"] == "yes"
+    arc = rows["pretrain/baseline", "arc_easy_local"]
+    ci = scipy_stats.binomtest(60, 200).proportion_ci(0.95, method="wilson")
+    assert (arc["95% lo"], arc["95% hi"]) == (pytest.approx(100 * ci.low), pytest.approx(100 * ci.high))
+    assert arc["accuracy interval"] == "Wilson, n=200" and arc["resolved"] == "reference"
+    arc_mta = rows["pretrain/mta", "arc_easy_local"]
+    se = [math.sqrt(p * (100 - p) / 200) for p in (31.0, 30.0)]
+    assert arc_mta["Δ 95% hi"] == pytest.approx(1.0 + z * math.hypot(*se)) and arc_mta["resolved"] == "n.r."

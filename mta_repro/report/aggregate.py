@@ -12,11 +12,13 @@ over its seeds and the difference from the reference with a 95% interval:
   domain) or samples (needle), labelled so: it says how large a difference this
   evaluation set resolves, not what another seed would give.
 A difference whose interval contains zero is marked ``n.r.`` (not resolved). Accuracies
-carry a Wilson interval over their samples. ``stats`` holds the formulas.
+carry a Wilson interval over their samples (benchmarks: lm-eval's stderr where it
+reported one). ``stats`` holds the formulas.
 """
 
 from __future__ import annotations
 
+import math
 import re
 
 import numpy as np
@@ -397,11 +399,122 @@ def needle_seed_table(runs) -> Table | None:
     return t
 
 
+# ------------------------------------------------------------------ benchmarks
+def _bench(run: RunData) -> dict:
+    """{lm-eval task: (accuracy %, its stderr in % or None, samples or None)} of a run's
+    benchmarks.json (the summary's numbers; lm-eval's stderr where it reported one)."""
+    from mta_repro.eval.benchmarks import headline_metric
+
+    res = (run.evals.get("benchmarks") or {}).get("results") or {}
+    out = {}
+    for name, v in (res.get("summary") or {}).items():
+        if name == "average" or isinstance(v, bool) or not isinstance(v, (int, float)):
+            continue
+        metric = (res.get("metrics") or {}).get(name) or headline_metric(name)
+        se = ((res.get("tasks") or {}).get(name) or {}).get(f"{metric}_stderr,none")
+        n = (res.get("n_samples") or {}).get(name)
+        out[name] = (
+            float(v),
+            100.0 * float(se) if isinstance(se, (int, float)) and not isinstance(se, bool) else None,
+            int(n) if isinstance(n, int) and n > 0 else None,
+        )
+    return out
+
+
+def _acc_interval(acc: float, se: float | None, n: int | None) -> tuple:
+    """(lo, hi, how) of one accuracy in %: lm-eval's stderr (normal), else Wilson over n."""
+    if se is not None:
+        z = stats.normal_ppf(0.5 + stats.LEVEL / 2)
+        return max(0.0, acc - z * se), min(100.0, acc + z * se), "lm-eval stderr"
+    if n is not None:
+        _, lo, hi = stats.wilson(acc / 100.0 * n, n)
+        return 100.0 * lo, 100.0 * hi, f"Wilson, n={n}"
+    return None, None, None
+
+
+def benchmark_seed_table(runs) -> Table | None:
+    groups = {g: s for g, s in group_runs(runs).items() if any(_bench(r) for r in s.values())}
+    if not groups:
+        return None
+    refs = reference_of(groups)
+    rows = []
+    for g, seeds in groups.items():
+        per = {s: _bench(r) for s, r in seeds.items()}
+        for task in sorted({t for b in per.values() for t in b}):
+            vals = {s: b[task][0] for s, b in per.items() if task in b}
+            mean, std = stats.mean_std(list(vals.values()))
+            lo = hi = how = None
+            if len(vals) == 1:
+                (only,) = [b[task] for b in per.values() if task in b]
+                lo, hi, how = _acc_interval(*only)
+            ref_g = refs[g]
+            ref_per = {s: _bench(r) for s, r in groups[ref_g].items()}
+            ref_vals = {s: b[task][0] for s, b in ref_per.items() if task in b}
+            cmp: dict = {}
+            if ref_g != g:
+                cmp = compare(vals, ref_vals)
+                common = sorted(set(vals) & set(ref_vals))
+                if not cmp and len(vals) == 1 and len(common) == 1:
+                    a, b = per[common[0]][task], ref_per[common[0]][task]
+                    ses = [
+                        x[1] if x[1] is not None else (math.sqrt(x[0] * (100 - x[0]) / x[2]) if x[2] else None)
+                        for x in (a, b)
+                    ]
+                    if all(se is not None for se in ses):
+                        z = stats.normal_ppf(0.5 + stats.LEVEL / 2)
+                        half = z * math.sqrt(ses[0] ** 2 + ses[1] ** 2)  # type: ignore[operator]
+                        d = a[0] - b[0]
+                        cmp = {"mean": d, "lo": d - half, "hi": d + half, "method": "normal, unpaired (1 seed)"}
+            rows.append(
+                [
+                    g,
+                    task,
+                    ",".join(str(s) for s in sorted(k for k in vals if k is not None)) or "—",
+                    mean,
+                    std,
+                    lo,
+                    hi,
+                    how or ("over seeds: see std" if len(vals) > 1 else "—"),
+                    cmp.get("mean"),
+                    cmp.get("lo"),
+                    cmp.get("hi"),
+                    cmp.get("method") or ("reference row" if ref_g == g else "—"),
+                    _resolved_cell(cmp, ref_g == g),
+                ]
+            )
+    headers = [
+        "run",
+        "task",
+        "seeds",
+        "accuracy % (mean)",
+        "std",
+        "95% lo",
+        "95% hi",
+        "accuracy interval",
+        "Δ vs reference (points)",
+        "Δ 95% lo",
+        "Δ 95% hi",
+        "interval",
+        "resolved",
+    ]
+    notes = [
+        "One seed: the accuracy's 95% interval is lm-eval's stderr (normal) where it reported one, else a "
+        "Wilson interval over the task's samples; the difference from the reference adds the two "
+        "variances (unpaired: lm-eval keeps no per-sample scores here). Two seeds or more: the seed-paired "
+        f"t-interval. {NOT_RESOLVED}: the interval contains zero.",
+    ]
+    t = Table("benchmarks_seeds", "Benchmark accuracy over seeds, with 95% intervals", headers, rows, notes)
+    t.provenance = {g: {"seed": group_seeds(seeds)} for g, seeds in groups.items()}
+    return t
+
+
 def _has_units(run: RunData) -> bool:
     """Whether the run's evals kept what a one-seed interval resamples (windows, samples)."""
     domains = _ppl_domains(run) or {}
-    return any(isinstance(v, dict) and "batch_ce" in v for v in domains.values()) or any(
-        sc is not None for *_, sc in _needle(run)
+    return (
+        any(isinstance(v, dict) and "batch_ce" in v for v in domains.values())
+        or any(sc is not None for *_, sc in _needle(run))
+        or any(se is not None or n is not None for _, se, n in _bench(run).values())
     )
 
 
@@ -411,4 +524,5 @@ def seed_tables(runs) -> list:
     did give no interval: no table)."""
     if not any(len(g) > 1 for g in group_runs(runs).values()) and not any(_has_units(r) for r in runs):
         return []
-    return [t for t in (ppl_seed_table(runs), ppl_domain_table(runs), needle_seed_table(runs)) if t is not None]
+    makers = (ppl_seed_table, ppl_domain_table, needle_seed_table, benchmark_seed_table)
+    return [t for t in (m(runs) for m in makers) if t is not None]
