@@ -25,8 +25,10 @@ AVG = {"baseline": [10.0, 10.4, 9.8], "mta": [9.5, 9.7, 9.4], "diff": [10.1, 10.
 DOMAINS = {"book": 1.2, "github": 0.8}  # each domain's ppl = avg x factor: their mean is avg
 
 
-def _write_run(root: Path, variant: str, seed: int, avg: float, windows=None, needle=None) -> Path:
-    d = root / "pretrain" / variant / f"seed{seed}"
+def _write_run(
+    root: Path, variant: str, seed: int, avg: float, windows=None, needle=None, stage="pretrain", point=None
+) -> Path:
+    d = root / stage / (point or variant) / f"seed{seed}"
     (d / "eval").mkdir(parents=True)
     domains = {}
     for name, f in DOMAINS.items():
@@ -209,3 +211,24 @@ def test_benchmark_accuracy_intervals_use_lm_eval_stderr_else_wilson(tmp_path):
     arc_mta = rows["pretrain/mta", "arc_easy_local"]
     se = [math.sqrt(p * (100 - p) / 200) for p in (31.0, 30.0)]
     assert arc_mta["Δ 95% hi"] == pytest.approx(1.0 + z * math.hypot(*se)) and arc_mta["resolved"] == "n.r."
+
+
+def test_each_sweep_stage_is_compared_with_its_own_first_point(tmp_path):
+    runs = [
+        _write_run(tmp_path, "mta", k, avg + 0.1 * k, stage=stage, point=point)
+        for stage, points in (
+            ("ablation_kernels", {"kernel_4x7": 10.0, "kernel_6x11": 9.0}),
+            ("ablation_gating", {"on": 12.0, "off": 12.5}),
+        )
+        for point, avg in points.items()
+        for k in range(2)
+    ]
+    out = _report(tmp_path, runs)
+    rows = {r["run"]: r for r in out["tables"]["ppl_seeds"]["rows"]}
+    assert rows["ablation_kernels/kernel_4x7"]["resolved"] == rows["ablation_gating/on"]["resolved"] == "reference"
+    assert rows["ablation_kernels/kernel_6x11"]["Δ vs reference"] == pytest.approx(-1.0)
+    assert rows["ablation_gating/off"]["Δ vs reference"] == pytest.approx(0.5)
+    # the same difference at both seeds: no spread, a zero-width interval that excludes zero
+    assert (
+        rows["ablation_gating/off"]["95% lo"] == pytest.approx(0.5) and rows["ablation_gating/off"]["resolved"] == "yes"
+    )

@@ -46,16 +46,17 @@ def group_runs(runs) -> dict:
     for r in runs:
         m = SEED_LABEL.match(r.label)
         key = m.group("group") if m else r.label
-        groups.setdefault(key, {})[run_seed(r) if m else run_seed(r)] = r
+        groups.setdefault(key, {})[run_seed(r)] = r
     return groups
 
 
 def reference_of(groups: dict) -> dict:
-    """{group: its reference group}: per stage (the label's first part), the baseline
-    group, else the stage's first group."""
+    """{group: its reference group}: per stage (a pipeline label's first part, else the
+    run's stage), the baseline group, else the stage's first group."""
     by_stage: dict = {}
     for g, seeds in groups.items():
-        by_stage.setdefault(next(iter(seeds.values())).stage, []).append(g)
+        stage = g.split("/")[0] if "/" in g else next(iter(seeds.values())).stage
+        by_stage.setdefault(stage, []).append(g)
     ref = {}
     for members in by_stage.values():
         base = [g for g in members if next(iter(groups[g].values())).variant == "baseline"]
