@@ -156,12 +156,13 @@ def test_small_study_at_toy_size_end_to_end_with_two_seeds(tmp_path):
     the one command runs it: per-seed run dirs, each evaluated, and a report whose rows
     carry mean, std and the paired interval over the two seeds (9 processes: 130 s on the
     2-core machine while the study trained beside it)."""
-    from omegaconf import OmegaConf
+    from omegaconf import DictConfig, OmegaConf
 
     from mta_repro.pipeline.plan import CONFIG_DIR, Plan
     from mta_repro.pipeline.run import run_local
 
     spec = OmegaConf.load(CONFIG_DIR / "pipeline" / "small_study.yaml")
+    assert isinstance(spec, DictConfig)
     spec.train_overrides = [
         f"{k}={TOY[k]}" if (k := str(o).partition("=")[0]) in TOY else str(o) for o in spec.train_overrides
     ]

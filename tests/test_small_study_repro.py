@@ -16,7 +16,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "scripts"))
-import check_small_study  # noqa: E402
+import check_small_study  # noqa: E402  # pyright: ignore[reportMissingImports]  # scripts/ is on sys.path above
 
 
 def _root(path: Path, avg: float, loss: float) -> Path:
