@@ -1,6 +1,6 @@
 """Check that the committed small study is what its one command gives on this machine.
 
-    python scripts/check_small_study.py                       # every run (~1 h on 2 cores)
+    python scripts/check_small_study.py                       # every run (~40 min on 2 cores)
     python scripts/check_small_study.py --only pretrain/mta/seed0   # one run (~5 min)
     python scripts/check_small_study.py --fresh DIR --compare-only  # compare a finished root
 

@@ -1,7 +1,7 @@
 """The committed small study (results/small_study) against its one command:
 ``scripts/check_small_study.py`` compares every run's eval numbers and training losses
 exactly. Its comparison is tested here on fabricated roots; the rerun itself (one run:
-~5 min; every run: ~1 h on 2 cores) only when MTA_REPRO_CHECK_STUDY is set (``1``: the
+~2.5 min; every run: ~40 min on 2 cores) only when MTA_REPRO_CHECK_STUDY is set (``1``: the
 run pretrain/mta/seed0; ``all``: the whole study), as it is too long for every CI run."""
 
 from __future__ import annotations
