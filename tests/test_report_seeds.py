@@ -76,6 +76,10 @@ def test_three_seeds_mean_std_and_paired_t_interval(tmp_path):
         assert r["resolved"] == resolved and r["interval"] == "t over 3 paired seeds"
     md = (tmp_path / "report" / "report.md").read_text()
     assert "Validation perplexity over seeds" in md and "n.r." in md
+    # the per-run table compares each seed with the baseline of the same seed
+    per_run = {r["run"]: r for r in out["tables"]["ppl"]["rows"]}
+    for k in range(3):
+        assert per_run[f"pretrain/mta/seed{k}"]["Δ vs baseline"] == pytest.approx(AVG["mta"][k] - AVG["baseline"][k])
     # the provenance block names every run's seeds behind each row, here and in the per-run table
     prov = out["tables"]["ppl_seeds"]["provenance"]["pretrain/mta"]["seed"]
     assert prov == "; ".join(f"seed {k} (init {k}, data {k})" for k in range(3))

@@ -385,12 +385,17 @@ def _model(run: RunData) -> str | None:
 
 
 def baseline_of(run: RunData, runs) -> RunData | None:
-    """The baseline run of the same stage and model shape (the first one given)."""
+    """The baseline run of the same stage and model shape: the one of the same seed where
+    the labels name seeds (``.../seed<k>``), else the first one given."""
     group = STAGE_GROUP.get(run.stage, run.stage)
-    for r in runs:
-        if r.variant == "baseline" and STAGE_GROUP.get(r.stage, r.stage) == group and r.shape == run.shape:
-            return r
-    return None
+    same = [
+        r
+        for r in runs
+        if r.variant == "baseline" and STAGE_GROUP.get(r.stage, r.stage) == group and r.shape == run.shape
+    ]
+    seed = run.label.rsplit("/", 1)[-1] if "/seed" in run.label else None
+    paired = [r for r in same if seed is not None and r.label.rsplit("/", 1)[-1] == seed]
+    return (paired or same or [None])[0]
 
 
 def _diff(a, b):
