@@ -140,6 +140,9 @@ INTERNAL_VALUE_ERRORS = {
     "mta_repro/experimental/fused_triton/fused.py": 1,
     # the compiled IR has a shape its parser does not know
     "mta_repro/experimental/fused_triton/roofline.py": 1,
+    # the interval formulas called with too few values or a probability outside (0, 1):
+    # the report calls them only with what it checked
+    "mta_repro/report/stats.py": 3,
 }
 
 

@@ -101,6 +101,9 @@ def test_cli_lm_eval_tasks_on_local_data(tmp_path):
     assert bench["metrics"]["arc_easy_local"] == "acc_norm"
     assert bench["summary"]["arc_easy_local"] == pytest.approx(100 * acc)
     assert bench["summary"]["average"] == pytest.approx(100 * acc)
+    # the documents scored, what the report's Wilson interval of the accuracy needs
+    n_docs = len((fix / "arc_easy_test.jsonl").read_text().splitlines())
+    assert bench["n_samples"] == {"arc_easy_local": n_docs}
     lam = json.loads(Path(written["lambada"]).read_text())["results"]
     assert lam["summary"]["lambada_openai_local"]["ppl"] == lam["tasks"]["lambada_openai_local"]["perplexity,none"]
 

@@ -126,6 +126,9 @@ def test_run_needle_end_to_end_on_tiny_model():
         assert set(row["by_depth"]) == {"0", "100"}
         assert row["mean"] == pytest.approx(sum(row["by_depth"].values()) / 2)
         assert all(0.0 <= v <= 1.0 for v in row["by_depth"].values())
+        # every sample's score is kept (the report's intervals resample them)
+        assert {d: sum(s) / len(s) for d, s in row["scores"].items()} == row["by_depth"]
+        assert all(len(s) == 2 for s in row["scores"].values())
 
 
 def test_needles_never_split_abbreviations_or_decimals():

@@ -30,15 +30,36 @@ def reference(model, tok, docs, seq_len, batch_size, max_batches):
     n_windows = min(n_windows, batch_size * max_batches)
     nll, count = 0.0, 0
     for w in range(n_windows):
-        window = stream[w * seq_len : w * seq_len + seq_len + 1]
-        logits = model(torch.tensor([window[:-1]]))[0].double()
-        for i in range(seq_len):
-            row = logits[i].tolist()
-            m = max(row)
-            lse = m + math.log(sum(math.exp(x - m) for x in row))
-            nll += lse - row[window[i + 1]]
-            count += 1
+        nll += window_nll(model, stream[w * seq_len : w * seq_len + seq_len + 1])
+        count += seq_len
     return math.exp(nll / count), count
+
+
+def window_nll(model, window) -> float:
+    """The summed negative log-likelihood of one window's targets, in float64 by hand."""
+    logits = model(torch.tensor([window[:-1]]))[0].double()
+    nll = 0.0
+    for i in range(len(window) - 1):
+        row = logits[i].tolist()
+        m = max(row)
+        lse = m + math.log(sum(math.exp(x - m) for x in row))
+        nll += lse - row[window[i + 1]]
+    return nll
+
+
+def test_every_window_keeps_its_own_loss_for_the_bootstrap():
+    """batch_size=1: batch_ce[i] is window i's summed loss (what the report's bootstrap
+    over evaluation windows resamples), and the windows add up to the domain's loss."""
+    tok = make_tokenizer()
+    model = tiny_model("baseline", vocab_size=tok.n_words, dtype=torch.float64)
+    seq_len = 16
+    out = domain_perplexity(model, tok, DOCS, seq_len=seq_len, batch_size=1, max_batches=256)
+    stream = [t for d in DOCS for t in tok.encode(d, True, True)]
+    n = (len(stream) - 1) // seq_len
+    assert out["batches"] == n == len(out["batch_ce"]) and out["batch_tokens"] == [seq_len] * n
+    for w, ce in enumerate(out["batch_ce"]):
+        assert ce == pytest.approx(window_nll(model, stream[w * seq_len : w * seq_len + seq_len + 1]), rel=1e-9)
+    assert sum(out["batch_ce"]) / sum(out["batch_tokens"]) == pytest.approx(out["loss"], rel=1e-12)
 
 
 @pytest.mark.parametrize("variant", ["baseline", "mta"])

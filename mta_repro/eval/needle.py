@@ -349,14 +349,18 @@ def run_needle(
     table: dict = {}
     for c in context_lens:
         for n in needle_counts:
-            per_depth = {}
+            per_depth, per_sample = {}, {}
             for d in depths:
                 key = (str(c), str(n), f"{float(d):g}")
                 got = [v for b in range((samples + batch_size - 1) // batch_size) for v in scores[(*key, b)]]
                 per_depth[key[2]] = sum(got) / len(got)
+                per_sample[key[2]] = got
             table.setdefault(str(c), {})[str(n)] = {
                 "by_depth": per_depth,
                 "mean": sum(per_depth.values()) / len(per_depth),
+                # every sample's score, in draw order (the same prompts for every model of
+                # one seed and settings): what the report's intervals resample
+                "scores": per_sample,
             }
     results["accuracy"] = table
     return results

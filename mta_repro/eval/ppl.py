@@ -8,7 +8,10 @@ exactly once, as the training loader packs). Windows go in batches of ``batch_si
 domain; a trailing partial window is dropped, a trailing partial batch is kept.
 ppl = exp(total cross-entropy / target tokens), ``inf`` where that overflows a float (a mean
 loss above ~709.78 nats: a diverged model is a result, not a crash). The average row is
-the arithmetic mean of the per-domain perplexities.
+the arithmetic mean of the per-domain perplexities. Each domain also keeps every
+batch's summed cross-entropy and target tokens (``batch_ce``, ``batch_tokens``): what a
+bootstrap over evaluation windows resamples (``mta_repro.report.aggregate``; with
+``batch_size=1`` a batch is one window).
 """
 
 from __future__ import annotations
@@ -33,7 +36,9 @@ def domain_perplexity(
     max_batches: int | None = 256,
     desc: str = "ppl",
 ) -> dict:
-    """{"ppl", "loss" (mean CE, nats), "tokens", "batches"} for one domain's docs."""
+    """{"ppl", "loss" (mean CE, nats), "tokens", "batches", "batch_ce", "batch_tokens"}
+    for one domain's docs (the last two: per batch, in order; they sum to loss x tokens
+    and tokens)."""
     if seq_len < 1 or batch_size < 1:
         raise UserError(f"ppl: seq_len and batch_size must be positive, got {seq_len}, {batch_size}")
     from mta_repro.eval import dist
@@ -41,6 +46,7 @@ def domain_perplexity(
     device = next(model.parameters()).device
     n_tokens, n_batches = 0, 0
     ces: dict = {}  # batch index -> summed CE, for this process's batches
+    batch_tokens: list = []  # target tokens of every batch, in order
     batch: list = []
 
     progress = Progress(desc, max_batches)
@@ -51,7 +57,8 @@ def domain_perplexity(
             t = torch.tensor(rows, dtype=torch.long, device=device)
             ces[index] = float(sequence_ce(model, t[:, :-1], t[:, 1:]))
         progress.update()
-        return len(rows) * (len(rows[0]) - 1)
+        batch_tokens.append(len(rows) * (len(rows[0]) - 1))
+        return batch_tokens[-1]
 
     for w in windows(docs, tokenizer, seq_len):
         batch.append(w)
@@ -67,7 +74,14 @@ def domain_perplexity(
     if n_tokens == 0:
         raise UserError(f"ppl: the documents hold fewer than seq_len+1={seq_len + 1} tokens")
     loss = total / n_tokens
-    return {"ppl": perplexity(loss), "loss": loss, "tokens": n_tokens, "batches": n_batches}
+    return {
+        "ppl": perplexity(loss),
+        "loss": loss,
+        "tokens": n_tokens,
+        "batches": n_batches,
+        "batch_ce": [ces[i] for i in range(n_batches)],
+        "batch_tokens": batch_tokens,
+    }
 
 
 def validation_perplexity(

@@ -186,6 +186,7 @@ class _LMEvalTask(EvalTask):
             groups.setdefault(int(e.num_fewshot.get(name, 0)), []).append(name)
         results: dict = {}
         data: dict = {}  # every task lm-eval ran (a group's subtasks too): what its rows came from
+        n_samples: dict = {}  # task -> documents scored (the report's Wilson interval needs n)
         for shots, group in groups.items():
             with hub_errors(group):
                 out = simple_evaluate(
@@ -205,11 +206,15 @@ class _LMEvalTask(EvalTask):
                 data[name] = task_data(config)
             for name, metrics in out["results"].items():  # pyright: ignore[reportTypedDictNotRequiredAccess]  # always set
                 results[name] = {k: v for k, v in metrics.items() if isinstance(v, (int, float)) or k == "alias"}
+            for name, n in (out.get("n-samples") or {}).items():
+                if isinstance(n, dict) and isinstance(n.get("effective"), int):
+                    n_samples[name] = n["effective"]
         return {
             "tasks": results,
             "summary": summarize_lm_eval(results, names),
             # the metric each summary number is (lambada: perplexity)
             "metrics": {n: headline(n, results.get(n, {})) for n in names if not n.startswith("lambada")},
+            "n_samples": n_samples,
             "limit": e.limit,
             "max_length": lm.max_length,
             "data": data,

@@ -8,6 +8,9 @@ each with the jobs it needs first, so that the local runner and SLURM run the sa
 Every run lives at ``<root>/<stage>/<variant>`` (sweeps: ``<root>/<stage>/<point>``, the
 point named by the experiment's own run_dir, i.e. by the swept values), given to the
 trainer as an absolute ``run_dir=``; hand-offs are absolute ``checkpoint.init_from=``.
+With ``seeds: [k, ...]`` every variant or point is one run per seed, at
+``<root>/<stage>/<variant|point>/seed<k>``, trained with ``seed=k model.seed=k
+data.seed=k``; a stage hands each seed's weights to the same seed of the next stage.
 
 A job is done when its output is there and reads whole: a run when its export (with
 ``checkpoint.export=false``: its complete checkpoint) holds the last step, an evaluation
@@ -47,7 +50,12 @@ VARIANTS = ("baseline", "diff", "talking_heads", "mta")
 #   check_first_loss: the Appendix I check before training (true, or a list of variants:
 #   e.g. [mta], as the control starts from the source unchanged). continue_data: read the
 #   training data from where the init_from run stopped (mta_repro.pipeline.data), not from
-#   the start of the stream again.
+#   the start of the stream again. seeds: this stage's seeds (default: the pipeline's).
+# - seeds: the seeds every variant or sweep point is trained with, e.g. [0, 1, 2]; each
+#   seed k is its own run at <root>/<stage>/<variant|point>/seed<k> with seed=k
+#   model.seed=k data.seed=k (initialisation, data order and shuffle buffer, dropout).
+#   null (the default): one run per variant at <root>/<stage>/<variant> with the
+#   experiment's own seeds, as a pipeline without the field always did.
 # - lm_eval_local: {task: {split: file}}: lm-eval tasks over local files (written as
 #   <task>_local YAMLs under <root>/lm_eval_tasks and put on lm_eval.include_path).
 # - imports: {name: local Hugging Face Llama folder} (your own download, e.g. Meta's Llama
@@ -70,6 +78,7 @@ STAGE_KEYS = {
     "eval",
     "check_first_loss",
     "continue_data",
+    "seeds",
 }
 PIPELINE_KEYS = {
     "name",
@@ -81,9 +90,34 @@ PIPELINE_KEYS = {
     "appendix_i_tol",
     "slurm",
     "imports",
+    "seeds",
 }
 IMPORT_PREFIX = "import:"  # init_from: import:<name> = the imports entry <name>
 CONTINUE_LOADER = "mta_repro.pipeline.data:build_continued_loader"
+SEED_PREFIX = "seed"  # a seeded run's directory: seed<k>
+
+
+def seed_overrides(seed: int) -> list:
+    """The training overrides of seed ``seed``: every random stream of a run
+    (``seed``: dropout and anything else stochastic; ``model.seed``: initialisation;
+    ``data.seed``: document order, domain draws and the shuffle buffer)."""
+    return [f"seed={seed}", f"model.seed={seed}", f"data.seed={seed}"]
+
+
+def _seeds(node, where: str) -> list | None:
+    """A ``seeds`` field: None, or a non-empty list of distinct non-negative ints."""
+    if node is None:
+        return None
+    if not isinstance(node, (list, tuple, ListConfig)) or not node:
+        raise UserError(f"{where}: expected a non-empty list of seeds (e.g. [0, 1, 2]) or null, got {node!r}")
+    out = []
+    for x in node:
+        if isinstance(x, bool) or not isinstance(x, int) or x < 0:
+            raise UserError(f"{where}: {x!r} is not a seed; expected non-negative integers, e.g. [0, 1, 2]")
+        out.append(int(x))
+    if len(set(out)) != len(out):
+        raise UserError(f"{where}: {out} names a seed twice; each seed is one run")
+    return out
 
 
 @dataclass
@@ -94,7 +128,7 @@ class Job:
     command: list  # argv
     deps: list = field(default_factory=list)  # job ids
     stage: str = ""
-    label: str = ""  # "<stage>/<variant or point>"
+    label: str = ""  # "<stage>/<variant or point>", + "/seed<k>" with seeds
     overrides: list = field(default_factory=list)  # train / check: the training overrides
     steps: int | None = None  # train: trainer.steps
     eval_tasks: list = field(default_factory=list)  # eval: task names
@@ -243,6 +277,7 @@ class Plan:
                 raise UserError(f"pipeline.variants: unknown variant {v!r}; expected any of {list(VARIANTS)}")
         if not s.get("stages"):
             raise UserError("pipeline.stages: empty; expected a list of stages")
+        _seeds(s.get("seeds"), "pipeline.seeds")
         imports = self._imports()
         names = []
         for i, st in enumerate(s.stages):
@@ -267,6 +302,7 @@ class Plan:
                     f"{where}.init_from: {src!r} is not an earlier stage (earlier: {names})"
                     + (f" nor import:<name> of pipeline.imports ({sorted(imports)})" if imports else "")
                 )
+            _seeds(st.get("seeds"), f"{where}.seeds")
             if st.get("check_first_loss") and src is None:
                 raise UserError(f"{where}.check_first_loss: needs init_from (the source model)")
             if st.get("continue_data") and (src is None or imported):
@@ -348,12 +384,13 @@ class Plan:
                             f"{where}: experiment={exp} names two sweep points alike ({names}); "
                             "its run_dir must contain every swept value"
                         )
-                for point, pt in points:
-                    label = f"{st.name}/{point}"
+                stage_seeds = _seeds(st.get("seeds"), f"{where}.seeds") or _seeds(s.get("seeds"), "pipeline.seeds")
+                for (point, pt), seed in itertools.product(points, stage_seeds or [None]):
+                    label = f"{st.name}/{point}" + ("" if seed is None else f"/{SEED_PREFIX}{seed}")
                     if label in self.train_dirs:
                         raise UserError(f"{where}: run {label} planned twice")
-                    run_dir = self.root / st.name / point
-                    ov = base + [_point_value(o) for o in pt]
+                    run_dir = self.root / label
+                    ov = base + [_point_value(o) for o in pt] + ([] if seed is None else seed_overrides(seed))
                     if st.get("sweep"):
                         ov.append("hydra.mode=RUN")  # one point per job, not the experiment's multirun
                     deps = []
@@ -365,6 +402,8 @@ class Plan:
                     elif st.get("init_from") is not None:
                         src = str(st.init_from)
                         src_label = src if "/" in src else f"{src}/{variant}"
+                        if seed is not None and f"{src_label}/{SEED_PREFIX}{seed}" in self.train_dirs:
+                            src_label = f"{src_label}/{SEED_PREFIX}{seed}"  # each seed from the same seed
                         if src_label not in self.train_dirs:
                             raise UserError(
                                 f"{where}.init_from: {src!r}: no run {src_label} in the plan "

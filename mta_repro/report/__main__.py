@@ -1,7 +1,8 @@
 """``python -m mta_repro.report <run_dir>... --out <dir> [--label DIR=NAME ...]``: tables and plots.
 
 Writes <out>/report.md (every table with its notes and provenance block, links to the
-plots), <out>/<table>.csv
+plots; runs labelled ``.../seed<k>`` are also tabled over their seeds with paired 95%
+intervals, mta_repro/report/aggregate.py), <out>/<table>.csv
 and <out>/<table>.tex for each table that has data, <out>/results.json (every run's stage,
 comparability and every table's rows as {header: value}), and PNGs: needle.png,
 babilong.png, loss_curves.png (training loss and any val* loss logged during training),
@@ -23,6 +24,7 @@ from mta_repro.cli import honour_ctrl_c
 from mta_repro.errors import UserError
 from mta_repro.files import replace_atomically
 from mta_repro.report import plots
+from mta_repro.report.aggregate import add_seed_provenance, seed_tables
 from mta_repro.report.paper import VARIANT_LABELS
 from mta_repro.report.tables import STAGE_LABELS, all_tables, comparability, eval_command, load_run
 
@@ -50,6 +52,8 @@ def build_report(run_dirs, out: Path, kernels: bool = True, labels: dict | None 
             r.label = f"{r.path.parent.name}_{r.path.name}"
     out.mkdir(parents=True, exist_ok=True)
     tables = all_tables(runs)
+    add_seed_provenance(tables, runs)
+    tables += seed_tables(runs)
     for t in tables:  # every file whole or absent (the pipeline reads results.json)
         replace_atomically(out / f"{t.name}.csv", t.csv().encode())
         replace_atomically(out / f"{t.name}.tex", t.latex().encode())

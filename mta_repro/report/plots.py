@@ -30,20 +30,25 @@ def needle_plot(runs, out: Path) -> Path | None:
         return None
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
     all_counts, all_depths = set(), set()
-    for r in have:
-        for ctx, per in sorted(_results(r, "needle")["accuracy"].items(), key=lambda kv: int(kv[0])):
-            counts = sorted(per, key=int)
-            ax1.plot(
-                [int(n) for n in counts],
-                [100 * per[n]["mean"] for n in counts],
-                marker="o",
-                label=_ctx_label(r.label, ctx),
-            )
-            depths = sorted({d for n in counts for d in per[n]["by_depth"]}, key=float)
-            acc = [100 * sum(per[n]["by_depth"][d] for n in counts) / len(counts) for d in depths]
-            ax2.plot([float(d) for d in depths], acc, marker="s", label=_ctx_label(r.label, ctx))
-            all_counts.update(int(n) for n in counts)
-            all_depths.update(float(d) for d in depths)
+    lines = [
+        (r, ctx, per)
+        for r in have
+        for ctx, per in sorted(_results(r, "needle")["accuracy"].items(), key=lambda kv: int(kv[0]))
+    ]
+    for color, (r, ctx, per) in zip(palette(len(lines)), lines):
+        counts = sorted(per, key=int)
+        ax1.plot(
+            [int(n) for n in counts],
+            [100 * per[n]["mean"] for n in counts],
+            marker="o",
+            color=color,
+            label=_ctx_label(r.label, ctx),
+        )
+        depths = sorted({d for n in counts for d in per[n]["by_depth"]}, key=float)
+        acc = [100 * sum(per[n]["by_depth"][d] for n in counts) / len(counts) for d in depths]
+        ax2.plot([float(d) for d in depths], acc, marker="s", color=color, label=_ctx_label(r.label, ctx))
+        all_counts.update(int(n) for n in counts)
+        all_depths.update(float(d) for d in depths)
     ax1.set_xticks(sorted(all_counts))
     ax2.set_xticks(sorted(all_depths))
     ax1.set(
@@ -131,56 +136,112 @@ def _validation_sizes(run) -> tuple:
     return train, ev
 
 
+def palette(n: int) -> list:
+    """``n`` colours that stay apart: matplotlib's 10-colour cycle up to 10, tab20 up to
+    20 (a 12-point sweep no longer gives points 1 and 11 one colour), beyond that evenly
+    spaced hues of ``turbo``."""
+    if n <= 10:
+        return [plt.get_cmap("tab10")(i) for i in range(n)]
+    if n <= 20:
+        return [plt.get_cmap("tab20")(i) for i in range(n)]
+    return [plt.get_cmap("turbo")(0.05 + 0.9 * i / (n - 1)) for i in range(n)]
+
+
+def _seed_band(pts_by_seed: list) -> tuple:
+    """(steps, mean, lo, hi) over the seeds' curves at the steps every seed logged
+    (lo/hi: the lowest and highest seed)."""
+    import numpy as np
+
+    common = sorted(set.intersection(*[{s for s, _ in pts} for pts in pts_by_seed]))
+    vals = np.array([[dict(pts)[s] for s in common] for pts in pts_by_seed], dtype=np.float64)
+    return common, vals.mean(axis=0), vals.min(axis=0), vals.max(axis=0)
+
+
 def loss_plot(runs, out: Path) -> Path | None:
-    """One colour per run; line style says what: training loss (solid), the validation
-    logged during training (dashed, trainer.eval_max_batches), the evaluation's ppl
-    (star, eval/ppl.json: its own window and batch count, usually more batches). Two
-    small legends outside the axes: runs, and what the styles are."""
+    """One colour per run, or per group of seeds (``pretrain/mta/seed0..2``: their mean,
+    with a band from the lowest to the highest seed); line style says what: training
+    loss (solid), the validation logged during training (dashed,
+    trainer.eval_max_batches), the evaluation's ppl (star, eval/ppl.json: its own window
+    and batch count, usually more batches; a group's mean over seeds). Two small legends
+    outside the axes: runs, and what the styles are (only those some run has)."""
     from matplotlib.lines import Line2D
+
+    from mta_repro.report.aggregate import group_runs
 
     have = [r for r in runs if r.metrics]
     if not have:
         return None
+    groups = group_runs(have)
     fig, ax = plt.subplots(figsize=(9, 4.2))
     run_handles = []
     sizes = {}
-    for i, r in enumerate(have):
-        color = f"C{i % 10}"
-        series = loss_series(r)
-        pts = series.pop("train", [])
-        if pts:
-            ax.plot(*zip(*pts), color=color, lw=1.2)
-        for _, vp in series.items():
-            ax.plot(*zip(*vp), color=color, ls="--", marker=".")
-        ppl = _res(r, "ppl")
-        if ppl:  # the eval's validation loss (mean over domains) at the evaluated step
-            step = r.evals["ppl"].get("step") or (pts[-1][0] if pts else 0)
-            losses = [d["loss"] for d in ppl["domains"].values()]
-            ax.plot([step], [sum(losses) / len(losses)], color=color, marker="*", ms=12, ls="none")
-        run_handles.append(Line2D([], [], color=color, lw=2, label=r.label))
-        sizes[r.label] = _validation_sizes(r)
+    drew_val, drew_eval, banded = False, False, False
+    for color, (label, seeds) in zip(palette(len(groups)), groups.items()):
+        members = list(seeds.values())
+        all_series = [loss_series(r) for r in members]
+        trains = [s.get("train", []) for s in all_series]
+        if len(members) > 1 and all(trains):
+            steps, mean, lo, hi = _seed_band(trains)
+            ax.plot(steps, mean, color=color, lw=1.2)
+            ax.fill_between(steps, lo, hi, color=color, alpha=0.2, lw=0)
+            banded = True
+        else:
+            for pts in trains:
+                if pts:
+                    ax.plot(*zip(*pts), color=color, lw=1.2)
+        for series in all_series:
+            for name, vp in series.items():
+                if name != "train":
+                    ax.plot(*zip(*vp), color=color, ls="--", marker=".")
+                    drew_val = True
+        evals = []
+        for r, pts in zip(members, trains):
+            ppl = _res(r, "ppl")
+            if ppl:  # the eval's validation loss (mean over domains) at the evaluated step
+                step = r.evals["ppl"].get("step") or (pts[-1][0] if pts else 0)
+                losses = [d["loss"] for d in ppl["domains"].values()]
+                evals.append((step, sum(losses) / len(losses)))
+        if evals:
+            ax.plot(
+                [max(s for s, _ in evals)],
+                [sum(v for _, v in evals) / len(evals)],
+                color=color,
+                marker="*",
+                ms=12,
+                ls="none",
+            )
+            drew_eval = True
+        n = len(members)
+        run_handles.append(Line2D([], [], color=color, lw=2, label=label + (f" ({n} seeds)" if n > 1 else "")))
+        sizes[label] = _validation_sizes(members[0])
     train_size = next((t for t, _ in sizes.values() if t), None)
     eval_size = next((e for _, e in sizes.values() if e), None)
-    style_handles = [
-        Line2D([], [], color="0.3", lw=1.2, label="training loss"),
-        Line2D(
-            [],
-            [],
-            color="0.3",
-            ls="--",
-            marker=".",
-            label="validation during training" + (f"\n({train_size})" if train_size else ""),
-        ),
-        Line2D(
-            [],
-            [],
-            color="0.3",
-            marker="*",
-            ms=10,
-            ls="none",
-            label="evaluation ppl (eval/ppl.json)" + (f"\n({eval_size})" if eval_size else ""),
-        ),
-    ]
+    style_handles = [Line2D([], [], color="0.3", lw=1.2, label="training loss")]
+    if banded:
+        style_handles[0].set_label("training loss (seeds: mean,\nband from lowest to highest seed)")
+    if drew_val:
+        style_handles.append(
+            Line2D(
+                [],
+                [],
+                color="0.3",
+                ls="--",
+                marker=".",
+                label="validation during training" + (f"\n({train_size})" if train_size else ""),
+            )
+        )
+    if drew_eval:
+        style_handles.append(
+            Line2D(
+                [],
+                [],
+                color="0.3",
+                marker="*",
+                ms=10,
+                ls="none",
+                label="evaluation ppl (eval/ppl.json)" + (f"\n({eval_size})" if eval_size else ""),
+            )
+        )
     ax.set(xlabel="step", ylabel="loss (nats/token)", title="Training and validation loss")
     ax.grid(alpha=0.3)
     first = ax.legend(

@@ -324,7 +324,8 @@ class Table:
         if self.notes:
             out += [""] + [f"- {n}" for n in self.notes]
         if self.provenance:
-            cols = ["checkpoint", "tokens seen", "tokenizer", "data", "code", "comparable"]
+            cols = ["checkpoint", "tokens seen", "tokenizer", "data", "code", "comparable", "seed"]
+            cols = [c for c in cols if any(c in p for p in self.provenance.values())]
             out += [
                 "",
                 f"Provenance of the {self.name} rows (docs/provenance.md):",
@@ -333,7 +334,8 @@ class Table:
                 "|---" * (len(cols) + 1) + "|",
             ]
             out += [
-                "| " + " | ".join([label] + [str(p[c]) for c in cols]) + " |" for label, p in self.provenance.items()
+                "| " + " | ".join([label] + [str(p.get(c, "—")) for c in cols]) + " |"
+                for label, p in self.provenance.items()
             ]
         return "\n".join(out) + "\n"
 
@@ -390,12 +392,17 @@ def _model(run: RunData) -> str | None:
 
 
 def baseline_of(run: RunData, runs) -> RunData | None:
-    """The baseline run of the same stage and model shape (the first one given)."""
+    """The baseline run of the same stage and model shape: the one of the same seed where
+    the labels name seeds (``.../seed<k>``), else the first one given."""
     group = STAGE_GROUP.get(run.stage, run.stage)
-    for r in runs:
-        if r.variant == "baseline" and STAGE_GROUP.get(r.stage, r.stage) == group and r.shape == run.shape:
-            return r
-    return None
+    same = [
+        r
+        for r in runs
+        if r.variant == "baseline" and STAGE_GROUP.get(r.stage, r.stage) == group and r.shape == run.shape
+    ]
+    seed = run.label.rsplit("/", 1)[-1] if "/seed" in run.label else None
+    paired = [r for r in same if seed is not None and r.label.rsplit("/", 1)[-1] == seed]
+    return (paired or same or [None])[0]
 
 
 def _diff(a, b):

@@ -337,6 +337,30 @@ def check_data(loader, accept: bool, run_dir: Path, step: int, world_size: int, 
     return [accepted("data", line, ACCEPT_DATA, step) for line in refuse]
 
 
+def seed_streams(args, init_from: dict | None = None) -> dict:
+    """The run's seed and every random stream it sets, with the generator each one seeds
+    (``r`` is the rank): two runs whose records agree here drew the same numbers."""
+    data_seed = int(args.data.seed)
+    return {
+        "seed": int(args.seed),
+        "init": (
+            {"from": init_from.get("path"), "seed": None}
+            if init_from
+            else {"seed": int(args.model.seed), "generator": "torch.manual_seed(model.seed)"}
+        ),
+        "data_order": {
+            "seed": data_seed,
+            "generator": "PCG64([data.seed, r, 0]) + file order PCG64([data.seed, domain, epoch])",
+        },
+        "shuffle_buffer": {
+            "seed": data_seed,
+            "generator": "PCG64([data.seed, r, 1])",
+            "size": int(args.data.shuffle_buffer),
+        },
+        "dropout": {"seed": int(args.seed), "generator": "torch.manual_seed(seed + r)", "p": float(args.model.dropout)},
+    }
+
+
 class RunRecord:
     """Rank 0's record of one start: the run's inputs, written to ``<run_dir>/provenance.json``
     (``begin``) and into every checkpoint (``checkpoint``)."""
@@ -357,6 +381,7 @@ class RunRecord:
             "tokenizer": tokenizer_identity(args.data.tokenizer),
             "data": loader.inputs() if hasattr(loader, "inputs") else None,
             "init_from": init_from,
+            "seeds": seed_streams(args, init_from),
             "code": code_version(),
         }
 
