@@ -94,8 +94,8 @@ def test_bad_seeds_are_one_user_error_naming_the_field(tmp_path, value, says):
         _plan(tmp_path, f"+pipeline.seeds={value}")
 
 
-def _streams(seed: int):
-    cfg = to_train_config(compose([*SMALL, *seed_overrides(seed)]))
+def _streams(seed: int, overrides: list | None = None):
+    cfg = to_train_config(compose([*SMALL, *(seed_overrides(seed) if overrides is None else overrides)]))
     model = build_model(cfg.model)
     loader = build_train_loader(cfg.data)
     first = next(iter(loader))
@@ -112,6 +112,18 @@ def test_two_seeds_differ_in_initialisation_and_data_order():
     random_init = [k for k in w0 if w0[k].dim() == 2]
     assert random_init and all(not torch.equal(w0[k], w1[k]) for k in random_init)
     assert not torch.equal(b0["input"], b1["input"])
+
+
+def test_seed_alone_sets_every_stream_and_an_explicit_one_still_wins():
+    # What a Hydra multirun `seed=0,1,2` (no pipeline) relies on: the one field moves the
+    # initialisation and the data order with it, exactly as the pipeline's three overrides.
+    w1, b1 = _streams(1)
+    w1s, b1s = _streams(1, ["seed=1"])
+    assert all(torch.equal(w1[k], w1s[k]) for k in w1) and all(torch.equal(b1[k], b1s[k]) for k in b1)
+    default = to_train_config(compose(list(SMALL)))
+    assert (default.seed, default.model.seed, default.data.seed) == (42, 42, 42)  # Lingua's, as before
+    mixed = to_train_config(compose([*SMALL, "seed=1", "model.seed=5"]))
+    assert (mixed.seed, mixed.model.seed, mixed.data.seed) == (1, 5, 1)
 
 
 def _train(run_dir: Path, seed: int) -> dict:

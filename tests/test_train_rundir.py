@@ -304,3 +304,20 @@ def test_field_classes_come_from_the_schema():
     keys = flatten(OmegaConf.to_container(compose([]), resolve=False))
     for k in FREE + SAFE:
         assert (k in keys) if not k.endswith(".") else any(x.startswith(k) for x in keys), k
+
+
+def test_printing_the_config_writes_nothing_and_shows_the_seed_it_would_use(tmp_path):
+    # Hydra's own options (--cfg) after the overrides: the start's staged record must not
+    # turn into an argument Hydra's parser refuses, nor write into the run dir.
+    run_dir = tmp_path / "r"
+    p = subprocess.run(
+        [sys.executable, "-m", "mta_repro.train", "experiment=debug", f"run_dir={run_dir}", "seed=3"]
+        + ["--cfg", "job", "--resolve"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert p.returncode == 0, p.stderr
+    cfg = OmegaConf.create(p.stdout)
+    assert (cfg.seed, cfg.model.seed, cfg.data.seed) == (3, 3, 3)
+    assert not run_dir.exists()

@@ -40,14 +40,15 @@ def staged_argv(argv: list[str]) -> list[str]:
         return argv
     if any(a.split("=")[0].lstrip("+~") == "hydra.output_subdir" for a in argv):
         return argv
-    return argv + [f"hydra.output_subdir={STAGED_HYDRA}{os.getpid()}"]
+    # first: an override after an option (`--cfg job`) is not one for Hydra's argparse
+    return [f"hydra.output_subdir={STAGED_HYDRA}{os.getpid()}", *argv]
 
 
 def hydra_argv(argv: list[str]) -> list[str]:
     """argv with the rank-0-only output overrides added on the other ranks."""
     if launcher_rank() == 0 or any(a in ("-m", "--multirun") for a in argv):
         return argv
-    return argv + [o for o in NON_ZERO_RANK_OVERRIDES if o not in argv]
+    return [*(o for o in NON_ZERO_RANK_OVERRIDES if o not in argv), *argv]
 
 
 @hydra.main(config_path=str(CONFIG_DIR), config_name="train", version_base=None)
