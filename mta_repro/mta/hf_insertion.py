@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import sys
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -434,9 +435,17 @@ class _MTAModel(_Model):
         if saved and not any(isinstance(m, _MTAAttention) for m in self.modules()):
             apply_mta(self, saved["layers"], conv_layers=saved["conv_layers"], **saved["options"])
 
+
+def _checked_forward(base: type):
+    """``base.forward`` behind the padding-mask check, with its signature (``wraps``): the
+    HF Trainer keeps only the dataset columns that the forward's signature names."""
+
+    @functools.wraps(base.forward)
     def forward(self, *args, **kwargs):
         _check_padding_mask(args, kwargs)
-        return super().forward(*args, **kwargs)
+        return base.forward(self, *args, **kwargs)
+
+    return forward
 
 
 def _check_padding_mask(args: tuple, kwargs: dict) -> None:
@@ -484,6 +493,7 @@ def mta_model_class(base: type | str) -> type:
         return base
     auto = next((a for suffix, a in AUTO_CLASSES.items() if base.__name__.endswith(suffix)), None)
     cls = _subclass(base, _MTAModel, _auto_class=auto)
+    cls.forward = _checked_forward(base)
     from mta_repro.mta import modeling_mta
 
     cls.__module__ = modeling_mta.__name__  # save_pretrained copies that file, not this one
