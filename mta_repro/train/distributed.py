@@ -145,6 +145,8 @@ def init_distributed(
         store = dist.HashStore() if world == 1 else None  # pyright: ignore[reportPrivateImportUsage]  # torch re-exports it implicitly
 
         def join() -> None:
+            if device.type == "cuda":  # the current device is per thread: the helper's is cuda:0
+                torch.cuda.set_device(device)
             dist.init_process_group(
                 backend=backend,
                 rank=rank,
