@@ -93,7 +93,7 @@ def _env_note(node, key: str) -> str:
 def data_problems(data_cfg, validates: bool) -> list[str]:
     """Lines for a data root, layout or tokenizer file the job would not find."""
     from mta_repro.data.args import active_sources, to_data_args
-    from mta_repro.data.sources import corpus_root, list_files
+    from mta_repro.data.listing import corpus_root, list_files
 
     args = to_data_args(data_cfg)
     out = []
