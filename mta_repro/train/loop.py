@@ -58,14 +58,8 @@ from mta_repro.train.distributed import (
 )
 from mta_repro.train.metrics import MetricLogger, Throughput, device_peak_flops, mfu, peak_mem_gb
 from mta_repro.train.optim import build_lr_scheduler, build_optimizer
-from mta_repro.train.rundir import (
-    RunLock,
-    clean_failed_start,
-    commit_start,
-    lock_heartbeat,
-    prepare_run_dir,
-    settle_hydra_output,
-)
+from mta_repro.train.rundir import clean_failed_start, commit_start, prepare_run_dir, settle_hydra_output
+from mta_repro.train.runlock import RunLock, lock_heartbeat
 from mta_repro.train.signals import PreemptionHandler, requeue_if_slurm
 from mta_repro.train.state import TrainState
 from mta_repro.train.validation import Validator, maybe_validator
