@@ -41,7 +41,9 @@ from pathlib import Path
 import zstandard
 
 from mta_repro.data import DataArgs, TokenizerArgs, build_train_loader
-from mta_repro.data.sources import SET_NAMES, SUFFIXES, fingerprint, list_entries, text_digest
+from mta_repro.data.listing import SUFFIXES, fingerprint, list_entries
+from mta_repro.data.readers import text_digest
+from mta_repro.data.records import SET_NAMES
 
 
 def build_tree(root: Path, n_files: int, chunks: int = 10) -> None:
@@ -67,7 +69,7 @@ def build_tree(root: Path, n_files: int, chunks: int = 10) -> None:
 
 
 def old_listing(root: Path) -> list:
-    """The loader's listing before this change (mta_repro/data/sources.py list_files)."""
+    """The loader's listing before this change (mta_repro/data/listing.py list_files)."""
     key = lambda p: [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", p)]  # noqa: E731
     base = root / "train"
     files = [p for p in base.rglob("*") if p.is_file() and p.name.endswith(SUFFIXES)]

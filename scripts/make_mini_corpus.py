@@ -45,7 +45,7 @@ import xml.etree.ElementTree as ET
 import zipfile
 from pathlib import Path
 
-from mta_repro.data.sources import SET_NAMES  # domain -> meta.redpajama_set_name
+from mta_repro.data.records import SET_NAMES  # domain -> meta.redpajama_set_name
 
 REPO = Path(__file__).resolve().parents[1]
 

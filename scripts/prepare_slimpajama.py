@@ -42,14 +42,9 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 
-from mta_repro.data.sources import (  # noqa: E402
-    DOMAIN_OF_SET,
-    _LineReader,
-    _natural_key,
-    parse_line,
-    record_fields,
-    shard_files,
-)
+from mta_repro.data.listing import _natural_key, shard_files  # noqa: E402
+from mta_repro.data.readers import _LineReader  # noqa: E402
+from mta_repro.data.records import DOMAIN_OF_SET, parse_line, record_fields  # noqa: E402
 
 STATE_DIR = ".prepare"
 

@@ -12,7 +12,7 @@ import torch
 import zstandard
 
 from mta_repro.data import DataArgs, TokenizerArgs, build_train_loader, domains, iter_validation_docs
-from mta_repro.data.sources import SET_NAMES
+from mta_repro.data.records import SET_NAMES
 
 BYTES = TokenizerArgs(name="bytes", path=None)
 

@@ -12,7 +12,7 @@ import pytest
 from test_data import write_jsonl
 
 from mta_repro.data import DataArgs, TokenizerArgs, build_train_loader
-from mta_repro.data.sources import SET_NAMES
+from mta_repro.data.records import SET_NAMES
 
 BYTES = TokenizerArgs(name="bytes", path=None)
 # The faults injected by release_with_faults (per copy of the corpus, i.e. per rank shard

@@ -15,7 +15,8 @@ from test_data_prepare import prep, read_out, release_fixture
 
 from mta_repro.data import DataArgs, TokenizerArgs, build_train_loader
 from mta_repro.data.args import REPO_ROOT
-from mta_repro.data.sources import DocStream, _LineReader
+from mta_repro.data.readers import _LineReader
+from mta_repro.data.sources import DocStream
 from mta_repro.errors import CorruptFileError
 
 

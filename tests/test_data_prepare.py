@@ -9,7 +9,7 @@ import zstandard
 
 from mta_repro.data import DataArgs, TokenizerArgs, build_train_loader
 from mta_repro.data.args import REPO_ROOT
-from mta_repro.data.sources import SET_NAMES
+from mta_repro.data.records import SET_NAMES
 
 spec = importlib.util.spec_from_file_location("prepare_slimpajama", REPO_ROOT / "scripts/prepare_slimpajama.py")
 prep = importlib.util.module_from_spec(spec)

@@ -7,7 +7,8 @@ import pytest
 from test_data import docs_in, domains_corpus, stream_of
 
 from mta_repro.data import DataArgs, TokenizerArgs, build_train_loader
-from mta_repro.data.sources import DocStream, list_files, shard_files
+from mta_repro.data.listing import list_files, shard_files
+from mta_repro.data.sources import DocStream
 
 BYTES = TokenizerArgs(name="bytes", path=None)
 

@@ -165,7 +165,7 @@ def test_a_run_dir_may_continue_under_another_tuning():
     """model.kernels is FREE: not compared, also against a config saved before it existed."""
     from omegaconf import OmegaConf
 
-    from mta_repro.train.rundir import FREE, diff_configs
+    from mta_repro.train.config_check import FREE, diff_configs
 
     assert "model.kernels." in FREE
     saved = OmegaConf.to_container(compose(["attention=mta"]), resolve=True)

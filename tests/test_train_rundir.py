@@ -19,7 +19,9 @@ import pytest
 from omegaconf import OmegaConf
 
 from mta_repro.train.config import compose
-from mta_repro.train.rundir import RunDirError, RunLock, diff_configs, write_config
+from mta_repro.train.config_check import diff_configs
+from mta_repro.train.rundir import write_config
+from mta_repro.train.runlock import RunDirError, RunLock
 
 ROOT = Path(__file__).resolve().parents[1]
 COMMON = [
@@ -258,8 +260,8 @@ def test_fields_added_to_the_schema_since_compare_as_defaults():
 
 def test_field_classes_come_from_the_schema():
     """FREE/SAFE/PATHS are read from the fields' metadata and the sections' RUN_DIR: the
-    keys documented in mta_repro/train/rundir.py, each a real key of the composed config."""
-    from mta_repro.train.rundir import FREE, PATHS, SAFE
+    keys documented in mta_repro/train/config_check.py, each a real key of the composed config."""
+    from mta_repro.train.config_check import FREE, PATHS, SAFE
 
     assert set(FREE) == {
         "run_dir",
@@ -299,7 +301,7 @@ def test_field_classes_come_from_the_schema():
         "data.tokenizer.path",
     }
     assert set(PATHS) == {"checkpoint.init_from", "data.root_dir", "data.tokenizer.path"}
-    from mta_repro.train.rundir import flatten
+    from mta_repro.train.config_check import flatten
 
     keys = flatten(OmegaConf.to_container(compose([]), resolve=False))
     for k in FREE + SAFE:

@@ -370,7 +370,7 @@ def _bomb(path: Path, n_bytes: int, after: int = 3) -> Path:
 
 def test_a_400_mb_record_is_skipped_counted_and_never_held(tmp_path):
     from mta_repro.data import DataArgs, TokenizerArgs, build_train_loader
-    from mta_repro.data.sources import MAX_RECORD_BYTES
+    from mta_repro.data.readers import MAX_RECORD_BYTES
 
     root = tmp_path / "corpus"
     bomb = _bomb(root / "train" / "chunk1" / "example_train_0.jsonl.zst", 400_000_000)

@@ -37,22 +37,10 @@ import numpy as np
 import torch
 
 from mta_repro.data.args import DataArgs, active_sources, to_data_args
-from mta_repro.data.sources import (
-    BAD_KINDS,
-    SET_NAMES,
-    BadLedger,
-    DocStream,
-    ShortFileError,
-    _natural_key,
-    check_domain,
-    corpus_root,
-    fingerprint,
-    iter_docs,
-    list_entries,
-    shard_files,
-    shard_texts,
-    text_digest,
-)
+from mta_repro.data.listing import _natural_key, check_domain, corpus_root, fingerprint, list_entries, shard_files
+from mta_repro.data.readers import ShortFileError, text_digest
+from mta_repro.data.records import BAD_KINDS, SET_NAMES
+from mta_repro.data.sources import BadLedger, DocStream, iter_docs, shard_texts
 from mta_repro.data.tokenizers import build_tokenizer
 from mta_repro.errors import CorruptFileError, UserError
 

@@ -37,7 +37,8 @@ def first_batch_losses(overrides: Sequence[str], device: str = "auto") -> dict:
     from mta_repro.model.loss import cross_entropy
     from mta_repro.train.args import CheckpointArgs
     from mta_repro.train.config import compose
-    from mta_repro.train.loop import load_factory, stage_start_weights
+    from mta_repro.train.plugins import load_factory
+    from mta_repro.train.stage_weights import stage_start_weights
 
     cfg = compose(list(overrides))
     ck = to_dataclass(CheckpointArgs, cfg.checkpoint, "checkpoint")

@@ -104,7 +104,7 @@ class CheckpointArgs:
     # change the model, data or optimiser state (trainer.steps, logging, checkpoint
     # cadence, distributed/performance settings) is refused unless this is true. Model,
     # data and optimiser fields can never change within a run dir
-    # (each field's class is its metadata "run_dir"; mta_repro/train/rundir.py).
+    # (each field's class is its metadata "run_dir"; mta_repro/train/config_check.py).
     allow_config_change: bool = field(default=False, metadata={"run_dir": "free"})
     # The latest checkpoint cannot be read (e.g. a truncated .distcp): "fallback" loads the
     # newest earlier complete one with a warning, "raise" stops with the error.
@@ -144,7 +144,7 @@ class CheckpointArgs:
 class LoggingArgs:
     """metrics.jsonl, progress bar and wandb (group ``configs/logging``)."""
 
-    # A run dir's config may change these with checkpoint.allow_config_change (rundir.py).
+    # A run dir's config may change these with checkpoint.allow_config_change (config_check.py).
     RUN_DIR: ClassVar[str] = "safe"
     # Write a metrics.jsonl line (and a wandb point) every this many steps. Also the host
     # sync cadence: the loop reads the loss and grad norm from the device, and on several

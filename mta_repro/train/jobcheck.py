@@ -93,7 +93,7 @@ def _env_note(node, key: str) -> str:
 def data_problems(data_cfg, validates: bool) -> list[str]:
     """Lines for a data root, layout or tokenizer file the job would not find."""
     from mta_repro.data.args import active_sources, to_data_args
-    from mta_repro.data.sources import corpus_root, list_files
+    from mta_repro.data.listing import corpus_root, list_files
 
     args = to_data_args(data_cfg)
     out = []
@@ -167,7 +167,7 @@ def queued_owner(run_dir: Path) -> str | None:
     live start holds the run dir's lock (the line the start itself refuses with). A job
     still pending has not taken the lock yet, hence squeue. None when neither is found (no
     squeue here: the lock alone)."""
-    from mta_repro.train.rundir import in_use_line
+    from mta_repro.train.runlock import in_use_line
 
     mine = {os.path.realpath(run_dir / "slurm" / name) for name in TRAIN_SCRIPTS}
     if shutil.which("squeue") is not None:

@@ -20,13 +20,10 @@ from __future__ import annotations
 
 import dataclasses
 import errno
-import importlib
-import json
 import math
 import os
 import signal
 import sys
-import time
 import warnings
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -44,7 +41,8 @@ from mta_repro.model import build_model, to_model_args
 from mta_repro.model.flops import hardware_flops_per_token, model_flops_per_token
 from mta_repro.model.loss import cross_entropy
 from mta_repro.train import provenance
-from mta_repro.train.args import CheckpointArgs, TrainerArgs
+from mta_repro.train.args import TrainerArgs
+from mta_repro.train.attn_selfcheck import attn_selfcheck
 from mta_repro.train.checkpoint import CheckpointManager
 from mta_repro.train.config import TrainConfig, to_train_config
 from mta_repro.train.cpu_malloc import fix_mmap_threshold
@@ -58,15 +56,11 @@ from mta_repro.train.distributed import (
 )
 from mta_repro.train.metrics import MetricLogger, Throughput, device_peak_flops, mfu, peak_mem_gb
 from mta_repro.train.optim import build_lr_scheduler, build_optimizer
-from mta_repro.train.rundir import (
-    RunLock,
-    clean_failed_start,
-    commit_start,
-    lock_heartbeat,
-    prepare_run_dir,
-    settle_hydra_output,
-)
+from mta_repro.train.plugins import load_factory
+from mta_repro.train.rundir import clean_failed_start, commit_start, prepare_run_dir, settle_hydra_output
+from mta_repro.train.runlock import RunLock, lock_heartbeat
 from mta_repro.train.signals import PreemptionHandler, requeue_if_slurm
+from mta_repro.train.stage_weights import stage_start_weights
 from mta_repro.train.state import TrainState
 from mta_repro.train.validation import Validator, maybe_validator
 
@@ -85,17 +79,6 @@ def _section(cfg: DictConfig, key: str, cls):
     return to_dataclass(cls, node, key)
 
 
-def load_factory(spec: str, field: str = "trainer.loader") -> Callable:
-    """The function a ``module:function`` config field names."""
-    module, _, name = spec.partition(":")
-    if not module or not name:
-        raise UserError(f"{field}: expected 'module:function', got {spec!r}")
-    try:
-        return getattr(importlib.import_module(module), name)
-    except (ImportError, AttributeError) as e:
-        raise UserError(f"{field}: cannot import {spec!r} ({e})") from e
-
-
 def _check_vocab(args: TrainConfig, vocab_size: int) -> None:
     """The model's vocabulary must equal the tokenizer's id count (data contract)."""
     tok = args.data.tokenizer
@@ -111,37 +94,6 @@ def _check_vocab(args: TrainConfig, vocab_size: int) -> None:
             f"model.vocab_size={vocab_size} but the tokenizer data.tokenizer ({tok.name}) "
             f"has {n} ids; set model.vocab_size={n}"
         )
-
-
-def stage_start_weights(
-    ck: CheckpointArgs, model_args, is_main: bool = True, identity: dict | None = None
-) -> dict | None:
-    """Full source weights for a stage start (``checkpoint.init_from``, read on rank 0 only),
-    or None for the seeded init. mta_repro.pipeline.check calls it too, so that its
-    Appendix I check sees exactly what training starts from. ``identity`` (a dict) gets
-    the source's path, step and the sha256 of its tensors (the run's record)."""
-    if ck.init_from is None or not is_main:
-        return None
-    from mta_repro.model.args import MTAArgs
-    from mta_repro.train.checkpoint import load_init_weights
-
-    # baseline_to_mta (Appendix I): a baseline's weights go into this MTA model, new parts at identity.
-    base_args = dataclasses.replace(model_args, mta=MTAArgs(use_mta=False))
-    # Ours (load_model_state) or a release/Lingua checkpoint, in our key layout, checked
-    # against the model it goes into (keys, shapes, float dtypes) before anything is copied.
-    sd, step = load_init_weights(ck.init_from, expect=model_args if ck.init_mode == "model" else base_args)
-    if identity is not None:
-        from mta_repro.train.provenance import state_digest
-
-        identity.update(path=str(ck.init_from), step=step, weights_sha256=state_digest(sd))
-    if ck.init_mode == "model":
-        print(f"[mta_repro.train] initialised from {ck.init_from} (step {step}): model weights only", file=sys.stderr)
-        return sd
-    from mta_repro.model.insertion import baseline_to_mta
-
-    model = baseline_to_mta(sd, base_args, model_args.mta, device="cpu")
-    print(f"[mta_repro.train] inserted MTA into the baseline from {ck.init_from} (step {step})", file=sys.stderr)
-    return model.state_dict()
 
 
 def train(cfg: Any) -> dict[str, Any]:
@@ -694,74 +646,6 @@ def finish(args: TrainConfig, info: DistInfo, state: TrainState, parts: LoopPart
         requeued = requeue_if_slurm(stopped_by, info.is_main)
         if info.is_main:
             _print_stop(state.step, stopped_by, requeued, parts.saver.last_path)
-
-
-def attn_selfcheck(model_args, info: DistInfo, param_dtype: str, run_dir: Path) -> tuple[Any, str | None]:
-    """``model.attn_selfcheck`` before the model is built: the model's attention
-    implementation checked on this device in the run's dtype (mta_repro/model/selfcheck.py),
-    replaced by the first of its fallbacks that passes on every rank. Returns the model
-    args to build with and the name that runs (None when no check ran); rank 0 appends the
-    decision to ``<run_dir>/attn_selfcheck.json``."""
-    mode = model_args.attn_selfcheck
-    if mode == "off" or (info.device.type == "cpu" and not model_args.attn_selfcheck_cpu):
-        return model_args, None
-    from mta_repro.model import selfcheck
-    from mta_repro.train.distributed import DTYPES
-
-    if not selfcheck.explicit_layer_kinds(model_args):
-        return model_args, None  # sdpa/diff layers only: nothing to check
-    dtype = DTYPES[param_dtype] if info.device.type == "cuda" else torch.float32
-    err: BaseException | None = None
-    try:
-        decision = selfcheck.decide(
-            model_args,
-            info.device,
-            dtype,
-            strict=mode == "strict",
-            log=lambda line: print(
-                f"[mta_repro.train] rank {info.rank}: {line}" if info.world_size > 1 else f"[mta_repro.train] {line}",
-                file=sys.stderr,
-                flush=True,
-            ),
-        )
-        chain = [model_args.attn_impl]
-        while chain[-1] != decision.used:
-            chain.append(selfcheck.next_impl(chain[-1]))
-        pos = len(chain) - 1
-    except selfcheck.SelfCheckError as e:
-        err, pos = e, -1
-    if info.world_size > 1:  # every rank runs the furthest fallback any rank needed; a refusal stops all
-        t = torch.tensor([pos if err is None else 2**31, 1 if err is not None else 0], device=info.device)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        if err is None and int(t[1]):
-            err = selfcheck.SelfCheckError("attention self-check: another rank refused (its line says why)")
-        pos = int(t[0])
-    if err is not None:
-        raise err
-    used = model_args.attn_impl
-    for _ in range(pos):
-        nxt = selfcheck.next_impl(used)
-        assert nxt is not None  # pos steps along the chain to an implementation some rank used
-        used = nxt
-    if info.is_main:
-        _record_selfcheck(run_dir, {**decision.as_dict(), "used": used, "world_size": info.world_size})
-    # blocked+conv2d: attn_impl=blocked with model.kernels.kq_conv=conv2d, for this model only
-    return selfcheck.applied(model_args, used), used
-
-
-def _record_selfcheck(run_dir: Path, entry: dict) -> None:
-    """Append one start's decision to ``<run_dir>/attn_selfcheck.json`` (a list, atomically)."""
-    from mta_repro.files import replace_atomically
-
-    path = Path(run_dir) / "attn_selfcheck.json"
-    try:
-        history = json.loads(path.read_text()) if path.is_file() else []
-    except (OSError, ValueError):
-        history = []
-    if not isinstance(history, list):
-        history = []
-    history.append({"time": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime()) + " UTC", **entry})
-    replace_atomically(path, json.dumps(history, indent=1).encode())
 
 
 def _stopped_before_training(e: StopRequested, run_dir: Path, is_main: bool) -> StopRequested:

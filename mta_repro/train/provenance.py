@@ -155,7 +155,7 @@ def validation_fingerprint(data_args) -> dict | None:
     when there are none."""
     from mta_repro.data import to_data_args
     from mta_repro.data.args import active_sources
-    from mta_repro.data.sources import corpus_root, fingerprint, list_entries
+    from mta_repro.data.listing import corpus_root, fingerprint, list_entries
 
     try:
         args = to_data_args(data_args)
