@@ -108,12 +108,12 @@ def test_blocked_conv2d_runs_conv2d_under_the_tuning(monkeypatch):
     recomputing backward, with nothing set in the environment."""
     import torch
 
-    from mta_repro.model import attention_ops
+    from mta_repro.model import attention_blocked
 
     ga = _acceptance_module()
     calls = []
-    real = attention_ops.kq_conv_dense
-    monkeypatch.setattr(attention_ops, "kq_conv_dense", lambda *a: calls.append(1) or real(*a))
+    real = attention_blocked.kq_conv_dense
+    monkeypatch.setattr(attention_blocked, "kq_conv_dense", lambda *a: calls.append(1) or real(*a))
     p = ga.layer_params("kq_conv", 2, (2, 3), torch.float32, torch.device("cpu"), 8)
     q, k, v = (torch.randn(1, 2, 16, 4, requires_grad=True) for _ in range(3))
     ga.call_impl("blocked+conv2d", q, k, v, p, True).sum().backward()

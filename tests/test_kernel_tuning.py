@@ -15,7 +15,7 @@ import torch
 from mta_repro.errors import UserError
 from mta_repro.kernels import kq_conv_cpu
 from mta_repro.kernels.tuning import KernelTuning
-from mta_repro.model import ModelArgs, attention_ops, build_model
+from mta_repro.model import ModelArgs, attention_blocked, attention_ops, build_model
 from mta_repro.train.config import compose, to_train_config
 
 SMALL = dict(
@@ -35,11 +35,12 @@ def _model(**kernels):
 
 @pytest.fixture
 def spy(monkeypatch):
-    """Which key-query convolution ran: 'conv2d' (attention_ops.kq_conv_dense, F.conv2d), 'c'
-    (kq_conv_cpu.kq_conv) or 'triton' with its tile (kq_conv_triton.corr), in call order."""
+    """Which key-query convolution ran: 'conv2d' (kq_conv_dense as the blocked engine calls it,
+    F.conv2d), 'c' (kq_conv_cpu.kq_conv) or 'triton' with its tile (kq_conv_triton.corr), in call
+    order."""
     calls = []
-    conv2d, c = attention_ops.kq_conv_dense, kq_conv_cpu.kq_conv
-    monkeypatch.setattr(attention_ops, "kq_conv_dense", lambda *a: calls.append("conv2d") or conv2d(*a))
+    conv2d, c = attention_blocked.kq_conv_dense, kq_conv_cpu.kq_conv
+    monkeypatch.setattr(attention_blocked, "kq_conv_dense", lambda *a: calls.append("conv2d") or conv2d(*a))
     monkeypatch.setattr(kq_conv_cpu, "kq_conv", lambda *a: calls.append("c") or c(*a))
     if importlib.util.find_spec("triton") is not None:
         from mta_repro.kernels import kq_conv_triton
