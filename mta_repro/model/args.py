@@ -165,7 +165,8 @@ class ModelArgs:
     attn_block_size: int | None = None
     # Before training on a non-CPU device, check attn_impl there, in the run's dtype, on each
     # explicit layer kind against the float64 reference (mta_repro/model/selfcheck.py):
-    # "warn" falls back along triton -> blocked -> blocked+conv2d -> torch with one line
+    # "warn" falls back along the registry's fallbacks (triton -> blocked -> blocked+conv2d
+    # -> torch) with one line
     # and records what ran (<run_dir>/attn_selfcheck.json, "attn_impl" in metrics.jsonl);
     # "strict" refuses to train (rc 2); "off" skips it.
     attn_selfcheck: str = field(default="warn", metadata={"run_dir": "free"})
