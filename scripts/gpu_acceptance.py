@@ -147,15 +147,16 @@ def call_impl(name: str, q, k, v, p, training: bool, knob: str = ""):
 # first compile of every pass, and the acceptance run itself should fit one 10-minute call.
 TRITON_KNOBS = (
     "",
-    "model.kernels.triton_frame=128x64",
-    "model.kernels.triton_frame=128x128",
-    "model.kernels.triton_slab_rows=2",
+    "+model.kernels.impl_options.triton.frame=128x64",
+    "+model.kernels.impl_options.triton.frame=128x128",
+    "+model.kernels.impl_options.triton.slab_rows=2",
 )
 
 
 def knob_tuning(knob: str, base=None):
-    """``base`` (a KernelTuning; None: the defaults) with one ``model.kernels.FIELD=VALUE``
-    override applied (nothing for ""), the value read as YAML as the command line would."""
+    """``base`` (a KernelTuning; None: the defaults) with one ``model.kernels.FIELD=VALUE`` (or
+    ``+model.kernels.impl_options.IMPL.OPTION=VALUE``) override applied (nothing for ""), the
+    value read as YAML as the command line would."""
     return kernel_tuning([knob], base)
 
 

@@ -76,7 +76,7 @@ def test_config_validators_raise_user_error():
         "optim.lr=-1",
         "model.mta.mta_layers=abc",
         "model.kernels.kq_conv=cudnn",
-        "model.kernels.triton_slab_rows=3",
+        "+model.kernels.impl_options.blocked.frame=16x16",
     ):
         with pytest.raises(UserError):
             to_train_config(compose([override]))

@@ -7,7 +7,8 @@ or an entry point of the group ``mta_repro.attn_impls`` in an installed package'
 loaded on first use (how the experimental fused Triton kernels register as ``triton``; this
 module never imports them). Each entry names its ``fallback``: what runs where it declines a
 call, and what the self-check (``mta_repro.model.selfcheck``) tries next where it is wrong;
-following them from any name gives the fallback chain.
+following them from any name gives the fallback chain. An entry may take options of its own
+from ``model.kernels.impl_options.<name>`` (``AttnImpl.options``, ``check_impl_options``).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import importlib
 import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
+from typing import Any
 
 import torch
 
@@ -24,6 +26,9 @@ from mta_repro.kernels.interface import AttnMask, ExplicitAttnParams
 from mta_repro.kernels.tuning import DEFAULT_TUNING, KernelTuning
 from mta_repro.model.attention_blocked import explicit_attention_blocked, explicit_attention_blocked_conv2d
 from mta_repro.model.attention_math import explicit_attention_torch
+
+# The config section of the implementations' own options: ``<IMPL_OPTIONS>.<name>.<option>``.
+IMPL_OPTIONS = "model.kernels.impl_options"
 
 
 @dataclass(frozen=True)
@@ -50,6 +55,10 @@ class AttnImpl:
     # (ModelArgs, seq_len, layer kind) -> (forward, backward) FLOPs per token of one layer, or
     # None where ``fallback`` runs the layer (None: counted as the whole (B, H, T, T) matrix).
     flops: Callable[..., tuple[float, float] | None] | None = None
+    # (options, where) -> the implementation's own options parsed: ``options`` is the mapping
+    # ``model.kernels.impl_options.<name>``, ``where`` that config path; raises a one-line
+    # UserError naming ``where`` on an unknown key or a bad value (None: it takes none).
+    options: Callable[[Mapping[str, Any], str], object] | None = None
 
 
 # Registry of explicit-path implementations (``model.attn_impl``). An implementation has
@@ -125,6 +134,25 @@ def fallback_chain(name: str) -> list[str]:
             )
         chain.append(nxt)
     return chain
+
+
+def check_impl_options(tuning: KernelTuning) -> None:
+    """Each implementation named in ``tuning.impl_options`` checks its own options
+    (``AttnImpl.options``), loading it where it is declared. One line naming the config field
+    and the implementation where the name is none, it takes no options, or a key or value is
+    wrong (its own check)."""
+    for name, opts in tuning.impl_options.items():
+        where = f"{IMPL_OPTIONS}.{name}"
+        if name not in ATTN_IMPLS and name not in declared_attn_impls():
+            raise UserError(
+                f"{where}: no attention implementation is registered as {name!r} (available: "
+                f"{', '.join(attn_impl_names())}); remove the entry or name one of those"
+            )
+        entry = attn_impl(name)
+        if entry.options is not None:
+            entry.options(opts, where)
+        elif opts:
+            raise UserError(f"{where}: implementation {name!r} takes no options, got {', '.join(sorted(opts))}")
 
 
 def explicit_attention(
