@@ -67,6 +67,11 @@ def test_the_chain_follows_the_registry_entries():
     args = _args("model.kernels.kq_tile=32x32")
     conv = selfcheck.applied(args, "blocked+conv2d")  # a config of its own, the tuning kept
     assert conv.attn_impl == "blocked+conv2d" and conv.kernels == args.kernels
+    from mta_repro.model.flops import forward_flops_per_token
+
+    # the same engine: MFU after the fallback counts what blocked counts (causal skipping, recompute)
+    assert forward_flops_per_token(conv, 2048) == forward_flops_per_token(args, 2048)
+    assert forward_flops_per_token(selfcheck.applied(args, "torch"), 2048) != forward_flops_per_token(args, 2048)
     assert selfcheck.applied(args, "torch").kernels == args.kernels
 
 

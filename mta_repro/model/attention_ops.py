@@ -44,6 +44,7 @@ from mta_repro.model.attention_math import (
 )
 from mta_repro.model.attention_registry import (
     ATTN_IMPLS,
+    BLOCKED_ENGINE,
     ENTRY_POINTS,
     IMPL_OPTIONS,
     AttnImpl,
@@ -59,6 +60,7 @@ from mta_repro.model.attention_registry import (
 
 __all__ = [
     "ATTN_IMPLS",
+    "BLOCKED_ENGINE",
     "DEFAULT_BLOCK_SIZE",
     "ENTRY_POINTS",
     "IMPL_OPTIONS",

@@ -74,6 +74,10 @@ ATTN_IMPLS: dict[str, AttnImpl] = {
     ),
 }
 
+# The names that run the blocked engine (attention_blocked): what the FLOP count credits with
+# its causal skipping per query block and its recomputation in backward.
+BLOCKED_ENGINE = ("blocked", "blocked+conv2d")
+
 # The entry-point group of implementations that are not built in: "name = module:attribute",
 # the attribute an ``AttnImpl``.
 ENTRY_POINTS = "mta_repro.attn_impls"
