@@ -20,7 +20,7 @@ from mta_repro.experimental.fused_triton import tiles
 from mta_repro.experimental.fused_triton.options import kernel_tuning
 from mta_repro.kernels.interface import post_mix_matrix
 from mta_repro.kernels.tuning import KernelTuning
-from mta_repro.model import attention_ops
+from mta_repro.model import attention_ops, attention_registry
 
 pytestmark = [
     pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton not installed"),
@@ -170,7 +170,7 @@ def test_training_dropout_on_a_kq_conv_layer_runs_blocked(monkeypatch):
     back to ``blocked`` through the registry's ``supports`` (one warning naming it), with
     blocked's result under the same seed; in evaluation (dropout off) the kernels run it, and
     a mixing layer keeps the fused kernel's own dropout in training."""
-    monkeypatch.setattr(attention_ops, "_warned", set())  # (each fallback warns once per process)
+    monkeypatch.setattr(attention_registry, "_warned", set())  # (each fallback warns once per process)
     h = 4
     q, k, v = qkv(1, h, 9, 9, 3)
     p = params(h, (2, 3), (3, 3), dropout=0.3)
