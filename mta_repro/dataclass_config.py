@@ -123,6 +123,10 @@ def to_dataclass(cls: type[T], cfg: Any, where: str) -> T:
     if not isinstance(cfg, Mapping):
         raise UserError(f"{where}: expected a mapping of {cls.__name__} fields, got {type(cfg).__name__}")
     known = {f.name for f in dataclasses.fields(cls)}
+    if getattr(cls, "RUN_DIR", None) == "free":
+        # A section no result depends on (a run may continue under other values): a saved
+        # config's setting that no longer exists, left at null (its default), is as absent.
+        cfg = {k: v for k, v in cfg.items() if k in known or v is not None}
     unknown = set(cfg) - known
     if unknown:
         raise UserError(f"{where}: unknown field(s) {sorted(unknown)}; expected some of {sorted(known)}")

@@ -23,8 +23,9 @@ from mta_repro.train.metrics import peak_rss_bytes, reset_peak_rss  # noqa: F401
 
 def kernel_tuning(overrides: Iterable[str] = (), base: KernelTuning | None = None) -> KernelTuning:
     """``base`` (None: the defaults) with ``FIELD=VALUE`` overrides of ``model.kernels``
-    (``kq_conv=conv2d``, ``model.kernels.triton_frame=128x64``), each value read as YAML as
-    on the command line; an empty string is no override. The scripts' ``--kernels``."""
+    (``kq_conv=conv2d``, ``+model.kernels.impl_options.triton.frame=128x64``: one option of an
+    implementation), each value read as YAML as on the command line; an empty string is no
+    override. The scripts' ``--kernels``."""
     import yaml
 
     out = base or KernelTuning()
@@ -33,7 +34,13 @@ def kernel_tuning(overrides: Iterable[str] = (), base: KernelTuning | None = Non
         if not item:
             continue
         key, sep, value = item.partition("=")
-        name = key.strip().removeprefix("model.kernels.")
+        name = key.strip().lstrip("+").removeprefix("model.kernels.")
+        impl, _, option = name.removeprefix("impl_options.").partition(".")
+        if sep and name.startswith("impl_options.") and option:  # one implementation's own option
+            options = {n: dict(o) for n, o in out.impl_options.items()}
+            options.setdefault(impl, {})[option] = yaml.safe_load(value)
+            out = dataclasses.replace(out, impl_options=options)
+            continue
         if not sep or name not in names:
             raise SystemExit(f"--kernels {item!r}: expected FIELD=VALUE with FIELD one of {sorted(names)}")
         try:

@@ -116,29 +116,25 @@ def shapes(quick: bool) -> dict:
 # ------------------------------------------------------------------ parity and layers
 def implementations(skip: set) -> list[str]:
     """Every implementation ``model.attn_impl`` may name (but the reference; the experimental
-    ``triton`` too, loaded by name) plus ``blocked+conv2d``: blocked with F.conv2d for the
-    key-query convolutions (ATen's native depthwise kernel on CUDA), to show what the Triton
-    convolution of the default route gains."""
+    ``triton`` too, loaded by name), ``blocked+conv2d`` among them: blocked with F.conv2d for
+    the key-query convolutions (ATen's native depthwise kernel on CUDA), to show what the
+    Triton convolution of the default route gains."""
     from mta_repro.model import attention_ops
 
-    names = [n for n in attention_ops.attn_impl_names() if n != "torch"] + ["blocked+conv2d"]
+    names = [n for n in attention_ops.attn_impl_names() if n != "torch"]
     return [n for n in names if n not in skip]
 
 
 def call_impl(name: str, q, k, v, p, training: bool, knob: str = ""):
     """Run implementation ``name`` under ``knob`` (``knob_tuning``); None when it declines
-    these tensors. ``blocked+conv2d`` is ``blocked`` under ``model.kernels.kq_conv=conv2d``,
-    as the trainer's self-check runs its fallback (``selfcheck.split_impl``); the tuning
-    travels in the params, so ``blocked``'s recomputing backward runs the same."""
+    these tensors. The tuning travels in the params, so ``blocked``'s recomputing backward
+    runs the same."""
     import dataclasses
 
     from mta_repro.model import attention_ops
-    from mta_repro.model.selfcheck import split_impl
 
-    base, conv = split_impl(name)
-    tuning = knob_tuning(knob, p.tuning)
-    p = dataclasses.replace(p, tuning=tuning if conv is None else dataclasses.replace(tuning, kq_conv=conv))
-    entry = attention_ops.attn_impl(base)
+    p = dataclasses.replace(p, tuning=knob_tuning(knob, p.tuning))
+    entry = attention_ops.attn_impl(name)
     if entry.supports is not None and entry.supports(q, p, attention_ops.AttnMask()) is not None:
         return None
     return entry.fn(q, k, v, p, attention_ops.AttnMask(), training)
@@ -151,15 +147,16 @@ def call_impl(name: str, q, k, v, p, training: bool, knob: str = ""):
 # first compile of every pass, and the acceptance run itself should fit one 10-minute call.
 TRITON_KNOBS = (
     "",
-    "model.kernels.triton_frame=128x64",
-    "model.kernels.triton_frame=128x128",
-    "model.kernels.triton_slab_rows=2",
+    "+model.kernels.impl_options.triton.frame=128x64",
+    "+model.kernels.impl_options.triton.frame=128x128",
+    "+model.kernels.impl_options.triton.slab_rows=2",
 )
 
 
 def knob_tuning(knob: str, base=None):
-    """``base`` (a KernelTuning; None: the defaults) with one ``model.kernels.FIELD=VALUE``
-    override applied (nothing for ""), the value read as YAML as the command line would."""
+    """``base`` (a KernelTuning; None: the defaults) with one ``model.kernels.FIELD=VALUE`` (or
+    ``+model.kernels.impl_options.IMPL.OPTION=VALUE``) override applied (nothing for ""), the
+    value read as YAML as the command line would."""
     return kernel_tuning([knob], base)
 
 

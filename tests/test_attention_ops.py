@@ -282,3 +282,19 @@ def test_compiled_block_no_graph_breaks_and_bounded_recompiles():
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
     assert counters["stats"]["unique_graphs"] == graphs[3]  # same length again: no recompile
     torch._dynamo.reset()
+
+
+def test_attention_ops_is_the_three_modules_under_one_name():
+    """The facade defines nothing: every name it offers is the very object of the module that
+    does that job (the math, the blocked engine, the registry), so a caller of either sees one
+    registry and one function."""
+    from mta_repro.kernels import conv_pad, interface
+    from mta_repro.model import attention_blocked, attention_math, attention_registry
+
+    homes = (attention_math, attention_blocked, attention_registry, interface, conv_pad)
+    for name in attention_ops.__all__:
+        assert any(getattr(m, name, None) is getattr(attention_ops, name) for m in homes), name
+    assert attention_ops.ATTN_IMPLS is attention_registry.ATTN_IMPLS
+    assert attention_ops.explicit_attention_torch.__module__ == "mta_repro.model.attention_math"
+    assert attention_ops.explicit_attention_blocked.__module__ == "mta_repro.model.attention_blocked"
+    assert attention_ops.attn_impl.__module__ == "mta_repro.model.attention_registry"

@@ -8,16 +8,17 @@ these same tests in tests/experimental/test_triton_parity.py.)
 """
 
 import dataclasses
+from pathlib import Path
 
 import pytest
 import torch
 
 from mta_repro.errors import UserError
 from mta_repro.kernels import kq_conv_cpu
-from mta_repro.model import ModelArgs, MTAArgs, attention_ops, build_model
+from mta_repro.model import ModelArgs, MTAArgs, attention_ops, attention_registry, build_model
 
 # The core's implementations but the reference.
-IMPLS = ["blocked"]
+IMPLS = ["blocked", "blocked+conv2d"]
 H, D = 4, 3
 
 
@@ -268,11 +269,11 @@ def test_a_declared_impl_is_loaded_by_name_on_first_use(monkeypatch):
         "missing": "no_such_module_anywhere:IMPL",
         "wrong": f"{module.__name__}:NOT_AN_IMPL",
     }
-    monkeypatch.setattr(attention_ops, "declared_attn_impls", lambda: declared)
-    monkeypatch.setattr(attention_ops, "ATTN_IMPLS", dict(attention_ops.ATTN_IMPLS))
-    assert "declared" not in attention_ops.ATTN_IMPLS and "declared" in attention_ops.attn_impl_names()
+    monkeypatch.setattr(attention_registry, "declared_attn_impls", lambda: declared)
+    monkeypatch.setattr(attention_registry, "ATTN_IMPLS", dict(attention_registry.ATTN_IMPLS))
+    assert "declared" not in attention_registry.ATTN_IMPLS and "declared" in attention_ops.attn_impl_names()
     assert ModelArgs(attn_impl="declared").attn_impl == "declared"
-    assert attention_ops.ATTN_IMPLS["declared"] is module.IMPL
+    assert attention_registry.ATTN_IMPLS["declared"] is module.IMPL
     q, k, v = qkv()
     p = make_params()
     torch.testing.assert_close(
@@ -293,16 +294,41 @@ def test_a_declared_impl_is_loaded_by_name_on_first_use(monkeypatch):
         ModelArgs(attn_impl="wrong")
 
 
-def test_this_package_declares_its_experimental_impl_without_importing_it():
-    """pyproject.toml declares "triton" (mta_repro/experimental/fused_triton) in the group, and
-    the source tree's declaration is found without installed metadata (PYTHONPATH=. runs)."""
-    from pathlib import Path
+def test_implementations_are_declared_by_installed_metadata_only(monkeypatch):
+    """The declared implementations are the installed packages' entry points of the group
+    (importlib.metadata; no source tree's pyproject.toml is read), and nothing is imported to
+    list them."""
+    import importlib.metadata as md
+    import sys
 
-    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
-    project = tomllib.loads((Path(__file__).resolve().parents[1] / "pyproject.toml").read_text())["project"]
-    declared = project["entry-points"][attention_ops.ENTRY_POINTS]
-    assert declared == {"triton": "mta_repro.experimental.fused_triton.impl:IMPL"}
-    assert attention_ops.declared_attn_impls()["triton"] == declared["triton"]
+    seen = []
+    fake = md.EntryPoint(name="fake", value="fake_module_not_imported:IMPL", group=attention_ops.ENTRY_POINTS)
+
+    def entry_points(**selection):
+        seen.append(selection)
+        return md.EntryPoints([fake])
+
+    monkeypatch.setattr(md, "entry_points", entry_points)
+    assert attention_ops.declared_attn_impls() == {"fake": "fake_module_not_imported:IMPL"}
+    assert seen == [{"group": "mta_repro.attn_impls"}] and "fake_module_not_imported" not in sys.modules
+
+
+@pytest.mark.skipif(
+    not (Path(__file__).resolve().parents[1] / "mta_repro" / "experimental").is_dir(),
+    reason="no experiments in this tree",
+)
+def test_the_installed_package_declares_its_experimental_impl_without_importing_it():
+    """This package's metadata (pyproject.toml, as installed) declares "triton" in the group;
+    listing it imports nothing of the experiment."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys; from mta_repro.model import attention_ops as a; d = a.declared_attn_impls(); "
+        "print(d.get('triton'), any(m.startswith('mta_repro.experimental') for m in sys.modules))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    assert out == ["mta_repro.experimental.fused_triton.impl:IMPL", "False"]
 
 
 def test_unsupported_case_falls_back_to_reference():

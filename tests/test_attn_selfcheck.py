@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from mta_repro.errors import UserError
 from mta_repro.model import attention_ops, selfcheck, to_model_args
 from mta_repro.train.config import compose
 
@@ -57,13 +58,38 @@ def _args(*overrides):
     return to_model_args(compose([*MTA, *overrides]).model)
 
 
-def test_the_chain_is_the_documented_one():
-    assert [selfcheck.next_impl(n) for n in selfcheck.FALLBACK_CHAIN] == ["blocked", "blocked+conv2d", "torch", None]
+def test_the_chain_follows_the_registry_entries():
+    """Each step is the registry entry's ``fallback``: the built-in chain, the documented one, and
+    a registered implementation's own, which joins it where its fallback points."""
+    assert attention_ops.fallback_chain("blocked") == ["blocked", "blocked+conv2d", "torch"]
+    assert [selfcheck.next_impl(n) for n in ("blocked", "blocked+conv2d", "torch")] == ["blocked+conv2d", "torch", None]
+    assert attention_ops.attn_impl("blocked+conv2d").fn is attention_ops.explicit_attention_blocked_conv2d
     args = _args("model.kernels.kq_tile=32x32")
-    conv = selfcheck.applied(args, "blocked+conv2d")  # a config of its own, the rest of the tuning kept
-    assert conv.attn_impl == "blocked" and conv.kernels.kq_conv == "conv2d" and conv.kernels.kq_tile == "32x32"
-    assert attention_ops.kq_conv_backend(torch.zeros(1), conv.kernels) == "conv2d"
-    assert args.kernels.kq_conv == "auto" and selfcheck.applied(args, "torch").kernels == args.kernels
+    conv = selfcheck.applied(args, "blocked+conv2d")  # a config of its own, the tuning kept
+    assert conv.attn_impl == "blocked+conv2d" and conv.kernels == args.kernels
+    from mta_repro.model.flops import forward_flops_per_token
+
+    # the same engine: MFU after the fallback counts what blocked counts (causal skipping, recompute)
+    assert forward_flops_per_token(conv, 2048) == forward_flops_per_token(args, 2048)
+    assert forward_flops_per_token(selfcheck.applied(args, "torch"), 2048) != forward_flops_per_token(args, 2048)
+    assert selfcheck.applied(args, "torch").kernels == args.kernels
+
+
+def test_a_registered_chain_and_a_circle(wrong, monkeypatch):
+    assert attention_ops.fallback_chain("wrong_nan") == [
+        "wrong_nan",
+        "wrong_scale",
+        "blocked",
+        "blocked+conv2d",
+        "torch",
+    ]
+    monkeypatch.setitem(
+        attention_ops.ATTN_IMPLS,
+        "loop",
+        attention_ops.AttnImpl(attention_ops.explicit_attention_torch, fallback="loop"),
+    )
+    with pytest.raises(UserError, match=r"^model.attn_impl='loop': its fallbacks go round in a circle: loop -> loop$"):
+        attention_ops.fallback_chain("loop")
 
 
 @pytest.fixture
@@ -80,9 +106,9 @@ def wrong_c_kernel(monkeypatch):
 
 
 def test_a_wrong_c_kernel_falls_back_to_conv2d_as_a_config(wrong_c_kernel, tmp_path, capsys):
-    """blocked -> blocked+conv2d: the trainer builds its model with model.kernels.kq_conv=conv2d
-    (recorded in attn_selfcheck.json), no environment variable is set, and the losses are a
-    run's that asked for that config."""
+    """blocked -> blocked+conv2d: the trainer builds its model with that implementation (recorded
+    in attn_selfcheck.json), no environment variable is set, and the losses are a run's that
+    asked for model.kernels.kq_conv=conv2d."""
     from mta_repro.train.loop import train
 
     run = tmp_path / "run"

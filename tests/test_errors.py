@@ -76,7 +76,7 @@ def test_config_validators_raise_user_error():
         "optim.lr=-1",
         "model.mta.mta_layers=abc",
         "model.kernels.kq_conv=cudnn",
-        "model.kernels.triton_slab_rows=3",
+        "+model.kernels.impl_options.blocked.frame=16x16",
     ):
         with pytest.raises(UserError):
             to_train_config(compose([override]))
@@ -154,7 +154,9 @@ def test_user_facing_raises_are_user_errors():
         n = len(re.findall(r"raise ValueError\(", p.read_text()))
         if n:
             found[str(p.relative_to(ROOT))] = n
-    assert found == INTERNAL_VALUE_ERRORS
+    assert found == {
+        k: n for k, n in INTERNAL_VALUE_ERRORS.items() if (ROOT / k).is_file()
+    }  # (a tree may lack experiments)
 
 
 def test_resolvers_are_registered_in_one_place():

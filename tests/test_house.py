@@ -169,9 +169,12 @@ def test_nothing_outside_the_experiments_imports_one():
         if m == EXPERIMENTAL or m.startswith(EXPERIMENTAL + ".")
     }
     assert not bad, sorted(bad)
-    # the walk sees what it looks for: an experiment's own modules import one another
-    seen = _every_import(ROOT / "mta_repro" / "experimental" / "fused_triton" / "impl.py")
-    assert any(m.startswith(EXPERIMENTAL + ".") for m in seen), seen
+    # the walk sees what it looks for: an experiment's own modules import one another (where
+    # the tree has them: scripts/check_without_experimental.sh runs the tests without)
+    impl = ROOT / "mta_repro" / "experimental" / "fused_triton" / "impl.py"
+    if impl.is_file():
+        seen = _every_import(impl)
+        assert any(m.startswith(EXPERIMENTAL + ".") for m in seen), seen
 
 
 # The layers, bottom to top (docs/architecture.md draws the same order): a module imports only

@@ -1,13 +1,15 @@
-"""model.kernels (KernelTuning, mta_repro/kernels/interface.py): the kernels' tuning as a config
+"""model.kernels (KernelTuning, mta_repro/kernels/tuning.py): the kernels' tuning as a config
 section, carried per model. What a setting asks for is what runs, two models in one process
 keep their own, the section composes from the command line, a bad value or a removed
-environment variable is one line naming the field, a run dir may continue under another
+environment variable is one line naming the field, an implementation's own options
+(impl_options) are checked by that implementation, a run dir may continue under another
 tuning, and the memory pre-flight reads the tuning of the model it is given."""
 
 from __future__ import annotations
 
 import dataclasses
 import importlib.util
+from pathlib import Path
 
 import pytest
 import torch
@@ -15,7 +17,7 @@ import torch
 from mta_repro.errors import UserError
 from mta_repro.kernels import kq_conv_cpu
 from mta_repro.kernels.tuning import KernelTuning
-from mta_repro.model import ModelArgs, attention_ops, build_model
+from mta_repro.model import ModelArgs, attention_blocked, attention_ops, build_model
 from mta_repro.train.config import compose, to_train_config
 
 SMALL = dict(
@@ -25,6 +27,7 @@ SMALL = dict(
     vocab_size=50,
     mta=dict(use_mta=True, query_kernel_size=2, key_kernel_size=3, mta_layers="1"),
 )
+ROOT = Path(__file__).resolve().parents[1]
 TOKENS = torch.randint(0, 50, (2, 12), generator=torch.Generator().manual_seed(0))
 
 
@@ -35,11 +38,12 @@ def _model(**kernels):
 
 @pytest.fixture
 def spy(monkeypatch):
-    """Which key-query convolution ran: 'conv2d' (attention_ops.kq_conv_dense, F.conv2d), 'c'
-    (kq_conv_cpu.kq_conv) or 'triton' with its tile (kq_conv_triton.corr), in call order."""
+    """Which key-query convolution ran: 'conv2d' (kq_conv_dense as the blocked engine calls it,
+    F.conv2d), 'c' (kq_conv_cpu.kq_conv) or 'triton' with its tile (kq_conv_triton.corr), in call
+    order."""
     calls = []
-    conv2d, c = attention_ops.kq_conv_dense, kq_conv_cpu.kq_conv
-    monkeypatch.setattr(attention_ops, "kq_conv_dense", lambda *a: calls.append("conv2d") or conv2d(*a))
+    conv2d, c = attention_blocked.kq_conv_dense, kq_conv_cpu.kq_conv
+    monkeypatch.setattr(attention_blocked, "kq_conv_dense", lambda *a: calls.append("conv2d") or conv2d(*a))
     monkeypatch.setattr(kq_conv_cpu, "kq_conv", lambda *a: calls.append("c") or c(*a))
     if importlib.util.find_spec("triton") is not None:
         from mta_repro.kernels import kq_conv_triton
@@ -91,7 +95,7 @@ def test_the_default_tuning_is_todays_behaviour():
     assert attention_ops.compile_block(torch.device("cpu"), t) is False
     assert attention_ops.compile_block(torch.device("cuda"), t) is True
     assert t.compile_block_backend == "inductor" and t.kq_tile_shape == (64, 64)
-    assert t.triton_frame_shape is None and t.triton_programs is None and t.triton_slab_rows is None
+    assert t.impl_options == {}
     assert ModelArgs().kernels == t
 
 
@@ -102,23 +106,52 @@ def test_the_tuning_cannot_change_under_a_model():
     assert dataclasses.replace(t, kq_tile="32x32").kq_conv == "conv2d" and hash(t) == hash(
         KernelTuning(kq_conv="conv2d")
     )
+    # an implementation's options are the tuning's own copy: the mapping it was built from may
+    # change afterwards; they take part in equality (and the tuning stays hashable)
+    given = {"tuned": {"frame": "128x64"}}
+    o = KernelTuning(impl_options=given)
+    given["tuned"]["frame"] = "16x16"
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        o.impl_options = {}
+    assert o.impl_options == {"tuned": {"frame": "128x64"}} and o != KernelTuning() and hash(o) == hash(KernelTuning())
+    assert dataclasses.replace(o, kq_conv="c").impl_options == o.impl_options
+
+
+def _tuned_options(options, where):
+    """A registered implementation's own options check: one option, ``frame``, ROWSxCOLS."""
+    for key, value in options.items():
+        if key != "frame":
+            raise UserError(f"{where}.{key}: no option of attention implementation 'tuned'; its options: frame")
+        if not (isinstance(value, str) and all(part.isdigit() for part in value.split("x"))):
+            raise UserError(f"{where}.frame: {value!r}: expected ROWSxCOLS")
+    return dict(options)
+
+
+@pytest.fixture
+def tuned(monkeypatch):
+    """An implementation registered outside the core that takes options (``tuned``)."""
+    monkeypatch.setitem(
+        attention_ops.ATTN_IMPLS,
+        "tuned",
+        attention_ops.AttnImpl(attention_ops.explicit_attention_torch, options=_tuned_options),
+    )
+    return "tuned"
 
 
 @pytest.mark.parametrize("overrides", [["model.kernels.kq_conv=conv2d"], ["++model.kernels.kq_conv=conv2d"]])
-def test_the_section_composes_from_the_command_line(overrides):
+def test_the_section_composes_from_the_command_line(overrides, tuned):
     cfg = to_train_config(
         compose(
             [
                 "attention=mta",
                 *overrides,
-                "model.kernels.triton_frame=128x64",
+                "+model.kernels.impl_options.tuned.frame=128x64",  # + adds a key to a mapping
                 "model.kernels.compile_block=false",
-                "model.kernels.triton_programs=3",
             ]
         )
     )
     assert cfg.model.kernels == KernelTuning(
-        kq_conv="conv2d", triton_frame="128x64", compile_block=False, triton_programs=3
+        kq_conv="conv2d", compile_block=False, impl_options={"tuned": {"frame": "128x64"}}
     )
     model = build_model(cfg.model, device="meta")
     assert all(layer.attention.kernels.tuning == cfg.model.kernels for layer in model.layers)
@@ -139,9 +172,6 @@ def test_plus_on_an_existing_field_is_hydras_own_refusal():
         ("kq_conv=cudnn", "model.kernels.kq_conv: 'cudnn': expected auto, c, triton or conv2d"),
         ("kq_tile=48x64", "model.kernels.kq_tile: '48x64': both sizes must be powers of two, at least 16 (e.g. 64x64)"),
         ("kq_tile=wide", "model.kernels.kq_tile: 'wide': expected ROWSxCOLS, e.g. 64x64"),
-        ("triton_frame=24x32", "model.kernels.triton_frame: '24x32': both sizes must be powers of two, at least 16"),
-        ("triton_programs=0", "model.kernels.triton_programs: 0: expected a positive integer or null"),
-        ("triton_slab_rows=3", "model.kernels.triton_slab_rows: 3: expected a power of two or null"),
         ("compile_block_backend=''", "model.kernels.compile_block_backend: '': expected the name of a torch.compile"),
     ],
 )
@@ -149,6 +179,33 @@ def test_a_bad_value_is_one_line_naming_the_field(override, message):
     with pytest.raises(UserError) as e:
         to_train_config(compose([f"model.kernels.{override}"]))
     assert str(e.value).startswith(message) and "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("tuned.frame=wide", "model.kernels.impl_options.tuned.frame: 'wide': expected ROWSxCOLS"),
+        ("tuned.fram=64x64", "model.kernels.impl_options.tuned.fram: no option of attention implementation 'tuned'"),
+        (
+            "blocked.frame=64x64",
+            "model.kernels.impl_options.blocked: implementation 'blocked' takes no options, got frame",
+        ),
+        ("nowhere.frame=64x64", "model.kernels.impl_options.nowhere: no attention implementation is registered as "),
+    ],
+)
+def test_an_implementations_options_are_checked_by_it(override, message, tuned):
+    """model.kernels.impl_options.<impl>: the core keeps the options unread; the implementation
+    registered under that name checks them as the model's args are validated, whatever
+    model.attn_impl is. A wrong one is one line naming the field and the implementation."""
+    with pytest.raises(UserError) as e:
+        to_train_config(compose([f"+model.kernels.impl_options.{override}"]))
+    assert str(e.value).startswith(message) and "\n" not in str(e.value)
+    with pytest.raises(
+        UserError, match=r"^model.kernels.impl_options.tuned: 3: expected the options of implementation"
+    ):
+        KernelTuning(impl_options={"tuned": 3})  # (the schema's types refuse it on the command line)
+    ok = to_train_config(compose(["+model.kernels.impl_options.tuned.frame=64x64"])).model
+    assert ok.attn_impl == "blocked" and ok.kernels.impl_options == {"tuned": {"frame": "64x64"}}
 
 
 def test_an_unknown_field_names_the_nearest():
@@ -171,7 +228,8 @@ def test_a_run_dir_may_continue_under_another_tuning():
     saved = OmegaConf.to_container(compose(["attention=mta"]), resolve=True)
     del saved["model"]["kernels"]  # a run that started before the section existed
     new = OmegaConf.to_container(
-        compose(["attention=mta", "model.kernels.kq_conv=conv2d", "model.kernels.triton_frame=128x64"]), resolve=True
+        compose(["attention=mta", "model.kernels.kq_conv=conv2d", "+model.kernels.impl_options.tuned.frame=128x64"]),
+        resolve=True,
     )
     d = diff_configs(saved, new)
     assert d.unsafe == {} and d.safe == {}
@@ -214,3 +272,24 @@ def test_the_compiled_block_runs_the_tuned_tile_without_graph_breaks(spy):
     assert spy and set(spy) == {("triton", (16, 16))}, spy
     torch._dynamo.reset()
     attention_ops._compiled_blocks.clear()
+
+
+def test_a_saved_config_with_retired_settings_at_null_still_loads():
+    """The committed study's run configs (as every run's config.yaml and checkpoint of an
+    earlier version) hold model.kernels settings that no longer exist, at null: the section
+    changes no result, so they read as absent; one set to a value is still an unknown field."""
+    import yaml
+
+    from mta_repro.model import to_model_args
+
+    saved = yaml.safe_load(
+        (ROOT / "results" / "small_study" / "pretrain" / "mta" / "seed0" / "config.yaml").read_text()
+    )
+    retired = {k for k, v in saved["model"]["kernels"].items() if v is None} - {
+        f.name for f in dataclasses.fields(KernelTuning)
+    }
+    assert retired  # the file has some
+    assert to_model_args(saved["model"]).kernels == KernelTuning()
+    name = sorted(retired)[0]
+    with pytest.raises(UserError, match=rf"^model\.kernels: unknown field\(s\) \['{name}'\]"):
+        to_model_args({"kernels": {name: "128x64"}})

@@ -2,7 +2,7 @@
 ``transformers`` loads with ``trust_remote_code=True``.
 
 The folder's ``modeling_mta_repro.py`` is self-contained: it is this project's own model
-code (``BUNDLED``: ``mta_repro/model/args.py``, ``attention_ops.py``, ``transformer.py``, and
+code (``BUNDLED``: ``mta_repro/model/args.py``, ``attention_{math,blocked,registry}.py``, ``transformer.py``, and
 ``mta_repro/kernels/conv_pad.py``, ``tuning.py``, ``interface.py``) bundled into one module at export time,
 with the package imports rewritten to point inside it, plus a thin ``PreTrainedModel``
 wrapper. So the exported model computes exactly what ours does
@@ -26,7 +26,7 @@ PACKAGE_DIR = Path(__file__).resolve().parents[1]  # mta_repro/
 MODULE = "modeling_mta_repro"
 
 _HEADER = '''"""Self-contained modeling file written by mta-repro's `python -m mta_repro.hf export`
-(the project's mta_repro/model/{args,attention_ops,transformer}.py and
+(the project's mta_repro/model/{args,attention_math,attention_blocked,attention_registry,transformer}.py and
 mta_repro/kernels/{conv_pad,tuning,interface}.py bundled into one module, plus a transformers wrapper). Load with
 AutoModelForCausalLM.from_pretrained(<folder>, trust_remote_code=True)."""
 
@@ -177,7 +177,9 @@ BUNDLED = (
     "kernels/tuning.py",
     "kernels/interface.py",
     "model/args.py",
-    "model/attention_ops.py",
+    "model/attention_math.py",
+    "model/attention_blocked.py",
+    "model/attention_registry.py",
     "model/transformer.py",
 )
 

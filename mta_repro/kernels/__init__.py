@@ -6,8 +6,8 @@
   kernels' tuning (``KernelTuning``, ``model.kernels``);
 - ``triton_interp``: the fixes Triton's interpreter needs to run Triton kernels on CPU tensors.
 
-The fused Triton attention kernels (``model.attn_impl=triton``) are an experiment, apart
-in ``mta_repro.experimental.fused_triton``.
+Attention implementations outside the core (an experiment's kernels) live apart and
+register by name (``mta_repro.model.attention_registry``); nothing here knows them.
 
 Nothing here imports ``mta_repro.model``: the model picks a kernel
 (``mta_repro.model.attention_ops``), a kernel only computes. Importing this package imports

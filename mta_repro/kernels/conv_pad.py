@@ -1,7 +1,7 @@
 """Where a key-query convolution's kernel sits on the key axis: shared by the reference
-and blocked paths (attention_ops.py), the kernels and the experimental Triton kernels'
-geometry (experimental/fused_triton/tiles.py), so none imports another for it (the Hugging
-Face bundle, hf/remote.py, inlines this file before attention_ops.py)."""
+and blocked paths (attention_math.py, attention_blocked.py) and the kernels, so none
+imports another for it (the Hugging Face bundle, hf/remote.py, inlines this file before
+them)."""
 
 
 def pad_left(pad_key: str, c_k: int) -> int:

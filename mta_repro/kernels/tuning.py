@@ -1,11 +1,14 @@
-"""The kernels' tuning (``model.kernels``): which key-query convolution backend runs and the
-tile and launch sizes of the Triton kernels. Every field is checked where it is set."""
+"""The kernels' tuning (``model.kernels``): which key-query convolution backend runs, the tile
+of its Triton kernel, and the options of a registered attention implementation, kept for it
+unread. Every field is checked where it is set (an implementation's options by it)."""
 
 from __future__ import annotations
 
+import copy
 import dataclasses
-from dataclasses import dataclass
-from typing import ClassVar
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
 
 from mta_repro.errors import UserError
 
@@ -29,12 +32,23 @@ def _shape(where: str, spec: str | None, example: str) -> tuple[int, int] | None
     return r, c
 
 
-def _count(where: str, value, what: str) -> None:
-    if value is not None and (
-        isinstance(value, bool) or not isinstance(value, int) or value < 1 or (what == "pow2" and not _pow2(value))
-    ):
-        expected = "a power of two" if what == "pow2" else "a positive integer"
-        raise UserError(f"{where}: {value!r}: expected {expected} or null")
+def _impl_options(value) -> dict[str, dict[str, Any]]:
+    """``model.kernels.impl_options`` as plain nested dicts (a copy), or one line saying its
+    shape: {implementation name: {option: value}}."""
+    where = "model.kernels.impl_options"
+    if value is None:
+        return {}
+    if not isinstance(value, Mapping):
+        raise UserError(f"{where}: {value!r}: expected a mapping {{implementation: {{option: value}}}}")
+    out = {}
+    for name, opts in value.items():
+        if not isinstance(name, str) or not (opts is None or isinstance(opts, Mapping)):
+            raise UserError(
+                f"{where}.{name}: {opts!r}: expected the options of implementation {name!r} as a mapping "
+                "{option: value}"
+            )
+        out[name] = {str(k): copy.deepcopy(v) for k, v in (opts or {}).items()}
+    return out
 
 
 @dataclass(unsafe_hash=True)
@@ -53,12 +67,12 @@ class KernelTuning:
     RUN_DIR: ClassVar[str] = "free"
 
     # The kernel of the ``blocked`` path's key-query convolutions
-    # (``attention_ops.kq_conv_backend``): auto | c | triton | conv2d. ``auto``: the C
+    # (``attention_blocked.kq_conv_backend``): auto | c | triton | conv2d. ``auto``: the C
     # kernel (kq_conv_cpu) on CPU fp32/fp64, the Triton kernel (kq_conv_triton) on CUDA,
     # ATen's F.conv2d elsewhere; ``c`` is ``auto`` (the C kernel where it runs);
     # ``triton`` asks for the Triton kernel on CPU too (under TRITON_INTERPRET=1; F.conv2d
-    # where triton cannot run); ``conv2d`` always F.conv2d (the self-check's
-    # ``blocked+conv2d`` fallback).
+    # where triton cannot run); ``conv2d`` always F.conv2d (what ``attn_impl=blocked+conv2d``
+    # runs whatever this says).
     kq_conv: str = "auto"
     # Run ``blocked``'s query block through torch.compile: null = on CUDA only (eager is
     # launch-bound there; on CPU the C kernel dominates and a compile costs tens of seconds),
@@ -70,19 +84,13 @@ class KernelTuning:
     # >= 16. 64x64: a c_k <= 65 kernel's key window is then 128 wide and a program fits in
     # registers at 8 warps (kq_conv_triton.tiles; tests use 16x16 to cross tile borders).
     kq_tile: str = "64x64"
-    # The next three tune the experimental attn_impl=triton kernels
-    # (mta_repro/experimental/fused_triton; geometry in its tiles.py).
-    # Frame of every pass: ROWSxCOLS, powers of two >= 16, larger than the pass's halo;
-    # null = tiles.frame's default (128x128 for a mixing layer's passes, 128x64 for a kq-conv
-    # layer's, 256x64 for its backward_b, doubled where a halo needs it).
-    triton_frame: str | None = None
-    # Persistent programs of each launch: null = tiles.PROGRAMS_PER_SM per SM on a GPU, one
-    # per item in the interpreter (tests set 2-3 to run a GPU's multi-item programs there).
-    triton_programs: int | None = None
-    # Frame rows per head-mixing slab: a power of two dividing the frame's rows; null = 4 on
-    # a GPU (1 in a mixing layer's backward, 2 in a kq-conv layer's backward_dc), the whole
-    # frame in the interpreter.
-    triton_slab_rows: int | None = None
+    # Options of attention implementations registered outside the core, by their name in the
+    # registry (``model.attn_impl``): {name: {option: value}}. The core hands them to the
+    # kernels (``ExplicitAttnParams.tuning``) without reading them; the implementation of that
+    # name checks its own (``AttnImpl.options``) when the model's args are validated. Plain
+    # containers (configs, checkpoints and run-dir checks serialise them), copied here and
+    # not to be written to; left out of the hash (equality still compares them).
+    impl_options: dict[str, dict[str, Any]] = field(default_factory=dict, hash=False)
 
     def __post_init__(self) -> None:
         if self.kq_conv not in KQ_CONV_CHOICES:
@@ -97,13 +105,11 @@ class KernelTuning:
         tile = _shape("model.kernels.kq_tile", self.kq_tile, "64x64")
         if tile is None:
             raise UserError("model.kernels.kq_tile: expected ROWSxCOLS, e.g. 64x64")
-        frame = _shape("model.kernels.triton_frame", self.triton_frame, "128x64")
-        _count("model.kernels.triton_programs", self.triton_programs, "positive")
-        _count("model.kernels.triton_slab_rows", self.triton_slab_rows, "pow2")
-        # parsed once: the compiled query block reads them as plain attributes (no string
+        options = _impl_options(self.impl_options)
+        # parsed once: the compiled query block reads it as a plain attribute (no string
         # parsing for Dynamo to trace)
         self._tile: tuple[int, int] = tile  # not yet sealed: __setattr__ lets it through
-        self._frame: tuple[int, int] | None = frame
+        self.impl_options = options
         object.__setattr__(self, "_sealed", True)
 
     def __setattr__(self, name, value) -> None:
@@ -115,11 +121,6 @@ class KernelTuning:
     def kq_tile_shape(self) -> tuple[int, int]:
         """(rows, keys) of ``kq_tile``."""
         return self._tile
-
-    @property
-    def triton_frame_shape(self) -> tuple[int, int] | None:
-        """(rows, cols) of ``triton_frame``, None for the default."""
-        return self._frame
 
 
 DEFAULT_TUNING = KernelTuning()

@@ -152,11 +152,11 @@ class ModelArgs:
     # 2*head_dim, two softmaxes per head. Exclusive with mta.use_mta.
     diff_transformer: bool = False
     # Implementation of the explicit attention path (MTA, talking heads); a name of
-    # ``mta_repro.model.attention_ops.attn_impl``: "blocked" (query blocks recomputed in
-    # backward, causal skipping; the default), "torch" (the reference: the whole
-    # (B, H, T, T) score matrix, kept for backward) or "triton" (EXPERIMENTAL fused Triton
-    # kernels, never run on a GPU: mta_repro/experimental/fused_triton/README.md; CUDA or
-    # Triton's interpreter, blocked elsewhere). Faster kernels plug in there.
+    # ``mta_repro.model.attention_registry.attn_impl``: "blocked" (query blocks recomputed in
+    # backward, causal skipping; the default), "blocked+conv2d" (the same with F.conv2d for
+    # the key-query convolutions), "torch" (the reference: the whole (B, H, T, T) score
+    # matrix, kept for backward) or one an installed package declares (its entry point, e.g.
+    # an experiment's; docs/models.md). Faster kernels plug in there.
     attn_impl: str = "blocked"
     # Query rows per block of attn_impl=blocked; null = per device
     # (attention_ops.DEFAULT_BLOCK_SIZE, which says why: 128 on CPU, measured in
@@ -165,9 +165,9 @@ class ModelArgs:
     attn_block_size: int | None = None
     # Before training on a non-CPU device, check attn_impl there, in the run's dtype, on each
     # explicit layer kind against the float64 reference (mta_repro/model/selfcheck.py):
-    # "warn" falls back along triton -> blocked -> blocked+conv2d -> torch with one line
-    # and records what ran (<run_dir>/attn_selfcheck.json, "attn_impl" in metrics.jsonl);
-    # "strict" refuses to train (rc 2); "off" skips it.
+    # "warn" falls back along the registry's fallbacks (blocked -> blocked+conv2d -> torch)
+    # with one line and records what ran (<run_dir>/attn_selfcheck.json, "attn_impl" in
+    # metrics.jsonl); "strict" refuses to train (rc 2); "off" skips it.
     attn_selfcheck: str = field(default="warn", metadata={"run_dir": "free"})
     # Run that check on the CPU too (it is for devices the code was not tested on; tests).
     attn_selfcheck_cpu: bool = field(default=False, metadata={"run_dir": "free"})
@@ -176,7 +176,7 @@ class ModelArgs:
     kq_conv_layers: str | None = None
     mta: MTAArgs = field(default_factory=MTAArgs)
     # How the attention kernels compute (mta_repro/kernels/tuning.py KernelTuning: the kq-conv
-    # backend, compiling the query block, the Triton kernels' tiles and launch sizes;
+    # backend, compiling the query block, its Triton tile, an implementation's own options;
     # docs/environment.md has the table).
     # The same numbers within float tolerance under every setting, so free to change within
     # a run dir; a saved config without it loads with the defaults.
@@ -293,6 +293,7 @@ def validate(args: ModelArgs) -> None:
     from mta_repro.model import attention_ops
 
     attention_ops.attn_impl(args.attn_impl)  # registered, or a declared one loaded; else one line
+    attention_ops.check_impl_options(args.kernels)  # each implementation checks its own options
     _positive("model.attn_block_size", args.attn_block_size)
     if args.attn_selfcheck not in ("warn", "strict", "off"):
         raise UserError(f"model.attn_selfcheck: expected warn, strict or off, got {args.attn_selfcheck!r}")

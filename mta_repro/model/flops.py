@@ -27,7 +27,7 @@ def score_elements(args: ModelArgs, seq_len: int) -> float:
     """(query, key) pairs per head that the explicit path computes for one sequence."""
     if attention_ops.attn_impl(args.attn_impl).flops is not None:
         raise ValueError(f"score_elements: {args.attn_impl!r} counts its own FLOPs (AttnImpl.flops)")
-    if args.attn_impl != "blocked":
+    if args.attn_impl not in attention_ops.BLOCKED_ENGINE:
         return float(seq_len * seq_len)
     m = args.mta
     w = 0
@@ -79,7 +79,7 @@ def _per_layer(args: ModelArgs, seq_len: int, kind: str) -> tuple[float, float]:
         fwd, bwd = counted
         return fwd, bwd - 2 * fwd  # training = 3 x fwd + this = fwd + bwd
     fwd = H * _score_flops_per_element(args, kind) * score_elements(args, seq_len) / seq_len
-    return fwd, (fwd if args.attn_impl == "blocked" else 0.0)
+    return fwd, (fwd if args.attn_impl in attention_ops.BLOCKED_ENGINE else 0.0)
 
 
 def forward_flops_per_token(args: ModelArgs, seq_len: int) -> dict[str, float]:

@@ -12,13 +12,13 @@ dtype ``+ 1e-3`` (``within_tolerance``; the rule of scripts/gpu_acceptance.py's 
 section): the floor that dtype allows, with room for a different summation order. An
 exception, a wrong shape or a non-finite value fails it.
 
-A failing implementation is replaced by the next one in ``FALLBACK_CHAIN``::
+A failing implementation is replaced by its registry entry's ``fallback``
+(``attention_registry.fallback_chain``), e.g. for the built-in ones::
 
-    triton -> blocked -> blocked+conv2d -> torch
+    blocked -> blocked+conv2d -> torch
 
 (``blocked+conv2d``: ``blocked`` with ATen's ``F.conv2d`` for the key-query convolutions
-instead of the C/Triton kernel, ``model.kernels.kq_conv=conv2d``); an implementation registered
-elsewhere (``attention_ops.register_attn_impl``) continues with its ``AttnImpl.fallback``.
+instead of the C/Triton kernel); an implementation registered elsewhere names its own.
 The trainer (``mta_repro.train.loop``) runs this once per process and configuration
 (``model.attn_selfcheck``; the result is cached) and records what ran.
 """
@@ -35,7 +35,6 @@ from mta_repro.errors import UserError
 from mta_repro.model import attention_ops
 from mta_repro.model.args import ModelArgs
 
-FALLBACK_CHAIN = ("triton", "blocked", "blocked+conv2d", "torch")
 CHECK_T = 256  # query/key length of the check: every halo and several blocks, milliseconds
 # The error allowed beyond the torch path's own (same dtype): ``within_tolerance``.
 REL_FACTOR, ABS_SLACK = 4.0, 1e-3
@@ -48,28 +47,14 @@ def within_tolerance(err: float, torch_err: float) -> bool:
 
 
 def next_impl(name: str) -> str | None:
-    """The implementation tried after ``name`` fails (None after ``torch``)."""
-    if name == "torch":
-        return None
-    if name in FALLBACK_CHAIN:
-        return FALLBACK_CHAIN[FALLBACK_CHAIN.index(name) + 1]
+    """The implementation tried after ``name`` fails: its registry entry's ``fallback`` (None
+    after ``torch``, the reference)."""
     return attention_ops.attn_impl(name).fallback
 
 
-def split_impl(name: str) -> tuple[str, str | None]:
-    """``blocked+conv2d`` -> (``blocked``, ``conv2d``): the registered implementation and
-    the key-query convolution backend it runs with (None: chosen per call)."""
-    base, _, conv = name.partition("+")
-    return base, conv or None
-
-
 def applied(args: ModelArgs, name: str) -> ModelArgs:
-    """``args`` running ``name``: ``blocked+conv2d`` is ``attn_impl=blocked`` with
-    ``model.kernels.kq_conv=conv2d`` (a config, not a process-wide setting: a model beside
-    it keeps its own); every other name is ``attn_impl`` alone."""
-    base, conv = split_impl(name)
-    kernels = args.kernels if conv is None else dataclasses.replace(args.kernels, kq_conv=conv)
-    return dataclasses.replace(args, attn_impl=base, kernels=kernels)
+    """``args`` running implementation ``name`` (``attn_impl`` alone; the tuning is kept)."""
+    return dataclasses.replace(args, attn_impl=name)
 
 
 @dataclass
@@ -99,7 +84,7 @@ class LayerCheck:
 
 @dataclass
 class Decision:
-    """What the check chose: ``used`` (a name of ``FALLBACK_CHAIN`` or a registered one),
+    """What the check chose: ``used`` (the requested name or one of its fallbacks),
     every check it ran, in order, and the device and dtype it ran them in."""
 
     requested: str
@@ -156,18 +141,14 @@ def _layer_params(args: ModelArgs, layer_id: int, seed: int) -> attention_ops.Ex
 
 
 def _run(name: str, q64, k64, v64, p64, gy64, device, dtype):
-    """(output, gradients) of implementation ``name`` in ``dtype`` on ``device``, float64 copies
-    (``blocked+conv2d``: under a tuning with ``kq_conv=conv2d``, forward and backward)."""
-    base, conv = split_impl(name)
-    if conv is not None:
-        p64 = dataclasses.replace(p64, tuning=dataclasses.replace(p64.tuning, kq_conv=conv))
+    """(output, gradients) of implementation ``name`` in ``dtype`` on ``device``, float64 copies."""
     wdtype = torch.float64 if dtype == torch.float64 else torch.float32
     q, k, v = (x.to(device, dtype).detach().clone().requires_grad_() for x in (q64, k64, v64))
     fields = [f for f in attention_ops._WEIGHT_FIELDS if getattr(p64, f) is not None]
     ws = {f: getattr(p64, f).to(device, wdtype).detach().clone().requires_grad_() for f in fields}
     p = dataclasses.replace(p64, **ws)
     mask = attention_ops.AttnMask()
-    entry = attention_ops.attn_impl(base)
+    entry = attention_ops.attn_impl(name)
     if entry.supports is not None:
         why = entry.supports(q, p, mask)
         if why is not None:
@@ -236,6 +217,7 @@ def decide(args: ModelArgs, device: torch.device, dtype: torch.dtype, strict: bo
     dname = str(dtype).removeprefix("torch.")
     decision = Decision(args.attn_impl, args.attn_impl, str(device), dname)
     kinds = explicit_layer_kinds(args)
+    attention_ops.fallback_chain(args.attn_impl)  # one line where the fallbacks go round in a circle
     name: str | None = args.attn_impl
     while name is not None and kinds:
         checks = [check_layer(name, args, kind, lid, device, dtype) for kind, lid in kinds.items()]

@@ -10,7 +10,6 @@ RoPE and the KV cache stay with the caller.
 
 from __future__ import annotations
 
-import dataclasses
 import warnings
 
 import torch
@@ -289,12 +288,7 @@ def _checked_impl(name: str, q: torch.Tensor, p: ExplicitAttnParams, selfcheck: 
         _decisions[key] = sc.decide(
             args, q.device, q.dtype, strict=mode == "strict", log=lambda line: warnings.warn(line, stacklevel=4)
         ).used
-    from mta_repro.model.selfcheck import split_impl
-
-    base, conv = split_impl(_decisions[key])
-    if conv is not None:
-        p = dataclasses.replace(p, tuning=dataclasses.replace(p.tuning, kq_conv=conv))
-    return base, p
+    return _decisions[key], p
 
 
 def _model_args(H: int, d: int, p: ExplicitAttnParams, impl: str):

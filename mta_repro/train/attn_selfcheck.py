@@ -66,7 +66,7 @@ def attn_selfcheck(model_args, info: DistInfo, param_dtype: str, run_dir: Path) 
         used = nxt
     if info.is_main:
         _record_selfcheck(run_dir, {**decision.as_dict(), "used": used, "world_size": info.world_size})
-    # blocked+conv2d: attn_impl=blocked with model.kernels.kq_conv=conv2d, for this model only
+    # the implementation that passed, for this model only
     return selfcheck.applied(model_args, used), used
 
 

@@ -1,7 +1,7 @@
 """The stored-scores kernels of kq-conv layers (mta_repro/experimental/fused_triton/stored.py)
 against the float64 reference ("torch"): output and every gradient (q, k, v, both kernels,
 both mixings), in Triton's interpreter (tests/conftest.py sets TRITON_INTERPRET=1: semantics,
-not speed). Small frames (model.kernels.triton_frame) put several row and key blocks in every
+not speed). Small frames (model.kernels.impl_options.triton.frame) put several row and key blocks in every
 pass, so the stores' packed rows, the frames' halos and the dC window of kernel B cross tile
 edges."""
 
@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from mta_repro.experimental.fused_triton import tiles
-from mta_repro.kernels.tuning import KernelTuning
+from mta_repro.experimental.fused_triton.options import kernel_tuning
 from mta_repro.model import attention_ops
 from tests.experimental.test_attn_triton import params, qkv
 
@@ -61,9 +61,7 @@ def test_stored_kernels_match_the_reference(pad_key, post, mix, wpsm):
         q,
         k,
         v,
-        params(
-            h, (2, 3), post, mix=mix, wpsm=wpsm, pad_key=pad_key, group=2, tuning=KernelTuning(triton_frame="16x16")
-        ),
+        params(h, (2, 3), post, mix=mix, wpsm=wpsm, pad_key=pad_key, group=2, tuning=kernel_tuning(frame="16x16")),
     )
 
 
@@ -71,7 +69,7 @@ def test_stored_kernels_with_padding_offset_and_two_programs():
     """Left padding whose edge falls inside a frame, cached keys (q_offset), 4-row mixing slabs
     and two persistent programs (items of several tiles, partials added across a row's key
     blocks), the 880M model's c_k = 11 is too wide for 16 x 16 frames: 6 x 5 kernels here."""
-    tn = KernelTuning(triton_frame="16x32", triton_slab_rows=4, triton_programs=2)
+    tn = kernel_tuning(frame="16x32", slab_rows=4, programs=2)
     h = 4
     key_valid = torch.ones(2, 29, dtype=torch.bool)
     key_valid[1, :11] = False
@@ -94,7 +92,7 @@ def test_stored_kernels_in_float32():
         q.float(),
         k.float(),
         v.float(),
-        params(h, (3, 3), (2, 3), group=2, tuning=KernelTuning(triton_frame="16x16")),
+        params(h, (3, 3), (2, 3), group=2, tuning=kernel_tuning(frame="16x16")),
         rtol=1e-4,
         atol=1e-5,
     )
@@ -191,6 +189,6 @@ def test_no_unwritten_store_or_scratch_cell_is_read(monkeypatch):
         q,
         k,
         v,
-        params(h, (2, 3), (3, 3), group=2, tuning=KernelTuning(triton_frame="16x16")),
+        params(h, (2, 3), (3, 3), group=2, tuning=kernel_tuning(frame="16x16")),
         attention_ops.AttnMask(0, key_valid),
     )

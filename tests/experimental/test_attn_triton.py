@@ -17,9 +17,10 @@ import torch
 
 from mta_repro.experimental.fused_triton import impl as triton_impl
 from mta_repro.experimental.fused_triton import tiles
+from mta_repro.experimental.fused_triton.options import kernel_tuning
 from mta_repro.kernels.interface import post_mix_matrix
 from mta_repro.kernels.tuning import KernelTuning
-from mta_repro.model import attention_ops
+from mta_repro.model import attention_ops, attention_registry
 
 pytestmark = [
     pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton not installed"),
@@ -72,11 +73,11 @@ def qkv(b, h, tq, tk, d, seed=1):
 
 @pytest.mark.parametrize("gpu_schedule", [False, True])
 def test_many_frames_with_padding_and_offset(gpu_schedule):
-    """Small frames (model.kernels.triton_frame) put several row blocks and key blocks in
+    """Small frames (model.kernels.impl_options.triton.frame) put several row blocks and key blocks in
     every pass, with causal skipping, left padding across block edges and a cached-key
     offset. The GPU schedule: 4-row mixing slabs and two persistent programs, so items hold
     several tiles (partials accumulated across a row's key blocks) instead of one tile each."""
-    tn = KernelTuning(triton_frame="16x16", **(dict(triton_slab_rows=4, triton_programs=2) if gpu_schedule else {}))
+    tn = kernel_tuning(frame="16x16", **(dict(slab_rows=4, programs=2) if gpu_schedule else {}))
     h = 4
     p = params(h, (2, 3), (3, 3), group=2, tuning=tn)
     # T = 25: two row blocks (three in the kq-conv backward's dC pass) of up to two key blocks
@@ -107,7 +108,7 @@ def test_float32_accumulates_through_descriptor_reductions():
     frames whose keys start before 0 and end past Tk, padding and an offset, the float32
     result is the float64 reference's to float32 accuracy."""
     h = 4
-    p = params(h, (2, 3), (3, 3), group=2, tuning=KernelTuning(triton_frame="16x16", triton_programs=2))
+    p = params(h, (2, 3), (3, 3), group=2, tuning=kernel_tuning(frame="16x16", programs=2))
     q, k, v = qkv(2, h, 17, 25, 3, seed=3)  # two row blocks of two key blocks each, every pass
     key_valid = torch.ones(2, 25, dtype=torch.bool)
     key_valid[1, :19] = False
@@ -169,7 +170,7 @@ def test_training_dropout_on_a_kq_conv_layer_runs_blocked(monkeypatch):
     back to ``blocked`` through the registry's ``supports`` (one warning naming it), with
     blocked's result under the same seed; in evaluation (dropout off) the kernels run it, and
     a mixing layer keeps the fused kernel's own dropout in training."""
-    monkeypatch.setattr(attention_ops, "_warned", set())  # (each fallback warns once per process)
+    monkeypatch.setattr(attention_registry, "_warned", set())  # (each fallback warns once per process)
     h = 4
     q, k, v = qkv(1, h, 9, 9, 3)
     p = params(h, (2, 3), (3, 3), dropout=0.3)
@@ -188,36 +189,41 @@ def test_training_dropout_on_a_kq_conv_layer_runs_blocked(monkeypatch):
 
 
 def test_overrides_are_checked():
-    """A tuning that cannot be right is refused where it is set (KernelTuning); one that
-    does not fit the layer, when the kernel learns the layer. One line each, naming the field."""
+    """Options that cannot be right are refused where they are set (TritonOptions, as the model's
+    args are validated); ones that do not fit the layer, when the kernel learns the layer. One
+    line each, naming the field under model.kernels.impl_options.triton."""
     h = 4
     q, k, v = qkv(1, h, 8, 8, 3)
     run = TRITON.fn
-    small = KernelTuning(triton_frame="16x16")  # the forward halo of a 6x21 post-softmax kernel needs 6x21
+    small = kernel_tuning(frame="16x16")  # the forward halo of a 6x21 post-softmax kernel needs 6x21
     with pytest.raises(
         ValueError,
-        match=r"^model\.kernels\.triton_frame=16x16 leaves no owned block: the forward "
+        match=r"^model\.kernels\.impl_options\.triton\.frame=16x16 leaves no owned block: the forward "
         r"pass's halo needs 6x21 at least$",
     ):
         run(q.requires_grad_(), k, v, params(h, None, (6, 21), tuning=small), attention_ops.AttnMask()).sum().backward()
     q = q.detach()
     with pytest.raises(
         ValueError,
-        match=r"^model\.kernels\.triton_frame: '24x32': both sizes must be powers of two, "
+        match=r"^model\.kernels\.impl_options\.triton\.frame: '24x32': both sizes must be powers of two, "
         r"at least 16",
     ):
-        KernelTuning(triton_frame="24x32")
-    with pytest.raises(ValueError, match=r"^model\.kernels\.triton_slab_rows: 3: expected a power of two or null$"):
-        KernelTuning(triton_slab_rows=3)
-    too_many = KernelTuning(triton_frame="16x16", triton_slab_rows=32)
+        kernel_tuning(frame="24x32")
+    with pytest.raises(
+        ValueError, match=r"^model\.kernels\.impl_options\.triton\.slab_rows: 3: expected a power of two or null$"
+    ):
+        kernel_tuning(slab_rows=3)
+    too_many = kernel_tuning(frame="16x16", slab_rows=32)
     with pytest.raises(
         ValueError,
-        match=r"^model\.kernels\.triton_slab_rows=32: a power of two dividing the "
+        match=r"^model\.kernels\.impl_options\.triton\.slab_rows=32: a power of two dividing the "
         r"frame's 16 rows$",
     ):
         run(q, k, v, params(h, (2, 3), None, tuning=too_many), attention_ops.AttnMask())
-    with pytest.raises(ValueError, match=r"^model\.kernels\.triton_programs: 0: expected a positive integer or null$"):
-        KernelTuning(triton_programs=0)
+    with pytest.raises(
+        ValueError, match=r"^model\.kernels\.impl_options\.triton\.programs: 0: expected a positive integer or null$"
+    ):
+        kernel_tuning(programs=0)
 
 
 def test_schedule_covers_every_tile_once_and_balances_the_programs():
@@ -388,7 +394,7 @@ def test_the_workspace_the_preflight_counts_is_what_the_backward_launch_holds(mo
     pre = None
     h, t, d, b = 4, 24, 16, 2
     # a GPU's multi-item programs (3 over the backward's 6 or 10 tiles)
-    tn = KernelTuning(triton_programs=3, triton_frame="16x16")
+    tn = kernel_tuning(programs=3, frame="16x16")
     p = params(h, pre, post, mix=mix, tuning=tn)
     q, k, v = (x.float().contiguous().requires_grad_() for x in qkv(b, h, t, t, d))
     seen, pending, placeholders = {}, [], set()

@@ -24,7 +24,7 @@ import pytest
 import torch
 
 from mta_repro.experimental.fused_triton import tiles
-from mta_repro.kernels.tuning import KernelTuning
+from mta_repro.experimental.fused_triton.options import kernel_tuning
 from mta_repro.model import attention_ops
 from tests.experimental.test_attn_triton import params, qkv
 
@@ -86,7 +86,7 @@ POISON_CASES = {
 
 def _case(case):
     frame, slab, progs, h, pre, post, mix, wpsm, pad_key, b, tq, tk, q_off, pad, drop = POISON_CASES[case]
-    tn = KernelTuning(triton_frame=frame, triton_slab_rows=slab, triton_programs=progs)
+    tn = kernel_tuning(frame=frame, slab_rows=slab, programs=progs)
     p = params(
         h,
         pre,
@@ -227,7 +227,7 @@ def test_every_pass_computes_the_same_logits_bit_for_bit(monkeypatch):
     h = 4
     # a layer without a pre-softmax kernel (a kq-conv layer's stored design computes z once, in
     # stats, from C, and every later pass reads C back from the store)
-    p = params(h, None, (3, 3), group=2, tuning=KernelTuning(triton_frame="16x16"))
+    p = params(h, None, (3, 3), group=2, tuning=kernel_tuning(frame="16x16"))
     q, k, v = qkv(1, h, 29, 29, 3)
     key_valid = torch.ones(1, 29, dtype=torch.bool)
     key_valid[0, :5] = False
@@ -292,7 +292,7 @@ def test_no_descriptor_copy_has_a_negative_coordinate(monkeypatch, dtype):
     reference's."""
     h = 2
     for pre, post, pad_key in (((6, 11), (6, 11), "both"), ((3, 4), (2, 3), "right")):
-        p = params(h, pre, post, pad_key=pad_key, tuning=KernelTuning(triton_frame="32x32"))
+        p = params(h, pre, post, pad_key=pad_key, tuning=kernel_tuning(frame="32x32"))
         q, k, v = qkv(1, h, 40, 40, 3)
         mask = attention_ops.AttnMask()
         if dtype == torch.float32:
@@ -353,7 +353,7 @@ def test_only_dk_and_dv_take_adds_from_several_programs(monkeypatch):
     monkeypatch.setattr(launch, "empty", empty)
     monkeypatch.setattr(interpreter.InterpreterBuilder, "create_descriptor_reduce", reduce)
     h = 4
-    p = params(h, (2, 3), (3, 3), group=2, tuning=KernelTuning(triton_frame="16x16", triton_programs=3))
+    p = params(h, (2, 3), (3, 3), group=2, tuning=kernel_tuning(frame="16x16", programs=3))
     p = dataclasses.replace(
         p, **{f: getattr(p, f).float() for f in attention_ops._WEIGHT_FIELDS if getattr(p, f) is not None}
     )

@@ -71,12 +71,13 @@ def test_the_flop_count_follows_the_models_frame():
         mta=dict(use_mta=True, query_kernel_size=6, key_kernel_size=11, pre_sm_linear_head=True),
     )
 
-    def count(kind, **kernels):
+    def count(kind, **options):
+        kernels = {"impl_options": {"triton": options}}
         return attention_ops.attn_impl("triton").flops(ModelArgs(**args, kernels=kernels), 2048, kind)
 
-    assert count("mixing", triton_frame="128x128") == count("mixing")  # a mixing layer's default frame
-    assert count("kq_conv", triton_frame="64x32") != count("kq_conv")
-    assert count("kq_conv", triton_frame="64x32") != count("mixing", triton_frame="64x32")
+    assert count("mixing", frame="128x128") == count("mixing")  # a mixing layer's default frame
+    assert count("kq_conv", frame="64x32") != count("kq_conv")
+    assert count("kq_conv", frame="64x32") != count("mixing", frame="64x32")
 
 
 def test_a_kq_conv_layer_with_training_dropout_counts_as_blocked():
@@ -99,8 +100,8 @@ def test_the_memory_preflight_asks_the_implementation_for_its_workspace():
     ws = {}
     for name, extra in (
         ("default", {}),
-        ("frame", {"kernels": {"triton_frame": "64x64"}}),
-        ("programs", {"kernels": {"triton_programs": 1}}),
+        ("frame", {"kernels": {"impl_options": {"triton": {"frame": "64x64"}}}}),
+        ("programs", {"kernels": {"impl_options": {"triton": {"programs": 1}}}}),
         ("dropout", {"dropout": 0.1}),
     ):
         model = build_model(ModelArgs(**args, **extra), device="meta")

@@ -4,7 +4,8 @@ is an estimate from its sm_90 compile. README.md says what it is, where it stand
 and when it goes; design.md the design and the estimates.
 
 - ``impl``: the registry entry (pyproject.toml's entry point ``triton``) and what the
-  memory pre-flight and the FLOP count ask of it;
+  memory pre-flight and the FLOP count ask of it; ``options``: its own tuning
+  (``model.kernels.impl_options.triton``);
 - ``stored``: kq-conv layers (the convolved scores stored); ``fused``: every other layer;
 - ``jit_helpers``: their shared ``@triton.jit`` helpers; ``launch``: their shared host side;
 - ``tiles``: their geometry, schedule and buffers (no triton);

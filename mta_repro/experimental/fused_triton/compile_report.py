@@ -50,7 +50,7 @@ import re
 import time
 from pathlib import Path
 
-from mta_repro.experimental.fused_triton import ir_hazards, roofline, tiles
+from mta_repro.experimental.fused_triton import ir_hazards, options, roofline, tiles
 from mta_repro.kernels.gpu_compile import compile_for_gpu, ptxas_report
 from mta_repro.kernels.tuning import DEFAULT_TUNING, KernelTuning
 
@@ -257,7 +257,7 @@ def schedule(
     longest first, round-robin over the persistent grid), under ``tuning``."""
     pre, post = LAYERS[layer]
     f = tiles.frame(name, pre, post, "both", tuning)
-    n_target = tuning.triton_programs or tiles.PROGRAMS_PER_SM * sms
+    n_target = options.of(tuning).programs or tiles.PROGRAMS_PER_SM * sms
     sched = tiles.items(f, batch, seq, seq, 0, n_target)
     n_prog = len(sched.starts) - 1
     n_tiles = [it[3] - it[2] for it in sched.items]
@@ -421,11 +421,17 @@ def main() -> None:
         type=Path,
         default=Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "mta_repro" / "fused_triton_compile",
     )
-    ap.add_argument("--frame", metavar="ROWSxCOLS", help="model.kernels.triton_frame (default: tiles.frame's)")
-    ap.add_argument("--slab-rows", type=int, metavar="N", help="model.kernels.triton_slab_rows (default: per pass)")
-    ap.add_argument("--programs", type=int, metavar="N", help="model.kernels.triton_programs (default: one per SM)")
+    ap.add_argument(
+        "--frame", metavar="ROWSxCOLS", help="model.kernels.impl_options.triton.frame (default: tiles.frame's)"
+    )
+    ap.add_argument(
+        "--slab-rows", type=int, metavar="N", help="model.kernels.impl_options.triton.slab_rows (default: per pass)"
+    )
+    ap.add_argument(
+        "--programs", type=int, metavar="N", help="model.kernels.impl_options.triton.programs (default: one per SM)"
+    )
     a = ap.parse_args()
-    tuning = KernelTuning(triton_frame=a.frame, triton_slab_rows=a.slab_rows, triton_programs=a.programs)
+    tuning = options.kernel_tuning(frame=a.frame, slab_rows=a.slab_rows, programs=a.programs)
     gpu = roofline.H200
     print(
         f"ESTIMATES, not measurements: roofline of {gpu.name}, batch {a.batch}, {a.heads} heads of {a.head_dim}, "

@@ -1,6 +1,7 @@
-"""``IMPL``: the registry entry of ``model.attn_impl=triton`` (``AttnImpl``), which
-pyproject.toml declares in the entry-point group ``mta_repro.attn_impls``; the core loads it
-by that name (``attention_ops.attn_impl``) and never imports this package.
+"""``IMPL``: the registry entry of ``model.attn_impl=triton`` (``AttnImpl``; its options,
+``model.kernels.impl_options.triton``: ``options.py``), which pyproject.toml declares in the
+entry-point group ``mta_repro.attn_impls``; the core loads it by that name
+(``attention_registry.attn_impl``) and never imports this package.
 
 What it holds: the dispatch by layer (a kq-conv layer to ``stored.py``, every other layer to
 ``fused.py``), what it supports (a CUDA GPU, or CPU tensors in Triton's interpreter; no
@@ -18,7 +19,7 @@ import os
 
 import torch
 
-from mta_repro.experimental.fused_triton import tiles
+from mta_repro.experimental.fused_triton import options, tiles
 from mta_repro.kernels.interface import AttnMask, ExplicitAttnParams, post_mix_matrix
 from mta_repro.model.attention_ops import AttnImpl, explicit_attention_blocked
 
@@ -112,11 +113,11 @@ def workspace_bytes(
     """Bytes the kernels hold for one training layer while its backward runs (its largest
     moment): ``tiles.backward_workspace_bytes``, the sum of what the launchers allocate (a
     persistent grid of ``PROGRAMS_PER_SM`` per SM of an H100/H200; scratch in ``dtype``), under
-    the layer's tuning (``model.kernels``: frames, programs); 0 where ``blocked`` runs."""
+    the layer's tuning (``model.kernels.impl_options.triton``: frames, programs); 0 where ``blocked`` runs."""
     pre, post = _kernels(p)
     if pre is not None and p.dropout > 0.0:
         return 0
-    n_prog = p.tuning.triton_programs or tiles.PROGRAMS_PER_SM * ESTIMATE_SMS
+    n_prog = options.of(p.tuning).programs or tiles.PROGRAMS_PER_SM * ESTIMATE_SMS
     return tiles.backward_workspace_bytes(
         b=batch,
         h=n_heads,
@@ -190,4 +191,5 @@ IMPL = AttnImpl(
     meta_fn=meta_stand_in,
     workspace_bytes=workspace_bytes,
     flops=flops,
+    options=options.parse,
 )

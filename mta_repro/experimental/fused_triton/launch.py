@@ -14,7 +14,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from mta_repro.errors import UserError
-from mta_repro.experimental.fused_triton import tiles
+from mta_repro.experimental.fused_triton import options, tiles
 from mta_repro.kernels.conv_pad import pad_left
 from mta_repro.kernels.tuning import DEFAULT_TUNING, KernelTuning
 
@@ -81,7 +81,7 @@ class Problem:
     and the Toeplitz tables of the layer's kernels ``k1`` (pre-softmax) and ``k2`` (post)."""
 
     def __init__(self, q, k, v, kv, k1, w1, k2, w2, pad_key, q_off, p_drop, seed, tuning=DEFAULT_TUNING):
-        self.tuning = tuning  # the model's model.kernels: frames, programs, slab rows
+        self.tuning = tuning  # the model's model.kernels (options.of: frames, programs, slab rows)
         self.b, self.h, self.tq, self.d = q.shape
         self.tk = k.shape[2]
         self.dev = q.device
@@ -156,10 +156,11 @@ class Problem:
 def programs(device: torch.device, tuning: KernelTuning = DEFAULT_TUNING) -> int:
     """Persistent programs of a launch: ``tiles.PROGRAMS_PER_SM`` per SM on a GPU; in the
     interpreter one per item (its programs run one after another anyway).
-    ``model.kernels.triton_programs`` overrides (tests run a GPU's multi-tile items in the
-    interpreter)."""
-    if tuning.triton_programs is not None:
-        return tuning.triton_programs
+    ``model.kernels.impl_options.triton.programs`` overrides (tests run a GPU's multi-tile items
+    in the interpreter)."""
+    n = options.of(tuning).programs
+    if n is not None:
+        return n
     if device.type == "cpu":
         return 1 << 30
     return tiles.PROGRAMS_PER_SM * torch.cuda.get_device_properties(device).multi_processor_count
@@ -168,12 +169,13 @@ def programs(device: torch.device, tuning: KernelTuning = DEFAULT_TUNING) -> int
 def slab_rows(pass_: str, f: tiles.Frame, gpu: bool, conv: bool, tuning: KernelTuning = DEFAULT_TUNING) -> int:
     """Frame rows per mixing slab: ``tiles.SLAB_ROWS_GPU`` (a layer with a convolution:
     ``SLAB_ROWS_GPU_CONV``; backward_dc: ``SLAB_ROWS_DC``) on a GPU, the whole frame in the
-    interpreter (fewest interpreted ops); ``model.kernels.triton_slab_rows`` overrides (tests
-    run the GPU's slabs in the interpreter)."""
-    sr = tuning.triton_slab_rows
+    interpreter (fewest interpreted ops); ``model.kernels.impl_options.triton.slab_rows``
+    overrides (tests run the GPU's slabs in the interpreter)."""
+    opts = options.of(tuning)
+    sr = opts.slab_rows
     if sr is not None:
-        if f.er % sr:  # a power of two already (KernelTuning); the frame is known only here
-            raise UserError(f"model.kernels.triton_slab_rows={sr}: a power of two dividing the frame's {f.er} rows")
+        if f.er % sr:  # a power of two already (TritonOptions); the frame is known only here
+            raise UserError(f"{opts.where}.slab_rows={sr}: a power of two dividing the frame's {f.er} rows")
         return sr
     if not gpu:
         return f.er
@@ -322,5 +324,5 @@ def out_of_resources(e: Exception, pass_: str, f: tiles.Frame, pb: Problem) -> R
     (compile_report.py reports each pass's needs without a GPU)."""
     return RuntimeError(
         f"model.attn_impl=triton: its {pass_!r} pass does not fit this GPU ({e}); frame {f.er}x{f.ec}, {pb.h} heads "
-        f"of {pb.d}. Use model.attn_impl=blocked, or a smaller model.kernels.triton_frame"
+        f"of {pb.d}. Use model.attn_impl=blocked, or a smaller model.kernels.impl_options.triton.frame"
     )

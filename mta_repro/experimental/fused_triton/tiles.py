@@ -29,6 +29,7 @@ from typing import NamedTuple
 import torch
 
 from mta_repro.errors import UserError
+from mta_repro.experimental.fused_triton import options
 from mta_repro.kernels.conv_pad import pad_left
 from mta_repro.kernels.tuning import DEFAULT_TUNING, KernelTuning
 
@@ -173,14 +174,16 @@ def pow2(n: int) -> int:
 
 def frame(pass_: str, pre: Kernel, post: Kernel, pad_key: str, tuning: KernelTuning = DEFAULT_TUNING) -> Frame:
     """The frame of one pass for kernels (c_q, c_k) ``pre``/``post`` softmax (None: off),
-    under the model's ``tuning`` (``model.kernels.triton_frame`` overrides the default)."""
+    under the model's ``tuning`` (``model.kernels.impl_options.triton.frame`` overrides the
+    default)."""
     hl = halo(pass_, pre, post, pad_key)
-    override = tuning.triton_frame_shape
+    opts = options.of(tuning)
+    override = opts.frame_shape
     if override is not None:
         er, ec = override
         if er <= hl.top + hl.bot or ec <= hl.left + hl.right:
             raise UserError(
-                f"model.kernels.triton_frame={er}x{ec} leaves no owned block: the {pass_} pass's halo needs "
+                f"{opts.where}.frame={er}x{ec} leaves no owned block: the {pass_} pass's halo needs "
                 f"{hl.top + hl.bot + 1}x{hl.left + hl.right + 1} at least"
             )
     else:
