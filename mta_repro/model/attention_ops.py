@@ -38,8 +38,7 @@ import torch.nn.functional as F
 import torch.utils.checkpoint
 
 from mta_repro.errors import UserError
-from mta_repro.kernels.conv_pad import pad_left
-from mta_repro.kernels.interface import AttnMask, ExplicitAttnParams
+from mta_repro.kernels.interface import AttnMask, ExplicitAttnParams, pad_left
 from mta_repro.kernels.tuning import DEFAULT_TUNING, KernelTuning
 
 
