@@ -4,8 +4,9 @@ The score path is this project's (``mta_repro.model.attention_ops``): the regist
 implementation (``blocked`` by default: query blocks recomputed in backward, so nothing
 T x T is kept for it; the key-query convolutions in the C kernel on CPU and in Triton on
 CUDA; a declared one such as ``triton`` loaded through its entry point), checks it against
-float64 only when asked (``selfcheck``) and falls back where it cannot run. Group norm and gating follow as in the release's attention layer. Projections,
-RoPE and the KV cache stay with the caller.
+float64 only when asked (``selfcheck``) and falls back where it cannot run. Group norm
+and gating follow as in the release's attention layer. Projections, RoPE and the KV cache
+stay with the caller.
 """
 
 from __future__ import annotations
