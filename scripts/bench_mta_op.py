@@ -126,7 +126,7 @@ def build(case: str, seq: int, dev, dtype, release_src=None):
         ]
     if case == "op_post":
         kernel = (0.1 * torch.randn(H, 1, 5, 11, generator=g)).to(dev, dtype).requires_grad_()
-        return (lambda: flat(multi_token_attention(heads(q), heads(k), heads(v), mta_kernel_after_sm=kernel))), [
+        return (lambda: flat(multi_token_attention(heads(q), heads(k), heads(v), kq_kernel_after_softmax=kernel))), [
             q,
             k,
             v,

@@ -288,10 +288,10 @@ def test_attention_ops_is_the_three_modules_under_one_name():
     """The facade defines nothing: every name it offers is the very object of the module that
     does that job (the math, the blocked engine, the registry), so a caller of either sees one
     registry and one function."""
-    from mta_repro.kernels import conv_pad, interface
+    from mta_repro.kernels import interface
     from mta_repro.model import attention_blocked, attention_math, attention_registry
 
-    homes = (attention_math, attention_blocked, attention_registry, interface, conv_pad)
+    homes = (attention_math, attention_blocked, attention_registry, interface)
     for name in attention_ops.__all__:
         assert any(getattr(m, name, None) is getattr(attention_ops, name) for m in homes), name
     assert attention_ops.ATTN_IMPLS is attention_registry.ATTN_IMPLS

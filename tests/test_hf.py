@@ -1,5 +1,7 @@
 """Hugging Face checkpoints both ways: equal logits in transformers and here."""
 
+import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -47,32 +49,87 @@ def test_export_baseline_gives_equal_logits(tmp_path):
         assert torch.equal(back.state_dict()[k], v), k
 
 
+LOAD_EXPORT = """
+import sys
+import torch
+from transformers import AutoModelForCausalLM
+
+folder, tokens, out = sys.argv[1:]
+hf = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True, torch_dtype=torch.float32).eval()
+tokens = torch.load(tokens)
+with torch.no_grad():
+    logits = hf(tokens).logits
+    greedy = hf.generate(tokens, max_new_tokens=5, do_sample=False, pad_token_id=0)
+torch.save({"logits": logits, "greedy": greedy, "model": sys.modules["mta_repro"].__file__}, out)
+"""
+
+
+def _fresh_python(code: str, *args, cwd: Path, tmp: Path) -> subprocess.CompletedProcess:
+    """``code`` in a new interpreter started in ``cwd`` (not the repository), transformers'
+    copies of remote code kept under ``tmp``."""
+    env = {**os.environ, "HF_MODULES_CACHE": str(tmp / "hf_modules")}
+    return subprocess.run(
+        [sys.executable, "-c", code, *map(str, args)], cwd=cwd, env=env, capture_output=True, text=True, timeout=300
+    )
+
+
 @pytest.mark.parametrize("attention", ["mta", "talking_heads", "diff"])
 def test_other_variants_export_with_their_own_modeling_file(tmp_path, attention):
-    """MTA / talking heads / Differential: a trust_remote_code folder whose bundled
-    modeling file gives our logits, and generate() our greedy continuation."""
-    from transformers import AutoModelForCausalLM
+    """MTA / talking heads / Differential: a trust_remote_code folder whose modeling file
+    imports the installed mta-repro; loaded in a fresh interpreter outside the repository it
+    gives our logits, and generate() our greedy continuation."""
+    import json
+
+    import mta_repro
 
     run_dir, _ = make_run(tmp_path / "run", attention=attention)
     model, _ = load_model(run_dir, device="cpu")
     out = export_hf(run_dir, tmp_path / "hf")
-    assert (out / "modeling_mta_repro.py").is_file()
-    import re
-
-    assert not re.search(r"^\s*(from|import) mta_repro", (out / "modeling_mta_repro.py").read_text(), re.M)
-    hf = AutoModelForCausalLM.from_pretrained(str(out), trust_remote_code=True, torch_dtype=torch.float32).eval()
+    source = (out / "modeling_mta_repro.py").read_text()
+    assert source == (Path(mta_repro.__file__).parent / "hf" / "modeling_mta_repro.py").read_text()
+    assert re.search(r"^\s*from mta_repro\.model\.transformer import", source, re.M)  # the package, not a copy
+    assert json.loads((out / "config.json").read_text())["mta_repro_version"] == mta_repro.__version__
+    torch.save(TOKENS, tmp_path / "tokens.pt")
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    p = _fresh_python(LOAD_EXPORT, out, tmp_path / "tokens.pt", tmp_path / "got.pt", cwd=elsewhere, tmp=tmp_path)
+    assert p.returncode == 0, p.stderr[-3000:]
+    got = torch.load(tmp_path / "got.pt")
+    assert got["model"] == mta_repro.__file__  # the installed package, the one these tests run
     with torch.no_grad():
-        torch.testing.assert_close(hf(TOKENS).logits, ours(model), rtol=1e-5, atol=1e-5)
-        got = hf.generate(TOKENS, max_new_tokens=5, do_sample=False, pad_token_id=0)
+        torch.testing.assert_close(got["logits"], ours(model), rtol=1e-5, atol=1e-5)
         want = TOKENS
         for _ in range(5):  # greedy by hand, full recompute
             want = torch.cat([want, model(want)[:, -1:].argmax(-1)], dim=1)
-    assert torch.equal(got, want)
+    assert torch.equal(got["greedy"], want)
     # baseline-only conversion names the way out
     with pytest.raises(ValueError, match="trust_remote_code"):
         from mta_repro.hf.convert import state_to_hf
 
         state_to_hf(model.state_dict(), model.args)
+
+
+WITHOUT_PACKAGE = """
+import sys
+sys.modules["mta_repro"] = None  # as where mta-repro is not installed
+from transformers import AutoModelForCausalLM
+try:
+    AutoModelForCausalLM.from_pretrained(sys.argv[1], trust_remote_code=True)
+except ImportError as e:
+    print("ImportError:", " ".join(str(e).split()))
+"""
+
+
+def test_an_export_needs_mta_repro_where_it_loads(tmp_path):
+    """The exported modeling file depends on the installed package: where mta_repro cannot be
+    imported, loading the folder fails with an ImportError that names it and says to install
+    it (transformers' own import check would advise ``pip install`` from an index)."""
+    run_dir, _ = make_run(tmp_path / "run", attention="mta")
+    out = export_hf(run_dir, tmp_path / "hf")
+    p = _fresh_python(WITHOUT_PACKAGE, out, cwd=tmp_path, tmp=tmp_path)
+    assert p.returncode == 0, p.stderr[-3000:]
+    line = p.stdout.strip().splitlines()[-1]
+    assert line.startswith("ImportError:") and "mta_repro" in line and "install mta-repro" in line, p.stdout
 
 
 @pytest.mark.parametrize("tied", [True, False])
@@ -237,7 +294,7 @@ def test_the_kernels_tuning_stays_behind_and_configs_without_it_load(tmp_path):
     out = export_hf(pt, tmp_path / "hf")
     assert "kernels" not in json.loads((out / "config.json").read_text())["mta_repro_args"]
     hf = AutoModelForCausalLM.from_pretrained(str(out), trust_remote_code=True, torch_dtype=torch.float32).eval()
-    assert hf.model.args.kernels == type(hf.model.args.kernels)()  # the bundled defaults
+    assert hf.model.args.kernels == type(hf.model.args.kernels)()  # the loading side's defaults
     with torch.no_grad():
         torch.testing.assert_close(hf(TOKENS).logits, ours(model), rtol=1e-5, atol=1e-5)
     del blob["config"]["model"]["kernels"]

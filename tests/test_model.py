@@ -201,3 +201,32 @@ def test_other_conv_inits(method):
         assert torch.equal(k, want)
     else:  # trunc-normal, std 0.3, cut at 3 std
         assert k.abs().max() <= 0.9 and k.std() > 0.05
+
+
+BAD_MTA = [
+    dict(query_kernel_size=3),
+    dict(query_kernel_size=2, key_kernel_size=4),
+    dict(query_kernel_size=0, key_kernel_size=3),
+    dict(head_kernel_size=3),
+    dict(head_kernel_size=2, post_sm_linear_head=True),
+    dict(init_method="eye"),
+    dict(pad_key="centre"),
+    dict(layer_norm_rescale=True),
+]
+
+
+@pytest.mark.parametrize("opts", BAD_MTA, ids=lambda o: ",".join(o))
+def test_a_config_and_the_module_refuse_mta_options_by_one_rule(opts):
+    """The model's config and ``MultiTokenAttention`` check MTA options by one rule
+    (``MTAArgs.check``): the same message, naming ``model.mta.<option>`` (and
+    ``model.n_heads``) for a config, the keyword as written for the module."""
+    from mta_repro.errors import UserError
+    from mta_repro.mta import MultiTokenAttention
+
+    with pytest.raises(UserError) as config:
+        ModelArgs(dim=32, n_layers=1, n_heads=4, mta=MTAArgs(use_mta=True, **opts))
+    with pytest.raises(UserError) as module:
+        MultiTokenAttention(4, 8, **opts)
+    said = str(config.value)
+    assert "model.mta." in said and "\n" not in said
+    assert str(module.value) == "MultiTokenAttention: " + said.replace("model.mta.", "").replace("model.", "")

@@ -43,17 +43,17 @@ def test_the_post_softmax_convolution_equals_liger_where_liger_covers_it(c_k):
     q, k, v = _inputs()
     kernel = layer.weight.detach().clone().requires_grad_()
     theirs = liger_attention(layer, q, k, v)
-    ours = multi_token_attention(*(x.detach().requires_grad_() for x in (q, k, v)), mta_kernel_after_sm=kernel)
+    ours = multi_token_attention(*(x.detach().requires_grad_() for x in (q, k, v)), kq_kernel_after_softmax=kernel)
     torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
     gy = torch.randn_like(ours)
     ga = torch.autograd.grad(theirs, [q, k, v, layer.weight], gy)
     qq, kk, vv = (x.detach().requires_grad_() for x in (q, k, v))
-    out = multi_token_attention(qq, kk, vv, mta_kernel_after_sm=kernel)
+    out = multi_token_attention(qq, kk, vv, kq_kernel_after_softmax=kernel)
     gb = torch.autograd.grad(out, [qq, kk, vv, kernel], gy)
     for a, b in zip(ga, gb):
         torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-5)
     q64, k64, v64 = (x.detach().double() for x in (q, k, v))
-    want = multi_token_attention(q64, k64, v64, mta_kernel_after_sm=kernel.detach().double())
+    want = multi_token_attention(q64, k64, v64, kq_kernel_after_softmax=kernel.detach().double())
     assert (theirs.double() - want).abs().max() < 1e-5
 
 
@@ -69,7 +69,7 @@ def test_liger_with_query_rows_reads_later_queries_and_the_op_does_not():
     q2[:, :, -1] += 1.0
     with torch.no_grad():
         liger_rows = (liger_attention(layer, q2, k, v) - liger_attention(layer, q, k, v)).abs().amax((0, 1, 3))
-        ours = [multi_token_attention(x, k, v, mta_kernel_after_sm=layer.weight) for x in (q, q2)]
+        ours = [multi_token_attention(x, k, v, kq_kernel_after_softmax=layer.weight) for x in (q, q2)]
     ours_rows = (ours[1] - ours[0]).abs().amax((0, 1, 3))
     assert liger_rows[-2] > 1e-3  # Liger's row T-2 read query T-1
     assert ours_rows[:-1].max() == 0 and ours_rows[-1] > 1e-3

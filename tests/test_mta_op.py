@@ -7,6 +7,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import math
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -265,23 +266,28 @@ BAD_CALLS = [
     (lambda q, k, v: multi_token_attention(q, k.double(), v), "one floating dtype"),
     (lambda q, k, v: multi_token_attention(q, k[:, :, :5], v[:, :, :5]), "11 queries but 5 keys"),
     (
-        lambda q, k, v: multi_token_attention(q, k, v, mta_kernel=torch.zeros(3, 1, 2, 3)),
-        "mta_kernel: expected shape (4, 1",
+        lambda q, k, v: multi_token_attention(q, k, v, kq_kernel=torch.zeros(3, 1, 2, 3)),
+        "kq_kernel: expected shape (4, 1",
     ),
-    (lambda q, k, v: multi_token_attention(q, k, v, mta_kernel=torch.zeros(4, 1, 2, 4)), "must be odd"),
-    (lambda q, k, v: multi_token_attention(q, k, v, wpsm=torch.zeros(4, 3)), "wpsm: expected shape (4, 4)"),
+    (lambda q, k, v: multi_token_attention(q, k, v, kq_kernel=torch.zeros(4, 1, 2, 4)), "must be odd"),
+    (
+        lambda q, k, v: multi_token_attention(q, k, v, pre_softmax_head_mixing=torch.zeros(4, 3)),
+        "pre_softmax_head_mixing: expected shape (4, 4)",
+    ),
     (lambda q, k, v: multi_token_attention(q, k, v, head_kernel=torch.zeros(2, 3, 3)), "head_kernel: expected"),
     (
-        lambda q, k, v: multi_token_attention(q, k, v, head_kernel=torch.zeros(2, 2, 2), wposm=torch.zeros(4, 4)),
+        lambda q, k, v: multi_token_attention(
+            q, k, v, head_kernel=torch.zeros(2, 2, 2), post_softmax_head_mixing=torch.zeros(4, 4)
+        ),
         "two forms of post-softmax",
     ),
     (lambda q, k, v: multi_token_attention(q, k, v, pad_key="centre"), "pad_key='centre'"),
-    (lambda q, k, v: multi_token_attention(q, k, v, layer_norm_rescale=True), "needs subln_weight"),
+    (lambda q, k, v: multi_token_attention(q, k, v, layer_norm_rescale=True), "needs group_norm_weight"),
     (lambda q, k, v: multi_token_attention(q, k, v, gate_weight=torch.zeros(2, 8)), "gate_weight: expected shape"),
     (lambda q, k, v: multi_token_attention(q, k, v, attention_mask=torch.ones(2, 1, 11, 11)), "attention_mask"),
     (lambda q, k, v: multi_token_attention(q, k, v, attention_mask=torch.zeros(2, 11)), "bool or 0/1"),
     (lambda q, k, v: multi_token_attention(q, k, v, q_offset=1), "q_offset=1"),
-    (lambda q, k, v: multi_token_attention(q, k, v, attn_impl="fast"), "registered implementations"),
+    (lambda q, k, v: multi_token_attention(q, k, v, attn_impl="fast"), "unknown implementation 'fast'"),
     (lambda q, k, v: multi_token_attention(q, k, v, dropout_p=1.0), "dropout_p=1.0"),
     (lambda q, k, v: MultiTokenAttention(4, 8, query_kernel_size=3), "set together"),
     (lambda q, k, v: MultiTokenAttention(4, 8, head_kernel_size=3), "head_kernel_size=3 must divide n_heads=4"),
@@ -291,8 +297,15 @@ BAD_CALLS = [
     (lambda q, k, v: MultiTokenAttention(4, 0), "head_dim=0"),
     (
         lambda q, k, v: MultiTokenAttention(4, 8, query_kernel_size=2, key_kernel_size=3)(q[:, :2], k[:, :2], v[:, :2]),
-        "mta_kernel: expected shape (2, 1",
+        "kq_kernel: expected shape (2, 1",
     ),
+    (
+        lambda q, k, v: multi_token_attention(
+            q, k, v, kq_kernel=torch.zeros(4, 1, 2, 3), mta_kernel=torch.zeros(4, 1, 2, 3)
+        ),
+        "mta_kernel and kq_kernel are one weight",
+    ),
+    (lambda q, k, v: MultiTokenAttention(4, 8, query_kernel_size=2, key_kernel_size=4), "key_kernel_size=4: pad_key"),
 ]
 
 
@@ -304,6 +317,7 @@ def test_a_wrong_shape_or_option_is_a_one_line_user_error(call, words):
     msg = str(e.value)
     assert isinstance(e.value, ValueError) and "\n" not in msg and words in msg
     assert msg.startswith(("multi_token_attention: ", "MultiTokenAttention: ")), msg
+    assert "model." not in msg, msg  # options named as the caller wrote them, not as a config's
 
 
 WRONG_IMPL = attention_ops.AttnImpl(
@@ -348,6 +362,93 @@ def test_selfcheck_falls_back_from_a_wrong_implementation_once(wrong_impl):
         mod(q, k, v)
     mod.selfcheck = "off"
     assert (mod(q, k, v) / want).median().item() == pytest.approx(1.01, rel=1e-4)
+
+
+def test_the_release_names_still_work_with_a_deprecation_warning():
+    """The release's keyword names give the same result as the descriptive ones, each with a
+    DeprecationWarning that names its replacement."""
+    mod = _randomised(MultiTokenAttention(H, D, dtype=F64, **OPTIONS["release_880m"]))
+    q, k, v = (x.detach() for x in _qkv())
+    w = lambda lin: None if lin is None else lin.weight  # noqa: E731
+    new = dict(
+        kq_kernel=mod.mta_kernel,
+        pre_softmax_head_mixing=w(mod.wpsm),
+        kq_kernel_after_softmax=mod.mta_kernel_after_sm,
+        head_kernel=mod.head_kernel,
+        group_norm_weight=w(mod.subln),
+    )
+    old = dict(
+        mta_kernel=mod.mta_kernel,
+        wpsm=w(mod.wpsm),
+        mta_kernel_after_sm=mod.mta_kernel_after_sm,
+        head_kernel=mod.head_kernel,
+        subln_weight=w(mod.subln),
+    )
+    want = multi_token_attention(q, k, v, **new)
+    with pytest.warns(DeprecationWarning) as record:
+        got = multi_token_attention(q, k, v, **old)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    said = " ".join(str(r.message) for r in record)
+    for name in ("kq_kernel=", "pre_softmax_head_mixing=", "kq_kernel_after_softmax=", "group_norm_weight="):
+        assert f"pass {name}" in said, said
+    with pytest.warns(DeprecationWarning, match="pass kq_kernel="):
+        assert query_history(mta_kernel=mod.mta_kernel) == query_history(mod.mta_kernel) == 2
+    with pytest.raises(TypeError, match="kernel_size"):
+        multi_token_attention(q, k, v, kernel_size=3)
+
+
+def test_no_selfcheck_runs_unless_asked(monkeypatch):
+    """The op and the module compute with the implementation asked for: by default neither
+    runs the float64 self-check (on any device); "warn" asks for it."""
+    calls = []
+    monkeypatch.setattr(selfcheck, "decide", lambda *a, **kw: calls.append(a) or pytest.fail("self-check ran"))
+    monkeypatch.setattr(mta_functional, "_decisions", {})
+    mod = _randomised(MultiTokenAttention(H, D, **OPTIONS["release_880m"]))
+    q, k, v = (x.detach().float() for x in _qkv())
+    mod(q, k, v)
+    multi_token_attention(q, k, v, kq_kernel=mod.mta_kernel)
+    assert calls == []
+    monkeypatch.setattr(
+        selfcheck,
+        "decide",
+        lambda *a, **kw: calls.append(a) or selfcheck.Decision("blocked", "blocked", "cpu", "float32"),
+    )
+    multi_token_attention(q, k, v, kq_kernel=mod.mta_kernel, selfcheck="warn")
+    assert len(calls) == 1
+
+
+TRITON_PROBE = """
+import warnings
+import torch
+from mta_repro.mta import multi_token_attention
+
+warnings.simplefilter("error")  # a fallback to another implementation would warn
+g = torch.Generator().manual_seed(0)
+q, k, v = (torch.randn(1, 2, 6, 16, generator=g) for _ in range(3))
+kernel = 0.5 * torch.randn(2, 1, 2, 3, generator=g)
+want = multi_token_attention(q, k, v, kq_kernel=kernel, attn_impl="torch")
+got = multi_token_attention(q, k, v, kq_kernel=kernel, attn_impl="triton")
+from mta_repro.model import attention_ops
+
+print("loaded:", attention_ops.attn_impl("triton").fn.__module__)
+print("err:", (got - want).abs().max().item())
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.triton
+def test_the_op_finds_the_triton_implementation_through_the_registry():
+    """A fresh interpreter that imports only ``mta_repro.mta`` asks for attn_impl="triton": the
+    registry loads it from its entry point, it runs (Triton's interpreter, no fallback) and
+    agrees with the reference implementation."""
+    pytest.importorskip("triton")
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    p = subprocess.run(
+        [sys.executable, "-c", TRITON_PROBE], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300
+    )
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert "loaded: mta_repro.experimental.fused_triton" in p.stdout, p.stdout
+    assert float(p.stdout.split("err:")[1]) < 1e-5, p.stdout
 
 
 def test_nothing_in_the_package_imports_the_op_and_it_imports_only_the_core():

@@ -5,8 +5,9 @@
 
 Export. A baseline run becomes a plain ``LlamaForCausalLM`` folder (config.json,
 model.safetensors, the tokenizer). MTA, talking-heads and Differential runs become a
-folder with our own self-contained modeling file, loaded with
-``AutoModelForCausalLM.from_pretrained(<dir>, trust_remote_code=True)``; both give our logits.
+folder with our own modeling file, loaded with
+``AutoModelForCausalLM.from_pretrained(<dir>, trust_remote_code=True)`` where mta-repro is
+installed (the file imports ``mta_repro.model``); both give our logits.
 Into a new, empty or earlier export folder only (``--force``: another), umask file modes.
 
 Import. A Llama checkpoint folder as downloaded (sharded safetensors or not; docs/llama3.md)

@@ -1,6 +1,7 @@
-"""What the model hands a kernel: the mask's structure and a layer's score-path parameters.
-``mta_repro.model.attention_ops`` (which picks an implementation) and the kernels (which
-implement one) both import them from here, so neither imports the other to know them."""
+"""What the model hands a kernel: the mask's structure, a layer's score-path parameters and
+where a key-query kernel sits on the key axis (``pad_key``). ``mta_repro.model.attention_ops``
+(which picks an implementation) and the kernels (which implement one, the experimental
+Triton kernels included) all import them from here, so none imports another to know them."""
 
 from __future__ import annotations
 
@@ -77,3 +78,9 @@ def post_mix_matrix(p: ExplicitAttnParams) -> torch.Tensor | None:
     if p.head_kernel is not None:
         return torch.block_diag(*p.head_kernel.transpose(1, 2))
     return p.wposm
+
+
+def pad_left(pad_key: str, c_k: int) -> int:
+    """Keys padded before the window (the kernel's key offset 0 sits at this column):
+    the release's ``pad_key`` = "both" / "left" / "right" for a kernel of c_k keys."""
+    return {"both": (c_k - 1) // 2, "left": c_k - 1, "right": 0}[pad_key]

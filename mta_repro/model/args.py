@@ -28,6 +28,13 @@ INIT_STD_FACTORS = ("disabled", "global_depth", "current_depth", "dim_ratio")
 # "lingua": every norm multiplies in fp32, then casts (Lingua's own models);
 # "hf": every norm casts, then multiplies (transformers' LlamaRMSNorm).
 NORM_ORDERS = ("release", "lingua", "hf")
+_KERNEL_SIZES = (
+    "query_kernel_size",
+    "key_kernel_size",
+    "after_sm_query_kernel_size",
+    "after_sm_key_kernel_size",
+    "head_kernel_size",
+)
 
 
 @dataclass
@@ -69,6 +76,49 @@ class MTAArgs:
     # Output gate O * sigmoid(gate(O)); gate_1d: one scalar per head and token.
     add_gating: bool = False
     gate_1d: bool = True
+
+    def check(self, n_heads: int, max_seqlen: int | None = None, prefix: str = "model.") -> None:
+        """Raise ``UserError`` on options that do not fit ``n_heads`` query heads (and
+        sequences of at most ``max_seqlen``; None: no bound). Names read ``{prefix}mta.<field>``
+        and ``{prefix}n_heads``: a config's ``model.mta.key_kernel_size`` (the default), a
+        module's keyword ``key_kernel_size`` (``prefix=""``)."""
+        opt = lambda name: f"{prefix}mta.{name}" if prefix else name  # noqa: E731
+        for name in _KERNEL_SIZES:
+            size = getattr(self, name)
+            _positive(opt(name), size)
+            # Checked before any parameter is allocated: a convolution wider than the longest
+            # sequence reads nothing more (and (H, 1, c_q, c_k) of 2**33 would not fit anywhere).
+            if max_seqlen is not None and size is not None and size > max_seqlen and name != "head_kernel_size":
+                raise UserError(
+                    f"{opt(name)}={size}: expected at most {prefix}max_seqlen={max_seqlen} "
+                    "(a convolution over more positions than a sequence has)"
+                )
+        if self.pad_key not in PAD_KEY_CHOICES:
+            raise UserError(f"{opt('pad_key')}: expected one of {PAD_KEY_CHOICES}, got {self.pad_key!r}")
+        if self.init_method not in INIT_CHOICES:
+            raise UserError(f"{opt('init_method')}: expected one of {INIT_CHOICES}, got {self.init_method!r}")
+        for q, k in (
+            ("query_kernel_size", "key_kernel_size"),
+            ("after_sm_query_kernel_size", "after_sm_key_kernel_size"),
+        ):
+            qv, kv = getattr(self, q), getattr(self, k)
+            if (qv is None) != (kv is None):
+                raise UserError(f"{opt(q)} and {opt(k)} must be set together (or both null)")
+            if kv is not None and self.pad_key == "both" and kv % 2 == 0:
+                raise UserError(
+                    f"{opt(k)}={kv}: pad_key 'both' centres the key window, so the key kernel size must be odd"
+                )
+        c_h = self.head_kernel_size
+        if c_h is not None:
+            if n_heads % c_h:
+                raise UserError(f"{opt('head_kernel_size')}={c_h} must divide {prefix}n_heads={n_heads}")
+            if self.post_sm_linear_head:
+                raise UserError(
+                    f"{opt('head_kernel_size')} and {opt('post_sm_linear_head')} are two forms "
+                    "of post-softmax head mixing; set only one"
+                )
+        if self.layer_norm_rescale and not self.group_norm:
+            raise UserError(f"{opt('layer_norm_rescale')} rescales the group norm: it needs {opt('group_norm')}")
 
 
 @dataclass
@@ -321,46 +371,5 @@ def validate(args: ModelArgs) -> None:
                 f"model.n_kv_heads={args.n_kv_heads}: the Differential Transformer pairs K/V "
                 "heads too (n_kv_heads/2 value heads of size 2*head_dim), so it must be even"
             )
-    m = args.mta
-    for name in (
-        "query_kernel_size",
-        "key_kernel_size",
-        "after_sm_query_kernel_size",
-        "after_sm_key_kernel_size",
-        "head_kernel_size",
-    ):
-        _positive(f"model.mta.{name}", getattr(m, name))
-        # Checked before any parameter is allocated: a convolution wider than the longest
-        # sequence reads nothing more (and (H, 1, c_q, c_k) of 2**33 would not fit anywhere).
-        size = getattr(m, name)
-        if size is not None and size > args.max_seqlen and name != "head_kernel_size":  # divides n_heads, below
-            raise UserError(
-                f"model.mta.{name}={size}: expected at most model.max_seqlen={args.max_seqlen} "
-                "(a convolution over more positions than a sequence has)"
-            )
-    if m.pad_key not in PAD_KEY_CHOICES:
-        raise UserError(f"model.mta.pad_key: expected one of {PAD_KEY_CHOICES}, got {m.pad_key!r}")
-    if m.init_method not in INIT_CHOICES:
-        raise UserError(f"model.mta.init_method: expected one of {INIT_CHOICES}, got {m.init_method!r}")
-    for q, k in (
-        ("query_kernel_size", "key_kernel_size"),
-        ("after_sm_query_kernel_size", "after_sm_key_kernel_size"),
-    ):
-        qv, kv = getattr(m, q), getattr(m, k)
-        if (qv is None) != (kv is None):
-            raise UserError(f"model.mta.{q} and model.mta.{k} must be set together (or both null)")
-        if kv is not None and m.pad_key == "both" and kv % 2 == 0:
-            raise UserError(
-                f"model.mta.{k}={kv}: pad_key 'both' centres the key window, so the key kernel size must be odd"
-            )
-    if m.head_kernel_size is not None:
-        if args.n_heads % m.head_kernel_size:
-            raise UserError(f"model.mta.head_kernel_size={m.head_kernel_size} must divide model.n_heads={args.n_heads}")
-        if m.post_sm_linear_head:
-            raise UserError(
-                "model.mta.head_kernel_size and model.mta.post_sm_linear_head are two forms "
-                "of post-softmax head mixing; set only one"
-            )
-    if m.layer_norm_rescale and not m.group_norm:
-        raise UserError("model.mta.layer_norm_rescale rescales the group norm: it needs model.mta.group_norm")
-    _parse_layers(m.mta_layers, args.n_layers)  # raises on bad ids
+    args.mta.check(args.n_heads, max_seqlen=args.max_seqlen)
+    _parse_layers(args.mta.mta_layers, args.n_layers)  # raises on bad ids

@@ -21,7 +21,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from mta_repro.kernels.conv_pad import pad_left
+from mta_repro.kernels.interface import pad_left
 from mta_repro.kernels.interface import AttnMask, ExplicitAttnParams
 
 # The score-path weights of ``ExplicitAttnParams``, in the order the engines pass them.

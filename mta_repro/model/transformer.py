@@ -19,45 +19,11 @@ from torch import nn
 
 from mta_repro.model import attention_ops
 from mta_repro.model.args import ModelArgs
+from mta_repro.model.mta_layer import MTALayer
+from mta_repro.model.parts import RMSNorm, release_depth_scale, trunc_normal_
 
 
 # --------------------------------------------------------------------------- pieces
-class RMSNorm(nn.Module):
-    def __init__(
-        self,
-        dim: int,
-        eps: float = 1e-5,
-        cast_before_weight: bool = False,
-        out_scale: float = 1.0,
-        out_scale_fp64: float | None = None,
-    ):
-        super().__init__()
-        self.eps = eps
-        # A constant factor on the output (the release's ``curse_norm`` depth scaling);
-        # out_scale_fp64 (if given) replaces it for fp64 inputs (``release_depth_scale``).
-        self.out_scale = out_scale
-        self.out_scale_fp64 = out_scale if out_scale_fp64 is None else out_scale_fp64
-        # Rounding order in bf16/fp16 (``ModelArgs.norm_order``): True = normalise in fp32,
-        # cast to x's dtype, then scale by the weight (the release's block norms and its
-        # ``subln``); False = scale in fp32, then cast (Lingua's RMSNorm).
-        self.cast_before_weight = cast_before_weight
-        self.weight = nn.Parameter(torch.ones(dim))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.cast_before_weight:
-            out = attention_ops.rms_norm(x, self.weight, self.eps)
-        else:
-            # Lingua: normalise in fp32 (fp64 stays fp64), scale by the weight, cast back.
-            x32 = x.to(torch.promote_types(x.dtype, torch.float32))
-            out = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-            out = (out * self.weight.to(out.dtype)).type_as(x)
-        scale = self.out_scale_fp64 if out.dtype == torch.float64 else self.out_scale
-        return out if scale == 1.0 else out * scale
-
-    def reset_parameters(self) -> None:
-        nn.init.ones_(self.weight)
-
-
 def rope_inv_freq(head_dim: int, theta: float, scaling=None, device=None, dtype=torch.float32) -> torch.Tensor:
     """(head_dim/2,) RoPE frequencies theta^(-2i/d); with ``scaling`` (RopeScalingArgs),
     Llama 3's: as Meta's reference ``apply_scaling`` (llama-models, Llama 3.1), a
@@ -95,35 +61,6 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return out.flatten(-2).type_as(x)
 
 
-def release_depth_scale(layer_id: int, fp64: bool = False) -> float:
-    """1 - lambda_init(layer) as the release computes it for ``curse_norm`` and
-    ``layer_norm_rescale``: its RMSNorm holds layer_id as a tensor, so -0.3 * layer_id is
-    a tensor of the default dtype before the exp: fp32 in every real run (an fp32 ulp
-    apart from the exact value at some depths, which can flip a bf16 rounding); ``fp64``:
-    the exact value (the release run with default dtype float64)."""
-    if fp64:
-        return 1 - (0.8 - 0.6 * math.exp(-0.3 * layer_id))
-    x = float(torch.tensor(-0.3, dtype=torch.float32, device="cpu") * layer_id)  # also under a meta context
-    return 1 - (0.8 - 0.6 * math.exp(x))
-
-
-def _trunc_normal_(w: torch.Tensor, std: float, bound_std: float | None = None) -> None:
-    """Truncated normal at +-3 x ``bound_std`` (default ``std``). Lingua truncates the
-    output projections at 3 x the std *before* its depth factor divides it."""
-    bound = 3 * (std if bound_std is None else bound_std)
-    nn.init.trunc_normal_(w, mean=0.0, std=std, a=-bound, b=bound)
-
-
-def _copy_into(param: torch.Tensor, value: torch.Tensor) -> None:
-    """Copy a full CPU tensor into a parameter that may live on any device or be an
-    FSDP-sharded DTensor (the release's inits only worked on DTensors)."""
-    from torch.distributed.tensor import DTensor, distribute_tensor
-
-    if isinstance(param, DTensor):
-        value = distribute_tensor(value.to(param.device, param.dtype), param.device_mesh, param.placements)
-    param.copy_(value)
-
-
 class FeedForward(nn.Module):
     def __init__(self, dim: int, hidden_dim: int, init_std: float | None = None, init_factor: float = 1.0):
         super().__init__()
@@ -140,9 +77,9 @@ class FeedForward(nn.Module):
     def reset_parameters(self) -> None:
         in_std = self.init_std or self.dim**-0.5
         out_std = (self.init_std or self.hidden_dim**-0.5) / self.init_factor
-        _trunc_normal_(self.w1.weight, in_std)
-        _trunc_normal_(self.w3.weight, in_std)
-        _trunc_normal_(self.w2.weight, out_std)
+        trunc_normal_(self.w1.weight, in_std)
+        trunc_normal_(self.w3.weight, in_std)
+        trunc_normal_(self.w2.weight, out_std)
 
 
 # ----------------------------------------------------------------------- KV cache
@@ -181,12 +118,12 @@ def repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------------- attention
-class Attention(nn.Module):
+class Attention(MTALayer):
     """Multi-head attention. ``kind`` (``ModelArgs.layer_kind``) picks the score path, a
     pure function of ``attention_ops``: "sdpa" -> ``sdpa``, "diff" -> ``diff_attention``,
     "kq_conv"/"mixing" -> ``explicit_attention`` (MTA, talking heads). Every optional
-    parameter is declared here (None when the layer has none), under Lingua's and the
-    release's names, so state dicts move between them."""
+    parameter is declared here or in the MTA core (``MTALayer``; None when the layer has
+    none), under Lingua's and the release's names, so state dicts move between them."""
 
     lambda_q1: nn.Parameter | None
     lambda_k1: nn.Parameter | None
@@ -195,86 +132,38 @@ class Attention(nn.Module):
 
     def __init__(self, args: ModelArgs, layer_id: int):
         super().__init__()
-        m = args.mta
-        self.kind = args.layer_kind(layer_id)
-        self.model_dim = args.dim
-        self.layer_id = layer_id
-        self.n_heads = H = args.n_heads
         self.n_kv_heads = H_kv = args.resolved_n_kv_heads
-        self.head_dim = d = args.resolved_head_dim
-        # Lingua's init options: base std (None: dim**-0.5) and this depth's factor.
-        self.init_std = args.init_base_std
-        self.init_factor = args.init_std_factor_at(layer_id)
-        self.dropout = args.dropout
-        self.pad_key = m.pad_key
-        self.init_method = m.init_method
-        self.attn_impl = args.attn_impl
-        self.attn_block_size = args.attn_block_size
-        # What the score path runs on: the defaults, unless a caller hands this module others
-        # (the memory pre-flight's meta stand-ins; see attention_ops.AttnKernels), under the
-        # model's tuning (model.kernels).
-        self.kernels = attention_ops.AttnKernels(tuning=args.kernels)
+        H, d = args.n_heads, args.resolved_head_dim
         self.wq = nn.Linear(args.dim, H * d, bias=False)
         self.wk = nn.Linear(args.dim, H_kv * d, bias=False)
         self.wv = nn.Linear(args.dim, H_kv * d, bias=False)
         self.wo = nn.Linear(H * d, args.dim, bias=False)
-
-        def param(on: bool, *shape) -> nn.Parameter | None:
-            return nn.Parameter(torch.empty(*shape)) if on else None
-
         # Differential Transformer: four d-sized vectors, shared by the H/2 diff heads.
-        diff = self.kind == "diff"
+        kind = args.layer_kind(layer_id)
         for name in ("lambda_q1", "lambda_k1", "lambda_q2", "lambda_k2"):
-            self.register_parameter(name, param(diff, d))
-        # Explicit path. Layers outside mta_layers ("mixing") keep only the head mixing.
-        conv = self.kind == "kq_conv"
-        explicit = conv or self.kind == "mixing"
-        pre, post = (m.query_kernel_size, m.key_kernel_size), (m.after_sm_query_kernel_size, m.after_sm_key_kernel_size)
-        self.mta_kernel = param(conv and pre[0] is not None, H, 1, *pre)  # (H, 1, c_q, c_k)
-        self.mta_kernel_after_sm = param(conv and post[0] is not None, H, 1, *post)  # (H, 1, c_q', c_k')
-        self.wpsm = nn.Linear(H, H, bias=False) if explicit and m.pre_sm_linear_head else None
-        c_h = m.head_kernel_size
-        self.head_kernel = param(explicit and c_h is not None, H // (c_h or 1), c_h, c_h)  # (G, c_h, c_h)
-        self.wposm = nn.Linear(H, H, bias=False) if explicit and c_h is None and m.post_sm_linear_head else None
-        # Output: per-head RMSNorm (diff: over 2d; MTA's group norm: over d), scaled by
-        # 1 - lambda_init(layer) for diff and for ``layer_norm_rescale``, then the gate.
-        # As in the release, group norm and gating apply in every layer when set.
-        norm_dim = 2 * d if diff else d if m.group_norm else None
-        self.subln = RMSNorm(norm_dim, eps=1e-5, cast_before_weight=True) if norm_dim else None
-        rescale = diff or (m.group_norm and m.layer_norm_rescale)
-        # diff: unilm's lambda_init (exact); MTA's depth scaling: the release's (fp32
-        # exponent, except for fp64 outputs).
-        self.out_scale = self.out_scale_fp64 = 1.0
-        if diff:
-            self.out_scale = self.out_scale_fp64 = 1 - attention_ops.lambda_init_fn(layer_id)
-        elif rescale:
-            self.out_scale, self.out_scale_fp64 = (
-                release_depth_scale(layer_id),
-                release_depth_scale(layer_id, fp64=True),
-            )
-        self.gate = nn.Linear(d, 1 if m.gate_1d else d, bias=True) if m.add_gating else None
-
-    # -- parameters ------------------------------------------------------------------
-    def explicit_params(self) -> attention_ops.ExplicitAttnParams:
-        weight = lambda lin: None if lin is None else lin.weight  # noqa: E731
-        return attention_ops.ExplicitAttnParams(
-            mta_kernel=self.mta_kernel,
-            wpsm=weight(self.wpsm),
-            mta_kernel_after_sm=self.mta_kernel_after_sm,
-            head_kernel=self.head_kernel,
-            wposm=weight(self.wposm),
-            pad_key=self.pad_key,
-            dropout=self.dropout,
-            block_size=self.attn_block_size,
-            kq_backend=self.kernels.kq_backend,
-            tuning=self.kernels.tuning,
+            self.register_parameter(name, nn.Parameter(torch.empty(d)) if kind == "diff" else None)
+        # Lingua's init options: base std (None: dim**-0.5) and this depth's factor.
+        self.build_mta(
+            args.mta,
+            H,
+            d,
+            kind,
+            layer_id,
+            model_dim=args.dim,
+            init_std=args.init_base_std,
+            init_factor=args.init_std_factor_at(layer_id),
+            dropout=args.dropout,
+            attn_impl=args.attn_impl,
+            attn_block_size=args.attn_block_size,
+            tuning=args.kernels,
         )
 
+    # -- parameters ------------------------------------------------------------------
     def reset_parameters(self) -> None:
         std = self.init_std or self.model_dim**-0.5
         for w in (self.wq, self.wk, self.wv):
-            _trunc_normal_(w.weight, std)
-        _trunc_normal_(self.wo.weight, std / self.init_factor, bound_std=std)
+            trunc_normal_(w.weight, std)
+        trunc_normal_(self.wo.weight, std / self.init_factor, bound_std=std)
         self.reset_mta_parameters()
         if self.kind == "diff":
             for p in (self.lambda_q1, self.lambda_k1, self.lambda_q2, self.lambda_k2):
@@ -282,49 +171,6 @@ class Attention(nn.Module):
                 nn.init.normal_(p, mean=0.0, std=0.1)
             assert self.subln is not None
             self.subln.reset_parameters()
-
-    def reset_mta_parameters(self) -> None:
-        """(Re)initialise only the parts MTA adds (Appendix I inserts exactly these)."""
-        with torch.no_grad():
-            if self.mta_kernel is not None:
-                _copy_into(self.mta_kernel, self._conv_init(self.mta_kernel.shape))
-            if self.mta_kernel_after_sm is not None:
-                # The release asserts an identity start for the post-softmax kernel,
-                # whatever init_method says (init_method shapes the pre-softmax one).
-                shape = self.mta_kernel_after_sm.shape
-                _copy_into(
-                    self.mta_kernel_after_sm,
-                    attention_ops.identity_kq_kernel(shape[0], shape[2], shape[3], self.pad_key),
-                )
-            for lin in (self.wpsm, self.wposm):
-                if lin is not None:
-                    _copy_into(lin.weight, torch.eye(self.n_heads))
-            if self.head_kernel is not None:
-                g, c, _ = self.head_kernel.shape
-                _copy_into(self.head_kernel, torch.eye(c).repeat(g, 1, 1))
-            if self.subln is not None and self.kind != "diff":
-                self.subln.reset_parameters()
-            if self.gate is not None:
-                std = self.init_std or self.model_dim**-0.5
-                _trunc_normal_(self.gate.weight, std / self.init_factor, bound_std=std)
-                # The release never initialises this bias (meta -> to_empty); 0 here.
-                self.gate.bias.zero_()
-
-    def _conv_init(self, shape) -> torch.Tensor:
-        """A kernel per ``mta.init_method``, made on CPU and copied in (any device)."""
-        n_heads, _, c_q, c_k = shape
-        if self.init_method == "identity":
-            return attention_ops.identity_kq_kernel(n_heads, c_q, c_k, self.pad_key)
-        if self.init_method == "const":
-            return torch.full(shape, 0.3)
-        if self.init_method == "uniform":
-            return torch.empty(shape).uniform_(-1.0, 1.0)
-        if self.init_method == "normal":  # what the release meant: trunc-normal, std 0.3
-            out = torch.empty(shape)
-            _trunc_normal_(out, 0.3)
-            return out
-        # "diagonal": ones on the diagonal that ends at the centre key of the last row.
-        return torch.ones(shape).tril((c_k + 1) // 2 - c_q).triu((c_k + 1) // 2 - c_q)
 
     # -- forward ---------------------------------------------------------------------
     def forward(
@@ -490,11 +336,11 @@ class Transformer(nn.Module):
         gen_state = torch.random.get_rng_state()
         torch.manual_seed(self.args.seed)
         try:
-            _trunc_normal_(self.tok_embeddings.weight, self.args.dim**-0.5)
+            trunc_normal_(self.tok_embeddings.weight, self.args.dim**-0.5)
             for layer in self.layers:
                 cast(TransformerBlock, layer).reset_parameters()  # ModuleList's items are typed as Module
             self.norm.reset_parameters()
             if not self.args.weight_tying:
-                _trunc_normal_(self.output.weight, self.args.dim**-0.5)
+                trunc_normal_(self.output.weight, self.args.dim**-0.5)
         finally:
             torch.random.set_rng_state(gen_state)

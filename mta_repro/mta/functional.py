@@ -3,9 +3,10 @@
 The score path is this project's (``mta_repro.model.attention_ops``): the registry picks the
 implementation (``blocked`` by default: query blocks recomputed in backward, so nothing
 T x T is kept for it; the key-query convolutions in the C kernel on CPU and in Triton on
-CUDA), checks it against float64 on a new device (``selfcheck``) and falls back where it
-cannot run. Group norm and gating follow as in the release's attention layer. Projections,
-RoPE and the KV cache stay with the caller.
+CUDA; a declared one such as ``triton`` loaded through its entry point), checks it against
+float64 only when asked (``selfcheck``) and falls back where it cannot run. Group norm
+and gating follow as in the release's attention layer. Projections, RoPE and the KV cache
+stay with the caller.
 """
 
 from __future__ import annotations
@@ -30,13 +31,13 @@ def multi_token_attention(
     k: torch.Tensor,
     v: torch.Tensor,
     *,
-    mta_kernel: torch.Tensor | None = None,
-    wpsm: torch.Tensor | None = None,
-    mta_kernel_after_sm: torch.Tensor | None = None,
+    kq_kernel: torch.Tensor | None = None,
+    pre_softmax_head_mixing: torch.Tensor | None = None,
+    kq_kernel_after_softmax: torch.Tensor | None = None,
     head_kernel: torch.Tensor | None = None,
-    wposm: torch.Tensor | None = None,
+    post_softmax_head_mixing: torch.Tensor | None = None,
     pad_key: str = "both",
-    subln_weight: torch.Tensor | None = None,
+    group_norm_weight: torch.Tensor | None = None,
     layer_norm_rescale: bool = False,
     layer_id: int = 0,
     eps: float = 1e-5,
@@ -50,6 +51,7 @@ def multi_token_attention(
     attn_block_size: int | None = None,
     kernels: KernelTuning | None = None,
     selfcheck: str | None = None,
+    **release_names: torch.Tensor | None,
 ) -> torch.Tensor:
     """Causal Multi-Token Attention (paper section 3; the release's ``Attention`` after RoPE).
 
@@ -68,38 +70,49 @@ def multi_token_attention(
     - attention_mask: (B, Tk), True/1 at real tokens, False/0 at padding (Hugging Face's
       2-D convention); a padded query row gives zeros. None: no padding.
 
-    Weights (the release's parameter names; None switches the part off; any float dtype,
-    cast to q's):
+    Weights (None switches the part off; any float dtype, cast to q's; in brackets the
+    release's parameter name, which ``MultiTokenAttention`` keeps and which this function
+    still takes, deprecated, with a DeprecationWarning):
 
-    - mta_kernel (H, 1, c_q, c_k): key-query convolution before softmax; query rows look
-      back only (row i reads rows i-c_q+1..i); the key window per ``pad_key``: "both"
-      centred (c_k odd), "left" keys j-c_k+1..j, "right" keys j..j+c_k-1.
-    - wpsm (H, H): head mixing before softmax (nn.Linear's output-major convention).
-    - mta_kernel_after_sm (H, 1, c_q', c_k'): key-query convolution after softmax, no
-      renormalisation.
+    - kq_kernel (H, 1, c_q, c_k) [mta_kernel]: key-query convolution before softmax; query
+      rows look back only (row i reads rows i-c_q+1..i); the key window per ``pad_key``:
+      "both" centred (c_k odd), "left" keys j-c_k+1..j, "right" keys j..j+c_k-1.
+    - pre_softmax_head_mixing (H, H) [wpsm]: head mixing before softmax (nn.Linear's
+      output-major convention).
+    - kq_kernel_after_softmax (H, 1, c_q', c_k') [mta_kernel_after_sm]: key-query
+      convolution after softmax, no renormalisation.
     - head_kernel (H / c_h, c_h, c_h): post-softmax convolution over groups of c_h
-      contiguous heads (input-major, as the release); or wposm (H, H), full mixing.
-    - subln_weight (dv,): group norm, an RMSNorm over each head's output (``eps``), times
-      1 - lambda_init(``layer_id``) with ``layer_norm_rescale`` (the release's depth scaling).
+      contiguous heads (input-major, as the release); or post_softmax_head_mixing (H, H)
+      [wposm], full mixing.
+    - group_norm_weight (dv,) [subln_weight]: group norm, an RMSNorm over each head's output
+      (``eps``), times 1 - lambda_init(``layer_id``) with ``layer_norm_rescale`` (the
+      release's depth scaling).
     - gate_weight (1, dv) or (dv, dv) and gate_bias: output gate O * sigmoid(O W^T + b).
 
     ``dropout_p``: on the attention probabilities (pass 0 in evaluation). ``scale``: the
     score scale (None: d ** -0.5). ``attn_impl`` (a name of ``attention_ops.ATTN_IMPLS``:
     blocked, torch, ...), ``attn_block_size`` and ``kernels`` are the ``model.attn_impl``,
     ``model.attn_block_size`` and ``model.kernels`` settings of this project's configs.
-    ``selfcheck``: "warn" checks the implementation against float64 on this device and dtype
-    once per process and shape of options, falling back with a warning where it fails;
-    "strict" raises instead; "off" skips it; None: "warn" off the CPU, "off" on it.
+    ``selfcheck``: None or "off" (the default) runs the implementation as asked; "warn"
+    checks it against float64 on this device and dtype once per process and shape of
+    options, falling back with a warning where it fails; "strict" raises instead.
     A wrong shape or option raises ``mta_repro.errors.UserError`` (a ValueError), one line.
     """
     where = "multi_token_attention"
     weights = dict(
-        mta_kernel=mta_kernel, wpsm=wpsm, mta_kernel_after_sm=mta_kernel_after_sm, head_kernel=head_kernel, wposm=wposm
+        kq_kernel=kq_kernel,
+        pre_softmax_head_mixing=pre_softmax_head_mixing,
+        kq_kernel_after_softmax=kq_kernel_after_softmax,
+        head_kernel=head_kernel,
+        post_softmax_head_mixing=post_softmax_head_mixing,
+        group_norm_weight=group_norm_weight,
     )
+    weights = _renamed(where, weights, release_names)
+    subln_weight = weights.pop("group_norm_weight")
     B, H, Tq, d, Tk, dv = _check_qkv(where, q, k, v)
     _check_weights(where, weights, H, pad_key)
     _check_output_weights(where, dv, subln_weight, layer_norm_rescale, gate_weight, gate_bias)
-    others = {**weights, "subln_weight": subln_weight, "gate_weight": gate_weight, "gate_bias": gate_bias}
+    others = {**weights, "group_norm_weight": subln_weight, "gate_weight": gate_weight, "gate_bias": gate_bias}
     for name, t in others.items():
         if t is not None and t.device != q.device:
             raise UserError(f"{where}: {name} is on {t.device}, q on {q.device}: pass every tensor on one device")
@@ -114,10 +127,10 @@ def multi_token_attention(
         raise UserError(f"{where}: dropout_p={dropout_p!r}: expected 0 <= p < 1")
     if selfcheck not in SELFCHECK:
         raise UserError(f"{where}: selfcheck={selfcheck!r}: expected warn, strict, off or None")
-    if attn_impl not in attention_ops.ATTN_IMPLS:
-        raise UserError(
-            f"{where}: attn_impl={attn_impl!r}: registered implementations are {sorted(attention_ops.ATTN_IMPLS)}"
-        )
+    try:  # registered, or declared through the entry points and loaded now
+        attention_ops.attn_impl(attn_impl)
+    except UserError as e:
+        raise UserError(f"{where}: " + str(e).removeprefix("model.")) from None
     if attn_block_size is not None and (
         isinstance(attn_block_size, bool) or not isinstance(attn_block_size, int) or attn_block_size < 1
     ):
@@ -135,11 +148,11 @@ def multi_token_attention(
         out = q.new_zeros((B, H, 0, dv)) + q.sum()
     else:
         params = ExplicitAttnParams(
-            mta_kernel=mta_kernel,
-            wpsm=wpsm,
-            mta_kernel_after_sm=mta_kernel_after_sm,
-            head_kernel=head_kernel,
-            wposm=wposm,
+            mta_kernel=weights["kq_kernel"],
+            wpsm=weights["pre_softmax_head_mixing"],
+            mta_kernel_after_sm=weights["kq_kernel_after_softmax"],
+            head_kernel=weights["head_kernel"],
+            wposm=weights["post_softmax_head_mixing"],
             pad_key=pad_key,
             dropout=dropout_p,
             block_size=attn_block_size,
@@ -157,12 +170,44 @@ def multi_token_attention(
     return out
 
 
-def query_history(mta_kernel: torch.Tensor | None = None, mta_kernel_after_sm: torch.Tensor | None = None) -> int:
+def query_history(
+    kq_kernel: torch.Tensor | None = None,
+    kq_kernel_after_softmax: torch.Tensor | None = None,
+    **release_names: torch.Tensor | None,
+) -> int:
     """How many earlier queries a new query's output depends on: (c_q - 1) + (c_q' - 1).
     Cached decoding keeps that many queries and passes them before the new ones."""
+    given = dict(kq_kernel=kq_kernel, kq_kernel_after_softmax=kq_kernel_after_softmax)
+    w = _renamed("query_history", given, release_names)
     return attention_ops.query_history(
-        ExplicitAttnParams(mta_kernel=mta_kernel, mta_kernel_after_sm=mta_kernel_after_sm)
+        ExplicitAttnParams(mta_kernel=w["kq_kernel"], mta_kernel_after_sm=w["kq_kernel_after_softmax"])
     )
+
+
+# The release's parameter names, still taken as keywords (deprecated): {old: new}.
+RELEASE_NAMES = {
+    "mta_kernel": "kq_kernel",
+    "wpsm": "pre_softmax_head_mixing",
+    "mta_kernel_after_sm": "kq_kernel_after_softmax",
+    "wposm": "post_softmax_head_mixing",
+    "subln_weight": "group_norm_weight",
+}
+
+
+def _renamed(where: str, given: dict, release_names: dict) -> dict:
+    """``given`` (new name: tensor) with each deprecated release name of ``release_names``
+    moved to its new name, a DeprecationWarning per name; a keyword that is neither is a
+    TypeError, as Python's own; a weight passed under both names is a UserError."""
+    out = dict(given)
+    for old, value in release_names.items():
+        new = RELEASE_NAMES.get(old)
+        if new is None or new not in out:
+            raise TypeError(f"{where}() got an unexpected keyword argument {old!r}")
+        if out[new] is not None:
+            raise UserError(f"{where}: {old} and {new} are one weight (the release's name and this one); pass {new}")
+        warnings.warn(f"{where}: {old}= is deprecated, pass {new}= instead", DeprecationWarning, stacklevel=3)
+        out[new] = value
+    return out
 
 
 # ------------------------------------------------------------------------------ checks
@@ -203,7 +248,7 @@ def _check_qkv(where: str, q, k, v) -> tuple:
 def _check_weights(where: str, w: dict, H: int, pad_key: str) -> None:
     if pad_key not in PAD_KEYS:
         raise UserError(f"{where}: pad_key={pad_key!r}: expected one of {PAD_KEYS}")
-    for name in ("mta_kernel", "mta_kernel_after_sm"):
+    for name in ("kq_kernel", "kq_kernel_after_softmax"):
         t = w[name]
         if t is None:
             continue
@@ -214,7 +259,7 @@ def _check_weights(where: str, w: dict, H: int, pad_key: str) -> None:
                 f"{where}: {name}: key kernel size {t.shape[3]} with pad_key='both' (a centred "
                 "window) must be odd; use an odd size or pad_key='left'/'right'"
             )
-    for name in ("wpsm", "wposm"):
+    for name in ("pre_softmax_head_mixing", "post_softmax_head_mixing"):
         t = w[name]
         if t is not None and _shape(t) != (H, H):
             raise UserError(f"{where}: {name}: expected shape ({H}, {H}) for {H} query heads, got {_shape(t)}")
@@ -224,8 +269,10 @@ def _check_weights(where: str, w: dict, H: int, pad_key: str) -> None:
             raise UserError(
                 f"{where}: head_kernel: expected shape (H / c_h, c_h, c_h) with H = {H} query heads, got {_shape(t)}"
             )
-        if w["wposm"] is not None:
-            raise UserError(f"{where}: head_kernel and wposm are two forms of post-softmax head mixing; pass one")
+        if w["post_softmax_head_mixing"] is not None:
+            raise UserError(
+                f"{where}: head_kernel and post_softmax_head_mixing are two forms of post-softmax head mixing; pass one"
+            )
     for name, t in w.items():
         if t is not None and not t.is_floating_point():
             raise UserError(f"{where}: {name}: expected a floating tensor, got {t.dtype}")
@@ -234,10 +281,10 @@ def _check_weights(where: str, w: dict, H: int, pad_key: str) -> None:
 def _check_output_weights(where: str, dv: int, subln_weight, rescale: bool, gate_weight, gate_bias) -> None:
     if subln_weight is not None and _shape(subln_weight) != (dv,):
         raise UserError(
-            f"{where}: subln_weight: expected shape ({dv},) (the value head size), got {_shape(subln_weight)}"
+            f"{where}: group_norm_weight: expected shape ({dv},) (the value head size), got {_shape(subln_weight)}"
         )
     if rescale and subln_weight is None:
-        raise UserError(f"{where}: layer_norm_rescale rescales the group norm: it needs subln_weight")
+        raise UserError(f"{where}: layer_norm_rescale rescales the group norm: it needs group_norm_weight")
     if gate_weight is not None:
         if gate_weight.dim() != 2 or gate_weight.shape[1] != dv or gate_weight.shape[0] not in (1, dv):
             raise UserError(
@@ -274,7 +321,7 @@ _decisions: dict = {}
 def _checked_impl(name: str, q: torch.Tensor, p: ExplicitAttnParams, selfcheck: str | None):
     """(implementation, params) to run: ``name`` as asked, or what the float64 self-check of
     ``mta_repro.model.selfcheck`` chose for these options on q's device and dtype (cached)."""
-    mode = selfcheck or ("off" if q.device.type == "cpu" else "warn")
+    mode = selfcheck or "off"
     if mode == "off" or torch.compiler.is_compiling():
         return name, p
     shapes = tuple(
@@ -292,8 +339,9 @@ def _checked_impl(name: str, q: torch.Tensor, p: ExplicitAttnParams, selfcheck: 
 
 
 def _model_args(H: int, d: int, p: ExplicitAttnParams, impl: str):
-    """A one-layer ModelArgs with these score-path options: what the self-check runs."""
-    from mta_repro.model.args import ModelArgs, MTAArgs
+    """The score-path options of ``p`` as the one-layer model the self-check runs."""
+    from mta_repro.model.args import MTAArgs
+    from mta_repro.model.mta_layer import one_layer_args
 
     pre = p.mta_kernel.shape[2:] if p.mta_kernel is not None else (None, None)
     post = p.mta_kernel_after_sm.shape[2:] if p.mta_kernel_after_sm is not None else (None, None)
@@ -308,13 +356,4 @@ def _model_args(H: int, d: int, p: ExplicitAttnParams, impl: str):
         pre_sm_linear_head=p.wpsm is not None,
         post_sm_linear_head=p.wposm is not None,
     )
-    return ModelArgs(
-        dim=H * d,
-        n_layers=1,
-        n_heads=H,
-        head_dim=d,
-        attn_impl=impl,
-        attn_block_size=p.block_size,
-        kernels=p.tuning,
-        mta=mta,
-    )
+    return one_layer_args(H, d, mta, attn_impl=impl, attn_block_size=p.block_size, kernels=p.tuning)

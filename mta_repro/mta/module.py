@@ -13,16 +13,16 @@ from __future__ import annotations
 import re
 
 import torch
-from torch import nn
 
 from mta_repro.errors import UserError
 from mta_repro.kernels.tuning import KernelTuning
-from mta_repro.model.args import ModelArgs, MTAArgs
-from mta_repro.model.transformer import Attention, RMSNorm
+from mta_repro.model import attention_ops
+from mta_repro.model.args import MTAArgs
+from mta_repro.model.mta_layer import MTALayer
 from mta_repro.mta.functional import SELFCHECK, multi_token_attention, query_history
 
 
-class MultiTokenAttention(nn.Module):
+class MultiTokenAttention(MTALayer):
     """MTA's parameters for one layer of ``n_heads`` query heads of size ``head_dim``.
 
     Options (the release's ``model.mta`` fields; docs/mta_op.md has the table):
@@ -75,7 +75,8 @@ class MultiTokenAttention(nn.Module):
         dtype=None,
     ):
         super().__init__()
-        opts = dict(
+        opts = MTAArgs(
+            use_mta=True,
             query_kernel_size=query_kernel_size,
             key_kernel_size=key_kernel_size,
             after_sm_query_kernel_size=after_sm_query_kernel_size,
@@ -90,55 +91,40 @@ class MultiTokenAttention(nn.Module):
             gate_1d=gate_1d,
             init_method=init_method,
         )
-        self.args = validated_args(
-            n_heads,
-            head_dim,
-            opts,
-            dropout=dropout,
-            attn_impl=attn_impl,
-            attn_block_size=attn_block_size,
-            kernels=kernels or KernelTuning(),
+        self.options = validated_args(
+            n_heads, head_dim, opts, dropout=dropout, attn_impl=attn_impl, attn_block_size=attn_block_size
         )
         if selfcheck not in SELFCHECK:
             raise UserError(f"MultiTokenAttention: selfcheck={selfcheck!r}: expected warn, strict, off or None")
         if isinstance(layer_id, bool) or not isinstance(layer_id, int) or layer_id < 0:
             raise UserError(f"MultiTokenAttention: layer_id={layer_id!r}: expected a 0-based layer index")
-        H, d = self.n_heads, self.head_dim = n_heads, head_dim
-        self.layer_id, self.pad_key, self.init_method = layer_id, pad_key, init_method
-        self.layer_norm_rescale = layer_norm_rescale
-        self.model_dim = dim or H * d
-        self.init_std, self.init_factor = init_std, init_factor
-        self.dropout, self.selfcheck = dropout, selfcheck
+        self.layer_norm_rescale, self.selfcheck = layer_norm_rescale, selfcheck
         # "kq_conv" (key-query convolutions), "mixing" (head mixing only) or "sdpa" (neither).
-        self.kind = (
+        self.build_mta(
+            opts,
+            n_heads,
+            head_dim,
             "kq_conv"
             if query_kernel_size or after_sm_query_kernel_size
-            else ("mixing" if pre_sm_linear_head or post_sm_linear_head or head_kernel_size else "sdpa")
+            else ("mixing" if pre_sm_linear_head or post_sm_linear_head or head_kernel_size else "sdpa"),
+            layer_id,
+            model_dim=dim or n_heads * head_dim,
+            init_std=init_std,
+            init_factor=init_factor,
+            dropout=dropout,
+            attn_impl=attn_impl,
+            attn_block_size=attn_block_size,
+            tuning=kernels,
+            device=device,
+            dtype=dtype,
         )
-        fk = {"device": device, "dtype": dtype}
-
-        def param(on: bool, *shape) -> nn.Parameter | None:
-            return nn.Parameter(torch.empty(*shape, **fk)) if on else None
-
-        self.mta_kernel = param(query_kernel_size is not None, H, 1, query_kernel_size, key_kernel_size)
-        self.wpsm = nn.Linear(H, H, bias=False, **fk) if pre_sm_linear_head else None
-        self.mta_kernel_after_sm = param(
-            after_sm_query_kernel_size is not None, H, 1, after_sm_query_kernel_size, after_sm_key_kernel_size
-        )
-        c_h = head_kernel_size
-        self.head_kernel = param(c_h is not None, H // (c_h or 1), c_h, c_h)
-        self.wposm = nn.Linear(H, H, bias=False, **fk) if post_sm_linear_head else None
-        self.subln = RMSNorm(d, eps=1e-5, cast_before_weight=True) if group_norm else None
-        if self.subln is not None and (device is not None or dtype is not None):
-            self.subln.to(**{k: v for k, v in fk.items() if v is not None})
-        self.gate = nn.Linear(d, 1 if gate_1d else d, bias=True, **fk) if add_gating else None
         if torch.device(device or torch.get_default_device()).type != "meta":
             self.reset_parameters()
 
-    # The release's initialisation, shared with this project's attention layer (the same
-    # attribute names): identity kernels and mixings, subln ones, the gate trunc-normal.
-    reset_parameters = Attention.reset_mta_parameters
-    _conv_init = Attention._conv_init
+    def reset_parameters(self) -> None:
+        """The release's initialisation (``MTALayer.reset_mta_parameters``): identity kernels
+        and mixings, subln ones, the gate trunc-normal, its bias 0."""
+        self.reset_mta_parameters()
 
     @property
     def query_history(self) -> int:
@@ -158,13 +144,13 @@ class MultiTokenAttention(nn.Module):
             q,
             k,
             v,
-            mta_kernel=self.mta_kernel,
-            wpsm=weight(self.wpsm),
-            mta_kernel_after_sm=self.mta_kernel_after_sm,
+            kq_kernel=self.mta_kernel,
+            pre_softmax_head_mixing=weight(self.wpsm),
+            kq_kernel_after_softmax=self.mta_kernel_after_sm,
             head_kernel=self.head_kernel,
-            wposm=weight(self.wposm),
+            post_softmax_head_mixing=weight(self.wposm),
             pad_key=self.pad_key,
-            subln_weight=weight(self.subln),
+            group_norm_weight=weight(self.subln),
             layer_norm_rescale=self.layer_norm_rescale,
             layer_id=self.layer_id,
             eps=1e-5 if self.subln is None else self.subln.eps,
@@ -173,14 +159,14 @@ class MultiTokenAttention(nn.Module):
             attention_mask=attention_mask,
             q_offset=q_offset,
             dropout_p=self.dropout if self.training else 0.0,
-            attn_impl=self.args.attn_impl,
-            attn_block_size=self.args.attn_block_size,
-            kernels=self.args.kernels,
+            attn_impl=self.attn_impl,
+            attn_block_size=self.attn_block_size,
+            kernels=self.kernels.tuning,
             selfcheck=self.selfcheck,
         )
 
     def extra_repr(self) -> str:
-        m = self.args.mta
+        m = self.options
         parts = [f"n_heads={self.n_heads}, head_dim={self.head_dim}, layer_id={self.layer_id}"]
         if m.query_kernel_size:
             parts.append(f"kernel={m.query_kernel_size}x{m.key_kernel_size}")
@@ -191,22 +177,36 @@ class MultiTokenAttention(nn.Module):
         return ", ".join(parts)
 
 
-def validated_args(n_heads: int, head_dim: int, opts: dict, where: str = "MultiTokenAttention", **model) -> ModelArgs:
-    """A one-layer ``ModelArgs`` with MTA options ``opts`` (``MTAArgs`` fields), checked by the
-    project's config rules; an error names the option as the caller wrote it."""
+def validated_args(
+    n_heads: int,
+    head_dim: int,
+    opts: dict | MTAArgs,
+    where: str = "MultiTokenAttention",
+    *,
+    max_seqlen: int | None = 4096,
+    dropout: float = 0.0,
+    attn_impl: str = "blocked",
+    attn_block_size: int | None = None,
+) -> MTAArgs:
+    """MTA options ``opts`` (``MTAArgs`` or its fields) checked for ``n_heads`` heads of size
+    ``head_dim`` by ``MTAArgs.check``, with how the layer computes; an error names each option
+    as the caller wrote it. ``max_seqlen``: the longest sequence (4096, ``ModelArgs``'
+    default, bounds the kernels' sizes where the caller gives none)."""
     for name, value in (("n_heads", n_heads), ("head_dim", head_dim)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise UserError(f"{where}: {name}={value!r}: expected a positive integer")
+    if not isinstance(dropout, (int, float)) or not 0.0 <= dropout < 1.0:
+        raise UserError(f"{where}: dropout={dropout!r}: expected 0 <= p < 1")
+    if attn_block_size is not None and (
+        isinstance(attn_block_size, bool) or not isinstance(attn_block_size, int) or attn_block_size < 1
+    ):
+        raise UserError(f"{where}: attn_block_size={attn_block_size!r}: expected a positive integer or None")
     try:
-        return ModelArgs(
-            dim=n_heads * head_dim,
-            n_layers=1,
-            n_heads=n_heads,
-            head_dim=head_dim,
-            mta=MTAArgs(use_mta=True, **opts),
-            **model,
-        )
-    except UserError as e:  # "model.mta.key_kernel_size=4: ..." -> "key_kernel_size=4: ..."
-        raise UserError(f"{where}: " + re.sub(r"model\.(mta\.)?", "", str(e))) from None
-    except TypeError as e:  # a field of the wrong type that the dataclass itself rejects
+        mta = opts if isinstance(opts, MTAArgs) else MTAArgs(use_mta=True, **opts)
+        mta.check(n_heads, max_seqlen=max_seqlen, prefix="")
+        attention_ops.attn_impl(attn_impl)  # registered, or a declared one loaded
+    except UserError as e:  # "model.attn_impl: unknown ..." -> "attn_impl: unknown ..."
+        raise UserError(f"{where}: " + re.sub(r"^model\.", "", str(e))) from None
+    except TypeError as e:  # an option of the wrong type, or one MTAArgs does not have
         raise UserError(f"{where}: {e}") from None
+    return mta

@@ -15,7 +15,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from mta_repro.errors import UserError
 from mta_repro.experimental.fused_triton import options, tiles
-from mta_repro.kernels.conv_pad import pad_left
+from mta_repro.kernels.interface import pad_left
 from mta_repro.kernels.tuning import DEFAULT_TUNING, KernelTuning
 
 

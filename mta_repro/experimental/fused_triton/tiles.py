@@ -30,7 +30,7 @@ import torch
 
 from mta_repro.errors import UserError
 from mta_repro.experimental.fused_triton import options
-from mta_repro.kernels.conv_pad import pad_left
+from mta_repro.kernels.interface import pad_left
 from mta_repro.kernels.tuning import DEFAULT_TUNING, KernelTuning
 
 Kernel = tuple[int, int] | None  # a key-query convolution's (c_q, c_k), None: off
