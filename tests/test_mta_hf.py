@@ -189,6 +189,26 @@ def test_save_pretrained_and_from_pretrained_round_trip(tmp_path):
         assert not any(".mta." in k for k in plain.state_dict())
 
 
+def test_another_head_saves_under_its_auto_class_and_loads_back(tmp_path):
+    """A head other than the causal LM (its MTA class is built on first use in
+    modeling_mta.py) registers its own auto class: config.json's auto_map names it, and
+    from_pretrained with trust_remote_code gives the same logits."""
+    config = tiny().config
+    config.num_labels = 3
+    torch.manual_seed(0)
+    model = perturb(apply_mta(transformers.LlamaForSequenceClassification(config).eval(), layers=[1], **MTA))
+    assert type(model).__name__ == "MTALlamaForSequenceClassification"
+    model.save_pretrained(tmp_path)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    assert cfg["auto_map"] == {"AutoModelForSequenceClassification": "modeling_mta.MTALlamaForSequenceClassification"}
+    ids, mask = batch()
+    with torch.no_grad():
+        loaded = transformers.AutoModelForSequenceClassification.from_pretrained(tmp_path, trust_remote_code=True)
+        assert type(loaded).__name__ == "MTALlamaForSequenceClassification"
+        want = model(ids, attention_mask=mask).logits
+        torch.testing.assert_close(loaded.eval()(ids, attention_mask=mask).logits, want, rtol=0, atol=0)
+
+
 def test_training_with_plain_pytorch_moves_the_mta_parameters_and_the_loss_falls():
     model = apply_mta(tiny(), layers=[0, 1, 2], conv_layers=[1], **MTA).train()
     ids = batch()[0][1:].repeat(4, 1)
