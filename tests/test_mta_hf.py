@@ -6,6 +6,8 @@ logits as this project's Hugging Face import followed by its Appendix I insertio
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -187,6 +189,54 @@ def test_save_pretrained_and_from_pretrained_round_trip(tmp_path):
             torch.testing.assert_close(loaded.eval()(ids, attention_mask=mask).logits, want, rtol=0, atol=0)
         plain = transformers.LlamaForCausalLM.from_pretrained(tmp_path)
         assert not any(".mta." in k for k in plain.state_dict())
+
+
+@pytest.mark.slow
+def test_a_fresh_interpreter_loads_the_folder_with_the_classes_of_its_copied_file(tmp_path):
+    """The class from_pretrained builds is defined in the folder's modeling_mta.py (the
+    copy save_pretrained wrote), not looked up in the installed mta_repro.mta.modeling_mta,
+    which a fresh interpreter that only loads the folder never imports."""
+    model = perturb(apply_mta(tiny(), layers=[1], **MTA))
+    model.save_pretrained(tmp_path)
+    ids, mask = batch()
+    with torch.no_grad():
+        torch.save(model(ids, attention_mask=mask).logits, tmp_path / "want.pt")
+    torch.save((ids, mask), tmp_path / "batch.pt")
+    script = f"""
+import sys, torch, transformers
+folder = {str(tmp_path)!r}
+m = transformers.AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True).eval()
+cls = type(m)
+assert cls.__name__ == "MTALlamaForCausalLM", cls
+assert cls.__module__.startswith("transformers_modules.") and cls.__module__.endswith(".modeling_mta"), cls.__module__
+assert "mta_repro.mta.modeling_mta" not in sys.modules
+ids, mask = torch.load(folder + "/batch.pt")
+with torch.no_grad():
+    torch.testing.assert_close(m(ids, attention_mask=mask).logits, torch.load(folder + "/want.pt"), rtol=0, atol=0)
+print("ok")
+"""
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-3000:]
+
+
+def test_another_head_saves_under_its_auto_class_and_loads_back(tmp_path):
+    """A head other than the causal LM (its MTA class is built on first use in
+    modeling_mta.py) registers its own auto class: config.json's auto_map names it, and
+    from_pretrained with trust_remote_code gives the same logits."""
+    config = tiny().config
+    config.num_labels = 3
+    torch.manual_seed(0)
+    model = perturb(apply_mta(transformers.LlamaForSequenceClassification(config).eval(), layers=[1], **MTA))
+    assert type(model).__name__ == "MTALlamaForSequenceClassification"
+    model.save_pretrained(tmp_path)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    assert cfg["auto_map"] == {"AutoModelForSequenceClassification": "modeling_mta.MTALlamaForSequenceClassification"}
+    ids, mask = batch()
+    with torch.no_grad():
+        loaded = transformers.AutoModelForSequenceClassification.from_pretrained(tmp_path, trust_remote_code=True)
+        assert type(loaded).__name__ == "MTALlamaForSequenceClassification"
+        want = model(ids, attention_mask=mask).logits
+        torch.testing.assert_close(loaded.eval()(ids, attention_mask=mask).logits, want, rtol=0, atol=0)
 
 
 def test_training_with_plain_pytorch_moves_the_mta_parameters_and_the_loss_falls():
