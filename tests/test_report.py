@@ -16,7 +16,8 @@ from eval_helpers import make_run  # noqa: E402
 
 from mta_repro.report.__main__ import build_report, main  # noqa: E402
 from mta_repro.report.plots import loss_series  # noqa: E402
-from mta_repro.report.tables import describe_mta, load_run  # noqa: E402
+from mta_repro.report.runs import load_run  # noqa: E402
+from mta_repro.report.tables import describe_mta  # noqa: E402
 from mta_repro.train.config import compose  # noqa: E402
 
 

@@ -26,7 +26,8 @@ from mta_repro.files import replace_atomically
 from mta_repro.report import plots
 from mta_repro.report.aggregate import add_seed_provenance, seed_tables
 from mta_repro.report.paper import VARIANT_LABELS
-from mta_repro.report.tables import STAGE_LABELS, all_tables, comparability, eval_command, load_run
+from mta_repro.report.runs import eval_command, load_run
+from mta_repro.report.tables import STAGE_LABELS, all_tables, comparability
 
 
 def parse_labels(items) -> dict:
