@@ -16,7 +16,7 @@ import torch
 from omegaconf import OmegaConf
 
 from mta_repro.pipeline.__main__ import build_plan, main
-from mta_repro.pipeline.plan import done
+from mta_repro.pipeline.done import done
 from mta_repro.train.config import compose
 
 pytestmark = pytest.mark.pipeline

@@ -325,7 +325,8 @@ def test_the_report_marks_rows_of_another_tokenizer_or_an_older_checkpoint(tmp_p
 def test_the_done_check_reads_the_json_and_names_a_torn_one(tmp_path):
     from eval_helpers import make_run
 
-    from mta_repro.pipeline.plan import Job, done, torn
+    from mta_repro.pipeline.done import done, torn
+    from mta_repro.pipeline.job import Job
 
     run, _ = make_run(tmp_path / "r", attention="baseline")  # an export of step 7
     job = Job("eval:x", "eval", run, [], steps=7, eval_tasks=["ppl"], eval_out=run / "eval")
