@@ -30,15 +30,15 @@ from mta_repro.pipeline.done import _finished as _finished
 from mta_repro.pipeline.done import done
 from mta_repro.pipeline.done import torn as torn
 from mta_repro.pipeline.job import Job
+from mta_repro.train.args import RUN_STAGES, VARIANTS
 from mta_repro.train.config import CONFIG_DIR
 
 REPO = CONFIG_DIR.parent
-VARIANTS = ("baseline", "diff", "talking_heads", "mta")
 # The fields of a pipeline config:
 # - variants: attention variants (baseline, diff, talking_heads, mta).
 # - train_overrides: Hydra overrides every training stage gets (e.g. a CPU size).
 # - stages: in order, each {name, experiment, variants, init_from, overrides, sweep, eval,
-#   check_first_loss, continue_data}. experiment and overrides may use {variant};
+#   check_first_loss, continue_data, seeds, kind}. experiment and overrides may use {variant};
 #   experiment may also be a {variant: experiment} map, overrides a {variant: [overrides]}
 #   map. init_from names the stage whose run hands its weights over (same variant), or
 #   "stage/variant", or "import:<name>" (an imports entry). sweep: true expands the
@@ -48,6 +48,12 @@ VARIANTS = ("baseline", "diff", "talking_heads", "mta")
 #   e.g. [mta], as the control starts from the source unchanged). continue_data: read the
 #   training data from where the init_from run stopped (mta_repro.pipeline.data), not from
 #   the start of the stream again. seeds: this stage's seeds (default: the pipeline's).
+#   kind: what the stage's runs are in the paper's protocol, recorded as run.stage in each
+#   run's config and provenance and read by the report: pretrain, long_context, insertion
+#   or continued, or a {variant: kind} map (e.g. Appendix I's {mta: insertion, baseline:
+#   continued}). Default: the experiment's run.stage, else pretrain for a stage without
+#   init_from and insertion for checkpoint.init_mode=baseline_to_mta; any other stage
+#   with init_from must say. Every run also gets run.variant and, in a sweep, run.point.
 # - seeds: the seeds every variant or sweep point is trained with, e.g. [0, 1, 2]; each
 #   seed k is its own run at <root>/<stage>/<variant|point>/seed<k> with seed=k
 #   model.seed=k data.seed=k (initialisation, data order and shuffle buffer, dropout).
@@ -76,6 +82,7 @@ STAGE_KEYS = {
     "check_first_loss",
     "continue_data",
     "seeds",
+    "kind",
 }
 PIPELINE_KEYS = {
     "name",
@@ -217,6 +224,32 @@ def _checks(stage, variant: str, where: str) -> bool:
     if v is None or isinstance(v, bool):
         return bool(v)
     raise UserError(f"{where}.check_first_loss: expected true/false or a list of variants, got {v!r}")
+
+
+def _kind(stage, variant: str, cfg: DictConfig, where: str) -> str:
+    """The ``run.stage`` of a stage's run of ``variant`` (``kind`` in PIPELINE_KEYS' notes);
+    ``cfg`` is the run's composed config."""
+    node = stage.get("kind")
+    if isinstance(node, (dict, DictConfig)):
+        node, where = node.get(variant), f"{where}.kind.{variant}"
+    else:
+        where = f"{where}.kind"
+    if node is None:
+        node = OmegaConf.select(cfg, "run.stage")  # the experiment's own, or an override's
+    if node is None and stage.get("init_from") is None:
+        node = "pretrain"
+    if node is None and OmegaConf.select(cfg, "checkpoint.init_mode") == "baseline_to_mta":
+        node = "insertion"
+    if node is None:
+        raise UserError(
+            f"{where}: required for a run of {variant} that starts from init_from "
+            f"{stage.get('init_from')!r} (the report places the run by it); expected one of "
+            f"{list(RUN_STAGES)}: long_context for a longer context or a RoPE change, continued for "
+            "training on as it was (e.g. Appendix I's control), or a {variant: kind} map"
+        )
+    if node not in RUN_STAGES:
+        raise UserError(f"{where}: {node!r} is not a stage of the protocol; expected one of {list(RUN_STAGES)}")
+    return str(node)
 
 
 def _safe_name(name: str) -> str:
@@ -393,6 +426,10 @@ class Plan:
                     ov.append(f"run_dir={run_dir}")
                     # a typo or a missing field fails here, before any job
                     cfg = c.train(ov)
+                    # what the run is, in its config and provenance: the report reads it
+                    ov += [f"run.stage={_kind(st, variant, cfg, where)}", f"run.variant={variant}"]
+                    if st.get("sweep"):
+                        ov.append(f"run.point={point}")
                     self.train_dirs[label] = run_dir
                     if _checks(st, variant, where):
                         tol = float(s.get("appendix_i_tol", 1e-4))
