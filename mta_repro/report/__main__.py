@@ -103,6 +103,11 @@ def build_report(run_dirs, out: Path, kernels: bool = True, labels: dict | None 
                 "path": str(r.path),
                 "variant": r.variant,
                 "stage": r.stage,
+                # the run's own record (run.stage / run.variant), or inferred from its config
+                "placed_by": {
+                    "stage": "recorded" if r.stage_recorded else "inferred",
+                    "variant": "recorded" if r.variant_recorded else "inferred",
+                },
                 "step": r.step,
                 "newest_checkpoint_step": r.final_step,
                 "comparable": comparability(r) is None,

@@ -38,7 +38,7 @@ class Table:
         if self.notes:
             out += [""] + [f"- {n}" for n in self.notes]
         if self.provenance:
-            cols = ["checkpoint", "tokens seen", "tokenizer", "data", "code", "comparable", "seed"]
+            cols = ["stage", "checkpoint", "tokens seen", "tokenizer", "data", "code", "comparable", "seed"]
             cols = [c for c in cols if any(c in p for p in self.provenance.values())]
             out += [
                 "",

@@ -3,8 +3,13 @@ stage of the paper's protocol it belongs to.
 
 ``load_run`` reads ``config.yaml``, every ``eval/<task>.json`` (checked against the shape
 the tables read, ``eval_shape``, and refused when copied from another run) and
-``metrics.jsonl`` (damaged lines skipped with a warning), and places the run: its variant
-and stage. The table builders (``mta_repro.report.tables``) and the plots read
+``metrics.jsonl`` (damaged lines skipped with a warning), and places the run: its stage
+and variant as it recorded them (``run.stage``, ``run.variant`` in its config, set by the
+pipeline for every run it plans), else, for a run that recorded none (started by hand, or
+before the fields existed), inferred: the variant from its results or model config, the
+stage from its config and its source's (``run_stage``: a source and a longer context or
+another RoPE theta is the 4K finetune). The report marks an inferred stage in its
+provenance block. The table builders (``mta_repro.report.tables``) and the plots read
 ``RunData`` only.
 """
 
@@ -30,6 +35,10 @@ class RunData:
     metrics: list = field(default_factory=list)  # metrics.jsonl records
     stage: str = "pretrain"  # pretrain | long_context | insertion | continued
     final_step: int | None = None  # the step of the run's newest checkpoint or export
+    # Whether the stage and the variant are the run's record (its config's run.stage,
+    # run.variant) or inferred from its config and results (a run that recorded none).
+    stage_recorded: bool = False
+    variant_recorded: bool = False
 
     @property
     def shape(self) -> tuple | None:
@@ -57,8 +66,27 @@ def _cfg_get(cfg: Any, dotted: str, default: Any = None) -> Any:
     return node
 
 
+def recorded(cfg: dict | None, path: Path) -> tuple:
+    """(stage, variant) a run recorded in its config (``run.stage``, ``run.variant``:
+    mta_repro/train/args.py); None for each one it did not record (a run started by hand
+    without them, or before they existed)."""
+    from mta_repro.train.args import RUN_STAGES, VARIANTS
+
+    out = []
+    for key, choices in (("stage", RUN_STAGES), ("variant", VARIANTS)):
+        v = _cfg_get(cfg, f"run.{key}")
+        if v is not None and v not in choices:
+            raise UserError(
+                f"report: {path / 'config.yaml'}: run.{key} is {v!r}; expected one of {choices} or null "
+                "(unrecorded); correct it or set it to null to have the report infer it"
+            )
+        out.append(v)
+    return tuple(out)
+
+
 def run_stage(cfg: dict | None) -> str:
-    """pretrain (no source weights), insertion (baseline_to_mta), long_context (a source
+    """The stage of a run that did not record one (``run.stage``), inferred from its
+    config: pretrain (no source weights), insertion (baseline_to_mta), long_context (a source
     and a longer context or RoPE theta 500,000 than the source), continued (the rest,
     e.g. Appendix I's control: a baseline trained on at the same length)."""
     src = _cfg_get(cfg, "checkpoint.init_from")
@@ -181,11 +209,14 @@ def load_run(path, label: str | None = None) -> RunData:
             )
         run.evals[task] = data
         run.variant = run.variant or data.get("variant")
+    stage, variant = recorded(run.config, path)
+    if variant is not None:  # the run's own record wins over what its results or model say
+        run.variant, run.variant_recorded = variant, True
     if run.variant is None and run.config and "model" in run.config:
         from mta_repro.train.config import attention_variant
 
         run.variant = attention_variant(run.config["model"])
-    run.stage = run_stage(run.config)
+    run.stage, run.stage_recorded = (stage, True) if stage is not None else (run_stage(run.config), False)
     run.final_step = final_step(path)
     m = path / "metrics.jsonl"
     if m.is_file():

@@ -637,7 +637,10 @@ def add_provenance(table: Table, runs) -> None:
             flagged.add(label)
         step = "?" if f["step"] is None else f"{f['step']:,}"
         commit = f["code"].get("commit")
+        run = by_label[label]
+        stage = STAGE_LABELS.get(run.stage, run.stage)
         table.provenance[label + (MARK if why else "")] = {
+            "stage": f"{stage} (recorded)" if run.stage_recorded else f"{stage} (inferred: no run.stage)",
             "checkpoint": f"step {step}" + (f", weights {short(f['weights'])}" if f["weights"] else ""),
             "tokens seen": "—" if f["tokens"] is None else f"{f['tokens']:,}",
             "tokenizer": "—" if f["tok"] is None else f"{f['tok'][0]} {short(f['tok'][1])}",
@@ -668,6 +671,12 @@ def add_provenance(table: Table, runs) -> None:
         table.notes.append(
             f"{MARK.strip()}: not comparable with the rows beside it, or evaluated before its run's "
             "newest checkpoint; the provenance block under the table says why."
+        )
+    if any(not by_label[label].stage_recorded for label in labels):
+        table.notes.append(
+            "stage (inferred): the run recorded no run.stage (started by hand without it, or before "
+            "runs recorded it); its stage was inferred from its config: a source and a longer context "
+            "or another RoPE theta is the 4K finetune (docs/evaluation.md)."
         )
     if any("accepted changes" in p for p in table.provenance.values()):
         table.notes.append(
