@@ -16,7 +16,7 @@ import torch
 from omegaconf import OmegaConf
 
 from mta_repro.pipeline.__main__ import build_plan, main
-from mta_repro.pipeline.plan import done
+from mta_repro.pipeline.done import done
 from mta_repro.train.config import compose
 
 pytestmark = pytest.mark.pipeline
@@ -311,3 +311,38 @@ def test_plan_errors_are_one_line():
     assert main(["pipeline=tiny", "--bogus"]) == 2
     with pytest.raises(ValueError, match=r"pipeline.stages\[1\].init_from: 'nope' is not an earlier stage"):
         build_plan(["pipeline=tiny", "pipeline.stages.1.init_from=nope"])
+
+
+def test_every_planned_run_records_its_stage_and_variant(tmp_path):
+    """What each run of the tiny plan is, in the config it trains with (run.stage,
+    run.variant: what the report reads), written out here from configs/pipeline/tiny.yaml."""
+    want = {
+        "pretrain/baseline": ("pretrain", "baseline"),
+        "pretrain/mta": ("pretrain", "mta"),
+        "long_context/baseline": ("long_context", "baseline"),  # the stage's kind
+        "long_context/mta": ("long_context", "mta"),
+        "insertion/mta": ("insertion", "mta"),  # no kind: checkpoint.init_mode=baseline_to_mta says
+    }
+    plan, _ = build_plan(["pipeline=tiny", f"root={tmp_path}"])
+    trains = {j.label: j for j in plan.jobs if j.kind == "train"}
+    assert set(trains) == set(want)
+    for label, (stage, variant) in want.items():
+        cfg = compose(trains[label].overrides)
+        assert (cfg.run.stage, cfg.run.variant, cfg.run.point) == (stage, variant, None), label
+    # the Appendix I check trains with the same record
+    assert "run.stage=insertion" in plan.job("check:insertion/mta").overrides
+    # a stage that starts from weights and says nothing of its kind is refused before any job
+    with pytest.raises(ValueError, match=r"^pipeline.stages\[1\].kind: required for a run of baseline that starts "):
+        build_plan(["pipeline=tiny", f"root={tmp_path}", "pipeline.stages.1.kind=null"])
+    with pytest.raises(ValueError, match=r"^pipeline.stages\[1\].kind: 'finetune' is not a stage of the protocol"):
+        build_plan(["pipeline=tiny", f"root={tmp_path}", "pipeline.stages.1.kind=finetune"])
+    assert not any(tmp_path.iterdir())  # planning writes nothing
+
+
+def test_a_sweep_point_records_its_name():
+    plan, _ = build_plan(["pipeline=table5_small", "root=/tmp/x"])
+    job = plan.job("train:ablation_kernels/kernel_4x7")
+    cfg = compose(job.overrides)
+    assert (cfg.run.stage, cfg.run.variant, cfg.run.point) == ("pretrain", "mta", "kernel_4x7")
+    # the point's own values, as its name says
+    assert (cfg.model.mta.query_kernel_size, cfg.model.mta.key_kernel_size) == (4, 7)

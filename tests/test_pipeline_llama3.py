@@ -16,7 +16,8 @@ from omegaconf import OmegaConf
 pytest.importorskip("transformers")
 
 from mta_repro.errors import UserError  # noqa: E402
-from mta_repro.pipeline.plan import Plan, done, imported_from  # noqa: E402
+from mta_repro.pipeline.done import done, imported_from  # noqa: E402
+from mta_repro.pipeline.plan import Plan  # noqa: E402
 from mta_repro.pipeline.run import run_local  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -104,6 +105,7 @@ def _spec(folder) -> dict:
                 "name": "tiny_llama",
                 "experiment": "debug",
                 "init_from": "import:tiny_llama",
+                "kind": {"mta": "insertion", "baseline": "continued"},
                 "check_first_loss": ["mta"],
                 "overrides": {
                     "mta": ["attention=mta", *common, "checkpoint.init_mode=baseline_to_mta"],
@@ -179,6 +181,10 @@ def test_import_check_finetune_report(finished):
     for v, mode in (("mta", "baseline_to_mta"), ("baseline", "model")):
         cfg = OmegaConf.load(runs / "tiny_llama" / v / "config.yaml")
         assert cfg.checkpoint.init_mode == mode and cfg.checkpoint.init_from == str(pt)
+        # what each run is, recorded by the plan (the stage's kind map) and read by the report
+        stage = {"mta": "insertion", "baseline": "continued"}[v]
+        assert (cfg.run.stage, cfg.run.variant) == (stage, v)
+        assert json.loads((runs / "tiny_llama" / v / "provenance.json").read_text())["run"]["stage"] == stage
     # the report: the MTA insertion and its control (not a long-context finetune: theta
     # 500,000 is the Llama's own), the control as the insertion's baseline
     rows = {r["run"]: r for r in csv.DictReader(io.StringIO((runs / "report" / "ppl.csv").read_text()))}

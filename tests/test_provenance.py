@@ -326,7 +326,8 @@ def test_the_report_marks_rows_of_another_tokenizer_or_an_older_checkpoint(tmp_p
 def test_the_done_check_reads_the_json_and_names_a_torn_one(tmp_path):
     from eval_helpers import make_run
 
-    from mta_repro.pipeline.plan import Job, done, torn
+    from mta_repro.pipeline.done import done, torn
+    from mta_repro.pipeline.job import Job
 
     run, _ = make_run(tmp_path / "r", attention="baseline")  # an export of step 7
     job = Job("eval:x", "eval", run, [], steps=7, eval_tasks=["ppl"], eval_out=run / "eval")
@@ -574,3 +575,48 @@ def test_ranks_that_list_other_training_files_or_tokenizers_are_named(tmp_path):
     )
     sha = hashlib.sha256(other.read_bytes()).hexdigest()
     assert line.startswith("rank 1 reads another tokenizer than rank 0") and f"sha256 {sha[:12]} on rank 1" in line
+
+
+RESUME_COMMON = [
+    "data.seq_len=32",
+    "data.batch_size=2",
+    "data.shuffle_buffer=4",
+    "trainer.device=cpu",
+    "trainer.eval_every=0",
+    "checkpoint.every=1",
+    "checkpoint.export=false",
+    "logging.every=1",
+    "logging.wandb_mode=disabled",
+    "logging.progress_bar=false",
+]
+
+
+def test_a_run_records_what_it_is_and_an_older_run_resumes_with_the_record(tmp_path):
+    """run.stage / run.variant / run.point go to provenance.json (the run's and each
+    checkpoint's); a run whose config.yaml predates them resumes with them set: they are
+    labels, never a reason to refuse a resume."""
+    from omegaconf import OmegaConf
+
+    from mta_repro.train.config import compose
+    from mta_repro.train.loop import train
+    from mta_repro.train.rundir import diff_configs
+
+    run_dir = tmp_path / "run"
+    common = [*RESUME_COMMON, "trainer.steps=2", f"run_dir={run_dir}"]
+    train(compose(common))
+    rec = json.loads((run_dir / "provenance.json").read_text())
+    assert rec["run"] == {"stage": None, "variant": None, "point": None}  # by hand: unrecorded
+    shutil.rmtree(run_dir / "checkpoints" / f"{2:010d}")  # the run stopped after step 1
+    cfg = OmegaConf.load(run_dir / "config.yaml")
+    del cfg["run"]  # a run dir from before the fields existed
+    OmegaConf.save(cfg, run_dir / "config.yaml")
+    new = compose([*common, "run.stage=pretrain", "run.variant=baseline"])
+    d = diff_configs(OmegaConf.to_container(cfg), OmegaConf.to_container(new, resolve=True))
+    assert d.unsafe == {} and d.safe == {}
+    train(new)
+    rec = json.loads((run_dir / "provenance.json").read_text())
+    want = {"stage": "pretrain", "variant": "baseline", "point": None}
+    assert [s["step"] for s in rec["starts"]] == [0, 1]  # resumed at step 1, not restarted
+    assert rec["run"] == want and rec["starts"][-1]["run"] == want
+    assert json.loads((run_dir / "checkpoints" / f"{2:010d}" / pv.RECORD).read_text())["run"] == want
+    assert OmegaConf.load(run_dir / "config.yaml").run.stage == "pretrain"

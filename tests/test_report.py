@@ -16,7 +16,8 @@ from eval_helpers import make_run  # noqa: E402
 
 from mta_repro.report.__main__ import build_report, main  # noqa: E402
 from mta_repro.report.plots import loss_series  # noqa: E402
-from mta_repro.report.tables import describe_mta, load_run  # noqa: E402
+from mta_repro.report.runs import load_run  # noqa: E402
+from mta_repro.report.tables import describe_mta  # noqa: E402
 from mta_repro.train.config import compose  # noqa: E402
 
 
@@ -428,3 +429,54 @@ def test_appendix_i_rows_compare_with_their_own_models_pair(tmp_path):
     _, ppl = _csv(tmp_path / "rep2" / "ppl.csv")
     assert float(ppl["short"]["paper avg"]) == 8.48
     assert ppl["short"]["vs paper"] == "no: 100 of the paper's 20,218 steps"
+
+
+def test_a_run_is_placed_by_its_recorded_stage_even_where_rope_theta_says_otherwise(tmp_path):
+    """A run's own record (run.stage, run.variant, set by the pipeline) places it; the
+    inference from RoPE theta and context is only for runs that recorded none."""
+    pre_b = _fake_run(tmp_path / "pre_b", ["model=880m", "attention=baseline"], "baseline", 11.3)
+    lc = ["model=880m", "model.rope_theta=500000", "data.seq_len=4096", "attention=baseline"]
+    # trained on from pre_b at theta 500,000 and 4096 tokens, which would read as the 4K finetune
+    kept = _fake_run(
+        tmp_path / "kept", lc + ["run.stage=continued", "run.variant=baseline"], "baseline", 11.2, 10, pre_b
+    )
+    # no source and the default theta, which would read as pretraining
+    said = _fake_run(
+        tmp_path / "said", ["model=880m", "attention=baseline", "run.stage=long_context"], "baseline", 11.1
+    )
+    out = tmp_path / "rep"
+    build_report([pre_b, kept, said], out, kernels=False)
+    _, ppl = _csv(out / "ppl.csv")
+    assert ppl["kept"]["stage"] == "continued training" and ppl["said"]["stage"] == "4K finetune"
+    assert ppl["pre_b"]["stage"] == "pretrain"
+    runs = {r["label"]: r for r in json.loads((out / "results.json").read_text())["runs"]}
+    assert runs["kept"]["stage"] == "continued" and runs["kept"]["placed_by"] == {
+        "stage": "recorded",
+        "variant": "recorded",
+    }
+    assert runs["said"]["placed_by"] == {"stage": "recorded", "variant": "inferred"}
+    prov = json.loads((out / "results.json").read_text())["tables"]["ppl"]["provenance"]
+    assert prov["kept"]["stage"] == "continued training (recorded)"
+    assert prov["pre_b"]["stage"] == "pretrain (inferred: no run.stage)"
+
+
+def test_a_run_dir_from_before_the_record_is_inferred_as_before_and_says_so(tmp_path):
+    """An older run's config.yaml has no ``run`` section: its stage comes from its config
+    (a source, a longer context, theta 500,000: the 4K finetune), marked inferred."""
+    pre_m = _fake_run(tmp_path / "pre_m", ["model=880m", "attention=mta"], "mta", 11.0)
+    lc = ["model=880m", "model.rope_theta=500000", "data.seq_len=4096", "attention=mta"]
+    old = _fake_run(tmp_path / "old", lc, "mta", 10.7, 40_054, pre_m, window=4096)
+    cfg = OmegaConf.load(old / "config.yaml")
+    del cfg["run"]
+    OmegaConf.save(cfg, old / "config.yaml")
+    out = tmp_path / "rep"
+    build_report([pre_m, old], out, kernels=False)
+    _, ppl = _csv(out / "ppl.csv")
+    assert ppl["old"]["stage"] == "4K finetune" and float(ppl["old"]["paper avg"]) == 10.65
+    md = (out / "report.md").read_text()
+    assert "4K finetune (inferred: no run.stage)" in md and "stage (inferred): the run recorded no run.stage" in md
+    # a record the report cannot read is one line naming the file and the field
+    cfg["run"] = {"stage": "finetune"}
+    OmegaConf.save(cfg, old / "config.yaml")
+    with pytest.raises(ValueError, match=r"^report: .*old/config.yaml: run.stage is 'finetune'; expected one of"):
+        load_run(old)

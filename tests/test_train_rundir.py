@@ -283,6 +283,7 @@ def test_field_classes_come_from_the_schema():
         "model.attn_selfcheck",
         "model.attn_selfcheck_cpu",
         "model.kernels.",
+        "run.",
     }
     assert set(SAFE) == {
         "trainer.steps",

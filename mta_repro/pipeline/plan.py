@@ -12,36 +12,33 @@ With ``seeds: [k, ...]`` every variant or point is one run per seed, at
 ``<root>/<stage>/<variant|point>/seed<k>``, trained with ``seed=k model.seed=k
 data.seed=k``; a stage hands each seed's weights to the same seed of the next stage.
 
-A job is done when its output is there and reads whole: a run when its export (with
-``checkpoint.export=false``: its complete checkpoint) holds the last step, an evaluation
-when every task's JSON is valid, of that step and newer, the Appendix I check when its
-JSON says ok, an import when its ``.pt`` (written atomically) was read from the configured
-folder, the report when its valid ``results.json`` is newer than every evaluation.
-``torn(job)`` names an output there but unreadable: the job is redone.
+Whether a job is done (its output there and whole): ``mta_repro.pipeline.done``.
 """
 
 from __future__ import annotations
 
 import itertools
-import shlex
 import sys
-from dataclasses import dataclass, field
 from pathlib import Path
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from mta_repro.errors import UserError
-from mta_repro.files import read_json
+
+# _finished and torn: the done checks' older home, where tests outside the pipeline's import them
+from mta_repro.pipeline.done import _finished as _finished
+from mta_repro.pipeline.done import done
+from mta_repro.pipeline.done import torn as torn
+from mta_repro.pipeline.job import Job
+from mta_repro.train.args import RUN_STAGES, VARIANTS
 from mta_repro.train.config import CONFIG_DIR
-from mta_repro.train.provenance import foreign_result
 
 REPO = CONFIG_DIR.parent
-VARIANTS = ("baseline", "diff", "talking_heads", "mta")
 # The fields of a pipeline config:
 # - variants: attention variants (baseline, diff, talking_heads, mta).
 # - train_overrides: Hydra overrides every training stage gets (e.g. a CPU size).
 # - stages: in order, each {name, experiment, variants, init_from, overrides, sweep, eval,
-#   check_first_loss, continue_data}. experiment and overrides may use {variant};
+#   check_first_loss, continue_data, seeds, kind}. experiment and overrides may use {variant};
 #   experiment may also be a {variant: experiment} map, overrides a {variant: [overrides]}
 #   map. init_from names the stage whose run hands its weights over (same variant), or
 #   "stage/variant", or "import:<name>" (an imports entry). sweep: true expands the
@@ -51,6 +48,12 @@ VARIANTS = ("baseline", "diff", "talking_heads", "mta")
 #   e.g. [mta], as the control starts from the source unchanged). continue_data: read the
 #   training data from where the init_from run stopped (mta_repro.pipeline.data), not from
 #   the start of the stream again. seeds: this stage's seeds (default: the pipeline's).
+#   kind: what the stage's runs are in the paper's protocol, recorded as run.stage in each
+#   run's config and provenance and read by the report: pretrain, long_context, insertion
+#   or continued, or a {variant: kind} map (e.g. Appendix I's {mta: insertion, baseline:
+#   continued}). Default: the experiment's run.stage, else pretrain for a stage without
+#   init_from and insertion for checkpoint.init_mode=baseline_to_mta; any other stage
+#   with init_from must say. Every run also gets run.variant and, in a sweep, run.point.
 # - seeds: the seeds every variant or sweep point is trained with, e.g. [0, 1, 2]; each
 #   seed k is its own run at <root>/<stage>/<variant|point>/seed<k> with seed=k
 #   model.seed=k data.seed=k (initialisation, data order and shuffle buffer, dropout).
@@ -79,6 +82,7 @@ STAGE_KEYS = {
     "check_first_loss",
     "continue_data",
     "seeds",
+    "kind",
 }
 PIPELINE_KEYS = {
     "name",
@@ -118,27 +122,6 @@ def _seeds(node, where: str) -> list | None:
     if len(set(out)) != len(out):
         raise UserError(f"{where}: {out} names a seed twice; each seed is one run")
     return out
-
-
-@dataclass
-class Job:
-    id: str  # "train:pretrain/mta", "eval:pretrain/mta", "check:insertion/mta", "import:llama3_2_1b", "report"
-    kind: str  # train | eval | check | import | report
-    run_dir: Path  # the run (report: the report's output directory)
-    command: list  # argv
-    deps: list = field(default_factory=list)  # job ids
-    stage: str = ""
-    label: str = ""  # "<stage>/<variant or point>", + "/seed<k>" with seeds
-    overrides: list = field(default_factory=list)  # train / check: the training overrides
-    steps: int | None = None  # train: trainer.steps
-    eval_tasks: list = field(default_factory=list)  # eval: task names
-    eval_out: Path | None = None  # eval: where the JSONs go
-    runs: list = field(default_factory=list)  # report: run dirs
-    hf_dir: Path | None = None  # import: the local Hugging Face folder read
-    out_file: Path | None = None  # import: the consolidated .pt written
-
-    def shell(self) -> str:
-        return " ".join(shlex.quote(str(a)) for a in self.command)
 
 
 def _list(node, where: str) -> list:
@@ -241,6 +224,32 @@ def _checks(stage, variant: str, where: str) -> bool:
     if v is None or isinstance(v, bool):
         return bool(v)
     raise UserError(f"{where}.check_first_loss: expected true/false or a list of variants, got {v!r}")
+
+
+def _kind(stage, variant: str, cfg: DictConfig, where: str) -> str:
+    """The ``run.stage`` of a stage's run of ``variant`` (``kind`` in PIPELINE_KEYS' notes);
+    ``cfg`` is the run's composed config."""
+    node = stage.get("kind")
+    if isinstance(node, (dict, DictConfig)):
+        node, where = node.get(variant), f"{where}.kind.{variant}"
+    else:
+        where = f"{where}.kind"
+    if node is None:
+        node = OmegaConf.select(cfg, "run.stage")  # the experiment's own, or an override's
+    if node is None and stage.get("init_from") is None:
+        node = "pretrain"
+    if node is None and OmegaConf.select(cfg, "checkpoint.init_mode") == "baseline_to_mta":
+        node = "insertion"
+    if node is None:
+        raise UserError(
+            f"{where}: required for a run of {variant} that starts from init_from "
+            f"{stage.get('init_from')!r} (the report places the run by it); expected one of "
+            f"{list(RUN_STAGES)}: long_context for a longer context or a RoPE change, continued for "
+            "training on as it was (e.g. Appendix I's control), or a {variant: kind} map"
+        )
+    if node not in RUN_STAGES:
+        raise UserError(f"{where}: {node!r} is not a stage of the protocol; expected one of {list(RUN_STAGES)}")
+    return str(node)
 
 
 def _safe_name(name: str) -> str:
@@ -417,6 +426,10 @@ class Plan:
                     ov.append(f"run_dir={run_dir}")
                     # a typo or a missing field fails here, before any job
                     cfg = c.train(ov)
+                    # what the run is, in its config and provenance: the report reads it
+                    ov += [f"run.stage={_kind(st, variant, cfg, where)}", f"run.variant={variant}"]
+                    if st.get("sweep"):
+                        ov.append(f"run.point={point}")
                     self.train_dirs[label] = run_dir
                     if _checks(st, variant, where):
                         tol = float(s.get("appendix_i_tol", 1e-4))
@@ -529,128 +542,3 @@ class Plan:
             )
             lines.append(f"  [{state}] {j.id:<{w}}  {j.run_dir}{after}")
         return "\n".join(lines)
-
-
-def _finished(run_dir: Path, steps: int) -> Path | None:
-    """The file that shows the run reached ``steps``: its export, else (checkpoint.export=false)
-    the complete checkpoint of that step; None while it has not (a damaged file does not
-    count). Weights that would unpickle code raise ``UnsafeFileError`` (one line, exit 2)."""
-    from mta_repro.weights import COMPLETE, NoWeightsError, find_weights
-
-    if not run_dir.is_dir():
-        return None
-    try:
-        found = find_weights(run_dir)
-    except NoWeightsError:
-        return None
-    for c in found:  # newest first; the export wins a tie
-        if c.problem is None and c.step is not None and c.step >= steps:
-            return c.path / COMPLETE if c.kind == "dcp" else c.path
-    return None
-
-
-def imported_from(pt: Path) -> str | None:
-    """The folder a ``python -m mta_repro.hf import`` .pt was read from, or None when the
-    file is not there or not a complete import (truncated, or not an import). Read as data
-    only (``mta_repro.weights.load_pt``) and memory-mapped: the weights are not read."""
-    if not pt.is_file():
-        return None
-    from mta_repro.errors import CorruptFileError
-    from mta_repro.weights import load_pt
-
-    try:  # a file that would unpickle code raises UnsafeFileError (one line), as for the runs
-        blob = load_pt(pt)
-    except (CorruptFileError, OSError):  # truncated (not written by the atomic save), not a torch file
-        return None
-    if not isinstance(blob, dict) or not isinstance(blob.get("model"), dict) or "config" not in blob:
-        return None
-    return str(blob.get("source")) if blob.get("source") is not None else None
-
-
-def missing_sources(plan: Plan) -> list:
-    """One line per import job still to run whose folder is not a Hugging Face model folder."""
-    return [
-        f"pipeline.imports.{j.label}: {j.hf_dir}/config.json does not exist (expected your "
-        "local download of the Hugging Face model folder, docs/llama3.md)"
-        for j in plan.jobs
-        if j.kind == "import" and j.hf_dir is not None and not done(j) and not (j.hf_dir / "config.json").is_file()
-    ]
-
-
-def _json(path: Path, shape=object):
-    """The JSON value in ``path``; None when it is missing, not whole (``torn``) or not of
-    ``shape`` (``mta_repro.files``)."""
-    try:
-        return read_json(path, shape)
-    except (OSError, UserError):
-        return None
-
-
-def outputs(job: Job) -> list:
-    """The JSON files a job's done check reads."""
-    if job.kind == "check":
-        return [job.run_dir / "appendix_i_check.json"]
-    if job.kind == "eval":
-        assert job.eval_out is not None
-        return [job.eval_out / f"{t}.json" for t in job.eval_tasks]
-    if job.kind == "report":
-        return [job.run_dir / "results.json"]
-    return []
-
-
-def torn(job: Job) -> list:
-    """One line per output of ``job`` that is there but is not valid JSON (a write cut
-    short by a kill or a full disk, or a file damaged since), or is an evaluation of
-    another run's weights (``foreign_result``): the job is redone."""
-    out = []
-    for f in outputs(job):
-        data = _json(f) if f.is_file() else None
-        if f.is_file() and data is None:
-            out.append(f"{f} is there but not valid JSON (a write cut short?)")
-        elif job.kind == "eval" and isinstance(data, dict) and (why := foreign_result(data, job.run_dir)):
-            out.append(f"{f} is not a result of {job.run_dir}: {why}")
-    return out
-
-
-def done(job: Job) -> bool:
-    if job.kind == "import":
-        assert job.out_file is not None
-        src = imported_from(job.out_file)
-        return src is not None and Path(src).expanduser().resolve() == job.hf_dir
-    if job.kind == "train":
-        return _finished(job.run_dir, job.steps or 0) is not None
-    if job.kind == "check":
-        f = job.run_dir / "appendix_i_check.json"
-        data = _json(f, dict)  # damaged or not the check's record: run the check again
-        return data is not None and bool(data.get("ok"))
-    if job.kind == "eval":
-        export = _finished(job.run_dir, job.steps or 0)
-        if export is None:
-            return False
-        t0 = export.stat().st_mtime
-        assert job.eval_out is not None
-        for f in [job.eval_out / f"{t}.json" for t in job.eval_tasks]:
-            data = _json(f)
-            if not (isinstance(data, dict) and isinstance(data.get("results"), dict) and f.stat().st_mtime >= t0):
-                return False
-            if isinstance(data.get("step"), int) and data["step"] < (job.steps or 0):  # an earlier checkpoint's
-                return False
-            if foreign_result(data, job.run_dir):  # copied from another run: evaluate this one
-                return False
-        return True
-    if job.kind == "report":
-        res = job.run_dir / "results.json"
-        data = _json(res)
-        if not isinstance(data, dict):
-            return False
-        try:
-            runs = [r["path"] for r in data["runs"]]
-        except (KeyError, TypeError):
-            return False
-        if runs != [str(d) for d in job.runs]:
-            return False
-        t = res.stat().st_mtime
-        newest = [f.stat().st_mtime for d in job.runs for f in (d / "eval").glob("*.json")] if job.runs else []
-        newest += [(d / "metrics.jsonl").stat().st_mtime for d in job.runs if (d / "metrics.jsonl").is_file()]
-        return all(t >= x for x in newest)
-    raise UserError(f"unknown job kind {job.kind!r}")

@@ -13,7 +13,9 @@ from string import Template
 
 from mta_repro.errors import UserError
 from mta_repro.files import read_json, replace_atomically
-from mta_repro.pipeline.plan import REPO, Job, Plan, done, missing_sources, torn
+from mta_repro.pipeline.done import done, missing_sources, torn
+from mta_repro.pipeline.job import Job
+from mta_repro.pipeline.plan import REPO, Plan
 from mta_repro.slurm import memory_lines, sbatch, time_limit
 from mta_repro.train.args import SITE_FIELDS, SlurmArgs
 
@@ -126,7 +128,7 @@ def plan_problems(plan: Plan) -> list:
     from mta_repro.train.jobcheck import problems, writable_dir_problem
 
     lines = [line for line in [writable_dir_problem(plan.root, "root")] if line]
-    lines += missing_sources(plan)
+    lines += missing_sources(plan.jobs)
     made = list(plan.train_dirs.values()) + [j.out_file for j in plan.jobs if j.kind == "import" and j.out_file]
     todo = [j for j in plan.jobs if j.kind in ("train", "check") and not done(j)]
     if todo:
@@ -223,7 +225,7 @@ def submit_slurm(plan: Plan, dry_run: bool = False, log=print) -> int:
         previous = {}
     alive = _alive(list(previous.values())) if not dry_run else set()
     if dry_run:
-        for line in missing_sources(plan):
+        for line in missing_sources(plan.jobs):
             log(f"# note: {line}")
     else:
         _require_sources(plan)
@@ -268,7 +270,7 @@ def submit_slurm(plan: Plan, dry_run: bool = False, log=print) -> int:
 
 def _require_sources(plan: Plan) -> None:
     """Refuse to start when an import's folder is missing: before any job, not hours in."""
-    missing = missing_sources(plan)
+    missing = missing_sources(plan.jobs)
     if missing:
         raise UserError(missing[0] + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
 

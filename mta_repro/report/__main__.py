@@ -26,7 +26,8 @@ from mta_repro.files import replace_atomically
 from mta_repro.report import plots
 from mta_repro.report.aggregate import add_seed_provenance, seed_tables
 from mta_repro.report.paper import VARIANT_LABELS
-from mta_repro.report.tables import STAGE_LABELS, all_tables, comparability, eval_command, load_run
+from mta_repro.report.runs import eval_command, load_run
+from mta_repro.report.tables import STAGE_LABELS, all_tables, comparability
 
 
 def parse_labels(items) -> dict:
@@ -102,6 +103,11 @@ def build_report(run_dirs, out: Path, kernels: bool = True, labels: dict | None 
                 "path": str(r.path),
                 "variant": r.variant,
                 "stage": r.stage,
+                # the run's own record (run.stage / run.variant), or inferred from its config
+                "placed_by": {
+                    "stage": "recorded" if r.stage_recorded else "inferred",
+                    "variant": "recorded" if r.variant_recorded else "inferred",
+                },
                 "step": r.step,
                 "newest_checkpoint_step": r.final_step,
                 "comparable": comparability(r) is None,

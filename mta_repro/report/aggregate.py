@@ -25,7 +25,8 @@ import numpy as np
 
 from mta_repro.report import stats
 from mta_repro.report.paper import VARIANT_LABELS
-from mta_repro.report.tables import RunData, Table
+from mta_repro.report.render import Table
+from mta_repro.report.runs import RunData
 
 SEED_LABEL = re.compile(r"^(?P<group>.+)/seed(?P<seed>\d+)$")
 NOT_RESOLVED = "n.r."

@@ -10,7 +10,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from mta_repro.report.tables import RunData, _res, _results  # noqa: E402
+from mta_repro.report.runs import RunData, _res, _results  # noqa: E402
 
 
 def _ctx_label(label: str, ctx) -> str:

@@ -1,5 +1,5 @@
 """Config sections of the trainer (root config fields ``trainer``, ``checkpoint``,
-``logging``, ``distributed``, ``slurm``; ``optim`` lives in ``mta_repro.train.optim``).
+``logging``, ``distributed``, ``slurm``, ``run``; ``optim`` lives in ``mta_repro.train.optim``).
 
 Each is a dataclass registered through ``mta_repro.train.config.TrainConfig``, so a typo in an
 override (``trainer.stpes=10``) fails when Hydra composes the config.
@@ -18,6 +18,38 @@ ON_CORRUPT_CHOICES = ("fallback", "raise")
 INIT_MODES = ("model", "baseline_to_mta")
 WANDB_MODES = ("offline", "online", "disabled")
 TIMEOUT_MAX_MIN = 365 * 24 * 60
+# The stages of the paper's protocol a run can be (``run.stage``) and the attention
+# variants it compares (``run.variant``: the configs/attention options).
+RUN_STAGES = ("pretrain", "long_context", "insertion", "continued")
+VARIANTS = ("baseline", "diff", "talking_heads", "mta")
+
+
+@dataclass
+class RunArgs:
+    """What a run is in the paper's protocol (root config ``run``), recorded so that the
+    report places it by what it is rather than by what its config looks like. The pipeline
+    sets all three for every run it plans; a run started by hand has null (unrecorded)
+    unless given, and the report then infers its stage from its config (and says so)."""
+
+    # Labels, not inputs: they change nothing the run computes, so a resume may change them
+    # (and a run started before they existed resumes with them set).
+    RUN_DIR: ClassVar[str] = "free"
+    # pretrain (from scratch), long_context (the 4K finetune: a longer context or a RoPE
+    # change), insertion (Appendix I: MTA inserted into a trained baseline) or continued
+    # (trained on as it was, e.g. Appendix I's control); null: unrecorded.
+    stage: str | None = None
+    # The attention variant: baseline, diff, talking_heads or mta; null: unrecorded (the
+    # report then takes the variant of the model config).
+    variant: str | None = None
+    # The sweep point of a Table 5 sweep (the pipeline's name for it, e.g.
+    # kernel_4x7); null for a run that is no sweep point.
+    point: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.stage is not None and self.stage not in RUN_STAGES:
+            raise UserError(f"run.stage: expected one of {RUN_STAGES} or null (unrecorded), got {self.stage!r}")
+        if self.variant is not None and self.variant not in VARIANTS:
+            raise UserError(f"run.variant: expected one of {VARIANTS} or null (unrecorded), got {self.variant!r}")
 
 
 @dataclass

@@ -19,7 +19,7 @@ from omegaconf import DictConfig, OmegaConf
 from mta_repro.data.args import DataArgs
 from mta_repro.model.args import ModelArgs
 from mta_repro.resolvers import register_resolvers
-from mta_repro.train.args import CheckpointArgs, DistributedArgs, LoggingArgs, SlurmArgs, TrainerArgs
+from mta_repro.train.args import CheckpointArgs, DistributedArgs, LoggingArgs, RunArgs, SlurmArgs, TrainerArgs
 from mta_repro.train.optim import OptimArgs
 
 CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs"
@@ -41,6 +41,8 @@ class TrainConfig:
     slurm: SlurmArgs = field(default_factory=SlurmArgs)
     # Corpus, mixture, packing, tokenizer (mta_repro/data/args.py; configs/data/).
     data: DataArgs = field(default_factory=DataArgs)
+    # What the run is in the paper's protocol: stage, variant, sweep point (train/args.py).
+    run: RunArgs = field(default_factory=RunArgs)
 
     def __post_init__(self) -> None:
         check_seq_len(getattr(self.data, "seq_len", None), getattr(self.model, "max_seqlen", None))

@@ -6,8 +6,9 @@ The inputs of a run: the tokenizer file's sha256, the training files' listing fi
 (``mta_repro.data``: names, sizes, mtimes; the loader state adds what identifies each file
 read), the weights it started from (``checkpoint.init_from``: the sha256 of their tensors)
 and the code (package version, git commit). ``<run_dir>/provenance.json`` keeps every
-start and every change accepted; ``<checkpoint>/provenance.json`` the inputs, step and
-tokens seen of that checkpoint (``"provenance"`` in an export's ``consolidated.pt``).
+start, every change accepted and what the run is (``"run"``: its ``run.stage``,
+``run.variant``, ``run.point``); ``<checkpoint>/provenance.json`` the inputs, step, tokens
+seen and ``"run"`` of that checkpoint (``"provenance"`` in an export's ``consolidated.pt``).
 
 Checks: a resume or a stage start refuses a tokenizer whose sha256 differs from the one
 recorded, and a data file whose text the run already read changed (the loader finds it,
@@ -361,6 +362,14 @@ def seed_streams(args, init_from: dict | None = None) -> dict:
     }
 
 
+def run_identity(args) -> dict:
+    """{"stage", "variant", "point"} of a run's config section ``run`` (null: unrecorded;
+    a config from before the section existed has none)."""
+    run = getattr(args, "run", None)
+    get = run.get if isinstance(run, Mapping) else lambda k: getattr(run, k, None)
+    return {k: (get(k) if run is not None else None) for k in ("stage", "variant", "point")}
+
+
 class RunRecord:
     """Rank 0's record of one start: the run's inputs, written to ``<run_dir>/provenance.json``
     (``begin``) and into every checkpoint (``checkpoint``)."""
@@ -377,6 +386,7 @@ class RunRecord:
         self.run_id = run_file.get("run_id") or (prior or {}).get("run_id") or uuid.uuid4().hex
         history = run_file.get("accepted") or (prior or {}).get("accepted") or []
         self.accepted = list(history) + list(new_accepted)
+        self.run = run_identity(args)
         self.inputs = {
             "tokenizer": tokenizer_identity(args.data.tokenizer),
             "data": loader.inputs() if hasattr(loader, "inputs") else None,
@@ -398,10 +408,12 @@ class RunRecord:
                 "host": socket.gethostname(),
                 "pid": os.getpid(),
                 "world_size": world_size,
+                "run": self.run,
                 "inputs": self.inputs,
             }
         )
-        write_record(path, {"format": FORMAT, "run_id": self.run_id, "starts": starts, "accepted": self.accepted})
+        record = {"format": FORMAT, "run_id": self.run_id, "run": self.run, "starts": starts, "accepted": self.accepted}
+        write_record(path, record)
 
     def checkpoint(self, step: int, tokens_seen: int | None) -> dict:
         """The record a checkpoint of ``step`` carries."""
@@ -411,6 +423,7 @@ class RunRecord:
             "time": _now(),
             "step": step,
             "tokens_seen": tokens_seen,
+            "run": self.run,
             "inputs": self.inputs,
             "accepted": self.accepted,
         }
