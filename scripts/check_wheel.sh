@@ -27,12 +27,26 @@ T0=$SECONDS
 step() {
   echo "check_wheel: $*"
   local t=$SECONDS
-  "$@"
+  # explicit: errexit does not apply inside a function called before || (the build below)
+  "$@" || {
+    local rc=$?
+    echo "check_wheel: FAILED (exit $rc): $*" >&2
+    return $rc
+  }
   echo "check_wheel:   ok in $((SECONDS - t))s"
 }
 
 # The clone's build/ and egg-info folders are ignored by git; the wheel lands in $WORK.
-step "$PY" -m build --wheel --outdir "$WORK/dist" "$REPO" >"$WORK/build.log" 2>&1 || {
+# Without `build` (the dev extra), pip builds the same wheel through the same backend.
+# (from $WORK: in the clone, its build/ folder would pass for the module)
+cd "$WORK"
+if "$PY" -c "import build.__main__" 2>/dev/null; then
+  BUILD=("$PY" -m build --wheel --outdir "$WORK/dist" "$REPO")
+else
+  echo "check_wheel: no 'build' module for $PY (pip install build, or the dev extra); using pip wheel"
+  BUILD=("$PY" -m pip wheel --no-deps --wheel-dir "$WORK/dist" "$REPO")
+fi
+step "${BUILD[@]}" >"$WORK/build.log" 2>&1 || {
   tail -30 "$WORK/build.log"
   exit 1
 }
