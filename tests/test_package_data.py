@@ -149,3 +149,17 @@ def test_the_check_sees_what_it_looks_for(tmp_path):
         fake.write_text(text)
         found = _escapes(fake, tmp_path / "mta_repro")
         assert bool(found) == escapes, (text, found)
+
+
+def test_provenance_records_the_clones_commit_and_none_from_a_wheel(monkeypatch):
+    from mta_repro.train.provenance import code_version
+
+    if not (ROOT / ".git").exists():
+        pytest.skip("not a git checkout")
+    head = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True, text=True, check=True)
+    assert code_version.__wrapped__()["commit"] == head.stdout.strip()
+    # an installed wheel: share/ holds copies, no links into a checkout
+    monkeypatch.setattr(resources, "CLONE", None)
+    import mta_repro
+
+    assert code_version.__wrapped__() == {"package": mta_repro.__version__, "commit": None, "dirty": None}
