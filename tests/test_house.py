@@ -181,7 +181,10 @@ def test_nothing_outside_the_experiments_imports_one():
 # modules of its own layer or of the layers below it. The leaves are imported by no core
 # module; each imports the core freely, and another leaf only as LEAF_DEPS says.
 LAYERS = [
-    ("foundation", {"mta_repro", "errors", "device", "files", "dataclass_config", "cli", "resolvers", "slurm"}),
+    (
+        "foundation",
+        {"mta_repro", "errors", "device", "files", "dataclass_config", "cli", "resolvers", "resources", "slurm"},
+    ),
     ("kernels", {"kernels"}),
     ("model", {"model"}),
     ("weights", {"weights"}),

@@ -8,8 +8,11 @@ from pathlib import Path
 
 from mta_repro.dataclass_config import to_dataclass
 from mta_repro.errors import UserError
+from mta_repro.resources import ROOT
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
+# where relative paths not under the working directory are found: the clone's root, or an
+# installed wheel's copy of the bundled corpus and tokenizer (mta_repro/resources.py)
+REPO_ROOT = ROOT
 
 # The paper's per-*document* domain weights (the paper's section 4; the release's config).
 PAPER_WEIGHTS = {
@@ -71,7 +74,8 @@ class DataArgs:
 
 
 def resolve_path(p: str | Path) -> Path:
-    """A path as given if absolute or present under the working directory, else under the repo.
+    """A path as given if absolute or present under the working directory, else under
+    ``REPO_ROOT`` (the clone's root, or the installed package's bundled files).
 
     Lets the bundled defaults work from any directory (Hydra may change the cwd).
     """

@@ -28,10 +28,10 @@ from pathlib import Path
 from string import Template
 
 from mta_repro.errors import UserError
+from mta_repro.resources import ROOT, SLURM_DIR
 from mta_repro.slurm import memory_lines, sbatch, time_limit
 
-ROOT = Path(__file__).resolve().parents[2]
-TEMPLATE = ROOT / "slurm" / "eval.sbatch"
+TEMPLATE = SLURM_DIR / "eval.sbatch"
 PROG = "mta_repro.eval.submit"
 
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from hydra.core.config_store import ConfigStore
@@ -19,10 +18,9 @@ from omegaconf import DictConfig, OmegaConf
 from mta_repro.data.args import DataArgs
 from mta_repro.model.args import ModelArgs
 from mta_repro.resolvers import register_resolvers
+from mta_repro.resources import CONFIG_DIR
 from mta_repro.train.args import CheckpointArgs, DistributedArgs, LoggingArgs, RunArgs, SlurmArgs, TrainerArgs
 from mta_repro.train.optim import OptimArgs
-
-CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs"
 
 
 @dataclass

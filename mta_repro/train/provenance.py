@@ -82,10 +82,11 @@ def code_version() -> dict:
     """{"package": mta_repro's version, "commit": the git commit of its checkout (None
     outside one), "dirty": whether tracked files differ from it}."""
     import mta_repro
+    from mta_repro.resources import CLONE
 
     out = {"package": mta_repro.__version__, "commit": None, "dirty": None}
-    repo = Path(mta_repro.__file__).resolve().parents[1]
-    if not (repo / ".git").exists():
+    repo = CLONE  # None from an installed wheel: no checkout to ask
+    if repo is None or not (repo / ".git").exists():
         return out
     try:
         head = subprocess.run(["git", "-C", str(repo), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=30)

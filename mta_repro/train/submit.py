@@ -35,13 +35,13 @@ from string import Template
 from omegaconf import DictConfig, OmegaConf
 
 from mta_repro.errors import UserError
+from mta_repro.resources import ROOT, SLURM_DIR
 from mta_repro.slurm import memory_lines, sbatch, time_limit
 from mta_repro.train.args import SITE_FIELDS, SlurmArgs
 from mta_repro.train.config import CONFIG_DIR, compose
 from mta_repro.train.jobcheck import NO_CHECK, problems, queued_owner, raise_problems, resolved_overrides
 
-ROOT = Path(__file__).resolve().parents[2]
-TEMPLATE = ROOT / "slurm" / "train.sbatch"
+TEMPLATE = SLURM_DIR / "train.sbatch"
 PROG = "mta_repro.train.submit"
 
 
