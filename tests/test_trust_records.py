@@ -11,9 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
-
-sys.path.insert(0, str(Path(__file__).parent / "fixtures" / "eval"))
-from eval_helpers import make_run  # noqa: E402
+from eval_helpers import make_run
 
 ROOT = Path(__file__).resolve().parents[1]
 
