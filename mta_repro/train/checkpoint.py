@@ -331,7 +331,7 @@ class CheckpointManager:
             dcp_load(entries, path)
         except UnsafeFileError:
             raise  # refused: not damage, so no fallback to an older file of the same origin
-        except Exception as e:  # noqa: BLE001 - name the checkpoint in the error
+        except Exception as e:  # named in the error raised below
             text = str(e)
             if not any(m in text for m in _MISMATCH):
                 raise CheckpointCorruptError(f"checkpoint {path}: loading failed ({type(e).__name__})") from e

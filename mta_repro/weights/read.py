@@ -89,7 +89,7 @@ def read_weights(candidate: Candidate) -> Weights:
             if not c.path.exists():  # DCP's fallback to per-rank metadata once .metadata vanished
                 raise PrunedError(f"checkpoint {c.path} was removed while it was read") from None
             raise
-        except BaseException as e:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
+        except BaseException as e:  # DCP's CheckpointException is a BaseException
             if isinstance(e, (KeyboardInterrupt, SystemExit)):
                 raise
             if not c.path.exists():
