@@ -6,19 +6,6 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_no_function_in_the_trainer_is_over_60_lines():
-    """mta_repro/train reads in one sitting: the loop is run -> build_state / train_steps /
-    finish, each a screen at most."""
-    long = []
-    for p in sorted((ROOT / "mta_repro" / "train").glob("*.py")):
-        for node in ast.walk(ast.parse(p.read_text())):
-            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
-                n = node.end_lineno - node.lineno + 1
-                if n > 60:
-                    long.append(f"{p.name}:{node.lineno} {node.name} ({n} lines)")
-    assert not long, long
-
-
 def test_module_docstrings_outside_the_experiments_are_short():
     """A module docstring says what and why in at most 25 lines; measurement history belongs
     in docs/ (with the command that measured it) or in commit bodies."""
