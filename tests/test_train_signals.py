@@ -24,6 +24,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from tiny_config import tiny_train
 
 from mta_repro.train.config import compose
 
@@ -31,18 +32,7 @@ pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[1]
 HERE = Path(__file__).resolve().parent
-TINY = [
-    "data.seq_len=32",
-    "data.batch_size=2",
-    "data.shuffle_buffer=8",
-    "trainer.device=cpu",
-    "trainer.eval_every=0",
-    "checkpoint.export=false",
-    "logging.wandb_mode=disabled",
-    "logging.progress_bar=false",
-    "optim.lr=3e-3",
-    "optim.warmup=2",
-]
+TINY = tiny_train("data.shuffle_buffer=8", "optim.lr=3e-3", "optim.warmup=2", omit=("logging.every",))
 
 SLOW_LOADER = '''
 import time
@@ -66,7 +56,7 @@ def build(data_args, rank, world_size):
 
 
 def _env(tmp_path):
-    path = os.pathsep.join([str(ROOT), str(HERE), str(HERE / "distributed"), str(tmp_path)])
+    path = os.pathsep.join([str(ROOT), str(HERE), str(HERE / "helpers"), str(HERE / "distributed"), str(tmp_path)])
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=path)
     env.pop("MTA_REPRO_TRACEBACK", None)
     return env
