@@ -54,11 +54,13 @@ format: $(STAMPS)/.make-installed-all,dev
 	$(PY) -m ruff check --fix .
 
 # What CI gates on before the tests (and .pre-commit-config.yaml on each commit): the format,
-# the lint rules and pyright in basic mode over the package (rules in pyproject.toml).
+# the lint rules, pyright in basic mode over the package and the import contracts (layers, no
+# cycle; import-linter's lint-imports, run through $(PY)) (rules in pyproject.toml).
 check: $(STAMPS)/.make-installed-all,dev
 	$(PY) -m ruff format --check .
 	$(PY) -m ruff check .
 	$(PY) -m pyright -p .
+	$(PY) -c "from importlinter.cli import lint_imports_command; lint_imports_command()" --no-cache
 
 # The whole suite on TEST_WORKERS pytest-xdist processes (2: this project's 2-core CI
 # machine; most of the suite waits on subprocesses, the interpreter and the SLURM queue,

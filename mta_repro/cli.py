@@ -11,6 +11,7 @@ traceback of user errors too.
 from __future__ import annotations
 
 import difflib
+import logging
 import re
 import signal
 import sys
@@ -101,6 +102,31 @@ def describe(exc: BaseException) -> str:
     return line
 
 
+class _StderrNow(logging.StreamHandler):
+    """A handler that writes to ``sys.stderr`` as it is when the line is written, not as it was
+    when the handler was made (pytest's capsys and a caller's redirect replace it)."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.stream = sys.stderr  # emit runs under the handler's lock
+        super().emit(record)
+
+
+def configure_logging() -> logging.Logger:
+    """The package's diagnostics (its modules' ``logging.getLogger(__name__)``) as the command
+    lines show them: INFO and up, each record one line on stderr as written (the messages
+    carry their own ``[mta_repro.x] WARNING:`` where they have one), the same under Hydra's job
+    as outside it. Not passed on to the root logger, whose handlers are the application's
+    (Hydra's job log, lm-eval's). Once per process; run_cli calls it."""
+    log = logging.getLogger("mta_repro")
+    if not any(isinstance(h, _StderrNow) for h in log.handlers):
+        handler = _StderrNow()
+        handler.setFormatter(logging.Formatter("%(message)s"))
+        log.addHandler(handler)
+        log.setLevel(logging.INFO)
+        log.propagate = False
+    return log
+
+
 def honour_ctrl_c() -> None:
     """Take Ctrl-C (SIGINT) back where it was inherited ignored: a shell starts background
     commands (``cmd &``, ``nohup cmd &`` from a script) with SIGINT ignored, and a
@@ -117,8 +143,9 @@ def run_cli(prog: str, fn: Callable[[], int]) -> int:
     Ctrl-C outside the training loop (which saves first) ``<prog>: interrupted`` and 130, a
     stop signal seen before there was anything to save (``StopRequested``) its one line and
     128 + the signal's number. An inherited, ignored SIGINT is taken back first
-    (``honour_ctrl_c``)."""
+    (``honour_ctrl_c``), and the package's logging set up (``configure_logging``)."""
     honour_ctrl_c()
+    configure_logging()
     try:
         return fn()
     except StopRequested as e:

@@ -274,7 +274,7 @@ def stackexchange_docs() -> list[str]:
     for modname in STDLIB_QA_MODULES:
         try:
             mod = importlib.import_module(modname)
-        except Exception:
+        except ImportError:  # a module this platform's Python lacks
             continue
         for name in sorted(getattr(mod, "__all__", None) or dir(mod)):
             if name.startswith("_"):

@@ -71,7 +71,7 @@ def iter_records(
     seen = [0]
     try:
         yield from _iter_records(path, stride, offset, counts, seen)
-    except Exception as e:  # noqa: BLE001 - any read failure of this file: report it by name
+    except Exception as e:  # any read failure of this file: report it by name
         if bad_files is None:
             raise
         counts["corrupt_file"] = counts.get("corrupt_file", 0) + 1

@@ -19,11 +19,17 @@ import sys
 
 import pytest
 
+from mta_repro.cli import configure_logging
+
 # The tests run the Triton kernels (the key-query convolution, the experimental
 # model.attn_impl=triton) on CPU tensors, in Triton's interpreter, GPU or not (on a GPU,
 # scripts/bench_attention.py --device cuda runs them compiled). The variable must be set
 # before the kernels are defined (first use).
 os.environ.setdefault("TRITON_INTERPRET", "1")
+
+# The package's diagnostics on stderr as the command lines print them (a test reads them with
+# capsys), and passed on to the root logger too, where pytest's caplog listens.
+configure_logging().propagate = True
 
 
 def _worker_threads() -> int | None:

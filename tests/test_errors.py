@@ -247,7 +247,6 @@ def test_a_sequence_longer_than_the_model_is_refused_on_every_path(tmp_path):
     )
     assert p.returncode == 2 and p.stderr.strip() == f"train: error: {long}", p.stderr[-3000:]
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
-    sys.path.insert(0, str(Path(__file__).parent / "fixtures" / "eval"))
     from eval_helpers import make_run
 
     run_dir, model = make_run(tmp_path / "old", attention="baseline", seq_len=8192)  # saved before the check

@@ -2,24 +2,19 @@
 
 import random
 import re
-import sys
-from pathlib import Path
 
 import pytest
+from eval_helpers import make_tokenizer, tiny_model
 
 from mta_repro.eval.args import BabiLongArgs
-
-sys.path.insert(0, str(Path(__file__).parent / "fixtures" / "eval"))
-from eval_helpers import make_tokenizer, tiny_model  # noqa: E402
-
-from mta_repro.eval.babilong import (  # noqa: E402
+from mta_repro.eval.babilong import (
     TASKS,
     BabiGenerator,
     compare_answers,
     format_prompt,
     run_babilong,
 )
-from mta_repro.eval.babilong_prompts import PROMPTS, TASK_LABELS  # noqa: E402
+from mta_repro.eval.babilong_prompts import PROMPTS, TASK_LABELS
 
 BACKGROUND = ["It was a dark night. The wind blew hard over the hills! Nobody was awake? " * 80]
 

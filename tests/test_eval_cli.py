@@ -1,17 +1,14 @@
 """Loading (consolidated file and DCP run dir), the eval CLI and its early errors."""
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from eval_helpers import make_run
 
-sys.path.insert(0, str(Path(__file__).parent / "fixtures" / "eval"))
-from eval_helpers import make_run  # noqa: E402
-
-from mta_repro.eval.load import load_model  # noqa: E402
-from mta_repro.eval.run import main, parse_argv, run  # noqa: E402
+from mta_repro.eval.load import load_model
+from mta_repro.eval.run import main, parse_argv, run
 
 
 @pytest.mark.parametrize("fmt", ["consolidated", "dcp"])

@@ -8,11 +8,9 @@ import sys
 from pathlib import Path
 
 import pytest
+from eval_helpers import make_run
 
-sys.path.insert(0, str(Path(__file__).parent / "fixtures" / "eval"))
-from eval_helpers import make_run  # noqa: E402
-
-from mta_repro.eval.run import main, parse_argv, run  # noqa: E402
+from mta_repro.eval.run import main, parse_argv, run
 
 ROOT = Path(__file__).resolve().parents[1]
 PPL = ["tasks=[ppl]", "ppl.max_batches=1", "ppl.batch_size=1", "ppl.domains=[book]"]

@@ -7,12 +7,11 @@ import sys
 from pathlib import Path
 
 import pytest
+from eval_helpers import make_run
+
+from mta_repro.eval.lm_eval_tasks import write_local_task
 
 FIX = Path(__file__).parent / "fixtures" / "eval"
-sys.path.insert(0, str(FIX))
-from eval_helpers import make_run  # noqa: E402
-
-from mta_repro.eval.lm_eval_tasks import write_local_task  # noqa: E402
 
 pytestmark = pytest.mark.distributed
 

@@ -1,17 +1,12 @@
 """Device choice and the trained-length default of the lm-eval model."""
 
-import sys
-from pathlib import Path
-
 import pytest
 import torch
+from eval_helpers import make_run
 
-sys.path.insert(0, str(Path(__file__).parent / "fixtures" / "eval"))
-from eval_helpers import make_run  # noqa: E402
-
-from mta_repro.device import resolve_device  # noqa: E402
-from mta_repro.eval.lm_eval_model import MTAReproLM  # noqa: E402
-from mta_repro.eval.load import load_model  # noqa: E402
+from mta_repro.device import resolve_device
+from mta_repro.eval.lm_eval_model import MTAReproLM
+from mta_repro.eval.load import load_model
 
 
 def test_auto_device_follows_the_machine():

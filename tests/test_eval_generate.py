@@ -1,16 +1,11 @@
 """Cached generation = full forward passes, for every attention variant."""
 
-import sys
-from pathlib import Path
-
 import pytest
 import torch
+from eval_helpers import VARIANTS, make_tokenizer, tiny_model
 
-sys.path.insert(0, str(Path(__file__).parent / "fixtures" / "eval"))
-from eval_helpers import VARIANTS, make_tokenizer, tiny_model  # noqa: E402
-
-from mta_repro.model import KVCache  # noqa: E402
-from mta_repro.model.generation import generate, generate_text, sample_next  # noqa: E402
+from mta_repro.model import KVCache
+from mta_repro.model.generation import generate, generate_text, sample_next
 
 
 @pytest.mark.parametrize("variant", VARIANTS)

@@ -8,12 +8,11 @@ import sys
 from pathlib import Path
 
 import pytest
+from eval_helpers import make_run
+
+from mta_repro.eval import hub
 
 FIX = Path(__file__).parent / "fixtures" / "eval"
-sys.path.insert(0, str(FIX))
-from eval_helpers import make_run  # noqa: E402
-
-from mta_repro.eval import hub  # noqa: E402
 
 
 def closed_port() -> int:

@@ -2,7 +2,6 @@
 
 import math
 import os
-import sys
 from pathlib import Path
 
 import pytest
@@ -11,15 +10,15 @@ import torch
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-FIX = Path(__file__).parent / "fixtures" / "eval"
-sys.path.insert(0, str(FIX))
-import lm_eval  # noqa: E402
-from eval_helpers import make_tokenizer, tiny_model  # noqa: E402
-from lm_eval.api.instance import Instance  # noqa: E402
-from lm_eval.api.registry import get_model  # noqa: E402
+import lm_eval
+from eval_helpers import make_tokenizer, tiny_model
+from lm_eval.api.instance import Instance
+from lm_eval.api.registry import get_model
 
-from mta_repro.eval.lm_eval_model import MTAReproLM  # noqa: E402
-from mta_repro.eval.lm_eval_tasks import check_task_names, task_manager, write_local_task  # noqa: E402
+from mta_repro.eval.lm_eval_model import MTAReproLM
+from mta_repro.eval.lm_eval_tasks import check_task_names, task_manager, write_local_task
+
+FIX = Path(__file__).parent / "fixtures" / "eval"
 
 pytestmark = pytest.mark.lm_eval
 

@@ -9,14 +9,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from eval_helpers import make_run, make_tokenizer
+
+from mta_repro.eval.lm_eval_cli import build_argv
+from mta_repro.eval.lm_eval_tasks import write_local_task
+from mta_repro.eval.load import load_model
 
 FIX = Path(__file__).parent / "fixtures" / "eval"
-sys.path.insert(0, str(FIX))
-from eval_helpers import make_run, make_tokenizer  # noqa: E402
-
-from mta_repro.eval.lm_eval_cli import build_argv  # noqa: E402
-from mta_repro.eval.lm_eval_tasks import write_local_task  # noqa: E402
-from mta_repro.eval.load import load_model  # noqa: E402
 
 pytestmark = pytest.mark.lm_eval
 

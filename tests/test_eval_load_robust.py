@@ -10,11 +10,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from eval_helpers import make_run
 
-sys.path.insert(0, str(Path(__file__).parent / "fixtures" / "eval"))
-from eval_helpers import make_run  # noqa: E402
-
-from mta_repro.eval.load import default_out_dir, load_model  # noqa: E402
+from mta_repro.eval.load import default_out_dir, load_model
 
 
 def save_dcp(run_dir, step, model):

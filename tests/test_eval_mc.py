@@ -1,16 +1,12 @@
 """Multiple choice: continuations of one context share forward passes, same scores."""
 
 import random
-import sys
-from pathlib import Path
 
 import pytest
 import torch
+from eval_helpers import make_tokenizer, tiny_model
 
-sys.path.insert(0, str(Path(__file__).parent / "fixtures" / "eval"))
-from eval_helpers import make_tokenizer, tiny_model  # noqa: E402
-
-from mta_repro.eval.lm_eval_model import MTAReproLM  # noqa: E402
+from mta_repro.eval.lm_eval_model import MTAReproLM
 
 
 def ref_ll(model, ctx, cont, max_length):

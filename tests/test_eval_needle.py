@@ -1,17 +1,13 @@
 """Multi-needle NIAH: exact token budgets, placement at sentence ends, scoring."""
 
 import random
-import sys
 from pathlib import Path
 
 import pytest
+from eval_helpers import make_tokenizer, tiny_model
 
 from mta_repro.eval.args import NeedleArgs
-
-sys.path.insert(0, str(Path(__file__).parent / "fixtures" / "eval"))
-from eval_helpers import make_tokenizer, tiny_model  # noqa: E402
-
-from mta_repro.eval.needle import (  # noqa: E402
+from mta_repro.eval.needle import (
     NEEDLE,
     PREAMBLE,
     QUESTION_ONE,

@@ -1,16 +1,12 @@
 """Per-domain perplexity against an independent float64 computation."""
 
 import math
-import sys
-from pathlib import Path
 
 import pytest
 import torch
+from eval_helpers import make_tokenizer, tiny_model
 
-sys.path.insert(0, str(Path(__file__).parent / "fixtures" / "eval"))
-from eval_helpers import make_tokenizer, tiny_model  # noqa: E402
-
-from mta_repro.eval.ppl import domain_perplexity  # noqa: E402
+from mta_repro.eval.ppl import domain_perplexity
 
 DOCS = [
     "The cat sat on the mat. " * 3,

@@ -3,16 +3,13 @@
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
+from eval_helpers import make_run, make_tokenizer
 
-sys.path.insert(0, str(Path(__file__).parent / "fixtures" / "eval"))
-from eval_helpers import make_run, make_tokenizer  # noqa: E402
-
-from mta_repro.eval.generate import generate_from  # noqa: E402
-from mta_repro.eval.load import load_model  # noqa: E402
+from mta_repro.eval.generate import generate_from
+from mta_repro.eval.load import load_model
 
 
 def greedy_without_cache(model, ids, n):

@@ -50,11 +50,9 @@ def test_quick_cpu_run_writes_every_section(tmp_path):
 
 
 def _acceptance_module():
-    """The script as a module, its folder on sys.path as when it runs (for scripts/benchlib.py)."""
+    """The script as a module; scripts/ is on pytest's pythonpath as on sys.path when it runs (benchlib)."""
     import importlib.util
 
-    if str(ROOT / "scripts") not in sys.path:
-        sys.path.insert(0, str(ROOT / "scripts"))
     spec = importlib.util.spec_from_file_location("gpu_acceptance", ROOT / "scripts" / "gpu_acceptance.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)

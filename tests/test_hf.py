@@ -10,14 +10,13 @@ import pytest
 import torch
 
 pytest.importorskip("transformers")  # the .[hf] extra (make test installs it)
-sys.path.insert(0, str(Path(__file__).parent / "fixtures" / "eval"))
-from eval_helpers import make_run  # noqa: E402
-from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
+from eval_helpers import make_run
+from transformers import LlamaConfig, LlamaForCausalLM
 
-from mta_repro.eval.load import load_model  # noqa: E402
-from mta_repro.hf import export_hf, import_hf  # noqa: E402
-from mta_repro.model import MTAArgs  # noqa: E402
-from mta_repro.model.insertion import baseline_to_mta  # noqa: E402
+from mta_repro.eval.load import load_model
+from mta_repro.hf import export_hf, import_hf
+from mta_repro.model import MTAArgs
+from mta_repro.model.insertion import baseline_to_mta
 
 TOKENS = torch.tensor([[1, 72, 101, 108, 108, 111, 44, 32, 119, 111, 114, 108, 100, 33, 5, 250, 3, 77]])
 

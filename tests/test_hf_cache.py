@@ -13,13 +13,13 @@ import pytest
 import torch
 
 pytest.importorskip("transformers")
-FIX = Path(__file__).parent / "fixtures" / "eval"
-sys.path.insert(0, str(FIX))
-from eval_helpers import make_run  # noqa: E402
+from eval_helpers import make_run
 
-from mta_repro.eval.load import load_model  # noqa: E402
-from mta_repro.hf import export_hf  # noqa: E402
-from mta_repro.model.generation import generate as our_generate  # noqa: E402
+from mta_repro.eval.load import load_model
+from mta_repro.hf import export_hf
+from mta_repro.model.generation import generate as our_generate
+
+FIX = Path(__file__).parent / "fixtures" / "eval"
 
 PROMPT = torch.tensor([[1, 72, 101, 108, 108, 111, 44, 32, 119, 111]])
 

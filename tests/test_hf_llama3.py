@@ -12,13 +12,13 @@ import pytest
 import torch
 
 pytest.importorskip("transformers")
-from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
+from transformers import LlamaConfig, LlamaForCausalLM
 
-from mta_repro.eval.load import load_model  # noqa: E402
-from mta_repro.hf import export_hf, import_hf  # noqa: E402
-from mta_repro.model import MTAArgs  # noqa: E402
-from mta_repro.model.args import RopeScalingArgs  # noqa: E402
-from mta_repro.model.transformer import rope_inv_freq  # noqa: E402
+from mta_repro.eval.load import load_model
+from mta_repro.hf import export_hf, import_hf
+from mta_repro.model import MTAArgs
+from mta_repro.model.args import RopeScalingArgs
+from mta_repro.model.transformer import rope_inv_freq
 
 # original_max_position_embeddings 64 with head_dim 16 and theta 5e5 puts the frequencies
 # in all three bands of the llama3 rule (wavelengths 6.3 < 16, 32 in [16, 64], >= 166 > 64).

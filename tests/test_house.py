@@ -1,22 +1,12 @@
 """The house rules a maintainer relies on, checked on the tree itself (CONTRIBUTING.md)."""
 
 import ast
+import re
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def test_no_function_in_the_trainer_is_over_60_lines():
-    """mta_repro/train reads in one sitting: the loop is run -> build_state / train_steps /
-    finish, each a screen at most."""
-    long = []
-    for p in sorted((ROOT / "mta_repro" / "train").glob("*.py")):
-        for node in ast.walk(ast.parse(p.read_text())):
-            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
-                n = node.end_lineno - node.lineno + 1
-                if n > 60:
-                    long.append(f"{p.name}:{node.lineno} {node.name} ({n} lines)")
-    assert not long, long
 
 
 def test_module_docstrings_outside_the_experiments_are_short():
@@ -213,7 +203,12 @@ def _layer(part: str):
 def test_every_import_of_the_package_points_down_the_layers():
     """Walk every import of every module (top level, lazy, TYPE_CHECKING, relative, importlib
     calls): none points up the layer order, no core module imports a leaf, and a leaf imports
-    another leaf only where LEAF_DEPS says. No allow-list of known cycles."""
+    another leaf only where LEAF_DEPS says. No allow-list of known cycles.
+
+    pyproject.toml's import-linter contracts (`make check`) check the same layers, and more:
+    indirect chains and cycles inside each package. The walk stays for what grimp, import-linter's
+    graph, does not see: a module named in a string to importlib.import_module, __import__,
+    importlib.util.find_spec or runpy.run_module. It also runs in pytest without import-linter."""
     pkg = ROOT / "mta_repro"
     files = sorted(pkg.rglob("*.py"))
     parts = {p.relative_to(pkg).parts[0].removesuffix(".py") for p in files}
@@ -247,3 +242,19 @@ def test_the_layer_order_is_the_one_docs_architecture_draws():
     drawn = re.search(r"<!-- layers -->(.*?)<!-- /layers -->", text, re.S).group(1)
     rows = [line.split("|")[1:3] for line in drawn.strip().splitlines()[2:]]  # | layer | modules | ...
     assert [(name.strip(), set(re.findall(r"`([\w.]+)`", mods))) for name, mods in rows] == LAYERS
+
+
+def test_the_import_linter_contract_has_the_same_layers():
+    """pyproject.toml's [tool.importlinter] layers contract (top to bottom) is LAYERS (bottom to
+    top) under the leaves, with LEAF_DEPS as its only ignored imports."""
+    tomllib = pytest.importorskip("tomllib")
+    config = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["importlinter"]
+    (layers,) = [c for c in config["contracts"] if c["type"] == "layers"]
+    rows = [set(re.split(r"\s*[|:]\s*", row)) for row in layers["layers"]]
+    core = [names - {"mta_repro"} for _, names in LAYERS]  # the root package is the container
+    assert rows == [LEAVES, *reversed(core)]
+    assert layers["layers"][0].count("|") == len(LEAVES) - 1  # the leaves are independent
+    assert layers["exhaustive"] is True
+    ignored = {tuple(i.split(" -> ")) for i in layers["ignore_imports"]}
+    assert ignored == {(f"mta_repro.{a}.**", f"mta_repro.{b}") for a, deps in LEAF_DEPS.items() for b in deps}
+    assert any(c["type"] == "acyclic_siblings" and c["ancestors"] == ["mta_repro"] for c in config["contracts"])

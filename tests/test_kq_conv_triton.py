@@ -9,13 +9,13 @@ import importlib.util
 import pytest
 import torch
 
+from mta_repro.kernels.tuning import KernelTuning
+from mta_repro.model import attention_ops
+
 pytestmark = [
     pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton not installed"),
     pytest.mark.triton,
 ]
-
-from mta_repro.kernels.tuning import KernelTuning  # noqa: E402
-from mta_repro.model import attention_ops  # noqa: E402
 
 
 @pytest.fixture

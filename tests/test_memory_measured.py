@@ -77,8 +77,7 @@ def test_preflight_matches_a_measured_cpu_step_for_baseline_and_mta():
 
 
 CHILD = """
-import json, sys
-sys.path.insert(0, sys.argv[1])
+import json
 import measure_memory as mm
 from mta_repro.train.metrics import peak_rss_bytes, reset_peak_rss
 reset = reset_peak_rss()
@@ -100,7 +99,11 @@ def test_the_measured_peak_is_the_measured_process_own_not_its_launcher():
     for i in range(0, len(held), 4096):
         held[i] = 1
     p = subprocess.run(
-        [sys.executable, "-c", CHILD, str(ROOT / "scripts")], capture_output=True, text=True, timeout=120
+        [sys.executable, "-c", CHILD],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "scripts"), ENV["PYTHONPATH"]])},
     )
     assert p.returncode == 0, p.stderr[-2000:]
     r = json.loads(p.stdout.strip().splitlines()[-1])

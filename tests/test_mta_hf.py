@@ -12,10 +12,11 @@ import sys
 import pytest
 import torch
 
-transformers = pytest.importorskip("transformers")  # the .[hf] extra (make test installs it)
+pytest.importorskip("transformers")  # the .[hf] extra (make test installs it)
+import transformers
 
-from mta_repro.errors import UserError  # noqa: E402
-from mta_repro.mta import MultiTokenAttention, apply_mta, load_mta_pretrained  # noqa: E402
+from mta_repro.errors import UserError
+from mta_repro.mta import MultiTokenAttention, apply_mta, load_mta_pretrained
 
 F64 = torch.float64
 VOCAB, T = 96, 12

@@ -14,9 +14,9 @@ import torch
 
 pytest.importorskip("liger_kernel", reason="liger-kernel is not installed (pip install liger-kernel; in the dev extra)")
 
-from liger_kernel.transformers.multi_token_attention import LigerMultiTokenAttention  # noqa: E402
+from liger_kernel.transformers.multi_token_attention import LigerMultiTokenAttention
 
-from mta_repro.mta import multi_token_attention  # noqa: E402
+from mta_repro.mta import multi_token_attention
 
 pytestmark = pytest.mark.triton
 

@@ -15,10 +15,10 @@ from omegaconf import OmegaConf
 
 pytest.importorskip("transformers")
 
-from mta_repro.errors import UserError  # noqa: E402
-from mta_repro.pipeline.done import done, imported_from  # noqa: E402
-from mta_repro.pipeline.plan import Plan  # noqa: E402
-from mta_repro.pipeline.run import run_local  # noqa: E402
+from mta_repro.errors import UserError
+from mta_repro.pipeline.done import done, imported_from
+from mta_repro.pipeline.plan import Plan
+from mta_repro.pipeline.run import run_local
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -44,7 +44,6 @@ from mta_repro.train import provenance as pv
 
 ROOT = Path(__file__).resolve().parents[1]
 BYTES = TokenizerArgs(name="bytes", path=None)
-sys.path.insert(0, str(Path(__file__).parent / "fixtures" / "eval"))
 
 
 def _args(root, **kw):

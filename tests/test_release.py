@@ -36,12 +36,12 @@ from mta_repro.release import (
 from mta_repro.release import (
     main as release_main,
 )
-from mta_repro.release import release_file_to_config as convert_file  # noqa: E402 - short names in these tests
-from mta_repro.release import release_to_config as convert  # noqa: E402
-from mta_repro.release.config import _merge_defaults  # noqa: E402 - the defaults merge itself
-from mta_repro.train.checkpoint import load_init_weights  # noqa: E402
+from mta_repro.release import release_file_to_config as convert_file  # short names in these tests
+from mta_repro.release import release_to_config as convert
+from mta_repro.release.config import _merge_defaults  # the defaults merge itself
+from mta_repro.train.checkpoint import load_init_weights
 from mta_repro.train.config import compose, model_args_from
-from mta_repro.weights.lingua import release_checkpoint_path, release_state_dict_to_ours  # noqa: E402
+from mta_repro.weights.lingua import release_checkpoint_path, release_state_dict_to_ours
 
 ROOT = Path(__file__).resolve().parents[1]
 FIX = ROOT / "tests" / "fixtures" / "release"

@@ -5,20 +5,17 @@ import csv
 import io
 import json
 import math
-import sys
 from pathlib import Path
 
 import pytest
+from eval_helpers import make_run
 from omegaconf import OmegaConf
 
-sys.path.insert(0, str(Path(__file__).parent / "fixtures" / "eval"))
-from eval_helpers import make_run  # noqa: E402
-
-from mta_repro.report.__main__ import build_report, main  # noqa: E402
-from mta_repro.report.plots import loss_series  # noqa: E402
-from mta_repro.report.runs import load_run  # noqa: E402
-from mta_repro.report.tables import describe_mta  # noqa: E402
-from mta_repro.train.config import compose  # noqa: E402
+from mta_repro.report.__main__ import build_report, main
+from mta_repro.report.plots import loss_series
+from mta_repro.report.runs import load_run
+from mta_repro.report.tables import describe_mta
+from mta_repro.train.config import compose
 
 
 def write_evals(

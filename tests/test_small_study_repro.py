@@ -9,14 +9,12 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import sys
 from pathlib import Path
 
+import check_small_study
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "scripts"))
-import check_small_study  # noqa: E402  # pyright: ignore[reportMissingImports]  # scripts/ is on sys.path above
 
 
 def _root(path: Path, avg: float, loss: float) -> Path:

@@ -204,11 +204,8 @@ def test_smoke_training(tmp_path, variant):
 
 
 def test_script_writes_results(tmp_path):
-    sys.path.insert(0, str(REPO / "scripts"))
-    try:
-        import toy_task
-    finally:
-        sys.path.pop(0)
+    import toy_task
+
     ov = _tiny_cfg(tmp_path, steps=4, eval_every=2) + ["seeds=[1,2]"]
     toy_task.main(["--config", "toy/reduced", *ov])
     with open(tmp_path / "results.csv") as f:

@@ -11,25 +11,19 @@ from pathlib import Path
 
 import pytest
 import torch
+from tiny_config import tiny_train
 
 from mta_repro.train.checkpoint import CheckpointCorruptError, load_model_state, verify_checkpoint
 from mta_repro.train.config import compose
 
-COMMON = [
-    "data.seq_len=32",
-    "data.batch_size=2",
-    "data.shuffle_buffer=4",
+COMMON = tiny_train(
     "trainer.steps=3",
-    "trainer.device=cpu",
-    "trainer.eval_every=0",
     "checkpoint.every=1",
     "checkpoint.keep=3",
-    "logging.every=1",
-    "logging.wandb_mode=disabled",
-    "logging.progress_bar=false",
     "optim.lr=3e-3",
     "optim.warmup=1",
-]
+    omit=("checkpoint.export",),
+)
 
 
 def _train(run_dir, *overrides):

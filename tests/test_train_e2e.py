@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from tiny_config import tiny_train
 
 from mta_repro.train.config import compose
 
@@ -29,22 +30,17 @@ pytestmark = [pytest.mark.slow, pytest.mark.pipeline]
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS = 8
-COMMON = [
-    "data.seq_len=32",
-    "data.batch_size=2",
+COMMON = tiny_train(
     "data.shuffle_buffer=8",
     f"trainer.steps={STEPS}",
-    "trainer.device=cpu",
     "checkpoint.every=2",
     "checkpoint.keep=2",
-    "logging.every=1",
-    "logging.wandb_mode=disabled",
-    "logging.progress_bar=false",
     "optim.lr=3e-3",
     "optim.warmup=2",
     # Validation runs at the last step (the default); one batch per domain keeps it quick.
     "trainer.eval_max_batches=1",
-]
+    omit=("trainer.eval_every", "checkpoint.export"),
+)
 
 
 FAULTS = Path(__file__).parent / "fixtures" / "faults"  # checkpoint.save_hook=faults:<name>

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 from omegaconf import OmegaConf
+from tiny_config import tiny_train
 
 from mta_repro.train.config import compose
 from mta_repro.train.config_check import diff_configs
@@ -24,19 +25,7 @@ from mta_repro.train.rundir import write_config
 from mta_repro.train.runlock import RunDirError, RunLock
 
 ROOT = Path(__file__).resolve().parents[1]
-COMMON = [
-    "data.seq_len=32",
-    "data.batch_size=2",
-    "data.shuffle_buffer=4",
-    "trainer.steps=2",
-    "trainer.device=cpu",
-    "trainer.eval_every=0",
-    "checkpoint.every=1",
-    "checkpoint.export=false",
-    "logging.every=1",
-    "logging.wandb_mode=disabled",
-    "logging.progress_bar=false",
-]
+COMMON = tiny_train("trainer.steps=2", "checkpoint.every=1")
 
 
 def _train(run_dir, *overrides):

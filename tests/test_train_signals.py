@@ -24,6 +24,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from tiny_config import tiny_train
 
 from mta_repro.train.config import compose
 
@@ -31,18 +32,7 @@ pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[1]
 HERE = Path(__file__).resolve().parent
-TINY = [
-    "data.seq_len=32",
-    "data.batch_size=2",
-    "data.shuffle_buffer=8",
-    "trainer.device=cpu",
-    "trainer.eval_every=0",
-    "checkpoint.export=false",
-    "logging.wandb_mode=disabled",
-    "logging.progress_bar=false",
-    "optim.lr=3e-3",
-    "optim.warmup=2",
-]
+TINY = tiny_train("data.shuffle_buffer=8", "optim.lr=3e-3", "optim.warmup=2", omit=("logging.every",))
 
 SLOW_LOADER = '''
 import time
@@ -66,7 +56,7 @@ def build(data_args, rank, world_size):
 
 
 def _env(tmp_path):
-    path = os.pathsep.join([str(ROOT), str(HERE / "distributed"), str(tmp_path)])
+    path = os.pathsep.join([str(ROOT), str(HERE), str(HERE / "helpers"), str(HERE / "distributed"), str(tmp_path)])
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=path)
     env.pop("MTA_REPRO_TRACEBACK", None)
     return env
@@ -264,14 +254,13 @@ def test_no_host_sync_between_logging_steps(tmp_path, monkeypatch):
 
 TWO_RANK_DRIVER = """
 import json, os, sys
-sys.path.insert(0, {tests!r})
 import pytest
 from test_train_signals import _count_syncs, TINY
 from mta_repro.train.config import compose
 from mta_repro.train.loop import train
 
 mp = pytest.MonkeyPatch()
-events, state = [], {{"step": 0}}
+events, state = [], {"step": 0}
 _count_syncs(mp, events, state)
 train(compose([*TINY, "run_dir=" + sys.argv[1], "trainer.steps=8", "logging.every=4", "checkpoint.every=8",
                "trainer.loader=batch_source:build"]))
@@ -283,7 +272,7 @@ json.dump(events, open(out, "w"))
 @pytest.mark.distributed
 def test_two_ranks_agree_and_read_only_on_logging_steps(tmp_path):
     driver = tmp_path / "driver.py"
-    driver.write_text(TWO_RANK_DRIVER.format(tests=str(HERE)))
+    driver.write_text(TWO_RANK_DRIVER)
     run_dir = tmp_path / "run"
     cmd = [
         sys.executable,

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from tiny_config import tiny_train
 
 from mta_repro.data import DataArgs, build_train_loader
 from mta_repro.model import build_model
@@ -86,19 +87,7 @@ def test_a_checkpoint_without_the_token_count_resumes_with_it_derived(tmp_path, 
 def test_the_trainer_logs_tokens_seen_across_a_resume(tmp_path):
     from mta_repro.train.loop import train
 
-    common = [
-        "data.seq_len=32",
-        "data.batch_size=2",
-        "data.shuffle_buffer=4",
-        "trainer.device=cpu",
-        "trainer.eval_every=0",
-        "checkpoint.every=1",
-        "checkpoint.export=false",
-        "logging.every=1",
-        "logging.wandb_mode=disabled",
-        "logging.progress_bar=false",
-        f"run_dir={tmp_path / 'run'}",
-    ]
+    common = [*tiny_train("checkpoint.every=1"), f"run_dir={tmp_path / 'run'}"]
     train(compose([*common, "trainer.steps=2"]))
     train(compose([*common, "trainer.steps=4", "checkpoint.allow_config_change=true"]))
     rows = [json.loads(line) for line in Path(tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]

@@ -10,20 +10,16 @@ from pathlib import Path
 
 import pytest
 import torch
+from tiny_config import tiny_train
 
 from mta_repro.train.config import compose
 
-COMMON = [
-    "data.seq_len=32",
-    "data.batch_size=2",
-    "data.shuffle_buffer=4",
-    "trainer.device=cpu",
+COMMON = tiny_train(
     "checkpoint.every=100",
-    "logging.wandb_mode=disabled",
-    "logging.progress_bar=false",
     "optim.lr=3e-3",
     "optim.warmup=1",
-]
+    omit=("trainer.eval_every", "checkpoint.export", "logging.every"),
+)
 
 
 def _rows(run_dir):

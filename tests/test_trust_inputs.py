@@ -24,13 +24,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from eval_helpers import make_run
 
-sys.path.insert(0, str(Path(__file__).parent / "fixtures" / "eval"))
-from eval_helpers import make_run  # noqa: E402
-
-from mta_repro.cli import run_cli  # noqa: E402
-from mta_repro.errors import CorruptFileError, UnsafeFileError  # noqa: E402
-from mta_repro.weights import ModelMismatchError, load_weights  # noqa: E402
+from mta_repro.cli import run_cli
+from mta_repro.errors import CorruptFileError, UnsafeFileError
+from mta_repro.weights import ModelMismatchError, load_weights
 
 TRAIN = ["experiment=debug", "trainer.steps=1", "logging.wandb_mode=disabled", "logging.progress_bar=false"]
 

@@ -11,9 +11,8 @@ import sys
 from pathlib import Path
 
 import pytest
-
-sys.path.insert(0, str(Path(__file__).parent / "fixtures" / "eval"))
-from eval_helpers import make_run  # noqa: E402
+from eval_helpers import make_run
+from tiny_config import tiny_train
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -102,19 +101,7 @@ def test_nonfinite_numbers_round_trip_in_lists_and_escaped_keys(tmp_path):
 
 
 # ------------------------------------------------------------------ the run dir's records
-TRAIN = [
-    "data.seq_len=32",
-    "data.batch_size=2",
-    "data.shuffle_buffer=4",
-    "trainer.steps=2",
-    "trainer.device=cpu",
-    "trainer.eval_every=0",
-    "checkpoint.every=1",
-    "checkpoint.export=false",
-    "logging.every=1",
-    "logging.wandb_mode=disabled",
-    "logging.progress_bar=false",
-]
+TRAIN = tiny_train("trainer.steps=2", "checkpoint.every=1")
 
 
 def _train(run_dir, *overrides):

@@ -29,12 +29,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from eval_helpers import make_run
 
-sys.path.insert(0, str(Path(__file__).parent / "fixtures" / "eval"))
-from eval_helpers import make_run  # noqa: E402
-
-from mta_repro.errors import CorruptFileError, UnsafeFileError  # noqa: E402
-from mta_repro.weights import find_weights, load_weights  # noqa: E402
+from mta_repro.errors import CorruptFileError, UnsafeFileError
+from mta_repro.weights import find_weights, load_weights
 
 ROOT = Path(__file__).resolve().parents[1]
 PKG = ROOT / "mta_repro"

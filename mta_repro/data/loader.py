@@ -290,7 +290,7 @@ class TrainLoader:
                         continue
         except _WorkerStopped:
             return
-        except BaseException as e:  # handed to the consumer, raised there
+        except BaseException as e:  # noqa: BLE001 - handed to the consumer, raised there
             q.put(e)
 
     def _join(self) -> None:

@@ -57,7 +57,7 @@ class SentencePieceTokenizer:
 
         try:
             self.sp = spm.SentencePieceProcessor(model_file=str(path))
-        except Exception as e:  # sentencepiece raises OSError/RuntimeError on a bad file
+        except (OSError, RuntimeError) as e:  # sentencepiece's for a missing, empty or foreign file
             raise UserError(f"data.tokenizer.path={path}: not a sentencepiece model ({e})") from None
         self.n_words = self.sp.vocab_size()
         self.bos_id, self.eos_id = self.sp.bos_id(), self.sp.eos_id()
@@ -108,7 +108,7 @@ class TikTokenTokenizer:
 
         try:
             ranks = load_tiktoken_bpe(str(path))
-        except Exception as e:
+        except (OSError, ValueError) as e:  # unreadable; a line that is not `base64 rank`
             raise UserError(
                 f"data.tokenizer.path={path}: not a tiktoken BPE ranks file ({type(e).__name__}: {e})"
             ) from None

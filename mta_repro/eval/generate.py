@@ -19,10 +19,13 @@ prints every continuation exactly as generated.
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 from collections.abc import Sequence
 
 from mta_repro.errors import UserError
+
+log = logging.getLogger("mta_repro.eval.generate")  # not __main__ under python -m
 
 
 def parser() -> argparse.ArgumentParser:
@@ -130,17 +133,16 @@ def main(argv: Sequence[str] | None = None) -> int:
             args.device,
             args.dtype,
             not args.no_bos,
-            report=lambda line: print(line, file=sys.stderr),
+            report=log.info,
         )
         for i, (prompt, out) in enumerate(zip(args.prompt, outs)):
             if len(outs) > 1:
                 print(f"=== prompt {i}")
             if out and not out.strip() and not args.raw:
                 print(prompt)
-                print(
+                log.warning(
                     f"generate: prompt {i}: the continuation is whitespace only ({whitespace_summary(out)}); "
-                    "--raw prints it",
-                    file=sys.stderr,
+                    "--raw prints it"
                 )
             else:
                 print(prompt + out)

@@ -161,7 +161,7 @@ def hub_errors(tasks: Sequence[str] = (), what: str | None = None, fix: str | No
     """Re-raise a hub failure inside the block as a one-line UserError (see ``describe``)."""
     try:
         yield
-    except Exception as e:  # noqa: BLE001 - only hub failures are translated
+    except Exception as e:  # re-raised unless describe() knows it for a hub failure
         msg = describe(e, tasks, what, fix)
         if msg is None:
             raise

@@ -271,6 +271,7 @@ def run(cfg: EvalConfig) -> dict:
 def main(argv: Sequence[str] | None = None) -> int:
     from mta_repro.cli import run_cli
 
+    # lm-eval's and datasets' progress, timed; the package's own lines are run_cli's (plain)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     argv = list(sys.argv[1:] if argv is None else argv)

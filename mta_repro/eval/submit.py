@@ -22,6 +22,7 @@ included, are one line each on stderr, exit status 2.
 from __future__ import annotations
 
 import argparse
+import logging
 import shlex
 import sys
 from pathlib import Path
@@ -30,6 +31,8 @@ from string import Template
 from mta_repro.errors import UserError
 from mta_repro.resources import ROOT, SLURM_DIR
 from mta_repro.slurm import memory_lines, sbatch, time_limit
+
+log = logging.getLogger("mta_repro.eval.submit")  # not __main__ under python -m
 
 TEMPLATE = SLURM_DIR / "eval.sbatch"
 PROG = "mta_repro.eval.submit"
@@ -95,10 +98,9 @@ def render(
     if unknown:
         raise UserError(f"tasks: unknown {unknown}; expected some of {list(TASK_NAMES)}")
     if gpus > 0 and str(cfg.device) == "cpu":
-        print(
+        log.warning(
             f"# warning: the job requests {gpus} GPU(s) but the evaluation runs on device=cpu "
-            "(add device=cuda, or --gpus 0)",
-            file=sys.stderr,
+            "(add device=cuda, or --gpus 0)"
         )
     command = " ".join(
         [shlex.quote(python), "-m", "mta_repro.eval", shlex.quote(str(rd)), *map(shlex.quote, overrides)]

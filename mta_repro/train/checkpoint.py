@@ -25,9 +25,9 @@ below come from there).
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
-import sys
 import warnings
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -60,6 +60,8 @@ from mta_repro.weights.safe import (
     dcp_load,
     decode_state,
 )
+
+log = logging.getLogger(__name__)
 
 
 def state_bytes(obj: Any) -> int:
@@ -331,7 +333,7 @@ class CheckpointManager:
             dcp_load(entries, path)
         except UnsafeFileError:
             raise  # refused: not damage, so no fallback to an older file of the same origin
-        except Exception as e:  # noqa: BLE001 - name the checkpoint in the error
+        except Exception as e:  # named in the error raised below
             text = str(e)
             if not any(m in text for m in _MISMATCH):
                 raise CheckpointCorruptError(f"checkpoint {path}: loading failed ({type(e).__name__})") from e
@@ -353,11 +355,7 @@ class CheckpointManager:
         dcp_load(states, path)
         saved = [decode_state(states[rank_key(r)], f"checkpoint {path}: {rank_key(r)}") for r in range(saved_world)]
         if self.rank == 0:
-            print(
-                f"[mta_repro.train] resuming a {saved_world}-rank checkpoint on {self.world_size} ranks",
-                file=sys.stderr,
-                flush=True,
-            )
+            log.info("[mta_repro.train] resuming a %d-rank checkpoint on %d ranks", saved_world, self.world_size)
         torch.manual_seed(hash((state.step, self.rank)) % (2**63))
         state.tokens_seen = saved[0].get("tokens_seen")  # the global count: every rank saved the same
         loader = state.loader

@@ -14,10 +14,10 @@ full tensors before sharding gives bit-identical weights for any world size, whi
 from __future__ import annotations
 
 import datetime
+import logging
 import os
 import re
 import socket
-import sys
 import threading
 import time
 from collections.abc import Callable
@@ -31,6 +31,8 @@ from torch import nn
 from mta_repro.device import launcher_env, resolve_device
 from mta_repro.errors import PeerFailedError, UserError
 from mta_repro.train.args import DistributedArgs
+
+log = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     from mta_repro.model import Transformer
@@ -120,7 +122,7 @@ def _rendezvous(join: Callable[[], None], check: Callable[[str], None], rank: in
         check(where)
         if not noted and time.monotonic() - t0 > RENDEZVOUS_NOTE_S:
             noted = True
-            print(f"[mta_repro.train] rank {rank}: waiting for {where}", file=sys.stderr, flush=True)
+            log.info("[mta_repro.train] rank %s: waiting for %s", rank, where)
     if failed:
         raise failed[0]
 

@@ -21,13 +21,15 @@ warning line.
 
 from __future__ import annotations
 
+import logging
 import os
-import sys
 from pathlib import Path
 
 import torch
 
 from mta_repro.errors import UserError
+
+log = logging.getLogger(__name__)
 
 GB = 1e9
 FULL_ESTIMATE_FRACTION = 0.05  # below this share of the capacity the floor alone is enough
@@ -166,9 +168,8 @@ def check_fits(args, world_size: int, device: torch.device, cap: tuple | None = 
             f"mta_repro.estimate ... --memory{terms}) but {cap_what}: {fix}"
         )
     if need > HEADROOM * have:
-        print(
+        log.warning(
             f"[mta_repro.train] WARNING: this rank needs {need / GB:.2f} GB by the memory pre-flight{terms}, over "
-            f"{HEADROOM:.0%} of the capacity ({cap_what}): the run may run out of memory",
-            file=sys.stderr,
+            f"{HEADROOM:.0%} of the capacity ({cap_what}): the run may run out of memory"
         )
     return est

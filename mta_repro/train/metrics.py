@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import resource
 import sys
@@ -24,6 +25,8 @@ from typing import Any
 import torch
 
 from mta_repro.files import replace_atomically
+
+log = logging.getLogger(__name__)
 
 # Dense (no sparsity) bf16 tensor-core peaks, FLOP/s, from the vendors' datasheets.
 # Longest matching name wins ("H100 PCIe" before "H100").
@@ -159,18 +162,14 @@ def truncate_after(path: Path, step: int) -> None:
         shown = ", ".join(f"line {n}: {why}" for n, why in damaged[:10])
         more = f", and {len(damaged) - 10} more" if len(damaged) > 10 else ""
         numbers = ", ".join(str(n) for n, _ in damaged[:10]) + (", ..." if len(damaged) > 10 else "")
-        print(
+        log.warning(
             f"[mta_repro.train] {path}: kept {len(damaged)} damaged line{'s' if len(damaged) > 1 else ''} as they are "
-            f"(line{'s' if len(damaged) > 1 else ''} {numbers}): {shown}{more}; they are not metric records",
-            file=sys.stderr,
-            flush=True,
+            f"(line{'s' if len(damaged) > 1 else ''} {numbers}): {shown}{more}; they are not metric records"
         )
     if torn is not None:
-        print(
+        log.warning(
             f"[mta_repro.train] {path}: dropped its last line {len(lines)}, cut short by a killed run "
-            f"({len(torn)} bytes: {torn[:60]!r}{'...' if len(torn) > 60 else ''})",
-            file=sys.stderr,
-            flush=True,
+            f"({len(torn)} bytes: {torn[:60]!r}{'...' if len(torn) > 60 else ''})"
         )
     if dropped or torn is not None:
         replace_atomically(path, b"".join(raw + b"\n" for raw in keep))
@@ -248,10 +247,9 @@ class MetricLogger:
             except ImportError:  # an extra (pip install 'mta-repro[wandb]'); metrics.jsonl has every number
                 if logging_args.wandb_mode == "online":
                     raise ImportError("logging.wandb_mode=online needs wandb: pip install 'mta-repro[wandb]'") from None
-                print(
+                log.warning(
                     "wandb is not installed: logging to metrics.jsonl only (pip install 'mta-repro[wandb]', "
-                    "or logging.wandb_mode=disabled to silence this)",
-                    file=sys.stderr,
+                    "or logging.wandb_mode=disabled to silence this)"
                 )
         if wandb is not None:
             id_file = Path(run_dir) / "wandb_id.txt"
@@ -330,12 +328,10 @@ class MetricLogger:
                 import wandb
 
                 wandb.teardown()
-            print(
+            log.warning(
                 f"[mta_repro.train] wandb stopped logging ({type(e).__name__}: {e}; its service process "
                 "is gone, e.g. ended by the job's SIGTERM): metrics.jsonl keeps every number, and the "
-                "next start logs to the same wandb run",
-                file=sys.stderr,
-                flush=True,
+                "next start logs to the same wandb run"
             )
 
 

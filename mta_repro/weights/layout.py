@@ -78,7 +78,7 @@ def saved_world_size(path: Path) -> int | None:
     """The number of ranks that saved a checkpoint (its per-rank ``rank{r}`` entries)."""
     try:
         md = read_dcp_metadata(path)
-    except Exception:  # noqa: BLE001
+    except Exception:  # noqa: BLE001 - unreadable metadata: the world size is unknown (None)
         return None
     ranks = [k for k in md.state_dict_metadata if re.fullmatch(r"rank\d+", k)]
     return len(ranks) or None

@@ -5,7 +5,7 @@ is being read is not damaged: ``load_weights`` reads the newest complete one ins
 from __future__ import annotations
 
 import dataclasses
-import sys
+import logging
 import warnings
 from pathlib import Path
 from typing import Any
@@ -16,6 +16,8 @@ from mta_repro.weights.find import Candidate, find_weights
 from mta_repro.weights.layout import CHECKPOINT_CONFIG, COMPLETE, PROVENANCE
 from mta_repro.weights.lingua import release_state_dict_to_ours
 from mta_repro.weights.safe import dcp_error_line, dcp_load, load_pt, read_dcp_metadata
+
+log = logging.getLogger(__name__)
 
 
 class FallbackWarning(UserWarning):
@@ -89,7 +91,7 @@ def read_weights(candidate: Candidate) -> Weights:
             if not c.path.exists():  # DCP's fallback to per-rank metadata once .metadata vanished
                 raise PrunedError(f"checkpoint {c.path} was removed while it was read") from None
             raise
-        except BaseException as e:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
+        except BaseException as e:  # DCP's CheckpointException is a BaseException
             if isinstance(e, (KeyboardInterrupt, SystemExit)):
                 raise
             if not c.path.exists():
@@ -173,8 +175,9 @@ def read_config(candidate: Candidate) -> dict | None:
 
 
 def notice(msg: str, who: str = "mta_repro") -> None:
-    """One line on stderr (and a ``FallbackWarning`` for callers that catch it)."""
-    print(f"[{who}] WARNING: {' '.join(msg.split())}", file=sys.stderr, flush=True)
+    """One line on stderr through the package's logger (and a ``FallbackWarning`` for callers
+    that catch it)."""
+    log.warning("[%s] WARNING: %s", who, " ".join(msg.split()))
     warnings.warn(msg, FallbackWarning, stacklevel=3)
 
 

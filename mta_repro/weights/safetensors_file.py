@@ -160,5 +160,5 @@ class SafetensorsFile:
         assert st is not None, "SafetensorsFile.tensor outside its with block"
         try:
             return st.get_tensor(name)
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:  # noqa: BLE001 - a file cut or rewritten since its header was read raises many types
             raise _bad(self.path, f"tensor {name!r}: {type(e).__name__}: {str(e).splitlines()[0][:200]}") from None

@@ -24,6 +24,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from tiny_config import tiny_train
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 
@@ -36,21 +37,18 @@ TOL = 1e-5
 def _common(run_dir):
     return [
         f"run_dir={run_dir}",
-        "data.seq_len=32",
-        "data.seed=3",
-        f"trainer.steps={STEPS}",
-        "trainer.device=cpu",
-        f"checkpoint.every={STEPS}",
-        "checkpoint.export=false",
-        "logging.every=1",
-        "logging.wandb_mode=disabled",
-        "logging.progress_bar=false",
-        "optim.lr=3e-3",
-        "optim.warmup=2",
-        # Validation at the last step: 3 batches per domain, so on 2 ranks one rank runs a
-        # padding batch (discarded) and the sums are all-reduced.
-        "trainer.eval_max_batches=3",
-        "trainer.eval_batch_size=2",
+        *tiny_train(
+            "data.seed=3",
+            f"trainer.steps={STEPS}",
+            f"checkpoint.every={STEPS}",
+            "optim.lr=3e-3",
+            "optim.warmup=2",
+            # Validation at the last step: 3 batches per domain, so on 2 ranks one rank runs a
+            # padding batch (discarded) and the sums are all-reduced.
+            "trainer.eval_max_batches=3",
+            "trainer.eval_batch_size=2",
+            omit=("data.batch_size", "data.shuffle_buffer", "trainer.eval_every"),
+        ),
     ]
 
 

@@ -19,6 +19,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from tiny_config import tiny_model_overrides, tiny_train
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 
@@ -26,22 +27,15 @@ ROOT = Path(__file__).resolve().parents[2]
 HERE = Path(__file__).resolve().parent
 TOKENIZER = ROOT / "data" / "tokenizer" / "mini_sp8192.model"
 COMMON = [
-    "data.seq_len=32",
-    "data.batch_size=2",
-    "data.tokenizer.path=tok.model",  # relative: each rank's working directory has its own
-    "trainer.device=cpu",
-    "model.dim=64",  # the smallest model of the tokenizer's 8192 ids: the starts are what is tested
-    "model.n_layers=1",
-    "model.n_heads=2",
-    "model.multiple_of=16",
-    "trainer.eval_every=0",
-    "trainer.loader=crash_loader:build",
-    "checkpoint.every=2",
-    "checkpoint.export=false",
-    "logging.every=1",
-    "logging.wandb_mode=disabled",
-    "logging.progress_bar=false",
-    "optim.warmup=1",
+    *tiny_train(
+        "data.tokenizer.path=tok.model",  # relative: each rank's working directory has its own
+        "trainer.loader=crash_loader:build",
+        "checkpoint.every=2",
+        "optim.warmup=1",
+        omit=("data.shuffle_buffer",),
+    ),
+    # the smallest model of the tokenizer's 8192 ids: the starts are what is tested
+    *tiny_model_overrides(n_layers=1, n_heads=2, multiple_of=16),
 ]
 
 # batch_source's loader; on REFUSE_RANK it refuses to open (as a loader does whose shard

@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from tiny_config import tiny_train
 
 from mta_repro.train.config import compose
 
@@ -21,21 +22,15 @@ pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 ROOT = Path(__file__).resolve().parents[2]
 HERE = Path(__file__).resolve().parent
 TOL = 1e-5
-COMMON = [
-    "data.seq_len=32",
+COMMON = tiny_train(
     "data.seed=3",
     "trainer.steps=6",
-    "trainer.device=cpu",
-    "trainer.eval_every=0",
     "trainer.loader=batch_source:build",
     "checkpoint.every=2",
-    "checkpoint.export=false",
-    "logging.every=1",
-    "logging.wandb_mode=disabled",
-    "logging.progress_bar=false",
     "optim.lr=3e-3",
     "optim.warmup=2",
-]
+    omit=("data.batch_size", "data.shuffle_buffer"),
+)
 
 
 def _losses(run_dir):
