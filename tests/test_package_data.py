@@ -119,21 +119,13 @@ def _escapes(path: Path, pkg: Path = PKG) -> list[str]:
 
 # Reads the source tree's pyproject.toml for the entry points; that read is being removed
 # from the module, and the strict xfail below says when it is gone (then drop both).
-PENDING = "mta_repro/model/attention_ops.py"
-
-
 def _all_escapes() -> list[str]:
     return [hit for p in sorted(PKG.rglob("*.py")) for hit in _escapes(p)]
 
 
 def test_no_runtime_module_finds_the_source_tree_by_its_own_path():
-    hits = [h for h in _all_escapes() if not h.startswith(PENDING + ":")]
+    hits = _all_escapes()
     assert not hits, f"use mta_repro.resources (package data) instead: {hits}"
-
-
-@pytest.mark.xfail(strict=True, reason=f"{PENDING} still reads the source tree's pyproject.toml")
-def test_attention_ops_reads_no_source_tree():
-    assert not [h for h in _all_escapes() if h.startswith(PENDING + ":")]
 
 
 def test_the_check_sees_what_it_looks_for(tmp_path):
