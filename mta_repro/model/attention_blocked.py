@@ -19,8 +19,7 @@ import torch
 import torch.nn.functional as F
 import torch.utils.checkpoint
 
-from mta_repro.kernels.interface import pad_left
-from mta_repro.kernels.interface import AttnMask, ExplicitAttnParams
+from mta_repro.kernels.interface import AttnMask, ExplicitAttnParams, pad_left
 from mta_repro.kernels.tuning import DEFAULT_TUNING, KernelTuning
 from mta_repro.model.attention_math import _WEIGHT_FIELDS, kq_conv_dense, query_history
 

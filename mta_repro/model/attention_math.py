@@ -21,8 +21,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from mta_repro.kernels.interface import pad_left
-from mta_repro.kernels.interface import AttnMask, ExplicitAttnParams
+from mta_repro.kernels.interface import AttnMask, ExplicitAttnParams, pad_left
 
 # The score-path weights of ``ExplicitAttnParams``, in the order the engines pass them.
 _WEIGHT_FIELDS = ("mta_kernel", "wpsm", "mta_kernel_after_sm", "head_kernel", "wposm")

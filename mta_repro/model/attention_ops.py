@@ -14,8 +14,7 @@ Nothing is defined here: replace a function for a test where it is defined (e.g.
 ``attention_blocked.kq_conv_dense``), as the modules call one another by their own names.
 """
 
-from mta_repro.kernels.interface import pad_left
-from mta_repro.kernels.interface import AttnMask, ExplicitAttnParams
+from mta_repro.kernels.interface import AttnMask, ExplicitAttnParams, pad_left
 from mta_repro.model.attention_blocked import (
     DEFAULT_BLOCK_SIZE,
     _compiled_blocks,

@@ -19,7 +19,7 @@ A failing implementation is replaced by its registry entry's ``fallback``
 
 (``blocked+conv2d``: ``blocked`` with ATen's ``F.conv2d`` for the key-query convolutions
 instead of the C/Triton kernel); an implementation registered elsewhere names its own.
-The trainer (``mta_repro.train.loop``) runs this once per process and configuration
+The trainer (``mta_repro.train.attn_selfcheck``) runs this once per process and configuration
 (``model.attn_selfcheck``; the result is cached) and records what ran.
 """
 
