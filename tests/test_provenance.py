@@ -597,8 +597,8 @@ def test_a_run_records_what_it_is_and_an_older_run_resumes_with_the_record(tmp_p
     from omegaconf import OmegaConf
 
     from mta_repro.train.config import compose
-    from mta_repro.train.loop import train
     from mta_repro.train.config_check import diff_configs
+    from mta_repro.train.loop import train
 
     run_dir = tmp_path / "run"
     common = [*RESUME_COMMON, "trainer.steps=2", f"run_dir={run_dir}"]
