@@ -40,11 +40,9 @@ from collections.abc import Iterator
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-
-from mta_repro.data.listing import _natural_key, shard_files  # noqa: E402
-from mta_repro.data.readers import _LineReader  # noqa: E402
-from mta_repro.data.records import DOMAIN_OF_SET, parse_line, record_fields  # noqa: E402
+from mta_repro.data.listing import _natural_key, shard_files
+from mta_repro.data.readers import _LineReader
+from mta_repro.data.records import DOMAIN_OF_SET, parse_line, record_fields
 
 STATE_DIR = ".prepare"
 
