@@ -790,7 +790,7 @@ def test_pipeline_stages_run_in_order_on_the_scheduler(tmp_path):
     stages = (
         "pipeline.stages=[{name:pretrain,experiment:debug,overrides:['attention={variant}'],"
         "eval:['tasks=[ppl]','ppl.max_batches=1','ppl.domains=[book]']},"
-        "{name:long_context,experiment:debug,init_from:pretrain,"
+        "{name:long_context,kind:long_context,experiment:debug,init_from:pretrain,"
         "overrides:['attention={variant}','trainer.steps=3','trainer.eval_every=0']}]"
     )
     args = [
