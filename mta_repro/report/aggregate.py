@@ -349,7 +349,9 @@ def _token_loss(run: RunData) -> float | None:
     ce = [x.get("batch_ce") for x in doms.values() if isinstance(x, dict)]
     tok = [x.get("batch_tokens") for x in doms.values() if isinstance(x, dict)]
     if doms and all(isinstance(c, list) and c for c in ce) and all(isinstance(t, list) and t for t in tok):
-        return float(sum(map(sum, ce)) / sum(map(sum, tok)))
+        nats = sum(float(np.sum(c)) for c in ce)  # type: ignore[arg-type]
+        tokens = sum(float(np.sum(t)) for t in tok)  # type: ignore[arg-type]
+        return nats / tokens
     pairs = [(_num(x.get("loss")), _num(x.get("tokens"))) for x in doms.values() if isinstance(x, dict)]
     if pairs and all(lo is not None and t for lo, t in pairs):
         return float(sum(lo * t for lo, t in pairs) / sum(t for _, t in pairs))  # type: ignore[operator]
@@ -398,7 +400,8 @@ def _avg_ppl_of(sums: list) -> np.ndarray:
 
 
 def _token_loss_of(sums: list) -> np.ndarray:
-    return sum(ce for ce, _ in sums) / sum(tok for _, tok in sums)
+    """Mean nats per token over every domain's (resampled) windows."""
+    return np.sum([ce for ce, _ in sums], axis=0) / np.sum([tok for _, tok in sums], axis=0)
 
 
 class Quantity:
