@@ -374,3 +374,28 @@ def test_named_contrasts_with_interval_n_and_power(tmp_path, capsys):
     labels = [f"--label={d}={d.relative_to(tmp_path)}" for d in runs]
     line = _refused(capsys, [str(d) for d in runs] + labels + ["--contrast", "mta-nope"], tmp_path / "r2")
     assert "contrast mta-nope" in line
+
+
+def test_the_small_studys_contrasts_reach_its_report_job(tmp_path):
+    """configs/pipeline/small_study.yaml names its contrasts; the report job gets each as
+    --contrast; a narrower pipeline.variants drops the ones it no longer runs; a name that
+    is no variant and no point is one error naming the field."""
+    from mta_repro.errors import UserError
+    from mta_repro.pipeline.__main__ import build_plan
+
+    def contrasts(*overrides):
+        plan, _ = build_plan(["pipeline=small_study", f"root={tmp_path}", *overrides])
+        (job,) = [j for j in plan.jobs if j.kind == "report"]
+        cmd = [str(c) for c in job.command]
+        return [cmd[i + 1] for i, c in enumerate(cmd) if c == "--contrast"], plan
+
+    got, plan = contrasts()
+    assert got == ["mta-talking_heads", "mta-baseline", "diff-baseline", "talking_heads-baseline"]
+    assert sorted({j.label.rsplit("/", 1)[-1] for j in plan.jobs if j.kind == "train"}) == [
+        f"seed{k}" for k in range(8)
+    ]
+    assert contrasts("pipeline.variants=[baseline,mta]")[0] == ["mta-baseline"]
+    with pytest.raises(UserError, match=r"pipeline\.contrasts: mta-talking_head names 'talking_head'"):
+        contrasts("pipeline.contrasts=[[mta,talking_head]]")
+    with pytest.raises(UserError, match=r"pipeline\.contrasts\[0\]: expected \[A, B\]"):
+        contrasts("pipeline.contrasts=[[mta,mta]]")
