@@ -399,3 +399,48 @@ def test_the_small_studys_contrasts_reach_its_report_job(tmp_path):
         contrasts("pipeline.contrasts=[[mta,talking_head]]")
     with pytest.raises(UserError, match=r"pipeline\.contrasts\[0\]: expected \[A, B\]"):
         contrasts("pipeline.contrasts=[[mta,mta]]")
+
+
+def test_plots_star_the_tables_loss_draw_paired_differences_and_kernels_minus_identity(tmp_path, monkeypatch):
+    import torch
+
+    from mta_repro.report import plots
+    from mta_repro.report.runs import load_run
+
+    figs = []
+    monkeypatch.setattr(plots, "_save", lambda fig, path: figs.append((path.name, fig)) or path)
+    rng = np.random.default_rng(4)
+    runs, train = [], {}
+    for k in (0, 1, 2):
+        for v in ("baseline", "mta"):
+            w = {n: ([float(x) for x in rng.normal(2.0, 0.3, 6) * 8], [8] * 6) for n in ("book", "github")}
+            d = _run(tmp_path, v, k, 1.0, windows=w)
+            train[v, k] = [float(x) for x in rng.normal(3.0, 0.1, 5)]
+            (d / "metrics.jsonl").write_text(
+                "".join(json.dumps({"step": s + 1, "loss": x}) + "\n" for s, x in enumerate(train[v, k]))
+            )
+            runs.append(d)
+    out = _report(tmp_path, runs)
+    loss_fig = dict(figs)["loss_curves.png"]
+    stars = [ln for ln in loss_fig.axes[0].lines if ln.get_marker() == "*"]
+    rows = _rows(out, "loss_seeds")
+    assert sorted(float(ln.get_ydata()[0]) for ln in stars) == pytest.approx(
+        sorted(rows[f"pretrain/{v}"]["loss (nats/token) (mean)"] for v in ("baseline", "mta")), rel=1e-12
+    )
+    diff_ax = dict(figs)["loss_diff.png"].axes[0]
+    per_seed = [np.array(train["mta", k]) - np.array(train["baseline", k]) for k in (0, 1, 2)]
+    drawn = [np.asarray(ln.get_ydata(), dtype=float) for ln in diff_ax.lines if len(ln.get_ydata()) == 5]
+    for expect in [*per_seed, np.mean(per_seed, axis=0)]:
+        assert any(np.allclose(x, expect, rtol=0, atol=1e-12) for x in drawn)
+    # kernels: the image is the kernel minus the identity init (row -1, centre column)
+    kern = torch.zeros(2, 1, 3, 5)
+    kern[:, :, -1, 2] = 0.9
+    kern[0, 0, 0, 0] = 0.1
+    figs.clear()
+    plots.kernel_plot(load_run(runs[1]), tmp_path / "report", {"layers.1.attention.mta_kernel": kern})
+    ((_, kfig),) = figs
+    img = np.asarray(kfig.axes[0].images[0].get_array())
+    expect = kern[0, 0].numpy().astype(float)
+    expect[-1, 2] -= 1.0
+    assert np.allclose(img, expect, atol=1e-7)
+    assert "minus identity" in kfig._suptitle.get_text()

@@ -7,7 +7,8 @@ mta_repro/report/aggregate.py), <out>/<table>.csv
 and <out>/<table>.tex for each table that has data, <out>/results.json (every run's stage,
 comparability and every table's rows as {header: value}), and PNGs: needle.png,
 babilong.png, loss_curves.png (training loss and any val* loss logged during training),
-kernels_<run>_{pre,post}-softmax.png (MTA runs with weights).
+loss_diff.png (each row's training loss minus its reference's, per seed and mean),
+kernels_<run>_{pre,post}-softmax.png (MTA runs with weights; kernel minus identity).
 
 Paper numbers are the paper's (880M models, 105B tokens; +10.5B at 4K for the finetune;
 1.4B for Appendix I), chosen by each run's stage; a run of another size or fewer steps is
@@ -74,6 +75,7 @@ def build_report(run_dirs, out: Path, kernels: bool = True, labels: dict | None 
         replace_atomically(out / f"{t.name}.csv", t.csv().encode())
         replace_atomically(out / f"{t.name}.tex", t.latex().encode())
     pngs = [plots.needle_plot(runs, out), plots.babilong_plot(runs, out), plots.loss_plot(runs, out)]
+    pngs.append(plots.loss_diff_plot(runs, out))
     if kernels:
         for r in runs:
             if r.variant == "mta":

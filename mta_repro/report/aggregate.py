@@ -338,7 +338,7 @@ def _avg_ppl(run: RunData) -> float | None:
     return _num(_ppl_res(run).get("average"))
 
 
-def _token_loss(run: RunData) -> float | None:
+def token_loss(run: RunData) -> float | None:
     """Mean nats per token over every evaluated token: the eval's ``token_loss``, else the
     sum of its windows' losses over their tokens, else the domains' losses weighted by
     their token counts (files written before the field)."""
@@ -431,7 +431,7 @@ TOKEN_LOSS = Quantity(
     "loss_seeds",
     "Token-weighted validation loss over seeds (mean nats per token over every window)",
     "loss (nats/token)",
-    _token_loss,
+    token_loss,
     _token_loss_of,
     4,
 )
