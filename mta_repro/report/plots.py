@@ -167,7 +167,7 @@ def loss_plot(runs, out: Path) -> Path | None:
     outside the axes: runs, and what the styles are (only those some run has)."""
     from matplotlib.lines import Line2D
 
-    from mta_repro.report.aggregate import token_loss, group_runs
+    from mta_repro.report.aggregate import group_runs, token_loss
 
     have = [r for r in runs if r.metrics]
     if not have:
