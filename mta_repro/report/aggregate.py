@@ -536,7 +536,8 @@ def _sampling_note(runs) -> str | None:
     if "random" in sampling:
         parts.append("windows drawn at random, seeded (settings.window_seed)")
     if False in docs:
-        parts.append("documents unknown (no batch_doc) for some runs: each window is its own block")
+        who = "every run" if docs == {False} else "some runs"
+        parts.append(f"documents unknown (no batch_doc) for {who}: each window is its own block")
     return "; ".join(parts) + "." if parts else None
 
 
@@ -659,7 +660,7 @@ def quantity_seed_table(runs, q: Quantity) -> Table | None:
     headers = ["run", "model", *SEED_HEADERS]
     headers[5] = f"{q.label} (mean)"
     headers[7] = f"Δ {q.label} vs reference"
-    t = Table(q.key, q.title, headers, rows, _seed_notes(q, family, "its reference row", runs))
+    t = Table(q.key, q.title, headers, rows, _seed_notes(q, family, "its reference row", runs), digits=q.digits)
     t.provenance = {g: {"seed": group_seeds(all_groups[g])} for g in groups}
     return t
 
@@ -688,7 +689,9 @@ def _seed_notes(q: Quantity, family: int, family_of: str, runs) -> list:
         "shares); SE eval windows: the bootstrap SD of the mean difference over resamples of the evaluation "
         "set's document blocks (seeds fixed); two-level: percentile interval of a bootstrap that resamples "
         f"the seeds, then each domain's document blocks ({stats.BOOT_DRAWS} resamples, generator seed "
-        f"{stats.BOOT_SEED}; the same blocks for every seed that shares the evaluation windows).",
+        f"{stats.BOOT_SEED}; the same blocks for every seed that shares the evaluation windows). With few "
+        "seeds it is narrower than the t-interval (n seeds give few distinct resamples and no t quantile): "
+        f"it shows what the evaluation set adds, while '{EXCLUDES}' and Holm are on the t-interval.",
         "seeds for 80% power: the fewest seeds at which a two-sided paired t-test (level 0.05) detects the "
         "observed mean difference at the observed paired SD with 80% power (SciPy's noncentral t, exact).",
     ]
@@ -727,7 +730,7 @@ def contrast_table(runs, contrasts, quantities=None) -> Table | None:
         "B over the seeds both rows have (n, df = n - 1); avg ppl is the paper's average (mean of per-domain "
         "perplexities), loss the token-weighted mean nats per token.",
     ]
-    t = Table("contrasts", "Named contrasts over seeds, with paired 95% intervals", headers, rows, notes)
+    t = Table("contrasts", "Named contrasts over seeds, with paired 95% intervals", headers, rows, notes, digits=4)
     return t
 
 
