@@ -1,5 +1,5 @@
-"""What a row over seeds counts, on fabricated run dirs with known answers (issue #64's
-cases 2-4 on the report side, issue #65's statistics): a copied run dir and a seed
+"""What a row over seeds counts, on fabricated run dirs with known answers (a copied run
+dir, a missing result, seeds paired across runs, and the statistics): a copied run dir and a seed
 mislabelled are refused (rc 2, nothing written); a run without a result is named and
 left out of the mean and of the interval; differences pair only common seeds; a multirun
 seeds axis is one row without --label; the evaluation set's standard error with documents
@@ -83,7 +83,7 @@ def _refused(capsys, argv, out: Path) -> str:
 
 
 def test_a_copied_run_dir_is_refused_not_counted_as_another_seed(tmp_path, capsys):
-    """Issue #64 case 2: cp -a seed0 seed2 used to say 't over 3 paired seeds'."""
+    """cp -a seed0 seed2 used to say 't over 3 paired seeds'."""
     runs = [_run(tmp_path, v, k, 10.0 + k + (v == "mta")) for v in ("baseline", "mta") for k in (0, 1)]
     copy = tmp_path / "pretrain/mta/seed2"
     shutil.copytree(runs[2], copy)
@@ -100,7 +100,7 @@ def test_a_run_whose_recorded_seed_is_not_its_labels_is_refused(tmp_path, capsys
 
 
 def test_a_run_without_a_result_is_named_and_left_out_of_mean_and_interval(tmp_path):
-    """Issue #64 case 3: a deleted ppl.json or a null average left 'seeds 0,1' in the row
+    """A deleted ppl.json or a null average left 'seeds 0,1' in the row
     while the mean was the other seed's, and a one-seed bootstrap paired another seed."""
     base = {0: 10.0, 1: 11.0, 2: 10.5}
     mta = {0: 9.0, 1: 9.7, 2: 9.6}
@@ -123,7 +123,7 @@ def test_a_run_without_a_result_is_named_and_left_out_of_mean_and_interval(tmp_p
 
 
 def test_differences_pair_only_the_seeds_both_rows_have(tmp_path):
-    """Issue #64 case 4: MTA {0,1,2} against a baseline at {0,1}; MTA {1} against {0}."""
+    """MTA {0,1,2} against a baseline at {0,1}; MTA {1} against {0}."""
     base = {0: 10.0, 1: 11.0}
     mta = {0: 9.0, 1: 10.6, 2: 4.0}
     runs = [_run(tmp_path, "baseline", k, v) for k, v in base.items()]

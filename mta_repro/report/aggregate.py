@@ -1,30 +1,22 @@
 """Tables over seeds: what a difference between two variants (or sweep points) supports.
 
-Rows. Runs are grouped by their label without the ``/seed<k>`` of a seeded pipeline
-(``pretrain/mta/seed0`` and ``pretrain/mta/seed1`` are one row, ``pretrain/mta``), or,
-for runs without such a label (a Hydra multirun seeds axis,
-``'seed=0,1' 'run_dir=runs/x/seed${seed}'``), by their recorded config with the seed and
-run_dir taken out: runs equal in everything else are one row (``check_runs`` refuses two
-runs with one run id, and a run whose recorded seed is not its label's). A run of a row
-without a result for a table's quantity (a missing ``eval/ppl.json``, a null average) is
-named in the row's "no result" column and left out of its mean and its intervals.
+Rows: runs labelled ``<group>/seed<k>`` (a seeded pipeline's) are one row; runs without
+such a label (a Hydra multirun seeds axis, ``'seed=0,1' 'run_dir=runs/x/seed${seed}'``)
+whose recorded configs are equal but for the seed and run_dir are one row.
+``check_runs`` refuses two runs with one run id and a run whose recorded seed is not its
+label's. A run without a result for a table's quantity (no ``eval/ppl.json``, a null
+average) is named in the row's "no result" column and left out of its mean and intervals.
 
-Comparisons. Each row is compared with its stage's reference row (the baseline, else
-the stage's first row, a sweep's reference point), and the named contrasts
-(``--contrast mta-talking_heads``) each get a row of their own:
-- two seeds or more in common: the mean of the seed-paired differences over the seeds
-  both rows have (only those; the row says which, and n), a t-interval with n - 1
-  degrees of freedom, its p-value and Holm's adjustment over the table's comparisons
-  (the family: said in the table's notes), the seeds a paired t-test would need for 80%
-  power at the observed effect and paired SD; for perplexity and the token-weighted
-  loss also the evaluation set's own standard error beside the seeds' one and a
-  two-level bootstrap interval (resample seeds, then document blocks within each domain);
-- one seed in common: a paired bootstrap over the evaluation windows (perplexity,
-  stratified by domain, documents as blocks) or distinct prompts (needle), labelled so:
-  it says how large a difference this evaluation set resolves, not what another seed
-  would give; never two different seeds paired;
-- a difference of zero variance (every paired difference equal, or every resample):
-  "undefined", not a zero-width interval.
+Comparisons (each row against its stage's reference row: the baseline, else the first
+point; and each named contrast, ``--contrast mta-talking_heads``):
+- two seeds or more in common: the seed-paired differences over the seeds both rows have
+  (the row says which, and n), a t-interval with n - 1 df, Holm's adjustment over the
+  table's comparisons, the seeds 80% power needs; for perplexity and the token-weighted
+  loss also the evaluation set's standard error beside the seeds' and a two-level
+  bootstrap (resample seeds, then document blocks within each domain);
+- one seed in common: a paired bootstrap over that seed's evaluation windows or distinct
+  needle prompts, labelled so; never two different seeds paired;
+- zero variance (every paired difference equal): "undefined", not a zero-width interval.
 Accuracies carry a Wilson interval over distinct prompts (benchmarks: lm-eval's stderr
 where it reported one). ``stats`` holds the formulas.
 """
