@@ -67,6 +67,13 @@ REPO = CONFIG_DIR.parent
 #   a stage's init_from: import:<name> starts from that file, and its check_first_loss
 #   checks the insertion against it (docs/llama3.md).
 # - report (default true): write the report of every evaluated run to <root>/report.
+# - contrasts: the comparisons the study is about, named before its results are seen, e.g.
+#   [[mta, talking_heads], [mta, baseline]]: each [A, B] (variants or sweep points the plan
+#   runs; one whose variant a narrower pipeline.variants leaves out is left out) becomes
+#   the report's `--contrast A-B`, tabled as A minus B over the seeds both
+#   have, with its interval, n, Holm adjustment over the contrasts and the seeds 80% power
+#   needs (mta_repro/report/aggregate.py). null (default): none beyond each row's
+#   difference from its reference.
 # - appendix_i_tol: the largest first-loss difference, in nats, the check accepts (1e-4).
 # - slurm: resources of the evaluation, check and report jobs (training jobs take
 #   their experiment's); its partition, account, qos and constraint go to every job.
@@ -95,6 +102,7 @@ PIPELINE_KEYS = {
     "slurm",
     "imports",
     "seeds",
+    "contrasts",
 }
 IMPORT_PREFIX = "import:"  # init_from: import:<name> = the imports entry <name>
 CONTINUE_LOADER = "mta_repro.pipeline.data:build_continued_loader"
@@ -121,6 +129,26 @@ def _seeds(node, where: str) -> list | None:
         out.append(int(x))
     if len(set(out)) != len(out):
         raise UserError(f"{where}: {out} names a seed twice; each seed is one run")
+    return out
+
+
+def _contrasts(node) -> list:
+    """A ``contrasts`` field: None, or a list of [A, B] pairs of distinct names (no "-":
+    the report's ``--contrast A-B``)."""
+    if node is None:
+        return []
+    if not isinstance(node, (list, tuple, ListConfig)):
+        raise UserError(f"pipeline.contrasts: expected a list of [A, B] pairs or null, got {node!r}")
+    out = []
+    for i, pair in enumerate(node):
+        ok = isinstance(pair, (list, tuple, ListConfig)) and len(pair) == 2
+        names = [str(x) for x in pair] if ok else []
+        if not ok or names[0] == names[1] or any(not n or "-" in n for n in names):
+            raise UserError(
+                f"pipeline.contrasts[{i}]: expected [A, B], two different variant or point names without '-' "
+                f"(e.g. [mta, talking_heads]), got {pair!r}"
+            )
+        out.append((names[0], names[1]))
     return out
 
 
@@ -287,6 +315,7 @@ class Plan:
         if not s.get("stages"):
             raise UserError("pipeline.stages: empty; expected a list of stages")
         _seeds(s.get("seeds"), "pipeline.seeds")
+        _contrasts(s.get("contrasts"))
         imports = self._imports()
         names = []
         for i, st in enumerate(s.stages):
@@ -486,6 +515,16 @@ class Plan:
             cmd = [self.python, "-m", "mta_repro.report", *[str(d) for _, d in runs], "--out", str(out)]
             for label, d in runs:
                 cmd += ["--label", f"{d}={label}"]
+            ran = {label.split("/")[1] for label in self.train_dirs if "/" in label}
+            for a, b in _contrasts(s.get("contrasts")):
+                unknown = [n for n in (a, b) if n not in ran and n not in VARIANTS]
+                if unknown:
+                    raise UserError(
+                        f"pipeline.contrasts: {a}-{b} names {unknown[0]!r}, which is no variant and no point "
+                        f"this plan runs; expected any of {sorted(ran | set(VARIANTS))}"
+                    )
+                if a in ran and b in ran:  # a variant left out (pipeline.variants=[...]): its contrasts too
+                    cmd += ["--contrast", f"{a}-{b}"]
             self.jobs.append(
                 Job(
                     "report",

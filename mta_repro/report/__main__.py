@@ -1,12 +1,14 @@
 """``python -m mta_repro.report <run_dir>... --out <dir> [--label DIR=NAME ...]``: tables and plots.
 
 Writes <out>/report.md (every table with its notes and provenance block, links to the
-plots; runs labelled ``.../seed<k>`` are also tabled over their seeds with paired 95%
-intervals, mta_repro/report/aggregate.py), <out>/<table>.csv
+plots; runs labelled ``.../seed<k>``, or a multirun's runs equal in all but the seed, are
+also tabled over their seeds with paired 95% intervals, and each ``--contrast A-B``,
+mta_repro/report/aggregate.py), <out>/<table>.csv
 and <out>/<table>.tex for each table that has data, <out>/results.json (every run's stage,
 comparability and every table's rows as {header: value}), and PNGs: needle.png,
 babilong.png, loss_curves.png (training loss and any val* loss logged during training),
-kernels_<run>_{pre,post}-softmax.png (MTA runs with weights).
+loss_diff.png (each row's training loss minus its reference's, per seed and mean),
+kernels_<run>_{pre,post}-softmax.png (MTA runs with weights; kernel minus identity).
 
 Paper numbers are the paper's (880M models, 105B tokens; +10.5B at 4K for the finetune;
 1.4B for Appendix I), chosen by each run's stage; a run of another size or fewer steps is
@@ -24,7 +26,14 @@ from mta_repro.cli import honour_ctrl_c
 from mta_repro.errors import UserError
 from mta_repro.files import replace_atomically
 from mta_repro.report import plots
-from mta_repro.report.aggregate import add_seed_provenance, seed_tables
+from mta_repro.report.aggregate import (
+    add_seed_provenance,
+    check_runs,
+    contrast_pairs,
+    group_runs,
+    parse_contrast,
+    seed_tables,
+)
 from mta_repro.report.paper import VARIANT_LABELS
 from mta_repro.report.runs import eval_command, load_run
 from mta_repro.report.tables import STAGE_LABELS, all_tables, comparability
@@ -41,7 +50,11 @@ def parse_labels(items) -> dict:
     return out
 
 
-def build_report(run_dirs, out: Path, kernels: bool = True, labels: dict | None = None) -> Path:
+def build_report(run_dirs, out: Path, kernels: bool = True, labels: dict | None = None, contrasts=()) -> Path:
+    """Write the report of ``run_dirs`` to ``out``; ``contrasts``: [(A, B)] or ["A-B"], the
+    named contrasts (variants or rows) tabled with their intervals. Every refusal comes
+    before anything is written."""
+    contrasts = [parse_contrast(c) if isinstance(c, str) else tuple(c) for c in contrasts or ()]
     labels = {str(Path(k).resolve()): v for k, v in (labels or {}).items()}
     unknown = set(labels) - {str(Path(p).resolve()) for p in run_dirs}
     if unknown:
@@ -51,14 +64,18 @@ def build_report(run_dirs, out: Path, kernels: bool = True, labels: dict | None 
     for r in runs:  # same basename in different parents: use parent/name
         if names.count(r.label) > 1 and str(r.path.resolve()) not in labels:
             r.label = f"{r.path.parent.name}_{r.path.name}"
+    check_runs(runs)  # a run counted twice or under another seed: refused, nothing written
+    if contrasts:
+        contrast_pairs(group_runs(runs), contrasts)
     out.mkdir(parents=True, exist_ok=True)
     tables = all_tables(runs)
     add_seed_provenance(tables, runs)
-    tables += seed_tables(runs)
+    tables += seed_tables(runs, contrasts)
     for t in tables:  # every file whole or absent (the pipeline reads results.json)
         replace_atomically(out / f"{t.name}.csv", t.csv().encode())
         replace_atomically(out / f"{t.name}.tex", t.latex().encode())
     pngs = [plots.needle_plot(runs, out), plots.babilong_plot(runs, out), plots.loss_plot(runs, out)]
+    pngs.append(plots.loss_diff_plot(runs, out))
     if kernels:
         for r in runs:
             if r.variant == "mta":
@@ -136,12 +153,22 @@ def main(argv=None) -> int:
         metavar="DIR=NAME",
         help="row label for a run directory (repeatable; default: the directory's name)",
     )
+    ap.add_argument(
+        "--contrast",
+        action="append",
+        default=[],
+        metavar="A-B",
+        help="a named contrast, A minus B (variant or row names, e.g. mta-talking_heads; repeatable): "
+        "tabled over seeds with its interval, n, Holm adjustment and the seeds 80%% power needs",
+    )
     ap.add_argument("--no-kernels", action="store_true", help="skip loading weights for the kernel plots")
     args = ap.parse_args(argv)
     honour_ctrl_c()
     out = Path(args.out) if args.out else Path(args.run_dirs[0]) / "report"
     try:
-        path = build_report(args.run_dirs, out, kernels=not args.no_kernels, labels=parse_labels(args.label))
+        path = build_report(
+            args.run_dirs, out, kernels=not args.no_kernels, labels=parse_labels(args.label), contrasts=args.contrast
+        )
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

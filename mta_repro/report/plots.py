@@ -161,12 +161,13 @@ def loss_plot(runs, out: Path) -> Path | None:
     """One colour per run, or per group of seeds (``pretrain/mta/seed0..2``: their mean,
     with a band from the lowest to the highest seed); line style says what: training
     loss (solid), the validation logged during training (dashed,
-    trainer.eval_max_batches), the evaluation's ppl (star, eval/ppl.json: its own window
-    and batch count, usually more batches; a group's mean over seeds). Two small legends
+    trainer.eval_max_batches), the evaluation's token-weighted loss (star: the loss_seeds
+    table's quantity, mean nats per token over eval/ppl.json's windows; a group's mean
+    over seeds). Two small legends
     outside the axes: runs, and what the styles are (only those some run has)."""
     from matplotlib.lines import Line2D
 
-    from mta_repro.report.aggregate import group_runs
+    from mta_repro.report.aggregate import group_runs, token_loss
 
     have = [r for r in runs if r.metrics]
     if not have:
@@ -196,11 +197,10 @@ def loss_plot(runs, out: Path) -> Path | None:
                     drew_val = True
         evals = []
         for r, pts in zip(members, trains):
-            ppl = _res(r, "ppl")
-            if ppl:  # the eval's validation loss (mean over domains) at the evaluated step
+            loss = token_loss(r)
+            if loss is not None:  # the loss_seeds table's quantity: mean nats per token, every window
                 step = r.evals["ppl"].get("step") or (pts[-1][0] if pts else 0)
-                losses = [d["loss"] for d in ppl["domains"].values()]
-                evals.append((step, sum(losses) / len(losses)))
+                evals.append((step, loss))
         if evals:
             ax.plot(
                 [max(s for s, _ in evals)],
@@ -239,7 +239,8 @@ def loss_plot(runs, out: Path) -> Path | None:
                 marker="*",
                 ms=10,
                 ls="none",
-                label="evaluation ppl (eval/ppl.json)" + (f"\n({eval_size})" if eval_size else ""),
+                label="evaluation: token-weighted loss\n(loss_seeds table; mean over seeds)"
+                + (f"\n({eval_size})" if eval_size else ""),
             )
         )
     ax.set(xlabel="step", ylabel="loss (nats/token)", title="Training and validation loss")
@@ -259,6 +260,45 @@ def loss_plot(runs, out: Path) -> Path | None:
     return _save(fig, out / "loss_curves.png")
 
 
+def loss_diff_plot(runs, out: Path) -> Path | None:
+    """Training loss of each row minus its reference row's (the baseline, as the tables),
+    seed by seed on the steps both logged: one thin line per seed, the mean over the seeds
+    both rows have thick; the seeds' min-max bands of the loss plot overlap where the
+    paired differences do not."""
+    from mta_repro.report.aggregate import group_runs, reference_of
+
+    groups = group_runs([r for r in runs if r.metrics])
+    refs = reference_of(groups) if groups else {}
+    curves = []
+    for g, seeds in groups.items():
+        ref = groups[refs[g]]
+        if refs[g] == g:
+            continue
+        per_seed = []
+        for s in sorted(set(seeds) & set(ref), key=lambda k: (k is None, k or 0)):
+            a, b = dict(loss_series(seeds[s]).get("train", [])), dict(loss_series(ref[s]).get("train", []))
+            steps = sorted(set(a) & set(b))
+            if steps:
+                per_seed.append((s, steps, [a[t] - b[t] for t in steps]))
+        if per_seed:
+            curves.append((g, refs[g], per_seed))
+    if not curves:
+        return None
+    fig, ax = plt.subplots(figsize=(9, 4.2))
+    for color, (g, ref_g, per_seed) in zip(palette(len(curves)), curves):
+        for _, steps, d in per_seed:
+            ax.plot(steps, d, color=color, lw=0.6, alpha=0.45)
+        common = sorted(set.intersection(*[set(steps) for _, steps, _ in per_seed]))
+        mean = [sum(dict(zip(steps, d))[t] for _, steps, d in per_seed) / len(per_seed) for t in common]
+        ax.plot(common, mean, color=color, lw=2.0, label=f"{g} - {ref_g} ({len(per_seed)} seeds: thin; mean: thick)")
+    ax.axhline(0.0, color="0.4", lw=0.8)
+    ax.set(xlabel="step", ylabel="Δ training loss (nats/token)", title="Training loss minus the reference, per seed")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)
+    fig.tight_layout()
+    return _save(fig, out / "loss_diff.png")
+
+
 def load_kernels(run: RunData) -> dict:
     """{param name: tensor} of the MTA key-query kernels (H, 1, c_q, c_k) of a run."""
     from mta_repro.eval.load import load_model
@@ -272,8 +312,15 @@ def load_kernels(run: RunData) -> dict:
 
 
 def kernel_plot(run: RunData, out: Path, kernels: dict | None = None) -> list:
-    """Figure 4 style: one small image per (layer, head), for each kernel kind."""
+    """Figure 4 style: one small image per (layer, head), for each kernel kind, as the
+    kernel minus the identity it starts from (``identity_kq_kernel``: 1 at the current
+    query row and the offset-0 key): on the kernel's own scale the peak of ~1 hides
+    off-identity weights of ~0.1, which are what training learned."""
+    from mta_repro.model.attention_math import identity_kq_kernel
+
     kernels = kernels if kernels is not None else load_kernels(run)
+    mta_cfg = (((run.config or {}).get("model") or {}).get("mta") or {}) if isinstance(run.config, dict) else {}
+    pad_key = str(mta_cfg.get("pad_key") or "both")
     paths = []
     for kind, suffix in (("mta_kernel", "pre-softmax"), ("mta_kernel_after_sm", "post-softmax")):
         ks = sorted(
@@ -282,6 +329,8 @@ def kernel_plot(run: RunData, out: Path, kernels: dict | None = None) -> list:
         if not ks:
             continue
         n_heads, _, c_q, c_k = ks[0][1].shape
+        ident = identity_kq_kernel(n_heads, c_q, c_k, pad_key)  # (H, 1, c_q, c_k)
+        ks = [(layer, k - ident) for layer, k in ks]
         cell = 1.6  # inches per kernel image, wide side
         fig, axes = plt.subplots(
             len(ks),
@@ -302,8 +351,8 @@ def kernel_plot(run: RunData, out: Path, kernels: dict | None = None) -> list:
                 if h == 0:
                     ax.set_ylabel(f"layer {layer}", fontsize=8)
         fig.suptitle(
-            f"{run.label}: learned {suffix} key-query kernels\n"
-            f"(each {c_q}x{c_k}: rows = query offset -{c_q - 1}..0, columns = key offset)",
+            f"{run.label}: learned {suffix} key-query kernels minus identity\n"
+            f"(kernel - identity init; each {c_q}x{c_k}: rows = query offset -{c_q - 1}..0, columns = key offset)",
             fontsize=9,
         )
         fig.subplots_adjust(top=1 - 0.9 / fig.get_figheight(), right=0.85, hspace=0.35, wspace=0.1)

@@ -19,12 +19,13 @@ class Table:
     # What each row's numbers came from: {run label: {"checkpoint", ..., "comparable"}}
     # (``add_provenance``), rendered as a block under the table.
     provenance: dict = field(default_factory=dict)
+    digits: int = 2  # decimals of a float cell (a loss in nats needs 4)
 
     def cell(self, v, blank="—") -> str:
         if v is None:
             return blank
         if isinstance(v, float):
-            return f"{v:.2f}"
+            return f"{v:.{self.digits}f}"
         return str(v)
 
     def markdown(self) -> str:

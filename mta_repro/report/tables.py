@@ -87,7 +87,8 @@ def _model(run: RunData) -> str | None:
 
 def baseline_of(run: RunData, runs) -> RunData | None:
     """The baseline run of the same stage and model shape: the one of the same seed where
-    the labels name seeds (``.../seed<k>``), else the first one given."""
+    the labels name seeds (``.../seed<k>``; None when that seed has none), else the first
+    one given."""
     group = STAGE_GROUP.get(run.stage, run.stage)
     same = [
         r
@@ -95,8 +96,11 @@ def baseline_of(run: RunData, runs) -> RunData | None:
         if r.variant == "baseline" and STAGE_GROUP.get(r.stage, r.stage) == group and r.shape == run.shape
     ]
     seed = run.label.rsplit("/", 1)[-1] if "/seed" in run.label else None
-    paired = [r for r in same if seed is not None and r.label.rsplit("/", 1)[-1] == seed]
-    return (paired or same or [None])[0]
+    if seed is not None and any("/seed" in r.label for r in same):
+        # seeds named: only the same seed's baseline; none at that seed, no difference
+        # (another seed's baseline would put the seeds' own spread into the Δ)
+        return next((r for r in same if r.label.rsplit("/", 1)[-1] == seed), None)
+    return (same or [None])[0]
 
 
 def _diff(a, b):
