@@ -72,7 +72,8 @@ def multi_token_attention(
 
     Weights (None switches the part off; any float dtype, cast to q's; in brackets the
     release's parameter name, which ``MultiTokenAttention`` keeps and which this function
-    still takes, deprecated, with a DeprecationWarning):
+    still takes, deprecated, with a DeprecationWarning, throughout 0.1.x; version 0.2.0
+    (``RELEASE_NAMES_REMOVED_IN``) removes these keywords):
 
     - kq_kernel (H, 1, c_q, c_k) [mta_kernel]: key-query convolution before softmax; query
       rows look back only (row i reads rows i-c_q+1..i); the key window per ``pad_key``:
@@ -184,7 +185,10 @@ def query_history(
     )
 
 
-# The release's parameter names, still taken as keywords (deprecated): {old: new}.
+# The release's parameter names, still taken as keywords (deprecated): {old: new}. They stay
+# for 0.1.x with their warning and go in this version (tests/test_mta_op.py fails once the
+# package's version reaches it while they are still taken).
+RELEASE_NAMES_REMOVED_IN = "0.2.0"
 RELEASE_NAMES = {
     "mta_kernel": "kq_kernel",
     "wpsm": "pre_softmax_head_mixing",
@@ -205,7 +209,11 @@ def _renamed(where: str, given: dict, release_names: dict) -> dict:
             raise TypeError(f"{where}() got an unexpected keyword argument {old!r}")
         if out[new] is not None:
             raise UserError(f"{where}: {old} and {new} are one weight (the release's name and this one); pass {new}")
-        warnings.warn(f"{where}: {old}= is deprecated, pass {new}= instead", DeprecationWarning, stacklevel=3)
+        warnings.warn(
+            f"{where}: {old}= is deprecated (removed in {RELEASE_NAMES_REMOVED_IN}), pass {new}= instead",
+            DeprecationWarning,
+            stacklevel=3,
+        )
         out[new] = value
     return out
 

@@ -20,7 +20,6 @@ from mta_repro.eval.benchmarks import BENCH_METRIC, BENCH_TASKS, LOCAL_SUFFIX, c
 from mta_repro.report import paper
 from mta_repro.report.render import Table
 from mta_repro.report.runs import RunData, _cfg_get, _res, _results
-from mta_repro.report.runs import load_run as load_run  # its older home, still imported from here
 
 BENCH_ORDER = list(BENCH_TASKS)
 # Old task names of this project -> lm-eval 0.4.x names.
