@@ -671,12 +671,6 @@ def add_provenance(table: Table, runs) -> None:
             f"{MARK.strip()}: not comparable with the rows beside it, or evaluated before its run's "
             "newest checkpoint; the provenance block under the table says why."
         )
-    if any(not by_label[label].stage_recorded for label in labels):
-        table.notes.append(
-            "stage (inferred): the run recorded no run.stage (started by hand without it, or before "
-            "runs recorded it); its stage was inferred from its config: a source and a longer context "
-            "or another RoPE theta is the 4K finetune (docs/evaluation.md)."
-        )
     if any("accepted changes" in p for p in table.provenance.values()):
         table.notes.append(
             "Some runs went on after an input changed (accepted with an override): see "
