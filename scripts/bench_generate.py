@@ -27,7 +27,7 @@ NEVER = "\x00never\x00"  # a stop string no prompt here makes the model produce
 
 @torch.no_grad()
 def generate_old(model, prompts, max_new_tokens, *, stop_fn, pad_id=0):
-    """The loop before issue 68 (greedy, no eos), kept as the reference."""
+    """The loop as it was before one host copy per step (greedy, no eos), kept as the reference."""
     device = next(model.parameters()).device
     bsz, longest = len(prompts), max(len(p) for p in prompts)
     tokens = torch.full((bsz, longest), pad_id, dtype=torch.long, device=device)
