@@ -14,12 +14,12 @@ from __future__ import annotations
 import warnings
 
 import torch
-import torch.nn.functional as F
 
 from mta_repro.errors import UserError
 from mta_repro.kernels.interface import AttnMask, ExplicitAttnParams
 from mta_repro.kernels.tuning import DEFAULT_TUNING, KernelTuning
 from mta_repro.model import attention_ops
+from mta_repro.model.mta_layer import explicit_params, output_tail
 from mta_repro.model.transformer import release_depth_scale, repeat_kv
 
 PAD_KEYS = ("both", "left", "right")
@@ -148,12 +148,9 @@ def multi_token_attention(
         # The sum of an empty q is exactly 0; adding it keeps the result in q's graph.
         out = q.new_zeros((B, H, 0, dv)) + q.sum()
     else:
-        params = ExplicitAttnParams(
-            mta_kernel=weights["kq_kernel"],
-            wpsm=weights["pre_softmax_head_mixing"],
-            mta_kernel_after_sm=weights["kq_kernel_after_softmax"],
-            head_kernel=weights["head_kernel"],
-            wposm=weights["post_softmax_head_mixing"],
+        release = {new: old for old, new in RELEASE_NAMES.items()}
+        params = explicit_params(
+            {release.get(name, name): w for name, w in weights.items()},
             pad_key=pad_key,
             dropout=dropout_p,
             block_size=attn_block_size,
@@ -161,14 +158,9 @@ def multi_token_attention(
         )
         attn_impl, params = _checked_impl(attn_impl, q, params, selfcheck)
         out = attention_ops.explicit_attention(attn_impl, q, k, v, params, mask, training=dropout_p > 0.0)
-    if subln_weight is not None:
-        out = attention_ops.rms_norm(out, subln_weight.to(out.dtype), eps)
-        if layer_norm_rescale:
-            out = out * release_depth_scale(layer_id, fp64=out.dtype == torch.float64)
-    if gate_weight is not None:
-        bias = None if gate_bias is None else gate_bias.to(out.dtype)
-        out = out * torch.sigmoid(F.linear(out, gate_weight.to(out.dtype), bias))
-    return out
+    cast = lambda t: None if t is None else t.to(out.dtype)  # noqa: E731
+    scale = release_depth_scale(layer_id, fp64=out.dtype == torch.float64) if layer_norm_rescale else 1.0
+    return output_tail(out, cast(subln_weight), eps, scale, cast(gate_weight), cast(gate_bias))
 
 
 def query_history(
@@ -181,7 +173,7 @@ def query_history(
     given = dict(kq_kernel=kq_kernel, kq_kernel_after_softmax=kq_kernel_after_softmax)
     w = _renamed("query_history", given, release_names)
     return attention_ops.query_history(
-        ExplicitAttnParams(mta_kernel=w["kq_kernel"], mta_kernel_after_sm=w["kq_kernel_after_softmax"])
+        explicit_params({"mta_kernel": w["kq_kernel"], "mta_kernel_after_sm": w["kq_kernel_after_softmax"]})
     )
 
 
