@@ -147,7 +147,7 @@ def check(device: str, dtype_name: str, seq: int, impls: list[str], tuning=None)
         p64 = layer_params(
             layer, H, (6, 11), torch.float64, dev, 128, requires_grad=True, mixing="identity", tuning=tuning
         )
-        fields = [f for f in attention_ops._WEIGHT_FIELDS if getattr(p64, f) is not None]
+        fields = [f for f in attention_ops.WEIGHT_FIELDS if getattr(p64, f) is not None]
 
         def run(impl, dt):
             q, k, v = (x.detach().to(dev, dt).requires_grad_() for x in base)

@@ -171,7 +171,7 @@ def parity(dev, s, impls, dtypes) -> list[dict]:
         base = [torch.randn(1, H, T, D, generator=g, dtype=torch.float64) for _ in range(3)]
         gy = torch.randn(1, H, T, D, generator=g, dtype=torch.float64)
         p64 = layer_params(layer, H, s["kernel"], torch.float64, dev, 128)
-        fields = [f for f in attention_ops._WEIGHT_FIELDS if getattr(p64, f) is not None]
+        fields = [f for f in attention_ops.WEIGHT_FIELDS if getattr(p64, f) is not None]
 
         def run(impl, dtype):
             q, k, v = (x.detach().to(dev, dtype).clone().requires_grad_() for x in base)

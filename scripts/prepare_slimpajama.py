@@ -40,8 +40,8 @@ from collections.abc import Iterator
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from pathlib import Path
 
-from mta_repro.data.listing import _natural_key, shard_files
-from mta_repro.data.readers import _LineReader
+from mta_repro.data.listing import natural_key, shard_files
+from mta_repro.data.readers import LineReader
 from mta_repro.data.records import DOMAIN_OF_SET, parse_line, record_fields
 
 STATE_DIR = ".prepare"
@@ -56,7 +56,7 @@ def input_files(src: Path, split: str) -> list[Path]:
     )
     if not files:  # SlimPajama-6B: data/<split>-00000-of-000NN*.parquet
         files = [p for p in src.rglob(f"{split}-*.parquet")]
-    return sorted(files, key=lambda p: _natural_key(str(p)))
+    return sorted(files, key=lambda p: natural_key(str(p)))
 
 
 def iter_records(
@@ -93,7 +93,7 @@ def _iter_records(
                         yield DOMAIN_OF_SET[r[0]], r[1]
                 j += 1
         return
-    reader = _LineReader(path, 0)
+    reader = LineReader(path, 0)
     try:
         j = 0
         while line := reader.readline():

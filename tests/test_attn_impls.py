@@ -47,7 +47,7 @@ def qkv(b=2, tq=11, tk=11, seed=1):
 def leaves(q, k, v, p):
     """Fresh leaf tensors for q, k, v and every present parameter (grads compared)."""
     ts = {"q": q, "k": k, "v": v}
-    ts.update({f: getattr(p, f) for f in attention_ops._WEIGHT_FIELDS if getattr(p, f) is not None})
+    ts.update({f: getattr(p, f) for f in attention_ops.WEIGHT_FIELDS if getattr(p, f) is not None})
     ts = {n: t.detach().clone().requires_grad_() for n, t in ts.items()}
     p = dataclasses.replace(p, **{n: t for n, t in ts.items() if n not in "qkv"})
     return ts, p

@@ -15,7 +15,7 @@ from test_data_prepare import prep, read_out, release_fixture
 
 from mta_repro.data import DataArgs, TokenizerArgs, build_train_loader
 from mta_repro.data.args import REPO_ROOT
-from mta_repro.data.readers import _LineReader
+from mta_repro.data.readers import LineReader
 from mta_repro.data.sources import DocStream
 from mta_repro.errors import CorruptFileError
 
@@ -29,14 +29,14 @@ def test_line_reader_raises_on_a_truncated_or_garbage_zst(tmp_path):
     f = tmp_path / "a.jsonl.zst"
     write_jsonl(f, [{"text": "x" * 200, "i": i} for i in range(500)], zst=True)
     _truncate(f)
-    r = _LineReader(f, 0)
+    r = LineReader(f, 0)
     with pytest.raises(CorruptFileError, match=rf"{f}: truncated"):
         while r.readline():
             pass
     g = tmp_path / "g.jsonl.zst"
     g.write_bytes(b"not zstd at all" * 10)
     with pytest.raises(CorruptFileError, match=rf"{g}: not a valid zstd stream"):
-        _LineReader(g, 0).readline()
+        LineReader(g, 0).readline()
     # Multi-frame files (concatenated .zst) read to the end.
     import zstandard
 
@@ -45,7 +45,7 @@ def test_line_reader_raises_on_a_truncated_or_garbage_zst(tmp_path):
         zstandard.ZstdCompressor().compress(b'{"text": "a"}\n')
         + zstandard.ZstdCompressor().compress(b'{"text": "b"}\n')
     )
-    r = _LineReader(m, 0)
+    r = LineReader(m, 0)
     assert [r.readline(), r.readline(), r.readline()] == [b'{"text": "a"}\n', b'{"text": "b"}\n', b""]
 
 

@@ -88,34 +88,6 @@ def test_every_kernel_tuning_field_is_in_the_one_table():
     assert rows == {f.name for f in dataclasses.fields(KernelTuning)}
 
 
-def test_the_model_and_the_kernels_import_without_a_cycle():
-    """No import cycle among the modules of mta_repro/model and mta_repro/kernels at module
-    level (function-local imports and ``if TYPE_CHECKING:`` blocks excluded; the test above
-    forbids those from the kernels to the model)."""
-    pkg = ROOT / "mta_repro"
-    graph = {}
-    for f in [*(pkg / "model").glob("*.py"), *(pkg / "kernels").glob("*.py")]:
-        deps = set()
-        for node in ast.parse(f.read_text()).body:  # module level only
-            if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
-                continue
-            for n in ast.walk(node) if not isinstance(node, (ast.FunctionDef, ast.ClassDef)) else ():
-                if isinstance(n, ast.ImportFrom) and (n.module or "").startswith(
-                    ("mta_repro.model", "mta_repro.kernels")
-                ):
-                    sub = n.module.split(".")[1]
-                    mod = n.module.split(".")[2] if n.module.count(".") >= 2 else None
-                    deps |= {mod} if mod else {a.name for a in n.names if (pkg / sub / f"{a.name}.py").exists()}
-        graph[f.stem] = deps - {f.stem}
-
-    def reaches(a, b, seen=()):
-        return any(d == b or (d not in seen and reaches(d, b, seen + (d,))) for d in graph.get(a, ()))
-
-    cycles = [m for m in graph if reaches(m, m)]
-    assert not cycles, {m: graph[m] for m in cycles}
-    assert {"attention_ops", "transformer", "interface", "kq_conv_cpu"} <= set(graph)
-
-
 EXPERIMENTAL = "mta_repro.experimental"
 _IMPORT_CALLS = ("import_module", "__import__", "find_spec", "run_module")
 
@@ -137,6 +109,17 @@ def _every_import(path: Path) -> set[str]:
                 base = ".".join(parts + ([base] if base else []))
             out |= {base} | {f"{base}.{a.name}" for a in node.names}
         elif isinstance(node, ast.Call):
+            name = node.func.attr if isinstance(node.func, ast.Attribute) else getattr(node.func, "id", "")
+            if name in _IMPORT_CALLS:
+                out |= {a.value for a in node.args if isinstance(a, ast.Constant) and isinstance(a.value, str)}
+    return out
+
+
+def _import_call_names(path: Path) -> set[str]:
+    """The strings a file hands to importlib.import_module, __import__, find_spec or run_module."""
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Call):
             name = node.func.attr if isinstance(node.func, ast.Attribute) else getattr(node.func, "id", "")
             if name in _IMPORT_CALLS:
                 out |= {a.value for a in node.args if isinstance(a, ast.Constant) and isinstance(a.value, str)}
@@ -167,25 +150,27 @@ def test_nothing_outside_the_experiments_imports_one():
         assert any(m.startswith(EXPERIMENTAL + ".") for m in seen), seen
 
 
-# The layers, bottom to top (docs/architecture.md draws the same order): a module imports only
-# modules of its own layer or of the layers below it. The leaves are imported by no core
-# module; each imports the core freely, and another leaf only as LEAF_DEPS says.
-LAYERS = [
-    (
-        "foundation",
-        {"mta_repro", "errors", "device", "files", "dataclass_config", "cli", "resolvers", "resources", "slurm"},
-    ),
-    ("kernels", {"kernels"}),
-    ("model", {"model"}),
-    ("weights", {"weights"}),
-    ("data", {"data"}),
-    ("train", {"train"}),
-    ("eval", {"eval"}),
-    ("report", {"report"}),
-    ("pipeline", {"pipeline"}),
-]
-LEAVES = {"hf", "release", "toy", "mta", "estimate", "experimental"}
-LEAF_DEPS = {"estimate": {"release"}}  # python -m mta_repro.estimate --release-config reads a release YAML
+# The layers are stated once, as pyproject.toml's import-linter contracts (`make check`;
+# test_the_import_contracts_hold runs them under pytest); the tests below read them from there.
+def _layers_contract() -> dict:
+    tomllib = pytest.importorskip("tomllib")
+    config = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["importlinter"]
+    (layers,) = [c for c in config["contracts"] if c["type"] == "layers"]
+    return layers
+
+
+def _layers() -> tuple[list[set[str]], set[str], set[tuple[str, str]]]:
+    """(the core layers bottom to top, each a set of top-level names with the root package
+    as ``mta_repro``; the leaves; the (leaf, leaf) imports the contract ignores)."""
+    rows = _layers_contract()["layers"]  # top to bottom; the first row is the leaves, "|"-separated
+    leaves = set(re.split(r"\s*\|\s*", rows[0]))
+    core = [set(re.split(r"\s*[|:]\s*", row)) for row in reversed(rows[1:])]
+    core[0].add("mta_repro")  # the root package's own __init__ sits with the foundation
+    ignored = set()
+    for rule in _layers_contract().get("ignore_imports", []):
+        src, dst = (x.strip().removeprefix("mta_repro.").split(".")[0] for x in rule.split("->"))
+        ignored.add((src, dst))
+    return core, leaves, ignored
 
 
 def _part(module: str) -> str:
@@ -193,68 +178,77 @@ def _part(module: str) -> str:
     return parts[1] if len(parts) > 1 else "mta_repro"
 
 
-def _layer(part: str):
-    for i, (_, names) in enumerate(LAYERS):
-        if part in names:
-            return i
-    return None
+def test_the_import_contracts_hold():
+    """pyproject.toml's import-linter contracts (imports point down the layers, no leaf imports
+    another, every subpackage placed, no import cycle among the siblings of any package),
+    run by import-linter itself on this tree, so that pytest alone enforces them."""
+    pytest.importorskip("importlinter")
+    import os
+    import subprocess
+    import sys
+
+    code = "from importlinter.cli import lint_imports_command; lint_imports_command()"
+    env = dict(os.environ, PYTHONPATH=str(ROOT))  # this tree's package, not an installed copy
+    p = subprocess.run(
+        [sys.executable, "-c", code, "--no-cache"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300
+    )
+    assert p.returncode == 0 and "0 broken" in p.stdout, p.stdout[-4000:] + p.stderr[-2000:]
 
 
-def test_every_import_of_the_package_points_down_the_layers():
-    """Walk every import of every module (top level, lazy, TYPE_CHECKING, relative, importlib
-    calls): none points up the layer order, no core module imports a leaf, and a leaf imports
-    another leaf only where LEAF_DEPS says. No allow-list of known cycles.
+def test_modules_named_in_import_calls_point_down_the_layers():
+    """What import-linter's graph (grimp) does not see: a module named in a string to
+    importlib.import_module, __import__, importlib.util.find_spec or runpy.run_module. Each
+    such name must obey the same layers (read from pyproject.toml): not up the layer order,
+    no core module naming a leaf, no leaf naming another except where the contract ignores it."""
+    core, leaves, ignored = _layers()
 
-    pyproject.toml's import-linter contracts (`make check`) check the same layers, and more:
-    indirect chains and cycles inside each package. The walk stays for what grimp, import-linter's
-    graph, does not see: a module named in a string to importlib.import_module, __import__,
-    importlib.util.find_spec or runpy.run_module. It also runs in pytest without import-linter."""
+    def layer(part):
+        return next((i for i, names in enumerate(core) if part in names), None)
+
     pkg = ROOT / "mta_repro"
-    files = sorted(pkg.rglob("*.py"))
-    parts = {p.relative_to(pkg).parts[0].removesuffix(".py") for p in files}
-    parts.discard("__init__")
-    unknown = parts - {n for _, names in LAYERS for n in names} - LEAVES
-    assert not unknown, f"place these in LAYERS or LEAVES (and docs/architecture.md): {sorted(unknown)}"
     bad = []
-    for f in files:
+    for f in sorted(pkg.rglob("*.py")):
         rel = f.relative_to(ROOT)
         src = _part(".".join(rel.with_suffix("").parts).removesuffix(".__init__"))
-        for m in _every_import(f):
+        for m in _import_call_names(f):
             if not (m == "mta_repro" or m.startswith("mta_repro.")):
                 continue
             dst = _part(m)
-            if dst == src or dst not in parts | {"mta_repro"}:
-                continue  # its own part, or a name imported from the root package (__version__)
-            if src in LEAVES:
-                if dst in LEAVES and dst not in LEAF_DEPS.get(src, ()):
-                    bad.append(f"{rel} -> {m} (a leaf imports another leaf)")
-            elif dst in LEAVES:
-                bad.append(f"{rel} -> {m} (a core layer imports a leaf)")
-            elif _layer(dst) > _layer(src):
-                bad.append(f"{rel} -> {m} ({LAYERS[_layer(src)][0]} imports {LAYERS[_layer(dst)][0]}, above it)")
+            if dst == src:
+                continue
+            if src in leaves:
+                if dst in leaves and (src, dst) not in ignored:
+                    bad.append(f"{rel} -> {m} (a leaf names another leaf)")
+            elif dst in leaves:
+                bad.append(f"{rel} -> {m} (a core layer names a leaf)")
+            elif layer(dst) is None or layer(src) is None:
+                bad.append(f"{rel} -> {m} (not placed in pyproject.toml's layers)")
+            elif layer(dst) > layer(src):
+                bad.append(f"{rel} -> {m} (a layer names one above it)")
     assert not bad, "\n".join(bad)
 
 
-def test_the_layer_order_is_the_one_docs_architecture_draws():
-    import re
+def test_the_import_call_walk_sees_what_it_looks_for(tmp_path):
+    """The package names no module in an import call today, so the walk above is shown here
+    to find one (and to leave other calls alone)."""
+    f = tmp_path / "m.py"
+    f.write_text(
+        "import importlib, runpy\n"
+        "def load():\n"
+        "    importlib.import_module('mta_repro.report')\n"
+        "    runpy.run_module('mta_repro.pipeline')\n"
+        "    print('mta_repro.eval')\n"
+    )
+    assert _import_call_names(f) == {"mta_repro.report", "mta_repro.pipeline"}
 
+
+def test_the_layer_order_is_the_one_docs_architecture_draws():
+    """docs/architecture.md's table of layers (bottom to top) and its leaves are the
+    contract's, so a package added to pyproject.toml is drawn there too."""
+    core, leaves, _ = _layers()
     text = (ROOT / "docs" / "architecture.md").read_text()
     drawn = re.search(r"<!-- layers -->(.*?)<!-- /layers -->", text, re.S).group(1)
-    rows = [line.split("|")[1:3] for line in drawn.strip().splitlines()[2:]]  # | layer | modules | ...
-    assert [(name.strip(), set(re.findall(r"`([\w.]+)`", mods))) for name, mods in rows] == LAYERS
-
-
-def test_the_import_linter_contract_has_the_same_layers():
-    """pyproject.toml's [tool.importlinter] layers contract (top to bottom) is LAYERS (bottom to
-    top) under the leaves, with LEAF_DEPS as its only ignored imports."""
-    tomllib = pytest.importorskip("tomllib")
-    config = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["importlinter"]
-    (layers,) = [c for c in config["contracts"] if c["type"] == "layers"]
-    rows = [set(re.split(r"\s*[|:]\s*", row)) for row in layers["layers"]]
-    core = [names - {"mta_repro"} for _, names in LAYERS]  # the root package is the container
-    assert rows == [LEAVES, *reversed(core)]
-    assert layers["layers"][0].count("|") == len(LEAVES) - 1  # the leaves are independent
-    assert layers["exhaustive"] is True
-    ignored = {tuple(i.split(" -> ")) for i in layers["ignore_imports"]}
-    assert ignored == {(f"mta_repro.{a}.**", f"mta_repro.{b}") for a, deps in LEAF_DEPS.items() for b in deps}
-    assert any(c["type"] == "acyclic_siblings" and c["ancestors"] == ["mta_repro"] for c in config["contracts"])
+    rows = [line.split("|")[2] for line in drawn.strip().splitlines()[2:]]  # | layer | modules | ...
+    assert [set(re.findall(r"`([\w.]+)`", mods)) for mods in rows] == core
+    after = text.split("<!-- /layers -->", 1)[1].strip().split("\n\n", 1)[0]  # the paragraph on the leaves
+    assert set(re.findall(r"`(\w+)`", after)) >= leaves

@@ -25,7 +25,7 @@ def _block_run(backend: str, compiled: bool = True):
 
     tuning = KernelTuning(compile_block=compiled, compile_block_backend=backend)
     torch._dynamo.reset()
-    attention_ops._compiled_blocks.clear()
+    attention_ops.reset_compiled_blocks()
     counters.clear()
     p = dataclasses.replace(t.make_params(pre=(3, 3), post=(2, 3), block_size=4), tuning=tuning)
     q, k, v = (x.requires_grad_() for x in t.qkv(b=2, tq=23, tk=23))
@@ -50,7 +50,7 @@ def test_the_compiled_block_under_inductor_matches_eager_without_breaks():
     for a, b in zip(got, eager):
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
     torch._dynamo.reset()
-    attention_ops._compiled_blocks.clear()
+    attention_ops.reset_compiled_blocks()
 
 
 COMMON = [

@@ -262,7 +262,7 @@ def test_the_compiled_block_runs_the_tuned_tile_without_graph_breaks(spy):
     from torch._dynamo.utils import counters
 
     torch._dynamo.reset()
-    attention_ops._compiled_blocks.clear()
+    attention_ops.reset_compiled_blocks()
     counters.clear()
     tuning = KernelTuning(kq_conv="triton", kq_tile="16x16", compile_block=True, compile_block_backend="aot_eager")
     p = dataclasses.replace(t.make_params(pre=(2, 3), post=None, block_size=8), tuning=tuning)
@@ -271,7 +271,7 @@ def test_the_compiled_block_runs_the_tuned_tile_without_graph_breaks(spy):
     assert dict(counters["graph_break"]) == {} and counters["stats"]["unique_graphs"] >= 1
     assert spy and set(spy) == {("triton", (16, 16))}, spy
     torch._dynamo.reset()
-    attention_ops._compiled_blocks.clear()
+    attention_ops.reset_compiled_blocks()
 
 
 def test_a_saved_config_with_retired_settings_at_null_still_loads():

@@ -397,6 +397,25 @@ def test_the_release_names_still_work_with_a_deprecation_warning():
         multi_token_attention(q, k, v, kernel_size=3)
 
 
+def test_the_release_names_go_in_the_version_their_docstring_names():
+    """The deprecated release keywords stay through 0.1.x (warning that 0.2.0 removes them)
+    and are gone from 0.2.0 on: this fails once the package's version reaches 0.2.0 while
+    multi_token_attention still takes them."""
+    import mta_repro
+
+    version = tuple(int(x) for x in mta_repro.__version__.split(".")[:2])
+    q, k, v = (x.detach() for x in _qkv())
+    kernel = torch.zeros(H, 1, 2, 3, dtype=F64)
+    if version < (0, 2):
+        assert mta_functional.RELEASE_NAMES_REMOVED_IN == "0.2.0"
+        assert "0.2.0" in (multi_token_attention.__doc__ or "")
+        with pytest.warns(DeprecationWarning, match=r"removed in 0\.2\.0"):
+            multi_token_attention(q, k, v, mta_kernel=kernel)
+    else:
+        with pytest.raises(TypeError, match="mta_kernel"):
+            multi_token_attention(q, k, v, mta_kernel=kernel)
+
+
 def test_no_selfcheck_runs_unless_asked(monkeypatch):
     """The op and the module compute with the implementation asked for: by default neither
     runs the float64 self-check (on any device); "warn" asks for it."""

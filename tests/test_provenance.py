@@ -39,7 +39,7 @@ from test_data import domains_corpus, write_jsonl
 
 from mta_repro.data import DataArgs, TokenizerArgs, build_train_loader
 from mta_repro.data.listing import fingerprint, list_entries
-from mta_repro.data.readers import ShortFileError, _LineReader
+from mta_repro.data.readers import LineReader, ShortFileError
 from mta_repro.train import provenance as pv
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -80,12 +80,12 @@ def test_the_reader_hashes_exactly_the_text_it_read(tmp_path):
     f = tmp_path / "x.jsonl.zst"
     write_jsonl(f, [{"text": f"doc {i} " * 30} for i in range(300)], zst=True)
     text = zstandard.ZstdDecompressor().decompressobj().decompress(f.read_bytes())  # independently
-    r = _LineReader(f, 0)
+    r = LineReader(f, 0)
     k = sum(len(r.readline()) for _ in range(7))
     assert r.pos == k and r.digest() == hashlib.sha256(text[:k]).hexdigest()
     r.close()
     # reopened at the offset (a resume): the skipped text is hashed on the way, reading goes on
-    again = _LineReader(f, k)
+    again = LineReader(f, k)
     assert again.digest() == hashlib.sha256(text[:k]).hexdigest()
     assert again.readline() == text[k:].split(b"\n")[0] + b"\n"
     st = os.stat(f)
@@ -93,9 +93,9 @@ def test_the_reader_hashes_exactly_the_text_it_read(tmp_path):
     again.close()
     plain = tmp_path / "y.jsonl"
     write_jsonl(plain, [{"text": "p" * i} for i in range(1, 50)])
-    assert _LineReader(plain, 100).digest() == hashlib.sha256(plain.read_bytes()[:100]).hexdigest()
+    assert LineReader(plain, 100).digest() == hashlib.sha256(plain.read_bytes()[:100]).hexdigest()
     with pytest.raises(ShortFileError):
-        _LineReader(f, len(text) + 1)
+        LineReader(f, len(text) + 1)
 
 
 def test_the_listing_fingerprint_is_names_sizes_and_mtimes(tmp_path):
@@ -605,7 +605,8 @@ def test_a_run_records_what_it_is_and_an_older_run_resumes_with_the_record(tmp_p
     common = [*RESUME_COMMON, "trainer.steps=2", f"run_dir={run_dir}"]
     train(compose(common))
     rec = json.loads((run_dir / "provenance.json").read_text())
-    assert rec["run"] == {"stage": None, "variant": None, "point": None}  # by hand: unrecorded
+    # by hand: the trainer records the stage its start knows (from scratch); the rest unrecorded
+    assert rec["run"] == {"stage": "pretrain", "variant": None, "point": None}
     shutil.rmtree(run_dir / "checkpoints" / f"{2:010d}")  # the run stopped after step 1
     cfg = OmegaConf.load(run_dir / "config.yaml")
     del cfg["run"]  # a run dir from before the fields existed

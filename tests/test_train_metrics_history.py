@@ -137,7 +137,7 @@ def test_the_next_logged_record_starts_its_own_line(tmp_path):
 
 def test_the_report_skips_the_kept_damaged_lines_and_names_them(tmp_path, capsys):
     from mta_repro.report.plots import loss_series
-    from mta_repro.report.tables import load_run
+    from mta_repro.report.runs import load_run
 
     p = tmp_path / "metrics.jsonl"
     _write(p, [_rec(1), b'{"step": 2, "lo', b"\xff\xfe", b"[1, 2]", b"3", _rec(5), _rec(6)])

@@ -313,3 +313,27 @@ def test_printing_the_config_writes_nothing_and_shows_the_seed_it_would_use(tmp_
     cfg = OmegaConf.create(p.stdout)
     assert (cfg.seed, cfg.model.seed, cfg.data.seed) == (3, 3, 3)
     assert not run_dir.exists()
+
+
+def test_a_hand_started_run_records_its_stage_and_its_report_infers_nothing(base, tmp_path):
+    """run.stage null (a run started by hand): the trainer records what the start knows:
+    pretraining without checkpoint.init_from; from init_from, the 4K-finetune kind of
+    stage when the context grows, continued training when it does not. The report then
+    places the run by its record and prints no 'stage (inferred)' line."""
+    from mta_repro.report.__main__ import build_report
+
+    def stage(run_dir):
+        return OmegaConf.load(run_dir / "config.yaml").run.stage
+
+    assert compose(COMMON).run.stage is None  # the config leaves it null
+    assert stage(base) == "pretrain"
+    assert json.loads((base / "provenance.json").read_text())["run"]["stage"] == "pretrain"
+    for name, extra, want in (("lc", ["data.seq_len=64"], "long_context"), ("more", [], "continued")):
+        _train(tmp_path / name, f"checkpoint.init_from={base}", "trainer.steps=1", *extra)
+        assert stage(tmp_path / name) == want
+    _train(tmp_path / "given", "run.stage=continued", "trainer.steps=1")  # a stage given is kept
+    assert stage(tmp_path / "given") == "continued"
+    md = build_report([base], tmp_path / "rep", kernels=False).read_text()
+    assert "stage (inferred)" not in md
+    placed = json.loads((tmp_path / "rep" / "results.json").read_text())["runs"][0]["placed_by"]
+    assert placed["stage"] == "recorded"

@@ -32,7 +32,7 @@ from mta_repro.errors import UserError
 SUFFIXES = (".jsonl", ".jsonl.zst")
 
 
-def _natural_key(p: str):
+def natural_key(p: str):
     return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", p)]
 
 
@@ -101,7 +101,7 @@ def list_entries(args: DataArgs, domain: str, split: str = "train") -> list[tupl
             what = "*.chunk.NN.jsonl[.zst] or *.jsonl[.zst]" if split == "train" else "*.val.jsonl[.zst]"
             raise UserError(f"data.sources.{domain}: no {split} files ({what}) in {base}")
     out = [(os.path.relpath(p, root), st.st_size, st.st_mtime_ns) for p, st in found]
-    return sorted(out, key=lambda e: _natural_key(e[0]))
+    return sorted(out, key=lambda e: natural_key(e[0]))
 
 
 def list_files(args: DataArgs, domain: str, split: str = "train") -> list[str]:

@@ -37,7 +37,7 @@ import numpy as np
 import torch
 
 from mta_repro.data.args import DataArgs, active_sources, to_data_args
-from mta_repro.data.listing import _natural_key, check_domain, corpus_root, fingerprint, list_entries, shard_files
+from mta_repro.data.listing import check_domain, corpus_root, fingerprint, list_entries, natural_key, shard_files
 from mta_repro.data.readers import ShortFileError, text_digest
 from mta_repro.data.records import BAD_KINDS, SET_NAMES
 from mta_repro.data.sources import BadLedger, DocStream, iter_docs, shard_texts
@@ -445,7 +445,7 @@ class TrainLoader:
             self._changed.add(name)
         # Files of this rank's share that vanished before it read them.
         pinned = {f for s in self.streams.values() for f, _, _ in s.base_shard}
-        gone = sorted((f for f in pinned if f not in self._listed and f not in seen), key=_natural_key)
+        gone = sorted((f for f in pinned if f not in self._listed and f not in seen), key=natural_key)
         if gone:
             warn.append(
                 f"{len(gone)} file(s) of rank {self.rank}'s share vanished before it read them "
@@ -499,7 +499,7 @@ class TrainLoader:
             if all(sh is not None for sh in saved):
                 # The files the run started with: the union of the old ranks' shards, dealt anew.
                 shards = [[tuple(e) for e in sh] for sh in saved]
-                names = tuple(sorted({e[0] for sh in shards for e in sh}, key=_natural_key))
+                names = tuple(sorted({e[0] for sh in shards for e in sh}, key=natural_key))
                 if names not in new_shards:
                     new_shards[names] = tuple(shard_files(list(names), self.rank, self.world_size))
                 stream.base_shard = new_shards[names]

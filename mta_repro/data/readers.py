@@ -90,7 +90,7 @@ class ShortFileError(EOFError):
 
 
 class OversizeRecord(bytes):
-    """What ``_LineReader.readline`` gives for a line over the record limit: not its bytes
+    """What ``LineReader.readline`` gives for a line over the record limit: not its bytes
     but a stand-in whose ``len()`` is the line's length in the file (so byte offsets stay
     right) and which ``parse_line`` counts as a bad record ("oversize")."""
 
@@ -105,7 +105,7 @@ class OversizeRecord(bytes):
         return self.size
 
 
-class _LineReader:
+class LineReader:
     """Lines of a .jsonl or .jsonl.zst file from a byte offset of the decompressed text,
     hashing every byte of text it reads: ``digest()`` is the sha256 of the first ``pos``
     bytes (the skipped prefix included), ``size``/``mtime_ns`` the file's stat when opened.
@@ -167,7 +167,7 @@ class _LineReader:
 def text_digest(path: Path, nbytes: int) -> tuple[str, int, int]:
     """(sha256 of the first ``nbytes`` bytes of the file's text, size, mtime_ns); raises
     FileNotFoundError, ShortFileError or CorruptFileError."""
-    r = _LineReader(path, nbytes)
+    r = LineReader(path, nbytes)
     try:
         return r.digest(), r.size, r.mtime_ns
     finally:

@@ -22,7 +22,7 @@ from pathlib import Path
 
 from mta_repro.data.args import DataArgs
 from mta_repro.data.listing import corpus_root, epoch_order, list_files, shard_files
-from mta_repro.data.readers import MAX_RECORD_BYTES, ShortFileError, _LineReader
+from mta_repro.data.readers import MAX_RECORD_BYTES, LineReader, ShortFileError
 from mta_repro.data.records import SET_NAMES, parse_line, parse_record
 from mta_repro.errors import CorruptFileError, UserError
 
@@ -141,7 +141,7 @@ class DocStream:
         self.file, self.line, self.offset, self.epoch, self.docs_in_epoch = 0, 0, 0, 0, 0
         self.bad: dict[str, int] = {}
         self.bad_files: set = set()  # files found unreadable (counted once each, by one stream)
-        self._reader: _LineReader | None = None
+        self._reader: LineReader | None = None
         # Set by ``derive_from`` (a resume on another world size), for this epoch only:
         # files other ranks already read, and files they read part of ({file: (line, offset)}).
         self.done: set = set()
@@ -228,7 +228,7 @@ class DocStream:
         if keep:
             self.close()
         try:
-            reader = _LineReader(path, offset)
+            reader = LineReader(path, offset)
         except FileNotFoundError:
             return (
                 "warn",
@@ -381,7 +381,7 @@ class DocStream:
                     self.line, self.offset = self.partial.pop(name)
             try:
                 if self._reader is None:
-                    self._reader = _LineReader(self.root / name, self.offset, self.max_record_bytes)
+                    self._reader = LineReader(self.root / name, self.offset, self.max_record_bytes)
                 line = self._reader.readline()
             except FileNotFoundError:  # vanished since the run listed it: not a damaged file
                 self._skip_once(name, "vanished since the run started; it is skipped")
@@ -444,7 +444,7 @@ def iter_docs(args: DataArgs, domain: str, split: str = "validation") -> Iterato
     set_name = SET_NAMES[domain] if args.layout == "slimpajama" else None
     counts: dict[str, int] = {}
     for name in list_files(args, domain, split):
-        reader = _LineReader(root / name, 0, args.max_record_bytes)
+        reader = LineReader(root / name, 0, args.max_record_bytes)
         try:
             while line := reader.readline():
                 if line.strip():
@@ -466,7 +466,7 @@ def shard_texts(
     damage (the streams count both when they read them)."""
     for name, stride, sub in shard:
         try:
-            reader = _LineReader(root / name, 0, max_bytes)
+            reader = LineReader(root / name, 0, max_bytes)
         except OSError:
             continue
         try:

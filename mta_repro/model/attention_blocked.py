@@ -21,7 +21,7 @@ import torch.utils.checkpoint
 
 from mta_repro.kernels.interface import AttnMask, ExplicitAttnParams, pad_left
 from mta_repro.kernels.tuning import DEFAULT_TUNING, KernelTuning
-from mta_repro.model.attention_math import _WEIGHT_FIELDS, kq_conv_dense, query_history
+from mta_repro.model.attention_math import WEIGHT_FIELDS, kq_conv_dense, query_history
 
 
 def kq_conv_backend(x: torch.Tensor, tuning: KernelTuning = DEFAULT_TUNING) -> str:
@@ -136,7 +136,7 @@ def _score_path_fast(q, k, v, p: ExplicitAttnParams, mask: AttnMask, training: b
 
 
 def _with_weights(p: ExplicitAttnParams, weights) -> ExplicitAttnParams:
-    present = [f for f in _WEIGHT_FIELDS if getattr(p, f) is not None]
+    present = [f for f in WEIGHT_FIELDS if getattr(p, f) is not None]
     return replace(p, **dict(zip(present, weights)))
 
 
@@ -157,7 +157,7 @@ def explicit_attention_blocked(
     """
     tq, tk = q.shape[2], k.shape[2]
     w = query_history(p)
-    weights = [getattr(p, f) for f in _WEIGHT_FIELDS if getattr(p, f) is not None]
+    weights = [getattr(p, f) for f in WEIGHT_FIELDS if getattr(p, f) is not None]
     recompute = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, *weights))
     bs = resolve_block_size(p.block_size, q.device)
     # Dropout stays eager: the recomputation must draw the same mask, which the restored
@@ -203,7 +203,13 @@ def resolve_block_size(block_size: int | None, device) -> int:
     return block_size if block_size else default_block_size(device)
 
 
-_compiled_blocks: dict = {}
+_compiled_blocks: dict = {}  # compile_block_backend -> the compiled _score_path_fast
+
+
+def reset_compiled_blocks() -> None:
+    """Forget the compiled block functions (after ``torch._dynamo.reset()``, so the next
+    call compiles afresh and Dynamo's counters see it)."""
+    _compiled_blocks.clear()
 
 
 def _block_fn(device: torch.device, tuning: KernelTuning = DEFAULT_TUNING) -> Callable:

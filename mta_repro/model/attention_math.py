@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from mta_repro.kernels.interface import AttnMask, ExplicitAttnParams, pad_left
 
 # The score-path weights of ``ExplicitAttnParams``, in the order the engines pass them.
-_WEIGHT_FIELDS = ("mta_kernel", "wpsm", "mta_kernel_after_sm", "head_kernel", "wposm")
+WEIGHT_FIELDS = ("mta_kernel", "wpsm", "mta_kernel_after_sm", "head_kernel", "wposm")
 
 
 def kq_conv_dense(scores: torch.Tensor, kernel: torch.Tensor, pad_key: str) -> torch.Tensor:

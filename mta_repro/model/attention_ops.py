@@ -17,7 +17,6 @@ Nothing is defined here: replace a function for a test where it is defined (e.g.
 from mta_repro.kernels.interface import AttnMask, ExplicitAttnParams, pad_left
 from mta_repro.model.attention_blocked import (
     DEFAULT_BLOCK_SIZE,
-    _compiled_blocks,
     compile_block,
     default_block_size,
     explicit_attention_blocked,
@@ -26,10 +25,11 @@ from mta_repro.model.attention_blocked import (
     head_mix_linear_fast,
     kq_conv_backend,
     masked_kq_conv,
+    reset_compiled_blocks,
     resolve_block_size,
 )
 from mta_repro.model.attention_math import (
-    _WEIGHT_FIELDS,
+    WEIGHT_FIELDS,
     diff_attention,
     explicit_attention_torch,
     head_conv,
@@ -63,12 +63,11 @@ __all__ = [
     "DEFAULT_BLOCK_SIZE",
     "ENTRY_POINTS",
     "IMPL_OPTIONS",
-    "_WEIGHT_FIELDS",
+    "WEIGHT_FIELDS",
     "AttnImpl",
     "AttnKernels",
     "AttnMask",
     "ExplicitAttnParams",
-    "_compiled_blocks",
     "attn_impl",
     "attn_impl_names",
     "check_impl_options",
@@ -93,6 +92,7 @@ __all__ = [
     "pad_left",
     "query_history",
     "register_attn_impl",
+    "reset_compiled_blocks",
     "resolve_block_size",
     "rms_norm",
     "sdpa",

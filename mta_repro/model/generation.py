@@ -92,13 +92,14 @@ def generate(
     done = [False] * bsz
     for step in range(max_new_tokens):
         nxt = sample_next(logits, temperature, top_k, top_p, generator)
-        for i in range(bsz):
+        ids = nxt.tolist()  # one device-to-host copy per step for the whole batch
+        step_logits = logits.cpu() if return_logits else None
+        for i, tok in enumerate(ids):
             if done[i]:
                 continue
-            tok = int(nxt[i])
             out[i].append(tok)
-            if return_logits:
-                chosen_logits[i].append(logits[i].cpu())
+            if step_logits is not None:
+                chosen_logits[i].append(step_logits[i])
             if (eos_id is not None and tok == eos_id) or (stop_fn is not None and stop_fn(i, out[i])):
                 done[i] = True
         if all(done) or step == max_new_tokens - 1:
@@ -115,6 +116,41 @@ def _cut_at_stop(text: str, until: Sequence[str]) -> tuple[str, bool]:
     if not cut:
         return text, False
     return text[: min(cut)], True
+
+
+class StopStrings:
+    """``stop_fn`` for :func:`generate`: True once a row's new text holds a stop string.
+
+    Each call decodes only the ids since the last complete character (plus the ids before
+    them as context, for tokenizers such as SentencePiece whose pieces' leading spaces
+    depend on what precedes them), not all new ids again: the cost per token stays flat
+    instead of growing with the text. A stop string that first appears must overlap the
+    characters just added, so only the text's tail is searched. A hit is confirmed on the
+    whole decoded text, so a row stops exactly where decoding every id would stop it.
+    """
+
+    def __init__(self, decode: Callable[[list], str], until: Sequence[str]) -> None:
+        self.decode = decode
+        self.until = tuple(s for s in until if s)
+        self.longest = max((len(s) for s in self.until), default=0)
+        # per row: [text so far, start of the context window, start of the undecoded ids]
+        self.rows: dict[int, list] = {}
+
+    def __call__(self, row: int, new_ids: list) -> bool:
+        if not self.until:
+            return False
+        state = self.rows.setdefault(row, ["", 0, 0])
+        text, prefix, read = state
+        before = self.decode(new_ids[prefix:read])
+        after = self.decode(new_ids[prefix:])
+        if len(after) <= len(before) or after.endswith("\ufffd"):
+            return False  # the new ids complete no character yet: wait for the next one
+        start = max(0, len(text) - self.longest + 1)  # a new hit ends in the added text
+        text += after[len(before) :]
+        state[:] = [text, read, len(new_ids)]
+        if not any(s in text[start:] for s in self.until):
+            return False
+        return _cut_at_stop(self.decode(new_ids), self.until)[1]
 
 
 @torch.no_grad()
@@ -147,15 +183,12 @@ def generate_text(
     for start in range(0, len(order), batch_size):
         idx = order[start : start + batch_size]
 
-        def stop_fn(row, new_ids, _until=tuple(until)):
-            return bool(_until) and _cut_at_stop(tokenizer.decode(new_ids), _until)[1]
-
         res = generate(
             model,
             [encoded[i] for i in idx],
             max_new_tokens,
             eos_id=tokenizer.eos_id if stop_at_eos else None,
-            stop_fn=stop_fn if until else None,
+            stop_fn=StopStrings(tokenizer.decode, until) if any(until) else None,
             **sampling,
         )
         for row, i in enumerate(idx):

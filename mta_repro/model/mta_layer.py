@@ -14,12 +14,47 @@ it, so their state-dict keys are the release's (``layers.N.attention.mta_kernel`
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from mta_repro.kernels.tuning import KernelTuning
 from mta_repro.model import attention_ops
 from mta_repro.model.args import ModelArgs, MTAArgs
 from mta_repro.model.parts import RMSNorm, copy_into, release_depth_scale, trunc_normal_
+
+
+def output_tail(
+    out: torch.Tensor,
+    norm_weight: torch.Tensor | None,
+    eps: float,
+    scale: float,
+    gate_weight: torch.Tensor | None,
+    gate_bias: torch.Tensor | None,
+) -> torch.Tensor:
+    """MTA's output tail, as the release applies it to the attention output: (..., dv) head
+    outputs -> the same shape. Group norm (``norm_weight`` (dv,): an RMSNorm over each head's
+    output in fp32, cast back, then times the weight; release order) times a constant
+    ``scale`` (the depth scaling, 1.0: none), then the output gate O * sigmoid(O W^T + b)
+    (``gate_weight`` (1, dv) or (dv, dv)). None switches a part off. The model, the op
+    (``mta_repro.mta.multi_token_attention``) and the Hugging Face layers all end here;
+    weights are used in the dtype given (the op casts them to its output's first)."""
+    if norm_weight is not None:
+        out = attention_ops.rms_norm(out, norm_weight, eps)
+        if scale != 1.0:
+            out = out * scale
+    if gate_weight is not None:
+        out = out * torch.sigmoid(F.linear(out, gate_weight, gate_bias))
+    return out
+
+
+def explicit_params(weights: dict, **options) -> attention_ops.ExplicitAttnParams:
+    """The explicit path's parameters (``ExplicitAttnParams``) from the score-path weights by
+    their release names (``attention_ops.WEIGHT_FIELDS``; a missing one is None) and the
+    options (pad_key, dropout, block_size, kq_backend, tuning). The model's layers and the
+    op both build them here."""
+    unknown = set(weights) - set(attention_ops.WEIGHT_FIELDS)
+    assert not unknown, unknown
+    return attention_ops.ExplicitAttnParams(**{f: weights.get(f) for f in attention_ops.WEIGHT_FIELDS}, **options)
 
 
 class MTALayer(nn.Module):
@@ -101,12 +136,15 @@ class MTALayer(nn.Module):
     def explicit_params(self) -> attention_ops.ExplicitAttnParams:
         """The score-path parameters and options of this layer, for ``attention_ops``."""
         weight = lambda lin: None if lin is None else lin.weight  # noqa: E731
-        return attention_ops.ExplicitAttnParams(
+        weights = dict(
             mta_kernel=self.mta_kernel,
             wpsm=weight(self.wpsm),
             mta_kernel_after_sm=self.mta_kernel_after_sm,
             head_kernel=self.head_kernel,
             wposm=weight(self.wposm),
+        )
+        return explicit_params(
+            weights,
             pad_key=self.pad_key,
             dropout=self.dropout,
             block_size=self.attn_block_size,

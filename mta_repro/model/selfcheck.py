@@ -127,7 +127,7 @@ def _layer_params(args: ModelArgs, layer_id: int, seed: int) -> attention_ops.Ex
         shapes = Attention(args, layer_id).explicit_params()
     g = torch.Generator().manual_seed(seed)
     ws = {}
-    for f in attention_ops._WEIGHT_FIELDS:
+    for f in attention_ops.WEIGHT_FIELDS:
         t = getattr(shapes, f)
         if t is None:
             continue
@@ -144,7 +144,7 @@ def _run(name: str, q64, k64, v64, p64, gy64, device, dtype):
     """(output, gradients) of implementation ``name`` in ``dtype`` on ``device``, float64 copies."""
     wdtype = torch.float64 if dtype == torch.float64 else torch.float32
     q, k, v = (x.to(device, dtype).detach().clone().requires_grad_() for x in (q64, k64, v64))
-    fields = [f for f in attention_ops._WEIGHT_FIELDS if getattr(p64, f) is not None]
+    fields = [f for f in attention_ops.WEIGHT_FIELDS if getattr(p64, f) is not None]
     ws = {f: getattr(p64, f).to(device, wdtype).detach().clone().requires_grad_() for f in fields}
     p = dataclasses.replace(p64, **ws)
     mask = attention_ops.AttnMask()

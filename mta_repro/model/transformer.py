@@ -19,7 +19,7 @@ from torch import nn
 
 from mta_repro.model import attention_ops
 from mta_repro.model.args import ModelArgs
-from mta_repro.model.mta_layer import MTALayer
+from mta_repro.model.mta_layer import MTALayer, output_tail
 from mta_repro.model.parts import RMSNorm, release_depth_scale, trunc_normal_
 
 
@@ -212,13 +212,16 @@ class Attention(MTALayer):
             out = self._explicit(q, k, v, mask, cache)
         out = out.transpose(1, 2)  # (B, T, heads, head size): H x d, or H/2 x 2d for diff
 
-        if self.subln is not None:
-            out = self.subln(out)
+        if self.subln is not None or self.gate is not None:
             scale = self.out_scale_fp64 if out.dtype == torch.float64 else self.out_scale
-            if scale != 1.0:
-                out = out * scale
-        if self.gate is not None:
-            out = out * torch.sigmoid(self.gate(out))
+            out = output_tail(
+                out,
+                None if self.subln is None else self.subln.weight,
+                1e-5 if self.subln is None else self.subln.eps,
+                scale,
+                None if self.gate is None else self.gate.weight,
+                None if self.gate is None else self.gate.bias,
+            )
         return self.wo(out.reshape(bsz, seqlen, H * d))
 
     def _diff_lambda(self, dtype: torch.dtype) -> torch.Tensor:

@@ -14,12 +14,12 @@ from __future__ import annotations
 import warnings
 
 import torch
-import torch.nn.functional as F
 
 from mta_repro.errors import UserError
 from mta_repro.kernels.interface import AttnMask, ExplicitAttnParams
 from mta_repro.kernels.tuning import DEFAULT_TUNING, KernelTuning
 from mta_repro.model import attention_ops
+from mta_repro.model.mta_layer import explicit_params, output_tail
 from mta_repro.model.transformer import release_depth_scale, repeat_kv
 
 PAD_KEYS = ("both", "left", "right")
@@ -72,7 +72,8 @@ def multi_token_attention(
 
     Weights (None switches the part off; any float dtype, cast to q's; in brackets the
     release's parameter name, which ``MultiTokenAttention`` keeps and which this function
-    still takes, deprecated, with a DeprecationWarning):
+    still takes, deprecated, with a DeprecationWarning, throughout 0.1.x; version 0.2.0
+    (``RELEASE_NAMES_REMOVED_IN``) removes these keywords):
 
     - kq_kernel (H, 1, c_q, c_k) [mta_kernel]: key-query convolution before softmax; query
       rows look back only (row i reads rows i-c_q+1..i); the key window per ``pad_key``:
@@ -147,12 +148,9 @@ def multi_token_attention(
         # The sum of an empty q is exactly 0; adding it keeps the result in q's graph.
         out = q.new_zeros((B, H, 0, dv)) + q.sum()
     else:
-        params = ExplicitAttnParams(
-            mta_kernel=weights["kq_kernel"],
-            wpsm=weights["pre_softmax_head_mixing"],
-            mta_kernel_after_sm=weights["kq_kernel_after_softmax"],
-            head_kernel=weights["head_kernel"],
-            wposm=weights["post_softmax_head_mixing"],
+        release = {new: old for old, new in RELEASE_NAMES.items()}
+        params = explicit_params(
+            {release.get(name, name): w for name, w in weights.items()},
             pad_key=pad_key,
             dropout=dropout_p,
             block_size=attn_block_size,
@@ -160,14 +158,9 @@ def multi_token_attention(
         )
         attn_impl, params = _checked_impl(attn_impl, q, params, selfcheck)
         out = attention_ops.explicit_attention(attn_impl, q, k, v, params, mask, training=dropout_p > 0.0)
-    if subln_weight is not None:
-        out = attention_ops.rms_norm(out, subln_weight.to(out.dtype), eps)
-        if layer_norm_rescale:
-            out = out * release_depth_scale(layer_id, fp64=out.dtype == torch.float64)
-    if gate_weight is not None:
-        bias = None if gate_bias is None else gate_bias.to(out.dtype)
-        out = out * torch.sigmoid(F.linear(out, gate_weight.to(out.dtype), bias))
-    return out
+    cast = lambda t: None if t is None else t.to(out.dtype)  # noqa: E731
+    scale = release_depth_scale(layer_id, fp64=out.dtype == torch.float64) if layer_norm_rescale else 1.0
+    return output_tail(out, cast(subln_weight), eps, scale, cast(gate_weight), cast(gate_bias))
 
 
 def query_history(
@@ -180,11 +173,14 @@ def query_history(
     given = dict(kq_kernel=kq_kernel, kq_kernel_after_softmax=kq_kernel_after_softmax)
     w = _renamed("query_history", given, release_names)
     return attention_ops.query_history(
-        ExplicitAttnParams(mta_kernel=w["kq_kernel"], mta_kernel_after_sm=w["kq_kernel_after_softmax"])
+        explicit_params({"mta_kernel": w["kq_kernel"], "mta_kernel_after_sm": w["kq_kernel_after_softmax"]})
     )
 
 
-# The release's parameter names, still taken as keywords (deprecated): {old: new}.
+# The release's parameter names, still taken as keywords (deprecated): {old: new}. They stay
+# for 0.1.x with their warning and go in this version (tests/test_mta_op.py fails once the
+# package's version reaches it while they are still taken).
+RELEASE_NAMES_REMOVED_IN = "0.2.0"
 RELEASE_NAMES = {
     "mta_kernel": "kq_kernel",
     "wpsm": "pre_softmax_head_mixing",
@@ -205,7 +201,11 @@ def _renamed(where: str, given: dict, release_names: dict) -> dict:
             raise TypeError(f"{where}() got an unexpected keyword argument {old!r}")
         if out[new] is not None:
             raise UserError(f"{where}: {old} and {new} are one weight (the release's name and this one); pass {new}")
-        warnings.warn(f"{where}: {old}= is deprecated, pass {new}= instead", DeprecationWarning, stacklevel=3)
+        warnings.warn(
+            f"{where}: {old}= is deprecated (removed in {RELEASE_NAMES_REMOVED_IN}), pass {new}= instead",
+            DeprecationWarning,
+            stacklevel=3,
+        )
         out[new] = value
     return out
 

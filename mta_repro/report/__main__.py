@@ -104,6 +104,13 @@ def build_report(run_dirs, out: Path, kernels: bool = True, labels: dict | None 
             f"{'—' if trained is None else trained} | {'no: ' + why if why else 'yes'} |"
         )
     md.append("")
+    inferred = [r.label for r in runs if not r.stage_recorded]
+    if inferred:  # once for the report, not per run or per table
+        md.append(
+            f"- stage (inferred) for {', '.join(inferred)}: made before runs recorded their run.stage; "
+            "inferred from the run's config and its source's: a source and a longer context or another "
+            "RoPE theta is the 4K finetune (docs/evaluation.md)."
+        )
     for r in missing_eval:
         msg = f"{r.label}: no evaluation results in {r.path / 'eval'}; run: {eval_command(r.path)}"
         md.append(f"- {msg}")

@@ -5,11 +5,12 @@ stage of the paper's protocol it belongs to.
 the tables read, ``eval_shape``, and refused when copied from another run) and
 ``metrics.jsonl`` (damaged lines skipped with a warning), and places the run: its stage
 and variant as it recorded them (``run.stage``, ``run.variant`` in its config, set by the
-pipeline for every run it plans), else, for a run that recorded none (started by hand, or
-before the fields existed), inferred: the variant from its results or model config, the
-stage from its config and its source's (``run_stage``: a source and a longer context or
-another RoPE theta is the 4K finetune). The report marks an inferred stage in its
-provenance block. The table builders (``mta_repro.report.tables``) and the plots read
+pipeline for every run it plans; the trainer records the stage of a run started by hand),
+else, for a run that recorded none (made before the fields existed, or a variant not
+given by hand), inferred: the variant from its results or model config, the stage from its
+config and its source's (``run_stage``: a source and a longer context or another RoPE
+theta is the 4K finetune). The report marks an inferred stage in its provenance block
+and says why once, under its list of runs. The table builders (``mta_repro.report.tables``) and the plots read
 ``RunData`` only.
 """
 
@@ -85,69 +86,20 @@ def recorded(cfg: dict | None, path: Path) -> tuple:
 
 
 def run_stage(cfg: dict | None) -> str:
-    """The stage of a run that did not record one (``run.stage``), inferred from its
-    config: pretrain (no source weights), insertion (baseline_to_mta), long_context (a source
-    and a longer context or RoPE theta 500,000 than the source), continued (the rest,
-    e.g. Appendix I's control: a baseline trained on at the same length)."""
-    src = _cfg_get(cfg, "checkpoint.init_from")
-    if not src:
-        return "pretrain"
-    if _cfg_get(cfg, "checkpoint.init_mode") == "baseline_to_mta":
-        return "insertion"
-    seq, theta = _cfg_get(cfg, "data.seq_len"), _cfg_get(cfg, "model.rope_theta")
-    if Path(str(src)).suffix == ".pt" or Path(str(src)).is_file():
-        return _stage_from_pt(cfg, Path(str(src)))
-    src_cfg = Path(str(src)) / "config.yaml"
-    if src_cfg.is_file():
-        from omegaconf import OmegaConf
+    """The stage of a run that did not record one (``run.stage``; runs made before the
+    trainer recorded it): what its start would have recorded (``start_stage``: from its
+    config and its source's), else, when the source is not readable here (e.g. a report
+    made on another machine), a guess from the run's own config: a model with Llama 3's
+    RoPE scaling is a Llama 3 trained on (theta 500,000 is its own, not a long-context
+    change), otherwise theta 500,000 marks the paper's 4K finetune."""
+    from mta_repro.train.stage_weights import start_stage
 
-        try:
-            s = OmegaConf.to_container(OmegaConf.load(src_cfg), resolve=False)
-        except Exception:  # noqa: BLE001 - an unreadable source config: fall back to theta
-            s = None
-        if s is not None:
-            longer = seq is not None and _cfg_get(s, "data.seq_len") is not None and seq > _cfg_get(s, "data.seq_len")
-            return "long_context" if longer or theta != _cfg_get(s, "model.rope_theta") else "continued"
-    return "long_context" if theta is not None and float(theta) >= 500_000 else "continued"
-
-
-def _pt_header(pt: Path) -> dict | None:
-    """{"config", "source"} of a consolidated .pt, read as data only and memory-mapped
-    (``mta_repro.weights.load_pt``: the weights are not read); None when it is not there or
-    not readable (unsafe files included: the stage then comes from the run's own config)."""
-    if not pt.is_file():
-        return None
-    from mta_repro.weights import load_pt
-
-    try:
-        blob = load_pt(pt)
-    except (UserError, OSError):  # not there on this machine, truncated, foreign objects: unknown
-        return None
-    return {"config": blob.get("config"), "source": blob.get("source")} if isinstance(blob, dict) else None
-
-
-def _stage_from_pt(cfg: dict | None, pt: Path) -> str:
-    """The stage of a run started from a .pt with init_mode model. An import of a Hugging
-    Face checkpoint (``python -m mta_repro.hf import``: Meta's Llama 3, RoPE theta 500,000
-    of its own) is continued training unless the run changed its RoPE; its config's
-    data.seq_len is the default, not a trained context, so it is not compared. A .pt of our
-    own run: as a run directory's config."""
-    seq, theta = _cfg_get(cfg, "data.seq_len"), _cfg_get(cfg, "model.rope_theta")
-    head = _pt_header(pt) or {}
-    s = head.get("config")
-    if isinstance(s, dict):
-        same_rope = theta == _cfg_get(s, "model.rope_theta") and _cfg_get(cfg, "model.rope_scaling") == _cfg_get(
-            s, "model.rope_scaling"
-        )
-        if head.get("source") is not None:  # an import
-            return "continued" if same_rope else "long_context"
-        longer = seq is not None and _cfg_get(s, "data.seq_len") is not None and seq > _cfg_get(s, "data.seq_len")
-        return "long_context" if longer or not same_rope else "continued"
-    # The .pt is not readable here (e.g. a report made on another machine): a model with
-    # Llama 3's RoPE scaling is a Llama 3 trained on (theta 500,000 is its own, not a
-    # long-context change); otherwise theta 500,000 marks the paper's 4K finetune.
+    known = start_stage(cfg)
+    if known is not None:
+        return known
     if _cfg_get(cfg, "model.rope_scaling.rope_type") == "llama3":
         return "continued"
+    theta = _cfg_get(cfg, "model.rope_theta")
     return "long_context" if theta is not None and float(theta) >= 500_000 else "continued"
 
 

@@ -20,7 +20,6 @@ from mta_repro.eval.benchmarks import BENCH_METRIC, BENCH_TASKS, LOCAL_SUFFIX, c
 from mta_repro.report import paper
 from mta_repro.report.render import Table
 from mta_repro.report.runs import RunData, _cfg_get, _res, _results
-from mta_repro.report.runs import load_run as load_run  # its older home, still imported from here
 
 BENCH_ORDER = list(BENCH_TASKS)
 # Old task names of this project -> lm-eval 0.4.x names.
@@ -675,12 +674,6 @@ def add_provenance(table: Table, runs) -> None:
         table.notes.append(
             f"{MARK.strip()}: not comparable with the rows beside it, or evaluated before its run's "
             "newest checkpoint; the provenance block under the table says why."
-        )
-    if any(not by_label[label].stage_recorded for label in labels):
-        table.notes.append(
-            "stage (inferred): the run recorded no run.stage (started by hand without it, or before "
-            "runs recorded it); its stage was inferred from its config: a source and a longer context "
-            "or another RoPE theta is the 4K finetune (docs/evaluation.md)."
         )
     if any("accepted changes" in p for p in table.provenance.values()):
         table.notes.append(

@@ -204,6 +204,12 @@ def _read_alike(args: TrainConfig, info: DistInfo, what: str, fn: Callable[[], A
 def _train(args: TrainConfig, info: DistInfo, lock: RunLock, preempt: PreemptionHandler) -> dict[str, Any]:
     tr, run_dir = args.trainer, Path(args.run_dir)
     torch.manual_seed(args.seed + info.rank)  # anything stochastic in training (dropout)
+    if args.run.stage is None:  # started by hand: record what this start knows it is
+        from omegaconf import OmegaConf
+
+        from mta_repro.train.stage_weights import start_stage
+
+        args.run.stage = start_stage(OmegaConf.to_container(OmegaConf.structured(args), resolve=True))  # type: ignore[arg-type]
 
     def prepare():
         _check_vocab(args, to_model_args(args.model).vocab_size)

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from mta_repro.errors import CorruptFileError, UserError
 from mta_repro.weights.layout import COMPLETE, EXPORT, complete_checkpoints, verify_checkpoint
-from mta_repro.weights.lingua import _is_lingua_step, release_checkpoint_path
+from mta_repro.weights.lingua import is_lingua_step, release_checkpoint_path
 from mta_repro.weights.safe import load_pt
 
 
@@ -79,7 +79,7 @@ def find_weights(path: str | Path) -> list[Candidate]:
         if src.is_file():
             return [Candidate("consolidated", src, _folder_step(src))]
         return [_dcp(src)] + [c for c in _lingua_steps(path) if c.path != src]
-    if _is_lingua_step(path):
+    if is_lingua_step(path):
         return [_dcp(path)]
     root = path / "checkpoints" if (path / "checkpoints").is_dir() else path
     # A folder gone by the time it is checked was pruned by a running trainer (which saved a
@@ -112,7 +112,7 @@ def _lingua_steps(dump_dir: Path) -> list[Candidate]:
     if not root.is_dir():
         return []
     steps = sorted(
-        (p for p in root.iterdir() if re.fullmatch(r"\d{10}", p.name) and _is_lingua_step(p)),
+        (p for p in root.iterdir() if re.fullmatch(r"\d{10}", p.name) and is_lingua_step(p)),
         key=lambda p: -int(p.name),
     )
     return [_dcp(p) for p in steps]

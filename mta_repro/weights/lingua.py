@@ -67,17 +67,17 @@ def release_checkpoint_path(path: str | Path) -> Path:
     for cand in (path / "consolidated.pth", path / "consolidated" / "consolidated.pth"):
         if cand.is_file():
             return cand
-    if _is_lingua_step(path):
+    if is_lingua_step(path):
         return path
     root = path / "checkpoints"
     if root.is_dir():
-        steps = sorted(p for p in root.iterdir() if re.fullmatch(r"\d{10}", p.name) and _is_lingua_step(p))
+        steps = sorted(p for p in root.iterdir() if re.fullmatch(r"\d{10}", p.name) and is_lingua_step(p))
         if steps and not any((p / ".complete").exists() for p in root.iterdir()):
             return release_checkpoint_path(steps[-1])
     return path
 
 
-def _is_lingua_step(path: Path) -> bool:
+def is_lingua_step(path: Path) -> bool:
     # Lingua's CheckpointManager.save: DCP files + params.json (+ train_state_*.json); ours
     # marks a finished save with .complete and has no params.json.
     return (path / ".metadata").is_file() and (path / "params.json").is_file() and not (path / ".complete").exists()

@@ -24,7 +24,7 @@ pytestmark = [
 
 def grads(fn, q, k, v, p, mask):
     ts = {"q": q, "k": k, "v": v}
-    ts.update({f: getattr(p, f) for f in attention_ops._WEIGHT_FIELDS if getattr(p, f) is not None})
+    ts.update({f: getattr(p, f) for f in attention_ops.WEIGHT_FIELDS if getattr(p, f) is not None})
     ts = {n: t.detach().clone().requires_grad_() for n, t in ts.items()}
     p = dataclasses.replace(p, **{n: t for n, t in ts.items() if n not in "qkv"})
     out = fn(ts["q"], ts["k"], ts["v"], p, mask, False)
@@ -39,7 +39,7 @@ def assert_matches_torch(q, k, v, p, mask=attention_ops.AttnMask(), rtol=1e-10, 
     want, want_g = grads(attention_ops.explicit_attention_torch, q.double(), k.double(), v.double(), p, mask)
     if q.dtype != torch.float64:
         p = dataclasses.replace(
-            p, **{f: getattr(p, f).to(q.dtype) for f in attention_ops._WEIGHT_FIELDS if getattr(p, f) is not None}
+            p, **{f: getattr(p, f).to(q.dtype) for f in attention_ops.WEIGHT_FIELDS if getattr(p, f) is not None}
         )
     got, got_g = grads(explicit_attention_stored, q, k, v, p, mask)
     assert got.dtype == q.dtype
@@ -125,9 +125,7 @@ def test_memory_preflight_stand_in_saves_the_stored_c_plane():
 
     h, t, d = 4, 20, 8
     p = params(h, (2, 3), (3, 3))
-    weights = {
-        getattr(p, f).untyped_storage()._cdata for f in attention_ops._WEIGHT_FIELDS if getattr(p, f) is not None
-    }
+    weights = {getattr(p, f).untyped_storage()._cdata for f in attention_ops.WEIGHT_FIELDS if getattr(p, f) is not None}
     q, k, v = (x.float().requires_grad_() for x in qkv(2, h, t, t, d))
     entry = attention_ops.attn_impl("triton")
     real = memory._saved_bytes(lambda: entry.fn(q, k, v, p, attention_ops.AttnMask()), weights)

@@ -49,7 +49,7 @@ def params(
 
 def grads_of(impl, q, k, v, p, mask):
     ts = {"q": q, "k": k, "v": v}
-    ts.update({f: getattr(p, f) for f in attention_ops._WEIGHT_FIELDS if getattr(p, f) is not None})
+    ts.update({f: getattr(p, f) for f in attention_ops.WEIGHT_FIELDS if getattr(p, f) is not None})
     ts = {n: t.detach().clone().requires_grad_() for n, t in ts.items()}
     p = dataclasses.replace(p, **{n: t for n, t in ts.items() if n not in "qkv"})
     out = attention_ops.attn_impl(impl).fn(ts["q"], ts["k"], ts["v"], p, mask, False)
@@ -115,7 +115,7 @@ def test_float32_accumulates_through_descriptor_reductions():
     mask = attention_ops.AttnMask(8, key_valid)
     want, want_g = grads_of("torch", q, k, v, p, mask)
     p32 = dataclasses.replace(
-        p, **{f: getattr(p, f).float() for f in attention_ops._WEIGHT_FIELDS if getattr(p, f) is not None}
+        p, **{f: getattr(p, f).float() for f in attention_ops.WEIGHT_FIELDS if getattr(p, f) is not None}
     )
     got, got_g = grads_of("triton", q.float(), k.float(), v.float(), p32, mask)
     assert got.dtype == torch.float32
@@ -369,9 +369,7 @@ def test_memory_preflight_stand_in_saves_what_the_kernel_saves(monkeypatch):
 
     h, t, d = 4, 20, 8
     p = params(h, None, (3, 3))
-    weights = {
-        getattr(p, f).untyped_storage()._cdata for f in attention_ops._WEIGHT_FIELDS if getattr(p, f) is not None
-    }
+    weights = {getattr(p, f).untyped_storage()._cdata for f in attention_ops.WEIGHT_FIELDS if getattr(p, f) is not None}
     q, k, v = (x.float().requires_grad_() for x in qkv(2, h, t, t, d))
     real = memory._saved_bytes(lambda: TRITON.fn(q, k, v, p, attention_ops.AttnMask()), weights)
     qm, km, vm = (torch.zeros(2, h, t, d, device="meta", requires_grad=True) for _ in range(3))
@@ -454,7 +452,7 @@ def test_bfloat16_is_as_accurate_as_the_reference_in_bfloat16():
     q, k, v = qkv(2, h, 20, 20, 8)
     want, want_g = grads_of("torch", q, k, v, p, attention_ops.AttnMask())
     p32 = dataclasses.replace(
-        p, **{f: getattr(p, f).float() for f in attention_ops._WEIGHT_FIELDS if getattr(p, f) is not None}
+        p, **{f: getattr(p, f).float() for f in attention_ops.WEIGHT_FIELDS if getattr(p, f) is not None}
     )
     errors = {}
     for impl in ("torch", "triton"):

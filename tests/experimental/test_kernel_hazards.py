@@ -36,7 +36,7 @@ pytestmark = [
 
 def grads_of(impl, q, k, v, p, mask, training=False, seed=None):
     ts = {"q": q, "k": k, "v": v}
-    ts.update({f: getattr(p, f) for f in attention_ops._WEIGHT_FIELDS if getattr(p, f) is not None})
+    ts.update({f: getattr(p, f) for f in attention_ops.WEIGHT_FIELDS if getattr(p, f) is not None})
     ts = {n: t.detach().clone().requires_grad_() for n, t in ts.items()}
     p = dataclasses.replace(p, **{n: t for n, t in ts.items() if n not in "qkv"})
     if seed is not None:
@@ -298,7 +298,7 @@ def test_no_descriptor_copy_has_a_negative_coordinate(monkeypatch, dtype):
         if dtype == torch.float32:
             q, k, v = q.float(), k.float(), v.float()
             p = dataclasses.replace(
-                p, **{f: getattr(p, f).float() for f in attention_ops._WEIGHT_FIELDS if getattr(p, f) is not None}
+                p, **{f: getattr(p, f).float() for f in attention_ops.WEIGHT_FIELDS if getattr(p, f) is not None}
             )
         want, want_g = grads_of(
             "torch", q.double(), k.double(), v.double(), params(h, pre, post, pad_key=pad_key), mask
@@ -355,7 +355,7 @@ def test_only_dk_and_dv_take_adds_from_several_programs(monkeypatch):
     h = 4
     p = params(h, (2, 3), (3, 3), group=2, tuning=kernel_tuning(frame="16x16", programs=3))
     p = dataclasses.replace(
-        p, **{f: getattr(p, f).float() for f in attention_ops._WEIGHT_FIELDS if getattr(p, f) is not None}
+        p, **{f: getattr(p, f).float() for f in attention_ops.WEIGHT_FIELDS if getattr(p, f) is not None}
     )
     q, k, v = (x.float() for x in qkv(2, h, 25, 25, 3))
     grads_of("triton", q, k, v, p, attention_ops.AttnMask())
