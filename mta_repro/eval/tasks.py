@@ -77,6 +77,11 @@ def register(cls):
 class PerplexityTask(EvalTask):
     name, section = "ppl", "ppl"
 
+    def check(self, cfg):
+        from mta_repro.eval.ppl import check_window_args
+
+        check_window_args(cfg.ppl.window_sampling, cfg.ppl.window_seed, cfg.ppl.max_batches)
+
     def lengths(self, cfg, ctx):
         return {"ppl.seq_len": int(cfg.ppl.seq_len or ctx.data_args.seq_len)}
 
@@ -85,7 +90,15 @@ class PerplexityTask(EvalTask):
 
         p = cfg.ppl
         return validation_perplexity(
-            ctx.model, ctx.tokenizer, ctx.data_args, p.domains, p.seq_len, p.batch_size, p.max_batches
+            ctx.model,
+            ctx.tokenizer,
+            ctx.data_args,
+            p.domains,
+            p.seq_len,
+            p.batch_size,
+            p.max_batches,
+            window_sampling=p.window_sampling,
+            window_seed=p.window_seed,
         )
 
 
