@@ -107,3 +107,6 @@ def test_two_ranks_equal_one_process(tmp_path):
         b = two_ppl[name]
         assert a["batch_doc"] == b["batch_doc"] and len(a["batch_doc"]) == 10, name
         assert b["batch_ce"] == pytest.approx(a["batch_ce"], rel=1e-5), name
+    # the needle prompts: the same ids in the same order
+    ids = [json.loads((tmp_path / d / "needle.json").read_text())["results"]["accuracy"] for d in ("one", "two")]
+    assert ids[0]["512"]["2"]["prompt_ids"] == ids[1]["512"]["2"]["prompt_ids"]

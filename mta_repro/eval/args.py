@@ -48,7 +48,12 @@ class NeedleArgs:
     query: str = "one"
     max_new_tokens: int = 16
     batch_size: int = 8
-    seed: int = 0
+    # Seed of the prompts (haystack windows, keys, values, the needle asked for); null =
+    # the run's own seed (its config's ``seed``, else its provenance record's, else 0 for
+    # weights that record none), so that runs of different seeds are asked different
+    # prompts and a study's needle samples count prompts, not repeats. The seed used and
+    # where it came from are in the JSON (results.settings.seed, seed_source).
+    seed: int | None = None
     # Background text: this domain of the run's data config, these splits, in order.
     background_domain: str = "book"
     background_splits: list[str] = field(default_factory=lambda: ["validation", "train"])

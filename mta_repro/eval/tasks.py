@@ -107,10 +107,13 @@ class NeedleTask(EvalTask):
     name, section = "needle", "needle"
 
     def check(self, cfg):
-        if cfg.needle.query not in ("one", "all"):
-            from mta_repro.errors import UserError
+        from mta_repro.errors import UserError
 
+        if cfg.needle.query not in ("one", "all"):
             raise UserError(f"eval.needle.query: expected 'one' or 'all', got {cfg.needle.query!r}")
+        seed = cfg.needle.seed
+        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or seed < 0):
+            raise UserError(f"eval.needle.seed: expected a non-negative integer or null (the run's seed), got {seed!r}")
 
     def lengths(self, cfg, ctx):
         return {"needle.context_lens": max(int(c) for c in cfg.needle.context_lens)}
@@ -128,9 +131,14 @@ class NeedleTask(EvalTask):
         ctx.state[self.name] = gen
 
     def run(self, cfg, ctx):
-        from mta_repro.eval.needle import run_needle
+        from dataclasses import replace
 
-        return run_needle(ctx.model, ctx.tokenizer, cfg.needle, generator=ctx.state.pop(self.name))
+        from mta_repro.eval.needle import needle_seed, run_needle
+
+        record = (getattr(ctx.model, "source", None) or {}).get("record")
+        seed, source = needle_seed(cfg.needle.seed, ctx.run_cfg, record)
+        args = replace(cfg.needle, seed=seed)
+        return run_needle(ctx.model, ctx.tokenizer, args, generator=ctx.state.pop(self.name), seed_source=source)
 
 
 @register
