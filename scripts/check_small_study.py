@@ -11,6 +11,13 @@ each eval JSON and the training losses in metrics.jsonl, exactly (the runs are s
 and single-threaded: the same machine gives the same bits; another CPU or torch build
 may differ in the last digits, and the output says by how much). Exit status 0 when all
 match, 1 with one line per difference otherwise.
+
+Only like is compared with like: an eval file whose protocol differs between the two
+roots (ppl windows drawn otherwise: ``settings.window_sampling``, absent = ``first``, or
+another ``window_seed``; needle prompts from another seed: ``results.settings.seed``,
+absent = 0) is skipped with a note saying why, and fields the committed file predates
+(``batch_doc``, ``token_loss``, ``tokens``, ``prompt_ids``, ``seed_source``) are not
+compared, with a note. Notes are not differences.
 """
 
 from __future__ import annotations
@@ -18,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -53,9 +61,54 @@ def _losses(run: Path) -> dict:
     return out
 
 
-def compare(committed: Path, fresh: Path, labels: list | None = None) -> list:
+# Result fields added after the committed study may have been written (mta_repro/eval/ppl.py,
+# needle.py): a committed file without them is compared on the rest.
+NEW_FIELDS = re.compile(r"^(token_loss|tokens)$|\.batch_doc\[|\.prompt_ids\.|^settings\.seed_source$")
+FIELD_NAMES = ("token_loss", "tokens", "batch_doc", "prompt_ids", "seed_source", "batch_ce", "batch_tokens")
+
+
+def _protocol(name: str, rec: dict) -> dict:
+    """What decides which windows or prompts an eval file scored (absent: the old protocol)."""
+    settings, results = rec.get("settings") or {}, rec.get("results") or {}
+    if name == "ppl.json":
+        sampling = settings.get("window_sampling", "first")
+        return {
+            "window_sampling": sampling,
+            "window_seed": settings.get("window_seed") if sampling != "first" else None,
+        }
+    if name == "needle.json":
+        return {"seed": (results.get("settings") or {}).get("seed", 0)}
+    return {}
+
+
+def _compare_eval(where: str, old: dict, new: dict, notes: list) -> list:
+    """The differences between two results of one eval file, like with like (module docstring)."""
+    name = where.rsplit("/", 1)[-1]
+    pa, pb = _protocol(name, old), _protocol(name, new)
+    if pa != pb:
+        notes.append(f"{where}: not compared: the committed file was evaluated with {pa}, the rerun with {pb}")
+        return []
+    x, y = _numbers(old.get("results")), _numbers(new.get("results"))
+    skipped = sorted({k for k in set(y) - set(x) if NEW_FIELDS.search(k)})
+    settings = old.get("settings") or {}
+    if name == "ppl.json" and "window_sampling" not in settings and int(settings.get("batch_size") or 1) > 1:
+        # written before the lists were per window: with batches of several windows they were per batch
+        skipped += [k for k in set(x) | set(y) if ".batch_ce[" in k or ".batch_tokens[" in k]
+    if skipped:
+        fields = sorted({f for k in skipped for f in re.findall(r"[a-z_]+", k) if f in FIELD_NAMES})
+        notes.append(f"{where}: the committed file predates {', '.join(fields)}: not compared")
+    lines = []
+    for key in sorted((set(x) | set(y)) - set(skipped)):
+        if x.get(key) != y.get(key):
+            lines.append(f"{where}: {key}: committed {x.get(key)!r}, now {y.get(key)!r}")
+    return lines
+
+
+def compare(committed: Path, fresh: Path, labels: list | None = None, notes: list | None = None) -> list:
     """One line per number that differs between the runs of two study roots (``labels``:
-    the runs to compare, e.g. ``pretrain/mta/seed0``; None: every committed run)."""
+    the runs to compare, e.g. ``pretrain/mta/seed0``; None: every committed run).
+    ``notes`` gets one line per eval file, or fields of one, not compared and why."""
+    notes = [] if notes is None else notes
     runs = labels or sorted(str(p.parent.relative_to(committed)) for p in committed.glob("*/*/*/metrics.jsonl"))
     if not runs:
         return [f"{committed}: no runs (<stage>/<variant>/seed<k>/metrics.jsonl) to compare"]
@@ -69,11 +122,9 @@ def compare(committed: Path, fresh: Path, labels: list | None = None) -> list:
             if not (b / "eval" / name).is_file():
                 lines.append(f"{label}/eval/{name}: missing in {fresh}")
                 continue
-            x = _numbers(json.loads((a / "eval" / name).read_text()).get("results"))
-            y = _numbers(json.loads((b / "eval" / name).read_text()).get("results"))
-            for key in sorted(set(x) | set(y)):
-                if x.get(key) != y.get(key):
-                    lines.append(f"{label}/eval/{name}: {key}: committed {x.get(key)!r}, now {y.get(key)!r}")
+            old = json.loads((a / "eval" / name).read_text())
+            new = json.loads((b / "eval" / name).read_text())
+            lines += _compare_eval(f"{label}/eval/{name}", old, new, notes)
         la, lb = _losses(a), _losses(b)
         if la != lb:
             bad = [s for s in sorted(set(la) | set(lb), key=str) if la.get(s) != lb.get(s)]
@@ -106,12 +157,16 @@ def main(argv=None) -> int:
         if rc != 0:
             print(f"check_small_study: the pipeline failed (exit {rc})", file=sys.stderr)
             return rc
-    lines = compare(committed, fresh, args.only or None)
+    notes: list = []
+    lines = compare(committed, fresh, args.only or None, notes)
+    for line in notes:
+        print(f"note: {line}")
     for line in lines:
         print(line)
+    compared = "every number compared matches" if notes else "every number matches"
     print(
-        f"check_small_study: {'every number matches' if not lines else f'{len(lines)} difference(s)'} "
-        f"({fresh} against {committed})"
+        f"check_small_study: {compared if not lines else f'{len(lines)} difference(s)'} "
+        f"({fresh} against {committed}{f'; {len(notes)} note(s)' if notes else ''})"
     )
     return 0 if not lines else 1
 

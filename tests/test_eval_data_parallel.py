@@ -100,3 +100,13 @@ def test_two_ranks_equal_one_process(tmp_path):
             assert nb[k] == pytest.approx(na[k], rel=1e-5, abs=1e-6), (task, k)
     ppl = json.loads((tmp_path / "two" / "ppl.json").read_text())["results"]["domains"]["book"]
     assert ppl["batches"] == 5 and ppl["tokens"] == 5 * 2 * 32
+    # the same random windows, each with its loss and document, in the same order
+    one_ppl = json.loads((tmp_path / "one" / "ppl.json").read_text())["results"]["domains"]
+    two_ppl = json.loads((tmp_path / "two" / "ppl.json").read_text())["results"]["domains"]
+    for name, a in one_ppl.items():
+        b = two_ppl[name]
+        assert a["batch_doc"] == b["batch_doc"] and len(a["batch_doc"]) == 10, name
+        assert b["batch_ce"] == pytest.approx(a["batch_ce"], rel=1e-5), name
+    # the needle prompts: the same ids in the same order
+    ids = [json.loads((tmp_path / d / "needle.json").read_text())["results"]["accuracy"] for d in ("one", "two")]
+    assert ids[0]["512"]["2"]["prompt_ids"] == ids[1]["512"]["2"]["prompt_ids"]

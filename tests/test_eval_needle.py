@@ -125,6 +125,10 @@ def test_run_needle_end_to_end_on_tiny_model():
         # every sample's score is kept (the report's intervals resample them)
         assert {d: sum(s) / len(s) for d, s in row["scores"].items()} == row["by_depth"]
         assert all(len(s) == 2 for s in row["scores"].values())
+        # one prompt id per score, 16 hex digits; no call seeded it: seed 0, said so
+        assert {d: len(i) for d, i in row["prompt_ids"].items()} == {"0": 2, "100": 2}
+        assert all(len(i) == 16 and int(i, 16) >= 0 for ids in row["prompt_ids"].values() for i in ids)
+    assert out["settings"]["seed"] == 0 and out["settings"]["seed_source"] == "no seed given: 0"
 
 
 def test_needles_never_split_abbreviations_or_decimals():
@@ -194,3 +198,79 @@ def test_budgets_with_the_llama3_tokenizer():
                 assert abs(len(tok.encode(text, add_bos=True, add_eos=False)) - len(s.tokens)) <= 8
                 for k, v in zip(s.keys, s.values):
                     assert text.count(NEEDLE.format(key=k, value=v)) == 1
+
+
+def sha256_id(tokens) -> str:
+    """The contract's prompt id, computed here with numpy: sha256 of little-endian int64 ids."""
+    import hashlib
+
+    import numpy as np
+
+    return hashlib.sha256(np.asarray(tokens, dtype="<i8").tobytes()).hexdigest()[:16]
+
+
+def test_prompt_ids_are_equal_exactly_for_equal_prompts():
+    from mta_repro.eval.needle import prompt_id
+
+    tok = make_tokenizer()
+    gen = NeedleGenerator(tok, Haystack(tok, BACKGROUND))
+    a = [gen.sample(512, 2, 50, random.Random(s)).tokens for s in (0, 1, 0)]
+    assert a[0] == a[2] and a[0] != a[1]
+    ids = [prompt_id(t) for t in a]
+    assert ids == [sha256_id(t) for t in a]
+    assert ids[0] == ids[2] != ids[1]
+    # ids above 2**31 (a Llama-3 vocabulary is 128K; int64 keeps any id whole)
+    assert prompt_id([128000, 5, 2**40]) == sha256_id([128000, 5, 2**40]) != prompt_id([128000, 5, 2**40 + 1])
+
+
+def test_the_seed_comes_from_the_run_then_its_record_then_zero():
+    from omegaconf import OmegaConf
+
+    from mta_repro.eval.needle import needle_seed
+
+    cfg = OmegaConf.create({"seed": 3, "model": {}})
+    record = {"inputs": {"seeds": {"seed": 4}}}
+    assert needle_seed(None, cfg, record) == (3, "run config seed")
+    assert needle_seed(7, cfg, record) == (7, "needle.seed")
+    assert needle_seed(0, cfg, record) == (0, "needle.seed")  # an explicit 0 is not "unset"
+    assert needle_seed(None, OmegaConf.create({"model": {}}), record) == (4, "run provenance seed")
+    assert needle_seed(None, OmegaConf.create({"model": {}}), None) == (0, "no seed recorded: 0")
+
+
+@pytest.mark.slow
+def test_runs_of_different_seeds_are_asked_different_prompts(tmp_path):
+    """Through ``python -m mta_repro.eval``: two runs of seed 1 (different weights) get the
+    same prompts, a run of seed 2 others, and needle.seed=2 on a seed-1 run those of seed 2."""
+    import json
+
+    from eval_helpers import make_run
+
+    from mta_repro.eval.run import main
+
+    runs = {}
+    for name, seed in (("a", 1), ("b", 1), ("c", 2)):
+        runs[name], _ = make_run(tmp_path / name, attention="baseline", seq_len=512, overrides=[f"seed={seed}"])
+    args = [
+        "tasks=[needle]",
+        "device=cpu",
+        "needle.context_lens=[512]",
+        "needle.needle_counts=[2]",
+        "needle.depths=[0,50]",
+        "needle.samples=3",
+        "needle.max_new_tokens=2",
+        "needle.max_background_chars=50000",
+    ]
+
+    def needle(run_dir, *extra, out="eval"):
+        assert main([str(run_dir), *args, *extra, f"out_dir={run_dir / out}"]) == 0
+        res = json.loads((run_dir / out / "needle.json").read_text())["results"]
+        return res["settings"], res["accuracy"]["512"]["2"]["prompt_ids"]
+
+    (sa, ia), (sb, ib), (sc, ic) = (needle(runs[n]) for n in "abc")
+    assert (sa["seed"], sb["seed"], sc["seed"]) == (1, 1, 2) and sa["seed_source"] == "run config seed"
+    assert ia == ib  # the same seed: the same prompts, whatever the weights
+    flat_a, flat_c = [i for d in ia.values() for i in d], [i for d in ic.values() for i in d]
+    assert len(flat_a) == 6 and len(set(flat_a)) == 6  # 6 distinct prompts, one id each
+    assert not set(flat_a) & set(flat_c)  # another seed: no prompt in common
+    sx, ix = needle(runs["a"], "needle.seed=2", out="explicit")
+    assert (sx["seed"], sx["seed_source"]) == (2, "needle.seed") and ix == ic

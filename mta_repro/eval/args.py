@@ -19,9 +19,18 @@ class PplArgs:
     # compared at, docs/evaluation.md). Each window scores seq_len tokens. Longer than
     # the trained context only with extrapolate=true.
     seq_len: int | None = None
-    # Windows per batch and batches per domain at most: 4 and 256, as the release's eval.
+    # Windows per batch and batches per domain at most: 4 and 256, as the release's eval
+    # (max_batches * batch_size windows are scored per domain; null = every window).
     batch_size: int = 4
     max_batches: int | None = 256
+    # Which windows: "random" = a uniform sample without replacement of all the domain's
+    # windows, drawn with window_seed; "first" = the first ones of the stream (the
+    # release's eval, and this project's before windows were sampled). Random so that the
+    # windows represent the domain, not its first documents (docs/evaluation.md).
+    window_sampling: str = "random"
+    # Seed of the window sample (a non-negative int). A fixed 0, not the run's seed: every
+    # run of a study is scored on the same windows, which a paired comparison needs.
+    window_seed: int = 0
     # Domains to evaluate; null = every domain of the run's data config.
     domains: list[str] | None = None
 
@@ -39,7 +48,12 @@ class NeedleArgs:
     query: str = "one"
     max_new_tokens: int = 16
     batch_size: int = 8
-    seed: int = 0
+    # Seed of the prompts (haystack windows, keys, values, the needle asked for); null =
+    # the run's own seed (its config's ``seed``, else its provenance record's, else 0 for
+    # weights that record none), so that runs of different seeds are asked different
+    # prompts and a study's needle samples count prompts, not repeats. The seed used and
+    # where it came from are in the JSON (results.settings.seed, seed_source).
+    seed: int | None = None
     # Background text: this domain of the run's data config, these splits, in order.
     background_domain: str = "book"
     background_splits: list[str] = field(default_factory=lambda: ["validation", "train"])

@@ -17,14 +17,19 @@ answer is generated inside ``context_len``, as RULER counts it):
   greedy answer (``max_new_tokens`` tokens, cut at the first newline).
 
 Results: accuracy per (context length, needle count, depth), and per needle count
-averaged over depths (the paper's presentation). The texts word for word: ``PREAMBLE``,
-``NEEDLE``, ``QUESTION_ONE`` and ``QUESTION_ALL`` below (and docs/evaluation.md).
+averaged over depths (the paper's presentation), with every sample's score and
+``prompt_id``. The prompts are drawn by ``random.Random(seed)``, the run's own seed unless
+``needle.seed`` is set (``needle_seed``): runs of different seeds get different prompts.
+The texts word for word: ``PREAMBLE``, ``NEEDLE``, ``QUESTION_ONE`` and ``QUESTION_ALL``
+below (and docs/evaluation.md).
 """
 
 from __future__ import annotations
 
 import bisect
+import hashlib
 import random
+import struct
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
@@ -302,20 +307,50 @@ class NeedleGenerator:
         return NeedleSample(tokens, keys, values, [values[a] for a in asked], positions, depth, context_len)
 
 
+def prompt_id(tokens: Sequence[int]) -> str:
+    """The first 16 hex digits of the sha256 of the prompt's token ids as little-endian
+    int64 bytes: equal prompts have equal ids, in any run."""
+    return hashlib.sha256(struct.pack(f"<{len(tokens)}q", *tokens)).hexdigest()[:16]
+
+
+def needle_seed(explicit: int | None, run_cfg=None, record: dict | None = None) -> tuple[int, str]:
+    """(the seed the prompts are drawn with, where it came from): ``needle.seed`` when set,
+    else the run's ``seed`` (its config, else the provenance record of its weights), else 0
+    for weights that record no seed (an export from elsewhere)."""
+    if explicit is not None:
+        return int(explicit), "needle.seed"
+    seed = run_cfg.get("seed") if run_cfg is not None and hasattr(run_cfg, "get") else None
+    if isinstance(seed, int) and not isinstance(seed, bool):
+        return seed, "run config seed"
+    seed = (((record or {}).get("inputs") or {}).get("seeds") or {}).get("seed")
+    if isinstance(seed, int) and not isinstance(seed, bool):
+        return seed, "run provenance seed"
+    return 0, "no seed recorded: 0"
+
+
 @torch.no_grad()
 def run_needle(
-    model, tokenizer, args, background: Iterable[str] | None = None, generator: NeedleGenerator | None = None
+    model,
+    tokenizer,
+    args,
+    background: Iterable[str] | None = None,
+    generator: NeedleGenerator | None = None,
+    seed_source: str | None = None,
 ) -> dict:
     """Accuracy per (context length, needle count, depth); nested dict, JSON-ready.
 
-    ``args``: the settings (``mta_repro.eval.args.NeedleArgs``). The prompts come from
-    ``generator`` when given (its budgets already checked, as ``eval``'s prepare step
-    does), else from a haystack built here from the ``background`` documents."""
+    ``args``: the settings (``mta_repro.eval.args.NeedleArgs``; a ``seed`` of None is 0
+    here: ``eval`` passes the run's, from ``needle_seed``, and where it came from as
+    ``seed_source``). The prompts come from ``generator`` when given (its budgets already
+    checked, as ``eval``'s prepare step does), else from a haystack built here from the
+    ``background`` documents."""
     from mta_repro.model.generation import generate
 
     context_lens, needle_counts, depths = args.context_lens, args.needle_counts, args.depths
     samples, query, max_new_tokens = args.samples, args.query, args.max_new_tokens
-    batch_size, seed = args.batch_size, args.seed
+    batch_size = args.batch_size
+    seed = 0 if args.seed is None else int(args.seed)
+    seed_source = seed_source or ("needle.seed" if args.seed is not None else "no seed given: 0")
     gen = generator
     if gen is None:
         if background is None:
@@ -325,15 +360,25 @@ def run_needle(
     from mta_repro.eval import dist
 
     rng = random.Random(seed)
-    results: dict = {"settings": {"query": query, "samples": samples, "max_new_tokens": max_new_tokens, "seed": seed}}
+    results: dict = {
+        "settings": {
+            "query": query,
+            "samples": samples,
+            "max_new_tokens": max_new_tokens,
+            "seed": seed,
+            "seed_source": seed_source,
+        }
+    }
     # Every process draws every sample (same seed, same order); under torchrun each
     # generates for every world_size-th batch, and the scores are gathered.
     scores: dict = {}  # (setting, batch index) -> scores
+    prompt_ids: dict = {}  # setting -> every sample's prompt_id, in draw order (every process has all)
     unit = 0
     for c in context_lens:
         for n in needle_counts:
             for d in depths:
                 batch = [gen.sample(int(c), int(n), float(d), rng, max_new_tokens) for _ in range(samples)]
+                prompt_ids[(str(c), str(n), f"{float(d):g}")] = [prompt_id(x.tokens) for x in batch]
                 for b, s in enumerate(range(0, len(batch), batch_size)):
                     unit += 1
                     if not dist.mine(unit - 1):
@@ -349,18 +394,22 @@ def run_needle(
     table: dict = {}
     for c in context_lens:
         for n in needle_counts:
-            per_depth, per_sample = {}, {}
+            per_depth, per_sample, per_id = {}, {}, {}
             for d in depths:
                 key = (str(c), str(n), f"{float(d):g}")
                 got = [v for b in range((samples + batch_size - 1) // batch_size) for v in scores[(*key, b)]]
                 per_depth[key[2]] = sum(got) / len(got)
                 per_sample[key[2]] = got
+                per_id[key[2]] = prompt_ids[key]
             table.setdefault(str(c), {})[str(n)] = {
                 "by_depth": per_depth,
                 "mean": sum(per_depth.values()) / len(per_depth),
                 # every sample's score, in draw order (the same prompts for every model of
                 # one seed and settings): what the report's intervals resample
                 "scores": per_sample,
+                # parallel to scores: each sample's prompt_id, so that a prompt asked in
+                # several runs (the same seed) is counted once
+                "prompt_ids": per_id,
             }
     results["accuracy"] = table
     return results

@@ -77,6 +77,11 @@ def register(cls):
 class PerplexityTask(EvalTask):
     name, section = "ppl", "ppl"
 
+    def check(self, cfg):
+        from mta_repro.eval.ppl import check_window_args
+
+        check_window_args(cfg.ppl.window_sampling, cfg.ppl.window_seed, cfg.ppl.max_batches)
+
     def lengths(self, cfg, ctx):
         return {"ppl.seq_len": int(cfg.ppl.seq_len or ctx.data_args.seq_len)}
 
@@ -85,7 +90,15 @@ class PerplexityTask(EvalTask):
 
         p = cfg.ppl
         return validation_perplexity(
-            ctx.model, ctx.tokenizer, ctx.data_args, p.domains, p.seq_len, p.batch_size, p.max_batches
+            ctx.model,
+            ctx.tokenizer,
+            ctx.data_args,
+            p.domains,
+            p.seq_len,
+            p.batch_size,
+            p.max_batches,
+            window_sampling=p.window_sampling,
+            window_seed=p.window_seed,
         )
 
 
@@ -94,10 +107,13 @@ class NeedleTask(EvalTask):
     name, section = "needle", "needle"
 
     def check(self, cfg):
-        if cfg.needle.query not in ("one", "all"):
-            from mta_repro.errors import UserError
+        from mta_repro.errors import UserError
 
+        if cfg.needle.query not in ("one", "all"):
             raise UserError(f"eval.needle.query: expected 'one' or 'all', got {cfg.needle.query!r}")
+        seed = cfg.needle.seed
+        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or seed < 0):
+            raise UserError(f"eval.needle.seed: expected a non-negative integer or null (the run's seed), got {seed!r}")
 
     def lengths(self, cfg, ctx):
         return {"needle.context_lens": max(int(c) for c in cfg.needle.context_lens)}
@@ -115,9 +131,14 @@ class NeedleTask(EvalTask):
         ctx.state[self.name] = gen
 
     def run(self, cfg, ctx):
-        from mta_repro.eval.needle import run_needle
+        from dataclasses import replace
 
-        return run_needle(ctx.model, ctx.tokenizer, cfg.needle, generator=ctx.state.pop(self.name))
+        from mta_repro.eval.needle import needle_seed, run_needle
+
+        record = (getattr(ctx.model, "source", None) or {}).get("record")
+        seed, source = needle_seed(cfg.needle.seed, ctx.run_cfg, record)
+        args = replace(cfg.needle, seed=seed)
+        return run_needle(ctx.model, ctx.tokenizer, args, generator=ctx.state.pop(self.name), seed_source=source)
 
 
 @register
