@@ -424,3 +424,30 @@ def test_a_wrong_architecture_in_config_json_is_one_line(tmp_path, archs, words)
     with pytest.raises(UserError) as e:
         load_mta_pretrained(tmp_path)
     assert f"{tmp_path}/config.json" in str(e.value) and words in str(e.value), str(e.value)
+
+
+def test_apply_mta_checks_the_options_once_and_builds_what_the_constructor_builds(monkeypatch):
+    """The options are checked once for the whole model (not again per layer), and a layer
+    built from the checked set equals one the public constructor builds from the same options."""
+    from mta_repro.model.args import MTAArgs
+
+    calls = []
+    check = MTAArgs.check
+    monkeypatch.setattr(MTAArgs, "check", lambda self, *a, **k: (calls.append(1), check(self, *a, **k))[1])
+    torch.manual_seed(0)
+    model = apply_mta(tiny(), layers=[0, 1, 2], conv_layers=[1], **MTA, group_norm=True, add_gating=True)
+    assert len(calls) == 1
+    cfg = model.config
+    head_dim = cfg.hidden_size // cfg.num_attention_heads
+    for i, conv in ((1, True), (0, False)):
+        layer = model.model.layers[i].self_attn.mta
+        opts = dict(MTA, group_norm=True, add_gating=True)
+        if not conv:
+            opts = {k: v for k, v in opts.items() if not k.endswith("kernel_size") or k == "head_kernel_size"}
+        torch.manual_seed(0)
+        ref = MultiTokenAttention(cfg.num_attention_heads, head_dim, **opts, layer_id=i, dim=cfg.hidden_size)
+        assert layer.kind == ref.kind and layer.options == ref.options
+        assert sorted(layer.state_dict()) == sorted(ref.state_dict())
+        for name, tensor in ref.state_dict().items():
+            if name != "gate.weight":  # trunc-normal draws: the RNG state differs by construction order
+                assert torch.equal(layer.state_dict()[name], tensor), name

@@ -74,22 +74,26 @@ def insert_layers(
         raise UserError(f"{where}: conv_layers {sorted(set(conv) - set(chosen))} are not among layers {chosen}")
     config = model.config
     H = config.num_attention_heads
-    validated_args(H, attns[0].head_dim, options, where)  # the whole set of options, checked once
+    dropout = float(getattr(config, "attention_dropout", 0.0) or 0.0)
+    # The whole set of options, checked once here; each layer is built from the checked set.
+    checked = validated_args(
+        H, attns[0].head_dim, options, where, dropout=dropout, attn_impl=attn_impl, attn_block_size=attn_block_size
+    )
+    no_conv = dataclasses.replace(checked, **dict.fromkeys(CONV_OPTIONS))
     runtime: dict[str, Any] = dict(
         attn_impl=attn_impl, attn_block_size=attn_block_size, kernels=kernels, selfcheck=selfcheck
     )
     converted = []
     for i in chosen:
         attn = attns[i]
-        opts = dict(options) if i in conv else {k: v for k, v in options.items() if k not in CONV_OPTIONS}
         w = attn.q_proj.weight
-        mta = MultiTokenAttention(
+        mta = MultiTokenAttention.from_checked(
+            checked if i in conv else no_conv,
             H,
             attn.head_dim,
-            **opts,
             layer_id=i,
             dim=config.hidden_size,
-            dropout=float(getattr(config, "attention_dropout", 0.0) or 0.0),
+            dropout=dropout,
             **runtime,
             device=w.device,
             dtype=w.dtype,

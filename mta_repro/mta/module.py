@@ -91,22 +91,73 @@ class MultiTokenAttention(MTALayer):
             gate_1d=gate_1d,
             init_method=init_method,
         )
-        self.options = validated_args(
+        checked = validated_args(
             n_heads, head_dim, opts, dropout=dropout, attn_impl=attn_impl, attn_block_size=attn_block_size
         )
+        self._build(
+            checked,
+            n_heads,
+            head_dim,
+            layer_id=layer_id,
+            dim=dim,
+            init_std=init_std,
+            init_factor=init_factor,
+            dropout=dropout,
+            attn_impl=attn_impl,
+            attn_block_size=attn_block_size,
+            kernels=kernels,
+            selfcheck=selfcheck,
+            device=device,
+            dtype=dtype,
+        )
+
+    @classmethod
+    def from_checked(cls, options: MTAArgs, n_heads: int, head_dim: int, **layer) -> MultiTokenAttention:
+        """A layer from ``options`` that ``validated_args`` already checked, with these heads and
+        the same ``dropout``, ``attn_impl`` and ``attn_block_size`` (``layer``: the constructor's
+        keywords after the options). For a caller that builds many layers from one set of
+        options (``apply_mta``): the options are checked once, not once per layer."""
+        self = cls.__new__(cls)
+        MTALayer.__init__(self)
+        self._build(options, n_heads, head_dim, **layer)
+        return self
+
+    def _build(
+        self,
+        m: MTAArgs,
+        n_heads: int,
+        head_dim: int,
+        *,
+        layer_id: int = 0,
+        dim: int | None = None,
+        init_std: float | None = None,
+        init_factor: float = 1.0,
+        dropout: float = 0.0,
+        attn_impl: str = "blocked",
+        attn_block_size: int | None = None,
+        kernels: KernelTuning | None = None,
+        selfcheck: str | None = None,
+        device=None,
+        dtype=None,
+    ) -> None:
         if selfcheck not in SELFCHECK:
             raise UserError(f"MultiTokenAttention: selfcheck={selfcheck!r}: expected warn, strict, off or None")
         if isinstance(layer_id, bool) or not isinstance(layer_id, int) or layer_id < 0:
             raise UserError(f"MultiTokenAttention: layer_id={layer_id!r}: expected a 0-based layer index")
-        self.layer_norm_rescale, self.selfcheck = layer_norm_rescale, selfcheck
+        self.options = m
+        self.layer_norm_rescale, self.selfcheck = m.layer_norm_rescale, selfcheck
         # "kq_conv" (key-query convolutions), "mixing" (head mixing only) or "sdpa" (neither).
+        if m.query_kernel_size or m.after_sm_query_kernel_size:
+            kind = "kq_conv"
+        elif m.pre_sm_linear_head or m.post_sm_linear_head or m.head_kernel_size:
+            kind = "mixing"
+        else:
+            kind = "sdpa"
         self.build_mta(
-            opts,
+            m,
             n_heads,
             head_dim,
-            "kq_conv"
-            if query_kernel_size or after_sm_query_kernel_size
-            else ("mixing" if pre_sm_linear_head or post_sm_linear_head or head_kernel_size else "sdpa"),
+            kind,
             layer_id,
             model_dim=dim or n_heads * head_dim,
             init_std=init_std,
