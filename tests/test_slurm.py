@@ -310,29 +310,6 @@ def test_submit_refuses_a_run_dir_whose_lock_a_live_start_holds(tmp_path):
     assert not (run_dir / "slurm").exists()
 
 
-def test_non_zero_ranks_leave_hydra_output_to_rank_0(monkeypatch):
-    from hydra import compose, initialize_config_dir
-
-    from mta_repro.train.__main__ import hydra_argv
-    from mta_repro.train.config import CONFIG_DIR
-
-    for var in ("RANK", "WORLD_SIZE", "SLURM_PROCID", "SLURM_NTASKS"):
-        monkeypatch.delenv(var, raising=False)
-    assert hydra_argv(["experiment=debug"]) == ["experiment=debug"]
-    monkeypatch.setenv("SLURM_PROCID", "1")
-    monkeypatch.setenv("SLURM_NTASKS", "2")
-    extra = [a for a in hydra_argv(["experiment=debug"]) if a != "experiment=debug"]
-    assert extra
-    monkeypatch.setenv("RANK", "0")  # torchrun inside an sbatch: torchrun's rank wins
-    monkeypatch.setenv("WORLD_SIZE", "2")
-    assert hydra_argv(["experiment=debug"]) == ["experiment=debug"]
-    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base=None):
-        cfg = compose("train", ["experiment=debug", *extra], return_hydra_config=True)
-    # No .hydra/ directory, and the job log goes to stdout only (no <run_dir>/*.log file).
-    assert cfg.hydra.output_subdir is None
-    assert "file" not in cfg.hydra.job_logging.handlers and "console" in cfg.hydra.job_logging.handlers
-
-
 def test_eval_sbatch_renders_the_eval_command(tmp_path):
     p = _run(["-m", "mta_repro.eval.submit", "runs/x", "tasks=[ppl]", "--gpus", "0", "--after", "42:43"], cwd=tmp_path)
     assert "#SBATCH --dependency=afterok:42:43\n" in p.stdout and "--gpus" not in p.stdout

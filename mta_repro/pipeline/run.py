@@ -124,7 +124,6 @@ def plan_problems(plan: Plan) -> list:
     """What the jobs still to run would miss at their start (mta_repro/train/jobcheck.py),
     each line once: a root the jobs cannot write, an import folder, and each training
     job's data, tokenizer and sources (a run an earlier job makes counts as there)."""
-    from mta_repro.pipeline.plan import _Composer
     from mta_repro.train.jobcheck import problems, writable_dir_problem
 
     lines = [line for line in [writable_dir_problem(plan.root, "root")] if line]
@@ -132,13 +131,14 @@ def plan_problems(plan: Plan) -> list:
     made = list(plan.train_dirs.values()) + [j.out_file for j in plan.jobs if j.kind == "import" and j.out_file]
     todo = [j for j in plan.jobs if j.kind in ("train", "check") and not done(j)]
     if todo:
-        with _Composer() as c:
-            for job in todo:
-                for line in problems(c.train(job.overrides), made_by_plan=made):
-                    if line.startswith("run_dir:"):  # under the root: said once, above
-                        continue
-                    if line not in lines:
-                        lines.append(line)
+        from mta_repro.train.config import compose
+
+        for job in todo:
+            for line in problems(compose(job.overrides), made_by_plan=made):
+                if line.startswith("run_dir:"):  # under the root: said once, above
+                    continue
+                if line not in lines:
+                    lines.append(line)
     return lines
 
 

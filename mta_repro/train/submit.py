@@ -38,7 +38,7 @@ from mta_repro.errors import UserError
 from mta_repro.resources import ROOT, SLURM_DIR
 from mta_repro.slurm import memory_lines, sbatch, time_limit
 from mta_repro.train.args import SITE_FIELDS, SlurmArgs
-from mta_repro.train.config import CONFIG_DIR, compose
+from mta_repro.train.config import compose
 from mta_repro.train.jobcheck import NO_CHECK, problems, queued_owner, raise_problems, resolved_overrides
 
 TEMPLATE = SLURM_DIR / "train.sbatch"
@@ -48,17 +48,8 @@ PROG = "mta_repro.train.submit"
 def _refuse_multirun(overrides: Sequence[str]) -> None:
     """An experiment with ``hydra.mode: MULTIRUN`` is a sweep: one sbatch would train only
     its first point (or all of them in one run dir)."""
-    from hydra import compose as hydra_compose
-    from hydra import initialize_config_dir
-    from hydra.core.global_hydra import GlobalHydra
-
     flags = [o for o in overrides if o in ("-m", "--multirun")]
-    if GlobalHydra.instance().is_initialized():
-        GlobalHydra.instance().clear()
-    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base=None):
-        raw = hydra_compose(
-            config_name="train", overrides=[o for o in overrides if o not in flags], return_hydra_config=True
-        )
+    raw = compose([o for o in overrides if o not in flags], hydra_config=True)
     mode = OmegaConf.select(raw, "hydra.mode", throw_on_resolution_failure=False)
     if flags or str(mode).endswith("MULTIRUN"):
         exp = next((o.split("=", 1)[1] for o in overrides if o.startswith("experiment=")), None)
