@@ -1,5 +1,5 @@
-"""One composition and one job engine (issue #64 items 1-2): every entry point composes
-through ``mta_repro.train.config.compose``; a ``-m`` sweep is a plan of the pipeline's engine."""
+"""One composition and one job engine: every entry point composes through
+``mta_repro.train.config.compose``; a ``-m`` sweep is a plan of the pipeline's engine."""
 
 from __future__ import annotations
 
@@ -48,7 +48,7 @@ def _run(*args, timeout=300):
 
 
 def test_the_plain_spelling_of_pipeline_seeds_is_accepted(tmp_path):
-    # issue #67 item 6: tiny sets no seeds; pipeline.seeds=[0,1] means +pipeline.seeds=[0,1]
+    # tiny sets no seeds: pipeline.seeds=[0,1] means +pipeline.seeds=[0,1]
     p = _run("mta_repro.pipeline", "pipeline=tiny", f"root={tmp_path}", "pipeline.seeds=[0,1]", "--plan")
     assert p.returncode == 0, p.stderr
     assert "train:pretrain/mta/seed1" in p.stdout and "train:pretrain/mta " not in p.stdout

@@ -179,6 +179,7 @@ LAYERS = [
     ("model", {"model"}),
     ("weights", {"weights"}),
     ("data", {"data"}),
+    ("runs", {"runs"}),
     ("train", {"train"}),
     ("eval", {"eval"}),
     ("report", {"report"}),

@@ -147,7 +147,7 @@ def test_the_check_sees_what_it_looks_for(tmp_path):
 
 
 def test_provenance_records_the_clones_commit_and_none_from_a_wheel(monkeypatch):
-    from mta_repro.train.provenance import code_version
+    from mta_repro.runs.provenance import code_version
 
     if not (ROOT / ".git").exists():
         pytest.skip("not a git checkout")

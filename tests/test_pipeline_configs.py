@@ -10,10 +10,10 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
+from mta_repro.pipeline.sweep import plain_run_dir_overrides
 from mta_repro.resolvers import mta_layers_every
 from mta_repro.train.config import compose, model_args_from
 from mta_repro.train.optim import OptimArgs, build_lr_scheduler, lr_factor, warmup_steps
-from mta_repro.train.sweep import plain_run_dir_overrides
 
 ROOT = Path(__file__).resolve().parents[1]
 

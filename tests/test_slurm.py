@@ -120,7 +120,7 @@ def _submit_train(run_dir, *extra, common=COMMON, env=None):
     p = _run(
         [
             "-m",
-            "mta_repro.train.submit",
+            "mta_repro.pipeline.submit",
             *common,
             *CPU_PROFILE,
             f"run_dir={run_dir}",
@@ -195,7 +195,7 @@ def _assert_matches(reference, run_dir):
 
 # ------------------------------------------------------------------ rendering (no cluster)
 def test_cpu_profile_renders_tasks_and_no_gpu_request():
-    from mta_repro.train.submit import render
+    from mta_repro.pipeline.submit import render
 
     script, _ = render(["experiment=debug", *CPU_PROFILE])
     assert "--gpus" not in script and "gres" not in script
@@ -232,7 +232,7 @@ def test_launcher_config_follows_the_slurm_section():
 
 def test_paths_made_absolute_and_init_from_checked(tmp_path):
     (tmp_path / "runs" / "base").mkdir(parents=True)
-    args = ["-m", "mta_repro.train.submit", "experiment=debug", *CPU_PROFILE, "run_dir=runs/next"]
+    args = ["-m", "mta_repro.pipeline.submit", "experiment=debug", *CPU_PROFILE, "run_dir=runs/next"]
     p = _run([*args, "checkpoint.init_from=runs/base", "--dry-run"], cwd=tmp_path)
     srun = [l for l in p.stdout.splitlines() if l.startswith("srun ")][0]
     assert f"run_dir={tmp_path}/runs/next" in srun and f"checkpoint.init_from={tmp_path}/runs/base" in srun
@@ -242,7 +242,7 @@ def test_paths_made_absolute_and_init_from_checked(tmp_path):
     p = _run(
         [
             "-m",
-            "mta_repro.train.submit",
+            "mta_repro.pipeline.submit",
             "experiment=long_context_880m_mta",
             *CPU_PROFILE,
             "trainer.device=cpu",
@@ -254,23 +254,23 @@ def test_paths_made_absolute_and_init_from_checked(tmp_path):
     )
     assert p.returncode == 2 and "Traceback" not in p.stderr
     lines = p.stderr.strip().splitlines()  # one line a missing path (the paper's corpus and tokenizer too)
-    assert all(line.startswith("mta_repro.train.submit: error: ") for line in lines), lines
+    assert all(line.startswith("mta_repro.pipeline.submit: error: ") for line in lines), lines
     assert (
-        f"mta_repro.train.submit: error: checkpoint.init_from: {tmp_path}/runs/pretrain_880m_mta does not exist "
+        f"mta_repro.pipeline.submit: error: checkpoint.init_from: {tmp_path}/runs/pretrain_880m_mta does not exist "
         "(a run dir, a checkpoint dir or a .pt file; relative paths are taken from the submit directory; add "
         "--no-check if it exists only on the compute nodes)"
     ) in lines
     assert not (tmp_path / "runs" / "long_context_880m_mta").exists()  # nothing written, nothing queued
     # ... and a stage without its source says which field to give, in one line.
     p = _run(
-        ["-m", "mta_repro.train.submit", "experiment=long_context_880m_mta", "--submit"], cwd=tmp_path, check=False
+        ["-m", "mta_repro.pipeline.submit", "experiment=long_context_880m_mta", "--submit"], cwd=tmp_path, check=False
     )
     assert p.returncode == 2 and len(p.stderr.strip().splitlines()) == 1
-    assert p.stderr.startswith("mta_repro.train.submit: error: checkpoint.init_from: required")
+    assert p.stderr.startswith("mta_repro.pipeline.submit: error: checkpoint.init_from: required")
 
 
 def test_sweep_experiments_are_refused_with_the_launcher_to_use():
-    p = _run(["-m", "mta_repro.train.submit", "experiment=ablation_kernels", "--dry-run"], check=False)
+    p = _run(["-m", "mta_repro.pipeline.submit", "experiment=ablation_kernels", "--dry-run"], check=False)
     assert p.returncode == 2 and len(p.stderr.strip().splitlines()) == 1 and p.stdout == ""
     assert "hydra.mode: MULTIRUN" in p.stderr
     assert "python -m mta_repro.train -m hydra/launcher=slurm experiment=ablation_kernels" in p.stderr
@@ -278,13 +278,13 @@ def test_sweep_experiments_are_refused_with_the_launcher_to_use():
 
 def test_submit_without_sbatch_says_so(tmp_path):
     p = _run(
-        ["-m", "mta_repro.train.submit", "experiment=debug", *CPU_PROFILE, f"run_dir={tmp_path}/r", "--submit"],
+        ["-m", "mta_repro.pipeline.submit", "experiment=debug", *CPU_PROFILE, f"run_dir={tmp_path}/r", "--submit"],
         env=_env(PATH=str(tmp_path)),
         check=False,
     )
     assert p.returncode == 2 and "Traceback" not in p.stderr
     lines = p.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("mta_repro.train.submit: error: sbatch is not on PATH"), lines
+    assert len(lines) == 1 and lines[0].startswith("mta_repro.pipeline.submit: error: sbatch is not on PATH"), lines
     assert (tmp_path / "r" / "slurm" / "train.sbatch").is_file()  # named in the message, kept to inspect
 
 
@@ -298,12 +298,12 @@ def test_submit_refuses_a_run_dir_whose_lock_a_live_start_holds(tmp_path):
     holder = {"host": socket.gethostname(), "pid": os.getpid(), "slurm_job_id": None, "started": "then"}
     (run_dir / ".lock").write_text(json.dumps(holder))
     p = _run(
-        ["-m", "mta_repro.train.submit", "experiment=debug", *CPU_PROFILE, f"run_dir={run_dir}", "--submit"],
+        ["-m", "mta_repro.pipeline.submit", "experiment=debug", *CPU_PROFILE, f"run_dir={run_dir}", "--submit"],
         env=_env(PATH=str(tmp_path)),  # no sbatch, no squeue: the lock alone refuses
         check=False,
     )
     assert p.returncode == 2 and "Traceback" not in p.stderr
-    assert _errors(p, "mta_repro.train.submit") == [
+    assert _errors(p, "mta_repro.pipeline.submit") == [
         f"run_dir={run_dir} is in use by another job (host {holder['host']}, pid {os.getpid()}, since then, "
         f"last alive 0 min ago); wait for it, use another run_dir=..., or if that job is dead delete {run_dir}/.lock"
     ]
@@ -322,7 +322,7 @@ def test_eval_sbatch_renders_the_eval_command(tmp_path):
 def test_gpu_job_hygiene_in_the_rendered_script(tmp_path):
     """The 880M training job: allocator, node-local compile caches, NCCL flight recorder,
     --mem and --exclusive from the experiment, each env setting overridable, valid bash."""
-    from mta_repro.train.submit import render
+    from mta_repro.pipeline.submit import render
 
     script, _ = render(["experiment=pretrain_880m_mta"])
     for line in (
@@ -656,7 +656,7 @@ def test_refused_sbatch_shows_its_own_message_in_one_line(tmp_path):
     p = _run(
         [
             "-m",
-            "mta_repro.train.submit",
+            "mta_repro.pipeline.submit",
             "experiment=debug",
             *CPU_PROFILE,
             f"run_dir={tmp_path}/r",
@@ -669,7 +669,7 @@ def test_refused_sbatch_shows_its_own_message_in_one_line(tmp_path):
     lines = p.stderr.strip().splitlines()
     assert len(lines) == 1, lines
     assert lines[0].startswith(
-        f"mta_repro.train.submit: error: sbatch refused {tmp_path}/r/slurm/train.sbatch (exit 1): "
+        f"mta_repro.pipeline.submit: error: sbatch refused {tmp_path}/r/slurm/train.sbatch (exit 1): "
     )
     # sbatch's own words, e.g. "Batch job submission failed: Invalid partition name specified".
     assert "Invalid partition name specified" in lines[0]
@@ -687,7 +687,7 @@ def test_a_second_job_on_a_queued_run_dir_is_refused_at_submission(tmp_path):
         p = _run(
             [
                 "-m",
-                "mta_repro.train.submit",
+                "mta_repro.pipeline.submit",
                 *COMMON,
                 *CPU_PROFILE,
                 f"run_dir={run_dir}",
@@ -697,7 +697,7 @@ def test_a_second_job_on_a_queued_run_dir_is_refused_at_submission(tmp_path):
             check=False,
         )
         assert p.returncode == 2 and "Submitted batch job" not in p.stdout, p.stderr[-2000:]
-        [line] = _errors(p, "mta_repro.train.submit")
+        [line] = _errors(p, "mta_repro.pipeline.submit")
         assert line.startswith(f"run_dir={run_dir} is already SLURM job {first}'s ("), line
         assert f"{run_dir}/slurm/train.sbatch): a second job would train the same run" in line
         assert f"scancel {first}" in line
@@ -832,12 +832,12 @@ def test_dry_run_names_each_missing_path_of_the_job_in_one_line(tmp_path):
     each (rc 2); --no-check renders it alone; a corpus missing one domain names that domain."""
     env = {k: v for k, v in _env().items() if k not in ("SLIMPAJAMA_DIR", "LLAMA3_TOKENIZER")}
     p = _run(
-        ["-m", "mta_repro.train.submit", "experiment=pretrain_880m_mta", f"run_dir={tmp_path}/r", "--dry-run"],
+        ["-m", "mta_repro.pipeline.submit", "experiment=pretrain_880m_mta", f"run_dir={tmp_path}/r", "--dry-run"],
         env=env,
         check=False,
     )
     assert p.returncode == 2 and "#!/bin/bash" in p.stdout
-    assert sorted(_errors(p, "mta_repro.train.submit")) == [
+    assert sorted(_errors(p, "mta_repro.pipeline.submit")) == [
         "data.root_dir: /datasets/slimpajama_domains ($SLIMPAJAMA_DIR is not set: its default) does not exist (the "
         "corpus, layout domains; add --no-check if it exists only on the compute nodes)",
         "data.tokenizer.path: /checkpoints/llama3/tokenizer.model ($LLAMA3_TOKENIZER is not set: its default) does "
@@ -846,7 +846,7 @@ def test_dry_run_names_each_missing_path_of_the_job_in_one_line(tmp_path):
     ok = _run(
         [
             "-m",
-            "mta_repro.train.submit",
+            "mta_repro.pipeline.submit",
             "experiment=pretrain_880m_mta",
             f"run_dir={tmp_path}/r",
             "--dry-run",
@@ -860,12 +860,12 @@ def test_dry_run_names_each_missing_path_of_the_job_in_one_line(tmp_path):
     tok = tmp_path / "tok.model"
     tok.write_text("ranks")
     p = _run(
-        ["-m", "mta_repro.train.submit", "experiment=pretrain_880m_mta", f"run_dir={tmp_path}/r", "--dry-run"],
+        ["-m", "mta_repro.pipeline.submit", "experiment=pretrain_880m_mta", f"run_dir={tmp_path}/r", "--dry-run"],
         env=dict(env, SLIMPAJAMA_DIR=str(corpus), LLAMA3_TOKENIZER=str(tok)),
         check=False,
     )
     assert p.returncode == 2
-    assert _errors(p, "mta_repro.train.submit") == [
+    assert _errors(p, "mta_repro.pipeline.submit") == [
         f"data.sources.github: no directory {corpus}/github (layout 'domains') (add --no-check if it exists only on "
         "the compute nodes)"
     ]
@@ -877,7 +877,8 @@ def test_values_read_from_the_environment_are_written_into_the_job(tmp_path):
     the same corpus; the command composes, without the variables, to the submitter's config."""
     env = _paper_env(tmp_path)
     p = _run(
-        ["-m", "mta_repro.train.submit", "experiment=pretrain_880m_mta", f"run_dir={tmp_path}/r", "--dry-run"], env=env
+        ["-m", "mta_repro.pipeline.submit", "experiment=pretrain_880m_mta", f"run_dir={tmp_path}/r", "--dry-run"],
+        env=env,
     )
     srun = [line for line in p.stdout.splitlines() if line.startswith("srun ")][0]
     words = srun.split()
@@ -951,7 +952,7 @@ def test_eval_and_pipeline_and_sweep_submissions_check_too(tmp_path):
 def test_the_880m_job_fits_an_8_gpu_64_core_node():
     """Every paper experiment's sbatch asks for at most 64 CPUs and 8 GPUs a node (8 ranks x
     slurm.cpus_per_task), what the smallest common 8-GPU node has."""
-    from mta_repro.train.submit import render
+    from mta_repro.pipeline.submit import render
 
     for exp in ("pretrain_880m_mta", "pretrain_1b_baseline", "long_context_880m_mta", "mta_insertion"):
         ov = [f"experiment={exp}"] + (["checkpoint.init_from=/src"] if not exp.startswith("pretrain") else [])
@@ -1005,7 +1006,7 @@ def test_a_job_without_its_tokenizer_is_refused_before_sbatch(tmp_path):
     p = _run(
         [
             "-m",
-            "mta_repro.train.submit",
+            "mta_repro.pipeline.submit",
             "experiment=debug",
             *CPU_PROFILE,
             f"run_dir={tmp_path}/r",
@@ -1016,7 +1017,7 @@ def test_a_job_without_its_tokenizer_is_refused_before_sbatch(tmp_path):
         check=False,
     )
     assert p.returncode == 2 and "Submitted batch job" not in p.stdout
-    assert _errors(p, "mta_repro.train.submit") == [
+    assert _errors(p, "mta_repro.pipeline.submit") == [
         f"data.tokenizer.path: {tmp_path}/missing.model does not exist (the sentencepiece tokenizer file; add "
         "--no-check if it exists only on the compute nodes)"
     ]

@@ -279,7 +279,7 @@ def test_ablation_sweeps_expand_to_valid_distinct_runs(name):
 def test_sbatch_dry_run(tmp_path):
     p = subprocess.run(
         # the corpus and tokenizer are on the cluster, not here
-        [sys.executable, "-m", "mta_repro.train.submit", "experiment=pretrain_880m_mta", "--dry-run", "--no-check"],
+        [sys.executable, "-m", "mta_repro.pipeline.submit", "experiment=pretrain_880m_mta", "--dry-run", "--no-check"],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -302,7 +302,7 @@ def test_sbatch_dry_run(tmp_path):
     ) in srun[0]
     assert srun[0].rstrip().endswith("runs/pretrain_880m_mta")
     # Overrides reach the command and the resources.
-    from mta_repro.train.submit import render
+    from mta_repro.pipeline.submit import render
 
     script2, command2 = render(["experiment=pretrain_300m_mta", "slurm.nodes=2", "trainer.steps=10"])
     assert "#SBATCH --nodes=2\n" in script2 and "trainer.steps=10" in command2

@@ -19,10 +19,10 @@ import pytest
 from omegaconf import OmegaConf
 from tiny_config import tiny_train
 
+from mta_repro.runs.rundir import write_config
+from mta_repro.runs.runlock import RunDirError, RunLock
 from mta_repro.train.config import compose
 from mta_repro.train.config_check import diff_configs
-from mta_repro.train.rundir import write_config
-from mta_repro.train.runlock import RunDirError, RunLock
 
 ROOT = Path(__file__).resolve().parents[1]
 COMMON = tiny_train("trainer.steps=2", "checkpoint.every=1")

@@ -78,7 +78,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(__doc__)
         return 0
     from mta_repro.cli import check_split_lists, run_cli
-    from mta_repro.train.jobcheck import NO_CHECK, raise_problems
+    from mta_repro.runs.jobcheck import NO_CHECK, raise_problems
 
     flags = ("--dry-run", "--plan", NO_CHECK)
     dry_run, plan_only, check = "--dry-run" in argv, "--plan" in argv, NO_CHECK not in argv

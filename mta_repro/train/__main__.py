@@ -62,10 +62,10 @@ def cli(argv: list[str]) -> int:
     from mta_repro.cli import parse_hydra_argv, resolve_all, run_cli
     from mta_repro.device import launcher_rank
     from mta_repro.errors import UserError
+    from mta_repro.runs.jobcheck import NO_CHECK
+    from mta_repro.runs.rundir import check_writable, write_record
+    from mta_repro.runs.signals import stop_exit_code
     from mta_repro.train.config import compose, to_train_config
-    from mta_repro.train.jobcheck import NO_CHECK
-    from mta_repro.train.rundir import check_writable, write_record
-    from mta_repro.train.signals import stop_exit_code
 
     sweep: list[bool] = []
 

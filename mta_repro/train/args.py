@@ -252,7 +252,7 @@ SITE_FIELDS = ("partition", "account", "qos", "constraint")
 
 @dataclass
 class SlurmArgs:
-    """What ``python -m mta_repro.train.submit`` renders into slurm/train.sbatch (and what
+    """What ``python -m mta_repro.pipeline.submit`` renders into slurm/train.sbatch (and what
     configs/hydra/launcher/slurm.yaml gives each submitit sweep job)."""
 
     RUN_DIR: ClassVar[str] = "free"  # resources: nothing a run's numbers depend on

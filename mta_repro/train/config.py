@@ -121,19 +121,6 @@ def to_train_config(cfg: Any) -> TrainConfig:
     return to_dataclass(TrainConfig, cfg, "")
 
 
-def attention_variant(model_cfg) -> str:
-    """Which ``attention=`` option (configs/attention/) a model config is: baseline, diff,
-    talking_heads (head mixing only) or mta (key-query convolutions)."""
-    if model_cfg.get("diff_transformer"):
-        return "diff"
-    mta = model_cfg.get("mta") or {}
-    if not mta.get("use_mta"):
-        return "baseline"
-    if mta.get("query_kernel_size") or mta.get("after_sm_query_kernel_size"):
-        return "mta"
-    return "talking_heads"
-
-
 def trained_seq_len(cfg) -> int | None:
     """The context a run was trained at (its saved config's data.seq_len: the last training
     stage's), if the config says. Evaluation refuses longer inputs; the HF export writes it
