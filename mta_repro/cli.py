@@ -259,6 +259,22 @@ def parse_hydra_argv(argv: Sequence[str], prog: str, flags: Sequence[str] = ()) 
     return out
 
 
+def first_point(overrides: Sequence[str]) -> tuple[list[str], bool]:
+    """(``overrides`` with each sweep ``a=1,2`` / ``range(..)`` / ``choice(..)`` at its first
+    value, whether there was one), read with Hydra's public override parser: the config a
+    sweep's first point composes to (its ``hydra.mode`` and ``hydra.sweeper.params``)."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    out, swept = [], False
+    for o in OverridesParser.create().parse_overrides(list(overrides)):
+        if o.is_sweep_override():
+            swept = True
+            out.append(f"{o.get_key_element()}={next(iter(o.sweep_string_iterator()))}")
+        else:
+            out.append(o.input_line)
+    return out, swept
+
+
 def resolve_all(cfg) -> None:
     """Resolve every interpolation of a composed config (e.g. a ``${oc.env:VAR}`` in an
     experiment YAML), so that one that cannot resolve is a one-line error naming its key

@@ -56,3 +56,73 @@ def test_the_plain_spelling_of_pipeline_seeds_is_accepted(tmp_path):
     assert p.returncode == 2 and p.stderr.strip().splitlines() == [p.stderr.strip()]
     assert "pipeline.seedz" in p.stderr
     assert not any(tmp_path.iterdir())
+
+
+TINY = [
+    "experiment=debug",
+    "model.dim=64",
+    "model.n_layers=2",
+    "model.n_heads=4",
+    "model.multiple_of=32",
+    "data.seq_len=32",
+    "data.batch_size=2",
+    "data.shuffle_buffer=4",
+    "trainer.device=cpu",
+    "trainer.eval_every=0",
+    "trainer.steps=2",
+    "logging.wandb_mode=disabled",
+    "logging.progress_bar=false",
+]
+
+
+@pytest.mark.slow
+@pytest.mark.pipeline
+def test_a_seeds_sweep_runs_each_point_through_the_engine_and_reports_once(tmp_path):
+    """The documented seeds axis: `train -m 'seed=0,1' 'run_dir=.../seed${seed}'` is a plan of
+    two training jobs and a report, run by the pipeline's runner; a rerun finds them done."""
+    run_dir = str(tmp_path / "x" / "seed") + "${seed}"
+    p = _run("mta_repro.train", "-m", *TINY, "seed=0,1", f"run_dir={run_dir}", timeout=600)
+    assert p.returncode == 0, p.stdout + p.stderr
+    for k in (0, 1):
+        d = tmp_path / "x" / f"seed{k}"
+        assert f"pipeline: train:seed{k}: done in" in p.stdout
+        # each point trained its own seed, in its own run dir, with the record of its command
+        assert OmegaConf_load(d / "config.yaml").seed == k
+        assert (d / "export" / "consolidated.pt").is_file() and (d / ".hydra" / "overrides.yaml").is_file()
+    assert (tmp_path / "x" / "report" / "report.md").is_file()
+    assert p.stdout.strip().endswith(f"report: {tmp_path / 'x' / 'report' / 'report.md'}")
+    again = _run("mta_repro.train", "-m", *TINY, "seed=0,1", f"run_dir={run_dir}", timeout=600)
+    assert again.returncode == 0, again.stderr
+    assert again.stdout.strip() == f"pipeline: nothing to do, all 3 jobs are done ({tmp_path / 'x'})"
+
+
+def OmegaConf_load(path):
+    from omegaconf import OmegaConf
+
+    return OmegaConf.load(path)
+
+
+def test_two_sweep_points_in_one_run_dir_are_refused_before_anything_is_written(tmp_path):
+    p = _run("mta_repro.train", "-m", *TINY, "seed=0,1", f"run_dir={tmp_path / 'one'}")
+    assert p.returncode == 2
+    assert p.stderr.strip().splitlines() == [
+        f"sweep: error: run_dir={tmp_path / 'one'}: the sweep points [seed=0] and [seed=1] share it; "
+        f"run_dir={tmp_path / 'one'} names one directory for every point; interpolate the swept values "
+        "(e.g. 'run_dir=runs/x/seed${seed}')"
+    ]
+    assert not any(tmp_path.iterdir())
+
+
+def test_a_sweep_on_slurm_renders_one_train_sbatch_per_point_and_the_report_after_all(tmp_path):
+    run_dir = str(tmp_path / "x" / "seed") + "${seed}"
+    p = _run("mta_repro.train", "-m", *TINY, "seed=0,1", f"run_dir={run_dir}", "launcher=slurm", "--dry-run")
+    assert p.returncode == 0, p.stderr
+    scripts = p.stdout.split("# ---- ")[1:]
+    assert [s.split(":")[0] for s in scripts] == ["train", "train", "report"]
+    for k, s in zip((0, 1), scripts):
+        # the one preemption protocol of slurm/train.sbatch: USR2, requeue, resume
+        assert "#SBATCH --signal=USR2@120" in s and "#SBATCH --requeue" in s
+        assert f"seed={k} hydra.mode=RUN" in s and f"run_dir={tmp_path}/x/seed{k}" in s
+        assert subprocess.run(["bash", "-n"], input=s.split("\n", 1)[1], text=True).returncode == 0
+    assert "--dependency=afterany:<train:seed0>:<train:seed1>" in scripts[2].splitlines()[0]
+    assert not (tmp_path / "x").exists()

@@ -212,24 +212,6 @@ def test_cpu_profile_renders_tasks_and_no_gpu_request():
         render(["experiment=pretrain_880m_mta", *CPU_PROFILE])
 
 
-def test_launcher_config_follows_the_slurm_section():
-    from hydra import compose, initialize_config_dir
-
-    from mta_repro.train.config import CONFIG_DIR
-
-    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base=None):
-        cpu = compose("train", ["hydra/launcher=slurm", *CPU_PROFILE], return_hydra_config=True)
-        gpu = compose("train", ["hydra/launcher=slurm", "experiment=pretrain_880m_mta"], return_hydra_config=True)
-    assert (cpu.hydra.launcher.tasks_per_node, cpu.hydra.launcher.gpus_per_node) == (2, None)
-    assert (gpu.hydra.launcher.tasks_per_node, gpu.hydra.launcher.gpus_per_node, gpu.hydra.launcher.nodes) == (8, 8, 4)
-    assert "export SRUN_CPUS_PER_TASK=8" in gpu.hydra.launcher.setup
-    # Each job's config is resolved again by Hydra: a resolved setup line must hold no
-    # interpolation (an escaped shell ${VAR:-x} becomes one), and the GPU settings are there.
-    setup = list(gpu.hydra.launcher.setup)
-    assert not [line for line in setup if "${" in line], setup
-    assert any(line.startswith("export PYTORCH_CUDA_ALLOC_CONF=") for line in setup)
-
-
 def test_paths_made_absolute_and_init_from_checked(tmp_path):
     (tmp_path / "runs" / "base").mkdir(parents=True)
     args = ["-m", "mta_repro.pipeline.submit", "experiment=debug", *CPU_PROFILE, "run_dir=runs/next"]
@@ -273,7 +255,7 @@ def test_sweep_experiments_are_refused_with_the_launcher_to_use():
     p = _run(["-m", "mta_repro.pipeline.submit", "experiment=ablation_kernels", "--dry-run"], check=False)
     assert p.returncode == 2 and len(p.stderr.strip().splitlines()) == 1 and p.stdout == ""
     assert "hydra.mode: MULTIRUN" in p.stderr
-    assert "python -m mta_repro.train -m hydra/launcher=slurm experiment=ablation_kernels" in p.stderr
+    assert "python -m mta_repro.train -m launcher=slurm experiment=ablation_kernels" in p.stderr
 
 
 def test_submit_without_sbatch_says_so(tmp_path):
@@ -566,56 +548,6 @@ def test_a_requeue_refused_at_start_is_recorded_with_exit_2(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.usefixtures("cluster")
-def test_table5_sweep_through_submitit(tmp_path):
-    # Two points of the kernel-size sweep, tiny model; one SLURM job and run dir per point
-    # (the experiment's run_dir interpolates the swept fields; here under tmp_path).
-    p = _run(
-        [
-            "-m",
-            "mta_repro.train",
-            "-m",
-            "hydra/launcher=slurm",
-            "experiment=ablation_kernels",
-            "model=tiny",
-            "data=mini",
-            "data.seq_len=32",
-            "data.batch_size=1",
-            "trainer.steps=2",
-            "trainer.device=cpu",
-            "trainer.eval_max_batches=1",
-            "distributed.compile=false",
-            "distributed.param_dtype=float32",
-            "checkpoint.every=2",
-            "checkpoint.export=false",
-            "logging.every=1",
-            "logging.wandb_mode=disabled",
-            "logging.progress_bar=false",
-            "slurm.nodes=1",
-            "slurm.gpus_per_node=0",
-            "slurm.tasks_per_node=1",
-            "slurm.cpus_per_task=1",
-            "slurm.time_min=10",
-            f"run_dir={tmp_path}/kernel_${{model.mta.query_kernel_size}}x${{model.mta.key_kernel_size}}",
-            f"hydra.sweep.dir={tmp_path}/.sweep",
-            "model.mta.key_kernel_size=7",
-        ],
-        timeout=400,
-    )
-    runs = sorted(d.name for d in tmp_path.iterdir() if not d.name.startswith("."))
-    assert runs == ["kernel_4x7", "kernel_6x7"], (runs, p.stderr[-3000:])
-    jobs = set()
-    for name in runs:
-        assert sorted(_losses(tmp_path / name)) == [1, 2]
-        cfg = (tmp_path / name / "config.yaml").read_text()
-        q = int(name.split("_")[1].split("x")[0])
-        assert f"query_kernel_size: {q}" in cfg and f"after_sm_query_kernel_size: {q}" in cfg
-    for sub in (tmp_path / ".sweep" / ".submitit").iterdir():
-        jobs.add(sub.name.split("_")[0])
-    assert len(list((tmp_path / ".sweep" / ".submitit").glob("*/*_result.pkl"))) == 2, jobs
-
-
-@pytest.mark.slow
-@pytest.mark.usefixtures("cluster")
 def test_eval_job_runs_after_training_with_afterok(tmp_path):
     run_dir = tmp_path / "ev"
     train = _submit_train(
@@ -735,28 +667,6 @@ def test_cluster_tests_submit_nothing_without_the_opt_in(tmp_path):
         assert p.returncode == 0 and "1 skipped" in p.stdout, (extra, p.stdout[-2000:])
         assert "MTA_TEST_SLURM is not 1" in p.stdout, p.stdout[-2000:]
     assert not calls.exists()
-
-
-def test_rank0_only_resolver_for_sweep_jobs(monkeypatch):
-    """``hydra.output_subdir: ${mta_rank0_only:.hydra}`` (the hunk proposed for
-    configs/train.yaml): every task of a multi-task submitit job recomposes its config, and
-    only rank 0 gets a .hydra/ directory."""
-    from hydra import compose, initialize_config_dir
-
-    from mta_repro.train.config import CONFIG_DIR
-
-    seen = {}
-    for rank in ("0", "1"):
-        monkeypatch.setenv("SLURM_PROCID", rank)
-        monkeypatch.setenv("SLURM_NTASKS", "2")
-        with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base=None):
-            cfg = compose(
-                "train",
-                ["hydra/launcher=slurm", "hydra.output_subdir=${mta_rank0_only:.hydra}"],
-                return_hydra_config=True,
-            )
-        seen[rank] = cfg.hydra.output_subdir
-    assert seen == {"0": ".hydra", "1": None}
 
 
 @pytest.mark.usefixtures("cluster")
@@ -898,7 +808,7 @@ def test_values_read_from_the_environment_are_written_into_the_job(tmp_path):
 
 def test_eval_and_pipeline_and_sweep_submissions_check_too(tmp_path):
     """The other SLURM paths: an evaluation of a run that is not there (and no --after job to
-    make it); the paper's pipeline (--plan) and a Table 5 sweep through submitit without the
+    make it); the paper's pipeline (--plan) and a Table 5 sweep through the engine without the
     corpus: one line each, rc 2, and nothing written or queued (no sbatch is on PATH here)."""
     env = {
         k: v
@@ -935,14 +845,14 @@ def test_eval_and_pipeline_and_sweep_submissions_check_too(tmp_path):
             "-m",
             "mta_repro.train",
             "-m",
-            "hydra/launcher=slurm",
+            "launcher=slurm",
             "experiment=ablation_kernels",
-            f"hydra.sweep.dir={tmp_path}/sweep",
+            f"run_dir={tmp_path}/sweep/k" + "${model.mta.query_kernel_size}x${model.mta.key_kernel_size}",
         ],
         env=env,
         check=False,
     )
-    assert p.returncode == 2 and [line.split(":")[0] for line in _errors(p, "train")] == [
+    assert p.returncode == 2 and [line.split(":")[0] for line in _errors(p, "sweep")] == [
         "data.root_dir",
         "data.tokenizer.path",
     ]

@@ -4,7 +4,6 @@ the sbatch dry-run."""
 
 from __future__ import annotations
 
-import itertools
 import math
 import os
 import subprocess
@@ -260,18 +259,20 @@ def test_stage_experiments():
 
 @pytest.mark.parametrize("name", ["ablation_gating_norm", "ablation_kernels", "ablation_conv_layers"])
 def test_ablation_sweeps_expand_to_valid_distinct_runs(name):
-    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from mta_repro.pipeline.sweep import build
 
     raw = OmegaConf.load(ROOT / "configs" / "experiment" / f"{name}.yaml")
     assert raw.hydra.mode == "MULTIRUN"
-    parsed = OverridesParser.create().parse_overrides([f"{k}={v}" for k, v in raw.hydra.sweeper.params.items()])
-    axes = [[f"{o.get_key_element()}={v}" for v in o.sweep_string_iterator()] for o in parsed]
-    run_dirs = set()
-    for combo in itertools.product(*axes):
-        cfg = compose([f"experiment={name}", *combo])
-        model_args_from(cfg)  # valid model
-        run_dirs.add(cfg.run_dir)
-    assert len(run_dirs) == math.prod(len(a) for a in axes) >= 3
+    n = math.prod(len(str(v).split(",")) if "choice" not in str(v) else 3 for v in raw.hydra.sweeper.params.values())
+    # the engine's plan of `python -m mta_repro.train experiment=<name>`: one job a point, a report after
+    plan, launcher = build([f"experiment={name}"])
+    train = [j for j in plan.jobs if j.kind == "train"]
+    assert launcher == "local" and len(train) == n >= 3
+    assert len({j.run_dir for j in train}) == n
+    for job in train:
+        model_args_from(compose(job.overrides))  # each point's command line composes to a valid model
+    (report,) = [j for j in plan.jobs if j.kind == "report"]
+    assert report.deps == [j.id for j in train] and report.runs == [j.run_dir for j in train]
 
 
 # ------------------------------------------------------------------ SLURM dry-run

@@ -250,13 +250,24 @@ def _point_value(o: str) -> str:
 
 
 class Plan:
-    def __init__(self, spec: DictConfig, root: Path, python: str = sys.executable):
+    def __init__(
+        self,
+        spec: DictConfig,
+        root: Path,
+        python: str = sys.executable,
+        jobs: list[Job] | None = None,
+        train_dirs: dict[str, Path] | None = None,
+    ):
+        """The plan of a pipeline config (``spec``: the ``pipeline`` node), or, with ``jobs``
+        (and their ``train_dirs``), a plan already made (a ``-m`` sweep's:
+        ``mta_repro.pipeline.sweep``) that the same runner runs."""
         self.spec = spec
         self.root = Path(root).expanduser().resolve()
         self.python = python
-        self.jobs: list[Job] = []
-        self.train_dirs: dict[str, Path] = {}  # "<stage>/<variant|point>" -> run dir
-        self._build()
+        self.jobs: list[Job] = list(jobs or [])
+        self.train_dirs: dict[str, Path] = dict(train_dirs or {})  # "<stage>/<variant|point>" -> run dir
+        if jobs is None:
+            self._build()
 
     # ------------------------------------------------------------------ building
     def _validate(self) -> None:

@@ -20,7 +20,7 @@ writable run dir): each missing one is a line, exit status 2, nothing queued;
 queued or running job already trains in (``squeue``), or whose lock a live start holds, is
 refused the same way: two jobs on one run dir would train the same run twice. Sweeps
 (experiments with ``hydra.mode: MULTIRUN``) go through ``python -m mta_repro.train -m
-hydra/launcher=slurm`` instead. Errors, a refused sbatch included, are one line each on
+launcher=slurm`` instead (the pipeline's engine: one job per point, this template). Errors, a refused sbatch included, are one line each on
 stderr, exit status 2.
 """
 
@@ -55,9 +55,9 @@ def _refuse_multirun(overrides: Sequence[str]) -> None:
         exp = next((o.split("=", 1)[1] for o in overrides if o.startswith("experiment=")), None)
         what = f"experiment={exp} is a sweep (hydra.mode: MULTIRUN)" if exp and not flags else "a sweep (-m)"
         raise UserError(
-            f"{what}: submit it with the submitit launcher, one job per point: "
-            f"python -m mta_repro.train -m hydra/launcher=slurm {' '.join(o for o in overrides if o not in flags)}"
-            " (or submit one point here with hydra.mode=RUN and the swept fields set)"
+            f"{what}: submit it as one job per point with python -m mta_repro.train -m launcher=slurm "
+            f"{' '.join(o for o in overrides if o not in flags)} (or submit one point here with hydra.mode=RUN "
+            "and the swept fields set)"
         )
 
 

@@ -11,7 +11,8 @@ the same files at once.
     -m / --multirun                   a sweep (``a=1,2``, or an experiment with
                                       ``hydra.mode: MULTIRUN``): one run per point, run by
                                       the pipeline's engine (``python -m mta_repro.pipeline.sweep``)
-    --no-check                        (a sweep with launcher=slurm) skip the job's path checks
+    --plan / --dry-run / --no-check   (a sweep) its job table / every command and sbatch
+                                      script / with launcher=slurm, no check of the jobs' paths
 
 A user error (a config key or option, the run directory, data, a checkpoint) is one line
 and exit status 2 (``mta_repro.cli.run_cli``). Ctrl-C (or SIGTERM, SIGUSR2) checkpoints at
@@ -59,7 +60,7 @@ def run_sweep(argv: list[str]) -> int:
 
 
 def cli(argv: list[str]) -> int:
-    from mta_repro.cli import parse_hydra_argv, resolve_all, run_cli
+    from mta_repro.cli import first_point, parse_hydra_argv, resolve_all, run_cli
     from mta_repro.device import launcher_rank
     from mta_repro.errors import UserError
     from mta_repro.runs.jobcheck import NO_CHECK
@@ -70,7 +71,7 @@ def cli(argv: list[str]) -> int:
     sweep: list[bool] = []
 
     def go() -> int:
-        args = parse_hydra_argv(argv, PROG, flags=(NO_CHECK,))
+        args = parse_hydra_argv(argv, PROG, flags=(NO_CHECK, "--plan", "--dry-run"))
         if args.help:
             print(help_text())
             return 0
@@ -81,10 +82,21 @@ def cli(argv: list[str]) -> int:
                 "launcher=slurm: chooses where a sweep (-m) runs; submit one run with "
                 f"python -m mta_repro.pipeline.submit {' '.join(overrides)} --submit"
             )
-        cfg = compose(overrides, hydra_config=True)
-        if is_sweep(args.multirun, cfg) and args.cfg is None:
+        if args.multirun and args.cfg is None:
             sweep.append(True)
             return 0
+        first, swept = first_point(overrides)
+        cfg = compose(first, hydra_config=True)
+        if is_sweep(args.multirun, cfg) and args.cfg is None:  # the experiment is a sweep
+            sweep.append(True)
+            return 0
+        if swept:  # a swept value without -m: Hydra's one line (add --multirun)
+            compose(overrides)
+        if args.flags:
+            raise UserError(
+                f"{args.flags[0]}: a sweep's (-m) option; one run's sbatch script, checked: "
+                f"python -m mta_repro.pipeline.submit {' '.join(overrides)} --dry-run"
+            )
         task = OmegaConf.masked_copy(cfg, [str(k) for k in cfg if k != "hydra"])
         resolve_all(task)
         to_train_config(task)  # every field's check (schema, values, data.seq_len <= model.max_seqlen)

@@ -180,7 +180,7 @@ class LoggingArgs:
     RUN_DIR: ClassVar[str] = "safe"
     # Write a metrics.jsonl line (and a wandb point) every this many steps. Also the host
     # sync cadence: the loop reads the loss and grad norm from the device, and on several
-    # ranks agrees on a preemption signal (SIGUSR1/2, SIGTERM, Ctrl-C), only every this
+    # ranks agrees on a preemption signal (SIGUSR2, SIGTERM, Ctrl-C), only every this
     # many steps (and before a save and at the end), so a signal is honoured within this
     # many steps; one rank honours it at the next step (docs/errors_and_signals.md).
     every: int = 10

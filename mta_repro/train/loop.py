@@ -107,7 +107,7 @@ def train(cfg: Any) -> dict[str, Any]:
     lock = RunLock(run_dir)
     # The stop signals are caught from before the rendezvous, which waits for every rank
     # (minutes when a node starts late): a stop there prints its line and, under SLURM,
-    # USR1/2 requeue the job.
+    # USR2 requeues the job.
     preempt = PreemptionHandler()
     refused = False
     try:
