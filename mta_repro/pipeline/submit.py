@@ -20,8 +20,8 @@ writable run dir): each missing one is a line, exit status 2, nothing queued;
 queued or running job already trains in (``squeue``), or whose lock a live start holds, is
 refused the same way: two jobs on one run dir would train the same run twice. Sweeps
 (experiments with ``hydra.mode: MULTIRUN``) go through ``python -m mta_repro.train -m
-launcher=slurm`` instead (the pipeline's engine: one job per point, this template). Errors, a refused sbatch included, are one line each on
-stderr, exit status 2.
+launcher=slurm`` instead (the pipeline's engine: one job per point, this template).
+Errors, a refused sbatch included, are one line each on stderr, exit status 2.
 """
 
 from __future__ import annotations
