@@ -41,7 +41,7 @@ def test_the_package_finds_its_files_through_importlib_resources():
 def test_every_consumer_reads_the_package_data():
     from mta_repro.data.args import REPO_ROOT, resolve_path
     from mta_repro.eval import submit as eval_submit
-    from mta_repro.train import submit as train_submit
+    from mta_repro.pipeline import submit as train_submit
     from mta_repro.train.config import CONFIG_DIR, compose
 
     assert CONFIG_DIR == resources.CONFIG_DIR and REPO_ROOT == resources.ROOT

@@ -168,7 +168,7 @@ def test_added_keys_are_refused_by_the_schema(tmp_path):
 
 @pytest.mark.slow
 def test_a_failed_start_leaves_no_run_dir(tmp_path):
-    """Through Hydra's CLI (it creates the run dir and its log before the trainer runs)."""
+    """Through the command line (it writes the record of the command before the trainer runs)."""
     run_dir = tmp_path / "failed"
     p = subprocess.run(
         [sys.executable, "-m", "mta_repro.train", f"run_dir={run_dir}", *COMMON, "model.vocab_size=100"],

@@ -77,11 +77,6 @@ def cli(argv: list[str]) -> int:
             return 0
         # launcher=slurm / hydra/launcher=slurm choose the engine's SLURM backend (a sweep's)
         overrides = [o for o in args.overrides if o.lstrip("+") not in ("launcher=slurm", "hydra/launcher=slurm")]
-        if overrides != args.overrides and not args.multirun:
-            raise UserError(
-                "launcher=slurm: chooses where a sweep (-m) runs; submit one run with "
-                f"python -m mta_repro.pipeline.submit {' '.join(overrides)} --submit"
-            )
         if args.multirun and args.cfg is None:
             sweep.append(True)
             return 0
@@ -90,8 +85,13 @@ def cli(argv: list[str]) -> int:
         if is_sweep(args.multirun, cfg) and args.cfg is None:  # the experiment is a sweep
             sweep.append(True)
             return 0
-        if swept:  # a swept value without -m: Hydra's one line (add --multirun)
+        if swept and not args.multirun:  # a swept value without -m: Hydra's one line (add --multirun)
             compose(overrides)
+        if overrides != args.overrides:
+            raise UserError(
+                "launcher=slurm: chooses where a sweep (-m) runs; submit one run with "
+                f"python -m mta_repro.pipeline.submit {' '.join(overrides)} --submit"
+            )
         if args.flags:
             raise UserError(
                 f"{args.flags[0]}: a sweep's (-m) option; one run's sbatch script, checked: "
