@@ -126,3 +126,19 @@ def test_a_sweep_on_slurm_renders_one_train_sbatch_per_point_and_the_report_afte
         assert subprocess.run(["bash", "-n"], input=s.split("\n", 1)[1], text=True).returncode == 0
     assert "--dependency=afterany:<train:seed0>:<train:seed1>" in scripts[2].splitlines()[0]
     assert not (tmp_path / "x").exists()
+
+
+def test_the_old_submit_command_names_its_new_home(tmp_path):
+    p = subprocess.run(
+        [sys.executable, "-m", "mta_repro.train.submit", "experiment=debug", "--dry-run"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert (p.returncode, p.stdout) == (2, "")
+    assert p.stderr.strip() == (
+        "mta_repro.train.submit: error: this command moved; run "
+        "python -m mta_repro.pipeline.submit experiment=debug --dry-run"
+    )
+    assert not any(tmp_path.iterdir())
