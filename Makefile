@@ -22,7 +22,7 @@ define pip_install
 endef
 
 .PHONY: install demo test test-fast lint format check
-# Everything the tests touch: every extra (eval, report, wandb, slurm, hf) and the dev tools.
+# Everything the tests touch: every extra (eval, report, wandb, hf) and the dev tools.
 install:
 	$(call pip_install,all$(comma)dev)
 

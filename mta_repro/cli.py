@@ -17,6 +17,7 @@ import signal
 import sys
 import threading
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from mta_repro.errors import StopRequested, UserError, show_tracebacks
@@ -33,8 +34,9 @@ def user_errors() -> tuple:
 
 
 def _unknown_key_line(exc: BaseException) -> str | None:
-    """Hydra's "Could not override 'trainer.step'. To append ... use +trainer.step=5" as
-    our one line with the nearest field (the ``+`` form gets the same from the schema check)."""
+    """An override of a key the schema lacks (Hydra's composition error caused by OmegaConf's
+    missing-key error) as our one line with the nearest field (the ``+`` form gets the same
+    from the schema check)."""
     from hydra.errors import ConfigCompositionException
     from omegaconf.errors import ConfigAttributeError, ConfigKeyError
 
@@ -42,7 +44,7 @@ def _unknown_key_line(exc: BaseException) -> str | None:
     if not isinstance(exc, ConfigCompositionException) or not isinstance(cause, (ConfigAttributeError, ConfigKeyError)):
         return None
     full, owner = getattr(cause, "full_key", None), getattr(cause, "object_type", None)
-    if not full or owner is None or not str(exc).startswith("Could not override"):
+    if not full or owner is None:
         return None
     from mta_repro.dataclass_config import unknown_keys_error
 
@@ -191,47 +193,86 @@ def check_group_options(overrides: Sequence[str], groups: Sequence[str], config_
                 raise UserError(unknown_option_line(key, value, options))
 
 
-def check_hydra_overrides(
-    argv: Sequence[str], config_dir: Path, config_name: str, check: Callable | None = None
-) -> None:
-    """Compose the config an ``@hydra.main`` command line asks for, before Hydra does, so
-    that an unknown key or config option is one line (Hydra prints several and exits 1).
-    Sweep values (``-m a=1,2``) are checked by their first value; ``hydra.*`` overrides
-    and a command line that names another config are left to Hydra. ``check(cfg)``: a
-    further check of the composed config (e.g. the schema's for ``+key=`` additions)."""
-    check_split_lists(argv)
-    try:  # Hydra's own command-line parser (an internal module: if it moves, Hydra checks alone)
-        from hydra._internal.utils import get_args_parser
-        from hydra.core.override_parser.overrides_parser import OverridesParser
-    except ImportError:  # pragma: no cover - depends on the Hydra version
-        return
-    args, _ = get_args_parser().parse_known_args(list(argv))
-    if args.help or args.hydra_help or args.info or args.shell_completion or args.config_path or args.config_dir:
-        return
-    overrides = []
-    for o in OverridesParser.create().parse_overrides(args.overrides):
-        if o.is_hydra_override():
-            continue
-        if o.is_sweep_override():
-            first = next(iter(o.sweep_string_iterator()), None)
-            if first is None:
-                continue
-            overrides.append(f"{o.get_key_element()}={first}")
-        else:
-            overrides.append(o.input_line)
-    from hydra import compose, initialize_config_dir
-    from hydra.core.global_hydra import GlobalHydra
+@dataclass
+class HydraArgs:
+    """A Hydra-style command line (``python -m mta_repro.train [options] key=value ...``)
+    read without Hydra's own (internal) parser: the overrides and the options the project
+    keeps."""
 
-    if GlobalHydra.instance().is_initialized():
-        GlobalHydra.instance().clear()
-    try:
-        with initialize_config_dir(config_dir=str(config_dir), version_base=None):
-            cfg = compose(config_name=args.config_name or config_name, overrides=overrides)
-    finally:
-        GlobalHydra.instance().clear()
-    resolve_all(cfg)
-    if check is not None:
-        check(cfg)
+    overrides: list
+    multirun: bool = False  # -m / --multirun: a sweep, one job per point (the pipeline's engine)
+    cfg: str | None = None  # --cfg job|hydra|all: print the composed config, run nothing
+    resolve: bool = False  # --resolve: with --cfg, interpolations resolved
+    help: bool = False  # -h / --help
+    flags: list = field(default_factory=list)  # the project's own flags found (e.g. --no-check)
+
+
+# Hydra's options the project does not keep, each with what does the same here
+_REFUSED_OPTIONS = {
+    "--config-name": "choose an experiment with experiment=<name> (the root config is configs/train.yaml)",
+    "-cn": "choose an experiment with experiment=<name> (the root config is configs/train.yaml)",
+    "--config-path": "add a folder of configs with 'hydra.searchpath=[file:///abs/dir]'",
+    "-cp": "add a folder of configs with 'hydra.searchpath=[file:///abs/dir]'",
+    "--config-dir": "add a folder of configs with 'hydra.searchpath=[file:///abs/dir]'",
+    "-cd": "add a folder of configs with 'hydra.searchpath=[file:///abs/dir]'",
+    "--info": "print the composed config with --cfg all",
+    "--package": "print the composed config with --cfg job",
+    "-p": "print the composed config with --cfg job",
+    "--hydra-help": "see --help (Hydra's launcher and sweeper are not used: a sweep is a plan of the pipeline)",
+    "--shell-completion": "list the options with --help",
+    "-sc": "list the options with --help",
+    "--run": "a run is the default; drop the option",
+    "-r": "a run is the default; drop the option",
+    "--version": "pip show hydra-core",
+}
+
+
+def parse_hydra_argv(argv: Sequence[str], prog: str, flags: Sequence[str] = ()) -> HydraArgs:
+    """The overrides and options of ``argv`` (the project's own ``flags`` allowed too); an
+    option Hydra has but the project does not keep is one line naming what does the same."""
+    check_split_lists(argv)
+    out = HydraArgs(overrides=[])
+    it = iter(argv)
+    for a in it:
+        opt, eq, val = a.partition("=")
+        if a in ("-m", "--multirun"):
+            out.multirun = True
+        elif opt in ("--cfg", "-c"):
+            out.cfg = val if eq else next(it, None)
+            if out.cfg not in ("job", "hydra", "all"):
+                raise UserError(f"{opt}: expected job, hydra or all, got {out.cfg!r} (e.g. --cfg job)")
+        elif a == "--resolve":
+            out.resolve = True
+        elif a in ("-h", "--help"):
+            out.help = True
+        elif a in flags:
+            out.flags.append(a)
+        elif opt in _REFUSED_OPTIONS:
+            raise UserError(f"option {opt} is not supported: {_REFUSED_OPTIONS[opt]}")
+        elif a.startswith("-") and not a.startswith("~"):
+            known = ["-m/--multirun", "--cfg job|hydra|all", "--resolve", "--help", *flags]
+            raise UserError(f"unknown option {a} (options: {', '.join(known)}; the rest are key=value overrides)")
+        else:
+            out.overrides.append(a)
+    if out.resolve and out.cfg is None:
+        raise UserError("--resolve: only with --cfg job|hydra|all (it prints the config resolved)")
+    return out
+
+
+def first_point(overrides: Sequence[str]) -> tuple[list[str], bool]:
+    """(``overrides`` with each sweep ``a=1,2`` / ``range(..)`` / ``choice(..)`` at its first
+    value, whether there was one), read with Hydra's public override parser: the config a
+    sweep's first point composes to (its ``hydra.mode`` and ``hydra.sweeper.params``)."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    out, swept = [], False
+    for o in OverridesParser.create().parse_overrides(list(overrides)):
+        if o.is_sweep_override():
+            swept = True
+            out.append(f"{o.get_key_element()}={next(iter(o.sweep_string_iterator()))}")
+        else:
+            out.append(o.input_line)
+    return out, swept
 
 
 def resolve_all(cfg) -> None:

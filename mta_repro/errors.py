@@ -51,7 +51,7 @@ class PeerFailedError(UserError):
 
 
 class StopRequested(BaseException):
-    """A stop signal (Ctrl-C, SIGTERM, SIGUSR1/2) seen by work that loops (data loading,
+    """A stop signal (Ctrl-C, SIGTERM, SIGUSR2) seen by work that loops (data loading,
     the loader's warm-up, validation) at its next check, where nothing is left to save.
     The command-line tools print its message as one line and exit with 128 + the signal's
     number, as a stop after a checkpoint does. A BaseException, like KeyboardInterrupt, so

@@ -11,9 +11,6 @@ resolver               what it gives                                used by
 release_placeholder    an error naming the override to pass         release-converted YAML
 mta_layers_every       the conv layers ``2, 2+k, ...`` below n       ablation_conv_layers
 required               an error naming a field that must be given    the stage experiments
-mta_tasks_per_node     tasks per node (tasks, else one per GPU)      hydra/launcher/slurm
-mta_gpus_or_null       the GPU request, null on CPU nodes (0)        hydra/launcher/slurm
-mta_rank0_only         a value on launcher rank 0, ``other`` else    train.yaml (Hydra out)
 =====================  ===========================================  =====================
 """
 
@@ -56,29 +53,10 @@ def required(field: str, what: str = "a value") -> None:
     raise UserError(f"{field}: required, give {what} ({field}=<absolute path>)")
 
 
-def _tasks_per_node(tasks: Any, gpus: Any) -> int:
-    # The submitit launcher gets the same tasks per node as slurm/train.sbatch.
-    return int(tasks) if tasks is not None else int(gpus)
-
-
-def _gpus_or_null(gpus: Any):
-    return int(gpus) or None  # no GPU request on CPU nodes
-
-
-def _rank0_only(value: Any, other: Any = None) -> Any:
-    # Rank-0-only Hydra output under submitit: the launcher's variables in each task.
-    from mta_repro.device import launcher_rank
-
-    return value if launcher_rank() == 0 else other
-
-
 RESOLVERS = {
     "release_placeholder": release_placeholder,
     "mta_layers_every": mta_layers_every,
     "required": required,
-    "mta_tasks_per_node": _tasks_per_node,
-    "mta_gpus_or_null": _gpus_or_null,
-    "mta_rank0_only": _rank0_only,
 }
 
 

@@ -1,5 +1,5 @@
 """Small SLURM helpers shared by the training, evaluation and pipeline job scripts
-(``mta_repro.train.submit``, ``mta_repro.eval.submit``, ``mta_repro.pipeline.run``)."""
+(``mta_repro.pipeline.submit``, ``mta_repro.eval.submit``, ``mta_repro.pipeline.run``)."""
 
 from __future__ import annotations
 

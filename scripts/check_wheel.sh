@@ -79,7 +79,7 @@ test -s runs/debug/report/report.md || { echo "check_wheel: no runs/debug/report
 step "$V" -m mta_repro.eval.generate runs/debug --prompt "Once upon a time" --max-new-tokens 8
 step "$V" -m mta_repro.estimate model=880m attention=mta
 step "$V" -m mta_repro.estimate experiment=pretrain_880m_mta --memory
-step "$V" -m mta_repro.train.submit experiment=debug --dry-run
+step "$V" -m mta_repro.pipeline.submit experiment=debug --dry-run
 step "$V" -m mta_repro.eval.submit runs/debug --dry-run
 step "$V" -m mta_repro.pipeline pipeline=tiny root=runs/tiny
 step "$V" -m mta_repro.hf export runs/debug hf/debug
@@ -89,7 +89,7 @@ step "$V" -m mta_repro.hf import hf/debug imported.pt
 import json
 from pathlib import Path
 
-from mta_repro.train.provenance import RECORD
+from mta_repro.runs.provenance import RECORD
 
 def codes(node):
     """Every "code" record (package, commit, dirty), wherever the provenance keeps it."""

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # A one-node SLURM cluster on this machine, to try the launch path (sbatch, srun,
-# preemption-requeue, submitit sweeps, afterok chains) without a real cluster. CI
+# preemption-requeue, afterok chains) without a real cluster. CI
 # starts it before the tests (.ci/run); tests/test_slurm.py runs against it.
 #
 #   scripts/slurm_local.sh start    install (Debian packages, once), configure, start

@@ -59,8 +59,8 @@ def test_user_error_is_a_value_error():
     # Code and tests that catch ValueError around validation keep working.
     assert issubclass(UserError, ValueError)
     from mta_repro.errors import CorruptFileError
+    from mta_repro.runs.runlock import RunDirError
     from mta_repro.train.checkpoint import CheckpointCorruptError
-    from mta_repro.train.runlock import RunDirError
 
     for cls in (RunDirError, CheckpointCorruptError, CorruptFileError):
         assert issubclass(cls, UserError)

@@ -41,7 +41,7 @@ def test_the_package_finds_its_files_through_importlib_resources():
 def test_every_consumer_reads_the_package_data():
     from mta_repro.data.args import REPO_ROOT, resolve_path
     from mta_repro.eval import submit as eval_submit
-    from mta_repro.train import submit as train_submit
+    from mta_repro.pipeline import submit as train_submit
     from mta_repro.train.config import CONFIG_DIR, compose
 
     assert CONFIG_DIR == resources.CONFIG_DIR and REPO_ROOT == resources.ROOT
@@ -147,7 +147,7 @@ def test_the_check_sees_what_it_looks_for(tmp_path):
 
 
 def test_provenance_records_the_clones_commit_and_none_from_a_wheel(monkeypatch):
-    from mta_repro.train.provenance import code_version
+    from mta_repro.runs.provenance import code_version
 
     if not (ROOT / ".git").exists():
         pytest.skip("not a git checkout")

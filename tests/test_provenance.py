@@ -40,7 +40,7 @@ from test_data import domains_corpus, write_jsonl
 from mta_repro.data import DataArgs, TokenizerArgs, build_train_loader
 from mta_repro.data.listing import fingerprint, list_entries
 from mta_repro.data.readers import LineReader, ShortFileError
-from mta_repro.train import provenance as pv
+from mta_repro.runs import provenance as pv
 
 ROOT = Path(__file__).resolve().parents[1]
 BYTES = TokenizerArgs(name="bytes", path=None)

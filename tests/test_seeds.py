@@ -115,7 +115,7 @@ def test_two_seeds_differ_in_initialisation_and_data_order():
 
 
 def test_seed_alone_sets_every_stream_and_an_explicit_one_still_wins():
-    # What a Hydra multirun `seed=0,1,2` (no pipeline) relies on: the one field moves the
+    # What a `-m` sweep `seed=0,1,2` (the engine, no pipeline config) relies on: the one field moves the
     # initialisation and the data order with it, exactly as the pipeline's three overrides.
     w1, b1 = _streams(1)
     w1s, b1s = _streams(1, ["seed=1"])

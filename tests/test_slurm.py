@@ -120,7 +120,7 @@ def _submit_train(run_dir, *extra, common=COMMON, env=None):
     p = _run(
         [
             "-m",
-            "mta_repro.train.submit",
+            "mta_repro.pipeline.submit",
             *common,
             *CPU_PROFILE,
             f"run_dir={run_dir}",
@@ -195,7 +195,7 @@ def _assert_matches(reference, run_dir):
 
 # ------------------------------------------------------------------ rendering (no cluster)
 def test_cpu_profile_renders_tasks_and_no_gpu_request():
-    from mta_repro.train.submit import render
+    from mta_repro.pipeline.submit import render
 
     script, _ = render(["experiment=debug", *CPU_PROFILE])
     assert "--gpus" not in script and "gres" not in script
@@ -212,27 +212,9 @@ def test_cpu_profile_renders_tasks_and_no_gpu_request():
         render(["experiment=pretrain_880m_mta", *CPU_PROFILE])
 
 
-def test_launcher_config_follows_the_slurm_section():
-    from hydra import compose, initialize_config_dir
-
-    from mta_repro.train.config import CONFIG_DIR
-
-    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base=None):
-        cpu = compose("train", ["hydra/launcher=slurm", *CPU_PROFILE], return_hydra_config=True)
-        gpu = compose("train", ["hydra/launcher=slurm", "experiment=pretrain_880m_mta"], return_hydra_config=True)
-    assert (cpu.hydra.launcher.tasks_per_node, cpu.hydra.launcher.gpus_per_node) == (2, None)
-    assert (gpu.hydra.launcher.tasks_per_node, gpu.hydra.launcher.gpus_per_node, gpu.hydra.launcher.nodes) == (8, 8, 4)
-    assert "export SRUN_CPUS_PER_TASK=8" in gpu.hydra.launcher.setup
-    # Each job's config is resolved again by Hydra: a resolved setup line must hold no
-    # interpolation (an escaped shell ${VAR:-x} becomes one), and the GPU settings are there.
-    setup = list(gpu.hydra.launcher.setup)
-    assert not [line for line in setup if "${" in line], setup
-    assert any(line.startswith("export PYTORCH_CUDA_ALLOC_CONF=") for line in setup)
-
-
 def test_paths_made_absolute_and_init_from_checked(tmp_path):
     (tmp_path / "runs" / "base").mkdir(parents=True)
-    args = ["-m", "mta_repro.train.submit", "experiment=debug", *CPU_PROFILE, "run_dir=runs/next"]
+    args = ["-m", "mta_repro.pipeline.submit", "experiment=debug", *CPU_PROFILE, "run_dir=runs/next"]
     p = _run([*args, "checkpoint.init_from=runs/base", "--dry-run"], cwd=tmp_path)
     srun = [l for l in p.stdout.splitlines() if l.startswith("srun ")][0]
     assert f"run_dir={tmp_path}/runs/next" in srun and f"checkpoint.init_from={tmp_path}/runs/base" in srun
@@ -242,7 +224,7 @@ def test_paths_made_absolute_and_init_from_checked(tmp_path):
     p = _run(
         [
             "-m",
-            "mta_repro.train.submit",
+            "mta_repro.pipeline.submit",
             "experiment=long_context_880m_mta",
             *CPU_PROFILE,
             "trainer.device=cpu",
@@ -254,37 +236,37 @@ def test_paths_made_absolute_and_init_from_checked(tmp_path):
     )
     assert p.returncode == 2 and "Traceback" not in p.stderr
     lines = p.stderr.strip().splitlines()  # one line a missing path (the paper's corpus and tokenizer too)
-    assert all(line.startswith("mta_repro.train.submit: error: ") for line in lines), lines
+    assert all(line.startswith("mta_repro.pipeline.submit: error: ") for line in lines), lines
     assert (
-        f"mta_repro.train.submit: error: checkpoint.init_from: {tmp_path}/runs/pretrain_880m_mta does not exist "
+        f"mta_repro.pipeline.submit: error: checkpoint.init_from: {tmp_path}/runs/pretrain_880m_mta does not exist "
         "(a run dir, a checkpoint dir or a .pt file; relative paths are taken from the submit directory; add "
         "--no-check if it exists only on the compute nodes)"
     ) in lines
     assert not (tmp_path / "runs" / "long_context_880m_mta").exists()  # nothing written, nothing queued
     # ... and a stage without its source says which field to give, in one line.
     p = _run(
-        ["-m", "mta_repro.train.submit", "experiment=long_context_880m_mta", "--submit"], cwd=tmp_path, check=False
+        ["-m", "mta_repro.pipeline.submit", "experiment=long_context_880m_mta", "--submit"], cwd=tmp_path, check=False
     )
     assert p.returncode == 2 and len(p.stderr.strip().splitlines()) == 1
-    assert p.stderr.startswith("mta_repro.train.submit: error: checkpoint.init_from: required")
+    assert p.stderr.startswith("mta_repro.pipeline.submit: error: checkpoint.init_from: required")
 
 
 def test_sweep_experiments_are_refused_with_the_launcher_to_use():
-    p = _run(["-m", "mta_repro.train.submit", "experiment=ablation_kernels", "--dry-run"], check=False)
+    p = _run(["-m", "mta_repro.pipeline.submit", "experiment=ablation_kernels", "--dry-run"], check=False)
     assert p.returncode == 2 and len(p.stderr.strip().splitlines()) == 1 and p.stdout == ""
     assert "hydra.mode: MULTIRUN" in p.stderr
-    assert "python -m mta_repro.train -m hydra/launcher=slurm experiment=ablation_kernels" in p.stderr
+    assert "python -m mta_repro.train -m launcher=slurm experiment=ablation_kernels" in p.stderr
 
 
 def test_submit_without_sbatch_says_so(tmp_path):
     p = _run(
-        ["-m", "mta_repro.train.submit", "experiment=debug", *CPU_PROFILE, f"run_dir={tmp_path}/r", "--submit"],
+        ["-m", "mta_repro.pipeline.submit", "experiment=debug", *CPU_PROFILE, f"run_dir={tmp_path}/r", "--submit"],
         env=_env(PATH=str(tmp_path)),
         check=False,
     )
     assert p.returncode == 2 and "Traceback" not in p.stderr
     lines = p.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("mta_repro.train.submit: error: sbatch is not on PATH"), lines
+    assert len(lines) == 1 and lines[0].startswith("mta_repro.pipeline.submit: error: sbatch is not on PATH"), lines
     assert (tmp_path / "r" / "slurm" / "train.sbatch").is_file()  # named in the message, kept to inspect
 
 
@@ -298,39 +280,16 @@ def test_submit_refuses_a_run_dir_whose_lock_a_live_start_holds(tmp_path):
     holder = {"host": socket.gethostname(), "pid": os.getpid(), "slurm_job_id": None, "started": "then"}
     (run_dir / ".lock").write_text(json.dumps(holder))
     p = _run(
-        ["-m", "mta_repro.train.submit", "experiment=debug", *CPU_PROFILE, f"run_dir={run_dir}", "--submit"],
+        ["-m", "mta_repro.pipeline.submit", "experiment=debug", *CPU_PROFILE, f"run_dir={run_dir}", "--submit"],
         env=_env(PATH=str(tmp_path)),  # no sbatch, no squeue: the lock alone refuses
         check=False,
     )
     assert p.returncode == 2 and "Traceback" not in p.stderr
-    assert _errors(p, "mta_repro.train.submit") == [
+    assert _errors(p, "mta_repro.pipeline.submit") == [
         f"run_dir={run_dir} is in use by another job (host {holder['host']}, pid {os.getpid()}, since then, "
         f"last alive 0 min ago); wait for it, use another run_dir=..., or if that job is dead delete {run_dir}/.lock"
     ]
     assert not (run_dir / "slurm").exists()
-
-
-def test_non_zero_ranks_leave_hydra_output_to_rank_0(monkeypatch):
-    from hydra import compose, initialize_config_dir
-
-    from mta_repro.train.__main__ import hydra_argv
-    from mta_repro.train.config import CONFIG_DIR
-
-    for var in ("RANK", "WORLD_SIZE", "SLURM_PROCID", "SLURM_NTASKS"):
-        monkeypatch.delenv(var, raising=False)
-    assert hydra_argv(["experiment=debug"]) == ["experiment=debug"]
-    monkeypatch.setenv("SLURM_PROCID", "1")
-    monkeypatch.setenv("SLURM_NTASKS", "2")
-    extra = [a for a in hydra_argv(["experiment=debug"]) if a != "experiment=debug"]
-    assert extra
-    monkeypatch.setenv("RANK", "0")  # torchrun inside an sbatch: torchrun's rank wins
-    monkeypatch.setenv("WORLD_SIZE", "2")
-    assert hydra_argv(["experiment=debug"]) == ["experiment=debug"]
-    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base=None):
-        cfg = compose("train", ["experiment=debug", *extra], return_hydra_config=True)
-    # No .hydra/ directory, and the job log goes to stdout only (no <run_dir>/*.log file).
-    assert cfg.hydra.output_subdir is None
-    assert "file" not in cfg.hydra.job_logging.handlers and "console" in cfg.hydra.job_logging.handlers
 
 
 def test_eval_sbatch_renders_the_eval_command(tmp_path):
@@ -345,7 +304,7 @@ def test_eval_sbatch_renders_the_eval_command(tmp_path):
 def test_gpu_job_hygiene_in_the_rendered_script(tmp_path):
     """The 880M training job: allocator, node-local compile caches, NCCL flight recorder,
     --mem and --exclusive from the experiment, each env setting overridable, valid bash."""
-    from mta_repro.train.submit import render
+    from mta_repro.pipeline.submit import render
 
     script, _ = render(["experiment=pretrain_880m_mta"])
     for line in (
@@ -589,56 +548,6 @@ def test_a_requeue_refused_at_start_is_recorded_with_exit_2(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.usefixtures("cluster")
-def test_table5_sweep_through_submitit(tmp_path):
-    # Two points of the kernel-size sweep, tiny model; one SLURM job and run dir per point
-    # (the experiment's run_dir interpolates the swept fields; here under tmp_path).
-    p = _run(
-        [
-            "-m",
-            "mta_repro.train",
-            "-m",
-            "hydra/launcher=slurm",
-            "experiment=ablation_kernels",
-            "model=tiny",
-            "data=mini",
-            "data.seq_len=32",
-            "data.batch_size=1",
-            "trainer.steps=2",
-            "trainer.device=cpu",
-            "trainer.eval_max_batches=1",
-            "distributed.compile=false",
-            "distributed.param_dtype=float32",
-            "checkpoint.every=2",
-            "checkpoint.export=false",
-            "logging.every=1",
-            "logging.wandb_mode=disabled",
-            "logging.progress_bar=false",
-            "slurm.nodes=1",
-            "slurm.gpus_per_node=0",
-            "slurm.tasks_per_node=1",
-            "slurm.cpus_per_task=1",
-            "slurm.time_min=10",
-            f"run_dir={tmp_path}/kernel_${{model.mta.query_kernel_size}}x${{model.mta.key_kernel_size}}",
-            f"hydra.sweep.dir={tmp_path}/.sweep",
-            "model.mta.key_kernel_size=7",
-        ],
-        timeout=400,
-    )
-    runs = sorted(d.name for d in tmp_path.iterdir() if not d.name.startswith("."))
-    assert runs == ["kernel_4x7", "kernel_6x7"], (runs, p.stderr[-3000:])
-    jobs = set()
-    for name in runs:
-        assert sorted(_losses(tmp_path / name)) == [1, 2]
-        cfg = (tmp_path / name / "config.yaml").read_text()
-        q = int(name.split("_")[1].split("x")[0])
-        assert f"query_kernel_size: {q}" in cfg and f"after_sm_query_kernel_size: {q}" in cfg
-    for sub in (tmp_path / ".sweep" / ".submitit").iterdir():
-        jobs.add(sub.name.split("_")[0])
-    assert len(list((tmp_path / ".sweep" / ".submitit").glob("*/*_result.pkl"))) == 2, jobs
-
-
-@pytest.mark.slow
-@pytest.mark.usefixtures("cluster")
 def test_eval_job_runs_after_training_with_afterok(tmp_path):
     run_dir = tmp_path / "ev"
     train = _submit_train(
@@ -679,7 +588,7 @@ def test_refused_sbatch_shows_its_own_message_in_one_line(tmp_path):
     p = _run(
         [
             "-m",
-            "mta_repro.train.submit",
+            "mta_repro.pipeline.submit",
             "experiment=debug",
             *CPU_PROFILE,
             f"run_dir={tmp_path}/r",
@@ -692,7 +601,7 @@ def test_refused_sbatch_shows_its_own_message_in_one_line(tmp_path):
     lines = p.stderr.strip().splitlines()
     assert len(lines) == 1, lines
     assert lines[0].startswith(
-        f"mta_repro.train.submit: error: sbatch refused {tmp_path}/r/slurm/train.sbatch (exit 1): "
+        f"mta_repro.pipeline.submit: error: sbatch refused {tmp_path}/r/slurm/train.sbatch (exit 1): "
     )
     # sbatch's own words, e.g. "Batch job submission failed: Invalid partition name specified".
     assert "Invalid partition name specified" in lines[0]
@@ -710,7 +619,7 @@ def test_a_second_job_on_a_queued_run_dir_is_refused_at_submission(tmp_path):
         p = _run(
             [
                 "-m",
-                "mta_repro.train.submit",
+                "mta_repro.pipeline.submit",
                 *COMMON,
                 *CPU_PROFILE,
                 f"run_dir={run_dir}",
@@ -720,7 +629,7 @@ def test_a_second_job_on_a_queued_run_dir_is_refused_at_submission(tmp_path):
             check=False,
         )
         assert p.returncode == 2 and "Submitted batch job" not in p.stdout, p.stderr[-2000:]
-        [line] = _errors(p, "mta_repro.train.submit")
+        [line] = _errors(p, "mta_repro.pipeline.submit")
         assert line.startswith(f"run_dir={run_dir} is already SLURM job {first}'s ("), line
         assert f"{run_dir}/slurm/train.sbatch): a second job would train the same run" in line
         assert f"scancel {first}" in line
@@ -758,28 +667,6 @@ def test_cluster_tests_submit_nothing_without_the_opt_in(tmp_path):
         assert p.returncode == 0 and "1 skipped" in p.stdout, (extra, p.stdout[-2000:])
         assert "MTA_TEST_SLURM is not 1" in p.stdout, p.stdout[-2000:]
     assert not calls.exists()
-
-
-def test_rank0_only_resolver_for_sweep_jobs(monkeypatch):
-    """``hydra.output_subdir: ${mta_rank0_only:.hydra}`` (the hunk proposed for
-    configs/train.yaml): every task of a multi-task submitit job recomposes its config, and
-    only rank 0 gets a .hydra/ directory."""
-    from hydra import compose, initialize_config_dir
-
-    from mta_repro.train.config import CONFIG_DIR
-
-    seen = {}
-    for rank in ("0", "1"):
-        monkeypatch.setenv("SLURM_PROCID", rank)
-        monkeypatch.setenv("SLURM_NTASKS", "2")
-        with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base=None):
-            cfg = compose(
-                "train",
-                ["hydra/launcher=slurm", "hydra.output_subdir=${mta_rank0_only:.hydra}"],
-                return_hydra_config=True,
-            )
-        seen[rank] = cfg.hydra.output_subdir
-    assert seen == {"0": ".hydra", "1": None}
 
 
 @pytest.mark.usefixtures("cluster")
@@ -855,12 +742,12 @@ def test_dry_run_names_each_missing_path_of_the_job_in_one_line(tmp_path):
     each (rc 2); --no-check renders it alone; a corpus missing one domain names that domain."""
     env = {k: v for k, v in _env().items() if k not in ("SLIMPAJAMA_DIR", "LLAMA3_TOKENIZER")}
     p = _run(
-        ["-m", "mta_repro.train.submit", "experiment=pretrain_880m_mta", f"run_dir={tmp_path}/r", "--dry-run"],
+        ["-m", "mta_repro.pipeline.submit", "experiment=pretrain_880m_mta", f"run_dir={tmp_path}/r", "--dry-run"],
         env=env,
         check=False,
     )
     assert p.returncode == 2 and "#!/bin/bash" in p.stdout
-    assert sorted(_errors(p, "mta_repro.train.submit")) == [
+    assert sorted(_errors(p, "mta_repro.pipeline.submit")) == [
         "data.root_dir: /datasets/slimpajama_domains ($SLIMPAJAMA_DIR is not set: its default) does not exist (the "
         "corpus, layout domains; add --no-check if it exists only on the compute nodes)",
         "data.tokenizer.path: /checkpoints/llama3/tokenizer.model ($LLAMA3_TOKENIZER is not set: its default) does "
@@ -869,7 +756,7 @@ def test_dry_run_names_each_missing_path_of_the_job_in_one_line(tmp_path):
     ok = _run(
         [
             "-m",
-            "mta_repro.train.submit",
+            "mta_repro.pipeline.submit",
             "experiment=pretrain_880m_mta",
             f"run_dir={tmp_path}/r",
             "--dry-run",
@@ -883,12 +770,12 @@ def test_dry_run_names_each_missing_path_of_the_job_in_one_line(tmp_path):
     tok = tmp_path / "tok.model"
     tok.write_text("ranks")
     p = _run(
-        ["-m", "mta_repro.train.submit", "experiment=pretrain_880m_mta", f"run_dir={tmp_path}/r", "--dry-run"],
+        ["-m", "mta_repro.pipeline.submit", "experiment=pretrain_880m_mta", f"run_dir={tmp_path}/r", "--dry-run"],
         env=dict(env, SLIMPAJAMA_DIR=str(corpus), LLAMA3_TOKENIZER=str(tok)),
         check=False,
     )
     assert p.returncode == 2
-    assert _errors(p, "mta_repro.train.submit") == [
+    assert _errors(p, "mta_repro.pipeline.submit") == [
         f"data.sources.github: no directory {corpus}/github (layout 'domains') (add --no-check if it exists only on "
         "the compute nodes)"
     ]
@@ -900,7 +787,8 @@ def test_values_read_from_the_environment_are_written_into_the_job(tmp_path):
     the same corpus; the command composes, without the variables, to the submitter's config."""
     env = _paper_env(tmp_path)
     p = _run(
-        ["-m", "mta_repro.train.submit", "experiment=pretrain_880m_mta", f"run_dir={tmp_path}/r", "--dry-run"], env=env
+        ["-m", "mta_repro.pipeline.submit", "experiment=pretrain_880m_mta", f"run_dir={tmp_path}/r", "--dry-run"],
+        env=env,
     )
     srun = [line for line in p.stdout.splitlines() if line.startswith("srun ")][0]
     words = srun.split()
@@ -920,7 +808,7 @@ def test_values_read_from_the_environment_are_written_into_the_job(tmp_path):
 
 def test_eval_and_pipeline_and_sweep_submissions_check_too(tmp_path):
     """The other SLURM paths: an evaluation of a run that is not there (and no --after job to
-    make it); the paper's pipeline (--plan) and a Table 5 sweep through submitit without the
+    make it); the paper's pipeline (--plan) and a Table 5 sweep through the engine without the
     corpus: one line each, rc 2, and nothing written or queued (no sbatch is on PATH here)."""
     env = {
         k: v
@@ -957,14 +845,14 @@ def test_eval_and_pipeline_and_sweep_submissions_check_too(tmp_path):
             "-m",
             "mta_repro.train",
             "-m",
-            "hydra/launcher=slurm",
+            "launcher=slurm",
             "experiment=ablation_kernels",
-            f"hydra.sweep.dir={tmp_path}/sweep",
+            f"run_dir={tmp_path}/sweep/k" + "${model.mta.query_kernel_size}x${model.mta.key_kernel_size}",
         ],
         env=env,
         check=False,
     )
-    assert p.returncode == 2 and [line.split(":")[0] for line in _errors(p, "train")] == [
+    assert p.returncode == 2 and [line.split(":")[0] for line in _errors(p, "sweep")] == [
         "data.root_dir",
         "data.tokenizer.path",
     ]
@@ -974,7 +862,7 @@ def test_eval_and_pipeline_and_sweep_submissions_check_too(tmp_path):
 def test_the_880m_job_fits_an_8_gpu_64_core_node():
     """Every paper experiment's sbatch asks for at most 64 CPUs and 8 GPUs a node (8 ranks x
     slurm.cpus_per_task), what the smallest common 8-GPU node has."""
-    from mta_repro.train.submit import render
+    from mta_repro.pipeline.submit import render
 
     for exp in ("pretrain_880m_mta", "pretrain_1b_baseline", "long_context_880m_mta", "mta_insertion"):
         ov = [f"experiment={exp}"] + (["checkpoint.init_from=/src"] if not exp.startswith("pretrain") else [])
@@ -1028,7 +916,7 @@ def test_a_job_without_its_tokenizer_is_refused_before_sbatch(tmp_path):
     p = _run(
         [
             "-m",
-            "mta_repro.train.submit",
+            "mta_repro.pipeline.submit",
             "experiment=debug",
             *CPU_PROFILE,
             f"run_dir={tmp_path}/r",
@@ -1039,7 +927,7 @@ def test_a_job_without_its_tokenizer_is_refused_before_sbatch(tmp_path):
         check=False,
     )
     assert p.returncode == 2 and "Submitted batch job" not in p.stdout
-    assert _errors(p, "mta_repro.train.submit") == [
+    assert _errors(p, "mta_repro.pipeline.submit") == [
         f"data.tokenizer.path: {tmp_path}/missing.model does not exist (the sentencepiece tokenizer file; add "
         "--no-check if it exists only on the compute nodes)"
     ]

@@ -4,7 +4,6 @@ the sbatch dry-run."""
 
 from __future__ import annotations
 
-import itertools
 import math
 import os
 import subprocess
@@ -260,18 +259,20 @@ def test_stage_experiments():
 
 @pytest.mark.parametrize("name", ["ablation_gating_norm", "ablation_kernels", "ablation_conv_layers"])
 def test_ablation_sweeps_expand_to_valid_distinct_runs(name):
-    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from mta_repro.pipeline.sweep import build
 
     raw = OmegaConf.load(ROOT / "configs" / "experiment" / f"{name}.yaml")
     assert raw.hydra.mode == "MULTIRUN"
-    parsed = OverridesParser.create().parse_overrides([f"{k}={v}" for k, v in raw.hydra.sweeper.params.items()])
-    axes = [[f"{o.get_key_element()}={v}" for v in o.sweep_string_iterator()] for o in parsed]
-    run_dirs = set()
-    for combo in itertools.product(*axes):
-        cfg = compose([f"experiment={name}", *combo])
-        model_args_from(cfg)  # valid model
-        run_dirs.add(cfg.run_dir)
-    assert len(run_dirs) == math.prod(len(a) for a in axes) >= 3
+    n = math.prod(len(str(v).split(",")) if "choice" not in str(v) else 3 for v in raw.hydra.sweeper.params.values())
+    # the engine's plan of `python -m mta_repro.train experiment=<name>`: one job a point, a report after
+    plan, launcher = build([f"experiment={name}"])
+    train = [j for j in plan.jobs if j.kind == "train"]
+    assert launcher == "local" and len(train) == n >= 3
+    assert len({j.run_dir for j in train}) == n
+    for job in train:
+        model_args_from(compose(job.overrides))  # each point's command line composes to a valid model
+    (report,) = [j for j in plan.jobs if j.kind == "report"]
+    assert report.deps == [j.id for j in train] and report.runs == [j.run_dir for j in train]
 
 
 # ------------------------------------------------------------------ SLURM dry-run
@@ -279,7 +280,7 @@ def test_ablation_sweeps_expand_to_valid_distinct_runs(name):
 def test_sbatch_dry_run(tmp_path):
     p = subprocess.run(
         # the corpus and tokenizer are on the cluster, not here
-        [sys.executable, "-m", "mta_repro.train.submit", "experiment=pretrain_880m_mta", "--dry-run", "--no-check"],
+        [sys.executable, "-m", "mta_repro.pipeline.submit", "experiment=pretrain_880m_mta", "--dry-run", "--no-check"],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -302,7 +303,7 @@ def test_sbatch_dry_run(tmp_path):
     ) in srun[0]
     assert srun[0].rstrip().endswith("runs/pretrain_880m_mta")
     # Overrides reach the command and the resources.
-    from mta_repro.train.submit import render
+    from mta_repro.pipeline.submit import render
 
     script2, command2 = render(["experiment=pretrain_300m_mta", "slurm.nodes=2", "trainer.steps=10"])
     assert "#SBATCH --nodes=2\n" in script2 and "trainer.steps=10" in command2

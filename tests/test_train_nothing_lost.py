@@ -144,7 +144,7 @@ def _train(run_dir, *overrides):
 
 @pytest.mark.slow
 def test_resume_without_config_yaml_is_checked_against_the_checkpoints_config(tmp_path):
-    from mta_repro.train.runlock import RunDirError
+    from mta_repro.runs.runlock import RunDirError
 
     run = tmp_path / "run"
     _train(run, "trainer.steps=2")

@@ -19,10 +19,10 @@ import pytest
 from omegaconf import OmegaConf
 from tiny_config import tiny_train
 
+from mta_repro.runs.rundir import write_config
+from mta_repro.runs.runlock import RunDirError, RunLock
 from mta_repro.train.config import compose
 from mta_repro.train.config_check import diff_configs
-from mta_repro.train.rundir import write_config
-from mta_repro.train.runlock import RunDirError, RunLock
 
 ROOT = Path(__file__).resolve().parents[1]
 COMMON = tiny_train("trainer.steps=2", "checkpoint.every=1")
@@ -168,7 +168,7 @@ def test_added_keys_are_refused_by_the_schema(tmp_path):
 
 @pytest.mark.slow
 def test_a_failed_start_leaves_no_run_dir(tmp_path):
-    """Through Hydra's CLI (it creates the run dir and its log before the trainer runs)."""
+    """Through the command line (it writes the record of the command before the trainer runs)."""
     run_dir = tmp_path / "failed"
     p = subprocess.run(
         [sys.executable, "-m", "mta_repro.train", f"run_dir={run_dir}", *COMMON, "model.vocab_size=100"],

@@ -105,7 +105,7 @@ def task_data(config) -> dict:
     the local hub cache resolved for it; None when neither is known)."""
     from collections.abc import Mapping
 
-    from mta_repro.train.provenance import sha256_file
+    from mta_repro.runs.provenance import sha256_file
 
     cfg: Mapping = config if isinstance(config, Mapping) else {}
     given = cfg.get("dataset_kwargs")

@@ -64,7 +64,7 @@ def load_model(
     is named in one line on stderr with the one used instead; an explicit ``.pt`` that is
     broken, or a file that would unpickle code, is an error naming the file.
     ``model.source`` = {"kind", "path", "step", "record"} of the weights that were loaded
-    (``record``: what they came from, mta_repro/train/provenance.py); ``identity`` adds
+    (``record``: what they came from, mta_repro/runs/provenance.py); ``identity`` adds
     "weights_sha256", the sha256 of their tensors as read (float32).
     """
     dtype = resolve_dtype(dtype)
@@ -88,7 +88,7 @@ def load_model(
         )
     digest = None
     if identity:
-        from mta_repro.train.provenance import state_digest
+        from mta_repro.runs.provenance import state_digest
 
         digest = state_digest(w.state)
     model = model.to(device=device, dtype=dtype).eval()

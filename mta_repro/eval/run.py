@@ -36,7 +36,7 @@ from omegaconf import OmegaConf
 from mta_repro.errors import UserError
 from mta_repro.eval.args import EvalConfig, register_eval_config
 from mta_repro.files import replace_atomically, result_json
-from mta_repro.train.config import attention_variant
+from mta_repro.model.args import attention_variant
 
 log = logging.getLogger("mta_repro.eval")
 
@@ -136,7 +136,7 @@ def provenance_of(cfg: EvalConfig, model, run_cfg) -> dict:
     the inputs their run recorded, the tokenizer used, the validation files, versions.
     Refuses a tokenizer whose content differs from the recorded one unless
     ``accept_changed_tokenizer``."""
-    from mta_repro.train import provenance as pv
+    from mta_repro.runs import provenance as pv
 
     src = getattr(model, "source", {}) or {}
     record = src.get("record") or {}

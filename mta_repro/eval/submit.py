@@ -126,7 +126,7 @@ def problems(run_dir: str, overrides: list[str], after: str | None) -> list[str]
     from omegaconf import OmegaConf
 
     from mta_repro.eval.run import compose_eval
-    from mta_repro.train.jobcheck import HINT, data_problems, writable_dir_problem
+    from mta_repro.runs.jobcheck import HINT, data_problems, writable_dir_problem
 
     rd = Path(run_dir).expanduser().absolute()
     cfg = compose_eval([f"run_dir={rd}", *overrides])
@@ -149,7 +149,7 @@ def problems(run_dir: str, overrides: list[str], after: str | None) -> list[str]
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(sys.argv[1:] if argv is None else argv)
     from mta_repro.cli import run_cli
-    from mta_repro.train.jobcheck import raise_problems
+    from mta_repro.runs.jobcheck import raise_problems
 
     def go() -> int:
         if args.after is not None and not all(j.replace("_", "").isdigit() for j in args.after.split(":")):

@@ -169,7 +169,7 @@ def _readable_as_umask(paths) -> None:
 def export_hf(path: str | Path, out_dir: str | Path, force: bool = False) -> Path:
     """Write a ``LlamaForCausalLM`` folder (config.json, model.safetensors, the
     tokenizer file and our tokenizer settings) from a baseline run or .pt, with a
-    provenance.json saying what the weights came from (mta_repro/train/provenance.py).
+    provenance.json saying what the weights came from (mta_repro/runs/provenance.py).
     ``out_dir`` must be new, empty or an earlier export of ours (replaced); ``force``
     writes into another folder."""
     from transformers import LlamaForCausalLM
@@ -240,7 +240,7 @@ def _record_source(model, cfg, path, out_dir: Path) -> None:
     """Say which run and step were exported (an unfinished run's latest checkpoint exports
     as well: the step tells), and record it with what the weights came from (step, sha256,
     tokens seen, tokenizer, data, code) in ``<out_dir>/provenance.json``."""
-    from mta_repro.train import provenance
+    from mta_repro.runs import provenance
 
     tok_cfg = OmegaConf.to_container(cfg.data.tokenizer, resolve=True) if "data" in cfg else None
     record = provenance.weights_provenance(model, tok_cfg)

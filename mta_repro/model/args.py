@@ -373,3 +373,16 @@ def validate(args: ModelArgs) -> None:
             )
     args.mta.check(args.n_heads, max_seqlen=args.max_seqlen)
     _parse_layers(args.mta.mta_layers, args.n_layers)  # raises on bad ids
+
+
+def attention_variant(model_cfg) -> str:
+    """Which ``attention=`` option (configs/attention/) a model config is: baseline, diff,
+    talking_heads (head mixing only) or mta (key-query convolutions)."""
+    if model_cfg.get("diff_transformer"):
+        return "diff"
+    mta = model_cfg.get("mta") or {}
+    if not mta.get("use_mta"):
+        return "baseline"
+    if mta.get("query_kernel_size") or mta.get("after_sm_query_kernel_size"):
+        return "mta"
+    return "talking_heads"

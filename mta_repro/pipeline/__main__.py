@@ -36,14 +36,24 @@ LAUNCHERS = ("local", "slurm")
 def build_plan(overrides: Sequence[str]):
     from omegaconf import OmegaConf
 
-    from mta_repro.pipeline.plan import Plan
+    from mta_repro.pipeline.plan import PIPELINE_KEYS, Plan
     from mta_repro.train.config import compose
 
+    overrides = [_plan_field(o, PIPELINE_KEYS) for o in overrides]
     cfg = compose(list(overrides), config_name="run_pipeline")
     if cfg.launcher not in LAUNCHERS:
         raise UserError(f"launcher: expected one of {LAUNCHERS}, got {cfg.launcher!r}")
     OmegaConf.resolve(cfg)
     return Plan(cfg.pipeline, cfg.root, python=cfg.python or sys.executable), cfg
+
+
+def _plan_field(o: str, fields) -> str:
+    """``pipeline.seeds=[0,1]``, a field of the plan that a pipeline config may leave unset,
+    as ``++pipeline.seeds=[0,1]`` (set or add): the plain spelling works as ``+`` does, and
+    the plan's own check still names a field it does not know."""
+    key = o.partition("=")[0]
+    parts = key.split(".")
+    return f"++{o}" if len(parts) == 2 and parts[0] == "pipeline" and parts[1] in fields else o
 
 
 def _bare_name(arg: str) -> str:
@@ -68,7 +78,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(__doc__)
         return 0
     from mta_repro.cli import check_split_lists, run_cli
-    from mta_repro.train.jobcheck import NO_CHECK, raise_problems
+    from mta_repro.runs.jobcheck import NO_CHECK, raise_problems
 
     flags = ("--dry-run", "--plan", NO_CHECK)
     dry_run, plan_only, check = "--dry-run" in argv, "--plan" in argv, NO_CHECK not in argv

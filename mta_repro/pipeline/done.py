@@ -15,7 +15,7 @@ from pathlib import Path
 from mta_repro.errors import UserError
 from mta_repro.files import read_json
 from mta_repro.pipeline.job import Job
-from mta_repro.train.provenance import foreign_result
+from mta_repro.runs.provenance import foreign_result
 
 
 def _finished(run_dir: Path, steps: int) -> Path | None:

@@ -31,7 +31,7 @@ from mta_repro.pipeline.done import done
 from mta_repro.pipeline.done import torn as torn
 from mta_repro.pipeline.job import Job
 from mta_repro.train.args import RUN_STAGES, VARIANTS
-from mta_repro.train.config import CONFIG_DIR
+from mta_repro.train.config import CONFIG_DIR, compose
 
 REPO = CONFIG_DIR.parent
 # The fields of a pipeline config:
@@ -178,43 +178,26 @@ def _experiment(stage: dict, variant: str, where: str) -> str:
     return _fmt(str(exp), variant, f"{where}.experiment")
 
 
-class _Composer:
-    """Many compositions under one Hydra initialisation (``mta_repro.train.config.compose``
-    initialises Hydra on every call, most of its cost); eval compositions are cached."""
+class Compositions:
+    """The plan's configs, each composed by ``mta_repro.train.config.compose`` (the one
+    composition); eval's are cached by their overrides (every run of a stage shares them)."""
 
-    def __enter__(self):
-        from hydra import initialize_config_dir
-        from hydra.core.global_hydra import GlobalHydra
-
+    def __init__(self) -> None:
         from mta_repro.eval.args import register_eval_config
-        from mta_repro.train.config import register_configs
 
-        register_configs()
         register_eval_config()
-        if GlobalHydra.instance().is_initialized():
-            GlobalHydra.instance().clear()
-        self._ctx = initialize_config_dir(config_dir=str(CONFIG_DIR), version_base=None)
-        self._ctx.__enter__()
         self._evals: dict = {}
-        return self
-
-    def __exit__(self, *exc):
-        return self._ctx.__exit__(*exc)
 
     def train(self, overrides) -> DictConfig:
-        from hydra import compose as hydra_compose
-
-        return hydra_compose(config_name="train", overrides=list(overrides))
+        return compose(list(overrides))
 
     def eval(self, overrides):
         """(tasks, out_dir) of ``python -m mta_repro.eval <run> <overrides>``."""
         key = tuple(overrides)
         if key not in self._evals:
-            from hydra import compose as hydra_compose
-
             from mta_repro.eval.args import EvalConfig
 
-            cfg = OmegaConf.to_object(hydra_compose(config_name="eval", overrides=list(overrides)))
+            cfg = OmegaConf.to_object(compose(list(overrides), config_name="eval"))
             assert isinstance(cfg, EvalConfig)
             self._evals[key] = (list(cfg.tasks), cfg.out_dir)
         return self._evals[key]
@@ -295,13 +278,24 @@ def _point_value(o: str) -> str:
 
 
 class Plan:
-    def __init__(self, spec: DictConfig, root: Path, python: str = sys.executable):
+    def __init__(
+        self,
+        spec: DictConfig,
+        root: Path,
+        python: str = sys.executable,
+        jobs: list[Job] | None = None,
+        train_dirs: dict[str, Path] | None = None,
+    ):
+        """The plan of a pipeline config (``spec``: the ``pipeline`` node), or, with ``jobs``
+        (and their ``train_dirs``), a plan already made (a ``-m`` sweep's:
+        ``mta_repro.pipeline.sweep``) that the same runner runs."""
         self.spec = spec
         self.root = Path(root).expanduser().resolve()
         self.python = python
-        self.jobs: list[Job] = []
-        self.train_dirs: dict[str, Path] = {}  # "<stage>/<variant|point>" -> run dir
-        self._build()
+        self.jobs: list[Job] = list(jobs or [])
+        self.train_dirs: dict[str, Path] = dict(train_dirs or {})  # "<stage>/<variant|point>" -> run dir
+        if jobs is None:
+            self._build()
 
     # ------------------------------------------------------------------ building
     def _validate(self) -> None:
@@ -371,10 +365,9 @@ class Plan:
 
     def _build(self) -> None:
         self._validate()
-        with _Composer() as c:
-            self._build_jobs(c)
+        self._build_jobs(Compositions())
 
-    def _build_jobs(self, c: _Composer) -> None:
+    def _build_jobs(self, c: Compositions) -> None:
         s = self.spec
         common = _list(s.get("train_overrides"), "pipeline.train_overrides")
         pipeline_variants = _list(s.get("variants"), "pipeline.variants")

@@ -67,10 +67,10 @@ def _missing_report_inputs(job: Job) -> str:
 
 
 def job_script(job: Job, slurm: dict) -> str:
-    """The sbatch script of a job: training through mta_repro.train.submit's render (the
+    """The sbatch script of a job: training through mta_repro.pipeline.submit's render (the
     multi-node template), the others through JOB_TEMPLATE."""
     if job.kind == "train":
-        from mta_repro.train.submit import render
+        from mta_repro.pipeline.submit import render
 
         # check_paths=False: the source run is made by an earlier job of this plan
         script, _ = render(
@@ -111,7 +111,7 @@ def site_overrides(slurm: dict, given) -> list:
     """``pipeline.slurm``'s partition, account, QoS and constraint for a training job (whose
     own ``slurm`` section sets its size), unless its overrides set them: one place for
     the site's names, every job of the plan."""
-    from mta_repro.train.jobcheck import quote_value
+    from mta_repro.runs.jobcheck import quote_value
 
     return [
         f"slurm.{k}={quote_value(slurm[k])}"
@@ -121,24 +121,25 @@ def site_overrides(slurm: dict, given) -> list:
 
 
 def plan_problems(plan: Plan) -> list:
-    """What the jobs still to run would miss at their start (mta_repro/train/jobcheck.py),
+    """What the jobs still to run would miss at their start (mta_repro/runs/jobcheck.py),
     each line once: a root the jobs cannot write, an import folder, and each training
     job's data, tokenizer and sources (a run an earlier job makes counts as there)."""
-    from mta_repro.pipeline.plan import _Composer
-    from mta_repro.train.jobcheck import problems, writable_dir_problem
+    from mta_repro.runs.jobcheck import problems, writable_dir_problem
 
     lines = [line for line in [writable_dir_problem(plan.root, "root")] if line]
     lines += missing_sources(plan.jobs)
     made = list(plan.train_dirs.values()) + [j.out_file for j in plan.jobs if j.kind == "import" and j.out_file]
     todo = [j for j in plan.jobs if j.kind in ("train", "check") and not done(j)]
     if todo:
-        with _Composer() as c:
-            for job in todo:
-                for line in problems(c.train(job.overrides), made_by_plan=made):
-                    if line.startswith("run_dir:"):  # under the root: said once, above
-                        continue
-                    if line not in lines:
-                        lines.append(line)
+        from mta_repro.train.config import compose, to_train_config
+
+        for job in todo:
+            cfg = compose(job.overrides)
+            for line in problems(cfg, to_train_config(cfg), made_by_plan=made):
+                if line.startswith("run_dir:"):  # under the root: said once, above
+                    continue
+                if line not in lines:
+                    lines.append(line)
     return lines
 
 

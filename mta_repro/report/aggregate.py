@@ -65,7 +65,7 @@ def run_seed(run: RunData) -> int | None:
 
 def run_id(run: RunData) -> str | None:
     """The run's identity: its provenance record's ``run_id``, else its evals' copy."""
-    from mta_repro.train.provenance import RECORD, read_record
+    from mta_repro.runs.provenance import RECORD, read_record
 
     rid = (read_record(run.path / RECORD) or {}).get("run_id")
     if rid:

@@ -152,7 +152,7 @@ def load_run(path, label: str | None = None) -> RunData:
         why = fault(data, eval_shape(task))
         if why:
             raise UserError(f"report: {f}: not {what} ({task}): {why}")
-        from mta_repro.train.provenance import foreign_result
+        from mta_repro.runs.provenance import foreign_result
 
         foreign = foreign_result(data, path)
         if foreign:  # copied from another run: its numbers would stand in this run's row
@@ -165,7 +165,7 @@ def load_run(path, label: str | None = None) -> RunData:
     if variant is not None:  # the run's own record wins over what its results or model say
         run.variant, run.variant_recorded = variant, True
     if run.variant is None and run.config and "model" in run.config:
-        from mta_repro.train.config import attention_variant
+        from mta_repro.model.args import attention_variant
 
         run.variant = attention_variant(run.config["model"])
     run.stage, run.stage_recorded = (stage, True) if stage is not None else (run_stage(run.config), False)

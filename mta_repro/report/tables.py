@@ -564,7 +564,7 @@ def _lm_eval_data(data) -> str:
     ``lm_eval_tasks.task_data`` per task), each distinct file or dataset once: a local
     file by name and sha256, a hub dataset by its revision ("unpinned" when none was
     known). Empty for a result that recorded none."""
-    from mta_repro.train.provenance import short
+    from mta_repro.runs.provenance import short
 
     if not isinstance(data, dict) or not data:
         return ""
@@ -586,7 +586,7 @@ def add_provenance(table: Table, runs) -> None:
     name) every row not comparable with the rows beside it: another tokenizer, another
     validation set (lm-eval tables: another lm-eval version) than most rows, or an
     evaluation older than the run's newest checkpoint."""
-    from mta_repro.train.provenance import short
+    from mta_repro.runs.provenance import short
 
     task = TABLE_TASK.get(table.name)
     by_label = {r.label: r for r in runs}

@@ -1,16 +1,23 @@
-"""``python -m mta_repro.train experiment=debug run_dir=runs/debug`` (Hydra CLI).
+"""``python -m mta_repro.train experiment=debug run_dir=runs/debug [key=value ...]``.
 
-Launch N ranks with ``torchrun --nproc_per_node N -m mta_repro.train ...`` or under
-SLURM with ``srun`` (see slurm/train.sbatch); a single process needs no launcher.
-Only rank 0 writes Hydra's output (``<run_dir>/.hydra`` and the job log): every other
-rank runs with ``hydra.output_subdir=null`` and logs to stdout, so N ranks never write the
-same files at once.
+The overrides are composed by ``mta_repro.train.config.compose`` (the project's one
+composition, Hydra's compose API). Launch N ranks with ``torchrun --nproc_per_node N -m
+mta_repro.train ...`` or under SLURM with ``srun`` (see slurm/train.sbatch); a single
+process needs no launcher. Only rank 0 writes the record of the command
+(``<run_dir>/.hydra/``: config.yaml, hydra.yaml, overrides.yaml), so N ranks never write
+the same files at once.
+
+    --cfg job|hydra|all [--resolve]   print the composed config, run nothing
+    -m / --multirun                   a sweep (``a=1,2``, or an experiment with
+                                      ``hydra.mode: MULTIRUN``): one run per point, run by
+                                      the pipeline's engine (``python -m mta_repro.pipeline.sweep``)
+    --plan / --dry-run / --no-check   (a sweep) its job table / every command and sbatch
+                                      script / with launcher=slurm, no check of the jobs' paths
 
 A user error (a config key or option, the run directory, data, a checkpoint) is one line
-and exit status 2 (``mta_repro.cli.run_cli``); the overrides are checked before Hydra
-starts, so an unknown key or config option is that one line too. Ctrl-C (or SIGTERM,
-SIGUSR1/2) checkpoints at the next step boundary and exits with 128 + the signal's number
-(130 for Ctrl-C, 143 for SIGTERM): the run is unfinished (docs/errors_and_signals.md).
+and exit status 2 (``mta_repro.cli.run_cli``). Ctrl-C (or SIGTERM, SIGUSR2) checkpoints at
+the next step boundary and exits with 128 + the signal's number (130 for Ctrl-C, 143 for
+SIGTERM): the run is unfinished (docs/errors_and_signals.md).
 """
 
 from __future__ import annotations
@@ -18,88 +25,104 @@ from __future__ import annotations
 import os
 import sys
 
-import hydra
-from omegaconf import DictConfig
+from omegaconf import OmegaConf
 
-from mta_repro.device import launcher_rank
-from mta_repro.train.config import CONFIG_DIR
-
-# Appended to the command line of ranks other than 0 (a single run, not a sweep).
-NON_ZERO_RANK_OVERRIDES = ("hydra.output_subdir=null", "hydra/job_logging=stdout")
 PROG = "train"
+SWEEP_MODULE = "mta_repro.pipeline.sweep"
 
 
-def staged_argv(argv: list[str]) -> list[str]:
-    """argv with rank 0's ``.hydra/`` written to a folder of this start's own
-    (``rundir.STAGED_HYDRA``), which becomes ``.hydra/`` only once the start is accepted: a
-    refused start leaves the run's record of its command as it was. A sweep's jobs write
-    theirs in their own output folders, not in a run dir; a user's own output_subdir is kept."""
-    from mta_repro.train.rundir import STAGED_HYDRA
+def help_text() -> str:
+    """configs/train.yaml's help header, the config groups and their options, its footer."""
+    from mta_repro.train.config import CONFIG_DIR, compose
 
-    if launcher_rank() != 0 or any(a in ("-m", "--multirun") for a in argv):
-        return argv
-    if any(a.split("=")[0].lstrip("+~") == "hydra.output_subdir" for a in argv):
-        return argv
-    # first: an override after an option (`--cfg job`) is not one for Hydra's argparse
-    return [f"hydra.output_subdir={STAGED_HYDRA}{os.getpid()}", *argv]
+    help_node = compose([], hydra_config=True).hydra.help
+    groups = []
+    for d in sorted(p for p in CONFIG_DIR.iterdir() if p.is_dir() and p.name not in ("hydra", "pipeline", "eval")):
+        names = sorted(f.stem for f in d.glob("*.yaml") if not f.stem.startswith("_"))
+        if names:
+            groups.append(f"  {d.name}: {', '.join(names)}")
+    return "\n".join([str(help_node.header), "", "Config groups (group=option):", *groups, "", str(help_node.footer)])
 
 
-def hydra_argv(argv: list[str]) -> list[str]:
-    """argv with the rank-0-only output overrides added on the other ranks."""
-    if launcher_rank() == 0 or any(a in ("-m", "--multirun") for a in argv):
-        return argv
-    return [*(o for o in NON_ZERO_RANK_OVERRIDES if o not in argv), *argv]
+def is_sweep(multirun: bool, cfg) -> bool:
+    """``-m``, or an experiment that is a sweep (``hydra.mode: MULTIRUN``)."""
+    return multirun or str(OmegaConf.select(cfg, "hydra.mode")).endswith("MULTIRUN")
 
 
-@hydra.main(config_path=str(CONFIG_DIR), config_name="train", version_base=None)
-def main(cfg: DictConfig) -> None:
-    from mta_repro.cli import run_cli
-    from mta_repro.train.loop import train
-    from mta_repro.train.signals import stop_exit_code
+def run_sweep(argv: list[str]) -> int:
+    """Hand a sweep to the pipeline's engine, this process becoming it (the same signals,
+    the same exit status): ``python -m mta_repro.pipeline.sweep <argv without -m>``."""
+    rest = [a for a in argv if a not in ("-m", "--multirun")]
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execv(sys.executable, [sys.executable, "-m", SWEEP_MODULE, *rest])
+    return 0  # pragma: no cover - execv does not return
+
+
+def cli(argv: list[str]) -> int:
+    from mta_repro.cli import first_point, parse_hydra_argv, resolve_all, run_cli
+    from mta_repro.device import launcher_rank
+    from mta_repro.errors import UserError
+    from mta_repro.runs.jobcheck import NO_CHECK
+    from mta_repro.runs.rundir import check_writable, write_record
+    from mta_repro.runs.signals import stop_exit_code
+    from mta_repro.train.config import compose, to_train_config
+
+    sweep: list[bool] = []
 
     def go() -> int:
-        out = train(cfg)
+        args = parse_hydra_argv(argv, PROG, flags=(NO_CHECK, "--plan", "--dry-run"))
+        if args.help:
+            print(help_text())
+            return 0
+        # launcher=slurm / hydra/launcher=slurm choose the engine's SLURM backend (a sweep's)
+        overrides = [o for o in args.overrides if o.lstrip("+") not in ("launcher=slurm", "hydra/launcher=slurm")]
+        if args.multirun and args.cfg is None:
+            sweep.append(True)
+            return 0
+        first, swept = first_point(overrides)
+        cfg = compose(first, hydra_config=True)
+        if is_sweep(args.multirun, cfg) and args.cfg is None:  # the experiment is a sweep
+            sweep.append(True)
+            return 0
+        if swept and not args.multirun:  # a swept value without -m: Hydra's one line (add --multirun)
+            compose(overrides)
+        if overrides != args.overrides:
+            raise UserError(
+                "launcher=slurm: chooses where a sweep (-m) runs; submit one run with "
+                f"python -m mta_repro.pipeline.submit {' '.join(overrides)} --submit"
+            )
+        if args.flags:
+            raise UserError(
+                f"{args.flags[0]}: a sweep's (-m) option; one run's sbatch script, checked: "
+                f"python -m mta_repro.pipeline.submit {' '.join(overrides)} --dry-run"
+            )
+        task = OmegaConf.masked_copy(cfg, [str(k) for k in cfg if k != "hydra"])
+        resolve_all(task)
+        to_train_config(task)  # every field's check (schema, values, data.seq_len <= model.max_seqlen)
+        if args.cfg is not None:
+            node = {"job": task, "hydra": OmegaConf.masked_copy(cfg, ["hydra"]), "all": cfg}[args.cfg]
+            print(OmegaConf.to_yaml(node, resolve=args.resolve), end="")
+            return 0
+        check_writable(task.run_dir)
+        if launcher_rank() == 0:
+            write_record(task.run_dir, cfg, overrides, OmegaConf.select(cfg, "hydra.output_subdir"))
+        from mta_repro.train.loop import train
+
+        out = train(task)
         # Stopped by a signal (after its checkpoint): unfinished, 128 + the signal's number.
         sig = out.get("stopped_by_signal")
         return stop_exit_code(sig) if sig else 0
 
-    # Inside Hydra's job (its output dir and logging stay as they are); SystemExit passes
-    # through Hydra, which would print any other exception as a multi-line report.
     rc = run_cli(PROG, go)
-    if rc:
-        sys.exit(rc)
+    if sweep and not rc:
+        return run_sweep(argv)
+    return rc
 
 
-def cli(argv: list[str]) -> int:
-    """Check the overrides (one line for an unknown key or option), then run Hydra's main."""
-    from mta_repro.cli import check_hydra_overrides, run_cli
-    from mta_repro.train.config import to_train_config
-    from mta_repro.train.jobcheck import NO_CHECK, problems, raise_problems, resolved_overrides
-    from mta_repro.train.rundir import check_writable
-
-    check_paths = NO_CHECK not in argv
-    argv = hydra_argv([a for a in argv if a != NO_CHECK])
-    # A sweep submitted through submitit: its jobs wait in the queue, then start elsewhere
-    slurm_sweep = any(a.lstrip("+") == "hydra/launcher=slurm" for a in argv)
-    resolved: list[str] = []
-
-    def check(cfg) -> None:
-        to_train_config(cfg)  # every field's check (schema, values, data.seq_len <= model.max_seqlen)
-        if not any(a in ("-m", "--multirun") for a in argv):  # before Hydra opens its log in it
-            check_writable(cfg.run_dir)
-        if slurm_sweep:
-            if check_paths:  # what the jobs need at their start, on the first point's config
-                raise_problems(problems(cfg))
-            resolved.extend(resolved_overrides(cfg, argv))  # values read from the environment, written in
-
-    rc = run_cli(PROG, lambda: check_hydra_overrides(argv, CONFIG_DIR, "train", check) or 0)
-    if rc:
-        return rc
-    argv = staged_argv(argv + resolved)
-    sys.argv[1:] = argv
-    main()
-    return 0
+def main() -> None:
+    sys.exit(cli(sys.argv[1:]))
 
 
 if __name__ == "__main__":
-    sys.exit(cli(sys.argv[1:]))
+    main()

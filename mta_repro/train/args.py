@@ -180,7 +180,7 @@ class LoggingArgs:
     RUN_DIR: ClassVar[str] = "safe"
     # Write a metrics.jsonl line (and a wandb point) every this many steps. Also the host
     # sync cadence: the loop reads the loss and grad norm from the device, and on several
-    # ranks agrees on a preemption signal (SIGUSR1/2, SIGTERM, Ctrl-C), only every this
+    # ranks agrees on a preemption signal (SIGUSR2, SIGTERM, Ctrl-C), only every this
     # many steps (and before a save and at the end), so a signal is honoured within this
     # many steps; one rank honours it at the next step (docs/errors_and_signals.md).
     every: int = 10
@@ -252,7 +252,7 @@ SITE_FIELDS = ("partition", "account", "qos", "constraint")
 
 @dataclass
 class SlurmArgs:
-    """What ``python -m mta_repro.train.submit`` renders into slurm/train.sbatch (and what
+    """What ``python -m mta_repro.pipeline.submit`` renders into slurm/train.sbatch (and what
     configs/hydra/launcher/slurm.yaml gives each submitit sweep job)."""
 
     RUN_DIR: ClassVar[str] = "free"  # resources: nothing a run's numbers depend on

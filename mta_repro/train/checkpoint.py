@@ -9,7 +9,7 @@ Layout: ``<run_dir>/checkpoints/<step:010d>/`` holds the DCP files of a
      "rank{r}": {"rng": ..., "data": loader state, "tokens_seen": int} of rank r, for every rank}
 
 a ``config.yaml`` (the resolved run config: a resume checks the command against it when
-the run's own config.yaml is gone), a ``provenance.json`` (mta_repro/train/provenance.py)
+the run's own config.yaml is gone), a ``provenance.json`` (mta_repro/runs/provenance.py)
 and a ``.complete`` marker. A save writes into ``.tmp-<step>``, fsyncs every file and the
 folder, adds the marker, renames the directory and fsyncs its parent, so neither a kill nor
 a power loss leaves a directory that looks complete with data unwritten (stale temporaries
@@ -41,8 +41,8 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from mta_repro.errors import NoSpaceError, PeerFailedError, UserError
 from mta_repro.files import caused_by_enospc, fsync_path, fsync_tree
+from mta_repro.runs.provenance import RECORD as PROVENANCE
 from mta_repro.train.distributed import gather_or_peer_failed
-from mta_repro.train.provenance import RECORD as PROVENANCE
 from mta_repro.train.state import TrainState, rank_key
 from mta_repro.weights import load_weights
 from mta_repro.weights.layout import (

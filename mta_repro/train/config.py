@@ -70,16 +70,21 @@ def register_configs() -> None:
 register_configs()
 
 
-def compose(overrides: Sequence[str] = (), config_name: str = "train") -> DictConfig:
-    """Compose ``configs/<config_name>.yaml`` with command-line style overrides."""
+def compose(overrides: Sequence[str] = (), config_name: str = "train", hydra_config: bool = False) -> DictConfig:
+    """The project's one composition: ``configs/<config_name>.yaml`` with command-line style
+    overrides, through Hydra's compose API. Every entry point (train, its sweeps, eval, the
+    pipeline's plan, the SLURM renderer, estimate, hf) composes here, so a command line means
+    the same config wherever it is given. ``hydra_config``: keep the ``hydra`` node
+    (``hydra.mode``, ``hydra.sweeper.params``, what ``.hydra/hydra.yaml`` records)."""
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
 
-    if GlobalHydra.instance().is_initialized():
+    if GlobalHydra.instance().is_initialized():  # a caller's own initialisation: this one is self-contained
         GlobalHydra.instance().clear()
+    # Initialised per call and cleared after (Hydra's initialisation is a few ms of the ~0.5 s)
     with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base=None):
-        return hydra_compose(config_name=config_name, overrides=list(overrides))
+        return hydra_compose(config_name=config_name, overrides=list(overrides), return_hydra_config=hydra_config)
 
 
 def model_args_from(cfg: DictConfig, key: str | None = "model") -> ModelArgs:
@@ -114,19 +119,6 @@ def to_train_config(cfg: Any) -> TrainConfig:
     if isinstance(cfg, DictConfig) and "hydra" in cfg:
         cfg = OmegaConf.masked_copy(cfg, [str(k) for k in cfg if k != "hydra"])
     return to_dataclass(TrainConfig, cfg, "")
-
-
-def attention_variant(model_cfg) -> str:
-    """Which ``attention=`` option (configs/attention/) a model config is: baseline, diff,
-    talking_heads (head mixing only) or mta (key-query convolutions)."""
-    if model_cfg.get("diff_transformer"):
-        return "diff"
-    mta = model_cfg.get("mta") or {}
-    if not mta.get("use_mta"):
-        return "baseline"
-    if mta.get("query_kernel_size") or mta.get("after_sm_query_kernel_size"):
-        return "mta"
-    return "talking_heads"
 
 
 def trained_seq_len(cfg) -> int | None:

@@ -19,7 +19,7 @@ from typing import Any
 
 from omegaconf import OmegaConf
 
-from mta_repro.train.runlock import RunDirError
+from mta_repro.runs.runlock import RunDirError, RunLock
 
 
 def _classified() -> tuple[tuple, tuple, tuple]:
@@ -122,7 +122,7 @@ def _fmt(diff: dict[str, tuple], limit: int = 6, saved: dict | None = None, new:
     configs, a change of attention variant is one item."""
     items = []
     if saved is not None and new is not None:
-        from mta_repro.train.config import attention_variant
+        from mta_repro.model.args import attention_variant
 
         a, b = attention_variant(saved.get("model") or {}), attention_variant(new.get("model") or {})
         if a != b:
@@ -217,3 +217,51 @@ def _saved_config(run_dir: Path, found: list, allow_change: bool) -> tuple[dict 
                 "config.yaml, or add checkpoint.allow_config_change=true to take this command's config as the run's"
             )
     return saved, source
+
+
+def prepare_run_dir(args, info, lock: RunLock) -> tuple[int | None, list[str]]:
+    """Rank 0, before anything is written (``args``: the TrainConfig): the lock, the config
+    check against the run's config.yaml. Returns the step of the newest complete checkpoint
+    (None if none) and the config changes it accepts (``key: old -> new``), which the start
+    records with config.yaml once all its checks passed (``commit_start``)."""
+    from mta_repro.weights.layout import complete_checkpoints, saved_world_size, verify_checkpoint
+
+    tr, ck = args.trainer, args.checkpoint
+    run_dir = Path(args.run_dir)
+    # The lock first: nothing below is decided on files another live job is writing.
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise RunDirError(f"run_dir={run_dir}: cannot create it ({e.strerror})") from e
+    lock.acquire()
+    found = complete_checkpoints(run_dir / "checkpoints") if ck.resume else []
+    at_step = int(found[-1].name) if found else None
+    if at_step == tr.steps and verify_checkpoint(found[-1]) is not None:
+        at_step = None  # "finished", but its last checkpoint is damaged: resume decides
+    saved, source = _saved_config(run_dir, found, ck.allow_config_change)
+    new = OmegaConf.to_container(OmegaConf.structured(args), resolve=True)
+    assert isinstance(new, dict)
+    if found and saved is not None:
+        # A different model or data first: that is never a matter of trainer.steps or of
+        # allow_config_change, which the checks below would suggest.
+        check_config(saved, new, True, run_dir, at_step, source)
+    if at_step is not None and at_step > tr.steps:
+        raise RunDirError(
+            f"run_dir={run_dir} is already at step {at_step} ({found[-1]}), beyond trainer.steps={tr.steps}: "
+            "nothing to train. Raise trainer.steps (with checkpoint.allow_config_change=true) or use another run_dir"
+        )
+    changes = ["no config.yaml to compare with; this command's config taken as the run's"] if found else []
+    if found and saved is not None:
+        diff = check_config(saved, new, ck.allow_config_change, run_dir, at_step, source)
+        changes = [f"{key}: {a!r} -> {b!r}" for key, (a, b) in diff.safe.items()]
+        saved_world = saved_world_size(found[-1])
+        if saved_world is not None:
+            err = global_batch_error(saved, args, saved_world, info.world_size)
+            if err:
+                raise RunDirError(f"run_dir={run_dir}: {err}")
+    if not ck.resume and (run_dir / "checkpoints").is_dir() and complete_checkpoints(run_dir / "checkpoints"):
+        raise RunDirError(
+            f"run_dir={run_dir} holds checkpoints and checkpoint.resume=false would train over them from "
+            "step 0: use another run_dir=..., or checkpoint.resume=true"
+        )
+    return at_step, changes

@@ -2,7 +2,7 @@
 
 ``<run_dir>/export/consolidated.pt`` = ``{"model": full fp32 state dict (Lingua keys),
 "config": the resolved run config as a plain dict, "step": int, "provenance": the
-checkpoint's record (mta_repro/train/provenance.py) with the sha256 of the weights}``,
+checkpoint's record (mta_repro/runs/provenance.py) with the sha256 of the weights}``,
 made from the latest complete DCP checkpoint in a single process (no process group needed).
 """
 
@@ -15,7 +15,7 @@ from omegaconf import OmegaConf
 
 from mta_repro.errors import NoSpaceError, UserError
 from mta_repro.files import caused_by_enospc, save_file_atomic
-from mta_repro.train.provenance import EXPORT_KEY, read_record, state_digest
+from mta_repro.runs.provenance import EXPORT_KEY, read_record, state_digest
 from mta_repro.weights import Candidate, read_weights
 from mta_repro.weights.layout import latest_checkpoint
 

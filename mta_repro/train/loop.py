@@ -40,11 +40,15 @@ from mta_repro.errors import NoSpaceError, PeerFailedError, StopRequested, UserE
 from mta_repro.model import build_model, to_model_args
 from mta_repro.model.flops import hardware_flops_per_token, model_flops_per_token
 from mta_repro.model.loss import cross_entropy
-from mta_repro.train import provenance
+from mta_repro.runs import provenance
+from mta_repro.runs.rundir import clean_failed_start, commit_start, settle_hydra_output
+from mta_repro.runs.runlock import RunLock, lock_heartbeat
+from mta_repro.runs.signals import PreemptionHandler, requeue_if_slurm
 from mta_repro.train.args import TrainerArgs
 from mta_repro.train.attn_selfcheck import attn_selfcheck
 from mta_repro.train.checkpoint import CheckpointManager
 from mta_repro.train.config import TrainConfig, to_train_config
+from mta_repro.train.config_check import prepare_run_dir
 from mta_repro.train.cpu_malloc import fix_mmap_threshold
 from mta_repro.train.distributed import (
     DistInfo,
@@ -57,9 +61,6 @@ from mta_repro.train.distributed import (
 from mta_repro.train.metrics import MetricLogger, Throughput, device_peak_flops, mfu, peak_mem_gb
 from mta_repro.train.optim import build_lr_scheduler, build_optimizer
 from mta_repro.train.plugins import load_factory
-from mta_repro.train.rundir import clean_failed_start, commit_start, prepare_run_dir, settle_hydra_output
-from mta_repro.train.runlock import RunLock, lock_heartbeat
-from mta_repro.train.signals import PreemptionHandler, requeue_if_slurm
 from mta_repro.train.stage_weights import stage_start_weights
 from mta_repro.train.state import TrainState
 from mta_repro.train.validation import Validator, maybe_validator
@@ -106,7 +107,7 @@ def train(cfg: Any) -> dict[str, Any]:
     lock = RunLock(run_dir)
     # The stop signals are caught from before the rendezvous, which waits for every rank
     # (minutes when a node starts late): a stop there prints its line and, under SLURM,
-    # USR1/2 requeue the job.
+    # USR2 requeues the job.
     preempt = PreemptionHandler()
     refused = False
     try:

@@ -32,7 +32,7 @@ def stage_start_weights(
     # against the model it goes into (keys, shapes, float dtypes) before anything is copied.
     sd, step = load_init_weights(ck.init_from, expect=model_args if ck.init_mode == "model" else base_args)
     if identity is not None:
-        from mta_repro.train.provenance import state_digest
+        from mta_repro.runs.provenance import state_digest
 
         identity.update(path=str(ck.init_from), step=step, weights_sha256=state_digest(sd))
     if ck.init_mode == "model":

@@ -16,7 +16,7 @@ COMPLETE = ".complete"
 CHECKPOINT_CONFIG = "config.yaml"
 EXPORT = Path("export") / "consolidated.pt"
 # What a checkpoint's weights came from (inputs, step, tokens seen), beside its DCP files
-# (written by mta_repro.train.checkpoint, described in mta_repro/train/provenance.py).
+# (written by mta_repro.train.checkpoint, described in mta_repro/runs/provenance.py).
 PROVENANCE = "provenance.json"
 # Step folders: ten digits, ours (step_dir_name) and Lingua's alike.
 _STEP_DIR = re.compile(r"^\d{10}$")

@@ -38,7 +38,7 @@ class Weights:
     step: int | None
     config: dict | None
     source: Candidate
-    # What the weights came from (mta_repro/train/provenance.py): a checkpoint's
+    # What the weights came from (mta_repro/runs/provenance.py): a checkpoint's
     # provenance.json, an export's "provenance" entry; None when they carry none.
     record: dict | None = None
 

@@ -38,8 +38,8 @@ def _losses(run_dir):
 
 
 def test_two_ranks_resume_on_one_with_grad_accum(tmp_path, monkeypatch, capsys):
+    from mta_repro.runs.runlock import RunDirError
     from mta_repro.train.loop import train
-    from mta_repro.train.runlock import RunDirError
 
     monkeypatch.syspath_prepend(str(HERE))  # batch_source
     run = tmp_path / "run"

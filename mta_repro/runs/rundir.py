@@ -1,9 +1,9 @@
 """Run-directory safety: a start's steps in its run dir, so that a second start, another
 config or a failed start never damages a run.
 
-Before a run writes anything into ``run_dir`` (rank 0, ``prepare_run_dir``):
+Before a run writes anything into ``run_dir`` (rank 0, ``mta_repro.train.config_check.prepare_run_dir``):
 
-0. The lock ``<run_dir>/.lock`` is taken first (``mta_repro/train/runlock.py``): a live
+0. The lock ``<run_dir>/.lock`` is taken first (``mta_repro/runs/runlock.py``): a live
    holder refuses and the refused start touches nothing; a stale one is taken over with a
    warning.
 1. If the run dir already holds a checkpoint, the new config is compared with the run's
@@ -29,17 +29,17 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from mta_repro.files import replace_atomically
-from mta_repro.train.config_check import _saved_config, check_config, global_batch_error
-from mta_repro.train.runlock import LOCK, RunDirError, RunLock, _pid_alive
+from mta_repro.runs.runlock import LOCK, RunDirError, RunLock, _pid_alive
 
-# Where rank 0's Hydra writes this start's record of its command (config.yaml, hydra.yaml,
-# overrides.yaml) until the start is accepted; then it replaces .hydra/ (settle_hydra_output).
+# Where rank 0 writes this start's record of its command (config.yaml, hydra.yaml,
+# overrides.yaml: write_record) until the start is accepted; then it replaces .hydra/
+# (settle_hydra_output).
 STAGED_HYDRA = ".hydra.start-"
 
 
 def check_writable(run_dir: Path) -> None:
     """Refuse a run dir this process cannot write, in one line naming the directory (or
-    file) at fault, before Hydra opens its log there or anything is done."""
+    file) at fault, before anything is written there or done."""
     from mta_repro.files import unwritable
 
     run_dir = Path(run_dir)
@@ -76,54 +76,6 @@ def write_config(run_dir: Path, cfg: Any) -> None:
 
 
 # ------------------------------------------------------------------ the whole start
-def prepare_run_dir(args, info, lock: RunLock) -> tuple[int | None, list[str]]:
-    """Rank 0, before anything is written (``args``: the TrainConfig): the lock, the config
-    check against the run's config.yaml. Returns the step of the newest complete checkpoint
-    (None if none) and the config changes it accepts (``key: old -> new``), which the start
-    records with config.yaml once all its checks passed (``commit_start``)."""
-    from mta_repro.weights.layout import complete_checkpoints, saved_world_size, verify_checkpoint
-
-    tr, ck = args.trainer, args.checkpoint
-    run_dir = Path(args.run_dir)
-    # The lock first: nothing below is decided on files another live job is writing.
-    try:
-        run_dir.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise RunDirError(f"run_dir={run_dir}: cannot create it ({e.strerror})") from e
-    lock.acquire()
-    found = complete_checkpoints(run_dir / "checkpoints") if ck.resume else []
-    at_step = int(found[-1].name) if found else None
-    if at_step == tr.steps and verify_checkpoint(found[-1]) is not None:
-        at_step = None  # "finished", but its last checkpoint is damaged: resume decides
-    saved, source = _saved_config(run_dir, found, ck.allow_config_change)
-    new = OmegaConf.to_container(OmegaConf.structured(args), resolve=True)
-    assert isinstance(new, dict)
-    if found and saved is not None:
-        # A different model or data first: that is never a matter of trainer.steps or of
-        # allow_config_change, which the checks below would suggest.
-        check_config(saved, new, True, run_dir, at_step, source)
-    if at_step is not None and at_step > tr.steps:
-        raise RunDirError(
-            f"run_dir={run_dir} is already at step {at_step} ({found[-1]}), beyond trainer.steps={tr.steps}: "
-            "nothing to train. Raise trainer.steps (with checkpoint.allow_config_change=true) or use another run_dir"
-        )
-    changes = ["no config.yaml to compare with; this command's config taken as the run's"] if found else []
-    if found and saved is not None:
-        diff = check_config(saved, new, ck.allow_config_change, run_dir, at_step, source)
-        changes = [f"{key}: {a!r} -> {b!r}" for key, (a, b) in diff.safe.items()]
-        saved_world = saved_world_size(found[-1])
-        if saved_world is not None:
-            err = global_batch_error(saved, args, saved_world, info.world_size)
-            if err:
-                raise RunDirError(f"run_dir={run_dir}: {err}")
-    if not ck.resume and (run_dir / "checkpoints").is_dir() and complete_checkpoints(run_dir / "checkpoints"):
-        raise RunDirError(
-            f"run_dir={run_dir} holds checkpoints and checkpoint.resume=false would train over them from "
-            "step 0: use another run_dir=..., or checkpoint.resume=true"
-        )
-    return at_step, changes
-
-
 def commit_start(run_dir: Path, args) -> None:
     """Rank 0, once a start passed every check (and its record is written): config.yaml,
     and Hydra's record of the command as ``.hydra/``. A start refused before this has
@@ -132,20 +84,32 @@ def commit_start(run_dir: Path, args) -> None:
     settle_hydra_output(keep=True)
 
 
-def _staged_hydra() -> Path | None:
-    """This start's staged Hydra record (``STAGED_HYDRA``), or None (not under Hydra's main,
-    another rank, a sweep, a user's own output_subdir)."""
-    try:
-        from hydra.core.hydra_config import HydraConfig
+# This process's record of its command: [(folder, staged)] (``write_record``)
+_RECORD: list = []
 
-        hc = HydraConfig.get()
-        sub = hc.output_subdir
-        out = Path(hc.runtime.output_dir)
-    except (ImportError, ValueError):
-        return None
-    if not sub or not str(sub).startswith(STAGED_HYDRA):
-        return None
-    return out / str(sub)
+
+def write_record(run_dir: Path, cfg: DictConfig, overrides, subdir: str | None = ".hydra") -> None:
+    """Rank 0, before the start's checks: the record of the command in Hydra's layout
+    (``config.yaml``: the composed config, ``hydra.yaml``, ``overrides.yaml``; ``cfg`` composed
+    with its ``hydra`` node). The default ``.hydra`` is staged at ``STAGED_HYDRA<pid>`` and
+    becomes ``.hydra/`` only once the start is accepted (``commit_start``); a user's own
+    ``hydra.output_subdir`` is written as it is; null writes none."""
+    if not subdir:
+        return
+    staged = subdir == ".hydra"
+    folder = Path(run_dir) / (f"{STAGED_HYDRA}{os.getpid()}" if staged else str(subdir))
+    folder.mkdir(parents=True, exist_ok=True)
+    task = OmegaConf.masked_copy(cfg, [str(k) for k in cfg if k != "hydra"])
+    OmegaConf.save(task, folder / "config.yaml")
+    OmegaConf.save(OmegaConf.create({"hydra": OmegaConf.select(cfg, "hydra")}), folder / "hydra.yaml")
+    OmegaConf.save(OmegaConf.create([str(o) for o in overrides]), folder / "overrides.yaml")
+    _RECORD[:] = [(folder, staged)]
+
+
+def _staged_hydra() -> Path | None:
+    """This start's staged record (``write_record``), or None (none written: another rank, a
+    sweep's engine, ``hydra.output_subdir`` set by the user, a caller of ``train()``)."""
+    return _RECORD[0][0] if _RECORD and _RECORD[0][1] else None
 
 
 def settle_hydra_output(keep: bool) -> None:
@@ -190,7 +154,7 @@ def clean_failed_start(run_dir: Path, lock: RunLock) -> None:
 
 def remove_failed_start(run_dir: Path) -> None:
     """A start that failed before it trained or saved anything leaves no run dir behind:
-    remove what it (and Hydra, if its output dir is the run dir) wrote, then the dir if empty.
+    remove what it wrote (its record of the command too), then the dir if empty.
     Only for a start that holds the run's lock and found the run dir fresh when it took it
     (``loop.train``): a start refused by the lock touches nothing."""
     run_dir = Path(run_dir)
@@ -209,18 +173,11 @@ def remove_failed_start(run_dir: Path) -> None:
         (run_dir / name).unlink(missing_ok=True)
     for name in ("checkpoints", "wandb"):
         shutil.rmtree(run_dir / name, ignore_errors=True)
-    try:
-        from hydra.core.hydra_config import HydraConfig
-
-        hc = HydraConfig.get()
-        if Path(hc.runtime.output_dir).resolve() == run_dir.resolve():
-            if hc.output_subdir:
-                shutil.rmtree(run_dir / hc.output_subdir, ignore_errors=True)
-                if str(hc.output_subdir).startswith(STAGED_HYDRA):  # settled before the failure
-                    shutil.rmtree(run_dir / ".hydra", ignore_errors=True)
-            (run_dir / f"{hc.job.name}.log").unlink(missing_ok=True)
-    except (ImportError, ValueError):
-        pass  # not under Hydra's main
+    for folder, staged in _RECORD:  # this start's record of its command
+        if folder.parent.resolve() == run_dir.resolve():
+            shutil.rmtree(folder, ignore_errors=True)
+            if staged:  # settled before the failure
+                shutil.rmtree(run_dir / ".hydra", ignore_errors=True)
     # The lock last: until it is gone no other start can take the run dir, so nothing
     # removed above can be another job's.
     (run_dir / LOCK).unlink(missing_ok=True)

@@ -448,7 +448,7 @@ def foreign_result(result: Mapping, run_dir: Path) -> str | None:
         return None
     from omegaconf import OmegaConf
 
-    from mta_repro.train.config import attention_variant
+    from mta_repro.model.args import attention_variant
 
     try:
         model = OmegaConf.to_container(OmegaConf.load(cfg), resolve=False)

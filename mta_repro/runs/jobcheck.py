@@ -1,11 +1,11 @@
 """What a queued job needs at its start, checked when it is submitted.
 
 A job may wait in the queue for days, then start on a compute node from the command it was
-given, and a path that is not there ends it in its first seconds. ``problems(cfg)`` finds
+given, and a path that is not there ends it in its first seconds. ``problems(cfg, args)`` finds
 those at submission, one line each: the data root and its layout (the training files of
 every domain the config reads, the validation files when it validates), the tokenizer
 file, ``checkpoint.init_from``, and a run directory the job can write. Every SLURM path
-runs it (``mta_repro.train.submit``, ``mta_repro.eval.submit``, ``mta_repro.pipeline
+runs it (``mta_repro.pipeline.submit``, ``mta_repro.eval.submit``, ``mta_repro.pipeline
 launcher=slurm``, ``mta_repro.train -m hydra/launcher=slurm``) on ``--dry-run``, ``--plan``
 and the submission, and submits nothing when a line is found; ``--no-check`` skips the path
 checks, for paths that exist only on the compute nodes.
@@ -128,15 +128,12 @@ def data_problems(data_cfg, validates: bool) -> list[str]:
     return out
 
 
-def problems(cfg: DictConfig, base: Path | None = None, made_by_plan: Iterable[Path] = ()) -> list[str]:
-    """What the training job of ``cfg`` (a composed train config) would miss at its start,
-    one line each. ``base``: the submit directory (relative run_dir and init_from);
-    ``made_by_plan``: paths an earlier job makes (a pipeline's source runs). The config's
-    own faults raise UserError (one line) first."""
-    from mta_repro.train.config import to_train_config
-
+def problems(cfg: DictConfig, args, base: Path | None = None, made_by_plan: Iterable[Path] = ()) -> list[str]:
+    """What the training job of ``cfg`` (a composed train config; ``args``: its TrainConfig,
+    ``mta_repro.train.config.to_train_config``, which raises the config's own faults first)
+    would miss at its start, one line each. ``base``: the submit directory (relative run_dir
+    and init_from); ``made_by_plan``: paths an earlier job makes (a pipeline's source runs)."""
     base = Path.cwd() if base is None else base
-    args = to_train_config(cfg)
     out = []
     line = writable_dir_problem(_abs(str(args.run_dir), base), "run_dir")
     if line:
@@ -155,7 +152,7 @@ def problems(cfg: DictConfig, base: Path | None = None, made_by_plan: Iterable[P
     return out
 
 
-# The batch scripts of the jobs that train in their run dir (train.submit's, the pipeline's).
+# The batch scripts of the jobs that train in their run dir (pipeline.submit's and the pipeline's).
 TRAIN_SCRIPTS = ("train.sbatch", "pipeline_train.sbatch")
 # squeue's states of a job that is over (the rest are queued, running or on their way out).
 _ENDED = ("COMPLETED", "CANCELLED", "FAILED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE")
@@ -167,7 +164,7 @@ def queued_owner(run_dir: Path) -> str | None:
     live start holds the run dir's lock (the line the start itself refuses with). A job
     still pending has not taken the lock yet, hence squeue. None when neither is found (no
     squeue here: the lock alone)."""
-    from mta_repro.train.runlock import in_use_line
+    from mta_repro.runs.runlock import in_use_line
 
     mine = {os.path.realpath(run_dir / "slurm" / name) for name in TRAIN_SCRIPTS}
     if shutil.which("squeue") is not None:

@@ -1,11 +1,11 @@
-"""Preemption: SIGUSR2 / SIGTERM (and SIGUSR1, submitit's time-out signal) set a flag;
+"""Preemption: SIGUSR2 / SIGTERM set a flag;
 the loop checkpoints at the next step boundary and exits with 128 + the signal's number
 (``stop_exit_code``: the run is unfinished). Ctrl-C (SIGINT) does the same (130), without
 a requeue; a second Ctrl-C aborts at once (KeyboardInterrupt, no save).
 On several ranks the flag is agreed (an all-reduce and a host read) only every
 ``logging.every`` steps, so the step loop does not wait for the device on the others: a
 signal is honoured within that many steps. Under SLURM, SIGUSR2
-(``#SBATCH --signal=USR2@120``: the time limit is near) and SIGUSR1 also requeue the job;
+(``#SBATCH --signal=USR2@120``: the time limit is near) also requeues the job;
 SIGTERM does not, because ``scancel`` sends it too and a cancelled job must stay
 cancelled (SLURM requeues preempted jobs itself).
 
@@ -35,13 +35,13 @@ import torch.distributed as dist
 from mta_repro.device import launcher_rank
 from mta_repro.errors import StopRequested
 
-HANDLED = (signal.SIGUSR1, signal.SIGUSR2, signal.SIGTERM, signal.SIGINT)
-REQUEUE_ON = (signal.SIGUSR1, signal.SIGUSR2)
+HANDLED = (signal.SIGUSR2, signal.SIGTERM, signal.SIGINT)
+REQUEUE_ON = (signal.SIGUSR2,)
 
 
 def stop_exit_code(signum: int) -> int:
     """The exit status of a run stopped by ``signum`` after its checkpoint: the shell's
-    128 + signal number (SIGINT 130, SIGUSR1 138, SIGUSR2 140, SIGTERM 143), never 0, so
+    128 + signal number (SIGINT 130, SIGUSR2 140, SIGTERM 143), never 0, so
     ``train && eval`` and SLURM's ``afterok`` do not take an unfinished run for a finished
     one. Rerunning the same command resumes it."""
     return 128 + int(signum)
@@ -141,7 +141,7 @@ def _start_early_requeue() -> None:
 
 
 def requeue_if_slurm(signum: int | None, is_main: bool) -> bool:
-    """``scontrol requeue $SLURM_JOB_ID`` from rank 0 after SIGUSR1/2 under SLURM; True if
+    """``scontrol requeue $SLURM_JOB_ID`` from rank 0 after SIGUSR2 under SLURM; True if
     the job is requeued. Called after the checkpoint: normally the signal handler has
     already requeued (requeue first), and this waits for that and reports it."""
     job = _slurm_job()
