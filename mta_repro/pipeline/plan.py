@@ -266,6 +266,16 @@ def _point_value(o: str) -> str:
     return o
 
 
+def _resolved(cfg: DictConfig) -> dict | None:
+    """A composed training config as the trainer records it in config.yaml (resolved); None
+    when it cannot be resolved here (the done check then compares nothing)."""
+    try:
+        out = OmegaConf.to_container(cfg, resolve=True)
+    except Exception:  # noqa: BLE001 - e.g. an env interpolation only the job's node has
+        return None
+    return out if isinstance(out, dict) else None
+
+
 class Plan:
     def __init__(self, spec: DictConfig, root: Path, python: str = sys.executable):
         self.spec = spec
@@ -457,6 +467,7 @@ class Plan:
                             label,
                             ov,
                             steps=int(cfg.trainer.steps),
+                            config=_resolved(cfg),
                         )
                     )
                     if st.get("eval") is not None:
