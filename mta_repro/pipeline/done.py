@@ -172,7 +172,8 @@ def _listing_now(data: dict) -> str | None:
     cannot be listed here."""
     import json
 
-    key = json.dumps(data, sort_keys=True, default=str)
+    # the seeds of a seeds axis do not change the listing: one listing for them all
+    key = json.dumps({k: v for k, v in data.items() if k != "seed"}, sort_keys=True, default=str)
     if key not in _listings:
         from mta_repro.data import to_data_args
         from mta_repro.data.args import active_sources
@@ -298,6 +299,11 @@ def _eval_problem(job: Job) -> str | None:
     if export is None:
         return f"{job.run_dir} has no export of step {job.steps} to evaluate"
     t0 = export.stat().st_mtime
+    held = None  # the sha256 of the export's tensors, where it recorded one
+    if export.suffix == ".pt":
+        from mta_repro.train.provenance import weights_record
+
+        held = (weights_record(export, "consolidated") or {}).get("weights_sha256")
     assert job.eval_out is not None
     for f in [job.eval_out / f"{t}.json" for t in job.eval_tasks]:
         if not f.is_file():
@@ -314,6 +320,11 @@ def _eval_problem(job: Job) -> str | None:
             return f"{f} is of step {data['step']}, not {job.steps}"
         if why := foreign_result(data, job.run_dir):  # copied from another run: evaluate this one
             return f"{f} is not a result of {job.run_dir}: {why}"
+        read = (
+            ((data.get("provenance") or {}).get("checkpoint") or {}) if isinstance(data.get("provenance"), dict) else {}
+        )
+        if held and read.get("path") == str(export) and read.get("weights_sha256") not in (None, held):
+            return f"{f} is of weights {short(read.get('weights_sha256'))}, the export holds {short(held)}"
     return None
 
 
