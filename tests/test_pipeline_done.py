@@ -134,6 +134,8 @@ def test_a_changed_plan_is_refused_not_reused(copy, tmp_path):
     assert "use another root=..., or remove that run dir" in line
     assert "done, skipped" not in p.stdout
     assert _snapshot(root) == before
+    table = build_plan([*sel, f"root={root}"])[0].describe()  # --plan
+    assert "[differs] train:pretrain/baseline/seed0" in table and "[done]" not in table
 
 
 def test_a_copied_seed_dir_is_not_another_seed(copy):

@@ -209,13 +209,13 @@ def _weights_run_ids(run_dir: Path) -> list:
 
 
 def run_differs(job: Job) -> str | None:
-    """Why the run in a train job's run dir is not the run the plan asks for now (one line
+    """Why the run in a train (or eval) job's run dir is not the run the plan asks for now (one line
     naming the run dir, what differs and both values), or None: it is (or nothing was
     trained there yet). Compared: the recorded config.yaml with the plan's resolved config
     (``NOT_COMPARED`` aside; the seed is ``seed``), the tokenizer's sha256 and the training
     files' listing (names, sizes) recorded at the run's last start with today's, and the run
     id its export and newest checkpoint carry with its provenance.json's."""
-    if job.kind != "train":
+    if job.kind not in ("train", "eval"):  # an eval job: of the run it evaluates
         return None
     from mta_repro.train.config_check import load_saved_config
     from mta_repro.train.runlock import RunDirError
@@ -279,7 +279,7 @@ def conflicts(jobs: list[Job]) -> list:
     runner refuses them all before any job: a finished run may be weeks of GPU time, and an
     unfinished one resumed under another config would mix two runs."""
     lines = []
-    for j in jobs:
+    for j in [j for j in jobs if j.kind == "train"]:  # an eval job's run: its train job's
         why = run_differs(j)
         if why:
             lines.append(f"{why}; {REFUSE_TAIL}")
@@ -293,8 +293,11 @@ def conflicts(jobs: list[Job]) -> list:
 
 
 def _eval_problem(job: Job) -> str | None:
-    """Why an eval job is not done (its export missing, a result missing, null, older than
-    the export, of an earlier step or of another run), or None."""
+    """Why an eval job is not done (its run not the plan's, its export missing, a result
+    missing, null, older than the export, of an earlier step, of other weights or of another
+    run), or None."""
+    if why := run_differs(job):
+        return why
     export = _finished(job.run_dir, job.steps or 0)
     if export is None:
         return f"{job.run_dir} has no export of step {job.steps} to evaluate"
@@ -323,7 +326,7 @@ def _eval_problem(job: Job) -> str | None:
         read = (
             ((data.get("provenance") or {}).get("checkpoint") or {}) if isinstance(data.get("provenance"), dict) else {}
         )
-        if held and read.get("path") == str(export) and read.get("weights_sha256") not in (None, held):
+        if held and read.get("kind") == "consolidated" and read.get("weights_sha256") not in (None, held):
             return f"{f} is of weights {short(read.get('weights_sha256'))}, the export holds {short(held)}"
     return None
 
