@@ -71,6 +71,9 @@ def load_model(
     device = resolve_device(device)
     w = load_weights(path, who="mta_repro.eval")
     src = w.source.path
+    from mta_repro.runs.provenance import check_own_weights
+
+    check_own_weights(path, src, w.record)  # an export copied from another run: refused
     if w.config is None:
         raise UserError(
             f"checkpoint: {src} carries no run config (a consolidated export or a run's checkpoint "

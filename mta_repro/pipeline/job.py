@@ -25,6 +25,9 @@ class Job:
     runs: list = field(default_factory=list)  # report: run dirs
     hf_dir: Path | None = None  # import: the local Hugging Face folder read
     out_file: Path | None = None  # import: the consolidated .pt written
+    # train, eval: the resolved training config the plan asks for (what the run's config.yaml
+    # must hold for the run to be this job's: ``mta_repro.pipeline.done.run_differs``)
+    config: dict | None = None
 
     def shell(self) -> str:
         return " ".join(shlex.quote(str(a)) for a in self.command)

@@ -27,7 +27,7 @@ from mta_repro.errors import UserError
 
 # _finished and torn: the done checks' older home, where tests outside the pipeline's import them
 from mta_repro.pipeline.done import _finished as _finished
-from mta_repro.pipeline.done import done
+from mta_repro.pipeline.done import done, run_differs
 from mta_repro.pipeline.done import torn as torn
 from mta_repro.pipeline.job import Job
 from mta_repro.train.args import RUN_STAGES, VARIANTS
@@ -277,6 +277,16 @@ def _point_value(o: str) -> str:
     return o
 
 
+def _resolved(cfg: DictConfig) -> dict | None:
+    """A composed training config as the trainer records it in config.yaml (resolved); None
+    when it cannot be resolved here (the done check then compares nothing)."""
+    try:
+        out = OmegaConf.to_container(cfg, resolve=True)
+    except Exception:  # noqa: BLE001 - e.g. an env interpolation only the job's node has
+        return None
+    return out if isinstance(out, dict) else None
+
+
 class Plan:
     def __init__(
         self,
@@ -479,11 +489,13 @@ class Plan:
                             label,
                             ov,
                             steps=int(cfg.trainer.steps),
+                            config=_resolved(cfg),
                         )
                     )
                     if st.get("eval") is not None:
                         evals.append((st, label, run_dir, _list(st.eval, f"{where}.eval")))
         steps = {j.label: j.steps for j in self.jobs if j.kind == "train"}
+        configs = {j.label: j.config for j in self.jobs if j.kind == "train"}
         for st, label, run_dir, ev in evals:  # all training first: the eval jobs never delay a stage
             ov = list(ev) + ([f"lm_eval.include_path={include}"] if include else [])
             tasks, out_dir = c.eval(ov)
@@ -500,6 +512,7 @@ class Plan:
                     steps=steps[label],
                     eval_tasks=tasks,
                     eval_out=out,
+                    config=configs[label],
                 )
             )
         if s.get("report", True):
@@ -566,7 +579,8 @@ class Plan:
         w = max(len(j.id) for j in self.jobs)
         lines = [f"pipeline {self.spec.get('name', '?')}: {len(self.jobs)} jobs under {self.root}"]
         for j in self.jobs:
-            state = "done" if done(j) else "todo"
+            # differs: the run dir holds another run than the plan's; the runner refuses it
+            state = "done" if done(j) else ("differs" if run_differs(j) else "todo")
             after = (
                 f" after {', '.join(j.deps)}"
                 if j.deps and j.kind != "report"

@@ -6,14 +6,16 @@ from __future__ import annotations
 import json
 import os
 import shlex
+import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 from string import Template
 
 from mta_repro.errors import UserError
 from mta_repro.files import read_json, replace_atomically
-from mta_repro.pipeline.done import done, missing_sources, torn
+from mta_repro.pipeline.done import conflicts, done, missing_sources, torn, why_not_done
 from mta_repro.pipeline.job import Job
 from mta_repro.pipeline.plan import REPO, Plan
 from mta_repro.slurm import memory_lines, sbatch, time_limit
@@ -147,10 +149,75 @@ def script_path(job: Job) -> Path:
     return job.run_dir / "slurm" / f"pipeline_{job.kind}.sbatch"
 
 
+def _refuse_conflicts(plan: Plan) -> None:
+    """Refuse (one line, exit 2, nothing written) a plan whose run dirs hold other runs
+    than the plan's (``mta_repro.pipeline.done.conflicts``)."""
+    lines = conflicts(plan.jobs)
+    if lines:
+        raise UserError(lines[0] + (f" (and {len(lines) - 1} more run dir(s) alike)" if len(lines) > 1 else ""))
+
+
 # ------------------------------------------------------------------ local
+# The signals the local runner passes on to its running job: Ctrl-C (SIGINT) and SIGTERM.
+FORWARDED = (signal.SIGINT, signal.SIGTERM)
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+def _die_with_parent(parent: int):
+    """A ``preexec_fn``: the job gets SIGTERM when the pipeline process dies (even by
+    SIGKILL), so it checkpoints at its next step boundary and lets go of its run dir's lock
+    instead of training on as an orphan (Linux: prctl PR_SET_PDEATHSIG; elsewhere nothing).
+    The parent may have died between fork and prctl: then the job stops at once."""
+    if not sys.platform.startswith("linux"):
+        return None
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)  # loaded before the fork: the child only calls it
+
+    def set_pdeathsig() -> None:
+        libc.prctl(PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0)
+        if os.getppid() != parent:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    return set_pdeathsig
+
+
+def _run_job(job: Job, logf: Path, env: dict, stop: list) -> int:
+    """Run ``job`` to its end, its output appended to ``logf``. The job runs in its own
+    process group, so a Ctrl-C at the terminal reaches it once, through this process:
+    SIGINT and SIGTERM here are passed on to it (the trainer checkpoints at the next step
+    boundary and exits 128 + N) and recorded in ``stop``; this waits for it to end."""
+    with open(logf, "a") as f:
+        f.write(f"$ {job.shell()}\n")
+        f.flush()
+        proc = subprocess.Popen(
+            job.command,
+            cwd=str(REPO),
+            stdout=f,
+            stderr=subprocess.STDOUT,
+            env=env,
+            start_new_session=True,
+            preexec_fn=_die_with_parent(os.getpid()),
+        )
+
+        def forward(signum, frame) -> None:
+            stop.append(signum)
+            proc.send_signal(signum)  # nothing when it has already ended
+
+        previous = {sig: signal.signal(sig, forward) for sig in FORWARDED}
+        try:
+            return proc.wait()
+        finally:
+            for sig, prev in previous.items():
+                signal.signal(sig, prev)
+
+
 def run_local(plan: Plan, log=print) -> int:
     """Run the jobs in order; skip the done ones. 0; 1 at the first failure; 128 + N when a
-    job was stopped by signal N (it saved: unfinished, the same command resumes it)."""
+    job was stopped by signal N, or this process got Ctrl-C / SIGTERM (passed on to the
+    running job, which saves first: unfinished, the same command resumes it). A run dir
+    that holds another run than the plan's is refused before any job (one line, exit 2)."""
+    _refuse_conflicts(plan)
     todo = [j for j in plan.jobs if not done(j)]
     if not todo:
         log(f"pipeline: nothing to do, all {len(plan.jobs)} jobs are done ({plan.root})")
@@ -172,10 +239,17 @@ def run_local(plan: Plan, log=print) -> int:
         logf = job.run_dir / f"pipeline_{job.kind}.log"
         log(f"pipeline: {job.id}: running (log {logf})")
         t0 = time.time()
-        with open(logf, "a") as f:
-            f.write(f"$ {job.shell()}\n")
-            f.flush()
-            rc = subprocess.run(job.command, cwd=str(REPO), stdout=f, stderr=subprocess.STDOUT, env=env).returncode
+        stop: list = []
+        rc = _run_job(job, logf, env, stop)
+        if stop:  # Ctrl-C / SIGTERM here: passed on, the job has ended (saved); stop the plan
+            sig = int(stop[0])
+            tail = "\n".join(logf.read_text().splitlines()[-15:])
+            log(
+                f"pipeline: {job.id}: {signal.Signals(sig).name} received, passed on to the job, which ended "
+                f"with exit {rc} after {time.time() - t0:.0f}s; stopping (exit {128 + sig}). Rerun the same "
+                f"command to resume. Last lines of {logf}:\n{tail}"
+            )
+            return 128 + sig
         if rc != 0 or not done(job):
             tail = "\n".join(logf.read_text().splitlines()[-15:])
             if rc > 128 or rc < 0:  # stopped by a signal (a run saves first): unfinished, not done
@@ -185,9 +259,10 @@ def run_local(plan: Plan, log=print) -> int:
                     f"unfinished; rerun the same command to resume. Last lines of {logf}:\n{tail}"
                 )
                 return rc if rc > 128 else 128 + sig
+            cause = "" if rc != 0 else f": it ended without error, but {why_not_done(job)}"
             log(
-                f"pipeline: {job.id}: FAILED (exit {rc}) after {time.time() - t0:.0f}s; rerun the same command "
-                f"to resume. Last lines of {logf}:\n{tail}"
+                f"pipeline: {job.id}: FAILED (exit {rc}) after {time.time() - t0:.0f}s{cause}; rerun the same "
+                f"command to resume. Last lines of {logf}:\n{tail}"
             )
             return 1
         log(f"pipeline: {job.id}: done in {time.time() - t0:.0f}s")
@@ -226,9 +301,10 @@ def submit_slurm(plan: Plan, dry_run: bool = False, log=print) -> int:
         previous = {}
     alive = _alive(list(previous.values())) if not dry_run else set()
     if dry_run:
-        for line in missing_sources(plan.jobs):
+        for line in missing_sources(plan.jobs) + conflicts(plan.jobs):
             log(f"# note: {line}")
     else:
+        _refuse_conflicts(plan)
         _require_sources(plan)
     ids: dict = {}
     if not dry_run and any(j.kind == "eval" and not done(j) for j in plan.jobs):

@@ -460,6 +460,26 @@ def foreign_result(result: Mapping, run_dir: Path) -> str | None:
     return f"it is a result of a {variant} model, and this run trains {attention_variant(model)}"
 
 
+def check_own_weights(path, loaded: Path, record: Mapping | None) -> None:
+    """Refuse weights read from the run dir ``path`` (or its export or a checkpoint of it)
+    that another run saved (copied in from elsewhere): their ``run_id`` (``record``, saved
+    with them at ``loaded``) is not the one the run dir's provenance.json gives. Weights or
+    a run that recorded none, or a path outside a run dir, are not refused. ``ProvenanceError``:
+    one line naming both run ids."""
+    run_dir = Path(path)
+    if run_dir.parent.name in ("export", "checkpoints"):  # a run's export file or checkpoint folder
+        run_dir = run_dir.parent.parent
+    if not run_dir.is_dir():
+        return
+    ours = (read_record(run_dir / RECORD) or {}).get("run_id")
+    theirs = record.get("run_id") if isinstance(record, Mapping) else None
+    if ours and theirs and ours != theirs:
+        raise ProvenanceError(
+            f"{loaded}: these weights carry run id {theirs}, but {run_dir / RECORD} says the run is {ours}: "
+            "they were copied from another run; use that run's dir, or train this run again"
+        )
+
+
 def loaded_weights(model) -> dict:
     """What ``mta_repro.eval.load.load_model(..., identity=True)`` recorded of the weights it
     loaded (path, kind, step, sha256, tokens seen): the first block of an export's or an

@@ -378,6 +378,9 @@ def load_model_state(path: str | Path, expect=None) -> tuple[dict, int | None]:
     the newest readable one, read in this process only, no collectives). ``expect``: the
     ModelArgs the weights must fit (keys, shapes, float dtypes), checked before any copy."""
     w = load_weights(path, who="mta_repro.train", expect=expect)
+    from mta_repro.runs.provenance import check_own_weights
+
+    check_own_weights(path, w.source.path, w.record)  # an export copied from another run: refused
     return w.state, w.step
 
 
