@@ -1,4 +1,4 @@
-"""What "done" means to ``python -m mta_repro.pipeline`` (issue 64, cases 1, 2, 3, 5, 6): a
+"""What "done" means to ``python -m mta_repro.pipeline``: a
 job is skipped only when its run dir holds the run the plan asks for now; a run dir that
 holds another run is refused in one line (exit 2, nothing written); a missing or null
 eval result is redone; an export copied from another run is refused by the pipeline,

@@ -180,7 +180,8 @@ def test_an_eval_json_copied_from_another_run_is_redone_by_the_pipeline_and_refu
     import shutil
 
     from mta_repro.eval.run import main as eval_main
-    from mta_repro.pipeline.plan import Job, done, torn
+    from mta_repro.pipeline.done import done, torn
+    from mta_repro.pipeline.job import Job
     from mta_repro.report.__main__ import main as report_main
 
     a, b = tmp_path / "a", tmp_path / "b"

@@ -103,10 +103,10 @@ def test_library_entry_points_refuse(evil, tmp_path):
     for src in (pt, step / "consolidated", step):
         with pytest.raises(UnsafeFileError, match="consolidated.pth|evil.pt"):
             load_init_weights(src)
-    from mta_repro.pipeline.plan import _finished
+    from mta_repro.pipeline.done import finished_checkpoint
 
     with pytest.raises(UnsafeFileError, match="refusing to unpickle"):
-        _finished(run_dir, 7)
+        finished_checkpoint(run_dir, 7)
 
 
 def test_init_from_in_training_refuses(evil, tmp_path):

@@ -30,7 +30,7 @@ from mta_repro.runs.provenance import foreign_result, read_record, short
 NOT_COMPARED = ("logging.",)
 
 
-def _finished(run_dir: Path, steps: int) -> Path | None:
+def finished_checkpoint(run_dir: Path, steps: int) -> Path | None:
     """The file that shows the run reached ``steps``: its export, else (checkpoint.export=false)
     the complete checkpoint of that step; None while it has not (a damaged file does not
     count). Weights that would unpickle code raise ``UnsafeFileError`` (one line, exit 2)."""
@@ -137,7 +137,7 @@ def _root_of(run_dir: str, label: str) -> str | None:
 def _config_difference(job: Job, saved: dict) -> tuple[str, object, object] | None:
     """(field, recorded, planned) of the first field (in key order) where the recorded
     config ``saved`` differs from the plan's, ignoring ``NOT_COMPARED``."""
-    from mta_repro.train.config_check import _matches, diff_configs
+    from mta_repro.train.config_check import diff_configs, key_matches
 
     assert job.config is not None
     old_root = _root_of(str(saved.get("run_dir") or ""), job.label)
@@ -145,7 +145,7 @@ def _config_difference(job: Job, saved: dict) -> tuple[str, object, object] | No
     if old_root and new_root and old_root != new_root:
         saved = {k: _rebase(v, old_root, new_root) for k, v in saved.items()}
     d = diff_configs(saved, job.config)
-    diffs = {k: v for k, v in {**d.unsafe, **d.safe}.items() if not _matches(k, NOT_COMPARED)}
+    diffs = {k: v for k, v in {**d.unsafe, **d.safe}.items() if not key_matches(k, NOT_COMPARED)}
     if not diffs:
         return None
     keys = sorted(diffs, key=lambda k: (k.count("."), k))  # seed before model.seed, data.seed
@@ -218,7 +218,7 @@ def run_differs(job: Job) -> str | None:
     if job.kind not in ("train", "eval"):  # an eval job: of the run it evaluates
         return None
     from mta_repro.train.config_check import load_saved_config
-    from mta_repro.train.runlock import RunDirError
+    from mta_repro.runs.runlock import RunDirError
 
     d = job.run_dir
     where = f"{d} holds a run that is not the one the plan asks for"
@@ -298,7 +298,7 @@ def _eval_problem(job: Job) -> str | None:
     run), or None."""
     if why := run_differs(job):
         return why
-    export = _finished(job.run_dir, job.steps or 0)
+    export = finished_checkpoint(job.run_dir, job.steps or 0)
     if export is None:
         return f"{job.run_dir} has no export of step {job.steps} to evaluate"
     t0 = export.stat().st_mtime
@@ -349,7 +349,7 @@ def done(job: Job) -> bool:
         src = imported_from(job.out_file)
         return src is not None and Path(src).expanduser().resolve() == job.hf_dir
     if job.kind == "train":
-        return _finished(job.run_dir, job.steps or 0) is not None and run_differs(job) is None
+        return finished_checkpoint(job.run_dir, job.steps or 0) is not None and run_differs(job) is None
     if job.kind == "check":
         f = job.run_dir / "appendix_i_check.json"
         data = _json(f, dict)  # damaged or not the check's record: run the check again

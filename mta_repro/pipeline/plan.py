@@ -24,11 +24,7 @@ from pathlib import Path
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from mta_repro.errors import UserError
-
-# _finished and torn: the done checks' older home, where tests outside the pipeline's import them
-from mta_repro.pipeline.done import _finished as _finished
 from mta_repro.pipeline.done import done, run_differs
-from mta_repro.pipeline.done import torn as torn
 from mta_repro.pipeline.job import Job
 from mta_repro.train.args import RUN_STAGES, VARIANTS
 from mta_repro.train.config import CONFIG_DIR, compose

@@ -10,7 +10,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from mta_repro.report.runs import RunData, _res, _results  # noqa: E402
+from mta_repro.report.runs import RunData, results_of, results_or_none  # noqa: E402
 
 
 def _ctx_label(label: str, ctx) -> str:
@@ -25,7 +25,7 @@ def _save(fig, path: Path) -> Path:
 
 
 def needle_plot(runs, out: Path) -> Path | None:
-    have = [r for r in runs if _res(r, "needle")]
+    have = [r for r in runs if results_or_none(r, "needle")]
     if not have:
         return None
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
@@ -33,7 +33,7 @@ def needle_plot(runs, out: Path) -> Path | None:
     lines = [
         (r, ctx, per)
         for r in have
-        for ctx, per in sorted(_results(r, "needle")["accuracy"].items(), key=lambda kv: int(kv[0]))
+        for ctx, per in sorted(results_of(r, "needle")["accuracy"].items(), key=lambda kv: int(kv[0]))
     ]
     for color, (r, ctx, per) in zip(palette(len(lines)), lines):
         counts = sorted(per, key=int)
@@ -71,14 +71,14 @@ def needle_plot(runs, out: Path) -> Path | None:
 
 
 def babilong_plot(runs, out: Path) -> Path | None:
-    have = [r for r in runs if _res(r, "babilong")]
+    have = [r for r in runs if results_or_none(r, "babilong")]
     if not have:
         return None
-    tasks = sorted({t for r in have for t in _results(r, "babilong")["accuracy"]}) + ["mean"]
+    tasks = sorted({t for r in have for t in results_of(r, "babilong")["accuracy"]}) + ["mean"]
     fig, axes = plt.subplots(1, len(tasks), figsize=(3.2 * len(tasks), 3.4), sharey=True, squeeze=False)
     for ax, task in zip(axes[0], tasks):
         for r in have:
-            res = _results(r, "babilong")
+            res = results_of(r, "babilong")
             vals = res["mean"] if task == "mean" else res["accuracy"].get(task, {})
             lengths = list(vals)
             ax.plot(range(len(lengths)), [100 * vals[x] for x in lengths], marker="o", label=r.label)
@@ -125,7 +125,7 @@ def _validation_sizes(run) -> tuple:
             f"at most {tr['eval_max_batches']} batches x {tr.get('eval_batch_size', 4)} windows of "
             f"{data['seq_len']} tokens per domain"
         )
-    res = _res(run, "ppl")
+    res = results_or_none(run, "ppl")
     ev = None
     if res:
         mb = res.get("max_batches")

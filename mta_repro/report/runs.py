@@ -58,7 +58,7 @@ class RunData:
         return max(steps) if steps else None
 
 
-def _cfg_get(cfg: Any, dotted: str, default: Any = None) -> Any:
+def cfg_get(cfg: Any, dotted: str, default: Any = None) -> Any:
     node = cfg
     for k in dotted.split("."):
         if not isinstance(node, dict) or k not in node:
@@ -75,7 +75,7 @@ def recorded(cfg: dict | None, path: Path) -> tuple:
 
     out = []
     for key, choices in (("stage", RUN_STAGES), ("variant", VARIANTS)):
-        v = _cfg_get(cfg, f"run.{key}")
+        v = cfg_get(cfg, f"run.{key}")
         if v is not None and v not in choices:
             raise UserError(
                 f"report: {path / 'config.yaml'}: run.{key} is {v!r}; expected one of {choices} or null "
@@ -97,9 +97,9 @@ def run_stage(cfg: dict | None) -> str:
     known = start_stage(cfg)
     if known is not None:
         return known
-    if _cfg_get(cfg, "model.rope_scaling.rope_type") == "llama3":
+    if cfg_get(cfg, "model.rope_scaling.rope_type") == "llama3":
         return "continued"
-    theta = _cfg_get(cfg, "model.rope_theta")
+    theta = cfg_get(cfg, "model.rope_theta")
     return "long_context" if theta is not None and float(theta) >= 500_000 else "continued"
 
 
@@ -214,12 +214,12 @@ def eval_command(path) -> str:
     return f"python -m mta_repro.eval {path} eval/preset=paper   (or eval/preset=debug for a quick CPU look)"
 
 
-def _res(run: RunData, task: str) -> dict | None:
+def results_or_none(run: RunData, task: str) -> dict | None:
     return (run.evals.get(task) or {}).get("results")
 
 
-def _results(run: RunData, task: str) -> dict:
-    """``_res`` of a run known to have results for ``task`` (a table's rows)."""
-    res = _res(run, task)
+def results_of(run: RunData, task: str) -> dict:
+    """``results_or_none`` of a run known to have results for ``task`` (a table's rows)."""
+    res = results_or_none(run, task)
     assert res is not None
     return res

@@ -19,7 +19,7 @@ from pathlib import Path
 from mta_repro.eval.benchmarks import BENCH_METRIC, BENCH_TASKS, LOCAL_SUFFIX, canonical_task
 from mta_repro.report import paper
 from mta_repro.report.render import Table
-from mta_repro.report.runs import RunData, _cfg_get, _res, _results
+from mta_repro.report.runs import RunData, cfg_get, results_of, results_or_none
 
 BENCH_ORDER = list(BENCH_TASKS)
 # Old task names of this project -> lm-eval 0.4.x names.
@@ -123,7 +123,7 @@ def _paper_note(stages, runs=()) -> str:
 
 def ppl_length(run: RunData) -> int | None:
     """The window (tokens) a run's perplexity was measured at (eval/ppl.json)."""
-    res = _res(run, "ppl") or {}
+    res = results_or_none(run, "ppl") or {}
     n = res.get("seq_len")
     return int(n) if isinstance(n, (int, float)) else None
 
@@ -147,18 +147,18 @@ def _paper_ppl(run: RunData, numbers: dict) -> float | None:
 
 
 def _trained(run: RunData) -> int | None:
-    n = _cfg_get(run.config, "data.seq_len")
+    n = cfg_get(run.config, "data.seq_len")
     return int(n) if isinstance(n, int) else None
 
 
 def ppl_table(runs) -> Table | None:
-    have = [r for r in runs if _res(r, "ppl")]
+    have = [r for r in runs if results_or_none(r, "ppl")]
     if not have:
         return None
-    domains = sorted({d for r in have for d in _results(r, "ppl")["domains"]})
+    domains = sorted({d for r in have for d in results_of(r, "ppl")["domains"]})
     rows = []
     for r in have:
-        res = _results(r, "ppl")
+        res = results_of(r, "ppl")
         base = baseline_of(r, have)
         numbers = paper_numbers(r)
         p = _paper_ppl(r, numbers)
@@ -166,7 +166,7 @@ def ppl_table(runs) -> Table | None:
         avg = res["average"]
         base_avg = None
         if base is not None and ppl_length(base) == ppl_length(r):
-            base_avg = _results(base, "ppl")["average"]
+            base_avg = results_of(base, "ppl")["average"]
         why = ppl_comparison(r)
         rows.append(
             [r.label, _model(r), STAGE_LABELS.get(r.stage, r.stage), _trained(r), ppl_length(r)]
@@ -202,7 +202,7 @@ def _canonical(name: str) -> tuple:
 
 def _bench_summary(run: RunData) -> tuple:
     """({paper task: accuracy}, {paper task: metric used}, [local copies seen])."""
-    res = _results(run, "benchmarks")
+    res = results_of(run, "benchmarks")
     out, metric, local = {}, {}, []
     for name, v in res["summary"].items():
         if name in ("average", "metrics") or not isinstance(v, (int, float)):
@@ -218,7 +218,7 @@ def _bench_summary(run: RunData) -> tuple:
 
 
 def benchmark_table(runs) -> Table | None:
-    have = [r for r in runs if _res(r, "benchmarks")]
+    have = [r for r in runs if results_or_none(r, "benchmarks")]
     if not have:
         return None
     sums = {r.label: _bench_summary(r) for r in have}
@@ -256,7 +256,7 @@ def benchmark_table(runs) -> Table | None:
                 f"{r.label}: {', '.join(sorted(local))} counted as "
                 f"{', '.join(_canonical(n)[0] for n in sorted(local))} (local copies of the task's data)"
             )
-        limit = _results(r, "benchmarks").get("limit")
+        limit = results_of(r, "benchmarks").get("limit")
         if limit:
             notes.append(f"{r.label}: at most {limit} examples per task (lm_eval.limit), not a reported number")
     mismatch = [c for c in cols if c in BENCH_METRIC and metric[c] != BENCH_METRIC[c]]
@@ -285,14 +285,14 @@ def benchmark_table(runs) -> Table | None:
 
 
 def lambada_table(runs) -> Table | None:
-    have = [r for r in runs if _res(r, "lambada")]
+    have = [r for r in runs if results_or_none(r, "lambada")]
     if not have:
         return None
     rows, notes = [], []
     for r in have:
         s = {}
         local = []
-        for name, v in _results(r, "lambada")["summary"].items():
+        for name, v in results_of(r, "lambada")["summary"].items():
             task, is_local = _canonical(name)
             s[task] = v
             if is_local:
@@ -303,7 +303,7 @@ def lambada_table(runs) -> Table | None:
                 r.label,
                 _model(r),
                 STAGE_LABELS.get(r.stage, r.stage),
-                _results(r, "lambada").get("max_length"),
+                results_of(r, "lambada").get("max_length"),
                 (s.get("lambada_standard") or {}).get("ppl"),
                 p[0],
                 (s.get("lambada_openai") or {}).get("ppl"),
@@ -403,7 +403,7 @@ def describe_mta(cfg: dict | None) -> tuple:
 def ablation_table(runs) -> Table | None:
     """Table 5: pretrained MTA runs that differ in their attention config (a sweep), or
     one that matches a Table 5 row. Absent otherwise (the ppl table has every run)."""
-    have = [r for r in runs if _res(r, "ppl") and r.stage == "pretrain" and r.variant == "mta"]
+    have = [r for r in runs if results_or_none(r, "ppl") and r.stage == "pretrain" and r.variant == "mta"]
     described = {r.label: describe_mta(r.config) for r in have}
     if len({d for d, _ in described.values()}) < 2 and not any(k for _, k in described.values()):
         return None
@@ -411,11 +411,11 @@ def ablation_table(runs) -> Table | None:
     for r in have:
         desc, key = described[r.label]
         base = baseline_of(r, runs)
-        avg = _results(r, "ppl")["average"]
+        avg = results_of(r, "ppl")["average"]
         p = paper.TABLE5.get(key) if key and ppl_length(r) == paper.PPL_SEQ_LEN["pretrain"] else None
         base_avg = None
         if base is not None and ppl_length(base) == ppl_length(r):
-            base_avg = (_res(base, "ppl") or {}).get("average")
+            base_avg = (results_or_none(base, "ppl") or {}).get("average")
         why = ppl_comparison(r)
         rows.append(
             [
@@ -459,13 +459,13 @@ def ablation_table(runs) -> Table | None:
 
 
 def needle_table(runs) -> Table | None:
-    have = [r for r in runs if _res(r, "needle")]
+    have = [r for r in runs if results_or_none(r, "needle")]
     if not have:
         return None
-    counts = sorted({int(n) for r in have for c in _results(r, "needle")["accuracy"].values() for n in c})
+    counts = sorted({int(n) for r in have for c in results_of(r, "needle")["accuracy"].values() for n in c})
     rows = []
     for r in have:
-        for ctx, per in sorted(_results(r, "needle")["accuracy"].items(), key=lambda kv: int(kv[0])):
+        for ctx, per in sorted(results_of(r, "needle")["accuracy"].items(), key=lambda kv: int(kv[0])):
             rows.append(
                 [r.label, _model(r), STAGE_LABELS.get(r.stage, r.stage), _trained(r), int(ctx)]
                 + [100 * per[str(n)]["mean"] if str(n) in per else None for n in counts]
@@ -489,17 +489,17 @@ def babilong_source(run: RunData) -> str:
 
 
 def babilong_table(runs) -> Table | None:
-    have = [r for r in runs if _res(r, "babilong")]
+    have = [r for r in runs if results_or_none(r, "babilong")]
     if not have:
         return None
     lengths = []
     for r in have:
-        for length in _results(r, "babilong")["mean"]:
+        for length in results_of(r, "babilong")["mean"]:
             if length not in lengths:
                 lengths.append(length)
     rows = []
     for r in have:
-        res = _results(r, "babilong")
+        res = results_of(r, "babilong")
         src = babilong_source(r)
         for task in sorted(res["accuracy"]):
             rows.append(

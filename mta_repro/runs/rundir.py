@@ -29,7 +29,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from mta_repro.files import replace_atomically
-from mta_repro.runs.runlock import LOCK, RunDirError, RunLock, _pid_alive
+from mta_repro.runs.runlock import LOCK, RunDirError, RunLock, pid_alive
 
 # Where rank 0 writes this start's record of its command (config.yaml, hydra.yaml,
 # overrides.yaml: write_record) until the start is accepted; then it replaces .hydra/
@@ -130,7 +130,7 @@ def settle_hydra_output(keep: bool) -> None:
     shutil.rmtree(old, ignore_errors=True)
     for other in staged.parent.glob(STAGED_HYDRA + "*"):
         pid = other.name[len(STAGED_HYDRA) :]
-        if pid.isdigit() and not _pid_alive(int(pid)):
+        if pid.isdigit() and not pid_alive(int(pid)):
             shutil.rmtree(other, ignore_errors=True)
 
 

@@ -38,7 +38,7 @@ def _holder() -> dict:
     }
 
 
-def _pid_alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -71,7 +71,7 @@ def stale_reason(holder: dict) -> str | None:
         pid = int(holder.get("pid", -1))
         if pid == me["pid"]:
             return "it is this process's own"
-        if not _pid_alive(pid):
+        if not pid_alive(pid):
             return f"process {pid} on {holder['host']} is gone"
         return None
     if job:

@@ -61,7 +61,7 @@ def _classified() -> tuple[tuple, tuple, tuple]:
 FREE, SAFE, PATHS = _classified()
 
 
-def _matches(key: str, prefixes) -> bool:
+def key_matches(key: str, prefixes) -> bool:
     return any(key == p or (p.endswith(".") and key.startswith(p)) for p in prefixes)
 
 
@@ -75,7 +75,7 @@ def flatten(d: Any, prefix: str = "") -> dict[str, Any]:
 
 
 def _norm(key: str, value: Any) -> Any:
-    if _matches(key, PATHS) and isinstance(value, str):
+    if key_matches(key, PATHS) and isinstance(value, str):
         from mta_repro.data.args import resolve_path
 
         return str(resolve_path(value).resolve())
@@ -98,17 +98,17 @@ def diff_configs(saved: dict, new: dict) -> ConfigDiff:
     old, cur = flatten(saved), flatten(new)
     unsafe, safe = {}, {}
     for key in sorted(set(old) | set(cur)):
-        if _matches(key, FREE):
+        if key_matches(key, FREE):
             continue
         if key not in cur:  # a field removed from the schema: nothing to compare with
             continue
-        if key not in old and _matches(key, SAFE):
+        if key not in old and key_matches(key, SAFE):
             continue  # a setting added to the schema since the run started: nothing to protect
         a = old.get(key, default.get(key))
         b = cur[key]
         if _norm(key, a) == _norm(key, b):
             continue
-        (safe if _matches(key, SAFE) else unsafe)[key] = (a, b)
+        (safe if key_matches(key, SAFE) else unsafe)[key] = (a, b)
     return ConfigDiff(unsafe, safe)
 
 
@@ -127,7 +127,7 @@ def _fmt(diff: dict[str, tuple], limit: int = 6, saved: dict | None = None, new:
         a, b = attention_variant(saved.get("model") or {}), attention_variant(new.get("model") or {})
         if a != b:
             items.append(f"attention: {a} -> {b}")
-            diff = {k: v for k, v in diff.items() if not _matches(k, ATTENTION_KEYS)}
+            diff = {k: v for k, v in diff.items() if not key_matches(k, ATTENTION_KEYS)}
             limit = max(limit - 1, 0)
     items += [f"{k}: {a!r} -> {b!r}" for k, (a, b) in list(diff.items())[:limit]]
     rest = list(diff)[limit:]
