@@ -520,8 +520,8 @@ def signalled_run(run_dir, over, after_step: int, sig, kill_after_save: bool, ti
 
 
 def memory_and_preempt(dev, s, picked, out_dir) -> tuple[dict, dict]:
+    from mta_repro.estimate.memory import estimate_from_config
     from mta_repro.train.config import compose
-    from mta_repro.train.memory import estimate_from_config
 
     B, T = s["full_bt"]
     over = [

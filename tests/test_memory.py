@@ -6,9 +6,9 @@ import torch
 from torch._C._profiler import _EventType
 from torch.profiler import ProfilerActivity, profile
 
+from mta_repro.estimate.memory import CAPACITIES, estimate_from_config, estimate_memory
 from mta_repro.model import ModelArgs, MTAArgs, build_model
 from mta_repro.train.config import compose
-from mta_repro.train.memory import CAPACITIES, estimate_from_config, estimate_memory
 
 SAVED = "saved activations at the end of forward"
 
@@ -205,7 +205,7 @@ def test_the_pre_flight_agrees_with_pytorchs_fsdp_tracker(mta):
     """The pre-flight (meta, its own timeline) and PyTorch's FSDP2 tracker (FakeTensorMode)
     agree within 10% per rank on four bf16 ranks; the project's tracker function gives the
     tracker's figure."""
-    from mta_repro.train.memory_tracker import tracked_peak
+    from mta_repro.estimate.memory_tracker import tracked_peak
 
     mta_args = MTA_FULL if mta else MTAArgs()
     args = ModelArgs(dim=128, n_layers=3, n_heads=4, vocab_size=2048, mta=mta_args, attn_block_size=128)

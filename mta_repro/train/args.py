@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import ClassVar
 
 from mta_repro.errors import UserError
-from mta_repro.train.cpu_malloc import check_threshold
+from mta_repro.estimate.cpu_malloc import check_threshold
 
 NONFINITE_CHOICES = ("raise", "skip")
 ON_CORRUPT_CHOICES = ("fallback", "raise")
@@ -83,14 +83,14 @@ class TrainerArgs:
     # so that peak resident memory stays at what the tensors need (the memory pre-flight's
     # estimate) instead of glibc's dynamic heap, which keeps freed tensors resident; it
     # costs step time (every such tensor is a fresh mmap). null = glibc's default (fastest).
-    # 131072 is glibc's initial value (mta_repro/train/cpu_malloc.py; both effects measured
+    # 131072 is glibc's initial value (mta_repro/estimate/cpu_malloc.py; both effects measured
     # in docs/memory.md).
     cpu_mmap_threshold: int | None = field(default=None, metadata={"run_dir": "free"})
     # Before anything is allocated, refuse in one line a model, batch and world size whose
     # memory on one rank is over the device's (GPU: free memory; CPU: the memory available,
     # shared by the node's ranks): a floor (fp32 parameters and AdamW moments, one fp32 copy
-    # of the logits), then the memory pre-flight (mta_repro/train/memory.py) on a GPU or
-    # when the floor is over 5% of it (mta_repro/train/memory_check.py). false = start anyway.
+    # of the logits), then the memory pre-flight (mta_repro/estimate/memory.py) on a GPU or
+    # when the floor is over 5% of it (mta_repro/estimate/memory_check.py). false = start anyway.
     memory_check: bool = field(default=True, metadata={"run_dir": "free"})
 
     def __post_init__(self) -> None:

@@ -7,7 +7,7 @@ the node. ``check_fits`` runs on rank 0 before the run directory is touched:
 1. a floor that needs no model run: the fp32 parameters and AdamW moments on this rank
    (12 bytes per parameter / world size) plus one fp32 copy of the logits of a micro-batch;
 2. when the floor is over 5% of the capacity, or on a GPU (seconds against a GPU job), the
-   trainer's memory pre-flight (``mta_repro.train.memory.estimate_memory``: one step on ``meta``).
+   trainer's memory pre-flight (``mta_repro.estimate.memory.estimate_memory``: one step on ``meta``).
 
 Refused when either is over the capacity: the GPU's free memory, or on the CPU the memory
 available to this process (``MemAvailable``, or a smaller cgroup limit) shared by the ranks
@@ -144,7 +144,7 @@ def check_fits(args, world_size: int, device: torch.device, cap: tuple | None = 
         )
     if device.type != "cuda" and floor < FULL_ESTIMATE_FRACTION * cap_bytes:
         return None
-    from mta_repro.train.memory import HEADROOM, estimate_memory
+    from mta_repro.estimate.memory import HEADROOM, estimate_memory
 
     on_gpu = device.type == "cuda"
     dtype = getattr(torch, args.distributed.param_dtype) if on_gpu else torch.float32

@@ -440,7 +440,7 @@ def _details(step: dict, optimizer: float, device: str) -> dict:
 
 def estimate_from_config(cfg, world_size: int | None = None) -> MemoryEstimate:
     """From a composed training config (Hydra DictConfig)."""
-    from mta_repro.train.config import model_args_from
+    from mta_repro.model import to_model_args
 
     on_gpu = str(cfg.trainer.get("device", "cpu")).startswith("cuda")
     if world_size is None:
@@ -448,7 +448,7 @@ def estimate_from_config(cfg, world_size: int | None = None) -> MemoryEstimate:
     dtype = getattr(torch, cfg.distributed.param_dtype) if on_gpu else torch.float32
     fused = cfg.get("optim", {}).get("fused", None)
     return estimate_memory(
-        model_args_from(cfg),
+        to_model_args(cfg.model),
         int(cfg.data.batch_size),
         int(cfg.data.seq_len),
         world_size,
@@ -458,21 +458,3 @@ def estimate_from_config(cfg, world_size: int | None = None) -> MemoryEstimate:
         int(cfg.trainer.get("grad_accum", 1)),
         None if fused is None else bool(fused),
     )
-
-
-def experiments_table(names: list[str]) -> str:
-    """A Markdown row per experiment: its per-GPU estimate and the verdicts."""
-    from mta_repro.train.config import compose
-
-    lines = [
-        "| experiment | world | act. ckpt | per-GPU estimate GB | 80 GB | H200 141 GB |",
-        "|---|---:|---|---:|---|---|",
-    ]
-    for name in names:
-        est = estimate_from_config(compose([f"experiment={name}"]))
-        lines.append(
-            f"| {name} | {est.world_size} | {'on' if est.activation_checkpointing else 'off'} | "
-            f"{est.total / GB:.1f} | {'fits' if est.fits(CAPACITIES['80 GB']) else 'no'} | "
-            f"{'fits' if est.fits(CAPACITIES['H200 141 GB']) else 'no'} |"
-        )
-    return "\n".join(lines)

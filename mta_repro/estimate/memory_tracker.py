@@ -6,7 +6,7 @@ two steps under ``FakeTensorMode`` on a fake process group of the run's world si
 (``FakeStore``, backend "fake", a CPU device mesh made before entering the mode), and
 reads the per-rank peak, by category, from ``torch.distributed._tools.fsdp2_mem_tracker
 .FSDPMemTracker``. Nothing is allocated and no collective runs; 880M at world size 32 takes
-seconds to a minute on 2 CPU cores. It shares no code with ``mta_repro.train.memory`` beyond
+seconds to a minute on 2 CPU cores. It shares no code with ``mta_repro.estimate.memory`` beyond
 the model and its loss, so the two agreeing is evidence, and their gap names a term.
 
 What it cannot see: the kernels are the CPU ones of a fake CPU tensor (CPU flash SDPA, the
