@@ -10,8 +10,9 @@ the node. ``check_fits`` runs on rank 0 before the run directory is touched:
    trainer's memory pre-flight (``mta_repro.estimate.memory.estimate_memory``: one step on ``meta``).
 
 Refused when either is over the capacity: the GPU's free memory, or on the CPU the memory
-available to this process (``MemAvailable``, or a smaller cgroup limit) shared by the ranks
-of this node. On the CPU the pre-flight counts tensors only, so the process's own resident
+available to this process: the smallest of ``MemAvailable`` and the limits of its own cgroup
+and the cgroup's ancestors (v1 and v2; both shared by the ranks of this node), and
+``ulimit -v`` (RLIMIT_AS, per process). On the CPU the pre-flight counts tensors only, so the process's own resident
 memory (interpreter, torch, the imported libraries: what it holds at the check) and the
 allocator's slack (glibc keeps freed blocks resident: ``CPU_SLACK``) are added to it, and the
 resident part to what it may use. Over 90% (the pre-flight's own rule for fitting) is one
@@ -32,6 +33,7 @@ from mta_repro.errors import UserError
 log = logging.getLogger(__name__)
 
 GB = 1e9
+ROOT = Path("/")  # where /proc and /sys are read (a fake tree in tests)
 FULL_ESTIMATE_FRACTION = 0.05  # below this share of the capacity the floor alone is enough
 # Resident memory above the pre-flight's tensors, as a share of them (docs/memory.md has the
 # runs): under glibc's dynamic mmap threshold 14.9% at 1B width with one layer, 7.2% with
@@ -51,9 +53,9 @@ class DoesNotFitError(UserError):
     """The model, batch and world size need more memory than the device has."""
 
 
-def _meminfo_available() -> float | None:
+def _meminfo_available(root: Path | None = None) -> float | None:
     try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
+        for line in ((root or ROOT) / "proc/meminfo").read_text().splitlines():
             if line.startswith("MemAvailable:"):
                 return float(line.split()[1]) * 1024
     except OSError:
@@ -61,21 +63,111 @@ def _meminfo_available() -> float | None:
     return None
 
 
-def _cgroup_available() -> float | None:
-    """The cgroup's memory limit minus its usage (v2, else v1), if there is a limit."""
-    for limit_f, usage_f in (
-        ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
-        ("/sys/fs/cgroup/memory/memory.limit_in_bytes", "/sys/fs/cgroup/memory/memory.usage_in_bytes"),
-    ):
-        try:
-            limit = Path(limit_f).read_text().strip()
-            usage = float(Path(usage_f).read_text().strip())
-        except (OSError, ValueError):
+def _read(path: Path) -> str | None:
+    try:
+        return path.read_text().strip()
+    except OSError:
+        return None
+
+
+def _mounts(root: Path) -> dict[str, tuple[str, str]]:
+    """{"v1": (hierarchy root, mount point), "v2": ...} of the memory cgroup's mounts in
+    /proc/self/mountinfo (the cgroup v1 hierarchy with the memory controller, the unified v2
+    one); the usual places where there is no mountinfo."""
+    found = {}
+    for line in (_read(root / "proc/self/mountinfo") or "").splitlines():
+        left, sep, right = line.partition(" - ")
+        fields, tail = left.split(), right.split()
+        if not sep or len(fields) < 5 or len(tail) < 3:
             continue
-        if limit == "max" or float(limit) >= 2**60:
-            return None
-        return max(float(limit) - usage, 0.0)
-    return None
+        if tail[0] == "cgroup2":
+            found.setdefault("v2", (fields[3], fields[4]))
+        elif tail[0] == "cgroup" and "memory" in tail[2].split(","):
+            found.setdefault("v1", (fields[3], fields[4]))
+    if not found:
+        found = {"v2": ("/", "/sys/fs/cgroup"), "v1": ("/", "/sys/fs/cgroup/memory")}
+    return found
+
+
+def cgroup_limits(root: Path | None = None) -> list[tuple[float, str]]:
+    """(bytes still free, what) for each memory limit on this process's own cgroup and its
+    ancestors, from /proc/self/cgroup: cgroup v2's ``memory.max`` (``max``: none) under the
+    unified mount, v1's ``memory.limit_in_bytes`` (2^60 and up: none) under the memory
+    controller's. Free = the limit minus the cgroup's usage (``memory.current`` /
+    ``memory.usage_in_bytes``) less its inactive page cache, which the kernel reclaims before
+    it kills (``memory.stat``'s ``inactive_file`` / ``total_inactive_file``). A SLURM job's
+    limit is on its own cgroup, not on the hierarchy's root. ``root``: a fake filesystem root
+    (tests; default ``ROOT``)."""
+    root = root or ROOT
+    mounts = _mounts(root)
+    out = []
+    for line in (_read(root / "proc/self/cgroup") or "").splitlines():
+        parts = line.split(":", 2)
+        if len(parts) != 3:
+            continue
+        hid, controllers, path = parts
+        if hid == "0" and controllers == "":
+            version, files = "v2", ("memory.max", "memory.current", "inactive_file")
+        elif "memory" in controllers.split(","):
+            version, files = "v1", ("memory.limit_in_bytes", "memory.usage_in_bytes", "total_inactive_file")
+        else:
+            continue
+        if version not in mounts:
+            continue
+        mount_root, mount_point = mounts[version]
+        rel = path[len(mount_root) :] if path.startswith(mount_root) and mount_root != "/" else path
+        top = root / mount_point.lstrip("/")
+        d = top / rel.strip("/")
+        while True:
+            limit_s = _read(d / files[0])
+            if limit_s is not None and limit_s != "max":
+                try:
+                    limit = float(limit_s)
+                    usage = float(_read(d / files[1]) or 0)
+                except ValueError:
+                    limit = usage = float("inf")
+                if limit < 2**60:
+                    stat = dict(ln.split()[:2] for ln in (_read(d / "memory.stat") or "").splitlines() if " " in ln)
+                    usage -= min(float(stat.get(files[2], 0)), usage)
+                    where = "/" + str(d.relative_to(top)).strip(".").strip("/")
+                    out.append(
+                        (
+                            max(limit - usage, 0.0),
+                            f"the cgroup {where} ({version} {files[0]}) limits memory to {limit / GB:.2f} GB, "
+                            f"{max(limit - usage, 0.0) / GB:.2f} GB of it free",
+                        )
+                    )
+            if d == top or top not in d.parents:
+                break
+            d = d.parent
+    return out
+
+
+def _cgroup_available(root: Path | None = None) -> tuple[float, str] | None:
+    """The smallest of ``cgroup_limits``, or None where no cgroup limits this process."""
+    limits = cgroup_limits(root)
+    return min(limits) if limits else None
+
+
+def _address_space_left() -> tuple[float, str] | None:
+    """RLIMIT_AS (``ulimit -v``) minus this process's address space now: every allocation
+    counts against it (mmap'd tensors whole), and past it torch's CPU allocator raises."""
+    try:
+        import resource
+    except ImportError:  # not on POSIX
+        return None
+    soft = resource.getrlimit(resource.RLIMIT_AS)[0]
+    if soft == resource.RLIM_INFINITY:
+        return None
+    try:
+        vsz = float(Path("/proc/self/statm").read_text().split()[0]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        vsz = 0.0
+    left = max(soft - vsz, 0.0)
+    return left, (
+        f"ulimit -v (RLIMIT_AS) allows this process {soft / GB:.2f} GB of address space, "
+        f"{left / GB:.2f} GB of it unused"
+    )
 
 
 def resident_bytes() -> float:
@@ -106,17 +198,23 @@ def local_ranks() -> int:
 
 
 def capacity(device: torch.device) -> tuple[float, str]:
-    """(bytes one rank may use, what that is) on ``device``."""
+    """(bytes one rank may still allocate, what that is) on ``device``. On the CPU the smallest
+    of: ``MemAvailable`` and the limits of this process's cgroups (both shared by the node's
+    ranks), and RLIMIT_AS (``ulimit -v``, per process)."""
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
         return float(free), f"{torch.cuda.get_device_name(device)} has {free / GB:.2f} GB free"
-    found = [v for v in (_meminfo_available(), _cgroup_available()) if v is not None]
+    meminfo = _meminfo_available()
+    shared = [(meminfo, f"this machine has {meminfo / GB:.2f} GB of memory available")] if meminfo is not None else []
+    cgroup = _cgroup_available()
+    shared += [cgroup] if cgroup is not None else []
+    n = local_ranks()
+    found = [(b / n, what + (f" / {n} ranks on this node" if n > 1 else "")) for b, what in shared]
+    address_space = _address_space_left()
+    found += [address_space] if address_space is not None else []
     if not found:
         return float("inf"), "the CPU's memory is unknown"
-    n = local_ranks()
-    avail = min(found)
-    share = f" / {n} ranks on this node" if n > 1 else ""
-    return avail / n, f"this machine has {avail / GB:.2f} GB of memory available{share}"
+    return min(found)
 
 
 def check_fits(args, world_size: int, device: torch.device, cap: tuple | None = None):
