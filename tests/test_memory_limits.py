@@ -205,3 +205,19 @@ def test_ulimit_v_is_counted_in_a_real_child(tmp_path):
     assert "model.dim=1024, model.n_layers=10" in lines[0]
     assert not run_dir.exists()
     assert sorted(p.name for p in tmp_path.iterdir()) == []
+
+
+def test_logged_peak_memory_is_in_the_pre_flights_gb():
+    """metrics.jsonl's peak_mem_gb is GB = 1e9 bytes, as the pre-flight prints (not 2^30):
+    on the CPU the peak resident set, read here from /proc/self/status's VmHWM (kB = KiB)."""
+    from mta_repro.estimate.memory import GB
+    from mta_repro.train.metrics import peak_mem_gb
+
+    status = Path("/proc/self/status")
+    if not status.is_file():
+        pytest.skip("reads /proc/self/status")
+    before = next(int(ln.split()[1]) for ln in status.read_text().splitlines() if ln.startswith("VmHWM:"))
+    got = peak_mem_gb(torch.device("cpu"))
+    after = next(int(ln.split()[1]) for ln in status.read_text().splitlines() if ln.startswith("VmHWM:"))
+    assert GB == 1e9
+    assert before * 1024 / 1e9 <= got <= after * 1024 / 1e9
