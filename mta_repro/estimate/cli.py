@@ -94,6 +94,7 @@ def tracker_line(cfg, est) -> str:
         "cuda" if on_gpu else "cpu",
         int(cfg.trainer.get("grad_accum", 1)),
         None if fused is None else bool(fused),
+        int(cfg.trainer.get("loss_chunk", 0)),
     )
     ratio = est.total / peak.total if peak.total else float("inf")
     flag = "" if abs(ratio - 1) <= 0.10 else " (over 10% apart: docs/memory.md)"

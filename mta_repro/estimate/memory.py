@@ -286,6 +286,7 @@ def _step_on_meta(
     activation_checkpointing: bool,
     grads_held: bool,
     workspace: dict,
+    loss_chunk: int = 0,
 ) -> dict:
     """One forward + loss + backward on meta, as the trainer runs it, through ``_LiveBytes``.
 
@@ -304,9 +305,11 @@ def _step_on_meta(
         return t
 
     def loss():
-        # as mta_repro.model.loss.cross_entropy: logits in the compute dtype, the loss in fp32
-        logits = model(tokens)
-        return torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), tokens.flatten(0, 1))
+        # the trainer's loss: logits in the compute dtype, the loss in fp32 (trainer.loss_chunk:
+        # in chunks of token rows, the logits recomputed in backward)
+        from mta_repro.model.loss import cross_entropy
+
+        return cross_entropy(model, tokens, tokens, loss_chunk)
 
     if activation_checkpointing:
         _checkpoint_blocks(model)
@@ -376,6 +379,7 @@ def estimate_memory(
     device: str = "cuda",
     grad_accum: int = 1,
     fused_adamw=None,
+    loss_chunk: int = 0,
 ) -> MemoryEstimate:
     """The peak of one steady-state training step per rank (module docstring)."""
     from mta_repro.model import attention_ops, build_model
@@ -390,7 +394,16 @@ def estimate_memory(
     workspace = {a: backward_workspace(a, batch_size, seq_len) for a in attns if a.kind in ("kq_conv", "mixing")}
     workspace = {m: n for m, n in workspace.items() if n}
     step = _step_on_meta(
-        model, batch_size, seq_len, world_size, device, dtype, activation_checkpointing, grad_accum > 1, workspace
+        model,
+        batch_size,
+        seq_len,
+        world_size,
+        device,
+        dtype,
+        activation_checkpointing,
+        grad_accum > 1,
+        workspace,
+        loss_chunk,
     )
     grads = 4 * n_params / world_size
     optimizer = grads + _adamw_temporaries(model, world_size, device, fused_adamw)
@@ -457,4 +470,5 @@ def estimate_from_config(cfg, world_size: int | None = None) -> MemoryEstimate:
         "cuda" if on_gpu else "cpu",
         int(cfg.trainer.get("grad_accum", 1)),
         None if fused is None else bool(fused),
+        int(cfg.trainer.get("loss_chunk", 0)),
     )

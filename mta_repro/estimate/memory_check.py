@@ -249,7 +249,16 @@ def check_fits(args, world_size: int, device: torch.device, cap: tuple | None = 
     fused = None if args.optim.fused is None else bool(args.optim.fused)
     ac = bool(args.distributed.activation_checkpointing)
     est = estimate_memory(
-        model_args, batch, seq, world_size, ac, dtype, "cuda" if on_gpu else "cpu", int(args.trainer.grad_accum), fused
+        model_args,
+        batch,
+        seq,
+        world_size,
+        ac,
+        dtype,
+        "cuda" if on_gpu else "cpu",
+        int(args.trainer.grad_accum),
+        fused,
+        int(args.trainer.loss_chunk),
     )
     need, have, terms = est.total, cap_bytes, ""
     if not on_gpu:

@@ -80,6 +80,7 @@ def tracked_peak(
     device: str = "cuda",
     grad_accum: int = 1,
     fused_adamw=None,
+    loss_chunk: int = 0,
 ) -> TrackedPeak:
     """The per-rank peak of a steady-state training step as ``FSDPMemTracker`` counts it (module
     docstring). ``dtype`` is the gathered parameters' (FSDP2 mixed precision over fp32
@@ -113,7 +114,7 @@ def tracked_peak(
             def step():  # as mta_repro.train.loop.train_step
                 for micro in range(grad_accum):
                     model.set_requires_gradient_sync(micro == grad_accum - 1)
-                    loss = cross_entropy(model, tokens[:, :-1], tokens[:, 1:]) / grad_accum
+                    loss = cross_entropy(model, tokens[:, :-1], tokens[:, 1:], loss_chunk) / grad_accum
                     loss.backward()
                     del loss
                 torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0, foreach=True)

@@ -79,6 +79,14 @@ class TrainerArgs:
     # tokens (the eval's defaults: 256 x 4 windows = 2M tokens at seq_len 2048).
     eval_max_batches: int = field(default=256, metadata={"run_dir": "safe"})
     eval_batch_size: int = field(default=4, metadata={"run_dir": "safe"})
+    # The training loss in chunks of this many token rows (of data.batch_size * data.seq_len):
+    # each chunk's logits (rows, vocab) are computed from the final hidden states and
+    # recomputed in backward, so no (B, T, vocab) logits, log-softmax or gradient is held
+    # (at 880M with Llama 3's 128K vocabulary the plain loss is 12.6 of the 27.2 GB per GPU;
+    # docs/memory.md). The same loss and gradients as the plain one up to fp32 rounding, for
+    # one more (rows, dim) x (dim, vocab) matmul per chunk in backward. 0 = the plain loss,
+    # as the paper trains (mta_repro/model/loss.py).
+    loss_chunk: int = field(default=0, metadata={"run_dir": "safe"})
     # CPU only: fix glibc's mmap threshold at this many bytes before the model is built,
     # so that peak resident memory stays at what the tensors need (the memory pre-flight's
     # estimate) instead of glibc's dynamic heap, which keeps freed tensors resident; it
@@ -94,6 +102,11 @@ class TrainerArgs:
     memory_check: bool = field(default=True, metadata={"run_dir": "free"})
 
     def __post_init__(self) -> None:
+        if isinstance(self.loss_chunk, bool) or not isinstance(self.loss_chunk, int) or self.loss_chunk < 0:
+            raise UserError(
+                f"trainer.loss_chunk: expected an integer >= 0 (token rows per chunk; 0 = the plain loss), "
+                f"got {self.loss_chunk!r}"
+            )
         if self.eval_every < 0:
             raise UserError(f"trainer.eval_every: expected >= 0 (0 = no validation), got {self.eval_every}")
         if self.eval_max_batches < 1 or self.eval_batch_size < 1:

@@ -254,7 +254,7 @@ def train_step(model, optimizer, scheduler, loader, tr: TrainerArgs, clip: float
         targets = batch["target"].to(device, non_blocking=True)
         # Reduce-scatter gradients only after the last micro-batch.
         model.set_requires_gradient_sync(micro == tr.grad_accum - 1)
-        loss = cross_entropy(model, inputs, targets) / tr.grad_accum
+        loss = cross_entropy(model, inputs, targets, tr.loss_chunk) / tr.grad_accum
         loss.backward()
         loss_sum += loss.detach()
         n_tokens += inputs.numel()
