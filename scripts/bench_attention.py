@@ -89,7 +89,7 @@ def run_one(
         out.backward(torch.ones_like(out))
 
     median, times = median_seconds(step, reps, dev, warmup=0)
-    peak = torch.cuda.max_memory_allocated(dev) / 2**30 if dev.type == "cuda" else peak_rss_gb() - rss0
+    peak = torch.cuda.max_memory_allocated(dev) / 1e9 if dev.type == "cuda" else peak_rss_gb() - rss0
     return {
         "layer": layer,
         "impl": impl,
@@ -98,8 +98,8 @@ def run_one(
         "s": median,
         "s_all": times,
         "peak_gb": peak,
-        "saved_gb": saved / 2**30,
-        "saved_inputs_gb": saved_inputs / 2**30,
+        "saved_gb": saved / 1e9,
+        "saved_inputs_gb": saved_inputs / 1e9,
     }
 
 

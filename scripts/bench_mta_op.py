@@ -236,7 +236,7 @@ def run_one(case: str, seq: int, device: str, dtype_name: str, reps: int, releas
     row["fwd_s"], _ = median_seconds(fwd, reps, dev, warmup=0)
     row["s"], row["s_all"] = median_seconds(step, reps, dev, warmup=0)
     row["fwd_only"] = not backward
-    row["peak_gb"] = torch.cuda.max_memory_allocated(dev) / 2**30 if dev.type == "cuda" else peak_rss_gb() - rss0
+    row["peak_gb"] = torch.cuda.max_memory_allocated(dev) / 1e9 if dev.type == "cuda" else peak_rss_gb() - rss0
     return row
 
 

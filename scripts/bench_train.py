@@ -145,8 +145,8 @@ def run_one(config: str, variant: str, device: str, warmup: int, steps: int, thr
         if i >= warmup:
             times.append(time.perf_counter() - t0)
     step = statistics.median(times)
-    peak = torch.cuda.max_memory_allocated(dev) / 2**30 if dev.type == "cuda" else peak_rss_gb() - rss0
-    saved = sum(n for ptr, n in storages.items() if ptr not in params) / 2**30
+    peak = torch.cuda.max_memory_allocated(dev) / 1e9 if dev.type == "cuda" else peak_rss_gb() - rss0
+    saved = sum(n for ptr, n in storages.items() if ptr not in params) / 1e9
     return {
         "config": config,
         "variant": variant,

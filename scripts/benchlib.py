@@ -51,8 +51,8 @@ def kernel_tuning(overrides: Iterable[str] = (), base: KernelTuning | None = Non
 
 
 def peak_rss_gb() -> float:
-    """This process's peak resident set (VmHWM), GB."""
-    return peak_rss_bytes() / 2**30
+    """This process's peak resident set (VmHWM), GB = 1e9 bytes."""
+    return peak_rss_bytes() / 1e9
 
 
 def run_child(cmd: list, cwd, label: str, peak_cmd: list | None = None, peak_key: str = "peak_gb") -> dict | None:

@@ -290,7 +290,7 @@ def _time(dev, s, fwd, row) -> dict:
         sync(dev)
         times.append(time.perf_counter() - t0)
         del out
-    peak = torch.cuda.max_memory_allocated(dev) / 2**30 if dev.type == "cuda" else None
+    peak = torch.cuda.max_memory_allocated(dev) / 1e9 if dev.type == "cuda" else None
     return {**row, "status": "ok", "s": statistics.median(times), "s_all": times, "peak_alloc_gb": peak}
 
 
@@ -411,8 +411,8 @@ def step_bench(dev, s, variant, compiled, picked, dtype) -> dict:
     }
     if dev.type == "cuda":
         row.update(
-            peak_alloc_gb=torch.cuda.max_memory_allocated(dev) / 2**30,
-            peak_reserved_gb=torch.cuda.max_memory_reserved(dev) / 2**30,
+            peak_alloc_gb=torch.cuda.max_memory_allocated(dev) / 1e9,
+            peak_reserved_gb=torch.cuda.max_memory_reserved(dev) / 1e9,
         )
     del model, opt
     if dev.type == "cuda":
@@ -520,8 +520,8 @@ def signalled_run(run_dir, over, after_step: int, sig, kill_after_save: bool, ti
 
 
 def memory_and_preempt(dev, s, picked, out_dir) -> tuple[dict, dict]:
+    from mta_repro.estimate.memory import estimate_from_config
     from mta_repro.train.config import compose
-    from mta_repro.train.memory import estimate_from_config
 
     B, T = s["full_bt"]
     over = [
@@ -549,9 +549,9 @@ def memory_and_preempt(dev, s, picked, out_dir) -> tuple[dict, dict]:
         "steps_logged": len(rows),
         "peak_alloc_gb": alloc,
         "peak_reserved_gb": reserved,
-        "estimate_gb": est.total / 2**30,
+        "estimate_gb": est.total / 1e9,
         # the pre-flight is the peak of a steady-state step's tensors: compare with allocated
-        "estimate_over_alloc": est.total / 2**30 / alloc if alloc else None,
+        "estimate_over_alloc": est.total / 1e9 / alloc if alloc else None,
         "estimate_note": "python -m mta_repro.estimate ... --memory --world-size 1 (CPU: peak RSS is measured)",
         "tokens_per_s": [x["tokens_per_s_global"] for x in rows],
     }

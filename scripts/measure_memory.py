@@ -10,7 +10,7 @@ clipping, optimizer step and ``zero_grad`` on random tokens, as ``train_step`` r
 (without FSDP). Two steps, because the pre-flight is for a training run's steady state:
 AdamW's moments exist from the first optimizer step on, so only later steps hold them
 during forward and backward. ``trainer.cpu_mmap_threshold=131072`` fixes glibc's mmap
-threshold first, as the trainer does with it (``mta_repro.train.cpu_malloc``); without it glibc's
+threshold first, as the trainer does with it (``mta_repro.estimate.cpu_malloc``); without it glibc's
 dynamic default keeps freed tensors resident and the figure varies between runs.
 
 Measured = the process's peak resident memory (``VmHWM``, its high-water mark reset just
@@ -18,7 +18,7 @@ before the model is built) minus its resident memory then: what the steps hold a
 a memory limit sees it). With ``--tensors``, also the peak of live tensor bytes in each
 phase of each step, from torch.profiler's allocation events (independent of the
 allocator; the profiler's own memory shows in the RSS figure then). Estimated =
-``mta_repro.train.memory.estimate_memory`` for the same shapes at world size 1 on CPU, without the FSDP
+``mta_repro.estimate.memory.estimate_memory`` for the same shapes at world size 1 on CPU, without the FSDP
 gathered-parameter term (a single process without FSDP gathers nothing); ``--fsdp`` runs
 the trainer's FSDP2 wrapping on one gloo rank instead and keeps the term. Prints one JSON
 line.
@@ -67,11 +67,11 @@ def measure(overrides: list, steps: int = 2, tensors: bool = False, fsdp: bool =
 
     import torch
 
+    from mta_repro.estimate.cpu_malloc import fix_mmap_threshold
+    from mta_repro.estimate.memory import estimate_memory
     from mta_repro.model import build_model
     from mta_repro.train.config import compose, model_args_from
-    from mta_repro.train.cpu_malloc import fix_mmap_threshold
     from mta_repro.train.loop import cross_entropy
-    from mta_repro.train.memory import estimate_memory
 
     cfg = compose(list(overrides))
     threshold = fix_mmap_threshold(cfg.trainer.cpu_mmap_threshold)

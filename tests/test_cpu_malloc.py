@@ -1,4 +1,4 @@
-"""trainer.cpu_mmap_threshold (mta_repro/train/cpu_malloc.py): with glibc's dynamic threshold a
+"""trainer.cpu_mmap_threshold (mta_repro/estimate/cpu_malloc.py): with glibc's dynamic threshold a
 freed multi-MB block stays resident once a larger one has been freed before it; with the
 threshold fixed it goes back to the OS. Each case runs in a fresh interpreter (a
 threshold, once fixed, stays for the life of the process)."""
@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from mta_repro.errors import UserError
-from mta_repro.train import cpu_malloc
+from mta_repro.estimate import cpu_malloc
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # raises glibc's dynamic threshold to 16 MiB).
 RETAINED = """
 import ctypes, resource, sys
-from mta_repro.train.cpu_malloc import fix_mmap_threshold
+from mta_repro.estimate.cpu_malloc import fix_mmap_threshold
 set_to = fix_mmap_threshold(int(sys.argv[1]) or None)
 libc = ctypes.CDLL("libc.so.6")
 libc.malloc.restype = ctypes.c_void_p

@@ -213,6 +213,12 @@ def test_modules_named_in_import_calls_point_down_the_layers():
         for m in _import_call_names(f):
             if not (m == "mta_repro" or m.startswith("mta_repro.")):
                 continue
+            if module.removeprefix("mta_repro.") in ENTRY_DEPS:
+                allowed = ENTRY_DEPS[module.removeprefix("mta_repro.")]
+                if any(m == f"mta_repro.{a}" or m.startswith(f"mta_repro.{a}.") for a in allowed):
+                    continue
+            elif any(m == f"mta_repro.{e}" for e in ENTRY_DEPS) and rel.name != "__main__.py":
+                bad.append(f"{rel} -> {m} (an entry point's module, imported only by its __main__)")
             dst = _part(m)
             if dst == src:
                 continue
@@ -252,3 +258,24 @@ def test_the_layer_order_is_the_one_docs_architecture_draws():
     assert [set(re.findall(r"`([\w.]+)`", mods)) for mods in rows] == core
     after = text.split("<!-- /layers -->", 1)[1].strip().split("\n\n", 1)[0]  # the paragraph on the leaves
     assert set(re.findall(r"`(\w+)`", after)) >= leaves
+
+
+def test_only_its_main_imports_the_estimate_command_line():
+    """``estimate/cli.py`` is the one module that imports above its layer (pyproject.toml's
+    contracts name its two imports in ignore_imports): it composes the training config and
+    reads release YAMLs for ``python -m mta_repro.estimate``. No other module may import it,
+    or the trainer's pre-flight (below ``train``) would reach ``train`` through it."""
+    import ast
+
+    pkg = ROOT / "mta_repro"
+    importers = set()
+    for f in sorted(pkg.rglob("*.py")):
+        for node in ast.walk(ast.parse(f.read_text())):
+            names = []
+            if isinstance(node, ast.ImportFrom) and node.module:
+                names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+            elif isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            if "mta_repro.estimate.cli" in names:
+                importers.add(f.relative_to(ROOT).as_posix())
+    assert importers == {"mta_repro/estimate/__main__.py"}

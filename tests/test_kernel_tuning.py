@@ -239,7 +239,7 @@ def test_a_run_dir_may_continue_under_another_tuning():
 
 
 def test_the_memory_preflight_reads_the_models_tuning():
-    from mta_repro.train import memory
+    from mta_repro.estimate import memory
 
     assert memory.target_kq_backend("cuda", torch.bfloat16, KernelTuning(kq_conv="conv2d")) == "conv2d"
     if importlib.util.find_spec("triton") is not None:

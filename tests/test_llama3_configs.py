@@ -24,7 +24,7 @@ def test_llama3_model_configs_have_metas_parameter_count(model):
 
 @pytest.mark.parametrize("experiment", EXPERIMENTS)
 def test_insertion_experiments_fit_an_h200_with_fsdp(experiment):
-    from mta_repro.train.memory import CAPACITIES, estimate_from_config
+    from mta_repro.estimate.memory import CAPACITIES, estimate_from_config
 
     cfg = compose([f"experiment={experiment}"])
     assert int(cfg.data.seq_len) == 2048

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import pytest
 
-from mta_repro.train import cpu_malloc
+from mta_repro.estimate import cpu_malloc
 
 ROOT = Path(__file__).resolve().parents[1]
 SHAPE = [

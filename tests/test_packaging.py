@@ -42,8 +42,8 @@ for pkg in ("mta_repro.model", "mta_repro.data", "mta_repro.train"):
     for m in pkgutil.walk_packages(mod.__path__, pkg + "."):
         if not m.name.endswith("__main__"):
             importlib.import_module(m.name)
-for name in ("mta_repro.train.config", "mta_repro.estimate.params", "mta_repro.train.memory", "mta_repro.cli",
-             "mta_repro.eval.generate", "mta_repro.weights"):
+for name in ("mta_repro.train.config", "mta_repro.estimate.params", "mta_repro.estimate.cli",
+             "mta_repro.estimate.memory", "mta_repro.cli", "mta_repro.eval.generate", "mta_repro.weights"):
     importlib.import_module(name)
 from mta_repro.train.config import compose, model_args_from
 from mta_repro.model import build_model

@@ -3,7 +3,7 @@ PyTorch's FSDP2 memory tracker beside it."""
 
 import re
 
-from mta_repro.estimate.params import main
+from mta_repro.estimate.cli import main
 
 
 def test_memory_states_its_assumptions_and_flags_the_demo_shape(capsys):

@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from mta_repro.estimate import params
+from mta_repro.estimate import cli as params
 from mta_repro.model import build_model
 from mta_repro.release import (
     LLAMA3_N_WORDS,

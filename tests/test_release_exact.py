@@ -27,7 +27,7 @@ import pytest
 import torch
 from torch import nn
 
-from mta_repro.estimate import params
+from mta_repro.estimate import cli as params
 from mta_repro.model import ModelArgs, MTAArgs, build_model
 from mta_repro.model.flops import model_flops_per_token
 from mta_repro.release import load_release_config, release_model_args

@@ -281,6 +281,7 @@ def test_field_classes_come_from_the_schema():
         "trainer.eval_every",
         "trainer.eval_max_batches",
         "trainer.eval_batch_size",
+        "trainer.loss_chunk",
         "logging.",
         "checkpoint.every",
         "checkpoint.keep",

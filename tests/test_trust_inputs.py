@@ -483,9 +483,10 @@ def test_a_cpu_start_counts_the_process_and_the_allocators_slack(tmp_path, capsy
     was OOM-killed at 22.4 GB: the interpreter, torch and the libraries already resident,
     and glibc's freed-but-kept heap, are counted, and the start is refused before the model
     is materialised."""
-    from mta_repro.train import loop, memory_check
+    from mta_repro.estimate import memory_check
+    from mta_repro.estimate.memory import estimate_from_config
+    from mta_repro.train import loop
     from mta_repro.train.config import compose, to_train_config
-    from mta_repro.train.memory import estimate_from_config
 
     run_dir = tmp_path / "big"
     cfg = compose(TRAIN + ["model=1b", "model.vocab_size=8192", "trainer.device=cpu", f"run_dir={run_dir}"])
@@ -523,9 +524,9 @@ def test_a_cpu_start_counts_the_process_and_the_allocators_slack(tmp_path, capsy
 
 
 def test_the_pre_flight_runs_when_the_floor_is_near_the_capacity(tmp_path):
+    from mta_repro.estimate.memory import estimate_from_config
+    from mta_repro.estimate.memory_check import DoesNotFitError, check_fits
     from mta_repro.train.config import compose, to_train_config
-    from mta_repro.train.memory import estimate_from_config
-    from mta_repro.train.memory_check import DoesNotFitError, check_fits
 
     cfg = compose(["experiment=debug", "trainer.device=cpu", "data.batch_size=16"])
     want = estimate_from_config(cfg).total  # the pre-flight's own command (python -m mta_repro.estimate --memory)

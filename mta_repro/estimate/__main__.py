@@ -1,7 +1,7 @@
-"""``python -m mta_repro.estimate``: the command line of ``mta_repro.estimate.params``."""
+"""``python -m mta_repro.estimate``: the command line of ``mta_repro.estimate.cli``."""
 
 import sys
 
-from mta_repro.estimate.params import cli
+from mta_repro.estimate.cli import cli
 
 sys.exit(cli(sys.argv[1:]))

@@ -193,7 +193,7 @@ class AttnKernels:
     (``model.kernels``, handed to every kernel in ``ExplicitAttnParams.tuning``; two models
     in one process tune independently). Whoever needs other ones
     for one model hands them to that model's modules: the memory pre-flight gives its meta
-    model stand-ins that keep what the device's kernels keep (``mta_repro.train.memory``),
+    model stand-ins that keep what the device's kernels keep (``mta_repro.estimate.memory``),
     so nothing process-wide is swapped and a model next to it is untouched."""
 
     sdpa: Callable | None = None  # F.scaled_dot_product_attention's signature; None: that function

@@ -298,6 +298,8 @@ class Transformer(nn.Module):
         cache: KVCache | None = None,
         key_valid: torch.Tensor | None = None,
         return_hidden: bool = False,
+        targets: torch.Tensor | None = None,
+        loss_chunk: int = 0,
     ) -> torch.Tensor:
         """tokens (B, T) -> logits (B, T, vocab).
 
@@ -305,6 +307,9 @@ class Transformer(nn.Module):
         key_valid: (B, cache.pos + T) bool, False at padding (left-padded batches).
         return_hidden: return the final normed hidden states (B, T, dim) instead, so a
         loss can be computed in chunks without materialising all logits.
+        targets (B, T) with loss_chunk > 0: the mean cross entropy instead, in chunks of
+        loss_chunk token rows (``mta_repro.model.loss``, trainer.loss_chunk); inside forward
+        so that FSDP2 holds the output weight gathered as it does for the logits.
         """
         start = cache.pos if cache is not None else 0
         positions = torch.arange(start, start + tokens.shape[1], device=tokens.device)
@@ -322,6 +327,10 @@ class Transformer(nn.Module):
         # call to it nested in this forward reshards the root's parameters when it returns
         # (torch 2.11: backward then reads the final norm's freed
         # weight, a segfault on CPU; scripts/check_versions.sh with TORCH_VERSION=2.11.0).
+        if targets is not None and loss_chunk > 0:
+            from mta_repro.model.loss import chunked_linear_cross_entropy
+
+            return chunked_linear_cross_entropy(h.flatten(0, 1), self.head_weight(), targets.flatten(0, 1), loss_chunk)
         return h if return_hidden else self._head(h)
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
@@ -329,9 +338,12 @@ class Transformer(nn.Module):
         (mta_repro.eval's ppl does it in chunks; FSDP gathers for it like for a forward)."""
         return self._head(h)
 
+    def head_weight(self) -> torch.Tensor:
+        """The output projection's weight (V, dim): the embeddings' when tied."""
+        return self.tok_embeddings.weight if self.args.weight_tying else self.output.weight
+
     def _head(self, h: torch.Tensor) -> torch.Tensor:
-        weight = self.tok_embeddings.weight if self.args.weight_tying else self.output.weight
-        return F.linear(h, weight)
+        return F.linear(h, self.head_weight())
 
     @torch.no_grad()
     def init_weights(self) -> None:

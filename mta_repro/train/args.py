@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import ClassVar
 
 from mta_repro.errors import UserError
-from mta_repro.train.cpu_malloc import check_threshold
+from mta_repro.estimate.cpu_malloc import check_threshold
 
 NONFINITE_CHOICES = ("raise", "skip")
 ON_CORRUPT_CHOICES = ("fallback", "raise")
@@ -79,21 +79,34 @@ class TrainerArgs:
     # tokens (the eval's defaults: 256 x 4 windows = 2M tokens at seq_len 2048).
     eval_max_batches: int = field(default=256, metadata={"run_dir": "safe"})
     eval_batch_size: int = field(default=4, metadata={"run_dir": "safe"})
+    # The training loss in chunks of this many token rows (of data.batch_size * data.seq_len):
+    # each chunk's logits (rows, vocab) are computed from the final hidden states and
+    # recomputed in backward, so no (B, T, vocab) logits, log-softmax or gradient is held
+    # (at 880M with Llama 3's 128K vocabulary the plain loss is 12.6 of the 27.2 GB per GPU;
+    # docs/memory.md). The same loss and gradients as the plain one up to fp32 rounding, for
+    # one more (rows, dim) x (dim, vocab) matmul per chunk in backward. 0 = the plain loss,
+    # as the paper trains (mta_repro/model/loss.py).
+    loss_chunk: int = field(default=0, metadata={"run_dir": "safe"})
     # CPU only: fix glibc's mmap threshold at this many bytes before the model is built,
     # so that peak resident memory stays at what the tensors need (the memory pre-flight's
     # estimate) instead of glibc's dynamic heap, which keeps freed tensors resident; it
     # costs step time (every such tensor is a fresh mmap). null = glibc's default (fastest).
-    # 131072 is glibc's initial value (mta_repro/train/cpu_malloc.py; both effects measured
+    # 131072 is glibc's initial value (mta_repro/estimate/cpu_malloc.py; both effects measured
     # in docs/memory.md).
     cpu_mmap_threshold: int | None = field(default=None, metadata={"run_dir": "free"})
     # Before anything is allocated, refuse in one line a model, batch and world size whose
     # memory on one rank is over the device's (GPU: free memory; CPU: the memory available,
     # shared by the node's ranks): a floor (fp32 parameters and AdamW moments, one fp32 copy
-    # of the logits), then the memory pre-flight (mta_repro/train/memory.py) on a GPU or
-    # when the floor is over 5% of it (mta_repro/train/memory_check.py). false = start anyway.
+    # of the logits), then the memory pre-flight (mta_repro/estimate/memory.py) on a GPU or
+    # when the floor is over 5% of it (mta_repro/estimate/memory_check.py). false = start anyway.
     memory_check: bool = field(default=True, metadata={"run_dir": "free"})
 
     def __post_init__(self) -> None:
+        if isinstance(self.loss_chunk, bool) or not isinstance(self.loss_chunk, int) or self.loss_chunk < 0:
+            raise UserError(
+                f"trainer.loss_chunk: expected an integer >= 0 (token rows per chunk; 0 = the plain loss), "
+                f"got {self.loss_chunk!r}"
+            )
         if self.eval_every < 0:
             raise UserError(f"trainer.eval_every: expected >= 0 (0 = no validation), got {self.eval_every}")
         if self.eval_max_batches < 1 or self.eval_batch_size < 1:

@@ -37,6 +37,7 @@ from torch.distributed.tensor import DTensor
 from mta_repro.dataclass_config import to_dataclass
 from mta_repro.device import launcher_rank
 from mta_repro.errors import NoSpaceError, PeerFailedError, StopRequested, UserError
+from mta_repro.estimate.cpu_malloc import fix_mmap_threshold
 from mta_repro.model import build_model, to_model_args
 from mta_repro.model.flops import hardware_flops_per_token, model_flops_per_token
 from mta_repro.model.loss import cross_entropy
@@ -49,7 +50,6 @@ from mta_repro.train.attn_selfcheck import attn_selfcheck
 from mta_repro.train.checkpoint import CheckpointManager
 from mta_repro.train.config import TrainConfig, to_train_config
 from mta_repro.train.config_check import prepare_run_dir
-from mta_repro.train.cpu_malloc import fix_mmap_threshold
 from mta_repro.train.distributed import (
     DistInfo,
     destroy_distributed,
@@ -117,7 +117,7 @@ def train(cfg: Any) -> dict[str, Any]:
         except StopRequested as e:
             raise _stopped_before_training(e, run_dir, launcher_rank() == 0) from None
         if info.device.type == "cpu":
-            # Before the model is built: trainer.cpu_mmap_threshold (mta_repro/train/cpu_malloc.py)
+            # Before the model is built: trainer.cpu_mmap_threshold (mta_repro/estimate/cpu_malloc.py)
             fix_mmap_threshold(args.trainer.cpu_mmap_threshold)
         try:
             return _train(args, info, lock, preempt)
@@ -214,7 +214,7 @@ def _train(args: TrainConfig, info: DistInfo, lock: RunLock, preempt: Preemption
 
     def prepare():
         _check_vocab(args, to_model_args(args.model).vocab_size)
-        from mta_repro.train.memory_check import check_fits
+        from mta_repro.estimate.memory_check import check_fits
 
         check_fits(args, info.world_size, info.device)  # before the run dir is touched or anything allocated
         return prepare_run_dir(args, info, lock)
@@ -261,7 +261,7 @@ def train_step(model, optimizer, scheduler, loader, tr: TrainerArgs, clip: float
         targets = batch["target"].to(device, non_blocking=True)
         # Reduce-scatter gradients only after the last micro-batch.
         model.set_requires_gradient_sync(micro == tr.grad_accum - 1)
-        loss = cross_entropy(model, inputs, targets) / tr.grad_accum
+        loss = cross_entropy(model, inputs, targets, tr.loss_chunk) / tr.grad_accum
         loss.backward()
         loss_sum += loss.detach()
         n_tokens += inputs.numel()

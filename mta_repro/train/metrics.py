@@ -83,14 +83,15 @@ def reset_peak_rss() -> bool:
 
 
 def peak_mem_gb(device: torch.device) -> float:
-    """Peak allocated accelerator memory, or on CPU the peak resident set size."""
+    """Peak allocated accelerator memory, or on CPU the peak resident set size, in GB = 1e9
+    bytes (the memory pre-flight's unit; ``peak_mem_gb`` in metrics.jsonl)."""
     if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 2**30
-    return peak_rss_bytes() / 2**30
+        return torch.cuda.max_memory_allocated(device) / 1e9
+    return peak_rss_bytes() / 1e9
 
 
 def peak_mem_reserved_gb(device: torch.device | None = None) -> float | None:
-    """Peak memory the CUDA caching allocator reserved from the driver (GB): what the device
+    """Peak memory the CUDA caching allocator reserved from the driver (GB = 1e9 bytes): what the device
     really lost to this process (allocated + cached free blocks + fragmentation), the figure
     to hold against a GPU's capacity; None off CUDA (CPU reports RSS in ``peak_mem_gb``)."""
     if device is None:
@@ -99,7 +100,7 @@ def peak_mem_reserved_gb(device: torch.device | None = None) -> float | None:
         device = torch.device("cuda", torch.cuda.current_device())
     if device.type != "cuda":
         return None
-    return torch.cuda.max_memory_reserved(device) / 2**30
+    return torch.cuda.max_memory_reserved(device) / 1e9
 
 
 def mfu(tokens_per_s: float, flops_per_token: float, peak: float | None, world_size: int) -> float | None:

@@ -121,7 +121,7 @@ def test_memory_preflight_stand_in_saves_the_stored_c_plane():
     """The memory pre-flight's stand-in for a triton kq-conv layer keeps what the stored kernels
     keep for backward: q, k, v, the fp32 lse, the weights' fp32 copies and the packed causal C
     plane (B x H x T(T+1)/2 in the inputs' dtype)."""
-    from mta_repro.train import memory
+    from mta_repro.estimate import memory
 
     h, t, d = 4, 20, 8
     p = params(h, (2, 3), (3, 3))

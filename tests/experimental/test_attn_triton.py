@@ -361,11 +361,11 @@ def test_debug_experiment_with_mta_trains_as_torch(tmp_path):
 
 
 def test_memory_preflight_stand_in_saves_what_the_kernel_saves(monkeypatch):
-    """mta_repro.train.memory measures triton layers on meta through the stand-in the
+    """mta_repro.estimate.memory measures triton layers on meta through the stand-in the
     implementation registers (``AttnImpl.meta_fn``; Triton does not run on meta): it must keep
     the bytes the real kernel keeps. (The fused kernel; the stored design's kq-conv layers:
     test_attn_stored.py.)"""
-    from mta_repro.train import memory
+    from mta_repro.estimate import memory
 
     h, t, d = 4, 20, 8
     p = params(h, None, (3, 3))

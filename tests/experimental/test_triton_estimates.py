@@ -9,9 +9,9 @@ import dataclasses
 import pytest
 import torch
 
+from mta_repro.estimate import memory
 from mta_repro.experimental.fused_triton import tiles
 from mta_repro.model import ModelArgs, MTAArgs, attention_ops, build_model, flops
-from mta_repro.train import memory
 
 MTA = MTAArgs(
     use_mta=True,

@@ -1,12 +1,13 @@
 """A second opinion on the memory pre-flight: PyTorch's own FSDP2 memory tracker.
 
 ``tracked_peak`` runs the trainer's step (FSDP2 ``fully_shard`` per block and the root,
-activation checkpointing as configured, the project's loss, gradient clipping, AdamW) for
-two steps under ``FakeTensorMode`` on a fake process group of the run's world size
+activation checkpointing as configured, the project's loss, gradient clipping, AdamW) under
+``FakeTensorMode``, one warm-up step untracked (AdamW builds its moments: below) and one
+tracked, on a fake process group of the run's world size
 (``FakeStore``, backend "fake", a CPU device mesh made before entering the mode), and
 reads the per-rank peak, by category, from ``torch.distributed._tools.fsdp2_mem_tracker
 .FSDPMemTracker``. Nothing is allocated and no collective runs; 880M at world size 32 takes
-seconds to a minute on 2 CPU cores. It shares no code with ``mta_repro.train.memory`` beyond
+seconds to a minute on 2 CPU cores. It shares no code with ``mta_repro.estimate.memory`` beyond
 the model and its loss, so the two agreeing is evidence, and their gap names a term.
 
 What it cannot see: the kernels are the CPU ones of a fake CPU tensor (CPU flash SDPA, the
@@ -30,7 +31,7 @@ GB = 1e9
 
 @dataclass
 class TrackedPeak:
-    total: int  # bytes: the per-rank peak over both steps
+    total: int  # bytes: the per-rank peak of the tracked (second, steady-state) step
     categories: dict  # FSDPMemTracker's category name -> bytes at that peak (non-zero ones)
     world_size: int
     seconds: float  # how long the trace took
@@ -79,8 +80,9 @@ def tracked_peak(
     device: str = "cuda",
     grad_accum: int = 1,
     fused_adamw=None,
+    loss_chunk: int = 0,
 ) -> TrackedPeak:
-    """The per-rank peak of two training steps as ``FSDPMemTracker`` counts it (module
+    """The per-rank peak of a steady-state training step as ``FSDPMemTracker`` counts it (module
     docstring). ``dtype`` is the gathered parameters' (FSDP2 mixed precision over fp32
     shards, as the trainer on a GPU; fp32: none); ``device`` picks the blocked path's query
     block size and AdamW's default kernels (for-each on CUDA) of the run being checked."""
@@ -108,19 +110,26 @@ def tracked_peak(
                 model.parameters(), lr=1e-4, fused=fused or None, foreach=None if fused else device == "cuda"
             )
             tokens = torch.randint(0, model_args.vocab_size, (batch_size, seq_len + 1))
+
+            def step():  # as mta_repro.train.loop.train_step
+                for micro in range(grad_accum):
+                    model.set_requires_gradient_sync(micro == grad_accum - 1)
+                    loss = cross_entropy(model, tokens[:, :-1], tokens[:, 1:], loss_chunk) / grad_accum
+                    loss.backward()
+                    del loss
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0, foreach=True)
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+
+            # One step before the tracker: AdamW builds its moments in the first step, and under
+            # FakeTensorMode the tracker files the DTensor global-shape tensors that construction
+            # makes as OptState (about 3.1 x 4 bytes per parameter, unsharded: 10.85 GB at 880M),
+            # a spike no real rank has that would be reported wherever the step's peak is smaller.
+            step()
             tracker = FSDPMemTracker(model, opt)
             tracker.track_inputs((tokens,))
             with tracker:
-                for _ in range(2):  # the second step is the steady state: AdamW's moments exist
-                    for micro in range(grad_accum):  # as mta_repro.train.loop.train_step
-                        model.set_requires_gradient_sync(micro == grad_accum - 1)
-                        loss = cross_entropy(model, tokens[:, :-1], tokens[:, 1:]) / grad_accum
-                        loss.backward()
-                        del loss
-                    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0, foreach=True)
-                    opt.step()
-                    opt.zero_grad(set_to_none=True)
-                    tracker.reset_mod_stats()  # the tracker refuses a second forward otherwise
+                step()  # the steady state: AdamW's moments exist
             snapshot = tracker.get_tracker_snapshot("peak")
     finally:
         dist.destroy_process_group()

@@ -286,6 +286,7 @@ def _step_on_meta(
     activation_checkpointing: bool,
     grads_held: bool,
     workspace: dict,
+    loss_chunk: int = 0,
 ) -> dict:
     """One forward + loss + backward on meta, as the trainer runs it, through ``_LiveBytes``.
 
@@ -304,9 +305,11 @@ def _step_on_meta(
         return t
 
     def loss():
-        # as mta_repro.model.loss.cross_entropy: logits in the compute dtype, the loss in fp32
-        logits = model(tokens)
-        return torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), tokens.flatten(0, 1))
+        # the trainer's loss: logits in the compute dtype, the loss in fp32 (trainer.loss_chunk:
+        # in chunks of token rows, the logits recomputed in backward)
+        from mta_repro.model.loss import cross_entropy
+
+        return cross_entropy(model, tokens, tokens, loss_chunk)
 
     if activation_checkpointing:
         _checkpoint_blocks(model)
@@ -376,6 +379,7 @@ def estimate_memory(
     device: str = "cuda",
     grad_accum: int = 1,
     fused_adamw=None,
+    loss_chunk: int = 0,
 ) -> MemoryEstimate:
     """The peak of one steady-state training step per rank (module docstring)."""
     from mta_repro.model import attention_ops, build_model
@@ -390,7 +394,16 @@ def estimate_memory(
     workspace = {a: backward_workspace(a, batch_size, seq_len) for a in attns if a.kind in ("kq_conv", "mixing")}
     workspace = {m: n for m, n in workspace.items() if n}
     step = _step_on_meta(
-        model, batch_size, seq_len, world_size, device, dtype, activation_checkpointing, grad_accum > 1, workspace
+        model,
+        batch_size,
+        seq_len,
+        world_size,
+        device,
+        dtype,
+        activation_checkpointing,
+        grad_accum > 1,
+        workspace,
+        loss_chunk,
     )
     grads = 4 * n_params / world_size
     optimizer = grads + _adamw_temporaries(model, world_size, device, fused_adamw)
@@ -440,7 +453,7 @@ def _details(step: dict, optimizer: float, device: str) -> dict:
 
 def estimate_from_config(cfg, world_size: int | None = None) -> MemoryEstimate:
     """From a composed training config (Hydra DictConfig)."""
-    from mta_repro.train.config import model_args_from
+    from mta_repro.model import to_model_args
 
     on_gpu = str(cfg.trainer.get("device", "cpu")).startswith("cuda")
     if world_size is None:
@@ -448,7 +461,7 @@ def estimate_from_config(cfg, world_size: int | None = None) -> MemoryEstimate:
     dtype = getattr(torch, cfg.distributed.param_dtype) if on_gpu else torch.float32
     fused = cfg.get("optim", {}).get("fused", None)
     return estimate_memory(
-        model_args_from(cfg),
+        to_model_args(cfg.model),
         int(cfg.data.batch_size),
         int(cfg.data.seq_len),
         world_size,
@@ -457,22 +470,5 @@ def estimate_from_config(cfg, world_size: int | None = None) -> MemoryEstimate:
         "cuda" if on_gpu else "cpu",
         int(cfg.trainer.get("grad_accum", 1)),
         None if fused is None else bool(fused),
+        int(cfg.trainer.get("loss_chunk", 0)),
     )
-
-
-def experiments_table(names: list[str]) -> str:
-    """A Markdown row per experiment: its per-GPU estimate and the verdicts."""
-    from mta_repro.train.config import compose
-
-    lines = [
-        "| experiment | world | act. ckpt | per-GPU estimate GB | 80 GB | H200 141 GB |",
-        "|---|---:|---|---:|---|---|",
-    ]
-    for name in names:
-        est = estimate_from_config(compose([f"experiment={name}"]))
-        lines.append(
-            f"| {name} | {est.world_size} | {'on' if est.activation_checkpointing else 'off'} | "
-            f"{est.total / GB:.1f} | {'fits' if est.fits(CAPACITIES['80 GB']) else 'no'} | "
-            f"{'fits' if est.fits(CAPACITIES['H200 141 GB']) else 'no'} |"
-        )
-    return "\n".join(lines)
