@@ -217,8 +217,8 @@ def run_differs(job: Job) -> str | None:
     id its export and newest checkpoint carry with its provenance.json's."""
     if job.kind not in ("train", "eval"):  # an eval job: of the run it evaluates
         return None
-    from mta_repro.train.config_check import load_saved_config
     from mta_repro.runs.runlock import RunDirError
+    from mta_repro.train.config_check import load_saved_config
 
     d = job.run_dir
     where = f"{d} holds a run that is not the one the plan asks for"
