@@ -1,0 +1,95 @@
+"""The fourth adversarial round (issue 67): numbers with no bound, a full disk, a read-only
+run directory, Ctrl-C in the report and a run from a wheel. Each case as a user meets it:
+one line naming the field, file or limit, exit status 2, nothing written or changed."""
+
+from __future__ import annotations
+
+import pytest
+from eval_helpers import make_run
+from test_trust_inputs import _one_line, _snapshot
+
+from mta_repro.errors import UserError
+
+
+# ------------------------------------------------------------------ numbers with no bound
+@pytest.mark.parametrize(
+    "overrides, says",
+    [
+        # each weight finite, their sum inf: every normalised weight would be 0 (one domain drawn)
+        (["data.sources.book=1e308", "data.sources.github=1e308"], "data.sources: the weights sum to inf"),
+        (["seed=100000000000000000000"], "seed=100000000000000000000: expected a seed, an integer with 0 <= seed"),
+        (["seed=-1"], "seed=-1: expected a seed"),
+        (["model.seed=4294967296"], "model.seed=4294967296: expected a seed"),
+        (["data.seed=-3"], "data.seed=-3: expected a seed"),
+        (["seed=1e20"], "seed=1e20"),  # Hydra's own line: a float is no int
+        (["model.ffn_dim_multiplier=1e308"], "model.ffn_dim_multiplier=1e+308 gives an FFN hidden size of"),
+        (["model.ffn_dim_multiplier=1e-9"], "model.ffn_dim_multiplier=1e-09 gives an FFN hidden size of"),
+        (["model.init_base_std=inf"], "model.init_base_std: expected a finite positive number or null, got inf"),
+        (["data.shuffle_buffer=1000000000"], "data.shuffle_buffer=1,000,000,000 windows of data.seq_len+1="),
+        # within the token bound, but more windows than the bundled corpus holds
+        (["data.shuffle_buffer=100000"], "data.shuffle_buffer=100,000 windows of data.seq_len+1=129 tokens"),
+    ],
+)
+def test_numbers_with_no_bound_are_one_line_and_write_nothing(tmp_path, capsys, overrides, says):
+    from mta_repro.train.__main__ import cli
+
+    run_dir = tmp_path / "run"
+    argv = ["experiment=debug", f"run_dir={run_dir}", "trainer.steps=1", "logging.wandb_mode=disabled"]
+    try:  # a refusal inside Hydra's job exits with the status (Hydra passes SystemExit on)
+        rc = cli(argv + overrides)
+    except SystemExit as e:
+        rc = e.code
+    assert rc == 2
+    _one_line(capsys.readouterr().err, "train: error:", says)
+    assert not run_dir.exists()
+
+
+def test_the_shuffle_buffers_corpus_bound_names_the_largest_that_fits(tmp_path):
+    """The line says how many windows the rank's share holds (counted here apart: bytes
+    plus BOS and EOS per document); that many is accepted, one more refused."""
+    from test_data import BYTES, domains_corpus
+
+    from mta_repro.data.args import DataArgs
+    from mta_repro.data.loader import build_train_loader
+
+    docs = domains_corpus(tmp_path, {"a": (2, 40)})
+    held = sum(len(d.encode()) + 2 for d in docs)
+    most = held // 17  # windows of data.seq_len + 1 = 17 tokens
+    base = dict(root_dir=str(tmp_path), layout="domains", sources={"a": 1}, tokenizer=BYTES, seq_len=16, batch_size=1)
+    with pytest.raises(UserError, match=rf"holds {held:,} tokens .* {most:,} windows; .* <= {most:,}$"):
+        build_train_loader(DataArgs(shuffle_buffer=most + 1, **base), 0, 1)
+    assert next(build_train_loader(DataArgs(shuffle_buffer=most, **base), 0, 1))["input"].shape == (1, 16)
+
+
+def test_the_pipeline_plan_refuses_a_seed_training_would(tmp_path):
+    from mta_repro.pipeline.__main__ import build_plan
+
+    with pytest.raises(UserError, match=r"pipeline\.seeds: 4294967296 is not a seed; expected integers 0 <= seed"):
+        build_plan(["pipeline=tiny", f"root={tmp_path}", "+pipeline.seeds=[0,4294967296]"])
+    # a seed in the pipeline's own overrides: refused by the plan, before any job
+    with pytest.raises(UserError, match=r"seed=-1: expected a seed"):
+        build_plan(["pipeline=tiny", f"root={tmp_path}", "pipeline.train_overrides=['seed=-1']"])
+    assert not any(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize(
+    "override, says",
+    [
+        ("needle.samples=0", "eval.needle.samples=0: expected a positive integer"),
+        ("ppl.max_batches=0", "eval.ppl.max_batches=0: expected a positive integer or null (no limit)"),
+        ("ppl.max_batches=-1", "eval.ppl.max_batches=-1: expected a positive integer or null (no limit)"),
+        ("babilong.samples=-2", "eval.babilong.samples=-2: expected a positive integer"),
+        ("needle.seed=-1", "eval.needle.seed=-1: expected a seed"),
+    ],
+)
+def test_eval_counts_below_one_are_one_line_before_the_model_loads(tmp_path, capsys, override, says):
+    """``needle.samples=0`` divided by zero at the end; ``ppl.max_batches=0`` or ``-1``
+    scored one batch in silence. Refused (null means every window), nothing written."""
+    from mta_repro.eval.run import main
+
+    run = tmp_path / "run"
+    make_run(run)
+    before = _snapshot(run)
+    assert main([str(run), "tasks=[ppl,needle,babilong]", override]) == 2
+    _one_line(capsys.readouterr().err, "eval: error:", says)
+    assert _snapshot(run) == before and not (run / "eval").exists()
