@@ -308,7 +308,7 @@ def _parse_layers(spec: str | None, n_layers: int) -> list[int]:
 
 
 def _positive(name: str, value) -> None:
-    if value is not None and (not isinstance(value, int) or value < 1):
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):  # True is an int
         raise UserError(f"{name}: expected a positive integer or null, got {value!r}")
 
 
