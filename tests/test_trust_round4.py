@@ -4,6 +4,8 @@ one line naming the field, file or limit, exit status 2, nothing written or chan
 
 from __future__ import annotations
 
+import json
+
 import pytest
 from eval_helpers import make_run
 from test_trust_inputs import _one_line, _snapshot
@@ -93,3 +95,49 @@ def test_eval_counts_below_one_are_one_line_before_the_model_loads(tmp_path, cap
     assert main([str(run), "tasks=[ppl,needle,babilong]", override]) == 2
     _one_line(capsys.readouterr().err, "eval: error:", says)
     assert _snapshot(run) == before and not (run / "eval").exists()
+
+
+# ------------------------------------------------------------------ a run from a wheel, every rank's root
+def test_a_run_from_a_wheel_says_commit_unknown_and_counts_as_other_code(tmp_path):
+    """A wheel records commit null: the report says so in words, and the row is marked
+    not comparable beside rows of a known commit (a code difference it cannot rule out)."""
+    from test_trust_records import _eval_json
+
+    from mta_repro.report.__main__ import build_report
+
+    runs = [make_run(tmp_path / n, attention="baseline")[0] for n in ("a", "b", "c")]
+    _eval_json(runs[0], "11" * 32)
+    _eval_json(runs[1], "11" * 32)
+    _eval_json(runs[2], "11" * 32, code={"package": "0.1.0", "commit": None, "dirty": None, "source": "wheel"})
+    out = tmp_path / "rep"
+    build_report(runs, out, kernels=False)
+    table = json.loads((out / "results.json").read_text())["tables"]["ppl"]
+    assert [r["run"] for r in table["rows"]] == ["a", "b", "c (!)"]
+    wheel = table["provenance"]["c (!)"]
+    assert wheel["code"] == "0.1.0 commit unknown (installed from a wheel)"
+    assert wheel["comparable"] == ("no: code 0.1.0 commit unknown (installed from a wheel), most rows 0.1.0 fffffffff")
+    assert table["provenance"]["a"]["comparable"] == "yes"
+
+
+def test_the_record_names_every_ranks_data_root(tmp_path):
+    """Ranks whose files have the same names and sizes are accepted; the record names where
+    each of them read, not only rank 0's root."""
+    from mta_repro.train import provenance
+    from mta_repro.train.config import compose, to_train_config
+
+    every = [
+        {"tokenizer": {}, "data": {"root": f"/node{r}/corpus", "files": 3, "bytes": 10, "sha256": "ab"}}
+        for r in range(3)
+    ]
+    assert provenance.data_roots(every) == ["/node0/corpus", "/node1/corpus", "/node2/corpus"]
+    assert provenance.data_roots([{"tokenizer": {}}]) is None  # a loader that says nothing
+
+    class Loader:
+        def inputs(self):
+            return {"root": "/node0/corpus"}
+
+    args = to_train_config(compose(["experiment=debug", f"run_dir={tmp_path}"]))
+    rec = provenance.RunRecord(args, tmp_path, Loader(), None, None, [], data_roots=provenance.data_roots(every))
+    rec.begin(0, 3)
+    saved = json.loads((tmp_path / provenance.RECORD).read_text())
+    assert saved["starts"][0]["inputs"]["data_roots"] == ["/node0/corpus", "/node1/corpus", "/node2/corpus"]
