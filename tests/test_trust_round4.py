@@ -141,3 +141,77 @@ def test_the_record_names_every_ranks_data_root(tmp_path):
     rec.begin(0, 3)
     saved = json.loads((tmp_path / provenance.RECORD).read_text())
     assert saved["starts"][0]["inputs"]["data_roots"] == ["/node0/corpus", "/node1/corpus", "/node2/corpus"]
+
+
+# ------------------------------------------------------------------ the report: read-only, full, stopped
+@pytest.fixture
+def disk(tmp_path):
+    """A real small file system (a 64 MiB tmpfs) the test may fill or remount read-only."""
+    import subprocess
+
+    from test_train_nothing_lost import _tmpfs
+
+    mnt = tmp_path / "disk"
+    mnt.mkdir()
+    _tmpfs(mnt, "64m")
+    yield mnt
+    subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+def _reported_run(root):
+    from test_trust_records import _eval_json
+
+    from mta_repro.report.__main__ import main as report_main
+
+    run = make_run(root / "run", attention="baseline")[0]
+    _eval_json(run, "11" * 32)
+    assert report_main([str(run), "--no-kernels"]) == 0  # the default --out: <run>/report
+    return run, report_main
+
+
+def test_the_report_on_a_read_only_run_dir_is_one_line(disk, capsys):
+    import subprocess
+
+    run, report_main = _reported_run(disk)
+    before = _snapshot(disk)
+    subprocess.run(["mount", "-o", "remount,ro", str(disk)], check=True)
+    capsys.readouterr()
+    assert report_main([str(run), "--no-kernels"]) == 2
+    line = _one_line(capsys.readouterr().err, "report: error:", f"{run / 'report'} is not writable")
+    assert "a read-only file system" in line and "--out" in line
+    assert _snapshot(disk) == before
+
+
+def test_a_full_disk_during_the_report_leaves_the_old_report_whole(disk, capsys):
+    import os
+
+    run, report_main = _reported_run(disk)
+    before = _snapshot(run / "report")
+    filler = disk / "filler"
+    with open(filler, "wb") as f:  # every free block but a few KB: the report's files do not fit
+        st = os.statvfs(disk)
+        f.write(b"\0" * max(0, st.f_bavail * st.f_frsize - 8192))
+    capsys.readouterr()
+    assert report_main([str(run), "--no-kernels"]) == 2
+    _one_line(capsys.readouterr().err, "report: error: no space left on device", "the old report there is as it was")
+    assert _snapshot(run / "report") == before
+    assert sorted(p.name for p in run.iterdir() if p.name.startswith(".report")) == []
+
+
+def test_ctrl_c_during_the_report_leaves_the_old_report_and_no_new_file(tmp_path, capsys, monkeypatch):
+    """Ctrl-C while the plots are drawn (the tables' files already written): no traceback,
+    "report: interrupted" and 130; the old report's files unchanged and none added."""
+    from mta_repro.report import plots
+
+    run, report_main = _reported_run(tmp_path)
+    before = _snapshot(run / "report")
+
+    def interrupted(*a, **k):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(plots, "loss_plot", interrupted)
+    capsys.readouterr()
+    assert report_main([str(run), "--no-kernels"]) == 130
+    _one_line(capsys.readouterr().err, "report: interrupted")
+    assert _snapshot(run / "report") == before
+    assert not any(p.name.startswith(".report") for p in run.iterdir())
