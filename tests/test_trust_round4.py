@@ -215,3 +215,30 @@ def test_ctrl_c_during_the_report_leaves_the_old_report_and_no_new_file(tmp_path
     _one_line(capsys.readouterr().err, "report: interrupted")
     assert _snapshot(run / "report") == before
     assert not any(p.name.startswith(".report") for p in run.iterdir())
+
+
+def _fill(disk):
+    """Every free byte of ``disk`` taken (written until the file system says no space)."""
+    with open(disk / "filler", "wb", buffering=0) as f:
+        for size in (1 << 20, 4096, 1):
+            try:
+                while True:
+                    f.write(b"\0" * size)
+            except OSError:
+                pass
+
+
+def test_a_full_disk_during_eval_is_one_line_and_leaves_no_partial_result(disk, capsys):
+    """The eval JSON is written through a temporary file: a full disk leaves none of it, and
+    the command says so in one line (rc 2), not a traceback."""
+    from mta_repro.eval.run import main
+
+    run = make_run(disk / "run", attention="baseline")[0]
+    _fill(disk)
+    capsys.readouterr()
+    assert main([str(run), "tasks=[ppl]", "ppl.max_batches=1", "ppl.domains=[book]"]) == 2
+    err = capsys.readouterr().err  # after eval's progress lines, one line for the full disk
+    assert "Traceback" not in err and [ln for ln in err.splitlines() if "error" in ln] == [
+        "eval: error: no space left on device; files are written whole or not at all: free space and rerun"
+    ], err[-3000:]
+    assert not (run / "eval").exists() or not [p for p in (run / "eval").rglob("*") if p.is_file()]
