@@ -5,6 +5,7 @@ one line naming the field, file or limit, exit status 2, nothing written or chan
 from __future__ import annotations
 
 import json
+import logging
 
 import pytest
 from eval_helpers import make_run
@@ -228,13 +229,15 @@ def _fill(disk):
                 pass
 
 
-def test_a_full_disk_during_eval_is_one_line_and_leaves_no_partial_result(disk, capsys):
+def test_a_full_disk_during_eval_is_one_line_and_leaves_no_partial_result(disk, capsys, monkeypatch):
     """The eval JSON is written through a temporary file: a full disk leaves none of it, and
     the command says so in one line (rc 2), not a traceback."""
     from mta_repro.eval.run import main
 
     run = make_run(disk / "run", attention="baseline")[0]
     _fill(disk)
+    # eval's logging.basicConfig: a root handler an earlier test left on its closed stderr
+    monkeypatch.setattr(logging.getLogger(), "handlers", [])
     capsys.readouterr()
     assert main([str(run), "tasks=[ppl]", "ppl.max_batches=1", "ppl.domains=[book]"]) == 2
     err = capsys.readouterr().err  # after eval's progress lines, one line for the full disk
