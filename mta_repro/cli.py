@@ -162,6 +162,18 @@ def run_cli(prog: str, fn: Callable[[], int]) -> int:
             raise
         print(f"{prog}: interrupted", file=sys.stderr)
         return 130
+    except (OSError, RuntimeError) as e:  # a full disk where no caller named it (an eval JSON, a state file)
+        from mta_repro.files import caused_by_enospc
+
+        if show_tracebacks() or not caused_by_enospc(e):
+            raise
+        where = getattr(e, "filename", None)
+        print(
+            f"{prog}: error: no space left on device{f' writing {where}' if where else ''}; files are written "
+            "whole or not at all: free space and rerun",
+            file=sys.stderr,
+        )
+        return 2
 
 
 def check_split_lists(argv: Sequence[str]) -> None:

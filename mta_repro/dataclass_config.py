@@ -119,7 +119,7 @@ def to_dataclass(cls: type[T], cfg: Any, where: str) -> T:
             raise UserError(unknown_keys_error(cls, bad, where))
         cfg = OmegaConf.to_object(cfg)  # a structured node comes back as the instance
         if isinstance(cfg, cls):
-            return _no_nan(cfg, where)
+            return check_values(cfg, where)
     if not isinstance(cfg, Mapping):
         raise UserError(f"{where}: expected a mapping of {cls.__name__} fields, got {type(cfg).__name__}")
     known = {f.name for f in dataclasses.fields(cls)}
@@ -137,12 +137,26 @@ def to_dataclass(cls: type[T], cfg: Any, where: str) -> T:
         if isinstance(sub, type) and dataclasses.is_dataclass(sub) and isinstance(value, Mapping):
             value = to_dataclass(sub, value, f"{where}.{name}")
         kwargs[name] = value
-    return _no_nan(cls(**kwargs), where)
+    return check_values(cls(**kwargs), where)
 
 
-def _nan_at(value: Any, path: str) -> str | None:
+# Seeds are bounded by what every RNG they reach accepts: numpy's legacy seeding and many
+# tools take 0 <= seed < 2**32, and the trainer adds the rank to ``seed`` for torch.
+SEED_LIMIT = 2**32
+
+
+def seed_error(value: Any, path: str) -> str | None:
+    """Why ``value`` is not a seed (the line naming ``path``), or None."""
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < SEED_LIMIT:
+        return f"{path}={value!r}: expected a seed, an integer with 0 <= seed < 2**32 ({SEED_LIMIT:,})"
+    return None
+
+
+def _bad_at(value: Any, path: str) -> str | None:
+    """The first field under ``value`` that no setting may hold: a NaN anywhere, or a field
+    named ``seed`` that is no seed (``seed_error``); None if none."""
     if isinstance(value, float) and value != value:
-        return path
+        return f"{path}: expected a number, got nan"
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         items = ((f.name, getattr(value, f.name)) for f in dataclasses.fields(value))
     elif isinstance(value, Mapping):
@@ -152,16 +166,22 @@ def _nan_at(value: Any, path: str) -> str | None:
     else:
         return None
     for k, v in items:
-        found = _nan_at(v, f"{path}.{k}" if path else str(k))
+        sub = f"{path}.{k}" if path else str(k)
+        if k == "seed" and v is not None and not isinstance(value, Mapping):
+            found = seed_error(v, sub)
+        else:
+            found = _bad_at(v, sub)
         if found:
             return found
     return None
 
 
-def _no_nan(obj: T, where: str) -> T:
-    """``obj``, unless a field anywhere in it is NaN: no setting means "not a number", and
-    NaN passes every range check (``nan < 0`` is false), so it is refused by name here."""
-    found = _nan_at(obj, where)
+def check_values(obj: T, where: str) -> T:
+    """``obj``, unless a field anywhere in it is NaN or a ``seed`` out of range: no setting
+    means "not a number", and NaN passes every range check (``nan < 0`` is false), so it is
+    refused by name here; a seed numpy or torch would refuse (-1, 10**20) fails here, in one
+    line, not in the first RNG it reaches."""
+    found = _bad_at(obj, where)
     if found:
-        raise UserError(f"{found}: expected a number, got nan")
+        raise UserError(found)
     return obj

@@ -174,7 +174,11 @@ def test_save_pretrained_and_from_pretrained_round_trip(tmp_path):
     model = perturb(apply_mta(tiny(), layers="0,2", conv_layers=[2], **MTA, group_norm=True, add_gating=True))
     model.save_pretrained(tmp_path)
     cfg = json.loads((tmp_path / "config.json").read_text())
-    assert cfg["auto_map"] == {"AutoModelForCausalLM": "modeling_mta.MTALlamaForCausalLM"}
+    assert cfg["auto_map"] == {
+        "AutoConfig": "modeling_mta.MTALlamaConfig",
+        "AutoModelForCausalLM": "modeling_mta.MTALlamaForCausalLM",
+    }
+    assert cfg["model_type"] == "mta_llama"  # no plain load maps it to a model without MTA
     assert cfg["mta_repro"]["layers"] == [0, 2] and cfg["mta_repro"]["conv_layers"] == [2]
     assert (tmp_path / "modeling_mta.py").is_file()
     ids, mask = batch()
@@ -231,7 +235,10 @@ def test_another_head_saves_under_its_auto_class_and_loads_back(tmp_path):
     assert type(model).__name__ == "MTALlamaForSequenceClassification"
     model.save_pretrained(tmp_path)
     cfg = json.loads((tmp_path / "config.json").read_text())
-    assert cfg["auto_map"] == {"AutoModelForSequenceClassification": "modeling_mta.MTALlamaForSequenceClassification"}
+    assert cfg["auto_map"] == {
+        "AutoConfig": "modeling_mta.MTALlamaConfig",
+        "AutoModelForSequenceClassification": "modeling_mta.MTALlamaForSequenceClassification",
+    }
     ids, mask = batch()
     with torch.no_grad():
         loaded = transformers.AutoModelForSequenceClassification.from_pretrained(tmp_path, trust_remote_code=True)
@@ -407,6 +414,68 @@ def test_a_malformed_mta_entry_in_config_json_is_one_line_before_the_model_is_bu
             transformers.AutoModelForCausalLM.from_pretrained(tmp_path, trust_remote_code=True)
     msg = str(e.value)
     assert f"{tmp_path}/config.json" in msg and words in msg and "\n" not in msg, msg
+
+
+def test_a_folder_without_its_mta_entry_loads_as_nothing_else(tmp_path):
+    """Issue 67: with config.json's mta_repro entry removed, trust_remote_code built the MTA
+    class with no MTA layers (its tensors "unexpected", logits off) and a plain
+    AutoModelForCausalLM a Llama. Now the MTA class refuses a config without the entry in
+    one line naming the file, load_mta_pretrained too, and a plain load (a fresh
+    interpreter, no mta-repro imported) fails on the model_type it does not know, with or
+    without the entry."""
+    cfg = _saved(tmp_path)
+    plain = (
+        "import transformers\n"
+        "try:\n"
+        f"    transformers.AutoModelForCausalLM.from_pretrained({str(tmp_path)!r})\n"
+        "except ValueError as e:\n"
+        "    print('refused:', ' '.join(str(e).split()))\n"
+        "else:\n"
+        "    print('loaded')\n"
+    )
+    for entry in (True, False):
+        if not entry:
+            (tmp_path / "config.json").write_text(json.dumps({k: v for k, v in cfg.items() if k != "mta_repro"}))
+        r = subprocess.run(
+            [sys.executable, "-c", plain],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            cwd=tmp_path,
+            stdin=subprocess.DEVNULL,
+        )
+        out = r.stdout.rpartition("refused:")[2]  # after transformers' prompt, which no one answers here
+        assert r.returncode == 0 and "loaded" not in r.stdout and "trust_remote_code=True" in out, (
+            r.stdout + r.stderr[-2000:]
+        )
+    for load in (
+        lambda: transformers.AutoModelForCausalLM.from_pretrained(tmp_path, trust_remote_code=True),
+        lambda: load_mta_pretrained(tmp_path),
+    ):
+        with pytest.raises(UserError) as e:
+            load()
+        msg = str(e.value)
+        assert f"{tmp_path}/config.json" in msg and "no 'mta_repro' entry" in msg and "\n" not in msg, msg
+
+
+@pytest.mark.parametrize("value", [True, False])
+def test_a_bool_kernel_size_in_config_json_is_one_line(tmp_path, value):
+    """A bool is an int to Python; as query_kernel_size it is refused like any bad entry."""
+    cfg = _saved(tmp_path)
+    cfg["mta_repro"]["options"]["query_kernel_size"] = value
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    for load in (
+        lambda: transformers.AutoModelForCausalLM.from_pretrained(tmp_path, trust_remote_code=True),
+        lambda: load_mta_pretrained(tmp_path),
+    ):
+        with pytest.raises(UserError) as e:
+            load()
+        msg = str(e.value)
+        assert (
+            f"{tmp_path}/config.json" in msg
+            and f"query_kernel_size: expected a positive integer or null, got {value}" in msg
+        )
+        assert "\n" not in msg, msg
 
 
 @pytest.mark.parametrize(

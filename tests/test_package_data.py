@@ -157,4 +157,9 @@ def test_provenance_records_the_clones_commit_and_none_from_a_wheel(monkeypatch)
     monkeypatch.setattr(resources, "CLONE", None)
     import mta_repro
 
-    assert code_version.__wrapped__() == {"package": mta_repro.__version__, "commit": None, "dirty": None}
+    assert code_version.__wrapped__() == {
+        "package": mta_repro.__version__,
+        "commit": None,
+        "dirty": None,
+        "source": "wheel",
+    }

@@ -26,6 +26,10 @@ PAPER_WEIGHTS = {
 }
 
 LAYOUTS = ("slimpajama", "domains")
+# The most tokens a shuffle buffer may hold per rank (8 GiB as int32 ids, far beyond a
+# corpus's worth for any buffer that shuffles): larger is a typo, and its fill would read
+# a whole corpus before the check against the corpus could refuse it.
+BUFFER_TOKENS = 2**31
 TOKENIZERS = ("sentencepiece", "tiktoken", "bytes")
 
 
@@ -59,6 +63,8 @@ class DataArgs:
     # Seed of domain sampling and of the shuffle buffer (combined with the rank).
     seed: int = 42
     # Packed sequences held per rank and handed out in random order (0 or 1: in order).
+    # At most the windows the rank's share of the corpus holds (the loader refuses more) and
+    # 2**31 tokens in all (shuffle_buffer x (seq_len + 1)).
     shuffle_buffer: int = 64
     # Batches made ahead by a background thread (0: made on demand, in the caller).
     prefetch: int = field(default=0, metadata={"run_dir": "free"})
@@ -113,6 +119,12 @@ def validate(args: DataArgs) -> None:
         v = getattr(args, key)
         if not isinstance(v, int) or v < 0:
             raise UserError(f"data.{key}={v!r}: expected an integer >= 0")
+    if args.shuffle_buffer * (args.seq_len + 1) > BUFFER_TOKENS:
+        raise UserError(
+            f"data.shuffle_buffer={args.shuffle_buffer:,} windows of data.seq_len+1={args.seq_len + 1:,} tokens "
+            f"is {args.shuffle_buffer * (args.seq_len + 1):,} tokens per rank: expected at most 2**31 "
+            f"({BUFFER_TOKENS:,}); configs/data/ sets 64 windows"
+        )
     if not args.sources:
         raise UserError("data.sources is empty: expected {domain: weight, ...}")
     for name, w in args.sources.items():
@@ -120,11 +132,17 @@ def validate(args: DataArgs) -> None:
             raise UserError(f"data.sources.{name}={w!r}: expected a finite number")
         if w < 0:
             raise UserError(f"data.sources.{name}={w!r}: weights must be >= 0")
-    if sum(args.sources.values()) <= 0:
+    total = sum(float(w) for w in args.sources.values())  # inf where the weights overflow
+    if total <= 0:
         raise UserError(f"data.sources: all weights are zero ({dict(args.sources)})")
+    if not math.isfinite(total):  # each finite, the sum not: every normalised weight would be 0
+        raise UserError(
+            f"data.sources: the weights sum to {total} (too large to normalise): {dict(args.sources)}; "
+            "give weights whose sum is a finite number, e.g. the paper's fractions"
+        )
 
 
 def active_sources(args: DataArgs) -> dict[str, float]:
     """The domains with positive weight, sorted by name, weights normalised to sum 1."""
-    total = float(sum(args.sources.values()))
+    total = sum(float(w) for w in args.sources.values())  # inf where the weights overflow
     return {k: float(args.sources[k]) / total for k in sorted(args.sources) if args.sources[k] > 0}

@@ -116,8 +116,9 @@ class TrainLoader:
     def _check_split_holds_a_window(self) -> None:
         """Refuse, before any batch, a window (data.seq_len + 1 tokens) longer than this
         rank's share of the training split: it would hold every document more than once,
-        and the loader would cycle the corpus to fill it. A first batch (the shuffle
-        buffer's fill and one batch) that the share cannot hold is told in one warning.
+        and the loader would cycle the corpus to fill it; so is a shuffle buffer holding
+        more windows than the share has. A first batch (the shuffle buffer's fill and one
+        batch) that the share cannot hold is told in one warning.
         Counts only up to what the first batch needs: on a corpus that holds it, about
         one batch of reading."""
         n = self.args.seq_len + 1
@@ -142,6 +143,12 @@ class TrainLoader:
             raise UserError(
                 f"data: one window of data.seq_len+1={n:,} tokens is longer than the corpus: {where}, so every "
                 "window would repeat each document. Lower data.seq_len, or point data.root_dir at a larger corpus"
+            )
+        if k * n > total:  # the buffer alone holds every document more than once
+            raise UserError(
+                f"data.shuffle_buffer={k:,} windows of data.seq_len+1={n:,} tokens ({k * n:,}) is larger than the "
+                f"corpus: {where}, {total // n:,} windows; its fill would cycle the corpus about "
+                f"{-(-k * n // total):,} times. Set data.shuffle_buffer <= {total // n:,}"
             )
         log.warning(
             "data: the first batch needs %s tokens (data.shuffle_buffer=%d + data.batch_size=%d windows of "

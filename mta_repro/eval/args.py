@@ -22,6 +22,7 @@ class PplArgs:
     # Windows per batch and batches per domain at most: 4 and 256, as the release's eval
     # (max_batches * batch_size windows are scored per domain; null = every window).
     batch_size: int = 4
+    # null: every window of each domain; 0 or negative is refused (it would score nothing).
     max_batches: int | None = 256
     # Which windows: "random" = a uniform sample without replacement of all the domain's
     # windows, drawn with window_seed; "first" = the first ones of the stream (the
@@ -122,6 +123,42 @@ class EvalConfig:
     needle: NeedleArgs = field(default_factory=NeedleArgs)
     babilong: BabiLongArgs = field(default_factory=BabiLongArgs)
     lm_eval: LMEvalArgs = field(default_factory=LMEvalArgs)
+
+
+# The counts that must be at least 1 (null allowed where the field says what null means).
+POSITIVE = (
+    "ppl.seq_len",
+    "ppl.batch_size",
+    "ppl.max_batches",
+    "needle.samples",
+    "needle.max_new_tokens",
+    "needle.batch_size",
+    "babilong.samples",
+    "babilong.max_new_tokens",
+    "babilong.batch_size",
+    "lm_eval.batch_size",
+    "lm_eval.max_length",
+    "lm_eval.limit",
+)
+NULLABLE = ("ppl.seq_len", "ppl.max_batches", "lm_eval.max_length", "lm_eval.limit")
+
+
+def validate(cfg: EvalConfig) -> None:
+    """Counts of at least 1 and seeds in range, before any model is loaded: one line naming
+    the field (``needle.samples=0`` would divide by zero at the end; ``ppl.max_batches=0``
+    would score nothing)."""
+    from mta_repro.dataclass_config import check_values
+    from mta_repro.errors import UserError
+
+    for key in POSITIVE:
+        section, name = key.split(".")
+        v = getattr(getattr(cfg, section), name)
+        if v is None and key in NULLABLE:
+            continue
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            null = " or null (no limit)" if key in NULLABLE else ""
+            raise UserError(f"eval.{key}={v!r}: expected a positive integer{null}")
+    check_values(cfg, "eval")
 
 
 def register_eval_config() -> None:

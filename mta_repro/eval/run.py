@@ -173,8 +173,10 @@ def run(cfg: EvalConfig) -> dict:
     (task names, lengths beyond the trained context, needle budgets, lm-eval names). A
     task whose JSON is newer than the weights and holds the same settings is skipped
     unless ``force=true`` (``--force``)."""
+    from mta_repro.eval.args import validate
     from mta_repro.eval.tasks import EVAL_TASKS, EvalContext
 
+    validate(cfg)
     unknown = [t for t in cfg.tasks if t not in EVAL_TASKS]
     if unknown:
         raise UserError(f"eval.tasks: unknown task(s) {unknown}; expected any of {list(EVAL_TASKS)}")

@@ -308,7 +308,7 @@ def _parse_layers(spec: str | None, n_layers: int) -> list[int]:
 
 
 def _positive(name: str, value) -> None:
-    if value is not None and (not isinstance(value, int) or value < 1):
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):  # True is an int
         raise UserError(f"{name}: expected a positive integer or null, got {value!r}")
 
 
@@ -333,9 +333,9 @@ def validate(args: ModelArgs) -> None:
     if args.init_base_std is not None and (
         isinstance(args.init_base_std, bool)
         or not isinstance(args.init_base_std, (int, float))
-        or not args.init_base_std > 0
+        or not 0 < args.init_base_std < math.inf
     ):
-        raise UserError(f"model.init_base_std: expected a positive number or null, got {args.init_base_std!r}")
+        raise UserError(f"model.init_base_std: expected a finite positive number or null, got {args.init_base_std!r}")
     if args.head_dim is None and args.dim % args.n_heads:
         raise UserError(
             f"model.dim={args.dim} is not divisible by model.n_heads={args.n_heads}; set model.head_dim explicitly"
@@ -356,6 +356,15 @@ def validate(args: ModelArgs) -> None:
         ok = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
         if not ok or (v <= low if low is not None else v < 0):
             raise UserError(f"model.{name}: expected a finite number {rule}, got {v!r}")
+    # the FFN's hidden size before rounding: below 1 it has no unit (an empty layer), past
+    # 2**31 it is no size a tensor dimension takes (1e308 overflows to inf)
+    raw = args.ffn_dim_multiplier * int(8 * args.dim / 3)
+    if not 1 <= raw < 2**31:
+        raise UserError(
+            f"model.ffn_dim_multiplier={args.ffn_dim_multiplier!r} gives an FFN hidden size of "
+            f"{args.ffn_dim_multiplier!r} x int(8*dim/3)={int(8 * args.dim / 3)} = {raw:.4g} units: expected "
+            "1 to 2**31 units (the paper's models use 1.0)"
+        )
     if not 0.0 <= args.dropout < 1.0:
         raise UserError(f"model.dropout: expected 0 <= p < 1, got {args.dropout}")
     if args.diff_transformer:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from torch import nn
@@ -28,7 +29,7 @@ from torch import nn
 from mta_repro.errors import UserError
 from mta_repro.kernels.tuning import KernelTuning
 from mta_repro.mta.hf_layers import ATTENTION_CLASSES, CONFIG_KEY, MTAModel, insert_layers, saved_entry
-from mta_repro.mta.modeling_mta import mta_model_class
+from mta_repro.mta.modeling_mta import CONFIG_CLASSES, mta_config_class, mta_model_class
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -71,7 +72,23 @@ def apply_mta(
     )
     if not isinstance(model, MTAModel) and hasattr(model, "save_pretrained"):
         model.__class__ = mta_model_class(type(model))
+        # config.json's model_type becomes mta_<family>: no plain load builds it without MTA
+        model.config.__class__ = mta_config_class(type(model.config))
     return model
+
+
+def _saved_config(path):
+    """The folder's config: an MTA config class of ours (model_type ``mta_<family>``), or the
+    family's for a folder saved before converted configs had their own model_type."""
+    import transformers
+
+    from mta_repro.files import read_json
+
+    model_type = read_json(Path(path) / "config.json").get("model_type")
+    ours = {c.model_type: c for c in CONFIG_CLASSES.values()}
+    if model_type in ours:
+        return ours[model_type].from_pretrained(path)
+    return transformers.AutoConfig.from_pretrained(path)
 
 
 def load_mta_pretrained(path, **kwargs) -> nn.Module:
@@ -80,7 +97,7 @@ def load_mta_pretrained(path, **kwargs) -> nn.Module:
     its config.json. kwargs go to ``from_pretrained`` (torch_dtype, device_map, ...)."""
     import transformers
 
-    config = transformers.AutoConfig.from_pretrained(path)
+    config = _saved_config(path)
     if not getattr(config, CONFIG_KEY, None):
         raise UserError(
             f"load_mta_pretrained: {path}/config.json has no {CONFIG_KEY!r} entry: not a model saved "

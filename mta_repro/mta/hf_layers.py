@@ -377,7 +377,14 @@ class MTAModel(_Model):
     config that carries ``mta_repro`` (``from_pretrained``), it converts its layers."""
 
     def __init__(self, config, *args, **kwargs):
-        saved = saved_entry(config) if getattr(config, CONFIG_KEY, None) is not None else None  # before allocating
+        if getattr(config, CONFIG_KEY, None) is None:  # the class would be the family's model, MTA left out
+            folder = getattr(config, "_name_or_path", "") or ""
+            raise UserError(
+                f"{folder + '/' if folder else ''}config.json has no {CONFIG_KEY!r} entry: {type(self).__name__} "
+                "would load it without MTA (its MTA tensors left out); restore the entry save_pretrained wrote, "
+                "or load the base model with its own class and call apply_mta"
+            )
+        saved = saved_entry(config)  # before allocating
         super().__init__(config, *args, **kwargs)
         if saved and not any(isinstance(m, _MTAAttention) for m in self.modules()):
             insert_layers(self, saved["layers"], conv_layers=saved["conv_layers"], **saved["options"])

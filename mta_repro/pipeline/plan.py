@@ -23,6 +23,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
+from mta_repro.dataclass_config import seed_error
 from mta_repro.errors import UserError
 from mta_repro.pipeline.done import done, run_differs
 from mta_repro.pipeline.job import Job
@@ -120,8 +121,8 @@ def _seeds(node, where: str) -> list | None:
         raise UserError(f"{where}: expected a non-empty list of seeds (e.g. [0, 1, 2]) or null, got {node!r}")
     out = []
     for x in node:
-        if isinstance(x, bool) or not isinstance(x, int) or x < 0:
-            raise UserError(f"{where}: {x!r} is not a seed; expected non-negative integers, e.g. [0, 1, 2]")
+        if seed_error(x, where):
+            raise UserError(f"{where}: {x!r} is not a seed; expected integers 0 <= seed < 2**32, e.g. [0, 1, 2]")
         out.append(int(x))
     if len(set(out)) != len(out):
         raise UserError(f"{where}: {out} names a seed twice; each seed is one run")
@@ -454,6 +455,10 @@ class Plan:
                     ov.append(f"run_dir={run_dir}")
                     # a typo or a missing field fails here, before any job
                     cfg = c.train(ov)
+                    for key in ("seed", "model.seed", "data.seed"):  # before any job, as training would
+                        bad = seed_error(OmegaConf.select(cfg, key), key)
+                        if bad:
+                            raise UserError(f"{where}: {bad}")
                     # what the run is, in its config and provenance: the report reads it
                     ov += [f"run.stage={_kind(st, variant, cfg, where)}", f"run.variant={variant}"]
                     if st.get("sweep"):

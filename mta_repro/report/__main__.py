@@ -22,7 +22,7 @@ import json
 import sys
 from pathlib import Path
 
-from mta_repro.cli import honour_ctrl_c
+from mta_repro.cli import run_cli
 from mta_repro.errors import UserError
 from mta_repro.files import replace_atomically
 from mta_repro.report import plots
@@ -147,6 +147,61 @@ def build_report(run_dirs, out: Path, kernels: bool = True, labels: dict | None 
     return path
 
 
+def write_report(run_dirs, out: Path, kernels: bool = True, labels: dict | None = None, contrasts=()) -> Path:
+    """``build_report`` into a temporary folder beside ``out``, then its files moved into
+    ``out`` (each by a rename, with Ctrl-C held back until the last one is in place): a
+    report stopped or failed midway (Ctrl-C, a full disk) leaves the old report whole and
+    no new file beside it. A folder it cannot write is one line before any work."""
+    import errno
+    import os
+    import shutil
+    import signal
+    import threading
+
+    from mta_repro.errors import NoSpaceError
+    from mta_repro.files import caused_by_enospc, fsync_path, unwritable
+
+    out = Path(out)
+    found = unwritable(out)
+    if found:
+        raise UserError(
+            f"{found[0]} is not writable ({found[1]}); the report goes to {out}: make it writable, "
+            "or write it elsewhere with --out <dir>"
+        )
+    tmp = out.absolute().parent / f".{out.name}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    held: list = []
+    main_thread = threading.current_thread() is threading.main_thread()
+    old_handler = signal.getsignal(signal.SIGINT) if main_thread else None
+    try:
+        built = build_report(run_dirs, tmp, kernels=kernels, labels=labels, contrasts=contrasts)
+        if main_thread:  # the moves are quick: a Ctrl-C among them waits for the last
+            signal.signal(signal.SIGINT, lambda signum, frame: held.append(signum))
+        names = sorted(p.name for p in tmp.iterdir() if p.name != built.name) + [built.name]  # report.md last
+        out.mkdir(parents=True, exist_ok=True)
+        for name in names:
+            os.replace(tmp / name, out / name)
+        fsync_path(out)
+    except OSError as e:
+        if caused_by_enospc(e):
+            raise NoSpaceError(
+                f"no space left on device writing the report for {out}: the old report there is as it was; "
+                "free space and rerun"
+            ) from None
+        if e.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
+            raise UserError(
+                f"cannot write {e.filename or out}: {e.strerror}; write the report elsewhere with --out"
+            ) from None
+        raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if main_thread and old_handler is not None:
+            signal.signal(signal.SIGINT, old_handler)
+    if held:
+        raise KeyboardInterrupt
+    return out / built.name
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(
         prog="python -m mta_repro.report", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -170,18 +225,18 @@ def main(argv=None) -> int:
     )
     ap.add_argument("--no-kernels", action="store_true", help="skip loading weights for the kernel plots")
     args = ap.parse_args(argv)
-    honour_ctrl_c()
     out = Path(args.out) if args.out else Path(args.run_dirs[0]) / "report"
-    try:
-        path = build_report(
+
+    def go() -> int:
+        path = write_report(
             args.run_dirs, out, kernels=not args.no_kernels, labels=parse_labels(args.label), contrasts=args.contrast
         )
-    except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    print(path.read_text())
-    print(f"report: {path}")
-    return 0
+        print(path.read_text())
+        print(f"report: {path}")
+        return 0
+
+    # one line for a user error (rc 2) and for Ctrl-C ("report: interrupted", 130)
+    return run_cli("report", go)
 
 
 if __name__ == "__main__":

@@ -584,9 +584,10 @@ def _lm_eval_data(data) -> str:
 def add_provenance(table: Table, runs) -> None:
     """Fill ``table.provenance`` from its rows' eval JSONs and mark (``MARK`` after the run's
     name) every row not comparable with the rows beside it: another tokenizer, another
-    validation set (lm-eval tables: another lm-eval version) than most rows, or an
-    evaluation older than the run's newest checkpoint."""
-    from mta_repro.runs.provenance import short
+    validation set (lm-eval tables: another lm-eval version) or other code (version, commit,
+    modified; an unknown commit counts as its own) than most rows, or an evaluation older
+    than the run's newest checkpoint."""
+    from mta_repro.runs.provenance import code_key, code_label, short
 
     task = TABLE_TASK.get(table.name)
     by_label = {r.label: r for r in runs}
@@ -623,6 +624,8 @@ def add_provenance(table: Table, runs) -> None:
         }
     ref_tok, tied_tok = _majority([f["tok"] for f in facts.values()])
     ref_data, tied_data = _majority([f["data"] for f in facts.values()])
+    ref_code, tied_code = _majority([code_key(f["code"]) for f in facts.values()])
+    show_code = lambda k: code_label(dict(zip(("package", "commit", "dirty", "source"), k)))  # noqa: E731
     flagged = set()
     for label, f in facts.items():
         why = [
@@ -630,6 +633,7 @@ def add_provenance(table: Table, runs) -> None:
             for w in (
                 _off(f["tok"], ref_tok, tied_tok, "tokenizer", lambda t: short(t[1])),
                 _off(f["data"], ref_data, tied_data, "data", str),
+                _off(code_key(f["code"]), ref_code, tied_code, "code", show_code),
             )
             if w
         ]
@@ -639,7 +643,6 @@ def add_provenance(table: Table, runs) -> None:
         if why:
             flagged.add(label)
         step = "?" if f["step"] is None else f"{f['step']:,}"
-        commit = f["code"].get("commit")
         run = by_label[label]
         stage = STAGE_LABELS.get(run.stage, run.stage)
         table.provenance[label + (MARK if why else "")] = {
@@ -648,12 +651,7 @@ def add_provenance(table: Table, runs) -> None:
             "tokens seen": "—" if f["tokens"] is None else f"{f['tokens']:,}",
             "tokenizer": "—" if f["tok"] is None else f"{f['tok'][0]} {short(f['tok'][1])}",
             "data": f["data"] or "—",
-            "code": "—"
-            if not f["code"]
-            else (
-                f"{f['code'].get('package')} {short(commit, 9) if commit else ''}"
-                f"{' (modified)' if f['code'].get('dirty') else ''}"
-            ).strip(),
+            "code": code_label(f["code"]),
             "comparable": ("no: " + "; ".join(why))
             if why
             else ("yes" if f["tok"] is not None else "unknown (no provenance recorded)"),

@@ -80,14 +80,19 @@ def state_digest(state: Mapping[str, Any]) -> str:
 @functools.lru_cache(maxsize=1)
 def code_version() -> dict:
     """{"package": mta_repro's version, "commit": the git commit of its checkout (None
-    outside one), "dirty": whether tracked files differ from it}."""
+    outside one), "dirty": whether tracked files differ from it, "source": "checkout",
+    "wheel" (installed: no commit to ask) or "tree" (a source tree without git)}."""
     import mta_repro
     from mta_repro.resources import CLONE
 
-    out = {"package": mta_repro.__version__, "commit": None, "dirty": None}
+    out = {"package": mta_repro.__version__, "commit": None, "dirty": None, "source": "wheel"}
     repo = CLONE  # None from an installed wheel: no checkout to ask
-    if repo is None or not (repo / ".git").exists():
+    if repo is None:
         return out
+    out["source"] = "tree"
+    if not (repo / ".git").exists():
+        return out
+    out["source"] = "checkout"
     try:
         head = subprocess.run(["git", "-C", str(repo), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=30)
         if head.returncode == 0:
@@ -273,6 +278,37 @@ def rank_inputs(args, loader=None) -> dict:
     return found
 
 
+def code_label(code: Mapping | None) -> str:
+    """A run's code as the report shows it: the package version and the commit (its first 9
+    hex digits, "(modified)" if tracked files differed), or why there is no commit."""
+    if not code:
+        return "—"
+    commit = code.get("commit")
+    if commit:
+        return f"{code.get('package')} {short(commit, 9)}{' (modified)' if code.get('dirty') else ''}"
+    why = {"wheel": " (installed from a wheel)", "tree": " (a source tree without git)"}.get(
+        str(code.get("source")), ""
+    )
+    return f"{code.get('package')} commit unknown{why}"
+
+
+def code_key(code: Mapping | None) -> tuple | None:
+    """What makes two runs' code the same for the report's comparability: the version, the
+    commit (None: unknown) and whether the checkout was modified; None: nothing recorded."""
+    if not code:
+        return None
+    commit = code.get("commit")
+    return (code.get("package"), commit, bool(code.get("dirty")), None if commit else code.get("source"))
+
+
+def data_roots(every: list) -> list | None:
+    """Each rank's corpus root, by rank, from ``rank_inputs`` of every rank (None: no rank
+    had a loader that says). Ranks whose files have the same names and sizes are accepted
+    (their content is not hashed at start), so the record names where every rank read."""
+    roots = [((found or {}).get("data") or {}).get("root") for found in every]
+    return roots if any(r is not None for r in roots) else None
+
+
 def ranks_disagree(every: list) -> str | None:
     """The first rank whose ``rank_inputs`` differ from rank 0's, as one line naming it and
     both sha256 (None: every rank reads the same)."""
@@ -375,7 +411,16 @@ class RunRecord:
     """Rank 0's record of one start: the run's inputs, written to ``<run_dir>/provenance.json``
     (``begin``) and into every checkpoint (``checkpoint``)."""
 
-    def __init__(self, args, run_dir: Path, loader, init_from: dict | None, resumed: Path | None, new_accepted: list):
+    def __init__(
+        self,
+        args,
+        run_dir: Path,
+        loader,
+        init_from: dict | None,
+        resumed: Path | None,
+        new_accepted: list,
+        data_roots: list | None = None,
+    ):
         self.run_dir = Path(run_dir)
         self.resumed = resumed
         prior = read_record(resumed) if resumed is not None else None
@@ -391,6 +436,9 @@ class RunRecord:
         self.inputs = {
             "tokenizer": tokenizer_identity(args.data.tokenizer),
             "data": loader.inputs() if hasattr(loader, "inputs") else None,
+            # every rank's corpus root, by rank (data.root is rank 0's): ranks on other
+            # nodes may read other copies, checked by names and sizes only
+            "data_roots": data_roots,
             "init_from": init_from,
             "seeds": seed_streams(args, init_from),
             "code": code_version(),

@@ -195,11 +195,12 @@ def _every_rank(info: DistInfo, what: str, fn: Callable[[], Any], share: Callabl
 def _read_alike(args: TrainConfig, info: DistInfo, what: str, fn: Callable[[], Any]) -> Any:
     """``fn()`` on every rank (``_every_rank``), then what each rank reads (its tokenizer;
     its data listing once ``fn`` returned the loader) compared with rank 0's: a rank that
-    reads otherwise is refused on every rank. Returns this rank's ``fn()``."""
+    reads otherwise is refused on every rank. Returns this rank's ``fn()`` and what every
+    rank reads (``provenance.rank_inputs``, by rank)."""
     value, every = _every_rank(info, what, fn, lambda v: provenance.rank_inputs(args, v))
     if (line := provenance.ranks_disagree(every)) is not None:
         raise provenance.ProvenanceError(line)
-    return value
+    return value, every
 
 
 def _train(args: TrainConfig, info: DistInfo, lock: RunLock, preempt: PreemptionHandler) -> dict[str, Any]:
@@ -478,7 +479,9 @@ def build_state(
     # pipeline's continued loader reads checkpoint.init_from). Every rank opens its data
     # before any resumes (one that cannot is named on all) and their listings are compared.
     make = load_factory(args.trainer.loader)
-    loader = _read_alike(args, info, "opening its data", lambda: make(root_node.data, info.rank, info.world_size))
+    loader, every = _read_alike(
+        args, info, "opening its data", lambda: make(root_node.data, info.rank, info.world_size)
+    )
     check("opening the training data")
     state = TrainState(model, optimizer, scheduler, loader, rank=info.rank)
     resumed_from = None
@@ -489,7 +492,15 @@ def build_state(
             print(f"[mta_repro.train] resumed from {resumed_from} at step {state.step}", file=sys.stderr)
     accepted += _accepted_at_start(args, info, loader, state.step, config_changes)
     if info.is_main:
-        record = provenance.RunRecord(args, run_dir, loader, init_identity or None, resumed_from, accepted)
+        record = provenance.RunRecord(
+            args,
+            run_dir,
+            loader,
+            init_identity or None,
+            resumed_from,
+            accepted,
+            data_roots=provenance.data_roots(every),
+        )
         record.begin(state.step, info.world_size)
         commit_start(run_dir, args)  # accepted: config.yaml and .hydra/ say what it runs
         manager.provenance = record.checkpoint
