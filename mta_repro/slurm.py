@@ -47,7 +47,7 @@ def sbatch(script_path: Path, extra_args: Sequence[str] = ()) -> str:
     except FileNotFoundError:
         raise SubmitError(
             f"sbatch is not on PATH: --submit needs a SLURM submit host (the script is written to "
-            f"{script_path}; --dry-run prints it; scripts/slurm_local.sh starts a one-node cluster here)"
+            f"{script_path}; --dry-run prints it; scripts/slurm_local.sh starts a local cluster here)"
         ) from None
     except subprocess.TimeoutExpired:
         raise SubmitError(f"sbatch {script_path} did not answer within 120 s (is slurmctld up?)") from None
