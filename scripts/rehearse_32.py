@@ -15,7 +15,7 @@ half-size resume is compared with the full run's losses. Not run by CI (minutes,
 every rank's memory); its committed output is results/rehearsal_32/.
 
 Before it submits, it checks that the ranks fit in MemAvailable (--rank-mb each, measured
-here: about 450 MB a rank, torch and gloo included) with --margin-mb to spare, and refuses
+here: 555-575 MB a rank at its peak, torch and gloo included) with --margin-mb to spare, and refuses
 in one line, exit 2, naming the largest NODES x TASKS that does.
 """
 
@@ -150,8 +150,8 @@ def parse() -> argparse.Namespace:
     ap.add_argument("--tasks", type=int, default=8)
     ap.add_argument("--out", type=Path, default=ROOT / "results" / "rehearsal_32")
     ap.add_argument("--work", type=Path, default=Path("/tmp/mta_rehearsal"))
-    ap.add_argument("--rank-mb", type=int, default=450)
-    ap.add_argument("--margin-mb", type=int, default=2048)
+    ap.add_argument("--rank-mb", type=int, default=575)
+    ap.add_argument("--margin-mb", type=int, default=1024)
     return ap.parse_args()
 
 
