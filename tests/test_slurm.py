@@ -1,6 +1,6 @@
 """SLURM: the rendered scripts, the submit CLI's errors, and jobs on a real scheduler.
 
-The tests marked ``cluster`` run against the one-node cluster of
+The tests marked ``cluster`` run one-node jobs on the local cluster of
 ``scripts/slurm_local.sh start`` (.ci/run starts it), and only with MTA_TEST_SLURM=1
 (else skipped: a login node's sinfo answers for the site's cluster); then they FAIL when
 CI=true and no cluster answers, and are skipped otherwise. They use 2 CPU ranks (gloo) and the
@@ -141,7 +141,7 @@ def _logs(run_dir, job, ext):
 
 # Submitting from the suite needs this opt-in: without it a `make test` on a login node
 # would queue jobs on the site's cluster (whatever answers sinfo). .ci/run sets it for its
-# own one-node cluster.
+# own local cluster.
 OPT_IN = "MTA_TEST_SLURM"
 
 

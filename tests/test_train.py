@@ -17,7 +17,7 @@ from omegaconf import OmegaConf
 from mta_repro.train.args import CheckpointArgs, TrainerArgs
 from mta_repro.train.checkpoint import complete_checkpoints
 from mta_repro.train.config import compose, model_args_from
-from mta_repro.train.distributed import dist_env, first_slurm_host
+from mta_repro.train.distributed import dist_env
 from mta_repro.train.loop import _section
 from mta_repro.train.metrics import device_peak_flops, mfu, truncate_after
 from mta_repro.train.optim import OptimArgs, build_lr_scheduler, build_optimizer
@@ -108,10 +108,19 @@ def test_exclude_norms_and_1d_from_weight_decay():
 
 
 # ------------------------------------------------------------------ launch environment
-def test_first_slurm_host():
-    assert first_slurm_host("gpu[003-005,9],cpu1") == "gpu003"
-    assert first_slurm_host("node7") == "node7"
-    assert first_slurm_host("a[10],b[1-2]") == "a10"
+def test_nodelist_expanded_without_scontrol():
+    """The fallback for a launch without SLURM's tools, on the lists SLURM writes (checked
+    against scontrol itself in tests/test_slurm_multinode.py when a cluster is up)."""
+    from mta_repro.slurm import expand_nodelist
+
+    assert expand_nodelist("gpu-[001-004,010]") == ["gpu-001", "gpu-002", "gpu-003", "gpu-004", "gpu-010"]
+    assert expand_nodelist("a1,b[2-3]") == ["a1", "b2", "b3"]
+    assert expand_nodelist("node[1-2]-ib") == ["node1-ib", "node2-ib"]
+    assert expand_nodelist("gpu[003-005,9],cpu1") == ["gpu003", "gpu004", "gpu005", "gpu9", "cpu1"]
+    assert expand_nodelist("x[1-2]y[3-4]") == ["x1y3", "x1y4", "x2y3", "x2y4"]
+    assert expand_nodelist("node7") == ["node7"]
+    with pytest.raises(ValueError, match="is not N or N-M"):
+        expand_nodelist("a[x-2]")
 
 
 def test_dist_env_from_slurm_and_torchrun(monkeypatch):
@@ -131,10 +140,15 @@ def test_dist_env_from_slurm_and_torchrun(monkeypatch):
     monkeypatch.setenv("SLURM_PROCID", "11")
     monkeypatch.setenv("SLURM_NTASKS", "32")
     monkeypatch.setenv("SLURM_LOCALID", "3")
-    monkeypatch.setenv("SLURM_NODELIST", "h100-[017-020]")
+    monkeypatch.setenv("SLURM_JOB_NODELIST", "h100-[017-020]")
     monkeypatch.setenv("SLURM_JOB_ID", "123456")
+    # The first node as SLURM (or, without scontrol, the fallback) expands the list, at the
+    # address SLURM has for it (these names resolve nowhere: a stand-in answers).
+    import mta_repro.slurm
+
+    monkeypatch.setattr(mta_repro.slurm, "node_address", lambda name: f"addr({name})")
     assert dist_env() == (11, 32, 3, True)
-    assert os.environ["MASTER_ADDR"] == "h100-017"
+    assert os.environ["MASTER_ADDR"] == "addr(h100-017)"
     assert os.environ["MASTER_PORT"] == str(20000 + 123456 % 20000)
     # torchrun's variables win (torchrun inside an allocation).
     monkeypatch.setenv("RANK", "1")

@@ -457,6 +457,10 @@ class RunRecord:
                 "host": socket.gethostname(),
                 "pid": os.getpid(),
                 "world_size": world_size,
+                # The SLURM allocation this start ran on (None outside SLURM): which nodes
+                # a multi-node run's ranks were on, e.g. "n[1-2]" and 2.
+                "slurm_nodelist": os.environ.get("SLURM_JOB_NODELIST"),
+                "slurm_nodes": int(os.environ["SLURM_JOB_NUM_NODES"]) if "SLURM_JOB_NUM_NODES" in os.environ else None,
                 "run": self.run,
                 "inputs": self.inputs,
             }

@@ -265,8 +265,8 @@ SITE_FIELDS = ("partition", "account", "qos", "constraint")
 
 @dataclass
 class SlurmArgs:
-    """What ``python -m mta_repro.pipeline.submit`` renders into slurm/train.sbatch (and what
-    configs/hydra/launcher/slurm.yaml gives each submitit sweep job)."""
+    """What ``python -m mta_repro.pipeline.submit`` (and the engine, for every training job of a
+    plan or a ``-m`` sweep) renders into slurm/train.sbatch."""
 
     RUN_DIR: ClassVar[str] = "free"  # resources: nothing a run's numbers depend on
     nodes: int = 1

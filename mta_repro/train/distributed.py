@@ -16,7 +16,6 @@ from __future__ import annotations
 import datetime
 import logging
 import os
-import re
 import socket
 import threading
 import time
@@ -30,6 +29,7 @@ from torch import nn
 
 from mta_repro.device import launcher_env, resolve_device
 from mta_repro.errors import PeerFailedError, UserError
+from mta_repro.slurm import rendezvous_host
 from mta_repro.train.args import DistributedArgs
 
 log = logging.getLogger(__name__)
@@ -55,16 +55,6 @@ class DistInfo:
         return self.rank == 0
 
 
-def first_slurm_host(nodelist: str) -> str:
-    """First host of a SLURM nodelist: "gpu[003-005,9],cpu1" -> "gpu003"."""
-    first = re.split(r",(?![^\[]*\])", nodelist.strip())[0]
-    m = re.match(r"^([^\[]+)\[([^\]]+)\]", first)
-    if not m:
-        return first
-    prefix, ranges = m.groups()
-    return prefix + ranges.split(",")[0].split("-")[0]
-
-
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -74,8 +64,10 @@ def _free_port() -> int:
 def dist_env() -> tuple[int, int, int, bool]:
     """(rank, world_size, local_rank, slurm) as ``launcher_env`` reads them (a single local
     process without a launcher), with the rendezvous: sets MASTER_ADDR/MASTER_PORT when a
-    launcher did not (under srun: the first host of SLURM_NODELIST and a port every task
-    of the job derives alike)."""
+    launcher did not. Under srun they come from slurm/train.sbatch, which asks SLURM for the
+    first node and its address and probes the port on it; a bare ``srun`` gets the same
+    host here (``mta_repro.slurm.rendezvous_host``) and the port every task derives alike
+    from the job id (unprobed)."""
     env = os.environ
     found = launcher_env()
     if found is None:
@@ -88,7 +80,9 @@ def dist_env() -> tuple[int, int, int, bool]:
                 raise UserError("environment: RANK/WORLD_SIZE are set but MASTER_PORT is not")
             env["MASTER_PORT"] = str(_free_port())
     else:  # srun
-        env.setdefault("MASTER_ADDR", first_slurm_host(env.get("SLURM_NODELIST", "127.0.0.1")))
+        if "MASTER_ADDR" not in env:
+            nodelist = env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST")
+            env["MASTER_ADDR"] = rendezvous_host(nodelist) if nodelist else "127.0.0.1"
         env.setdefault("MASTER_PORT", str(20000 + int(env.get("SLURM_JOB_ID", "0")) % 20000))
     return rank, world, local, slurm
 
