@@ -245,3 +245,39 @@ def test_a_full_disk_during_eval_is_one_line_and_leaves_no_partial_result(disk, 
         "eval: error: no space left on device; files are written whole or not at all: free space and rerun"
     ], err[-3000:]
     assert not (run / "eval").exists() or not [p for p in (run / "eval").rglob("*") if p.is_file()]
+
+
+@pytest.mark.pipeline
+@pytest.mark.parametrize("existing", [False, True], ids=["new-run-dir", "existing-run-dir"])
+def test_a_full_disk_at_a_training_start_is_one_line_and_leaves_nothing(disk, existing):
+    """The start's record of its command (``.hydra.start-<pid>/``) is the first thing a
+    training start writes: on a full disk the command says so in one line (rc 2, no
+    traceback), and leaves neither a 0-byte staged record nor a new run dir; an existing run
+    dir keeps exactly its files."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    run = disk / "run"
+    if existing:
+        run.mkdir()
+        (run / "notes.txt").write_text("the user's\n")
+    before = _snapshot(disk)
+    _fill(disk)
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(root))
+    p = subprocess.run(
+        [sys.executable, "-m", "mta_repro.train", "experiment=debug", f"run_dir={run}", "trainer.steps=2"],
+        cwd=disk.parent,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert p.returncode == 2, p.stderr[-3000:]
+    _one_line(p.stderr, "train: error: no space left on device")
+    (disk / "filler").unlink()
+    assert _snapshot(disk) == before
+    assert run.exists() == existing
+    assert not existing or sorted(p.name for p in run.iterdir()) == ["notes.txt"]

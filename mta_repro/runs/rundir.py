@@ -98,11 +98,21 @@ def write_record(run_dir: Path, cfg: DictConfig, overrides, subdir: str | None =
         return
     staged = subdir == ".hydra"
     folder = Path(run_dir) / (f"{STAGED_HYDRA}{os.getpid()}" if staged else str(subdir))
-    folder.mkdir(parents=True, exist_ok=True)
-    task = OmegaConf.masked_copy(cfg, [str(k) for k in cfg if k != "hydra"])
-    OmegaConf.save(task, folder / "config.yaml")
-    OmegaConf.save(OmegaConf.create({"hydra": OmegaConf.select(cfg, "hydra")}), folder / "hydra.yaml")
-    OmegaConf.save(OmegaConf.create([str(o) for o in overrides]), folder / "overrides.yaml")
+    # What this call makes, so that a failed write (a full disk) leaves nothing behind: the
+    # folders it created, outermost first (the run dir itself on a first start).
+    made = [p for p in (folder, *folder.parents) if not p.exists()][::-1]
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        task = OmegaConf.masked_copy(cfg, [str(k) for k in cfg if k != "hydra"])
+        OmegaConf.save(task, folder / "config.yaml")
+        OmegaConf.save(OmegaConf.create({"hydra": OmegaConf.select(cfg, "hydra")}), folder / "hydra.yaml")
+        OmegaConf.save(OmegaConf.create([str(o) for o in overrides]), folder / "overrides.yaml")
+    except OSError:
+        if made:
+            shutil.rmtree(made[0], ignore_errors=True)
+        elif staged:
+            shutil.rmtree(folder, ignore_errors=True)
+        raise
     _RECORD[:] = [(folder, staged)]
 
 
