@@ -417,7 +417,7 @@ def test_a_malformed_mta_entry_in_config_json_is_one_line_before_the_model_is_bu
 
 
 def test_a_folder_without_its_mta_entry_loads_as_nothing_else(tmp_path):
-    """Issue 67: with config.json's mta_repro entry removed, trust_remote_code built the MTA
+    """With config.json's mta_repro entry removed, trust_remote_code built the MTA
     class with no MTA layers (its tensors "unexpected", logits off) and a plain
     AutoModelForCausalLM a Llama. Now the MTA class refuses a config without the entry in
     one line naming the file, load_mta_pretrained too, and a plain load (a fresh

@@ -1,4 +1,4 @@
-"""The fourth adversarial round (issue 67): numbers with no bound, a full disk, a read-only
+"""The fourth adversarial round: numbers with no bound, a full disk, a read-only
 run directory, Ctrl-C in the report and a run from a wheel. Each case as a user meets it:
 one line naming the field, file or limit, exit status 2, nothing written or changed."""
 
