@@ -30,7 +30,7 @@ from mta_repro.errors import UserError
         (["model.init_base_std=inf"], "model.init_base_std: expected a finite positive number or null, got inf"),
         (["data.shuffle_buffer=1000000000"], "data.shuffle_buffer=1,000,000,000 windows of data.seq_len+1="),
         # within the token bound, but more windows than the bundled corpus holds
-        (["data.shuffle_buffer=100000"], "data.shuffle_buffer=100,000 windows of data.seq_len+1=129 tokens"),
+        (["data.shuffle_buffer=5000000"], "data.shuffle_buffer=5,000,000 windows of data.seq_len+1=129 tokens"),
     ],
 )
 def test_numbers_with_no_bound_are_one_line_and_write_nothing(tmp_path, capsys, overrides, says):
@@ -49,17 +49,20 @@ def test_numbers_with_no_bound_are_one_line_and_write_nothing(tmp_path, capsys, 
 
 def test_the_shuffle_buffers_corpus_bound_names_the_largest_that_fits(tmp_path):
     """The line says how many windows the rank's share holds (counted here apart: bytes
-    plus BOS and EOS per document); that many is accepted, one more refused."""
+    plus BOS and EOS per document) and the largest buffer it takes (a fill of at most
+    MAX_FILL_CYCLES times the corpus); that many is accepted, one more refused."""
     from test_data import BYTES, domains_corpus
 
     from mta_repro.data.args import DataArgs
     from mta_repro.data.loader import build_train_loader
 
+    from mta_repro.data.loader import MAX_FILL_CYCLES
+
     docs = domains_corpus(tmp_path, {"a": (2, 40)})
     held = sum(len(d.encode()) + 2 for d in docs)
-    most = held // 17  # windows of data.seq_len + 1 = 17 tokens
+    most = MAX_FILL_CYCLES * held // 17  # windows of data.seq_len + 1 = 17 tokens
     base = dict(root_dir=str(tmp_path), layout="domains", sources={"a": 1}, tokenizer=BYTES, seq_len=16, batch_size=1)
-    with pytest.raises(UserError, match=rf"holds {held:,} tokens .* {most:,} windows; .* <= {most:,}$"):
+    with pytest.raises(UserError, match=rf"holds {held:,} tokens .* {held // 17:,} windows; .* <= {most:,}$"):
         build_train_loader(DataArgs(shuffle_buffer=most + 1, **base), 0, 1)
     assert next(build_train_loader(DataArgs(shuffle_buffer=most, **base), 0, 1))["input"].shape == (1, 16)
 

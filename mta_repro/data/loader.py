@@ -53,6 +53,11 @@ class _WorkerStopped(Exception):
     """The prefetch thread was asked to stop (``close``) while it read."""
 
 
+# A shuffle buffer whose fill would read the rank's share of the corpus more than this many
+# times is refused (a tiny corpus with the default buffer only warns: tests and demos do that).
+MAX_FILL_CYCLES = 100
+
+
 class TrainLoader:
     def __init__(self, args: DataArgs, rank: int = 0, world_size: int = 1) -> None:
         self.args = to_data_args(args)
@@ -116,8 +121,9 @@ class TrainLoader:
     def _check_split_holds_a_window(self) -> None:
         """Refuse, before any batch, a window (data.seq_len + 1 tokens) longer than this
         rank's share of the training split: it would hold every document more than once,
-        and the loader would cycle the corpus to fill it; so is a shuffle buffer holding
-        more windows than the share has. A first batch (the shuffle buffer's fill and one
+        and the loader would cycle the corpus to fill it; so is a shuffle buffer whose fill
+        would cycle the share more than ``MAX_FILL_CYCLES`` times (``data.shuffle_buffer=1e9``).
+        A first batch (the shuffle buffer's fill and one
         batch) that the share cannot hold is told in one warning.
         Counts only up to what the first batch needs: on a corpus that holds it, about
         one batch of reading."""
@@ -144,11 +150,12 @@ class TrainLoader:
                 f"data: one window of data.seq_len+1={n:,} tokens is longer than the corpus: {where}, so every "
                 "window would repeat each document. Lower data.seq_len, or point data.root_dir at a larger corpus"
             )
-        if k * n > total:  # the buffer alone holds every document more than once
+        if k * n > MAX_FILL_CYCLES * total:  # a typo, not a choice: the fill would read the corpus ~k*n/total times
             raise UserError(
-                f"data.shuffle_buffer={k:,} windows of data.seq_len+1={n:,} tokens ({k * n:,}) is larger than the "
-                f"corpus: {where}, {total // n:,} windows; its fill would cycle the corpus about "
-                f"{-(-k * n // total):,} times. Set data.shuffle_buffer <= {total // n:,}"
+                f"data.shuffle_buffer={k:,} windows of data.seq_len+1={n:,} tokens ({k * n:,}) is more than "
+                f"{MAX_FILL_CYCLES} times the corpus: {where}, {total // n:,} windows; its fill would cycle the "
+                f"corpus about {-(-k * n // total):,} times. Set data.shuffle_buffer <= "
+                f"{MAX_FILL_CYCLES * total // n:,}"
             )
         log.warning(
             "data: the first batch needs %s tokens (data.shuffle_buffer=%d + data.batch_size=%d windows of "
