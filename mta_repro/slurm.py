@@ -88,13 +88,13 @@ def _expand_one(pattern: str) -> list[str]:
         return [pattern]
     close = pattern.find("]", open_)
     if close < 0:
-        raise ValueError(f"node list {pattern!r}: '[' without ']'")
+        raise UserError(f"node list {pattern!r}: '[' without ']'")
     head, body, tail = pattern[:open_], pattern[open_ + 1 : close], pattern[close + 1 :]
     values: list[str] = []
     for part in body.split(","):
         lo, _, hi = part.partition("-")
         if not lo.isdigit() or (hi and not hi.isdigit()):
-            raise ValueError(f"node list {pattern!r}: range {part!r} is not N or N-M")
+            raise UserError(f"node list {pattern!r}: range {part!r} is not N or N-M")
         width = len(lo)  # "001-010": zero padded to the first bound's width, as SLURM does
         values.extend(str(v).zfill(width) for v in range(int(lo), int(hi or lo) + 1))
     return [head + v + rest for v in values for rest in _expand_one(tail)]

@@ -54,9 +54,7 @@ def test_the_shuffle_buffers_corpus_bound_names_the_largest_that_fits(tmp_path):
     from test_data import BYTES, domains_corpus
 
     from mta_repro.data.args import DataArgs
-    from mta_repro.data.loader import build_train_loader
-
-    from mta_repro.data.loader import MAX_FILL_CYCLES
+    from mta_repro.data.loader import MAX_FILL_CYCLES, build_train_loader
 
     docs = domains_corpus(tmp_path, {"a": (2, 40)})
     held = sum(len(d.encode()) + 2 for d in docs)

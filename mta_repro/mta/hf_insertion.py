@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Sequence
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 from torch import nn
@@ -82,9 +81,8 @@ def _saved_config(path):
     family's for a folder saved before converted configs had their own model_type."""
     import transformers
 
-    from mta_repro.files import read_json
-
-    model_type = read_json(Path(path) / "config.json").get("model_type")
+    # transformers' own reading of config.json (a local folder or a hub name), as from_pretrained's
+    model_type = transformers.PretrainedConfig.get_config_dict(path)[0].get("model_type")
     ours = {c.model_type: c for c in CONFIG_CLASSES.values()}
     if model_type in ours:
         return ours[model_type].from_pretrained(path)
