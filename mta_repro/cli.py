@@ -155,8 +155,7 @@ def run_cli(prog: str, fn: Callable[[], int]) -> int:
         return 128 + e.signum
     except user_errors() as e:
         for line in getattr(e, "lines", None) or [describe(e)]:  # several findings: one line each
-            # a message that names its command already ("report: ...") is not prefixed twice
-            print(f"{prog}: error: {line.removeprefix(f'{prog}: ')}", file=sys.stderr)
+            print(f"{prog}: error: {line}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         if show_tracebacks():
