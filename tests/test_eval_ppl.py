@@ -259,7 +259,7 @@ def test_progress_when_the_data_ends_before_the_limit_says_finished():
     [
         ("ppl.window_sampling=firsts", "eval.ppl.window_sampling: expected 'random' or 'first', got 'firsts'"),
         ("ppl.window_seed=-2", "eval.ppl.window_seed: expected a non-negative integer, got -2"),
-        ("needle.seed=-1", "eval.needle.seed: expected a non-negative integer or null (the run's seed), got -1"),
+        ("needle.seed=-1", "eval.needle.seed=-1: expected a seed, an integer with 0 <= seed < 2**32 (4,294,967,296)"),
     ],
 )
 def test_bad_seed_or_sampling_on_the_command_line_exits_2_writing_nothing(tmp_path, override, message):
